@@ -1,0 +1,65 @@
+"""Causal depthwise conv1d over a packed row, with the conv window reset at every segment.
+
+Legend: T = tokens in the row, C = channels, W = kernel width.
+
+Backends share one signature: ``fn(x_TC, weight_CW, packed) -> y_TC`` with SiLU applied.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from model_runtime.packing import PackedBatch
+
+
+def _check(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: PackedBatch) -> None:
+    if x_TC.dim() != 2:
+        raise ValueError(f"conv1d expects x of shape [T, C], got {tuple(x_TC.shape)}")
+    if weight_CW.dim() != 2 or weight_CW.shape[0] != x_TC.shape[1]:
+        raise ValueError(f"conv1d weight must be [C={x_TC.shape[1]}, W], got {tuple(weight_CW.shape)}")
+    if x_TC.shape[0] != packed.total_tokens:
+        raise ValueError(f"x has {x_TC.shape[0]} tokens but the packed row has {packed.total_tokens}")
+
+
+def causal_conv1d_reference(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+    """Exact reference: one zero-padded convolution per segment, in the weight's dtype."""
+    _check(x_TC, weight_CW, packed)
+    width = weight_CW.shape[1]
+    out = []
+    for start, end in packed.segments():
+        seg_1CT = x_TC[start:end].t().unsqueeze(0).to(weight_CW.dtype)
+        y_1CT = F.conv1d(seg_1CT, weight_CW.unsqueeze(1), padding=width - 1, groups=weight_CW.shape[0])
+        out.append(F.silu(y_1CT[0, :, : end - start]).t())
+    return torch.cat(out, dim=0).to(x_TC.dtype)
+
+
+def causal_conv1d_fla(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+    """fla's Triton varlen conv: the window restarts at every ``cu_seqlens`` boundary."""
+    _check(x_TC, weight_CW, packed)
+    from fla.modules.convolution import causal_conv1d
+
+    y = causal_conv1d(
+        x=x_TC.unsqueeze(0),
+        weight=weight_CW,
+        bias=None,
+        activation="silu",
+        cu_seqlens=packed.cu_seqlens,
+    )
+    y = y[0] if isinstance(y, tuple) else y
+    return y[0]
+
+
+def causal_conv1d_tridao(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+    """The ``causal_conv1d`` CUDA package; ``seq_idx`` tells it where every segment starts."""
+    _check(x_TC, weight_CW, packed)
+    from causal_conv1d import causal_conv1d_fn
+
+    seq_idx_1T = torch.repeat_interleave(
+        torch.arange(packed.num_segments, device=x_TC.device, dtype=torch.int32),
+        torch.tensor(packed.lengths, device=x_TC.device),
+    ).unsqueeze(0)
+    # The kernel wants channels-last memory for seq_idx: [1, C, T] viewed from a [1, T, C] tensor.
+    x_1CT = x_TC.unsqueeze(0).transpose(1, 2)
+    y_1CT = causal_conv1d_fn(x_1CT, weight_CW, None, seq_idx=seq_idx_1T, activation="silu")
+    return y_1CT[0].t()

@@ -1,0 +1,99 @@
+"""Gated delta rule over a packed row, with the recurrent state reset at every segment.
+
+Legend: T = tokens, Hk = key heads, Hv = value heads, K = key dim, V = value dim.
+
+Backends share one signature:
+``fn(q_THK, k_THK, v_THV, g_TH, beta_TH, packed) -> o_THV``
+where q and k are l2-normalised inside the kernel, q is scaled by ``K ** -0.5``, ``g`` is the
+log-decay (float32, <= 0) and ``beta`` the write strength. When ``Hv > Hk`` every key head
+serves ``Hv // Hk`` consecutive value heads (``repeat_interleave``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model_runtime.packing import PackedBatch
+
+
+def _check(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: PackedBatch) -> None:
+    T, Hk, K = q_THK.shape
+    if k_THK.shape != q_THK.shape:
+        raise ValueError(f"q and k must share a shape, got {tuple(q_THK.shape)} and {tuple(k_THK.shape)}")
+    if v_THV.shape[0] != T or g_TH.shape != v_THV.shape[:2] or beta_TH.shape != v_THV.shape[:2]:
+        raise ValueError(
+            f"v [T, Hv, V], g and beta [T, Hv] must match T={T}: got v {tuple(v_THV.shape)}, "
+            f"g {tuple(g_TH.shape)}, beta {tuple(beta_TH.shape)}"
+        )
+    if v_THV.shape[1] % Hk:
+        raise ValueError(f"value heads ({v_THV.shape[1]}) must be a multiple of key heads ({Hk})")
+    if T != packed.total_tokens:
+        raise ValueError(f"inputs have {T} tokens but the packed row has {packed.total_tokens}")
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gated_delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: PackedBatch) -> torch.Tensor:
+    """Exact float32 reference: the token-by-token recurrence, one segment at a time.
+
+    For each token: ``S <- exp(g) S``; ``S <- S + k (beta (v - k^T S))^T``; ``o = q^T S``, with
+    ``S`` of shape ``[Hv, K, V]`` starting from zeros in every segment.
+    """
+    _check(q_THK, k_THK, v_THV, g_TH, beta_TH, packed)
+    out_dtype = v_THV.dtype
+    group = v_THV.shape[1] // q_THK.shape[1]
+    q = _l2norm(q_THK.float().repeat_interleave(group, dim=1)) * q_THK.shape[-1] ** -0.5
+    k = _l2norm(k_THK.float().repeat_interleave(group, dim=1))
+    v, decay, beta = v_THV.float(), g_TH.float().exp(), beta_TH.float()
+    o = torch.empty_like(v)
+    Hv, K, V = v.shape[1], k.shape[-1], v.shape[-1]
+    for start, end in packed.segments():
+        state_HKV = v.new_zeros(Hv, K, V)
+        for t in range(start, end):
+            state_HKV = state_HKV * decay[t, :, None, None]
+            predicted_HV = torch.einsum("hk,hkv->hv", k[t], state_HKV)
+            delta_HV = (v[t] - predicted_HV) * beta[t, :, None]
+            state_HKV = state_HKV + k[t, :, :, None] * delta_HV[:, None, :]
+            o[t] = torch.einsum("hk,hkv->hv", q[t], state_HKV)
+    return o.to(out_dtype)
+
+
+def gated_delta_rule_fla(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: PackedBatch) -> torch.Tensor:
+    """fla's chunked Triton kernel in varlen mode (state restarts at every ``cu_seqlens`` entry)."""
+    _check(q_THK, k_THK, v_THV, g_TH, beta_TH, packed)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    group = v_THV.shape[1] // q_THK.shape[1]
+    if group > 1 and not _fla_supports_gva():
+        q_THK = q_THK.repeat_interleave(group, dim=1)
+        k_THK = k_THK.repeat_interleave(group, dim=1)
+    o, _ = chunk_gated_delta_rule(
+        q_THK.unsqueeze(0),
+        k_THK.unsqueeze(0),
+        v_THV.unsqueeze(0),
+        g=g_TH.float().unsqueeze(0),
+        beta=beta_TH.unsqueeze(0),
+        scale=q_THK.shape[-1] ** -0.5,
+        initial_state=None,
+        output_final_state=False,
+        cu_seqlens=packed.cu_seqlens.long(),
+        use_qk_l2norm_in_kernel=True,
+    )
+    return o[0]
+
+
+_GVA: bool | None = None
+
+
+def _fla_supports_gva() -> bool:
+    """Whether the installed fla accepts more value heads than key heads (checked once)."""
+    global _GVA
+    if _GVA is None:
+        import inspect
+
+        from fla.ops.gated_delta_rule import chunk as chunk_module
+
+        _GVA = "HV" in inspect.getsource(chunk_module)
+    return _GVA

@@ -1,0 +1,174 @@
+"""Loading: a local Hugging Face checkpoint directory or a preset, patched for packed inputs."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from model_runtime.architectures import UnsupportedModelError, architecture_for
+from model_runtime.kernels import KernelBackends, select_backends
+from model_runtime.model import PackedCausalLM, PatchReport, patch_for_packing
+from model_runtime.presets import PRESETS, build_config
+
+log = logging.getLogger(__name__)
+
+MOE_ARCHITECTURES = ("qwen3_5_moe", "qwen3_next")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A packed model ready to score, with what /v1/models reports about it."""
+
+    model: PackedCausalLM
+    name: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+    weights_version: str
+    backends: KernelBackends
+    patch_report: PatchReport
+    source: str  # the checkpoint path or "preset:<name>"
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """float32 on CPU and bfloat16 on CUDA unless asked otherwise."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)} or 'auto'")
+    return DTYPES[dtype]
+
+
+def load_model(
+    spec: str = "tiny",
+    *,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    allow_slow_kernels: bool = False,
+    kernel_overrides: dict[str, str] | None = None,
+    served_name: str | None = None,
+    moe_implementation: str | None = None,
+) -> LoadedModel:
+    """Loads ``spec`` (a preset name or a checkpoint directory) and patches it for packing.
+
+    ``moe_implementation`` picks how Hugging Face runs MoE experts: ``grouped_mm`` (one grouped
+    matrix product over all experts, the default) or ``eager`` (a Python loop over experts).
+    """
+    device = torch.device(device) if device is not None else default_device()
+    torch_dtype = resolve_dtype(dtype, device)
+    backends = select_backends(device, allow_slow=allow_slow_kernels, overrides=kernel_overrides)
+    started = time.perf_counter()
+    if spec in PRESETS:
+        hf_kwargs = _hf_kwargs(PRESETS[spec].model_type, moe_implementation)
+        hf_model, model_type, version, name = _build_preset(spec, torch_dtype, device, hf_kwargs)
+        source = f"preset:{spec}"
+    else:
+        path = Path(spec)
+        model_type = _check_checkpoint(path)
+        hf_kwargs = _hf_kwargs(model_type, moe_implementation)
+        hf_model = _load_checkpoint(path, torch_dtype, device, hf_kwargs)
+        version, name, source = checkpoint_version(path), path.name, str(path)
+    architecture = architecture_for(model_type)
+    model, report = patch_for_packing(hf_model, architecture, backends)
+    model.eval().requires_grad_(False)
+    cfg = model.config
+    loaded = LoadedModel(
+        model=model,
+        name=served_name or name,
+        architecture=architecture.name,
+        vocab_size=model.vocab_size,
+        max_model_len=int(getattr(cfg, "max_position_embeddings", 0) or 0),
+        dtype=torch_dtype,
+        device=device,
+        weights_version=version,
+        backends=backends,
+        patch_report=report,
+        source=source,
+    )
+    log.info(
+        "loaded %s (%s, %s on %s) in %.1fs: %s; kernels %s",
+        loaded.name, loaded.architecture, loaded.dtype_name, device, time.perf_counter() - started, report, backends.names,
+    )
+    return loaded
+
+
+def _hf_kwargs(model_type: str, moe_implementation: str | None) -> dict:
+    if architecture_for(model_type).name in MOE_ARCHITECTURES:
+        return {"experts_implementation": moe_implementation or "grouped_mm"}
+    return {}
+
+
+def _build_preset(name: str, dtype: torch.dtype, device: torch.device, hf_kwargs: dict):
+    from transformers import AutoModelForCausalLM
+
+    preset = PRESETS[name]
+    config = build_config(preset)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(preset.seed)
+        # Weights are drawn on the CPU for the tiny preset (bitwise the same everywhere) and on
+        # the target device for the large shapes (seconds instead of minutes).
+        build_device = torch.device("cpu") if name == "tiny" else device
+        with torch.device(build_device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, **hf_kwargs)
+    model = model.to(device)
+    return model, preset.model_type, f"preset:{name}#seed{preset.seed}", name
+
+
+def _check_checkpoint(path: Path) -> str:
+    if not path.is_dir():
+        known = ", ".join(sorted(PRESETS))
+        raise FileNotFoundError(f"--model {str(path)!r} is neither a checkpoint directory nor a preset ({known})")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise UnsupportedModelError(f"{path} has no config.json; expected a Hugging Face checkpoint directory")
+    if not any(path.glob("*.safetensors")):
+        raise UnsupportedModelError(f"{path} has no *.safetensors weights; packscore loads safetensors only")
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    architecture_for(model_type)  # raises with the list of supported types
+    return model_type
+
+
+def _load_checkpoint(path: Path, dtype: torch.dtype, device: torch.device, hf_kwargs: dict):
+    from transformers import AutoModelForCausalLM
+
+    # For qwen3_5 / qwen3_5_moe multimodal checkpoints the CausalLM class takes the text part
+    # only: the vision tower's weights are skipped and never allocated.
+    kwargs = dict(hf_kwargs)
+    if device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
+        kwargs["device_map"] = str(device)  # stream shards straight to the GPU
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, **kwargs)
+    return model.to(device)
+
+
+def checkpoint_version(path: Path) -> str:
+    """``<newest weight mtime, UTC>#<hash of weight names, sizes and mtimes>``: changes on any rewrite."""
+    files = sorted(path.glob("*.safetensors"))
+    digest = hashlib.sha256()
+    newest = 0.0
+    for f in files:
+        st = f.stat()
+        newest = max(newest, st.st_mtime)
+        digest.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    stamp = datetime.fromtimestamp(newest, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return f"{stamp}#{digest.hexdigest()[:6]}"

@@ -1,0 +1,126 @@
+"""The packed causal LM: Hugging Face weights and blocks, driven over one THD row.
+
+Legend: T = tokens in the (local) row, D = hidden size, V = vocabulary.
+
+``patch_for_packing`` is the one place where Hugging Face submodules are swapped. It replaces
+every token mixer and then checks that no attention or delta-rule module of the original
+classes is left anywhere in the model.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from model_runtime.architectures import LAYER_KINDS, Architecture
+from model_runtime.kernels import KernelBackends
+from model_runtime.layers import PackedAttention, PackedGatedDeltaNet
+from model_runtime.packing import PackedBatch
+
+
+class PatchError(RuntimeError):
+    """A layer of the loaded model was not switched to its packed implementation."""
+
+
+@dataclass(frozen=True)
+class PatchReport:
+    linear_attention: int
+    full_attention: int
+
+    def __str__(self) -> str:
+        return f"{self.linear_attention} linear-attention and {self.full_attention} full-attention layers packed"
+
+
+class PackedCausalLM(nn.Module):
+    """Decoder stack of a Qwen3.5-family model whose forward takes a packed row.
+
+    Built by ``patch_for_packing``; holds the original embedding, decoder layers, final norm,
+    rotary embedding and LM head (the head is applied by ``model_runtime.head``, in chunks).
+    """
+
+    def __init__(self, hf_causal_lm: nn.Module, architecture: Architecture):
+        super().__init__()
+        inner = hf_causal_lm.model
+        self.architecture = architecture
+        self.config = hf_causal_lm.config
+        self.embed_tokens = inner.embed_tokens
+        self.layers = inner.layers
+        self.norm = inner.norm
+        self.rotary_emb = inner.rotary_emb
+        self.lm_head = hf_causal_lm.lm_head
+        self.layer_types = tuple(self.config.layer_types)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    def forward(self, input_ids_T: torch.Tensor, packed: PackedBatch, sp=None) -> torch.Tensor:
+        """Final-norm hidden states ``[T, D]`` of the (local shard of the) packed row."""
+        x_TD = self.embed_tokens(input_ids_T)
+        positions_T = packed.position_ids if sp is None else sp.local_tokens(packed.position_ids)
+        cos, sin = self.rotary_emb(x_TD.unsqueeze(0), positions_T.unsqueeze(0))
+        rope = (cos[0], sin[0])
+        for layer, kind in zip(self.layers, self.layer_types):
+            x_TD = x_TD + self._mix(layer, kind, layer.input_layernorm(x_TD), packed, rope, sp)
+            x_TD = x_TD + _mlp(layer.mlp, layer.post_attention_layernorm(x_TD))
+        return self.norm(x_TD)
+
+    @staticmethod
+    def _mix(layer, kind, h_TD, packed, rope, sp):
+        if kind == "linear_attention":
+            return layer.linear_attn(h_TD, packed, sp)
+        return layer.self_attn(h_TD, packed, rope, sp)
+
+
+def _mlp(mlp: nn.Module, h_TD: torch.Tensor) -> torch.Tensor:
+    # Hugging Face's sparse MoE blocks read [batch, seq, dim]; some versions also return router logits.
+    out = mlp(h_TD.unsqueeze(0))
+    if isinstance(out, tuple):
+        out = out[0]
+    return out.reshape(h_TD.shape)
+
+
+_MIXER_NAME = re.compile(r"(Attention|GatedDeltaNet)$")
+
+
+def patch_for_packing(hf_causal_lm: nn.Module, architecture: Architecture, backends: KernelBackends):
+    """Switches every token mixer to its packed implementation; returns ``(model, report)``.
+
+    Raises ``PatchError`` for a layer kind it does not know, a mixer of an unexpected class, or
+    any attention/delta-rule module still unswitched afterwards.
+    """
+    model = PackedCausalLM(hf_causal_lm, architecture)
+    counts = {kind: 0 for kind in LAYER_KINDS}
+    if len(model.layer_types) != len(model.layers):
+        raise PatchError(f"config lists {len(model.layer_types)} layer types for {len(model.layers)} layers")
+    for i, (layer, kind) in enumerate(zip(model.layers, model.layer_types)):
+        if kind == "linear_attention":
+            source = getattr(layer, "linear_attn", None)
+            _expect(i, kind, source, architecture.gdn_classes)
+            layer.linear_attn = PackedGatedDeltaNet(
+                source, backends, fused_projections=architecture.fused_gdn_projections
+            )
+        elif kind == "full_attention":
+            source = getattr(layer, "self_attn", None)
+            _expect(i, kind, source, architecture.attention_classes)
+            layer.self_attn = PackedAttention(source, backends)
+        else:
+            raise PatchError(f"layer {i} is of kind {kind!r}; packscore knows {list(LAYER_KINDS)}")
+        counts[kind] += 1
+    left = [
+        f"{name} ({type(module).__name__})"
+        for name, module in model.named_modules()
+        if _MIXER_NAME.search(type(module).__name__) and not isinstance(module, (PackedAttention, PackedGatedDeltaNet))
+    ]
+    if left:
+        raise PatchError(f"{len(left)} token mixers were not switched to packed implementations: {', '.join(left)}")
+    return model, PatchReport(counts["linear_attention"], counts["full_attention"])
+
+
+def _expect(index: int, kind: str, module: nn.Module | None, known: frozenset[str]) -> None:
+    name = type(module).__name__ if module is not None else "nothing"
+    if name not in known:
+        raise PatchError(f"layer {index} ({kind}) holds {name}; expected one of {sorted(known)}")

@@ -1,0 +1,123 @@
+"""Packing: many sequences in one THD row, and the metadata every packed forward receives.
+
+Legend: T = tokens in the packed row, N = sequences (segments) in the row.
+
+A row is a flat token dimension; ``cu_seqlens`` marks where each segment starts. Boundaries
+come from request lengths only (never from position ids or token values) and travel as the
+``PackedBatch`` argument of every forward: nothing is left on modules between forwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Boundaries of one packed row; immutable, built once per forward.
+
+    Attributes:
+        lengths: length of every segment, in row order.
+        cu_seqlens: int32 ``[N + 1]`` cumulative lengths on the compute device.
+        cu_seqlens_host: the same offsets as a Python tuple (no device sync to read them).
+        max_seqlen: length of the longest segment.
+        position_ids: int64 ``[T]`` positions that restart at 0 in every segment.
+        padding_segments: indices of segments that only align the row (never scored).
+
+    Example:
+        >>> p = PackedBatch.from_lengths([3, 2])
+        >>> p.cu_seqlens_host, p.position_ids.tolist()
+        ((0, 3, 5), [0, 1, 2, 0, 1])
+    """
+
+    lengths: tuple[int, ...]
+    cu_seqlens: torch.Tensor
+    cu_seqlens_host: tuple[int, ...]
+    max_seqlen: int
+    position_ids: torch.Tensor
+    padding_segments: tuple[int, ...] = field(default=())
+
+    @staticmethod
+    def from_lengths(
+        lengths: Sequence[int],
+        device: torch.device | str = "cpu",
+        padding_segments: Sequence[int] = (),
+    ) -> "PackedBatch":
+        lengths = tuple(int(n) for n in lengths)
+        if not lengths:
+            raise ValueError("a packed row needs at least one segment, got none")
+        bad = [n for n in lengths if n < 1]
+        if bad:
+            raise ValueError(f"every segment needs at least one token, got lengths {bad}")
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        # FLA caches index helpers by tensor identity: a fresh tensor per forward keeps every
+        # forward on the path that matches its own boundaries.
+        cu_seqlens = torch.tensor(offsets, dtype=torch.int32, device=device)
+        position_ids = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths]).to(device)
+        return PackedBatch(
+            lengths=lengths,
+            cu_seqlens=cu_seqlens,
+            cu_seqlens_host=tuple(offsets),
+            max_seqlen=max(lengths),
+            position_ids=position_ids,
+            padding_segments=tuple(padding_segments),
+        )
+
+    @property
+    def total_tokens(self) -> int:
+        return self.cu_seqlens_host[-1]
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.lengths)
+
+    def segments(self):
+        """Yields ``(start, end)`` of every segment."""
+        for i in range(len(self.lengths)):
+            yield self.cu_seqlens_host[i], self.cu_seqlens_host[i + 1]
+
+    def padded_to_multiple(self, multiple: int) -> tuple["PackedBatch", int]:
+        """The same row with a trailing padding segment so that ``T % multiple == 0``.
+
+        Returns the new batch and the number of padding tokens added (0 leaves it unchanged).
+        """
+        pad = (-self.total_tokens) % multiple
+        if pad == 0:
+            return self, 0
+        return (
+            PackedBatch.from_lengths(
+                self.lengths + (pad,),
+                device=self.cu_seqlens.device,
+                padding_segments=self.padding_segments + (len(self.lengths),),
+            ),
+            pad,
+        )
+
+
+def pack_first_fit_decreasing(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Places sequences into rows of at most ``budget`` tokens, first-fit decreasing.
+
+    Returns, for every row, the indices of the sequences it holds (longest first). A sequence
+    longer than the budget gets a row of its own: the caller decides whether it may run.
+    """
+    if budget < 1:
+        raise ValueError(f"token budget must be >= 1, got {budget}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = lengths[i]
+        for r, free in enumerate(room):
+            if n <= free:
+                rows[r].append(i)
+                room[r] -= n
+                break
+        else:
+            rows.append([i])
+            room.append(budget - n)
+    return rows

@@ -1,0 +1,152 @@
+"""In-process scorer: sequences plus options in, per-sequence numpy arrays out.
+
+The HTTP service and the offline CLI both call ``Scorer.score``. One call packs its sequences
+into rows of at most ``max_batch_tokens`` tokens (first-fit decreasing) and runs one packed
+forward per row; a sequence's numbers never depend on which others share its row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from model_runtime.head import MAX_TOP_K, chunk_tokens_for_budget, score_positions
+from model_runtime.loading import LoadedModel
+from model_runtime.packing import PackedBatch, pack_first_fit_decreasing
+
+
+@dataclass(frozen=True)
+class SequenceInput:
+    """One sequence to score; options are per sequence because a row may mix requests."""
+
+    input_ids: np.ndarray  # int [L], the prompt and the response
+    score_from: int = 1  # first position whose log-probability is returned
+    temperature: float = 1.0
+    top_k: int = 0
+    return_entropy: bool = True
+
+    @property
+    def length(self) -> int:
+        return int(len(self.input_ids))
+
+    @property
+    def num_scored(self) -> int:
+        return self.length - self.score_from
+
+
+@dataclass
+class SequenceScores:
+    logprobs: np.ndarray  # float32 [n_scored]
+    entropy: np.ndarray | None  # float32 [n_scored], when asked for
+    top_k_ids: np.ndarray | None  # int32 [n_scored, k], when top_k > 0
+    top_k_logprobs: np.ndarray | None  # float32 [n_scored, k]
+
+
+class InvalidSequenceError(ValueError):
+    """A sequence the model cannot score; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def validate_sequence(seq: SequenceInput, vocab_size: int, index: int = 0) -> None:
+    p = f"sequences[{index}]"
+    ids = np.asarray(seq.input_ids)
+    if ids.ndim != 1 or ids.size == 0:
+        raise InvalidSequenceError("input_ids must be a non-empty list of token ids", f"{p}.input_ids")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise InvalidSequenceError("input_ids must hold integers", f"{p}.input_ids")
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if bad.size:
+        j = int(bad[0])
+        raise InvalidSequenceError(
+            f"token id {int(ids[j])} is outside the vocabulary [0, {vocab_size})", f"{p}.input_ids[{j}]"
+        )
+    if not 1 <= seq.score_from <= ids.size:
+        raise InvalidSequenceError(f"score_from must be in [1, {ids.size}], got {seq.score_from}", f"{p}.score_from")
+    if not (np.isfinite(seq.temperature) and seq.temperature > 0):
+        raise InvalidSequenceError(f"temperature must be finite and > 0, got {seq.temperature}", "temperature")
+    if not 0 <= seq.top_k <= MAX_TOP_K:
+        raise InvalidSequenceError(f"top_k must be in [0, {MAX_TOP_K}], got {seq.top_k}", "top_k")
+
+
+class Scorer:
+    """Scores sequences with a loaded packed model on its device.
+
+    Example:
+        >>> scorer = Scorer(load_model("tiny"))
+        >>> out = scorer.score([SequenceInput(np.array([1, 2, 3, 4]), score_from=2)])
+        >>> out[0].logprobs.shape
+        (2,)
+    """
+
+    def __init__(self, loaded: LoadedModel, *, max_batch_tokens: int = 16384, head_budget_bytes: int | None = None):
+        self.loaded = loaded
+        self.max_batch_tokens = int(max_batch_tokens)
+        if head_budget_bytes is None:
+            head_budget_bytes = 1 << 30 if loaded.device.type == "cuda" else 256 << 20
+        self.head_chunk_tokens = chunk_tokens_for_budget(loaded.vocab_size, head_budget_bytes)
+
+    def score(self, sequences: Sequence[SequenceInput]) -> list[SequenceScores]:
+        """Scores any number of sequences; results come back in input order."""
+        for i, seq in enumerate(sequences):
+            validate_sequence(seq, self.loaded.vocab_size, i)
+        results: list[SequenceScores | None] = [None] * len(sequences)
+        rows = pack_first_fit_decreasing([s.length for s in sequences], self.max_batch_tokens)
+        for row in rows:
+            for i, scores in zip(row, self.score_row([sequences[i] for i in row], validated=True)):
+                results[i] = scores
+        return results  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def score_row(self, sequences: Sequence[SequenceInput], *, validated: bool = False) -> list[SequenceScores]:
+        """Scores ``sequences`` in exactly one packed forward, whatever their total length."""
+        if not validated:
+            for i, seq in enumerate(sequences):
+                validate_sequence(seq, self.loaded.vocab_size, i)
+        device = self.loaded.device
+        packed = PackedBatch.from_lengths([s.length for s in sequences], device=device)
+        ids_T = torch.from_numpy(np.concatenate([np.asarray(s.input_ids, dtype=np.int64) for s in sequences]))
+        hidden_TD = self.loaded.model(ids_T.to(device), packed)
+        # Position t - 1 predicts token t, for t in score_from .. L - 1 of every sequence.
+        positions, targets, temps = [], [], []
+        for seq, start in zip(sequences, packed.cu_seqlens_host):
+            positions.append(np.arange(start + seq.score_from - 1, start + seq.length - 1))
+            targets.append(np.asarray(seq.input_ids[seq.score_from :], dtype=np.int64))
+            temps.append(np.full(seq.num_scored, seq.temperature, dtype=np.float32))
+        pos_N = torch.from_numpy(np.concatenate(positions)).to(device)
+        top_k = max(s.top_k for s in sequences)
+        head = score_positions(
+            hidden_TD.index_select(0, pos_N),
+            self.loaded.model.lm_head.weight,
+            torch.from_numpy(np.concatenate(targets)),
+            torch.from_numpy(np.concatenate(temps)),
+            top_k=top_k,
+            chunk_tokens=self.head_chunk_tokens,
+        )
+        return _split(sequences, head, top_k)
+
+
+def _split(sequences, head, top_k) -> list[SequenceScores]:
+    logp = head.logprobs_N.cpu().numpy()
+    ent = head.entropy_N.cpu().numpy()
+    ids = head.top_k_ids_NK.to(torch.int32).cpu().numpy() if top_k else None
+    top_logp = head.top_k_logprobs_NK.cpu().numpy() if top_k else None
+    out, offset = [], 0
+    for seq in sequences:
+        n, k = seq.num_scored, seq.top_k
+        window = slice(offset, offset + n)
+        out.append(
+            SequenceScores(
+                logprobs=logp[window].copy(),
+                entropy=ent[window].copy() if seq.return_entropy else None,
+                top_k_ids=ids[window, :k].copy() if k else None,
+                top_k_logprobs=top_logp[window, :k].copy() if k else None,
+            )
+        )
+        offset += n
+    return out

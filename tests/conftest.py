@@ -1,0 +1,27 @@
+import os
+
+import pytest
+import torch
+
+from tests.checkpoints import KINDS, save_checkpoint
+
+# Two cores here and in CI: keep intra-op threads from oversubscribing parallel test processes.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory):
+    """Returns a function kind -> path of a tiny saved checkpoint (built once per session)."""
+    cache = {}
+
+    def get(kind: str):
+        if kind not in cache:
+            cache[kind] = save_checkpoint(kind, tmp_path_factory.mktemp(kind))
+        return cache[kind]
+
+    return get
+
+
+@pytest.fixture(params=KINDS)
+def kind(request):
+    return request.param
