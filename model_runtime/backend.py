@@ -62,6 +62,9 @@ class ScoringBackend(Protocol):
         when no worker can take it.
         """
 
+    def warm_up(self) -> None:
+        """Compiles and autotunes kernels for the configured budget (before readiness)."""
+
     def is_alive(self) -> bool: ...
 
     def close(self) -> None: ...
@@ -80,6 +83,10 @@ class LocalBackend:
     def score_row(self, sequences: Sequence[SequenceInput]) -> list[SequenceScores]:
         with self._lock:
             return self.scorer.score_row(sequences)
+
+    def warm_up(self) -> None:
+        with self._lock:
+            self.scorer.warm_up()
 
     def is_alive(self) -> bool:
         return True

@@ -91,6 +91,22 @@ class Scorer:
             head_budget_bytes = 1 << 30 if loaded.device.type == "cuda" else 256 << 20
         self.head_chunk_tokens = chunk_tokens_for_budget(loaded.vocab_size, head_budget_bytes)
 
+    def warm_up(self) -> None:
+        """Runs the shapes the service will see so kernels compile and autotune before readiness.
+
+        On CUDA: a full row at the token budget, a row of many short segments, and a top-k pass.
+        On CPU: one short pass (nothing to compile).
+        """
+        rng = np.random.default_rng(0)
+        vocab = self.loaded.vocab_size
+        if self.loaded.device.type != "cuda":
+            self.score_row([SequenceInput(rng.integers(0, vocab, 16), top_k=1)])
+            return
+        budget = self.max_batch_tokens
+        self.score_row([SequenceInput(rng.integers(0, vocab, budget))])
+        short = [SequenceInput(rng.integers(0, vocab, 64), top_k=MAX_TOP_K) for _ in range(max(1, budget // 64))]
+        self.score_row(short)
+
     def score(self, sequences: Sequence[SequenceInput]) -> list[SequenceScores]:
         """Scores any number of sequences; results come back in input order."""
         for i, seq in enumerate(sequences):
