@@ -124,30 +124,60 @@ class Scorer:
         if not validated:
             for i, seq in enumerate(sequences):
                 validate_sequence(seq, self.loaded.vocab_size, i)
+        plan = plan_row(sequences)
         device = self.loaded.device
-        packed = PackedBatch.from_lengths([s.length for s in sequences], device=device)
-        ids_T = torch.from_numpy(np.concatenate([np.asarray(s.input_ids, dtype=np.int64) for s in sequences]))
-        hidden_TD = self.loaded.model(ids_T.to(device), packed)
-        # Position t - 1 predicts token t, for t in score_from .. L - 1 of every sequence.
-        positions, targets, temps = [], [], []
-        for seq, start in zip(sequences, packed.cu_seqlens_host):
-            positions.append(np.arange(start + seq.score_from - 1, start + seq.length - 1))
-            targets.append(np.asarray(seq.input_ids[seq.score_from :], dtype=np.int64))
-            temps.append(np.full(seq.num_scored, seq.temperature, dtype=np.float32))
-        pos_N = torch.from_numpy(np.concatenate(positions)).to(device)
-        top_k = max(s.top_k for s in sequences)
+        packed = PackedBatch.from_lengths(plan.lengths, device=device)
+        hidden_TD = self.loaded.model(torch.from_numpy(plan.ids_T).to(device), packed)
         head = score_positions(
-            hidden_TD.index_select(0, pos_N),
+            hidden_TD.index_select(0, torch.from_numpy(plan.positions_N).to(device)),
             self.loaded.model.lm_head.weight,
-            torch.from_numpy(np.concatenate(targets)),
-            torch.from_numpy(np.concatenate(temps)),
-            top_k=top_k,
+            torch.from_numpy(plan.targets_N),
+            torch.from_numpy(plan.temperature_N),
+            top_k=plan.top_k,
             chunk_tokens=self.head_chunk_tokens,
         )
-        return _split(sequences, head, top_k)
+        return split_results(sequences, head, plan.top_k)
 
 
-def _split(sequences, head, top_k) -> list[SequenceScores]:
+@dataclass(frozen=True)
+class RowPlan:
+    """Host-side layout of one packed row: what to feed and which positions to score.
+
+    Labels are the next token of the same sequence, taken on the global row (before any
+    sequence-parallel split): position ``start + t - 1`` predicts token ``t`` for ``t`` in
+    ``score_from .. L - 1``.
+    """
+
+    lengths: tuple[int, ...]
+    ids_T: np.ndarray  # int64 [T]
+    positions_N: np.ndarray  # int64 [N], row positions whose next token is scored
+    targets_N: np.ndarray  # int64 [N]
+    temperature_N: np.ndarray  # float32 [N]
+    top_k: int  # widest top-k asked for in the row
+
+
+def plan_row(sequences: Sequence[SequenceInput]) -> RowPlan:
+    lengths = tuple(s.length for s in sequences)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    positions, targets, temps = [], [], []
+    for seq, start in zip(sequences, starts):
+        positions.append(np.arange(start + seq.score_from - 1, start + seq.length - 1, dtype=np.int64))
+        targets.append(np.asarray(seq.input_ids[seq.score_from :], dtype=np.int64))
+        temps.append(np.full(seq.num_scored, seq.temperature, dtype=np.float32))
+    return RowPlan(
+        lengths=lengths,
+        ids_T=np.concatenate([np.asarray(s.input_ids, dtype=np.int64) for s in sequences]),
+        positions_N=np.concatenate(positions),
+        targets_N=np.concatenate(targets),
+        temperature_N=np.concatenate(temps),
+        top_k=max(s.top_k for s in sequences),
+    )
+
+
+
+
+def split_results(sequences: Sequence[SequenceInput], head, top_k: int) -> list[SequenceScores]:
+    """Cuts the row's head output back into per-sequence numpy arrays (in row order)."""
     logp = head.logprobs_N.cpu().numpy()
     ent = head.entropy_N.cpu().numpy()
     ids = head.top_k_ids_NK.to(torch.int32).cpu().numpy() if top_k else None
