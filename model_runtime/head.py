@@ -3,9 +3,9 @@
 Legend: N = scored positions, D = hidden size, V = vocabulary, C = tokens in one chunk,
 K = top-k width.
 
-For every scored position: ``z = (h @ W^T) / temperature`` in float32, ``lse = logsumexp(z)``,
-``logprob = z[target] - lse``, ``entropy = lse - sum(softmax(z) * z)`` and optionally the top-k
-ids with ``z[id] - lse``. Only one ``[C, V]`` chunk is alive at a time.
+For every scored position: ``z = (h @ W^T) / temperature`` in float32, ``log p = z - logsumexp(z)``,
+``logprob = log p[target]``, ``entropy = -sum(p * log p)`` and optionally the top-k ids with their
+``log p``. Only one ``[C, V]`` chunk (plus its probabilities) is alive at a time.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-# Bytes per (token, vocab) entry alive at a chunk's peak: the matmul output in the compute
-# dtype (up to 4), float32 logits (4) and float32 probabilities (4).
-BYTES_PER_LOGIT = 12
+# Bytes per (token, vocab) entry alive at a chunk's peak, measured in tests/unit/test_head.py:
+# float32 log-probs (4), a temporary of logsumexp or top-k (4), float32 probabilities (4), and
+# the matmul output in the compute dtype before its float32 copy (up to 4).
+BYTES_PER_LOGIT = 16
 MAX_TOP_K = 20
 
 
@@ -66,19 +68,18 @@ def score_positions(
     targets_N = targets_N.to(device=dev, dtype=torch.long)
     for start in range(0, N, max(1, chunk_tokens)):
         end = min(N, start + chunk_tokens)
-        z_CV = (hidden_ND[start:end] @ weight_VD.t()).float()
-        z_CV.div_(temperature_N[start:end, None])
-        lse_C = torch.logsumexp(z_CV, dim=-1)
-        logprobs[start:end] = z_CV.gather(1, targets_N[start:end, None])[:, 0] - lse_C
+        # F.linear reads W as [V, D] in place; `h @ W.t()` can copy the whole weight per chunk.
+        logp_CV = F.linear(hidden_ND[start:end], weight_VD).float()
+        logp_CV.div_(temperature_N[start:end, None])
+        logp_CV.sub_(torch.logsumexp(logp_CV, dim=-1, keepdim=True))
+        logprobs[start:end] = logp_CV.gather(1, targets_N[start:end, None])[:, 0]
         if top_k:
-            values, ids = z_CV.topk(top_k, dim=-1)
-            top_ids[start:end] = ids
-            top_logp[start:end] = values - lse_C[:, None]
-        p_CV = torch.exp(z_CV - lse_C[:, None])
-        # sum_v p_v z_v as a batched dot product: no third [C, V] tensor.
-        mean_z_C = torch.bmm(p_CV.unsqueeze(1), z_CV.unsqueeze(2))[:, 0, 0]
-        del p_CV, z_CV
-        entropy[start:end] = lse_C - mean_z_C
+            top_logp[start:end], top_ids[start:end] = logp_CV.topk(top_k, dim=-1)
+        # -sum p log p as a batched dot product: no third [C, V] tensor, and no cancellation
+        # between two large numbers as in `lse - sum(p z)` at low temperatures.
+        p_CV = logp_CV.exp()
+        entropy[start:end] = -torch.bmm(p_CV.unsqueeze(1), logp_CV.unsqueeze(2))[:, 0, 0]
+        del p_CV, logp_CV
     return HeadOutput(logprobs, entropy, top_ids, top_logp)
 
 

@@ -1,0 +1,82 @@
+"""The chunked head equals the plain one, and its memory stays within its budget (measured)."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from model_runtime.head import BYTES_PER_LOGIT, chunk_tokens_for_budget, score_positions, score_positions_reference
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 10_000], ids=lambda c: f"C{c}")
+@pytest.mark.parametrize("top_k", [0, 1, 20], ids=lambda k: f"k{k}")
+def test_chunked_equals_unchunked(chunk, top_k):
+    g = torch.Generator().manual_seed(chunk + top_k)
+    N, D, V = 133, 32, 300
+    hidden, weight = torch.randn(N, D, generator=g), torch.randn(V, D, generator=g) * 0.3
+    targets = torch.randint(0, V, (N,), generator=g)
+    temperature = torch.rand(N, generator=g) * 2 + 0.1
+    got = score_positions(hidden, weight, targets, temperature, top_k=top_k, chunk_tokens=chunk)
+    want = score_positions_reference(hidden, weight, targets, temperature, top_k=top_k)
+    # Both sides are float32 with |logits| up to ~60 at temperature 0.1, where float32 spacing
+    # is 3.8e-6: a few roundings on two different paths stay below 4e-5.
+    tol = 4e-5
+    for name in ("logprobs_N", "entropy_N", "top_k_logprobs_NK"):
+        a, b = getattr(got, name), getattr(want, name)
+        if a is None:
+            assert b is None and top_k == 0
+            continue
+        diff = (a - b).abs().max().item()
+        assert diff <= tol, f"{name}: max |diff| {diff:.3e} > tol {tol:.0e}"
+    if top_k:
+        # Near-ties may swap places under rounding; the ids must still carry the top-k values.
+        full = torch.log_softmax((hidden @ weight.t()) / temperature[:, None], dim=-1)
+        diff = (full.gather(1, got.top_k_ids_NK) - want.top_k_logprobs_NK).abs().max().item()
+        assert diff <= tol, f"top-k ids do not hold the top-k log-probs: max |diff| {diff:.3e} > tol {tol:.0e}"
+
+
+def test_chunk_size_follows_the_budget():
+    assert chunk_tokens_for_budget(248_320, 1 << 30) == (1 << 30) // (248_320 * BYTES_PER_LOGIT)
+    assert chunk_tokens_for_budget(10**9, 1) == 1
+
+
+def test_temperature_is_a_divisor_of_the_logits():
+    hidden, weight = torch.tensor([[1.0, 0.0, 0.0]] * 3), torch.eye(3) * 2.0
+    out = score_positions(hidden, weight, torch.tensor([0, 0, 0]), torch.tensor([1.0, 2.0, 0.5]))
+    for t, logp in zip([1.0, 2.0, 0.5], out.logprobs_N.tolist()):
+        z = torch.tensor([2.0, 0.0, 0.0]) / t
+        assert logp == pytest.approx((z[0] - torch.logsumexp(z, 0)).item(), abs=1e-6)
+
+
+MEASURE = textwrap.dedent(
+    """
+    import json, resource, sys, torch
+    from model_runtime.head import chunk_tokens_for_budget, score_positions
+    torch.set_num_threads(1)
+    N, D, V, budget = 2048, 64, 248_320, int(sys.argv[1])
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(N, D, generator=g), torch.randn(V, D, generator=g)
+    targets, temps = torch.randint(0, V, (N,), generator=g), torch.ones(N)
+    # Touch every page of the inputs, and run one tiny chunk so first-use allocations are done.
+    score_positions(hidden[:2], weight, targets[:2], temps[:2], top_k=20, chunk_tokens=1)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    score_positions(hidden, weight, targets, temps, top_k=20, chunk_tokens=chunk_tokens_for_budget(V, budget))
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"peak_increase_bytes": (after - before) * 1024}))
+    """
+)
+
+
+def test_head_peak_memory_stays_within_budget_with_a_large_vocabulary():
+    """Full float32 logits here would be 2048 x 248320 x 4 = 2.0 GB; the budget is 64 MiB."""
+    budget = 64 << 20
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(budget)], capture_output=True, text=True, timeout=300, check=True
+    )
+    increase = json.loads(out.stdout.strip().splitlines()[-1])["peak_increase_bytes"]
+    print(f"head peak increase {increase / 2**20:.1f} MiB, budget {budget / 2**20:.0f} MiB")
+    # ru_maxrss is a process-wide high-water mark; allow allocator slack of a quarter of the budget.
+    assert increase <= budget * 1.25, f"head grew the process by {increase / 2**20:.1f} MiB > budget 64 MiB * 1.25"

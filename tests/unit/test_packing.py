@@ -1,0 +1,55 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from model_runtime.packing import PackedBatch, pack_first_fit_decreasing
+
+
+def test_packed_batch_offsets_and_positions():
+    p = PackedBatch.from_lengths([3, 1, 2])
+    assert p.cu_seqlens_host == (0, 3, 4, 6)
+    assert p.cu_seqlens.dtype == torch.int32 and p.cu_seqlens.tolist() == [0, 3, 4, 6]
+    assert p.position_ids.tolist() == [0, 1, 2, 0, 0, 1]
+    assert p.max_seqlen == 3 and p.total_tokens == 6 and list(p.segments()) == [(0, 3), (3, 4), (4, 6)]
+
+
+def test_packed_batch_is_immutable_and_fresh():
+    a, b = PackedBatch.from_lengths([2, 2]), PackedBatch.from_lengths([2, 2])
+    with pytest.raises(AttributeError):
+        a.max_seqlen = 5
+    # A fresh cu_seqlens tensor per forward (fla caches helpers by tensor identity).
+    assert a.cu_seqlens is not b.cu_seqlens
+
+
+def test_padding_is_its_own_segment():
+    p, pad = PackedBatch.from_lengths([3, 2]).padded_to_multiple(4)
+    assert pad == 3 and p.lengths == (3, 2, 3) and p.padding_segments == (2,)
+    assert p.position_ids.tolist()[-3:] == [0, 1, 2]
+    same, none = p.padded_to_multiple(4)
+    assert same is p and none == 0
+
+
+@pytest.mark.parametrize("lengths", [[], [0], [3, -1]])
+def test_bad_lengths_are_refused(lengths):
+    with pytest.raises(ValueError):
+        PackedBatch.from_lengths(lengths)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=60), st.integers(1, 400))
+def test_first_fit_decreasing_places_everything_once_within_budget(lengths, budget):
+    rows = pack_first_fit_decreasing(lengths, budget)
+    placed = sorted(i for row in rows for i in row)
+    assert placed == list(range(len(lengths)))
+    for row in rows:
+        total = sum(lengths[i] for i in row)
+        assert total <= budget or len(row) == 1, f"row {row} holds {total} tokens > budget {budget}"
+    # First-fit decreasing never leaves two rows that could have been merged.
+    loads = sorted(sum(lengths[i] for i in row) for row in rows)
+    if len(loads) >= 2:
+        assert loads[0] + loads[1] > budget
+
+
+def test_first_fit_decreasing_is_tight_on_a_known_case():
+    assert pack_first_fit_decreasing([5, 5, 4, 3, 2, 1], 10) == [[0, 1], [2, 3, 4, 5]]

@@ -1,0 +1,126 @@
+"""The patch covers every token mixer of every architecture; loading fails loudly on what it cannot serve."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from model_runtime.architectures import ARCHITECTURES, UnsupportedModelError
+from model_runtime.kernels import select_backends
+from model_runtime.layers import PackedAttention, PackedGatedDeltaNet
+from model_runtime.loading import load_model
+from model_runtime.model import PatchError, patch_for_packing
+from model_runtime.presets import PRESETS
+from model_runtime.scorer import Scorer, SequenceInput
+from tests.checkpoints import build_hf_model
+
+FAMILY = {"qwen3_5": "qwen3_5", "qwen3_5_vl": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe", "qwen3_next": "qwen3_next"}
+
+
+def causal_lm(kind):
+    model = build_hf_model(kind)
+    if kind == "qwen3_5_vl":  # the loader takes the text part; here build the text model the same way
+        from transformers import Qwen3_5ForCausalLM
+
+        model = Qwen3_5ForCausalLM(model.config.text_config)
+    return model
+
+
+def test_every_mixer_is_switched(kind, checkpoint_dir):
+    loaded = load_model(str(checkpoint_dir(kind)), device="cpu")
+    types = loaded.model.layer_types
+    assert loaded.architecture == FAMILY[kind]
+    assert loaded.patch_report.linear_attention == types.count("linear_attention") == 6
+    assert loaded.patch_report.full_attention == types.count("full_attention") == 2
+    for layer, layer_type in zip(loaded.model.layers, types):
+        mixer = layer.linear_attn if layer_type == "linear_attention" else layer.self_attn
+        assert isinstance(mixer, PackedGatedDeltaNet if layer_type == "linear_attention" else PackedAttention)
+    names = {type(m).__name__ for m in loaded.model.modules()}
+    assert not any(n.endswith(("GatedDeltaNet", "Attention")) and not n.startswith("Packed") for n in names), names
+
+
+def test_vision_tower_is_never_allocated(checkpoint_dir):
+    loaded = load_model(str(checkpoint_dir("qwen3_5_vl")), device="cpu")
+    assert not any("Vision" in type(m).__name__ for m in loaded.model.modules())
+    text_only = load_model(str(checkpoint_dir("qwen3_5")), device="cpu")
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(loaded.model) == count(text_only.model)
+
+
+def test_unknown_layer_kind_fails():
+    model = causal_lm("qwen3_5")
+    model.config.layer_types = list(model.config.layer_types)
+    model.config.layer_types[2] = "sliding_attention"
+    with pytest.raises(PatchError, match="layer 2 is of kind 'sliding_attention'"):
+        patch_for_packing(model, ARCHITECTURES["qwen3_5"], select_backends("cpu"))
+
+
+def test_unexpected_mixer_class_fails():
+    model = causal_lm("qwen3_5")
+    model.model.layers[0].linear_attn = torch.nn.Identity()
+    with pytest.raises(PatchError, match="layer 0 \\(linear_attention\\) holds Identity"):
+        patch_for_packing(model, ARCHITECTURES["qwen3_5"], select_backends("cpu"))
+
+
+def test_a_mixer_hidden_elsewhere_is_caught():
+    model = causal_lm("qwen3_5")
+    model.model.layers[1].mlp.extra = type(model.model.layers[3].self_attn)(model.config, 3)
+    with pytest.raises(PatchError, match="1 token mixers were not switched.*layers.1.mlp.extra"):
+        patch_for_packing(model, ARCHITECTURES["qwen3_5"], select_backends("cpu"))
+
+
+def test_wrong_architecture_for_the_model_fails():
+    with pytest.raises(PatchError, match="expected one of \\['Qwen3NextGatedDeltaNet'\\]"):
+        patch_for_packing(causal_lm("qwen3_5"), ARCHITECTURES["qwen3_next"], select_backends("cpu"))
+
+
+def test_unsupported_checkpoint_names_what_is_supported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(UnsupportedModelError, match="qwen3_5, qwen3_5_moe and qwen3_next"):
+        load_model(str(tmp_path), device="cpu")
+
+
+def test_missing_pieces_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither a checkpoint directory nor a preset"):
+        load_model(str(tmp_path / "nope"), device="cpu")
+    with pytest.raises(UnsupportedModelError, match="no config.json"):
+        load_model(str(tmp_path), device="cpu")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5"}))
+    with pytest.raises(UnsupportedModelError, match="no \\*.safetensors"):
+        load_model(str(tmp_path), device="cpu")
+
+
+def test_sharded_checkpoint_loads_to_the_same_numbers(tmp_path, checkpoint_dir):
+    build_hf_model("qwen3_5_moe").save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    seq = [SequenceInput(np.arange(1, 40) % 512, score_from=5)]
+    sharded = Scorer(load_model(str(tmp_path), device="cpu")).score(seq)[0].logprobs
+    single = Scorer(load_model(str(checkpoint_dir("qwen3_5_moe")), device="cpu")).score(seq)[0].logprobs
+    np.testing.assert_array_equal(sharded, single)
+
+
+def test_weights_version_changes_when_weights_are_rewritten(tmp_path):
+    build_hf_model("qwen3_5").save_pretrained(tmp_path)
+    first = load_model(str(tmp_path), device="cpu").weights_version
+    build_hf_model("qwen3_5", seed=1).save_pretrained(tmp_path)
+    second = load_model(str(tmp_path), device="cpu").weights_version
+    assert first != second and "#" in first
+
+
+def test_presets_have_the_advertised_shapes():
+    from model_runtime.presets import build_config
+
+    nine = build_config(PRESETS["qwen3.5-9b"])
+    assert (nine.hidden_size, nine.num_hidden_layers, nine.vocab_size) == (4096, 32, 248320)
+    assert nine.layer_types.count("full_attention") == 8
+    moe = build_config(PRESETS["qwen3.5-35b-a3b"])
+    assert (moe.num_experts, moe.num_experts_per_tok) == (256, 8)
+
+
+def test_tiny_preset_is_deterministic_and_defaults_to_float32_on_cpu():
+    a, b = load_model("tiny", device="cpu"), load_model("tiny", device="cpu")
+    assert a.dtype == torch.float32 and a.name == "tiny" and a.weights_version == "preset:tiny#seed0"
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.equal(pa, pb)
