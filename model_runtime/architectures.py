@@ -11,17 +11,18 @@ class Architecture:
     gdn_classes: frozenset[str]  # Hugging Face class names of its linear-attention mixers
     attention_classes: frozenset[str]  # ... and of its full-attention mixers
     fused_gdn_projections: bool  # Qwen3-Next packs q, k, v, z (and b, a) into one interleaved projection
+    multi_axis_rope: bool  # Qwen3.5's interleaved rope takes [3, batch, T] positions (equal axes for text)
 
 
 ARCHITECTURES = {
     "qwen3_5": Architecture(
-        "qwen3_5", frozenset({"Qwen3_5GatedDeltaNet"}), frozenset({"Qwen3_5Attention"}), False
+        "qwen3_5", frozenset({"Qwen3_5GatedDeltaNet"}), frozenset({"Qwen3_5Attention"}), False, True
     ),
     "qwen3_5_moe": Architecture(
-        "qwen3_5_moe", frozenset({"Qwen3_5MoeGatedDeltaNet"}), frozenset({"Qwen3_5MoeAttention"}), False
+        "qwen3_5_moe", frozenset({"Qwen3_5MoeGatedDeltaNet"}), frozenset({"Qwen3_5MoeAttention"}), False, True
     ),
     "qwen3_next": Architecture(
-        "qwen3_next", frozenset({"Qwen3NextGatedDeltaNet"}), frozenset({"Qwen3NextAttention"}), True
+        "qwen3_next", frozenset({"Qwen3NextGatedDeltaNet"}), frozenset({"Qwen3NextAttention"}), True, False
     ),
 }
 

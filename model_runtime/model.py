@@ -61,7 +61,12 @@ class PackedCausalLM(nn.Module):
         """Final-norm hidden states ``[T, D]`` of the (local shard of the) packed row."""
         x_TD = self.embed_tokens(input_ids_T)
         positions_T = packed.position_ids if sp is None else sp.local_tokens(packed.position_ids)
-        cos, sin = self.rotary_emb(x_TD.unsqueeze(0), positions_T.unsqueeze(0))
+        positions = positions_T.unsqueeze(0)
+        if self.architecture.multi_axis_rope:
+            # Text tokens carry the same position on all three rope axes; transformers 5.17 wants
+            # them spelled out as [3, batch, T], later versions also accept [batch, T].
+            positions = positions.unsqueeze(0).expand(3, 1, -1)
+        cos, sin = self.rotary_emb(x_TD.unsqueeze(0), positions)
         rope = (cos[0], sin[0])
         for layer, kind in zip(self.layers, self.layer_types):
             x_TD = x_TD + self._mix(layer, kind, layer.input_layernorm(x_TD), packed, rope, sp)

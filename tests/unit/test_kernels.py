@@ -68,9 +68,11 @@ def test_delta_rule_reference_matches_huggingface_chunked(lengths):
     got = gated_delta_rule_reference(q, k, v, decay, beta, packed)
     for start, end in packed.segments():
         s = slice(start, end)
-        # transformers repeats q/k heads only inside its fallback, as we do.
+        # Key heads repeated for the value heads up front: transformers 5.17 does it in the
+        # layer, later versions inside this function.
+        q_rep, k_rep = q[s].repeat_interleave(Hv // Hk, dim=1), k[s].repeat_interleave(Hv // Hk, dim=1)
         want, _ = torch_chunk_gated_delta_rule(
-            q[None, s], k[None, s], v[None, s], g=decay[None, s], beta=beta[None, s], use_qk_l2norm_in_kernel=True
+            q_rep[None], k_rep[None], v[None, s], g=decay[None, s], beta=beta[None, s], use_qk_l2norm_in_kernel=True
         )
         report(f"delta rule segment {start}:{end}", got[s], want[0], 1e-5)
 
