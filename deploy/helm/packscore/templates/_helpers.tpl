@@ -1,0 +1,82 @@
+{{/* Chart name, truncated to the 63 characters a label allows. */}}
+{{- define "packscore.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Full name of the release's objects. */}}
+{{- define "packscore.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "packscore.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "packscore.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "packscore.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "packscore.labels" -}}
+helm.sh/chart: {{ include "packscore.chart" . }}
+{{ include "packscore.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Values.image.tag | default .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/component: scoring
+{{- end }}
+
+{{- define "packscore.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "packscore.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "packscore.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- end }}
+
+{{/* Worker processes: parallel.worldSize, or one per GPU when it is 0. */}}
+{{- define "packscore.worldSize" -}}
+{{- $ws := int .Values.parallel.worldSize }}
+{{- if eq $ws 0 }}{{ $ws = int .Values.gpus }}{{ end }}
+{{- $ws }}
+{{- end }}
+
+{{/* Fails the render when the layout cannot work, showing the arithmetic. */}}
+{{- define "packscore.validateLayout" -}}
+{{- $gpus := int .Values.gpus }}
+{{- $ws := int (include "packscore.worldSize" .) }}
+{{- $sp := int .Values.parallel.sp }}
+{{- if gt $ws $gpus }}
+{{- fail (printf "parallel.worldSize(%d) > gpus(%d): each worker process needs its own GPU" $ws $gpus) }}
+{{- end }}
+{{- if ne (mod $ws $sp) 0 }}
+{{- fail (printf "parallel.worldSize(%d) %% parallel.sp(%d) = %d, must be 0 (dp * sp = world size)" $ws $sp (mod $ws $sp)) }}
+{{- end }}
+{{- $src := .Values.model.source }}
+{{- if and (eq $src.type "pvc") (not $src.pvc.claimName) }}
+{{- fail "model.source.type is pvc but model.source.pvc.claimName is empty" }}
+{{- end }}
+{{- if and (eq $src.type "hostPath") (not $src.hostPath.path) }}
+{{- fail "model.source.type is hostPath but model.source.hostPath.path is empty" }}
+{{- end }}
+{{- if and (eq $src.type "nfs") (or (not $src.nfs.server) (not $src.nfs.path)) }}
+{{- fail "model.source.type is nfs but model.source.nfs.server or model.source.nfs.path is empty" }}
+{{- end }}
+{{- end }}
+
+{{/* Seconds from SIGTERM to SIGKILL: preStop sleep + drain + margin. */}}
+{{- define "packscore.terminationGracePeriod" -}}
+{{- add (int .Values.preStopSleepS) (int .Values.server.drainTimeoutS) (int .Values.terminationGraceMarginS) }}
+{{- end }}
