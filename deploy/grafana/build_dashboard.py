@@ -1,0 +1,233 @@
+"""Writes packscore-dashboard.json, the Grafana dashboard for the `packscore_` metrics.
+
+The JSON is committed; tests/deploy checks that it equals this script's output, so
+edit the panels here and run:
+
+    python deploy/grafana/build_dashboard.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+OUT = Path(__file__).with_name("packscore-dashboard.json")
+
+DS = {"type": "prometheus", "uid": "${datasource}"}
+SEL = 'job=~"$job", instance=~"$instance"'
+RATE = "$__rate_interval"
+
+
+def _target(expr: str, legend: str = "", ref: str = "A", *, instant: bool = False, table: bool = False) -> dict:
+    t = {"datasource": DS, "expr": expr, "legendFormat": legend or "__auto", "refId": ref}
+    if instant:
+        t["instant"] = True
+        t["range"] = False
+    if table:
+        t["format"] = "table"
+    return t
+
+
+def _quantiles(metric: str, by: str = "", qs=(0.5, 0.9, 0.99)) -> list[dict]:
+    """histogram_quantile targets over `<metric>_bucket`, one per quantile."""
+    group = f"le{', ' + by if by else ''}"
+    label = f"{{{{{by}}}}} " if by else ""
+    return [
+        _target(
+            f"histogram_quantile({q}, sum by ({group}) (rate({metric}_bucket{{{SEL}}}[{RATE}])))",
+            f"{label}p{round(q * 100)}",
+            chr(ord("A") + i),
+        )
+        for i, q in enumerate(qs)
+    ]
+
+
+def _mean(metric: str, legend: str, ref: str) -> dict:
+    return _target(
+        f"sum(rate({metric}_sum{{{SEL}}}[{RATE}])) / sum(rate({metric}_count{{{SEL}}}[{RATE}]))",
+        legend,
+        ref,
+    )
+
+
+class _Layout:
+    """Assigns panel ids and grid positions: rows of panels 24 units wide."""
+
+    def __init__(self) -> None:
+        self.panels: list[dict] = []
+        self.y = 0
+        self.x = 0
+        self.row_h = 0
+
+    def row(self, title: str) -> None:
+        self._newline()
+        self.panels.append({"type": "row", "title": title, "collapsed": False, "panels": [],
+                            "id": len(self.panels) + 1, "gridPos": {"h": 1, "w": 24, "x": 0, "y": self.y}})
+        self.y += 1
+
+    def add(self, panel: dict, w: int, h: int) -> None:
+        if self.x + w > 24:
+            self._newline()
+        panel = {"id": len(self.panels) + 1, "gridPos": {"h": h, "w": w, "x": self.x, "y": self.y},
+                 "datasource": DS, **panel}
+        self.panels.append(panel)
+        self.x += w
+        self.row_h = max(self.row_h, h)
+
+    def _newline(self) -> None:
+        self.y += self.row_h
+        self.x = 0
+        self.row_h = 0
+
+
+def _stat(title: str, expr: str, unit: str, description: str, thresholds=None) -> dict:
+    steps = thresholds or [{"color": "green", "value": None}]
+    return {
+        "type": "stat", "title": title, "description": description,
+        "targets": [_target(expr)],
+        "fieldConfig": {"defaults": {"unit": unit, "thresholds": {"mode": "absolute", "steps": steps}},
+                        "overrides": []},
+        "options": {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                    "colorMode": "value", "graphMode": "area", "textMode": "auto"},
+    }
+
+
+def _series(title: str, targets: list[dict], unit: str, description: str, *, stack: bool = False) -> dict:
+    custom = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10 if not stack else 30,
+              "showPoints": "never", "spanNulls": False}
+    if stack:
+        custom["stacking"] = {"mode": "normal", "group": "A"}
+    return {
+        "type": "timeseries", "title": title, "description": description, "targets": targets,
+        "fieldConfig": {"defaults": {"unit": unit, "custom": custom}, "overrides": []},
+        "options": {"legend": {"displayMode": "table", "placement": "bottom", "calcs": ["mean", "max"]},
+                    "tooltip": {"mode": "multi", "sort": "desc"}},
+    }
+
+
+def _info_table(title: str, metric: str, labels: list[str], description: str) -> dict:
+    keep = ["instance", *labels]
+    return {
+        "type": "table", "title": title, "description": description,
+        "targets": [_target(f"max by (instance, {', '.join(labels)}) ({metric}{{{SEL}}})", instant=True, table=True)],
+        "transformations": [{"id": "organize", "options": {
+            "excludeByName": {"Time": True, "Value": True},
+            "indexByName": {name: i for i, name in enumerate(keep)},
+        }}],
+        "fieldConfig": {"defaults": {}, "overrides": []},
+        "options": {"showHeader": True},
+    }
+
+
+def build() -> dict:
+    g = _Layout()
+
+    g.row("Overview")
+    g.add(_stat("Ready pods", f"sum(packscore_ready{{{SEL}}})", "none",
+                "Pods whose /readyz passes: model loaded, workers alive, a real scoring pass succeeded.",
+                [{"color": "red", "value": None}, {"color": "green", "value": 1}]), 4, 4)
+    g.add(_stat("Workers alive", f"sum(packscore_workers_alive{{{SEL}}})", "none",
+                "GPU worker processes alive, summed over pods."), 4, 4)
+    g.add(_stat("Tokens scored / s", f"sum(rate(packscore_tokens_scored_total{{{SEL}}}[{RATE}]))", "short",
+                "Tokens whose log-probability was returned, per second."), 4, 4)
+    g.add(_stat("Requests / s", f"sum(rate(packscore_requests_total{{{SEL}}}[{RATE}]))", "reqps",
+                "HTTP requests answered, all routes and statuses."), 4, 4)
+    g.add(_stat("5xx ratio",
+                f'sum(rate(packscore_requests_total{{{SEL}, status=~"5.."}}[{RATE}])) '
+                f"/ sum(rate(packscore_requests_total{{{SEL}}}[{RATE}]))",
+                "percentunit",
+                "Share of answers with a 5xx status. 503 (not ready, draining) and 504 (deadline) are "
+                "expected in small numbers; any other 5xx is a bug.",
+                [{"color": "green", "value": None}, {"color": "orange", "value": 0.01},
+                 {"color": "red", "value": 0.05}]), 4, 4)
+    g.add(_stat("Queued tokens", f"sum(packscore_queued_tokens{{{SEL}}})", "short",
+                "Tokens admitted and waiting for a GPU, summed over pods (what the HPA scales on)."), 4, 4)
+
+    g.row("Traffic")
+    g.add(_series("Requests / s by route and status",
+                  [_target(f"sum by (route, status) (rate(packscore_requests_total{{{SEL}}}[{RATE}]))",
+                           "{{route}} {{status}}")],
+                  "reqps", "HTTP answers per second, by route and status code."), 12, 8)
+    g.add(_series("Tokens scored / s by pod",
+                  [_target(f"sum by (instance) (rate(packscore_tokens_scored_total{{{SEL}}}[{RATE}]))",
+                           "{{instance}}")],
+                  "short", "Scoring throughput of each pod.", stack=True), 12, 8)
+    g.add(_series("Rejections / s by reason",
+                  [_target(f"sum by (reason) (rate(packscore_rejections_total{{{SEL}}}[{RATE}]))", "{{reason}}")],
+                  "reqps", "Requests refused before scoring (queue full, too large, invalid, unauthorised, draining...).",
+                  stack=True), 12, 8)
+    g.add(_series("Queue", [
+        _target(f"sum by (instance) (packscore_queued_tokens{{{SEL}}})", "{{instance}} tokens", "A"),
+        _target(f"sum by (instance) (packscore_queued_sequences{{{SEL}}})", "{{instance}} sequences", "B"),
+    ], "short", "Admitted work waiting for a GPU, per pod. A queue that stays high means too few GPUs."), 12, 8)
+
+    g.row("Latency")
+    g.add(_series("Request latency by route", _quantiles("packscore_request_latency_seconds", "route"), "s",
+                  "End-to-end HTTP latency (p50, p90, p99) per route."), 8, 8)
+    g.add(_series("Queue wait", _quantiles("packscore_queue_wait_seconds"), "s",
+                  "Time from admission until a sequence enters a forward."), 8, 8)
+    g.add(_series("Forward time", _quantiles("packscore_forward_seconds"), "s",
+                  "Time of one packed forward on the GPUs."), 8, 8)
+
+    g.row("Batching")
+    g.add(_series("Tokens per forward", [
+        *_quantiles("packscore_batch_tokens", qs=(0.5, 0.9)),
+        _mean("packscore_batch_tokens", "mean", "C"),
+    ], "short", "Tokens packed into one forward (the budget is --max-batch-tokens)."), 12, 8)
+    g.add(_series("Batch fill ratio", [
+        _mean("packscore_batch_fill_ratio", "mean", "A"),
+        _target(f"histogram_quantile(0.1, sum by (le) (rate(packscore_batch_fill_ratio_bucket{{{SEL}}}[{RATE}])))",
+                "p10", "B"),
+    ], "percentunit", "Packed tokens over the token budget of a forward. Low fill at high load: raise "
+                      "--max-wait-ms; low fill at low load is expected."), 12, 8)
+
+    g.row("Pods")
+    g.add(_series("Ready and workers alive by pod", [
+        _target(f"max by (instance) (packscore_ready{{{SEL}}})", "{{instance}} ready", "A"),
+        _target(f"max by (instance) (packscore_workers_alive{{{SEL}}})", "{{instance}} workers", "B"),
+    ], "none", "Readiness (0/1) and live worker processes of each pod."), 24, 8)
+    g.add(_info_table("Served model", "packscore_model_info",
+                      ["model", "architecture", "dtype", "device", "weights_version"],
+                      "What each pod serves: model, architecture, dtype, device, weights version."), 14, 6)
+    g.add(_info_table("Kernels", "packscore_kernel_info", ["family", "backend"],
+                      "Kernel backend per family. A GPU pod on a reference (CPU-style) backend is a bug."), 10, 6)
+
+    def var(name: str, query: str, label: str) -> dict:
+        return {"name": name, "label": label, "type": "query", "datasource": DS,
+                "definition": query, "query": {"query": query, "refId": f"{name}-query"},
+                "refresh": 2, "includeAll": True, "multi": True, "allValue": ".*",
+                "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+                "sort": 1, "hide": 0, "options": []}
+
+    return {
+        "uid": "packscore-overview",
+        "title": "packscore",
+        "description": "Scoring service for RL trainers: traffic, latency, batching and fleet state "
+                       "from the packscore_ metrics.",
+        "tags": ["packscore", "gpu", "rl"],
+        "editable": True,
+        "graphTooltip": 1,
+        "schemaVersion": 39,
+        "version": 1,
+        "refresh": "30s",
+        "time": {"from": "now-3h", "to": "now"},
+        "timezone": "browser",
+        "annotations": {"list": []},
+        "links": [],
+        "templating": {"list": [
+            {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
+             "current": {}, "hide": 0, "refresh": 1, "options": []},
+            var("job", "label_values(packscore_ready, job)", "Job"),
+            var("instance", 'label_values(packscore_ready{job=~"$job"}, instance)', "Instance"),
+        ]},
+        "panels": g.panels,
+    }
+
+
+def render() -> str:
+    return json.dumps(build(), indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    OUT.write_text(render())
+    print(f"wrote {OUT}")

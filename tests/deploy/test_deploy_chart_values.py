@@ -1,0 +1,361 @@
+"""The Helm chart turns values into the objects its README promises (rendered by Helm itself)."""
+
+from __future__ import annotations
+
+import helm_python as helm
+import pytest
+import yaml
+
+from deploy_helpers import (
+    CHART, CLI_OPTIONS, NAMESPACE, RELEASE, VALUE_SETS, arg_value, by_kind, container, manifests, one, pod_spec,
+    render_chart,
+)
+
+FULLNAME = f"{RELEASE}-packscore"
+
+
+def test_defaults_render_the_core_objects_only():
+    kinds = sorted(d["kind"] for d in manifests())
+    assert kinds == ["Deployment", "PodDisruptionBudget", "Service", "ServiceAccount"]
+    for d in manifests():
+        assert d["metadata"]["name"] == FULLNAME
+        assert d["metadata"]["namespace"] == NAMESPACE
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4, 8])
+def test_gpus_become_resource_requests_limits_and_world_size(gpus):
+    c = container({"gpus": gpus})
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == gpus
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == gpus
+    assert arg_value(c["args"], "--world-size") == str(gpus)  # worldSize 0: one worker per GPU
+
+
+def test_default_layout_is_one_worker_per_gpu_on_eight_gpus():
+    c = container()
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert arg_value(c["args"], "--world-size") == "8"
+    assert arg_value(c["args"], "--sp") == "1"
+    assert "--fsdp" not in c["args"]
+
+
+def test_parallel_layout_reaches_the_command_line():
+    args = container({"parallel": {"worldSize": 8, "sp": 4, "fsdp": True}})["args"]
+    assert arg_value(args, "--world-size") == "8"
+    assert arg_value(args, "--sp") == "4"
+    assert "--fsdp" in args
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        pytest.param({"parallel": {"worldSize": 8, "sp": 3, "fsdp": False}},
+                     "parallel.worldSize(8) % parallel.sp(3) = 2, must be 0", id="sp-does-not-divide"),
+        pytest.param({"gpus": 4, "parallel": {"worldSize": 8, "sp": 1, "fsdp": False}},
+                     "parallel.worldSize(8) > gpus(4)", id="more-workers-than-gpus"),
+        pytest.param({"gpus": 6, "parallel": {"worldSize": 0, "sp": 4, "fsdp": False}},
+                     "parallel.worldSize(6) % parallel.sp(4) = 2, must be 0", id="default-world-size-checked"),
+    ],
+)
+def test_impossible_layouts_fail_with_the_arithmetic(values, message):
+    with pytest.raises(helm.HelmError) as err:
+        render_chart(values)
+    assert message in str(err.value)
+
+
+def test_server_options_become_flags_and_large_numbers_stay_integers():
+    args = container({"server": {
+        "maxBatchTokens": 65536, "maxWaitMs": 0, "maxQueuedTokens": 4_000_000,
+        "maxRequestBytes": 268_435_456, "maxModelLen": 262_144, "dtype": "bfloat16",
+        "allowSlowKernels": True, "extraArgs": ["--device", "cuda"],
+    }})["args"]
+    assert arg_value(args, "--max-batch-tokens") == "65536"
+    assert arg_value(args, "--max-wait-ms") == "0"
+    assert arg_value(args, "--max-queued-tokens") == "4000000"  # not 4e+06
+    assert arg_value(args, "--max-request-bytes") == "268435456"
+    assert arg_value(args, "--max-model-len") == "262144"
+    assert arg_value(args, "--dtype") == "bfloat16"
+    assert "--allow-slow-kernels" in args
+    assert args[-2:] == ["--device", "cuda"]
+
+
+def test_unset_server_options_are_left_to_the_server():
+    args = container()["args"]
+    for flag in ["--max-batch-tokens", "--max-wait-ms", "--max-queued-tokens", "--max-request-bytes",
+                 "--max-model-len", "--dtype", "--allow-slow-kernels"]:
+        assert flag not in args
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_every_flag_is_a_documented_packscore_serve_option(name):
+    args = container(VALUE_SETS[name])["args"]
+    flags = {a for a in args if a.startswith("--")}
+    assert flags <= CLI_OPTIONS, flags - CLI_OPTIONS
+    assert "command" not in container(VALUE_SETS[name])  # the image's ENTRYPOINT: packscore serve
+    assert arg_value(args, "--host") == "0.0.0.0"
+
+
+def test_api_key_comes_from_the_secret_into_packscore_api_key():
+    c = container({"apiKey": {"secretName": "ps-key", "secretKey": "token"}})
+    (env,) = [e for e in c["env"] if e["name"] == "PACKSCORE_API_KEY"]
+    assert env == {"name": "PACKSCORE_API_KEY",
+                   "valueFrom": {"secretKeyRef": {"name": "ps-key", "key": "token"}}}
+    assert "--api-key" not in c["args"]  # never on the command line, where `ps` shows it
+
+
+def test_no_api_key_without_a_secret():
+    c = container()
+    assert all(e["name"] != "PACKSCORE_API_KEY" for e in c["env"])
+    rendered = "".join(render_chart().values())
+    assert "secretKeyRef" not in rendered
+    assert "kind: Secret\n" not in rendered  # the chart never creates the key itself
+
+
+def test_probes_hit_the_documented_paths():
+    c = container()
+    port = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert port == {"http": 8000}
+    for probe, path in [("startupProbe", "/readyz"), ("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")]:
+        assert c[probe]["httpGet"] == {"path": path, "port": "http"}, probe
+
+
+def test_startup_probe_allows_thirty_minutes_to_load_a_checkpoint():
+    p = container()["startupProbe"]
+    assert p["periodSeconds"] * p["failureThreshold"] >= 30 * 60
+    # Liveness only starts once startup passed; it must not kill a slow but live pod sooner.
+    live = container()["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] >= 60
+
+
+@pytest.mark.parametrize(("drain", "pre_stop", "margin"), [(60, 0, 30), (300, 5, 30), (0, 0, 1)])
+def test_termination_grace_outlasts_the_drain(drain, pre_stop, margin):
+    values = {"server": {"drainTimeoutS": drain}, "preStopSleepS": pre_stop, "terminationGraceMarginS": margin}
+    spec = pod_spec(values)
+    (c,) = spec["containers"]
+    assert arg_value(c["args"], "--drain-timeout-s") == str(drain)
+    assert spec["terminationGracePeriodSeconds"] == pre_stop + drain + margin
+    assert spec["terminationGracePeriodSeconds"] > pre_stop + drain
+    if pre_stop:
+        assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(pre_stop)]
+    else:
+        assert "lifecycle" not in c
+
+
+def test_dev_shm_is_a_size_limited_memory_emptydir():
+    spec = pod_spec({"shm": {"sizeLimit": "32Gi"}})
+    (c,) = spec["containers"]
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    (vol,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert vol["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+
+
+def test_security_context_is_locked_down():
+    spec = pod_spec()
+    pod = spec["securityContext"]
+    assert pod["runAsNonRoot"] is True and pod["runAsUser"] == 1000
+    assert pod["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = spec["containers"][0]["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["privileged"] is False
+    assert sc["runAsNonRoot"] is True
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert spec["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_every_path_the_server_writes_is_on_a_writable_volume(name):
+    spec = pod_spec(VALUE_SETS[name])
+    (c,) = spec["containers"]
+    writable = [m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    paths = [env[k] for k in ["TRITON_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME", "TMPDIR"]]
+    paths.append(arg_value(c["args"], "--triton-cache-dir"))
+    for path in paths:
+        assert any(path == m or path.startswith(m.rstrip("/") + "/") for m in writable), (path, writable)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for mount in ["/tmp", "/cache"]:
+        (m,) = [m for m in c["volumeMounts"] if m["mountPath"] == mount]
+        assert "emptyDir" in volumes[m["name"]] or "persistentVolumeClaim" in volumes[m["name"]]
+
+
+def test_triton_cache_can_live_on_an_existing_claim():
+    spec = pod_spec({"cache": {"sizeLimit": "8Gi", "existingClaim": "triton-cache"}})
+    (vol,) = [v for v in spec["volumes"] if v["name"] == "cache"]
+    assert vol == {"name": "cache", "persistentVolumeClaim": {"claimName": "triton-cache"}}
+
+
+def test_scheduled_onto_h200_nodes():
+    spec = pod_spec()
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    assert "runtimeClassName" not in spec
+    assert pod_spec({"runtimeClassName": "nvidia"})["runtimeClassName"] == "nvidia"
+
+
+MODEL_SOURCES = [
+    pytest.param({"type": "none"}, None, id="none-preset"),
+    pytest.param({"type": "pvc", "pvc": {"claimName": "models"}},
+                 {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}}, id="pvc"),
+    pytest.param({"type": "hostPath", "hostPath": {"path": "/mnt/models", "type": "Directory"}},
+                 {"hostPath": {"path": "/mnt/models", "type": "Directory"}}, id="hostPath"),
+    pytest.param({"type": "nfs", "nfs": {"server": "10.0.0.5", "path": "/export/models"}},
+                 {"nfs": {"server": "10.0.0.5", "path": "/export/models", "readOnly": True}}, id="nfs"),
+]
+
+
+@pytest.mark.parametrize(("source", "volume_source"), MODEL_SOURCES)
+def test_model_volume_variants_are_mounted_read_only(source, volume_source):
+    path = "tiny" if source["type"] == "none" else "/models/Qwen3.5-9B"
+    spec = pod_spec({"model": {"path": path, "mountPath": "/models", "source": source}})
+    (c,) = spec["containers"]
+    assert arg_value(c["args"], "--model") == path
+    model_mounts = [m for m in c["volumeMounts"] if m["name"] == "model"]
+    model_volumes = [v for v in spec["volumes"] if v["name"] == "model"]
+    if volume_source is None:
+        assert model_mounts == [] and model_volumes == []
+        return
+    (mount,) = model_mounts
+    assert mount == {"name": "model", "mountPath": "/models", "readOnly": True}
+    (volume,) = model_volumes
+    assert volume == {"name": "model", **volume_source}
+
+
+def test_pvc_sub_path_is_mounted():
+    spec = pod_spec({"model": {"path": "/models/Qwen3.5-27B", "mountPath": "/models",
+                               "source": {"type": "pvc", "pvc": {"claimName": "models", "subPath": "qwen"}}}})
+    (mount,) = [m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "model"]
+    assert mount == {"name": "model", "mountPath": "/models", "readOnly": True, "subPath": "qwen"}
+
+
+@pytest.mark.parametrize(
+    ("source", "where"),
+    [
+        pytest.param({"type": "pvc"}, "/model/source", id="pvc-without-claim"),
+        pytest.param({"type": "pvc", "pvc": {"claimName": ""}}, "/model/source/pvc/claimName", id="pvc-empty-claim"),
+        pytest.param({"type": "hostPath", "hostPath": {"path": "relative"}}, "/model/source/hostPath/path",
+                     id="hostPath-relative"),
+        pytest.param({"type": "nfs", "nfs": {"server": "", "path": "/x"}}, "/model/source/nfs/server",
+                     id="nfs-without-server"),
+        pytest.param({"type": "s3"}, "/model/source/type", id="unknown-type"),
+    ],
+)
+def test_incomplete_model_sources_are_rejected_by_the_schema(source, where):
+    with pytest.raises(helm.HelmValuesError) as err:
+        render_chart({"model": {"path": "/models/x", "mountPath": "/models", "source": source}})
+    assert where in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("values", "where"),
+    [
+        pytest.param({"gpus": 0}, "/gpus", id="zero-gpus"),
+        pytest.param({"gpu": 8}, "additional properties 'gpu'", id="typo-top-level"),
+        pytest.param({"server": {"port": 8000, "drainTimeoutS": 60, "drainTimeout": 5}},
+                     "additional properties 'drainTimeout'", id="typo-nested"),
+        pytest.param({"parallel": {"worldSize": 8, "sp": 0, "fsdp": False}}, "/parallel/sp", id="sp-zero"),
+        pytest.param({"shm": {"sizeLimit": "lots"}}, "/shm/sizeLimit", id="bad-quantity"),
+        pytest.param({"probes": {"startup": {"path": "readyz", "periodSeconds": 10, "failureThreshold": 1,
+                                             "timeoutSeconds": 1}}}, "/probes/startup/path", id="relative-probe-path"),
+    ],
+)
+def test_schema_rejects_bad_values(values, where):
+    with pytest.raises(helm.HelmValuesError) as err:
+        render_chart(values)
+    assert where in str(err.value)
+
+
+OPTIONAL = [
+    pytest.param("serviceMonitor", "ServiceMonitor", False, id="ServiceMonitor"),
+    pytest.param("autoscaling", "HorizontalPodAutoscaler", False, id="HPA"),
+    pytest.param("networkPolicy", "NetworkPolicy", False, id="NetworkPolicy"),
+    pytest.param("podDisruptionBudget", "PodDisruptionBudget", True, id="PodDisruptionBudget"),
+]
+
+
+@pytest.mark.parametrize(("key", "kind", "default_on"), OPTIONAL)
+def test_optional_objects_exist_only_when_enabled(key, kind, default_on):
+    assert len(by_kind(manifests(), kind)) == (1 if default_on else 0)
+    assert len(by_kind(manifests({key: {"enabled": True}}), kind)) == 1
+    assert by_kind(manifests({key: {"enabled": False}}), kind) == []
+
+
+def test_service_account_is_optional():
+    assert one(manifests(), "ServiceAccount")["automountServiceAccountToken"] is False
+    docs = manifests({"serviceAccount": {"create": False, "name": "shared"}})
+    assert by_kind(docs, "ServiceAccount") == []
+    assert one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "shared"
+
+
+def test_hpa_scales_on_queued_tokens_and_owns_the_replica_count():
+    docs = manifests({"replicaCount": 3, "autoscaling": {
+        "enabled": True, "minReplicas": 2, "maxReplicas": 5, "targetQueuedTokens": 3_000_000}})
+    hpa = one(docs, "HorizontalPodAutoscaler")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": FULLNAME}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 5)
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric == {"type": "Pods", "pods": {"metric": {"name": "packscore_queued_tokens"},
+                                               "target": {"type": "AverageValue", "averageValue": "3000000"}}}
+    assert "replicas" not in one(docs, "Deployment")["spec"]
+    assert one(manifests({"replicaCount": 3}), "Deployment")["spec"]["replicas"] == 3
+
+
+def test_service_monitor_scrapes_metrics_and_sends_the_api_key():
+    sm = one(manifests({"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}), "ServiceMonitor")
+    (ep,) = sm["spec"]["endpoints"]
+    assert (ep["port"], ep["path"]) == ("http", "/metrics")
+    assert "authorization" not in ep
+    assert sm["metadata"]["labels"]["release"] == "prom"
+    svc = one(manifests(), "Service")
+    assert sm["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"]
+    sm = one(manifests({"serviceMonitor": {"enabled": True},
+                        "apiKey": {"secretName": "ps-key", "secretKey": "api-key"}}), "ServiceMonitor")
+    (ep,) = sm["spec"]["endpoints"]
+    assert ep["authorization"] == {"type": "Bearer", "credentials": {"name": "ps-key", "key": "api-key"}}
+
+
+def test_network_policy_opens_only_the_http_port():
+    peers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "trainers"}}}]
+    np = one(manifests({"networkPolicy": {"enabled": True, "from": peers}}), "NetworkPolicy")
+    assert np["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = np["spec"]["ingress"]
+    assert rule == {"ports": [{"port": "http", "protocol": "TCP"}], "from": peers}
+    assert np["spec"]["podSelector"] == {"matchLabels": one(manifests(), "Service")["spec"]["selector"]}
+
+
+def test_pod_disruption_budget_min_available_replaces_max_unavailable():
+    assert one(manifests(), "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
+    pdb = one(manifests({"podDisruptionBudget": {"enabled": True, "minAvailable": "50%"}}), "PodDisruptionBudget")
+    assert pdb["spec"]["minAvailable"] == "50%" and "maxUnavailable" not in pdb["spec"]
+
+
+def test_service_targets_the_container_port():
+    svc = one(manifests({"service": {"type": "ClusterIP", "port": 80}}), "Service")
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]
+    dep = one(manifests(), "Deployment")
+    assert dep["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"]
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= labels.items()
+
+
+def test_image_defaults_to_the_chart_app_version():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert container()["image"] == f"packscore:{chart['appVersion']}"
+    assert container({"image": {"repository": "r.example.com/p", "tag": "abc", "pullPolicy": "Always"}})["image"] \
+        == "r.example.com/p:abc"
+
+
+def test_notes_tell_how_to_reach_the_service():
+    notes = render_chart({"apiKey": {"secretName": "ps-key", "secretKey": "api-key"}})["packscore/templates/NOTES.txt"]
+    assert f"svc/{FULLNAME}" in notes
+    assert f"http://{FULLNAME}.{NAMESPACE}.svc:8000/score" in notes
+    assert "Authorization: Bearer" in notes
+    assert "No API key" in render_chart()["packscore/templates/NOTES.txt"]
+
+
+def test_extra_env_passes_through():
+    c = container({"env": [{"name": "NCCL_DEBUG", "value": "WARN"}],
+                   "envFrom": [{"secretRef": {"name": "extra"}}]})
+    assert {"name": "NCCL_DEBUG", "value": "WARN"} in c["env"]
+    assert c["envFrom"] == [{"secretRef": {"name": "extra"}}]

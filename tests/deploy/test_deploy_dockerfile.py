@@ -1,0 +1,272 @@
+"""The Dockerfile: hadolint-clean, built the way the issue and the README say, consistent with the chart.
+
+No container engine runs here, so the image itself is not built by these tests.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy_helpers import CHART, REPO, find_tool, load_module
+
+DOCKERFILE = REPO / "Dockerfile"
+cuda_arch = load_module(REPO / "deploy" / "docker" / "cuda_arch.py")
+
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not pending and (not stripped or stripped.startswith("#")):
+            continue
+        if pending and stripped.startswith("#"):
+            continue
+        pending += " " + stripped
+        if pending.endswith("\\"):
+            pending = pending[:-1]
+            continue
+        keyword, _, rest = pending.strip().partition(" ")
+        out.append((keyword.upper(), rest.strip()))
+        pending = ""
+    assert not pending, "dangling line continuation"
+    return out
+
+
+def stages(text: str) -> dict[str, list[tuple[str, str]]]:
+    """Instructions per build stage, keyed by the stage name (`FROM ... AS name`)."""
+    result: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    for keyword, rest in instructions(text):
+        if keyword == "FROM":
+            m = re.fullmatch(r"(\S+)\s+AS\s+(\S+)", rest, re.IGNORECASE)
+            assert m, f"every stage is named: FROM {rest}"
+            current = m.group(2)
+            result[current] = [(keyword, m.group(1))]
+        elif current is not None:
+            result[current].append((keyword, rest))
+    return result
+
+
+def args_of(stage: list[tuple[str, str]], keyword: str) -> list[str]:
+    return [rest for k, rest in stage if k == keyword]
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> str:
+    return DOCKERFILE.read_text()
+
+
+def test_hadolint_is_clean():
+    result = subprocess.run([find_tool("hadolint"), "--no-color", str(DOCKERFILE)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_reports_problems(tmp_path):
+    """Guards the check above against passing vacuously."""
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu\nRUN cd /tmp && apt-get install curl\n")
+    result = subprocess.run([find_tool("hadolint"), "--no-color", str(bad)], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "DL3000" in result.stdout or "DL3003" in result.stdout, result.stdout
+
+
+def test_two_stages_from_cuda_devel_and_cuda_runtime(dockerfile):
+    s = stages(dockerfile)
+    assert list(s) == ["build", "runtime"]
+    args = {rest.split("=")[0]: rest.split("=", 1)[1] for k, rest in instructions(dockerfile)[:4] if k == "ARG"}
+    image = {name: stage[0][1].replace("${CUDA_VERSION}", args["CUDA_VERSION"])
+             .replace("${UBUNTU_VERSION}", args["UBUNTU_VERSION"]) for name, stage in s.items()}
+    assert re.fullmatch(r"nvidia/cuda:12\.8\.\d+-cudnn-devel-ubuntu24\.04", image["build"]), image
+    assert re.fullmatch(r"nvidia/cuda:12\.8\.\d+-runtime-ubuntu24\.04", image["runtime"]), image
+    assert "nvcr.io/nvidia/pytorch" not in dockerfile
+
+
+def test_build_stage_compiles_causal_conv1d_for_hopper(dockerfile):
+    build = stages(dockerfile)["build"]
+    env = " ".join(args_of(build, "ENV"))
+    assert "TORCH_CUDA_ARCH_LIST=9.0" in env
+    assert "CAUSAL_CONV1D_FORCE_BUILD=TRUE" in env  # never fetch a prebuilt wheel
+    run = " ".join(args_of(build, "RUN"))
+    assert "cuda_arch.py patch" in run and "cuda_arch.py check" in run
+    assert "pip wheel --no-deps --no-build-isolation" in run
+
+
+def test_runtime_installs_a_cuda_torch_then_the_project_with_the_gpu_extra(dockerfile):
+    runtime = stages(dockerfile)["runtime"]
+    run = args_of(runtime, "RUN")
+    torch_step = next(i for i, r in enumerate(run) if "pip install torch==" in r)
+    assert re.search(r"pip install torch==\$\{TORCH_VERSION\} --index-url \$\{TORCH_INDEX_URL\}", run[torch_step])
+    defaults = dict(a.split("=", 1) for a in args_of(runtime, "ARG"))
+    assert defaults["TORCH_VERSION"] == "2.11.0"
+    assert defaults["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cu128"
+    wheel_step = next(i for i, r in enumerate(run) if "causal_conv1d-*.whl" in r)
+    project_step = next(i for i, r in enumerate(run) if '"/src[gpu]"' in r)
+    assert torch_step < wheel_step < project_step
+    assert "from=build" in run[wheel_step]
+
+
+def test_install_steps_match_the_readme_and_the_gpu_extra(dockerfile):
+    readme = (REPO / "README.md").read_text()
+    assert "'.[gpu]'" in readme and "CUDA build of torch first" in readme
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    gpu = " ".join(extras["gpu"])
+    assert "flash-linear-attention" in gpu and "causal-conv1d" in gpu
+
+
+def test_runtime_runs_packscore_serve_as_uid_1000(dockerfile):
+    runtime = stages(dockerfile)["runtime"]
+    assert args_of(runtime, "USER") == ["1000:1000"]
+    assert json.loads(args_of(runtime, "ENTRYPOINT")[0]) == ["packscore", "serve"]
+    assert args_of(runtime, "EXPOSE") == ["8000"]
+    assert "useradd --uid 1000" in " ".join(args_of(runtime, "RUN"))
+    # USER comes after every RUN, so nothing at run time has root's rights.
+    keywords = [k for k, _ in runtime]
+    assert max(i for i, k in enumerate(keywords) if k == "RUN") < keywords.index("USER")
+
+
+def test_healthcheck_polls_healthz(dockerfile):
+    (check,) = args_of(stages(dockerfile)["runtime"], "HEALTHCHECK")
+    assert "/healthz" in check and "PACKSCORE_PORT" in check
+    assert re.search(r"--start-period=\d+", check)
+
+
+def test_triton_cache_directory_is_writable_and_shared_with_the_chart(dockerfile):
+    runtime = stages(dockerfile)["runtime"]
+    env = " ".join(args_of(runtime, "ENV"))
+    assert "TRITON_CACHE_DIR=/cache/triton" in env
+    assert "mkdir -p /cache/triton" in " ".join(args_of(runtime, "RUN"))
+    assert "chown -R 1000:1000 /cache" in " ".join(args_of(runtime, "RUN"))
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["podSecurityContext"]["runAsUser"] == 1000
+    assert values["server"]["port"] == 8000
+    deployment = (CHART / "templates" / "deployment.yaml").read_text()
+    assert "mountPath: /cache\n" in deployment and "/cache/triton" in deployment
+
+
+def _dockerignore_patterns() -> list[tuple[bool, re.Pattern[str]]]:
+    """(negated, regex) for the subset of .dockerignore syntax used here: *, ** and ! lines."""
+    rules = []
+    for raw in (REPO / ".dockerignore").read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate = line.startswith("!")
+        pattern = line.lstrip("!").strip("/")
+        regex = ""
+        i = 0
+        while i < len(pattern):
+            if pattern.startswith("**/", i):
+                regex += "(?:.*/)?"
+                i += 3
+            elif pattern[i] == "*":
+                regex += "[^/]*"
+                i += 1
+            else:
+                regex += re.escape(pattern[i])
+                i += 1
+        rules.append((negate, re.compile(regex)))
+    return rules
+
+
+def in_context(path: str) -> bool:
+    """Docker's rule: the last matching pattern decides; a pattern on a folder covers its contents."""
+    parts = path.split("/")
+    included = True
+    for negate, regex in _dockerignore_patterns():
+        if any(regex.fullmatch("/".join(parts[:n])) for n in range(1, len(parts) + 1)):
+            included = negate
+    return included
+
+
+@pytest.mark.parametrize("path", [
+    "pyproject.toml", "README.md", "model_runtime/model.py", "service/cli.py", "deploy/docker/cuda_arch.py",
+])
+def test_dockerignore_keeps_what_the_build_reads(path):
+    assert in_context(path)
+
+
+@pytest.mark.parametrize("path", [
+    ".venv/bin/python", ".git/HEAD", "tests/unit/test_x.py", "bench/run.py", "build/x.whl",
+    "model_runtime/__pycache__/model.cpython-311.pyc", "packscore.egg-info/PKG-INFO", "Dockerfile",
+    "deploy/helm/packscore/values.yaml", "models/Qwen3.5-9B/model.safetensors",
+])
+def test_dockerignore_leaves_out_everything_else(path):
+    assert not in_context(path)
+
+
+def test_every_copied_path_is_in_the_build_context(dockerfile):
+    for keyword, rest in instructions(dockerfile):
+        if keyword == "COPY" and "--from=" not in rest:
+            *sources, _dest = rest.split()
+            for source in sources:
+                assert (REPO / source).exists() and in_context(source), source
+
+
+# cuda_arch.py: runs inside the build stage, so it is tested here on a stand-in setup.py
+# shaped like causal-conv1d's (pairs of cc_flag.append lines inside version checks).
+FAKE_SETUP = '''
+cc_flag = []
+if True:
+    cc_flag.append("-gencode")
+    cc_flag.append("arch=compute_80,code=sm_80")
+    if bare_metal_version >= 11.8:
+        cc_flag.append("-gencode")
+        cc_flag.append("arch=compute_90,code=sm_90")
+    if bare_metal_version >= 12.8:
+        cc_flag.append("-gencode")
+        cc_flag.append("arch=compute_100,code=sm_100")
+'''
+
+
+def _flags(source: str, version: float) -> list[str]:
+    scope = {"bare_metal_version": version}
+    exec(compile(source, "setup.py", "exec"), scope)
+    return scope["cc_flag"]
+
+
+@pytest.mark.parametrize(("arch_list", "expected"), [
+    ("9.0", {"90"}), ("8.0;9.0", {"80", "90"}), ("9.0+PTX", {"90"}), (" 9.0 10.0 ", {"90", "100"}), ("9.0a", {"90a"}),
+])
+def test_cuda_arch_list_parsing(arch_list, expected):
+    assert cuda_arch.parse_arch_list(arch_list) == expected
+
+
+@pytest.mark.parametrize("arch_list", ["", "sm_90", "9"])
+def test_cuda_arch_list_rejects_nonsense(arch_list):
+    with pytest.raises(ValueError):
+        cuda_arch.parse_arch_list(arch_list)
+
+
+def test_patch_keeps_only_hopper_and_stays_valid_python(tmp_path):
+    setup = tmp_path / "setup.py"
+    setup.write_text(FAKE_SETUP)
+    cuda_arch.patch(setup, "9.0")
+    assert _flags(setup.read_text(), 12.8) == ["-gencode", "arch=compute_90,code=sm_90"]
+    assert _flags(FAKE_SETUP, 12.8) == ["-gencode", "arch=compute_80,code=sm_80", "-gencode",
+                                        "arch=compute_90,code=sm_90", "-gencode", "arch=compute_100,code=sm_100"]
+    cuda_arch.patch(setup, "9.0")  # idempotent
+    assert _flags(setup.read_text(), 12.8) == ["-gencode", "arch=compute_90,code=sm_90"]
+
+
+def test_patch_fails_loudly_when_the_wanted_arch_is_missing(tmp_path):
+    setup = tmp_path / "setup.py"
+    setup.write_text(FAKE_SETUP)
+    with pytest.raises(SystemExit, match="no gencode pair for sm_89"):
+        cuda_arch.patch(setup, "8.9")
+    assert setup.read_text() == FAKE_SETUP  # untouched
+
+
+def test_elf_listing_names_the_architectures():
+    listing = "ELF file    1: causal_conv1d_cuda.1.sm_90.cubin\nELF file    2: causal_conv1d_cuda.2.sm_90.cubin\n"
+    assert cuda_arch.arches_in_listing(listing) == {"90"}
+    assert cuda_arch.arches_in_listing(listing + "ELF file    3: x.3.sm_100.cubin\n") == {"90", "100"}

@@ -1,0 +1,141 @@
+"""The Grafana dashboard: generated from its script, valid PromQL, only the documented packscore_ metrics."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import promql_parser
+import pytest
+
+from deploy_helpers import REPO, load_module
+
+DASHBOARD = REPO / "deploy" / "grafana" / "packscore-dashboard.json"
+builder = load_module(REPO / "deploy" / "grafana" / "build_dashboard.py")
+
+# The metric names the service exports (issue 6), by Prometheus type.
+COUNTERS = {"packscore_requests_total", "packscore_tokens_scored_total", "packscore_rejections_total"}
+HISTOGRAMS = {"packscore_request_latency_seconds", "packscore_queue_wait_seconds", "packscore_forward_seconds",
+              "packscore_batch_tokens", "packscore_batch_fill_ratio"}
+GAUGES = {"packscore_queued_tokens", "packscore_queued_sequences", "packscore_ready", "packscore_workers_alive"}
+INFOS = {"packscore_model_info", "packscore_kernel_info"}
+LABELS = {
+    "packscore_requests_total": {"route", "status"},
+    "packscore_rejections_total": {"reason"},
+    "packscore_request_latency_seconds_bucket": {"route"},
+    "packscore_model_info": {"model", "architecture", "dtype", "device", "weights_version"},
+    "packscore_kernel_info": {"family", "backend"},
+}
+# Labels every series gets from the scrape, not from the service.
+SCRAPE_LABELS = {"job", "instance"}
+# Grafana substitutes these before the query reaches Prometheus.
+GRAFANA_VARIABLES = {"$__rate_interval": "1m"}
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def queries(dashboard: dict) -> list[tuple[str, str]]:
+    return [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def parse(expr: str) -> promql_parser.Expr:
+    for name, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(name, value)
+    return promql_parser.parse(expr)
+
+
+def selectors(expr: str) -> list[promql_parser.VectorSelector]:
+    found = []
+    def visit(node, *_):
+        if isinstance(node, promql_parser.VectorSelector):
+            found.append(node)
+
+    promql_parser.walk(parse(expr), visit)
+    return found
+
+
+def test_committed_json_is_the_generator_output():
+    assert DASHBOARD.read_text() == builder.render(), "run: python deploy/grafana/build_dashboard.py"
+
+
+def test_every_query_is_valid_promql(dashboard):
+    assert len(queries(dashboard)) >= 20
+    for title, expr in queries(dashboard):
+        try:
+            parse(expr)
+        except ValueError as e:
+            pytest.fail(f"{title}: {expr}: {e}")
+
+
+def test_the_parser_rejects_broken_promql():
+    """Guards the check above against passing vacuously."""
+    with pytest.raises(ValueError, match="unclosed"):
+        parse("sum(rate(packscore_requests_total[$__rate_interval])")
+
+
+def test_only_documented_metrics_and_every_one_of_them(dashboard):
+    used = {s.name for _, expr in queries(dashboard) for s in selectors(expr)}
+    allowed = COUNTERS | GAUGES | INFOS | {f"{h}_{suffix}" for h in HISTOGRAMS for suffix in ("bucket", "sum", "count")}
+    assert used <= allowed, used - allowed
+    base = {name.rsplit("_", 1)[0] if name.rsplit("_", 1)[0] in HISTOGRAMS else name for name in used}
+    assert base == COUNTERS | GAUGES | INFOS | HISTOGRAMS, (COUNTERS | GAUGES | INFOS | HISTOGRAMS) - base
+
+
+def test_counters_and_histograms_are_read_as_rates(dashboard):
+    for title, expr in queries(dashboard):
+        for name in COUNTERS | {f"{h}_bucket" for h in HISTOGRAMS}:
+            if name in expr:
+                assert f"rate({name}" in expr, f"{title}: {name} used without rate(): {expr}"
+        if "histogram_quantile(" in expr:
+            assert "by (le" in expr, f"{title}: quantile without le: {expr}"
+
+
+def labels_of(metric: str) -> set[str]:
+    labels = LABELS.get(metric, set())
+    if metric.endswith("_bucket"):
+        labels = labels | {"le"}
+    return SCRAPE_LABELS | labels
+
+
+def test_labels_in_queries_exist_on_the_metrics(dashboard):
+    by_clause = re.compile(r"by \(([^)]*)\)")
+    for title, expr in queries(dashboard):
+        metrics = [s.name for s in selectors(expr)]
+        available = set().union(*map(labels_of, metrics))
+        for group in by_clause.findall(expr):
+            labels = {label.strip() for label in group.split(",")}
+            assert labels <= available, f"{title}: {labels - available} not on {metrics}"
+        for s in selectors(expr):
+            names = {m.name for m in s.matchers.matchers} - {"__name__"}
+            assert names <= labels_of(s.name), f"{title}: {names} on {s.name}"
+
+
+def test_panels_are_laid_out_without_overlap(dashboard):
+    panels = dashboard["panels"]
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids))
+    cells = set()
+    for p in panels:
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, f"{p['title']} overlaps at {(x, y)}"
+                cells.add((x, y))
+
+
+def test_every_panel_uses_the_datasource_variable_and_filters(dashboard):
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert {"datasource", "job", "instance"} <= variables
+    for p in dashboard["panels"]:
+        if p["type"] == "row":
+            continue
+        assert p["datasource"]["uid"] == "${datasource}", p["title"]
+        assert p.get("description"), p["title"]
+        for t in p["targets"]:
+            assert t["datasource"]["uid"] == "${datasource}"
+            assert 'job=~"$job"' in t["expr"] and 'instance=~"$instance"' in t["expr"], (p["title"], t["expr"])
+    assert dashboard["uid"] == "packscore-overview"
