@@ -1,0 +1,376 @@
+"""The HTTP app: ``create_app(settings, backend)`` builds it; nothing lives at module level.
+
+Routes follow API.md: POST /score (alias /v1/score), GET /healthz, /readyz, /metrics,
+/v1/models. Every error is the contract's JSON body, whatever the request's encoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from model_runtime.scorer import SequenceScores
+from service import metrics as metrics_module
+from service.encoding import CONTENT_TYPE, JSON, MSGPACK, encode_json, encode_score_response, request_encoding
+from service.encoding import decode_body, response_encoding
+from service.errors import ERROR_RESPONSES, ApiError, from_validation_errors
+from service.runtime import BackendSource, Service
+from service.scheduler import Scheduler, Ticket
+from service.schemas import ErrorResponse, Health, ModelList, Readiness, ScoreRequest, ScoreResponse, Usage
+from service.settings import Settings
+from service.validation import ScoreJob, parse_score_request
+
+log = logging.getLogger(__name__)
+
+SCORE_ROUTES = ("/score", "/v1/score")
+_OPEN_ROUTES = frozenset({"/healthz", "/readyz"})  # no API key: probes must work without secrets
+_SERVED_WHILE_DRAINING = _OPEN_ROUTES | {"/metrics"}
+_ROUTE_LABELS = frozenset({*SCORE_ROUTES, "/healthz", "/readyz", "/metrics", "/v1/models", "/docs", "/openapi.json"})
+_CLIENT_CLOSED = 499  # nginx's convention for "the client went away before the answer"
+
+_BIN = {"type": "string", "format": "binary"}
+_MSGPACK_SCORE_RESPONSE = {
+    "type": "object",
+    "description": "As the JSON answer, but logprobs / entropy / top_k_logprobs are bins of little-endian "
+    "float32 and top_k_ids a bin of int32, top-k flattened row-major [n_scored, k].",
+    "required": ["model", "weights_version", "results", "usage"],
+    "properties": {
+        "model": {"type": "string"},
+        "weights_version": {"type": "string"},
+        "results": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["id", "logprobs"],
+                "properties": {
+                    "id": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                    "logprobs": _BIN,
+                    "entropy": _BIN,
+                    "top_k_ids": _BIN,
+                    "top_k_logprobs": _BIN,
+                },
+            },
+        },
+        "usage": {"$ref": "#/components/schemas/Usage"},
+    },
+}
+_RETRY_AFTER = {"Retry-After": {"description": "whole seconds to wait before retrying", "schema": {"type": "integer"}}}
+
+
+def _errors(*codes: int) -> dict:
+    out = {}
+    for code in codes:
+        out[code] = dict(ERROR_RESPONSES[code])
+        if code in (429, 503):
+            out[code]["headers"] = _RETRY_AFTER
+    return out
+
+
+def error_response(error: ApiError, metrics: metrics_module.Metrics) -> Response:
+    metrics.rejections.labels(reason=error.type).inc()
+    return Response(error.body(), status_code=error.status, media_type=JSON, headers=error.headers)
+
+
+def create_app(settings: Settings, backend: BackendSource) -> FastAPI:
+    """The service app. ``backend`` is a ScoringBackend, or a function that loads one (run in a
+    thread by the lifespan hook, so /healthz answers while the model loads)."""
+    service = Service(settings, backend)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(
+        title="packscore",
+        version="1",
+        description="Per-token log-probabilities and entropy of token sequences under the served model. "
+        "Requests and answers in JSON or msgpack (Content-Type / Accept: application/msgpack).",
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    app.add_middleware(_Gate, service=service)
+    _install_error_handlers(app, service)
+    _add_routes(app, service)
+    app.openapi = lambda: _openapi(app, service)  # type: ignore[method-assign]
+    return app
+
+
+class _Gate:
+    """Wraps every request: counts it in the metrics, checks the API key, refuses while draining.
+
+    A plain ASGI middleware (not BaseHTTPMiddleware) so that handlers still receive the
+    client's disconnect message.
+    """
+
+    def __init__(self, app: ASGIApp, service: Service):
+        self.app = app
+        self.service = service
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        route = path if path in _ROUTE_LABELS else "other"
+        metrics = self.service.metrics
+        started = time.perf_counter()
+        status = 500
+
+        async def send_observed(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            refusal = self._refusal(scope, path)
+            if refusal is not None:
+                await error_response(refusal, metrics)(scope, receive, send_observed)
+            else:
+                await self.app(scope, receive, send_observed)
+        finally:
+            metrics.requests.labels(route=route, status=str(status)).inc()
+            metrics.request_latency.labels(route=route).observe(time.perf_counter() - started)
+
+    def _refusal(self, scope: Scope, path: str) -> ApiError | None:
+        key = self.service.api_key
+        if key is not None and path not in _OPEN_ROUTES:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), key.encode()):
+                return ApiError(
+                    401,
+                    "unauthorized",
+                    "A valid API key is required: send 'Authorization: Bearer <key>'.",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        if self.service.phase == "draining" and path not in _SERVED_WHILE_DRAINING:
+            return _draining_error()
+        return None
+
+
+def _draining_error() -> ApiError:
+    return ApiError(503, "draining", "The server is shutting down; retry on another replica.", headers={"Retry-After": "1"})
+
+
+def _install_error_handlers(app: FastAPI, service: Service) -> None:
+    metrics = service.metrics
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        return error_response(exc, metrics)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(from_validation_errors(list(exc.errors()) or [{}]), metrics)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kinds = {404: "not_found", 405: "method_not_allowed"}
+        message = {404: f"No route {request.url.path}.", 405: f"{request.method} is not allowed on {request.url.path}."}
+        error = ApiError(exc.status_code, kinds.get(exc.status_code, "http_error"),
+                         message.get(exc.status_code, str(exc.detail)), headers=dict(exc.headers or {}))
+        return error_response(error, metrics)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(ApiError(500, "internal_error", "The server failed unexpectedly; this is a bug."), metrics)
+
+
+def _add_routes(app: FastAPI, service: Service) -> None:
+    score_doc = dict(
+        summary="Score token sequences",
+        description="Per-token log-probabilities (and entropy, top-k) for each sequence; see API.md.",
+        response_class=Response,
+        responses={
+            200: {
+                "model": ScoreResponse,
+                "description": "scores, in the encoding named by Accept (default: the request's)",
+                "content": {MSGPACK: {"schema": _MSGPACK_SCORE_RESPONSE}},
+            },
+            **_errors(400, 401, 404, 413, 422, 429, 503, 504),
+        },
+    )
+
+    async def score(request: Request) -> Response:
+        return await _score(request, service)
+
+    for path in SCORE_ROUTES:
+        app.add_api_route(path, score, methods=["POST"], operation_id=f"score{path.replace('/', '_')}", **score_doc)
+
+    @app.get("/healthz", response_model=Health, summary="Liveness: the process serves HTTP")
+    async def healthz() -> Response:
+        return Response(encode_json({"status": "ok"}), media_type=JSON)
+
+    @app.get(
+        "/readyz",
+        response_model=Readiness,
+        summary="Readiness: model loaded, workers alive, a real scoring pass succeeded",
+        responses={503: {"model": Readiness, "description": "not ready, with the reason", "headers": _RETRY_AFTER}},
+    )
+    async def readyz() -> Response:
+        ready, status = await service.readiness()
+        if ready:
+            body = {"status": "ready", "model": service.served_name, "limits": service.limits.as_dict()}
+            return Response(encode_json(body), media_type=JSON)
+        error = {"type": "not_ready", "message": f"Not ready: {status.replace('_', ' ')}.", "param": None}
+        return Response(encode_json({"status": status, "error": error}), status_code=503, media_type=JSON,
+                        headers={"Retry-After": "1" if status == "draining" else "5"})
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response, responses=_errors(401))
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type=metrics_module.CONTENT_TYPE)
+
+    @app.get("/v1/models", response_model=ModelList, summary="The served model", responses=_errors(401, 503))
+    async def models() -> Response:
+        backend = service.backend
+        if backend is None or service.limits is None:
+            raise _not_ready(service)
+        info = backend.info
+        card = {
+            "id": service.served_name,
+            "architecture": info.architecture,
+            "vocab_size": info.vocab_size,
+            "max_model_len": service.limits.max_model_len,
+            "dtype": info.dtype,
+            "device": info.device,
+            "parallel": {k: info.parallel.get(k) for k in ("world_size", "dp", "sp", "fsdp")},
+            "kernels": dict(info.kernels),
+            "weights_version": info.weights_version,
+        }
+        return Response(encode_json({"data": [card]}), media_type=JSON)
+
+
+def _not_ready(service: Service) -> ApiError:
+    if service.phase == "draining":
+        return _draining_error()
+    return ApiError(503, "not_ready", f"The model is not ready yet ({service.phase.replace('_', ' ')}).",
+                    headers={"Retry-After": "5"})
+
+
+async def _score(request: Request, service: Service) -> Response:
+    scheduler, limits = service.scheduler, service.limits
+    if service.phase != "ready" or scheduler is None or limits is None:
+        raise _not_ready(service)
+    in_encoding = request_encoding(request.headers.get("content-type"))
+    try:
+        raw = await _read_body(request, limits.max_request_bytes)
+        job = parse_score_request(decode_body(raw, in_encoding), limits, service.served_name)
+    except ApiError as exc:
+        if exc.status == 413:  # tell the client the limits it must split under
+            exc.headers.update(limits.headers())
+        raise
+    if service.phase != "ready":  # SIGTERM while the body was being read
+        raise _not_ready(service)
+    deadline = time.monotonic() + job.deadline_ms / 1000.0 if job.deadline_ms is not None else None
+    ticket = scheduler.submit(job.sequences, deadline=deadline)
+    service.inflight += 1
+    try:
+        scores = await _wait(request, scheduler, ticket, deadline)
+        if scores is None:
+            service.metrics.rejections.labels(reason="client_disconnected").inc()
+            return Response(status_code=_CLIENT_CLOSED)
+        out_encoding = response_encoding(request.headers.get("accept"), in_encoding)
+        body = _score_body(job, scores, service)
+        return Response(encode_score_response(body, out_encoding), media_type=CONTENT_TYPE[out_encoding],
+                        headers=limits.headers())
+    finally:
+        service.inflight -= 1
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    too_large = ApiError(413, "body_too_large", f"The body exceeds {limit} bytes (max_request_bytes); split the request.")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _wait(request: Request, scheduler: Scheduler, ticket: Ticket, deadline: float | None) -> list[SequenceScores] | None:
+    """The ticket's results; None if the client went away; ApiError 504 past the deadline."""
+    disconnected = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done, _ = await asyncio.wait({ticket.future, disconnected}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        scheduler.cancel(ticket)
+        raise
+    finally:
+        disconnected.cancel()
+    if ticket.future.done():
+        return ticket.future.result()  # raises the ticket's ApiError, if it failed
+    scheduler.cancel(ticket)  # drops its sequences that have not started
+    if disconnected in done:
+        return None
+    raise ApiError(504, "deadline_exceeded", "deadline_ms passed before the result was ready.", "deadline_ms")
+
+
+async def _until_disconnect(request: Request) -> None:
+    # The body has been read; the server's next message is http.disconnect once the client goes.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _score_body(job: ScoreJob, scores: list[SequenceScores], service: Service) -> dict:
+    results = []
+    for seq_id, s in zip(job.ids, scores):
+        result = {"id": seq_id, "logprobs": s.logprobs}
+        if job.return_entropy:
+            result["entropy"] = s.entropy
+        if job.top_k:
+            result["top_k_ids"] = s.top_k_ids
+            result["top_k_logprobs"] = s.top_k_logprobs
+        results.append(result)
+    assert service.backend is not None
+    return {
+        "model": service.served_name,
+        "weights_version": service.backend.info.weights_version,
+        "results": results,
+        "usage": {"input_tokens": job.input_tokens, "scored_tokens": job.scored_tokens},
+    }
+
+
+def _openapi(app: FastAPI, service: Service) -> dict:
+    """FastAPI's schema plus the /score request body, which the route decodes itself (JSON or msgpack)."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    request_schema = ScoreRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    components.update(request_schema.pop("$defs", {}))
+    components["ScoreRequest"] = request_schema
+    for model in (ErrorResponse, Usage):
+        components.setdefault(model.__name__, model.model_json_schema(ref_template="#/components/schemas/{model}"))
+    ref = {"$ref": "#/components/schemas/ScoreRequest"}
+    body = {"required": True, "content": {JSON: {"schema": ref}, MSGPACK: {"schema": ref}}}
+    for path in SCORE_ROUTES:
+        schema["paths"][path]["post"]["requestBody"] = body
+    if service.api_key is not None:
+        schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for path, operations in schema["paths"].items():
+            if path not in _OPEN_ROUTES:
+                for operation in operations.values():
+                    operation["security"] = [{"bearer": []}]
+    app.openapi_schema = schema
+    return schema

@@ -1,0 +1,183 @@
+"""``packscore serve`` and ``packscore score``: one Settings object, built once here and passed down.
+
+Every option is generated from a field of ``Settings`` (its description is the help text) and
+also reads ``PACKSCORE_<OPTION>``; the command line wins over the environment. Nothing from
+``model_runtime`` is imported before ``--triton-cache-dir`` has been put into the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Sequence
+
+from pydantic import SecretStr, ValidationError
+
+from service.settings import Settings
+
+log = logging.getLogger("packscore")
+
+_MODEL_OPTIONS = (
+    "model", "served_model_name", "dtype", "device", "allow_slow_kernels", "triton_cache_dir",
+    "world_size", "sp", "fsdp", "max_batch_tokens", "max_model_len", "log_level",
+)  # fmt: skip
+_SERVE_OPTIONS = _MODEL_OPTIONS + (
+    "host", "port", "api_key", "api_key_file", "max_wait_ms", "max_queued_tokens", "max_request_bytes",
+    "max_sequences_per_request", "drain_timeout_s",
+)  # fmt: skip
+_SCORE_OPTIONS = _MODEL_OPTIONS + ("temperature", "top_k", "return_entropy")
+_METAVARS = {int: "N", float: "X", str: "STR", Path: "PATH", SecretStr: "KEY"}
+
+
+def _plain_type(annotation) -> type:
+    """``int | None`` -> int; ``Literal[...]`` -> str."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if typing.get_origin(annotation) is typing.Literal:
+        return str
+    return annotation
+
+
+def _add_options(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
+    for name in names:
+        field = Settings.model_fields[name]
+        option = "--" + name.replace("_", "-")
+        env = f"PACKSCORE_{name.upper()}"
+        kind = _plain_type(field.annotation)
+        default = "the model's" if field.default is None and name == "max_model_len" else field.default
+        shown_default = "" if default is None else f"; default {default}"
+        help_text = f"{field.description} [env {env}{shown_default}]"
+        if kind is bool:
+            parser.add_argument(option, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+            continue
+        choices = typing.get_args(_unwrap_optional(field.annotation)) if _is_literal(field.annotation) else None
+        parser.add_argument(
+            option, default=argparse.SUPPRESS, choices=choices, metavar=None if choices else _METAVARS.get(kind, "VALUE"),
+            help=help_text,
+        )
+
+
+def _unwrap_optional(annotation):
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return next(a for a in typing.get_args(annotation) if a is not type(None))
+    return annotation
+
+
+def _is_literal(annotation) -> bool:
+    return typing.get_origin(_unwrap_optional(annotation)) is typing.Literal
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="packscore",
+        description="Per-token log-probability and entropy scoring for RL trainers (Qwen3.5 / Qwen3-Next).",
+        epilog="Every option also reads the environment variable shown in brackets; the command line wins.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve",
+        help="serve the HTTP API (POST /score, /healthz, /readyz, /metrics, /v1/models)",
+        description="Serve the HTTP API of API.md. With no --model it serves the built-in tiny preset on "
+        "127.0.0.1:8000. SIGTERM drains: readiness turns 503, new requests get 503, admitted requests "
+        "finish within --drain-timeout-s, then the process exits 0.",
+    )
+    _add_options(serve, _SERVE_OPTIONS)
+    score = commands.add_parser(
+        "score",
+        help="score a JSONL file offline (no HTTP), resumable",
+        description="Score IN.jsonl into OUT.jsonl with the same engine as the server, without HTTP. Each input "
+        'line is one sequence object as in the API: {"id": "...", "input_ids": [...], "score_from": 1}; a line '
+        "without an id gets line-<number>. Each output line is the API's JSON result for it. Ids already in "
+        "OUT are skipped, so an interrupted run resumes where it stopped.",
+    )
+    score.add_argument("input", type=Path, metavar="IN.jsonl", help="sequences to score, one JSON object per line")
+    score.add_argument("-o", "--output", type=Path, required=True, metavar="OUT.jsonl", help="where results go (appended)")
+    _add_options(score, _SCORE_OPTIONS)
+    return parser
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Settings]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    given = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+    try:
+        settings = Settings(**given)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else "settings"
+        parser.error(f"{where}: {first['msg']}")
+    return args, settings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, settings = parse_settings(argv)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    if settings.triton_cache_dir is not None:
+        # Triton reads it when its first kernel compiles; set before any kernel module is imported.
+        os.environ["TRITON_CACHE_DIR"] = str(settings.triton_cache_dir)
+    try:
+        _check_model_and_key(settings)
+    except (ValueError, OSError, ImportError) as exc:
+        print(f"packscore: error: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        return serve(settings)
+    from service.offline import score_file
+
+    return score_file(settings, args.input, args.output)
+
+
+def _check_model_and_key(settings: Settings) -> None:
+    """Fails before anything slow for mistakes that loading would only find minutes later."""
+    from model_runtime.presets import PRESETS
+
+    if settings.model not in PRESETS and not Path(settings.model).is_dir():
+        raise ValueError(f"--model {settings.model!r} is neither a checkpoint directory nor a preset ({', '.join(sorted(PRESETS))})")
+    settings.resolved_api_key()  # an unreadable or empty key file
+    if settings.uses_worker_pool:
+        try:
+            from model_runtime.workers import start_pool  # noqa: F401
+        except ImportError as exc:
+            raise ImportError(
+                f"--world-size {settings.world_size} / --sp {settings.sp} / --fsdp need the worker pool "
+                f"(model_runtime.workers.start_pool), which is not available in this build: {exc}"
+            ) from None
+
+
+def load_backend(settings: Settings):
+    """The ScoringBackend the settings ask for: the worker pool, or the scorer in this process."""
+    if settings.uses_worker_pool:
+        from model_runtime.workers import start_pool
+
+        return start_pool(settings.model_dump())
+    from model_runtime.backend import LocalBackend
+    from model_runtime.loading import load_model
+    from model_runtime.scorer import Scorer
+
+    loaded = load_model(
+        settings.model,
+        dtype=settings.dtype,
+        device=None if settings.device == "auto" else settings.device,
+        allow_slow_kernels=settings.allow_slow_kernels,
+        served_name=settings.served_model_name,
+    )
+    return LocalBackend(Scorer(loaded, max_batch_tokens=settings.max_batch_tokens))
+
+
+def serve(settings: Settings) -> int:
+    from service.app import create_app
+    from service.server import run_server
+
+    app = create_app(settings, lambda: load_backend(settings))
+    return run_server(app, settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Wire encodings: JSON through orjson, msgpack with raw little-endian arrays (API.md).
+
+Request bodies are decoded here (400 on anything malformed); responses are encoded from plain
+dicts holding numpy arrays, never from pydantic objects, so that a 100k-token answer costs
+milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Literal
+
+import msgpack
+import numpy as np
+import orjson
+
+from service.errors import ApiError
+
+Encoding = Literal["json", "msgpack"]
+
+JSON = "application/json"
+MSGPACK = "application/msgpack"
+_MEDIA_TYPES: dict[str, Encoding] = {
+    "application/json": "json",
+    "application/msgpack": "msgpack",
+    "application/x-msgpack": "msgpack",
+    "application/vnd.msgpack": "msgpack",
+}
+CONTENT_TYPE: dict[Encoding, str] = {"json": JSON, "msgpack": MSGPACK}
+
+
+def _media_type(header: str) -> str:
+    return header.split(";", 1)[0].strip().lower()
+
+
+def request_encoding(content_type: str | None) -> Encoding:
+    """The body's encoding from ``Content-Type``; 400 for anything but JSON or msgpack."""
+    media = _media_type(content_type or "")
+    if media not in _MEDIA_TYPES:
+        shown = repr(content_type) if content_type else "none"
+        raise ApiError(
+            400,
+            "unsupported_content_type",
+            f"Content-Type must be application/json or application/msgpack, got {shown}.",
+            "Content-Type",
+        )
+    return _MEDIA_TYPES[media]
+
+
+def response_encoding(accept: str | None, default: Encoding) -> Encoding:
+    """The encoding ``Accept`` prefers (highest q, then the first listed); ``default`` when it names neither."""
+    best: tuple[float, int, Encoding] | None = None
+    for position, part in enumerate((accept or "").split(",")):
+        fields = part.split(";")
+        media = fields[0].strip().lower()
+        if media not in _MEDIA_TYPES:
+            continue
+        q = 1.0
+        for param in fields[1:]:
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        if q <= 0 or not math.isfinite(q):
+            continue
+        candidate = (-q, position, _MEDIA_TYPES[media])
+        if best is None or candidate < best:
+            best = candidate
+    return best[2] if best is not None else default
+
+
+def decode_body(raw: bytes, encoding: Encoding) -> Any:
+    if encoding == "msgpack":
+        try:
+            # strict_map_key keeps maps keyed by strings, as every map of the contract is.
+            return msgpack.unpackb(raw, raw=False, strict_map_key=True)
+        except Exception as exc:  # msgpack raises several unrelated types for bad input
+            raise ApiError(400, "malformed_body", f"The body is not valid msgpack: {exc}.") from None
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        fast_error = exc
+    # orjson refuses integers beyond 64 bits and the NaN / Infinity literals that many JSON
+    # writers emit (Python's json among them). Such bodies are well-formed in practice and their
+    # values are what is wrong: parse them slowly so that validation answers 422 naming the field.
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        raise ApiError(400, "malformed_body", f"The body is not valid JSON: {fast_error}.") from None
+
+
+def encode_json(obj: Any) -> bytes:
+    return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _bin(array: np.ndarray, dtype: str) -> bytes:
+    return np.ascontiguousarray(array, dtype=dtype).tobytes()
+
+
+def encode_score_response(body: dict, encoding: Encoding) -> bytes:
+    """Encodes a /score answer whose results hold numpy arrays.
+
+    JSON: plain (nested) lists. msgpack: ``logprobs`` / ``entropy`` / ``top_k_logprobs`` as
+    float32 bins, ``top_k_ids`` as an int32 bin, top-k flattened row-major ``[n_scored, k]``.
+    """
+    if encoding == "json":
+        return encode_json(body)
+    results = []
+    for result in body["results"]:
+        packed = {"id": result["id"], "logprobs": _bin(result["logprobs"], "<f4")}
+        if "entropy" in result:
+            packed["entropy"] = _bin(result["entropy"], "<f4")
+        if "top_k_ids" in result:
+            packed["top_k_ids"] = _bin(result["top_k_ids"], "<i4")
+            packed["top_k_logprobs"] = _bin(result["top_k_logprobs"], "<f4")
+        results.append(packed)
+    return msgpack.packb({**body, "results": results}, use_bin_type=True)

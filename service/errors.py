@@ -1,0 +1,83 @@
+"""The contract's error answers: one exception type, one JSON body, whatever the request's encoding."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import orjson
+
+from service.schemas import ErrorResponse
+
+
+class ApiError(Exception):
+    """An answer other than 200; ``param`` names the offending field in the contract's notation."""
+
+    def __init__(
+        self,
+        status: int,
+        type: str,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.type = type
+        self.message = message
+        self.param = param
+        self.headers = dict(headers or {})
+
+    def body(self) -> bytes:
+        return orjson.dumps({"error": {"type": self.type, "message": self.message, "param": self.param}})
+
+
+def param_path(loc: Iterable[str | int]) -> str | None:
+    """``("body", "sequences", 3, "input_ids", 17)`` -> ``"sequences[3].input_ids[17]"``.
+
+    FastAPI prefixes where a value came from (body, query, ...); the contract names fields only.
+    """
+    parts = list(loc)
+    if parts and parts[0] in ("body", "query", "path", "header", "cookie"):
+        parts = parts[1:]
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
+def from_validation_errors(errors: list[dict]) -> ApiError:
+    """The first pydantic error as a 422 naming its field; the first is the one a client fixes first."""
+    first = errors[0]
+    param = param_path(first.get("loc", ()))
+    kind = first.get("type", "")
+    if kind == "missing":
+        message = f"{param} is required."
+    elif kind == "extra_forbidden":
+        message = f"{param} is not a field of this request."
+    else:
+        shown = _short_repr(first.get("input"))
+        message = f"{param or 'the body'}: {first.get('msg', 'invalid value').rstrip('.')}, got {shown}."
+    return ApiError(422, "invalid_value", message, param)
+
+
+def _short_repr(value) -> str:
+    if isinstance(value, (bytes, bytearray)):
+        return f"{len(value)} bytes"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# Documented next to every route that can answer it (the OpenAPI page and schemathesis read these).
+ERROR_RESPONSES = {
+    400: {"model": ErrorResponse, "description": "malformed body: bad JSON or msgpack, or a wrong content type"},
+    401: {"model": ErrorResponse, "description": "missing or wrong API key"},
+    404: {"model": ErrorResponse, "description": "unknown model"},
+    413: {"model": ErrorResponse, "description": "body, sequence or request too large"},
+    422: {"model": ErrorResponse, "description": "well-formed body with invalid values"},
+    429: {"model": ErrorResponse, "description": "admission queue full; retry after Retry-After seconds"},
+    503: {"model": ErrorResponse, "description": "not ready or draining; retry after Retry-After seconds"},
+    504: {"model": ErrorResponse, "description": "deadline_ms passed before the result was ready"},
+}

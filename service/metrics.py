@@ -1,0 +1,114 @@
+"""Every metric the service exports, in one per-app registry (never prometheus_client's global one).
+
+The names are an interface: the Grafana dashboard and the Helm HPA reference them. Change one
+only together with those.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from model_runtime.backend import ModelInfo
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TOKEN_BUCKETS = tuple(2**i for i in range(6, 20))  # 64 .. 512k tokens
+_FILL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0, 2.0, 8.0)  # > 1: an oversize sequence
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    """The metric objects of one app; ``registry`` is what GET /metrics renders."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "packscore_requests_total", "HTTP requests answered, by route and status code.", ["route", "status"], registry=r
+        )
+        self.tokens_scored = Counter(
+            "packscore_tokens_scored_total",
+            "Tokens run through the model for sequences that were scored successfully.",
+            registry=r,
+        )
+        self.rejections = Counter(
+            "packscore_rejections_total",
+            "Requests refused or failed, by reason (queue_full, too_large, invalid, deadline, draining, ...).",
+            ["reason"],
+            registry=r,
+        )
+        self.request_latency = Histogram(
+            "packscore_request_latency_seconds",
+            "Time from a request's arrival to its answer, by route.",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "packscore_queue_wait_seconds",
+            "Time a sequence waited between admission and the start of its forward.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.forward_seconds = Histogram(
+            "packscore_forward_seconds", "Duration of one packed forward.", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.batch_tokens = Histogram(
+            "packscore_batch_tokens", "Tokens in one packed forward.", buckets=_TOKEN_BUCKETS, registry=r
+        )
+        self.batch_fill_ratio = Histogram(
+            "packscore_batch_fill_ratio",
+            "Real tokens of a forward divided by --max-batch-tokens.",
+            buckets=_FILL_BUCKETS,
+            registry=r,
+        )
+        self.queued_tokens = Gauge("packscore_queued_tokens", "Tokens admitted and waiting for a forward.", registry=r)
+        self.queued_sequences = Gauge(
+            "packscore_queued_sequences", "Sequences admitted and waiting for a forward.", registry=r
+        )
+        self.ready = Gauge("packscore_ready", "1 when /readyz would answer 200, else 0.", registry=r)
+        self.workers_alive = Gauge("packscore_workers_alive", "Scoring workers (GPU processes) alive.", registry=r)
+        self.model_info = Info(
+            "packscore_model", "The served model.", registry=r
+        )  # exported as packscore_model_info
+        self.kernel_info = Info("packscore_kernel", "Kernel backend of each family.", ["family"], registry=r)
+        self.slow_kernel_fallback = Gauge(
+            "packscore_slow_kernel_fallback",
+            "1 when some kernel family runs a slow per-sequence reference implementation.",
+            registry=r,
+        )
+        self.parallel_info = Info("packscore_parallel", "Parallel layout of the workers.", registry=r)
+
+    def watch(
+        self,
+        *,
+        queued_tokens: Callable[[], float],
+        queued_sequences: Callable[[], float],
+        ready: Callable[[], float],
+        workers_alive: Callable[[], float],
+    ) -> None:
+        """Gauges read at scrape time, so they can never go stale."""
+        self.queued_tokens.set_function(queued_tokens)
+        self.queued_sequences.set_function(queued_sequences)
+        self.ready.set_function(ready)
+        self.workers_alive.set_function(workers_alive)
+
+    def describe_model(self, info: ModelInfo, served_name: str) -> None:
+        self.model_info.info(
+            {
+                "model": served_name,
+                "architecture": info.architecture,
+                "dtype": info.dtype,
+                "device": info.device,
+                "weights_version": info.weights_version,
+            }
+        )
+        for family, backend in info.kernels.items():
+            self.kernel_info.labels(family=family).info({"backend": backend})
+        self.slow_kernel_fallback.set(1 if info.slow_kernels else 0)
+        self.parallel_info.info({k: str(info.parallel.get(k, "")).lower() for k in ("world_size", "dp", "sp", "fsdp")})
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,164 @@
+"""``packscore score IN.jsonl -o OUT.jsonl``: the server's engine (validation, scheduler, backend)
+without HTTP, for batch jobs. Resumable: ids already in OUT are skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from collections import deque
+from pathlib import Path
+from typing import IO, Iterator
+
+import orjson
+from tqdm import tqdm
+
+from service.errors import ApiError
+from service.scheduler import Scheduler, Ticket
+from service.settings import Settings
+from service.validation import Limits, parse_score_request
+
+log = logging.getLogger(__name__)
+
+
+class InputError(ValueError):
+    """A line of IN that cannot be scored; the message names the line."""
+
+
+def finished_ids(output: Path) -> set[str]:
+    """Ids of complete lines of ``output``; a torn last line (the run was killed mid-write) is cut off."""
+    if not output.exists():
+        return set()
+    done: set[str] = set()
+    good_end = 0
+    with output.open("rb") as f:
+        for line in f:
+            if not line.endswith(b"\n"):
+                break
+            try:
+                done.add(orjson.loads(line)["id"])
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                break
+            good_end += len(line)
+    if good_end != output.stat().st_size:
+        log.warning("%s: dropping an incomplete last line (the previous run stopped while writing it)", output)
+        with output.open("r+b") as f:
+            f.truncate(good_end)
+    return done
+
+
+def _lines(path: Path) -> Iterator[tuple[int, dict]]:
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                obj = orjson.loads(raw)
+            except orjson.JSONDecodeError as exc:
+                raise InputError(f"{path}:{number}: not valid JSON: {exc}") from None
+            if not isinstance(obj, dict):
+                raise InputError(f"{path}:{number}: expected a JSON object with input_ids, got {type(obj).__name__}")
+            obj.setdefault("id", f"line-{number}")
+            if not isinstance(obj["id"], str):
+                raise InputError(f"{path}:{number}: id must be a string, got {obj['id']!r}")
+            yield number, obj
+
+
+async def _score_lines(settings: Settings, backend, input_path: Path, out: IO[bytes], done: set[str], bar: tqdm) -> int:
+    info = backend.info
+    model_len = min(settings.max_model_len or info.max_model_len or settings.max_queued_tokens, settings.max_queued_tokens)
+    limits = Limits(info.vocab_size, model_len, 1, settings.max_queued_tokens, 1 << 62)
+    scheduler = Scheduler(
+        backend,
+        max_batch_tokens=settings.max_batch_tokens,
+        max_wait_ms=settings.max_wait_ms,
+        max_queued_tokens=settings.max_queued_tokens,
+    )
+    await scheduler.start()
+    # Tickets in input order; results are written in that order as soon as the oldest is done.
+    window: deque[tuple[int, str, Ticket]] = deque()
+    seen: set[str] = set()
+    written = 0
+
+    async def write_oldest() -> None:
+        nonlocal written
+        number, seq_id, ticket = window.popleft()
+        try:
+            scores = (await ticket.future)[0]
+        except ApiError as exc:
+            raise InputError(f"{input_path}:{number}: id {seq_id!r} could not be scored: {exc.message}") from None
+        record = {"id": seq_id, "logprobs": scores.logprobs}
+        if settings.return_entropy:
+            record["entropy"] = scores.entropy
+        if settings.top_k:
+            record["top_k_ids"] = scores.top_k_ids
+            record["top_k_logprobs"] = scores.top_k_logprobs
+        out.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE))
+        written += 1
+        bar.update(1)
+
+    try:
+        for number, obj in _lines(input_path):
+            seq_id = obj["id"]
+            if seq_id in done:
+                continue
+            if seq_id in seen:
+                raise InputError(f"{input_path}:{number}: id {seq_id!r} appears twice in the input")
+            seen.add(seq_id)
+            body = {
+                "sequences": [obj],
+                "temperature": settings.temperature,
+                "top_k": settings.top_k,
+                "return_entropy": settings.return_entropy,
+            }
+            try:
+                job = parse_score_request(body, limits, served_name="")
+            except ApiError as exc:
+                where = (exc.param or "").replace("sequences[0].", "")
+                raise InputError(f"{input_path}:{number}: {where}: {exc.message}") from None
+            while True:
+                try:
+                    ticket = scheduler.submit(job.sequences)
+                    break
+                except ApiError:  # the in-flight window is full: write finished results first
+                    await write_oldest()
+            window.append((number, seq_id, ticket))
+            while window and window[0][2].done:
+                await write_oldest()
+    finally:
+        # Whatever was scored is kept, also when a later line is bad: the next run resumes after it.
+        try:
+            while window:
+                await write_oldest()
+        finally:
+            await scheduler.close("the offline run stopped")
+    return written
+
+
+def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
+    """Scores every line of ``input_path`` not yet in ``output_path``; returns the exit status."""
+    from service.cli import load_backend
+
+    if not input_path.is_file():
+        print(f"packscore: error: {input_path} does not exist", file=sys.stderr)
+        return 2
+    done = finished_ids(output_path)
+    total = sum(1 for line in input_path.open("rb") if line.strip())
+    log.info("%d sequences in %s, %d already scored in %s", total, input_path, len(done), output_path)
+    backend = load_backend(settings)
+    try:
+        with output_path.open("ab") as out, tqdm(total=total, initial=min(len(done), total), unit="seq") as bar:
+            try:
+                written = asyncio.run(_score_lines(settings, backend, input_path, out, done, bar))
+            finally:
+                out.flush()
+                os.fsync(out.fileno())
+    except InputError as exc:
+        print(f"packscore: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        backend.close()
+    log.info("wrote %d results to %s", written, output_path)
+    return 0

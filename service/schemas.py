@@ -1,0 +1,177 @@
+"""Pydantic models of the HTTP contract (API.md): requests, responses, errors.
+
+Requests are validated with these models. Responses are built as plain dicts of numpy arrays
+(encoding 100k floats through pydantic would cost more than the forward on a small model); the
+response models document their shape in the OpenAPI page and tests check answers against them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import numpy as np
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, WrapValidator
+
+from model_runtime.head import MAX_TOP_K
+
+
+def _token_ids(value: Any, handler) -> np.ndarray:
+    """A list of ints (JSON or msgpack) or a msgpack bin of little-endian int32, as a numpy array.
+
+    Pydantic checks list items strictly (no booleans, floats or strings), so an error names the
+    offending index. Ids beyond int64 stay Python ints in an object array so that the range check
+    can name them too instead of overflowing here.
+    """
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raw = bytes(value)
+        if len(raw) % 4:
+            raise ValueError(f"a bin of input_ids must hold little-endian int32 values, got {len(raw)} bytes")
+        return np.frombuffer(raw, dtype="<i4")
+    ids = handler(value)
+    try:
+        return np.asarray(ids, dtype=np.int64)
+    except OverflowError:
+        return np.asarray(ids, dtype=object)
+
+
+def _encodable(text: str) -> str:
+    # Python's JSON parser (the fallback for NaN and huge integers) lets lone surrogates through;
+    # such a string could never be echoed back in UTF-8.
+    text.encode("utf-8")
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(_encodable)]
+
+TokenIds = Annotated[
+    list[StrictInt],
+    WrapValidator(_token_ids),
+    Field(
+        description="token ids of the whole sequence (prompt and response), each in [0, vocab_size); "
+        "in msgpack also a bin of little-endian int32",
+        json_schema_extra={"minItems": 1, "items": {"type": "integer", "minimum": 0}},
+    ),
+]
+
+
+class SequenceIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: Text | None = Field(None, description="echoed back unchanged")
+    input_ids: TokenIds
+    score_from: StrictInt = Field(1, ge=1, description="first position scored; 1 <= score_from <= len(input_ids)")
+
+
+class ScoreRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "model": None,
+                    "sequences": [{"id": "traj-17", "input_ids": [151644, 872, 198, 9707], "score_from": 2}],
+                    "temperature": 1.0,
+                    "return_entropy": True,
+                    "top_k": 0,
+                    "deadline_ms": None,
+                }
+            ]
+        },
+    )
+
+    model: Text | None = Field(None, description="served model name; null means the only served model")
+    sequences: list[SequenceIn] = Field(min_length=1, description="sequences to score, each independent of the others")
+    temperature: float = Field(1.0, strict=True, gt=0, allow_inf_nan=False, description="logits are divided by it")
+    return_entropy: StrictBool = Field(True, description="whether entropy is returned")
+    top_k: StrictInt = Field(0, ge=0, le=MAX_TOP_K, description="when > 0 also return the k most likely tokens")
+    deadline_ms: StrictInt | None = Field(None, ge=1, description="give up (504) when not done after this many ms")
+
+
+class SequenceResult(BaseModel):
+    id: str | None = Field(description="the request's id for this sequence")
+    logprobs: list[float] = Field(description="log p(x_t | x_<t) for t in score_from .. L-1")
+    entropy: list[float] | None = Field(None, description="entropy of each scored position (when return_entropy)")
+    top_k_ids: list[list[int]] | None = Field(None, description="[n_scored][k] most likely ids (when top_k > 0)")
+    top_k_logprobs: list[list[float]] | None = Field(None, description="[n_scored][k] their log-probabilities")
+
+
+class Usage(BaseModel):
+    input_tokens: int
+    scored_tokens: int
+
+
+class ScoreResponse(BaseModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "model": "qwen3.5-9b",
+                    "weights_version": "2026-11-29T10:00:00Z#a1b2c3",
+                    "results": [{"id": "traj-17", "logprobs": [-3.1, -0.2], "entropy": [4.0, 1.3]}],
+                    "usage": {"input_tokens": 4, "scored_tokens": 2},
+                }
+            ]
+        }
+    )
+
+    model: str
+    weights_version: str
+    results: list[SequenceResult]
+    usage: Usage
+
+
+class ErrorDetail(BaseModel):
+    type: str = Field(description="snake_case error kind, e.g. invalid_value")
+    message: str = Field(description="one human sentence")
+    param: str | None = Field(description="the offending field, e.g. sequences[3].input_ids[17]")
+
+
+class ErrorResponse(BaseModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "error": {
+                        "type": "invalid_value",
+                        "message": "token id 300000 is outside the vocabulary [0, 248320).",
+                        "param": "sequences[3].input_ids[17]",
+                    }
+                }
+            ]
+        }
+    )
+
+    error: ErrorDetail
+
+
+class ParallelInfo(BaseModel):
+    world_size: int
+    dp: int
+    sp: int
+    fsdp: bool
+
+
+class ModelCard(BaseModel):
+    id: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    dtype: str
+    device: str
+    parallel: ParallelInfo
+    kernels: dict[str, str]
+    weights_version: str
+
+
+class ModelList(BaseModel):
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: str = Field(examples=["ok"])
+
+
+class Readiness(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    status: str = Field(description="ready, or why not: loading, warming_up, worker_down, draining, probe_failed, ...")

@@ -1,0 +1,68 @@
+"""Runs the app under uvicorn, with SIGTERM meaning "drain, then exit 0"."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+import uvicorn
+from fastapi import FastAPI
+
+from service.runtime import Service
+from service.settings import Settings
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, except that SIGTERM drains instead of closing the listening socket.
+
+    uvicorn on SIGTERM stops accepting connections at once and re-raises the signal at exit
+    (status -15). The contract wants new requests answered 503 with Retry-After while the
+    admitted ones finish, and then a clean exit. A second SIGTERM, or SIGINT, falls back to
+    uvicorn's own handling.
+    """
+
+    def __init__(self, config: uvicorn.Config, service: Service):
+        super().__init__(config)
+        self.service = service
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Future | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        if sig == signal.SIGTERM and self._loop is not None and self._drain is None and not self.should_exit:
+            # Not recorded as a captured signal: a drained SIGTERM ends with status 0.
+            self._loop.call_soon_threadsafe(self._begin_drain)
+            return
+        super().handle_exit(sig, frame)
+
+    def _begin_drain(self) -> None:
+        if self._drain is None:
+            self._drain = asyncio.ensure_future(self.service.drain())
+
+    async def on_tick(self, counter: int) -> bool:
+        # Checked every 0.1 s by uvicorn's main loop: exit once drained or when startup failed.
+        if self.service.fatal_error is not None or self.service.drained:
+            return True
+        return await super().on_tick(counter)
+
+
+def run_server(app: FastAPI, settings: Settings) -> int:
+    """Serves until SIGTERM (drained) or SIGINT; returns the process's exit status."""
+    service: Service = app.state.service
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=settings.log_level == "debug",  # one line per request costs CPU under load
+        timeout_graceful_shutdown=5,
+    )
+    DrainingServer(config, service).run()
+    if service.fatal_error:
+        print(f"packscore: error: could not start: {service.fatal_error}", file=sys.stderr)
+        return 1
+    return 0

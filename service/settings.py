@@ -1,0 +1,79 @@
+"""The one settings object of the service and the offline scorer.
+
+Every field is a command-line option (``max_batch_tokens`` -> ``--max-batch-tokens``) and an
+environment variable (``PACKSCORE_MAX_BATCH_TOKENS``); an option given on the command line wins
+over the environment, which wins over the default. ``main()`` builds it once and passes it down.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PACKSCORE_", extra="forbid", validate_default=True)
+
+    # What to serve.
+    model: str = Field("tiny", description="checkpoint directory (config.json + *.safetensors) or preset name")
+    served_model_name: str | None = Field(None, description="name clients use in 'model' (default: the model's)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="compute dtype; auto is bfloat16 on CUDA, float32 on CPU"
+    )
+    device: str = Field("auto", description="torch device, e.g. cuda, cuda:1, cpu; auto picks cuda when available")
+    allow_slow_kernels: bool = Field(
+        False, description="allow per-sequence reference kernels on a GPU instead of refusing to start"
+    )
+    triton_cache_dir: Path | None = Field(None, description="directory for compiled Triton kernels (TRITON_CACHE_DIR)")
+
+    # Parallelism (world_size > 1, sp > 1 or fsdp start the multi-process worker pool).
+    world_size: int = Field(1, ge=1, description="GPUs (worker processes) used by this server")
+    sp: int = Field(1, ge=1, description="sequence-parallel degree inside a data-parallel group")
+    fsdp: bool = Field(False, description="shard parameters across the ranks of a group (FSDP2)")
+
+    # HTTP.
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on")
+    api_key: SecretStr | None = Field(None, description="require 'Authorization: Bearer <key>' on every route but /healthz, /readyz")
+    api_key_file: Path | None = Field(None, description="file holding the API key (a mounted secret)")
+    log_level: LogLevel = Field("info", description="logging level")
+
+    # Scheduling and admission.
+    max_batch_tokens: int = Field(16384, ge=1, description="token budget of one packed forward (per GPU)")
+    max_wait_ms: float = Field(5.0, ge=0, description="how long a queued sequence may wait for its batch to fill")
+    max_queued_tokens: int = Field(262144, ge=1, description="admission bound on tokens waiting to be scored; beyond it 429")
+    max_request_bytes: int = Field(64 << 20, ge=1, description="largest request body in bytes; beyond it 413")
+    max_model_len: int | None = Field(None, ge=1, description="longest sequence accepted (default: the model's)")
+    max_sequences_per_request: int = Field(4096, ge=1, description="most sequences in one request; beyond it 413")
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long admitted requests may take to finish")
+
+    # Offline scoring (packscore score): the options every line of the input is scored with.
+    temperature: float = Field(1.0, gt=0, allow_inf_nan=False, description="logits are divided by it before the softmax")
+    top_k: int = Field(0, ge=0, le=20, description="also return the k most likely tokens per scored position")
+    return_entropy: bool = Field(True, description="return the entropy of every scored position")
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> "Settings":
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError("give --api-key or --api-key-file, not both")
+        return self
+
+    def resolved_api_key(self) -> str | None:
+        """The configured key, read from ``api_key_file`` when given; None means no authentication."""
+        if self.api_key_file is not None:
+            key = self.api_key_file.read_text().strip()
+            if not key:
+                raise ValueError(f"--api-key-file {self.api_key_file} is empty")
+            return key
+        if self.api_key is not None and self.api_key.get_secret_value():
+            return self.api_key.get_secret_value()
+        return None
+
+    @property
+    def uses_worker_pool(self) -> bool:
+        return self.world_size > 1 or self.sp > 1 or self.fsdp

@@ -1,0 +1,139 @@
+"""From a decoded body to validated sequences: every check runs here, before admission.
+
+Nothing that fails a check ever reaches the model. Errors name the offending field in the
+contract's notation (``sequences[3].input_ids[17]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from pydantic import ValidationError
+
+from model_runtime.scorer import SequenceInput
+from service.errors import ApiError, from_validation_errors
+from service.schemas import ScoreRequest
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may hold; the service reports these in /readyz and response headers."""
+
+    vocab_size: int
+    max_model_len: int
+    max_sequences_per_request: int
+    max_request_tokens: int  # a request larger than the admission bound could never be admitted
+    max_request_bytes: int
+
+    def headers(self) -> dict[str, str]:
+        return {
+            "X-Packscore-Max-Sequences-Per-Request": str(self.max_sequences_per_request),
+            "X-Packscore-Max-Request-Tokens": str(self.max_request_tokens),
+            "X-Packscore-Max-Request-Bytes": str(self.max_request_bytes),
+            "X-Packscore-Max-Model-Len": str(self.max_model_len),
+        }
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "max_sequences_per_request": self.max_sequences_per_request,
+            "max_request_tokens": self.max_request_tokens,
+            "max_request_bytes": self.max_request_bytes,
+            "max_model_len": self.max_model_len,
+        }
+
+
+@dataclass(frozen=True)
+class ScoreJob:
+    """A validated /score request."""
+
+    ids: list[str | None]
+    sequences: list[SequenceInput]
+    return_entropy: bool
+    top_k: int
+    deadline_ms: int | None
+    input_tokens: int
+    scored_tokens: int
+
+
+def parse_score_request(body: Any, limits: Limits, served_name: str) -> ScoreJob:
+    """Validates a decoded /score body; raises ApiError 404 / 413 / 422."""
+    if not isinstance(body, dict):
+        raise ApiError(422, "invalid_value", f"The body must be an object, got {type(body).__name__}.")
+    sequences = body.get("sequences")
+    # Counted before the per-item validation, which would otherwise walk an unbounded list.
+    if isinstance(sequences, list) and len(sequences) > limits.max_sequences_per_request:
+        raise ApiError(
+            413,
+            "too_many_sequences",
+            f"The request has {len(sequences)} sequences; at most {limits.max_sequences_per_request} are accepted "
+            "per request. Split it.",
+            "sequences",
+        )
+    try:
+        request = ScoreRequest.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors(include_url=False)) from None
+    if request.model is not None and request.model != served_name:
+        raise ApiError(404, "model_not_found", f"Model {request.model!r} is not served here; this server serves {served_name!r}.", "model")
+
+    out: list[SequenceInput] = []
+    input_tokens = scored_tokens = 0
+    for i, seq in enumerate(request.sequences):
+        ids = _checked_ids(seq.input_ids, i, limits)
+        if not seq.score_from <= ids.size:
+            raise ApiError(
+                422,
+                "invalid_value",
+                f"score_from must be in [1, {ids.size}] (the sequence's length), got {seq.score_from}.",
+                f"sequences[{i}].score_from",
+            )
+        out.append(
+            SequenceInput(
+                input_ids=ids,
+                score_from=seq.score_from,
+                temperature=request.temperature,
+                top_k=request.top_k,
+                return_entropy=request.return_entropy,
+            )
+        )
+        input_tokens += ids.size
+        scored_tokens += ids.size - seq.score_from
+    if input_tokens > limits.max_request_tokens:
+        raise ApiError(
+            413,
+            "request_too_large",
+            f"The request holds {input_tokens} tokens; at most {limits.max_request_tokens} are accepted per request. "
+            "Split it.",
+            "sequences",
+        )
+    return ScoreJob(
+        ids=[s.id for s in request.sequences],
+        sequences=out,
+        return_entropy=request.return_entropy,
+        top_k=request.top_k,
+        deadline_ms=request.deadline_ms,
+        input_tokens=input_tokens,
+        scored_tokens=scored_tokens,
+    )
+
+
+def _checked_ids(ids: np.ndarray, i: int, limits: Limits) -> np.ndarray:
+    param = f"sequences[{i}].input_ids"
+    if ids.size == 0:
+        raise ApiError(422, "invalid_value", "input_ids must hold at least one token id.", param)
+    if ids.size > limits.max_model_len:
+        raise ApiError(
+            413,
+            "sequence_too_long",
+            f"Sequence {i} has {ids.size} tokens; the longest accepted is {limits.max_model_len} (max_model_len).",
+            param,
+        )
+    vocab = limits.vocab_size
+    if ids.dtype == object or ids.min() < 0 or ids.max() >= vocab:
+        j = int(np.flatnonzero((ids < 0) | (ids >= vocab))[0])
+        raise ApiError(
+            422, "invalid_value", f"Token id {ids[j]} is outside the vocabulary [0, {vocab}).", f"{param}[{j}]"
+        )
+    return ids.astype(np.int64, copy=False)
