@@ -14,6 +14,8 @@ FROM nvidia/cuda:${CUDA_VERSION}-cudnn-devel-ubuntu${UBUNTU_VERSION} AS build
 ARG TORCH_VERSION=2.11.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 ARG CAUSAL_CONV1D_VERSION=1.7.0
+# Hopper (H200, H100). Another generation: --build-arg TORCH_CUDA_ARCH_LIST="9.0;10.0".
+ARG TORCH_CUDA_ARCH_LIST=9.0
 ARG MAX_JOBS=8
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
@@ -21,7 +23,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:${PATH} \
-    TORCH_CUDA_ARCH_LIST=9.0 \
+    TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST} \
     CAUSAL_CONV1D_FORCE_BUILD=TRUE \
     MAX_JOBS=${MAX_JOBS}
 

@@ -94,7 +94,8 @@ def test_two_stages_from_cuda_devel_and_cuda_runtime(dockerfile):
 def test_build_stage_compiles_causal_conv1d_for_hopper(dockerfile):
     build = stages(dockerfile)["build"]
     env = " ".join(args_of(build, "ENV"))
-    assert "TORCH_CUDA_ARCH_LIST=9.0" in env
+    assert "TORCH_CUDA_ARCH_LIST=9.0" in args_of(build, "ARG")
+    assert "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST}" in env
     assert "CAUSAL_CONV1D_FORCE_BUILD=TRUE" in env  # never fetch a prebuilt wheel
     run = " ".join(args_of(build, "RUN"))
     assert "cuda_arch.py patch" in run and "cuda_arch.py check" in run

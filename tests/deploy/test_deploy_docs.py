@@ -1,0 +1,75 @@
+"""The deployment docs say what the files do: documented commands and values exist and work."""
+
+from __future__ import annotations
+
+import re
+
+import yaml
+
+from deploy_helpers import CHART, CLI_OPTIONS, REPO, arg_value, container, manifests
+
+DEPLOY_README = (REPO / "deploy" / "README.md").read_text()
+CHART_README = (CHART / "README.md").read_text()
+VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
+
+
+def code_blocks(markdown: str, lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", markdown, re.DOTALL)
+
+
+def test_deployment_section_documents_both_docker_runs():
+    assert DEPLOY_README.startswith("## Deployment\n")
+    commands = [line.strip() for block in code_blocks(DEPLOY_README, "bash") for line in block.splitlines()]
+    assert "docker run --gpus all --shm-size 16g -p 8000:8000 IMAGE" in commands
+    assert ("docker run --gpus all --shm-size 16g -p 8000:8000 -v /models:/models:ro IMAGE "
+            "--model /models/Qwen3.5-9B") in commands
+
+
+def test_docker_run_options_are_packscore_serve_options():
+    for block in code_blocks(DEPLOY_README, "bash"):
+        command = block.replace("\\\n", " ")
+        for line in command.splitlines():
+            if "docker run" in line and " IMAGE " in f"{line} ":
+                after_image = line.split(" IMAGE", 1)[1].split()
+                flags = {a for a in after_image if a.startswith("--")}
+                assert flags <= CLI_OPTIONS, flags - CLI_OPTIONS
+
+
+# Sections whose keys are the chart's own (the others pass Kubernetes fields through).
+OWN_SECTIONS = {"image", "model", "parallel", "server", "apiKey", "shm", "tmp", "cache", "serviceAccount",
+                "probes", "service", "podDisruptionBudget", "serviceMonitor", "autoscaling", "networkPolicy"}
+
+
+def test_chart_readme_mentions_every_value():
+    for key, value in VALUES.items():
+        assert f"`{key}" in CHART_README, key
+        if key in OWN_SECTIONS:
+            for sub in value:
+                assert f"`{key}.{sub}`" in CHART_README, f"{key}.{sub}"
+
+
+def test_chart_readme_value_examples_render():
+    examples = [yaml.safe_load(b) for b in code_blocks(CHART_README, "yaml")]
+    values_examples = [e for e in examples if set(e) <= set(VALUES)]
+    assert len(values_examples) >= 2
+    for example in values_examples:
+        assert manifests(example)
+    first = values_examples[0]
+    c = container(first)
+    assert arg_value(c["args"], "--model") == "/models/Qwen3.5-9B"
+    assert any(e["name"] == "PACKSCORE_API_KEY" for e in c["env"])
+
+
+def test_install_command_in_the_deploy_readme_uses_real_values():
+    (install,) = [b for b in code_blocks(DEPLOY_README, "bash") if "helm install" in b]
+    settings = dict(m.split("=", 1) for m in re.findall(r"--set (\S+)", install))
+    values: dict = {}
+    for dotted, value in settings.items():
+        node = values
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    c = container(values)
+    assert c["image"] == "registry.example.com/ml/packscore:0.1.0"
+    assert arg_value(c["args"], "--model") == "/models/Qwen3.5-9B"
