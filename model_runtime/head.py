@@ -30,18 +30,25 @@ class HeadOutput:
     top_k_logprobs_NK: torch.Tensor | None  # float32
 
 
-def chunk_tokens_for_budget(vocab_size: int, budget_bytes: int) -> int:
+def chunk_tokens_for_budget(vocab_size: int, budget_bytes: int, bytes_per_logit: int = BYTES_PER_LOGIT) -> int:
     """How many positions one chunk may hold so that its logits stay within ``budget_bytes``."""
-    return max(1, int(budget_bytes) // (vocab_size * BYTES_PER_LOGIT))
+    return max(1, int(budget_bytes) // (vocab_size * bytes_per_logit))
 
 
-def _check(hidden_ND, weight_VD, targets_N, temperature_N, top_k):
+def fused_chunk_tokens(vocab_size: int, hidden_size: int, budget_bytes: int, itemsize: int = 2, multiple: int = 64) -> int:
+    """Chunk size for the fused head: logits and gathered hidden states of a chunk, both in the
+    compute dtype, within ``budget_bytes``; rounded down to ``multiple`` for the matmul."""
+    per_token = (vocab_size + hidden_size) * itemsize
+    tokens = int(budget_bytes) // per_token
+    return max(1, tokens - tokens % multiple if tokens >= multiple else tokens)
+
+
+def _check(hidden_ND, weight_VD, targets_N, temperature_N, top_k, n_positions: int | None = None):
     if hidden_ND.dim() != 2 or weight_VD.dim() != 2 or hidden_ND.shape[1] != weight_VD.shape[1]:
         raise ValueError(f"head expects hidden [N, D] and weight [V, D], got {tuple(hidden_ND.shape)}, {tuple(weight_VD.shape)}")
-    if targets_N.shape != hidden_ND.shape[:1] or temperature_N.shape != hidden_ND.shape[:1]:
-        raise ValueError(
-            f"targets and temperature must be [N={hidden_ND.shape[0]}], got {tuple(targets_N.shape)}, {tuple(temperature_N.shape)}"
-        )
+    n = hidden_ND.shape[0] if n_positions is None else n_positions
+    if targets_N.shape != (n,) or temperature_N.shape != (n,):
+        raise ValueError(f"targets and temperature must be [N={n}], got {tuple(targets_N.shape)}, {tuple(temperature_N.shape)}")
     if not 0 <= top_k <= MAX_TOP_K:
         raise ValueError(f"top_k must be in [0, {MAX_TOP_K}], got {top_k}")
 
@@ -55,10 +62,20 @@ def score_positions(
     *,
     top_k: int = 0,
     chunk_tokens: int = 1024,
+    rows_N: torch.Tensor | None = None,
+    logprob_fn=None,
 ) -> HeadOutput:
-    """Chunked head. ``temperature_N`` is per position (a row may mix requests)."""
-    _check(hidden_ND, weight_VD, targets_N, temperature_N, top_k)
-    N = hidden_ND.shape[0]
+    """Chunked head. ``temperature_N`` is per position (a row may mix requests).
+
+    With ``rows_N`` (int64 ``[N]``), ``hidden_ND`` is the whole row ``[T, D]`` and position ``i``
+    reads row ``rows_N[i]``. ``logprob_fn`` is a ``head`` kernel (see ``model_runtime.kernels``);
+    the default is the plain PyTorch one. Top-k requests take the plain path, which also ranks.
+    """
+    if rows_N is not None and rows_N.shape != targets_N.shape:
+        raise ValueError(f"rows must be [N={targets_N.shape[0]}] like the targets, got {tuple(rows_N.shape)}")
+    n_hidden = hidden_ND.shape[0] if rows_N is None else targets_N.shape[0]
+    _check(hidden_ND, weight_VD, targets_N, temperature_N, top_k, n_hidden)
+    N = targets_N.shape[0]
     dev = hidden_ND.device
     logprobs = torch.empty(N, dtype=torch.float32, device=dev)
     entropy = torch.empty(N, dtype=torch.float32, device=dev)
@@ -66,20 +83,29 @@ def score_positions(
     top_logp = torch.empty(N, top_k, dtype=torch.float32, device=dev) if top_k else None
     temperature_N = temperature_N.to(device=dev, dtype=torch.float32)
     targets_N = targets_N.to(device=dev, dtype=torch.long)
+    if rows_N is not None:
+        rows_N = rows_N.to(device=dev, dtype=torch.long)
     for start in range(0, N, max(1, chunk_tokens)):
         end = min(N, start + chunk_tokens)
-        # F.linear reads W as [V, D] in place; `h @ W.t()` can copy the whole weight per chunk.
-        logp_CV = F.linear(hidden_ND[start:end], weight_VD).float()
-        logp_CV.div_(temperature_N[start:end, None])
-        logp_CV.sub_(torch.logsumexp(logp_CV, dim=-1, keepdim=True))
-        logprobs[start:end] = logp_CV.gather(1, targets_N[start:end, None])[:, 0]
+        h_CD = hidden_ND[start:end] if rows_N is None else hidden_ND.index_select(0, rows_N[start:end])
+        z_CV = h_CD @ weight_VD.t()
+        del h_CD
+        if logprob_fn is not None and not top_k:
+            logprobs[start:end], entropy[start:end] = logprob_fn(z_CV, targets_N[start:end], temperature_N[start:end])
+            continue
+        z_CV = z_CV.float()
+        z_CV.div_(temperature_N[start:end, None])
+        lse_C = torch.logsumexp(z_CV, dim=-1)
+        logprobs[start:end] = z_CV.gather(1, targets_N[start:end, None])[:, 0] - lse_C
         if top_k:
-            top_logp[start:end], top_ids[start:end] = logp_CV.topk(top_k, dim=-1)
-        # -sum p log p as a batched dot product: no third [C, V] tensor, and no cancellation
-        # between two large numbers as in `lse - sum(p z)` at low temperatures.
-        p_CV = logp_CV.exp()
-        entropy[start:end] = -torch.bmm(p_CV.unsqueeze(1), logp_CV.unsqueeze(2))[:, 0, 0]
-        del p_CV, logp_CV
+            values, ids = z_CV.topk(top_k, dim=-1)
+            top_ids[start:end] = ids
+            top_logp[start:end] = values - lse_C[:, None]
+        p_CV = torch.exp(z_CV - lse_C[:, None])
+        # sum_v p_v z_v as a batched dot product: no third [C, V] tensor.
+        mean_z_C = torch.bmm(p_CV.unsqueeze(1), z_CV.unsqueeze(2))[:, 0, 0]
+        del p_CV, z_CV
+        entropy[start:end] = lse_C - mean_z_C
     return HeadOutput(logprobs, entropy, top_ids, top_logp)
 
 

@@ -16,11 +16,68 @@ import torch.nn.functional as F
 from torch import nn
 
 from model_runtime.kernels import KernelBackends
+from model_runtime.kernels.elementwise import EAGER, Elementwise
+from model_runtime.kernels.elementwise import _rotate_half as rotate_half  # noqa: F401 (public name)
+from model_runtime.kernels.elementwise import partial_rope as apply_partial_rope
 from model_runtime.packing import PackedBatch
+
+# Hugging Face classes whose arithmetic the fused elementwise functions reproduce. Anything
+# else (a future norm with another formula) keeps running as its own module.
+ZERO_CENTRED_NORMS = frozenset({"Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm"})
+GATED_NORMS = frozenset({"Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated", "Qwen3NextRMSNormGated"})
+DENSE_MLPS = frozenset({"Qwen3_5MLP", "Qwen3_5MoeMLP", "Qwen3NextMLP"})
 
 
 def _head_slice(num_heads: int, sp) -> slice:
     return slice(0, num_heads) if sp is None else sp.head_slice(num_heads)
+
+
+def mlp_forward(mlp: nn.Module, h_TD: torch.Tensor) -> torch.Tensor:
+    """Runs a Hugging Face MLP or sparse-MoE block on ``[T, D]`` rows."""
+    # Hugging Face's sparse MoE blocks read [batch, seq, dim]; some versions also return router logits.
+    out = mlp(h_TD.unsqueeze(0))
+    if isinstance(out, tuple):
+        out = out[0]
+    return out.reshape(h_TD.shape)
+
+
+class ModuleOps:
+    """Runs the norms and MLPs of a Hugging Face model, fused where the backend allows.
+
+    With the ``eager`` elementwise backend every call is the Hugging Face module itself (the
+    CPU reference path). With a fused backend, modules of the classes above go through the
+    fused functions with the module's own weights; others still run as modules.
+    """
+
+    def __init__(self, ew: Elementwise = EAGER):
+        self.ew = ew
+        self.fused = ew.name != "eager"
+
+    def norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and type(module).__name__ in ZERO_CENTRED_NORMS:
+            return self.ew.rms_norm(x, module.weight, module.eps)
+        return module(x)
+
+    def add_norm(self, module: nn.Module, x: torch.Tensor, delta: torch.Tensor):
+        """``(x + delta, norm(x + delta))``: the residual add and the next norm in one pass."""
+        if self.fused and type(module).__name__ in ZERO_CENTRED_NORMS:
+            return self.ew.add_rms_norm(x, delta, module.weight, module.eps)
+        x = x + delta
+        return x, module(x)
+
+    def gated_norm(self, module: nn.Module, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.fused and type(module).__name__ in GATED_NORMS and module.activation in ("silu", "swish"):
+            return self.ew.gated_rms_norm(x, gate, module.weight, module.variance_epsilon)
+        return module(x, gate)
+
+    def mlp(self, mlp: nn.Module, h_TD: torch.Tensor) -> torch.Tensor:
+        if self.fused and type(mlp).__name__ in DENSE_MLPS and _is_silu(mlp.act_fn):
+            return mlp.down_proj(self.ew.silu_mul(mlp.gate_proj(h_TD), mlp.up_proj(h_TD)))
+        return mlp_forward(mlp, h_TD)
+
+
+def _is_silu(act: nn.Module) -> bool:
+    return isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
 
 
 class PackedGatedDeltaNet(nn.Module):
@@ -58,6 +115,7 @@ class PackedGatedDeltaNet(nn.Module):
         self.out_proj = source.out_proj
         self.conv_fn = backends.fn("conv1d")
         self.delta_rule_fn = backends.fn("linear_attention")
+        self.ops = ModuleOps(backends.fn("elementwise")())
 
     def _project(self, x_TD: torch.Tensor):
         """Returns pre-conv ``q_THK, k_THK, v_THV``, gate ``z_THV`` and ``b_TH, a_TH``."""
@@ -91,10 +149,38 @@ class PackedGatedDeltaNet(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, packed: PackedBatch, sp=None) -> torch.Tensor:
         T = x_TD.shape[0]
+        if sp is None and not self.fused_projections:
+            q, k, v, z, g_TH, beta_TH = self._mix_qkv_local(x_TD, packed)
+        else:
+            q, k, v, z, g_TH, beta_TH = self._mix_qkv_split(x_TD, packed, sp)
+        o_THV = self.delta_rule_fn(q, k, v, g_TH, beta_TH, packed)
+        if sp is not None:
+            o_THV = sp.to_tokens(o_THV)
+        o = self.ops.gated_norm(self.norm, o_THV.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(o.reshape(T, -1))
+
+    def _mix_qkv_local(self, x_TD: torch.Tensor, packed: PackedBatch):
+        """Qwen3.5 layout on one rank: the conv reads ``in_proj_qkv``'s output as it comes."""
+        T = x_TD.shape[0]
+        qkv_TC = self.conv_fn(self.in_proj_qkv(x_TD), self.conv1d.weight[:, 0, :], packed)
+        key_dim = self.num_k_heads * self.head_k_dim
+        q, k, v = qkv_TC.split([key_dim, key_dim, self.num_v_heads * self.head_v_dim], dim=-1)
+        z = self.in_proj_z(x_TD).reshape(T, self.num_v_heads, self.head_v_dim)
+        g_TH, beta_TH = self.ops.ew.gdn_gates(self.in_proj_a(x_TD), self.in_proj_b(x_TD), self.A_log, self.dt_bias)
+        return (
+            q.reshape(T, self.num_k_heads, self.head_k_dim),
+            k.reshape(T, self.num_k_heads, self.head_k_dim),
+            v.reshape(T, self.num_v_heads, self.head_v_dim),
+            z,
+            g_TH,
+            beta_TH,
+        )
+
+    def _mix_qkv_split(self, x_TD: torch.Tensor, packed: PackedBatch, sp):
+        """General path: fused Qwen3-Next projections and/or a sequence-parallel head exchange."""
         q, k, v, z, b, a = self._project(x_TD)
-        beta_TH = b.sigmoid()
         # Decay in float32 so a bf16 model cannot round A to -inf.
-        g_TH = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        g_TH, beta_TH = self.ops.ew.gdn_gates(a, b, self.A_log, self.dt_bias)
         if sp is not None:
             q, k, v, g_TH, beta_TH = (sp.to_heads(t) for t in (q, k, v, g_TH, beta_TH))
         hk, hv = _head_slice(self.num_k_heads, sp), _head_slice(self.num_v_heads, sp)
@@ -102,35 +188,14 @@ class PackedGatedDeltaNet(nn.Module):
         qkv_TC = torch.cat([q.reshape(rows, -1), k.reshape(rows, -1), v.reshape(rows, -1)], dim=-1)
         qkv_TC = self.conv_fn(qkv_TC, self._conv_weight(hk, hv), packed)
         q, k, v = qkv_TC.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=-1)
-        o_THV = self.delta_rule_fn(
+        return (
             q.reshape(rows, -1, self.head_k_dim),
             k.reshape(rows, -1, self.head_k_dim),
             v.reshape(rows, -1, self.head_v_dim),
+            z,
             g_TH,
             beta_TH,
-            packed,
         )
-        if sp is not None:
-            o_THV = sp.to_tokens(o_THV)
-        o = self.norm(o_THV.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-        return self.out_proj(o.reshape(T, -1))
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
-def apply_partial_rope(q_THD, k_THD, cos_TR, sin_TR):
-    """Rotary embedding on the first ``R`` dims of every head; the rest pass through."""
-    rot = cos_TR.shape[-1]
-    cos, sin = cos_TR[:, None, :], sin_TR[:, None, :]
-
-    def rotate(x):
-        x_rot, x_pass = x[..., :rot], x[..., rot:]
-        return torch.cat([x_rot * cos + rotate_half(x_rot) * sin, x_pass], dim=-1)
-
-    return rotate(q_THD), rotate(k_THD)
 
 
 class PackedAttention(nn.Module):
@@ -146,18 +211,18 @@ class PackedAttention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = source.q_proj, source.k_proj, source.v_proj, source.o_proj
         self.q_norm, self.k_norm = source.q_norm, source.k_norm
         self.attention_fn = backends.fn("attention")
+        self.ops = ModuleOps(backends.fn("elementwise")())
 
     def forward(self, x_TD: torch.Tensor, packed: PackedBatch, rope: tuple, sp=None) -> torch.Tensor:
         T = x_TD.shape[0]
         q, gate = self.q_proj(x_TD).view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x_TD).view(T, self.num_kv_heads, self.head_dim))
+        q = self.ops.norm(self.q_norm, q)
+        k = self.ops.norm(self.k_norm, self.k_proj(x_TD).view(T, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x_TD).view(T, self.num_kv_heads, self.head_dim)
-        q, k = apply_partial_rope(q, k, *rope)
+        q, k = self.ops.ew.partial_rope(q, k, *rope)
         if sp is not None:
             q, k, v = sp.to_heads(q), sp.to_heads_kv(k), sp.to_heads_kv(v)
         o_THD = self.attention_fn(q, k, v, packed, self.scaling)
         if sp is not None:
             o_THD = sp.to_tokens(o_THD)
-        o = o_THD.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
-        return self.o_proj(o)
+        return self.o_proj(self.ops.ew.sigmoid_gate(o_THD.reshape(T, -1), gate.reshape(T, -1)))

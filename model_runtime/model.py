@@ -17,7 +17,7 @@ from torch import nn
 
 from model_runtime.architectures import LAYER_KINDS, Architecture
 from model_runtime.kernels import KernelBackends
-from model_runtime.layers import PackedAttention, PackedGatedDeltaNet
+from model_runtime.layers import ModuleOps, PackedAttention, PackedGatedDeltaNet, mlp_forward
 from model_runtime.packing import PackedBatch
 
 
@@ -41,7 +41,7 @@ class PackedCausalLM(nn.Module):
     rotary embedding and LM head (the head is applied by ``model_runtime.head``, in chunks).
     """
 
-    def __init__(self, hf_causal_lm: nn.Module, architecture: Architecture):
+    def __init__(self, hf_causal_lm: nn.Module, architecture: Architecture, backends: KernelBackends | None = None):
         super().__init__()
         inner = hf_causal_lm.model
         self.architecture = architecture
@@ -52,6 +52,9 @@ class PackedCausalLM(nn.Module):
         self.rotary_emb = inner.rotary_emb
         self.lm_head = hf_causal_lm.lm_head
         self.layer_types = tuple(self.config.layer_types)
+        self.ops = ModuleOps(backends.fn("elementwise")()) if backends is not None else ModuleOps()
+        # Qwen3.5's rotary takes one position row per rope axis; Qwen3-Next's takes one per batch.
+        self.multi_axis_rope = getattr(self.rotary_emb, "mrope_section", None) is not None
 
     @property
     def vocab_size(self) -> int:
@@ -60,18 +63,23 @@ class PackedCausalLM(nn.Module):
     def forward(self, input_ids_T: torch.Tensor, packed: PackedBatch, sp=None) -> torch.Tensor:
         """Final-norm hidden states ``[T, D]`` of the (local shard of the) packed row."""
         x_TD = self.embed_tokens(input_ids_T)
-        positions_T = packed.position_ids if sp is None else sp.local_tokens(packed.position_ids)
-        positions = positions_T.unsqueeze(0)
-        if self.architecture.multi_axis_rope:
-            # Text tokens carry the same position on all three rope axes; transformers 5.17 wants
-            # them spelled out as [3, batch, T], later versions also accept [batch, T].
-            positions = positions.unsqueeze(0).expand(3, 1, -1)
+        rope = self._rope(x_TD, packed.position_ids if sp is None else sp.local_tokens(packed.position_ids))
+        ops, layers = self.ops, self.layers
+        h_TD = ops.norm(layers[0].input_layernorm, x_TD)
+        for i, (layer, kind) in enumerate(zip(layers, self.layer_types)):
+            x_TD, h_TD = ops.add_norm(layer.post_attention_layernorm, x_TD, self._mix(layer, kind, h_TD, packed, rope, sp))
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            x_TD, h_TD = ops.add_norm(next_norm, x_TD, ops.mlp(layer.mlp, h_TD))
+        return h_TD
+
+    def _rope(self, x_TD: torch.Tensor, positions_T: torch.Tensor):
+        """``(cos, sin)`` of shape ``[T, R]``; text positions are equal on every rope axis."""
+        if self.multi_axis_rope:
+            positions = positions_T.view(1, 1, -1).expand(3, 1, -1)
+        else:
+            positions = positions_T.unsqueeze(0)
         cos, sin = self.rotary_emb(x_TD.unsqueeze(0), positions)
-        rope = (cos[0], sin[0])
-        for layer, kind in zip(self.layers, self.layer_types):
-            x_TD = x_TD + self._mix(layer, kind, layer.input_layernorm(x_TD), packed, rope, sp)
-            x_TD = x_TD + _mlp(layer.mlp, layer.post_attention_layernorm(x_TD))
-        return self.norm(x_TD)
+        return cos[0], sin[0]
 
     @staticmethod
     def _mix(layer, kind, h_TD, packed, rope, sp):
@@ -80,12 +88,7 @@ class PackedCausalLM(nn.Module):
         return layer.self_attn(h_TD, packed, rope, sp)
 
 
-def _mlp(mlp: nn.Module, h_TD: torch.Tensor) -> torch.Tensor:
-    # Hugging Face's sparse MoE blocks read [batch, seq, dim]; some versions also return router logits.
-    out = mlp(h_TD.unsqueeze(0))
-    if isinstance(out, tuple):
-        out = out[0]
-    return out.reshape(h_TD.shape)
+_mlp = mlp_forward  # kept for callers of the old name
 
 
 _MIXER_NAME = re.compile(r"(Attention|GatedDeltaNet)$")
@@ -97,7 +100,7 @@ def patch_for_packing(hf_causal_lm: nn.Module, architecture: Architecture, backe
     Raises ``PatchError`` for a layer kind it does not know, a mixer of an unexpected class, or
     any attention/delta-rule module still unswitched afterwards.
     """
-    model = PackedCausalLM(hf_causal_lm, architecture)
+    model = PackedCausalLM(hf_causal_lm, architecture, backends)
     counts = {kind: 0 for kind in LAYER_KINDS}
     if len(model.layer_types) != len(model.layers):
         raise PatchError(f"config lists {len(model.layer_types)} layer types for {len(model.layers)} layers")

@@ -10,6 +10,7 @@ come from request lengths only (never from position ids or token values) and tra
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Sequence
 
 import torch
@@ -71,6 +72,19 @@ class PackedBatch:
     @property
     def total_tokens(self) -> int:
         return self.cu_seqlens_host[-1]
+
+    # Derived views, built at most once per forward and shared by every layer. fla keys its
+    # index helpers on tensor identity, so handing all 24 GDN layers the same int64 tensor lets
+    # it build chunk indices once per forward instead of once per layer (each with a host sync).
+    @cached_property
+    def cu_seqlens_long(self) -> torch.Tensor:
+        """int64 ``[N + 1]`` offsets on the compute device (fla's kernels index with them)."""
+        return self.cu_seqlens.long()
+
+    @cached_property
+    def cu_seqlens_host_long(self) -> torch.Tensor:
+        """int64 ``[N + 1]`` offsets on the host: lets fla plan chunks without a device sync."""
+        return torch.tensor(self.cu_seqlens_host, dtype=torch.long)
 
     @property
     def num_segments(self) -> int:

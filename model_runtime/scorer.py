@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from model_runtime.head import MAX_TOP_K, chunk_tokens_for_budget, score_positions
+from model_runtime.head import BYTES_PER_LOGIT, MAX_TOP_K, chunk_tokens_for_budget, fused_chunk_tokens, score_positions
 from model_runtime.loading import LoadedModel
 from model_runtime.packing import PackedBatch, pack_first_fit_decreasing
 
@@ -84,28 +84,71 @@ class Scorer:
         (2,)
     """
 
+    # The head's memory cap on CUDA: one chunk of bf16 logits plus its hidden rows. DESIGN.md
+    # allows the head 1 GiB at 64k tokens; 768 MiB leaves room for allocator rounding.
+    CUDA_HEAD_CAP_BYTES = 768 << 20
+
     def __init__(self, loaded: LoadedModel, *, max_batch_tokens: int = 16384, head_budget_bytes: int | None = None):
         self.loaded = loaded
         self.max_batch_tokens = int(max_batch_tokens)
+        self.logprob_fn = loaded.backends.fn("head")
+        self._fixed_head_budget = head_budget_bytes
         if head_budget_bytes is None:
-            head_budget_bytes = 1 << 30 if loaded.device.type == "cuda" else 256 << 20
-        self.head_chunk_tokens = chunk_tokens_for_budget(loaded.vocab_size, head_budget_bytes)
+            head_budget_bytes = self.CUDA_HEAD_CAP_BYTES if loaded.device.type == "cuda" else 256 << 20
+        self.set_head_budget(head_budget_bytes)
+        self.warm_up_seconds: float | None = None
+
+    def set_head_budget(self, budget_bytes: int) -> None:
+        """Sizes the head's chunks: ``head_chunk_tokens`` for log-prob/entropy rows and
+        ``head_chunk_tokens_top_k`` for rows that also rank (those hold float32 copies)."""
+        vocab = self.loaded.vocab_size
+        self.head_budget_bytes = int(budget_bytes)
+        self.head_chunk_tokens_top_k = chunk_tokens_for_budget(vocab, budget_bytes, BYTES_PER_LOGIT)
+        if self.loaded.backends.head == "torch":
+            self.head_chunk_tokens = self.head_chunk_tokens_top_k
+        else:
+            hidden = self.loaded.model.lm_head.weight.shape[1]
+            itemsize = self.loaded.model.lm_head.weight.element_size()
+            self.head_chunk_tokens = fused_chunk_tokens(vocab, hidden, budget_bytes, itemsize)
+
+    def size_head_from_free_memory(self, fraction: float = 0.25) -> None:
+        """On CUDA, shrinks the head's budget to ``fraction`` of the memory still free (measured
+        after a full-budget forward), never above ``CUDA_HEAD_CAP_BYTES``. A budget given to the
+        constructor is kept as it is."""
+        if self.loaded.device.type != "cuda" or self._fixed_head_budget is not None:
+            return
+        free, _ = torch.cuda.mem_get_info(self.loaded.device)
+        reserved_idle = torch.cuda.memory_reserved(self.loaded.device) - torch.cuda.memory_allocated(self.loaded.device)
+        self.set_head_budget(min(self.CUDA_HEAD_CAP_BYTES, int(fraction * (free + reserved_idle))))
 
     def warm_up(self) -> None:
         """Runs the shapes the service will see so kernels compile and autotune before readiness.
 
-        On CUDA: a full row at the token budget, a row of many short segments, and a top-k pass.
+        On CUDA: one sequence filling the token budget (the largest activations: sizes the head
+        from the memory left), a row of many short sequences (fla's varlen index paths, many
+        segments in attention), a top-k pass, and a one-sequence row of a few tokens (the
+        shape of an idle request; small sizes are their own compiled variants).
         On CPU: one short pass (nothing to compile).
         """
+        import time
+
+        started = time.perf_counter()
         rng = np.random.default_rng(0)
         vocab = self.loaded.vocab_size
         if self.loaded.device.type != "cuda":
             self.score_row([SequenceInput(rng.integers(0, vocab, 16), top_k=1)])
+            self.warm_up_seconds = time.perf_counter() - started
             return
         budget = self.max_batch_tokens
-        self.score_row([SequenceInput(rng.integers(0, vocab, budget))])
-        short = [SequenceInput(rng.integers(0, vocab, 64), top_k=MAX_TOP_K) for _ in range(max(1, budget // 64))]
+        self.score_row([SequenceInput(rng.integers(0, vocab, budget), score_from=1)])
+        self.size_head_from_free_memory()
+        short = [SequenceInput(rng.integers(0, vocab, 64), score_from=8) for _ in range(max(1, budget // 64))]
         self.score_row(short)
+        self.score_row([SequenceInput(rng.integers(0, vocab, 512), top_k=MAX_TOP_K) for _ in range(2)])
+        for n in (1, 2, 17):
+            self.score_row([SequenceInput(rng.integers(0, vocab, n), score_from=1)])
+        torch.cuda.synchronize(self.loaded.device)
+        self.warm_up_seconds = time.perf_counter() - started
 
     def score(self, sequences: Sequence[SequenceInput]) -> list[SequenceScores]:
         """Scores any number of sequences; results come back in input order."""
@@ -129,12 +172,14 @@ class Scorer:
         packed = PackedBatch.from_lengths(plan.lengths, device=device)
         hidden_TD = self.loaded.model(torch.from_numpy(plan.ids_T).to(device), packed)
         head = score_positions(
-            hidden_TD.index_select(0, torch.from_numpy(plan.positions_N).to(device)),
+            hidden_TD,
             self.loaded.model.lm_head.weight,
             torch.from_numpy(plan.targets_N),
             torch.from_numpy(plan.temperature_N),
             top_k=plan.top_k,
-            chunk_tokens=self.head_chunk_tokens,
+            chunk_tokens=self.head_chunk_tokens_top_k if plan.top_k else self.head_chunk_tokens,
+            rows_N=torch.from_numpy(plan.positions_N),
+            logprob_fn=self.logprob_fn,
         )
         return split_results(sequences, head, plan.top_k)
 

@@ -1,8 +1,10 @@
 """Kernel boundary: one function per family, each with a named backend.
 
-Families: ``linear_attention`` (gated delta rule), ``conv1d`` (causal depthwise conv) and
-``attention`` (causal full attention). Every fast backend has an exact PyTorch reference beside
-it; tests compare them on fresh random inputs.
+Families: ``linear_attention`` (gated delta rule), ``conv1d`` (causal depthwise conv),
+``attention`` (causal full attention), ``head`` (log-probability and entropy of a chunk of
+logits) and ``elementwise`` (norms, gates, rotary, SiLU between the matrix products; its
+registry entries return the whole function set). Every fast backend has an exact PyTorch
+reference beside it; tests compare them on fresh random inputs.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ from model_runtime.kernels.attention import (
     causal_attention_sdpa,
     causal_attention_varlen,
 )
+from model_runtime.kernels import elementwise
 from model_runtime.kernels.conv import causal_conv1d_fla, causal_conv1d_reference, causal_conv1d_tridao
 from model_runtime.kernels.linear_attention import gated_delta_rule_fla, gated_delta_rule_reference
+from model_runtime.kernels.logprob_head import logprob_entropy_torch, logprob_entropy_triton
 
 log = logging.getLogger(__name__)
 
-FAMILIES = ("linear_attention", "conv1d", "attention")
+FAMILIES = ("linear_attention", "conv1d", "attention", "head", "elementwise")
 
 REGISTRY: dict[str, dict[str, Callable]] = {
     "linear_attention": {"reference": gated_delta_rule_reference, "fla": gated_delta_rule_fla},
@@ -36,6 +40,16 @@ REGISTRY: dict[str, dict[str, Callable]] = {
         "varlen": causal_attention_varlen,
         "flash_attn": causal_attention_flash,
     },
+    "head": {"torch": logprob_entropy_torch, "triton": logprob_entropy_triton},
+    "elementwise": {"eager": elementwise.eager, "inductor": elementwise.inductor},
+}
+# What a CPU run uses: the exact per-segment references, and plain PyTorch for the rest.
+_CPU_DEFAULT = {
+    "linear_attention": "reference",
+    "conv1d": "reference",
+    "attention": "reference",
+    "head": "torch",
+    "elementwise": "eager",
 }
 
 # Backends that run on a GPU without a per-segment Python loop, best first.
@@ -43,9 +57,11 @@ _GPU_PREFERENCE = {
     "linear_attention": ("fla",),
     "conv1d": ("causal_conv1d", "fla"),
     "attention": ("flash_attn", "varlen"),
+    "head": ("triton",),
+    "elementwise": ("inductor",),
 }
-# Backends that loop over segments in Python: exact everywhere, slow on a GPU.
-SLOW_BACKENDS = frozenset({"reference", "sdpa"})
+# Backends that loop over segments in Python or stay unfused: exact everywhere, slow on a GPU.
+SLOW_BACKENDS = frozenset({"reference", "sdpa", "torch", "eager"})
 
 
 class SlowKernelError(RuntimeError):
@@ -59,6 +75,8 @@ class KernelBackends:
     linear_attention: str = "reference"
     conv1d: str = "reference"
     attention: str = "reference"
+    head: str = "torch"
+    elementwise: str = "eager"
     fallbacks: tuple[str, ...] = field(default=())
 
     def __post_init__(self):
@@ -75,16 +93,35 @@ class KernelBackends:
         return REGISTRY[family][getattr(self, family)]
 
 
+# The module each optional backend is imported from; importing it (not only finding it) is
+# the availability test, so a package that is present but broken counts as missing.
+_BACKEND_MODULES = {
+    "fla": ("fla.ops.gated_delta_rule",),
+    "causal_conv1d": ("causal_conv1d",),
+    "flash_attn": ("flash_attn",),
+    "varlen": ("torch.nn.attention.varlen",),
+    "triton": ("triton",),
+    "inductor": ("triton", "torch._inductor"),
+}
+
+
 def _available(family: str, name: str) -> bool:
-    if name == "fla":
-        return importlib.util.find_spec("fla") is not None
-    if name == "causal_conv1d":
-        return importlib.util.find_spec("causal_conv1d") is not None
-    if name == "flash_attn":
-        return importlib.util.find_spec("flash_attn") is not None
-    if name == "varlen":
-        return importlib.util.find_spec("torch.nn.attention.varlen") is not None
-    return True
+    return _unavailable_reason(family, name) is None
+
+
+def _unavailable_reason(family: str, name: str) -> str | None:
+    """``None`` when backend ``name`` of ``family`` can run here, else why not."""
+    modules = _BACKEND_MODULES.get(name, ())
+    if family == "conv1d" and name == "fla":
+        modules = ("fla.modules",)
+    for module in modules:
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            return f"{module.split('.')[0]} is not installed"
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # a broken install must not pass for a working one
+            return f"importing {module} failed: {type(err).__name__}: {err}"
+    return None
 
 
 def select_backends(
@@ -112,21 +149,24 @@ def select_backends(
             chosen[family] = overrides[family]
             continue
         if device.type != "cuda":
-            chosen[family] = "reference"
+            chosen[family] = _CPU_DEFAULT[family]
             continue
+        reasons = []
         for name in _GPU_PREFERENCE[family]:
-            if _available(family, name):
+            reason = _unavailable_reason(family, name)
+            if reason is None:
                 chosen[family] = name
                 break
+            reasons.append(f"{name}: {reason}")
         else:
             wanted = " or ".join(_GPU_PREFERENCE[family])
             message = (
-                f"no fast {family} kernel is installed for CUDA (wanted {wanted}); install the 'gpu' extra "
-                "(pip install 'packscore[gpu]') or pass --allow-slow-kernels to run the per-sequence reference"
+                f"no fast {family} kernel is usable on CUDA (wanted {wanted}; {'; '.join(reasons)}); install the "
+                "'gpu' extra (pip install 'packscore[gpu]') or pass --allow-slow-kernels to run the slow reference"
             )
             if not allow_slow:
                 raise SlowKernelError(message)
             log.warning("%s; using the slow reference kernel", message)
-            chosen[family] = "reference"
+            chosen[family] = _CPU_DEFAULT[family]
             fallbacks.append(family)
     return KernelBackends(**chosen, fallbacks=tuple(fallbacks))

@@ -62,18 +62,38 @@ def causal_attention_varlen(q_THD, k_THD, v_THD, packed: PackedBatch, scale: flo
 
     Its default is NOT causal; ``window_size=(-1, 0)`` makes it causal per segment (on the
     H200 the default differed from per-segment causal attention by 3.9, the window by 0.004).
+    Versions with ``enable_gqa`` read the shared key/value heads in place; older ones get
+    repeated keys and values.
     """
     _check(q_THD, k_THD, v_THD, packed)
     from torch.nn.attention.varlen import varlen_attn
 
     group = q_THD.shape[1] // k_THD.shape[1]
+    extra = {}
     if group > 1:
-        k_THD = k_THD.repeat_interleave(group, dim=1)
-        v_THD = v_THD.repeat_interleave(group, dim=1)
+        if _varlen_has_gqa():
+            extra["enable_gqa"] = True
+        else:
+            k_THD = k_THD.repeat_interleave(group, dim=1)
+            v_THD = v_THD.repeat_interleave(group, dim=1)
     cu = packed.cu_seqlens
     return varlen_attn(
-        q_THD, k_THD, v_THD, cu, cu, packed.max_seqlen, packed.max_seqlen, scale=scale, window_size=(-1, 0)
+        q_THD, k_THD, v_THD, cu, cu, packed.max_seqlen, packed.max_seqlen, scale=scale, window_size=(-1, 0), **extra
     )
+
+
+_VARLEN_GQA: bool | None = None
+
+
+def _varlen_has_gqa() -> bool:
+    global _VARLEN_GQA
+    if _VARLEN_GQA is None:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+
+        _VARLEN_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters
+    return _VARLEN_GQA
 
 
 def causal_attention_flash(q_THD, k_THD, v_THD, packed: PackedBatch, scale: float) -> torch.Tensor:

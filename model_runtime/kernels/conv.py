@@ -35,19 +35,31 @@ def causal_conv1d_reference(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed:
 
 
 def causal_conv1d_fla(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
-    """fla's Triton varlen conv: the window restarts at every ``cu_seqlens`` boundary."""
-    _check(x_TC, weight_CW, packed)
-    from fla.modules.convolution import causal_conv1d
+    """fla's Triton varlen conv: the window restarts at every ``cu_seqlens`` boundary.
 
-    y = causal_conv1d(
+    fla 0.6 exports it from ``fla.modules.causal_conv1d`` (``fla.modules.convolution`` is an
+    alias kept for older code) and returns ``(y, final_state)``.
+    """
+    _check(x_TC, weight_CW, packed)
+    fn = _fla_conv()
+    y = fn(
         x=x_TC.unsqueeze(0),
         weight=weight_CW,
         bias=None,
         activation="silu",
-        cu_seqlens=packed.cu_seqlens,
+        cu_seqlens=packed.cu_seqlens_long,
+        cu_seqlens_cpu=packed.cu_seqlens_host_long,
     )
     y = y[0] if isinstance(y, tuple) else y
     return y[0]
+
+
+def _fla_conv():
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+    except ImportError:  # fla < 0.5
+        from fla.modules.convolution import causal_conv1d
+    return causal_conv1d
 
 
 def causal_conv1d_tridao(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: PackedBatch) -> torch.Tensor:

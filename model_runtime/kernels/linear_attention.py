@@ -61,7 +61,11 @@ def gated_delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: Packe
 
 
 def gated_delta_rule_fla(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: PackedBatch) -> torch.Tensor:
-    """fla's chunked Triton kernel in varlen mode (state restarts at every ``cu_seqlens`` entry)."""
+    """fla's chunked Triton kernel in varlen mode (state restarts at every ``cu_seqlens`` entry).
+
+    fla >= 0.5 maps value head ``h`` to key head ``h // (Hv // Hk)`` itself (grouped value
+    attention), which is exactly ``repeat_interleave``; older versions get repeated q and k.
+    """
     _check(q_THK, k_THK, v_THV, g_TH, beta_TH, packed)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -69,6 +73,7 @@ def gated_delta_rule_fla(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: PackedBatch
     if group > 1 and not _fla_supports_gva():
         q_THK = q_THK.repeat_interleave(group, dim=1)
         k_THK = k_THK.repeat_interleave(group, dim=1)
+    kwargs = {"cu_seqlens_cpu": packed.cu_seqlens_host_long} if _fla_accepts("cu_seqlens_cpu") else {}
     o, _ = chunk_gated_delta_rule(
         q_THK.unsqueeze(0),
         k_THK.unsqueeze(0),
@@ -78,22 +83,36 @@ def gated_delta_rule_fla(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: PackedBatch
         scale=q_THK.shape[-1] ** -0.5,
         initial_state=None,
         output_final_state=False,
-        cu_seqlens=packed.cu_seqlens.long(),
+        cu_seqlens=packed.cu_seqlens_long,
         use_qk_l2norm_in_kernel=True,
+        **kwargs,
     )
     return o[0]
 
 
-_GVA: bool | None = None
+_SIGNATURE: dict | None = None
+
+
+def _fla_signature() -> dict:
+    global _SIGNATURE
+    if _SIGNATURE is None:
+        import inspect
+
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        doc = inspect.getdoc(chunk_gated_delta_rule) or ""
+        _SIGNATURE = {
+            "params": frozenset(inspect.signature(chunk_gated_delta_rule).parameters),
+            # fla documents GVA in the docstring of the versions that implement it.
+            "gva": "GVA" in doc or "HV" in doc,
+        }
+    return _SIGNATURE
+
+
+def _fla_accepts(name: str) -> bool:
+    return name in _fla_signature()["params"]
 
 
 def _fla_supports_gva() -> bool:
     """Whether the installed fla accepts more value heads than key heads (checked once)."""
-    global _GVA
-    if _GVA is None:
-        import inspect
-
-        from fla.ops.gated_delta_rule import chunk as chunk_module
-
-        _GVA = "HV" in inspect.getsource(chunk_module)
-    return _GVA
+    return _fla_signature()["gva"]
