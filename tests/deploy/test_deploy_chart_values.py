@@ -78,6 +78,21 @@ def test_server_options_become_flags_and_large_numbers_stay_integers():
     assert args[-2:] == ["--device", "cuda"]
 
 
+def test_fractional_max_wait_ms_is_kept():
+    assert arg_value(container({"server": {"port": 8000, "drainTimeoutS": 60, "maxWaitMs": 2.5}})["args"],
+                     "--max-wait-ms") == "2.5"
+
+
+def test_hpa_target_must_stay_below_the_admission_bound():
+    values = {"server": {"port": 8000, "drainTimeoutS": 60, "maxQueuedTokens": 100_000},
+              "autoscaling": {"enabled": True, "targetQueuedTokens": 100_000}}
+    with pytest.raises(helm.HelmError) as err:
+        render_chart(values)
+    assert "autoscaling.targetQueuedTokens(100000) >= server.maxQueuedTokens(100000)" in str(err.value)
+    values["autoscaling"]["targetQueuedTokens"] = 50_000
+    assert one(manifests(values), "HorizontalPodAutoscaler")
+
+
 def test_unset_server_options_are_left_to_the_server():
     args = container()["args"]
     for flag in ["--max-batch-tokens", "--max-wait-ms", "--max-queued-tokens", "--max-request-bytes",

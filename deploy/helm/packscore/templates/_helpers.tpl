@@ -64,6 +64,13 @@ app.kubernetes.io/component: scoring
 {{- if ne (mod $ws $sp) 0 }}
 {{- fail (printf "parallel.worldSize(%d) %% parallel.sp(%d) = %d, must be 0 (dp * sp = world size)" $ws $sp (mod $ws $sp)) }}
 {{- end }}
+{{- $as := .Values.autoscaling }}
+{{- $bound := .Values.server.maxQueuedTokens }}
+{{- if and $as.enabled (not (kindIs "invalid" $bound)) }}
+{{- if ge (int64 $as.targetQueuedTokens) (int64 $bound) }}
+{{- fail (printf "autoscaling.targetQueuedTokens(%d) >= server.maxQueuedTokens(%d): pods would reject work (429) before the HPA scales out" (int64 $as.targetQueuedTokens) (int64 $bound)) }}
+{{- end }}
+{{- end }}
 {{- $src := .Values.model.source }}
 {{- if and (eq $src.type "pvc") (not $src.pvc.claimName) }}
 {{- fail "model.source.type is pvc but model.source.pvc.claimName is empty" }}
