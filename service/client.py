@@ -237,10 +237,12 @@ class ScoreClient:
         max_sequences_per_request: int | None = None,
         max_request_tokens: int | None = None,
         max_request_bytes: int | None = None,
+        transport: httpx.BaseTransport | None = None,
     ):
         self._p = _Protocol(base_url, api_key, encoding, retry_timeout_s, max_sequences_per_request,
                             max_request_tokens, max_request_bytes)
-        self._http = httpx.Client(base_url=self._p.base_url, timeout=timeout_s, headers=self._p.headers)
+        self._http = httpx.Client(base_url=self._p.base_url, timeout=timeout_s, headers=self._p.headers,
+                                  transport=transport)
         self._max_concurrency = max(1, max_concurrency)
         self._pool = ThreadPoolExecutor(max_workers=self._max_concurrency, thread_name_prefix="packscore-client")
 
@@ -326,10 +328,12 @@ class AsyncScoreClient:
         max_sequences_per_request: int | None = None,
         max_request_tokens: int | None = None,
         max_request_bytes: int | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ):
         self._p = _Protocol(base_url, api_key, encoding, retry_timeout_s, max_sequences_per_request,
                             max_request_tokens, max_request_bytes)
-        self._http = httpx.AsyncClient(base_url=self._p.base_url, timeout=timeout_s, headers=self._p.headers)
+        self._http = httpx.AsyncClient(base_url=self._p.base_url, timeout=timeout_s, headers=self._p.headers,
+                                       transport=transport)
         self._max_concurrency = max(1, max_concurrency)
 
     async def __aenter__(self) -> "AsyncScoreClient":

@@ -18,6 +18,11 @@ _TOKEN_BUCKETS = tuple(2**i for i in range(6, 20))  # 64 .. 512k tokens
 _FILL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0, 2.0, 8.0)  # > 1: an oversize sequence
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+_KNOWN_REJECTIONS = (
+    "queue_full", "draining", "not_ready", "deadline_exceeded", "client_disconnected", "backend_unavailable",
+    "sequence_too_large", "sequence_too_long", "request_too_large", "too_many_sequences", "body_too_large",
+    "invalid_value", "malformed_body", "unsupported_content_type", "model_not_found", "unauthorized",
+)  # fmt: skip
 
 
 class Metrics:
@@ -30,7 +35,7 @@ class Metrics:
         )
         self.tokens_scored = Counter(
             "packscore_tokens_scored_total",
-            "Tokens run through the model for sequences that were scored successfully.",
+            "Tokens whose log-probability was returned (positions score_from .. L-1 of scored sequences).",
             registry=r,
         )
         self.rejections = Counter(
@@ -39,6 +44,8 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        for reason in _KNOWN_REJECTIONS:  # zero series from the start, so rate() works on a fresh pod
+            self.rejections.labels(reason=reason)
         self.request_latency = Histogram(
             "packscore_request_latency_seconds",
             "Time from a request's arrival to its answer, by route.",
@@ -64,9 +71,11 @@ class Metrics:
             buckets=_FILL_BUCKETS,
             registry=r,
         )
-        self.queued_tokens = Gauge("packscore_queued_tokens", "Tokens admitted and waiting for a forward.", registry=r)
+        self.queued_tokens = Gauge(
+            "packscore_queued_tokens", "Tokens admitted but not yet scored (waiting or in a forward).", registry=r
+        )
         self.queued_sequences = Gauge(
-            "packscore_queued_sequences", "Sequences admitted and waiting for a forward.", registry=r
+            "packscore_queued_sequences", "Sequences admitted but not yet scored.", registry=r
         )
         self.ready = Gauge("packscore_ready", "1 when /readyz would answer 200, else 0.", registry=r)
         self.workers_alive = Gauge("packscore_workers_alive", "Scoring workers (GPU processes) alive.", registry=r)

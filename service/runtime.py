@@ -44,12 +44,20 @@ async def _in_daemon_thread(fn: Callable, *args):
         try:
             result = fn(*args)
         except BaseException as exc:  # handed to the awaiting coroutine
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(exc))
+            loop.call_soon_threadsafe(_settle, future, None, exc)
         else:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
+            loop.call_soon_threadsafe(_settle, future, result, None)
 
     threading.Thread(target=target, name="packscore-load", daemon=True).start()
     return await future
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if not future.done():  # the awaiting side may have been cancelled meanwhile
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
 
 class Service:

@@ -69,7 +69,7 @@ class Ticket:
 class _Item:
     """One queued sequence of a ticket."""
 
-    __slots__ = ("ticket", "index", "seq", "tokens", "enqueued_at", "queued")
+    __slots__ = ("ticket", "index", "seq", "tokens", "enqueued_at", "queued", "started", "released")
 
     def __init__(self, ticket: Ticket, index: int, seq: SequenceInput, now: float):
         self.ticket = ticket
@@ -78,6 +78,8 @@ class _Item:
         self.tokens = seq.length
         self.enqueued_at = now
         self.queued = True  # False once taken into a row or dropped with its ticket
+        self.started = False  # True once its forward began
+        self.released = False  # True once it no longer counts against admission (done or dropped)
 
 
 class Scheduler:
@@ -97,11 +99,13 @@ class Scheduler:
         self.metrics = metrics or Metrics()
         self.concurrency = max(1, int(getattr(backend, "concurrency", 1)))
         self._queue: deque[_Item] = deque()
+        self._waiting_tokens = 0  # in the queue, not yet in a row: what the packer can still pack
+        # Admitted and not yet finished (waiting or in a forward): the admission bound and the
+        # packscore_queued_* gauges.
         self._queued_tokens = 0
         self._queued_sequences = 0
         self._pending: set[Ticket] = set()
         self._outstanding_rows = 0  # formed rows not yet finished (waiting for a runner or running)
-        self._busy_runners = 0
         self._tasks: list[asyncio.Task] = []
         self._pool: ThreadPoolExecutor | None = None
         self._rate_tokens_per_s: float | None = None
@@ -181,6 +185,7 @@ class Scheduler:
             self._queue.extendleft(reversed(ticket.items))
         else:
             self._queue.extend(ticket.items)
+        self._waiting_tokens += ticket.tokens
         self._queued_tokens += ticket.tokens
         self._queued_sequences += len(ticket.items)
         self._pending.add(ticket)
@@ -205,9 +210,16 @@ class Scheduler:
         for item in ticket.items:
             if item.queued:
                 item.queued = False  # the packer skips it; counters change now so admission frees up
-                self._queued_tokens -= item.tokens
-                self._queued_sequences -= 1
+                self._waiting_tokens -= item.tokens
+            if not item.started:  # still queued, or in a row that has not started: never runs
+                self._release(item)
         self._wake.set()
+
+    def _release(self, item: _Item) -> None:
+        if not item.released:
+            item.released = True
+            self._queued_tokens -= item.tokens
+            self._queued_sequences -= 1
 
     async def wait_idle(self, timeout: float) -> bool:
         """Waits until every admitted request has its answer; False when ``timeout`` passed first."""
@@ -243,7 +255,7 @@ class Scheduler:
             timeout = None
             if self._queue:
                 head = self._queue[0]
-                full = self._queued_tokens >= self.max_batch_tokens or head.tokens >= self.max_batch_tokens
+                full = self._waiting_tokens >= self.max_batch_tokens or head.tokens >= self.max_batch_tokens
                 now = time.monotonic()
                 due = head.enqueued_at + self.max_wait_s
                 if full and self._outstanding_rows < 2 * self.concurrency:
@@ -278,8 +290,7 @@ class Scheduler:
         self._queue.extendleft(reversed(kept))  # skipped sequences keep their place at the front
         for item in row:
             item.queued = False
-            self._queued_tokens -= item.tokens
-            self._queued_sequences -= 1
+            self._waiting_tokens -= item.tokens
         return row
 
     # ---- runners -----------------------------------------------------------------------------
@@ -287,7 +298,6 @@ class Scheduler:
     async def _run_loop(self) -> None:
         while True:
             row = await self._rows.get()
-            self._busy_runners += 1
             try:
                 await self._forward(row)
             except Exception:  # never let one row stop a runner; its requests get a 500
@@ -295,7 +305,8 @@ class Scheduler:
                 for item in row:
                     self.fail(item.ticket, ApiError(500, "internal_error", "Scoring failed unexpectedly."))
             finally:
-                self._busy_runners -= 1
+                for item in row:
+                    self._release(item)
                 self._outstanding_rows -= 1
                 self._wake.set()
 
@@ -305,6 +316,7 @@ class Scheduler:
             return
         started = time.monotonic()
         for item in row:
+            item.started = True
             self.metrics.queue_wait.observe(started - item.enqueued_at)
         try:
             scores = await self._loop.run_in_executor(self._pool, self.backend.score_row, [it.seq for it in row])
@@ -378,7 +390,7 @@ class Scheduler:
                     continue
                 ticket.results[item.index] = result
                 ticket.remaining -= 1
-                scored += item.tokens
+                scored += item.seq.num_scored
                 if ticket.remaining == 0:
                     self._pending.discard(ticket)
                     ticket.future.set_result(ticket.results)  # type: ignore[arg-type]

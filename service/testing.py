@@ -1,0 +1,131 @@
+"""Test support: a fake backend that scores without a model, and an in-process app runner.
+
+``FakeBackend`` makes HTTP tests run in milliseconds. Its numbers depend only on the sequence
+itself (never on its row), so a test can check that results were reassembled correctly, and it
+records every row it was given, so a test can check how the scheduler packed them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Callable, Sequence
+
+import httpx
+import numpy as np
+
+from model_runtime.backend import BackendUnavailableError, ModelInfo
+from model_runtime.scorer import SequenceInput, SequenceScores, validate_sequence
+
+
+def expected_scores(seq: SequenceInput) -> SequenceScores:
+    """What FakeBackend returns for ``seq``: simple functions of the ids and options."""
+    ids = np.asarray(seq.input_ids, dtype=np.int64)
+    targets = ids[seq.score_from :]
+    positions = np.arange(seq.score_from, seq.length, dtype=np.float32)
+    logprobs = (-(targets % 97).astype(np.float32) / 10.0 - 0.01) / np.float32(seq.temperature)
+    entropy = positions / 100.0 + 1.0
+    k = seq.top_k
+    top_ids = (targets[:, None] + np.arange(k)[None, :]).astype(np.int32) if k else None
+    top_logp = (logprobs[:, None] - np.arange(k, dtype=np.float32)[None, :]) if k else None
+    return SequenceScores(
+        logprobs=logprobs.astype(np.float32),
+        entropy=entropy.astype(np.float32) if seq.return_entropy else None,
+        top_k_ids=top_ids,
+        top_k_logprobs=top_logp.astype(np.float32) if k else None,
+    )
+
+
+class FakeBackend:
+    """A ScoringBackend without a model.
+
+    Args:
+        seconds_per_token: simulated forward time.
+        oom_above_tokens: a row with more tokens raises a CUDA-style out-of-memory RuntimeError.
+        concurrency: how many score_row calls may overlap.
+        gate: when given, every forward waits until it is set (lets a test hold the pipeline).
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int = 1000,
+        max_model_len: int = 4096,
+        seconds_per_token: float = 0.0,
+        oom_above_tokens: int | None = None,
+        concurrency: int = 1,
+        gate: threading.Event | None = None,
+        name: str = "fake-model",
+    ):
+        self.info = ModelInfo(
+            name=name,
+            architecture="qwen3_5",
+            vocab_size=vocab_size,
+            max_model_len=max_model_len,
+            dtype="float32",
+            device="cpu",
+            weights_version="fake#1",
+            kernels={"linear_attention": "reference", "conv1d": "reference", "attention": "reference"},
+        )
+        self.concurrency = concurrency
+        self.seconds_per_token = seconds_per_token
+        self.oom_above_tokens = oom_above_tokens
+        self.gate = gate
+        self.unavailable = False
+        self.alive = True
+        self.rows: list[list[int]] = []  # lengths of the sequences of every row attempted
+        self.running = 0
+        self.max_running = 0
+        self._lock = threading.Lock()
+
+    def score_row(self, sequences: Sequence[SequenceInput]) -> list[SequenceScores]:
+        for i, seq in enumerate(sequences):
+            validate_sequence(seq, self.info.vocab_size, i)
+        with self._lock:
+            self.rows.append([s.length for s in sequences])
+            self.running += 1
+            self.max_running = max(self.max_running, self.running)
+        try:
+            if self.gate is not None:
+                self.gate.wait(timeout=30)
+            if self.unavailable:
+                raise BackendUnavailableError("worker 0 exited")
+            tokens = sum(s.length for s in sequences)
+            if self.oom_above_tokens is not None and tokens > self.oom_above_tokens:
+                raise RuntimeError(f"CUDA out of memory. Tried to allocate {tokens} MiB")
+            if self.seconds_per_token:
+                time.sleep(tokens * self.seconds_per_token)
+            return [expected_scores(s) for s in sequences]
+        finally:
+            with self._lock:
+                self.running -= 1
+
+    def warm_up(self) -> None:
+        pass
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def close(self) -> None:
+        pass
+
+
+async def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        await asyncio.sleep(0.005)
+
+
+@asynccontextmanager
+async def running_app(app, *, ready: bool = True, headers: dict | None = None) -> AsyncIterator[httpx.AsyncClient]:
+    """Runs ``app``'s lifespan in this event loop and yields a client bound to it (no sockets)."""
+    async with app.router.lifespan_context(app):
+        if ready:
+            await wait_until(lambda: app.state.service.phase in ("ready", "failed"))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://packscore.test", headers=headers) as client:
+            yield client

@@ -1,0 +1,285 @@
+"""Scheduler behaviour with a fake backend: packing, FIFO fairness, OOM split-retry, deadlines,
+admission, disconnects, backend failures, concurrency."""
+
+import asyncio
+import threading
+import time
+
+import msgpack
+import numpy as np
+import orjson
+
+from model_runtime.scorer import SequenceInput
+from service.app import create_app
+from service.scheduler import Scheduler, is_out_of_memory
+from service.settings import Settings
+from service.testing import FakeBackend, expected_scores, running_app, wait_until
+
+
+def seqs_of(*lengths, start=1):
+    return [SequenceInput(np.arange(start, start + n) % 900) for n in lengths]
+
+
+async def started(backend, **kwargs):
+    options = dict(max_batch_tokens=100, max_wait_ms=0, max_queued_tokens=10_000)
+    scheduler = Scheduler(backend, **{**options, **kwargs})
+    await scheduler.start()
+    return scheduler
+
+
+def test_rows_respect_the_token_budget_and_results_come_back_per_request():
+    async def main():
+        gate = threading.Event()
+        backend = FakeBackend(gate=gate)
+        scheduler = await started(backend, max_batch_tokens=100)
+        rng = np.random.default_rng(0)
+        requests = [seqs_of(*rng.integers(1, 60, size=rng.integers(1, 5))) for _ in range(30)]
+        tickets = [scheduler.submit(r) for r in requests]
+        gate.set()
+        results = await asyncio.gather(*(t.future for t in tickets))
+        await scheduler.close()
+        return backend, requests, results
+
+    backend, requests, results = asyncio.run(main())
+    assert all(sum(row) <= 100 for row in backend.rows), backend.rows
+    assert sum(len(row) for row in backend.rows) == sum(len(r) for r in requests)
+    for request, result in zip(requests, results):
+        for seq, got in zip(request, result):
+            np.testing.assert_array_equal(got.logprobs, expected_scores(seq).logprobs)
+
+
+def test_a_sequence_longer_than_the_budget_gets_a_row_of_its_own():
+    async def main():
+        gate = threading.Event()
+        backend = FakeBackend(gate=gate)
+        scheduler = await started(backend, max_batch_tokens=50)
+        tickets = [scheduler.submit(seqs_of(10)), scheduler.submit(seqs_of(120, 10)), scheduler.submit(seqs_of(20))]
+        gate.set()
+        await asyncio.gather(*(t.future for t in tickets))
+        await scheduler.close()
+        return backend.rows
+
+    rows = asyncio.run(main())
+    assert [120] in rows, rows
+    assert all(sum(row) <= 50 for row in rows if row != [120])
+
+
+def test_fifo_a_big_request_is_not_starved_by_a_stream_of_small_ones():
+    async def main():
+        backend = FakeBackend(seconds_per_token=0.0002)
+        scheduler = await started(backend, max_batch_tokens=100, max_wait_ms=1)
+        big = scheduler.submit(seqs_of(*[45] * 20, start=3))  # 900 tokens: 10 rows of 2
+        small_done_before_big = 0
+        smalls = []
+        while not big.done:  # small requests keep arriving for as long as the big one runs
+            smalls.append(scheduler.submit(seqs_of(45)))
+            await asyncio.sleep(0.002)
+        await big.future
+        small_done_before_big = sum(t.done for t in smalls)
+        await asyncio.gather(*(t.future for t in smalls))
+        await scheduler.close()
+        return backend.rows, small_done_before_big, len(smalls)
+
+    rows, small_before, small_total = asyncio.run(main())
+    # The big request's 20 sequences were first in line: they take the first 10 rows.
+    first = [n for row in rows[:10] for n in row]
+    assert len(first) == 20 and small_before <= 1, (rows[:12], small_before, small_total)
+
+
+def test_out_of_memory_is_retried_in_halves_and_only_the_oversized_request_fails():
+    async def main():
+        backend = FakeBackend(oom_above_tokens=60)
+        app = create_app(Settings(max_batch_tokens=200, max_wait_ms=50), backend)
+        async with running_app(app) as client:
+            ok = [{"input_ids": list(range(1, 31))} for _ in range(3)]
+            too_big = [{"input_ids": list(range(1, 81))}]
+            responses = await asyncio.gather(
+                client.post("/score", json={"sequences": ok}),
+                client.post("/score", json={"sequences": ok[:1] + too_big}),
+                client.post("/score", json={"sequences": ok[:2]}),
+            )
+            after = await client.post("/score", json={"sequences": ok})
+            ready = await client.get("/readyz")
+            return backend.rows, responses, after, ready
+
+    rows, responses, after, ready = asyncio.run(main())
+    assert [r.status_code for r in responses] == [200, 413, 200], [r.text for r in responses]
+    assert responses[1].json()["error"] == {
+        "type": "sequence_too_large",
+        "message": responses[1].json()["error"]["message"],
+        "param": "sequences[1].input_ids",
+    }
+    assert any(sum(row) > 60 for row in rows), "the first row should have been too large"
+    assert [80] in rows, "the oversized sequence must have been tried alone"
+    assert after.status_code == 200 and ready.status_code == 200
+
+
+def test_out_of_memory_detection():
+    class OutOfMemoryError(RuntimeError):  # the name torch uses, without importing torch here
+        pass
+
+    assert is_out_of_memory(OutOfMemoryError("x"))
+    assert is_out_of_memory(RuntimeError("CUDA error: out of memory"))
+    assert is_out_of_memory(MemoryError())
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
+    assert not is_out_of_memory(ValueError("out of memory"))
+
+
+def test_backend_unavailable_answers_503_with_retry_after_and_readiness_drops():
+    async def main():
+        backend = FakeBackend()
+        app = create_app(Settings(), backend)
+        async with running_app(app) as client:
+            backend.unavailable = True
+            started_at = time.monotonic()
+            response = await client.post("/score", json={"sequences": [{"input_ids": [1, 2, 3]}]})
+            elapsed = time.monotonic() - started_at
+            not_ready = await client.get("/readyz")
+            backend.alive = False
+            worker_down = await client.get("/readyz")
+            backend.unavailable, backend.alive = False, True
+            ready_again = await client.get("/readyz")
+            return response, elapsed, not_ready, worker_down, ready_again
+
+    response, elapsed, not_ready, worker_down, ready_again = asyncio.run(main())
+    assert response.status_code == 503 and elapsed < 5
+    assert response.json()["error"]["type"] == "backend_unavailable"
+    assert int(response.headers["retry-after"]) >= 1
+    assert not_ready.status_code == 503 and not_ready.json()["status"] == "probe_failed"
+    assert worker_down.status_code == 503 and worker_down.json()["status"] == "worker_down"
+    assert "retry-after" in worker_down.headers
+    assert ready_again.status_code == 200 and ready_again.json()["status"] == "ready"
+
+
+def test_deadline_passes_504_and_the_sequences_are_dropped():
+    async def main():
+        gate = threading.Event()
+        backend = FakeBackend()
+        app = create_app(Settings(max_batch_tokens=10, max_wait_ms=0), backend)
+        async with running_app(app) as client:
+            backend.gate = gate  # held from here on; the readiness pass ran already
+            rows_before = len(backend.rows)
+            blocker = asyncio.ensure_future(client.post("/score", json={"sequences": [{"input_ids": [1] * 10}]}))
+            await wait_until(lambda: len(backend.rows) > rows_before)  # the pipeline is now held
+            late = await client.post("/score", json={"sequences": [{"input_ids": [2] * 7}], "deadline_ms": 50})
+            queued_after = app.state.service.scheduler.queued_tokens
+            gate.set()
+            await blocker
+            return late, queued_after, backend.rows[rows_before:]
+
+    late, queued_after, rows = asyncio.run(main())
+    assert late.status_code == 504
+    assert late.json()["error"]["type"] == "deadline_exceeded" and late.json()["error"]["param"] == "deadline_ms"
+    assert queued_after == 10  # only the blocker's tokens remain
+    assert [7] not in rows
+
+
+def test_admission_bound_answers_429_with_retry_after():
+    async def main():
+        gate = threading.Event()
+        backend = FakeBackend()
+        app = create_app(Settings(max_batch_tokens=100, max_wait_ms=0, max_queued_tokens=100), backend)
+        async with running_app(app) as client:
+            backend.gate = gate  # held from here on; the readiness pass ran already
+            first = asyncio.ensure_future(client.post("/score", json={"sequences": [{"input_ids": [1] * 60}]}))
+            await wait_until(lambda: app.state.service.scheduler.queued_tokens == 60)
+            refused = await client.post("/score", json={"sequences": [{"input_ids": [1] * 60}]})
+            fits = asyncio.ensure_future(client.post("/score", json={"sequences": [{"input_ids": [1] * 40}]}))
+            await wait_until(lambda: app.state.service.scheduler.queued_tokens == 100)
+            gate.set()
+            metrics = (await client.get("/metrics")).text
+            return refused, await first, await fits, metrics
+
+    refused, first, fits, metrics = asyncio.run(main())
+    assert refused.status_code == 429
+    assert refused.json()["error"]["type"] == "queue_full"
+    assert refused.headers["retry-after"].isdigit() and int(refused.headers["retry-after"]) >= 1
+    assert first.status_code == 200 and fits.status_code == 200
+    assert 'packscore_rejections_total{reason="queue_full"} 1.0' in metrics
+
+
+def test_a_client_that_disconnects_has_its_queued_sequences_dropped():
+    async def main():
+        gate = threading.Event()
+        backend = FakeBackend()
+        app = create_app(Settings(max_batch_tokens=10, max_wait_ms=0), backend)
+        async with running_app(app) as client:
+            backend.gate = gate  # held from here on; the readiness pass ran already
+            service = app.state.service
+            rows_before = len(backend.rows)
+            blocker = asyncio.ensure_future(client.post("/score", json={"sequences": [{"input_ids": [1] * 10}]}))
+            await wait_until(lambda: len(backend.rows) > rows_before)
+            gone = asyncio.Event()
+            sent = []
+            body = orjson.dumps({"sequences": [{"input_ids": [3] * 9}, {"input_ids": [4] * 8}]})
+            messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+            async def receive():
+                if messages:
+                    return messages.pop()
+                await gone.wait()
+                return {"type": "http.disconnect"}
+
+            async def send(message):
+                sent.append(message)
+
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                     "scheme": "http", "path": "/score", "raw_path": b"/score", "query_string": b"",
+                     "root_path": "", "headers": [(b"content-type", b"application/json")],
+                     "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+            call = asyncio.ensure_future(app(scope, receive, send))
+            await wait_until(lambda: service.scheduler.queued_tokens == 27)
+            gone.set()  # the client hangs up
+            await call
+            queued_after = service.scheduler.queued_tokens
+            gate.set()
+            await blocker
+            return queued_after, backend.rows[rows_before:], sent
+
+    queued_after, rows, sent = asyncio.run(main())
+    assert queued_after == 10
+    assert [9] not in rows and [8] not in rows, rows
+    assert sent[0]["status"] == 499
+
+
+def test_partial_rows_wait_up_to_max_wait_ms_for_more_work():
+    async def main():
+        backend = FakeBackend()
+        scheduler = await started(backend, max_batch_tokens=100, max_wait_ms=300)
+        first = scheduler.submit(seqs_of(10))
+        await asyncio.sleep(0.05)
+        second = scheduler.submit(seqs_of(20))
+        t0 = time.monotonic()
+        await asyncio.gather(first.future, second.future)
+        waited = time.monotonic() - t0
+        await scheduler.close()
+        return backend.rows, waited
+
+    rows, waited = asyncio.run(main())
+    assert rows == [[10, 20]] and waited < 1.0
+
+
+def test_rows_run_concurrently_up_to_the_backend_concurrency():
+    async def main():
+        backend = FakeBackend(concurrency=3, seconds_per_token=0.001)
+        scheduler = await started(backend, max_batch_tokens=50)
+        tickets = [scheduler.submit(seqs_of(50)) for _ in range(9)]
+        await asyncio.gather(*(t.future for t in tickets))
+        await scheduler.close()
+        return backend.max_running
+
+    assert asyncio.run(main()) == 3
+
+
+def test_msgpack_requests_go_through_the_same_scheduler():
+    async def main():
+        app = create_app(Settings(), FakeBackend())
+        async with running_app(app) as client:
+            body = {"sequences": [{"input_ids": np.arange(1, 9, dtype="<i4").tobytes(), "score_from": 3}]}
+            return await client.post("/score", content=msgpack.packb(body),
+                                     headers={"Content-Type": "application/msgpack"})
+
+    response = asyncio.run(main())
+    result = msgpack.unpackb(response.content)["results"][0]
+    want = expected_scores(SequenceInput(np.arange(1, 9), score_from=3))
+    np.testing.assert_array_equal(np.frombuffer(result["logprobs"], "<f4"), want.logprobs)

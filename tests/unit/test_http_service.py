@@ -1,0 +1,268 @@
+"""The service around the scheduler: auth, readiness phases, draining, metrics, /v1/models, OpenAPI."""
+
+import asyncio
+import threading
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.app import create_app
+from service.schemas import ModelList
+from service.settings import Settings
+from service.testing import FakeBackend, running_app, wait_until
+
+GOOD = {"sequences": [{"id": "a", "input_ids": [1, 2, 3, 4], "score_from": 2}]}
+KEY = "s3cret-key"
+
+
+@pytest.fixture(autouse=True)
+def _no_packscore_env(monkeypatch):
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("PACKSCORE_"):
+            monkeypatch.delenv(name)
+
+
+def test_api_key_guards_every_route_but_the_probes(tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY + "\n")
+
+    async def main():
+        app = create_app(Settings(api_key_file=key_file), FakeBackend())
+        async with running_app(app) as client:
+            bearer = {"Authorization": f"Bearer {KEY}"}
+            out = {
+                "no-key": await client.post("/score", json=GOOD),
+                "wrong-key": await client.post("/score", json=GOOD, headers={"Authorization": "Bearer nope"}),
+                "wrong-scheme": await client.post("/score", json=GOOD, headers={"Authorization": f"Basic {KEY}"}),
+                "right-key": await client.post("/score", json=GOOD, headers=bearer),
+                "lowercase-scheme": await client.post("/v1/score", json=GOOD, headers={"Authorization": f"bearer {KEY}"}),
+                "healthz": await client.get("/healthz"),
+                "readyz": await client.get("/readyz"),
+                "metrics": await client.get("/metrics"),
+                "models": await client.get("/v1/models"),
+                "openapi": await client.get("/openapi.json"),
+                "metrics-key": await client.get("/metrics", headers=bearer),
+                "unknown-route": await client.get("/nope"),
+            }
+            return out
+
+    out = asyncio.run(main())
+    for name in ("no-key", "wrong-key", "wrong-scheme", "metrics", "models", "openapi", "unknown-route"):
+        assert out[name].status_code == 401, name
+        assert out[name].json()["error"]["type"] == "unauthorized"
+        assert out[name].headers["www-authenticate"] == "Bearer"
+    for name in ("right-key", "lowercase-scheme", "healthz", "readyz", "metrics-key"):
+        assert out[name].status_code == 200, (name, out[name].text)
+
+
+def test_api_key_from_the_environment(monkeypatch):
+    monkeypatch.setenv("PACKSCORE_API_KEY", KEY)
+
+    async def main():
+        app = create_app(Settings(), FakeBackend())
+        async with running_app(app) as client:
+            return (await client.post("/score", json=GOOD)).status_code, (
+                await client.post("/score", json=GOOD, headers={"Authorization": f"Bearer {KEY}"})
+            ).status_code
+
+    assert asyncio.run(main()) == (401, 200)
+
+
+def test_readiness_follows_loading_then_a_real_scoring_pass():
+    loaded = threading.Event()
+    backend = FakeBackend()
+
+    def load():
+        loaded.wait(timeout=10)
+        return backend
+
+    async def main():
+        app = create_app(Settings(), load)
+        async with running_app(app, ready=False) as client:
+            during = {
+                "healthz": await client.get("/healthz"),
+                "readyz": await client.get("/readyz"),
+                "score": await client.post("/score", json=GOOD),
+                "models": await client.get("/v1/models"),
+            }
+            loaded.set()
+            await wait_until(lambda: app.state.service.phase == "ready")
+            after = await client.get("/readyz")
+            return during, after
+
+    during, after = asyncio.run(main())
+    assert during["healthz"].status_code == 200 and during["healthz"].json() == {"status": "ok"}
+    assert during["readyz"].status_code == 503 and during["readyz"].json()["status"] == "loading"
+    assert during["readyz"].headers["retry-after"].isdigit()
+    assert during["score"].status_code == 503 and during["score"].json()["error"]["type"] == "not_ready"
+    assert "retry-after" in during["score"].headers
+    assert during["models"].status_code == 503
+    assert after.status_code == 200 and after.json()["status"] == "ready"
+    assert after.json()["limits"]["max_model_len"] == 4096
+    # The readiness pass went through the backend: it is a real forward, not a flag.
+    assert backend.rows and backend.rows[0] == [8]
+
+
+def test_a_failed_load_is_reported_not_hidden():
+    def load():
+        raise FileNotFoundError("no such checkpoint")
+
+    async def main():
+        app = create_app(Settings(), load)
+        async with running_app(app) as client:
+            return app.state.service.fatal_error, await client.get("/readyz")
+
+    fatal, readyz = asyncio.run(main())
+    assert "no such checkpoint" in fatal
+    assert readyz.status_code == 503 and readyz.json()["status"] == "failed"
+
+
+def test_drain_finishes_admitted_requests_and_refuses_new_ones():
+    async def main():
+        gate = threading.Event()
+        backend = FakeBackend()
+        app = create_app(Settings(max_batch_tokens=16, max_wait_ms=0, drain_timeout_s=10), backend)
+        service = app.state.service
+        async with running_app(app) as client:
+            backend.gate = gate
+            admitted = [asyncio.ensure_future(client.post("/score", json=GOOD)) for _ in range(3)]
+            await wait_until(lambda: service.scheduler.pending_requests == 3)
+            drain = asyncio.ensure_future(service.drain())
+            await asyncio.sleep(0.05)
+            during = {
+                "score": await client.post("/score", json=GOOD),
+                "readyz": await client.get("/readyz"),
+                "healthz": await client.get("/healthz"),
+                "metrics": await client.get("/metrics"),
+            }
+            assert not drain.done()
+            gate.set()
+            await drain
+            return [await a for a in admitted], during, service.drained
+
+    admitted, during, drained = asyncio.run(main())
+    assert [r.status_code for r in admitted] == [200, 200, 200]
+    assert during["score"].status_code == 503 and during["score"].json()["error"]["type"] == "draining"
+    assert during["score"].headers["retry-after"] == "1"
+    assert during["readyz"].status_code == 503 and during["readyz"].json()["status"] == "draining"
+    assert during["healthz"].status_code == 200 and during["metrics"].status_code == 200
+    assert drained
+
+
+def test_drain_timeout_answers_what_is_left_with_503():
+    async def main():
+        gate = threading.Event()
+        backend = FakeBackend()
+        app = create_app(Settings(max_batch_tokens=4, max_wait_ms=0, drain_timeout_s=0.2), backend)
+        service = app.state.service
+        async with running_app(app) as client:
+            backend.gate = gate
+            stuck = [asyncio.ensure_future(client.post("/score", json=GOOD)) for _ in range(3)]
+            await wait_until(lambda: service.scheduler.pending_requests == 3)
+            await service.drain()
+            results = [await s for s in stuck[1:]]  # the first is inside a forward that never ends
+            gate.set()
+            return results
+
+    results = asyncio.run(main())
+    assert all(r.status_code == 503 and "retry-after" in r.headers for r in results)
+
+
+REQUIRED = {
+    "packscore_requests_total": {"route", "status"},
+    "packscore_tokens_scored_total": set(),
+    "packscore_rejections_total": {"reason"},
+    "packscore_request_latency_seconds_bucket": {"route", "le"},
+    "packscore_queue_wait_seconds_bucket": {"le"},
+    "packscore_forward_seconds_bucket": {"le"},
+    "packscore_batch_tokens_bucket": {"le"},
+    "packscore_batch_fill_ratio_bucket": {"le"},
+    "packscore_queued_tokens": set(),
+    "packscore_queued_sequences": set(),
+    "packscore_ready": set(),
+    "packscore_workers_alive": set(),
+    "packscore_model_info": {"model", "architecture", "dtype", "device", "weights_version"},
+    "packscore_kernel_info": {"family", "backend"},
+    "packscore_slow_kernel_fallback": set(),
+    "packscore_parallel_info": {"world_size", "dp", "sp", "fsdp"},
+}
+
+
+def test_metrics_names_labels_and_values():
+    async def main():
+        app = create_app(Settings(max_batch_tokens=100), FakeBackend())
+        other = create_app(Settings(), FakeBackend())  # a second app: its own registry, no clash
+        async with running_app(app) as client:
+            await client.post("/score", json=GOOD)
+            await client.post("/score", json={"sequences": []})
+            return (await client.get("/metrics")), other
+
+    response, _ = asyncio.run(main())
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        assert family.name.startswith("packscore_"), family.name
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append(sample)
+    for name, labels in REQUIRED.items():
+        assert name in samples, f"missing {name}"
+        assert any(set(s.labels) == labels for s in samples[name]), (name, [s.labels for s in samples[name]])
+
+    def value(name, **labels):
+        return next(s.value for s in samples[name] if all(s.labels.get(k) == v for k, v in labels.items()))
+
+    assert value("packscore_requests_total", route="/score", status="200") == 1
+    assert value("packscore_requests_total", route="/score", status="422") == 1
+    assert value("packscore_rejections_total", reason="invalid_value") == 1
+    assert value("packscore_tokens_scored_total") == 2 + 7  # this request's 2 + the readiness pass's 7
+    assert value("packscore_ready") == 1 and value("packscore_workers_alive") == 1
+    assert value("packscore_model_info", model="fake-model", device="cpu") == 1
+    assert value("packscore_kernel_info", family="attention", backend="reference") == 1
+    assert value("packscore_parallel_info", world_size="1", fsdp="false") == 1
+    assert value("packscore_slow_kernel_fallback") == 0
+
+
+def test_models_route_has_the_contract_shape():
+    async def main():
+        app = create_app(Settings(served_model_name="served", max_model_len=1024), FakeBackend(max_model_len=4096))
+        async with running_app(app) as client:
+            ok = await client.post("/score", json={**GOOD, "model": "served"})
+            return (await client.get("/v1/models")).json(), ok.json()["model"]
+
+    body, answered_model = asyncio.run(main())
+    ModelList.model_validate(body)
+    (card,) = body["data"]
+    assert set(card) == {"id", "architecture", "vocab_size", "max_model_len", "dtype", "device", "parallel",
+                         "kernels", "weights_version"}
+    assert card["id"] == answered_model == "served"
+    assert card["max_model_len"] == 1024
+    assert card["parallel"] == {"world_size": 1, "dp": 1, "sp": 1, "fsdp": False}
+
+
+def test_max_model_len_beyond_the_model_is_refused_at_startup():
+    async def main():
+        app = create_app(Settings(max_model_len=8192), FakeBackend(max_model_len=4096))
+        async with running_app(app):
+            return app.state.service.fatal_error
+
+    assert "exceeds" in asyncio.run(main())
+
+
+def test_openapi_documents_both_encodings_examples_and_error_bodies():
+    async def main():
+        app = create_app(Settings(), FakeBackend())
+        async with running_app(app) as client:
+            return (await client.get("/openapi.json")).json()
+
+    schema = asyncio.run(main())
+    for path in ("/score", "/v1/score"):
+        operation = schema["paths"][path]["post"]
+        assert set(operation["requestBody"]["content"]) == {"application/json", "application/msgpack"}
+        assert set(operation["responses"]["200"]["content"]) == {"application/json", "application/msgpack"}
+        assert {"400", "401", "404", "413", "422", "429", "503", "504"} <= set(operation["responses"])
+        assert "Retry-After" in operation["responses"]["429"]["headers"]
+    components = schema["components"]["schemas"]
+    assert components["ScoreRequest"]["examples"] and components["ScoreResponse"]["examples"]
+    assert "HTTPValidationError" not in components  # FastAPI's own 422 format is not part of the API

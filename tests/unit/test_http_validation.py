@@ -1,0 +1,281 @@
+"""POST /score against a fake backend: the contract's status codes and error bodies, encodings.
+
+Nothing malformed may reach the model: every bad request here is checked to leave the backend
+untouched.
+"""
+
+import asyncio
+import json
+
+import msgpack
+import numpy as np
+import pytest
+
+from model_runtime.head import MAX_TOP_K
+from service.app import create_app
+from service.encoding import response_encoding
+from service.errors import param_path
+from service.schemas import MAX_TOP_K as SCHEMA_MAX_TOP_K
+from service.schemas import ScoreResponse
+from service.settings import Settings
+from service.testing import FakeBackend, expected_scores, running_app
+from model_runtime.scorer import SequenceInput
+
+VOCAB = 1000
+LIMITS = dict(max_model_len=64, max_sequences_per_request=8, max_queued_tokens=300, max_request_bytes=20_000)
+
+
+def make_app(**overrides):
+    backend = FakeBackend(vocab_size=VOCAB, max_model_len=4096)
+    return create_app(Settings(**{**LIMITS, **overrides}), backend), backend
+
+
+def good(**extra):
+    return {"sequences": [{"id": "a", "input_ids": [1, 2, 3, 4], "score_from": 2}], **extra}
+
+
+def seq(**fields):
+    return {"sequences": [{"input_ids": [1, 2, 3, 4], **fields}]}
+
+
+JSON_H = {"Content-Type": "application/json"}
+MSGPACK_H = {"Content-Type": "application/msgpack"}
+
+# (id, body, status, error type, param). Bodies are Python objects sent as JSON by Python's json
+# module, which writes NaN / Infinity literals the way many clients do.
+BAD_JSON = [
+    ("empty-sequences", {"sequences": []}, 422, "invalid_value", "sequences"),
+    ("missing-sequences", {"temperature": 1.0}, 422, "invalid_value", "sequences"),
+    ("sequences-not-list", {"sequences": {"input_ids": [1]}}, 422, "invalid_value", "sequences"),
+    ("body-is-list", [1, 2], 422, "invalid_value", None),
+    ("empty-input-ids", seq(input_ids=[]), 422, "invalid_value", "sequences[0].input_ids"),
+    ("missing-input-ids", {"sequences": [{"id": "x"}]}, 422, "invalid_value", "sequences[0].input_ids"),
+    ("negative-id", seq(input_ids=[1, -1, 2]), 422, "invalid_value", "sequences[0].input_ids[1]"),
+    ("out-of-vocab", seq(input_ids=[1, 2, VOCAB]), 422, "invalid_value", "sequences[0].input_ids[2]"),
+    ("huge-id", seq(input_ids=[1, 2**70]), 422, "invalid_value", "sequences[0].input_ids[1]"),
+    ("float-id", seq(input_ids=[1, 2.5]), 422, "invalid_value", "sequences[0].input_ids[1]"),
+    ("integral-float-id", seq(input_ids=[1, 2.0]), 422, "invalid_value", "sequences[0].input_ids[1]"),
+    ("bool-id", seq(input_ids=[1, True]), 422, "invalid_value", "sequences[0].input_ids[1]"),
+    ("string-id", seq(input_ids=["7"]), 422, "invalid_value", "sequences[0].input_ids[0]"),
+    ("ids-not-list", seq(input_ids="1 2 3"), 422, "invalid_value", "sequences[0].input_ids"),
+    ("score-from-0", seq(score_from=0), 422, "invalid_value", "sequences[0].score_from"),
+    ("score-from-past-end", seq(score_from=5), 422, "invalid_value", "sequences[0].score_from"),
+    ("score-from-string", seq(score_from="2"), 422, "invalid_value", "sequences[0].score_from"),
+    ("id-not-string", seq(id=5), 422, "invalid_value", "sequences[0].id"),
+    ("unknown-sequence-field", seq(labels=[1]), 422, "invalid_value", "sequences[0].labels"),
+    ("unknown-field", good(temprature=0.5), 422, "invalid_value", "temprature"),
+    ("temperature-0", good(temperature=0), 422, "invalid_value", "temperature"),
+    ("temperature-negative", good(temperature=-1.0), 422, "invalid_value", "temperature"),
+    ("temperature-nan", good(temperature=float("nan")), 422, "invalid_value", "temperature"),
+    ("temperature-inf", good(temperature=float("inf")), 422, "invalid_value", "temperature"),
+    ("temperature-string", good(temperature="1.0"), 422, "invalid_value", "temperature"),
+    ("temperature-bool", good(temperature=True), 422, "invalid_value", "temperature"),
+    ("top-k-negative", good(top_k=-1), 422, "invalid_value", "top_k"),
+    ("top-k-21", good(top_k=MAX_TOP_K + 1), 422, "invalid_value", "top_k"),
+    ("top-k-float", good(top_k=1.5), 422, "invalid_value", "top_k"),
+    ("entropy-string", good(return_entropy="yes"), 422, "invalid_value", "return_entropy"),
+    ("deadline-0", good(deadline_ms=0), 422, "invalid_value", "deadline_ms"),
+    ("model-not-string", good(model=3), 422, "invalid_value", "model"),
+    ("second-sequence-bad", {"sequences": [{"input_ids": [1, 2]}, {"input_ids": [3, 4, 5, 6, 1e9]}]}, 422,
+     "invalid_value", "sequences[1].input_ids[4]"),
+    ("unknown-model", good(model="nope"), 404, "model_not_found", "model"),
+    ("too-long", seq(input_ids=[1] * 65), 413, "sequence_too_long", "sequences[0].input_ids"),
+    ("too-many-sequences", {"sequences": [{"input_ids": [1]}] * 9}, 413, "too_many_sequences", "sequences"),
+    ("too-many-tokens", {"sequences": [{"input_ids": [1] * 60}] * 6}, 413, "request_too_large", "sequences"),
+]
+
+
+async def _post(client, body, headers=JSON_H):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return await client.post("/score", content=raw, headers=headers)
+
+
+def _check_error(response, status, kind, param):
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"type", "message", "param"}, body
+    assert body["error"]["type"] == kind, body
+    assert body["error"]["param"] == param, body
+    assert body["error"]["message"], body
+
+
+def test_bad_json_requests_get_their_status_and_never_reach_the_model():
+    async def main():
+        app, backend = make_app()
+        async with running_app(app) as client:
+            rows_before = len(backend.rows)
+            for name, body, status, kind, param in BAD_JSON:
+                response = await _post(client, body)
+                try:
+                    _check_error(response, status, kind, param)
+                except AssertionError as exc:
+                    raise AssertionError(f"case {name}: {exc}") from None
+            assert len(backend.rows) == rows_before, "a bad request reached the backend"
+
+    asyncio.run(main())
+
+
+BAD_RAW = [
+    ("garbage-json", b"{not json", JSON_H, 400, "malformed_body", None),
+    ("truncated-json", b'{"sequences": [{"input_ids": [1, 2', JSON_H, 400, "malformed_body", None),
+    ("garbage-msgpack", b"\xc1\xc1\xc1", MSGPACK_H, 400, "malformed_body", None),
+    ("truncated-msgpack", msgpack.packb(good())[:-3], MSGPACK_H, 400, "malformed_body", None),
+    ("msgpack-int-keys", msgpack.packb({1: 2}), MSGPACK_H, 400, "malformed_body", None),
+    ("text-plain", json.dumps(good()).encode(), {"Content-Type": "text/plain"}, 400, "unsupported_content_type",
+     "Content-Type"),
+    ("form", b"a=b", {"Content-Type": "application/x-www-form-urlencoded"}, 400, "unsupported_content_type",
+     "Content-Type"),
+    ("too-big", json.dumps({"sequences": [{"input_ids": [1] * 10_000}]}).encode(), JSON_H, 413, "body_too_large",
+     None),
+    ("msgpack-bin-odd-length", msgpack.packb({"sequences": [{"input_ids": b"\x01\x00\x00"}]}), MSGPACK_H, 422,
+     "invalid_value", "sequences[0].input_ids"),
+    ("msgpack-bin-out-of-vocab",
+     msgpack.packb({"sequences": [{"input_ids": np.array([1, 5000], "<i4").tobytes()}]}), MSGPACK_H, 422,
+     "invalid_value", "sequences[0].input_ids[1]"),
+    ("msgpack-bin-negative", msgpack.packb({"sequences": [{"input_ids": np.array([-3], "<i4").tobytes()}]}),
+     MSGPACK_H, 422, "invalid_value", "sequences[0].input_ids[0]"),
+    ("msgpack-bin-empty", msgpack.packb({"sequences": [{"input_ids": b""}]}), MSGPACK_H, 422, "invalid_value",
+     "sequences[0].input_ids"),
+    ("msgpack-nan-temperature", msgpack.packb(good(temperature=float("nan"))), MSGPACK_H, 422, "invalid_value",
+     "temperature"),
+    ("msgpack-float-id", msgpack.packb(seq(input_ids=[1, 2.0])), MSGPACK_H, 422, "invalid_value",
+     "sequences[0].input_ids[1]"),
+]
+
+
+def test_malformed_bodies_get_400_413_422_with_the_contract_body():
+    async def main():
+        app, backend = make_app()
+        async with running_app(app) as client:
+            rows_before = len(backend.rows)
+            for name, raw, headers, status, kind, param in BAD_RAW:
+                response = await client.post("/score", content=raw, headers=headers)
+                try:
+                    _check_error(response, status, kind, param)
+                except AssertionError as exc:
+                    raise AssertionError(f"case {name}: {exc}") from None
+            response = await client.post("/score", content=json.dumps(good()).encode())  # no Content-Type
+            _check_error(response, 400, "unsupported_content_type", "Content-Type")
+            assert len(backend.rows) == rows_before
+
+    asyncio.run(main())
+
+
+def _decode_bins(result, k):
+    out = {"id": result["id"], "logprobs": np.frombuffer(result["logprobs"], "<f4")}
+    if "entropy" in result:
+        out["entropy"] = np.frombuffer(result["entropy"], "<f4")
+    if "top_k_ids" in result:
+        out["top_k_ids"] = np.frombuffer(result["top_k_ids"], "<i4").reshape(-1, k)
+        out["top_k_logprobs"] = np.frombuffer(result["top_k_logprobs"], "<f4").reshape(-1, k)
+    return out
+
+
+@pytest.mark.parametrize("top_k", [0, 3], ids=["topk0", "topk3"])
+@pytest.mark.parametrize("return_entropy", [True, False], ids=["entropy", "no-entropy"])
+def test_json_and_msgpack_answers_hold_the_same_numbers(top_k, return_entropy):
+    seqs = [
+        {"id": "a", "input_ids": [5, 6, 7, 8, 9], "score_from": 2},
+        {"id": None, "input_ids": [11], "score_from": 1},  # score_from == L: empty arrays
+        {"input_ids": list(range(30, 60)), "score_from": 25},
+    ]
+    options = dict(temperature=0.7, top_k=top_k, return_entropy=return_entropy)
+
+    async def main():
+        app, _ = make_app()
+        async with running_app(app) as client:
+            as_json = await client.post("/score", json={"sequences": seqs, **options})
+            packed = {"sequences": [{**s, "input_ids": np.array(s["input_ids"], "<i4").tobytes()} for s in seqs],
+                      **options}
+            as_msgpack = await client.post("/score", content=msgpack.packb(packed), headers=MSGPACK_H)
+            return as_json, as_msgpack
+
+    as_json, as_msgpack = asyncio.run(main())
+    assert as_json.status_code == 200 and as_json.headers["content-type"] == "application/json"
+    assert as_msgpack.status_code == 200 and as_msgpack.headers["content-type"] == "application/msgpack"
+    body_json = as_json.json()
+    ScoreResponse.model_validate(body_json)
+    body_mp = msgpack.unpackb(as_msgpack.content, raw=False)
+    for body in (body_json, body_mp):
+        assert body["model"] == "fake-model" and body["weights_version"] == "fake#1"
+        assert body["usage"] == {"input_tokens": 36, "scored_tokens": 3 + 0 + 5}
+        assert [r["id"] for r in body["results"]] == ["a", None, None]
+    for s, rj, rm in zip(seqs, body_json["results"], body_mp["results"]):
+        want = expected_scores(SequenceInput(np.array(s["input_ids"]), s["score_from"], 0.7, top_k, return_entropy))
+        got_mp = _decode_bins(rm, top_k)
+        assert ("entropy" in rj) == ("entropy" in rm) == return_entropy
+        assert ("top_k_ids" in rj) == ("top_k_ids" in rm) == (top_k > 0)
+        np.testing.assert_array_equal(np.asarray(rj["logprobs"], np.float32), want.logprobs)
+        np.testing.assert_array_equal(got_mp["logprobs"], want.logprobs)
+        if return_entropy:
+            np.testing.assert_array_equal(np.asarray(rj["entropy"], np.float32), want.entropy)
+            np.testing.assert_array_equal(got_mp["entropy"], want.entropy)
+        if top_k:
+            np.testing.assert_array_equal(np.asarray(rj["top_k_ids"]).reshape(-1, top_k), want.top_k_ids)
+            np.testing.assert_array_equal(got_mp["top_k_ids"], want.top_k_ids)
+            np.testing.assert_array_equal(np.asarray(rj["top_k_logprobs"], np.float32).reshape(-1, top_k),
+                                          want.top_k_logprobs)
+            np.testing.assert_array_equal(got_mp["top_k_logprobs"], want.top_k_logprobs)
+
+
+def test_accept_picks_the_answer_encoding_and_errors_stay_json():
+    async def main():
+        app, _ = make_app()
+        async with running_app(app) as client:
+            r1 = await client.post("/score", json=good(), headers={"Accept": "application/msgpack"})
+            r2 = await client.post("/v1/score", content=msgpack.packb(good()),
+                                   headers={**MSGPACK_H, "Accept": "application/json"})
+            r3 = await client.post("/score", content=msgpack.packb(good()), headers={**MSGPACK_H, "Accept": "*/*"})
+            r4 = await client.post("/score", content=msgpack.packb(good(top_k=99)),
+                                   headers={**MSGPACK_H, "Accept": "application/msgpack"})
+            return r1, r2, r3, r4
+
+    r1, r2, r3, r4 = asyncio.run(main())
+    assert r1.headers["content-type"] == "application/msgpack"
+    assert msgpack.unpackb(r1.content)["results"][0]["id"] == "a"
+    assert r2.headers["content-type"] == "application/json" and r2.json()["results"][0]["id"] == "a"
+    assert r3.headers["content-type"] == "application/msgpack"
+    _check_error(r4, 422, "invalid_value", "top_k")
+
+
+@pytest.mark.parametrize(
+    "accept, expected",
+    [
+        (None, "json"),
+        ("", "json"),
+        ("*/*", "json"),
+        ("application/msgpack", "msgpack"),
+        ("application/x-msgpack", "msgpack"),
+        ("application/json;q=0.5, application/msgpack", "msgpack"),
+        ("application/msgpack;q=0.1, application/json;q=0.9", "json"),
+        ("application/msgpack;q=0", "json"),
+        ("text/html", "json"),
+    ],
+)
+def test_accept_negotiation(accept, expected):
+    assert response_encoding(accept, "json") == expected
+
+
+def test_param_path_uses_the_contract_notation():
+    assert param_path(("body", "sequences", 3, "input_ids", 17)) == "sequences[3].input_ids[17]"
+    assert param_path(("query", "limit")) == "limit"
+    assert param_path(()) is None
+    assert SCHEMA_MAX_TOP_K == MAX_TOP_K == 20
+
+
+def test_fastapi_request_validation_errors_use_the_contract_body():
+    """A route that lets FastAPI validate (here a query parameter) still answers the contract's 422."""
+
+    async def main():
+        app, _ = make_app()
+
+        @app.get("/probe-validation")
+        async def probe(limit: int):
+            return {"limit": limit}
+
+        async with running_app(app) as client:
+            return await client.get("/probe-validation", params={"limit": "many"})
+
+    response = asyncio.run(main())
+    _check_error(response, 422, "invalid_value", "limit")
