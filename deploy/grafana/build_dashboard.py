@@ -188,9 +188,13 @@ def build() -> dict:
     ], "none", "Readiness (0/1) and live worker processes of each pod."), 24, 8)
     g.add(_info_table("Served model", "packscore_model_info",
                       ["model", "architecture", "dtype", "device", "weights_version"],
-                      "What each pod serves: model, architecture, dtype, device, weights version."), 14, 6)
+                      "What each pod serves: model, architecture, dtype, device, weights version."), 12, 6)
     g.add(_info_table("Kernels", "packscore_kernel_info", ["family", "backend"],
-                      "Kernel backend per family. A GPU pod on a reference (CPU-style) backend is a bug."), 10, 6)
+                      "Kernel backend per family. A GPU pod on a reference (CPU-style) backend is a bug."), 8, 6)
+    g.add(_stat("Slow kernel fallback", f"max(packscore_slow_kernel_fallback{{{SEL}}})", "none",
+                "1 when some pod runs a kernel family on the slow per-sequence reference implementation "
+                "(only possible with --allow-slow-kernels).",
+                [{"color": "green", "value": None}, {"color": "red", "value": 1}]), 4, 6)
 
     def var(name: str, query: str, label: str) -> dict:
         return {"name": name, "label": label, "type": "query", "datasource": DS,
