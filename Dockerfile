@@ -38,8 +38,9 @@ RUN python3 -m venv /opt/venv \
  && pip install torch==${TORCH_VERSION} --index-url ${TORCH_INDEX_URL} \
  && pip install setuptools==80.9.0 wheel==0.45.1 packaging==25.0 ninja==1.13.0
 
-# causal-conv1d's setup.py hard-codes ~10 GPU architectures and torch then ignores
-# TORCH_CUDA_ARCH_LIST; cuda_arch.py trims the list to sm_90 and checks the result.
+# causal-conv1d's setup.py hard-codes its GPU architectures (six with CUDA 12.8) and torch
+# then ignores TORCH_CUDA_ARCH_LIST; cuda_arch.py trims that list to TORCH_CUDA_ARCH_LIST
+# and afterwards checks that the wheel holds SASS for exactly those architectures.
 COPY deploy/docker/cuda_arch.py /build/cuda_arch.py
 WORKDIR /build
 RUN pip download --no-deps --no-binary causal-conv1d --no-build-isolation \

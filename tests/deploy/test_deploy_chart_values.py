@@ -168,6 +168,7 @@ def test_security_context_is_locked_down():
     pod = spec["securityContext"]
     assert pod["runAsNonRoot"] is True and pod["runAsUser"] == 1000
     assert pod["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["fsGroupChangePolicy"] == "OnRootMismatch"  # no recursive chown of a model claim
     sc = spec["containers"][0]["securityContext"]
     assert sc["readOnlyRootFilesystem"] is True
     assert sc["allowPrivilegeEscalation"] is False
