@@ -1,0 +1,153 @@
+"""Command line: options and their environment variables, help, offline scoring (resumable)."""
+
+import os
+import sys
+
+import numpy as np
+import orjson
+import pytest
+
+from service import cli
+from service.settings import Settings
+from service.testing import FakeBackend, expected_scores
+from model_runtime.scorer import SequenceInput
+
+SERVE_OPTIONS = (
+    "--model", "--host", "--port", "--max-batch-tokens", "--max-wait-ms", "--max-queued-tokens",
+    "--max-request-bytes", "--max-model-len", "--max-sequences-per-request", "--drain-timeout-s", "--api-key",
+    "--api-key-file", "--dtype", "--device", "--served-model-name", "--world-size", "--sp", "--fsdp",
+    "--allow-slow-kernels", "--triton-cache-dir", "--log-level",
+)  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", "")  # recorded, so main() setting it is undone after the test
+    for name in list(os.environ):
+        if name.startswith("PACKSCORE_") or name == "TRITON_CACHE_DIR":
+            monkeypatch.delenv(name)
+
+
+def test_defaults_serve_the_tiny_model_on_loopback():
+    _, settings = cli.parse_settings(["serve"])
+    assert (settings.model, settings.host, settings.port) == ("tiny", "127.0.0.1", 8000)
+    assert settings.world_size == 1 and settings.sp == 1 and not settings.fsdp
+    assert settings.resolved_api_key() is None
+
+
+def test_command_line_wins_over_environment_which_wins_over_defaults(monkeypatch):
+    monkeypatch.setenv("PACKSCORE_MAX_BATCH_TOKENS", "50")
+    monkeypatch.setenv("PACKSCORE_MAX_WAIT_MS", "7.5")
+    monkeypatch.setenv("PACKSCORE_FSDP", "true")
+    monkeypatch.setenv("PACKSCORE_API_KEY", "from-env")
+    _, settings = cli.parse_settings(["serve", "--max-batch-tokens", "100", "--no-fsdp"])
+    assert settings.max_batch_tokens == 100
+    assert settings.max_wait_ms == 7.5
+    assert settings.fsdp is False
+    assert settings.resolved_api_key() == "from-env"
+    assert "from-env" not in repr(settings)  # the key is a secret
+
+
+def test_every_option_has_help_naming_its_environment_variable(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for option in SERVE_OPTIONS:
+        assert option in text, option
+        assert "PACKSCORE_" + option[2:].upper().replace("-", "_") in text
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serve", "--port", "http"], "--port"),
+        (["serve", "--max-batch-tokens", "0"], "--max-batch-tokens"),
+        (["serve", "--dtype", "int8"], "--dtype"),
+        (["serve", "--api-key", "a", "--api-key-file", "/k"], "not both"),
+        (["score", "in.jsonl", "-o", "out.jsonl", "--top-k", "21"], "--top-k"),
+    ],
+)
+def test_bad_options_are_refused_with_the_option_named(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse_settings(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_missing_model_or_worker_pool_fails_fast_with_a_clear_error(monkeypatch, tmp_path, capsys):
+    assert cli.main(["serve", "--model", str(tmp_path / "nope"), "--triton-cache-dir", str(tmp_path)]) == 2
+    assert "neither a checkpoint directory nor a preset" in capsys.readouterr().err
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path)  # set before anything imports a kernel
+    monkeypatch.setitem(sys.modules, "model_runtime.workers", None)  # as if not written yet
+    assert cli.main(["serve", "--world-size", "2"]) == 2
+    assert "worker pool" in capsys.readouterr().err
+
+
+def _write_jsonl(path, rows):
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+
+
+def _read_jsonl(path):
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+def test_offline_scoring_is_resumable_and_keeps_input_order(monkeypatch, tmp_path):
+    backend = FakeBackend()
+    monkeypatch.setattr(cli, "load_backend", lambda settings: backend)
+    rng = np.random.default_rng(0)
+    rows = [{"id": f"r{i}", "input_ids": rng.integers(0, 1000, rng.integers(2, 30)).tolist(), "score_from": 2}
+            for i in range(40)]
+    rows[7].pop("id")  # gets line-8
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, rows)
+    argv = ["score", str(source), "-o", str(out), "--max-batch-tokens", "64", "--top-k", "2"]
+    assert cli.main(argv) == 0
+    first = _read_jsonl(out)
+    assert [r["id"] for r in first] == [r.get("id", "line-8") for r in rows]
+    for row, got in zip(rows, first):
+        want = expected_scores(SequenceInput(np.array(row["input_ids"]), 2, top_k=2))
+        np.testing.assert_array_equal(np.asarray(got["logprobs"], np.float32), want.logprobs)
+        np.testing.assert_array_equal(np.asarray(got["top_k_ids"]).reshape(-1, 2), want.top_k_ids)
+
+    # Interrupted run: 10 complete lines and a torn one. The rerun scores only what is missing.
+    lines = out.read_bytes().splitlines(keepends=True)
+    out.write_bytes(b"".join(lines[:10]) + lines[10][:15])
+    scored_before = sum(len(row) for row in backend.rows)
+    assert cli.main(argv) == 0
+    assert [r["id"] for r in _read_jsonl(out)] == [r["id"] for r in first]
+    assert sum(len(row) for row in backend.rows) - scored_before == 30
+
+
+def test_offline_scoring_stops_at_a_bad_line_and_keeps_what_was_scored(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cli, "load_backend", lambda settings: FakeBackend())
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2]}, {"id": "b", "input_ids": [1, 5000]}, {"id": "c", "input_ids": [3]}])
+    assert cli.main(["score", str(source), "-o", str(out)]) == 2
+    assert f"{source}:2: input_ids[1]" in capsys.readouterr().err
+    assert [r["id"] for r in _read_jsonl(out)] == ["a"]
+
+
+def test_offline_scoring_with_the_tiny_model_equals_the_in_process_scorer(tmp_path):
+    from model_runtime.loading import load_model
+    from model_runtime.scorer import Scorer
+
+    rng = np.random.default_rng(1)
+    rows = [{"id": str(i), "input_ids": rng.integers(0, 4096, n).tolist(), "score_from": 3}
+            for i, n in enumerate((5, 40, 17, 3, 64))]
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, rows)
+    assert cli.main(["score", str(source), "-o", str(out), "--max-batch-tokens", "80", "--temperature", "0.8"]) == 0
+    scorer = Scorer(load_model("tiny"), max_batch_tokens=4096)
+    want = scorer.score([SequenceInput(np.array(r["input_ids"]), 3, temperature=0.8) for r in rows])
+    for got, ref in zip(_read_jsonl(out), want):
+        diff = np.abs(np.asarray(got["logprobs"], np.float32) - ref.logprobs).max(initial=0)
+        assert diff <= 1e-4, f"packed offline vs in-process: max diff {diff} > 1e-4 (DESIGN.md float32 CPU)"
+        np.testing.assert_allclose(np.asarray(got["entropy"], np.float32), ref.entropy, atol=1e-4)
+
+
+def test_settings_dump_is_what_the_worker_pool_reads():
+    dumped = Settings(world_size=2, sp=2, fsdp=True).model_dump()
+    for key in ("model", "device", "dtype", "world_size", "sp", "fsdp", "max_batch_tokens", "allow_slow_kernels",
+                "served_model_name"):
+        assert key in dumped
