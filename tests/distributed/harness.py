@@ -1,0 +1,59 @@
+"""Runs a function on N CPU processes joined by gloo over 127.0.0.1, and collects what each returns."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> None:
+    # Two cores in CI: one intra-op thread per rank keeps ranks from oversubscribing them.
+    torch.set_num_threads(1)
+    out = Path(out_dir) / f"rank{rank}.pkl"
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        # Test results cross the process boundary here; no request data from outside is involved.
+        out.write_bytes(pickle.dumps(("ok", result)))
+    except BaseException:
+        out.write_bytes(pickle.dumps(("error", traceback.format_exc())))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(fn, world: int, *args) -> list:
+    """Calls ``fn(rank, world, *args)`` on ``world`` spawned processes; returns their results by rank."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        try:
+            mp.spawn(_entry, args=(world, free_port(), fn, args, out_dir), nprocs=world, join=True)
+        except Exception:
+            pass  # the per-rank tracebacks below say more than spawn's summary
+        results = []
+        for rank in range(world):
+            path = Path(out_dir) / f"rank{rank}.pkl"
+            if not path.exists():
+                raise RuntimeError(f"rank {rank} of {world} exited without a result")
+            status, value = pickle.loads(path.read_bytes())
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} of {world} failed:\n{value}")
+            results.append(value)
+        return results
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
