@@ -1,0 +1,218 @@
+"""One rank of the worker pool, as its own process: ``python -m model_runtime.worker_main``.
+
+Started by ``model_runtime.workers.WorkerPool`` with two inherited pipe descriptors (commands
+in, replies out). It reads a ``Start`` message, joins the process group on 127.0.0.1, loads and
+parallelizes the model, says ``Hello``, then runs the ``ScoreRow`` / ``Idle`` steps it is sent,
+in order, until ``Shutdown`` or until its command pipe closes. Only msgpack frames of
+``model_runtime.messages`` are read from the pipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from model_runtime import messages as msg
+
+log = logging.getLogger("packscore.worker")
+
+
+class _Replies:
+    """The reply pipe; sends are serialised (the main loop and the failure path share it)."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self.lock = threading.Lock()
+
+    def send(self, message) -> None:
+        with self.lock:
+            self.conn.send_bytes(msg.encode(message))
+
+
+def _watch_parent() -> None:
+    """Exits when the pool's process goes away, even while this rank is busy in a forward."""
+    parent = os.getppid()
+
+    def watch():
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _load(start: msg.Start, device: torch.device):
+    from model_runtime.kernels import select_backends
+    from model_runtime.loading import load_model, resolve_dtype
+
+    name = start.served_model_name or None
+    if device.type == "cuda" and start.fsdp:
+        # A model sharded because it does not fit one GPU must not be loaded whole onto one:
+        # load it on the CPU with the GPU's kernels, and let fully_shard move each rank's shards.
+        backends = select_backends(device, allow_slow=start.allow_slow_kernels)
+        loaded = load_model(
+            start.model,
+            dtype=resolve_dtype(start.dtype, device),
+            device="cpu",
+            kernel_overrides=backends.names,
+            served_name=name,
+        )
+        loaded.device, loaded.backends = device, backends
+        return loaded
+    return load_model(
+        start.model, dtype=start.dtype, device=device, allow_slow_kernels=start.allow_slow_kernels, served_name=name
+    )
+
+
+def _setup(start: msg.Start):
+    from model_runtime.parallel.dims import ParallelDims
+    from model_runtime.parallel.parallelize import parallelize
+    from model_runtime.parallel.runner import ParallelScorer, cost_coefficients
+
+    dims = ParallelDims.from_world(start.world_size, start.sp, start.fsdp)
+    if start.device == "cuda":
+        torch.cuda.set_device(start.rank)
+        device, backend = torch.device("cuda", start.rank), "nccl"
+    else:
+        # One intra-op thread per rank: the ranks share the machine's cores.
+        torch.set_num_threads(1)
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{start.master_port}",
+        rank=start.rank,
+        world_size=start.world_size,
+        timeout=timedelta(seconds=start.timeout_s),
+    )
+    mesh = dims.build_mesh(device.type)
+    loaded = _load(start, device)
+    costs = cost_coefficients(loaded)  # before sharding: it counts whole parameters
+    parallelize(loaded.model, dims=dims, mesh=mesh)
+    runner = ParallelScorer(loaded, dims=dims, mesh=mesh, rank=start.rank)
+    hello = msg.Hello(
+        rank=start.rank,
+        generation=start.generation,
+        pid=os.getpid(),
+        name=loaded.name,
+        architecture=loaded.architecture,
+        vocab_size=loaded.vocab_size,
+        max_model_len=loaded.max_model_len,
+        dtype=loaded.dtype_name,
+        device=device.type,
+        weights_version=loaded.weights_version,
+        kernels=dict(loaded.backends.names),
+        slow_kernels=list(loaded.backends.fallbacks),
+        cost_per_token=costs[0],
+        cost_per_token_squared=costs[1],
+    )
+    return dims, runner, hello
+
+
+def _result(request_id: int, head, top_k: int) -> msg.RowResult:
+    to_np = lambda t: np.zeros(0) if t is None else t.numpy()  # noqa: E731
+    return msg.RowResult(
+        request_id=request_id,
+        top_k=top_k,
+        logprobs=to_np(head.logprobs_N).astype(msg.FLOAT).tobytes(),
+        entropy=to_np(head.entropy_N).astype(msg.FLOAT).tobytes(),
+        top_k_ids=to_np(head.top_k_ids_NK).astype(msg.IDS).tobytes(),
+        top_k_logprobs=to_np(head.top_k_logprobs_NK).astype(msg.FLOAT).tobytes(),
+    )
+
+
+def _empty_result(request_id: int) -> msg.RowResult:
+    return msg.RowResult(request_id=request_id, top_k=0, logprobs=b"", entropy=b"", top_k_ids=b"", top_k_logprobs=b"")
+
+
+def _failure_kind(error: BaseException) -> str:
+    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower():
+        return "oom"
+    if isinstance(error, ValueError):
+        return "invalid"
+    return "internal"
+
+
+def serve(commands: Connection, replies: _Replies) -> int:
+    start = msg.decode(commands.recv_bytes())
+    if not isinstance(start, msg.Start):
+        raise ValueError(f"expected a Start message first, got {type(start).__name__}")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s worker{start.rank} %(levelname)s %(name)s: %(message)s", force=True
+    )
+    try:
+        dims, runner, hello = _setup(start)
+    except Exception as error:
+        log.exception("rank %d failed to start", start.rank)
+        replies.send(msg.Failure(request_id=-1, kind=_failure_kind(error), message=f"{type(error).__name__}: {error}", fatal=True))
+        return 1
+    replies.send(hello)
+    leader = dims.sp_rank(start.rank) == 0
+    # With collectives in a step (Ulysses inside the group, FSDP across the world), a rank that
+    # failed mid-forward leaves its peers waiting: the pool restarts the world instead.
+    fatal_on_error = dims.sp > 1 or dims.lockstep
+    while True:
+        try:
+            frame = commands.recv_bytes()
+        except (EOFError, OSError):
+            log.info("command pipe closed; exiting")
+            return 0
+        message = msg.decode(frame)
+        if isinstance(message, msg.Shutdown):
+            return 0
+        try:
+            if isinstance(message, msg.ScoreRow):
+                head, top_k = runner.score_row_flat(message.sequences())
+                reply = _result(message.request_id, head, top_k)
+            elif isinstance(message, msg.Idle):
+                runner.idle_step()
+                reply = _empty_result(message.request_id)
+            else:
+                raise ValueError(f"unexpected {type(message).__name__} message in the step loop")
+        except Exception as error:
+            log.exception("request %s failed", getattr(message, "request_id", "?"))
+            replies.send(
+                msg.Failure(
+                    request_id=getattr(message, "request_id", -1),
+                    kind=_failure_kind(error),
+                    message=f"{type(error).__name__}: {error}",
+                    fatal=fatal_on_error,
+                )
+            )
+            if fatal_on_error:
+                return 1
+            continue
+        if leader:
+            replies.send(reply)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="packscore worker process (started by the worker pool)")
+    parser.add_argument("--recv-fd", type=int, required=True, help="inherited descriptor of the command pipe")
+    parser.add_argument("--send-fd", type=int, required=True, help="inherited descriptor of the reply pipe")
+    args = parser.parse_args(argv)
+    # Ctrl-C in a terminal reaches the whole process group; the pool decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _watch_parent()
+    commands = Connection(args.recv_fd, writable=False)
+    replies = _Replies(Connection(args.send_fd, readable=False))
+    code = serve(commands, replies)
+    # Skip interpreter teardown: destroying a process group whose peers are gone can block.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

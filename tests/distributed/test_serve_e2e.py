@@ -1,0 +1,172 @@
+"""``packscore serve --device cpu --world-size 2 --sp 2 --fsdp`` as a real server on 127.0.0.1.
+
+It must answer /score with the numbers of one process, show its layout in /v1/models and
+/metrics, and survive a worker killed under load: no request hangs, /readyz drops to 503 and
+comes back, and later answers are right again.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from model_runtime.loading import load_model
+from model_runtime.scorer import Scorer, SequenceInput
+from tests.distributed.harness import free_port
+
+TOL = 1e-5
+LAYOUT = {"world_size": 2, "dp": 1, "sp": 2, "fsdp": True}
+
+
+def _command() -> list[str]:
+    script = Path(sys.executable).with_name("packscore")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "service.cli"]
+
+
+def _worker_pids(server_pid: int) -> list[int]:
+    """The server's children that run ``model_runtime.worker_main`` (read from /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == server_pid and b"model_runtime.worker_main" in cmdline:
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def _wait_ready(client: httpx.Client, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
+        try:
+            if client.get("/readyz").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    raise AssertionError(f"not ready within {timeout:.0f}s:\n{log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    cmd = _command() + [
+        "serve", "--device", "cpu", "--world-size", "2", "--sp", "2", "--fsdp",
+        "--host", "127.0.0.1", "--port", str(port), "--max-batch-tokens", "512", "--max-wait-ms", "2",
+    ]  # fmt: skip
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60.0)
+    try:
+        _wait_ready(client, proc, log, timeout=120)
+        yield proc, client, log
+    finally:
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert not _worker_pids(proc.pid), "workers outlived the server"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return Scorer(load_model("tiny", device="cpu"))
+
+
+def _request(vocab: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    lengths = [3, 41, 120, 7, 1]
+    seqs = [
+        {"id": f"s{i}", "input_ids": rng.integers(0, vocab, n).tolist(), "score_from": max(1, n // 3)}
+        for i, n in enumerate(lengths)
+    ]
+    return {"sequences": seqs, "temperature": 0.9, "top_k": 2}
+
+
+def _check_scores(response: httpx.Response, body: dict, reference: Scorer) -> None:
+    assert response.status_code == 200, response.text
+    results = response.json()["results"]
+    want = reference.score(
+        [
+            SequenceInput(np.array(s["input_ids"]), score_from=s["score_from"], temperature=body["temperature"], top_k=body["top_k"])
+            for s in body["sequences"]
+        ]
+    )
+    for got, ref, seq in zip(results, want, body["sequences"]):
+        assert got["id"] == seq["id"]
+        for name in ("logprobs", "entropy"):
+            diff = float(np.max(np.abs(np.array(got[name], dtype=np.float64) - getattr(ref, name)), initial=0.0))
+            assert diff <= TOL, f"{seq['id']} {name}: max |diff| {diff:.3e} > tol {TOL:.0e}"
+        np.testing.assert_array_equal(np.array(got["top_k_ids"]).reshape(ref.top_k_ids.shape), ref.top_k_ids)
+
+
+def test_serves_the_layout_and_the_numbers_of_one_process(server, reference):
+    proc, client, _ = server
+    models = client.get("/v1/models").json()["data"][0]
+    assert models["parallel"] == LAYOUT
+    assert models["device"] == "cpu"
+    assert len(_worker_pids(proc.pid)) == 2
+    body = _request(reference.loaded.vocab_size, seed=0)
+    _check_scores(client.post("/score", json=body), body, reference)
+    metrics = client.get("/metrics").text
+    info = [line for line in metrics.splitlines() if line.startswith("packscore_parallel_info")]
+    assert info and 'sp="2"' in info[0] and 'fsdp="true"' in info[0], info
+
+
+def test_a_killed_worker_fails_fast_then_the_server_recovers(server, reference):
+    proc, client, log = server
+    vocab = reference.loaded.vocab_size
+    victim = _worker_pids(proc.pid)[1]
+    statuses = []
+    stop = threading.Event()
+
+    def load(thread):
+        i = 0
+        while not stop.is_set():
+            body = _request(vocab, seed=100 * thread + i)
+            started = time.monotonic()
+            r = client.post("/score", json=body)  # the client's own 60 s timeout catches a hang
+            statuses.append((r.status_code, round(time.monotonic() - started, 2)))
+            if r.status_code == 200:
+                _check_scores(r, body, reference)
+            i += 1
+
+    with ThreadPoolExecutor(3) as ex:
+        futures = [ex.submit(load, t) for t in range(3)]
+        time.sleep(0.5)
+        os.kill(victim, signal.SIGKILL)
+        saw_not_ready = False
+        for _ in range(200):
+            if client.get("/readyz").status_code == 503:
+                saw_not_ready = True
+                break
+            time.sleep(0.05)
+        time.sleep(0.5)
+        stop.set()
+        for f in futures:
+            f.result(timeout=90)
+    assert saw_not_ready, "readiness never dropped after a worker was killed"
+    assert {s for s, _ in statuses} <= {200, 503}, statuses
+    assert 503 in {s for s, _ in statuses}, f"no request saw the dead worker: {statuses}"
+    _wait_ready(client, proc, log, timeout=120)
+    assert victim not in _worker_pids(proc.pid)
+    body = _request(vocab, seed=7)
+    _check_scores(client.post("/score", json=body), body, reference)
