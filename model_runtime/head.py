@@ -88,24 +88,24 @@ def score_positions(
     for start in range(0, N, max(1, chunk_tokens)):
         end = min(N, start + chunk_tokens)
         h_CD = hidden_ND[start:end] if rows_N is None else hidden_ND.index_select(0, rows_N[start:end])
-        z_CV = h_CD @ weight_VD.t()
+        # F.linear reads W as [V, D] in place; `h @ W.t()` can copy the whole weight per chunk on CPU.
+        z_CV = F.linear(h_CD, weight_VD)
         del h_CD
         if logprob_fn is not None and not top_k:
             logprobs[start:end], entropy[start:end] = logprob_fn(z_CV, targets_N[start:end], temperature_N[start:end])
             continue
-        z_CV = z_CV.float()
-        z_CV.div_(temperature_N[start:end, None])
-        lse_C = torch.logsumexp(z_CV, dim=-1)
-        logprobs[start:end] = z_CV.gather(1, targets_N[start:end, None])[:, 0] - lse_C
+        logp_CV = z_CV.float()
+        del z_CV
+        logp_CV.div_(temperature_N[start:end, None])
+        logp_CV.sub_(torch.logsumexp(logp_CV, dim=-1, keepdim=True))
+        logprobs[start:end] = logp_CV.gather(1, targets_N[start:end, None])[:, 0]
         if top_k:
-            values, ids = z_CV.topk(top_k, dim=-1)
-            top_ids[start:end] = ids
-            top_logp[start:end] = values - lse_C[:, None]
-        p_CV = torch.exp(z_CV - lse_C[:, None])
-        # sum_v p_v z_v as a batched dot product: no third [C, V] tensor.
-        mean_z_C = torch.bmm(p_CV.unsqueeze(1), z_CV.unsqueeze(2))[:, 0, 0]
-        del p_CV, z_CV
-        entropy[start:end] = lse_C - mean_z_C
+            top_logp[start:end], top_ids[start:end] = logp_CV.topk(top_k, dim=-1)
+        # -sum p log p as a batched dot product: no third [C, V] tensor, and no cancellation
+        # between two large numbers as in `lse - sum(p z)` at low temperatures.
+        p_CV = logp_CV.exp()
+        entropy[start:end] = -torch.bmm(p_CV.unsqueeze(1), logp_CV.unsqueeze(2))[:, 0, 0]
+        del p_CV, logp_CV
     return HeadOutput(logprobs, entropy, top_ids, top_logp)
 
 
