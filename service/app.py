@@ -362,6 +362,8 @@ def _openapi(app: FastAPI, service: Service) -> dict:
     components["ScoreRequest"] = request_schema
     for model in (ErrorResponse, Usage):
         components.setdefault(model.__name__, model.model_json_schema(ref_template="#/components/schemas/{model}"))
+    if service.limits is not None:
+        _describe_limits(components, service)
     ref = {"$ref": "#/components/schemas/ScoreRequest"}
     body = {"required": True, "content": {JSON: {"schema": ref}, MSGPACK: {"schema": ref}}}
     for path in SCORE_ROUTES:
@@ -372,5 +374,19 @@ def _openapi(app: FastAPI, service: Service) -> dict:
             if path not in _OPEN_ROUTES:
                 for operation in operations.values():
                     operation["security"] = [{"bearer": []}]
-    app.openapi_schema = schema
+    if service.limits is not None:  # complete only once the model is known
+        app.openapi_schema = schema
     return schema
+
+
+def _describe_limits(components: dict, service: Service) -> None:
+    """Puts the served model's limits into the request schema, so clients and fuzzers see them."""
+    limits = service.limits
+    assert limits is not None
+    ids = components["SequenceIn"]["properties"]["input_ids"]
+    ids["items"]["maximum"] = limits.vocab_size - 1
+    ids["maxItems"] = limits.max_model_len
+    request = components["ScoreRequest"]["properties"]
+    request["sequences"]["maxItems"] = limits.max_sequences_per_request
+    request["model"] = {"anyOf": [{"type": "string", "enum": [service.served_name]}, {"type": "null"}],
+                        "default": None, "description": request["model"].get("description", "")}

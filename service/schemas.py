@@ -69,7 +69,7 @@ class ScoreRequest(BaseModel):
             "examples": [
                 {
                     "model": None,
-                    "sequences": [{"id": "traj-17", "input_ids": [151644, 872, 198, 9707], "score_from": 2}],
+                    "sequences": [{"id": "traj-17", "input_ids": [101, 872, 198, 979], "score_from": 2}],
                     "temperature": 1.0,
                     "return_entropy": True,
                     "top_k": 0,

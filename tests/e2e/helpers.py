@@ -1,0 +1,144 @@
+"""Helpers of the end-to-end tests: a real server process on 127.0.0.1, requests, comparisons."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import msgpack
+import numpy as np
+
+from model_runtime.scorer import SequenceInput
+
+REPO = Path(__file__).resolve().parents[2]
+API_KEY = "e2e-secret"
+TINY_VOCAB = 4096
+TOL = 1e-4  # DESIGN.md: packed vs alone, float32 CPU
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """One ``packscore serve`` process; its log goes to a file shown when a test fails."""
+
+    def __init__(self, tmp: Path, *args: str, api_key: str | None = API_KEY):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / f"server-{self.port}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PACKSCORE_")}
+        env["OMP_NUM_THREADS"] = "1"  # two cores in CI: one for the server, one for the test process
+        if api_key:
+            env["PACKSCORE_API_KEY"] = api_key
+        command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()  # our own child, by its handle
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def random_sequences(rng: np.random.Generator, n: int, vocab: int, lengths=(2, 120)) -> list[dict]:
+    out = []
+    for i in range(n):
+        length = int(rng.integers(*lengths))
+        out.append({"id": f"seq-{i}", "input_ids": rng.integers(0, vocab, length).tolist(),
+                    "score_from": int(rng.integers(1, length + 1))})
+    return out
+
+
+def decode(response: httpx.Response, top_k: int) -> list[dict]:
+    """Results of a /score answer as numpy arrays, whatever its encoding."""
+    if response.headers["content-type"] == "application/msgpack":
+        out = []
+        for r in msgpack.unpackb(response.content)["results"]:
+            d = {"id": r["id"], "logprobs": np.frombuffer(r["logprobs"], "<f4")}
+            if "entropy" in r:
+                d["entropy"] = np.frombuffer(r["entropy"], "<f4")
+            if "top_k_ids" in r:
+                d["top_k_ids"] = np.frombuffer(r["top_k_ids"], "<i4").reshape(-1, top_k)
+                d["top_k_logprobs"] = np.frombuffer(r["top_k_logprobs"], "<f4").reshape(-1, top_k)
+            out.append(d)
+        return out
+    out = []
+    for r in response.json()["results"]:
+        d = {"id": r["id"], "logprobs": np.asarray(r["logprobs"], np.float32)}
+        if "entropy" in r:
+            d["entropy"] = np.asarray(r["entropy"], np.float32)
+        if "top_k_ids" in r:
+            d["top_k_ids"] = np.asarray(r["top_k_ids"], np.int32).reshape(-1, top_k)
+            d["top_k_logprobs"] = np.asarray(r["top_k_logprobs"], np.float32).reshape(-1, top_k)
+        out.append(d)
+    return out
+
+
+def post(url, body, *, encoding="json", accept=None, headers=AUTH, timeout=120):
+    if encoding == "msgpack":
+        packed = {**body, "sequences": [{**s, "input_ids": np.asarray(s["input_ids"], "<i4").tobytes()}
+                                        for s in body["sequences"]]}
+        content, media = msgpack.packb(packed), "application/msgpack"
+    else:
+        content, media = json.dumps(body).encode(), "application/json"
+    h = {**headers, "Content-Type": media}
+    if accept:
+        h["Accept"] = accept
+    return httpx.post(url + "/score", content=content, headers=h, timeout=timeout)
+
+
+def assert_matches(got: list[dict], seqs: list[dict], scorer, *, temperature=1.0, top_k=0, return_entropy=True):
+    want = scorer.score([SequenceInput(np.array(s["input_ids"]), s.get("score_from", 1), temperature, top_k,
+                                       return_entropy) for s in seqs])
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g["id"] == seqs[i].get("id")
+        diff = float(np.max(np.abs(g["logprobs"] - w.logprobs), initial=0.0))
+        assert diff <= TOL, f"sequence {i}: logprobs max |diff| {diff} > {TOL}"
+        if return_entropy:
+            diff = float(np.max(np.abs(g["entropy"] - w.entropy), initial=0.0))
+            assert diff <= TOL, f"sequence {i}: entropy max |diff| {diff} > {TOL}"
+        else:
+            assert "entropy" not in g
+        if top_k:
+            diff = float(np.max(np.abs(g["top_k_logprobs"] - w.top_k_logprobs), initial=0.0))
+            assert diff <= TOL, f"sequence {i}: top-k logprobs max |diff| {diff} > {TOL}"
+            # Ids may only differ where two neighbouring candidates are tied within the tolerance.
+            gaps = np.abs(np.diff(w.top_k_logprobs, axis=-1))
+            tied = np.zeros(w.top_k_ids.shape, dtype=bool)
+            tied[..., :-1] |= gaps <= TOL
+            tied[..., 1:] |= gaps <= TOL
+            assert not np.any((g["top_k_ids"] != w.top_k_ids) & ~tied), f"sequence {i}: top-k ids differ away from ties"

@@ -1,0 +1,98 @@
+"""A real server process with the tiny model: answers equal the in-process scorer (tiny preset and a
+saved checkpoint, JSON and msgpack), 32 concurrent clients, auth, metrics, /v1/models."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.client import ScoreClient
+from tests.e2e.helpers import API_KEY, AUTH, TINY_VOCAB, ServerProcess, assert_matches, decode, post, random_sequences
+
+
+@pytest.mark.parametrize("encoding", ["json", "msgpack"])
+def test_tiny_preset_answers_equal_the_in_process_scorer(tiny_server, tiny_scorer, encoding):
+    rng = np.random.default_rng(7)
+    seqs = random_sequences(rng, 6, TINY_VOCAB, lengths=(2, 80)) + [{"id": "one", "input_ids": [5], "score_from": 1}]
+    body = {"sequences": seqs, "temperature": 0.7, "top_k": 5, "return_entropy": True}
+    response = post(tiny_server.url, body, encoding=encoding)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == f"application/{encoding}"
+    assert_matches(decode(response, 5), seqs, tiny_scorer, temperature=0.7, top_k=5)
+    # The other encoding for the answer, chosen by Accept.
+    other = "application/json" if encoding == "msgpack" else "application/msgpack"
+    response = post(tiny_server.url, {**body, "top_k": 0, "return_entropy": False}, encoding=encoding, accept=other)
+    assert response.headers["content-type"] == other
+    assert_matches(decode(response, 0), seqs, tiny_scorer, temperature=0.7, return_entropy=False)
+
+
+def test_saved_checkpoint_answers_equal_the_in_process_scorer(checkpoint_dir, tmp_path):
+    from model_runtime.loading import load_model
+    from model_runtime.scorer import Scorer
+
+    path = checkpoint_dir("qwen3_5")
+    server = ServerProcess(tmp_path, "--model", str(path), "--served-model-name", "ckpt", "--max-batch-tokens", "256")
+    try:
+        server.wait_ready()
+        scorer = Scorer(load_model(str(path)), max_batch_tokens=4096)
+        seqs = random_sequences(np.random.default_rng(3), 5, 512, lengths=(2, 80))
+        for encoding in ("json", "msgpack"):
+            response = post(server.url, {"sequences": seqs, "top_k": 3, "model": "ckpt"}, encoding=encoding)
+            assert response.status_code == 200, response.text
+            assert_matches(decode(response, 3), seqs, scorer, top_k=3)
+        models = httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"][0]
+        assert (models["id"], models["architecture"], models["vocab_size"]) == ("ckpt", "qwen3_5", 512)
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def test_32_concurrent_clients_all_get_their_own_correct_answers(tiny_server, tiny_scorer):
+    def one(i: int):
+        rng = np.random.default_rng(100 + i)
+        seqs = random_sequences(rng, 2, TINY_VOCAB, lengths=(2, 40))
+        encoding = "msgpack" if i % 2 else "json"
+        with ScoreClient(tiny_server.url, api_key=API_KEY, encoding=encoding, retry_timeout_s=60) as client:
+            results = client.score(seqs, top_k=2)
+        return seqs, [{"id": r.id, "logprobs": r.logprobs, "entropy": r.entropy, "top_k_ids": r.top_k_ids,
+                       "top_k_logprobs": r.top_k_logprobs} for r in results]
+
+    with ThreadPoolExecutor(32) as pool:
+        outcomes = list(pool.map(one, range(32)))
+    for seqs, got in outcomes:
+        assert_matches(got, seqs, tiny_scorer, top_k=2)
+
+
+def test_auth_is_required_except_on_the_probes(tiny_server):
+    body = {"sequences": [{"input_ids": [1, 2, 3]}]}
+    assert post(tiny_server.url, body, headers={}).status_code == 401
+    refused = post(tiny_server.url, body, headers={"Authorization": "Bearer wrong"})
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "unauthorized"
+    assert post(tiny_server.url, body).status_code == 200
+    assert httpx.get(tiny_server.url + "/healthz").json() == {"status": "ok"}
+    assert httpx.get(tiny_server.url + "/readyz").json()["status"] == "ready"
+    assert httpx.get(tiny_server.url + "/metrics").status_code == 401
+    assert httpx.get(tiny_server.url + "/v1/models").status_code == 401
+
+
+def test_metrics_parse_with_the_prometheus_parser(tiny_server):
+    post(tiny_server.url, {"sequences": [{"input_ids": [1, 2, 3]}]})
+    text = httpx.get(tiny_server.url + "/metrics", headers=AUTH).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert all(name.startswith("packscore_") for name in families)
+    samples = {s.name: s for f in families.values() for s in f.samples}
+    assert samples["packscore_ready"].value == 1
+    assert samples["packscore_tokens_scored_total"].value >= 2
+    info = samples["packscore_model_info"].labels
+    assert (info["model"], info["architecture"], info["device"]) == ("tiny", "qwen3_5", "cpu")
+
+
+def test_models_route(tiny_server):
+    body = httpx.get(tiny_server.url + "/v1/models", headers=AUTH).json()
+    (card,) = body["data"]
+    assert card["id"] == "tiny" and card["vocab_size"] == TINY_VOCAB and card["dtype"] == "float32"
+    assert card["parallel"] == {"world_size": 1, "dp": 1, "sp": 1, "fsdp": False}
+    assert set(card["kernels"]) >= {"linear_attention", "conv1d", "attention"}
