@@ -145,7 +145,7 @@ class Scorer:
         short = [SequenceInput(rng.integers(0, vocab, 64), score_from=8) for _ in range(max(1, budget // 64))]
         self.score_row(short)
         self.score_row([SequenceInput(rng.integers(0, vocab, 512), top_k=MAX_TOP_K) for _ in range(2)])
-        for n in (1, 2, 17):
+        for n in (1, 17, 300):
             self.score_row([SequenceInput(rng.integers(0, vocab, n), score_from=1)])
         torch.cuda.synchronize(self.loaded.device)
         self.warm_up_seconds = time.perf_counter() - started
@@ -170,15 +170,25 @@ class Scorer:
         plan = plan_row(sequences)
         device = self.loaded.device
         packed = PackedBatch.from_lengths(plan.lengths, device=device)
-        hidden_TD = self.loaded.model(torch.from_numpy(plan.ids_T).to(device), packed)
+        ids_T = plan.ids_T
+        if device.type == "cuda" and packed.total_tokens == 1:
+            # torch.compile specialises sizes 0 and 1: a one-token row would compile every fused
+            # kernel again mid-request. A padding segment (never scored) keeps T >= 2.
+            packed, pad = packed.padded_to_multiple(2)
+            ids_T = np.concatenate([ids_T, np.zeros(pad, dtype=ids_T.dtype)])
+        # Host-to-device copies before the forward: issued after it, each would wait for it.
+        targets_N = torch.from_numpy(plan.targets_N).to(device)
+        temperature_N = torch.from_numpy(plan.temperature_N).to(device)
+        rows_N = torch.from_numpy(plan.positions_N).to(device)
+        hidden_TD = self.loaded.model(torch.from_numpy(ids_T).to(device), packed)
         head = score_positions(
             hidden_TD,
             self.loaded.model.lm_head.weight,
-            torch.from_numpy(plan.targets_N),
-            torch.from_numpy(plan.temperature_N),
+            targets_N,
+            temperature_N,
             top_k=plan.top_k,
             chunk_tokens=self.head_chunk_tokens_top_k if plan.top_k else self.head_chunk_tokens,
-            rows_N=torch.from_numpy(plan.positions_N),
+            rows_N=rows_N,
             logprob_fn=self.logprob_fn,
         )
         return split_results(sequences, head, plan.top_k)

@@ -1,0 +1,563 @@
+"""The H200 suite: environment checks, the benchmark, its profile, and the GPU tests, in one call.
+
+    python -m bench.gpu_suite --mode full --out DIR     (bench/run_h200.sh wraps this)
+
+Modes:
+- ``smoke``: everything at small sizes (32 sequences, a 4-layer MoE slice, a 16k long sequence).
+- ``full``: the 9B benchmark on the whole workload (256 sequences), the profile, the head's
+  memory, idle latency, the GPU tests (131k-token sequence) and a warm restart.
+- ``extra``: the 35B-A3B (grouped_mm vs eager experts, then the benchmark) and 27B shapes on
+  the first 64 sequences of the workload, packscore against Hugging Face's padded batches.
+
+Phases run in order while the time budget (``--budget-s``) lasts; the results JSON is rewritten
+after every phase so a run cut short still returns what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DATE = "2026-11-29"
+GiB = 2**30
+# "cuda" on the H200; "cpu" only for --dry-run-cpu, which walks every code path with the tiny
+# preset and a miniature workload to catch mistakes before spending device time.
+DEVICE = "cuda"
+
+
+class Suite:
+    def __init__(self, args):
+        self.args = args
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.started = time.perf_counter()
+        suffix = "" if args.mode == "full" else f"-{args.mode}"
+        self.json_path = self.out / f"h200-{DATE}{suffix}.json"
+        self.results: dict = {"date": DATE, "mode": args.mode, "phases": {}, "errors": {}}
+        self.texts: dict[str, str] = {}
+
+    def remaining(self) -> float:
+        return self.args.budget_s - (time.perf_counter() - self.started)
+
+    def phase(self, name: str, fn, needs_s: float):
+        left = self.remaining()
+        if left < needs_s:
+            log(f"== skip {name}: {left:.0f}s left, needs about {needs_s:.0f}s")
+            self.results["phases"][name] = f"skipped ({left:.0f}s left, needs {needs_s:.0f}s)"
+            self.save()
+            return None
+        log(f"== {name} ({left:.0f}s left)")
+        t0 = time.perf_counter()
+        try:
+            value = fn()
+            self.results["phases"][name] = f"ok in {time.perf_counter() - t0:.1f}s"
+            return value
+        except Exception as err:  # one phase failing must not lose the others
+            log(traceback.format_exc())
+            self.results["phases"][name] = f"failed after {time.perf_counter() - t0:.1f}s"
+            self.results["errors"][name] = f"{type(err).__name__}: {err}"[:2000]
+            return None
+        finally:
+            free_memory()
+            self.save()
+
+    def save(self):
+        self.json_path.write_text(json.dumps(self.results, indent=1, default=_jsonable))
+        for name, text in self.texts.items():
+            (self.out / name).write_text(text)
+
+
+def log(message: str):
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def _jsonable(x):
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    if isinstance(x, (torch.dtype, torch.device, Path)):
+        return str(x)
+    return repr(x)
+
+
+def free_memory():
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def reset_peak():
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def allocated() -> int:
+    return torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
+
+
+def peak_allocated() -> int:
+    return torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
+
+
+class Stopwatch:
+    """CUDA events on the GPU, the host clock on the CPU; ``ms`` after ``stop``."""
+
+    def __init__(self):
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if DEVICE == "cuda" else None
+
+    def start(self):
+        if self.events:
+            self.events[0].record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.events:
+            self.events[1].record()
+            self.events[1].synchronize()
+            return self.events[0].elapsed_time(self.events[1])
+        return (time.perf_counter() - self.t0) * 1e3
+
+
+# ---------------------------------------------------------------- environment and ceiling
+
+
+def environment() -> dict:
+    import inspect
+
+    import transformers
+    import triton
+
+    from model_runtime.kernels import select_backends
+    from model_runtime.kernels.attention import _varlen_has_gqa
+    from model_runtime.kernels.linear_attention import _fla_signature
+    from tests.gpu.test_parity_bf16 import hf_uses_fla
+
+    info = {
+        "gpu": torch.cuda.get_device_name(0),
+        "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / GiB,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "triton": triton.__version__,
+        "python": sys.version.split()[0],
+        "env": {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "PYTHONPATH")},
+    }
+    try:
+        import fla
+
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        sig = _fla_signature()
+        info["fla"] = getattr(fla, "__version__", "?")
+        info["fla_chunk_gated_delta_rule"] = str(inspect.signature(chunk_gated_delta_rule))
+        info["fla_grouped_value_heads"] = sig["gva"]
+        from model_runtime.kernels.conv import _fla_conv
+
+        conv = _fla_conv()
+        info["fla_causal_conv1d"] = f"{conv.__module__}.{conv.__name__}{inspect.signature(conv)}"
+        x = torch.randn(1, 8, 32, device="cuda", dtype=torch.bfloat16)
+        y = conv(x=x, weight=torch.randn(32, 4, device="cuda", dtype=torch.bfloat16), activation="silu")
+        info["fla_causal_conv1d_returns"] = type(y).__name__ + (f" of {len(y)}" if isinstance(y, tuple) else "")
+    except Exception as err:
+        info["fla_error"] = f"{type(err).__name__}: {err}"
+    from torch.nn.attention.varlen import varlen_attn
+
+    info["varlen_attn"] = str(inspect.signature(varlen_attn))
+    info["varlen_enable_gqa"] = _varlen_has_gqa()
+    info["hf_chunk_gated_delta_rule"] = hf_uses_fla()
+    info["backends_cuda"] = select_backends("cuda").names
+    log(json.dumps(info, indent=1))
+    return info
+
+
+def matmul_ceiling() -> dict:
+    """bf16 8192^3 products on random data through torch: 3 warm-ups, mean and median of 10."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    flop = 2.0 * n**3
+    result = {
+        "tflops_mean": flop / np.mean(times) / 1e12,
+        "tflops_median": flop / np.median(times) / 1e12,
+        "tflops_best": flop / np.min(times) / 1e12,
+    }
+    log(f"measured bf16 matmul ceiling: {result}")
+    return result
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+def _diff(ours, theirs) -> dict:
+    d_lp = np.concatenate([np.abs(np.asarray(a[0]) - np.asarray(b[0])) for a, b in zip(ours, theirs)])
+    d_ent = np.concatenate([np.abs(np.asarray(a[1]) - np.asarray(b[1])) for a, b in zip(ours, theirs)])
+    return {
+        "logprob_max": float(d_lp.max()),
+        "logprob_mean": float(d_lp.mean()),
+        "entropy_max": float(d_ent.max()),
+        "entropy_mean": float(d_ent.mean()),
+    }
+
+
+def _timed(fn):
+    sync()
+    reset_peak()
+    t0 = time.perf_counter()
+    value = fn()
+    sync()
+    return value, time.perf_counter() - t0, peak_allocated() / GiB
+
+
+def run_benchmark(suite: Suite, preset: str, num_sequences: int, *, hf_single: bool, max_batch_tokens: int,
+                  key: str, extras: bool, spec=None) -> dict:
+    from bench.flops import flop_model
+    from bench.hf_reference import build_twin, score_padded, score_padded_fitting, score_single, to_numpy
+    from bench.workload import WorkloadSpec, describe, grpo_workload
+    from model_runtime.scorer import Scorer
+
+    ceiling = suite.results.get("ceiling", {}).get("tflops_mean") or 788.0
+    t0 = time.perf_counter()
+    twin = build_twin(preset, device=DEVICE, dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32)
+    sync()
+    build_s = time.perf_counter() - t0
+    loaded = twin.loaded
+    sequences = grpo_workload(loaded.vocab_size, spec or WorkloadSpec())[:num_sequences]
+    flops = flop_model(loaded.model.layers, loaded.model.config)
+    work = describe(sequences)
+    total_flops = flops.workload_flops(sequences)
+    total_flops_all = flops.workload_flops(sequences, all_positions=True)
+    bench = {
+        "preset": preset,
+        "build_s": build_s,
+        "weights_gib": allocated() / GiB,
+        "kernels": loaded.backends.names,
+        "workload": work,
+        "flop_model": flops.as_dict(),
+        "model_tflop": total_flops / 1e12,
+        "model_tflop_all_positions": total_flops_all / 1e12,
+        "ceiling_tflops": ceiling,
+        "sides": {},
+    }
+    suite.results[key] = bench
+    log(f"{preset}: built in {build_s:.1f}s; workload {work}; {total_flops / work['tokens'] / 1e9:.2f} GFLOP/token")
+
+    def side(name, seconds, peak_gib, **extra):
+        entry = {
+            "seconds": seconds,
+            "tokens_per_s": work["tokens"] / seconds,
+            "model_tflops": total_flops / seconds / 1e12,
+            "mfu_of_measured_peak": total_flops / seconds / 1e12 / ceiling,
+            "mfu_all_positions_counted": total_flops_all / seconds / 1e12 / ceiling,
+            "peak_memory_gib": peak_gib,
+            **extra,
+        }
+        bench["sides"][name] = entry
+        log(f"{preset} {name}: {entry['tokens_per_s']:.0f} tokens/s, {entry['model_tflops']:.0f} TFLOP/s, "
+            f"{100 * entry['mfu_of_measured_peak']:.1f}% of measured peak, peak {peak_gib:.1f} GiB")
+        suite.save()
+
+    # (a) packscore in-process: warm-up (compiles and autotunes), untimed pass, timed pass.
+    scorer = Scorer(loaded, max_batch_tokens=max_batch_tokens)
+    scorer.warm_up()
+    bench["warm_up_s"] = scorer.warm_up_seconds
+    bench["head_chunk_tokens"] = scorer.head_chunk_tokens
+    log(f"warm-up {scorer.warm_up_seconds:.1f}s (caches as the run started), head chunk {scorer.head_chunk_tokens} tokens")
+    scorer.score(sequences)
+    ours_raw, seconds, peak = _timed(lambda: scorer.score(sequences))
+    ours = [(r.logprobs, r.entropy) for r in ours_raw]
+    side("packscore", seconds, peak, max_batch_tokens=max_batch_tokens)
+
+    if extras:
+        try:
+            extra_measurements(suite, bench, scorer, sequences)
+        except Exception as err:  # the comparison with Hugging Face still runs
+            log(traceback.format_exc())
+            suite.results["errors"][f"{key} extras"] = f"{type(err).__name__}: {err}"[:2000]
+
+    # (b) Hugging Face, padded batches as large as memory allows, then one sequence at a time.
+    with twin.hf() as hf_model:
+        _, budget = score_padded_fitting(hf_model, sequences, DEVICE)
+        padded_raw, seconds, peak = _timed(lambda: score_padded(hf_model, sequences, DEVICE, budget))
+        padded = to_numpy(padded_raw)
+        del padded_raw
+        side("hf_padded", seconds, peak, padded_token_budget=budget)
+        bench["diff_packscore_vs_hf_padded"] = _diff(ours, padded)
+        log(f"packscore vs HF padded: {bench['diff_packscore_vs_hf_padded']}")
+        if hf_single and suite.remaining() > 2.2 * work["tokens"] / 11000 + 30:
+            score_single(hf_model, sequences, DEVICE)
+            single_raw, seconds, peak = _timed(lambda: score_single(hf_model, sequences, DEVICE))
+            single = to_numpy(single_raw)
+            del single_raw
+            side("hf_single", seconds, peak)
+            bench["diff_packscore_vs_hf_single"] = _diff(ours, single)
+            bench["diff_hf_padded_vs_hf_single"] = _diff(padded, single)
+        elif hf_single:
+            bench["hf_single"] = "skipped: not enough time left in this call"
+    hf_best = max(s["tokens_per_s"] for n, s in bench["sides"].items() if n.startswith("hf_"))
+    bench["speedup_vs_hf"] = bench["sides"]["packscore"]["tokens_per_s"] / hf_best
+    bench["mfu_of_measured_peak"] = bench["sides"]["packscore"]["mfu_of_measured_peak"]
+    log(f"{preset}: speedup_vs_hf {bench['speedup_vs_hf']:.2f}, mfu {bench['mfu_of_measured_peak']:.3f}")
+    del scorer, twin, loaded
+    return bench
+
+
+def extra_measurements(suite: Suite, bench: dict, scorer, sequences):
+    """Profile of one full row, the head's memory at 64k tokens, and idle latency (same model)."""
+    from bench.breakdown import format_breakdown, profile_row
+    from model_runtime.head import score_positions
+    from model_runtime.packing import pack_first_fit_decreasing
+    from model_runtime.scorer import SequenceInput
+
+    loaded = scorer.loaded
+    rows = pack_first_fit_decreasing([s.length for s in sequences], scorer.max_batch_tokens)
+    row = [sequences[i] for i in rows[len(rows) // 2]]
+    row_tokens = sum(s.length for s in row)
+
+    # Forward and head apart, with events (three repeats each, median).
+    from model_runtime.packing import PackedBatch
+    from model_runtime.scorer import plan_row
+
+    plan = plan_row(row)
+    ids = torch.from_numpy(plan.ids_T).to(DEVICE)
+    fwd_ms, head_ms = [], []
+    with torch.inference_mode():
+        for _ in range(3):
+            packed = PackedBatch.from_lengths(plan.lengths, device=DEVICE)
+            forward, head = Stopwatch(), Stopwatch()
+            forward.start()
+            hidden = loaded.model(ids, packed)
+            fwd_ms.append(forward.stop())
+            head.start()
+            score_positions(hidden, loaded.model.lm_head.weight, torch.from_numpy(plan.targets_N),
+                            torch.from_numpy(plan.temperature_N), chunk_tokens=scorer.head_chunk_tokens,
+                            rows_N=torch.from_numpy(plan.positions_N), logprob_fn=scorer.logprob_fn)
+            head_ms.append(head.stop())
+    breakdown = profile_row(lambda: scorer.score_row(row))
+    breakdown.update({"row_tokens": row_tokens, "row_sequences": len(row), "scored_positions": int(plan.targets_N.size),
+                      "forward_ms_events": float(np.median(fwd_ms)), "head_ms_events": float(np.median(head_ms))})
+    bench["profile"] = breakdown
+    text = f"profile of one packed row: {row_tokens} tokens, {len(row)} sequences, {plan.targets_N.size} scored\n"
+    text += f"forward {np.median(fwd_ms):.1f} ms, head {np.median(head_ms):.1f} ms (CUDA events, median of 3)\n"
+    text += format_breakdown(breakdown)
+    suite.texts[f"profile-{bench['preset']}.txt"] = text
+    log(text)
+
+    # The head alone at 64k scored positions: extra memory over the hidden states it reads.
+    n = 65536 if DEVICE == "cuda" else 512
+    D, V = loaded.model.lm_head.weight.shape[1], loaded.vocab_size
+    hidden = torch.randn(n + 1, D, device=DEVICE, dtype=loaded.dtype)
+    targets = torch.randint(0, V, (n,))
+    temps = torch.ones(n)
+    head = {}
+    for name, fn, chunk in (("fused", scorer.logprob_fn, scorer.head_chunk_tokens),
+                            ("torch", None, scorer.head_chunk_tokens_top_k)):
+        with torch.inference_mode():
+            score_positions(hidden, loaded.model.lm_head.weight, targets[:256], temps[:256], chunk_tokens=chunk,
+                            rows_N=torch.arange(256), logprob_fn=fn)
+            sync()
+            reset_peak()
+            base = allocated()
+            t0 = time.perf_counter()
+            score_positions(hidden, loaded.model.lm_head.weight, targets, temps, chunk_tokens=chunk,
+                            rows_N=torch.arange(n), logprob_fn=fn)
+            sync()
+            head[name] = {"positions": n, "seconds": time.perf_counter() - t0,
+                          "extra_peak_gib": (peak_allocated() - base) / GiB, "chunk_tokens": chunk}
+    del hidden
+    bench["head_64k"] = head
+    log(f"head at {n} positions: {head}")
+
+    # Idle latency: one 512-token sequence, nothing else queued.
+    seq = [SequenceInput(np.random.default_rng(1).integers(0, V, 512), score_from=1)]
+    for _ in range(3):
+        scorer.score(seq)
+    lat = []
+    for _ in range(20):
+        sync()
+        t0 = time.perf_counter()
+        scorer.score(seq)
+        lat.append(time.perf_counter() - t0)
+    bench["idle_latency_512_ms"] = {"median": 1e3 * float(np.median(lat)), "p90": 1e3 * float(np.quantile(lat, 0.9))}
+    log(f"idle latency, one 512-token sequence: {bench['idle_latency_512_ms']}")
+
+
+# ---------------------------------------------------------------- MoE experts: grouped_mm vs eager
+
+
+def moe_experts(num_layers: int | None, row_tokens: int, spec=None) -> dict:
+    from bench.hf_reference import build_twin, set_moe_implementation
+    from bench.workload import WorkloadSpec, grpo_workload
+    from model_runtime.packing import PackedBatch
+    from model_runtime.scorer import plan_row
+
+    preset = "qwen3.5-35b-a3b" if DEVICE == "cuda" else "tiny-moe"
+    twin = build_twin(preset, num_layers=num_layers, moe_implementation="grouped_mm", device=DEVICE,
+                      dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32)
+    model = twin.loaded.model
+    sequences, total = [], 0
+    for s in grpo_workload(twin.loaded.vocab_size, spec or WorkloadSpec()):
+        if total + s.length > row_tokens:
+            continue
+        sequences.append(s)
+        total += s.length
+    plan = plan_row(sequences)
+    ids = torch.from_numpy(plan.ids_T).to(DEVICE)
+    out, hidden = {"layers": len(model.layers), "row_tokens": total}, {}
+    for impl, repeats in (("grouped_mm", 3), ("eager", 2)):
+        set_moe_implementation(model, impl)
+        experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
+        assert experts.config._experts_implementation == impl, "the experts did not see the switch"
+        times = []
+        with torch.inference_mode():
+            for r in range(repeats + 1):
+                packed = PackedBatch.from_lengths(plan.lengths, device=DEVICE)
+                sync()
+                t0 = time.perf_counter()
+                h = model(ids, packed)
+                sync()
+                if r:
+                    times.append(time.perf_counter() - t0)
+        hidden[impl] = h.float()
+        out[impl] = {"forward_s": float(np.median(times)), "tokens_per_s": total / float(np.median(times))}
+        log(f"35B-A3B experts {impl}: {out[impl]}")
+    out["grouped_over_eager_speedup"] = out["eager"]["forward_s"] / out["grouped_mm"]["forward_s"]
+    out["hidden_max_abs_diff"] = float((hidden["grouped_mm"] - hidden["eager"]).abs().max())
+    out["hidden_rel_diff"] = float((hidden["grouped_mm"] - hidden["eager"]).norm() / hidden["eager"].norm())
+    set_moe_implementation(model, "grouped_mm")
+    log(f"35B-A3B experts: {out}")
+    return out
+
+
+# ---------------------------------------------------------------- tests and restart probe
+
+
+def run_tests(suite: Suite, smoke: bool, select: str | None = None) -> dict:
+    report = Path("/tmp/packscore-gpu-tests.jsonl")
+    report.unlink(missing_ok=True)
+    env = dict(os.environ, PACKSCORE_GPU_REPORT=str(report), PACKSCORE_GPU_SMOKE="1" if smoke else "0")
+    timeout = max(60, int(suite.remaining() - 15))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "tests/gpu", "-p", "no:cacheprovider", "--timeout", str(timeout)]
+    if select:
+        cmd += ["-k", select]
+    log(" ".join(cmd))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout + 10)
+    print(proc.stdout[-20000:], proc.stderr[-5000:], flush=True)
+    suite.texts["gpu-tests.txt"] = proc.stdout[-200000:] + "\n" + proc.stderr[-20000:]
+    records = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
+    summary = [line for line in proc.stdout.splitlines() if " passed" in line or " failed" in line]
+    return {"returncode": proc.returncode, "summary": summary[-1] if summary else "", "records": records}
+
+
+def restart_probe(suite: Suite, model: str, max_batch_tokens: int) -> dict:
+    cache = os.environ.get("TRITON_CACHE_DIR", "/tmp/packscore-kernel-cache")
+    cmd = [sys.executable, "-m", "bench.warmup_probe", "--model", model, "--max-batch-tokens", str(max_batch_tokens),
+           "--kernel-cache", cache]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(60, int(suite.remaining() - 10)))
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("WARMUP_PROBE ")), None)
+    if line is None:
+        raise RuntimeError(f"probe failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    result = json.loads(line.removeprefix("WARMUP_PROBE "))
+    result["process_s"] = time.perf_counter() - t0
+    log(f"warm restart: {result}")
+    return result
+
+
+# ---------------------------------------------------------------- main
+
+
+def main():
+    global DEVICE
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--mode", choices=("smoke", "full", "extra"), default="full")
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
+    parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting phases after this many seconds")
+    parser.add_argument("--dry-run-cpu", action="store_true", help="tiny preset, tiny workload, on the CPU")
+    args = parser.parse_args()
+    suite = Suite(args)
+    smoke = args.mode == "smoke"
+    if args.dry_run_cpu:
+        return dry_run(suite)
+
+    suite.results["environment"] = suite.phase("environment", environment, 5) or {}
+    suite.results["ceiling"] = suite.phase("matmul ceiling", matmul_ceiling, 5) or {}
+
+    if args.mode == "smoke":
+        suite.phase("benchmark qwen3.5-9b (32 sequences)", lambda: run_benchmark(
+            suite, "qwen3.5-9b", 32, hf_single=True, max_batch_tokens=65536, key="qwen3.5-9b", extras=True), 60)
+        suite.results["moe_experts"] = suite.phase("35B-A3B experts grouped_mm vs eager (4 layers)",
+                                                   lambda: moe_experts(4, 16384), 30)
+        suite.results["gpu_tests"] = suite.phase("GPU tests (smoke)", lambda: run_tests(
+            suite, True, select="not long_sequence and not isolation"), 60)
+    elif args.mode == "full":
+        suite.phase("benchmark qwen3.5-9b", lambda: run_benchmark(
+            suite, "qwen3.5-9b", 256, hf_single=True, max_batch_tokens=65536, key="qwen3.5-9b", extras=True), 60)
+        suite.results["gpu_tests"] = suite.phase("GPU tests", lambda: run_tests(suite, False), 60)
+        suite.results["restart_warm"] = suite.phase("restart warm-up (warm cache)", lambda: restart_probe(
+            suite, "qwen3.5-9b", 65536), 50)
+    else:
+        suite.results["moe_experts"] = suite.phase("35B-A3B experts grouped_mm vs eager", lambda: moe_experts(None, 16384), 60)
+        for preset in ("qwen3.5-35b-a3b", "qwen3.5-27b"):
+            suite.phase(f"benchmark {preset}", lambda p=preset: run_benchmark(
+                suite, p, 64, hf_single=False, max_batch_tokens=65536, key=p, extras=False), 120)
+    finish(suite)
+
+
+def finish(suite: Suite):
+    from bench.report import write_report
+
+    suite.phase("report", lambda: write_report(suite.results, suite.out, suite.json_path.stem), 0)
+    suite.save()
+    log(f"done in {time.perf_counter() - suite.started:.0f}s; phases: {json.dumps(suite.results['phases'], indent=1)}")
+
+
+def dry_run(suite: Suite):
+    """Every phase that needs no GPU, on the CPU with the tiny presets (reference kernels)."""
+    global DEVICE
+    from bench.workload import WorkloadSpec
+    from model_runtime.presets import PRESETS, Preset
+
+    DEVICE = "cpu"
+    tiny = PRESETS["tiny"]
+    PRESETS["tiny-moe"] = Preset("tiny-moe", "qwen3_5_moe_text", {
+        **{k: v for k, v in tiny.config.items() if k != "intermediate_size"},
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+    }, seed=0, initializer_range=0.05)
+    spec = WorkloadSpec(num_sequences=16, prompt_median=20, prompt_clip=(4, 60), response_median=30, response_clip=(2, 90))
+    suite.results["ceiling"] = {"tflops_mean": 1.0}
+    suite.phase("benchmark tiny", lambda: run_benchmark(
+        suite, "tiny", 16, hf_single=True, max_batch_tokens=300, key="tiny", extras=True, spec=spec), 0)
+    suite.results["moe_experts"] = suite.phase("experts grouped_mm vs eager (tiny)", lambda: moe_experts(None, 200, spec), 0)
+    suite.results["gpu_tests"] = suite.phase("GPU tests (all skip on CPU)", lambda: run_tests(
+        suite, True, select="not long_sequence and not isolation"), 0)
+    finish(suite)
+
+
+if __name__ == "__main__":
+    main()

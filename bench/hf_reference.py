@@ -1,0 +1,185 @@
+"""Hugging Face transformers the way trainers usually score, and a packscore model sharing its weights.
+
+``build_twin`` draws one random-weight model of a preset shape, patches it for packing and
+keeps the original token mixers, so ``twin.hf()`` (a context manager) can put them back for
+an unpatched Hugging Face forward over the very same weights: one copy in memory, no
+question of whether two models were initialised alike.
+
+The two Hugging Face forms of the benchmark:
+- ``score_padded``: length-sorted, right-padded batches with an attention mask, as many
+  tokens per batch as memory allows (``token_budget`` counts padded tokens);
+- ``score_single``: one sequence per forward, no padding.
+Both take ``model(...).logits``, a float32 ``log_softmax``, gather the targets and compute
+entropy as ``-(p * log p).sum(-1)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from model_runtime.architectures import architecture_for
+from model_runtime.kernels import select_backends
+from model_runtime.loading import LoadedModel, _hf_kwargs
+from model_runtime.model import patch_for_packing
+from model_runtime.presets import PRESETS, build_config
+
+
+@dataclass
+class Twin:
+    loaded: LoadedModel
+    hf_model: nn.Module
+    _originals: list = field(default_factory=list)  # (layer, attribute, original mixer)
+
+    @contextlib.contextmanager
+    def hf(self):
+        """The unpatched Hugging Face model (same weights) for the duration of the block."""
+        packed = [(layer, attr, getattr(layer, attr)) for layer, attr, _ in self._originals]
+        for layer, attr, original in self._originals:
+            setattr(layer, attr, original)
+        try:
+            yield self.hf_model
+        finally:
+            for layer, attr, module in packed:
+                setattr(layer, attr, module)
+
+
+def build_twin(
+    preset: str,
+    *,
+    num_layers: int | None = None,
+    device: str | torch.device = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    moe_implementation: str | None = None,
+    kernel_overrides: dict[str, str] | None = None,
+) -> Twin:
+    """A random-weight preset (optionally its first ``num_layers`` layers), packed, plus its HF twin."""
+    from transformers import AutoModelForCausalLM
+
+    spec = PRESETS[preset]
+    device = torch.device(device)
+    overrides = {} if num_layers is None else {"num_hidden_layers": num_layers}
+    config = build_config(spec, **overrides)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(spec.seed)
+        with torch.device(device):
+            hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype, **_hf_kwargs(spec.model_type, moe_implementation))
+    hf_model.eval().requires_grad_(False)
+    originals = []
+    for layer, kind in zip(hf_model.model.layers, hf_model.config.layer_types):
+        attr = "linear_attn" if kind == "linear_attention" else "self_attn"
+        originals.append((layer, attr, getattr(layer, attr)))
+    backends = select_backends(device, overrides=kernel_overrides)
+    model, report = patch_for_packing(hf_model, architecture_for(spec.model_type), backends)
+    model.eval().requires_grad_(False)
+    name = preset if num_layers is None else f"{preset}[:{num_layers}]"
+    loaded = LoadedModel(
+        model=model,
+        name=name,
+        architecture=architecture_for(spec.model_type).name,
+        vocab_size=model.vocab_size,
+        max_model_len=int(getattr(config, "max_position_embeddings", 0) or 0),
+        dtype=dtype,
+        device=device,
+        weights_version=f"preset:{name}#seed{spec.seed}",
+        backends=backends,
+        patch_report=report,
+        source=f"preset:{name}",
+    )
+    return Twin(loaded, hf_model, originals)
+
+
+def set_moe_implementation(model: nn.Module, implementation: str) -> str:
+    """Switches Hugging Face's experts dispatch (read from the shared config on every call)."""
+    config = model.config
+    if hasattr(config, "_experts_implementation_internal"):
+        config._experts_implementation_internal = implementation
+    else:
+        config._experts_implementation = implementation
+    return config._experts_implementation
+
+
+def _token_scores(logits_BLV: torch.Tensor, ids_BL: torch.Tensor, first: int, last: int):
+    """log-probs and entropies of positions ``first-1 .. last-2`` predicting tokens ``first .. last-1``."""
+    logp = torch.log_softmax(logits_BLV[:, first - 1 : last - 1].float(), dim=-1)
+    targets = ids_BL[:, first:last]
+    logprobs = logp.gather(-1, targets[..., None])[..., 0]
+    entropy = -(logp.exp() * logp).sum(-1)
+    return logprobs, entropy
+
+
+@torch.inference_mode()
+def score_single(hf_model: nn.Module, sequences, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One forward per sequence, no padding; results stay on the GPU (no per-sequence sync)."""
+    out = []
+    for seq in sequences:
+        ids = torch.as_tensor(np.asarray(seq.input_ids), dtype=torch.long, device=device)[None]
+        logits = hf_model(input_ids=ids).logits
+        logprobs, entropy = _token_scores(logits, ids, seq.score_from, seq.length)
+        del logits
+        out.append((logprobs[0], entropy[0]))
+    return out
+
+
+def padded_batches(lengths, token_budget: int) -> list[list[int]]:
+    """Length-sorted (longest first) batches whose padded size ``B * L_max`` fits ``token_budget``."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, current = [], []
+    for i in order:
+        longest = lengths[current[0]] if current else lengths[i]
+        if current and (len(current) + 1) * longest > token_budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+@torch.inference_mode()
+def score_padded(hf_model: nn.Module, sequences, device, token_budget: int):
+    """Right-padded, length-sorted batches with an attention mask; results in input order."""
+    lengths = [s.length for s in sequences]
+    out: list = [None] * len(sequences)
+    for batch in padded_batches(lengths, token_budget):
+        longest = max(lengths[i] for i in batch)
+        ids = torch.zeros(len(batch), longest, dtype=torch.long)
+        mask = torch.zeros(len(batch), longest, dtype=torch.long)
+        for row, i in enumerate(batch):
+            ids[row, : lengths[i]] = torch.as_tensor(np.asarray(sequences[i].input_ids))
+            mask[row, : lengths[i]] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        logits = hf_model(input_ids=ids, attention_mask=mask).logits
+        first = min(sequences[i].score_from for i in batch)
+        logprobs, entropy = _token_scores(logits, ids, first, longest)
+        del logits
+        for row, i in enumerate(batch):
+            seq = sequences[i]
+            window = slice(seq.score_from - first, seq.length - first)
+            out[i] = (logprobs[row, window], entropy[row, window])
+        del logprobs, entropy
+    return out
+
+
+def score_padded_fitting(hf_model: nn.Module, sequences, device, budgets=(65536, 49152, 32768, 24576, 16384, 12288, 8192)):
+    """``score_padded`` with the largest padded-token budget that does not run out of memory.
+
+    Returns ``(results, budget)``. Each budget is tried on the whole workload (this is the
+    untimed pass); an out-of-memory error moves on to the next smaller budget.
+    """
+    longest = max(s.length for s in sequences)
+    for budget in budgets:
+        budget = max(budget, longest)
+        try:
+            return score_padded(hf_model, sequences, device, budget), budget
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+    raise RuntimeError(f"Hugging Face padded scoring ran out of memory at every budget down to {budgets[-1]} tokens")
+
+
+def to_numpy(results) -> list[tuple[np.ndarray, np.ndarray]]:
+    return [(lp.float().cpu().numpy(), ent.float().cpu().numpy()) for lp, ent in results]

@@ -1,0 +1,73 @@
+"""Isolation on the GPU: a sequence scored alone against the same sequence packed with others.
+
+Every kernel that crosses token positions (conv, delta rule, attention) works per segment,
+so the only way a neighbour can change a sequence's numbers is through computations that
+are per token but whose arithmetic depends on the row's size: the matrix products (cuBLAS
+picks its kernel, and with it the summation order, from the problem's shape) and the head's
+chunking. The test reports the difference and also measures that mechanism directly.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from model_runtime.scorer import Scorer, SequenceInput
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU isolation needs CUDA"),
+]
+
+MEAN_TOL = 2e-3
+
+
+@pytest.fixture(scope="module")
+def twin():
+    from bench.hf_reference import build_twin
+
+    t = build_twin("qwen3.5-9b", num_layers=4)
+    yield t
+    del t
+    torch.cuda.empty_cache()
+
+
+def test_alone_vs_packed(twin, gpu_record):
+    rng = np.random.default_rng(5)
+    vocab = twin.loaded.vocab_size
+    victim = SequenceInput(rng.integers(0, vocab, 777), score_from=100)
+    others = [SequenceInput(rng.integers(0, vocab, n), score_from=1) for n in (3000, 65, 1, 2048, 129, 9000)]
+    scorer = Scorer(twin.loaded, max_batch_tokens=1 << 16)
+    alone = scorer.score_row([victim])[0]
+    placements = {"first": [victim] + others, "middle": others[:3] + [victim] + others[3:], "last": others + [victim]}
+    worst, means = {}, []
+    for where, row in placements.items():
+        got = scorer.score_row(row)[next(i for i, s in enumerate(row) if s is victim)]
+        worst[where] = (float(np.abs(got.logprobs - alone.logprobs).max()), float(np.abs(got.entropy - alone.entropy).max()))
+        means.append(float(np.abs(got.logprobs - alone.logprobs).mean()))
+    again = scorer.score_row([victim])[0]
+    repeat = float(np.abs(again.logprobs - alone.logprobs).max())
+    d_lp = max(v[0] for v in worst.values())
+    d_ent = max(v[1] for v in worst.values())
+    mean_lp = max(means)
+    gpu_record(
+        "isolation alone vs packed (9B[:4], bf16)",
+        logprob_max=d_lp, entropy_max=d_ent, logprob_mean=mean_lp, same_row_twice=repeat,
+        **{f"logprob_max_{k}": v[0] for k, v in worst.items()},
+    )
+    assert repeat == 0.0, f"the same row scored twice differs by {repeat:.3e}: nondeterminism, not packing"
+    assert mean_lp <= MEAN_TOL, f"alone vs packed: mean |logprob diff| {mean_lp:.3e} > {MEAN_TOL:.0e}"
+
+
+def test_matmul_rows_depend_on_row_count(gpu_record):
+    """The mechanism: the same 777 rows through a bf16 product alone and inside a larger batch."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(12288, 4096, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    x = torch.randn(16000, 4096, device="cuda", generator=g).to(torch.bfloat16)
+    alone = x[:777] @ w.t()
+    diffs = {}
+    for rows in (778, 1024, 4096, 16000):
+        diffs[f"rows_{rows}"] = float(((x[:rows] @ w.t())[:777].float() - alone.float()).abs().max())
+    gpu_record("isolation matmul row-count dependence (bf16 [n,4096]x[4096,12288])", **diffs)
+    # Another summation order moves a bf16 result by at most a rounding step or two.
+    bound = 2 * 2.0**-8 * float(alone.float().abs().max())
+    assert max(diffs.values()) <= bound, f"row-count dependence {max(diffs.values()):.3e} exceeds two bf16 steps ({bound:.3e})"

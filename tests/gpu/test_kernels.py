@@ -1,0 +1,162 @@
+"""Every fast kernel against its PyTorch reference, on fresh random inputs, on the GPU.
+
+Tolerances are relative, ``||fast - ref|| / ||ref||``, except where both sides compute the
+same float32 arithmetic (the head), which is compared in absolute terms. bf16 operands land
+between 1e-3 and 1e-2 relative to a float32 reference; the chunked delta rule also keeps its
+per-chunk states in bf16, hence its 2e-2.
+"""
+
+import pytest
+import torch
+
+from model_runtime.kernels.attention import causal_attention_reference, causal_attention_varlen
+from model_runtime.kernels.conv import causal_conv1d_fla, causal_conv1d_reference
+from model_runtime.kernels.linear_attention import gated_delta_rule_fla, gated_delta_rule_reference
+from model_runtime.packing import PackedBatch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU kernels need CUDA"),
+]
+
+DEV = "cuda"
+SEGMENTS = [(1, 7, 64, 65, 200), (300,), (129, 3, 1000, 64)]
+
+
+def rel(fast: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((fast.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
+def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def gdn_inputs(lengths, hk, hv, dk, dv, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    T = sum(lengths)
+    q = torch.randn(T, hk, dk, device=DEV, generator=g, dtype=torch.bfloat16)
+    k = torch.randn(T, hk, dk, device=DEV, generator=g, dtype=torch.bfloat16)
+    v = torch.randn(T, hv, dv, device=DEV, generator=g, dtype=torch.bfloat16)
+    a = torch.randn(T, hv, device=DEV, generator=g)
+    g_TH = -torch.nn.functional.softplus(a) * torch.rand(hv, device=DEV, generator=g)  # log-decay <= 0, float32
+    beta = torch.rand(T, hv, device=DEV, generator=g).to(torch.bfloat16)
+    return q, k, v, g_TH, beta
+
+
+@pytest.mark.parametrize(
+    "lengths,hk,hv,dk",
+    [
+        pytest.param(s, hk, hv, dk, id=f"N{len(s)}-T{sum(s)}-Hk{hk}-Hv{hv}-K{dk}")
+        for s in SEGMENTS
+        # The head layouts of the tiny checkpoints and of the 9B / 35B-A3B shapes: fla autotunes
+        # per (H, HV, K, V), about a minute each, so the tests reuse the served ones.
+        for hk, hv, dk in [(2, 4, 16), (16, 32, 128)]
+    ],
+)
+def test_fla_gated_delta_rule_matches_reference(lengths, hk, hv, dk, gpu_record):
+    packed = PackedBatch.from_lengths(lengths, device=DEV)
+    q, k, v, g_TH, beta = gdn_inputs(lengths, hk, hv, dk, dk, seed=sum(lengths) + hv)
+    fast = gated_delta_rule_fla(q, k, v, g_TH, beta, packed)
+    ref = gated_delta_rule_reference(q, k, v, g_TH, beta, packed)
+    err, tol = rel(fast, ref), 2e-2
+    gpu_record("kernel gdn fla vs reference", lengths=str(lengths), hk=hk, hv=hv, rel=err, max_abs=max_abs(fast, ref), tol=tol)
+    assert torch.isfinite(fast).all()
+    assert err <= tol, f"fla GDN rel diff {err:.3e} > tol {tol:.0e}"
+
+
+def test_fla_gated_delta_rule_varlen_equals_per_segment_calls(gpu_record):
+    """Packed with cu_seqlens must equal each segment run alone, bit for bit; without cu_seqlens it leaks."""
+    lengths = (129, 3, 700, 64)
+    q, k, v, g_TH, beta = gdn_inputs(lengths, 16, 32, 128, 128, seed=7)
+    packed = PackedBatch.from_lengths(lengths, device=DEV)
+    together = gated_delta_rule_fla(q, k, v, g_TH, beta, packed)
+    worst = 0.0
+    for start, end in packed.segments():
+        alone = gated_delta_rule_fla(
+            q[start:end], k[start:end], v[start:end], g_TH[start:end], beta[start:end],
+            PackedBatch.from_lengths([end - start], device=DEV),
+        )
+        worst = max(worst, max_abs(together[start:end], alone))
+    leaked = gated_delta_rule_fla(q, k, v, g_TH, beta, PackedBatch.from_lengths([sum(lengths)], device=DEV))
+    leak = max_abs(leaked, together)
+    gpu_record("kernel gdn fla varlen vs alone", max_abs=worst, no_boundary_max_abs=leak)
+    assert worst == 0.0, f"fla varlen differs from per-segment calls by {worst:.3e}"
+    assert leak > 1e-3, f"dropping the boundaries should change the output, but only by {leak:.3e}"
+
+
+@pytest.mark.parametrize("lengths", [pytest.param(s, id=f"N{len(s)}-T{sum(s)}") for s in SEGMENTS])
+@pytest.mark.parametrize("channels", [128, 8192])  # conv widths of the tiny checkpoints and the 9B shape
+def test_fla_conv1d_matches_reference(lengths, channels, gpu_record):
+    g = torch.Generator(device=DEV).manual_seed(channels + len(lengths))
+    packed = PackedBatch.from_lengths(lengths, device=DEV)
+    x = torch.randn(sum(lengths), channels, device=DEV, generator=g, dtype=torch.bfloat16)
+    w = (torch.randn(channels, 4, device=DEV, generator=g) * 0.5).to(torch.bfloat16)
+    fast = causal_conv1d_fla(x, w, packed)
+    ref = causal_conv1d_reference(x, w, packed)
+    err, tol = rel(fast, ref), 1e-2
+    gpu_record("kernel conv fla vs reference", lengths=str(lengths), channels=channels, rel=err, max_abs=max_abs(fast, ref), tol=tol)
+    assert fast.shape == ref.shape and fast.dtype == x.dtype
+    assert err <= tol, f"fla conv rel diff {err:.3e} > tol {tol:.0e}"
+
+
+@pytest.mark.parametrize("lengths", [pytest.param(s, id=f"N{len(s)}-T{sum(s)}") for s in SEGMENTS])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 4, 256), (4, 2, 32)])
+def test_varlen_attention_is_causal_per_segment(lengths, heads, kv_heads, head_dim, gpu_record):
+    g = torch.Generator(device=DEV).manual_seed(heads + sum(lengths))
+    packed = PackedBatch.from_lengths(lengths, device=DEV)
+    T = sum(lengths)
+    q = torch.randn(T, heads, head_dim, device=DEV, generator=g, dtype=torch.bfloat16)
+    k = torch.randn(T, kv_heads, head_dim, device=DEV, generator=g, dtype=torch.bfloat16)
+    v = torch.randn(T, kv_heads, head_dim, device=DEV, generator=g, dtype=torch.bfloat16)
+    scale = head_dim**-0.5
+    fast = causal_attention_varlen(q, k, v, packed, scale)
+    ref = causal_attention_reference(q, k, v, packed, scale)
+    err, tol = rel(fast, ref), 1e-2
+    gpu_record("kernel attention varlen vs reference", lengths=str(lengths), heads=heads, head_dim=head_dim, rel=err, max_abs=max_abs(fast, ref), tol=tol)
+    assert err <= tol, f"varlen attention rel diff {err:.3e} > tol {tol:.0e}"
+
+
+@pytest.mark.parametrize("vocab", [248320, 4096, 777])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_head_matches_torch(vocab, temperature, gpu_record):
+    from model_runtime.kernels.logprob_head import logprob_entropy_torch, logprob_entropy_triton
+
+    g = torch.Generator(device=DEV).manual_seed(vocab)
+    C = 300
+    z = (torch.randn(C, vocab, device=DEV, generator=g) * 3).to(torch.bfloat16)
+    z[0, 5] = 60.0  # one near-deterministic row
+    targets = torch.randint(0, vocab, (C,), device=DEV, generator=g)
+    temps = torch.full((C,), temperature, device=DEV)
+    lp, ent = logprob_entropy_triton(z, targets, temps)
+    lp_ref, ent_ref = logprob_entropy_torch(z, targets, temps)
+    tol = 2e-4  # same float32 arithmetic, another summation order
+    d_lp, d_ent = max_abs(lp, lp_ref), max_abs(ent, ent_ref)
+    gpu_record("kernel head triton vs torch", vocab=vocab, temperature=temperature, logp_max_abs=d_lp, entropy_max_abs=d_ent, tol=tol)
+    assert d_lp <= tol and d_ent <= tol, f"fused head differs: logp {d_lp:.3e}, entropy {d_ent:.3e} > tol {tol:.0e}"
+
+
+def test_inductor_elementwise_matches_eager(gpu_record):
+    from model_runtime.kernels import elementwise as E
+
+    fused = E.inductor()
+    g = torch.Generator(device=DEV).manual_seed(3)
+    worst = {}
+    for T in (1, 5, 4097):
+        x = torch.randn(T, 4096, device=DEV, generator=g, dtype=torch.bfloat16)
+        d = torch.randn(T, 4096, device=DEV, generator=g, dtype=torch.bfloat16)
+        w = (torch.randn(4096, device=DEV, generator=g) * 0.1).to(torch.bfloat16)
+        pairs = {
+            "rms_norm": (fused.rms_norm(x, w, 1e-6), E.rms_norm(x, w, 1e-6)),
+            "add_rms_norm": (fused.add_rms_norm(x, d, w, 1e-6)[1], E.add_rms_norm(x, d, w, 1e-6)[1]),
+            "gated_rms_norm": (
+                fused.gated_rms_norm(x.view(-1, 128), d.view(-1, 128), w[:128], 1e-6),
+                E.gated_rms_norm(x.view(-1, 128), d.view(-1, 128), w[:128], 1e-6),
+            ),
+            "silu_mul": (fused.silu_mul(x, d), E.silu_mul(x, d)),
+        }
+        for name, (a, b) in pairs.items():
+            worst[name] = max(worst.get(name, 0.0), rel(a, b))
+    tol = 8e-3  # at most a bf16 rounding step apart (2^-8 relative)
+    gpu_record("kernel elementwise inductor vs eager", tol=tol, **{k: float(v) for k, v in worst.items()})
+    for name, err in worst.items():
+        assert err <= tol, f"fused {name} rel diff {err:.3e} > tol {tol:.0e}"
