@@ -2,12 +2,14 @@
 
     python -m bench.gpu_suite --mode full --out DIR     (bench/run_h200.sh wraps this)
 
-Modes:
-- ``smoke``: everything at small sizes (32 sequences, a 4-layer MoE slice, a 16k long sequence).
-- ``full``: the 9B benchmark on the whole workload (256 sequences), the profile, the head's
-  memory, idle latency, the GPU tests (131k-token sequence) and a warm restart.
-- ``extra``: the 35B-A3B (grouped_mm vs eager experts, then the benchmark) and 27B shapes on
-  the first 64 sequences of the workload, packscore against Hugging Face's padded batches.
+Modes (each fits one 10-minute device call):
+- ``full``: the 9B benchmark on the whole workload (256 sequences) with its profile, the
+  head's memory and idle latency; the 35B-A3B experts (grouped_mm vs eager, 4 layers); a warm
+  restart.
+- ``tests``: the GPU tests (tests/gpu, with the 131k-token sequence), then the 35B-A3B
+  benchmark on the first 64 sequences (packscore against Hugging Face's padded batches).
+- ``smoke``: a quick pass over the benchmark (32 sequences) and most tests.
+- ``extra``: the full-depth 35B-A3B experts comparison and the 35B-A3B and 27B benchmarks.
 
 Phases run in order while the time budget (``--budget-s``) lasts; the results JSON is rewritten
 after every phase so a run cut short still returns what it measured.
@@ -495,7 +497,7 @@ def restart_probe(suite: Suite, model: str, max_batch_tokens: int) -> dict:
 def main():
     global DEVICE
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mode", choices=("smoke", "full", "extra"), default="full")
+    parser.add_argument("--mode", choices=("smoke", "full", "tests", "extra"), default="full")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting phases after this many seconds")
     parser.add_argument("--dry-run-cpu", action="store_true", help="tiny preset, tiny workload, on the CPU")
@@ -518,9 +520,15 @@ def main():
     elif args.mode == "full":
         suite.phase("benchmark qwen3.5-9b", lambda: run_benchmark(
             suite, "qwen3.5-9b", 256, hf_single=True, max_batch_tokens=65536, key="qwen3.5-9b", extras=True), 60)
-        suite.results["gpu_tests"] = suite.phase("GPU tests", lambda: run_tests(suite, False), 60)
+        suite.results["moe_experts"] = suite.phase("35B-A3B experts grouped_mm vs eager (4 layers)",
+                                                   lambda: moe_experts(4, 16384), 30)
         suite.results["restart_warm"] = suite.phase("restart warm-up (warm cache)", lambda: restart_probe(
             suite, "qwen3.5-9b", 65536), 50)
+    elif args.mode == "tests":
+        suite.results["gpu_tests"] = suite.phase("GPU tests", lambda: run_tests(suite, False), 60)
+        suite.phase("benchmark qwen3.5-35b-a3b (64 sequences)", lambda: run_benchmark(
+            suite, "qwen3.5-35b-a3b", 64, hf_single=False, max_batch_tokens=65536, key="qwen3.5-35b-a3b",
+            extras=False), 150)
     else:
         suite.results["moe_experts"] = suite.phase("35B-A3B experts grouped_mm vs eager", lambda: moe_experts(None, 16384), 60)
         for preset in ("qwen3.5-35b-a3b", "qwen3.5-27b"):

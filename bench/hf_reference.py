@@ -165,7 +165,13 @@ def score_padded(hf_model: nn.Module, sequences, device, token_budget: int):
     return out
 
 
-def score_padded_fitting(hf_model: nn.Module, sequences, device, budgets=(65536, 49152, 32768, 24576, 16384, 12288, 8192)):
+# Padded-token budgets tried from the largest. Above about 32k tokens the float32 log_softmax,
+# its exp and the entropy product of a 248,320-word vocabulary (4 bytes each per token and word)
+# do not fit next to 9B-shape weights, so larger budgets would only cost failed attempts.
+PADDED_BUDGETS = (32768, 24576, 16384, 12288, 8192, 4096)
+
+
+def score_padded_fitting(hf_model: nn.Module, sequences, device, budgets=PADDED_BUDGETS):
     """``score_padded`` with the largest padded-token budget that does not run out of memory.
 
     Returns ``(results, budget)``. Each budget is tried on the whole workload (this is the
