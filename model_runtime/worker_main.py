@@ -100,7 +100,7 @@ def _setup(start: msg.Start):
     loaded = _load(start, device)
     costs = cost_coefficients(loaded)  # before sharding: it counts whole parameters
     parallelize(loaded.model, dims=dims, mesh=mesh)
-    runner = ParallelScorer(loaded, dims=dims, mesh=mesh, rank=start.rank)
+    runner = ParallelScorer(loaded, dims=dims, mesh=mesh, rank=start.rank, max_batch_tokens=start.max_batch_tokens)
     hello = msg.Hello(
         rank=start.rank,
         generation=start.generation,

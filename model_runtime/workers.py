@@ -97,10 +97,17 @@ class _World:
         self.commands: list[Connection] = []
         self.replies: list[Connection] = []
         self.send_locks = [threading.Lock() for _ in range(dims.world_size)]
+        try:
+            self._launch(start_fields)
+        except BaseException:
+            self.stop(graceful=False)
+            raise
+
+    def _launch(self, start_fields: dict) -> None:
         port = _free_port()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH")) if p)
-        for rank in range(dims.world_size):
+        for rank in range(self.dims.world_size):
             cmd_recv, cmd_send = Pipe(duplex=False)
             rep_recv, rep_send = Pipe(duplex=False)
             child_fds = (cmd_recv.fileno(), rep_send.fileno())
@@ -115,7 +122,7 @@ class _World:
             self.procs.append(proc)
             self.commands.append(cmd_send)
             self.replies.append(rep_recv)
-            start = msg.Start(rank=rank, generation=generation, master_port=port, **start_fields)
+            start = msg.Start(rank=rank, generation=self.generation, master_port=port, **start_fields)
             cmd_send.send_bytes(msg.encode(start))
 
     @property
@@ -320,11 +327,14 @@ class WorkerPool:
                     raise BackendUnavailableError(f"workers did not start within {self.start_timeout_s:.0f}s")
                 if not world.all_running() and len(hellos) < self.dims.world_size and not ready:
                     raise BackendUnavailableError("a worker exited while starting")
+            with self._lock:
+                if self._closing:
+                    raise BackendUnavailableError("the worker pool was closed while starting")
+                self._world = world
         except BaseException:
+            world.failed = True
             world.stop(graceful=False)
             raise
-        with self._lock:
-            self._world = world
         threading.Thread(target=self._read_loop, args=(world,), name=f"pool-reader-{world.generation}", daemon=True).start()
         log.info("worker pool generation %d up: pids %s, layout %s", world.generation, world.pids, self.dims.as_info())
         return [hellos[r] for r in range(self.dims.world_size)]

@@ -18,13 +18,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from model_runtime.head import HeadOutput, chunk_tokens_for_budget, score_positions
+from model_runtime.head import HeadOutput, score_positions
 from model_runtime.loading import LoadedModel
 from model_runtime.packing import PackedBatch
 from model_runtime.parallel.dims import ParallelDims
 from model_runtime.parallel.parallelize import unsharded_head_weight
 from model_runtime.parallel.ulysses import UlyssesExchange
-from model_runtime.scorer import SequenceInput, SequenceScores, plan_row, split_results
+from model_runtime.scorer import Scorer, SequenceInput, SequenceScores, plan_row, split_results
 
 PAD_TOKEN = 0  # token id of alignment padding; any valid id works, its segment is never scored
 
@@ -42,6 +42,7 @@ class ParallelScorer:
         dims: ParallelDims,
         mesh,
         rank: int,
+        max_batch_tokens: int = 16384,
         head_budget_bytes: int | None = None,
     ):
         self.loaded = loaded
@@ -50,9 +51,9 @@ class ParallelScorer:
         self.sp_rank = dims.sp_rank(rank)
         self.sp_group = mesh["sp"].get_group() if dims.sp > 1 else None
         self.sp = UlyssesExchange(self.sp_group) if dims.sp > 1 else None
-        if head_budget_bytes is None:
-            head_budget_bytes = 1 << 30 if loaded.device.type == "cuda" else 256 << 20
-        self.head_chunk_tokens = chunk_tokens_for_budget(loaded.vocab_size, head_budget_bytes)
+        # The single-process scorer owns the head's settings (chunk sizes, head kernel); reusing
+        # it keeps both paths on the same numerics. Its forward is not used here.
+        self.head_settings = Scorer(loaded, max_batch_tokens=max_batch_tokens, head_budget_bytes=head_budget_bytes)
 
     def score_row(self, sequences: Sequence[SequenceInput]) -> list[SequenceScores]:
         head, top_k = self.score_row_flat(sequences)
@@ -71,15 +72,18 @@ class ParallelScorer:
         # Scored positions are increasing along the row, so each shard's are one contiguous run.
         bounds = np.searchsorted(plan.positions_N, np.arange(S + 1) * per)
         a, b = int(bounds[self.sp_rank]), int(bounds[self.sp_rank + 1])
-        local_positions = torch.from_numpy(plan.positions_N[a:b] - lo).to(device)
+        local_positions = torch.from_numpy(plan.positions_N[a:b] - lo)
+        settings = self.head_settings
         with unsharded_head_weight(self.loaded.model) as weight_VD:
             head = score_positions(
-                hidden_TlD.index_select(0, local_positions),
+                hidden_TlD,
                 weight_VD,
                 torch.from_numpy(plan.targets_N[a:b]),
                 torch.from_numpy(plan.temperature_N[a:b]),
                 top_k=plan.top_k,
-                chunk_tokens=self.head_chunk_tokens,
+                chunk_tokens=settings.head_chunk_tokens_top_k if plan.top_k else settings.head_chunk_tokens,
+                rows_N=local_positions,
+                logprob_fn=settings.logprob_fn,
             )
         if S > 1:
             head = self._gather(head, np.diff(bounds).tolist(), plan.top_k)

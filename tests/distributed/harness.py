@@ -1,4 +1,5 @@
-"""Runs a function on N CPU processes joined by gloo over 127.0.0.1, and collects what each returns."""
+"""Runs a function on N processes joined over 127.0.0.1 (gloo on CPU, or NCCL with one GPU each)
+and collects what each returns."""
 
 from __future__ import annotations
 
@@ -20,12 +21,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> None:
+def _entry(rank: int, world: int, port: int, backend: str, fn, args: tuple, out_dir: str) -> None:
     # Two cores in CI: one intra-op thread per rank keeps ranks from oversubscribing them.
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     out = Path(out_dir) / f"rank{rank}.pkl"
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         result = fn(rank, world, *args)
         # Test results cross the process boundary here; no request data from outside is involved.
         out.write_bytes(pickle.dumps(("ok", result)))
@@ -37,11 +40,11 @@ def _entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> N
             dist.destroy_process_group()
 
 
-def run_world(fn, world: int, *args) -> list:
+def run_world(fn, world: int, *args, backend: str = "gloo") -> list:
     """Calls ``fn(rank, world, *args)`` on ``world`` spawned processes; returns their results by rank."""
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.spawn(_entry, args=(world, free_port(), fn, args, out_dir), nprocs=world, join=True)
+            mp.spawn(_entry, args=(world, free_port(), backend, fn, args, out_dir), nprocs=world, join=True)
         except Exception:
             pass  # the per-rank tracebacks below say more than spawn's summary
         results = []

@@ -68,15 +68,29 @@ def _rows(vocab: int, sp: int, with_boundaries: bool) -> dict[str, list[Sequence
     return rows
 
 
-def run_parity(rank: int, world: int, checkpoints: dict[str, str], layouts: list[tuple[int, bool]], boundaries_for: list[int]):
+def run_parity(
+    rank: int,
+    world: int,
+    checkpoints: dict[str, str],
+    layouts: list[tuple[int, bool]],
+    boundaries_for: list[int],
+    device_type: str = "cpu",
+):
     """For every checkpoint and every ``(sp, fsdp)`` layout: scores rows and compares with one process.
+
+    On "cuda" each rank uses ``cuda:<rank>`` with float32 and whatever kernels are installed.
 
     Under ``dp > 1`` the groups take different rows and their count differs, so the group that
     runs out first runs idle steps: FSDP's all-gathers must stay in lockstep across groups.
     """
     out = {}
+    device = "cpu" if device_type == "cpu" else f"cuda:{rank}"
+    load = dict(device=device, dtype="float32", allow_slow_kernels=True)
+    if device_type == "cuda":
+        # float32 keeps layouts comparable tightly; the varlen kernel takes only 16-bit inputs.
+        load["kernel_overrides"] = {"attention": "sdpa"}
     for kind, path in checkpoints.items():
-        reference = Scorer(load_model(path, device="cpu"))
+        reference = Scorer(load_model(path, **load))
         if rank == 0:
             # Baseline: how far one process moves when the same sequences are scored one by one.
             for name, seqs in _rows(reference.loaded.vocab_size, 2, True).items():
@@ -84,8 +98,8 @@ def run_parity(rank: int, world: int, checkpoints: dict[str, str], layouts: list
                 out[(kind, "alone", name)] = max_diffs(alone, reference.score_row(seqs))
         for sp, fsdp in layouts:
             dims = ParallelDims.from_world(world, sp=sp, fsdp=fsdp)
-            mesh = dims.build_mesh("cpu")
-            loaded = load_model(path, device="cpu")
+            mesh = dims.build_mesh(device_type)
+            loaded = load_model(path, **load)
             parallelize(loaded.model, dims=dims, mesh=mesh)
             runner = ParallelScorer(loaded, dims=dims, mesh=mesh, rank=rank)
             rows = _rows(reference.loaded.vocab_size, sp, sp in boundaries_for)

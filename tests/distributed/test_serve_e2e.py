@@ -22,7 +22,12 @@ from model_runtime.loading import load_model
 from model_runtime.scorer import Scorer, SequenceInput
 from tests.distributed.harness import free_port
 
-TOL = 1e-5
+TOL = {"logprobs": 1e-5, "entropy": 1e-4}
+# Entropy gets DESIGN.md's packed-vs-alone bound (float32 CPU) rather than 1e-5: the server packs
+# sequences of concurrent requests into shared rows as they arrive, and in one process the head's
+# float32 entropy of a sequence already moves by up to 9.5e-6 with the row it shares (measured on
+# the tiny preset, 5 random rows, alone vs packed), before any sharding. Log-probabilities moved
+# by at most 1.9e-6 in the same measurement and keep 1e-5.
 LAYOUT = {"world_size": 2, "dp": 1, "sp": 2, "fsdp": True}
 
 
@@ -114,7 +119,7 @@ def _check_scores(response: httpx.Response, body: dict, reference: Scorer) -> No
         assert got["id"] == seq["id"]
         for name in ("logprobs", "entropy"):
             diff = float(np.max(np.abs(np.array(got[name], dtype=np.float64) - getattr(ref, name)), initial=0.0))
-            assert diff <= TOL, f"{seq['id']} {name}: max |diff| {diff:.3e} > tol {TOL:.0e}"
+            assert diff <= TOL[name], f"{seq['id']} {name}: max |diff| {diff:.3e} > tol {TOL[name]:.0e}"
         np.testing.assert_array_equal(np.array(got["top_k_ids"]).reshape(ref.top_k_ids.shape), ref.top_k_ids)
 
 
