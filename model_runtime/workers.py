@@ -3,7 +3,8 @@
 Layout: ``dp = world_size / sp`` data-parallel groups of ``sp`` ranks (see
 ``model_runtime.parallel``). One process per GPU on CUDA (NCCL), or CPU processes joined by gloo
 with ``device="cpu"``. The HTTP process talks to each worker over two pipes carrying msgpack
-frames with raw numpy buffers (``model_runtime.messages``); nothing is pickled.
+frames with raw numpy buffers (``model_runtime.messages``); nothing is pickled. The processes
+themselves are launched and stopped by ``model_runtime.worker_procs``.
 
 Scheduling:
 - without FSDP the groups are independent: ``score_row`` sends the row to the group with the
@@ -24,17 +25,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import queue
-import socket
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from multiprocessing import Pipe
-from multiprocessing.connection import Connection, wait
-from pathlib import Path
+from multiprocessing.connection import wait
 from typing import Sequence
 
 import numpy as np
@@ -45,16 +41,9 @@ from model_runtime.backend import BackendUnavailableError, ModelInfo
 from model_runtime.head import MAX_TOP_K, HeadOutput
 from model_runtime.parallel.dims import ParallelDims
 from model_runtime.scorer import InvalidSequenceError, SequenceInput, SequenceScores, split_results, validate_sequence
+from model_runtime.worker_procs import WorkerWorld
 
 log = logging.getLogger(__name__)
-
-_REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _device_type(device) -> str:
@@ -84,86 +73,6 @@ class _Pending:
         if not self.done.is_set():
             self.reply, self.error = reply, error
             self.done.set()
-
-
-class _World:
-    """One generation of worker processes and their pipes."""
-
-    def __init__(self, generation: int, dims: ParallelDims, start_fields: dict):
-        self.generation = generation
-        self.dims = dims
-        self.failed = False
-        self.procs: list[subprocess.Popen] = []
-        self.commands: list[Connection] = []
-        self.replies: list[Connection] = []
-        self.send_locks = [threading.Lock() for _ in range(dims.world_size)]
-        try:
-            self._launch(start_fields)
-        except BaseException:
-            self.stop(graceful=False)
-            raise
-
-    def _launch(self, start_fields: dict) -> None:
-        port = _free_port()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH")) if p)
-        for rank in range(self.dims.world_size):
-            cmd_recv, cmd_send = Pipe(duplex=False)
-            rep_recv, rep_send = Pipe(duplex=False)
-            child_fds = (cmd_recv.fileno(), rep_send.fileno())
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "model_runtime.worker_main", "--recv-fd", str(child_fds[0]), "--send-fd", str(child_fds[1])],
-                pass_fds=child_fds,
-                env=env,
-            )
-            # The child holds its own copies; closing ours lets a dead child's pipe read as EOF.
-            cmd_recv.close()
-            rep_send.close()
-            self.procs.append(proc)
-            self.commands.append(cmd_send)
-            self.replies.append(rep_recv)
-            start = msg.Start(rank=rank, generation=self.generation, master_port=port, **start_fields)
-            cmd_send.send_bytes(msg.encode(start))
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
-
-    def send(self, rank: int, frame: bytes) -> None:
-        with self.send_locks[rank]:
-            self.commands[rank].send_bytes(frame)
-
-    def send_group(self, group: int, frame: bytes) -> None:
-        for rank in self.dims.ranks_of_group(group):
-            self.send(rank, frame)
-
-    def all_running(self) -> bool:
-        return all(p.poll() is None for p in self.procs)
-
-    def stop(self, graceful: bool) -> None:
-        """Shuts the processes down (politely first when ``graceful``) and closes the pipes."""
-        if graceful:
-            for rank in range(len(self.procs)):
-                try:
-                    self.send(rank, msg.encode(msg.Shutdown()))
-                except OSError:
-                    pass
-            deadline = time.monotonic() + 10.0
-            for p in self.procs:
-                try:
-                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()  # our own child, by its Popen handle
-        for p in self.procs:
-            try:
-                p.wait(timeout=10.0)
-            except subprocess.TimeoutExpired:
-                log.error("worker pid %d did not exit after SIGKILL", p.pid)
-        for conn in self.commands + self.replies:
-            conn.close()
 
 
 class WorkerPool:
@@ -199,7 +108,7 @@ class WorkerPool:
         self._lane_cost = [0.0] * self.dims.dp  # estimated cost of the rows each group has in flight
         self._rows_done = [0] * self.dims.dp  # rows sent to each group (balance, for tests and logs)
         self._steps: queue.Queue = queue.Queue()
-        self._world: _World | None = None
+        self._world: WorkerWorld | None = None
         self._alive = False
         self._closing = False
         self._restarts = 0
@@ -246,22 +155,7 @@ class WorkerPool:
                 [SequenceInput(rng.integers(0, self._vocab_size, 64), top_k=MAX_TOP_K) for _ in range(max(1, budget // 64))],
             ]
         for row in rows:
-            # dp concurrent copies: the least-cost routing (or a lockstep step) gives each group one.
-            errors: list[BaseException] = []
-
-            def one(row=row):
-                try:
-                    self._run(row)
-                except BaseException as error:
-                    errors.append(error)
-
-            threads = [threading.Thread(target=one, name="pool-warm-up") for _ in range(self.dims.dp)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            if errors:
-                raise errors[0]
+            self._run_on_every_group(row)
 
     def is_alive(self) -> bool:
         world = self._world
@@ -308,7 +202,7 @@ class WorkerPool:
 
     def _start_world(self) -> list[msg.Hello]:
         self._generation += 1
-        world = _World(self._generation, self.dims, self._start_fields)
+        world = WorkerWorld(self._generation, self.dims, self._start_fields)
         hellos: dict[int, msg.Hello] = {}
         deadline = time.monotonic() + self.start_timeout_s
         try:
@@ -321,7 +215,9 @@ class WorkerPool:
                     except (EOFError, OSError):
                         raise BackendUnavailableError(f"worker rank {rank} exited while starting") from None
                     if isinstance(reply, msg.Failure):
-                        raise BackendUnavailableError(f"worker rank {rank} failed to start: {reply.message}")
+                        # A layout the model cannot take (heads vs sp) is a configuration error.
+                        kind = ValueError if reply.kind == "invalid" else BackendUnavailableError
+                        raise kind(f"worker rank {rank} failed to start: {reply.message}")
                     hellos[rank] = reply
                 if time.monotonic() > deadline:
                     raise BackendUnavailableError(f"workers did not start within {self.start_timeout_s:.0f}s")
@@ -359,7 +255,7 @@ class WorkerPool:
                 time.sleep(delay)
                 delay = min(30.0, delay * 2)
 
-    def _on_world_failure(self, world: _World, reason: str) -> None:
+    def _on_world_failure(self, world: WorkerWorld, reason: str) -> None:
         with self._lock:
             if world.failed:
                 return
@@ -379,7 +275,7 @@ class WorkerPool:
 
     # Replies.
 
-    def _read_loop(self, world: _World) -> None:
+    def _read_loop(self, world: WorkerWorld) -> None:
         """Delivers leader replies; turns a closed pipe, an exited process or a stuck row into a failure."""
         while not world.failed and not self._closing:
             try:
@@ -412,7 +308,7 @@ class WorkerPool:
                 self._on_world_failure(world, f"rows {late} took longer than {self.request_timeout_s:.0f}s")
                 return
 
-    def _deliver(self, world: _World, rank: int, reply) -> None:
+    def _deliver(self, world: WorkerWorld, rank: int, reply) -> None:
         with self._lock:
             pending = self._pending.get(getattr(reply, "request_id", -1))
         if isinstance(reply, msg.RowResult) and pending is not None:
@@ -428,7 +324,7 @@ class WorkerPool:
 
     # Dispatch.
 
-    def _new_pending(self, world: _World) -> _Pending:
+    def _new_pending(self, world: WorkerWorld) -> _Pending:
         with self._lock:
             p = _Pending(next(self._ids), world.generation, time.monotonic() + self.request_timeout_s)
             self._pending[p.request_id] = p
@@ -449,23 +345,39 @@ class WorkerPool:
 
     def _run(self, sequences: Sequence[SequenceInput]) -> list[SequenceScores]:
         if self.dims.lockstep:
-            ticket: queue.Queue = queue.Queue(maxsize=1)
-            self._steps.put((sequences, ticket))
-            outcome = ticket.get()
-            if isinstance(outcome, BaseException):
-                raise outcome
-            reply = outcome
-        else:
-            reply = self._run_on_free_group(sequences)
-        return _split(sequences, reply)
+            return self._run_in_steps([sequences])[0]
+        return _split(sequences, self._run_on_group(sequences, None))
 
-    def _run_on_free_group(self, sequences: Sequence[SequenceInput]) -> msg.RowResult:
+    def _run_on_every_group(self, sequences: Sequence[SequenceInput]) -> None:
+        """Scores ``sequences`` once on each group (warm-up and the pass after a restart)."""
+        if self.dims.lockstep:
+            self._run_in_steps([sequences] * self.dims.dp)
+            return
+        errors: list[BaseException] = []
+
+        def one(group: int) -> None:
+            try:
+                _split(sequences, self._run_on_group(sequences, group))
+            except BaseException as error:
+                errors.append(error)
+
+        threads = [threading.Thread(target=one, args=(g,), name=f"pool-warm-up-{g}") for g in range(self.dims.dp)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    def _run_on_group(self, sequences: Sequence[SequenceInput], group: int | None) -> msg.RowResult:
+        """Sends a row to ``group``, or (None) to the group with the least in-flight estimated cost."""
         world = self._world
         if world is None or world.failed:
             raise BackendUnavailableError("the worker pool is restarting after a worker failure")
         cost = self.row_cost([s.length for s in sequences])
         with self._lock:
-            group = min(range(self.dims.dp), key=lambda g: self._lane_cost[g])
+            if group is None:
+                group = min(range(self.dims.dp), key=lambda g: self._lane_cost[g])
             self._lane_cost[group] += cost
             self._rows_done[group] += 1
         try:
@@ -479,30 +391,48 @@ class WorkerPool:
             with self._lock:
                 self._lane_cost[group] -= cost
 
+    def _run_in_steps(self, rows: list[Sequence[SequenceInput]]) -> list[list[SequenceScores]]:
+        """Lockstep: hands ``rows`` (at most dp, kept in one step) to the stepper and waits."""
+        tickets = [queue.Queue(maxsize=1) for _ in rows]
+        self._steps.put(list(zip(rows, tickets)))
+        results = []
+        for row, ticket in zip(rows, tickets):
+            outcome = ticket.get()
+            if isinstance(outcome, BaseException):
+                raise outcome
+            results.append(_split(row, outcome))
+        return results
+
     def _step_loop(self) -> None:
-        """FSDP lockstep: every step gives every group a row or a dummy, then waits for all replies."""
+        """FSDP lockstep: every step gives every group a row or a dummy, then waits for all replies.
+
+        Queue items are bundles of ``(row, ticket)`` that must share a step; rows join a step in
+        arrival order until every group has one. This thread alone sends steps, so every rank
+        sees them, and their collectives, in one order.
+        """
+        held = None  # a bundle that did not fit the previous step
         while not self._closing:
-            item = self._steps.get()
-            if item is None:
+            bundle = held if held is not None else self._steps.get()
+            held = None
+            if bundle is None:
                 break
-            batch = [item]
+            batch = list(bundle)
             while len(batch) < self.dims.dp:
                 try:
                     extra = self._steps.get_nowait()
                 except queue.Empty:
                     break
                 if extra is None:
-                    self._steps.put(None)  # seen by the outer loop after this step
+                    self._steps.put(None)  # shutting down: seen once this step is done
                     break
-                batch.append(extra)
+                if len(batch) + len(extra) > self.dims.dp:
+                    held = extra
+                    break
+                batch.extend(extra)
             self._run_step(batch)
-        while True:  # fail whatever is still queued at shutdown
-            try:
-                item = self._steps.get_nowait()
-            except queue.Empty:
-                return
-            if item is not None:
-                item[1].put(BackendUnavailableError("the worker pool is shutting down"))
+        for bundle in [held] + _drain(self._steps):  # fail whatever is still queued at shutdown
+            for _, ticket in bundle or ():
+                ticket.put(BackendUnavailableError("the worker pool is shutting down"))
 
     def _run_step(self, batch: list) -> None:
         world = self._world
@@ -529,6 +459,15 @@ class WorkerPool:
                 outcome = error
             if group < len(batch):
                 batch[group][1].put(outcome)
+
+
+def _drain(q: queue.Queue) -> list:
+    items = []
+    while True:
+        try:
+            items.append(q.get_nowait())
+        except queue.Empty:
+            return items
 
 
 def _error_for(failure: msg.Failure) -> BaseException:

@@ -59,7 +59,10 @@ class ParallelScorer:
         head, top_k = self.score_row_flat(sequences)
         return split_results(sequences, head, top_k)
 
-    @torch.inference_mode()
+    # no_grad rather than inference_mode: FSDP's unshard bumps version counters of its
+    # parameter buffers, which tensors made under inference_mode do not have (it fails outright
+    # on a world of one rank).
+    @torch.no_grad()
     def score_row_flat(self, sequences: Sequence[SequenceInput]) -> tuple[HeadOutput, int]:
         """The whole row's head output (CPU tensors, in row order) and its top-k width."""
         S, device = self.dims.sp, self.loaded.device
@@ -89,7 +92,7 @@ class ParallelScorer:
             head = self._gather(head, np.diff(bounds).tolist(), plan.top_k)
         return _to_cpu(head), plan.top_k
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def idle_step(self) -> None:
         """A forward over a dummy row for a group without work, so FSDP's all-gathers stay in lockstep.
 

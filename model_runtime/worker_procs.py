@@ -1,0 +1,114 @@
+"""One generation of the pool's worker processes: launching them, their pipes, stopping them.
+
+Each rank is ``python -m model_runtime.worker_main`` with two inherited pipe descriptors: the
+pool writes commands into one and reads replies from the other (``model_runtime.messages``
+frames). The pool keeps no other handle on a worker than its ``Popen`` and these pipes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from model_runtime import messages as msg
+from model_runtime.parallel.dims import ParallelDims
+
+log = logging.getLogger(__name__)
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    """A loopback port free right now. Another process may take it before rank 0 binds its
+    rendezvous store; that start then fails and the pool's restart picks a new port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerWorld:
+    """One generation of worker processes and their pipes."""
+
+    def __init__(self, generation: int, dims: ParallelDims, start_fields: dict):
+        self.generation = generation
+        self.dims = dims
+        self.failed = False  # set once: by a failure, or by close() before it stops the processes
+        self.procs: list[subprocess.Popen] = []
+        self.commands: list[Connection] = []
+        self.replies: list[Connection] = []
+        self.send_locks = [threading.Lock() for _ in range(dims.world_size)]
+        try:
+            self._launch(start_fields)
+        except BaseException:
+            self.stop(graceful=False)
+            raise
+
+    def _launch(self, start_fields: dict) -> None:
+        port = _free_port()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH")) if p)
+        for rank in range(self.dims.world_size):
+            cmd_recv, cmd_send = Pipe(duplex=False)
+            rep_recv, rep_send = Pipe(duplex=False)
+            child_fds = (cmd_recv.fileno(), rep_send.fileno())
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "model_runtime.worker_main", "--recv-fd", str(child_fds[0]), "--send-fd", str(child_fds[1])],
+                pass_fds=child_fds,
+                env=env,
+            )
+            # The child holds its own copies; closing ours lets a dead child's pipe read as EOF.
+            cmd_recv.close()
+            rep_send.close()
+            self.procs.append(proc)
+            self.commands.append(cmd_send)
+            self.replies.append(rep_recv)
+            start = msg.Start(rank=rank, generation=self.generation, master_port=port, **start_fields)
+            cmd_send.send_bytes(msg.encode(start))
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def send(self, rank: int, frame: bytes) -> None:
+        with self.send_locks[rank]:
+            self.commands[rank].send_bytes(frame)
+
+    def send_group(self, group: int, frame: bytes) -> None:
+        for rank in self.dims.ranks_of_group(group):
+            self.send(rank, frame)
+
+    def all_running(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def stop(self, graceful: bool) -> None:
+        """Shuts the processes down (politely first when ``graceful``) and closes the pipes."""
+        if graceful:
+            for rank in range(len(self.procs)):
+                try:
+                    self.send(rank, msg.encode(msg.Shutdown()))
+                except OSError:
+                    pass
+            deadline = time.monotonic() + 10.0
+            for p in self.procs:
+                try:
+                    p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()  # our own child, by its Popen handle
+        for p in self.procs:
+            try:
+                p.wait(timeout=10.0)
+            except subprocess.TimeoutExpired:
+                log.error("worker pid %d did not exit after SIGKILL", p.pid)
+        for conn in self.commands + self.replies:
+            conn.close()
