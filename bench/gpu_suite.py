@@ -525,10 +525,13 @@ def main():
         suite.results["restart_warm"] = suite.phase("restart warm-up (warm cache)", lambda: restart_probe(
             suite, "qwen3.5-9b", 65536), 50)
     elif args.mode == "tests":
+        from bench import diagnose
+
+        suite.results["head_memory"] = suite.phase("head memory at 64k", diagnose.head_memory, 20)
+        suite.results["depth_noise"] = suite.phase("bf16 drift with depth", diagnose.depth_noise, 40)
+        suite.results["moe_block"] = suite.phase("35B-A3B MoE block vs float32", diagnose.moe_block, 20)
         suite.results["gpu_tests"] = suite.phase("GPU tests", lambda: run_tests(suite, False), 60)
-        suite.phase("benchmark qwen3.5-35b-a3b (64 sequences)", lambda: run_benchmark(
-            suite, "qwen3.5-35b-a3b", 64, hf_single=False, max_batch_tokens=65536, key="qwen3.5-35b-a3b",
-            extras=False), 150)
+        suite.results["subset_timing"] = suite.phase("three forms on 64 sequences", diagnose.subset_timing, 80)
     else:
         suite.results["moe_experts"] = suite.phase("35B-A3B experts grouped_mm vs eager", lambda: moe_experts(None, 16384), 60)
         for preset in ("qwen3.5-35b-a3b", "qwen3.5-27b"):

@@ -118,7 +118,7 @@ def score_single(hf_model: nn.Module, sequences, device) -> list[tuple[torch.Ten
     out = []
     for seq in sequences:
         ids = torch.as_tensor(np.asarray(seq.input_ids), dtype=torch.long, device=device)[None]
-        logits = hf_model(input_ids=ids).logits
+        logits = hf_model(input_ids=ids, use_cache=False).logits
         logprobs, entropy = _token_scores(logits, ids, seq.score_from, seq.length)
         del logits
         out.append((logprobs[0], entropy[0]))
@@ -153,7 +153,7 @@ def score_padded(hf_model: nn.Module, sequences, device, token_budget: int):
             ids[row, : lengths[i]] = torch.as_tensor(np.asarray(sequences[i].input_ids))
             mask[row, : lengths[i]] = 1
         ids, mask = ids.to(device), mask.to(device)
-        logits = hf_model(input_ids=ids, attention_mask=mask).logits
+        logits = hf_model(input_ids=ids, attention_mask=mask, use_cache=False).logits
         first = min(sequences[i].score_from for i in batch)
         logprobs, entropy = _token_scores(logits, ids, first, longest)
         del logits

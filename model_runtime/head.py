@@ -93,6 +93,8 @@ def score_positions(
         del h_CD
         if logprob_fn is not None and not top_k:
             logprobs[start:end], entropy[start:end] = logprob_fn(z_CV, targets_N[start:end], temperature_N[start:end])
+            # Released before the next chunk's product, or two chunks of logits would coexist.
+            del z_CV
             continue
         logp_CV = z_CV.float()
         del z_CV

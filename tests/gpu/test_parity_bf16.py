@@ -33,7 +33,7 @@ def make_batch(vocab: int, seed: int, temperature: float):
 @torch.inference_mode()
 def hf_alone(hf_model, seq: SequenceInput):
     ids = torch.as_tensor(seq.input_ids, dtype=torch.long, device="cuda")[None]
-    logits = hf_model(input_ids=ids).logits[0].float() / seq.temperature
+    logits = hf_model(input_ids=ids, use_cache=False).logits[0].float() / seq.temperature
     logp = torch.log_softmax(logits, dim=-1)[seq.score_from - 1 : seq.length - 1]
     targets = ids[0, seq.score_from :]
     return (
