@@ -36,6 +36,7 @@ SCORE_ROUTES = ("/score", "/v1/score")
 _OPEN_ROUTES = frozenset({"/healthz", "/readyz"})  # no API key: probes must work without secrets
 _SERVED_WHILE_DRAINING = _OPEN_ROUTES | {"/metrics"}
 _ROUTE_LABELS = frozenset({*SCORE_ROUTES, "/healthz", "/readyz", "/metrics", "/v1/models", "/docs", "/openapi.json"})
+_DAY_MS = 86_400_000
 _CLIENT_CLOSED = 499  # nginx's convention for "the client went away before the answer"
 
 _BIN = {"type": "string", "format": "binary"}
@@ -277,7 +278,11 @@ async def _score(request: Request, service: Service) -> Response:
         raise
     if service.phase != "ready":  # SIGTERM while the body was being read
         raise _not_ready(service)
-    deadline = time.monotonic() + job.deadline_ms / 1000.0 if job.deadline_ms is not None else None
+    if not service.backend.is_alive():  # a worker died: answer now instead of failing in the queue
+        raise ApiError(503, "backend_unavailable", "A scoring worker is down; retry shortly.",
+                       headers={"Retry-After": "5"})
+    # Capped at a day: an unbounded integer must not overflow the clock arithmetic.
+    deadline = time.monotonic() + min(job.deadline_ms, _DAY_MS) / 1000.0 if job.deadline_ms is not None else None
     ticket = scheduler.submit(job.sequences, deadline=deadline)
     service.inflight += 1
     try:

@@ -189,14 +189,16 @@ class Service:
         assert self.scheduler is not None and self.backend is not None
         vocab = self.backend.info.vocab_size
         seq = SequenceInput(np.arange(_PROBE_LENGTH, dtype=np.int64) % vocab)
-        ticket = self.scheduler.submit([seq], probe=True)
+        ticket = None
         try:
+            ticket = self.scheduler.submit([seq], probe=True)
             scores = await asyncio.wait_for(asyncio.shield(ticket.future), _PROBE_TIMEOUT_S)
             ok = bool(np.all(np.isfinite(scores[0].logprobs)))
             if not ok:
                 log.error("readiness pass returned non-finite log-probabilities")
         except (ApiError, TimeoutError) as exc:
-            self.scheduler.cancel(ticket)
+            if ticket is not None:
+                self.scheduler.cancel(ticket)
             log.error("readiness pass failed: %s", exc)
             ok = False
         self._probe_ok = ok

@@ -61,7 +61,10 @@ def run_server(app: FastAPI, settings: Settings) -> int:
         access_log=settings.log_level == "debug",  # one line per request costs CPU under load
         timeout_graceful_shutdown=5,
     )
-    DrainingServer(config, service).run()
+    try:
+        DrainingServer(config, service).run()
+    except KeyboardInterrupt:  # SIGINT: uvicorn shut down gracefully, then re-raised it
+        return 130
     if service.fatal_error:
         print(f"packscore: error: could not start: {service.fatal_error}", file=sys.stderr)
         return 1

@@ -137,11 +137,13 @@ def test_backend_unavailable_answers_503_with_retry_after_and_readiness_drops():
             not_ready = await client.get("/readyz")
             backend.alive = False
             worker_down = await client.get("/readyz")
+            refused = await client.post("/score", json={"sequences": [{"input_ids": [1, 2, 3]}]})
             backend.unavailable, backend.alive = False, True
             ready_again = await client.get("/readyz")
-            return response, elapsed, not_ready, worker_down, ready_again
+            return response, elapsed, not_ready, worker_down, ready_again, refused
 
-    response, elapsed, not_ready, worker_down, ready_again = asyncio.run(main())
+    response, elapsed, not_ready, worker_down, ready_again, refused = asyncio.run(main())
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "backend_unavailable"
     assert response.status_code == 503 and elapsed < 5
     assert response.json()["error"]["type"] == "backend_unavailable"
     assert int(response.headers["retry-after"]) >= 1
@@ -283,3 +285,12 @@ def test_msgpack_requests_go_through_the_same_scheduler():
     result = msgpack.unpackb(response.content)["results"][0]
     want = expected_scores(SequenceInput(np.arange(1, 9), score_from=3))
     np.testing.assert_array_equal(np.frombuffer(result["logprobs"], "<f4"), want.logprobs)
+
+
+def test_a_huge_deadline_is_just_a_long_one():
+    async def main():
+        app = create_app(Settings(), FakeBackend())
+        async with running_app(app) as client:
+            return await client.post("/score", json={"sequences": [{"input_ids": [1, 2]}], "deadline_ms": 10**15})
+
+    assert asyncio.run(main()).status_code == 200

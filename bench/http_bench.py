@@ -1,0 +1,209 @@
+"""End-to-end tokens/s through HTTP at saturation versus the in-process scorer, and the cost of
+JSON versus msgpack for 100k scored tokens.
+
+    .venv/bin/python bench/http_bench.py                       # tiny model, CPU, a few minutes
+    .venv/bin/python bench/http_bench.py --model qwen3.5-9b --max-batch-tokens 32768  # on a GPU
+
+Throughput: the same GRPO-style workload (bench/workload.py, shortened for the CPU by default)
+is scored (a) in this process by ``Scorer.score`` and (b) through a real ``packscore serve``
+process by ``AsyncScoreClient`` (msgpack) with enough concurrent requests to keep the admission
+queue non-empty. Each mode runs ``--repeats`` times, alternating, and the best run of each
+counts (the machine may be shared). The ratio (b) / (a) is the HTTP efficiency; the target is
+at least 0.9.
+
+Encodings: a response holding 100k scored positions (logprobs + entropy) and the matching
+request are encoded and decoded by the server's and the client's own code paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.workload import WorkloadSpec, describe, grpo_workload  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def in_process_tokens_per_s(scorer, sequences) -> float:
+    started = time.perf_counter()
+    scorer.score(sequences)
+    return sum(s.length for s in sequences) / (time.perf_counter() - started)
+
+
+async def _http_run(url: str, sequences, per_request: int, concurrency: int) -> float:
+    from service.client import AsyncScoreClient
+
+    payload = [{"input_ids": s.input_ids, "score_from": s.score_from} for s in sequences]
+    parts = [payload[i : i + per_request] for i in range(0, len(payload), per_request)]
+    next_part = iter(range(len(parts)))
+    async with AsyncScoreClient(url, max_concurrency=1, timeout_s=3600) as client:
+        await client.score(payload[:1])  # limits discovered, connection open
+
+        async def worker():
+            for i in next_part:
+                await client.score(parts[i], return_entropy=True)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    return sum(s.length for s in sequences) / elapsed
+
+
+class Server:
+    def __init__(self, args):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port), "--model", args.model,
+                   "--max-batch-tokens", str(args.max_batch_tokens), "--max-wait-ms", str(args.max_wait_ms),
+                   "--log-level", "warning"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PACKSCORE_")}
+        self.proc = subprocess.Popen(command, cwd=REPO, env=env)
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("server not ready")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=120)
+
+
+def encoding_costs(scored_tokens: int = 100_000, sequence_length: int = 1000, repeats: int = 5) -> dict:
+    """Milliseconds per step for JSON and msgpack (best of ``repeats``), and bytes on the wire."""
+    import httpx
+
+    from model_runtime.scorer import SequenceInput
+    from service.client import _as_seq, _Protocol
+    from service.encoding import decode_body, encode_score_response
+    from service.validation import Limits, parse_score_request
+
+    rng = np.random.default_rng(0)
+    n = scored_tokens // sequence_length
+    results = [
+        {"id": f"s{i}", "logprobs": -rng.random(sequence_length, dtype=np.float32) * 10,
+         "entropy": rng.random(sequence_length, dtype=np.float32) * 5}
+        for i in range(n)
+    ]
+    body = {"model": "m", "weights_version": "v", "results": results,
+            "usage": {"input_tokens": n * (sequence_length + 1), "scored_tokens": scored_tokens}}
+    sequences = [SequenceInput(rng.integers(0, 248_320, sequence_length + 1)) for _ in range(n)]
+    limits = Limits(248_320, 1 << 20, 1 << 20, 1 << 30, 1 << 30)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times) * 1000
+
+    out = {}
+    for encoding, media in (("json", "application/json"), ("msgpack", "application/msgpack")):
+        protocol = _Protocol("http://x", None, encoding, 1.0, None, None, None)
+        seqs = [_as_seq({"input_ids": s.input_ids}) for s in sequences]
+        request = protocol.body(seqs, {"temperature": 1.0, "return_entropy": True, "top_k": 0})
+        response_bytes = encode_score_response(body, encoding)
+        response = httpx.Response(200, content=response_bytes, headers={"content-type": media})
+        out[encoding] = {
+            "request encode (client)": best(lambda: protocol.body(seqs, {"temperature": 1.0})),
+            "request decode + validate (server)": best(
+                lambda: parse_score_request(decode_body(request, encoding), limits, "m")),
+            "response encode (server)": best(lambda: encode_score_response(body, encoding)),
+            "response decode (client)": best(lambda: protocol.parse(response, 0)),
+            "request bytes": len(request),
+            "response bytes": len(response_bytes),
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--max-batch-tokens", type=int, default=8192)
+    parser.add_argument("--max-wait-ms", type=float, default=5.0)
+    parser.add_argument("--sequences", type=int, default=48, help="workload size (a multiple of 8)")
+    parser.add_argument("--prompt-median", type=float, default=150.0)
+    parser.add_argument("--response-median", type=float, default=350.0)
+    parser.add_argument("--per-request", type=int, default=8, help="sequences per HTTP request")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    parser.add_argument("--repeats", type=int, default=5, help="alternating runs of each mode; the best counts")
+    args = parser.parse_args()
+
+    import torch
+
+    from model_runtime.loading import load_model
+    from model_runtime.scorer import Scorer
+
+    loaded = load_model(args.model)
+    spec = WorkloadSpec(num_sequences=args.sequences, prompt_median=args.prompt_median,
+                        response_median=args.response_median, prompt_clip=(16, 2048), response_clip=(16, 4096))
+    sequences = grpo_workload(loaded.vocab_size, spec)
+    info = describe(sequences)
+    scorer = Scorer(loaded, max_batch_tokens=args.max_batch_tokens)
+    scorer.warm_up()
+    scorer.score(sequences[:8])
+
+    server = Server(args)
+    try:
+        server.wait_ready()
+        local, http = [], []
+        for _ in range(args.repeats):
+            local.append(in_process_tokens_per_s(scorer, sequences))
+            http.append(asyncio.run(_http_run(server.url, sequences, args.per_request, args.concurrency)))
+    finally:
+        server.stop()
+    costs = encoding_costs()
+
+    print(f"\nmodel {args.model} on {loaded.device} ({loaded.dtype_name}), torch threads {torch.get_num_threads()}, "
+          f"max_batch_tokens {args.max_batch_tokens}")
+    print(f"workload: {info['sequences']} sequences, {info['tokens']} tokens (median {info['median_length']:.0f}, "
+          f"max {info['max_length']}), {info['scored_tokens']} scored; HTTP: {args.per_request} sequences per "
+          f"request, {args.concurrency} in flight, msgpack\n")
+    print("| path | tokens/s (best of %d) | runs |" % args.repeats)
+    print("| --- | --- | --- |")
+    print(f"| in-process `Scorer.score` | {max(local):,.0f} | {', '.join(f'{v:,.0f}' for v in local)} |")
+    print(f"| HTTP, `AsyncScoreClient` | {max(http):,.0f} | {', '.join(f'{v:,.0f}' for v in http)} |")
+    print(f"| **ratio HTTP / in-process** | **{max(http) / max(local):.3f}** | |\n")
+    print("| 100k scored tokens (1k per sequence, entropy on) | JSON | msgpack |")
+    print("| --- | --- | --- |")
+    for key in costs["json"]:
+        j, m = costs["json"][key], costs["msgpack"][key]
+        if key.endswith("bytes"):
+            print(f"| {key} | {j / 1e6:.2f} MB | {m / 1e6:.2f} MB |")
+        else:
+            print(f"| {key} | {j:.1f} ms | {m:.1f} ms |")
+    total = {e: sum(v for k, v in costs[e].items() if not k.endswith("bytes")) for e in costs}
+    print(f"| **total** | **{total['json']:.1f} ms** | **{total['msgpack']:.1f} ms** |")
+
+
+if __name__ == "__main__":
+    main()
