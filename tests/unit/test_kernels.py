@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_runtime.kernels import KernelBackends, SlowKernelError, select_backends
+from model_runtime.kernels import FAMILIES, KernelBackends, SlowKernelError, select_backends
 from model_runtime.kernels.attention import causal_attention_reference, causal_attention_sdpa
 from model_runtime.kernels.conv import causal_conv1d_reference
 from model_runtime.kernels.linear_attention import gated_delta_rule_reference
@@ -91,14 +91,18 @@ def test_delta_rule_state_resets_at_boundaries():
 
 
 def test_cpu_uses_references_and_cuda_refuses_missing_fast_kernels(monkeypatch):
-    assert select_backends("cpu").names == {"linear_attention": "reference", "conv1d": "reference", "attention": "reference"}
+    cpu = select_backends("cpu").names
+    assert {f: cpu[f] for f in ("linear_attention", "conv1d", "attention")} == dict.fromkeys(
+        ("linear_attention", "conv1d", "attention"), "reference"
+    )
+    assert cpu["head"] == "torch" and cpu["elementwise"] == "eager"
     import model_runtime.kernels as kernels
 
-    monkeypatch.setattr(kernels, "_available", lambda family, name: False)
+    monkeypatch.setattr(kernels, "_unavailable_reason", lambda family, name: "not installed (test)")
     with pytest.raises(SlowKernelError, match="--allow-slow-kernels"):
         select_backends("cuda")
     slow = select_backends("cuda", allow_slow=True)
-    assert slow.fallbacks == ("linear_attention", "conv1d", "attention")
+    assert slow.fallbacks == FAMILIES
 
 
 def test_unknown_backend_is_refused():
