@@ -4,6 +4,15 @@ Hugging Face model run on each sequence alone (same dtype, Hugging Face using fl
 Covers the four checkpoint kinds of tests/checkpoints.py and a 4-layer slice of the
 Qwen3.5-9B shape (three GDN layers and one full-attention layer at full width, the real
 248,320-token vocabulary). Target from DESIGN.md: mean |difference| <= 2e-3.
+
+Measured on the H200 (2026-11-29, fla 0.6.0, transformers 5.17.0): entropy meets it everywhere
+(mean 2.5e-4 .. 1.3e-3); log-probabilities do not (mean 1.5e-2 .. 3.7e-2 on the tiny kinds,
+2.2e-2 on the 9B slice). With these random weights the logits are about N(0, 1.3^2), so one
+bf16 rounding step of the target's logit is 0.008 to 0.016: log-probs of single tokens see
+every ulp-level difference of the hidden states, entropies average them out. Hugging Face
+against itself (padded batches vs one sequence at a time) differs by 4.9e-3 on the same
+4-layer slice (bench/diagnose.py), already over 2e-3. The tolerance is left at the design
+target; bench/results/ and the README record the numbers and the next steps.
 """
 
 import numpy as np
