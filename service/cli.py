@@ -31,15 +31,17 @@ _SERVE_OPTIONS = _MODEL_OPTIONS + (
     "max_sequences_per_request", "drain_timeout_s",
 )  # fmt: skip
 _SCORE_OPTIONS = _MODEL_OPTIONS + ("temperature", "top_k", "return_entropy")
-_METAVARS = {int: "N", float: "X", str: "STR", Path: "PATH", SecretStr: "KEY"}
+_METAVARS = {
+    "model": "PATH_OR_PRESET", "served_model_name": "NAME", "device": "DEVICE", "triton_cache_dir": "DIR",
+    "host": "HOST", "port": "PORT", "api_key": "KEY", "api_key_file": "FILE", "max_wait_ms": "MS",
+    "drain_timeout_s": "SECONDS", "temperature": "T", "top_k": "K",
+}  # fmt: skip; every other option takes a count, shown as N
 
 
-def _plain_type(annotation) -> type:
-    """``int | None`` -> int; ``Literal[...]`` -> str."""
+def _optional_inner(annotation):
+    """``int | None`` -> int."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
-    if typing.get_origin(annotation) is typing.Literal:
-        return str
+        return next(a for a in typing.get_args(annotation) if a is not type(None))
     return annotation
 
 
@@ -47,29 +49,16 @@ def _add_options(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
     for name in names:
         field = Settings.model_fields[name]
         option = "--" + name.replace("_", "-")
-        env = f"PACKSCORE_{name.upper()}"
-        kind = _plain_type(field.annotation)
-        default = "the model's" if field.default is None and name == "max_model_len" else field.default
-        shown_default = "" if default is None else f"; default {default}"
-        help_text = f"{field.description} [env {env}{shown_default}]"
+        shown_default = "" if field.default is None else f"; default {field.default}"
+        help_text = f"{field.description} [env PACKSCORE_{name.upper()}{shown_default}]"
+        kind = _optional_inner(field.annotation)
         if kind is bool:
             parser.add_argument(option, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
-            continue
-        choices = typing.get_args(_unwrap_optional(field.annotation)) if _is_literal(field.annotation) else None
-        parser.add_argument(
-            option, default=argparse.SUPPRESS, choices=choices, metavar=None if choices else _METAVARS.get(kind, "VALUE"),
-            help=help_text,
-        )
-
-
-def _unwrap_optional(annotation):
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return next(a for a in typing.get_args(annotation) if a is not type(None))
-    return annotation
-
-
-def _is_literal(annotation) -> bool:
-    return typing.get_origin(_unwrap_optional(annotation)) is typing.Literal
+        elif typing.get_origin(kind) is typing.Literal:
+            parser.add_argument(option, choices=typing.get_args(kind), default=argparse.SUPPRESS, help=help_text)
+        else:
+            # Values stay strings here: Settings converts and validates them, as it does the environment.
+            parser.add_argument(option, metavar=_METAVARS.get(name, "N"), default=argparse.SUPPRESS, help=help_text)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -48,7 +48,7 @@ class Settings(BaseSettings):
     max_wait_ms: float = Field(5.0, ge=0, description="how long a queued sequence may wait for its batch to fill")
     max_queued_tokens: int = Field(262144, ge=1, description="admission bound on tokens waiting to be scored; beyond it 429")
     max_request_bytes: int = Field(64 << 20, ge=1, description="largest request body in bytes; beyond it 413")
-    max_model_len: int | None = Field(None, ge=1, description="longest sequence accepted (default: the model's)")
+    max_model_len: int | None = Field(None, ge=1, description="longest sequence accepted; default: the model's")
     max_sequences_per_request: int = Field(4096, ge=1, description="most sequences in one request; beyond it 413")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long admitted requests may take to finish")
 
