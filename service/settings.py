@@ -70,8 +70,12 @@ class Settings(BaseSettings):
             if not key:
                 raise ValueError(f"--api-key-file {self.api_key_file} is empty")
             return key
-        if self.api_key is not None and self.api_key.get_secret_value():
-            return self.api_key.get_secret_value()
+        if self.api_key is not None:
+            key = self.api_key.get_secret_value().strip()
+            if not key:
+                # An empty secret (a mount or variable gone wrong) must not silently turn auth off.
+                raise ValueError("the API key (--api-key / PACKSCORE_API_KEY) is empty; unset it to serve without one")
+            return key
         return None
 
     @property

@@ -75,6 +75,12 @@ def test_bad_options_are_refused_with_the_option_named(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_an_empty_api_key_is_an_error_not_an_open_server(monkeypatch, capsys):
+    monkeypatch.setenv("PACKSCORE_API_KEY", "")
+    assert cli.main(["serve"]) == 2
+    assert "API key" in capsys.readouterr().err
+
+
 def test_a_missing_model_or_worker_pool_fails_fast_with_a_clear_error(monkeypatch, tmp_path, capsys):
     assert cli.main(["serve", "--model", str(tmp_path / "nope"), "--triton-cache-dir", str(tmp_path)]) == 2
     assert "neither a checkpoint directory nor a preset" in capsys.readouterr().err
