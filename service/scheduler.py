@@ -316,8 +316,9 @@ class Scheduler:
             return
         started = time.monotonic()
         for item in row:
-            item.started = True
-            self.metrics.queue_wait.observe(started - item.enqueued_at)
+            if not item.started:  # a retry after a split is not a second wait
+                item.started = True
+                self.metrics.queue_wait.observe(started - item.enqueued_at)
         try:
             scores = await self._loop.run_in_executor(self._pool, self.backend.score_row, [it.seq for it in row])
         except BackendUnavailableError as exc:
