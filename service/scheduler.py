@@ -154,12 +154,13 @@ class Scheduler:
     def pending_requests(self) -> int:
         return len(self._pending)
 
-    def retry_after_s(self) -> int:
-        """Whole seconds until the queue has likely drained enough to admit, from recent throughput."""
+    def retry_after_s(self, tokens: int = 0) -> int:
+        """Whole seconds until ``tokens`` more would likely fit, from the recent throughput (1..60)."""
         rate = self._rate_tokens_per_s
-        if not rate:
+        excess = self._queued_tokens + tokens - self.max_queued_tokens
+        if not rate or excess <= 0:
             return 1
-        return int(min(60, max(1, math.ceil(self._queued_tokens / (rate * self.concurrency)))))
+        return int(min(60, max(1, math.ceil(excess / (rate * self.concurrency)))))
 
     def submit(self, sequences: Sequence[SequenceInput], *, deadline: float | None = None, probe: bool = False) -> Ticket:
         """Admits a validated request, or raises ApiError 429 (queue full) / 503 (closed).
@@ -171,7 +172,7 @@ class Scheduler:
             raise ApiError(503, "unavailable", "The server is shutting down; retry.", headers={"Retry-After": "1"})
         ticket = Ticket(sequences, deadline, self._loop)
         if not probe and self._queued_tokens + ticket.tokens > self.max_queued_tokens:
-            retry = self.retry_after_s()
+            retry = self.retry_after_s(ticket.tokens)
             raise ApiError(
                 429,
                 "queue_full",
