@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from model_runtime.kernels.logprob_head import entropy_of, tempered_log_softmax
 # Bytes per (token, vocab) entry alive at a chunk's peak, measured in tests/unit/test_head.py:
 # float32 log-probs (4), a temporary of logsumexp or top-k (4), float32 probabilities (4), and
 # the matmul output in the compute dtype before its float32 copy (up to 4).
@@ -96,18 +97,13 @@ def score_positions(
             # Released before the next chunk's product, or two chunks of logits would coexist.
             del z_CV
             continue
-        logp_CV = z_CV.float()
+        logp_CV = tempered_log_softmax(z_CV, temperature_N[start:end])
         del z_CV
-        logp_CV.div_(temperature_N[start:end, None])
-        logp_CV.sub_(torch.logsumexp(logp_CV, dim=-1, keepdim=True))
         logprobs[start:end] = logp_CV.gather(1, targets_N[start:end, None])[:, 0]
         if top_k:
             top_logp[start:end], top_ids[start:end] = logp_CV.topk(top_k, dim=-1)
-        # -sum p log p as a batched dot product: no third [C, V] tensor, and no cancellation
-        # between two large numbers as in `lse - sum(p z)` at low temperatures.
-        p_CV = logp_CV.exp()
-        entropy[start:end] = -torch.bmm(p_CV.unsqueeze(1), logp_CV.unsqueeze(2))[:, 0, 0]
-        del p_CV, logp_CV
+        entropy[start:end] = entropy_of(logp_CV)
+        del logp_CV
     return HeadOutput(logprobs, entropy, top_ids, top_logp)
 
 

@@ -16,15 +16,28 @@ from __future__ import annotations
 import torch
 
 
+def tempered_log_softmax(z_CV: torch.Tensor, temperature_C: torch.Tensor) -> torch.Tensor:
+    """float32 ``log softmax(z / T)`` of one chunk (a new tensor; ``z_CV`` is left alone)."""
+    logp_CV = z_CV.float()
+    if logp_CV is z_CV:
+        logp_CV = logp_CV.clone()
+    logp_CV.div_(temperature_C.float()[:, None])
+    logp_CV.sub_(torch.logsumexp(logp_CV, dim=-1, keepdim=True))
+    return logp_CV
+
+
+def entropy_of(logp_CV: torch.Tensor) -> torch.Tensor:
+    """``-sum p log p`` as a batched dot product: no third ``[C, V]`` tensor, and no cancellation
+    between two large numbers as in ``lse - sum(p z)`` at low temperatures."""
+    p_CV = logp_CV.exp()
+    return -torch.bmm(p_CV.unsqueeze(1), logp_CV.unsqueeze(2))[:, 0, 0]
+
+
 def logprob_entropy_torch(z_CV: torch.Tensor, targets_C: torch.Tensor, temperature_C: torch.Tensor):
-    """Reference: float32 logits, logsumexp, gather, ``lse - sum p z``."""
+    """Reference: float32 tempered log-softmax, gather, ``-sum p log p``."""
     _check(z_CV, targets_C, temperature_C)
-    z = z_CV.float() / temperature_C.float()[:, None]
-    lse_C = torch.logsumexp(z, dim=-1)
-    logp_C = z.gather(1, targets_C.long()[:, None])[:, 0] - lse_C
-    p = torch.exp(z - lse_C[:, None])
-    mean_z_C = torch.bmm(p.unsqueeze(1), z.unsqueeze(2))[:, 0, 0]
-    return logp_C, lse_C - mean_z_C
+    logp_CV = tempered_log_softmax(z_CV, temperature_C)
+    return logp_CV.gather(1, targets_C.long()[:, None])[:, 0], entropy_of(logp_CV)
 
 
 def logprob_entropy_triton(z_CV: torch.Tensor, targets_C: torch.Tensor, temperature_C: torch.Tensor):

@@ -138,3 +138,17 @@ def test_scorer_packs_into_rows_without_changing_results(models):
     for i, (a, b) in enumerate(zip(one_row, many_rows)):
         diff = max_abs(a.logprobs, b.logprobs)
         assert diff <= tol, f"sequence {i}: max |diff| {diff:.3e} between row layouts > tol {tol:.0e}"
+
+
+def test_top_k_elsewhere_in_the_row_changes_nothing(models):
+    """A neighbour asking for top-k must not change this sequence's numbers (same head math)."""
+    loaded, _ = models("qwen3_5")
+    scorer = Scorer(loaded)
+    rng = np.random.default_rng(11)
+    mine = SequenceInput(rng.integers(0, loaded.vocab_size, 90), score_from=3, temperature=0.3)
+    plain = SequenceInput(rng.integers(0, loaded.vocab_size, 40))
+    ranked = SequenceInput(plain.input_ids, top_k=TOP_K)
+    a = scorer.score_row([mine, plain])[0]
+    b = scorer.score_row([mine, ranked])[0]
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    np.testing.assert_array_equal(a.entropy, b.entropy)
