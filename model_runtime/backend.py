@@ -53,6 +53,7 @@ class BackendUnavailableError(RuntimeError):
 class ScoringBackend(Protocol):
     info: ModelInfo
     concurrency: int  # how many score_row calls may run at the same time
+    max_row_tokens: int  # token budget of one row (sp x the per-GPU budget in a sequence-parallel group)
 
     def score_row(self, sequences: Sequence[SequenceInput]) -> list[SequenceScores]:
         """Scores ``sequences`` as one packed forward. Blocking; thread-safe up to ``concurrency``.
@@ -78,6 +79,7 @@ class LocalBackend:
     def __init__(self, scorer: Scorer):
         self.scorer = scorer
         self.info = ModelInfo.of(scorer.loaded)
+        self.max_row_tokens = scorer.max_batch_tokens
         self._lock = threading.Lock()
 
     def score_row(self, sequences: Sequence[SequenceInput]) -> list[SequenceScores]:

@@ -109,8 +109,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     if settings.triton_cache_dir is not None:
-        # Triton reads it when its first kernel compiles; set before any kernel module is imported.
-        os.environ["TRITON_CACHE_DIR"] = str(settings.triton_cache_dir)
+        # Triton and Inductor read their cache directories when the first kernel compiles: set
+        # both before any kernel module is imported (importing this helper imports no Triton).
+        from model_runtime.kernels.cache import configure_kernel_cache
+
+        os.environ.pop("TRITON_CACHE_DIR", None)
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        configure_kernel_cache(settings.triton_cache_dir)
     try:
         _check_model_and_key(settings)
     except (ValueError, OSError, ImportError) as exc:

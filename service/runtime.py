@@ -102,7 +102,8 @@ class Service:
             log.info("warm-up took %.1fs", time.perf_counter() - started)
             self.scheduler = Scheduler(
                 backend,
-                max_batch_tokens=self.settings.max_batch_tokens,
+                # A sequence-parallel group takes rows sp times the per-GPU budget.
+                max_batch_tokens=getattr(backend, "max_row_tokens", self.settings.max_batch_tokens),
                 max_wait_ms=self.settings.max_wait_ms,
                 max_queued_tokens=self.settings.max_queued_tokens,
                 metrics=self.metrics,

@@ -29,7 +29,9 @@ class Settings(BaseSettings):
     allow_slow_kernels: bool = Field(
         False, description="allow per-sequence reference kernels on a GPU instead of refusing to start"
     )
-    triton_cache_dir: Path | None = Field(None, description="directory for compiled Triton kernels (TRITON_CACHE_DIR)")
+    triton_cache_dir: Path | None = Field(
+        None, description="directory for compiled Triton and Inductor kernels (sets TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR=DIR/inductor)"
+    )
 
     # Parallelism (world_size > 1, sp > 1 or fsdp start the multi-process worker pool).
     world_size: int = Field(1, ge=1, description="GPUs (worker processes) used by this server")
