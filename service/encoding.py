@@ -78,7 +78,8 @@ def decode_body(raw: bytes, encoding: Encoding) -> Any:
             # strict_map_key keeps maps keyed by strings, as every map of the contract is.
             return msgpack.unpackb(raw, raw=False, strict_map_key=True)
         except Exception as exc:  # msgpack raises several unrelated types for bad input
-            raise ApiError(400, "malformed_body", f"The body is not valid msgpack: {exc}.") from None
+            detail = str(exc).strip() or type(exc).__name__
+            raise ApiError(400, "malformed_body", f"The body is not valid msgpack ({detail}).") from None
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:

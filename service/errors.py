@@ -59,7 +59,9 @@ def from_validation_errors(errors: list[dict]) -> ApiError:
         message = f"{param} is not a field of this request."
     else:
         shown = _short_repr(first.get("input"))
-        message = f"{param or 'the body'}: {first.get('msg', 'invalid value').rstrip('.')}, got {shown}."
+        # pydantic prefixes a validator's own ValueError with "Value error, ": not for humans.
+        reason = first.get("msg", "invalid value").removeprefix("Value error, ").rstrip(".")
+        message = f"{param or 'the body'}: {reason}, got {shown}."
     return ApiError(422, "invalid_value", message, param)
 
 

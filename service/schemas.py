@@ -25,7 +25,8 @@ def _token_ids(value: Any, handler) -> np.ndarray:
     if isinstance(value, (bytes, bytearray, memoryview)):
         raw = bytes(value)
         if len(raw) % 4:
-            raise ValueError(f"a bin of input_ids must hold little-endian int32 values, got {len(raw)} bytes")
+            # errors.py appends ", got <the input>" (here the byte count) to the message.
+            raise ValueError("a bin of input_ids must hold whole little-endian int32 values")
         return np.frombuffer(raw, dtype="<i4")
     ids = handler(value)
     try:
