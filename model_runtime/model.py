@@ -17,7 +17,7 @@ from torch import nn
 
 from model_runtime.architectures import LAYER_KINDS, Architecture
 from model_runtime.kernels import KernelBackends
-from model_runtime.layers import ModuleOps, PackedAttention, PackedGatedDeltaNet, mlp_forward
+from model_runtime.layers import ModuleOps, PackedAttention, PackedGatedDeltaNet
 from model_runtime.packing import PackedBatch
 
 
@@ -53,8 +53,6 @@ class PackedCausalLM(nn.Module):
         self.lm_head = hf_causal_lm.lm_head
         self.layer_types = tuple(self.config.layer_types)
         self.ops = ModuleOps(backends.fn("elementwise")()) if backends is not None else ModuleOps()
-        # Qwen3.5's rotary takes one position row per rope axis; Qwen3-Next's takes one per batch.
-        self.multi_axis_rope = getattr(self.rotary_emb, "mrope_section", None) is not None
 
     @property
     def vocab_size(self) -> int:
@@ -74,7 +72,9 @@ class PackedCausalLM(nn.Module):
 
     def _rope(self, x_TD: torch.Tensor, positions_T: torch.Tensor):
         """``(cos, sin)`` of shape ``[T, R]``; text positions are equal on every rope axis."""
-        if self.multi_axis_rope:
+        if self.architecture.multi_axis_rope:
+            # Qwen3.5's rotary takes one position row per rope axis ([3, batch, T]; transformers
+            # 5.17 requires it); Qwen3-Next's takes [batch, T].
             positions = positions_T.view(1, 1, -1).expand(3, 1, -1)
         else:
             positions = positions_T.unsqueeze(0)
@@ -86,9 +86,6 @@ class PackedCausalLM(nn.Module):
         if kind == "linear_attention":
             return layer.linear_attn(h_TD, packed, sp)
         return layer.self_attn(h_TD, packed, rope, sp)
-
-
-_mlp = mlp_forward  # kept for callers of the old name
 
 
 _MIXER_NAME = re.compile(r"(Attention|GatedDeltaNet)$")
