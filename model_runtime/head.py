@@ -31,6 +31,17 @@ class HeadOutput:
     top_k_logprobs_NK: torch.Tensor | None  # float32
 
 
+# Matrix products see a multiple of this many rows: a CPU GEMM computes a row the same way
+# whatever the other rows are once the row count is a multiple of 16 (fewer rows take other code
+# paths), which keeps a sequence's numbers independent of its neighbours.
+ROW_MULTIPLE = 16
+
+
+def _pad_rows(x_ND: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = (-x_ND.shape[0]) % multiple
+    return x_ND if pad == 0 else torch.cat([x_ND, x_ND.new_zeros(pad, x_ND.shape[1])])
+
+
 def chunk_tokens_for_budget(vocab_size: int, budget_bytes: int, bytes_per_logit: int = BYTES_PER_LOGIT) -> int:
     """How many positions one chunk may hold so that its logits stay within ``budget_bytes``."""
     return max(1, int(budget_bytes) // (vocab_size * bytes_per_logit))
@@ -90,7 +101,7 @@ def score_positions(
         end = min(N, start + chunk_tokens)
         h_CD = hidden_ND[start:end] if rows_N is None else hidden_ND.index_select(0, rows_N[start:end])
         # F.linear reads W as [V, D] in place; `h @ W.t()` can copy the whole weight per chunk on CPU.
-        z_CV = F.linear(h_CD, weight_VD)
+        z_CV = F.linear(_pad_rows(h_CD, ROW_MULTIPLE), weight_VD)[: end - start]
         del h_CD
         if logprob_fn is not None and not top_k:
             logprobs[start:end], entropy[start:end] = logprob_fn(z_CV, targets_N[start:end], temperature_N[start:end])

@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from model_runtime.head import BYTES_PER_LOGIT, MAX_TOP_K, chunk_tokens_for_budget, fused_chunk_tokens, score_positions
+from model_runtime.head import BYTES_PER_LOGIT, MAX_TOP_K, ROW_MULTIPLE, chunk_tokens_for_budget, fused_chunk_tokens, score_positions
 from model_runtime.loading import LoadedModel
 from model_runtime.packing import PackedBatch, pack_first_fit_decreasing
 
@@ -171,10 +171,11 @@ class Scorer:
         device = self.loaded.device
         packed = PackedBatch.from_lengths(plan.lengths, device=device)
         ids_T = plan.ids_T
-        if device.type == "cuda" and packed.total_tokens == 1:
-            # torch.compile specialises sizes 0 and 1: a one-token row would compile every fused
-            # kernel again mid-request. A padding segment (never scored) keeps T >= 2.
-            packed, pad = packed.padded_to_multiple(2)
+        # A padding segment (never scored) makes T a multiple of ROW_MULTIPLE: every matrix
+        # product then computes a token's row the same way whatever its neighbours (on CPU), and
+        # T >= 2 keeps torch.compile from specialising a one-token row mid-request (on CUDA).
+        packed, pad = packed.padded_to_multiple(ROW_MULTIPLE)
+        if pad:
             ids_T = np.concatenate([ids_T, np.zeros(pad, dtype=ids_T.dtype)])
         # Host-to-device copies before the forward: issued after it, each would wait for it.
         targets_N = torch.from_numpy(plan.targets_N).to(device)

@@ -152,3 +152,19 @@ def test_top_k_elsewhere_in_the_row_changes_nothing(models):
     b = scorer.score_row([mine, ranked])[0]
     np.testing.assert_array_equal(a.logprobs, b.logprobs)
     np.testing.assert_array_equal(a.entropy, b.entropy)
+
+
+def test_dense_sequence_alone_or_packed_is_bitwise_equal():
+    """Rows padded to a multiple of 16 tokens make every CPU matmul row-independent, so a dense
+    model's numbers for a sequence do not move by a bit whatever it is packed with."""
+    loaded = load_model("tiny", device="cpu")
+    scorer = Scorer(loaded)
+    rng = np.random.default_rng(4)
+    mine = SequenceInput(rng.integers(0, loaded.vocab_size, 37), score_from=5, top_k=3)
+    alone = scorer.score_row([mine])[0]
+    for others in ([1], [5, 100], [300, 2, 64]):
+        row = [SequenceInput(rng.integers(0, loaded.vocab_size, n)) for n in others]
+        for packed in (scorer.score_row(row + [mine])[-1], scorer.score_row([mine] + row)[0]):
+            np.testing.assert_array_equal(packed.logprobs, alone.logprobs, err_msg=f"packed with {others}")
+            np.testing.assert_array_equal(packed.entropy, alone.entropy, err_msg=f"packed with {others}")
+            np.testing.assert_array_equal(packed.top_k_ids, alone.top_k_ids, err_msg=f"packed with {others}")
