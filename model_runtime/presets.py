@@ -25,7 +25,8 @@ class Preset:
     initializer_range: float | None = None  # None keeps the config's default
 
 
-def _tiny_config() -> dict:
+def tiny_config() -> dict:
+    """Keyword arguments of the tiny preset's text config (tests build their checkpoints from it)."""
     return dict(
         vocab_size=4096,
         hidden_size=64,
@@ -47,7 +48,7 @@ def _tiny_config() -> dict:
 
 PRESETS: dict[str, Preset] = {
     # Weights drawn with std 0.05 so the tiny model's distributions are not uniform.
-    "tiny": Preset("tiny", "qwen3_5_text", _tiny_config(), seed=0, initializer_range=0.05),
+    "tiny": Preset("tiny", "qwen3_5_text", tiny_config(), seed=0, initializer_range=0.05),
     "qwen3.5-9b": Preset(
         "qwen3.5-9b",
         "qwen3_5_text",

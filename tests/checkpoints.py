@@ -11,30 +11,18 @@ from pathlib import Path
 
 import torch
 
+from model_runtime.presets import tiny_config
+
 KINDS = ("qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_next")
 
-_COMMON = dict(
-    vocab_size=512,
-    hidden_size=64,
-    num_hidden_layers=8,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    intermediate_size=128,
-    max_position_embeddings=4096,
-    initializer_range=0.05,
-)
-_ROPE = {
-    "rope_type": "default",
-    "rope_theta": 10000.0,
-    "partial_rotary_factor": 0.25,
-    "mrope_section": [2, 1, 1],
-    "mrope_interleaved": True,
+# The tiny preset's shapes, with a smaller vocabulary and context.
+_COMMON = {
+    **{k: v for k, v in tiny_config().items() if k not in ("rope_parameters", "tie_word_embeddings")},
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "initializer_range": 0.05,
 }
+_ROPE = tiny_config()["rope_parameters"]
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
 
