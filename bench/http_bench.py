@@ -79,12 +79,12 @@ async def _http_run(url: str, sequences, per_request: int, concurrency: int) -> 
 
 
 class Server:
-    def __init__(self, args):
+    def __init__(self, args, extra: tuple[str, ...] = ()):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port), "--model", args.model,
                    "--max-batch-tokens", str(args.max_batch_tokens), "--max-wait-ms", str(args.max_wait_ms),
-                   "--log-level", "warning"]
+                   "--log-level", "warning", *extra]
         env = {k: v for k, v in os.environ.items() if not k.startswith("PACKSCORE_")}
         self.proc = subprocess.Popen(command, cwd=REPO, env=env)
 

@@ -1,0 +1,15 @@
+"""The multi-GPU run script works end to end (CPU processes, tiny model), so the GPU call does not
+discover a broken script: it is the one command the multi-GPU issue's runs use."""
+
+import json
+
+from bench.multi_gpu import main
+
+
+def test_multi_gpu_script_runs_every_phase_on_cpu(tmp_path):
+    assert main(["--gpus", "2", "--device", "cpu", "--quick", "--out", str(tmp_path)]) == 0
+    (result,) = tmp_path.glob("multi_gpu-*-quick.json")
+    data = json.loads(result.read_text())
+    assert [row["sp"] for row in data["sp_scaling"]] == [1, 2]
+    assert {row["run"] for row in data["fsdp"]} == {"tiny fsdp x2", "tiny replicas x2"}
+    assert data["http"]["http_tokens_per_s"] > 0 and not data["errors"]
