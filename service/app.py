@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from model_runtime.scorer import SequenceScores
 from service import metrics as metrics_module
 from service.encoding import CONTENT_TYPE, JSON, MSGPACK, encode_json, encode_score_response, request_encoding
-from service.encoding import decode_body, response_encoding
+from service.encoding import decode_body, response_encoding, result_record
 from service.errors import ERROR_RESPONSES, ApiError, from_validation_errors
 from service.runtime import BackendSource, Service
 from service.scheduler import Scheduler, Ticket
@@ -338,15 +338,9 @@ async def _until_disconnect(request: Request) -> None:
 
 
 def _score_body(job: ScoreJob, scores: list[SequenceScores], service: Service) -> dict:
-    results = []
-    for seq_id, s in zip(job.ids, scores):
-        result = {"id": seq_id, "logprobs": s.logprobs}
-        if job.return_entropy:
-            result["entropy"] = s.entropy
-        if job.top_k:
-            result["top_k_ids"] = s.top_k_ids
-            result["top_k_logprobs"] = s.top_k_logprobs
-        results.append(result)
+    results = [
+        result_record(seq_id, s, return_entropy=job.return_entropy, top_k=job.top_k) for seq_id, s in zip(job.ids, scores)
+    ]
     assert service.backend is not None
     return {
         "model": service.served_name,

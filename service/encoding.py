@@ -93,6 +93,17 @@ def decode_body(raw: bytes, encoding: Encoding) -> Any:
         raise ApiError(400, "malformed_body", f"The body is not valid JSON: {fast_error}.") from None
 
 
+def result_record(seq_id, scores, *, return_entropy: bool, top_k: int) -> dict:
+    """One sequence's answer as API.md lays it out (numpy arrays; the encoder formats them)."""
+    record = {"id": seq_id, "logprobs": scores.logprobs}
+    if return_entropy:
+        record["entropy"] = scores.entropy
+    if top_k:
+        record["top_k_ids"] = scores.top_k_ids
+        record["top_k_logprobs"] = scores.top_k_logprobs
+    return record
+
+
 def encode_json(obj: Any) -> bytes:
     return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
 

@@ -15,6 +15,7 @@ from typing import IO, Iterator
 import orjson
 from tqdm import tqdm
 
+from service.encoding import result_record
 from service.errors import ApiError
 from service.scheduler import Scheduler, Ticket
 from service.settings import Settings
@@ -89,12 +90,7 @@ async def _score_lines(settings: Settings, backend, input_path: Path, out: IO[by
             scores = (await ticket.future)[0]
         except ApiError as exc:
             raise InputError(f"{input_path}:{number}: id {seq_id!r} could not be scored: {exc.message}") from None
-        record = {"id": seq_id, "logprobs": scores.logprobs}
-        if settings.return_entropy:
-            record["entropy"] = scores.entropy
-        if settings.top_k:
-            record["top_k_ids"] = scores.top_k_ids
-            record["top_k_logprobs"] = scores.top_k_logprobs
+        record = result_record(seq_id, scores, return_entropy=settings.return_entropy, top_k=settings.top_k)
         out.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE))
         written += 1
         bar.update(1)
