@@ -113,6 +113,38 @@ def load_model(
     return loaded
 
 
+def estimated_weight_bytes(spec: str, dtype: torch.dtype) -> int:
+    """Bytes the weights of ``spec`` take in ``dtype``, without building them.
+
+    A preset is instantiated on the meta device (no memory) and its parameters counted; a
+    checkpoint directory counts the tensors in its safetensors headers (a vision tower that is
+    never loaded is counted too, so the estimate errs high), at ``dtype``'s width.
+    """
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if spec in PRESETS:
+        from transformers import AutoModelForCausalLM
+
+        preset = PRESETS[spec]
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(build_config(preset), dtype=dtype, **_hf_kwargs(preset.model_type, None))
+        return sum(p.numel() for p in model.parameters()) * itemsize
+    from safetensors import safe_open
+
+    elements = 0
+    for file in Path(spec).glob("*.safetensors"):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                elements += _numel(f.get_slice(key).get_shape())
+    return elements * itemsize
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
 def _hf_kwargs(model_type: str, moe_implementation: str | None) -> dict:
     if architecture_for(model_type).name in MOE_ARCHITECTURES:
         return {"experts_implementation": moe_implementation or "grouped_mm"}

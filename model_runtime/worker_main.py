@@ -58,9 +58,11 @@ def _load(start: msg.Start, device: torch.device):
     from model_runtime.loading import load_model, resolve_dtype
 
     name = start.served_model_name or None
-    if device.type == "cuda" and start.fsdp:
-        # A model sharded because it does not fit one GPU must not be loaded whole onto one:
-        # load it on the CPU with the GPU's kernels, and let fully_shard move each rank's shards.
+    if device.type == "cuda" and start.fsdp and not _fits_on_gpu(start, device):
+        # A model that does not fit one GPU must not be loaded whole onto one: load it on the
+        # CPU with the GPU's kernels, and let fully_shard move each rank's shards. (A model that
+        # fits is loaded on the GPU and sharded there: seconds instead of minutes, and host RAM
+        # does not have to hold world_size copies.)
         backends = select_backends(device, allow_slow=start.allow_slow_kernels)
         loaded = load_model(
             start.model,
@@ -74,6 +76,22 @@ def _load(start: msg.Start, device: torch.device):
     return load_model(
         start.model, dtype=start.dtype, device=device, allow_slow_kernels=start.allow_slow_kernels, served_name=name
     )
+
+
+# Share of the free GPU memory that whole weights may take before sharding: the rest is left
+# for the all-gather buffers and the activations of the warm-up.
+GPU_LOAD_FRACTION = 0.7
+
+
+def _fits_on_gpu(start: msg.Start, device: torch.device) -> bool:
+    from model_runtime.loading import estimated_weight_bytes, resolve_dtype
+
+    free, _ = torch.cuda.mem_get_info(device)
+    need = estimated_weight_bytes(start.model, resolve_dtype(start.dtype, device))
+    fits = need <= GPU_LOAD_FRACTION * free
+    log.info("weights %.1f GiB, GPU free %.1f GiB: loading %s before sharding", need / 2**30, free / 2**30,
+             "on the GPU" if fits else "on the CPU")
+    return fits
 
 
 def _setup(start: msg.Start):

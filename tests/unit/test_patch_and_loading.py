@@ -124,3 +124,19 @@ def test_tiny_preset_is_deterministic_and_defaults_to_float32_on_cpu():
     assert a.dtype == torch.float32 and a.name == "tiny" and a.weights_version == "preset:tiny#seed0"
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(pa, pb)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_weight_estimate_matches_the_loaded_model(kind, checkpoint_dir):
+    """The FSDP workers decide GPU-or-CPU loading from this estimate, before building anything."""
+    from model_runtime.loading import estimated_weight_bytes
+
+    path = checkpoint_dir(kind)
+    loaded = load_model(str(path), device="cpu", dtype="float32")
+    actual = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    assert estimated_weight_bytes(str(path), torch.float32) == actual
+    assert estimated_weight_bytes(str(path), torch.bfloat16) == actual // 2
+    tiny = load_model("tiny", device="cpu", dtype="float32")
+    assert estimated_weight_bytes("tiny", torch.float32) == sum(p.numel() * 4 for p in tiny.model.parameters())
+    # The 27B preset is counted on the meta device, without allocating 54 GB.
+    assert 50e9 < estimated_weight_bytes("qwen3.5-27b", torch.bfloat16) < 60e9
