@@ -288,6 +288,7 @@ def run_benchmark(suite: Suite, preset: str, num_sequences: int, *, hf_single: b
     scorer = Scorer(loaded, max_batch_tokens=max_batch_tokens)
     scorer.warm_up()
     bench["warm_up_s"] = scorer.warm_up_seconds
+    bench["warm_up_steps_s"] = scorer.warm_up_steps
     bench["head_chunk_tokens"] = scorer.head_chunk_tokens
     log(f"warm-up {scorer.warm_up_seconds:.1f}s (caches as the run started), head chunk {scorer.head_chunk_tokens} tokens")
     scorer.score(sequences)
@@ -481,12 +482,17 @@ def restart_probe(suite: Suite, model: str, max_batch_tokens: int) -> dict:
     cmd = [sys.executable, "-m", "bench.warmup_probe", "--model", model, "--max-batch-tokens", str(max_batch_tokens),
            "--kernel-cache", cache]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(60, int(suite.remaining() - 10)))
+    # Triton prints one line per autotuning it does: with a warm cache there should be none.
+    env = {**os.environ, "TRITON_PRINT_AUTOTUNING": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(60, int(suite.remaining() - 10)), env=env)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("WARMUP_PROBE ")), None)
     if line is None:
         raise RuntimeError(f"probe failed ({proc.returncode}): {proc.stderr[-3000:]}")
     result = json.loads(line.removeprefix("WARMUP_PROBE "))
     result["process_s"] = time.perf_counter() - t0
+    tuned = [l for l in (proc.stdout + proc.stderr).splitlines() if "autotuning" in l.lower()]
+    result["autotuning_runs"] = len(tuned)
+    result["autotuned"] = sorted({l.split("function")[-1].split("finished")[0].strip() for l in tuned if "function" in l})[:40]
     log(f"warm restart: {result}")
     return result
 

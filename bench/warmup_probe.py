@@ -39,6 +39,7 @@ def main() -> None:
                 "max_batch_tokens": args.max_batch_tokens,
                 "load_s": load_s,
                 "warm_up_s": scorer.warm_up_seconds,
+                "warm_up_steps_s": scorer.warm_up_steps,
                 "ready_s": time.perf_counter() - started,
                 "kernels": loaded.backends.names,
                 "caches": dirs,

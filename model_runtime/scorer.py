@@ -97,6 +97,7 @@ class Scorer:
             head_budget_bytes = self.CUDA_HEAD_CAP_BYTES if loaded.device.type == "cuda" else 256 << 20
         self.set_head_budget(head_budget_bytes)
         self.warm_up_seconds: float | None = None
+        self.warm_up_steps: dict[str, float] = {}
 
     def set_head_budget(self, budget_bytes: int) -> None:
         """Sizes the head's chunks: ``head_chunk_tokens`` for log-prob/entropy rows and
@@ -140,14 +141,23 @@ class Scorer:
             self.warm_up_seconds = time.perf_counter() - started
             return
         budget = self.max_batch_tokens
-        self.score_row([SequenceInput(rng.integers(0, vocab, budget), score_from=1)])
+        steps: dict[str, float] = {}
+
+        def step(name: str, fn) -> None:
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize(self.loaded.device)
+            steps[name] = time.perf_counter() - t0
+
+        step("one sequence of the budget", lambda: self.score_row([SequenceInput(rng.integers(0, vocab, budget), score_from=1)]))
         self.size_head_from_free_memory()
         short = [SequenceInput(rng.integers(0, vocab, 64), score_from=8) for _ in range(max(1, budget // 64))]
-        self.score_row(short)
-        self.score_row([SequenceInput(rng.integers(0, vocab, 512), top_k=MAX_TOP_K) for _ in range(2)])
+        step("many short sequences", lambda: self.score_row(short))
+        step("top-k", lambda: self.score_row([SequenceInput(rng.integers(0, vocab, 512), top_k=MAX_TOP_K) for _ in range(2)]))
         for n in (1, 17, 300):
-            self.score_row([SequenceInput(rng.integers(0, vocab, n), score_from=1)])
-        torch.cuda.synchronize(self.loaded.device)
+            step(f"{n} tokens", lambda n=n: self.score_row([SequenceInput(rng.integers(0, vocab, n), score_from=1)]))
+        # Where start-up time goes (compilation and autotuning are in the first step that needs them).
+        self.warm_up_steps = steps
         self.warm_up_seconds = time.perf_counter() - started
 
     def score(self, sequences: Sequence[SequenceInput]) -> list[SequenceScores]:
