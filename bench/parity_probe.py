@@ -1,0 +1,199 @@
+"""Where packscore's bf16 log-probs part from Hugging Face's: one kernel family swapped at a time.
+
+    python -m bench.parity_probe --out DIR        (on a CUDA machine with fla installed)
+
+For a tiny test checkpoint (tests/checkpoints.py, ``qwen3_5``) and a 4-layer slice of the
+Qwen3.5-9B shape, the sequences of tests/gpu/test_parity_bf16.py are scored by:
+- Hugging Face one sequence at a time (the reference of the parity test), and Hugging Face's
+  padded batches: the difference between those two is Hugging Face's own bf16 noise;
+- packscore with its default CUDA kernels, and with one family at a time replaced by the
+  backend that rounds where Hugging Face's eager modules round (conv1d ``reference``: bf16
+  conv, then SiLU in bf16; attention ``sdpa``; elementwise ``eager``; head ``torch``), and
+  with all of those together;
+- packscore on each sequence alone, against the packed row (isolation).
+Prints a table of mean / max |difference| of log-probs and entropy against Hugging Face one at a
+time and writes ``parity_probe.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from model_runtime.scorer import Scorer, SequenceInput
+
+DEVICE = "cuda"  # "cpu" only for --dry-run-cpu (the checkpoint model, to catch mistakes here)
+
+LENGTHS = (1, 2, 3, 5, 63, 64, 65, 127, 128, 129, 300, 1000)
+def conv1d_fla_then_silu(x_TC, weight_CW, packed):
+    """fla's varlen conv without its activation, then SiLU as a separate bf16 step: the two
+    roundings of Hugging Face's torch conv path (fla applies SiLU in float32 and rounds once)."""
+    import torch.nn.functional as F
+
+    from model_runtime.kernels.conv import _fla_conv
+
+    y = _fla_conv()(x=x_TC.unsqueeze(0), weight=weight_CW, bias=None, activation=None,
+                    cu_seqlens=packed.cu_seqlens_long, cu_seqlens_cpu=packed.cu_seqlens_host_long)
+    y = y[0] if isinstance(y, tuple) else y
+    return F.silu(y[0])
+
+
+def register_probe_kernels() -> None:
+    from model_runtime.kernels import REGISTRY
+
+    REGISTRY["conv1d"]["fla_then_silu"] = conv1d_fla_then_silu
+
+
+HF_LIKE = {"conv1d": "reference", "attention": "sdpa", "elementwise": "eager", "head": "torch"}
+VARIANTS = {
+    "default": {},
+    "conv1d=reference": {"conv1d": "reference"},
+    "conv1d=fla_then_silu": {"conv1d": "fla_then_silu"},
+    "conv1d=fla_then_silu, attention=sdpa": {"conv1d": "fla_then_silu", "attention": "sdpa"},
+    "attention=sdpa": {"attention": "sdpa"},
+    "elementwise=eager": {"elementwise": "eager"},
+    "head=torch": {"head": "torch"},
+    "hf-like (all four)": HF_LIKE,
+    "hf-like + gdn=reference": {**HF_LIKE, "linear_attention": "reference"},
+}
+
+
+def make_batch(vocab: int, seed: int) -> list[SequenceInput]:
+    rng = np.random.default_rng(seed)
+    return [SequenceInput(rng.integers(0, vocab, size=n), score_from=1) for n in LENGTHS]
+
+
+def diff(ours, ref) -> dict:
+    d_lp = np.concatenate([np.abs(np.asarray(a[0]) - np.asarray(b[0])) for a, b in zip(ours, ref)])
+    d_ent = np.concatenate([np.abs(np.asarray(a[1]) - np.asarray(b[1])) for a, b in zip(ours, ref)])
+    return {"logprob_mean": float(d_lp.mean()), "logprob_max": float(d_lp.max()),
+            "entropy_mean": float(d_ent.mean()), "entropy_max": float(d_ent.max())}
+
+
+def scores(results) -> list[tuple[np.ndarray, np.ndarray]]:
+    return [(r.logprobs, r.entropy) for r in results]
+
+
+class CheckpointModel:
+    """A saved tiny checkpoint: packscore loads it per variant, Hugging Face once."""
+
+    def __init__(self, kind: str, directory: Path):
+        from tests.checkpoints import save_checkpoint
+
+        self.path = save_checkpoint(kind, directory / kind)
+        self.name = f"checkpoint {kind}"
+
+    def hf(self):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.bfloat16).to(DEVICE).eval()
+
+    def ours(self, overrides):
+        from model_runtime.loading import load_model
+
+        return load_model(str(self.path), device=DEVICE, dtype="bfloat16", allow_slow_kernels=True,
+                          kernel_overrides=overrides)
+
+
+class SliceModel:
+    """The first layers of a preset; the seeded draw gives every variant the same weights."""
+
+    def __init__(self, preset: str, num_layers: int):
+        self.preset, self.num_layers = preset, num_layers
+        self.name = f"{preset}[:{num_layers}]"
+        self._twin = None
+
+    def hf(self):
+        from bench.hf_reference import build_twin
+
+        self._twin = build_twin(self.preset, num_layers=self.num_layers)
+        self._hf_ctx = self._twin.hf()
+        return self._hf_ctx.__enter__()
+
+    def drop_hf(self):
+        self._hf_ctx.__exit__(None, None, None)
+        self._twin = None
+
+    def ours(self, overrides):
+        from bench.hf_reference import build_twin
+
+        return build_twin(self.preset, num_layers=self.num_layers, kernel_overrides=overrides).loaded
+
+
+def probe(model, seed: int) -> dict:
+    from bench.hf_reference import score_padded, score_single, to_numpy
+
+    hf = model.hf()
+    vocab = hf.config.get_text_config().vocab_size
+    seqs = make_batch(vocab, seed)
+    single = to_numpy(score_single(hf, seqs, DEVICE))
+    padded = to_numpy(score_padded(hf, seqs, DEVICE, 4096))
+    lm_sum = float(hf.lm_head.weight.float().sum())
+    result = {"hf padded vs hf single": diff(padded, single)}
+    if isinstance(model, SliceModel):
+        model.drop_hf()
+    del hf
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    for name, overrides in VARIANTS.items():
+        loaded = model.ours(overrides)
+        assert abs(float(loaded.model.lm_head.weight.float().sum()) - lm_sum) < 1e-3, "variant drew other weights"
+        scorer = Scorer(loaded, max_batch_tokens=4096)
+        packed = scores(scorer.score_row(seqs))
+        result[f"packscore {name}"] = diff(packed, single)
+        result[f"packscore {name}"]["kernels"] = str(loaded.backends.names)
+        if name == "default":
+            alone = scores([scorer.score_row([s])[0] for s in seqs])
+            result["packscore alone vs packed"] = diff(alone, packed)
+        del scorer, loaded
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    return result
+
+
+def table(results: dict) -> str:
+    lines = ["| model | comparison (against HF one at a time unless named) | log-prob mean | log-prob max | entropy mean | entropy max |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for model, rows in results.items():
+        for name, d in rows.items():
+            lines.append(f"| {model} | {name} | {d['logprob_mean']:.2e} | {d['logprob_max']:.2e} | "
+                         f"{d['entropy_mean']:.2e} | {d['entropy_max']:.2e} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench/out")
+    parser.add_argument("--dry-run-cpu", action="store_true", help="the checkpoint model only, on the CPU")
+    args = parser.parse_args(argv)
+    global DEVICE
+    if args.dry_run_cpu:
+        DEVICE = "cpu"
+        for name in [n for n, o in VARIANTS.items() if "fla_then_silu" in o.values()]:
+            del VARIANTS[name]
+    else:
+        register_probe_kernels()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        models = [(CheckpointModel("qwen3_5", Path(tmp)), 11)]
+        if DEVICE == "cuda":
+            models.append((SliceModel("qwen3.5-9b", 4), 12))
+        for model, seed in models:
+            results[model.name] = probe(model, seed)
+            print(table({model.name: results[model.name]}), flush=True)
+            (out / "parity_probe.json").write_text(json.dumps(results, indent=1))
+    print(f"\n{table(results)}\nparity probe took {time.perf_counter() - started:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
