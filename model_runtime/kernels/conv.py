@@ -37,6 +37,12 @@ def causal_conv1d_reference(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed:
 def causal_conv1d_fla(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
     """fla's Triton varlen conv: the window restarts at every ``cu_seqlens`` boundary.
 
+    SiLU runs as its own step on the conv's output in the input dtype, not inside fla's kernel:
+    this is where Hugging Face rounds when ``causal_conv1d`` is not installed (the only case in
+    which this backend is chosen), conv output to bf16, then SiLU to bf16. fla's fused SiLU rounds
+    once; on the H200 that one rounding moved the tiny checkpoint's log-probs by 1.07e-2 mean
+    against Hugging Face and the separate step by 2.0e-3 (bench/parity_probe.py).
+
     fla 0.6 exports it from ``fla.modules.causal_conv1d`` (``fla.modules.convolution`` is an
     alias kept for older code) and returns ``(y, final_state)``.
     """
@@ -46,12 +52,12 @@ def causal_conv1d_fla(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: Packe
         x=x_TC.unsqueeze(0),
         weight=weight_CW,
         bias=None,
-        activation="silu",
+        activation=None,
         cu_seqlens=packed.cu_seqlens_long,
         cu_seqlens_cpu=packed.cu_seqlens_host_long,
     )
     y = y[0] if isinstance(y, tuple) else y
-    return y[0]
+    return F.silu(y[0])
 
 
 def _fla_conv():
