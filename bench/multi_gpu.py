@@ -119,12 +119,16 @@ def phase_fsdp(args, out: dict) -> None:
             try:
                 work = grpo_workload(pool.info.vocab_size, args.workload)
                 run_rows(pool, work, args.budget)  # untimed pass
+                before = dict(pool.step_counts)
                 with GpuMemorySampler(args.device == "cuda") as mem:
                     seconds = run_rows(pool, work, args.budget)
+                steps = pool.step_counts["steps"] - before["steps"]
                 tokens = describe(work)["tokens"]
                 row = {"run": label, "model": model, "fsdp": fsdp, "gpus": args.gpus, "seconds": seconds,
                        "tokens_per_s": tokens / seconds, "tokens_per_s_per_gpu": tokens / seconds / args.gpus,
-                       "peak_memory_mib_per_gpu": mem.peak}
+                       "peak_memory_mib_per_gpu": mem.peak,
+                       # FSDP steps every group together: rows per step near dp means no group idled.
+                       "rows_per_step": (pool.step_counts["rows"] - before["rows"]) / steps if steps else None}
                 print(f"[fsdp] {label}: {tokens / seconds:,.0f} tok/s, {tokens / seconds / args.gpus:,.0f} per GPU")
                 out.setdefault("fsdp", []).append(row)
             finally:

@@ -68,10 +68,16 @@ def test_lockstep_fsdp_groups_survive_a_killed_worker(local):
         assert pool.info.parallel == {"world_size": 2, "dp": 2, "sp": 1, "fsdp": True}
         pool.warm_up()
         work = rows(pool.info.vocab_size, 6, seed=1)
+        before = dict(pool.step_counts)
         with ThreadPoolExecutor(2) as ex:
             results = list(ex.map(pool.score_row, work))
         for i, (row, got) in enumerate(zip(work, results)):
             assert_same(got, local.score_row(row), f"lockstep row {i}")
+        # Two callers keep both groups busy: a step waits for the second caller's row instead of
+        # running one group against a dummy (which halved FSDP throughput on 2 GPUs).
+        steps = pool.step_counts["steps"] - before["steps"]
+        per_step = (pool.step_counts["rows"] - before["rows"]) / steps
+        assert per_step >= 1.5, f"{len(work)} rows from 2 callers took {steps} steps ({per_step:.2f} rows per step)"
         # A lone row still steps both groups (the other one runs a dummy row).
         assert_same(pool.score_row(work[0]), local.score_row(work[0]), "lone row")
 
