@@ -4,21 +4,23 @@
 #     bash bench/device_session.sh start bench/plan_h200x2.sh   # first call: starts, then follows
 #     bash bench/device_session.sh follow                       # each later call: follows on
 #
-# `start` installs the carried wheels (.whl/, see the README), then runs the plan in its own
-# process session (setsid), so it outlives the call as long as the machine is held (the next
-# call must come within the machine's idle release). Both verbs return after FOLLOW_S seconds
+# `start` installs the carried wheels (.whl/, see the README), copies the working tree to
+# $SESSION_DIR/repo (every device call sends the tree again, and files rewritten under a running
+# job have broken a server's imports), then runs the plan from that copy in its own process
+# session (setsid), so it outlives the call as long as the machine is held (the next call must
+# come within the machine's idle release). Both verbs return after FOLLOW_S seconds
 # (default 560) or when the plan is done, and pack everything the plan has written so far
 # (logs, JSON, charts) into $OUT/session.tgz plus a copy of the log, so a call cut short still
 # brings its results back. The plan's exit status per step is in steps.txt.
 set -u
 WORK=${SESSION_DIR:-/tmp/packscore-session}
-OUT=${OUT:-bench/out}
+OUT=$(realpath -m "${OUT:-bench/out}")
 FOLLOW_S=${FOLLOW_S:-560}
 verb=${1:-follow}
 
 pack() {
   mkdir -p "$OUT"
-  tar czf "$OUT/session.tgz" -C "$WORK" --exclude='kernel-cache' . 2>/dev/null
+  tar czf "$OUT/session.tgz" -C "$WORK" --exclude=./kernel-cache --exclude=./repo . 2>/dev/null
   cp "$WORK/session.log" "$OUT/session.log" 2>/dev/null
   tail -n 40 "$WORK/session.log" 2>/dev/null
   [ -f "$WORK/steps.txt" ] && cat "$WORK/steps.txt"
@@ -40,6 +42,8 @@ case "$verb" in
     if ls .whl/*.whl >/dev/null 2>&1; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     fi
+    tar cf - --exclude=./.git --exclude=./.whl . | (mkdir -p "$WORK/repo" && cd "$WORK/repo" && tar xf -)
+    cd "$WORK/repo" || exit 1
     export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     export PYTHONUNBUFFERED=1 SESSION_DIR=$WORK RESULTS=$WORK/results
     export TRITON_CACHE_DIR=$WORK/kernel-cache TORCHINDUCTOR_CACHE_DIR=$WORK/kernel-cache/inductor
