@@ -87,8 +87,11 @@ def run_parity(
     device = "cpu" if device_type == "cpu" else f"cuda:{rank}"
     load = dict(device=device, dtype="float32", allow_slow_kernels=True)
     if device_type == "cuda":
-        # float32 keeps layouts comparable tightly; the varlen kernel takes only 16-bit inputs.
-        load["kernel_overrides"] = {"attention": "sdpa"}
+        # float32 keeps layouts comparable tightly, so the token mixers take the exact references:
+        # the varlen kernel takes only 16-bit inputs, and fla's float32 delta rule multiplies in
+        # TF32 with a per-shape autotuned tiling (on 2 x H200 its SP / FSDP layouts moved float32
+        # log-probs by up to 4.4e-4, 2026-11-29). The bf16 served path is compared separately.
+        load["kernel_overrides"] = {"attention": "sdpa", "linear_attention": "reference", "conv1d": "reference"}
     for kind, path in checkpoints.items():
         reference = Scorer(load_model(path, **load))
         if rank == 0:
