@@ -76,12 +76,19 @@ def score_positions(
     chunk_tokens: int = 1024,
     rows_N: torch.Tensor | None = None,
     logprob_fn=None,
+    fixed_shape: bool = False,
 ) -> HeadOutput:
     """Chunked head. ``temperature_N`` is per position (a row may mix requests).
 
     With ``rows_N`` (int64 ``[N]``), ``hidden_ND`` is the whole row ``[T, D]`` and position ``i``
     reads row ``rows_N[i]``. ``logprob_fn`` is a ``head`` kernel (see ``model_runtime.kernels``);
     the default is the plain PyTorch one. Top-k requests take the plain path, which also ranks.
+
+    With ``fixed_shape`` every chunk's product has exactly ``chunk_tokens`` rows (the last one is
+    zero-padded): cuBLAS picks its kernel, and so a row's summation order, from the product's
+    shape, and a position's logits must not depend on how many other positions share its chunk.
+    The padding costs at most one chunk per row. Without it chunks are padded to a multiple of
+    ``ROW_MULTIPLE``, which is enough on the CPU.
     """
     if rows_N is not None and rows_N.shape != targets_N.shape:
         raise ValueError(f"rows must be [N={targets_N.shape[0]}] like the targets, got {tuple(rows_N.shape)}")
@@ -101,7 +108,9 @@ def score_positions(
         end = min(N, start + chunk_tokens)
         h_CD = hidden_ND[start:end] if rows_N is None else hidden_ND.index_select(0, rows_N[start:end])
         # F.linear reads W as [V, D] in place; `h @ W.t()` can copy the whole weight per chunk on CPU.
-        z_CV = F.linear(_pad_rows(h_CD, ROW_MULTIPLE), weight_VD)[: end - start]
+        padded_CD = _pad_rows(h_CD, chunk_tokens) if fixed_shape else _pad_rows(h_CD, ROW_MULTIPLE)
+        z_CV = F.linear(padded_CD, weight_VD)[: end - start]
+        del padded_CD
         del h_CD
         if logprob_fn is not None and not top_k:
             logprobs[start:end], entropy[start:end] = logprob_fn(z_CV, targets_N[start:end], temperature_N[start:end])

@@ -11,15 +11,16 @@ import torch
 from model_runtime.head import BYTES_PER_LOGIT, chunk_tokens_for_budget, score_positions, score_positions_reference
 
 
+@pytest.mark.parametrize("fixed_shape", [False, True], ids=["padded16", "fixed"])
 @pytest.mark.parametrize("chunk", [1, 7, 64, 10_000], ids=lambda c: f"C{c}")
 @pytest.mark.parametrize("top_k", [0, 1, 20], ids=lambda k: f"k{k}")
-def test_chunked_equals_unchunked(chunk, top_k):
+def test_chunked_equals_unchunked(chunk, top_k, fixed_shape):
     g = torch.Generator().manual_seed(chunk + top_k)
     N, D, V = 133, 32, 300
     hidden, weight = torch.randn(N, D, generator=g), torch.randn(V, D, generator=g) * 0.3
     targets = torch.randint(0, V, (N,), generator=g)
     temperature = torch.rand(N, generator=g) * 2 + 0.1
-    got = score_positions(hidden, weight, targets, temperature, top_k=top_k, chunk_tokens=chunk)
+    got = score_positions(hidden, weight, targets, temperature, top_k=top_k, chunk_tokens=chunk, fixed_shape=fixed_shape)
     want = score_positions_reference(hidden, weight, targets, temperature, top_k=top_k)
     # Both sides are float32 with |logits| up to ~60 at temperature 0.1, where float32 spacing
     # is 3.8e-6: a few roundings on two different paths stay below 4e-5.
