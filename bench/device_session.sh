@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs a GPU plan longer than one device call allows (10 minutes), from the repository root:
 #
-#     bash bench/device_session.sh start bench/plan_h200x2.sh   # first call: starts, then follows
+#     bash bench/device_session.sh start bench/plan_h200.sh   # first call: starts, then follows
 #     bash bench/device_session.sh follow                       # each later call: follows on
 #
 # `start` installs the carried wheels (.whl/, see the README), copies the working tree to

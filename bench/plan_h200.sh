@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Everything this project measures on an H200 machine with 1, 2, 4 or 8 GPUs, for
+# bench/device_session.sh (which sets RESULTS, the caches and the NCCL switches):
+#   A. the single-GPU benchmark suite (bench/gpu_suite.py: 9B shape, packscore against both
+#      Hugging Face forms, profile, restart) and, on another GPU when there is one, the bf16
+#      parity probe and the single-GPU tests of tests/gpu;
+#   B. with 2 GPUs or more: the NCCL tests, then bench/multi_gpu.py over all GPUs (SP scaling,
+#      FSDP against replicas, HTTP end to end).
+# About 25 minutes on 2 GPUs (2026-11-29).
+set -u
+cd "$(dirname "$0")/.."
+GPUS=$(nvidia-smi -L | wc -l)
+step() {  # step NAME COMMAND...: runs, logs the time and the exit status
+  local name=$1; shift
+  local t0=$SECONDS
+  echo "[$(date +%T)] == $name"
+  "$@"
+  local rc=$?
+  echo "$name: exit $rc after $((SECONDS - t0))s" | tee -a "$SESSION_DIR/steps.txt"
+}
+mkdir -p "$RESULTS/suite" "$RESULTS/tests" "$RESULTS/multi"
+echo "[$(date +%T)] $GPUS GPU(s)"
+
+suite() {
+  export CUDA_VISIBLE_DEVICES=0
+  step "suite (GPU 0)" bash -c "python3 -m bench.gpu_suite --mode full --out '$RESULTS/suite' --budget-s ${SUITE_BUDGET_S:-720} > '$RESULTS/suite/log.txt' 2>&1"
+}
+tests() {  # $1: the GPU to use
+  export CUDA_VISIBLE_DEVICES=$1
+  step "parity probe (GPU $1)" bash -c "python3 -m bench.parity_probe --out '$RESULTS/tests' > '$RESULTS/tests/parity_probe.txt' 2>&1"
+  step "single-GPU tests (GPU $1)" bash -c "PACKSCORE_GPU_REPORT='$RESULTS/tests/gpu_report.jsonl' python3 -m pytest -q -rA -p no:cacheprovider tests/gpu --ignore tests/gpu/test_parallel_nccl.py > '$RESULTS/tests/pytest.txt' 2>&1"
+}
+
+if [ "$GPUS" -ge 2 ]; then
+  (suite) & s=$!
+  (tests 1) & t=$!
+  wait $t; wait $s
+  step "NCCL tests" bash -c "PACKSCORE_GPU_REPORT='$RESULTS/tests/gpu_report.jsonl' python3 -m pytest -q -rA -p no:cacheprovider tests/gpu/test_parallel_nccl.py > '$RESULTS/tests/pytest_nccl.txt' 2>&1"
+  # FSDP against replicas on the first 64 sequences (four model starts); HTTP on the whole workload.
+  step "multi-GPU sp ($GPUS GPUs)" python3 -m bench.multi_gpu --gpus "$GPUS" --phases sp --out "$RESULTS/multi/sp"
+  step "multi-GPU fsdp ($GPUS GPUs)" python3 -m bench.multi_gpu --gpus "$GPUS" --phases fsdp --sequences "${FSDP_SEQUENCES:-64}" --out "$RESULTS/multi/fsdp"
+  step "multi-GPU http ($GPUS GPUs)" python3 -m bench.multi_gpu --gpus "$GPUS" --phases http --out "$RESULTS/multi/http"
+else
+  (suite)
+  (tests 0)
+fi
+touch "$SESSION_DIR/done"
