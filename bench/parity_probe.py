@@ -9,7 +9,8 @@ Qwen3.5-9B shape, the sequences of tests/gpu/test_parity_bf16.py are scored by:
 - packscore with its default CUDA kernels, and with one family at a time replaced by the
   backend that rounds where Hugging Face's eager modules round (conv1d ``reference``: bf16
   conv, then SiLU in bf16; attention ``sdpa``; elementwise ``eager``; head ``torch``), and
-  with all of those together;
+  with all of those together; also fla's conv with its fused float32 SiLU, as packscore ran it
+  before 2026-11-29;
 - packscore on each sequence alone, against the packed row (isolation).
 Prints a table of mean / max |difference| of log-probs and entropy against Hugging Face one at a
 time and writes ``parity_probe.json``.
@@ -31,31 +32,27 @@ from model_runtime.scorer import Scorer, SequenceInput
 DEVICE = "cuda"  # "cpu" only for --dry-run-cpu (the checkpoint model, to catch mistakes here)
 
 LENGTHS = (1, 2, 3, 5, 63, 64, 65, 127, 128, 129, 300, 1000)
-def conv1d_fla_then_silu(x_TC, weight_CW, packed):
-    """fla's varlen conv without its activation, then SiLU as a separate bf16 step: the two
-    roundings of Hugging Face's torch conv path (fla applies SiLU in float32 and rounds once)."""
-    import torch.nn.functional as F
+def conv1d_fla_fused_silu(x_TC, weight_CW, packed, splits=None):
+    """fla's conv with SiLU inside the kernel (float32, one rounding): packscore's conv until
+    2026-11-29, kept here to measure what the separate bf16 SiLU step changed."""
+    from model_runtime.kernels.conv import _fla_conv, _split
 
-    from model_runtime.kernels.conv import _fla_conv
-
-    y = _fla_conv()(x=x_TC.unsqueeze(0), weight=weight_CW, bias=None, activation=None,
+    y = _fla_conv()(x=x_TC.unsqueeze(0), weight=weight_CW, bias=None, activation="silu",
                     cu_seqlens=packed.cu_seqlens_long, cu_seqlens_cpu=packed.cu_seqlens_host_long)
-    y = y[0] if isinstance(y, tuple) else y
-    return F.silu(y[0])
+    return _split((y[0] if isinstance(y, tuple) else y)[0], splits)
 
 
 def register_probe_kernels() -> None:
     from model_runtime.kernels import REGISTRY
 
-    REGISTRY["conv1d"]["fla_then_silu"] = conv1d_fla_then_silu
+    REGISTRY["conv1d"]["fla_fused_silu"] = conv1d_fla_fused_silu
 
 
 HF_LIKE = {"conv1d": "reference", "attention": "sdpa", "elementwise": "eager", "head": "torch"}
 VARIANTS = {
     "default": {},
     "conv1d=reference": {"conv1d": "reference"},
-    "conv1d=fla_then_silu": {"conv1d": "fla_then_silu"},
-    "conv1d=fla_then_silu, attention=sdpa": {"conv1d": "fla_then_silu", "attention": "sdpa"},
+    "conv1d=fla_fused_silu (before 2026-11-29)": {"conv1d": "fla_fused_silu"},
     "attention=sdpa": {"attention": "sdpa"},
     "elementwise=eager": {"elementwise": "eager"},
     "head=torch": {"head": "torch"},
@@ -175,7 +172,7 @@ def main(argv=None) -> int:
     global DEVICE
     if args.dry_run_cpu:
         DEVICE = "cpu"
-        for name in [n for n, o in VARIANTS.items() if "fla_then_silu" in o.values()]:
+        for name in [n for n, o in VARIANTS.items() if "fla_fused_silu" in o.values()]:
             del VARIANTS[name]
     else:
         register_probe_kernels()

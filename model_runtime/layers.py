@@ -162,9 +162,9 @@ class PackedGatedDeltaNet(nn.Module):
     def _mix_qkv_local(self, x_TD: torch.Tensor, packed: PackedBatch):
         """Qwen3.5 layout on one rank: the conv reads ``in_proj_qkv``'s output as it comes."""
         T = x_TD.shape[0]
-        qkv_TC = self.conv_fn(self.in_proj_qkv(x_TD), self.conv1d.weight[:, 0, :], packed)
         key_dim = self.num_k_heads * self.head_k_dim
-        q, k, v = qkv_TC.split([key_dim, key_dim, self.num_v_heads * self.head_v_dim], dim=-1)
+        splits = (key_dim, key_dim, self.num_v_heads * self.head_v_dim)
+        q, k, v = self.conv_fn(self.in_proj_qkv(x_TD), self.conv1d.weight[:, 0, :], packed, splits=splits)
         z = self.in_proj_z(x_TD).reshape(T, self.num_v_heads, self.head_v_dim)
         g_TH, beta_TH = self.ops.ew.gdn_gates(self.in_proj_a(x_TD), self.in_proj_b(x_TD), self.A_log, self.dt_bias)
         return (
@@ -186,8 +186,7 @@ class PackedGatedDeltaNet(nn.Module):
         hk, hv = _head_slice(self.num_k_heads, sp), _head_slice(self.num_v_heads, sp)
         rows = q.shape[0]
         qkv_TC = torch.cat([q.reshape(rows, -1), k.reshape(rows, -1), v.reshape(rows, -1)], dim=-1)
-        qkv_TC = self.conv_fn(qkv_TC, self._conv_weight(hk, hv), packed)
-        q, k, v = qkv_TC.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=-1)
+        q, k, v = self.conv_fn(qkv_TC, self._conv_weight(hk, hv), packed, splits=(q[0].numel(), k[0].numel(), v[0].numel()))
         return (
             q.reshape(rows, -1, self.head_k_dim),
             k.reshape(rows, -1, self.head_k_dim),

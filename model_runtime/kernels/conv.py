@@ -2,7 +2,10 @@
 
 Legend: T = tokens in the row, C = channels, W = kernel width.
 
-Backends share one signature: ``fn(x_TC, weight_CW, packed) -> y_TC`` with SiLU applied.
+Backends share one signature: ``fn(x_TC, weight_CW, packed, splits=None) -> y_TC`` with SiLU
+applied. With ``splits`` (channel counts, e.g. the q, k and v widths) they return one tensor
+per split instead; a backend that can write the splits contiguously at no extra cost does so
+(fla's delta rule copies non-contiguous q, k and v before it starts).
 """
 
 from __future__ import annotations
@@ -22,7 +25,11 @@ def _check(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: PackedBatch) -> 
         raise ValueError(f"x has {x_TC.shape[0]} tokens but the packed row has {packed.total_tokens}")
 
 
-def causal_conv1d_reference(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+def _split(y_TC: torch.Tensor, splits):
+    return y_TC if splits is None else y_TC.split(list(splits), dim=-1)
+
+
+def causal_conv1d_reference(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: PackedBatch, splits=None):
     """Exact reference: one zero-padded convolution per segment, in the weight's dtype."""
     _check(x_TC, weight_CW, packed)
     width = weight_CW.shape[1]
@@ -31,17 +38,19 @@ def causal_conv1d_reference(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed:
         seg_1CT = x_TC[start:end].t().unsqueeze(0).to(weight_CW.dtype)
         y_1CT = F.conv1d(seg_1CT, weight_CW.unsqueeze(1), padding=width - 1, groups=weight_CW.shape[0])
         out.append(F.silu(y_1CT[0, :, : end - start]).t())
-    return torch.cat(out, dim=0).to(x_TC.dtype)
+    return _split(torch.cat(out, dim=0).to(x_TC.dtype), splits)
 
 
-def causal_conv1d_fla(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+def causal_conv1d_fla(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: PackedBatch, splits=None):
     """fla's Triton varlen conv: the window restarts at every ``cu_seqlens`` boundary.
 
     SiLU runs as its own step on the conv's output in the input dtype, not inside fla's kernel:
     this is where Hugging Face rounds when ``causal_conv1d`` is not installed (the only case in
     which this backend is chosen), conv output to bf16, then SiLU to bf16. fla's fused SiLU rounds
     once; on the H200 that one rounding moved the tiny checkpoint's log-probs by 1.07e-2 mean
-    against Hugging Face and the separate step by 2.0e-3 (bench/parity_probe.py).
+    against Hugging Face and the separate step by 2.0e-3 (bench/parity_probe.py). With
+    ``splits`` the SiLU step writes each split to its own contiguous tensor, which is the copy
+    fla's delta rule would otherwise make of q, k and v.
 
     fla 0.6 exports it from ``fla.modules.causal_conv1d`` (``fla.modules.convolution`` is an
     alias kept for older code) and returns ``(y, final_state)``.
@@ -56,8 +65,10 @@ def causal_conv1d_fla(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: Packe
         cu_seqlens=packed.cu_seqlens_long,
         cu_seqlens_cpu=packed.cu_seqlens_host_long,
     )
-    y = y[0] if isinstance(y, tuple) else y
-    return F.silu(y[0])
+    y_TC = (y[0] if isinstance(y, tuple) else y)[0]
+    if splits is None:
+        return F.silu(y_TC)
+    return tuple(F.silu(part).contiguous() for part in y_TC.split(list(splits), dim=-1))
 
 
 def _fla_conv():
@@ -68,7 +79,7 @@ def _fla_conv():
     return causal_conv1d
 
 
-def causal_conv1d_tridao(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+def causal_conv1d_tridao(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: PackedBatch, splits=None):
     """The ``causal_conv1d`` CUDA package; ``seq_idx`` tells it where every segment starts."""
     _check(x_TC, weight_CW, packed)
     from causal_conv1d import causal_conv1d_fn
@@ -80,4 +91,4 @@ def causal_conv1d_tridao(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: Pa
     # The kernel wants channels-last memory for seq_idx: [1, C, T] viewed from a [1, T, C] tensor.
     x_1CT = x_TC.unsqueeze(0).transpose(1, 2)
     y_1CT = causal_conv1d_fn(x_1CT, weight_CW, None, seq_idx=seq_idx_1T, activation="silu")
-    return y_1CT[0].t()
+    return _split(y_1CT[0].t(), splits)

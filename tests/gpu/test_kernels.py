@@ -97,6 +97,11 @@ def test_fla_conv1d_matches_reference(lengths, channels, gpu_record):
     gpu_record("kernel conv fla vs reference", lengths=str(lengths), channels=channels, rel=err, max_abs=max_abs(fast, ref), tol=tol)
     assert fast.shape == ref.shape and fast.dtype == x.dtype
     assert err <= tol, f"fla conv rel diff {err:.3e} > tol {tol:.0e}"
+    # The GDN layer asks for q, k and v as separate contiguous tensors: the same numbers.
+    splits = (channels // 4, channels // 4, channels // 2)
+    parts = causal_conv1d_fla(x, w, packed, splits=splits)
+    for part, want in zip(parts, fast.split(list(splits), dim=-1)):
+        assert part.is_contiguous() and torch.equal(part, want), "split conv output differs from the whole"
 
 
 @pytest.mark.parametrize("lengths", [pytest.param(s, id=f"N{len(s)}-T{sum(s)}") for s in SEGMENTS])

@@ -51,6 +51,8 @@ def test_conv_reference_matches_direct_sum(lengths):
                     acc += w[:, j] * x[src]
             want[t] = F.silu(acc)
     report("conv reference vs loop", causal_conv1d_reference(x, w, packed), want, 1e-5)
+    parts = causal_conv1d_reference(x, w, packed, splits=(1, x.shape[1] - 1))
+    assert torch.equal(torch.cat(parts, dim=-1), causal_conv1d_reference(x, w, packed)), "splits change the numbers"
 
 
 @pytest.mark.parametrize("lengths", LAYOUTS, ids=layout_id)
