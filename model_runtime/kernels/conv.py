@@ -80,7 +80,11 @@ def _fla_conv():
 
 
 def causal_conv1d_tridao(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: PackedBatch, splits=None):
-    """The ``causal_conv1d`` CUDA package; ``seq_idx`` tells it where every segment starts."""
+    """The ``causal_conv1d`` CUDA package; ``seq_idx`` tells it where every segment starts.
+
+    SiLU stays inside the kernel here: when the package is installed Hugging Face calls the same
+    kernel with the same fused activation, so both round alike.
+    """
     _check(x_TC, weight_CW, packed)
     from causal_conv1d import causal_conv1d_fn
 
