@@ -18,6 +18,7 @@ after every phase so a run cut short still returns what it measured.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import subprocess
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-DATE = "2026-11-29"
+DATE = datetime.date.today().isoformat()  # names the results file
 GiB = 2**30
 # "cuda" on the H200; "cpu" only for --dry-run-cpu, which walks every code path with the tiny
 # preset and a miniature workload to catch mistakes before spending device time.
