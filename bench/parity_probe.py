@@ -29,7 +29,6 @@ import torch
 
 from model_runtime.scorer import Scorer, SequenceInput
 
-DEVICE = "cuda"  # "cpu" only for --dry-run-cpu (the checkpoint model, to catch mistakes here)
 
 LENGTHS = (1, 2, 3, 5, 63, 64, 65, 127, 128, 129, 300, 1000)
 def conv1d_fla_fused_silu(x_TC, weight_CW, packed, splits=None):
@@ -80,21 +79,22 @@ def scores(results) -> list[tuple[np.ndarray, np.ndarray]]:
 class CheckpointModel:
     """A saved tiny checkpoint: packscore loads it per variant, Hugging Face once."""
 
-    def __init__(self, kind: str, directory: Path):
+    def __init__(self, kind: str, directory: Path, device: str):
         from tests.checkpoints import save_checkpoint
 
         self.path = save_checkpoint(kind, directory / kind)
         self.name = f"checkpoint {kind}"
+        self.device = device
 
     def hf(self):
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.bfloat16).to(DEVICE).eval()
+        return AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.bfloat16).to(self.device).eval()
 
     def ours(self, overrides):
         from model_runtime.loading import load_model
 
-        return load_model(str(self.path), device=DEVICE, dtype="bfloat16", allow_slow_kernels=True,
+        return load_model(str(self.path), device=self.device, dtype="bfloat16", allow_slow_kernels=True,
                           kernel_overrides=overrides)
 
 
@@ -103,6 +103,7 @@ class SliceModel:
 
     def __init__(self, preset: str, num_layers: int):
         self.preset, self.num_layers = preset, num_layers
+        self.device = "cuda"
         self.name = f"{preset}[:{num_layers}]"
         self._twin = None
 
@@ -129,16 +130,19 @@ def probe(model, seed: int) -> dict:
     hf = model.hf()
     vocab = hf.config.get_text_config().vocab_size
     seqs = make_batch(vocab, seed)
-    single = to_numpy(score_single(hf, seqs, DEVICE))
-    padded = to_numpy(score_padded(hf, seqs, DEVICE, 4096))
+    device = model.device
+    single = to_numpy(score_single(hf, seqs, device))
+    padded = to_numpy(score_padded(hf, seqs, device, 4096))
     lm_sum = float(hf.lm_head.weight.float().sum())
     result = {"hf padded vs hf single": diff(padded, single)}
     if isinstance(model, SliceModel):
         model.drop_hf()
     del hf
-    if DEVICE == "cuda":
+    if device == "cuda":
         torch.cuda.empty_cache()
-    for name, overrides in VARIANTS.items():
+    # fla's kernels exist only on CUDA.
+    variants = {n: o for n, o in VARIANTS.items() if device == "cuda" or "fla_fused_silu" not in o.values()}
+    for name, overrides in variants.items():
         loaded = model.ours(overrides)
         assert abs(float(loaded.model.lm_head.weight.float().sum()) - lm_sum) < 1e-3, "variant drew other weights"
         scorer = Scorer(loaded, max_batch_tokens=4096)
@@ -149,7 +153,7 @@ def probe(model, seed: int) -> dict:
             alone = scores([scorer.score_row([s])[0] for s in seqs])
             result["packscore alone vs packed"] = diff(alone, packed)
         del scorer, loaded
-        if DEVICE == "cuda":
+        if device == "cuda":
             torch.cuda.empty_cache()
     return result
 
@@ -169,20 +173,16 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench/out")
     parser.add_argument("--dry-run-cpu", action="store_true", help="the checkpoint model only, on the CPU")
     args = parser.parse_args(argv)
-    global DEVICE
-    if args.dry_run_cpu:
-        DEVICE = "cpu"
-        for name in [n for n, o in VARIANTS.items() if "fla_fused_silu" in o.values()]:
-            del VARIANTS[name]
-    else:
+    device = "cpu" if args.dry_run_cpu else "cuda"
+    if device == "cuda":
         register_probe_kernels()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        models = [(CheckpointModel("qwen3_5", Path(tmp)), 11)]
-        if DEVICE == "cuda":
+        models = [(CheckpointModel("qwen3_5", Path(tmp), device), 11)]
+        if device == "cuda":
             models.append((SliceModel("qwen3.5-9b", 4), 12))
         for model, seed in models:
             results[model.name] = probe(model, seed)
