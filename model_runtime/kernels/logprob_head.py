@@ -3,11 +3,16 @@
 Legend: C = positions in the chunk, V = vocabulary.
 
 Backends share one signature: ``fn(z_CV, targets_C, temperature_C) -> (logp_C, entropy_C)``
-where ``z_CV`` are raw logits (any float dtype), ``z / temperature`` is taken in float32, and
-``entropy = logsumexp(z) - sum softmax(z) * z``.
+where ``z_CV`` are raw logits (any float dtype). Both work in float32 on the shifted, tempered
+logits ``d = (z - max z) / T <= 0``: ``log p = d - log sum exp d`` and
+``entropy = log sum exp d - sum softmax(d) * d``. Shifting before dividing keeps every
+temperature the API allows (any finite T > 0) finite: ``z / T`` overflows for tiny T, ``d``
+only underflows to probabilities of 0. A log-probability below float32's range (a token that is
+not the arg-max at an extreme temperature) is reported as ``LOGP_FLOOR``, the lowest float32,
+so that JSON can carry it; temperatures below float32's smallest normal count as that.
 
 The ``triton`` backend reads each logit once: one program per position streams the row and
-keeps per-lane running (max, sum of exp, sum of exp * z), rescaled whenever the max grows
+keeps per-lane running (max, sum of exp d, sum of exp d * d), rescaled whenever the max grows
 (the online softmax). The ``torch`` backend is the plain float32 computation it must match.
 """
 
@@ -15,22 +20,33 @@ from __future__ import annotations
 
 import torch
 
+LOGP_FLOOR = torch.finfo(torch.float32).min  # log 0, as the lowest finite float32
+MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
+
+
+def temperature32(temperature_C: torch.Tensor) -> torch.Tensor:
+    """Temperatures in float32, the ones that underflow it raised to its smallest normal."""
+    return temperature_C.to(torch.float32).clamp_min(MIN_TEMPERATURE)
+
 
 def tempered_log_softmax(z_CV: torch.Tensor, temperature_C: torch.Tensor) -> torch.Tensor:
     """float32 ``log softmax(z / T)`` of one chunk (a new tensor; ``z_CV`` is left alone)."""
     logp_CV = z_CV.float()
     if logp_CV is z_CV:
         logp_CV = logp_CV.clone()
-    logp_CV.div_(temperature_C.float()[:, None])
+    logp_CV.sub_(logp_CV.amax(dim=-1, keepdim=True))
+    logp_CV.div_(temperature32(temperature_C).to(logp_CV.device)[:, None])
     logp_CV.sub_(torch.logsumexp(logp_CV, dim=-1, keepdim=True))
-    return logp_CV
+    return logp_CV.clamp_(min=LOGP_FLOOR)
 
 
 def entropy_of(logp_CV: torch.Tensor) -> torch.Tensor:
     """``-sum p log p`` as a batched dot product: no third ``[C, V]`` tensor, and no cancellation
-    between two large numbers as in ``lse - sum(p z)`` at low temperatures."""
+    between two large numbers as in ``lse - sum(p z)`` at low temperatures. (A floored ``log p``
+    has ``p = 0`` exactly, so it adds nothing.)"""
     p_CV = logp_CV.exp()
-    return -torch.bmm(p_CV.unsqueeze(1), logp_CV.unsqueeze(2))[:, 0, 0]
+    h_C = -torch.bmm(p_CV.unsqueeze(1), logp_CV.unsqueeze(2))[:, 0, 0]
+    return torch.where(h_C > 0, h_C, 0.0)  # rounding below 0 (and -0.0) reads as 0
 
 
 def logprob_entropy_torch(z_CV: torch.Tensor, targets_C: torch.Tensor, temperature_C: torch.Tensor):
@@ -56,10 +72,11 @@ def logprob_entropy_triton(z_CV: torch.Tensor, targets_C: torch.Tensor, temperat
         z_CV,
         z_CV.stride(0),
         targets_C.to(device=z_CV.device, dtype=torch.int64).contiguous(),
-        temperature_C.to(device=z_CV.device, dtype=torch.float32).contiguous(),
+        temperature32(temperature_C.to(z_CV.device)).contiguous(),
         logp_C,
         entropy_C,
         V,
+        LOGP_FLOOR=LOGP_FLOOR,
         BLOCK=block,
         num_warps=8 if block >= 2048 else 4,
     )
@@ -89,36 +106,41 @@ def _kernel():
 
     @triton.jit
     def logprob_entropy_kernel(
-        z_ptr, stride_row, target_ptr, temp_ptr, logp_ptr, entropy_ptr, V, BLOCK: tl.constexpr
+        z_ptr, stride_row, target_ptr, temp_ptr, logp_ptr, entropy_ptr, V, LOGP_FLOOR: tl.constexpr, BLOCK: tl.constexpr
     ):
         row = tl.program_id(0)
         z_row = z_ptr + row.to(tl.int64) * stride_row
         temp = tl.load(temp_ptr + row)
         lanes = tl.arange(0, BLOCK)
-        # A finite floor instead of -inf keeps exp(m_old - m_new) defined for lanes that only
-        # ever see masked columns (vocabularies smaller than BLOCK).
-        m = tl.full([BLOCK], -1.0e30, tl.float32)
-        s = tl.zeros([BLOCK], tl.float32)  # sum of exp(z - m)
-        t = tl.zeros([BLOCK], tl.float32)  # sum of exp(z - m) * z
+        # Per lane: m = max raw logit so far, s = sum exp(d), t = sum exp(d) * d with
+        # d = (z - m) / temp. m starts at a finite floor so that lanes which only ever see masked
+        # columns (vocabularies smaller than BLOCK) never compute -inf - -inf.
+        m = tl.full([BLOCK], LOGP_FLOOR, tl.float32)
+        s = tl.zeros([BLOCK], tl.float32)
+        t = tl.zeros([BLOCK], tl.float32)
         for start in range(0, V, BLOCK):
             cols = start + lanes
-            valid = cols < V
-            z = tl.load(z_row + cols, mask=valid, other=float("-inf")).to(tl.float32) / temp
+            z = tl.load(z_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
             m_new = tl.maximum(m, z)
-            rescale = tl.exp(m - m_new)
-            e = tl.exp(z - m_new)
+            shift = (m_new - m) / temp  # >= 0, +inf at extreme temperatures
+            rescale = tl.exp(-shift)
+            d = (z - m_new) / temp  # <= 0, -inf for masked columns
+            e = tl.exp(d)
+            # Old terms' d move down by shift; a rescale of 0 drops them (and avoids 0 * inf).
+            t = tl.where(rescale > 0, rescale * (t - s * shift), 0.0) + tl.where(e > 0, e * d, 0.0)
             s = s * rescale + e
-            t = t * rescale + tl.where(valid, e * z, 0.0)
             m = m_new
         m_row = tl.max(m, axis=0)
-        w = tl.exp(m - m_row)
-        s_row = tl.sum(s * w, axis=0)
-        t_row = tl.sum(t * w, axis=0)
-        lse = m_row + tl.log(s_row)
+        shift = (m_row - m) / temp
+        w = tl.exp(-shift)
+        s_row = tl.sum(s * w, axis=0)  # >= 1: the arg-max column contributes exp(0)
+        t_row = tl.sum(tl.where(w > 0, w * (t - s * shift), 0.0), axis=0)
+        lse = tl.log(s_row)
         target = tl.load(target_ptr + row)
-        z_target = tl.load(z_row + target).to(tl.float32) / temp
-        tl.store(logp_ptr + row, z_target - lse)
-        tl.store(entropy_ptr + row, lse - t_row / s_row)
+        d_target = (tl.load(z_row + target).to(tl.float32) - m_row) / temp
+        tl.store(logp_ptr + row, tl.maximum(d_target - lse, LOGP_FLOOR))
+        h = lse - t_row / s_row
+        tl.store(entropy_ptr + row, tl.where(h > 0, h, 0.0))  # rounding below 0 (and -0.0) reads as 0
 
     _KERNEL = logprob_entropy_kernel
     return _KERNEL

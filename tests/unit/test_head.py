@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from model_runtime.head import BYTES_PER_LOGIT, chunk_tokens_for_budget, score_positions, score_positions_reference
+from model_runtime.kernels.logprob_head import LOGP_FLOOR
 
 
 @pytest.mark.parametrize("fixed_shape", [False, True], ids=["padded16", "fixed"])
@@ -81,3 +82,36 @@ def test_head_peak_memory_stays_within_budget_with_a_large_vocabulary():
     print(f"head peak increase {increase / 2**20:.1f} MiB, budget {budget / 2**20:.0f} MiB")
     # ru_maxrss is a process-wide high-water mark; allow allocator slack of a quarter of the budget.
     assert increase <= budget * 1.25, f"head grew the process by {increase / 2**20:.1f} MiB > budget 64 MiB * 1.25"
+
+
+@pytest.mark.parametrize("top_k", [0, 3], ids=lambda k: f"k{k}")
+def test_every_finite_positive_temperature_gives_finite_numbers(top_k):
+    """The API allows any finite T > 0. Tiny T makes the distribution one-hot: the arg-max token
+    gets log p = 0, the others log p = -inf, reported as the lowest float32 (JSON has no -inf);
+    entropy is 0. Moderate T must agree with a float64 log-softmax of z / T."""
+    g = torch.Generator().manual_seed(3)
+    temps = torch.tensor([5e-324, 1e-45, 1e-40, 1e-30, 1e-6, 1e-3, 1.0, 1e3, 1e30, 1e300], dtype=torch.float64)
+    N, D, V = temps.numel(), 16, 300
+    hidden, weight = torch.randn(N, D, generator=g), torch.randn(V, D, generator=g)
+    logits = hidden @ weight.t()
+    targets = torch.randint(0, V, (N,), generator=g)
+    targets[::2] = logits[::2].argmax(dim=-1)
+    got = score_positions(hidden, weight, targets, temps, top_k=top_k, chunk_tokens=4)
+    for name in ("logprobs_N", "entropy_N", "top_k_logprobs_NK"):
+        value = getattr(got, name)
+        if value is not None:
+            assert torch.isfinite(value).all(), f"{name} not finite: {value.tolist()}"
+    assert (got.entropy_N >= 0).all(), got.entropy_N.tolist()
+    for i in range(N):
+        t = float(temps[i])
+        if t < 1e-20:  # one-hot to float32 precision
+            want_lp = 0.0 if i % 2 == 0 else LOGP_FLOOR
+            assert float(got.logprobs_N[i]) == want_lp or (i % 2 and float(got.logprobs_N[i]) < -1e15), (i, t, got.logprobs_N[i])
+            assert float(got.entropy_N[i]) == 0.0, (i, t, got.entropy_N[i])
+        else:
+            ref = torch.log_softmax(logits[i].double() / t, dim=-1)
+            want_lp = float(ref[targets[i]])
+            want_ent = float(-(ref.exp() * ref).sum())
+            tol = 1e-5 * max(1.0, abs(want_lp))
+            assert abs(float(got.logprobs_N[i]) - want_lp) <= tol, f"T={t}: log p {float(got.logprobs_N[i])} vs {want_lp}"
+            assert abs(float(got.entropy_N[i]) - want_ent) <= 1e-4, f"T={t}: entropy {float(got.entropy_N[i])} vs {want_ent}"

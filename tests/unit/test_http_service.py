@@ -266,3 +266,31 @@ def test_openapi_documents_both_encodings_examples_and_error_bodies():
     components = schema["components"]["schemas"]
     assert components["ScoreRequest"]["examples"] and components["ScoreResponse"]["examples"]
     assert "HTTPValidationError" not in components  # FastAPI's own 422 format is not part of the API
+
+
+def test_extreme_temperatures_answer_numbers_not_nulls():
+    """Any finite temperature > 0 is valid (API.md); at 5e-324 the fuzzer once got nulls back."""
+    import math
+
+    from model_runtime.backend import LocalBackend
+    from model_runtime.kernels.logprob_head import LOGP_FLOOR
+    from model_runtime.loading import load_model
+    from model_runtime.scorer import Scorer
+
+    backend = LocalBackend(Scorer(load_model("tiny", device="cpu")))
+
+    async def main():
+        app = create_app(Settings(), backend)
+        async with running_app(app) as client:
+            answers = {}
+            for t in (5e-324, 1e-40, 1e-30, 1e300):
+                body = {"sequences": [{"input_ids": [228, 418, 7, 9]}], "temperature": t, "top_k": 2}
+                r = await client.post("/score", json=body)
+                assert r.status_code == 200, r.text
+                answers[t] = r.json()["results"][0]
+            return answers
+
+    for t, result in asyncio.run(main()).items():
+        numbers = result["logprobs"] + result["entropy"] + [x for row in result["top_k_logprobs"] for x in row]
+        assert all(isinstance(x, float) and math.isfinite(x) for x in numbers), f"T={t}: {result}"
+        assert all(x >= LOGP_FLOOR for x in result["logprobs"]) and all(h >= 0 for h in result["entropy"])
