@@ -224,4 +224,6 @@ class PackedAttention(nn.Module):
         o_THD = self.attention_fn(q, k, v, packed, self.scaling)
         if sp is not None:
             o_THD = sp.to_tokens(o_THD)
-        return self.o_proj(self.ops.ew.sigmoid_gate(o_THD.reshape(T, -1), gate.reshape(T, -1)))
+        # The gate stays a strided [T, H, D] view of q_proj's output: the fused product reads it
+        # in place, where reshaping it to [T, H * D] first would copy it.
+        return self.o_proj(self.ops.ew.sigmoid_gate(o_THD, gate).reshape(T, -1))
