@@ -169,6 +169,25 @@ class _Protocol:
         items = [{"id": s.id, "input_ids": s.ids.tolist(), "score_from": s.score_from} for s in seqs]
         return json.dumps({**options, "sequences": items}, separators=(",", ":")).encode()
 
+    def after_failure(self, response: httpx.Response | None, exc: Exception | None, n_seqs: int, attempt: int,
+                      give_up: float) -> float | None:
+        """What to do after a failed attempt (no answer: ``response`` None, ``exc`` the transport
+        error): None to split the request in halves, else the seconds to wait before trying
+        again. Raises the error when retrying would outlast ``give_up`` or cannot help."""
+        if response is None:
+            wait = _retry_after(None, attempt)
+            if time.monotonic() + wait > give_up:
+                raise ScoreError(0, "connection_error", f"could not reach {self.base_url}: {exc}") from exc
+            return wait
+        error = _error(response)
+        if response.status_code == 413 and error.type in _SPLITTABLE and n_seqs > 1:
+            self.learn(response.headers)
+            return None
+        wait = _retry_after(response, attempt)
+        if response.status_code not in _RETRY_STATUSES or time.monotonic() + wait > give_up:
+            raise error
+        return wait
+
     def parse(self, response: httpx.Response, top_k: int) -> list[ScoredSequence]:
         self.learn(response.headers)
         media = response.headers.get("content-type", "").split(";")[0].strip()
@@ -182,7 +201,7 @@ def _array(value: Any, dtype: str) -> np.ndarray:
         return np.frombuffer(value, dtype=dtype).astype(dtype[1:], copy=True)
     try:
         return np.asarray(value, dtype=dtype[1:])
-    except TypeError:  # JSON has no -inf / NaN: the server sends null for them
+    except TypeError:  # JSON has no -inf / NaN: a server may send null for them
         return np.asarray([np.nan if v is None else v for v in value], dtype=dtype[1:])
 
 
@@ -291,24 +310,17 @@ class ScoreClient:
     def _send(self, seqs: list[_Seq], options: dict, give_up: float) -> list[ScoredSequence]:
         attempt = 0
         while True:
-            response = None
             try:
                 response = self._http.post("/score", content=self._p.body(seqs, options))
             except httpx.TransportError as exc:
-                wait = _retry_after(None, attempt)
-                if time.monotonic() + wait > give_up:
-                    raise ScoreError(0, "connection_error", f"could not reach {self._p.base_url}: {exc}") from exc
+                wait = self._p.after_failure(None, exc, len(seqs), attempt, give_up)
             else:
                 if response.status_code == 200:
                     return self._p.parse(response, options["top_k"])
-                error = _error(response)
-                if response.status_code == 413 and error.type in _SPLITTABLE and len(seqs) > 1:
-                    self._p.learn(response.headers)
+                wait = self._p.after_failure(response, None, len(seqs), attempt, give_up)
+                if wait is None:
                     half = len(seqs) // 2
                     return self._send(seqs[:half], options, give_up) + self._send(seqs[half:], options, give_up)
-                wait = _retry_after(response, attempt)
-                if response.status_code not in _RETRY_STATUSES or time.monotonic() + wait > give_up:
-                    raise error
             time.sleep(wait)
             attempt += 1
 
@@ -387,20 +399,14 @@ class AsyncScoreClient:
             try:
                 response = await self._http.post("/score", content=self._p.body(seqs, options))
             except httpx.TransportError as exc:
-                wait = _retry_after(None, attempt)
-                if time.monotonic() + wait > give_up:
-                    raise ScoreError(0, "connection_error", f"could not reach {self._p.base_url}: {exc}") from exc
+                wait = self._p.after_failure(None, exc, len(seqs), attempt, give_up)
             else:
                 if response.status_code == 200:
                     return self._p.parse(response, options["top_k"])
-                error = _error(response)
-                if response.status_code == 413 and error.type in _SPLITTABLE and len(seqs) > 1:
-                    self._p.learn(response.headers)
+                wait = self._p.after_failure(response, None, len(seqs), attempt, give_up)
+                if wait is None:
                     half = len(seqs) // 2
                     first = await self._send(seqs[:half], options, give_up)
                     return first + await self._send(seqs[half:], options, give_up)
-                wait = _retry_after(response, attempt)
-                if response.status_code not in _RETRY_STATUSES or time.monotonic() + wait > give_up:
-                    raise error
             await asyncio.sleep(wait)
             attempt += 1
