@@ -6,6 +6,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -134,15 +135,8 @@ def estimated_weight_bytes(spec: str, dtype: torch.dtype) -> int:
     for file in Path(spec).glob("*.safetensors"):
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
-                elements += _numel(f.get_slice(key).get_shape())
+                elements += math.prod(f.get_slice(key).get_shape())
     return elements * itemsize
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _hf_kwargs(model_type: str, moe_implementation: str | None) -> dict:
