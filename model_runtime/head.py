@@ -76,7 +76,7 @@ def score_positions(
     chunk_tokens: int = 1024,
     rows_N: torch.Tensor | None = None,
     logprob_fn=None,
-    fixed_shape: bool = False,
+    fixed_shape: bool | None = None,
 ) -> HeadOutput:
     """Chunked head. ``temperature_N`` is per position (a row may mix requests).
 
@@ -84,11 +84,11 @@ def score_positions(
     reads row ``rows_N[i]``. ``logprob_fn`` is a ``head`` kernel (see ``model_runtime.kernels``);
     the default is the plain PyTorch one. Top-k requests take the plain path, which also ranks.
 
-    With ``fixed_shape`` every chunk's product has exactly ``chunk_tokens`` rows (the last one is
-    zero-padded): cuBLAS picks its kernel, and so a row's summation order, from the product's
-    shape, and a position's logits must not depend on how many other positions share its chunk.
-    The padding costs at most one chunk per row. Without it chunks are padded to a multiple of
-    ``ROW_MULTIPLE``, which is enough on the CPU.
+    With ``fixed_shape`` (the default on CUDA) every chunk's product has exactly ``chunk_tokens``
+    rows (the last one is zero-padded): cuBLAS picks its kernel, and so a row's summation order,
+    from the product's shape, and a position's logits must not depend on how many other
+    positions share its chunk. The padding costs at most one chunk per row. Without it chunks
+    are padded to a multiple of ``ROW_MULTIPLE``, which is enough on the CPU.
     """
     if rows_N is not None and rows_N.shape != targets_N.shape:
         raise ValueError(f"rows must be [N={targets_N.shape[0]}] like the targets, got {tuple(rows_N.shape)}")
@@ -96,6 +96,8 @@ def score_positions(
     _check(hidden_ND, weight_VD, targets_N, temperature_N, top_k, n_hidden)
     N = targets_N.shape[0]
     dev = hidden_ND.device
+    if fixed_shape is None:
+        fixed_shape = dev.type == "cuda"
     logprobs = torch.empty(N, dtype=torch.float32, device=dev)
     entropy = torch.empty(N, dtype=torch.float32, device=dev)
     top_ids = torch.empty(N, top_k, dtype=torch.long, device=dev) if top_k else None
@@ -110,8 +112,7 @@ def score_positions(
         # F.linear reads W as [V, D] in place; `h @ W.t()` can copy the whole weight per chunk on CPU.
         padded_CD = _pad_rows(h_CD, chunk_tokens) if fixed_shape else _pad_rows(h_CD, ROW_MULTIPLE)
         z_CV = F.linear(padded_CD, weight_VD)[: end - start]
-        del padded_CD
-        del h_CD
+        del padded_CD, h_CD
         if logprob_fn is not None and not top_k:
             logprobs[start:end], entropy[start:end] = logprob_fn(z_CV, targets_N[start:end], temperature_N[start:end])
             # Released before the next chunk's product, or two chunks of logits would coexist.

@@ -201,7 +201,6 @@ class Scorer:
             chunk_tokens=self.head_chunk_tokens_top_k if plan.top_k else self.head_chunk_tokens,
             rows_N=rows_N,
             logprob_fn=self.logprob_fn,
-            fixed_shape=device.type == "cuda",
         )
         return split_results(sequences, head, plan.top_k)
 

@@ -87,7 +87,6 @@ class ParallelScorer:
                 chunk_tokens=settings.head_chunk_tokens_top_k if plan.top_k else settings.head_chunk_tokens,
                 rows_N=local_positions,
                 logprob_fn=settings.logprob_fn,
-                fixed_shape=hidden_TlD.device.type == "cuda",
             )
         if S > 1:
             head = self._gather(head, np.diff(bounds).tolist(), plan.top_k)
