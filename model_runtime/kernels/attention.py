@@ -44,15 +44,20 @@ def causal_attention_reference(q_THD, k_THD, v_THD, packed: PackedBatch, scale: 
 
 
 def causal_attention_sdpa(q_THD, k_THD, v_THD, packed: PackedBatch, scale: float) -> torch.Tensor:
-    """PyTorch SDPA per segment: a correct path for any device, but one launch per segment."""
+    """PyTorch SDPA, one launch per segment.
+
+    Each segment goes through exactly the call Hugging Face's sdpa attention makes for one
+    unpadded sequence (``is_causal``, shared key/value heads read in place with ``enable_gqa``),
+    so its numbers do not depend on the other segments of the row, nor on their count.
+    """
     _check(q_THD, k_THD, v_THD, packed)
-    group = q_THD.shape[1] // k_THD.shape[1]
+    gqa = q_THD.shape[1] != k_THD.shape[1]
     out = torch.empty_like(q_THD)
     for start, end in packed.segments():
         q = q_THD[start:end].transpose(0, 1).unsqueeze(0)
-        k = k_THD[start:end].transpose(0, 1).unsqueeze(0).repeat_interleave(group, dim=1)
-        v = v_THD[start:end].transpose(0, 1).unsqueeze(0).repeat_interleave(group, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        k = k_THD[start:end].transpose(0, 1).unsqueeze(0)
+        v = v_THD[start:end].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         out[start:end] = o[0].transpose(0, 1)
     return out
 
