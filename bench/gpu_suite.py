@@ -238,7 +238,7 @@ def _timed(fn):
 
 
 def run_benchmark(suite: Suite, preset: str, num_sequences: int, *, hf_single: bool, max_batch_tokens: int,
-                  key: str, extras: bool, spec=None) -> dict:
+                  key: str, extras: bool, spec=None, alt_attention: str | None = None) -> dict:
     from bench.flops import flop_model
     from bench.hf_reference import build_twin, score_padded, score_padded_fitting, score_single, to_numpy
     from bench.workload import WorkloadSpec, describe, grpo_workload
@@ -323,6 +323,21 @@ def run_benchmark(suite: Suite, preset: str, num_sequences: int, *, hf_single: b
             bench["diff_hf_padded_vs_hf_single"] = _diff(padded, single)
         elif hf_single:
             bench["hf_single"] = "skipped: not enough time left in this call"
+    if alt_attention and suite.remaining() > 2.5 * work["tokens"] / 30000 + 30:
+        # (a') packscore again with attention per segment through SDPA, the call Hugging Face
+        # makes for one sequence: whether its speed and its closeness to (b) beat the varlen kernel.
+        from bench.hf_reference import attention_backend
+
+        with attention_backend(loaded.model, alt_attention):
+            scorer.score(sequences)
+            alt_raw, seconds, peak = _timed(lambda: scorer.score(sequences))
+        alt = [(r.logprobs, r.entropy) for r in alt_raw]
+        side(f"packscore_attention_{alt_attention}", seconds, peak, max_batch_tokens=max_batch_tokens)
+        bench[f"diff_packscore_attention_{alt_attention}_vs_hf_padded"] = _diff(alt, padded)
+        if "hf_single" in bench["sides"]:
+            bench[f"diff_packscore_attention_{alt_attention}_vs_hf_single"] = _diff(alt, single)
+        bench[f"diff_packscore_attention_{alt_attention}_vs_packscore"] = _diff(alt, ours)
+        log(f"attention={alt_attention}: " + str({k: v for k, v in bench.items() if k.startswith(f"diff_packscore_attention_")}))
     hf_best = max(s["tokens_per_s"] for n, s in bench["sides"].items() if n.startswith("hf_"))
     bench["speedup_vs_hf"] = bench["sides"]["packscore"]["tokens_per_s"] / hf_best
     bench["mfu_of_measured_peak"] = bench["sides"]["packscore"]["mfu_of_measured_peak"]
@@ -534,7 +549,8 @@ def main():
             suite, True, select="not long_sequence and not isolation"), 60)
     elif args.mode == "full":
         suite.phase("benchmark qwen3.5-9b", lambda: run_benchmark(
-            suite, "qwen3.5-9b", 256, hf_single=True, max_batch_tokens=65536, key="qwen3.5-9b", extras=True), 60)
+            suite, "qwen3.5-9b", 256, hf_single=True, max_batch_tokens=65536, key="qwen3.5-9b", extras=True,
+            alt_attention="sdpa"), 60)
         suite.results["moe_experts"] = suite.phase("35B-A3B experts grouped_mm vs eager (4 layers)",
                                                    lambda: moe_experts(4, 16384), 30)
         suite.results["restart_warm"] = suite.phase("restart warm-up (warm cache)", lambda: restart_probe(
@@ -578,7 +594,8 @@ def dry_run(suite: Suite):
     spec = WorkloadSpec(num_sequences=16, prompt_median=20, prompt_clip=(4, 60), response_median=30, response_clip=(2, 90))
     suite.results["ceiling"] = {"tflops_mean": 1.0}
     suite.phase("benchmark tiny", lambda: run_benchmark(
-        suite, "tiny", 16, hf_single=True, max_batch_tokens=300, key="tiny", extras=True, spec=spec), 0)
+        suite, "tiny", 16, hf_single=True, max_batch_tokens=300, key="tiny", extras=True, spec=spec,
+        alt_attention="sdpa"), 0)
     suite.results["moe_experts"] = suite.phase("experts grouped_mm vs eager (tiny)", lambda: moe_experts(None, 200, spec), 0)
     suite.results["gpu_tests"] = suite.phase("GPU tests (all skip on CPU)", lambda: run_tests(
         suite, True, select="not long_sequence and not isolation"), 0)

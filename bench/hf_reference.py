@@ -29,6 +29,23 @@ from model_runtime.model import patch_for_packing
 from model_runtime.presets import PRESETS, build_config
 
 
+@contextlib.contextmanager
+def attention_backend(model, name: str):
+    """Every full-attention layer of the packed ``model`` runs the attention backend ``name``."""
+    from model_runtime.kernels import REGISTRY
+    from model_runtime.layers import PackedAttention
+
+    layers = [m for m in model.modules() if isinstance(m, PackedAttention)]
+    saved = [m.attention_fn for m in layers]
+    for m in layers:
+        m.attention_fn = REGISTRY["attention"][name]
+    try:
+        yield
+    finally:
+        for m, fn in zip(layers, saved):
+            m.attention_fn = fn
+
+
 @dataclass
 class Twin:
     loaded: LoadedModel

@@ -13,6 +13,7 @@ SIDE_NAMES = {
     "packscore": "packscore (in-process, packed rows)",
     "hf_padded": "HF transformers, padded length-sorted batches",
     "hf_single": "HF transformers, one sequence at a time",
+    "packscore_attention_sdpa": "packscore, attention per segment through SDPA",
 }
 
 
@@ -38,6 +39,8 @@ def markdown(results: dict) -> str:
                 d = bench.get("diff_packscore_vs_hf_padded", {})
             elif name == "hf_single":
                 d = bench.get("diff_hf_padded_vs_hf_single", {})
+            elif name.startswith("packscore_"):
+                d = bench.get(f"diff_{name}_vs_hf_padded", {})
             else:
                 d = {}
             diff_lp = f"{d['logprob_max']:.2e} / {d['logprob_mean']:.2e}" if d else "(reference)"
@@ -84,7 +87,7 @@ def chart(results: dict, path: Path) -> None:
         for name, side in bench["sides"].items():
             labels.append(f"{preset}\n{name}")
             values.append(side["tokens_per_s"])
-            colors.append("tab:green" if name == "packscore" else "tab:gray")
+            colors.append("tab:green" if name.startswith("packscore") else "tab:gray")
     bars = ax.bar(range(len(values)), values, color=colors)
     for bar, v in zip(bars, values):
         ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=8)
