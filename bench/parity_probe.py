@@ -60,6 +60,59 @@ VARIANTS = {
 }
 
 
+# The variants whose isolation (each sequence alone against the packed row) is measured too.
+ISOLATION_VARIANTS = ("default", "attention=sdpa", "hf-like (all four)")
+
+
+def first_divergence(scorer, seqs, victim_index: int = -2, limit: int = 8) -> dict:
+    """Which modules' outputs differ for one sequence scored alone and first in a packed row.
+
+    Every module's output is captured in both runs (forward hooks) and the victim's tokens
+    compared; the first ``limit`` modules, in call order, whose victim rows differ are listed
+    with their max |difference|. An op whose arithmetic depends on the row's size shows up
+    here first.
+    """
+    victim = seqs[victim_index]
+    others = [s for i, s in enumerate(seqs) if i != victim_index % len(seqs)]
+    n = victim.length
+    model = scorer.loaded.model
+    captured: dict[str, list] = {"alone": [], "packed": []}
+    mode = ["alone"]
+
+    def hook(name):
+        def fn(module, args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            if not isinstance(out, torch.Tensor) or out.dim() == 0:
+                return
+            # The token dimension: the first whose size is this run's padded row length.
+            dim = next((d for d in range(out.dim()) if out.shape[d] >= n and out.shape[d] % 8 == 0), None)
+            if dim is None:
+                return
+            captured[mode[0]].append((name, out.narrow(dim, 0, n).detach().float().clone()))
+        return fn
+
+    handles = [m.register_forward_hook(hook(name or "model")) for name, m in model.named_modules()]
+    try:
+        scorer.score_row([victim])
+        mode[0] = "packed"
+        scorer.score_row([victim] + others)
+    finally:
+        for h in handles:
+            h.remove()
+    found = []
+    for (name, a), (name_b, b) in zip(captured["alone"], captured["packed"]):
+        if name != name_b or a.shape != b.shape:
+            found.append({"module": name, "note": f"call order or shape differs ({name_b}, {tuple(a.shape)} vs {tuple(b.shape)})"})
+            break
+        d = float((a - b).abs().max())
+        if d > 0:
+            found.append({"module": name, "max_abs_diff": d, "scale": float(a.abs().max())})
+            if len(found) >= limit:
+                break
+    return {"victim_length": n, "modules_compared": min(len(captured["alone"]), len(captured["packed"])),
+            "first_differing": found}
+
+
 def make_batch(vocab: int, seed: int) -> list[SequenceInput]:
     rng = np.random.default_rng(seed)
     return [SequenceInput(rng.integers(0, vocab, size=n), score_from=1) for n in LENGTHS]
@@ -149,9 +202,12 @@ def probe(model, seed: int) -> dict:
         packed = scores(scorer.score_row(seqs))
         result[f"packscore {name}"] = diff(packed, single)
         result[f"packscore {name}"]["kernels"] = str(loaded.backends.names)
-        if name == "default":
+        if name in ISOLATION_VARIANTS:
             alone = scores([scorer.score_row([s])[0] for s in seqs])
-            result["packscore alone vs packed"] = diff(alone, packed)
+            label = "" if name == "default" else f" ({name})"
+            result[f"packscore alone vs packed{label}"] = diff(alone, packed)
+            if device == "cuda":
+                result[f"first divergence alone vs packed{label}"] = first_divergence(scorer, seqs)
         del scorer, loaded
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -163,6 +219,10 @@ def table(results: dict) -> str:
              "| --- | --- | --- | --- | --- | --- |"]
     for model, rows in results.items():
         for name, d in rows.items():
+            if name.startswith("first divergence"):
+                first = d["first_differing"][:3]
+                lines.append(f"| {model} | {name} | {first or 'none: every module equal'} | | | |")
+                continue
             lines.append(f"| {model} | {name} | {d['logprob_mean']:.2e} | {d['logprob_max']:.2e} | "
                          f"{d['entropy_mean']:.2e} | {d['entropy_max']:.2e} |")
     return "\n".join(lines)

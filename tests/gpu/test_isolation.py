@@ -40,7 +40,19 @@ def twin():
     torch.cuda.empty_cache()
 
 
-def test_alone_vs_packed(twin, gpu_record):
+@pytest.mark.parametrize("attention", ["default", "sdpa"])
+def test_alone_vs_packed(twin, attention, gpu_record):
+    """``sdpa`` runs attention per segment (one call per sequence, as Hugging Face does for one
+    sequence): a segment's attention is then the same call alone and packed."""
+    from bench.hf_reference import attention_backend
+
+    if attention != "default":
+        with attention_backend(twin.loaded.model, attention):
+            return _alone_vs_packed(twin, gpu_record, f", attention={attention}")
+    return _alone_vs_packed(twin, gpu_record, "")
+
+
+def _alone_vs_packed(twin, gpu_record, label):
     rng = np.random.default_rng(5)
     vocab = twin.loaded.vocab_size
     victim = SequenceInput(rng.integers(0, vocab, 777), score_from=100)
@@ -55,13 +67,17 @@ def test_alone_vs_packed(twin, gpu_record):
         means.append(float(np.abs(got.logprobs - alone.logprobs).mean()))
     again = scorer.score_row([victim])[0]
     repeat = float(np.abs(again.logprobs - alone.logprobs).max())
+    from bench.parity_probe import first_divergence
+
+    divergence = first_divergence(scorer, [victim] + others, victim_index=0, limit=4)
     d_lp = max(v[0] for v in worst.values())
     d_ent = max(v[1] for v in worst.values())
     mean_lp = max(means)
     gpu_record(
-        "isolation alone vs packed (9B[:4], bf16)",
+        f"isolation alone vs packed (9B[:4], bf16{label})",
         logprob_max=d_lp, entropy_max=d_ent, logprob_mean=mean_lp, same_row_twice=repeat,
         **{f"logprob_max_{k}": v[0] for k, v in worst.items()},
+        first_differing_modules=str(divergence["first_differing"]),
     )
     assert repeat == 0.0, f"the same row scored twice differs by {repeat:.3e}: nondeterminism, not packing"
     assert mean_lp <= MEAN_TOL, f"alone vs packed: mean |logprob diff| {mean_lp:.3e} > {MEAN_TOL:.0e}"

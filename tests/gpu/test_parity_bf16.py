@@ -99,29 +99,40 @@ def hf_uses_fla() -> str:
     return "torch fallback"
 
 
+# The attention backends compared: the default (the fastest installed varlen kernel) and
+# SDPA per segment, the call Hugging Face makes for one sequence.
+ATTENTION = ["default", "sdpa"]
+
+
+def _overrides(attention: str) -> dict:
+    return {} if attention == "default" else {"attention": attention}
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_next"])
-def test_bf16_packed_matches_hf_alone(kind, checkpoint_dir, gpu_record):
+def test_bf16_packed_matches_hf_alone(kind, attention, checkpoint_dir, gpu_record):
     from transformers import AutoModelForCausalLM
 
     from model_runtime.loading import load_model
 
     path = checkpoint_dir(kind)
-    loaded = load_model(str(path), device="cuda", dtype="bfloat16")
+    loaded = load_model(str(path), device="cuda", dtype="bfloat16", kernel_overrides=_overrides(attention))
     assert loaded.backends.linear_attention == "fla" and not loaded.backends.fallbacks
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     stats = {}
     for temperature in (1.0, 0.7):
         stats[temperature] = compare(Scorer(loaded), hf_model, make_batch(loaded.vocab_size, 11, temperature))
     worst = {k: max(s[k] for s in stats.values()) for k in stats[1.0] if k != "positions"}
-    gpu_record(f"parity bf16 {kind}", hf_gdn=hf_uses_fla(), kernels=str(loaded.backends.names), **worst, tol_mean=MEAN_TOL)
+    gpu_record(f"parity bf16 {kind} (attention {attention})", hf_gdn=hf_uses_fla(), kernels=str(loaded.backends.names), **worst, tol_mean=MEAN_TOL)
     assert worst["logprob_mean"] <= MEAN_TOL, f"{kind}: mean |logprob diff| {worst['logprob_mean']:.3e} > {MEAN_TOL:.0e}"
     assert worst["entropy_mean"] <= MEAN_TOL, f"{kind}: mean |entropy diff| {worst['entropy_mean']:.3e} > {MEAN_TOL:.0e}"
 
 
-def test_bf16_9b_slice_matches_hf_alone(gpu_record):
+@pytest.mark.parametrize("attention", ATTENTION)
+def test_bf16_9b_slice_matches_hf_alone(attention, gpu_record):
     from bench.hf_reference import build_twin
 
-    twin = build_twin("qwen3.5-9b", num_layers=4)
+    twin = build_twin("qwen3.5-9b", num_layers=4, kernel_overrides=_overrides(attention))
     seqs = make_batch(twin.loaded.vocab_size, 12, 1.0)
     with twin.hf() as hf_model:
         reference = [hf_alone(hf_model, s) for s in seqs]
@@ -134,7 +145,7 @@ def test_bf16_9b_slice_matches_hf_alone(gpu_record):
         "entropy_mean": float(d_ent.mean()),
         "entropy_max": float(d_ent.max()),
     }
-    gpu_record("parity bf16 qwen3.5-9b[:4]", hf_gdn=hf_uses_fla(), kernels=str(twin.loaded.backends.names), **stats, tol_mean=MEAN_TOL)
+    gpu_record(f"parity bf16 qwen3.5-9b[:4] (attention {attention})", hf_gdn=hf_uses_fla(), kernels=str(twin.loaded.backends.names), **stats, tol_mean=MEAN_TOL)
     del twin
     torch.cuda.empty_cache()
     assert stats["logprob_mean"] <= MEAN_TOL, f"9B slice: mean |logprob diff| {stats['logprob_mean']:.3e} > {MEAN_TOL:.0e}"
