@@ -4,8 +4,8 @@
 #   A. the single-GPU benchmark suite (bench/gpu_suite.py: 9B shape, packscore against both
 #      Hugging Face forms, profile, restart) and, on another GPU when there is one, the bf16
 #      parity probe and the single-GPU tests of tests/gpu;
-#   B. with 2 GPUs or more: the NCCL tests, then bench/multi_gpu.py over all GPUs (SP scaling,
-#      FSDP against replicas, HTTP end to end).
+#   B. with 2 GPUs or more: the NCCL tests (beside A on GPUs 2-3 when there are 4), then
+#      bench/multi_gpu.py over all GPUs (HTTP end to end, SP scaling, FSDP against replicas).
 # About 25 minutes on 2 GPUs (2026-11-29).
 set -u
 cd "$(dirname "$0")/.."
@@ -27,19 +27,35 @@ suite() {
 }
 tests() {  # $1: the GPU to use
   export CUDA_VISIBLE_DEVICES=$1
-  step "parity probe (GPU $1)" bash -c "python3 -m bench.parity_probe --out '$RESULTS/tests' > '$RESULTS/tests/parity_probe.txt' 2>&1"
   step "single-GPU tests (GPU $1)" bash -c "PACKSCORE_GPU_REPORT='$RESULTS/tests/gpu_report.jsonl' python3 -m pytest -q -rA -p no:cacheprovider tests/gpu --ignore tests/gpu/test_parallel_nccl.py > '$RESULTS/tests/pytest.txt' 2>&1"
+  step "parity probe (GPU $1)" bash -c "python3 -m bench.parity_probe --out '$RESULTS/tests' > '$RESULTS/tests/parity_probe.txt' 2>&1"
 }
 
-if [ "$GPUS" -ge 2 ]; then
+nccl() {  # $1: the two GPUs to use, e.g. 2,3
+  export CUDA_VISIBLE_DEVICES=$1
+  step "NCCL tests (GPUs $1)" bash -c "PACKSCORE_GPU_REPORT='$RESULTS/tests/gpu_report_nccl.jsonl' python3 -m pytest -q -rA -p no:cacheprovider tests/gpu/test_parallel_nccl.py > '$RESULTS/tests/pytest_nccl.txt' 2>&1"
+}
+multi() {  # all GPUs: HTTP end to end (never measured before), SP scaling, FSDP against replicas
+  unset CUDA_VISIBLE_DEVICES
+  step "multi-GPU http ($GPUS GPUs)" python3 -m bench.multi_gpu --gpus "$GPUS" --phases http --out "$RESULTS/multi/http"
+  step "multi-GPU sp ($GPUS GPUs)" python3 -m bench.multi_gpu --gpus "$GPUS" --phases sp --out "$RESULTS/multi/sp"
+  # FSDP against replicas on the first 64 sequences (four model starts).
+  step "multi-GPU fsdp ($GPUS GPUs)" python3 -m bench.multi_gpu --gpus "$GPUS" --phases fsdp --sequences "${FSDP_SEQUENCES:-64}" --out "$RESULTS/multi/fsdp"
+}
+
+if [ "$GPUS" -ge 4 ]; then
+  # A: the suite, the single-GPU tests and the NCCL tests side by side on GPUs 0, 1 and 2-3.
+  (suite) & s=$!
+  (tests 1) & t=$!
+  (nccl 2,3) & n=$!
+  wait $t; wait $n; wait $s
+  multi
+elif [ "$GPUS" -ge 2 ]; then
   (suite) & s=$!
   (tests 1) & t=$!
   wait $t; wait $s
-  step "NCCL tests" bash -c "PACKSCORE_GPU_REPORT='$RESULTS/tests/gpu_report.jsonl' python3 -m pytest -q -rA -p no:cacheprovider tests/gpu/test_parallel_nccl.py > '$RESULTS/tests/pytest_nccl.txt' 2>&1"
-  # FSDP against replicas on the first 64 sequences (four model starts); HTTP on the whole workload.
-  step "multi-GPU sp ($GPUS GPUs)" python3 -m bench.multi_gpu --gpus "$GPUS" --phases sp --out "$RESULTS/multi/sp"
-  step "multi-GPU fsdp ($GPUS GPUs)" python3 -m bench.multi_gpu --gpus "$GPUS" --phases fsdp --sequences "${FSDP_SEQUENCES:-64}" --out "$RESULTS/multi/fsdp"
-  step "multi-GPU http ($GPUS GPUs)" python3 -m bench.multi_gpu --gpus "$GPUS" --phases http --out "$RESULTS/multi/http"
+  (nccl 0,1)
+  multi
 else
   (suite)
   (tests 0)
