@@ -8,10 +8,11 @@ Qwen3.5-9B shape, the sequences of tests/gpu/test_parity_bf16.py are scored by:
   padded batches: the difference between those two is Hugging Face's own bf16 noise;
 - packscore with its default CUDA kernels, and with one family at a time replaced by the
   backend that rounds where Hugging Face's eager modules round (conv1d ``reference``: bf16
-  conv, then SiLU in bf16; attention ``sdpa``; elementwise ``eager``; head ``torch``), and
-  with all of those together; also fla's conv with its fused float32 SiLU, as packscore ran it
-  before 2026-11-29;
-- packscore on each sequence alone, against the packed row (isolation).
+  conv, then SiLU in bf16; elementwise ``eager``; head ``torch``), with all of those together,
+  with the varlen attention kernel instead of the default SDPA per segment, and with fla's conv
+  and its fused float32 SiLU, as packscore ran it before 2026-11-29;
+- packscore on each sequence alone, against the packed row (isolation), and the first modules
+  whose outputs differ between the two.
 Prints a table of mean / max |difference| of log-probs and entropy against Hugging Face one at a
 time and writes ``parity_probe.json``.
 """
@@ -52,7 +53,7 @@ VARIANTS = {
     "default": {},
     "conv1d=reference": {"conv1d": "reference"},
     "conv1d=fla_fused_silu (before 2026-11-29)": {"conv1d": "fla_fused_silu"},
-    "attention=sdpa": {"attention": "sdpa"},
+    "attention=varlen": {"attention": "varlen"},
     "elementwise=eager": {"elementwise": "eager"},
     "head=torch": {"head": "torch"},
     "hf-like (all four)": HF_LIKE,
@@ -60,8 +61,13 @@ VARIANTS = {
 }
 
 
+def cuda_only(overrides: dict) -> bool:
+    """Whether a variant needs CUDA (fla's kernels and the varlen attention kernel do)."""
+    return bool({"fla_fused_silu", "varlen"} & set(overrides.values()))
+
+
 # The variants whose isolation (each sequence alone against the packed row) is measured too.
-ISOLATION_VARIANTS = ("default", "attention=sdpa", "hf-like (all four)")
+ISOLATION_VARIANTS = ("default", "attention=varlen", "hf-like (all four)")
 
 
 def first_divergence(scorer, seqs, victim_index: int = -2, limit: int = 8) -> dict:
@@ -193,8 +199,7 @@ def probe(model, seed: int) -> dict:
     del hf
     if device == "cuda":
         torch.cuda.empty_cache()
-    # fla's kernels exist only on CUDA.
-    variants = {n: o for n, o in VARIANTS.items() if device == "cuda" or "fla_fused_silu" not in o.values()}
+    variants = {n: o for n, o in VARIANTS.items() if device == "cuda" or not cuda_only(o)}
     for name, overrides in variants.items():
         loaded = model.ours(overrides)
         assert abs(float(loaded.model.lm_head.weight.float().sum()) - lm_sum) < 1e-3, "variant drew other weights"

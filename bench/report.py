@@ -14,6 +14,7 @@ SIDE_NAMES = {
     "hf_padded": "HF transformers, padded length-sorted batches",
     "hf_single": "HF transformers, one sequence at a time",
     "packscore_attention_sdpa": "packscore, attention per segment through SDPA",
+    "packscore_attention_varlen": "packscore, attention through the varlen kernel",
 }
 
 

@@ -40,10 +40,10 @@ def twin():
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("attention", ["default", "sdpa"])
+@pytest.mark.parametrize("attention", ["default", "varlen"])
 def test_alone_vs_packed(twin, attention, gpu_record):
-    """``sdpa`` runs attention per segment (one call per sequence, as Hugging Face does for one
-    sequence): a segment's attention is then the same call alone and packed."""
+    """The default runs attention per segment (SDPA), the same call alone and packed; ``varlen``
+    runs the whole row through one varlen kernel."""
     from bench.hf_reference import attention_backend
 
     if attention != "default":
