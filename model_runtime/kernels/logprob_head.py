@@ -22,11 +22,15 @@ import torch
 
 LOGP_FLOOR = torch.finfo(torch.float32).min  # log 0, as the lowest finite float32
 MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
+MAX_TEMPERATURE = torch.finfo(torch.float32).max
 
 
 def temperature32(temperature_C: torch.Tensor) -> torch.Tensor:
-    """Temperatures in float32, the ones that underflow it raised to its smallest normal."""
-    return temperature_C.to(torch.float32).clamp_min(MIN_TEMPERATURE)
+    """Temperatures in float32, within its finite normal range: one that underflows it counts as
+    its smallest normal, one that overflows it (T > 3.4e38, which gives a uniform distribution
+    anyway) as its largest finite value, never as inf (whose ``(z - max) / T`` is inf / inf =
+    NaN in the fused kernel's masked columns)."""
+    return temperature_C.to(torch.float32).clamp(MIN_TEMPERATURE, MAX_TEMPERATURE)
 
 
 def tempered_log_softmax(z_CV: torch.Tensor, temperature_C: torch.Tensor) -> torch.Tensor:

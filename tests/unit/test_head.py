@@ -90,7 +90,7 @@ def test_every_finite_positive_temperature_gives_finite_numbers(top_k):
     gets log p = 0, the others log p = -inf, reported as the lowest float32 (JSON has no -inf);
     entropy is 0. Moderate T must agree with a float64 log-softmax of z / T."""
     g = torch.Generator().manual_seed(3)
-    temps = torch.tensor([5e-324, 1e-45, 1e-40, 1e-30, 1e-6, 1e-3, 1.0, 1e3, 1e30, 1e300], dtype=torch.float64)
+    temps = torch.tensor([5e-324, 1e-45, 1e-40, 1e-30, 1e-6, 1e-3, 1.0, 1e3, 1e30, 1e300, 3.5e38], dtype=torch.float64)
     N, D, V = temps.numel(), 16, 300
     hidden, weight = torch.randn(N, D, generator=g), torch.randn(V, D, generator=g)
     logits = hidden @ weight.t()
@@ -115,3 +115,14 @@ def test_every_finite_positive_temperature_gives_finite_numbers(top_k):
             tol = 1e-5 * max(1.0, abs(want_lp))
             assert abs(float(got.logprobs_N[i]) - want_lp) <= tol, f"T={t}: log p {float(got.logprobs_N[i])} vs {want_lp}"
             assert abs(float(got.entropy_N[i]) - want_ent) <= 1e-4, f"T={t}: entropy {float(got.entropy_N[i])} vs {want_ent}"
+
+
+def test_float32_temperatures_stay_finite_and_normal():
+    """What both heads divide by: never 0 (an underflowing T) nor inf (an overflowing one: the
+    fused kernel then computed inf / inf = NaN in its masked columns, found on the H200)."""
+    from model_runtime.kernels.logprob_head import MAX_TEMPERATURE, MIN_TEMPERATURE, temperature32
+
+    t = temperature32(torch.tensor([5e-324, 1e-40, 0.7, 1e300, 3.5e38], dtype=torch.float64))
+    assert torch.isfinite(t).all() and (t >= MIN_TEMPERATURE).all(), t.tolist()
+    assert t[0] == MIN_TEMPERATURE and t[3] == MAX_TEMPERATURE and t[4] == MAX_TEMPERATURE
+    assert abs(float(t[2]) - 0.7) < 1e-7
