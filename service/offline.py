@@ -69,13 +69,13 @@ def _lines(path: Path) -> Iterator[tuple[int, dict]]:
 
 async def _score_lines(settings: Settings, backend, input_path: Path, out: IO[bytes], done: set[str], bar: tqdm) -> int:
     info = backend.info
-    model_len = min(settings.max_model_len or info.max_model_len or settings.max_queued_tokens, settings.max_queued_tokens)
-    limits = Limits(info.vocab_size, model_len, 1, settings.max_queued_tokens, 1 << 62)
+    model_len = min(settings.max_model_len or info.max_model_len or settings.queued_tokens, settings.queued_tokens)
+    limits = Limits(info.vocab_size, model_len, 1, settings.queued_tokens, 1 << 62)
     scheduler = Scheduler(
         backend,
         max_batch_tokens=settings.max_batch_tokens,
         max_wait_ms=settings.max_wait_ms,
-        max_queued_tokens=settings.max_queued_tokens,
+        max_queued_tokens=settings.queued_tokens,
     )
     await scheduler.start()
     # Tickets in input order; results are written in that order as soon as the oldest is done.

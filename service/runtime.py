@@ -105,7 +105,7 @@ class Service:
                 # A sequence-parallel group takes rows sp times the per-GPU budget.
                 max_batch_tokens=getattr(backend, "max_row_tokens", self.settings.max_batch_tokens),
                 max_wait_ms=self.settings.max_wait_ms,
-                max_queued_tokens=self.settings.max_queued_tokens,
+                max_queued_tokens=self.settings.queued_tokens,
                 metrics=self.metrics,
             )
             await self.scheduler.start()
@@ -128,22 +128,22 @@ class Service:
     def _configure(self, backend: ScoringBackend) -> None:
         info, s = backend.info, self.settings
         self.served_name = s.served_model_name or info.name
-        model_len = info.max_model_len or s.max_model_len or s.max_queued_tokens
+        model_len = info.max_model_len or s.max_model_len or s.queued_tokens
         if s.max_model_len is not None:
             if info.max_model_len and s.max_model_len > info.max_model_len:
                 raise ValueError(
                     f"--max-model-len {s.max_model_len} exceeds the model's max_position_embeddings {info.max_model_len}"
                 )
             model_len = s.max_model_len
-        if model_len > s.max_queued_tokens:
+        if model_len > s.queued_tokens:
             # A longer sequence could never be admitted; saying so at validation time is clearer.
-            log.info("max_model_len %d capped to --max-queued-tokens %d", model_len, s.max_queued_tokens)
-            model_len = s.max_queued_tokens
+            log.info("max_model_len %d capped to --max-queued-tokens %d", model_len, s.queued_tokens)
+            model_len = s.queued_tokens
         self.limits = Limits(
             vocab_size=info.vocab_size,
             max_model_len=model_len,
             max_sequences_per_request=s.max_sequences_per_request,
-            max_request_tokens=s.max_queued_tokens,
+            max_request_tokens=s.queued_tokens,
             max_request_bytes=s.max_request_bytes,
         )
         self.metrics.describe_model(info, self.served_name)

@@ -14,6 +14,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
+DEFAULT_QUEUED_TOKENS = 262144  # the admission bound of a one-GPU server
 
 
 class Settings(BaseSettings):
@@ -48,7 +49,12 @@ class Settings(BaseSettings):
     # Scheduling and admission.
     max_batch_tokens: int = Field(16384, ge=1, description="token budget of one packed forward (per GPU)")
     max_wait_ms: float = Field(5.0, ge=0, description="how long a queued sequence may wait for its batch to fill")
-    max_queued_tokens: int = Field(262144, ge=1, description="admission bound on tokens waiting to be scored; beyond it 429")
+    max_queued_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="admission bound on tokens waiting to be scored, also the largest request; beyond it 429. "
+        "Default: max(262144, 2 x world-size x max-batch-tokens), a row queued behind the running one on every GPU",
+    )
     max_request_bytes: int = Field(64 << 20, ge=1, description="largest request body in bytes; beyond it 413")
     max_model_len: int | None = Field(None, ge=1, description="longest sequence accepted; default: the model's")
     max_sequences_per_request: int = Field(4096, ge=1, description="most sequences in one request; beyond it 413")
@@ -79,6 +85,13 @@ class Settings(BaseSettings):
                 raise ValueError("the API key (--api-key / PACKSCORE_API_KEY) is empty; unset it to serve without one")
             return key
         return None
+
+    @property
+    def queued_tokens(self) -> int:
+        """The admission bound in effect: ``--max-queued-tokens``, or one sized to the pool."""
+        if self.max_queued_tokens is not None:
+            return self.max_queued_tokens
+        return max(DEFAULT_QUEUED_TOKENS, 2 * self.world_size * self.max_batch_tokens)
 
     @property
     def uses_worker_pool(self) -> bool:

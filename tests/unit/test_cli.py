@@ -35,6 +35,17 @@ def test_defaults_serve_the_tiny_model_on_loopback():
     assert settings.resolved_api_key() is None
 
 
+def test_admission_bound_defaults_to_a_queued_row_per_gpu():
+    """Unset, --max-queued-tokens keeps every GPU a row ahead; on 4 GPUs the old fixed 262,144
+    let a client keep only one 65k-token row per GPU in flight (HTTP ran at 0.58 of in-process)."""
+    assert cli.parse_settings(["serve"])[1].queued_tokens == 262144
+    assert cli.parse_settings(["serve", "--max-batch-tokens", "65536"])[1].queued_tokens == 262144
+    four = cli.parse_settings(["serve", "--world-size", "4", "--max-batch-tokens", "65536"])[1]
+    assert four.queued_tokens == 2 * 4 * 65536
+    given = cli.parse_settings(["serve", "--world-size", "4", "--max-queued-tokens", "1000"])[1]
+    assert given.queued_tokens == 1000
+
+
 def test_command_line_wins_over_environment_which_wins_over_defaults(monkeypatch):
     monkeypatch.setenv("PACKSCORE_MAX_BATCH_TOKENS", "50")
     monkeypatch.setenv("PACKSCORE_MAX_WAIT_MS", "7.5")
