@@ -70,15 +70,21 @@ def load_model(
     kernel_overrides: dict[str, str] | None = None,
     served_name: str | None = None,
     moe_implementation: str | None = None,
+    kernel_device: str | torch.device | None = None,
 ) -> LoadedModel:
     """Loads ``spec`` (a preset name or a checkpoint directory) and patches it for packing.
+
+    ``kernel_device`` is where the model will run when that is not where it is loaded (FSDP
+    loads a large model on the CPU and shards it onto the GPUs): kernels are chosen for it, and
+    the result's ``device`` is it.
 
     ``moe_implementation`` picks how Hugging Face runs MoE experts: ``grouped_mm`` (one grouped
     matrix product over all experts, the default) or ``eager`` (a Python loop over experts).
     """
     device = torch.device(device) if device is not None else default_device()
-    torch_dtype = resolve_dtype(dtype, device)
-    backends = select_backends(device, allow_slow=allow_slow_kernels, overrides=kernel_overrides)
+    run_on = torch.device(kernel_device) if kernel_device is not None else device
+    torch_dtype = resolve_dtype(dtype, run_on)
+    backends = select_backends(run_on, allow_slow=allow_slow_kernels, overrides=kernel_overrides)
     started = time.perf_counter()
     if spec in PRESETS:
         hf_kwargs = _hf_kwargs(PRESETS[spec].model_type, moe_implementation)
@@ -101,7 +107,7 @@ def load_model(
         vocab_size=model.vocab_size,
         max_model_len=int(getattr(cfg, "max_position_embeddings", 0) or 0),
         dtype=torch_dtype,
-        device=device,
+        device=run_on,
         weights_version=version,
         backends=backends,
         patch_report=report,

@@ -51,6 +51,7 @@ class Start:
     dtype: str  # "auto", "float32", "bfloat16" or "float16"
     max_batch_tokens: int  # per-rank token budget of one forward (warm-up shapes)
     allow_slow_kernels: bool  # allow reference kernels on a GPU
+    kernels: str  # pinned kernel backends, "family=backend,..." ("" for the defaults)
     served_model_name: str  # name shown in /v1/models ("" for the model's own)
     timeout_s: float  # collective timeout: a stuck collective raises instead of hanging
 

@@ -54,27 +54,28 @@ def _watch_parent() -> None:
 
 
 def _load(start: msg.Start, device: torch.device):
-    from model_runtime.kernels import select_backends
-    from model_runtime.loading import load_model, resolve_dtype
+    from model_runtime.kernel_overrides import parse_kernel_overrides
+    from model_runtime.loading import load_model
 
     name = start.served_model_name or None
+    overrides = parse_kernel_overrides(start.kernels)
     if device.type == "cuda" and start.fsdp and not _fits_on_gpu(start, device):
         # A model that does not fit one GPU must not be loaded whole onto one: load it on the
         # CPU with the GPU's kernels, and let fully_shard move each rank's shards. (A model that
         # fits is loaded on the GPU and sharded there: seconds instead of minutes, and host RAM
         # does not have to hold world_size copies.)
-        backends = select_backends(device, allow_slow=start.allow_slow_kernels)
-        loaded = load_model(
+        return load_model(
             start.model,
-            dtype=resolve_dtype(start.dtype, device),
+            dtype=start.dtype,
             device="cpu",
-            kernel_overrides=backends.names,
+            kernel_device=device,
+            allow_slow_kernels=start.allow_slow_kernels,
+            kernel_overrides=overrides,
             served_name=name,
         )
-        loaded.device, loaded.backends = device, backends
-        return loaded
     return load_model(
-        start.model, dtype=start.dtype, device=device, allow_slow_kernels=start.allow_slow_kernels, served_name=name
+        start.model, dtype=start.dtype, device=device, allow_slow_kernels=start.allow_slow_kernels,
+        kernel_overrides=overrides, served_name=name,
     )
 
 

@@ -108,6 +108,7 @@ class WorkerPool:
             dtype=str(settings.get("dtype") or "auto"),
             max_batch_tokens=self.max_batch_tokens,
             allow_slow_kernels=bool(settings.get("allow_slow_kernels", False)),
+            kernels=str(settings.get("kernels") or ""),
             served_model_name=str(settings.get("served_model_name") or ""),
             timeout_s=self.request_timeout_s,
         )
@@ -513,7 +514,7 @@ def start_pool(settings: dict) -> WorkerPool:
     """Starts ``settings["world_size"]`` workers and returns once every one has loaded the model.
 
     ``settings`` is the service's ``Settings.model_dump()``; the keys read are model, device, dtype,
-    world_size, sp, fsdp, max_batch_tokens, allow_slow_kernels, served_model_name (and optionally
+    world_size, sp, fsdp, max_batch_tokens, allow_slow_kernels, kernels, served_model_name (and optionally
     worker_timeout_s, worker_start_timeout_s); other keys are ignored.
     """
     return WorkerPool(settings)

@@ -23,7 +23,7 @@ from service.settings import Settings
 log = logging.getLogger("packscore")
 
 _MODEL_OPTIONS = (
-    "model", "served_model_name", "dtype", "device", "allow_slow_kernels", "triton_cache_dir",
+    "model", "served_model_name", "dtype", "device", "allow_slow_kernels", "kernels", "triton_cache_dir",
     "world_size", "sp", "fsdp", "max_batch_tokens", "max_model_len", "log_level",
 )  # fmt: skip
 _SERVE_OPTIONS = _MODEL_OPTIONS + (
@@ -34,7 +34,7 @@ _SCORE_OPTIONS = _MODEL_OPTIONS + ("temperature", "top_k", "return_entropy")
 _METAVARS = {
     "model": "PATH_OR_PRESET", "served_model_name": "NAME", "device": "DEVICE", "triton_cache_dir": "DIR",
     "host": "HOST", "port": "PORT", "api_key": "KEY", "api_key_file": "FILE", "max_wait_ms": "MS",
-    "drain_timeout_s": "SECONDS", "temperature": "T", "top_k": "K",
+    "drain_timeout_s": "SECONDS", "temperature": "T", "top_k": "K", "kernels": "FAMILY=BACKEND",
 }  # fmt: skip; every other option takes a count, shown as N
 
 
@@ -160,6 +160,7 @@ def load_backend(settings: Settings):
         dtype=settings.dtype,
         device=None if settings.device == "auto" else settings.device,
         allow_slow_kernels=settings.allow_slow_kernels,
+        kernel_overrides=settings.kernel_overrides(),
         served_name=settings.served_model_name,
     )
     return LocalBackend(Scorer(loaded, max_batch_tokens=settings.max_batch_tokens))

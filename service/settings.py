@@ -10,8 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from model_runtime.kernel_overrides import parse_kernel_overrides
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 DEFAULT_QUEUED_TOKENS = 262144  # the admission bound of a one-GPU server
@@ -29,6 +31,11 @@ class Settings(BaseSettings):
     device: str = Field("auto", description="torch device, e.g. cuda, cuda:1, cpu; auto picks cuda when available")
     allow_slow_kernels: bool = Field(
         False, description="allow per-sequence reference kernels on a GPU instead of refusing to start"
+    )
+    kernels: str | None = Field(
+        None,
+        description="pin kernel backends, FAMILY=BACKEND[,...], e.g. attention=varlen (families: linear_attention, "
+        "conv1d, attention, head, elementwise); default: the fastest installed; /v1/models shows what runs",
     )
     triton_cache_dir: Path | None = Field(
         None, description="directory for compiled Triton and Inductor kernels (sets TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR=DIR/inductor)"
@@ -70,6 +77,17 @@ class Settings(BaseSettings):
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("give --api-key or --api-key-file, not both")
         return self
+
+    @field_validator("kernels")
+    @classmethod
+    def _kernels_syntax(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_kernel_overrides(value)
+        return value
+
+    def kernel_overrides(self) -> dict[str, str]:
+        """``--kernels`` as the family -> backend mapping the loader takes."""
+        return parse_kernel_overrides(self.kernels or "")
 
     def resolved_api_key(self) -> str | None:
         """The configured key, read from ``api_key_file`` when given; None means no authentication."""

@@ -52,6 +52,9 @@ _CPU_DEFAULT = {
     "elementwise": "eager",
 }
 
+# Backends whose kernels exist only on CUDA.
+_CUDA_ONLY = frozenset({"fla", "causal_conv1d", "varlen", "flash_attn", "triton"})
+
 # The fast backends on a GPU, best first. Attention is SDPA per segment: on the H200 it was
 # faster than the varlen kernel over the benchmark workload (36.5k against 35.5k tokens/s,
 # 2026-11-29) and, being Hugging Face's own call for one sequence, closer to it (tiny checkpoint:
@@ -151,7 +154,16 @@ def select_backends(
     fallbacks: list[str] = []
     for family in FAMILIES:
         if family in overrides:
-            chosen[family] = overrides[family]
+            name = overrides[family]
+            if name not in REGISTRY[family]:
+                raise ValueError(f"unknown {family} backend {name!r}; known: {sorted(REGISTRY[family])}")
+            if device.type != "cuda" and name in _CUDA_ONLY:
+                raise ValueError(f"the {family} backend {name!r} needs CUDA; on {device.type} use one of "
+                                 f"{sorted(set(REGISTRY[family]) - _CUDA_ONLY)}")
+            reason = _unavailable_reason(family, name)
+            if reason is not None:
+                raise ValueError(f"the {family} backend {name!r} cannot run here: {reason}")
+            chosen[family] = name
             continue
         if device.type != "cuda":
             chosen[family] = _CPU_DEFAULT[family]

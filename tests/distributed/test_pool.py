@@ -41,9 +41,12 @@ def assert_same(got, want, where: str) -> None:
 
 
 def test_independent_groups_match_one_process_and_share_the_work(local):
-    pool = start_pool({**BASE, "world_size": 2, "sp": 1, "fsdp": False, "extra_service_key": object()})
+    # --kernels reaches the workers: SDPA (math on CPU) instead of the reference attention.
+    pool = start_pool({**BASE, "world_size": 2, "sp": 1, "fsdp": False, "kernels": "attention=sdpa",
+                       "extra_service_key": object()})
     try:
         assert pool.info.parallel == {"world_size": 2, "dp": 2, "sp": 1, "fsdp": False}
+        assert pool.info.kernels["attention"] == "sdpa"
         assert pool.concurrency == 2 and pool.max_row_tokens == 256
         assert pool.row_cost([100]) > 2 * pool.row_cost([50]) > 0  # the quadratic attention term
         pool.warm_up()

@@ -46,6 +46,12 @@ def test_admission_bound_defaults_to_a_queued_row_per_gpu():
     assert given.queued_tokens == 1000
 
 
+def test_kernels_option_pins_backends():
+    settings = cli.parse_settings(["serve", "--kernels", "attention=sdpa, head=torch"])[1]
+    assert settings.kernel_overrides() == {"attention": "sdpa", "head": "torch"}
+    assert cli.parse_settings(["serve"])[1].kernel_overrides() == {}
+
+
 def test_command_line_wins_over_environment_which_wins_over_defaults(monkeypatch):
     monkeypatch.setenv("PACKSCORE_MAX_BATCH_TOKENS", "50")
     monkeypatch.setenv("PACKSCORE_MAX_WAIT_MS", "7.5")
@@ -75,6 +81,8 @@ def test_every_option_has_help_naming_its_environment_variable(capsys):
         (["serve", "--port", "http"], "--port"),
         (["serve", "--max-batch-tokens", "0"], "--max-batch-tokens"),
         (["serve", "--dtype", "int8"], "--dtype"),
+        (["serve", "--kernels", "attention"], "--kernels"),
+        (["serve", "--kernels", "head=torch,head=triton"], "--kernels"),
         (["serve", "--api-key", "a", "--api-key-file", "/k"], "not both"),
         (["score", "in.jsonl", "-o", "out.jsonl", "--top-k", "21"], "--top-k"),
     ],

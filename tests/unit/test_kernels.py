@@ -112,6 +112,12 @@ def test_unknown_backend_is_refused():
         KernelBackends(attention="magic")
     with pytest.raises(ValueError, match="unknown kernel families"):
         select_backends("cpu", overrides={"mlp": "fast"})
+    with pytest.raises(ValueError, match="unknown attention backend 'magic'"):
+        select_backends("cpu", overrides={"attention": "magic"})
+    # A pinned backend that cannot run on the device is refused when chosen, not at the first row.
+    with pytest.raises(ValueError, match="'varlen' needs CUDA"):
+        select_backends("cpu", overrides={"attention": "varlen"})
+    assert select_backends("cpu", overrides={"attention": "sdpa"}).attention == "sdpa"
 
 
 def test_kernels_check_their_inputs():
