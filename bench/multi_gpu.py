@@ -9,7 +9,8 @@ Phases (each timed after one untimed pass, each result kept even if a later phas
 2. ``fsdp``: the GRPO workload of bench/workload.py on the 27B and 35B-A3B shapes, sharded with
    FSDP over all N GPUs against one replica per GPU (dp = N): tokens/s per GPU.
 3. ``http``: ``packscore serve --world-size N`` driven by the async client with the workload,
-   against the same pool in process.
+   against the same pool in process (``pool``, also a phase of its own).
+``--kernels`` pins kernel backends as ``packscore --kernels`` does (A/B runs of a kernel).
 Writes ``multi_gpu-<date>.json`` and prints a table.
 """
 
@@ -69,7 +70,8 @@ class GpuMemorySampler:
 
 def pool_settings(args, model: str, world: int, sp: int, fsdp: bool, budget: int) -> dict:
     return {"model": model, "device": args.device, "dtype": "auto", "world_size": world, "sp": sp, "fsdp": fsdp,
-            "max_batch_tokens": budget, "allow_slow_kernels": args.device == "cpu", "served_model_name": None}
+            "max_batch_tokens": budget, "allow_slow_kernels": args.device == "cpu", "served_model_name": None,
+            "kernels": args.kernels}
 
 
 def run_rows(pool, sequences: list[SequenceInput], budget: int) -> float:
@@ -135,20 +137,33 @@ def phase_fsdp(args, out: dict) -> None:
                 pool.close()
 
 
-def phase_http(args, out: dict) -> None:
-    from bench.http_bench import Server
+def phase_pool(args, out: dict) -> tuple[float, list[SequenceInput]]:
+    """One replica per GPU in this process, the whole workload: seconds of the timed pass, and
+    the workload."""
     from model_runtime.workers import start_pool
-    from service.client import AsyncScoreClient
 
-    model = args.dense_model
-    pool = start_pool(pool_settings(args, model, args.gpus, 1, False, args.budget))
+    pool = start_pool(pool_settings(args, args.dense_model, args.gpus, 1, False, args.budget))
     try:
         work = grpo_workload(pool.info.vocab_size, args.workload)
         run_rows(pool, work, args.budget)
-        in_process = run_rows(pool, work, args.budget)
+        seconds = run_rows(pool, work, args.budget)
+        kernels = dict(pool.info.kernels)
     finally:
         pool.close()
-    extra = ("--world-size", str(args.gpus), "--device", args.device)
+    tokens = describe(work)["tokens"]
+    out["pool"] = {"model": args.dense_model, "gpus": args.gpus, "kernels": kernels, "seconds": seconds,
+                   "tokens_per_s": tokens / seconds}
+    print(f"[pool] {args.dense_model} x{args.gpus} in process, kernels {kernels}: {tokens / seconds:,.0f} tok/s")
+    return seconds, work
+
+
+def phase_http(args, out: dict) -> None:
+    from bench.http_bench import Server
+    from service.client import AsyncScoreClient
+
+    model = args.dense_model
+    in_process, work = phase_pool(args, out)
+    extra = ("--world-size", str(args.gpus), "--device", args.device) + (("--kernels", args.kernels) if args.kernels else ())
     server = Server(argparse.Namespace(model=model, max_batch_tokens=args.budget, max_wait_ms=5), extra)
     try:
         server.wait_ready(timeout=1800)
@@ -177,7 +192,9 @@ def main(argv=None) -> int:
     parser.add_argument("--gpus", type=int, required=True, help="GPUs (or CPU processes) to use")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--quick", action="store_true", help="tiny model and short sequences (a smoke run)")
-    parser.add_argument("--phases", default="sp,fsdp,http", help="comma-separated subset of sp,fsdp,http")
+    parser.add_argument("--phases", default="sp,fsdp,http", help="comma-separated subset of sp,fsdp,http,pool "
+                        "(pool: the in-process half of http alone)")
+    parser.add_argument("--kernels", default=None, metavar="FAMILY=BACKEND", help="pin kernel backends (packscore --kernels)")
     parser.add_argument("--sequences", type=int, default=None, help="workload size (multiple of 8; default 256)")
     parser.add_argument("--out", default=os.environ.get("OUT", str(REPO / "bench" / "out")))
     args = parser.parse_args(argv)
@@ -192,7 +209,7 @@ def main(argv=None) -> int:
         args.workload = WorkloadSpec(**{**args.workload.__dict__, "num_sequences": args.sequences})
     out: dict = {"date": dt.date.today().isoformat(), "gpus": args.gpus, "device": args.device, "quick": args.quick,
                  "errors": {}}
-    phases = {"sp": phase_sp, "fsdp": phase_fsdp, "http": phase_http}
+    phases = {"sp": phase_sp, "fsdp": phase_fsdp, "http": phase_http, "pool": phase_pool}
     for name in args.phases.split(","):
         started = time.perf_counter()
         try:
@@ -202,7 +219,7 @@ def main(argv=None) -> int:
             print(f"[{name}] failed: {exc}")
         print(f"[{name}] {time.perf_counter() - started:.0f}s")
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    target = Path(args.out) / f"multi_gpu-{out['date']}{'-quick' if args.quick else ''}.json"
+    target = Path(args.out) / f"multi_gpu-{out['date']}{'-quick' if args.quick else ''}{'-' + args.kernels.replace('=', '-').replace(',', '_') if args.kernels else ''}.json"
     target.write_text(json.dumps(out, indent=1))
     print(f"wrote {target}")
     return 1 if out["errors"] else 0

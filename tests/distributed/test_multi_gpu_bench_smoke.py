@@ -13,3 +13,12 @@ def test_multi_gpu_script_runs_every_phase_on_cpu(tmp_path):
     assert [row["sp"] for row in data["sp_scaling"]] == [1, 2]
     assert {row["run"] for row in data["fsdp"]} == {"tiny fsdp x2", "tiny replicas x2"}
     assert data["http"]["http_tokens_per_s"] > 0 and not data["errors"]
+
+
+def test_pool_phase_with_pinned_kernels(tmp_path):
+    """The A/B form of the script: the in-process pool alone, attention pinned."""
+    assert main(["--gpus", "2", "--device", "cpu", "--quick", "--phases", "pool", "--kernels", "attention=sdpa",
+                 "--out", str(tmp_path)]) == 0
+    (result,) = tmp_path.glob("multi_gpu-*-quick-attention-sdpa.json")
+    data = json.loads(result.read_text())
+    assert data["pool"]["kernels"]["attention"] == "sdpa" and data["pool"]["tokens_per_s"] > 0
