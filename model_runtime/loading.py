@@ -71,12 +71,14 @@ def load_model(
     served_name: str | None = None,
     moe_implementation: str | None = None,
     kernel_device: str | torch.device | None = None,
+    worker_pool: bool = False,
 ) -> LoadedModel:
     """Loads ``spec`` (a preset name or a checkpoint directory) and patches it for packing.
 
     ``kernel_device`` is where the model will run when that is not where it is loaded (FSDP
     loads a large model on the CPU and shards it onto the GPUs): kernels are chosen for it, and
-    the result's ``device`` is it.
+    the result's ``device`` is it. ``worker_pool`` chooses the kernels that are fastest in a
+    worker pool's process (``select_backends``).
 
     ``moe_implementation`` picks how Hugging Face runs MoE experts: ``grouped_mm`` (one grouped
     matrix product over all experts, the default) or ``eager`` (a Python loop over experts).
@@ -84,7 +86,7 @@ def load_model(
     device = torch.device(device) if device is not None else default_device()
     run_on = torch.device(kernel_device) if kernel_device is not None else device
     torch_dtype = resolve_dtype(dtype, run_on)
-    backends = select_backends(run_on, allow_slow=allow_slow_kernels, overrides=kernel_overrides)
+    backends = select_backends(run_on, allow_slow=allow_slow_kernels, overrides=kernel_overrides, worker_pool=worker_pool)
     started = time.perf_counter()
     if spec in PRESETS:
         hf_kwargs = _hf_kwargs(PRESETS[spec].model_type, moe_implementation)

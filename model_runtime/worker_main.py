@@ -72,10 +72,11 @@ def _load(start: msg.Start, device: torch.device):
             allow_slow_kernels=start.allow_slow_kernels,
             kernel_overrides=overrides,
             served_name=name,
+            worker_pool=True,
         )
     return load_model(
         start.model, dtype=start.dtype, device=device, allow_slow_kernels=start.allow_slow_kernels,
-        kernel_overrides=overrides, served_name=name,
+        kernel_overrides=overrides, served_name=name, worker_pool=True,
     )
 
 

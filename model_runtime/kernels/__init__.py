@@ -55,11 +55,13 @@ _CPU_DEFAULT = {
 # Backends whose kernels exist only on CUDA.
 _CUDA_ONLY = frozenset({"fla", "causal_conv1d", "varlen", "flash_attn", "triton"})
 
-# The fast backends on a GPU, best first. Attention is SDPA per segment: on the H200 it was
-# faster than the varlen kernel over the benchmark workload (36.5k against 35.5k tokens/s,
-# 2026-11-29) and, being Hugging Face's own call for one sequence, closer to it (tiny checkpoint:
-# mean |logprob diff| 3.1e-6 against 1.8e-3). Its cost is a launch per segment, which only rows
-# of many very short sequences notice.
+# The fast backends on a GPU, best first. Attention differs by where the model runs, as measured
+# on H200s (2026-11-29), 9B shape, benchmark workload:
+# - in the serving process (one GPU): SDPA per segment, faster than the varlen kernel (36.5k
+#   against 35.5k tokens/s) and, being Hugging Face's own call for one sequence, closer to it
+#   (tiny checkpoint: mean |logprob diff| 3.1e-6 against 1.8e-3);
+# - in the worker pool's processes: the varlen kernel, since there SDPA per segment was 27% slower
+#   (one replica on each of 4 GPUs: 96k and 97k against 132k tokens/s; why is not found yet).
 _GPU_PREFERENCE = {
     "linear_attention": ("fla",),
     "conv1d": ("causal_conv1d", "fla"),
@@ -67,6 +69,7 @@ _GPU_PREFERENCE = {
     "head": ("triton",),
     "elementwise": ("inductor",),
 }
+_POOL_GPU_PREFERENCE = {**_GPU_PREFERENCE, "attention": ("flash_attn", "varlen", "sdpa")}
 # Backends that compute in float32 one segment at a time or stay unfused: exact everywhere,
 # slow on a GPU.
 SLOW_BACKENDS = frozenset({"reference", "torch", "eager"})
@@ -137,14 +140,17 @@ def select_backends(
     *,
     allow_slow: bool = False,
     overrides: dict[str, str] | None = None,
+    worker_pool: bool = False,
 ) -> KernelBackends:
     """Chooses the kernels for ``device``.
 
     On CPU every family uses its exact reference. On CUDA the fastest installed backend is
-    taken; if a family has none, this raises ``SlowKernelError`` unless ``allow_slow``, in
-    which case the reference is used, logged as a warning and recorded in ``fallbacks``.
-    ``overrides`` pins a family to a named backend (tests and benchmarks).
+    taken (``worker_pool``: the fastest in a worker pool's process); if a family has none, this
+    raises ``SlowKernelError`` unless ``allow_slow``, in which case the reference is used,
+    logged as a warning and recorded in ``fallbacks``. ``overrides`` pins a family to a named
+    backend (``--kernels``, tests and benchmarks).
     """
+    preference = _POOL_GPU_PREFERENCE if worker_pool else _GPU_PREFERENCE
     device = torch.device(device)
     overrides = dict(overrides or {})
     unknown = set(overrides) - set(FAMILIES)
@@ -169,14 +175,14 @@ def select_backends(
             chosen[family] = _CPU_DEFAULT[family]
             continue
         reasons = []
-        for name in _GPU_PREFERENCE[family]:
+        for name in preference[family]:
             reason = _unavailable_reason(family, name)
             if reason is None:
                 chosen[family] = name
                 break
             reasons.append(f"{name}: {reason}")
         else:
-            wanted = " or ".join(_GPU_PREFERENCE[family])
+            wanted = " or ".join(preference[family])
             message = (
                 f"no fast {family} kernel is usable on CUDA (wanted {wanted}; {'; '.join(reasons)}); install the "
                 "'gpu' extra (pip install 'packscore[gpu]') or pass --allow-slow-kernels to run the slow reference"

@@ -29,6 +29,7 @@ def test_fast_backends_chosen_on_this_machine(gpu_record):
     assert chosen.linear_attention == "fla"
     assert chosen.conv1d in ("fla", "causal_conv1d")
     assert chosen.attention == "sdpa"
+    assert select_backends("cuda", worker_pool=True).attention in ("varlen", "flash_attn")
     assert chosen.head == "triton" and chosen.elementwise == "inductor"
     assert chosen.fallbacks == ()
 

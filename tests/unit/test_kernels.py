@@ -107,6 +107,16 @@ def test_cpu_uses_references_and_cuda_refuses_missing_fast_kernels(monkeypatch):
     assert slow.fallbacks == FAMILIES
 
 
+def test_attention_preference_differs_in_the_worker_pool():
+    """CUDA's choice, made without a GPU (only imports are checked): SDPA per segment in the
+    serving process, the varlen kernel in a worker pool's processes (measured faster there)."""
+    pytest.importorskip("torch.nn.attention.varlen")
+    assert select_backends("cuda", allow_slow=True).attention == "sdpa"
+    assert select_backends("cuda", allow_slow=True, worker_pool=True).attention in ("flash_attn", "varlen")
+    pinned = select_backends("cuda", allow_slow=True, worker_pool=True, overrides={"attention": "sdpa"})
+    assert pinned.attention == "sdpa"
+
+
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="unknown attention backend"):
         KernelBackends(attention="magic")
