@@ -28,6 +28,7 @@ CLI_OPTIONS = {
     "--model", "--host", "--port", "--max-batch-tokens", "--max-wait-ms", "--max-queued-tokens",
     "--max-request-bytes", "--max-model-len", "--drain-timeout-s", "--api-key", "--api-key-file",
     "--dtype", "--device", "--world-size", "--sp", "--fsdp", "--triton-cache-dir", "--allow-slow-kernels",
+    "--kernels",
 }
 
 

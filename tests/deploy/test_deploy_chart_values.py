@@ -66,8 +66,9 @@ def test_server_options_become_flags_and_large_numbers_stay_integers():
     args = container({"server": {
         "maxBatchTokens": 65536, "maxWaitMs": 0, "maxQueuedTokens": 4_000_000,
         "maxRequestBytes": 268_435_456, "maxModelLen": 262_144, "dtype": "bfloat16",
-        "allowSlowKernels": True, "extraArgs": ["--device", "cuda"],
+        "allowSlowKernels": True, "kernels": "attention=varlen", "extraArgs": ["--device", "cuda"],
     }})["args"]
+    assert arg_value(args, "--kernels") == "attention=varlen"
     assert arg_value(args, "--max-batch-tokens") == "65536"
     assert arg_value(args, "--max-wait-ms") == "0"
     assert arg_value(args, "--max-queued-tokens") == "4000000"  # not 4e+06
@@ -96,7 +97,7 @@ def test_hpa_target_must_stay_below_the_admission_bound():
 def test_unset_server_options_are_left_to_the_server():
     args = container()["args"]
     for flag in ["--max-batch-tokens", "--max-wait-ms", "--max-queued-tokens", "--max-request-bytes",
-                 "--max-model-len", "--dtype", "--allow-slow-kernels"]:
+                 "--max-model-len", "--dtype", "--allow-slow-kernels", "--kernels"]:
         assert flag not in args
 
 
