@@ -10,14 +10,7 @@
 set -u
 cd "$(dirname "$0")/.."
 GPUS=$(nvidia-smi -L | wc -l)
-step() {  # step NAME COMMAND...: runs, logs the time and the exit status
-  local name=$1; shift
-  local t0=$SECONDS
-  echo "[$(date +%T)] == $name"
-  "$@"
-  local rc=$?
-  echo "$name: exit $rc after $((SECONDS - t0))s" | tee -a "$SESSION_DIR/steps.txt"
-}
+source bench/plan_common.sh
 mkdir -p "$RESULTS/suite" "$RESULTS/tests" "$RESULTS/multi"
 echo "[$(date +%T)] $GPUS GPU(s)"
 

@@ -6,14 +6,7 @@ set -u
 cd "$(dirname "$0")/.."
 GPUS=$(nvidia-smi -L | wc -l)
 mkdir -p "$RESULTS/tests" "$RESULTS/multi"
-step() {
-  local name=$1; shift
-  local t0=$SECONDS
-  echo "[$(date +%T)] == $name"
-  "$@"
-  local rc=$?
-  echo "$name: exit $rc after $((SECONDS - t0))s" | tee -a "$SESSION_DIR/steps.txt"
-}
+source bench/plan_common.sh
 gpu_tests() {  # $1: GPU, $2: name, rest: pytest arguments
   local gpu=$1 name=$2; shift 2
   CUDA_VISIBLE_DEVICES=$gpu step "tests $name (GPU $gpu)" bash -c "PACKSCORE_GPU_REPORT='$RESULTS/tests/report-$name.jsonl' python3 -m pytest -q -rA -p no:cacheprovider $* > '$RESULTS/tests/pytest-$name.txt' 2>&1"
