@@ -6,7 +6,7 @@
 #      parity probe and the single-GPU tests of tests/gpu;
 #   B. with 2 GPUs or more: the NCCL tests (beside A on GPUs 2-3 when there are 4), then
 #      bench/multi_gpu.py over all GPUs (HTTP end to end, SP scaling, FSDP against replicas).
-# About 25 minutes on 2 GPUs (2026-11-29).
+# About 25 minutes on 2 GPUs, 19 on 4 (2026-11-29).
 set -u
 cd "$(dirname "$0")/.."
 GPUS=$(nvidia-smi -L | wc -l)
