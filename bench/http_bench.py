@@ -19,10 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,12 +29,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.workload import WorkloadSpec, describe, grpo_workload  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def in_process_tokens_per_s(scorer, sequences) -> float:
@@ -78,35 +68,12 @@ async def _http_run(url: str, sequences, per_request: int, concurrency: int) -> 
     return sum(s.length for s in sequences) / elapsed, busy / elapsed
 
 
-class Server:
-    def __init__(self, args, extra: tuple[str, ...] = ()):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port), "--model", args.model,
-                   "--max-batch-tokens", str(args.max_batch_tokens), "--max-wait-ms", str(args.max_wait_ms),
-                   "--log-level", "warning", *extra]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PACKSCORE_")}
-        self.proc = subprocess.Popen(command, cwd=REPO, env=env)
+def start_server(args, extra: tuple[str, ...] = ()):
+    """``packscore serve`` for ``args.model`` with the benchmark's batching options."""
+    from service.local_server import LocalServer
 
-    def wait_ready(self, timeout: float = 600) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
-            try:
-                if httpx.get(self.url + "/readyz", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("server not ready")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=120)
+    return LocalServer(["--model", args.model, "--max-batch-tokens", str(args.max_batch_tokens),
+                        "--max-wait-ms", str(args.max_wait_ms), "--log-level", "warning", *extra])
 
 
 def encoding_costs(scored_tokens: int = 100_000, sequence_length: int = 1000, repeats: int = 5) -> dict:
@@ -184,7 +151,7 @@ def main() -> None:
     scorer.warm_up()
     scorer.score(sequences[:8])
 
-    server = Server(args)
+    server = start_server(args)
     try:
         server.wait_ready()
         local, http, busy = [], [], []
@@ -194,7 +161,7 @@ def main() -> None:
             http.append(rate)
             busy.append(fraction)
     finally:
-        server.stop()
+        server.stop(timeout=120)
     costs = encoding_costs()
 
     print(f"\nmodel {args.model} on {loaded.device} ({loaded.dtype_name}), torch threads {torch.get_num_threads()}, "

@@ -158,13 +158,13 @@ def phase_pool(args, out: dict) -> tuple[float, list[SequenceInput]]:
 
 
 def phase_http(args, out: dict) -> None:
-    from bench.http_bench import Server
+    from bench.http_bench import start_server
     from service.client import AsyncScoreClient
 
     model = args.dense_model
     in_process, work = phase_pool(args, out)
     extra = ("--world-size", str(args.gpus), "--device", args.device) + (("--kernels", args.kernels) if args.kernels else ())
-    server = Server(argparse.Namespace(model=model, max_batch_tokens=args.budget, max_wait_ms=5), extra)
+    server = start_server(argparse.Namespace(model=model, max_batch_tokens=args.budget, max_wait_ms=5), extra)
     try:
         server.wait_ready(timeout=1800)
 
@@ -178,7 +178,7 @@ def phase_http(args, out: dict) -> None:
 
         seconds = asyncio.run(drive())
     finally:
-        server.stop()
+        server.stop(timeout=120)
     tokens = describe(work)["tokens"]
     row = {"model": model, "gpus": args.gpus, "in_process_tokens_per_s": tokens / in_process,
            "http_tokens_per_s": tokens / seconds, "ratio": in_process / seconds}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 import traceback
 from pathlib import Path
@@ -14,11 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from service.local_server import free_port
 
 
 def _entry(rank: int, world: int, port: int, backend: str, fn, args: tuple, out_dir: str) -> None:

@@ -7,7 +7,6 @@ comes back, and later answers are right again.
 
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -20,7 +19,7 @@ import pytest
 
 from model_runtime.loading import load_model
 from model_runtime.scorer import Scorer, SequenceInput
-from tests.distributed.harness import free_port
+from service.local_server import LocalServer
 
 TOL = {"logprobs": 1e-5, "entropy": 1e-4}
 # Entropy gets DESIGN.md's packed-vs-alone bound (float32 CPU) rather than 1e-5: the server packs
@@ -53,42 +52,22 @@ def _worker_pids(server_pid: int) -> list[int]:
     return sorted(pids)
 
 
-def _wait_ready(client: httpx.Client, proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
-        try:
-            if client.get("/readyz").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
-    raise AssertionError(f"not ready within {timeout:.0f}s:\n{log.read_text()[-4000:]}")
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    cmd = _command() + [
-        "serve", "--device", "cpu", "--world-size", "2", "--sp", "2", "--fsdp",
-        "--host", "127.0.0.1", "--port", str(port), "--max-batch-tokens", "512", "--max-wait-ms", "2",
-    ]  # fmt: skip
-    with open(log, "wb") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60.0)
+    server = LocalServer(
+        ["--device", "cpu", "--world-size", "2", "--sp", "2", "--fsdp", "--max-batch-tokens", "512", "--max-wait-ms", "2"],
+        env={"PYTHONUNBUFFERED": "1"},
+        log_dir=tmp_path_factory.mktemp("serve"),
+        program=_command(),
+    )
+    client = httpx.Client(base_url=server.url, timeout=60.0)
     try:
-        _wait_ready(client, proc, log, timeout=120)
-        yield proc, client, log
+        server.wait_ready(timeout=120)
+        yield server, client
     finally:
         client.close()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    assert not _worker_pids(proc.pid), "workers outlived the server"
+        server.stop(timeout=30)
+    assert not _worker_pids(server.proc.pid), "workers outlived the server"
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +103,7 @@ def _check_scores(response: httpx.Response, body: dict, reference: Scorer) -> No
 
 
 def test_serves_the_layout_and_the_numbers_of_one_process(server, reference):
-    proc, client, _ = server
+    proc, client = server[0].proc, server[1]
     models = client.get("/v1/models").json()["data"][0]
     assert models["parallel"] == LAYOUT
     assert models["device"] == "cpu"
@@ -137,7 +116,8 @@ def test_serves_the_layout_and_the_numbers_of_one_process(server, reference):
 
 
 def test_a_killed_worker_fails_fast_then_the_server_recovers(server, reference):
-    proc, client, log = server
+    local, client = server
+    proc = local.proc
     vocab = reference.loaded.vocab_size
     victim = _worker_pids(proc.pid)[1]
     statuses = []
@@ -171,7 +151,7 @@ def test_a_killed_worker_fails_fast_then_the_server_recovers(server, reference):
     assert saw_not_ready, "readiness never dropped after a worker was killed"
     assert {s for s, _ in statuses} <= {200, 503}, statuses
     assert 503 in {s for s, _ in statuses}, f"no request saw the dead worker: {statuses}"
-    _wait_ready(client, proc, log, timeout=120)
+    local.wait_ready(timeout=120)
     assert victim not in _worker_pids(proc.pid)
     body = _request(vocab, seed=7)
     _check_scores(client.post("/score", json=body), body, reference)

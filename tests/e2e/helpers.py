@@ -3,12 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -16,61 +10,22 @@ import msgpack
 import numpy as np
 
 from model_runtime.scorer import SequenceInput
+from service.local_server import LocalServer
 
-REPO = Path(__file__).resolve().parents[2]
 API_KEY = "e2e-secret"
 TINY_VOCAB = 4096
 TOL = 1e-4  # DESIGN.md: packed vs alone, float32 CPU
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """One ``packscore serve`` process; its log goes to a file shown when a test fails."""
+class ServerProcess(LocalServer):
+    """One ``packscore serve`` process for a test; its log goes to a file shown when a test fails."""
 
     def __init__(self, tmp: Path, *args: str, api_key: str | None = API_KEY):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp / f"server-{self.port}.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PACKSCORE_")}
-        env["OMP_NUM_THREADS"] = "1"  # two cores in CI: one for the server, one for the test process
+        env = {"OMP_NUM_THREADS": "1"}  # two cores in CI: one for the server, one for the test process
         if api_key:
             env["PACKSCORE_API_KEY"] = api_key
-        command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
-        self._log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/readyz", timeout=5).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-5000:]
-
-    def stop(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()  # our own child, by its handle
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
+        super().__init__(args, env=env, log_dir=tmp)
 
 
 def random_sequences(rng: np.random.Generator, n: int, vocab: int, lengths=(2, 120)) -> list[dict]:
