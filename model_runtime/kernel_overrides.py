@@ -12,8 +12,8 @@ def parse_kernel_overrides(text: str) -> dict[str, str]:
     for item in filter(None, (part.strip() for part in text.split(","))):
         family, sep, backend = (x.strip() for x in item.partition("="))
         if not sep or not family or not backend:
-            raise ValueError(f"kernels: expected FAMILY=BACKEND[,FAMILY=BACKEND...], got {item!r}")
+            raise ValueError(f"expected FAMILY=BACKEND[,FAMILY=BACKEND...], got {item!r}")
         if family in out:
-            raise ValueError(f"kernels: {family!r} is given twice")
+            raise ValueError(f"{family!r} is given twice")
         out[family] = backend
     return out

@@ -16,8 +16,9 @@ import typing
 from pathlib import Path
 from typing import Sequence
 
-from pydantic import SecretStr, ValidationError
+from pydantic import ValidationError
 
+from service.errors import validation_reason
 from service.settings import Settings
 
 log = logging.getLogger("packscore")
@@ -99,7 +100,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> tuple[argparse.Namespac
     except ValidationError as exc:
         first = exc.errors()[0]
         where = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else "settings"
-        parser.error(f"{where}: {first['msg']}")
+        parser.error(f"{where}: {validation_reason(first)}")
     return args, settings
 
 

@@ -48,6 +48,12 @@ def param_path(loc: Iterable[str | int]) -> str | None:
     return out or None
 
 
+def validation_reason(error: dict) -> str:
+    """A pydantic error's message for people: without the "Value error, " pydantic puts before a
+    validator's own ValueError, and without a closing full stop."""
+    return error.get("msg", "invalid value").removeprefix("Value error, ").rstrip(".")
+
+
 def from_validation_errors(errors: list[dict]) -> ApiError:
     """The first pydantic error as a 422 naming its field; the first is the one a client fixes first."""
     first = errors[0]
@@ -59,8 +65,7 @@ def from_validation_errors(errors: list[dict]) -> ApiError:
         message = f"{param} is not a field of this request."
     else:
         shown = _short_repr(first.get("input"))
-        # pydantic prefixes a validator's own ValueError with "Value error, ": not for humans.
-        reason = first.get("msg", "invalid value").removeprefix("Value error, ").rstrip(".")
+        reason = validation_reason(first)
         message = f"{param or 'the body'}: {reason}, got {shown}."
     return ApiError(422, "invalid_value", message, param)
 
