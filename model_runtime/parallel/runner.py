@@ -71,18 +71,22 @@ class ParallelScorer:
         ids_T = np.concatenate([plan.ids_T, np.full(pad, PAD_TOKEN, dtype=np.int64)])
         per = ids_T.shape[0] // S
         lo = self.sp_rank * per
-        hidden_TlD = self.loaded.model(torch.from_numpy(ids_T[lo : lo + per]).to(device), packed, self.sp)
         # Scored positions are increasing along the row, so each shard's are one contiguous run.
         bounds = np.searchsorted(plan.positions_N, np.arange(S + 1) * per)
         a, b = int(bounds[self.sp_rank]), int(bounds[self.sp_rank + 1])
-        local_positions = torch.from_numpy(plan.positions_N[a:b] - lo)
+        # Host-to-device copies before the forward, as in Scorer.score_row: issued after it, each
+        # would wait for it.
+        local_positions = torch.from_numpy(plan.positions_N[a:b] - lo).to(device)
+        targets_N = torch.from_numpy(plan.targets_N[a:b]).to(device)
+        temperature_N = torch.from_numpy(plan.temperature_N[a:b]).to(device)
+        hidden_TlD = self.loaded.model(torch.from_numpy(ids_T[lo : lo + per]).to(device), packed, self.sp)
         settings = self.head_settings
         with unsharded_head_weight(self.loaded.model) as weight_VD:
             head = score_positions(
                 hidden_TlD,
                 weight_VD,
-                torch.from_numpy(plan.targets_N[a:b]),
-                torch.from_numpy(plan.temperature_N[a:b]),
+                targets_N,
+                temperature_N,
                 top_k=plan.top_k,
                 chunk_tokens=settings.head_chunk_tokens_top_k if plan.top_k else settings.head_chunk_tokens,
                 rows_N=local_positions,
