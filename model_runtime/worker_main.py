@@ -59,24 +59,20 @@ def _load(start: msg.Start, device: torch.device):
 
     name = start.served_model_name or None
     overrides = parse_kernel_overrides(start.kernels)
-    if device.type == "cuda" and start.fsdp and not _fits_on_gpu(start, device):
-        # A model that does not fit one GPU must not be loaded whole onto one: load it on the
-        # CPU with the GPU's kernels, and let fully_shard move each rank's shards. (A model that
-        # fits is loaded on the GPU and sharded there: seconds instead of minutes, and host RAM
-        # does not have to hold world_size copies.)
-        return load_model(
-            start.model,
-            dtype=start.dtype,
-            device="cpu",
-            kernel_device=device,
-            allow_slow_kernels=start.allow_slow_kernels,
-            kernel_overrides=overrides,
-            served_name=name,
-            worker_pool=True,
-        )
+    # A model that does not fit one GPU must not be loaded whole onto one: with FSDP it is
+    # loaded on the CPU with the GPU's kernels, and fully_shard moves each rank's shards. (A
+    # model that fits is loaded on the GPU and sharded there: seconds instead of minutes, and
+    # host RAM does not have to hold world_size copies.)
+    on_host = device.type == "cuda" and start.fsdp and not _fits_on_gpu(start, device)
     return load_model(
-        start.model, dtype=start.dtype, device=device, allow_slow_kernels=start.allow_slow_kernels,
-        kernel_overrides=overrides, served_name=name, worker_pool=True,
+        start.model,
+        dtype=start.dtype,
+        device="cpu" if on_host else device,
+        kernel_device=device,
+        allow_slow_kernels=start.allow_slow_kernels,
+        kernel_overrides=overrides,
+        served_name=name,
+        worker_pool=True,
     )
 
 
