@@ -73,7 +73,8 @@ async def _score_lines(settings: Settings, backend, input_path: Path, out: IO[by
     limits = Limits(info.vocab_size, model_len, 1, settings.queued_tokens, 1 << 62)
     scheduler = Scheduler(
         backend,
-        max_batch_tokens=settings.max_batch_tokens,
+        # A sequence-parallel group takes rows sp times the per-GPU budget (as the server's do).
+        max_batch_tokens=getattr(backend, "max_row_tokens", settings.max_batch_tokens),
         max_wait_ms=settings.max_wait_ms,
         max_queued_tokens=settings.queued_tokens,
     )
