@@ -65,14 +65,11 @@ _CUDA_ONLY = frozenset({"fla", "causal_conv1d", "varlen", "flash_attn", "triton"
 _GPU_PREFERENCE = {
     "linear_attention": ("fla",),
     "conv1d": ("causal_conv1d", "fla"),
-    "attention": ("sdpa", "flash_attn", "varlen"),
+    "attention": ("sdpa",),  # always there: flash_attn and varlen only by --kernels
     "head": ("triton",),
     "elementwise": ("inductor",),
 }
 _POOL_GPU_PREFERENCE = {**_GPU_PREFERENCE, "attention": ("flash_attn", "varlen", "sdpa")}
-# Backends that compute in float32 one segment at a time or stay unfused: exact everywhere,
-# slow on a GPU.
-SLOW_BACKENDS = frozenset({"reference", "torch", "eager"})
 
 
 class SlowKernelError(RuntimeError):
@@ -116,10 +113,6 @@ _BACKEND_MODULES = {
 }
 
 
-def _available(family: str, name: str) -> bool:
-    return _unavailable_reason(family, name) is None
-
-
 def _unavailable_reason(family: str, name: str) -> str | None:
     """``None`` when backend ``name`` of ``family`` can run here, else why not."""
     modules = _BACKEND_MODULES.get(name, ())
@@ -160,9 +153,7 @@ def select_backends(
     fallbacks: list[str] = []
     for family in FAMILIES:
         if family in overrides:
-            name = overrides[family]
-            if name not in REGISTRY[family]:
-                raise ValueError(f"unknown {family} backend {name!r}; known: {sorted(REGISTRY[family])}")
+            name = overrides[family]  # an unknown name is refused by KernelBackends below
             if device.type != "cuda" and name in _CUDA_ONLY:
                 raise ValueError(f"the {family} backend {name!r} needs CUDA; on {device.type} use one of "
                                  f"{sorted(set(REGISTRY[family]) - _CUDA_ONLY)}")
