@@ -3,7 +3,9 @@
 Legend: N = scored positions, D = hidden size, V = vocabulary, C = tokens in one chunk,
 K = top-k width.
 
-For every scored position: ``z = (h @ W^T) / temperature`` in float32, ``log p = z - logsumexp(z)``,
+For every scored position, from the logits ``z = h @ W^T``: the tempered log-softmax
+``log p = d - logsumexp(d)`` with ``d = (z - max z) / temperature`` in float32 (finite at every
+temperature; log 0 is reported as ``LOGP_FLOOR``, see kernels/logprob_head.py),
 ``logprob = log p[target]``, ``entropy = -sum(p * log p)`` and optionally the top-k ids with their
 ``log p``. Only one ``[C, V]`` chunk (plus its probabilities) is alive at a time.
 """
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from model_runtime.kernels.logprob_head import entropy_of, tempered_log_softmax
+
 # Bytes per (token, vocab) entry alive at a chunk's peak, measured in tests/unit/test_head.py:
 # float32 log-probs (4), a temporary of logsumexp or top-k (4), float32 probabilities (4), and
 # the matmul output in the compute dtype before its float32 copy (up to 4).

@@ -127,8 +127,8 @@ class Scorer:
 
         On CUDA: one sequence filling the token budget (the largest activations: sizes the head
         from the memory left), a row of many short sequences (fla's varlen index paths, many
-        segments in attention), a top-k pass, and a one-sequence row of a few tokens (the
-        shape of an idle request; small sizes are their own compiled variants).
+        segments in attention), a top-k pass, and one-sequence rows of 1, 17 and 300 tokens (the
+        shapes of idle requests; small sizes are their own compiled variants).
         On CPU: one short pass (nothing to compile).
         """
         import time
