@@ -69,6 +69,16 @@ class PackedBatch:
             padding_segments=tuple(padding_segments),
         )
 
+    @staticmethod
+    def from_lengths_padded(
+        lengths: Sequence[int], multiple: int, device: torch.device | str = "cpu"
+    ) -> tuple["PackedBatch", int]:
+        """``from_lengths(lengths).padded_to_multiple(multiple)``, built once (a forward's row)."""
+        pad = (-sum(int(n) for n in lengths)) % multiple
+        if pad == 0:
+            return PackedBatch.from_lengths(lengths, device=device), 0
+        return PackedBatch.from_lengths((*lengths, pad), device=device, padding_segments=(len(lengths),)), pad
+
     @property
     def total_tokens(self) -> int:
         return self.cu_seqlens_host[-1]

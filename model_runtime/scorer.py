@@ -179,12 +179,11 @@ class Scorer:
                 validate_sequence(seq, self.loaded.vocab_size, i)
         plan = plan_row(sequences)
         device = self.loaded.device
-        packed = PackedBatch.from_lengths(plan.lengths, device=device)
         ids_T = plan.ids_T
         # A padding segment (never scored) makes T a multiple of ROW_MULTIPLE: every matrix
         # product then computes a token's row the same way whatever its neighbours (on CPU), and
         # T >= 2 keeps torch.compile from specialising a one-token row mid-request (on CUDA).
-        packed, pad = packed.padded_to_multiple(ROW_MULTIPLE)
+        packed, pad = PackedBatch.from_lengths_padded(plan.lengths, ROW_MULTIPLE, device=device)
         if pad:
             ids_T = np.concatenate([ids_T, np.zeros(pad, dtype=ids_T.dtype)])
         # Host-to-device copies before the forward: issued after it, each would wait for it.

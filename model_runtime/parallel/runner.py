@@ -67,7 +67,7 @@ class ParallelScorer:
         """The whole row's head output (CPU tensors, in row order) and its top-k width."""
         S, device = self.dims.sp, self.loaded.device
         plan = plan_row(sequences)
-        packed, pad = PackedBatch.from_lengths(plan.lengths, device=device).padded_to_multiple(S)
+        packed, pad = PackedBatch.from_lengths_padded(plan.lengths, S, device=device)
         ids_T = np.concatenate([plan.ids_T, np.full(pad, PAD_TOKEN, dtype=np.int64)])
         per = ids_T.shape[0] // S
         lo = self.sp_rank * per

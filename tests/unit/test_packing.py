@@ -28,6 +28,11 @@ def test_padding_is_its_own_segment():
     assert p.position_ids.tolist()[-3:] == [0, 1, 2]
     same, none = p.padded_to_multiple(4)
     assert same is p and none == 0
+    # Built in one go, as a forward's row is: the same batch.
+    q, q_pad = PackedBatch.from_lengths_padded([3, 2], 4)
+    assert q_pad == 3 and (q.lengths, q.padding_segments, q.cu_seqlens_host) == (p.lengths, p.padding_segments, p.cu_seqlens_host)
+    assert q.position_ids.tolist() == p.position_ids.tolist()
+    assert PackedBatch.from_lengths_padded([4], 4)[1] == 0
 
 
 @pytest.mark.parametrize("lengths", [[], [0], [3, -1]])
