@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # bench/device_session.sh plan (about 3 minutes on 4 GPUs): one 9B replica per GPU in process over
-# the whole workload, attention SDPA per segment (default), then the varlen kernel, then the
-# default again (run-to-run spread).
+# the whole workload, attention pinned to SDPA per segment, then to the varlen kernel, then to
+# SDPA again (run-to-run spread). Both are pinned: the pool's own default is the varlen kernel.
 set -u
 cd "$(dirname "$0")/.."
 GPUS=$(nvidia-smi -L | wc -l)
+source bench/plan_common.sh
 mkdir -p "$RESULTS/ab"
-for kernels in "" attention=varlen ""; do
-  t0=$SECONDS
-  python3 -m bench.multi_gpu --gpus "$GPUS" --phases pool ${kernels:+--kernels $kernels} --out "$RESULTS/ab/${kernels:-default}-$t0"
-  echo "pool ${kernels:-default}: exit $? after $((SECONDS - t0))s" | tee -a "$SESSION_DIR/steps.txt"
+i=0
+for kernels in attention=sdpa attention=varlen attention=sdpa; do
+  i=$((i + 1))
+  step "pool $kernels" python3 -m bench.multi_gpu --gpus "$GPUS" --phases pool --kernels "$kernels" --out "$RESULTS/ab/$i-$kernels"
 done
 touch "$SESSION_DIR/done"
