@@ -19,16 +19,10 @@ import time
 import numpy as np
 import torch
 
+from bench.hf_reference import diff_stats
 from model_runtime.scorer import Scorer
 
 GiB = 2**30
-
-
-def _diff(a, b) -> dict:
-    d_lp = np.concatenate([np.abs(np.asarray(x[0]) - np.asarray(y[0])) for x, y in zip(a, b)])
-    d_ent = np.concatenate([np.abs(np.asarray(x[1]) - np.asarray(y[1])) for x, y in zip(a, b)])
-    return {"logprob_max": float(d_lp.max()), "logprob_mean": float(d_lp.mean()),
-            "entropy_max": float(d_ent.max()), "entropy_mean": float(d_ent.mean())}
 
 
 def use_elementwise(model, ew) -> None:
@@ -56,10 +50,10 @@ def depth_noise(num_sequences: int = 4, depths=(4, 8, 16, 32)) -> dict:
             single = to_numpy(score_single(hf, seqs, "cuda"))
             padded = to_numpy(score_padded(hf, seqs, "cuda", 32768))
         entry = {
-            "packscore_vs_hf_single": _diff(ours, single),
-            "packscore_unfused_vs_hf_single": _diff(ours_eager, single),
-            "hf_padded_vs_hf_single": _diff(padded, single),
-            "packscore_vs_hf_padded": _diff(ours, padded),
+            "packscore_vs_hf_single": diff_stats(ours, single),
+            "packscore_unfused_vs_hf_single": diff_stats(ours_eager, single),
+            "hf_padded_vs_hf_single": diff_stats(padded, single),
+            "packscore_vs_hf_padded": diff_stats(ours, padded),
         }
         if depth == depths[-1]:
             w = twin.loaded.model

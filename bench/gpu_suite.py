@@ -4,237 +4,37 @@
 
 Modes (each fits one 10-minute device call):
 - ``full``: the 9B benchmark on the whole workload (256 sequences) with its profile, the
-  head's memory and idle latency; the 35B-A3B experts (grouped_mm vs eager, 4 layers); a warm
-  restart.
-- ``tests``: the GPU tests (tests/gpu, with the 131k-token sequence), then the 35B-A3B
-  benchmark on the first 64 sequences (packscore against Hugging Face's padded batches).
+  head's memory and idle latency, and packscore a second time with the other attention kernel
+  (varlen); the 35B-A3B experts (grouped_mm vs eager, 4 layers); a warm restart.
+- ``tests``: diagnostics (the head's memory at 64k, bf16 drift with depth, the 35B-A3B MoE block
+  against float32), the GPU tests (tests/gpu, with the 131k-token sequence), then the three
+  forms (packscore, HF padded, HF one at a time) on the first 64 sequences.
 - ``smoke``: a quick pass over the benchmark (32 sequences) and most tests.
 - ``extra``: the full-depth 35B-A3B experts comparison and the 35B-A3B and 27B benchmarks.
 
 Phases run in order while the time budget (``--budget-s``) lasts; the results JSON is rewritten
-after every phase so a run cut short still returns what it measured.
+after every phase so a run cut short still returns what it measured. The phases' shared state
+and helpers are in bench/suite_harness.py, the probes beside the benchmark in bench/gpu_probes.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import subprocess
-import sys
 import time
 import traceback
-from pathlib import Path
 
 import numpy as np
 import torch
 
-DATE = datetime.date.today().isoformat()  # names the results file
-GiB = 2**30
-# "cuda" on the H200; "cpu" only for --dry-run-cpu, which walks every code path with the tiny
-# preset and a miniature workload to catch mistakes before spending device time.
-DEVICE = "cuda"
-
-
-class Suite:
-    def __init__(self, args):
-        self.args = args
-        self.out = Path(args.out)
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.started = time.perf_counter()
-        suffix = "" if args.mode == "full" else f"-{args.mode}"
-        self.json_path = self.out / f"h200-{DATE}{suffix}.json"
-        self.results: dict = {"date": DATE, "mode": args.mode, "phases": {}, "errors": {}}
-        self.texts: dict[str, str] = {}
-
-    def remaining(self) -> float:
-        return self.args.budget_s - (time.perf_counter() - self.started)
-
-    def phase(self, name: str, fn, needs_s: float):
-        left = self.remaining()
-        if left < needs_s:
-            log(f"== skip {name}: {left:.0f}s left, needs about {needs_s:.0f}s")
-            self.results["phases"][name] = f"skipped ({left:.0f}s left, needs {needs_s:.0f}s)"
-            self.save()
-            return None
-        log(f"== {name} ({left:.0f}s left)")
-        t0 = time.perf_counter()
-        try:
-            value = fn()
-            self.results["phases"][name] = f"ok in {time.perf_counter() - t0:.1f}s"
-            return value
-        except Exception as err:  # one phase failing must not lose the others
-            log(traceback.format_exc())
-            self.results["phases"][name] = f"failed after {time.perf_counter() - t0:.1f}s"
-            self.results["errors"][name] = f"{type(err).__name__}: {err}"[:2000]
-            return None
-        finally:
-            free_memory()
-            self.save()
-
-    def save(self):
-        self.json_path.write_text(json.dumps(self.results, indent=1, default=_jsonable))
-        for name, text in self.texts.items():
-            (self.out / name).write_text(text)
-
-
-def log(message: str):
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def _jsonable(x):
-    if isinstance(x, (np.floating, np.integer)):
-        return x.item()
-    if isinstance(x, (torch.dtype, torch.device, Path)):
-        return str(x)
-    return repr(x)
-
-
-def free_memory():
-    import gc
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def sync():
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-def reset_peak():
-    if DEVICE == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-
-
-def allocated() -> int:
-    return torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
-
-
-def peak_allocated() -> int:
-    return torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
-
-
-class Stopwatch:
-    """CUDA events on the GPU, the host clock on the CPU; ``ms`` after ``stop``."""
-
-    def __init__(self):
-        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if DEVICE == "cuda" else None
-
-    def start(self):
-        if self.events:
-            self.events[0].record()
-        else:
-            self.t0 = time.perf_counter()
-
-    def stop(self) -> float:
-        if self.events:
-            self.events[1].record()
-            self.events[1].synchronize()
-            return self.events[0].elapsed_time(self.events[1])
-        return (time.perf_counter() - self.t0) * 1e3
-
-
-# ---------------------------------------------------------------- environment and ceiling
-
-
-def environment() -> dict:
-    import inspect
-
-    import transformers
-    import triton
-
-    from model_runtime.kernels import select_backends
-    from model_runtime.kernels.attention import _varlen_has_gqa
-    from model_runtime.kernels.linear_attention import _fla_signature
-    from tests.gpu.test_parity_bf16 import hf_uses_fla
-
-    info = {
-        "gpu": torch.cuda.get_device_name(0),
-        "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / GiB,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "transformers": transformers.__version__,
-        "triton": triton.__version__,
-        "python": sys.version.split()[0],
-        "env": {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "PYTHONPATH")},
-    }
-    try:
-        import fla
-
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-        sig = _fla_signature()
-        info["fla"] = getattr(fla, "__version__", "?")
-        info["fla_chunk_gated_delta_rule"] = str(inspect.signature(chunk_gated_delta_rule))
-        info["fla_grouped_value_heads"] = sig["gva"]
-        from model_runtime.kernels.conv import _fla_conv
-
-        conv = _fla_conv()
-        info["fla_causal_conv1d"] = f"{conv.__module__}.{conv.__name__}{inspect.signature(conv)}"
-        x = torch.randn(1, 8, 32, device="cuda", dtype=torch.bfloat16)
-        y = conv(x=x, weight=torch.randn(32, 4, device="cuda", dtype=torch.bfloat16), activation="silu")
-        info["fla_causal_conv1d_returns"] = type(y).__name__ + (f" of {len(y)}" if isinstance(y, tuple) else "")
-    except Exception as err:
-        info["fla_error"] = f"{type(err).__name__}: {err}"
-    from torch.nn.attention.varlen import varlen_attn
-
-    info["varlen_attn"] = str(inspect.signature(varlen_attn))
-    info["varlen_enable_gqa"] = _varlen_has_gqa()
-    info["hf_chunk_gated_delta_rule"] = hf_uses_fla()
-    info["backends_cuda"] = select_backends("cuda").names
-    log(json.dumps(info, indent=1))
-    return info
-
-
-def matmul_ceiling() -> dict:
-    """bf16 8192^3 products on random data through torch: 3 warm-ups, mean and median of 10."""
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    flop = 2.0 * n**3
-    result = {
-        "tflops_mean": flop / np.mean(times) / 1e12,
-        "tflops_median": flop / np.median(times) / 1e12,
-        "tflops_best": flop / np.min(times) / 1e12,
-    }
-    log(f"measured bf16 matmul ceiling: {result}")
-    return result
+from bench import suite_harness as H
+from bench.gpu_probes import environment, matmul_ceiling, moe_experts, restart_probe, run_tests
+from bench.hf_reference import diff_stats
+from bench.suite_harness import GiB, Stopwatch, Suite, allocated, log, peak_allocated, reset_peak, sync, timed
 
 
 # ---------------------------------------------------------------- the benchmark
-
-
-def _diff(ours, theirs) -> dict:
-    d_lp = np.concatenate([np.abs(np.asarray(a[0]) - np.asarray(b[0])) for a, b in zip(ours, theirs)])
-    d_ent = np.concatenate([np.abs(np.asarray(a[1]) - np.asarray(b[1])) for a, b in zip(ours, theirs)])
-    return {
-        "logprob_max": float(d_lp.max()),
-        "logprob_mean": float(d_lp.mean()),
-        "entropy_max": float(d_ent.max()),
-        "entropy_mean": float(d_ent.mean()),
-    }
-
-
-def _timed(fn):
-    sync()
-    reset_peak()
-    t0 = time.perf_counter()
-    value = fn()
-    sync()
-    return value, time.perf_counter() - t0, peak_allocated() / GiB
 
 
 def run_benchmark(suite: Suite, preset: str, num_sequences: int, *, hf_single: bool, max_batch_tokens: int,
@@ -246,7 +46,7 @@ def run_benchmark(suite: Suite, preset: str, num_sequences: int, *, hf_single: b
 
     ceiling = suite.results.get("ceiling", {}).get("tflops_mean") or 788.0
     t0 = time.perf_counter()
-    twin = build_twin(preset, device=DEVICE, dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32)
+    twin = build_twin(preset, device=H.DEVICE, dtype=torch.bfloat16 if H.DEVICE == "cuda" else torch.float32)
     sync()
     build_s = time.perf_counter() - t0
     loaded = twin.loaded
@@ -293,7 +93,7 @@ def run_benchmark(suite: Suite, preset: str, num_sequences: int, *, hf_single: b
     bench["head_chunk_tokens"] = scorer.head_chunk_tokens
     log(f"warm-up {scorer.warm_up_seconds:.1f}s (caches as the run started), head chunk {scorer.head_chunk_tokens} tokens")
     scorer.score(sequences)
-    ours_raw, seconds, peak = _timed(lambda: scorer.score(sequences))
+    ours_raw, seconds, peak = timed(lambda: scorer.score(sequences))
     ours = [(r.logprobs, r.entropy) for r in ours_raw]
     side("packscore", seconds, peak, max_batch_tokens=max_batch_tokens)
 
@@ -306,21 +106,21 @@ def run_benchmark(suite: Suite, preset: str, num_sequences: int, *, hf_single: b
 
     # (b) Hugging Face, padded batches as large as memory allows, then one sequence at a time.
     with twin.hf() as hf_model:
-        _, budget = score_padded_fitting(hf_model, sequences, DEVICE)
-        padded_raw, seconds, peak = _timed(lambda: score_padded(hf_model, sequences, DEVICE, budget))
+        _, budget = score_padded_fitting(hf_model, sequences, H.DEVICE)
+        padded_raw, seconds, peak = timed(lambda: score_padded(hf_model, sequences, H.DEVICE, budget))
         padded = to_numpy(padded_raw)
         del padded_raw
         side("hf_padded", seconds, peak, padded_token_budget=budget)
-        bench["diff_packscore_vs_hf_padded"] = _diff(ours, padded)
+        bench["diff_packscore_vs_hf_padded"] = diff_stats(ours, padded)
         log(f"packscore vs HF padded: {bench['diff_packscore_vs_hf_padded']}")
         if hf_single and suite.remaining() > 2.2 * work["tokens"] / 11000 + 30:
-            score_single(hf_model, sequences, DEVICE)
-            single_raw, seconds, peak = _timed(lambda: score_single(hf_model, sequences, DEVICE))
+            score_single(hf_model, sequences, H.DEVICE)
+            single_raw, seconds, peak = timed(lambda: score_single(hf_model, sequences, H.DEVICE))
             single = to_numpy(single_raw)
             del single_raw
             side("hf_single", seconds, peak)
-            bench["diff_packscore_vs_hf_single"] = _diff(ours, single)
-            bench["diff_hf_padded_vs_hf_single"] = _diff(padded, single)
+            bench["diff_packscore_vs_hf_single"] = diff_stats(ours, single)
+            bench["diff_hf_padded_vs_hf_single"] = diff_stats(padded, single)
         elif hf_single:
             bench["hf_single"] = "skipped: not enough time left in this call"
     if alt_attention and suite.remaining() > 2.5 * work["tokens"] / 30000 + 30:
@@ -330,14 +130,14 @@ def run_benchmark(suite: Suite, preset: str, num_sequences: int, *, hf_single: b
 
         with attention_backend(loaded.model, alt_attention):
             scorer.score(sequences)
-            alt_raw, seconds, peak = _timed(lambda: scorer.score(sequences))
+            alt_raw, seconds, peak = timed(lambda: scorer.score(sequences))
         alt = [(r.logprobs, r.entropy) for r in alt_raw]
         side(f"packscore_attention_{alt_attention}", seconds, peak, max_batch_tokens=max_batch_tokens)
-        bench[f"diff_packscore_attention_{alt_attention}_vs_hf_padded"] = _diff(alt, padded)
+        bench[f"diff_packscore_attention_{alt_attention}_vs_hf_padded"] = diff_stats(alt, padded)
         if "hf_single" in bench["sides"]:
-            bench[f"diff_packscore_attention_{alt_attention}_vs_hf_single"] = _diff(alt, single)
-        bench[f"diff_packscore_attention_{alt_attention}_vs_packscore"] = _diff(alt, ours)
-        log(f"attention={alt_attention}: " + str({k: v for k, v in bench.items() if k.startswith(f"diff_packscore_attention_")}))
+            bench[f"diff_packscore_attention_{alt_attention}_vs_hf_single"] = diff_stats(alt, single)
+        bench[f"diff_packscore_attention_{alt_attention}_vs_packscore"] = diff_stats(alt, ours)
+        log(f"attention={alt_attention}: " + str({k: v for k, v in bench.items() if k.startswith("diff_packscore_attention_")}))
     hf_best = max(s["tokens_per_s"] for n, s in bench["sides"].items() if n.startswith("hf_"))
     bench["speedup_vs_hf"] = bench["sides"]["packscore"]["tokens_per_s"] / hf_best
     bench["mfu_of_measured_peak"] = bench["sides"]["packscore"]["mfu_of_measured_peak"]
@@ -363,11 +163,11 @@ def extra_measurements(suite: Suite, bench: dict, scorer, sequences):
     from model_runtime.scorer import plan_row
 
     plan = plan_row(row)
-    ids = torch.from_numpy(plan.ids_T).to(DEVICE)
+    ids = torch.from_numpy(plan.ids_T).to(H.DEVICE)
     fwd_ms, head_ms = [], []
     with torch.inference_mode():
         for _ in range(3):
-            packed = PackedBatch.from_lengths(plan.lengths, device=DEVICE)
+            packed = PackedBatch.from_lengths(plan.lengths, device=H.DEVICE)
             forward, head = Stopwatch(), Stopwatch()
             forward.start()
             hidden = loaded.model(ids, packed)
@@ -388,9 +188,9 @@ def extra_measurements(suite: Suite, bench: dict, scorer, sequences):
     log(text)
 
     # The head alone at 64k scored positions: extra memory over the hidden states it reads.
-    n = 65536 if DEVICE == "cuda" else 512
+    n = 65536 if H.DEVICE == "cuda" else 512
     D, V = loaded.model.lm_head.weight.shape[1], loaded.vocab_size
-    hidden = torch.randn(n + 1, D, device=DEVICE, dtype=loaded.dtype)
+    hidden = torch.randn(n + 1, D, device=H.DEVICE, dtype=loaded.dtype)
     targets = torch.randint(0, V, (n,))
     temps = torch.ones(n)
     head = {}
@@ -426,106 +226,10 @@ def extra_measurements(suite: Suite, bench: dict, scorer, sequences):
     log(f"idle latency, one 512-token sequence: {bench['idle_latency_512_ms']}")
 
 
-# ---------------------------------------------------------------- MoE experts: grouped_mm vs eager
-
-
-def moe_experts(num_layers: int | None, row_tokens: int, spec=None) -> dict:
-    from bench.hf_reference import build_twin, set_moe_implementation
-    from bench.workload import WorkloadSpec, grpo_workload
-    from model_runtime.packing import PackedBatch
-    from model_runtime.scorer import plan_row
-
-    preset = "qwen3.5-35b-a3b" if DEVICE == "cuda" else "tiny-moe"
-    twin = build_twin(preset, num_layers=num_layers, moe_implementation="grouped_mm", device=DEVICE,
-                      dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32)
-    model = twin.loaded.model
-    sequences, total = [], 0
-    for s in grpo_workload(twin.loaded.vocab_size, spec or WorkloadSpec()):
-        if total + s.length > row_tokens:
-            continue
-        sequences.append(s)
-        total += s.length
-    plan = plan_row(sequences)
-    ids = torch.from_numpy(plan.ids_T).to(DEVICE)
-    out, hidden = {"layers": len(model.layers), "row_tokens": total}, {}
-    for impl, repeats in (("grouped_mm", 3), ("eager", 2)):
-        set_moe_implementation(model, impl)
-        experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
-        assert experts.config._experts_implementation == impl, "the experts did not see the switch"
-        times = []
-        with torch.inference_mode():
-            for r in range(repeats + 1):
-                packed = PackedBatch.from_lengths(plan.lengths, device=DEVICE)
-                sync()
-                t0 = time.perf_counter()
-                h = model(ids, packed)
-                sync()
-                if r:
-                    times.append(time.perf_counter() - t0)
-        hidden[impl] = h.float()
-        out[impl] = {"forward_s": float(np.median(times)), "tokens_per_s": total / float(np.median(times))}
-        log(f"35B-A3B experts {impl}: {out[impl]}")
-    out["grouped_over_eager_speedup"] = out["eager"]["forward_s"] / out["grouped_mm"]["forward_s"]
-    out["hidden_max_abs_diff"] = float((hidden["grouped_mm"] - hidden["eager"]).abs().max())
-    out["hidden_rel_diff"] = float((hidden["grouped_mm"] - hidden["eager"]).norm() / hidden["eager"].norm())
-    set_moe_implementation(model, "grouped_mm")
-    log(f"35B-A3B experts: {out}")
-    return out
-
-
-# ---------------------------------------------------------------- tests and restart probe
-
-
-def run_tests(suite: Suite, smoke: bool, select: str | None = None) -> dict:
-    report = Path("/tmp/packscore-gpu-tests.jsonl")
-    report.unlink(missing_ok=True)
-    env = dict(os.environ, PACKSCORE_GPU_REPORT=str(report), PACKSCORE_GPU_SMOKE="1" if smoke else "0")
-    timeout = max(60, int(suite.remaining() - 15))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "tests/gpu", "-p", "no:cacheprovider", "--timeout", str(timeout)]
-    if select:
-        cmd += ["-k", select]
-    log(" ".join(cmd))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout + 10)
-    print(proc.stdout[-20000:], proc.stderr[-5000:], flush=True)
-    suite.texts["gpu-tests.txt"] = proc.stdout[-200000:] + "\n" + proc.stderr[-20000:]
-    records = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
-    summary = [line for line in proc.stdout.splitlines() if " passed" in line or " failed" in line]
-    return {"returncode": proc.returncode, "summary": summary[-1] if summary else "", "records": records}
-
-
-def restart_probe(suite: Suite, model: str, max_batch_tokens: int) -> dict:
-    cache = os.environ.get("TRITON_CACHE_DIR", "/tmp/packscore-kernel-cache")
-    cmd = [sys.executable, "-m", "bench.warmup_probe", "--model", model, "--max-batch-tokens", str(max_batch_tokens),
-           "--kernel-cache", cache]
-    t0 = time.perf_counter()
-    # Triton prints one line per autotuning it does: with a warm cache there should be none.
-    env = {**os.environ, "TRITON_PRINT_AUTOTUNING": "1"}
-    # Autotuning results Triton kept on disk (fla asks for cache_results): if the restart still
-    # autotunes, these counts say whether the results were never written or not found.
-    stored_before = sorted(p.name for p in Path(cache).rglob("*.autotune.json"))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(60, int(suite.remaining() - 10)), env=env)
-    stored_after = sorted(p.name for p in Path(cache).rglob("*.autotune.json"))
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("WARMUP_PROBE ")), None)
-    if line is None:
-        raise RuntimeError(f"probe failed ({proc.returncode}): {proc.stderr[-3000:]}")
-    result = json.loads(line.removeprefix("WARMUP_PROBE "))
-    result["process_s"] = time.perf_counter() - t0
-    tuned = [l for l in (proc.stdout + proc.stderr).splitlines() if "autotuning" in l.lower()]
-    result["autotuning_runs"] = len(tuned)
-    result["autotune_files_before"] = len(stored_before)
-    result["autotune_files_after"] = len(stored_after)
-    result["autotune_file_kernels_before"] = sorted({n.removesuffix(".autotune.json") for n in stored_before})[:40]
-    result["autotuning_keys"] = [l for l in (proc.stdout + proc.stderr).splitlines() if "with key as" in l][:20]
-    result["autotuned"] = sorted({l.split("function")[-1].split("finished")[0].strip() for l in tuned if "function" in l})[:40]
-    log(f"warm restart: {result}")
-    return result
-
-
 # ---------------------------------------------------------------- main
 
 
 def main():
-    global DEVICE
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mode", choices=("smoke", "full", "tests", "extra"), default="full")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
@@ -533,7 +237,6 @@ def main():
     parser.add_argument("--dry-run-cpu", action="store_true", help="tiny preset, tiny workload, on the CPU")
     args = parser.parse_args()
     suite = Suite(args)
-    smoke = args.mode == "smoke"
     if args.dry_run_cpu:
         return dry_run(suite)
 
@@ -581,11 +284,10 @@ def finish(suite: Suite):
 
 def dry_run(suite: Suite):
     """Every phase that needs no GPU, on the CPU with the tiny presets (reference kernels)."""
-    global DEVICE
     from bench.workload import WorkloadSpec
     from model_runtime.presets import PRESETS, Preset
 
-    DEVICE = "cpu"
+    H.set_device("cpu")
     tiny = PRESETS["tiny"]
     PRESETS["tiny-moe"] = Preset("tiny-moe", "qwen3_5_moe_text", {
         **{k: v for k, v in tiny.config.items() if k != "intermediate_size"},

@@ -206,3 +206,36 @@ def score_padded_fitting(hf_model: nn.Module, sequences, device, budgets=PADDED_
 
 def to_numpy(results) -> list[tuple[np.ndarray, np.ndarray]]:
     return [(lp.float().cpu().numpy(), ent.float().cpu().numpy()) for lp, ent in results]
+
+
+def diff_stats(ours, theirs) -> dict:
+    """max and mean |difference| of log-probs and entropies, over ``(logprobs, entropy)`` pairs."""
+    d_lp = np.concatenate([np.abs(np.asarray(a[0]) - np.asarray(b[0])) for a, b in zip(ours, theirs)])
+    d_ent = np.concatenate([np.abs(np.asarray(a[1]) - np.asarray(b[1])) for a, b in zip(ours, theirs)])
+    return {
+        "logprob_max": float(d_lp.max()),
+        "logprob_mean": float(d_lp.mean()),
+        "entropy_max": float(d_ent.max()),
+        "entropy_mean": float(d_ent.mean()),
+    }
+
+
+def hf_uses_fla() -> str:
+    """Where Hugging Face's chunk_gated_delta_rule goes: the module of the implementation it wraps."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    seen, stack = set(), [m.torch_chunk_gated_delta_rule]
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        module = getattr(fn, "__module__", "") or ""
+        if module.startswith("fla"):
+            return module
+        for cell in getattr(fn, "__closure__", None) or ():
+            if callable(cell.cell_contents):
+                stack.append(cell.cell_contents)
+        if hasattr(fn, "__wrapped__"):
+            stack.append(fn.__wrapped__)
+    return "torch fallback"

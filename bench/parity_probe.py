@@ -3,7 +3,8 @@
     python -m bench.parity_probe --out DIR        (on a CUDA machine with fla installed)
 
 For a tiny test checkpoint (tests/checkpoints.py, ``qwen3_5``) and a 4-layer slice of the
-Qwen3.5-9B shape, the sequences of tests/gpu/test_parity_bf16.py are scored by:
+Qwen3.5-9B shape, sequences of the parity test's lengths (scored from position 1, T = 1) are
+scored by:
 - Hugging Face one sequence at a time (the reference of the parity test), and Hugging Face's
   padded batches: the difference between those two is Hugging Face's own bf16 noise;
 - packscore with its default CUDA kernels, and with one family at a time replaced by the
@@ -28,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.hf_reference import diff_stats
 from model_runtime.scorer import Scorer, SequenceInput
 
 
@@ -124,13 +126,6 @@ def make_batch(vocab: int, seed: int) -> list[SequenceInput]:
     return [SequenceInput(rng.integers(0, vocab, size=n), score_from=1) for n in LENGTHS]
 
 
-def diff(ours, ref) -> dict:
-    d_lp = np.concatenate([np.abs(np.asarray(a[0]) - np.asarray(b[0])) for a, b in zip(ours, ref)])
-    d_ent = np.concatenate([np.abs(np.asarray(a[1]) - np.asarray(b[1])) for a, b in zip(ours, ref)])
-    return {"logprob_mean": float(d_lp.mean()), "logprob_max": float(d_lp.max()),
-            "entropy_mean": float(d_ent.mean()), "entropy_max": float(d_ent.max())}
-
-
 def scores(results) -> list[tuple[np.ndarray, np.ndarray]]:
     return [(r.logprobs, r.entropy) for r in results]
 
@@ -193,7 +188,7 @@ def probe(model, seed: int) -> dict:
     single = to_numpy(score_single(hf, seqs, device))
     padded = to_numpy(score_padded(hf, seqs, device, 4096))
     lm_sum = float(hf.lm_head.weight.float().sum())
-    result = {"hf padded vs hf single": diff(padded, single)}
+    result = {"hf padded vs hf single": diff_stats(padded, single)}
     if isinstance(model, SliceModel):
         model.drop_hf()
     del hf
@@ -205,12 +200,12 @@ def probe(model, seed: int) -> dict:
         assert abs(float(loaded.model.lm_head.weight.float().sum()) - lm_sum) < 1e-3, "variant drew other weights"
         scorer = Scorer(loaded, max_batch_tokens=4096)
         packed = scores(scorer.score_row(seqs))
-        result[f"packscore {name}"] = diff(packed, single)
+        result[f"packscore {name}"] = diff_stats(packed, single)
         result[f"packscore {name}"]["kernels"] = str(loaded.backends.names)
         if name in ISOLATION_VARIANTS:
             alone = scores([scorer.score_row([s])[0] for s in seqs])
             label = "" if name == "default" else f" ({name})"
-            result[f"packscore alone vs packed{label}"] = diff(alone, packed)
+            result[f"packscore alone vs packed{label}"] = diff_stats(alone, packed)
             if device == "cuda":
                 result[f"first divergence alone vs packed{label}"] = first_divergence(scorer, seqs)
         del scorer, loaded

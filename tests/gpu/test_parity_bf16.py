@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.hf_reference import hf_uses_fla
 from model_runtime.scorer import Scorer, SequenceInput
 
 pytestmark = [
@@ -77,27 +78,6 @@ def compare(scorer: Scorer, hf_model, seqs):
         "entropy_max": float(d_ent.max()),
         "positions": int(d_lp.size),
     }
-
-
-def hf_uses_fla() -> str:
-    """Where Hugging Face's chunk_gated_delta_rule goes: the module of the implementation it wraps."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
-
-    seen, stack = set(), [m.torch_chunk_gated_delta_rule]
-    while stack:
-        fn = stack.pop()
-        if id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        module = getattr(fn, "__module__", "") or ""
-        if module.startswith("fla"):
-            return module
-        for cell in getattr(fn, "__closure__", None) or ():
-            if callable(cell.cell_contents):
-                stack.append(cell.cell_contents)
-        if hasattr(fn, "__wrapped__"):
-            stack.append(fn.__wrapped__)
-    return "torch fallback"
 
 
 # The attention backends compared: the default (SDPA per segment, the call Hugging Face makes

@@ -1,0 +1,181 @@
+"""The GPU suite's probes beside the benchmark: the machine (environment, bf16 matmul ceiling),
+MoE experts grouped_mm against eager, the GPU tests run as a subprocess, and a restart's warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench import suite_harness as H
+from bench.suite_harness import GiB, Suite, log, sync
+
+
+def environment() -> dict:
+    import inspect
+
+    import transformers
+    import triton
+
+    from model_runtime.kernels import select_backends
+    from model_runtime.kernels.attention import _varlen_has_gqa
+    from model_runtime.kernels.linear_attention import _fla_signature
+    from bench.hf_reference import hf_uses_fla
+
+    info = {
+        "gpu": torch.cuda.get_device_name(0),
+        "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / GiB,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "triton": triton.__version__,
+        "python": sys.version.split()[0],
+        "env": {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "PYTHONPATH")},
+    }
+    try:
+        import fla
+
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        sig = _fla_signature()
+        info["fla"] = getattr(fla, "__version__", "?")
+        info["fla_chunk_gated_delta_rule"] = str(inspect.signature(chunk_gated_delta_rule))
+        info["fla_grouped_value_heads"] = sig["gva"]
+        from model_runtime.kernels.conv import _fla_conv
+
+        conv = _fla_conv()
+        info["fla_causal_conv1d"] = f"{conv.__module__}.{conv.__name__}{inspect.signature(conv)}"
+        x = torch.randn(1, 8, 32, device="cuda", dtype=torch.bfloat16)
+        y = conv(x=x, weight=torch.randn(32, 4, device="cuda", dtype=torch.bfloat16), activation="silu")
+        info["fla_causal_conv1d_returns"] = type(y).__name__ + (f" of {len(y)}" if isinstance(y, tuple) else "")
+    except Exception as err:
+        info["fla_error"] = f"{type(err).__name__}: {err}"
+    from torch.nn.attention.varlen import varlen_attn
+
+    info["varlen_attn"] = str(inspect.signature(varlen_attn))
+    info["varlen_enable_gqa"] = _varlen_has_gqa()
+    info["hf_chunk_gated_delta_rule"] = hf_uses_fla()
+    info["backends_cuda"] = select_backends("cuda").names
+    log(json.dumps(info, indent=1))
+    return info
+
+
+def matmul_ceiling() -> dict:
+    """bf16 8192^3 products on random data through torch: 3 warm-ups, mean and median of 10."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    flop = 2.0 * n**3
+    result = {
+        "tflops_mean": flop / np.mean(times) / 1e12,
+        "tflops_median": flop / np.median(times) / 1e12,
+        "tflops_best": flop / np.min(times) / 1e12,
+    }
+    log(f"measured bf16 matmul ceiling: {result}")
+    return result
+
+
+def moe_experts(num_layers: int | None, row_tokens: int, spec=None) -> dict:
+    from bench.hf_reference import build_twin, set_moe_implementation
+    from bench.workload import WorkloadSpec, grpo_workload
+    from model_runtime.packing import PackedBatch
+    from model_runtime.scorer import plan_row
+
+    preset = "qwen3.5-35b-a3b" if H.DEVICE == "cuda" else "tiny-moe"
+    twin = build_twin(preset, num_layers=num_layers, moe_implementation="grouped_mm", device=H.DEVICE,
+                      dtype=torch.bfloat16 if H.DEVICE == "cuda" else torch.float32)
+    model = twin.loaded.model
+    sequences, total = [], 0
+    for s in grpo_workload(twin.loaded.vocab_size, spec or WorkloadSpec()):
+        if total + s.length > row_tokens:
+            continue
+        sequences.append(s)
+        total += s.length
+    plan = plan_row(sequences)
+    ids = torch.from_numpy(plan.ids_T).to(H.DEVICE)
+    out, hidden = {"layers": len(model.layers), "row_tokens": total}, {}
+    for impl, repeats in (("grouped_mm", 3), ("eager", 2)):
+        set_moe_implementation(model, impl)
+        experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
+        assert experts.config._experts_implementation == impl, "the experts did not see the switch"
+        times = []
+        with torch.inference_mode():
+            for r in range(repeats + 1):
+                packed = PackedBatch.from_lengths(plan.lengths, device=H.DEVICE)
+                sync()
+                t0 = time.perf_counter()
+                h = model(ids, packed)
+                sync()
+                if r:
+                    times.append(time.perf_counter() - t0)
+        hidden[impl] = h.float()
+        out[impl] = {"forward_s": float(np.median(times)), "tokens_per_s": total / float(np.median(times))}
+        log(f"35B-A3B experts {impl}: {out[impl]}")
+    out["grouped_over_eager_speedup"] = out["eager"]["forward_s"] / out["grouped_mm"]["forward_s"]
+    out["hidden_max_abs_diff"] = float((hidden["grouped_mm"] - hidden["eager"]).abs().max())
+    out["hidden_rel_diff"] = float((hidden["grouped_mm"] - hidden["eager"]).norm() / hidden["eager"].norm())
+    set_moe_implementation(model, "grouped_mm")
+    log(f"35B-A3B experts: {out}")
+    return out
+
+
+def run_tests(suite: Suite, smoke: bool, select: str | None = None) -> dict:
+    report = Path("/tmp/packscore-gpu-tests.jsonl")
+    report.unlink(missing_ok=True)
+    env = dict(os.environ, PACKSCORE_GPU_REPORT=str(report), PACKSCORE_GPU_SMOKE="1" if smoke else "0")
+    timeout = max(60, int(suite.remaining() - 15))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "tests/gpu", "-p", "no:cacheprovider", "--timeout", str(timeout)]
+    if select:
+        cmd += ["-k", select]
+    log(" ".join(cmd))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout + 10)
+    print(proc.stdout[-20000:], proc.stderr[-5000:], flush=True)
+    suite.texts["gpu-tests.txt"] = proc.stdout[-200000:] + "\n" + proc.stderr[-20000:]
+    records = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
+    summary = [line for line in proc.stdout.splitlines() if " passed" in line or " failed" in line]
+    return {"returncode": proc.returncode, "summary": summary[-1] if summary else "", "records": records}
+
+
+def restart_probe(suite: Suite, model: str, max_batch_tokens: int) -> dict:
+    cache = os.environ.get("TRITON_CACHE_DIR", "/tmp/packscore-kernel-cache")
+    cmd = [sys.executable, "-m", "bench.warmup_probe", "--model", model, "--max-batch-tokens", str(max_batch_tokens),
+           "--kernel-cache", cache]
+    t0 = time.perf_counter()
+    # Triton prints one line per autotuning it does: with a warm cache there should be none.
+    env = {**os.environ, "TRITON_PRINT_AUTOTUNING": "1"}
+    # Autotuning results Triton kept on disk (fla asks for cache_results): if the restart still
+    # autotunes, these counts say whether the results were never written or not found.
+    stored_before = sorted(p.name for p in Path(cache).rglob("*.autotune.json"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(60, int(suite.remaining() - 10)), env=env)
+    stored_after = sorted(p.name for p in Path(cache).rglob("*.autotune.json"))
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("WARMUP_PROBE ")), None)
+    if line is None:
+        raise RuntimeError(f"probe failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    result = json.loads(line.removeprefix("WARMUP_PROBE "))
+    result["process_s"] = time.perf_counter() - t0
+    tuned = [l for l in (proc.stdout + proc.stderr).splitlines() if "autotuning" in l.lower()]
+    result["autotuning_runs"] = len(tuned)
+    result["autotune_files_before"] = len(stored_before)
+    result["autotune_files_after"] = len(stored_after)
+    result["autotune_file_kernels_before"] = sorted({n.removesuffix(".autotune.json") for n in stored_before})[:40]
+    result["autotuning_keys"] = [l for l in (proc.stdout + proc.stderr).splitlines() if "with key as" in l][:20]
+    result["autotuned"] = sorted({l.split("function")[-1].split("finished")[0].strip() for l in tuned if "function" in l})[:40]
+    log(f"warm restart: {result}")
+    return result

@@ -1,0 +1,22 @@
+"""bench/gpu_suite.py's CPU dry run: every phase that needs no GPU runs with the tiny presets, so
+the suite's code paths are checked here before a device call spends GPU time on them."""
+
+import json
+import sys
+
+from bench import gpu_suite, suite_harness
+
+
+def test_dry_run_measures_every_side(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["gpu_suite", "--dry-run-cpu", "--out", str(tmp_path)])
+    try:
+        gpu_suite.main()
+    finally:
+        suite_harness.set_device("cuda")
+    (path,) = tmp_path.glob("h200-*.json")
+    results = json.loads(path.read_text())
+    for phase in ("benchmark tiny", "experts grouped_mm vs eager (tiny)", "GPU tests (all skip on CPU)"):
+        assert results["phases"][phase].startswith("ok"), (phase, results["phases"], results["errors"])
+    bench = results["tiny"]
+    assert set(bench["sides"]) == {"packscore", "hf_padded", "hf_single", "packscore_attention_sdpa"}
+    assert bench["speedup_vs_hf"] > 0 and bench["diff_packscore_vs_hf_single"]["logprob_max"] < 1e-3
