@@ -108,56 +108,10 @@ def chart(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def summarize(full: dict, tests: dict, preset: str = "qwen3.5-9b") -> dict:
-    """Top-level numbers of the benchmark file, from the two device calls of 2026-11-29.
-
-    ``full`` is the benchmark call (``--mode full``), ``tests`` the GPU-tests call (``--mode
-    tests``, with the drift, head-memory and 64-sequence timing diagnostics).
-    """
-    bench = full[preset]
-    records = {r["name"]: r for r in tests.get("gpu_tests", {}).get("records", [])}
-    subset = tests.get("subset_timing", {})
-    summary = {
-        "speedup_vs_hf": bench["speedup_vs_hf"],
-        "speedup_vs_hf_basis": (
-            "packscore vs hf_padded on the whole workload: the only Hugging Face form timed there "
-            "(hf_single was skipped for lack of time in that call)"
-        ),
-        "mfu_of_measured_peak": bench["mfu_of_measured_peak"],
-        "tokens_per_s": {k: v["tokens_per_s"] for k, v in bench["sides"].items()},
-        "measured_peak_tflops": bench["ceiling_tflops"],
-        "diff_packscore_vs_hf_padded": bench.get("diff_packscore_vs_hf_padded"),
-        "warm_up_s_empty_caches": bench.get("warm_up_s"),
-        "warm_up_s_restart_warm_caches": full.get("restart_warm", {}).get("warm_up_s"),
-        "idle_latency_512_ms": bench.get("idle_latency_512_ms", {}).get("median"),
-        "head_64k_extra_gib": tests.get("head_memory", {}).get("extra_peak_gib"),
-        "head_64k_extra_gib_before_fix": bench.get("head_64k", {}).get("fused", {}).get("extra_peak_gib"),
-        "moe_grouped_over_eager_speedup_4_layers": full.get("moe_experts", {}).get("grouped_over_eager_speedup"),
-        "long_sequence_131k": records.get("long sequence 9B"),
-        "gpu_tests": tests.get("gpu_tests", {}).get("summary"),
-    }
-    if subset:
-        sides = {k: v["tokens_per_s"] for k, v in subset.items() if isinstance(v, dict) and "tokens_per_s" in v}
-        hf_best = max(v for k, v in sides.items() if k.startswith("hf_"))
-        summary["subset_64_sequences"] = {
-            "tokens": subset["workload"]["tokens"],
-            "tokens_per_s": sides,
-            "speedup_vs_faster_hf_form": sides["packscore"] / hf_best,
-        }
-    return summary
-
-
 def write_report(results: dict, out: Path, stem: str) -> None:
+    print(markdown(results), flush=True)  # first: the table survives a chart that cannot be drawn
     chart(results, out / f"{stem}.png")
-    print(markdown(results), flush=True)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--summarize":
-        # python -m bench.report --summarize FULL.json TESTS.json: adds the summary to FULL.json
-        full_path = Path(sys.argv[2])
-        full = json.loads(full_path.read_text())
-        full.update(summarize(full, json.loads(Path(sys.argv[3]).read_text())))
-        full_path.write_text(json.dumps(full, indent=1))
-    else:
-        print(markdown(json.loads(Path(sys.argv[1]).read_text())))
+    print(markdown(json.loads(Path(sys.argv[1]).read_text())))
