@@ -28,7 +28,7 @@ nccl() {  # $1: the two GPUs to use, e.g. 2,3
   export CUDA_VISIBLE_DEVICES=$1
   step "NCCL tests (GPUs $1)" bash -c "PACKSCORE_GPU_REPORT='$RESULTS/tests/gpu_report_nccl.jsonl' python3 -m pytest -q -rA -p no:cacheprovider tests/gpu/test_parallel_nccl.py > '$RESULTS/tests/pytest_nccl.txt' 2>&1"
 }
-multi() {  # all GPUs: HTTP end to end (never measured before), SP scaling, FSDP against replicas
+multi() {  # all GPUs: HTTP end to end, SP scaling, FSDP against replicas
   unset CUDA_VISIBLE_DEVICES
   step "multi-GPU http ($GPUS GPUs)" python3 -m bench.multi_gpu --gpus "$GPUS" --phases http --out "$RESULTS/multi/http"
   step "multi-GPU sp ($GPUS GPUs)" python3 -m bench.multi_gpu --gpus "$GPUS" --phases sp --out "$RESULTS/multi/sp"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 suite in one command, from the repository root:
-#     bash bench/run_h200.sh [full|smoke|extra]
+#     bash bench/run_h200.sh [full|tests|smoke|extra]
 # Installs carried wheels (.whl/, see the README), keeps compiled kernels in
 # /tmp/packscore-kernel-cache (unpacked from .kcache/ when carried, packed into $OUT with
 # PACK_KERNEL_CACHE=1) and writes the results JSON, chart, profile and log to $OUT.

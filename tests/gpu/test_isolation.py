@@ -7,13 +7,12 @@ picks its kernel, and with it the summation order, from the problem's shape) and
 chunking. The test reports the difference and also measures that mechanism directly.
 
 Measured on the H200 (2026-11-29, 9B shape, 4 layers): the same row twice is bitwise equal;
-alone vs packed differs by mean 5.5e-3 / max 3.1e-2 in log-probs (entropy max 9.8e-4; after the
-conv change of the same day, mean 6.2e-3 / max 4.7e-2), over DESIGN.md's bf16 target of mean
-2e-3, so this test fails there. The three body projections gave identical rows at every row
-count from 778 to 16,000, so the suspects left are the head's vocabulary product, whose row
-count was the chunk's (now every chunk is padded to the full chunk on CUDA: ``fixed_shape`` in
-model_runtime/head.py, not yet measured there), and products of fewer rows than that (short
-rows); the matmul test below now covers both.
+alone vs packed differs by mean 6.0e-3 / max 4.7e-2 in log-probs, over DESIGN.md's bf16 target
+of mean 2e-3, so this test fails there. The module hooks (``first_differing_modules`` in the
+report) name the source: the first outputs that differ are the GDN's ``in_proj_a`` and
+``in_proj_b``, [T, 4096] x [4096, 32] products whose kernel follows the row count; everything
+after differs through them. The larger products and the head's (fixed-shape) vocabulary product
+gave identical rows at every row count from 777 to 16,000 (the matmul test below).
 """
 
 import numpy as np
@@ -95,11 +94,9 @@ def _alone_vs_packed(twin, gpu_record, label):
 def test_matmul_rows_depend_on_row_count(k, n, gpu_record):
     """The mechanism: the same 777 rows through a bf16 product alone and inside larger batches.
 
-    On the H200 (2026-11-29) the [n, 4096] x [4096, 12288] product gave identical rows at every
-    row count, yet whole rows still differed alone vs packed (mean 5.5e-3 in log-probs over the
-    9B slice). The other two shapes are the suspects, not yet measured: with few output tiles
-    at small row counts (N = 4096, or K = 12288) cuBLAS may choose split-K, whose partial sums
-    PyTorch lets it reduce in bf16 by default.
+    On the H200 (2026-11-29) all four shapes gave identical rows from 777 to 16,000 rows; 16-row
+    products of the N = 4096 shapes differed (by one bf16 step or two), as products with few
+    output tiles may take another kernel (split-K).
     """
     g = torch.Generator(device="cuda").manual_seed(0)
     w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
