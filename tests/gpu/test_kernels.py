@@ -9,7 +9,7 @@ per-chunk states in bf16, hence its 2e-2.
 import pytest
 import torch
 
-from model_runtime.kernels.attention import causal_attention_reference, causal_attention_varlen
+from model_runtime.kernels.attention import causal_attention_reference, causal_attention_sdpa, causal_attention_varlen
 from model_runtime.kernels.conv import causal_conv1d_fla, causal_conv1d_reference
 from model_runtime.kernels.linear_attention import gated_delta_rule_fla, gated_delta_rule_reference
 from model_runtime.packing import PackedBatch
@@ -106,7 +106,8 @@ def test_fla_conv1d_matches_reference(lengths, channels, gpu_record):
 
 @pytest.mark.parametrize("lengths", [pytest.param(s, id=f"N{len(s)}-T{sum(s)}") for s in SEGMENTS])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 4, 256), (4, 2, 32)])
-def test_varlen_attention_is_causal_per_segment(lengths, heads, kv_heads, head_dim, gpu_record):
+@pytest.mark.parametrize("backend", ["varlen", "sdpa"])  # the pool's default, the serving process's
+def test_attention_is_causal_per_segment(backend, lengths, heads, kv_heads, head_dim, gpu_record):
     g = torch.Generator(device=DEV).manual_seed(heads + sum(lengths))
     packed = PackedBatch.from_lengths(lengths, device=DEV)
     T = sum(lengths)
@@ -114,11 +115,12 @@ def test_varlen_attention_is_causal_per_segment(lengths, heads, kv_heads, head_d
     k = torch.randn(T, kv_heads, head_dim, device=DEV, generator=g, dtype=torch.bfloat16)
     v = torch.randn(T, kv_heads, head_dim, device=DEV, generator=g, dtype=torch.bfloat16)
     scale = head_dim**-0.5
-    fast = causal_attention_varlen(q, k, v, packed, scale)
+    attention = {"varlen": causal_attention_varlen, "sdpa": causal_attention_sdpa}[backend]
+    fast = attention(q, k, v, packed, scale)
     ref = causal_attention_reference(q, k, v, packed, scale)
     err, tol = rel(fast, ref), 1e-2
-    gpu_record("kernel attention varlen vs reference", lengths=str(lengths), heads=heads, head_dim=head_dim, rel=err, max_abs=max_abs(fast, ref), tol=tol)
-    assert err <= tol, f"varlen attention rel diff {err:.3e} > tol {tol:.0e}"
+    gpu_record(f"kernel attention {backend} vs reference", lengths=str(lengths), heads=heads, head_dim=head_dim, rel=err, max_abs=max_abs(fast, ref), tol=tol)
+    assert err <= tol, f"{backend} attention rel diff {err:.3e} > tol {tol:.0e}"
 
 
 @pytest.mark.parametrize("vocab", [248320, 4096, 777])
