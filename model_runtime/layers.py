@@ -115,25 +115,40 @@ class PackedGatedDeltaNet(nn.Module):
         self.out_proj = source.out_proj
         self.conv_fn = backends.fn("conv1d")
         self.delta_rule_fn = backends.fn("linear_attention")
+        self.gate_projection_fn = backends.fn("gate_projection")
         self.ops = ModuleOps(backends.fn("elementwise")())
 
-    def _project(self, x_TD: torch.Tensor):
+    @staticmethod
+    def _local_segments(x_TD: torch.Tensor, packed: PackedBatch, sp) -> tuple[tuple[int, int], ...]:
+        """The row's segments within this rank's tokens (all of them without ``sp``)."""
+        T = x_TD.shape[0]
+        lo = 0 if sp is None else sp.rank * T
+        return packed.segments_within(lo, lo + T)
+
+    def _gate_inputs(self, x_TD: torch.Tensor, packed: PackedBatch, sp) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(a_TH, b_TH)``: the decay and beta projections (Qwen3.5's separate ones)."""
+        bounds = self._local_segments(x_TD, packed, sp)
+        return self.gate_projection_fn(self.in_proj_a, x_TD, bounds), self.gate_projection_fn(self.in_proj_b, x_TD, bounds)
+
+    def _project(self, x_TD: torch.Tensor, packed: PackedBatch, sp):
         """Returns pre-conv ``q_THK, k_THK, v_THV``, gate ``z_THV`` and ``b_TH, a_TH``."""
         T = x_TD.shape[0]
         if self.fused_projections:
+            ba = self.gate_projection_fn(self.in_proj_ba, x_TD, self._local_segments(x_TD, packed, sp))
             # Hugging Face's own de-interleaving of Qwen3-Next's fused projections (reads [B, T, ...]).
-            parts = self._split_fused(self.in_proj_qkvz(x_TD)[None], self.in_proj_ba(x_TD)[None])
+            parts = self._split_fused(self.in_proj_qkvz(x_TD)[None], ba[None])
             q, k, v, z, b, a = (t[0] for t in parts)
             return q, k, v, z, b, a
         key_dim = self.num_k_heads * self.head_k_dim
         q, k, v = self.in_proj_qkv(x_TD).split([key_dim, key_dim, self.num_v_heads * self.head_v_dim], dim=-1)
+        a, b = self._gate_inputs(x_TD, packed, sp)
         return (
             q.reshape(T, self.num_k_heads, self.head_k_dim),
             k.reshape(T, self.num_k_heads, self.head_k_dim),
             v.reshape(T, self.num_v_heads, self.head_v_dim),
             self.in_proj_z(x_TD).reshape(T, self.num_v_heads, self.head_v_dim),
-            self.in_proj_b(x_TD),
-            self.in_proj_a(x_TD),
+            b,
+            a,
         )
 
     def _conv_weight(self, hk: slice, hv: slice) -> torch.Tensor:
@@ -166,7 +181,7 @@ class PackedGatedDeltaNet(nn.Module):
         splits = (key_dim, key_dim, self.num_v_heads * self.head_v_dim)
         q, k, v = self.conv_fn(self.in_proj_qkv(x_TD), self.conv1d.weight[:, 0, :], packed, splits=splits)
         z = self.in_proj_z(x_TD).reshape(T, self.num_v_heads, self.head_v_dim)
-        g_TH, beta_TH = self.ops.ew.gdn_gates(self.in_proj_a(x_TD), self.in_proj_b(x_TD), self.A_log, self.dt_bias)
+        g_TH, beta_TH = self.ops.ew.gdn_gates(*self._gate_inputs(x_TD, packed, None), self.A_log, self.dt_bias)
         return (
             q.reshape(T, self.num_k_heads, self.head_k_dim),
             k.reshape(T, self.num_k_heads, self.head_k_dim),
@@ -178,7 +193,7 @@ class PackedGatedDeltaNet(nn.Module):
 
     def _mix_qkv_split(self, x_TD: torch.Tensor, packed: PackedBatch, sp):
         """General path: fused Qwen3-Next projections and/or a sequence-parallel head exchange."""
-        q, k, v, z, b, a = self._project(x_TD)
+        q, k, v, z, b, a = self._project(x_TD, packed, sp)
         # Decay in float32 so a bf16 model cannot round A to -inf.
         g_TH, beta_TH = self.ops.ew.gdn_gates(a, b, self.A_log, self.dt_bias)
         if sp is not None:

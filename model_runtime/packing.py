@@ -105,6 +105,20 @@ class PackedBatch:
         for i in range(len(self.lengths)):
             yield self.cu_seqlens_host[i], self.cu_seqlens_host[i + 1]
 
+    def segments_within(self, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
+        """The segments' parts inside tokens ``[lo, hi)`` (a sequence-parallel shard), as
+        ``(start, end)`` relative to ``lo``; they tile ``[0, hi - lo)``.
+
+        >>> PackedBatch.from_lengths([3, 5]).segments_within(2, 6)
+        ((0, 1), (1, 4))
+        """
+        offsets = self.cu_seqlens_host
+        return tuple(
+            (max(start, lo) - lo, min(end, hi) - lo)
+            for start, end in zip(offsets[:-1], offsets[1:])
+            if start < hi and end > lo
+        )
+
     def padded_to_multiple(self, multiple: int) -> tuple["PackedBatch", int]:
         """The same row with a trailing padding segment so that ``T % multiple == 0``.
 

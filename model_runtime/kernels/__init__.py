@@ -2,8 +2,9 @@
 
 Families: ``linear_attention`` (gated delta rule), ``conv1d`` (causal depthwise conv),
 ``attention`` (causal full attention), ``head`` (log-probability and entropy of a chunk of
-logits) and ``elementwise`` (norms, gates, rotary, SiLU between the matrix products; its
-registry entries return the whole function set). Every fast backend has an exact PyTorch
+logits), ``elementwise`` (norms, gates, rotary, SiLU between the matrix products; its
+registry entries return the whole function set) and ``gate_projection`` (the GDN's narrow
+decay/beta projections, per row or per segment). Every fast backend has an exact PyTorch
 reference beside it; tests compare them on fresh random inputs.
 """
 
@@ -24,12 +25,13 @@ from model_runtime.kernels.attention import (
 )
 from model_runtime.kernels import elementwise
 from model_runtime.kernels.conv import causal_conv1d_fla, causal_conv1d_reference, causal_conv1d_tridao
+from model_runtime.kernels.gate_projection import gate_projection_row, gate_projection_segment
 from model_runtime.kernels.linear_attention import gated_delta_rule_fla, gated_delta_rule_reference
 from model_runtime.kernels.logprob_head import logprob_entropy_torch, logprob_entropy_triton
 
 log = logging.getLogger(__name__)
 
-FAMILIES = ("linear_attention", "conv1d", "attention", "head", "elementwise")
+FAMILIES = ("linear_attention", "conv1d", "attention", "head", "elementwise", "gate_projection")
 
 REGISTRY: dict[str, dict[str, Callable]] = {
     "linear_attention": {"reference": gated_delta_rule_reference, "fla": gated_delta_rule_fla},
@@ -42,6 +44,7 @@ REGISTRY: dict[str, dict[str, Callable]] = {
     },
     "head": {"torch": logprob_entropy_torch, "triton": logprob_entropy_triton},
     "elementwise": {"eager": elementwise.eager, "inductor": elementwise.inductor},
+    "gate_projection": {"row": gate_projection_row, "segment": gate_projection_segment},
 }
 # What a CPU run uses: the exact per-segment references, and plain PyTorch for the rest.
 _CPU_DEFAULT = {
@@ -50,6 +53,7 @@ _CPU_DEFAULT = {
     "attention": "reference",
     "head": "torch",
     "elementwise": "eager",
+    "gate_projection": "segment",
 }
 
 # Backends whose kernels exist only on CUDA.
@@ -68,6 +72,7 @@ _GPU_PREFERENCE = {
     "attention": ("sdpa",),  # always there: flash_attn and varlen only by --kernels
     "head": ("triton",),
     "elementwise": ("inductor",),
+    "gate_projection": ("segment",),
 }
 _POOL_GPU_PREFERENCE = {**_GPU_PREFERENCE, "attention": ("flash_attn", "varlen", "sdpa")}
 
@@ -85,6 +90,7 @@ class KernelBackends:
     attention: str = "reference"
     head: str = "torch"
     elementwise: str = "eager"
+    gate_projection: str = "segment"
     fallbacks: tuple[str, ...] = field(default=())
 
     def __post_init__(self):

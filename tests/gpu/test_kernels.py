@@ -11,6 +11,7 @@ import torch
 
 from model_runtime.kernels.attention import causal_attention_reference, causal_attention_sdpa, causal_attention_varlen
 from model_runtime.kernels.conv import causal_conv1d_fla, causal_conv1d_reference
+from model_runtime.kernels.gate_projection import gate_projection_row, gate_projection_segment
 from model_runtime.kernels.linear_attention import gated_delta_rule_fla, gated_delta_rule_reference
 from model_runtime.packing import PackedBatch
 
@@ -121,6 +122,29 @@ def test_attention_is_causal_per_segment(backend, lengths, heads, kv_heads, head
     err, tol = rel(fast, ref), 1e-2
     gpu_record(f"kernel attention {backend} vs reference", lengths=str(lengths), heads=heads, head_dim=head_dim, rel=err, max_abs=max_abs(fast, ref), tol=tol)
     assert err <= tol, f"{backend} attention rel diff {err:.3e} > tol {tol:.0e}"
+
+
+@pytest.mark.parametrize("lengths", [pytest.param(s, id=f"N{len(s)}-T{sum(s)}") for s in SEGMENTS])
+@pytest.mark.parametrize("outputs", [32, 64])  # Qwen3.5-9B's in_proj_a / in_proj_b; Qwen3-Next's in_proj_ba
+def test_gate_projection_segment_matches_row_and_alone(lengths, outputs, gpu_record):
+    """bf16 [T, 4096] x [4096, N]: per segment against one product for the row (another
+    summation order: a bf16 step or two), and each segment's rows against the segment alone
+    (exactly equal: the call a sequence scored alone makes)."""
+    g = torch.Generator(device=DEV).manual_seed(outputs + sum(lengths))
+    packed = PackedBatch.from_lengths(lengths, device=DEV)
+    linear = torch.nn.Linear(4096, outputs, bias=False, device=DEV, dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(outputs, 4096, device=DEV, generator=g) * 0.02)
+        x = torch.randn(sum(lengths), 4096, device=DEV, generator=g).to(torch.bfloat16)
+        bounds = tuple(packed.segments())
+        fast = gate_projection_segment(linear, x, bounds)
+        ref = gate_projection_row(linear, x, bounds)
+        alone = max(max_abs(fast[a:b], linear(x[a:b])) for a, b in bounds)
+    err, tol = rel(fast, ref), 1e-2
+    gpu_record("kernel gate projection segment vs row", lengths=str(lengths), outputs=outputs, rel=err,
+               max_abs=max_abs(fast, ref), segment_vs_alone=alone, tol=tol)
+    assert alone == 0.0, f"a segment's rows differ from the segment alone by {alone:.3e}"
+    assert err <= tol, f"gate projection rel diff {err:.3e} > tol {tol:.0e}"
 
 
 @pytest.mark.parametrize("vocab", [248320, 4096, 777])

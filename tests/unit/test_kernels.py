@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from model_runtime.kernels import FAMILIES, KernelBackends, SlowKernelError, select_backends
 from model_runtime.kernels.attention import causal_attention_reference, causal_attention_sdpa
 from model_runtime.kernels.conv import causal_conv1d_reference
+from model_runtime.kernels.gate_projection import gate_projection_row, gate_projection_segment
 from model_runtime.kernels.linear_attention import gated_delta_rule_reference
 from model_runtime.packing import PackedBatch
 
@@ -32,6 +33,29 @@ def test_attention_reference_matches_sdpa(lengths):
     v = torch.randn(T, 2, 32, generator=g)
     ref = causal_attention_reference(q, k, v, packed, 32**-0.5)
     report("attention sdpa vs reference", causal_attention_sdpa(q, k, v, packed, 32**-0.5), ref, 1e-5)
+
+
+@pytest.mark.parametrize("lengths", LAYOUTS, ids=layout_id)
+def test_gate_projection_per_segment_matches_the_whole_row(lengths):
+    """Per segment equals the whole-row product up to summation order, and each segment's rows
+    are exactly the product of that segment alone (what a sequence scored alone computes)."""
+    g = torch.Generator().manual_seed(40 + len(lengths))
+    packed = PackedBatch.from_lengths(lengths)
+    linear = torch.nn.Linear(48, 6, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(6, 48, generator=g))
+        x = torch.randn(packed.total_tokens, 48, generator=g)
+        bounds = tuple(packed.segments())
+        got = gate_projection_segment(linear, x, bounds)
+        report("gate projection segment vs row", got, gate_projection_row(linear, x, bounds), 1e-5)
+        for start, end in bounds:
+            assert torch.equal(got[start:end], linear(x[start:end])), f"segment {start}:{end} is not its own product"
+
+
+def test_gate_projection_refuses_bounds_that_do_not_cover_the_row():
+    linear = torch.nn.Linear(8, 2, bias=False)
+    with pytest.raises(ValueError, match="do not cover the row of 10 tokens"):
+        gate_projection_segment(linear, torch.zeros(10, 8), ((0, 4), (4, 9)))
 
 
 @pytest.mark.parametrize("lengths", LAYOUTS, ids=layout_id)

@@ -22,6 +22,14 @@ def test_packed_batch_is_immutable_and_fresh():
     assert a.cu_seqlens is not b.cu_seqlens
 
 
+def test_segments_within_a_shard_tile_it():
+    p = PackedBatch.from_lengths([3, 5, 1, 7])  # offsets 0, 3, 8, 9, 16
+    assert p.segments_within(0, 16) == tuple(p.segments())
+    assert p.segments_within(0, 8) == ((0, 3), (3, 8))
+    assert p.segments_within(8, 16) == ((0, 1), (1, 8))
+    assert p.segments_within(4, 12) == ((0, 4), (4, 5), (5, 8))
+
+
 def test_padding_is_its_own_segment():
     p, pad = PackedBatch.from_lengths([3, 2]).padded_to_multiple(4)
     assert pad == 3 and p.lengths == (3, 2, 3) and p.padding_segments == (2,)
