@@ -4,13 +4,15 @@
 
 Modes (each fits one 10-minute device call):
 - ``full``: the 9B benchmark on the whole workload (256 sequences) with its profile, the
-  head's memory and idle latency, and packscore a second time with the other attention kernel
-  (varlen); the 35B-A3B experts (grouped_mm vs eager, 4 layers); a warm restart.
+  head's memory and idle latency, and packscore again with one kernel family swapped at a time
+  (attention=varlen, gate_projection=row); the 35B-A3B experts (grouped_mm vs eager, 4 layers); a warm restart.
 - ``tests``: diagnostics (the head's memory at 64k, bf16 drift with depth, the 35B-A3B MoE block
   against float32), the GPU tests (tests/gpu, with the 131k-token sequence), then the three
   forms (packscore, HF padded, HF one at a time) on the first 64 sequences.
 - ``smoke``: a quick pass over the benchmark (32 sequences) and most tests.
 - ``extra``: the full-depth 35B-A3B experts comparison and the 35B-A3B and 27B benchmarks.
+- ``ab``: the 9B benchmark alone (no profile, no probes) with its kernel swaps: a kernel change's
+  speed and its closeness to Hugging Face, in about 6 minutes.
 
 Phases run in order while the time budget (``--budget-s``) lasts; the results JSON is rewritten
 after every phase so a run cut short still returns what it measured. The phases' shared state
@@ -38,7 +40,7 @@ from bench.suite_harness import GiB, Stopwatch, Suite, allocated, log, peak_allo
 
 
 def run_benchmark(suite: Suite, preset: str, num_sequences: int, *, hf_single: bool, max_batch_tokens: int,
-                  key: str, extras: bool, spec=None, alt_attention: str | None = None) -> dict:
+                  key: str, extras: bool, spec=None, alternatives: tuple[str, ...] = ()) -> dict:
     from bench.flops import flop_model
     from bench.hf_reference import build_twin, score_padded, score_padded_fitting, score_single, to_numpy
     from bench.workload import WorkloadSpec, describe, grpo_workload
@@ -123,21 +125,26 @@ def run_benchmark(suite: Suite, preset: str, num_sequences: int, *, hf_single: b
             bench["diff_hf_padded_vs_hf_single"] = diff_stats(padded, single)
         elif hf_single:
             bench["hf_single"] = "skipped: not enough time left in this call"
-    if alt_attention and suite.remaining() > 2.5 * work["tokens"] / 30000 + 30:
-        # (a') packscore again with the other attention kernel (the varlen kernel over the whole
-        # row, against the default SDPA per segment): its speed and its closeness to (b).
-        from bench.hf_reference import attention_backend
+    for alternative in alternatives:
+        if suite.remaining() < 2.5 * work["tokens"] / 30000 + 30:
+            bench[f"packscore_{alternative}"] = "skipped: not enough time left in this call"
+            continue
+        # (a') packscore again with one kernel family swapped ("attention=varlen": the varlen
+        # kernel over the whole row instead of SDPA per segment): its speed and its closeness to (b).
+        from bench.hf_reference import kernel_backend
 
-        with attention_backend(loaded.model, alt_attention):
+        family, backend = alternative.split("=")
+        name = f"packscore_{family}_{backend}"
+        with kernel_backend(loaded.model, family, backend):
             scorer.score(sequences)
             alt_raw, seconds, peak = timed(lambda: scorer.score(sequences))
         alt = [(r.logprobs, r.entropy) for r in alt_raw]
-        side(f"packscore_attention_{alt_attention}", seconds, peak, max_batch_tokens=max_batch_tokens)
-        bench[f"diff_packscore_attention_{alt_attention}_vs_hf_padded"] = diff_stats(alt, padded)
+        side(name, seconds, peak, max_batch_tokens=max_batch_tokens)
+        bench[f"diff_{name}_vs_hf_padded"] = diff_stats(alt, padded)
         if "hf_single" in bench["sides"]:
-            bench[f"diff_packscore_attention_{alt_attention}_vs_hf_single"] = diff_stats(alt, single)
-        bench[f"diff_packscore_attention_{alt_attention}_vs_packscore"] = diff_stats(alt, ours)
-        log(f"attention={alt_attention}: " + str({k: v for k, v in bench.items() if k.startswith("diff_packscore_attention_")}))
+            bench[f"diff_{name}_vs_hf_single"] = diff_stats(alt, single)
+        bench[f"diff_{name}_vs_packscore"] = diff_stats(alt, ours)
+        log(f"{alternative}: " + str({k: v for k, v in bench.items() if k.startswith(f"diff_{name}_")}))
     hf_best = max(s["tokens_per_s"] for n, s in bench["sides"].items() if n.startswith("hf_"))
     bench["speedup_vs_hf"] = bench["sides"]["packscore"]["tokens_per_s"] / hf_best
     bench["mfu_of_measured_peak"] = bench["sides"]["packscore"]["mfu_of_measured_peak"]
@@ -231,7 +238,7 @@ def extra_measurements(suite: Suite, bench: dict, scorer, sequences):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mode", choices=("smoke", "full", "tests", "extra"), default="full")
+    parser.add_argument("--mode", choices=("smoke", "full", "tests", "extra", "ab"), default="full")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting phases after this many seconds")
     parser.add_argument("--dry-run-cpu", action="store_true", help="tiny preset, tiny workload, on the CPU")
@@ -253,11 +260,15 @@ def main():
     elif args.mode == "full":
         suite.phase("benchmark qwen3.5-9b", lambda: run_benchmark(
             suite, "qwen3.5-9b", 256, hf_single=True, max_batch_tokens=65536, key="qwen3.5-9b", extras=True,
-            alt_attention="varlen"), 60)
+            alternatives=("attention=varlen", "gate_projection=row")), 60)
         suite.results["moe_experts"] = suite.phase("35B-A3B experts grouped_mm vs eager (4 layers)",
                                                    lambda: moe_experts(4, 16384), 30)
         suite.results["restart_warm"] = suite.phase("restart warm-up (warm cache)", lambda: restart_probe(
             suite, "qwen3.5-9b", 65536), 50)
+    elif args.mode == "ab":
+        suite.phase("benchmark qwen3.5-9b (kernel swaps)", lambda: run_benchmark(
+            suite, "qwen3.5-9b", 256, hf_single=True, max_batch_tokens=65536, key="qwen3.5-9b", extras=False,
+            alternatives=("gate_projection=row", "attention=varlen")), 60)
     elif args.mode == "tests":
         from bench import diagnose
 
@@ -297,7 +308,7 @@ def dry_run(suite: Suite):
     suite.results["ceiling"] = {"tflops_mean": 1.0}
     suite.phase("benchmark tiny", lambda: run_benchmark(
         suite, "tiny", 16, hf_single=True, max_batch_tokens=300, key="tiny", extras=True, spec=spec,
-        alt_attention="sdpa"), 0)
+        alternatives=("attention=sdpa", "gate_projection=row")), 0)
     suite.results["moe_experts"] = suite.phase("experts grouped_mm vs eager (tiny)", lambda: moe_experts(None, 200, spec), 0)
     suite.results["gpu_tests"] = suite.phase("GPU tests (all skip on CPU)", lambda: run_tests(
         suite, True, select="not long_sequence and not isolation"), 0)

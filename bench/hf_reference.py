@@ -29,21 +29,29 @@ from model_runtime.model import patch_for_packing
 from model_runtime.presets import PRESETS, build_config
 
 
-@contextlib.contextmanager
-def attention_backend(model, name: str):
-    """Every full-attention layer of the packed ``model`` runs the attention backend ``name``."""
-    from model_runtime.kernels import REGISTRY
-    from model_runtime.layers import PackedAttention
+# Where each swappable kernel family lives on the packed model: (layer class name, attribute).
+_SWAPPABLE = {"attention": ("PackedAttention", "attention_fn"), "gate_projection": ("PackedGatedDeltaNet", "gate_projection_fn")}
 
-    layers = [m for m in model.modules() if isinstance(m, PackedAttention)]
-    saved = [m.attention_fn for m in layers]
+
+@contextlib.contextmanager
+def kernel_backend(model, family: str, name: str):
+    """Every layer of the packed ``model`` runs backend ``name`` of ``family`` (attention or
+    gate_projection) for the duration of the block: one loaded model, timed both ways."""
+    from model_runtime.kernels import REGISTRY
+
+    if family not in _SWAPPABLE:
+        raise ValueError(f"cannot swap {family!r} on a loaded model; swappable: {sorted(_SWAPPABLE)}")
+    cls, attr = _SWAPPABLE[family]
+    fn = REGISTRY[family][name]
+    layers = [m for m in model.modules() if type(m).__name__ == cls]
+    saved = [getattr(m, attr) for m in layers]
     for m in layers:
-        m.attention_fn = REGISTRY["attention"][name]
+        setattr(m, attr, fn)
     try:
         yield
     finally:
-        for m, fn in zip(layers, saved):
-            m.attention_fn = fn
+        for m, old in zip(layers, saved):
+            setattr(m, attr, old)
 
 
 @dataclass

@@ -10,7 +10,8 @@ scored by:
 - packscore with its default CUDA kernels, and with one family at a time replaced by the
   backend that rounds where Hugging Face's eager modules round (conv1d ``reference``: bf16
   conv, then SiLU in bf16; elementwise ``eager``; head ``torch``), with all of those together,
-  with the varlen attention kernel instead of the default SDPA per segment, and with fla's conv
+  with the varlen attention kernel instead of the default SDPA per segment, with the GDN's gate
+  projections as one product for the row instead of one per segment, and with fla's conv
   and its fused float32 SiLU, as packscore ran it before 2026-11-29;
 - packscore on each sequence alone, against the packed row (isolation), and the first modules
   whose outputs differ between the two.
@@ -56,6 +57,7 @@ VARIANTS = {
     "conv1d=reference": {"conv1d": "reference"},
     "conv1d=fla_fused_silu (before 2026-11-29)": {"conv1d": "fla_fused_silu"},
     "attention=varlen": {"attention": "varlen"},
+    "gate_projection=row": {"gate_projection": "row"},
     "elementwise=eager": {"elementwise": "eager"},
     "head=torch": {"head": "torch"},
     "hf-like (all four)": HF_LIKE,
@@ -69,7 +71,7 @@ def cuda_only(overrides: dict) -> bool:
 
 
 # The variants whose isolation (each sequence alone against the packed row) is measured too.
-ISOLATION_VARIANTS = ("default", "attention=varlen", "hf-like (all four)")
+ISOLATION_VARIANTS = ("default", "attention=varlen", "gate_projection=row", "hf-like (all four)")
 
 
 def first_divergence(scorer, seqs, victim_index: int = -2, limit: int = 8) -> dict:

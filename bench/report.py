@@ -15,6 +15,7 @@ SIDE_NAMES = {
     "hf_single": "HF transformers, one sequence at a time",
     "packscore_attention_sdpa": "packscore, attention per segment through SDPA",
     "packscore_attention_varlen": "packscore, attention through the varlen kernel",
+    "packscore_gate_projection_row": "packscore, GDN gate projections as one product per row",
 }
 
 

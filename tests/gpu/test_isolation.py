@@ -39,15 +39,16 @@ def twin():
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("attention", ["default", "varlen"])
-def test_alone_vs_packed(twin, attention, gpu_record):
-    """The default runs attention per segment (SDPA), the same call alone and packed; ``varlen``
-    runs the whole row through one varlen kernel."""
-    from bench.hf_reference import attention_backend
+@pytest.mark.parametrize("swap", ["default", "attention=varlen", "gate_projection=row"])
+def test_alone_vs_packed(twin, swap, gpu_record):
+    """The defaults run attention and the GDN's gate projections per segment, the same calls
+    alone and packed; ``attention=varlen`` runs the whole row through one varlen kernel and
+    ``gate_projection=row`` the gate projections through one product for the row."""
+    from bench.hf_reference import kernel_backend
 
-    if attention != "default":
-        with attention_backend(twin.loaded.model, attention):
-            return _alone_vs_packed(twin, gpu_record, f", attention={attention}")
+    if swap != "default":
+        with kernel_backend(twin.loaded.model, *swap.split("=")):
+            return _alone_vs_packed(twin, gpu_record, f", {swap}")
     return _alone_vs_packed(twin, gpu_record, "")
 
 

@@ -109,11 +109,14 @@ def test_bf16_packed_matches_hf_alone(kind, attention, checkpoint_dir, gpu_recor
     assert worst["entropy_mean"] <= MEAN_TOL, f"{kind}: mean |entropy diff| {worst['entropy_mean']:.3e} > {MEAN_TOL:.0e}"
 
 
-@pytest.mark.parametrize("attention", ATTENTION)
-def test_bf16_9b_slice_matches_hf_alone(attention, gpu_record):
+@pytest.mark.parametrize("swap", ["default", "attention=varlen", "gate_projection=row"])
+def test_bf16_9b_slice_matches_hf_alone(swap, gpu_record):
+    """``gate_projection=row``: the GDN's gate projections as one product for the row, as before
+    2026-11-30 (the default runs them per segment)."""
     from bench.hf_reference import build_twin
 
-    twin = build_twin("qwen3.5-9b", num_layers=4, kernel_overrides=_overrides(attention))
+    overrides = dict([swap.split("=")]) if swap != "default" else {}
+    twin = build_twin("qwen3.5-9b", num_layers=4, kernel_overrides=overrides)
     seqs = make_batch(twin.loaded.vocab_size, 12, 1.0)
     with twin.hf() as hf_model:
         reference = [hf_alone(hf_model, s) for s in seqs]
@@ -126,7 +129,7 @@ def test_bf16_9b_slice_matches_hf_alone(attention, gpu_record):
         "entropy_mean": float(d_ent.mean()),
         "entropy_max": float(d_ent.max()),
     }
-    gpu_record(f"parity bf16 qwen3.5-9b[:4] (attention {attention})", hf_gdn=hf_uses_fla(), kernels=str(twin.loaded.backends.names), **stats, tol_mean=MEAN_TOL)
+    gpu_record(f"parity bf16 qwen3.5-9b[:4] ({swap})", hf_gdn=hf_uses_fla(), kernels=str(twin.loaded.backends.names), **stats, tol_mean=MEAN_TOL)
     del twin
     torch.cuda.empty_cache()
     assert stats["logprob_mean"] <= MEAN_TOL, f"9B slice: mean |logprob diff| {stats['logprob_mean']:.3e} > {MEAN_TOL:.0e}"

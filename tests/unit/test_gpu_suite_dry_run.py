@@ -18,5 +18,6 @@ def test_dry_run_measures_every_side(tmp_path, monkeypatch):
     for phase in ("benchmark tiny", "experts grouped_mm vs eager (tiny)", "GPU tests (all skip on CPU)"):
         assert results["phases"][phase].startswith("ok"), (phase, results["phases"], results["errors"])
     bench = results["tiny"]
-    assert set(bench["sides"]) == {"packscore", "hf_padded", "hf_single", "packscore_attention_sdpa"}
+    assert set(bench["sides"]) == {"packscore", "hf_padded", "hf_single", "packscore_attention_sdpa",
+                                   "packscore_gate_projection_row"}
     assert bench["speedup_vs_hf"] > 0 and bench["diff_packscore_vs_hf_single"]["logprob_max"] < 1e-3
