@@ -5,7 +5,7 @@ N = scored positions of the row, n = those in this rank's shard, K = top-k width
 
 Every rank of a group calls ``score_row`` with the same sequences. The row plan (labels shifted
 on the global row, before any split) and the ``PackedBatch`` are built identically everywhere;
-the row is padded to a multiple of ``sp`` with a padding segment of its own (never scored), each
+the row is padded to a multiple of 16 x ``sp`` with a padding segment of its own (never scored), each
 rank embeds and runs its token shard, scores the positions of its shard with the chunked head,
 and the group all-gathers the per-position results so every rank holds the whole row's.
 """
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from model_runtime.head import HeadOutput, score_positions
+from model_runtime.head import ROW_MULTIPLE, HeadOutput, score_positions
 from model_runtime.loading import LoadedModel
 from model_runtime.packing import PackedBatch
 from model_runtime.parallel.dims import ParallelDims
@@ -59,15 +59,19 @@ class ParallelScorer:
         head, top_k = self.score_row_flat(sequences)
         return split_results(sequences, head, top_k)
 
-    # no_grad rather than inference_mode: FSDP's unshard bumps version counters of its
-    # parameter buffers, which tensors made under inference_mode do not have (it fails outright
-    # on a world of one rank).
-    @torch.no_grad()
     def score_row_flat(self, sequences: Sequence[SequenceInput]) -> tuple[HeadOutput, int]:
         """The whole row's head output (CPU tensors, in row order) and its top-k width."""
+        # inference_mode, as in Scorer, except with FSDP: its unshard bumps version counters of
+        # its parameter buffers, which tensors made under inference_mode do not have (it fails
+        # outright on a world of one rank). no_grad costs every op a little host time.
+        with torch.no_grad() if self.dims.fsdp else torch.inference_mode():
+            return self._score_row_flat(sequences)
+
+    def _score_row_flat(self, sequences: Sequence[SequenceInput]) -> tuple[HeadOutput, int]:
         S, device = self.dims.sp, self.loaded.device
         plan = plan_row(sequences)
-        packed, pad = PackedBatch.from_lengths_padded(plan.lengths, S, device=device)
+        # Padded as Scorer pads (to ROW_MULTIPLE tokens), and to a multiple of sp for the shards.
+        packed, pad = PackedBatch.from_lengths_padded(plan.lengths, ROW_MULTIPLE * S, device=device)
         ids_T = np.concatenate([plan.ids_T, np.full(pad, PAD_TOKEN, dtype=np.int64)])
         per = ids_T.shape[0] // S
         lo = self.sp_rank * per
