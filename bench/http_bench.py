@@ -37,13 +37,26 @@ def in_process_tokens_per_s(scorer, sequences) -> float:
     return sum(s.length for s in sequences) / (time.perf_counter() - started)
 
 
-def _forward_seconds(url: str) -> float:
+def forward_totals(url: str) -> dict[str, float]:
+    """The server's running totals of its forwards, from /metrics: ``seconds``, ``count`` (rows)
+    and ``tokens``. The difference of two readings describes the forwards in between."""
     import httpx
 
+    names = {"packscore_forward_seconds_sum": "seconds", "packscore_forward_seconds_count": "count",
+             "packscore_batch_tokens_sum": "tokens"}
+    found = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("packscore_forward_seconds_sum "):
-            return float(line.split()[1])
-    raise RuntimeError("packscore_forward_seconds_sum missing from /metrics")
+        name, _, value = line.partition(" ")
+        if name in names:
+            found[names[name]] = float(value)
+    missing = set(names.values()) - set(found)
+    if missing:
+        raise RuntimeError(f"/metrics lacks {sorted(missing)}")
+    return found
+
+
+def _forward_seconds(url: str) -> float:
+    return forward_totals(url)["seconds"]
 
 
 async def _http_run(url: str, sequences, per_request: int, concurrency: int) -> tuple[float, float]:

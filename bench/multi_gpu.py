@@ -74,12 +74,20 @@ def pool_settings(args, model: str, world: int, sp: int, fsdp: bool, budget: int
             "kernels": args.kernels}
 
 
-def run_rows(pool, sequences: list[SequenceInput], budget: int) -> float:
-    """Scores ``sequences`` in rows of ``budget`` tokens, ``pool.concurrency`` at a time; seconds."""
+def run_rows(pool, sequences: list[SequenceInput], budget: int, row_seconds: list | None = None) -> float:
+    """Scores ``sequences`` in rows of ``budget`` tokens, ``pool.concurrency`` at a time; seconds.
+    ``row_seconds`` collects each row's duration (as the server's forward histogram counts it)."""
     rows = pack_first_fit_decreasing([s.length for s in sequences], budget)
+
+    def one(row):
+        t = time.perf_counter()
+        pool.score_row([sequences[i] for i in row])
+        if row_seconds is not None:
+            row_seconds.append(time.perf_counter() - t)
+
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=pool.concurrency) as ex:
-        list(ex.map(lambda row: pool.score_row([sequences[i] for i in row]), rows))
+        list(ex.map(one, rows))
     return time.perf_counter() - started
 
 
@@ -146,19 +154,23 @@ def phase_pool(args, out: dict) -> tuple[float, list[SequenceInput]]:
     try:
         work = grpo_workload(pool.info.vocab_size, args.workload)
         run_rows(pool, work, args.budget)
-        seconds = run_rows(pool, work, args.budget)
+        row_seconds: list[float] = []
+        seconds = run_rows(pool, work, args.budget, row_seconds)
         kernels = dict(pool.info.kernels)
     finally:
         pool.close()
     tokens = describe(work)["tokens"]
     out["pool"] = {"model": args.dense_model, "gpus": args.gpus, "kernels": kernels, "seconds": seconds,
-                   "tokens_per_s": tokens / seconds}
+                   "tokens_per_s": tokens / seconds, "rows": len(row_seconds),
+                   "row_seconds_mean": float(np.mean(row_seconds)),
+                   # Share of the run's GPU time spent inside rows: what is left is fill, drain and gaps.
+                   "busy_fraction": sum(row_seconds) / (seconds * args.gpus)}
     print(f"[pool] {args.dense_model} x{args.gpus} in process, kernels {kernels}: {tokens / seconds:,.0f} tok/s")
     return seconds, work
 
 
 def phase_http(args, out: dict) -> None:
-    from bench.http_bench import start_server
+    from bench.http_bench import forward_totals, start_server
     from service.client import AsyncScoreClient
 
     model = args.dense_model
@@ -172,18 +184,31 @@ def phase_http(args, out: dict) -> None:
             payload = [{"input_ids": s.input_ids, "score_from": s.score_from} for s in work]
             async with AsyncScoreClient(server.url, max_concurrency=4 * args.gpus) as client:
                 await client.score(payload)  # untimed
+                before = forward_totals(server.url)
                 started = time.perf_counter()
                 await client.score(payload)
-                return time.perf_counter() - started
+                seconds = time.perf_counter() - started
+                after = forward_totals(server.url)
+                return seconds, {k: after[k] - before[k] for k in after}
 
-        seconds = asyncio.run(drive())
+        seconds, forwards = asyncio.run(drive())
     finally:
         server.stop(timeout=120)
     tokens = describe(work)["tokens"]
+    rows = max(forwards["count"], 1)
     row = {"model": model, "gpus": args.gpus, "in_process_tokens_per_s": tokens / in_process,
-           "http_tokens_per_s": tokens / seconds, "ratio": in_process / seconds}
+           "http_tokens_per_s": tokens / seconds, "ratio": in_process / seconds,
+           # Where the time goes: the server's forwards (rows, their mean duration as its scheduler
+           # saw them, and their share of the GPUs' time) against the in-process pass's.
+           "server_rows": int(forwards["count"]), "server_row_tokens_mean": forwards["tokens"] / rows,
+           "server_row_seconds_mean": forwards["seconds"] / rows,
+           "server_busy_fraction": forwards["seconds"] / (seconds * args.gpus),
+           "in_process_rows": out["pool"]["rows"], "in_process_row_seconds_mean": out["pool"]["row_seconds_mean"],
+           "in_process_busy_fraction": out["pool"]["busy_fraction"]}
     print(f"[http] {model} x{args.gpus}: HTTP {tokens / seconds:,.0f} tok/s, in process {tokens / in_process:,.0f}, "
-          f"ratio {in_process / seconds:.3f}")
+          f"ratio {in_process / seconds:.3f}; rows {row['server_rows']} of {row['server_row_seconds_mean']:.2f} s mean, "
+          f"busy {row['server_busy_fraction']:.2f} (in process: {row['in_process_rows']} of "
+          f"{row['in_process_row_seconds_mean']:.2f} s, busy {row['in_process_busy_fraction']:.2f})")
     out["http"] = row
 
 

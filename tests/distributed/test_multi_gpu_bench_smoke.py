@@ -13,6 +13,9 @@ def test_multi_gpu_script_runs_every_phase_on_cpu(tmp_path):
     assert [row["sp"] for row in data["sp_scaling"]] == [1, 2]
     assert {row["run"] for row in data["fsdp"]} == {"tiny fsdp x2", "tiny replicas x2"}
     assert data["http"]["http_tokens_per_s"] > 0 and not data["errors"]
+    # Where the time went: the server's forwards, read from its /metrics, beside the in-process pass's.
+    assert data["http"]["server_rows"] > 0 and 0 < data["http"]["server_busy_fraction"] <= 1.0
+    assert data["http"]["in_process_rows"] > 0 and 0 < data["http"]["in_process_busy_fraction"] <= 1.0
 
 
 def test_pool_phase_with_pinned_kernels(tmp_path):
