@@ -102,8 +102,12 @@ def layer0_steps(twin, ids: np.ndarray) -> dict:
     captured = {}
     with twin.hf() as hf_model:
         gdn = hf_model.model.layers[0].linear_attn
-        hooks = [getattr(gdn, n).register_forward_hook(
-            lambda m, a, o, n=n: captured.setdefault(n, o.detach()[0])) for n in ("in_proj_qkv", "in_proj_a", "in_proj_b")]
+        def keep(name):
+            def fn(module, args, output):  # returns None: the output is left as it is
+                captured.setdefault(name, output.detach()[0])
+            return fn
+
+        hooks = [getattr(gdn, n).register_forward_hook(keep(n)) for n in ("in_proj_qkv", "in_proj_a", "in_proj_b")]
         with torch.inference_mode():
             hf_model(input_ids=torch.as_tensor(ids, device="cuda")[None], use_cache=False)
         for h in hooks:
@@ -177,19 +181,21 @@ def main(argv=None) -> int:
     for n in (int(x) for x in args.lengths.split(",")):
         ids = rng.integers(0, twin.loaded.vocab_size, n)
         rows = module_divergence(twin, ids, device)
-        steps = layer0_steps(twin, ids) if device == "cuda" else {}
-        results[f"length {n}"] = {"layer0_steps": steps, "modules": rows}
-        print(f"\n## length {n}\n")
-        for k, v in steps.items():
-            print(f"- {k}: {v:.3e}" if isinstance(v, float) else f"- {k}: {v}")
-        print("\n| module | input max diff | output max diff | output scale |\n| --- | --- | --- | --- |")
+        results[f"length {n}"] = {"modules": rows}
+        print(f"\n## length {n}\n\n| module | input max diff | output max diff | output scale |\n| --- | --- | --- | --- |")
         for r in rows:
             if "note" in r:
                 print(f"| {r['module']} | {r['note']} | | |")
             else:
                 fmt = lambda x: "n/a" if x is None else f"{x:.2e}"  # noqa: E731
                 print(f"| {r['module']} | {fmt(r.get('input_max_diff'))} | {fmt(r.get('output_max_diff'))} | "
-                      f"{fmt(r.get('output_scale'))} |")
+                      f"{fmt(r.get('output_scale'))} |", flush=True)
+        if device == "cuda":
+            steps = layer0_steps(twin, ids)
+            results[f"length {n}"]["layer0_steps"] = steps
+            print()
+            for k, v in steps.items():
+                print(f"- {k}: {v:.3e}" if isinstance(v, float) else f"- {k}: {v}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "hf_divergence.json").write_text(json.dumps(results, indent=1))
