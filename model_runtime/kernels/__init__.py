@@ -43,7 +43,8 @@ REGISTRY: dict[str, dict[str, Callable]] = {
         "flash_attn": causal_attention_flash,
     },
     "head": {"torch": logprob_entropy_torch, "triton": logprob_entropy_triton},
-    "elementwise": {"eager": elementwise.eager, "inductor": elementwise.inductor},
+    "elementwise": {"eager": elementwise.eager, "inductor": elementwise.inductor,
+                    "inductor_matched": elementwise.inductor_matched},
     "gate_projection": {"row": gate_projection_row, "segment": gate_projection_segment},
 }
 # What a CPU run uses: the exact per-segment references, and plain PyTorch for the rest.
@@ -57,7 +58,7 @@ _CPU_DEFAULT = {
 }
 
 # Backends whose kernels exist only on CUDA.
-_CUDA_ONLY = frozenset({"fla", "causal_conv1d", "varlen", "flash_attn", "triton"})
+_CUDA_ONLY = frozenset({"fla", "causal_conv1d", "varlen", "flash_attn", "triton", "inductor_matched"})
 
 # The fast backends on a GPU, best first. Attention differs by where the model runs, as measured
 # on H200s (2026-11-29), 9B shape, benchmark workload:
@@ -71,7 +72,8 @@ _GPU_PREFERENCE = {
     "conv1d": ("causal_conv1d", "fla"),
     "attention": ("sdpa",),  # always there: flash_attn and varlen only by --kernels
     "head": ("triton",),
-    "elementwise": ("inductor",),
+    # inductor_matched: the norms' float32 sums in ATen's order, equal to Hugging Face's bit for bit.
+    "elementwise": ("inductor_matched", "inductor"),
     "gate_projection": ("segment",),
 }
 _POOL_GPU_PREFERENCE = {**_GPU_PREFERENCE, "attention": ("flash_attn", "varlen", "sdpa")}
@@ -116,6 +118,7 @@ _BACKEND_MODULES = {
     "varlen": ("torch.nn.attention.varlen",),
     "triton": ("triton",),
     "inductor": ("triton", "torch._inductor"),
+    "inductor_matched": ("triton", "torch._inductor"),
 }
 
 

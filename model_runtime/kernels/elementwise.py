@@ -90,10 +90,76 @@ class Elementwise:
 _FUNCTIONS = ("rms_norm", "add_rms_norm", "gated_rms_norm", "silu_mul", "gdn_gates", "partial_rope", "sigmoid_gate")
 EAGER = Elementwise("eager", *(globals()[n] for n in _FUNCTIONS))
 _INDUCTOR: Elementwise | None = None
+_MATCHED: Elementwise | None = None
+
+
+# The norms' steps after the mean of squares ``ms`` (float32, one per row, keepdim), in Hugging
+# Face's order: ``inductor_matched`` computes ``ms`` in ATen's summation order (mean_square.py)
+# and fuses these.
+def _rms_norm_from_ms(x: torch.Tensor, ms: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    normed = x.float() * torch.rsqrt(ms + eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
+
+
+def _gated_rms_norm_from_ms(x, ms, gate, weight, eps):
+    dtype = x.dtype
+    normed = (x.float() * torch.rsqrt(ms + eps)).to(dtype)
+    return ((weight * normed) * F.silu(gate.float())).to(dtype)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[R, D]`` rows: a view when its rows lie at one stride (q/k heads cut from a
+    wider projection do), else a copy."""
+    D = x.shape[-1]
+    if x.stride(-1) == 1 and x.dim() >= 2:
+        stride = x.stride(-2)
+        expected = stride
+        for size, st in zip(reversed(x.shape[:-1]), reversed(x.stride()[:-1])):
+            if size > 1 and st != expected:
+                return x.reshape(-1, D)
+            expected *= size
+        return x.as_strided((x.numel() // D, D), (stride, 1))
+    return x.reshape(-1, D)
 
 
 def eager() -> Elementwise:
     return EAGER
+
+
+def _compile_options() -> dict:
+    import torch._inductor.config as inductor_config
+
+    return {"emulate_precision_casts": True} if hasattr(inductor_config, "emulate_precision_casts") else {}
+
+
+def inductor_matched() -> Elementwise:
+    """``inductor``, except that the norms take their mean of squares from a Triton kernel that
+    sums in ATen's order (model_runtime/kernels/mean_square.py), so that they equal Hugging
+    Face's eager norms bit for bit on rows of 16 tokens or more (tests/gpu/test_kernels.py)."""
+    global _MATCHED
+    if _MATCHED is None:
+        from model_runtime.kernels.mean_square import mean_square
+
+        fast = inductor()
+        options = _compile_options()
+        rms_from_ms = torch.compile(_rms_norm_from_ms, dynamic=True, fullgraph=True, options=options)
+        gated_from_ms = torch.compile(_gated_rms_norm_from_ms, dynamic=True, fullgraph=True, options=options)
+
+        def rms_norm_matched(x, weight, eps):
+            return rms_from_ms(x, mean_square(_rows(x)).view(*x.shape[:-1], 1), weight, eps)
+
+        def add_rms_norm_matched(x, delta, weight, eps):
+            D = x.shape[-1]
+            total, ms = mean_square(x.reshape(-1, D), delta.reshape(-1, D))
+            total = total.view(x.shape)
+            return total, rms_from_ms(total, ms.view(*x.shape[:-1], 1), weight, eps)
+
+        def gated_rms_norm_matched(x, gate, weight, eps):
+            return gated_from_ms(x, mean_square(_rows(x)).view(*x.shape[:-1], 1), gate, weight, eps)
+
+        _MATCHED = Elementwise("inductor_matched", rms_norm_matched, add_rms_norm_matched, gated_rms_norm_matched,
+                               fast.silu_mul, fast.gdn_gates, fast.partial_rope, fast.sigmoid_gate)
+    return _MATCHED
 
 
 def inductor() -> Elementwise:
@@ -105,9 +171,7 @@ def inductor() -> Elementwise:
     """
     global _INDUCTOR
     if _INDUCTOR is None:
-        import torch._inductor.config as inductor_config
-
-        options = {"emulate_precision_casts": True} if hasattr(inductor_config, "emulate_precision_casts") else {}
+        options = _compile_options()
         compiled = [torch.compile(globals()[n], dynamic=True, fullgraph=True, options=options) for n in _FUNCTIONS]
         _INDUCTOR = Elementwise("inductor", *compiled)
     return _INDUCTOR
