@@ -35,12 +35,26 @@ _SWAPPABLE = {"attention": ("PackedAttention", "attention_fn"), "gate_projection
 
 @contextlib.contextmanager
 def kernel_backend(model, family: str, name: str):
-    """Every layer of the packed ``model`` runs backend ``name`` of ``family`` (attention or
-    gate_projection) for the duration of the block: one loaded model, timed both ways."""
+    """Every layer of the packed ``model`` runs backend ``name`` of ``family`` (attention,
+    gate_projection or elementwise) for the duration of the block: one loaded model, timed both ways."""
     from model_runtime.kernels import REGISTRY
 
+    if family == "elementwise":  # every module's ModuleOps (layers and the model's own norms)
+        from model_runtime.layers import ModuleOps
+
+        ops = ModuleOps(REGISTRY[family][name]())
+        holders = [m for m in model.modules() if isinstance(getattr(m, "ops", None), ModuleOps)]
+        saved = [m.ops for m in holders]
+        for m in holders:
+            m.ops = ops
+        try:
+            yield
+        finally:
+            for m, old in zip(holders, saved):
+                m.ops = old
+        return
     if family not in _SWAPPABLE:
-        raise ValueError(f"cannot swap {family!r} on a loaded model; swappable: {sorted(_SWAPPABLE)}")
+        raise ValueError(f"cannot swap {family!r} on a loaded model; swappable: {sorted(_SWAPPABLE) + ['elementwise']}")
     cls, attr = _SWAPPABLE[family]
     fn = REGISTRY[family][name]
     layers = [m for m in model.modules() if type(m).__name__ == cls]

@@ -5,7 +5,9 @@
 #   GPU 1: the 9B benchmark with its kernel swaps (bench/gpu_suite.py --mode ab), then the
 #          runner probe (bench/runner_probe.py: Scorer against the pool's runner, both autograd modes);
 #   then, on both GPUs: HTTP end to end against the same pool in process (bench/multi_gpu.py).
+# HTTP=0 leaves out both HTTP steps and PROBE=0 the runner probe (about 8 minutes without them).
 set -u
+HTTP=${HTTP:-1} PROBE=${PROBE:-1}
 cd "$(dirname "$0")/.."
 GPUS=$(nvidia-smi -L | wc -l)
 source bench/plan_common.sh
@@ -15,12 +17,12 @@ echo "[$(date +%T)] $GPUS GPU(s)"
 lane_a() {
   export CUDA_VISIBLE_DEVICES=0
   step "tests (GPU 0)" bash -c "PACKSCORE_GPU_REPORT='$RESULTS/tests/gpu_report.jsonl' python3 -m pytest -q -rA -p no:cacheprovider tests/gpu/test_parity_bf16.py tests/gpu/test_isolation.py tests/gpu/test_kernels.py > '$RESULTS/tests/pytest.txt' 2>&1"
-  step "HTTP on one GPU (GPU 0)" bash -c "python3 bench/http_bench.py --model qwen3.5-9b --max-batch-tokens 65536 --sequences 256 --prompt-median 600 --response-median 1500 --per-request 16 --concurrency 8 --repeats 2 > '$RESULTS/probe/http_one_gpu.txt' 2>&1"
+  [ "$HTTP" = 1 ] && step "HTTP on one GPU (GPU 0)" bash -c "python3 bench/http_bench.py --model qwen3.5-9b --max-batch-tokens 65536 --sequences 256 --prompt-median 600 --response-median 1500 --per-request 16 --concurrency 8 --repeats 2 > '$RESULTS/probe/http_one_gpu.txt' 2>&1"
 }
 lane_b() {
   export CUDA_VISIBLE_DEVICES=$(( GPUS > 1 ? 1 : 0 ))
   step "suite ab (GPU $CUDA_VISIBLE_DEVICES)" bash -c "python3 -m bench.gpu_suite --mode ab --out '$RESULTS/suite' --budget-s 540 > '$RESULTS/suite/log.txt' 2>&1"
-  step "runner probe (GPU $CUDA_VISIBLE_DEVICES)" bash -c "python3 -m bench.runner_probe --sequences 64 --out '$RESULTS/probe' > '$RESULTS/probe/runner_probe.txt' 2>&1"
+  [ "$PROBE" = 1 ] && step "runner probe (GPU $CUDA_VISIBLE_DEVICES)" bash -c "python3 -m bench.runner_probe --sequences 64 --out '$RESULTS/probe' > '$RESULTS/probe/runner_probe.txt' 2>&1"
 }
 
 if [ "$GPUS" -ge 2 ]; then
@@ -28,7 +30,7 @@ if [ "$GPUS" -ge 2 ]; then
   (lane_b) & b=$!
   wait $a; wait $b
   unset CUDA_VISIBLE_DEVICES
-  step "multi-GPU http ($GPUS GPUs)" python3 -m bench.multi_gpu --gpus "$GPUS" --phases http --out "$RESULTS/multi/http"
+  [ "$HTTP" = 1 ] && step "multi-GPU http ($GPUS GPUs)" python3 -m bench.multi_gpu --gpus "$GPUS" --phases http --out "$RESULTS/multi/http"
 else
   (lane_b)
   (lane_a)
