@@ -260,7 +260,7 @@ def main():
     elif args.mode == "full":
         suite.phase("benchmark qwen3.5-9b", lambda: run_benchmark(
             suite, "qwen3.5-9b", 256, hf_single=True, max_batch_tokens=65536, key="qwen3.5-9b", extras=True,
-            alternatives=("attention=varlen", "elementwise=inductor")), 60)
+            alternatives=("attention=varlen", "elementwise=inductor_exact")), 60)
         suite.results["moe_experts"] = suite.phase("35B-A3B experts grouped_mm vs eager (4 layers)",
                                                    lambda: moe_experts(4, 16384), 30)
         suite.results["restart_warm"] = suite.phase("restart warm-up (warm cache)", lambda: restart_probe(
@@ -268,7 +268,7 @@ def main():
     elif args.mode == "ab":
         suite.phase("benchmark qwen3.5-9b (kernel swaps)", lambda: run_benchmark(
             suite, "qwen3.5-9b", 256, hf_single=True, max_batch_tokens=65536, key="qwen3.5-9b", extras=False,
-            alternatives=("elementwise=inductor", "attention=varlen")), 60)
+            alternatives=("elementwise=inductor_exact", "elementwise=eager")), 60)
     elif args.mode == "tests":
         from bench import diagnose
 

@@ -58,7 +58,7 @@ VARIANTS = {
     "conv1d=fla_fused_silu (before 2026-11-29)": {"conv1d": "fla_fused_silu"},
     "attention=varlen": {"attention": "varlen"},
     "gate_projection=row": {"gate_projection": "row"},
-    "elementwise=inductor": {"elementwise": "inductor"},
+    "elementwise=inductor_exact": {"elementwise": "inductor_exact"},
     "elementwise=eager": {"elementwise": "eager"},
     "head=torch": {"head": "torch"},
     "hf-like (all four)": HF_LIKE,
@@ -68,7 +68,7 @@ VARIANTS = {
 
 def cuda_only(overrides: dict) -> bool:
     """Whether a variant needs CUDA (fla's kernels and the varlen attention kernel do)."""
-    return bool({"fla_fused_silu", "varlen", "inductor", "inductor_matched"} & set(overrides.values()))
+    return bool({"fla_fused_silu", "varlen", "inductor", "inductor_exact"} & set(overrides.values()))
 
 
 # The variants whose isolation (each sequence alone against the packed row) is measured too.

@@ -16,7 +16,8 @@ SIDE_NAMES = {
     "packscore_attention_sdpa": "packscore, attention per segment through SDPA",
     "packscore_attention_varlen": "packscore, attention through the varlen kernel",
     "packscore_gate_projection_row": "packscore, GDN gate projections as one product per row",
-    "packscore_elementwise_inductor": "packscore, fused norms summing in Inductor's order",
+    "packscore_elementwise_inductor_exact": "packscore, norms' sums by ATen (as HF), the rest fused",
+    "packscore_elementwise_eager": "packscore, elementwise steps unfused (as HF)",
 }
 
 

@@ -90,12 +90,11 @@ class Elementwise:
 _FUNCTIONS = ("rms_norm", "add_rms_norm", "gated_rms_norm", "silu_mul", "gdn_gates", "partial_rope", "sigmoid_gate")
 EAGER = Elementwise("eager", *(globals()[n] for n in _FUNCTIONS))
 _INDUCTOR: Elementwise | None = None
-_MATCHED: Elementwise | None = None
+_EXACT: Elementwise | None = None
 
 
 # The norms' steps after the mean of squares ``ms`` (float32, one per row, keepdim), in Hugging
-# Face's order: ``inductor_matched`` computes ``ms`` in ATen's summation order (mean_square.py)
-# and fuses these.
+# Face's order: ``inductor_exact`` takes ``ms`` from ATen's own reduction and fuses these.
 def _rms_norm_from_ms(x: torch.Tensor, ms: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     normed = x.float() * torch.rsqrt(ms + eps)
     return (normed * (1.0 + weight.float())).to(x.dtype)
@@ -107,19 +106,10 @@ def _gated_rms_norm_from_ms(x, ms, gate, weight, eps):
     return ((weight * normed) * F.silu(gate.float())).to(dtype)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as ``[R, D]`` rows: a view when its rows lie at one stride (q/k heads cut from a
-    wider projection do), else a copy."""
-    D = x.shape[-1]
-    if x.stride(-1) == 1 and x.dim() >= 2:
-        stride = x.stride(-2)
-        expected = stride
-        for size, st in zip(reversed(x.shape[:-1]), reversed(x.stride()[:-1])):
-            if size > 1 and st != expected:
-                return x.reshape(-1, D)
-            expected *= size
-        return x.as_strided((x.numel() // D, D), (stride, 1))
-    return x.reshape(-1, D)
+def _mean_square(x: torch.Tensor) -> torch.Tensor:
+    """``x.float().pow(2).mean(-1, keepdim=True)``, Hugging Face's own call: ATen's reduction,
+    whose float32 summation order no fused kernel here reproduces."""
+    return x.float().pow(2).mean(-1, keepdim=True)
 
 
 def eager() -> Elementwise:
@@ -132,34 +122,35 @@ def _compile_options() -> dict:
     return {"emulate_precision_casts": True} if hasattr(inductor_config, "emulate_precision_casts") else {}
 
 
-def inductor_matched() -> Elementwise:
-    """``inductor``, except that the norms take their mean of squares from a Triton kernel that
-    sums in ATen's order (model_runtime/kernels/mean_square.py), so that they equal Hugging
-    Face's eager norms bit for bit on rows of 16 tokens or more (tests/gpu/test_kernels.py)."""
-    global _MATCHED
-    if _MATCHED is None:
-        from model_runtime.kernels.mean_square import mean_square
+def inductor_exact() -> Elementwise:
+    """``inductor``, except that each norm takes its mean of squares from ATen (``_mean_square``)
+    and Inductor fuses only what follows; every step then rounds as Hugging Face's eager norms do.
 
+    Measured on the H200 (2026-11-29): the four tiny checkpoint kinds scored within 1.2e-7 (mean
+    |logprob|) of Hugging Face run per sequence, where ``inductor``'s own float32 sums left
+    6.8e-7 to 1.7e-3. It costs a float32 copy of every norm's input; its speed on the 9B shape is
+    not measured yet, so ``inductor`` stays the default.
+    """
+    global _EXACT
+    if _EXACT is None:
         fast = inductor()
         options = _compile_options()
         rms_from_ms = torch.compile(_rms_norm_from_ms, dynamic=True, fullgraph=True, options=options)
         gated_from_ms = torch.compile(_gated_rms_norm_from_ms, dynamic=True, fullgraph=True, options=options)
 
-        def rms_norm_matched(x, weight, eps):
-            return rms_from_ms(x, mean_square(_rows(x)).view(*x.shape[:-1], 1), weight, eps)
+        def rms_norm_exact(x, weight, eps):
+            return rms_from_ms(x, _mean_square(x), weight, eps)
 
-        def add_rms_norm_matched(x, delta, weight, eps):
-            D = x.shape[-1]
-            total, ms = mean_square(x.reshape(-1, D), delta.reshape(-1, D))
-            total = total.view(x.shape)
-            return total, rms_from_ms(total, ms.view(*x.shape[:-1], 1), weight, eps)
+        def add_rms_norm_exact(x, delta, weight, eps):
+            total = x + delta
+            return total, rms_from_ms(total, _mean_square(total), weight, eps)
 
-        def gated_rms_norm_matched(x, gate, weight, eps):
-            return gated_from_ms(x, mean_square(_rows(x)).view(*x.shape[:-1], 1), gate, weight, eps)
+        def gated_rms_norm_exact(x, gate, weight, eps):
+            return gated_from_ms(x, _mean_square(x), gate, weight, eps)
 
-        _MATCHED = Elementwise("inductor_matched", rms_norm_matched, add_rms_norm_matched, gated_rms_norm_matched,
-                               fast.silu_mul, fast.gdn_gates, fast.partial_rope, fast.sigmoid_gate)
-    return _MATCHED
+        _EXACT = Elementwise("inductor_exact", rms_norm_exact, add_rms_norm_exact, gated_rms_norm_exact,
+                             fast.silu_mul, fast.gdn_gates, fast.partial_rope, fast.sigmoid_gate)
+    return _EXACT
 
 
 def inductor() -> Elementwise:

@@ -109,11 +109,13 @@ def test_bf16_packed_matches_hf_alone(kind, attention, checkpoint_dir, gpu_recor
     assert worst["entropy_mean"] <= MEAN_TOL, f"{kind}: mean |entropy diff| {worst['entropy_mean']:.3e} > {MEAN_TOL:.0e}"
 
 
-@pytest.mark.parametrize("swap", ["default", "attention=varlen", "gate_projection=row", "elementwise=inductor"])
+@pytest.mark.parametrize("swap", ["default", "attention=varlen", "gate_projection=row", "elementwise=inductor_exact",
+                                  "elementwise=eager"])
 def test_bf16_9b_slice_matches_hf_alone(swap, gpu_record):
     """``gate_projection=row``: the GDN's gate projections as one product for the row, as before
-    2026-11-30 (the default runs them per segment); ``elementwise=inductor``: fused norms whose
-    float32 sums take Inductor's order, not ATen's (the default before 2026-11-30)."""
+    2026-11-30 (the default runs them per segment); ``elementwise=inductor_exact`` and ``eager``:
+    norms whose float32 sums take ATen's order, as Hugging Face's do (the default's fused norms
+    sum in Inductor's order)."""
     from bench.hf_reference import build_twin
 
     overrides = dict([swap.split("=")]) if swap != "default" else {}

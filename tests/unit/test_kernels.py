@@ -160,3 +160,20 @@ def test_kernels_check_their_inputs():
         causal_conv1d_reference(torch.zeros(4, 2), torch.zeros(2, 4), packed)
     with pytest.raises(ValueError, match="multiple of kv heads"):
         causal_attention_reference(torch.zeros(3, 3, 4), torch.zeros(3, 2, 4), torch.zeros(3, 2, 4), packed, 1.0)
+
+
+def test_exact_norms_decompose_into_atens_mean_and_the_rest():
+    """``inductor_exact`` splits each norm into ATen's mean of squares and the steps after it;
+    run eagerly, the two halves equal the whole norm bit for bit (Inductor then fuses only the
+    second half, which has no sum whose order could change)."""
+    from model_runtime.kernels import elementwise as E
+
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(37, 64, generator=g) * 3).to(torch.bfloat16)
+    gate = torch.randn(37, 64, generator=g).to(torch.bfloat16)
+    w = (torch.randn(64, generator=g) * 0.1).to(torch.bfloat16)
+    ms = E._mean_square(x)
+    assert torch.equal(E._rms_norm_from_ms(x, ms, w, 1e-6), E.rms_norm(x, w, 1e-6))
+    assert torch.equal(E._gated_rms_norm_from_ms(x, ms, gate, w, 1e-6), E.gated_rms_norm(x, gate, w, 1e-6))
+    q = (torch.randn(5, 4, 2, 32, generator=g) * 3).to(torch.bfloat16)[:, :, 0]  # a strided view, as q heads are
+    assert torch.equal(E._rms_norm_from_ms(q, E._mean_square(q), w[:32], 1e-6), E.rms_norm(q, w[:32], 1e-6))
