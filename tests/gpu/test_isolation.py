@@ -6,13 +6,14 @@ are per token but whose arithmetic depends on the row's size: the matrix product
 picks its kernel, and with it the summation order, from the problem's shape) and the head's
 chunking. The test reports the difference and also measures that mechanism directly.
 
-Measured on the H200 (2026-11-29, 9B shape, 4 layers): the same row twice is bitwise equal;
-alone vs packed differs by mean 6.0e-3 / max 4.7e-2 in log-probs, over DESIGN.md's bf16 target
-of mean 2e-3, so this test fails there. The module hooks (``first_differing_modules`` in the
-report) name the source: the first outputs that differ are the GDN's ``in_proj_a`` and
-``in_proj_b``, [T, 4096] x [4096, 32] products whose kernel follows the row count; everything
-after differs through them. The larger products and the head's (fixed-shape) vocabulary product
-gave identical rows at every row count from 777 to 16,000 (the matmul test below).
+Measured on the H200 (2026-11-29, 9B shape, 4 layers): alone and packed are bit-for-bit equal
+(max difference 0, first, middle or last in the row, with either attention kernel). Before the
+GDN's gate projections ran per segment (``gate_projection=row``, still measured here) they
+differed by mean 6.0e-3 / max 4.7e-2: the module hooks (``first_differing_modules`` in the
+report) named ``in_proj_a`` and ``in_proj_b``, [T, 4096] x [4096, 32] products whose kernel
+follows the row count, as the first outputs to differ. The larger products and the head's
+(fixed-shape) vocabulary product gave identical rows at every row count from 777 to 16,000 (the
+matmul test below).
 """
 
 import numpy as np
