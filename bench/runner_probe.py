@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     device = "cpu" if args.dry_run_cpu else "cuda"
     if args.dry_run_cpu:
-        args.preset, args.sequences, args.max_batch_tokens = "tiny", 8, 8192
+        args.preset, args.sequences, args.max_batch_tokens = "tiny", 8, 256
 
     from bench.hf_reference import build_twin, kernel_backend
     from bench.workload import WorkloadSpec, describe, grpo_workload
@@ -66,7 +66,10 @@ def main(argv=None) -> int:
     dims = ParallelDims.from_world(1, 1, False)
     mesh = dims.build_mesh(device)
     loaded = build_twin(args.preset, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32).loaded
-    work = grpo_workload(loaded.vocab_size, WorkloadSpec())[: args.sequences]
+    spec = WorkloadSpec()
+    if args.dry_run_cpu:  # short sequences: the reference kernels are slow
+        spec = WorkloadSpec(num_sequences=8, prompt_median=20, prompt_clip=(4, 60), response_median=30, response_clip=(2, 90))
+    work = grpo_workload(loaded.vocab_size, spec)[: args.sequences]
     tokens = describe(work)["tokens"]
     rows = [[work[i] for i in row] for row in pack_first_fit_decreasing([s.length for s in work], args.max_batch_tokens)]
     scorer = Scorer(loaded, max_batch_tokens=args.max_batch_tokens)
@@ -112,6 +115,9 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "runner_probe.json").write_text(json.dumps(results, indent=1))
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
     return 0
 
 
