@@ -23,7 +23,7 @@ from model_runtime.scorer import SequenceScores
 from service import metrics as metrics_module
 from service.encoding import CONTENT_TYPE, JSON, MSGPACK, encode_json, encode_score_response, request_encoding
 from service.encoding import decode_body, response_encoding, result_record
-from service.errors import ERROR_RESPONSES, ApiError, from_validation_errors
+from service.errors import ERROR_RESPONSES, ApiError, backend_unavailable, from_validation_errors
 from service.runtime import BackendSource, Service
 from service.scheduler import Scheduler, Ticket
 from service.schemas import ErrorResponse, Health, ModelList, Readiness, ScoreRequest, ScoreResponse, Usage
@@ -279,8 +279,7 @@ async def _score(request: Request, service: Service) -> Response:
     if service.phase != "ready":  # SIGTERM while the body was being read
         raise _not_ready(service)
     if not service.backend.is_alive():  # a worker died: answer now instead of failing in the queue
-        raise ApiError(503, "backend_unavailable", "A scoring worker is down; retry shortly.",
-                       headers={"Retry-After": "5"})
+        raise backend_unavailable("A scoring worker is down; retry shortly.", retry_after_s=5)
     # Capped at a day: an unbounded integer must not overflow the clock arithmetic.
     deadline = time.monotonic() + min(job.deadline_ms, _DAY_MS) / 1000.0 if job.deadline_ms is not None else None
     ticket = scheduler.submit(job.sequences, deadline=deadline)

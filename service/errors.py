@@ -31,6 +31,11 @@ class ApiError(Exception):
         return orjson.dumps({"error": {"type": self.type, "message": self.message, "param": self.param}})
 
 
+def backend_unavailable(message: str, retry_after_s: int) -> ApiError:
+    """503 ``backend_unavailable``: no worker can score now; the client retries after the hint."""
+    return ApiError(503, "backend_unavailable", message, headers={"Retry-After": str(retry_after_s)})
+
+
 def param_path(loc: Iterable[str | int]) -> str | None:
     """``("body", "sequences", 3, "input_ids", 17)`` -> ``"sequences[3].input_ids[17]"``.
 

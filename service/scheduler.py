@@ -30,7 +30,7 @@ from typing import Sequence
 
 from model_runtime.backend import BackendUnavailableError, ScoringBackend
 from model_runtime.scorer import InvalidSequenceError, SequenceInput, SequenceScores
-from service.errors import ApiError
+from service.errors import ApiError, backend_unavailable
 from service.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -325,8 +325,7 @@ class Scheduler:
         except BackendUnavailableError as exc:
             self.last_failure = str(exc) or "backend unavailable"
             log.error("backend unavailable for a row of %d sequences: %s", len(row), exc)
-            error = ApiError(503, "backend_unavailable", f"No scoring worker could take the request: {exc}.",
-                             headers={"Retry-After": "2"})
+            error = backend_unavailable(f"No scoring worker could take the request: {exc}.", retry_after_s=2)
             for item in row:
                 self.fail(item.ticket, error)
             return
