@@ -106,10 +106,16 @@ def _gated_rms_norm_from_ms(x, ms, gate, weight, eps):
     return ((weight * normed) * F.silu(gate.float())).to(dtype)
 
 
-def _mean_square(x: torch.Tensor) -> torch.Tensor:
-    """``x.float().pow(2).mean(-1, keepdim=True)``, Hugging Face's own call: ATen's reduction,
-    whose float32 summation order no fused kernel here reproduces."""
-    return x.float().pow(2).mean(-1, keepdim=True)
+def _square(x: torch.Tensor) -> torch.Tensor:
+    return x.float().pow(2)
+
+
+def _mean_square(x: torch.Tensor, square=_square) -> torch.Tensor:
+    """``x.float().pow(2).mean(-1, keepdim=True)``, Hugging Face's own call: the mean is ATen's
+    reduction over a contiguous float32 tensor, whose summation order no fused kernel here
+    reproduces. ``square`` may be a fused (compiled) ``_square``: one float32 product per element
+    either way, so only the copy it saves differs."""
+    return square(x).contiguous().mean(-1, keepdim=True)
 
 
 def eager() -> Elementwise:
@@ -128,8 +134,9 @@ def inductor_exact() -> Elementwise:
 
     Measured on the H200 (2026-11-29): the four tiny checkpoint kinds scored within 1.2e-7 (mean
     |logprob|) of Hugging Face run per sequence, where ``inductor``'s own float32 sums left
-    6.8e-7 to 1.7e-3. It costs a float32 copy of every norm's input; its speed on the 9B shape is
-    not measured yet, so ``inductor`` stays the default.
+    6.8e-7 to 1.7e-3. It costs a float32 copy of every norm's squared input (written by one fused
+    kernel, read by ATen's mean); its speed on the 9B shape is not measured yet, so ``inductor``
+    stays the default.
     """
     global _EXACT
     if _EXACT is None:
@@ -137,16 +144,17 @@ def inductor_exact() -> Elementwise:
         options = _compile_options()
         rms_from_ms = torch.compile(_rms_norm_from_ms, dynamic=True, fullgraph=True, options=options)
         gated_from_ms = torch.compile(_gated_rms_norm_from_ms, dynamic=True, fullgraph=True, options=options)
+        square = torch.compile(_square, dynamic=True, fullgraph=True, options=options)
 
         def rms_norm_exact(x, weight, eps):
-            return rms_from_ms(x, _mean_square(x), weight, eps)
+            return rms_from_ms(x, _mean_square(x, square), weight, eps)
 
         def add_rms_norm_exact(x, delta, weight, eps):
             total = x + delta
-            return total, rms_from_ms(total, _mean_square(total), weight, eps)
+            return total, rms_from_ms(total, _mean_square(total, square), weight, eps)
 
         def gated_rms_norm_exact(x, gate, weight, eps):
-            return gated_from_ms(x, _mean_square(x), gate, weight, eps)
+            return gated_from_ms(x, _mean_square(x, square), gate, weight, eps)
 
         _EXACT = Elementwise("inductor_exact", rms_norm_exact, add_rms_norm_exact, gated_rms_norm_exact,
                              fast.silu_mul, fast.gdn_gates, fast.partial_rope, fast.sigmoid_gate)
