@@ -34,7 +34,7 @@ import torch
 def _init_world_of_one(device: str) -> None:
     import torch.distributed as dist
 
-    from service.local_server import free_port
+    from model_runtime.ports import free_port
 
     if not dist.is_initialized():
         backend = "nccl" if device == "cuda" else "gloo"

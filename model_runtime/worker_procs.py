@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -20,18 +19,11 @@ from pathlib import Path
 
 from model_runtime import messages as msg
 from model_runtime.parallel.dims import ParallelDims
+from model_runtime.ports import free_port
 
 log = logging.getLogger(__name__)
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    """A loopback port free right now. Another process may take it before rank 0 binds its
-    rendezvous store; that start then fails and the pool's restart picks a new port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class WorkerWorld:
@@ -52,7 +44,7 @@ class WorkerWorld:
             raise
 
     def _launch(self, start_fields: dict) -> None:
-        port = _free_port()
+        port = free_port()  # taken before rank 0 binds it: that start fails, the restart picks anew
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH")) if p)
         for rank in range(self.dims.world_size):

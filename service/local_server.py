@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,14 +20,9 @@ from pathlib import Path
 
 import httpx
 
+from model_runtime.ports import free_port
+
 _REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    """A loopback port free right now (another process may still take it before it is bound)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalServer:
@@ -36,8 +30,8 @@ class LocalServer:
 
     ``args`` are the serve options after ``--host``/``--port``; ``env`` is added to this
     process's environment, whose ``PACKSCORE_*`` variables are dropped so that only ``args`` and
-    ``env`` configure the server. With ``log_path`` the server's output goes to that file and its
-    tail is shown when the server dies or is not ready in time. ``program`` is the command that
+    ``env`` configure the server. With ``log_dir`` the server's output goes to
+    ``log_dir/server-<port>.log`` and its tail is shown when the server dies or is not ready in time. ``program`` is the command that
     starts the CLI (default: this interpreter, ``-m service.cli``).
     """
 
