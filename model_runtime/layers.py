@@ -12,7 +12,6 @@ heads, ``sp.to_tokens(x)`` does the reverse. Without it both are the identity.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model_runtime.kernels import KernelBackends
@@ -121,9 +120,10 @@ class PackedGatedDeltaNet(nn.Module):
     @staticmethod
     def _local_segments(x_TD: torch.Tensor, packed: PackedBatch, sp) -> tuple[tuple[int, int], ...]:
         """The row's segments within this rank's tokens (all of them without ``sp``)."""
+        if sp is None:
+            return packed.segment_bounds  # built once per forward, shared by every layer
         T = x_TD.shape[0]
-        lo = 0 if sp is None else sp.rank * T
-        return packed.segments_within(lo, lo + T)
+        return packed.segments_within(sp.rank * T, (sp.rank + 1) * T)
 
     def _gate_inputs(self, x_TD: torch.Tensor, packed: PackedBatch, sp) -> tuple[torch.Tensor, torch.Tensor]:
         """``(a_TH, b_TH)``: the decay and beta projections (Qwen3.5's separate ones)."""

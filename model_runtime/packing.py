@@ -73,7 +73,9 @@ class PackedBatch:
     def from_lengths_padded(
         lengths: Sequence[int], multiple: int, device: torch.device | str = "cpu"
     ) -> tuple["PackedBatch", int]:
-        """``from_lengths(lengths).padded_to_multiple(multiple)``, built once (a forward's row)."""
+        """The row of ``lengths`` with a trailing padding segment (never scored) so that its
+        token count is a multiple of ``multiple``; returns the batch and the padding added (0:
+        none, and no padding segment)."""
         pad = (-sum(int(n) for n in lengths)) % multiple
         if pad == 0:
             return PackedBatch.from_lengths(lengths, device=device), 0
@@ -105,6 +107,11 @@ class PackedBatch:
         for i in range(len(self.lengths)):
             yield self.cu_seqlens_host[i], self.cu_seqlens_host[i + 1]
 
+    @cached_property
+    def segment_bounds(self) -> tuple[tuple[int, int], ...]:
+        """``(start, end)`` of every segment, built once per forward for all layers."""
+        return tuple(self.segments())
+
     def segments_within(self, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
         """The segments' parts inside tokens ``[lo, hi)`` (a sequence-parallel shard), as
         ``(start, end)`` relative to ``lo``; they tile ``[0, hi - lo)``.
@@ -117,23 +124,6 @@ class PackedBatch:
             (max(start, lo) - lo, min(end, hi) - lo)
             for start, end in zip(offsets[:-1], offsets[1:])
             if start < hi and end > lo
-        )
-
-    def padded_to_multiple(self, multiple: int) -> tuple["PackedBatch", int]:
-        """The same row with a trailing padding segment so that ``T % multiple == 0``.
-
-        Returns the new batch and the number of padding tokens added (0 leaves it unchanged).
-        """
-        pad = (-self.total_tokens) % multiple
-        if pad == 0:
-            return self, 0
-        return (
-            PackedBatch.from_lengths(
-                self.lengths + (pad,),
-                device=self.cu_seqlens.device,
-                padding_segments=self.padding_segments + (len(self.lengths),),
-            ),
-            pad,
         )
 
 

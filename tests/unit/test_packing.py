@@ -31,16 +31,12 @@ def test_segments_within_a_shard_tile_it():
 
 
 def test_padding_is_its_own_segment():
-    p, pad = PackedBatch.from_lengths([3, 2]).padded_to_multiple(4)
+    p, pad = PackedBatch.from_lengths_padded([3, 2], 4)
     assert pad == 3 and p.lengths == (3, 2, 3) and p.padding_segments == (2,)
-    assert p.position_ids.tolist()[-3:] == [0, 1, 2]
-    same, none = p.padded_to_multiple(4)
-    assert same is p and none == 0
-    # Built in one go, as a forward's row is: the same batch.
-    q, q_pad = PackedBatch.from_lengths_padded([3, 2], 4)
-    assert q_pad == 3 and (q.lengths, q.padding_segments, q.cu_seqlens_host) == (p.lengths, p.padding_segments, p.cu_seqlens_host)
-    assert q.position_ids.tolist() == p.position_ids.tolist()
-    assert PackedBatch.from_lengths_padded([4], 4)[1] == 0
+    assert p.cu_seqlens_host == (0, 3, 5, 8)
+    assert p.position_ids.tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
+    same, none = PackedBatch.from_lengths_padded([4], 4)
+    assert none == 0 and same.lengths == (4,) and same.padding_segments == ()
 
 
 @pytest.mark.parametrize("lengths", [[], [0], [3, -1]])
