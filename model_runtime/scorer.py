@@ -17,6 +17,7 @@ from model_runtime.head import BYTES_PER_LOGIT, MAX_TOP_K, ROW_MULTIPLE, chunk_t
 from model_runtime.loading import LoadedModel
 from model_runtime.packing import PackedBatch, pack_first_fit_decreasing
 
+PAD_TOKEN = 0  # token id of alignment padding; any valid id works, its segment is never scored
 
 @dataclass(frozen=True)
 class SequenceInput:
@@ -179,13 +180,10 @@ class Scorer:
                 validate_sequence(seq, self.loaded.vocab_size, i)
         plan = plan_row(sequences)
         device = self.loaded.device
-        ids_T = plan.ids_T
         # A padding segment (never scored) makes T a multiple of ROW_MULTIPLE: every matrix
         # product then computes a token's row the same way whatever its neighbours (on CPU), and
         # T >= 2 keeps torch.compile from specialising a one-token row mid-request (on CUDA).
-        packed, pad = PackedBatch.from_lengths_padded(plan.lengths, ROW_MULTIPLE, device=device)
-        if pad:
-            ids_T = np.concatenate([ids_T, np.zeros(pad, dtype=ids_T.dtype)])
+        packed, ids_T = plan.padded_row(ROW_MULTIPLE, device)
         # Host-to-device copies before the forward: issued after it, each would wait for it.
         targets_N = torch.from_numpy(plan.targets_N).to(device)
         temperature_N = torch.from_numpy(plan.temperature_N).to(device)
@@ -220,6 +218,13 @@ class RowPlan:
     temperature_N: np.ndarray  # float32 [N]
     top_k: int  # widest top-k asked for in the row
 
+    def padded_row(self, multiple: int, device) -> tuple[PackedBatch, np.ndarray]:
+        """The row's ``PackedBatch``, padded with a segment of its own (never scored) to a
+        multiple of ``multiple`` tokens, and its ids with the padding's (``PAD_TOKEN``)."""
+        packed, pad = PackedBatch.from_lengths_padded(self.lengths, multiple, device=device)
+        ids_T = np.concatenate([self.ids_T, np.full(pad, PAD_TOKEN, dtype=np.int64)]) if pad else self.ids_T
+        return packed, ids_T
+
 
 def plan_row(sequences: Sequence[SequenceInput]) -> RowPlan:
     lengths = tuple(s.length for s in sequences)
@@ -237,8 +242,6 @@ def plan_row(sequences: Sequence[SequenceInput]) -> RowPlan:
         temperature_N=np.concatenate(temps),
         top_k=max(s.top_k for s in sequences),
     )
-
-
 
 
 def split_results(sequences: Sequence[SequenceInput], head, top_k: int) -> list[SequenceScores]:

@@ -24,9 +24,8 @@ from model_runtime.packing import PackedBatch
 from model_runtime.parallel.dims import ParallelDims
 from model_runtime.parallel.parallelize import unsharded_head_weight
 from model_runtime.parallel.ulysses import UlyssesExchange
-from model_runtime.scorer import Scorer, SequenceInput, SequenceScores, plan_row, split_results
+from model_runtime.scorer import PAD_TOKEN, Scorer, SequenceInput, SequenceScores, plan_row, split_results
 
-PAD_TOKEN = 0  # token id of alignment padding; any valid id works, its segment is never scored
 
 
 class ParallelScorer:
@@ -72,8 +71,7 @@ class ParallelScorer:
         S, device = self.dims.sp, self.loaded.device
         plan = plan_row(sequences)
         # Padded as Scorer pads (to ROW_MULTIPLE tokens), and to a multiple of sp for the shards.
-        packed, pad = PackedBatch.from_lengths_padded(plan.lengths, ROW_MULTIPLE * S, device=device)
-        ids_T = np.concatenate([plan.ids_T, np.full(pad, PAD_TOKEN, dtype=np.int64)])
+        packed, ids_T = plan.padded_row(ROW_MULTIPLE * S, device)
         per = ids_T.shape[0] // S
         lo = self.sp_rank * per
         # Scored positions are increasing along the row, so each shard's are one contiguous run.
