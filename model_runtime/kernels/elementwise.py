@@ -21,11 +21,33 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 
+def _mean_square(x: torch.Tensor, square=None) -> torch.Tensor:
+    """``x.float().pow(2).mean(-1, keepdim=True)``: the mean is ATen's reduction, whose float32
+    summation order no fused kernel here reproduces. ``square`` may be a fused (compiled)
+    ``_square`` returning a contiguous tensor: one float32 product per element either way."""
+    return (square or _square)(x).mean(-1, keepdim=True)
+
+
+def _square(x: torch.Tensor) -> torch.Tensor:
+    return x.float().pow(2)
+
+
+# Each norm is its mean of squares ``ms`` (float32, one per row, keepdim), then the steps below
+# in Hugging Face's order: ``inductor`` fuses all of it, ``inductor_exact`` only these steps.
+def _rms_norm_from_ms(x: torch.Tensor, ms: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    normed = x.float() * torch.rsqrt(ms + eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
+
+
+def _gated_rms_norm_from_ms(x, ms, gate, weight, eps):
+    dtype = x.dtype
+    normed = (x.float() * torch.rsqrt(ms + eps)).to(dtype)
+    return ((weight * normed) * F.silu(gate.float())).to(dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Zero-centred RMSNorm of Qwen3.5 / Qwen3-Next: ``(x / rms(x)) * (1 + w)`` in float32."""
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * (1.0 + weight.float())).to(x.dtype)
+    return _rms_norm_from_ms(x, _mean_square(x), weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -36,10 +58,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3.5's gated norm: RMSNorm (float32), times ``w`` in the input dtype, times SiLU(gate)."""
-    dtype = x.dtype
-    xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-    return ((weight * normed) * F.silu(gate.float())).to(dtype)
+    return _gated_rms_norm_from_ms(x, _mean_square(x), gate, weight, eps)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -93,31 +112,6 @@ _INDUCTOR: Elementwise | None = None
 _EXACT: Elementwise | None = None
 
 
-# The norms' steps after the mean of squares ``ms`` (float32, one per row, keepdim), in Hugging
-# Face's order: ``inductor_exact`` takes ``ms`` from ATen's own reduction and fuses these.
-def _rms_norm_from_ms(x: torch.Tensor, ms: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    normed = x.float() * torch.rsqrt(ms + eps)
-    return (normed * (1.0 + weight.float())).to(x.dtype)
-
-
-def _gated_rms_norm_from_ms(x, ms, gate, weight, eps):
-    dtype = x.dtype
-    normed = (x.float() * torch.rsqrt(ms + eps)).to(dtype)
-    return ((weight * normed) * F.silu(gate.float())).to(dtype)
-
-
-def _square(x: torch.Tensor) -> torch.Tensor:
-    return x.float().pow(2)
-
-
-def _mean_square(x: torch.Tensor, square=_square) -> torch.Tensor:
-    """``x.float().pow(2).mean(-1, keepdim=True)``, Hugging Face's own call: the mean is ATen's
-    reduction over a contiguous float32 tensor, whose summation order no fused kernel here
-    reproduces. ``square`` may be a fused (compiled) ``_square``: one float32 product per element
-    either way, so only the copy it saves differs."""
-    return square(x).contiguous().mean(-1, keepdim=True)
-
-
 def eager() -> Elementwise:
     return EAGER
 
@@ -144,7 +138,10 @@ def inductor_exact() -> Elementwise:
         options = _compile_options()
         rms_from_ms = torch.compile(_rms_norm_from_ms, dynamic=True, fullgraph=True, options=options)
         gated_from_ms = torch.compile(_gated_rms_norm_from_ms, dynamic=True, fullgraph=True, options=options)
-        square = torch.compile(_square, dynamic=True, fullgraph=True, options=options)
+        compiled_square = torch.compile(_square, dynamic=True, fullgraph=True, options=options)
+
+        def square(x):  # ATen's mean then reads the rows as Hugging Face's pow output lays them out
+            return compiled_square(x).contiguous()
 
         def rms_norm_exact(x, weight, eps):
             return rms_from_ms(x, _mean_square(x, square), weight, eps)
