@@ -1,12 +1,17 @@
-"""The ``--kernels`` option's syntax, shared by the settings and the workers (no torch import)."""
+"""The ``--kernels`` option's syntax and kernel families, shared by the settings, the loader and
+the workers (no torch import)."""
 
 from __future__ import annotations
+
+# One boundary per family (model_runtime/kernels/); each has named backends.
+FAMILIES = ("linear_attention", "conv1d", "attention", "head", "elementwise", "gate_projection")
 
 
 def parse_kernel_overrides(text: str) -> dict[str, str]:
     """``"attention=varlen,head=torch"`` -> ``{"attention": "varlen", "head": "torch"}``.
 
-    Only the syntax is checked here; the loader names an unknown family or backend.
+    The syntax and the family names are checked here (so the CLI refuses a misspelt family
+    before any worker starts); the loader names an unknown backend.
     """
     out: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -15,5 +20,7 @@ def parse_kernel_overrides(text: str) -> dict[str, str]:
             raise ValueError(f"expected FAMILY=BACKEND[,FAMILY=BACKEND...], got {item!r}")
         if family in out:
             raise ValueError(f"{family!r} is given twice")
+        if family not in FAMILIES:
+            raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
         out[family] = backend
     return out

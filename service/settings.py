@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from model_runtime.kernel_overrides import parse_kernel_overrides
+from model_runtime.kernel_overrides import FAMILIES, parse_kernel_overrides
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 DEFAULT_QUEUED_TOKENS = 262144  # the admission bound of a one-GPU server
@@ -34,8 +34,8 @@ class Settings(BaseSettings):
     )
     kernels: str | None = Field(
         None,
-        description="pin kernel backends, FAMILY=BACKEND[,...], e.g. attention=varlen (families: linear_attention, "
-        "conv1d, attention, head, elementwise, gate_projection); default: the fastest installed; /v1/models shows what runs",
+        description="pin kernel backends, FAMILY=BACKEND[,...], e.g. attention=varlen (families: "
+        f"{', '.join(FAMILIES)}); default: the fastest installed; /v1/models shows what runs",
     )
     triton_cache_dir: Path | None = Field(
         None, description="directory for compiled Triton and Inductor kernels (sets TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR=DIR/inductor)"

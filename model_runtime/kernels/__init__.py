@@ -23,6 +23,7 @@ from model_runtime.kernels.attention import (
     causal_attention_sdpa,
     causal_attention_varlen,
 )
+from model_runtime.kernel_overrides import FAMILIES  # one list for the CLI and the registry
 from model_runtime.kernels import elementwise
 from model_runtime.kernels.conv import causal_conv1d_fla, causal_conv1d_reference, causal_conv1d_tridao
 from model_runtime.kernels.gate_projection import gate_projection_row, gate_projection_segment
@@ -30,8 +31,6 @@ from model_runtime.kernels.linear_attention import gated_delta_rule_fla, gated_d
 from model_runtime.kernels.logprob_head import logprob_entropy_torch, logprob_entropy_triton
 
 log = logging.getLogger(__name__)
-
-FAMILIES = ("linear_attention", "conv1d", "attention", "head", "elementwise", "gate_projection")
 
 REGISTRY: dict[str, dict[str, Callable]] = {
     "linear_attention": {"reference": gated_delta_rule_reference, "fla": gated_delta_rule_fla},

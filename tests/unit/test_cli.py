@@ -83,6 +83,7 @@ def test_every_option_has_help_naming_its_environment_variable(capsys):
         (["serve", "--dtype", "int8"], "--dtype"),
         (["serve", "--kernels", "attention"], "--kernels"),
         (["serve", "--kernels", "head=torch,head=triton"], "--kernels"),
+        (["serve", "--kernels", "atention=sdpa"], "unknown kernel family 'atention'"),
         (["serve", "--api-key", "a", "--api-key-file", "/k"], "not both"),
         (["score", "in.jsonl", "-o", "out.jsonl", "--top-k", "21"], "--top-k"),
     ],
