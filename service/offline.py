@@ -71,13 +71,7 @@ async def _score_lines(settings: Settings, backend, input_path: Path, out: IO[by
     info = backend.info
     model_len = min(settings.max_model_len or info.max_model_len or settings.queued_tokens, settings.queued_tokens)
     limits = Limits(info.vocab_size, model_len, 1, settings.queued_tokens, 1 << 62)
-    scheduler = Scheduler(
-        backend,
-        # A sequence-parallel group takes rows sp times the per-GPU budget (as the server's do).
-        max_batch_tokens=getattr(backend, "max_row_tokens", settings.max_batch_tokens),
-        max_wait_ms=settings.max_wait_ms,
-        max_queued_tokens=settings.queued_tokens,
-    )
+    scheduler = Scheduler.from_settings(backend, settings)
     await scheduler.start()
     # Tickets in input order; results are written in that order as soon as the oldest is done.
     window: deque[tuple[int, str, Ticket]] = deque()

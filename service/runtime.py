@@ -100,14 +100,7 @@ class Service:
             started = time.perf_counter()
             await _in_daemon_thread(backend.warm_up)
             log.info("warm-up took %.1fs", time.perf_counter() - started)
-            self.scheduler = Scheduler(
-                backend,
-                # A sequence-parallel group takes rows sp times the per-GPU budget.
-                max_batch_tokens=getattr(backend, "max_row_tokens", self.settings.max_batch_tokens),
-                max_wait_ms=self.settings.max_wait_ms,
-                max_queued_tokens=self.settings.queued_tokens,
-                metrics=self.metrics,
-            )
+            self.scheduler = Scheduler.from_settings(backend, self.settings, self.metrics)
             await self.scheduler.start()
             self._advance("probing")
             await self._run_probe()

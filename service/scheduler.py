@@ -114,6 +114,19 @@ class Scheduler:
         self.last_failure: str | None = None  # why the last forward failed for backend reasons
         self._closed = False
 
+    @classmethod
+    def from_settings(cls, backend: ScoringBackend, settings, metrics: Metrics | None = None) -> "Scheduler":
+        """The scheduler the server and offline scoring build from their ``Settings``: rows of
+        the backend's ``max_row_tokens`` (a sequence-parallel group takes sp times the per-GPU
+        budget), else of ``--max-batch-tokens``."""
+        return cls(
+            backend,
+            max_batch_tokens=getattr(backend, "max_row_tokens", settings.max_batch_tokens),
+            max_wait_ms=settings.max_wait_ms,
+            max_queued_tokens=settings.queued_tokens,
+            metrics=metrics,
+        )
+
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
