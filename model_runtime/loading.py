@@ -129,7 +129,7 @@ def estimated_weight_bytes(spec: str, dtype: torch.dtype) -> int:
     checkpoint directory counts the tensors in its safetensors headers (a vision tower that is
     never loaded is counted too, so the estimate errs high), at ``dtype``'s width.
     """
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if spec in PRESETS:
         from transformers import AutoModelForCausalLM
 

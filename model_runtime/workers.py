@@ -434,7 +434,7 @@ class WorkerPool:
             while len(batch) < self.dims.dp:
                 left = deadline - time.monotonic()
                 try:
-                    extra = self._steps.get(timeout=left) if left > 0 else self._steps.get_nowait()
+                    extra = self._steps.get(timeout=max(0.0, left))
                 except queue.Empty:
                     break
                 if extra is None:

@@ -16,8 +16,10 @@ the same sequence alone (tests/gpu/test_isolation.py).
   Face's for one sequence), so a segment's numbers do not depend on its neighbours.
 
 Measured on the H200 (2026-11-29, 9B shape): with ``segment`` a sequence alone and packed gave
-bit-for-bit equal log-probs (``row``: 6.0e-3 mean apart), at no measurable cost (36,201 against
-36,231 tokens/s on the benchmark workload).
+bit-for-bit equal log-probs (``row``: 6.0e-3 mean apart), at no measurable cost on the benchmark
+workload (36,201 against 36,231 tokens/s; rows of about 20 sequences of 3k tokens). It costs two
+small launches per segment and GDN layer, so rows of hundreds of short sequences pay more; that
+case is not measured yet.
 """
 
 from __future__ import annotations
