@@ -10,11 +10,11 @@ scored by:
 - packscore with its default CUDA kernels, and with one family at a time replaced by the
   backend that rounds where Hugging Face's eager modules round (conv1d ``reference``: bf16
   conv, then SiLU in bf16; elementwise ``eager``; head ``torch``), with all of those together,
-  with the varlen attention kernel instead of the default SDPA per segment, with the GDN's gate
-  projections as one product for the row instead of one per segment, and with fla's conv
-  and its fused float32 SiLU, as packscore ran it before 2026-11-29;
+  and with fla's conv and its fused float32 SiLU, as packscore ran it before 2026-11-29;
 - packscore on each sequence alone, against the packed row (isolation), and the first modules
   whose outputs differ between the two.
+The attention, gate-projection and ``inductor_exact`` swaps are measured by tests/gpu
+(test_parity_bf16.py, test_isolation.py) on the same lengths and weights, not again here.
 Prints a table of mean / max |difference| of log-probs and entropy against Hugging Face one at a
 time and writes ``parity_probe.json``.
 """
@@ -56,9 +56,6 @@ VARIANTS = {
     "default": {},
     "conv1d=reference": {"conv1d": "reference"},
     "conv1d=fla_fused_silu (before 2026-11-29)": {"conv1d": "fla_fused_silu"},
-    "attention=varlen": {"attention": "varlen"},
-    "gate_projection=row": {"gate_projection": "row"},
-    "elementwise=inductor_exact": {"elementwise": "inductor_exact"},
     "elementwise=eager": {"elementwise": "eager"},
     "head=torch": {"head": "torch"},
     "hf-like (all four)": HF_LIKE,
@@ -67,12 +64,14 @@ VARIANTS = {
 
 
 def cuda_only(overrides: dict) -> bool:
-    """Whether a variant needs CUDA (fla's kernels and the varlen attention kernel do)."""
-    return bool({"fla_fused_silu", "varlen", "inductor", "inductor_exact"} & set(overrides.values()))
+    """Whether a variant needs CUDA: a backend the registry marks so, or this probe's own kernel."""
+    from model_runtime.kernels import CUDA_ONLY
+
+    return bool((CUDA_ONLY | {"fla_fused_silu"}) & set(overrides.values()))
 
 
 # The variants whose isolation (each sequence alone against the packed row) is measured too.
-ISOLATION_VARIANTS = ("default", "attention=varlen", "gate_projection=row", "hf-like (all four)")
+ISOLATION_VARIANTS = ("default", "hf-like (all four)")
 
 
 def first_divergence(scorer, seqs, victim_index: int = -2, limit: int = 8) -> dict:

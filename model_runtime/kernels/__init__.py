@@ -57,7 +57,7 @@ _CPU_DEFAULT = {
 }
 
 # Backends whose kernels exist only on CUDA.
-_CUDA_ONLY = frozenset({"fla", "causal_conv1d", "varlen", "flash_attn", "triton", "inductor_exact"})
+CUDA_ONLY = frozenset({"fla", "causal_conv1d", "varlen", "flash_attn", "triton", "inductor_exact"})
 
 # The fast backends on a GPU, best first. Attention differs by where the model runs, as measured
 # on H200s (2026-11-29), 9B shape, benchmark workload:
@@ -165,9 +165,9 @@ def select_backends(
     for family in FAMILIES:
         if family in overrides:
             name = overrides[family]  # an unknown name is refused by KernelBackends below
-            if device.type != "cuda" and name in _CUDA_ONLY:
+            if device.type != "cuda" and name in CUDA_ONLY:
                 raise ValueError(f"the {family} backend {name!r} needs CUDA; on {device.type} use one of "
-                                 f"{sorted(set(REGISTRY[family]) - _CUDA_ONLY)}")
+                                 f"{sorted(set(REGISTRY[family]) - CUDA_ONLY)}")
             reason = _unavailable_reason(family, name)
             if reason is not None:
                 raise ValueError(f"the {family} backend {name!r} cannot run here: {reason}")

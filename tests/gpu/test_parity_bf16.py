@@ -23,11 +23,14 @@ weights. ``elementwise=inductor_exact`` takes the sums from ATen (the last colum
 slice's swaps below measure it. The tolerance stays at the design target.
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
 
-from bench.hf_reference import hf_uses_fla
+from bench.hf_reference import diff_stats, hf_uses_fla
+from bench.parity_probe import LENGTHS
 from model_runtime.scorer import Scorer, SequenceInput
 
 pytestmark = [
@@ -36,7 +39,6 @@ pytestmark = [
 ]
 
 MEAN_TOL = 2e-3  # DESIGN.md's bf16 GPU target
-LENGTHS = (1, 2, 3, 5, 63, 64, 65, 127, 128, 129, 300, 1000)
 
 
 def make_batch(vocab: int, seed: int, temperature: float):
@@ -62,19 +64,7 @@ def hf_alone(hf_model, seq: SequenceInput):
 
 def compare(scorer: Scorer, hf_model, seqs):
     results = scorer.score_row(seqs)
-    d_lp, d_ent = [], []
-    for seq, got in zip(seqs, results):
-        ref_lp, ref_ent = hf_alone(hf_model, seq)
-        d_lp.append(np.abs(got.logprobs - ref_lp))
-        d_ent.append(np.abs(got.entropy - ref_ent))
-    d_lp, d_ent = np.concatenate(d_lp), np.concatenate(d_ent)
-    return {
-        "logprob_mean": float(d_lp.mean()),
-        "logprob_max": float(d_lp.max()),
-        "entropy_mean": float(d_ent.mean()),
-        "entropy_max": float(d_ent.max()),
-        "positions": int(d_lp.size),
-    }
+    return diff_stats([(r.logprobs, r.entropy) for r in results], [hf_alone(hf_model, s) for s in seqs])
 
 
 # The attention backends compared: the default (SDPA per segment, the call Hugging Face makes
@@ -100,37 +90,42 @@ def test_bf16_packed_matches_hf_alone(kind, attention, checkpoint_dir, gpu_recor
     stats = {}
     for temperature in (1.0, 0.7):
         stats[temperature] = compare(Scorer(loaded), hf_model, make_batch(loaded.vocab_size, 11, temperature))
-    worst = {k: max(s[k] for s in stats.values()) for k in stats[1.0] if k != "positions"}
+    worst = {k: max(s[k] for s in stats.values()) for k in stats[1.0]}
     gpu_record(f"parity bf16 {kind} (attention {attention})", hf_gdn=hf_uses_fla(), kernels=str(loaded.backends.names), **worst, tol_mean=MEAN_TOL)
     assert worst["logprob_mean"] <= MEAN_TOL, f"{kind}: mean |logprob diff| {worst['logprob_mean']:.3e} > {MEAN_TOL:.0e}"
     assert worst["entropy_mean"] <= MEAN_TOL, f"{kind}: mean |entropy diff| {worst['entropy_mean']:.3e} > {MEAN_TOL:.0e}"
 
 
+@pytest.fixture(scope="module")
+def slice_9b():
+    """The 9B slice and Hugging Face's one-sequence reference, built once: the swaps below change
+    kernels on the loaded model in place (the same weights, the same reference)."""
+    from bench.hf_reference import build_twin
+
+    twin = build_twin("qwen3.5-9b", num_layers=4)
+    seqs = make_batch(twin.loaded.vocab_size, 12, 1.0)
+    with twin.hf() as hf_model:
+        reference = [hf_alone(hf_model, s) for s in seqs]
+    yield twin, seqs, reference
+    del twin
+    torch.cuda.empty_cache()
+
+
 @pytest.mark.parametrize("swap", ["default", "attention=varlen", "gate_projection=row", "elementwise=inductor_exact",
                                   "elementwise=eager"])
-def test_bf16_9b_slice_matches_hf_alone(swap, gpu_record):
+def test_bf16_9b_slice_matches_hf_alone(swap, slice_9b, gpu_record):
     """``gate_projection=row``: the GDN's gate projections as one product for the row, as before
     2026-11-29 late (the default runs them per segment); ``elementwise=inductor_exact`` and ``eager``:
     norms whose float32 sums take ATen's order, as Hugging Face's do (the default's fused norms
     sum in Inductor's order)."""
-    from bench.hf_reference import build_twin
+    from bench.hf_reference import kernel_backend
 
-    overrides = dict([swap.split("=")]) if swap != "default" else {}
-    twin = build_twin("qwen3.5-9b", num_layers=4, kernel_overrides=overrides)
-    seqs = make_batch(twin.loaded.vocab_size, 12, 1.0)
-    with twin.hf() as hf_model:
-        reference = [hf_alone(hf_model, s) for s in seqs]
-    results = Scorer(twin.loaded, max_batch_tokens=4096).score_row(seqs)
-    d_lp = np.concatenate([np.abs(r.logprobs - ref[0]) for r, ref in zip(results, reference)])
-    d_ent = np.concatenate([np.abs(r.entropy - ref[1]) for r, ref in zip(results, reference)])
-    stats = {
-        "logprob_mean": float(d_lp.mean()),
-        "logprob_max": float(d_lp.max()),
-        "entropy_mean": float(d_ent.mean()),
-        "entropy_max": float(d_ent.max()),
-    }
-    gpu_record(f"parity bf16 qwen3.5-9b[:4] ({swap})", hf_gdn=hf_uses_fla(), kernels=str(twin.loaded.backends.names), **stats, tol_mean=MEAN_TOL)
-    del twin
-    torch.cuda.empty_cache()
+    twin, seqs, reference = slice_9b
+    swapped = contextlib.nullcontext() if swap == "default" else kernel_backend(twin.loaded.model, *swap.split("="))
+    with swapped:
+        results = Scorer(twin.loaded, max_batch_tokens=4096).score_row(seqs)
+    stats = diff_stats([(r.logprobs, r.entropy) for r in results], reference)
+    gpu_record(f"parity bf16 qwen3.5-9b[:4] ({swap})", hf_gdn=hf_uses_fla(), kernels=str(twin.loaded.backends.names),
+               swap=swap, **stats, tol_mean=MEAN_TOL)
     assert stats["logprob_mean"] <= MEAN_TOL, f"9B slice: mean |logprob diff| {stats['logprob_mean']:.3e} > {MEAN_TOL:.0e}"
     assert stats["entropy_mean"] <= MEAN_TOL, f"9B slice: mean |entropy diff| {stats['entropy_mean']:.3e} > {MEAN_TOL:.0e}"
