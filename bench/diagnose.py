@@ -25,27 +25,17 @@ from model_runtime.scorer import Scorer
 GiB = 2**30
 
 
-def use_elementwise(model, ew) -> None:
-    """Switches every packed module's elementwise functions (diagnostics only)."""
-    from model_runtime.layers import ModuleOps
-
-    for module in model.modules():
-        if isinstance(getattr(module, "ops", None), ModuleOps):
-            module.ops = ModuleOps(ew)
-
-
 def depth_noise(num_sequences: int = 4, depths=(4, 8, 16, 32)) -> dict:
-    from bench.hf_reference import build_twin, score_padded, score_single, to_numpy
+    from bench.hf_reference import build_twin, kernel_backend, score_padded, score_single, to_numpy
     from bench.workload import WorkloadSpec, grpo_workload
-    from model_runtime.kernels.elementwise import EAGER
 
     out = {}
     for depth in depths:
         twin = build_twin("qwen3.5-9b", num_layers=depth)
         seqs = grpo_workload(twin.loaded.vocab_size, WorkloadSpec())[:num_sequences]
         ours = [(r.logprobs, r.entropy) for r in Scorer(twin.loaded, max_batch_tokens=65536).score(seqs)]
-        use_elementwise(twin.loaded.model, EAGER)
-        ours_eager = [(r.logprobs, r.entropy) for r in Scorer(twin.loaded, max_batch_tokens=65536).score(seqs)]
+        with kernel_backend(twin.loaded.model, "elementwise", "eager"):
+            ours_eager = [(r.logprobs, r.entropy) for r in Scorer(twin.loaded, max_batch_tokens=65536).score(seqs)]
         with twin.hf() as hf:
             single = to_numpy(score_single(hf, seqs, "cuda"))
             padded = to_numpy(score_padded(hf, seqs, "cuda", 32768))

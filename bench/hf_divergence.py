@@ -59,17 +59,15 @@ def module_divergence(twin, ids: np.ndarray, device: str = "cuda") -> list[dict]
                 order.append(name)
         return fn
 
-    with twin.hf() as hf_model:
-        handles = [m.register_forward_hook(hook(n)) for n, m in hf_model.named_modules() if n]
-        try:
+    handles = []
+    try:
+        with twin.hf() as hf_model:
+            # Hooks on Hugging Face's modules: packscore's layers call the same projection,
+            # norm and MLP modules, so the second run fills the same names.
+            handles = [m.register_forward_hook(hook(n)) for n, m in hf_model.named_modules() if n]
             with torch.inference_mode():
                 hf_model(input_ids=torch.as_tensor(ids, device=device)[None], use_cache=False)
-        except BaseException:
-            for h in handles:
-                h.remove()
-            raise
-    side[0] = "ours"
-    try:
+        side[0] = "ours"
         Scorer(twin.loaded, max_batch_tokens=1 << 16).score_row([SequenceInput(ids, score_from=1)])
     finally:
         for h in handles:
