@@ -50,7 +50,9 @@ case "$verb" in
     # NVLink multicast stays off (device README): NCCL, PyTorch symmetric memory, NVSHMEM.
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv > "$WORK/results/gpus.csv"
-    setsid nohup bash "$plan" > "$WORK/session.log" 2>&1 < /dev/null &
+    # The done marker is written here, after the plan however it ends, so `follow` never waits
+    # out its time on a plan that already stopped.
+    setsid nohup bash -c 'bash "$0"; touch "$1/done"' "$plan" "$WORK" > "$WORK/session.log" 2>&1 < /dev/null &
     follow
     ;;
   follow)

@@ -12,4 +12,3 @@ for kernels in attention=sdpa attention=varlen attention=sdpa; do
   i=$((i + 1))
   step "pool $kernels" python3 -m bench.multi_gpu --gpus "$GPUS" --phases pool --kernels "$kernels" --out "$RESULTS/ab/$i-$kernels"
 done
-touch "$SESSION_DIR/done"

@@ -20,13 +20,12 @@ suite() {
 }
 tests() {  # $1: the GPU to use
   export CUDA_VISIBLE_DEVICES=$1
-  step "single-GPU tests (GPU $1)" bash -c "PACKSCORE_GPU_REPORT='$RESULTS/tests/gpu_report.jsonl' python3 -m pytest -q -rA -p no:cacheprovider tests/gpu --ignore tests/gpu/test_parallel_nccl.py > '$RESULTS/tests/pytest.txt' 2>&1"
+  gpu_tests "$1" single tests/gpu --ignore tests/gpu/test_parallel_nccl.py
   step "parity probe (GPU $1)" bash -c "python3 -m bench.parity_probe --out '$RESULTS/tests' > '$RESULTS/tests/parity_probe.txt' 2>&1"
 }
 
 nccl() {  # $1: the two GPUs to use, e.g. 2,3
-  export CUDA_VISIBLE_DEVICES=$1
-  step "NCCL tests (GPUs $1)" bash -c "PACKSCORE_GPU_REPORT='$RESULTS/tests/gpu_report_nccl.jsonl' python3 -m pytest -q -rA -p no:cacheprovider tests/gpu/test_parallel_nccl.py > '$RESULTS/tests/pytest_nccl.txt' 2>&1"
+  gpu_tests "$1" nccl tests/gpu/test_parallel_nccl.py
 }
 multi() {  # all GPUs: HTTP end to end, SP scaling, FSDP against replicas
   unset CUDA_VISIBLE_DEVICES
@@ -53,4 +52,3 @@ else
   (suite)
   (tests 0)
 fi
-touch "$SESSION_DIR/done"

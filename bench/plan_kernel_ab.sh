@@ -16,7 +16,7 @@ echo "[$(date +%T)] $GPUS GPU(s)"
 
 lane_a() {
   export CUDA_VISIBLE_DEVICES=0
-  step "tests (GPU 0)" bash -c "PACKSCORE_GPU_REPORT='$RESULTS/tests/gpu_report.jsonl' python3 -m pytest -q -rA -p no:cacheprovider tests/gpu/test_parity_bf16.py tests/gpu/test_isolation.py tests/gpu/test_kernels.py > '$RESULTS/tests/pytest.txt' 2>&1"
+  gpu_tests 0 ab tests/gpu/test_parity_bf16.py tests/gpu/test_isolation.py tests/gpu/test_kernels.py
   [ "$HTTP" = 1 ] && step "HTTP on one GPU (GPU 0)" bash -c "python3 bench/http_bench.py --model qwen3.5-9b --max-batch-tokens 65536 --sequences 256 --prompt-median 600 --response-median 1500 --per-request 16 --concurrency 8 --repeats 2 > '$RESULTS/probe/http_one_gpu.txt' 2>&1"
 }
 lane_b() {
@@ -35,4 +35,3 @@ else
   (lane_b)
   (lane_a)
 fi
-touch "$SESSION_DIR/done"

@@ -7,10 +7,6 @@ cd "$(dirname "$0")/.."
 GPUS=$(nvidia-smi -L | wc -l)
 mkdir -p "$RESULTS/tests" "$RESULTS/multi"
 source bench/plan_common.sh
-gpu_tests() {  # $1: GPU, $2: name, rest: pytest arguments
-  local gpu=$1 name=$2; shift 2
-  CUDA_VISIBLE_DEVICES=$gpu step "tests $name (GPU $gpu)" bash -c "PACKSCORE_GPU_REPORT='$RESULTS/tests/report-$name.jsonl' python3 -m pytest -q -rA -p no:cacheprovider $* > '$RESULTS/tests/pytest-$name.txt' 2>&1"
-}
 files=(tests/gpu/test_parity_bf16.py tests/gpu/test_isolation.py "tests/gpu/test_kernels.py tests/gpu/test_backend_selection.py" tests/gpu/test_long_sequence.py)
 names=(parity isolation kernels long)
 pids=()
@@ -23,4 +19,3 @@ wait "${pids[@]}"
 if [ "$GPUS" -ge 2 ]; then
   step "multi-GPU http ($GPUS GPUs)" python3 -m bench.multi_gpu --gpus "$GPUS" --phases http --out "$RESULTS/multi/http"
 fi
-touch "$SESSION_DIR/done"
