@@ -5,7 +5,7 @@
 Modes (each fits one 10-minute device call):
 - ``full``: the 9B benchmark on the whole workload (256 sequences) with its profile, the
   head's memory and idle latency, and packscore again with one kernel family swapped at a time
-  (attention=varlen, gate_projection=row); the 35B-A3B experts (grouped_mm vs eager, 4 layers); a warm restart.
+  (attention=varlen, elementwise=inductor_exact); the 35B-A3B experts (grouped_mm vs eager, 4 layers); a warm restart.
 - ``tests``: diagnostics (the head's memory at 64k, bf16 drift with depth, the 35B-A3B MoE block
   against float32), the GPU tests (tests/gpu, with the 131k-token sequence), then the three
   forms (packscore, HF padded, HF one at a time) on the first 64 sequences.
@@ -236,13 +236,13 @@ def extra_measurements(suite: Suite, bench: dict, scorer, sequences):
 # ---------------------------------------------------------------- main
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mode", choices=("smoke", "full", "tests", "extra", "ab"), default="full")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting phases after this many seconds")
     parser.add_argument("--dry-run-cpu", action="store_true", help="tiny preset, tiny workload, on the CPU")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     suite = Suite(args)
     if args.dry_run_cpu:
         return dry_run(suite)
@@ -298,21 +298,26 @@ def dry_run(suite: Suite):
     from bench.workload import WorkloadSpec
     from model_runtime.presets import PRESETS, Preset
 
+    device = H.DEVICE
     H.set_device("cpu")
     tiny = PRESETS["tiny"]
     PRESETS["tiny-moe"] = Preset("tiny-moe", "qwen3_5_moe_text", {
         **{k: v for k, v in tiny.config.items() if k != "intermediate_size"},
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
     }, seed=0, initializer_range=0.05)
-    spec = WorkloadSpec(num_sequences=16, prompt_median=20, prompt_clip=(4, 60), response_median=30, response_clip=(2, 90))
-    suite.results["ceiling"] = {"tflops_mean": 1.0}
-    suite.phase("benchmark tiny", lambda: run_benchmark(
-        suite, "tiny", 16, hf_single=True, max_batch_tokens=300, key="tiny", extras=True, spec=spec,
-        alternatives=("attention=sdpa", "gate_projection=row")), 0)
-    suite.results["moe_experts"] = suite.phase("experts grouped_mm vs eager (tiny)", lambda: moe_experts(None, 200, spec), 0)
-    suite.results["gpu_tests"] = suite.phase("GPU tests (all skip on CPU)", lambda: run_tests(
-        suite, True, select="not long_sequence and not isolation"), 0)
-    finish(suite)
+    try:
+        spec = WorkloadSpec(num_sequences=16, prompt_median=20, prompt_clip=(4, 60), response_median=30, response_clip=(2, 90))
+        suite.results["ceiling"] = {"tflops_mean": 1.0}
+        suite.phase("benchmark tiny", lambda: run_benchmark(
+            suite, "tiny", 16, hf_single=True, max_batch_tokens=300, key="tiny", extras=True, spec=spec,
+            alternatives=("attention=sdpa", "gate_projection=row")), 0)
+        suite.results["moe_experts"] = suite.phase("experts grouped_mm vs eager (tiny)", lambda: moe_experts(None, 200, spec), 0)
+        suite.results["gpu_tests"] = suite.phase("GPU tests (all skip on CPU)", lambda: run_tests(
+            suite, True, select="not long_sequence and not isolation"), 0)
+        finish(suite)
+    finally:  # a dry run inside a test process leaves the device and the presets as they were
+        H.set_device(device)
+        PRESETS.pop("tiny-moe", None)
 
 
 if __name__ == "__main__":

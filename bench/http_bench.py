@@ -55,10 +55,6 @@ def forward_totals(url: str) -> dict[str, float]:
     return found
 
 
-def _forward_seconds(url: str) -> float:
-    return forward_totals(url)["seconds"]
-
-
 async def _http_run(url: str, sequences, per_request: int, concurrency: int) -> tuple[float, float]:
     """(tokens/s, fraction of the wall time the server spent in forwards)."""
     from service.client import AsyncScoreClient
@@ -73,20 +69,20 @@ async def _http_run(url: str, sequences, per_request: int, concurrency: int) -> 
             for i in next_part:
                 await client.score(parts[i], return_entropy=True)
 
-        busy = _forward_seconds(url)
+        busy = forward_totals(url)["seconds"]
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
-        busy = _forward_seconds(url) - busy
+        busy = forward_totals(url)["seconds"] - busy
     return sum(s.length for s in sequences) / elapsed, busy / elapsed
 
 
-def start_server(args, extra: tuple[str, ...] = ()):
-    """``packscore serve`` for ``args.model`` with the benchmark's batching options."""
+def start_server(model: str, max_batch_tokens: int, max_wait_ms: float = 5.0, extra: tuple[str, ...] = ()):
+    """``packscore serve`` for ``model`` with the benchmark's batching options."""
     from service.local_server import LocalServer
 
-    return LocalServer(["--model", args.model, "--max-batch-tokens", str(args.max_batch_tokens),
-                        "--max-wait-ms", str(args.max_wait_ms), "--log-level", "warning", *extra])
+    return LocalServer(["--model", model, "--max-batch-tokens", str(max_batch_tokens),
+                        "--max-wait-ms", str(max_wait_ms), "--log-level", "warning", *extra])
 
 
 def encoding_costs(scored_tokens: int = 100_000, sequence_length: int = 1000, repeats: int = 5) -> dict:
@@ -164,7 +160,7 @@ def main() -> None:
     scorer.warm_up()
     scorer.score(sequences[:8])
 
-    server = start_server(args)
+    server = start_server(args.model, args.max_batch_tokens, args.max_wait_ms)
     try:
         server.wait_ready()
         local, http, busy = [], [], []

@@ -11,7 +11,7 @@ Phases (each timed after one untimed pass, each result kept even if a later phas
 3. ``http``: ``packscore serve --world-size N`` driven by the async client with the workload,
    against the same pool in process (``pool``, also a phase of its own).
 ``--kernels`` pins kernel backends as ``packscore --kernels`` does (A/B runs of a kernel).
-Writes ``multi_gpu-<date>.json`` and prints a table.
+Writes ``multi_gpu-<date>[-quick][-FAMILY-BACKEND...].json`` (``output_name``) and prints a table.
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def phase_http(args, out: dict) -> None:
     model = args.dense_model
     in_process, work = phase_pool(args, out)
     extra = ("--world-size", str(args.gpus), "--device", args.device) + (("--kernels", args.kernels) if args.kernels else ())
-    server = start_server(argparse.Namespace(model=model, max_batch_tokens=args.budget, max_wait_ms=5), extra)
+    server = start_server(model, args.budget, 5, extra)
     try:
         server.wait_ready(timeout=1800)
 
@@ -212,6 +212,12 @@ def phase_http(args, out: dict) -> None:
     out["http"] = row
 
 
+def output_name(date: str, quick: bool, kernels: str | None) -> str:
+    """``multi_gpu-<date>[-quick][-FAMILY-BACKEND[_FAMILY-BACKEND...]].json``."""
+    pinned = "-" + kernels.replace("=", "-").replace(",", "_") if kernels else ""
+    return f"multi_gpu-{date}{'-quick' if quick else ''}{pinned}.json"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", type=int, required=True, help="GPUs (or CPU processes) to use")
@@ -244,7 +250,7 @@ def main(argv=None) -> int:
             print(f"[{name}] failed: {exc}")
         print(f"[{name}] {time.perf_counter() - started:.0f}s")
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    target = Path(args.out) / f"multi_gpu-{out['date']}{'-quick' if args.quick else ''}{'-' + args.kernels.replace('=', '-').replace(',', '_') if args.kernels else ''}.json"
+    target = Path(args.out) / output_name(out["date"], args.quick, args.kernels)
     target.write_text(json.dumps(out, indent=1))
     print(f"wrote {target}")
     return 1 if out["errors"] else 0

@@ -2,17 +2,13 @@
 the suite's code paths are checked here before a device call spends GPU time on them."""
 
 import json
-import sys
 
 from bench import gpu_suite, suite_harness
 
 
-def test_dry_run_measures_every_side(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["gpu_suite", "--dry-run-cpu", "--out", str(tmp_path)])
-    try:
-        gpu_suite.main()
-    finally:
-        suite_harness.set_device("cuda")
+def test_dry_run_measures_every_side(tmp_path):
+    gpu_suite.main(["--dry-run-cpu", "--out", str(tmp_path)])
+    assert suite_harness.DEVICE == "cuda", "the dry run left the suite on the CPU"
     (path,) = tmp_path.glob("h200-*.json")
     results = json.loads(path.read_text())
     for phase in ("benchmark tiny", "experts grouped_mm vs eager (tiny)", "GPU tests (all skip on CPU)"):
