@@ -7,6 +7,11 @@ replaces, so the ``eager`` set is the reference. The ``inductor`` set is the sam
 through ``torch.compile``: one fused Triton kernel each instead of five to ten separate
 passes over float32 copies (the RMSNorm alone is eight launches in eager mode). On the 9B
 shape these passes move about 17 MB per token unfused, roughly a sixth of the forward.
+
+Fused norms sum their squares in the fusing compiler's order, not PyTorch's, and land a float32
+step away in about 3 of every million bf16 outputs; random 9B weights amplify that to 2.6e-2
+mean |logprob| over 32 layers. ``triton_exact`` (the CUDA default) and ``inductor_exact`` sum in
+PyTorch's order and so equal ``eager`` bit for bit (tests/gpu/test_kernels.py).
 """
 
 from __future__ import annotations
@@ -110,6 +115,7 @@ _FUNCTIONS = ("rms_norm", "add_rms_norm", "gated_rms_norm", "silu_mul", "gdn_gat
 EAGER = Elementwise("eager", *(globals()[n] for n in _FUNCTIONS))
 _INDUCTOR: Elementwise | None = None
 _EXACT: Elementwise | None = None
+_TRITON_EXACT: Elementwise | None = None
 
 
 def eager() -> Elementwise:
@@ -117,7 +123,16 @@ def eager() -> Elementwise:
 
 
 def _compile_options() -> dict:
+    import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
+
+    # Each function is compiled dynamic in its sizes, yet once per layout it meets (q heads cut
+    # from a wider projection, rows of heads, whole rows): a process that scores several models
+    # or shapes passed the default limit of 8 on the H200, and fullgraph=True makes that an error.
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
+            break
 
     return {"emulate_precision_casts": True} if hasattr(inductor_config, "emulate_precision_casts") else {}
 
@@ -129,8 +144,9 @@ def inductor_exact() -> Elementwise:
     Measured on the H200 (2026-11-29): the four tiny checkpoint kinds scored within 1.2e-7 (mean
     |logprob|) of Hugging Face run per sequence, where ``inductor``'s own float32 sums left
     6.8e-7 to 1.7e-3. It costs a float32 copy of every norm's squared input (written by one fused
-    kernel, read by ATen's mean); its speed on the 9B shape is not measured yet, so ``inductor``
-    stays the default.
+    kernel, read by ATen's mean): 4.1% of the 9B benchmark's rate (34,504 against 35,977 tokens/s,
+    bench/results/h200x2-2026-11-29-run7-suite-ab.json). ``triton_exact`` does the same in one
+    pass and falls back to this path where its plan does not apply.
     """
     global _EXACT
     if _EXACT is None:
@@ -156,6 +172,45 @@ def inductor_exact() -> Elementwise:
         _EXACT = Elementwise("inductor_exact", rms_norm_exact, add_rms_norm_exact, gated_rms_norm_exact,
                              fast.silu_mul, fast.gdn_gates, fast.partial_rope, fast.sigmoid_gate)
     return _EXACT
+
+
+def triton_exact() -> Elementwise:
+    """``inductor_exact``'s arithmetic with each norm in one Triton kernel (``norm_triton``) that
+    sums its squares in ATen's order: Hugging Face's outputs bit for bit without the float32 copy
+    of the squares. A norm whose width no Triton plan reproduces (calibrated once per width
+    against ATen on this GPU; the tiny test models' widths) or with fewer than 16 rows takes
+    ``inductor_exact``'s path, which is exact too.
+
+    Measured on the H200 (2026-11-29, run 9): 2.1% slower than ``inductor`` on the 9B benchmark
+    (35,651 against 36,404 tokens/s) and within 6.3e-8 mean |logprob| of Hugging Face run one
+    sequence at a time over its 810k tokens, where ``inductor`` is 2.6e-2 away.
+    """
+    global _TRITON_EXACT
+    if _TRITON_EXACT is None:
+        from model_runtime.kernels import norm_triton as NT
+
+        exact = inductor_exact()
+
+        def plan(x):
+            if not x.is_cuda or x.numel() < 16 * x.shape[-1]:
+                return None
+            return NT.plan_for(x.shape[-1], x.device.index or 0)
+
+        def rms_norm_triton(x, weight, eps):
+            p = plan(x)
+            return exact.rms_norm(x, weight, eps) if p is None else NT.rms_norm(x, weight, eps, plan=p)
+
+        def add_rms_norm_triton(x, delta, weight, eps):
+            p = plan(x)
+            return exact.add_rms_norm(x, delta, weight, eps) if p is None else NT.rms_norm(x, weight, eps, delta, plan=p)
+
+        def gated_rms_norm_triton(x, gate, weight, eps):
+            p = plan(x)
+            return exact.gated_rms_norm(x, gate, weight, eps) if p is None else NT.gated_rms_norm(x, gate, weight, eps, plan=p)
+
+        _TRITON_EXACT = Elementwise("triton_exact", rms_norm_triton, add_rms_norm_triton, gated_rms_norm_triton,
+                                    exact.silu_mul, exact.gdn_gates, exact.partial_rope, exact.sigmoid_gate)
+    return _TRITON_EXACT
 
 
 def inductor() -> Elementwise:

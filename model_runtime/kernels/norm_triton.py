@@ -1,0 +1,260 @@
+"""Zero-centred RMSNorms in one Triton pass each, summing their squares in ATen's order.
+
+Legend: R = rows (tokens, or tokens x heads), D = the normalised (last) dimension.
+
+Hugging Face's norms compute ``x.float().pow(2).mean(-1)``: float32 squares (each rounded),
+then ATen's CUDA reduction (``Reduce.cuh``), whose summation order is fixed by its launch
+plan. A fused kernel that sums in another order lands a float32 rounding away; about three
+bf16 outputs in a million then round the other way, and a random 9B-shaped model amplifies
+that to 5e-3 mean |logprob| after four layers (2.6e-2 after 32). These kernels sum in ATen's
+order and then apply the rest of Hugging Face's arithmetic, so their outputs are its outputs
+bit for bit, in one read of the input (the second pass over a block of rows hits L2).
+
+ATen's order for rows over a contiguous last dimension, R >= 16 (``_candidates``):
+- vectorised input (``VEC = 4``, which torch 2.11 takes for float32 rows of 128 or more):
+  thread ``t`` of a ``BW``-thread group keeps four running sums, one per vector lane, over the
+  vectors t, t + BW, t + 2 BW, ... and adds them in lane order ((s0 + s1) + s2) + s3;
+- otherwise (``VEC = 1``): thread ``t`` keeps four running sums over elements t + (4 k + i) BW
+  (sum i takes every fourth stride), added in the same order;
+- then the warp folds in halves: thread t adds thread t + BW/2's value, then t + BW/4's, down
+  to t + 1 (shuffles at falling offsets), and the sum is multiplied by float32(1 / D).
+Measured on the H200 (torch 2.11, bench/aten_order_probe.py, 2048 random rows of D = 128, 256
+and 4096): VEC = 4 with BW = 32 and these folds reproduced every row bit for bit; folding adjacent
+pairs instead (offsets 1, 2, 4, ...) left 30% of the rows one float32 step off. Since the plan
+depends on PyTorch's version, ``plan_for`` calibrates it once per D against ATen's own ``mean``
+on random rows and returns None when no candidate reproduces it; the caller then uses ATen
+(``elementwise.inductor_exact``'s path). The squares are not contracted into fused
+multiply-adds (``enable_fp_fusion=False``): ATen rounds each square before adding it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+_MAX_THREADS = 512  # ATen's max_reduce_threads for float32
+_WARP = 32
+
+
+def _last_pow2(n: int) -> int:
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def _candidates(dim: int) -> list[tuple[int, int]]:
+    """``(vec, bw)`` plans that ATen's launch rules can give float32 rows of ``dim`` when there
+    are at least 16 rows (then a row gets ``bw = min(last_pow2(dim / vec), 32)`` threads of one
+    warp), the likeliest first. Shapes whose sum ATen splits across warps (256 or more values
+    per thread) or that leave a tail are left out."""
+    out = []
+    for vec in ((4, 1) if dim > 128 else (1, 4)):
+        if dim % vec:
+            continue
+        dim0 = dim // vec
+        bw = min(_last_pow2(min(dim0, _MAX_THREADS)), _WARP)
+        if -(-dim0 // bw) >= 256 or dim % (4 * bw):
+            continue
+        out.append((vec, bw))
+    return out
+
+
+def mean_square_reference(x_RD: torch.Tensor) -> torch.Tensor:
+    """``x.float().pow(2).mean(-1)``: ATen's own, as Hugging Face's norms compute it."""
+    return x_RD.float().pow(2).mean(-1)
+
+
+try:  # the CPU install has no Triton: only the GPU path (and the interpreter tests) use these
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - exercised where triton is absent
+    triton = None
+
+
+def _kernels():
+    if triton is None:
+        raise RuntimeError("the exact RMSNorm kernels need triton")
+    return rms_norm_kernel, gated_rms_norm_kernel
+
+
+if triton is not None:
+    @triton.jit
+    def _row_sums(acc, VEC: tl.constexpr, BW: tl.constexpr, LOG_BW: tl.constexpr, ROWS: tl.constexpr):
+        """[ROWS, 4 BW] running sums -> [ROWS] totals in ATen's order (see the module docstring)."""
+        if VEC == 4:  # lane t * 4 + i is vector lane i of thread t
+            per = tl.reshape(acc, (ROWS, BW, 4))
+        else:  # lane i * BW + t is running sum i of thread t
+            per = tl.permute(tl.reshape(acc, (ROWS, 4, BW)), (0, 2, 1))
+        even, odd = tl.split(tl.reshape(per, (ROWS, BW, 2, 2)))  # even: sums 0 and 2; odd: 1 and 3
+        s0, s2 = tl.split(even)
+        s1, s3 = tl.split(odd)
+        thread = ((s0 + s1) + s2) + s3
+        for level in tl.static_range(LOG_BW):  # thread t takes thread t + half's value, half = BW/2, BW/4, ...
+            a, b = tl.split(tl.permute(tl.reshape(thread, (ROWS, 2, BW >> (level + 1))), (0, 2, 1)))
+            thread = a + b
+        return tl.reshape(thread, (ROWS,))
+
+    @triton.jit
+    def _rsqrt(x, CUDA_MATH: tl.constexpr):
+        """CUDA's rsqrtf (what ATen and Inductor call); NumPy's under Triton's CPU interpreter."""
+        if CUDA_MATH:
+            return libdevice.rsqrt(x)
+        else:
+            return tl.math.rsqrt(x)
+
+    @triton.jit
+    def _silu(g, CUDA_MATH: tl.constexpr):
+        """ATen's SiLU in float32: ``g / (1 + exp(-g))`` with CUDA's expf and an IEEE division."""
+        if CUDA_MATH:
+            return tl.math.div_rn(g, 1.0 + libdevice.exp(-g))
+        else:
+            return tl.math.div_rn(g, 1.0 + tl.exp(-g))
+
+    @triton.jit
+    def rms_norm_kernel(x_ptr, stride_x, d_ptr, stride_d, total_ptr, w_ptr, out_ptr, ms_ptr, R, eps, factor,
+                        D: tl.constexpr, VEC: tl.constexpr, BW: tl.constexpr, LOG_BW: tl.constexpr,
+                        ROWS: tl.constexpr, HAS_DELTA: tl.constexpr, CUDA_MATH: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        ok = (rows < R)[:, None]
+        r64 = rows.to(tl.int64)[:, None]
+        LANES: tl.constexpr = 4 * BW
+        lanes = tl.arange(0, LANES)[None, :]
+        acc = tl.zeros([ROWS, LANES], tl.float32)
+        for j in range(D // LANES):  # in order: each running sum is sequential
+            col = j * LANES + lanes
+            x = tl.load(x_ptr + r64 * stride_x + col, mask=ok, other=0.0)
+            if HAS_DELTA:  # the residual add, rounded to the input dtype as PyTorch rounds it
+                x = (x.to(tl.float32) + tl.load(d_ptr + r64 * stride_d + col, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+                tl.store(total_ptr + r64 * D + col, x, mask=ok)
+            xf = x.to(tl.float32)
+            acc = acc + xf * xf
+        ms = _row_sums(acc, VEC, BW, LOG_BW, ROWS) * factor
+        tl.store(ms_ptr + rows, ms, mask=rows < R)
+        inv = _rsqrt(ms + eps, CUDA_MATH)[:, None]
+        for j in range(D // LANES):
+            col = j * LANES + lanes
+            x = tl.load(x_ptr + r64 * stride_x + col, mask=ok, other=0.0)
+            if HAS_DELTA:
+                x = (x.to(tl.float32) + tl.load(d_ptr + r64 * stride_d + col, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+            w = tl.load(w_ptr + j * LANES + lanes).to(tl.float32)
+            y = (x.to(tl.float32) * inv) * (1.0 + w)
+            tl.store(out_ptr + r64 * D + col, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def gated_rms_norm_kernel(x_ptr, stride_x, g_ptr, stride_g, w_ptr, out_ptr, ms_ptr, R, eps, factor,
+                              D: tl.constexpr, VEC: tl.constexpr, BW: tl.constexpr, LOG_BW: tl.constexpr,
+                              ROWS: tl.constexpr, ROUND_SCALED: tl.constexpr, CUDA_MATH: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        ok = (rows < R)[:, None]
+        r64 = rows.to(tl.int64)[:, None]
+        LANES: tl.constexpr = 4 * BW
+        lanes = tl.arange(0, LANES)[None, :]
+        acc = tl.zeros([ROWS, LANES], tl.float32)
+        for j in range(D // LANES):
+            xf = tl.load(x_ptr + r64 * stride_x + j * LANES + lanes, mask=ok, other=0.0).to(tl.float32)
+            acc = acc + xf * xf
+        ms = _row_sums(acc, VEC, BW, LOG_BW, ROWS) * factor
+        tl.store(ms_ptr + rows, ms, mask=rows < R)
+        inv = _rsqrt(ms + eps, CUDA_MATH)[:, None]
+        for j in range(D // LANES):
+            col = j * LANES + lanes
+            x = tl.load(x_ptr + r64 * stride_x + col, mask=ok, other=0.0)
+            normed = (x.to(tl.float32) * inv).to(x.dtype)
+            w = tl.load(w_ptr + col)
+            scaled = w.to(tl.float32) * normed.to(tl.float32)
+            if ROUND_SCALED:  # weight * normed in the input dtype, as PyTorch's type promotion gives it
+                scaled = scaled.to(x.dtype)
+            g = tl.load(g_ptr + r64 * stride_g + col, mask=ok, other=0.0).to(tl.float32)
+            silu = _silu(g, CUDA_MATH)
+            tl.store(out_ptr + r64 * D + col, (scaled.to(tl.float32) * silu).to(x.dtype), mask=ok)
+
+
+def _rows_view(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``x`` as R rows of its last dimension and the rows' stride, copying only when the leading
+    dimensions do not collapse to one stride (q heads cut from a wider projection do)."""
+    D = x.shape[-1]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    stride = x.stride(-2) if x.dim() > 1 else D
+    expect = stride
+    for size, st in zip(reversed(x.shape[:-1]), reversed(x.stride()[:-1])):
+        if size != 1 and st != expect:
+            x = x.contiguous()
+            return x, D
+        expect = st * size
+    return x, stride
+
+
+def _launch_args(R: int, D: int, plan: tuple[int, int], device: torch.device):
+    vec, bw = plan
+    lanes = 4 * bw
+    rows = max(1, min(32, 2048 // lanes))
+    grid = (-(-R // rows),)
+    meta = dict(D=D, VEC=vec, BW=bw, LOG_BW=bw.bit_length() - 1, ROWS=rows, CUDA_MATH=device.type == "cuda")
+    if device.type == "cuda":  # the interpreter takes no compiler options
+        # no FMAs (ATen rounds every square) and libdevice without flush-to-zero (as nvcc builds ATen)
+        meta.update(enable_fp_fusion=False, enable_reflect_ftz=False)
+    return grid, meta
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None,
+             plan: tuple[int, int] | None = None, ms_out: torch.Tensor | None = None):
+    """Hugging Face's zero-centred RMSNorm of ``x`` (or of ``x + delta``, which is then returned
+    first) with ``plan`` = ``(vec, bw)`` from ``plan_for``; ``ms_out`` receives the float32 means."""
+    D = x.shape[-1]
+    x_R, stride_x = _rows_view(x)
+    R = x.numel() // D
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device) if delta is not None else out
+    if delta is not None:
+        d_R, stride_d = _rows_view(delta)
+    else:
+        d_R, stride_d = x_R, stride_x
+    ms = ms_out if ms_out is not None else torch.empty(R, dtype=torch.float32, device=x.device)
+    grid, meta = _launch_args(R, D, plan, x.device)
+    _kernels()[0][grid](x_R, stride_x, d_R, stride_d, total, weight, out, ms, R, float(eps), _factor(R, D),
+                        HAS_DELTA=delta is not None, **meta)
+    return (total, out) if delta is not None else out
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   plan: tuple[int, int] | None = None, ms_out: torch.Tensor | None = None):
+    """Qwen3.5's gated norm: RMSNorm, times ``weight`` in the input dtype, times SiLU(gate) in float32."""
+    D = x.shape[-1]
+    x_R, stride_x = _rows_view(x)
+    g_R, stride_g = _rows_view(gate)
+    R = x.numel() // D
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    ms = ms_out if ms_out is not None else torch.empty(R, dtype=torch.float32, device=x.device)
+    grid, meta = _launch_args(R, D, plan, x.device)
+    _kernels()[1][grid](x_R, stride_x, g_R, stride_g, weight, out, ms, R, float(eps), _factor(R, D),
+                        ROUND_SCALED=torch.promote_types(weight.dtype, x.dtype) == x.dtype, **meta)
+    return out
+
+
+def _factor(R: int, D: int) -> float:
+    """ATen's mean factor: float32(R) / float32(R * D), as ``mean_kernel_impl`` computes it."""
+    return float(np.float32(R) / np.float32(R * D))
+
+
+@functools.cache
+def plan_for(dim: int, device_index: int = 0) -> tuple[int, int] | None:
+    """The ``(vec, bw)`` that reproduces ATen's float32 mean over ``dim`` on this GPU bit for bit,
+    found by trying the candidates on 4096 random rows; None when none does (then use ATen)."""
+    g = torch.Generator(device=f"cuda:{device_index}").manual_seed(dim)
+    x = (torch.randn(4096, dim, device=f"cuda:{device_index}", generator=g) * 3).to(torch.bfloat16)
+    want = mean_square_reference(x)
+    w = torch.zeros(dim, dtype=torch.bfloat16, device=x.device)
+    for cand in _candidates(dim):
+        got = torch.empty_like(want)
+        rms_norm(x, w, 1e-6, plan=cand, ms_out=got)
+        if torch.equal(got, want):
+            log.info("exact RMSNorm: D=%d sums as ATen with vec=%d, %d threads", dim, *cand)
+            return cand
+    log.warning("exact RMSNorm: no Triton plan reproduces ATen's float32 mean over D=%d; ATen's own mean "
+                "is used there (one float32 copy of the squares per norm)", dim)
+    return None
