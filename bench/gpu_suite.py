@@ -11,8 +11,9 @@ Modes (each fits one 10-minute device call):
   forms (packscore, HF padded, HF one at a time) on the first 64 sequences.
 - ``smoke``: a quick pass over the benchmark (32 sequences) and most tests.
 - ``extra``: the full-depth 35B-A3B experts comparison and the 35B-A3B and 27B benchmarks.
-- ``ab``: the 9B benchmark alone (no profile, no probes) with its kernel swaps: a kernel change's
-  speed and its closeness to Hugging Face, in about 6 minutes.
+- ``ab``: the 9B benchmark alone (no profile, no probes) with its kernel swaps (several
+  families joined by commas count as one swap): a kernel change's speed and its closeness to
+  Hugging Face, in about 7 minutes plus one minute per swap.
 
 Phases run in order while the time budget (``--budget-s``) lasts; the results JSON is rewritten
 after every phase so a run cut short still returns what it measured. The phases' shared state
@@ -40,7 +41,7 @@ from bench.suite_harness import GiB, Stopwatch, Suite, allocated, log, peak_allo
 
 
 def run_benchmark(suite: Suite, preset: str, num_sequences: int, *, hf_single: bool, max_batch_tokens: int,
-                  key: str, extras: bool, spec=None, alternatives: tuple[str, ...] = ()) -> dict:
+                  key: str, extras: bool, spec=None, alternatives: tuple[str, ...] = (), hf: bool = True) -> dict:
     from bench.flops import flop_model
     from bench.hf_reference import build_twin, score_padded, score_padded_fitting, score_single, to_numpy
     from bench.workload import WorkloadSpec, describe, grpo_workload
@@ -107,48 +108,57 @@ def run_benchmark(suite: Suite, preset: str, num_sequences: int, *, hf_single: b
             suite.results["errors"][f"{key} extras"] = f"{type(err).__name__}: {err}"[:2000]
 
     # (b) Hugging Face, padded batches as large as memory allows, then one sequence at a time.
-    with twin.hf() as hf_model:
-        _, budget = score_padded_fitting(hf_model, sequences, H.DEVICE)
-        padded_raw, seconds, peak = timed(lambda: score_padded(hf_model, sequences, H.DEVICE, budget))
-        padded = to_numpy(padded_raw)
-        del padded_raw
-        side("hf_padded", seconds, peak, padded_token_budget=budget)
-        bench["diff_packscore_vs_hf_padded"] = diff_stats(ours, padded)
-        log(f"packscore vs HF padded: {bench['diff_packscore_vs_hf_padded']}")
-        if hf_single and suite.remaining() > 2.2 * work["tokens"] / 11000 + 30:
-            score_single(hf_model, sequences, H.DEVICE)
-            single_raw, seconds, peak = timed(lambda: score_single(hf_model, sequences, H.DEVICE))
-            single = to_numpy(single_raw)
-            del single_raw
-            side("hf_single", seconds, peak)
-            bench["diff_packscore_vs_hf_single"] = diff_stats(ours, single)
-            bench["diff_hf_padded_vs_hf_single"] = diff_stats(padded, single)
-        elif hf_single:
-            bench["hf_single"] = "skipped: not enough time left in this call"
+    padded = single = None
+    if hf:
+        with twin.hf() as hf_model:
+            _, budget = score_padded_fitting(hf_model, sequences, H.DEVICE)
+            padded_raw, seconds, peak = timed(lambda: score_padded(hf_model, sequences, H.DEVICE, budget))
+            padded = to_numpy(padded_raw)
+            del padded_raw
+            side("hf_padded", seconds, peak, padded_token_budget=budget)
+            bench["diff_packscore_vs_hf_padded"] = diff_stats(ours, padded)
+            log(f"packscore vs HF padded: {bench['diff_packscore_vs_hf_padded']}")
+            if hf_single and suite.remaining() > 2.2 * work["tokens"] / 11000 + 30:
+                score_single(hf_model, sequences, H.DEVICE)
+                single_raw, seconds, peak = timed(lambda: score_single(hf_model, sequences, H.DEVICE))
+                single = to_numpy(single_raw)
+                del single_raw
+                side("hf_single", seconds, peak)
+                bench["diff_packscore_vs_hf_single"] = diff_stats(ours, single)
+                bench["diff_hf_padded_vs_hf_single"] = diff_stats(padded, single)
+            elif hf_single:
+                bench["hf_single"] = "skipped: not enough time left in this call"
     for alternative in alternatives:
         if suite.remaining() < 2.5 * work["tokens"] / 30000 + 30:
             bench[f"packscore_{alternative}"] = "skipped: not enough time left in this call"
             continue
-        # (a') packscore again with one kernel family swapped ("attention=varlen": the varlen
-        # kernel over the whole row instead of SDPA per segment): its speed and its closeness to (b).
-        from bench.hf_reference import kernel_backend
+        # (a') packscore again with kernel families swapped ("attention=varlen": the varlen kernel
+        # over the whole row instead of SDPA per segment; several joined by commas): its speed and
+        # its closeness to (b).
+        from bench.hf_reference import kernel_swaps
 
-        family, backend = alternative.split("=")
-        name = f"packscore_{family}_{backend}"
-        with kernel_backend(loaded.model, family, backend):
-            scorer.score(sequences)
-            alt_raw, seconds, peak = timed(lambda: scorer.score(sequences))
+        name = "packscore_" + "_".join(part.replace("=", "_") for part in alternative.split(","))
+        try:
+            with kernel_swaps(loaded.model, alternative):
+                scorer.score(sequences)
+                alt_raw, seconds, peak = timed(lambda: scorer.score(sequences))
+        except Exception as exc:  # one broken swap must not cost the others or the headline numbers
+            bench[name] = f"failed: {type(exc).__name__}: {exc}"
+            log(f"{alternative} failed:\n{traceback.format_exc()}")
+            continue
         alt = [(r.logprobs, r.entropy) for r in alt_raw]
         side(name, seconds, peak, max_batch_tokens=max_batch_tokens)
-        bench[f"diff_{name}_vs_hf_padded"] = diff_stats(alt, padded)
-        if "hf_single" in bench["sides"]:
+        if padded is not None:
+            bench[f"diff_{name}_vs_hf_padded"] = diff_stats(alt, padded)
+        if single is not None:
             bench[f"diff_{name}_vs_hf_single"] = diff_stats(alt, single)
         bench[f"diff_{name}_vs_packscore"] = diff_stats(alt, ours)
         log(f"{alternative}: " + str({k: v for k, v in bench.items() if k.startswith(f"diff_{name}_")}))
-    hf_best = max(s["tokens_per_s"] for n, s in bench["sides"].items() if n.startswith("hf_"))
-    bench["speedup_vs_hf"] = bench["sides"]["packscore"]["tokens_per_s"] / hf_best
+    hf_rates = [s["tokens_per_s"] for n, s in bench["sides"].items() if n.startswith("hf_")]
+    if hf_rates:
+        bench["speedup_vs_hf"] = bench["sides"]["packscore"]["tokens_per_s"] / max(hf_rates)
     bench["mfu_of_measured_peak"] = bench["sides"]["packscore"]["mfu_of_measured_peak"]
-    log(f"{preset}: speedup_vs_hf {bench['speedup_vs_hf']:.2f}, mfu {bench['mfu_of_measured_peak']:.3f}")
+    log(f"{preset}: speedup_vs_hf {bench.get('speedup_vs_hf', float('nan')):.2f}, mfu {bench['mfu_of_measured_peak']:.3f}")
     del scorer, twin, loaded
     return bench
 
@@ -242,6 +252,9 @@ def main(argv=None):
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting phases after this many seconds")
     parser.add_argument("--dry-run-cpu", action="store_true", help="tiny preset, tiny workload, on the CPU")
+    parser.add_argument("--swaps", help="ab mode: the kernel swaps to time, ';'-separated (each 'family=backend', "
+                        "several joined by ','), instead of the mode's own")
+    parser.add_argument("--no-hf", action="store_true", help="ab mode: packscore and its swaps only, no Hugging Face sides")
     args = parser.parse_args(argv)
     suite = Suite(args)
     if args.dry_run_cpu:
@@ -268,7 +281,9 @@ def main(argv=None):
     elif args.mode == "ab":
         suite.phase("benchmark qwen3.5-9b (kernel swaps)", lambda: run_benchmark(
             suite, "qwen3.5-9b", 256, hf_single=True, max_batch_tokens=65536, key="qwen3.5-9b", extras=False,
-            alternatives=("elementwise=inductor_exact", "elementwise=eager")), 60)
+            alternatives=tuple(x for x in args.swaps.split(";") if x) if args.swaps is not None
+            else ("elementwise=inductor", "conv1d=fla"),
+            hf=not args.no_hf), 60)
     elif args.mode == "tests":
         from bench import diagnose
 
@@ -311,6 +326,9 @@ def dry_run(suite: Suite):
         suite.phase("benchmark tiny", lambda: run_benchmark(
             suite, "tiny", 16, hf_single=True, max_batch_tokens=300, key="tiny", extras=True, spec=spec,
             alternatives=("attention=sdpa", "gate_projection=row")), 0)
+        suite.phase("benchmark tiny, no HF, two swaps at once", lambda: run_benchmark(
+            suite, "tiny", 16, hf_single=True, max_batch_tokens=300, key="tiny_no_hf", extras=False, spec=spec,
+            alternatives=("attention=sdpa,gate_projection=row",), hf=False), 0)
         suite.results["moe_experts"] = suite.phase("experts grouped_mm vs eager (tiny)", lambda: moe_experts(None, 200, spec), 0)
         suite.results["gpu_tests"] = suite.phase("GPU tests (all skip on CPU)", lambda: run_tests(
             suite, True, select="not long_sequence and not isolation"), 0)

@@ -30,13 +30,14 @@ from model_runtime.presets import PRESETS, build_config
 
 
 # Where each swappable kernel family lives on the packed model: (layer class name, attribute).
-_SWAPPABLE = {"attention": ("PackedAttention", "attention_fn"), "gate_projection": ("PackedGatedDeltaNet", "gate_projection_fn")}
+_SWAPPABLE = {"attention": ("PackedAttention", "attention_fn"), "gate_projection": ("PackedGatedDeltaNet", "gate_projection_fn"),
+              "conv1d": ("PackedGatedDeltaNet", "conv_fn")}
 
 
 @contextlib.contextmanager
 def kernel_backend(model, family: str, name: str):
     """Every layer of the packed ``model`` runs backend ``name`` of ``family`` (attention,
-    gate_projection or elementwise) for the duration of the block: one loaded model, timed both ways."""
+    gate_projection, conv1d or elementwise) for the duration of the block: one loaded model, timed both ways."""
     from model_runtime.kernels import REGISTRY
 
     if family == "elementwise":  # every module's ModuleOps (layers and the model's own norms)
@@ -66,6 +67,17 @@ def kernel_backend(model, family: str, name: str):
     finally:
         for m, old in zip(layers, saved):
             setattr(m, attr, old)
+
+
+@contextlib.contextmanager
+def kernel_swaps(model, spec: str):
+    """``kernel_backend`` for every ``family=backend`` of ``spec`` (comma-separated; "default"
+    swaps nothing)."""
+    with contextlib.ExitStack() as stack:
+        if spec != "default":
+            for part in spec.split(","):
+                stack.enter_context(kernel_backend(model, *part.split("=")))
+        yield
 
 
 @dataclass

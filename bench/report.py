@@ -18,6 +18,9 @@ SIDE_NAMES = {
     "packscore_gate_projection_row": "packscore, GDN gate projections as one product per row",
     "packscore_elementwise_inductor_exact": "packscore, norms' sums by ATen (as HF), the rest fused",
     "packscore_elementwise_eager": "packscore, elementwise steps unfused (as HF)",
+    "packscore_elementwise_triton_exact": "packscore, norms in one Triton pass summing in ATen's order",
+    "packscore_conv1d_triton": "packscore, conv and SiLU in one Triton kernel",
+    "packscore_elementwise_triton_exact_conv1d_triton": "packscore, both Triton kernels above",
 }
 
 

@@ -1,0 +1,40 @@
+"""Collects what it takes to find ATen's float32 summation order offline: for a few widths D,
+random bf16 rows, ATen's ``x.float().pow(2).mean(-1)`` of them, and what norm_triton's
+candidate plans give on the same rows (to tell a wrong order from a kernel that does not run the
+order it models). Written as ``aten-order-D{D}.npz`` (x as raw bf16 bits).
+
+    python -m bench.aten_order_probe --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rows", type=int, default=2048)
+    args = parser.parse_args(argv)
+    from model_runtime.kernels import norm_triton as NT
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for dim in (128, 256, 4096):
+        x = (torch.randn(args.rows, dim, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        arrays = {"x_bf16_bits": x.view(torch.int16).cpu().numpy(), "aten_ms": NT.mean_square_reference(x).cpu().numpy()}
+        for vec, bw in NT._candidates(dim):
+            ms = torch.empty(args.rows, device="cuda")
+            NT.rms_norm(x, torch.zeros(dim, device="cuda", dtype=torch.bfloat16), 1e-6, plan=(vec, bw), ms_out=ms)
+            arrays[f"triton_vec{vec}_bw{bw}"] = ms.cpu().numpy()
+            print(f"D={dim} vec={vec} bw={bw}: {(arrays[f'triton_vec{vec}_bw{bw}'] != arrays['aten_ms']).sum()} rows differ")
+        np.savez_compressed(out / f"aten-order-D{dim}.npz", **arrays)
+
+
+if __name__ == "__main__":
+    main()
