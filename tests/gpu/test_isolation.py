@@ -40,17 +40,16 @@ def twin():
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("swap", ["default", "attention=varlen", "gate_projection=row"])
+@pytest.mark.parametrize("swap", ["default", "attention=varlen", "gate_projection=row", "elementwise=inductor"])
 def test_alone_vs_packed(twin, swap, gpu_record):
     """The defaults run attention and the GDN's gate projections per segment, the same calls
     alone and packed; ``attention=varlen`` runs the whole row through one varlen kernel and
-    ``gate_projection=row`` the gate projections through one product for the row."""
-    from bench.hf_reference import kernel_backend
+    ``gate_projection=row`` the gate projections through one product for the row;
+    ``elementwise=inductor`` fuses the norms by Inductor (the default sums them in ATen's order)."""
+    from bench.hf_reference import kernel_swaps
 
-    if swap != "default":
-        with kernel_backend(twin.loaded.model, *swap.split("=")):
-            return _alone_vs_packed(twin, gpu_record, f", {swap}")
-    return _alone_vs_packed(twin, gpu_record, "")
+    with kernel_swaps(twin.loaded.model, swap):
+        return _alone_vs_packed(twin, gpu_record, "" if swap == "default" else f", {swap}")
 
 
 def _alone_vs_packed(twin, gpu_record, label):

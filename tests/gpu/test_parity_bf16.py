@@ -8,22 +8,20 @@ Qwen3.5-9B shape (three GDN layers and one full-attention layer at full width, t
 Measured on the H200 (2026-11-29, fla 0.6.0, transformers 5.17.0), mean |difference| of
 log-probs, worst of T = 1.0 and 0.7, as the conv, the attention and the norms changed:
 
-| model | fla conv, fused SiLU; varlen | SiLU as its own bf16 step; varlen | that, SDPA per segment (default) | norms' sums by ATen |
-| --- | --- | --- | --- | --- |
-| qwen3_5 | 1.47e-2 | 1.82e-3 | 6.8e-7 | 1.2e-7 |
-| qwen3_5 (VL checkpoint) | 1.50e-2 | 2.46e-3 | 7.4e-4 | 1.2e-7 |
-| qwen3_5_moe | 3.67e-2 | 3.56e-3 | 1.05e-3 | 1.1e-7 |
-| qwen3_next | 3.01e-2 | 3.48e-3 | 1.73e-3 | 1.0e-7 |
-| qwen3.5-9b[:4] | 2.16e-2 | 5.80e-3 | 5.0e-3 | not measured |
+| model | fla conv, fused SiLU; varlen | SiLU as its own bf16 step; varlen | that, SDPA per segment | Inductor's norms | default (run 9) |
+| --- | --- | --- | --- | --- | --- |
+| qwen3_5 | 1.47e-2 | 1.82e-3 | 6.8e-7 | 2.1e-4 | 1.2e-7 |
+| qwen3_5 (VL checkpoint) | 1.50e-2 | 2.46e-3 | 7.4e-4 | 5.5e-4 | 1.2e-7 |
+| qwen3_5_moe | 3.67e-2 | 3.56e-3 | 1.05e-3 | 1.04e-3 | 1.1e-7 |
+| qwen3_next | 3.01e-2 | 3.48e-3 | 1.73e-3 | 3.6e-5 | 1.0e-7 |
+| qwen3.5-9b[:4] | 2.16e-2 | 5.80e-3 | 5.0e-3 | 2.1e-3 | 5.1e-4 (5.8e-8 on >= 777 tokens) |
 
-Entropy is within 1.6e-4 mean everywhere. On the 9B slice, bench/hf_divergence.py found every
-module bit-for-bit equal to Hugging Face's once the elementwise steps ran unfused: what remains
-is the fused norms' float32 summation order (Inductor's, not ATen's), amplified by the random
-weights. ``elementwise=inductor_exact`` takes the sums from ATen (the last column's path); the
-slice's swaps below measure it. The tolerance stays at the design target.
+Entropy is within 1.6e-4 mean everywhere. The default sums the norms' squares in ATen's order
+(model_runtime/kernels/norm_triton.py) and rounds the conv where Hugging Face does; what is left
+on the 9B slice is the short sequences' matrix products (see SLICE_EXTRA below).
 """
 
-import contextlib
+import os
 
 import numpy as np
 import pytest
@@ -67,65 +65,98 @@ def compare(scorer: Scorer, hf_model, seqs):
     return diff_stats([(r.logprobs, r.entropy) for r in results], [hf_alone(hf_model, s) for s in seqs])
 
 
-# The attention backends compared: the default (SDPA per segment, the call Hugging Face makes
-# for one sequence) and the varlen kernel over the whole row.
-ATTENTION = ["default", "varlen"]
+# The kernel sets compared: the default; the varlen attention kernel over the whole row (the
+# worker pool's default); Inductor's fused norms, which sum in their own order (the default's
+# norms sum in ATen's; the tiny models' widths take ATen's own mean, model_runtime/kernels/norm_triton.py).
+VARIANTS = ["default", "attention=varlen", "elementwise=inductor"]
+# PARITY_VARIANTS=default,elementwise=inductor runs a subset (a GPU plan short of time)
+VARIANTS = [v for v in VARIANTS if v in os.environ.get("PARITY_VARIANTS", ",".join(VARIANTS)).split(",")]
 
 
-def _overrides(attention: str) -> dict:
-    return {} if attention == "default" else {"attention": attention}
+def _overrides(variant: str) -> dict:
+    return {} if variant == "default" else dict([variant.split("=")])
 
 
-@pytest.mark.parametrize("attention", ATTENTION)
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_next"])
-def test_bf16_packed_matches_hf_alone(kind, attention, checkpoint_dir, gpu_record):
+def test_bf16_packed_matches_hf_alone(kind, variant, checkpoint_dir, gpu_record):
     from transformers import AutoModelForCausalLM
 
     from model_runtime.loading import load_model
 
     path = checkpoint_dir(kind)
-    loaded = load_model(str(path), device="cuda", dtype="bfloat16", kernel_overrides=_overrides(attention))
+    loaded = load_model(str(path), device="cuda", dtype="bfloat16", kernel_overrides=_overrides(variant))
     assert loaded.backends.linear_attention == "fla" and not loaded.backends.fallbacks
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     stats = {}
     for temperature in (1.0, 0.7):
         stats[temperature] = compare(Scorer(loaded), hf_model, make_batch(loaded.vocab_size, 11, temperature))
     worst = {k: max(s[k] for s in stats.values()) for k in stats[1.0]}
-    gpu_record(f"parity bf16 {kind} (attention {attention})", hf_gdn=hf_uses_fla(), kernels=str(loaded.backends.names), **worst, tol_mean=MEAN_TOL)
+    gpu_record(f"parity bf16 {kind} ({variant})", hf_gdn=hf_uses_fla(), kernels=str(loaded.backends.names), **worst, tol_mean=MEAN_TOL)
     assert worst["logprob_mean"] <= MEAN_TOL, f"{kind}: mean |logprob diff| {worst['logprob_mean']:.3e} > {MEAN_TOL:.0e}"
     assert worst["entropy_mean"] <= MEAN_TOL, f"{kind}: mean |entropy diff| {worst['entropy_mean']:.3e} > {MEAN_TOL:.0e}"
 
 
+# The 9B slice also scores three long sequences: cuBLAS picks its matmul kernel (and so its
+# summation order) by the row count, and for fewer than about 778 rows Hugging Face's own
+# one-sequence forward takes other kernels than a packed row of thousands of tokens does
+# (tests/gpu/test_isolation.py: test_matmul_rows_depend_on_row_count). The design bound is held
+# on the sequences of at least LONG tokens, where both sides run the same kernels; the short ones
+# must be no further from Hugging Face alone than Hugging Face's own padded batches are.
+SLICE_EXTRA = (777, 2048, 3001)
+LONG = 777
+
+
 @pytest.fixture(scope="module")
 def slice_9b():
-    """The 9B slice and Hugging Face's one-sequence reference, built once: the swaps below change
-    kernels on the loaded model in place (the same weights, the same reference)."""
-    from bench.hf_reference import build_twin
+    """The 9B slice and Hugging Face's references (alone, and one padded batch), built once: the
+    swaps below change kernels on the loaded model in place (the same weights, the same reference)."""
+    from bench.hf_reference import build_twin, score_padded, to_numpy
 
     twin = build_twin("qwen3.5-9b", num_layers=4)
+    rng = np.random.default_rng(13)
     seqs = make_batch(twin.loaded.vocab_size, 12, 1.0)
+    seqs += [SequenceInput(rng.integers(0, twin.loaded.vocab_size, size=n), score_from=n // 3) for n in SLICE_EXTRA]
     with twin.hf() as hf_model:
         reference = [hf_alone(hf_model, s) for s in seqs]
-    yield twin, seqs, reference
+        # 8192 padded tokens a batch keeps the float32 log-softmax over 248,320 words near 20 GB
+        padded = to_numpy(score_padded(hf_model, seqs, "cuda", token_budget=8192))
+    yield twin, seqs, reference, diff_stats(padded, reference)
     del twin
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("swap", ["default", "attention=varlen", "gate_projection=row", "elementwise=inductor_exact",
-                                  "elementwise=eager"])
+def _split_stats(results, reference, seqs) -> dict:
+    """diff_stats over all sequences, over those of at least LONG tokens and over the rest."""
+    ours = [(r.logprobs, r.entropy) for r in results]
+    out = {}
+    for name, keep in (("all", lambda n: True), ("long", lambda n: n >= LONG), ("short", lambda n: n < LONG)):
+        idx = [i for i, s in enumerate(seqs) if keep(s.length)]
+        out.update({f"{name}_{k}": v for k, v in diff_stats([ours[i] for i in idx], [reference[i] for i in idx]).items()})
+    return out
+
+
+@pytest.mark.parametrize("swap", ["default", "attention=varlen", "gate_projection=row", "elementwise=inductor",
+                                  "elementwise=inductor_exact", "elementwise=eager", "conv1d=fla"])
 def test_bf16_9b_slice_matches_hf_alone(swap, slice_9b, gpu_record):
     """``gate_projection=row``: the GDN's gate projections as one product for the row, as before
-    2026-11-29 late (the default runs them per segment); ``elementwise=inductor_exact`` and ``eager``:
-    norms whose float32 sums take ATen's order, as Hugging Face's do (the default's fused norms
-    sum in Inductor's order)."""
-    from bench.hf_reference import kernel_backend
+    2026-11-29 late (the default runs them per segment); ``elementwise=inductor``: norms fused
+    by Inductor, whose float32 sums take its own order (the default's, ``inductor_exact``'s and
+    ``eager``'s take ATen's, as Hugging Face's do); ``conv1d=fla``: fla's conv, then ATen's SiLU
+    (the default does both in one Triton pass, equal bit for bit)."""
+    from bench.hf_reference import kernel_swaps
 
-    twin, seqs, reference = slice_9b
-    swapped = contextlib.nullcontext() if swap == "default" else kernel_backend(twin.loaded.model, *swap.split("="))
-    with swapped:
-        results = Scorer(twin.loaded, max_batch_tokens=4096).score_row(seqs)
-    stats = diff_stats([(r.logprobs, r.entropy) for r in results], reference)
+    twin, seqs, reference, hf_padded = slice_9b
+    with kernel_swaps(twin.loaded.model, swap):
+        results = Scorer(twin.loaded, max_batch_tokens=16384).score_row(seqs)
+    stats = _split_stats(results, reference, seqs)
+    short_bound = max(MEAN_TOL, hf_padded["logprob_mean"])
     gpu_record(f"parity bf16 qwen3.5-9b[:4] ({swap})", hf_gdn=hf_uses_fla(), kernels=str(twin.loaded.backends.names),
-               swap=swap, **stats, tol_mean=MEAN_TOL)
-    assert stats["logprob_mean"] <= MEAN_TOL, f"9B slice: mean |logprob diff| {stats['logprob_mean']:.3e} > {MEAN_TOL:.0e}"
-    assert stats["entropy_mean"] <= MEAN_TOL, f"9B slice: mean |entropy diff| {stats['entropy_mean']:.3e} > {MEAN_TOL:.0e}"
+               swap=swap, **stats, hf_padded_vs_alone_logprob_mean=hf_padded["logprob_mean"],
+               hf_padded_vs_alone_logprob_max=hf_padded["logprob_max"], tol_mean=MEAN_TOL)
+    assert stats["long_logprob_mean"] <= MEAN_TOL, (
+        f"9B slice, sequences >= {LONG} tokens: mean |logprob diff| {stats['long_logprob_mean']:.3e} > {MEAN_TOL:.0e}")
+    assert stats["all_entropy_mean"] <= MEAN_TOL, f"9B slice: mean |entropy diff| {stats['all_entropy_mean']:.3e} > {MEAN_TOL:.0e}"
+    assert stats["all_logprob_mean"] <= short_bound, (
+        f"9B slice, all sequences: mean |logprob diff| {stats['all_logprob_mean']:.3e} > {short_bound:.3e} "
+        f"(the larger of {MEAN_TOL:.0e} and Hugging Face padded against Hugging Face alone)")
