@@ -28,8 +28,9 @@ log = logging.getLogger(__name__)
 
 def _mean_square(x: torch.Tensor, square=None) -> torch.Tensor:
     """``x.float().pow(2).mean(-1, keepdim=True)``: the mean is ATen's reduction, whose float32
-    summation order no fused kernel here reproduces. ``square`` may be a fused (compiled)
-    ``_square`` returning a contiguous tensor: one float32 product per element either way."""
+    summation order Inductor does not reproduce (norm_triton's kernels do). ``square`` may be a
+    fused (compiled) ``_square`` returning a contiguous tensor: one float32 product per element
+    either way."""
     return (square or _square)(x).mean(-1, keepdim=True)
 
 
@@ -191,21 +192,25 @@ def triton_exact() -> Elementwise:
 
         exact = inductor_exact()
 
-        def plan(x):
-            if not x.is_cuda or x.numel() < 16 * x.shape[-1]:
+        def plan(x, weight, other=None):
+            """The Triton plan for this norm, or None for ``inductor_exact``'s path (CPU tensors,
+            fewer than 16 rows, a width no plan reproduces, operands the kernels do not take)."""
+            if not x.is_cuda or x.numel() < 16 * x.shape[-1] or weight.shape != (x.shape[-1],):
+                return None
+            if other is not None and (other.shape != x.shape or other.dtype != x.dtype):
                 return None
             return NT.plan_for(x.shape[-1], x.device.index or 0)
 
         def rms_norm_triton(x, weight, eps):
-            p = plan(x)
+            p = plan(x, weight)
             return exact.rms_norm(x, weight, eps) if p is None else NT.rms_norm(x, weight, eps, plan=p)
 
         def add_rms_norm_triton(x, delta, weight, eps):
-            p = plan(x)
+            p = plan(x, weight, delta)
             return exact.add_rms_norm(x, delta, weight, eps) if p is None else NT.rms_norm(x, weight, eps, delta, plan=p)
 
         def gated_rms_norm_triton(x, gate, weight, eps):
-            p = plan(x)
+            p = plan(x, weight) if gate.shape == x.shape else None  # the kernel reads the gate in any dtype
             return exact.gated_rms_norm(x, gate, weight, eps) if p is None else NT.gated_rms_norm(x, gate, weight, eps, plan=p)
 
         _TRITON_EXACT = Elementwise("triton_exact", rms_norm_triton, add_rms_norm_triton, gated_rms_norm_triton,

@@ -96,3 +96,23 @@ def test_kernel_reproduces_aten_sums_recorded_on_the_h200():
         NT.rms_norm(x, torch.zeros(D, dtype=torch.bfloat16), 1e-6, plan=(4, 32), ms_out=ms)
         differ = int((ms.numpy() != data[f"aten_ms_D{D}"]).sum())
         assert differ == 0, f"D={D}: {differ} of {x.shape[0]} rows differ from the H200's ATen"
+
+
+@pytest.mark.parametrize("shape,strides", [((5, 1, 128), (128, 7, 1)), ((1, 6, 128), (999, 256, 1)),
+                                           ((4, 5, 3, 128), (1920, 1920, 128, 1))], ids=str)
+def test_rows_view_ignores_size_one_dims_and_copies_what_does_not_collapse(shape, strides):
+    """Size-1 dimensions may carry any stride; leading dimensions that do not step by one stride
+    (the last case: 4 x 5 rows of 3 where 5 steps as far as 4) are copied."""
+    from model_runtime.kernels import norm_triton as NT
+
+    g = torch.Generator().manual_seed(1)
+    base = (torch.randn(20000, generator=g) * 3).to(torch.bfloat16)
+    x = base.as_strided(shape, strides)
+    rows, stride = NT._rows_view(x)
+    R = x.numel() // 128
+    got = torch.stack([rows.flatten()[i * stride : i * stride + 128] if rows.is_contiguous() else
+                       base[rows.storage_offset() + i * stride : rows.storage_offset() + i * stride + 128]
+                       for i in range(R)])
+    assert torch.equal(got, x.reshape(R, 128)), f"rows of {shape} with strides {strides} read wrongly"
+    w = (torch.randn(128, generator=g) * 0.1).to(torch.bfloat16)
+    assert bf16_steps(NT.rms_norm(x, w, 1e-6, plan=(4, 32)), E.rms_norm(x, w, 1e-6)) <= 2.0
