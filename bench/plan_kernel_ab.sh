@@ -6,8 +6,8 @@
 #          runner probe (bench/runner_probe.py: Scorer against the pool's runner, both autograd modes);
 #   then, on both GPUs: HTTP end to end against the same pool in process (bench/multi_gpu.py).
 # HTTP=0 leaves out both HTTP steps and PROBE=0 the runner probe (about 11 minutes without them);
-# SUITE_S caps the suite's seconds (it skips the swaps that would not fit).
-# GPU 0 first saves ATen's float32 sums for bench/aten_order_probe.py (seconds).
+# SUITE_S caps the suite's seconds (default 540; it skips the swaps that would not fit).
+# GPU 0 first runs bench/aten_order_probe.py (ATen's float32 sums and the Triton plans' misses, seconds).
 set -u
 HTTP=${HTTP:-1} PROBE=${PROBE:-1}
 cd "$(dirname "$0")/.."
@@ -24,7 +24,7 @@ lane_a() {
 }
 lane_b() {
   export CUDA_VISIBLE_DEVICES=$(( GPUS > 1 ? 1 : 0 ))
-  step "suite ab (GPU $CUDA_VISIBLE_DEVICES)" bash -c "python3 -m bench.gpu_suite --mode ab --out '$RESULTS/suite' --budget-s ${SUITE_S:-660} > '$RESULTS/suite/log.txt' 2>&1"
+  step "suite ab (GPU $CUDA_VISIBLE_DEVICES)" bash -c "python3 -m bench.gpu_suite --mode ab --out '$RESULTS/suite' --budget-s ${SUITE_S:-540} > '$RESULTS/suite/log.txt' 2>&1"
   [ "$PROBE" = 1 ] && step "runner probe (GPU $CUDA_VISIBLE_DEVICES)" bash -c "python3 -m bench.runner_probe --sequences 64 --out '$RESULTS/probe' > '$RESULTS/probe/runner_probe.txt' 2>&1"
 }
 
