@@ -19,7 +19,7 @@ from service.encoding import result_record
 from service.errors import ApiError
 from service.scheduler import Scheduler, Ticket
 from service.settings import Settings
-from service.validation import Limits, parse_score_request
+from service.validation import Limits, parse_score_request, resolve_model_len
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,10 @@ def _lines(path: Path) -> Iterator[tuple[int, dict]]:
 
 async def _score_lines(settings: Settings, backend, input_path: Path, out: IO[bytes], done: set[str], bar: tqdm) -> int:
     info = backend.info
-    model_len = min(settings.max_model_len or info.max_model_len or settings.queued_tokens, settings.queued_tokens)
+    try:
+        model_len = resolve_model_len(settings.max_model_len, info.max_model_len, settings.queued_tokens)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
     limits = Limits(info.vocab_size, model_len, 1, settings.queued_tokens, 1 << 62)
     scheduler = Scheduler.from_settings(backend, settings)
     await scheduler.start()

@@ -24,7 +24,7 @@ from service.errors import ApiError
 from service.metrics import Metrics
 from service.scheduler import Scheduler
 from service.settings import Settings
-from service.validation import Limits
+from service.validation import Limits, resolve_model_len
 
 log = logging.getLogger(__name__)
 
@@ -121,17 +121,9 @@ class Service:
     def _configure(self, backend: ScoringBackend) -> None:
         info, s = backend.info, self.settings
         self.served_name = s.served_model_name or info.name
-        model_len = info.max_model_len or s.max_model_len or s.queued_tokens
-        if s.max_model_len is not None:
-            if info.max_model_len and s.max_model_len > info.max_model_len:
-                raise ValueError(
-                    f"--max-model-len {s.max_model_len} exceeds the model's max_position_embeddings {info.max_model_len}"
-                )
-            model_len = s.max_model_len
-        if model_len > s.queued_tokens:
-            # A longer sequence could never be admitted; saying so at validation time is clearer.
-            log.info("max_model_len %d capped to --max-queued-tokens %d", model_len, s.queued_tokens)
-            model_len = s.queued_tokens
+        model_len = resolve_model_len(s.max_model_len, info.max_model_len, s.queued_tokens)
+        if model_len < (s.max_model_len or info.max_model_len or 0):
+            log.info("max_model_len capped to --max-queued-tokens %d", s.queued_tokens)
         self.limits = Limits(
             vocab_size=info.vocab_size,
             max_model_len=model_len,

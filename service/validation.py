@@ -44,6 +44,15 @@ class Limits:
         }
 
 
+def resolve_model_len(requested: int | None, model_limit: int | None, queued_tokens: int) -> int:
+    """The longest sequence accepted: ``--max-model-len`` when given (never past the model's
+    ``max_position_embeddings``), else the model's, and never more than the admission bound
+    (``--max-queued-tokens``), since a longer sequence could never be admitted."""
+    if requested is not None and model_limit and requested > model_limit:
+        raise ValueError(f"--max-model-len {requested} exceeds the model's max_position_embeddings {model_limit}")
+    return min(requested or model_limit or queued_tokens, queued_tokens)
+
+
 @dataclass(frozen=True)
 class ScoreJob:
     """A validated /score request."""

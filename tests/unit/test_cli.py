@@ -155,6 +155,30 @@ def test_offline_scoring_stops_at_a_bad_line_and_keeps_what_was_scored(monkeypat
     assert [r["id"] for r in _read_jsonl(out)] == ["a"]
 
 
+def test_offline_scoring_holds_the_servers_sequence_limit(monkeypatch, tmp_path, capsys):
+    """--max-model-len past the model's limit is refused, as the server refuses it at start-up;
+    within it, a longer line is refused with its line number, as a request would be."""
+    monkeypatch.setattr(cli, "load_backend", lambda settings: FakeBackend(max_model_len=4096))
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}, {"id": "b", "input_ids": list(range(9))}])
+    assert cli.main(["score", str(source), "-o", str(out), "--max-model-len", "8192"]) == 2
+    assert "--max-model-len 8192 exceeds the model's max_position_embeddings 4096" in capsys.readouterr().err
+    assert cli.main(["score", str(source), "-o", str(out), "--max-model-len", "8"]) == 2
+    err = capsys.readouterr().err
+    assert f"{source}:2:" in err and "(max_model_len)" in err, err
+    assert [r["id"] for r in _read_jsonl(out)] == ["a"]
+
+
+@pytest.mark.parametrize("requested,model_limit,queued,want", [
+    (None, 4096, 10**6, 4096), (1024, 4096, 10**6, 1024), (None, None, 5000, 5000), (None, 4096, 1000, 1000),
+    (2048, None, 10**6, 2048),
+])
+def test_model_len_resolution(requested, model_limit, queued, want):
+    from service.validation import resolve_model_len
+
+    assert resolve_model_len(requested, model_limit, queued) == want
+
+
 def test_offline_scoring_with_the_tiny_model_equals_the_in_process_scorer(tmp_path):
     from model_runtime.loading import load_model
     from model_runtime.scorer import Scorer
