@@ -51,7 +51,8 @@ def _add_options(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
         field = Settings.model_fields[name]
         option = "--" + name.replace("_", "-")
         shown_default = "" if field.default is None else f"; default {field.default}"
-        help_text = f"{field.description} [env PACKSCORE_{name.upper()}{shown_default}]"
+        # argparse formats help with %: a literal one in a description must reach it doubled
+        help_text = f"{field.description} [env PACKSCORE_{name.upper()}{shown_default}]".replace("%", "%%")
         kind = _optional_inner(field.annotation)
         if kind is bool:
             parser.add_argument(option, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
