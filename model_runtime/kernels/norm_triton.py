@@ -116,31 +116,49 @@ if triton is not None:
             return tl.math.div_rn(g, 1.0 + tl.exp(-g))
 
     @triton.jit
-    def rms_norm_kernel(x_ptr, stride_x, d_ptr, stride_d, total_ptr, w_ptr, out_ptr, ms_ptr, R, eps, factor,
-                        D: tl.constexpr, VEC: tl.constexpr, BW: tl.constexpr, LOG_BW: tl.constexpr,
-                        ROWS: tl.constexpr, HAS_DELTA: tl.constexpr, CUDA_MATH: tl.constexpr):
+    def _row_block(R, ROWS: tl.constexpr, LANES: tl.constexpr):
+        """This program's ROWS rows: their indices, mask, int64 offsets, and the LANES lane offsets."""
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        ok = (rows < R)[:, None]
-        r64 = rows.to(tl.int64)[:, None]
+        return rows, (rows < R)[:, None], rows.to(tl.int64)[:, None], tl.arange(0, LANES)[None, :]
+
+    @triton.jit
+    def _load_rows(x_ptr, stride_x, d_ptr, stride_d, r64, col, ok, HAS_DELTA: tl.constexpr):
+        """A block of x, or of x + delta rounded to x's dtype as PyTorch's residual add rounds it."""
+        x = tl.load(x_ptr + r64 * stride_x + col, mask=ok, other=0.0)
+        if HAS_DELTA:
+            x = (x.to(tl.float32) + tl.load(d_ptr + r64 * stride_d + col, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+        return x
+
+    @triton.jit
+    def _inverse_rms(x_ptr, stride_x, d_ptr, stride_d, total_ptr, ms_ptr, rows, ok, r64, lanes, R, eps, factor,
+                     D: tl.constexpr, VEC: tl.constexpr, BW: tl.constexpr, LOG_BW: tl.constexpr, ROWS: tl.constexpr,
+                     HAS_DELTA: tl.constexpr, CUDA_MATH: tl.constexpr):
+        """[ROWS, 1] ``rsqrt(mean(x^2) + eps)``, the mean summed in ATen's order and stored to ms_ptr;
+        with HAS_DELTA x is x + delta, also stored to total_ptr."""
         LANES: tl.constexpr = 4 * BW
-        lanes = tl.arange(0, LANES)[None, :]
         acc = tl.zeros([ROWS, LANES], tl.float32)
         for j in range(D // LANES):  # in order: each running sum is sequential
             col = j * LANES + lanes
-            x = tl.load(x_ptr + r64 * stride_x + col, mask=ok, other=0.0)
-            if HAS_DELTA:  # the residual add, rounded to the input dtype as PyTorch rounds it
-                x = (x.to(tl.float32) + tl.load(d_ptr + r64 * stride_d + col, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+            x = _load_rows(x_ptr, stride_x, d_ptr, stride_d, r64, col, ok, HAS_DELTA)
+            if HAS_DELTA:
                 tl.store(total_ptr + r64 * D + col, x, mask=ok)
             xf = x.to(tl.float32)
             acc = acc + xf * xf
         ms = _row_sums(acc, VEC, BW, LOG_BW, ROWS) * factor
         tl.store(ms_ptr + rows, ms, mask=rows < R)
-        inv = _rsqrt(ms + eps, CUDA_MATH)[:, None]
-        for j in range(D // LANES):
+        return _rsqrt(ms + eps, CUDA_MATH)[:, None]
+
+    @triton.jit
+    def rms_norm_kernel(x_ptr, stride_x, d_ptr, stride_d, total_ptr, w_ptr, out_ptr, ms_ptr, R, eps, factor,
+                        D: tl.constexpr, VEC: tl.constexpr, BW: tl.constexpr, LOG_BW: tl.constexpr,
+                        ROWS: tl.constexpr, HAS_DELTA: tl.constexpr, CUDA_MATH: tl.constexpr):
+        LANES: tl.constexpr = 4 * BW
+        rows, ok, r64, lanes = _row_block(R, ROWS, LANES)
+        inv = _inverse_rms(x_ptr, stride_x, d_ptr, stride_d, total_ptr, ms_ptr, rows, ok, r64, lanes, R, eps, factor,
+                           D, VEC, BW, LOG_BW, ROWS, HAS_DELTA, CUDA_MATH)
+        for j in range(D // LANES):  # the rows again (from L2): normalise and scale
             col = j * LANES + lanes
-            x = tl.load(x_ptr + r64 * stride_x + col, mask=ok, other=0.0)
-            if HAS_DELTA:
-                x = (x.to(tl.float32) + tl.load(d_ptr + r64 * stride_d + col, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+            x = _load_rows(x_ptr, stride_x, d_ptr, stride_d, r64, col, ok, HAS_DELTA)
             w = tl.load(w_ptr + j * LANES + lanes).to(tl.float32)
             y = (x.to(tl.float32) * inv) * (1.0 + w)
             tl.store(out_ptr + r64 * D + col, y.to(out_ptr.dtype.element_ty), mask=ok)
@@ -149,18 +167,10 @@ if triton is not None:
     def gated_rms_norm_kernel(x_ptr, stride_x, g_ptr, stride_g, w_ptr, out_ptr, ms_ptr, R, eps, factor,
                               D: tl.constexpr, VEC: tl.constexpr, BW: tl.constexpr, LOG_BW: tl.constexpr,
                               ROWS: tl.constexpr, ROUND_SCALED: tl.constexpr, CUDA_MATH: tl.constexpr):
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        ok = (rows < R)[:, None]
-        r64 = rows.to(tl.int64)[:, None]
         LANES: tl.constexpr = 4 * BW
-        lanes = tl.arange(0, LANES)[None, :]
-        acc = tl.zeros([ROWS, LANES], tl.float32)
-        for j in range(D // LANES):
-            xf = tl.load(x_ptr + r64 * stride_x + j * LANES + lanes, mask=ok, other=0.0).to(tl.float32)
-            acc = acc + xf * xf
-        ms = _row_sums(acc, VEC, BW, LOG_BW, ROWS) * factor
-        tl.store(ms_ptr + rows, ms, mask=rows < R)
-        inv = _rsqrt(ms + eps, CUDA_MATH)[:, None]
+        rows, ok, r64, lanes = _row_block(R, ROWS, LANES)
+        inv = _inverse_rms(x_ptr, stride_x, x_ptr, stride_x, x_ptr, ms_ptr, rows, ok, r64, lanes, R, eps, factor,
+                           D, VEC, BW, LOG_BW, ROWS, False, CUDA_MATH)
         for j in range(D // LANES):
             col = j * LANES + lanes
             x = tl.load(x_ptr + r64 * stride_x + col, mask=ok, other=0.0)
