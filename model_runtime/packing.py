@@ -102,15 +102,15 @@ class PackedBatch:
     def num_segments(self) -> int:
         return len(self.lengths)
 
-    def segments(self):
-        """Yields ``(start, end)`` of every segment."""
-        for i in range(len(self.lengths)):
-            yield self.cu_seqlens_host[i], self.cu_seqlens_host[i + 1]
+    def segments(self) -> tuple[tuple[int, int], ...]:
+        """``(start, end)`` of every segment (``segment_bounds``)."""
+        return self.segment_bounds
 
     @cached_property
     def segment_bounds(self) -> tuple[tuple[int, int], ...]:
         """``(start, end)`` of every segment, built once per forward for all layers."""
-        return tuple(self.segments())
+        offsets = self.cu_seqlens_host
+        return tuple(zip(offsets[:-1], offsets[1:]))
 
     def segments_within(self, lo: int, hi: int) -> tuple[tuple[int, int], ...]:
         """The segments' parts inside tokens ``[lo, hi)`` (a sequence-parallel shard), as
@@ -118,13 +118,19 @@ class PackedBatch:
 
         >>> PackedBatch.from_lengths([3, 5]).segments_within(2, 6)
         ((0, 1), (1, 4))
+
+        Kept per shard, so every layer of a forward reuses the first one's.
         """
-        offsets = self.cu_seqlens_host
-        return tuple(
-            (max(start, lo) - lo, min(end, hi) - lo)
-            for start, end in zip(offsets[:-1], offsets[1:])
-            if start < hi and end > lo
-        )
+        cache = self._segments_within
+        if (lo, hi) not in cache:
+            cache[(lo, hi)] = tuple(
+                (max(start, lo) - lo, min(end, hi) - lo) for start, end in self.segment_bounds if start < hi and end > lo
+            )
+        return cache[(lo, hi)]
+
+    @cached_property
+    def _segments_within(self) -> dict[tuple[int, int], tuple[tuple[int, int], ...]]:
+        return {}
 
 
 def pack_first_fit_decreasing(lengths: Sequence[int], budget: int) -> list[list[int]]:
