@@ -85,6 +85,9 @@ def load_model(
     """
     device = torch.device(device) if device is not None else default_device()
     run_on = torch.device(kernel_device) if kernel_device is not None else device
+    if run_on.type == "cuda" and run_on.index is not None:
+        # Triton kernels (the head, the conv, the norms) launch on the current GPU: make it this one
+        torch.cuda.set_device(run_on)
     torch_dtype = resolve_dtype(dtype, run_on)
     backends = select_backends(run_on, allow_slow=allow_slow_kernels, overrides=kernel_overrides, worker_pool=worker_pool)
     started = time.perf_counter()

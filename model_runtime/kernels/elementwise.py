@@ -195,9 +195,7 @@ def triton_exact() -> Elementwise:
         def plan(x, weight, other=None):
             """The Triton plan for this norm, or None for ``inductor_exact``'s path (CPU tensors,
             fewer than 16 rows, a width no plan reproduces, operands the kernels do not take)."""
-            if not x.is_cuda or x.numel() < 16 * x.shape[-1] or weight.shape != (x.shape[-1],):
-                return None
-            if other is not None and (other.shape != x.shape or other.dtype != x.dtype):
+            if not x.is_cuda or x.numel() < 16 * x.shape[-1] or not NT.supports(x, weight, other):
                 return None
             return NT.plan_for(x.shape[-1], x.device.index or 0)
 

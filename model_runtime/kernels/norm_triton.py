@@ -29,7 +29,6 @@ multiply-adds (``enable_fp_fusion=False``): ATen rounds each square before addin
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 
@@ -65,7 +64,9 @@ def _candidates(dim: int) -> list[tuple[int, int]]:
 
 def mean_square_reference(x_RD: torch.Tensor) -> torch.Tensor:
     """``x.float().pow(2).mean(-1)``: ATen's own, as Hugging Face's norms compute it."""
-    return x_RD.float().pow(2).mean(-1)
+    from model_runtime.kernels.elementwise import _mean_square
+
+    return _mean_square(x_RD)[..., 0]
 
 
 try:  # the CPU install has no Triton: only the GPU path (and the interpreter tests) use these
@@ -202,14 +203,12 @@ def _rows_view(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x, D if stride is None else stride
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, other: torch.Tensor | None, name: str) -> torch.Tensor:
-    """Refuses what the kernels do not handle; returns the weight as a contiguous [D]."""
-    D = x.shape[-1]
-    if weight.shape != (D,):
-        raise ValueError(f"norm weight must be [D={D}], got {tuple(weight.shape)}")
-    if other is not None and (other.shape != x.shape or other.dtype != x.dtype):
-        raise ValueError(f"{name} must match x ({tuple(x.shape)}, {x.dtype}), got {tuple(other.shape)}, {other.dtype}")
-    return weight.contiguous()
+def supports(x: torch.Tensor, weight: torch.Tensor, other: torch.Tensor | None = None) -> bool:
+    """Whether the kernels take these operands: a weight of ``[D]``, and ``other`` (the residual
+    to add) of x's shape and dtype."""
+    if weight.shape != (x.shape[-1],):
+        return False
+    return other is None or (other.shape == x.shape and other.dtype == x.dtype)
 
 
 def _launch_args(R: int, D: int, plan: tuple[int, int], device: torch.device):
@@ -228,7 +227,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Ten
              plan: tuple[int, int], ms_out: torch.Tensor | None = None):
     """Hugging Face's zero-centred RMSNorm of ``x`` (or of ``x + delta``, which is then returned
     first) with ``plan`` = ``(vec, bw)`` from ``plan_for``; ``ms_out`` receives the float32 means."""
-    weight = _check(x, weight, delta, "delta")
+    if not supports(x, weight, delta):
+        raise ValueError(f"rms_norm takes a weight of [D] and a delta like x {tuple(x.shape)}, {x.dtype}; got "
+                         f"{tuple(weight.shape)} and {None if delta is None else (tuple(delta.shape), delta.dtype)}")
+    weight = weight.contiguous()
     D = x.shape[-1]
     x_R, stride_x = _rows_view(x)
     R = x.numel() // D
@@ -240,18 +242,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Ten
         d_R, stride_d = x_R, stride_x
     ms = ms_out if ms_out is not None else torch.empty(R, dtype=torch.float32, device=x.device)
     grid, meta = _launch_args(R, D, plan, x.device)
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton launches on the current GPU
-        _kernels()[0][grid](x_R, stride_x, d_R, stride_d, total, weight, out, ms, R, float(eps), _factor(R, D),
-                            HAS_DELTA=delta is not None, **meta)
+    _kernels()[0][grid](x_R, stride_x, d_R, stride_d, total, weight, out, ms, R, float(eps), _factor(R, D),
+                        HAS_DELTA=delta is not None, **meta)
     return (total, out) if delta is not None else out
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, *,
                    plan: tuple[int, int], ms_out: torch.Tensor | None = None):
     """Qwen3.5's gated norm: RMSNorm, times ``weight`` in the input dtype, times SiLU(gate) in float32."""
-    if gate.shape != x.shape:
-        raise ValueError(f"gate must match x {tuple(x.shape)}, got {tuple(gate.shape)}")
-    weight = _check(x, weight, None, "")
+    if not supports(x, weight) or gate.shape != x.shape:
+        raise ValueError(f"gated_rms_norm takes a weight of [D] and a gate of x's shape {tuple(x.shape)}; got "
+                         f"{tuple(weight.shape)} and {tuple(gate.shape)}")
+    weight = weight.contiguous()
     D = x.shape[-1]
     x_R, stride_x = _rows_view(x)
     g_R, stride_g = _rows_view(gate)
@@ -259,9 +261,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     ms = ms_out if ms_out is not None else torch.empty(R, dtype=torch.float32, device=x.device)
     grid, meta = _launch_args(R, D, plan, x.device)
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _kernels()[1][grid](x_R, stride_x, g_R, stride_g, weight, out, ms, R, float(eps), _factor(R, D),
-                            ROUND_SCALED=torch.promote_types(weight.dtype, x.dtype) == x.dtype, **meta)
+    _kernels()[1][grid](x_R, stride_x, g_R, stride_g, weight, out, ms, R, float(eps), _factor(R, D),
+                        ROUND_SCALED=torch.promote_types(weight.dtype, x.dtype) == x.dtype, **meta)
     return out
 
 
