@@ -122,8 +122,6 @@ class Service:
         info, s = backend.info, self.settings
         self.served_name = s.served_model_name or info.name
         model_len = resolve_model_len(s.max_model_len, info.max_model_len, s.queued_tokens)
-        if model_len < (s.max_model_len or info.max_model_len or 0):
-            log.info("max_model_len capped to --max-queued-tokens %d", s.queued_tokens)
         self.limits = Limits(
             vocab_size=info.vocab_size,
             max_model_len=model_len,

@@ -6,6 +6,7 @@ contract's notation (``sequences[3].input_ids[17]``).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,8 @@ from pydantic import ValidationError
 from model_runtime.scorer import SequenceInput
 from service.errors import ApiError, from_validation_errors
 from service.schemas import ScoreRequest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,10 @@ def resolve_model_len(requested: int | None, model_limit: int | None, queued_tok
     (``--max-queued-tokens``), since a longer sequence could never be admitted."""
     if requested is not None and model_limit and requested > model_limit:
         raise ValueError(f"--max-model-len {requested} exceeds the model's max_position_embeddings {model_limit}")
-    return min(requested or model_limit or queued_tokens, queued_tokens)
+    wanted = requested or model_limit or queued_tokens
+    if wanted > queued_tokens:
+        log.info("max_model_len %d capped to --max-queued-tokens %d", wanted, queued_tokens)
+    return min(wanted, queued_tokens)
 
 
 @dataclass(frozen=True)
