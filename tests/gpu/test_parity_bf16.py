@@ -21,8 +21,6 @@ Entropy is within 1.6e-4 mean everywhere. The default sums the norms' squares in
 on the 9B slice is the short sequences' matrix products (see SLICE_EXTRA below).
 """
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -69,8 +67,6 @@ def compare(scorer: Scorer, hf_model, seqs):
 # worker pool's default); Inductor's fused norms, which sum in their own order (the default's
 # norms sum in ATen's; the tiny models' widths take ATen's own mean, model_runtime/kernels/norm_triton.py).
 VARIANTS = ["default", "attention=varlen", "elementwise=inductor"]
-# PARITY_VARIANTS=default,elementwise=inductor runs a subset (a GPU plan short of time)
-VARIANTS = [v for v in VARIANTS if v in os.environ.get("PARITY_VARIANTS", ",".join(VARIANTS)).split(",")]
 
 
 def _overrides(variant: str) -> dict:
