@@ -24,6 +24,21 @@ def gpu_record(capsys):
     return record
 
 
+@pytest.fixture(scope="session")
+def slice_9b_twin():
+    """The first 4 layers of the Qwen3.5-9B shape (seeded random bf16 weights), packed, and its
+    Hugging Face twin: built once for the isolation and parity tests, which swap kernels on it in
+    place and put them back."""
+    import torch
+
+    from bench.hf_reference import build_twin
+
+    twin = build_twin("qwen3.5-9b", num_layers=4)
+    yield twin
+    del twin
+    torch.cuda.empty_cache()
+
+
 def _fmt(value):
     return f"{value:.3e}" if isinstance(value, float) else str(value)
 

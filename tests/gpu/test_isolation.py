@@ -30,14 +30,9 @@ pytestmark = [
 MEAN_TOL = 2e-3
 
 
-@pytest.fixture(scope="module")
-def twin():
-    from bench.hf_reference import build_twin
-
-    t = build_twin("qwen3.5-9b", num_layers=4)
-    yield t
-    del t
-    torch.cuda.empty_cache()
+@pytest.fixture
+def twin(slice_9b_twin):
+    return slice_9b_twin
 
 
 @pytest.mark.parametrize("swap", ["default", "attention=varlen", "gate_projection=row", "elementwise=inductor"])

@@ -104,12 +104,13 @@ LONG = 777
 
 
 @pytest.fixture(scope="module")
-def slice_9b():
-    """The 9B slice and Hugging Face's references (alone, and one padded batch), built once: the
-    swaps below change kernels on the loaded model in place (the same weights, the same reference)."""
-    from bench.hf_reference import build_twin, score_padded, to_numpy
+def slice_9b(slice_9b_twin):
+    """The 9B slice (shared with the isolation tests) and Hugging Face's references (alone, and
+    padded batches), built once: the swaps below change kernels on the loaded model in place (the
+    same weights, the same reference)."""
+    from bench.hf_reference import score_padded, to_numpy
 
-    twin = build_twin("qwen3.5-9b", num_layers=4)
+    twin = slice_9b_twin
     rng = np.random.default_rng(13)
     seqs = make_batch(twin.loaded.vocab_size, 12, 1.0)
     seqs += [SequenceInput(rng.integers(0, twin.loaded.vocab_size, size=n), score_from=n // 3) for n in SLICE_EXTRA]
@@ -117,9 +118,7 @@ def slice_9b():
         reference = [hf_alone(hf_model, s) for s in seqs]
         # 8192 padded tokens a batch keeps the float32 log-softmax over 248,320 words near 20 GB
         padded = to_numpy(score_padded(hf_model, seqs, "cuda", token_budget=8192))
-    yield twin, seqs, reference, diff_stats(padded, reference)
-    del twin
-    torch.cuda.empty_cache()
+    return twin, seqs, reference, diff_stats(padded, reference)
 
 
 def _split_stats(results, reference, seqs) -> dict:
