@@ -96,8 +96,8 @@ if triton is not None:
         s1, s3 = tl.split(odd)
         thread = ((s0 + s1) + s2) + s3
         for level in tl.static_range(LOG_BW):  # thread t takes thread t + half's value, half = BW/2, BW/4, ...
-            a, b = tl.split(tl.permute(tl.reshape(thread, (ROWS, 2, BW >> (level + 1))), (0, 2, 1)))
-            thread = a + b
+            # a sum of two values is one addition whichever comes first: the same float as a + b
+            thread = tl.sum(tl.reshape(thread, (ROWS, 2, BW >> (level + 1))), axis=1)
         return tl.reshape(thread, (ROWS,))
 
     @triton.jit
@@ -117,10 +117,10 @@ if triton is not None:
             return tl.math.div_rn(g, 1.0 + tl.exp(-g))
 
     @triton.jit
-    def _row_block(R, ROWS: tl.constexpr, LANES: tl.constexpr):
-        """This program's ROWS rows: their indices, mask, int64 offsets, and the LANES lane offsets."""
+    def _row_block(R, ROWS: tl.constexpr, COLS: tl.constexpr):
+        """This program's ROWS rows: their indices, mask, int64 offsets, and COLS column offsets."""
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        return rows, (rows < R)[:, None], rows.to(tl.int64)[:, None], tl.arange(0, LANES)[None, :]
+        return rows, (rows < R)[:, None], rows.to(tl.int64)[:, None], tl.arange(0, COLS)[None, :]
 
     @triton.jit
     def _load_rows(x_ptr, stride_x, d_ptr, stride_d, r64, col, ok, HAS_DELTA: tl.constexpr):
@@ -131,49 +131,76 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _inverse_rms(x_ptr, stride_x, d_ptr, stride_d, total_ptr, ms_ptr, rows, ok, r64, lanes, R, eps, factor,
+    def _add_in_order(acc, sq, UNROLL: tl.constexpr, ROWS: tl.constexpr, LANES: tl.constexpr):
+        """``acc`` [ROWS, LANES] plus the UNROLL consecutive LANES-wide chunks of ``sq``
+        [ROWS, UNROLL * LANES], one chunk after the other: each lane's running sum stays the
+        sequential sum ATen's thread keeps, however many chunks one load brings."""
+        if UNROLL == 1:
+            out = acc + sq
+        elif UNROLL == 2:
+            c0, c1 = tl.split(tl.permute(tl.reshape(sq, (ROWS, 2, LANES)), (0, 2, 1)))
+            out = (acc + c0) + c1
+        else:  # UNROLL == 4: [ROWS, LANES, 4] with chunk u = 2 p + q; split on q, then on p
+            t = tl.permute(tl.reshape(sq, (ROWS, 4, LANES)), (0, 2, 1))
+            even, odd = tl.split(tl.reshape(t, (ROWS, LANES, 2, 2)))
+            c0, c2 = tl.split(even)
+            c1, c3 = tl.split(odd)
+            out = (((acc + c0) + c1) + c2) + c3
+        return out
+
+    @triton.jit
+    def _inverse_rms(x_ptr, stride_x, d_ptr, stride_d, total_ptr, ms_ptr, rows, ok, r64, cols, R, eps, factor,
                      D: tl.constexpr, VEC: tl.constexpr, BW: tl.constexpr, LOG_BW: tl.constexpr, ROWS: tl.constexpr,
-                     HAS_DELTA: tl.constexpr, CUDA_MATH: tl.constexpr):
-        """[ROWS, 1] ``rsqrt(mean(x^2) + eps)``, the mean summed in ATen's order and stored to ms_ptr;
-        with HAS_DELTA x is x + delta, also stored to total_ptr."""
+                     UNROLL: tl.constexpr, HAS_DELTA: tl.constexpr, STORE_MS: tl.constexpr, CUDA_MATH: tl.constexpr):
+        """[ROWS, 1] ``rsqrt(mean(x^2) + eps)``, the mean summed in ATen's order (stored to ms_ptr
+        with STORE_MS); with HAS_DELTA x is x + delta, stored to total_ptr."""
         LANES: tl.constexpr = 4 * BW
+        COLS: tl.constexpr = UNROLL * LANES
         acc = tl.zeros([ROWS, LANES], tl.float32)
-        for j in range(D // LANES):  # in order: each running sum is sequential
-            col = j * LANES + lanes
+        for j in range(D // COLS):  # in order: each running sum is sequential
+            col = j * COLS + cols
             x = _load_rows(x_ptr, stride_x, d_ptr, stride_d, r64, col, ok, HAS_DELTA)
             if HAS_DELTA:
                 tl.store(total_ptr + r64 * D + col, x, mask=ok)
             xf = x.to(tl.float32)
-            acc = acc + xf * xf
+            acc = _add_in_order(acc, xf * xf, UNROLL, ROWS, LANES)
         ms = _row_sums(acc, VEC, BW, LOG_BW, ROWS) * factor
-        tl.store(ms_ptr + rows, ms, mask=rows < R)
+        if STORE_MS:
+            tl.store(ms_ptr + rows, ms, mask=rows < R)
         return _rsqrt(ms + eps, CUDA_MATH)[:, None]
 
     @triton.jit
     def rms_norm_kernel(x_ptr, stride_x, d_ptr, stride_d, total_ptr, w_ptr, out_ptr, ms_ptr, R, eps, factor,
                         D: tl.constexpr, VEC: tl.constexpr, BW: tl.constexpr, LOG_BW: tl.constexpr,
-                        ROWS: tl.constexpr, HAS_DELTA: tl.constexpr, CUDA_MATH: tl.constexpr):
-        LANES: tl.constexpr = 4 * BW
-        rows, ok, r64, lanes = _row_block(R, ROWS, LANES)
-        inv = _inverse_rms(x_ptr, stride_x, d_ptr, stride_d, total_ptr, ms_ptr, rows, ok, r64, lanes, R, eps, factor,
-                           D, VEC, BW, LOG_BW, ROWS, HAS_DELTA, CUDA_MATH)
-        for j in range(D // LANES):  # the rows again (from L2): normalise and scale
-            col = j * LANES + lanes
-            x = _load_rows(x_ptr, stride_x, d_ptr, stride_d, r64, col, ok, HAS_DELTA)
-            w = tl.load(w_ptr + j * LANES + lanes).to(tl.float32)
+                        ROWS: tl.constexpr, UNROLL: tl.constexpr, HAS_DELTA: tl.constexpr, STORE_MS: tl.constexpr,
+                        CUDA_MATH: tl.constexpr):
+        COLS: tl.constexpr = UNROLL * 4 * BW
+        rows, ok, r64, cols = _row_block(R, ROWS, COLS)
+        inv = _inverse_rms(x_ptr, stride_x, d_ptr, stride_d, total_ptr, ms_ptr, rows, ok, r64, cols, R, eps, factor,
+                           D, VEC, BW, LOG_BW, ROWS, UNROLL, HAS_DELTA, STORE_MS, CUDA_MATH)
+        if HAS_DELTA:  # the second pass reads the sum this block just wrote (still in L2)
+            tl.debug_barrier()
+        for j in range(D // COLS):  # the rows again: normalise and scale
+            col = j * COLS + cols
+            if HAS_DELTA:
+                x = tl.load(total_ptr + r64 * D + col, mask=ok, other=0.0)
+            else:
+                x = tl.load(x_ptr + r64 * stride_x + col, mask=ok, other=0.0)
+            w = tl.load(w_ptr + col).to(tl.float32)
             y = (x.to(tl.float32) * inv) * (1.0 + w)
             tl.store(out_ptr + r64 * D + col, y.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def gated_rms_norm_kernel(x_ptr, stride_x, g_ptr, stride_g, w_ptr, out_ptr, ms_ptr, R, eps, factor,
                               D: tl.constexpr, VEC: tl.constexpr, BW: tl.constexpr, LOG_BW: tl.constexpr,
-                              ROWS: tl.constexpr, ROUND_SCALED: tl.constexpr, CUDA_MATH: tl.constexpr):
-        LANES: tl.constexpr = 4 * BW
-        rows, ok, r64, lanes = _row_block(R, ROWS, LANES)
-        inv = _inverse_rms(x_ptr, stride_x, x_ptr, stride_x, x_ptr, ms_ptr, rows, ok, r64, lanes, R, eps, factor,
-                           D, VEC, BW, LOG_BW, ROWS, False, CUDA_MATH)
-        for j in range(D // LANES):
-            col = j * LANES + lanes
+                              ROWS: tl.constexpr, UNROLL: tl.constexpr, ROUND_SCALED: tl.constexpr,
+                              STORE_MS: tl.constexpr, CUDA_MATH: tl.constexpr):
+        COLS: tl.constexpr = UNROLL * 4 * BW
+        rows, ok, r64, cols = _row_block(R, ROWS, COLS)
+        inv = _inverse_rms(x_ptr, stride_x, x_ptr, stride_x, x_ptr, ms_ptr, rows, ok, r64, cols, R, eps, factor,
+                           D, VEC, BW, LOG_BW, ROWS, UNROLL, False, STORE_MS, CUDA_MATH)
+        for j in range(D // COLS):
+            col = j * COLS + cols
             x = tl.load(x_ptr + r64 * stride_x + col, mask=ok, other=0.0)
             normed = (x.to(tl.float32) * inv).to(x.dtype)
             w = tl.load(w_ptr + col)
@@ -211,12 +238,41 @@ def supports(x: torch.Tensor, weight: torch.Tensor, other: torch.Tensor | None =
     return other is None or (other.shape == x.shape and other.dtype == x.dtype)
 
 
-def _launch_args(R: int, D: int, plan: tuple[int, int], device: torch.device):
+def default_tile(D: int, plan: tuple[int, int]) -> tuple[int, int, int]:
+    """``(rows, unroll, warps)`` for rows of ``D``: ``rows`` rows per program, ``unroll`` chunks of
+    4 x bw lanes per load, ``warps`` warps. Any tile gives the same numbers (each row's sums keep
+    their order). Read off bench/elementwise_probe.py on the H200 (2026-11-30): wide rows go one
+    per program, four chunks per load (D=4096: 0.57 ms for a 65k-token residual add + norm, 3.8
+    TB/s); rows of 128 or 256 go 1024 values per program over two warps (the strided q heads:
+    0.26 ms, where 8 rows of two chunks took 1.2 ms)."""
+    chunks = D // (4 * plan[1])
+    if chunks >= 8 and chunks % 4 == 0:
+        return 1, 4, 4
+    return max(1, 1024 // D), 1, 2
+
+
+def tile_candidates(D: int, plan: tuple[int, int]) -> list[tuple[int, int, int]]:
+    """The tiles bench/elementwise_probe.py times: 4 to 16 values per thread per load."""
+    lanes = 4 * plan[1]
+    chunks = D // lanes
+    out = []
+    for rows in (1, 2, 4, 8, 16, 32, 64):
+        for unroll in (1, 2, 4):
+            if chunks % unroll:
+                continue
+            for warps in (1, 2, 4, 8):
+                per_thread = rows * unroll * lanes // (32 * warps)
+                if 4 <= per_thread <= 16:
+                    out.append((rows, unroll, warps))
+    return out
+
+
+def _launch_args(R: int, D: int, plan: tuple[int, int], device: torch.device, tile=None):
     vec, bw = plan
-    lanes = 4 * bw
-    rows = max(1, min(32, 2048 // lanes))
+    rows, unroll, warps = tile or default_tile(D, plan)
     grid = (-(-R // rows),)
-    meta = dict(D=D, VEC=vec, BW=bw, LOG_BW=bw.bit_length() - 1, ROWS=rows, CUDA_MATH=device.type == "cuda")
+    meta = dict(D=D, VEC=vec, BW=bw, LOG_BW=bw.bit_length() - 1, ROWS=rows, UNROLL=unroll, num_warps=warps,
+                CUDA_MATH=device.type == "cuda")
     if device.type == "cuda":  # the interpreter takes no compiler options
         # no FMAs (ATen rounds every square) and libdevice without flush-to-zero (as nvcc builds ATen)
         meta.update(enable_fp_fusion=False, enable_reflect_ftz=False)
@@ -224,9 +280,10 @@ def _launch_args(R: int, D: int, plan: tuple[int, int], device: torch.device):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None, *,
-             plan: tuple[int, int], ms_out: torch.Tensor | None = None):
+             plan: tuple[int, int], ms_out: torch.Tensor | None = None, tile: tuple[int, int, int] | None = None):
     """Hugging Face's zero-centred RMSNorm of ``x`` (or of ``x + delta``, which is then returned
-    first) with ``plan`` = ``(vec, bw)`` from ``plan_for``; ``ms_out`` receives the float32 means."""
+    first) with ``plan`` = ``(vec, bw)`` from ``plan_for``; ``ms_out`` receives the float32 means;
+    ``tile`` overrides ``default_tile`` (the numbers do not change)."""
     if not supports(x, weight, delta):
         raise ValueError(f"rms_norm takes a weight of [D] and a delta like x {tuple(x.shape)}, {x.dtype}; got "
                          f"{tuple(weight.shape)} and {None if delta is None else (tuple(delta.shape), delta.dtype)}")
@@ -240,15 +297,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Ten
         d_R, stride_d = _rows_view(delta)
     else:
         d_R, stride_d = x_R, stride_x
-    ms = ms_out if ms_out is not None else torch.empty(R, dtype=torch.float32, device=x.device)
-    grid, meta = _launch_args(R, D, plan, x.device)
-    _kernels()[0][grid](x_R, stride_x, d_R, stride_d, total, weight, out, ms, R, float(eps), _factor(R, D),
-                        HAS_DELTA=delta is not None, **meta)
+    grid, meta = _launch_args(R, D, plan, x.device, tile)
+    _kernels()[0][grid](x_R, stride_x, d_R, stride_d, total, weight, out, out if ms_out is None else ms_out, R,
+                        float(eps), _factor(R, D), HAS_DELTA=delta is not None, STORE_MS=ms_out is not None, **meta)
     return (total, out) if delta is not None else out
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                   plan: tuple[int, int], ms_out: torch.Tensor | None = None):
+                   plan: tuple[int, int], ms_out: torch.Tensor | None = None, tile: tuple[int, int, int] | None = None):
     """Qwen3.5's gated norm: RMSNorm, times ``weight`` in the input dtype, times SiLU(gate) in float32."""
     if not supports(x, weight) or gate.shape != x.shape:
         raise ValueError(f"gated_rms_norm takes a weight of [D] and a gate of x's shape {tuple(x.shape)}; got "
@@ -259,10 +315,10 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     g_R, stride_g = _rows_view(gate)
     R = x.numel() // D
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    ms = ms_out if ms_out is not None else torch.empty(R, dtype=torch.float32, device=x.device)
-    grid, meta = _launch_args(R, D, plan, x.device)
-    _kernels()[1][grid](x_R, stride_x, g_R, stride_g, weight, out, ms, R, float(eps), _factor(R, D),
-                        ROUND_SCALED=torch.promote_types(weight.dtype, x.dtype) == x.dtype, **meta)
+    grid, meta = _launch_args(R, D, plan, x.device, tile)
+    _kernels()[1][grid](x_R, stride_x, g_R, stride_g, weight, out, out if ms_out is None else ms_out, R, float(eps),
+                        _factor(R, D), ROUND_SCALED=torch.promote_types(weight.dtype, x.dtype) == x.dtype,
+                        STORE_MS=ms_out is not None, **meta)
     return out
 
 

@@ -15,14 +15,14 @@ Runs only under the interpreter:
     TRITON_INTERPRET=1 python -m pytest tests/unit/test_conv_triton_interpret.py
 """
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 and triton")
-triton = pytest.importorskip("triton") if os.environ.get("TRITON_INTERPRET") == "1" else None
+from tests.interpret import only_when_interpreting, require_triton
+
+pytestmark = only_when_interpreting
+triton = require_triton()
 
 from model_runtime.packing import PackedBatch  # noqa: E402
 
@@ -118,6 +118,23 @@ def test_segment_alone_equals_segment_in_the_row():
     for start, end in packed.segments():
         (alone,) = conv_splits(x[start:end], w, PackedBatch.from_lengths([end - start]), None, silu=False)
         assert torch.equal(row[start:end], alone), f"segment [{start}, {end}) sees its neighbours"
+
+
+def test_every_tile_gives_the_same_numbers():
+    """Tiles only cut the row differently (a split narrower than the channel block gets a
+    narrower block; rows past T are masked): every candidate bench/elementwise_probe.py may pick
+    gives the default tile's outputs bit for bit, on a row several token blocks long."""
+    from model_runtime.kernels.conv_triton import DEFAULT_TILE, conv_splits, tile_candidates
+
+    lengths = (1, 70, 3, 150, 76)  # T = 300: segments across block edges of 32 to 256 tokens
+    packed = PackedBatch.from_lengths(lengths)
+    x, w = inputs(packed.total_tokens, 40, 4, seed=7)
+    splits = (8, 8, 24)
+    want = conv_splits(x, w, packed, splits, silu=True, tile=DEFAULT_TILE)
+    assert DEFAULT_TILE in tile_candidates()
+    for tile in tile_candidates():
+        for got, ref in zip(conv_splits(x, w, packed, splits, silu=True, tile=tile), want):
+            assert torch.equal(got, ref), f"tile {tile}: {int((got != ref).sum())} of {ref.numel()} values differ"
 
 
 def test_bad_splits_raise():

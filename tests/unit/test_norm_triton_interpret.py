@@ -8,14 +8,14 @@ Runs only under the interpreter:
     TRITON_INTERPRET=1 python -m pytest tests/unit/test_norm_triton_interpret.py
 """
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 and triton")
-triton = pytest.importorskip("triton") if os.environ.get("TRITON_INTERPRET") == "1" else None
+from tests.interpret import only_when_interpreting, require_triton
+
+pytestmark = only_when_interpreting
+triton = require_triton()
 
 from model_runtime.kernels import elementwise as E  # noqa: E402
 
@@ -116,3 +116,33 @@ def test_rows_view_ignores_size_one_dims_and_copies_what_does_not_collapse(shape
     assert torch.equal(got, x.reshape(R, 128)), f"rows of {shape} with strides {strides} read wrongly"
     w = (torch.randn(128, generator=g) * 0.1).to(torch.bfloat16)
     assert bf16_steps(NT.rms_norm(x, w, 1e-6, plan=(4, 32)), E.rms_norm(x, w, 1e-6)) <= 2.0
+
+
+@pytest.mark.parametrize("D", [128, 256, 1024])
+def test_every_tile_gives_the_same_numbers(D):
+    """A tile (rows per program, chunks per load, warps) only changes how the work is cut: every
+    candidate bench/elementwise_probe.py may pick must give the default tile's sums, norms and
+    residual sums bit for bit, rows left over in the last program included (R = 37)."""
+    from model_runtime.kernels import norm_triton as NT
+
+    g = torch.Generator().manual_seed(D)
+    x = (torch.randn(37, D, generator=g) * 3).to(torch.bfloat16)
+    d = torch.randn(37, D, generator=g).to(torch.bfloat16)
+    w = (torch.randn(D, generator=g) * 0.1).to(torch.bfloat16)
+    gate = torch.randn(37, D, generator=g).to(torch.bfloat16)
+    plan = (4, 32)
+
+    def run(tile):
+        ms, ms_gated = torch.empty(37), torch.empty(37)
+        total, out = NT.rms_norm(x, w, 1e-6, d, plan=plan, ms_out=ms, tile=tile)
+        gated = NT.gated_rms_norm(x, gate, w, 1e-6, plan=plan, ms_out=ms_gated, tile=tile)
+        return {"total": total, "out": out, "ms": ms, "gated": gated, "ms_gated": ms_gated,
+                "plain": NT.rms_norm(x, w, 1e-6, plan=plan, tile=tile)}
+
+    want = run(None)
+    tiles = NT.tile_candidates(D, plan)
+    assert NT.default_tile(D, plan) in tiles
+    for tile in tiles:
+        for name, got in run(tile).items():
+            differ = int((got != want[name]).sum())
+            assert differ == 0, f"D={D}, tile {tile}: {differ} values of {name} differ from the default tile's"
