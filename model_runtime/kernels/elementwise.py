@@ -178,7 +178,8 @@ def inductor_exact() -> Elementwise:
 def triton_exact() -> Elementwise:
     """``inductor_exact``'s arithmetic with each norm in one Triton kernel (``norm_triton``) that
     sums its squares in ATen's order: Hugging Face's outputs bit for bit without the float32 copy
-    of the squares. A norm whose width no Triton plan reproduces (calibrated once per width
+    of the squares; the MLP's SiLU product is ``pointwise_triton``'s kernel (also exact).
+    A norm whose width no Triton plan reproduces (calibrated once per width
     against ATen on this GPU; the tiny test models' widths) or with fewer than 16 rows takes
     ``inductor_exact``'s path, which is exact too.
 
@@ -189,6 +190,7 @@ def triton_exact() -> Elementwise:
     global _TRITON_EXACT
     if _TRITON_EXACT is None:
         from model_runtime.kernels import norm_triton as NT
+        from model_runtime.kernels import pointwise_triton as PT
 
         exact = inductor_exact()
 
@@ -211,8 +213,11 @@ def triton_exact() -> Elementwise:
             p = plan(x, weight) if gate.shape == x.shape else None  # the kernel reads the gate in any dtype
             return exact.gated_rms_norm(x, gate, weight, eps) if p is None else NT.gated_rms_norm(x, gate, weight, eps, plan=p)
 
+        def silu_mul_triton(gate, up):
+            return PT.silu_mul(gate, up) if gate.is_cuda and PT.supports(gate, up) else exact.silu_mul(gate, up)
+
         _TRITON_EXACT = Elementwise("triton_exact", rms_norm_triton, add_rms_norm_triton, gated_rms_norm_triton,
-                                    exact.silu_mul, exact.gdn_gates, exact.partial_rope, exact.sigmoid_gate)
+                                    silu_mul_triton, exact.gdn_gates, exact.partial_rope, exact.sigmoid_gate)
     return _TRITON_EXACT
 
 

@@ -269,8 +269,9 @@ def _q_heads(rows, dim, g):
 
 
 def test_exact_norms_equal_eager(gpu_record):
-    """``inductor_exact``'s and ``triton_exact``'s norms against the eager functions (Hugging Face's
-    arithmetic), element by element, with the plain ``inductor`` set's counts beside them."""
+    """``inductor_exact``'s and ``triton_exact``'s norms and pointwise steps against the eager
+    functions (Hugging Face's arithmetic), element by element, with the plain ``inductor`` set's
+    counts beside them."""
     from model_runtime.kernels import elementwise as E
 
     g = torch.Generator(device=DEV).manual_seed(9)
@@ -289,6 +290,7 @@ def test_exact_norms_equal_eager(gpu_record):
             "gdn_gates_g": lambda ew: ew.gdn_gates(x[:, :32], d[:, :32], w[:32].float(), w[32:64].float())[0],
             "gdn_gates_beta": lambda ew: ew.gdn_gates(x[:, :32], d[:, :32], w[:32].float(), w[32:64].float())[1],
             "sigmoid_gate": lambda ew: ew.sigmoid_gate(x, d),
+            "silu_mul": lambda ew: ew.silu_mul(x, d),
         }
         for name, fn in cases.items():
             want = fn(E.EAGER)
