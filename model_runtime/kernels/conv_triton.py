@@ -37,8 +37,18 @@ import torch
 from model_runtime.kernels.conv import _check
 from model_runtime.packing import PackedBatch
 
-BLOCK_T = 64
-MAX_BLOCK_C = 128  # 256 bytes of bf16 per row of a tile
+# (tokens, channels, warps) per program; any tile gives the same numbers (each output's taps are
+# added in one order), and a split narrower than the channel block gets a narrower one.
+# bench/elementwise_probe.py on the H200 (2026-11-30), 65k tokens x 8192 channels in 13 segments:
+# 0.91 ms with 32 x 128 over 4 warps, 1.12 ms with the first choice of 64 x 128; fla's conv
+# followed by ATen's SiLU (Hugging Face's path) took 2.10 ms.
+DEFAULT_TILE = (32, 128, 4)
+
+
+def tile_candidates() -> list[tuple[int, int, int]]:
+    """The tiles bench/elementwise_probe.py times: 8 to 64 outputs per thread."""
+    return [(bt, bc, warps) for bt in (32, 64, 128, 256) for bc in (64, 128, 256) for warps in (4, 8)
+            if 8 <= bt * bc // (32 * warps) <= 64]
 
 
 def causal_conv1d_silu_triton(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: PackedBatch, splits=None):
@@ -52,9 +62,10 @@ def causal_conv1d_silu_triton(x_TC: torch.Tensor, weight_CW: torch.Tensor, packe
     return outs[0] if splits is None else outs
 
 
-def conv_splits(x_TC, weight_CW, packed: PackedBatch, splits, silu: bool) -> tuple[torch.Tensor, ...]:
+def conv_splits(x_TC, weight_CW, packed: PackedBatch, splits, silu: bool, tile=None) -> tuple[torch.Tensor, ...]:
     """One contiguous output per split; ``silu=False`` stops after the rounded conv (fla's own
-    output with activation=None), which the tests compare on its own."""
+    output with activation=None), which the tests compare on its own; ``tile`` overrides
+    ``DEFAULT_TILE``."""
     _check(x_TC, weight_CW, packed)
     T, C = x_TC.shape
     widths = (C,) if splits is None else tuple(int(n) for n in splits)
@@ -69,15 +80,16 @@ def conv_splits(x_TC, weight_CW, packed: PackedBatch, splits, silu: bool) -> tup
     weight_CW = weight_CW.contiguous()
     width = weight_CW.shape[1]
     kernel, interpreted = _kernel()
+    block_t, max_block_c, warps = tile or DEFAULT_TILE
     outs, c0 = [], 0
     for ci in widths:
         y_TC = torch.empty(T, ci, dtype=x_TC.dtype, device=x_TC.device)
-        block_c = min(MAX_BLOCK_C, 1 << (ci - 1).bit_length())
-        grid = (-(-T // BLOCK_T), -(-ci // block_c))
+        block_c = min(max_block_c, 1 << (ci - 1).bit_length())
+        grid = (-(-T // block_t), -(-ci // block_c))
         # Flush-to-zero off in libdevice: ATen's expf is compiled without it.
         kernel[grid](x_TC[:, c0:], x_TC.stride(0), weight_CW[c0:], pos_T, y_TC, T, ci,
-                     W=width, BLOCK_T=BLOCK_T, BLOCK_C=block_c, SILU=silu, LIBDEVICE=not interpreted,
-                     num_warps=4, enable_reflect_ftz=False)
+                     W=width, BLOCK_T=block_t, BLOCK_C=block_c, SILU=silu, LIBDEVICE=not interpreted,
+                     num_warps=warps, enable_reflect_ftz=False)
         outs.append(y_TC)
         c0 += ci
     return tuple(outs)
