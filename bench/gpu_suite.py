@@ -11,6 +11,8 @@ Modes (each fits one 10-minute device call):
   forms (packscore, HF padded, HF one at a time) on the first 64 sequences.
 - ``smoke``: a quick pass over the benchmark (32 sequences) and most tests.
 - ``extra``: the full-depth 35B-A3B experts comparison and the 35B-A3B and 27B benchmarks.
+- ``profile``: the 9B model's profile of one full row, the head's memory and idle latency, with
+  packscore alone on the first 48 sequences (about 3 minutes).
 - ``ab``: the 9B benchmark alone (no profile, no probes) with its kernel swaps (several
   families joined by commas count as one swap): a kernel change's speed and its closeness to
   Hugging Face, in about 7 minutes plus one minute per swap.
@@ -248,7 +250,7 @@ def extra_measurements(suite: Suite, bench: dict, scorer, sequences):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mode", choices=("smoke", "full", "tests", "extra", "ab"), default="full")
+    parser.add_argument("--mode", choices=("smoke", "full", "tests", "extra", "ab", "profile"), default="full")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting phases after this many seconds")
     parser.add_argument("--dry-run-cpu", action="store_true", help="tiny preset, tiny workload, on the CPU")
@@ -284,6 +286,10 @@ def main(argv=None):
             alternatives=tuple(x for x in args.swaps.split(";") if x) if args.swaps is not None
             else ("elementwise=inductor", "conv1d=fla"),
             hf=not args.no_hf), 60)
+    elif args.mode == "profile":
+        suite.phase("profile qwen3.5-9b (48 sequences, no HF)", lambda: run_benchmark(
+            suite, "qwen3.5-9b", 48, hf_single=False, max_batch_tokens=65536, key="qwen3.5-9b", extras=True,
+            hf=False), 60)
     elif args.mode == "tests":
         from bench import diagnose
 
