@@ -78,10 +78,11 @@ _GPU_PREFERENCE = {
     "conv1d": ("causal_conv1d", "triton", "fla"),
     "attention": ("sdpa",),  # always there: flash_attn and varlen only by --kernels
     "head": ("triton",),
-    # triton_exact: Hugging Face's arithmetic bit for bit (norms summed in ATen's order by Triton,
-    # the rest fused by Inductor); inductor's own norms sum in another order (--kernels
-    # elementwise=inductor, 2.1% faster on the 9B benchmark), which random 9B weights amplify to
-    # 2.6e-2 mean |logprob| over 32 layers against 6.3e-8.
+    # triton_exact: Hugging Face's arithmetic bit for bit (norms summed in ATen's order and the
+    # MLP's SiLU product by Triton, the rest fused by Inductor), and 0.8% faster than inductor on
+    # the 9B benchmark (2026-11-30); inductor's own norms sum in another order (--kernels
+    # elementwise=inductor), which random 9B weights amplify to 2.6e-2 mean |logprob| over 32
+    # layers against 6.3e-8.
     "elementwise": ("triton_exact",),
     "gate_projection": ("segment",),
 }

@@ -183,9 +183,11 @@ def triton_exact() -> Elementwise:
     against ATen on this GPU; the tiny test models' widths) or with fewer than 16 rows takes
     ``inductor_exact``'s path, which is exact too.
 
-    Measured on the H200 (2026-11-29, run 9): 2.1% slower than ``inductor`` on the 9B benchmark
-    (35,651 against 36,404 tokens/s) and within 6.3e-8 mean |logprob| of Hugging Face run one
-    sequence at a time over its 810k tokens, where ``inductor`` is 2.6e-2 away.
+    Measured on the H200 (2026-11-30, bench/results/h200-2026-11-30.json): 0.8% faster than
+    ``inductor`` on the 9B benchmark (36,980 against 36,697 tokens/s; the first version, with
+    untuned tiles and Inductor's SiLU product, was 2.1% slower) and within 6.3e-8 mean |logprob|
+    of Hugging Face run one sequence at a time over its 810k tokens, where ``inductor`` is 2.6e-2
+    away.
     """
     global _TRITON_EXACT
     if _TRITON_EXACT is None:
