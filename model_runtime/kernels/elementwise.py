@@ -175,6 +175,17 @@ def inductor_exact() -> Elementwise:
     return _EXACT
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_once(what: str) -> None:
+    """Logs, once per kind of operand, that triton_exact passed a CUDA step to Inductor's kernel
+    (as exact, slower): nothing this model runs should reach it."""
+    if what not in _WARNED:
+        _WARNED.add(what)
+        log.warning("triton_exact: %s is not one the Triton kernel takes; Inductor's kernel runs it", what)
+
+
 def triton_exact() -> Elementwise:
     """``inductor_exact``'s arithmetic with each norm in one Triton kernel (``norm_triton``) that
     sums its squares in ATen's order: Hugging Face's outputs bit for bit without the float32 copy
@@ -216,7 +227,11 @@ def triton_exact() -> Elementwise:
             return exact.gated_rms_norm(x, gate, weight, eps) if p is None else NT.gated_rms_norm(x, gate, weight, eps, plan=p)
 
         def silu_mul_triton(gate, up):
-            return PT.silu_mul(gate, up) if gate.is_cuda and PT.supports(gate, up) else exact.silu_mul(gate, up)
+            if gate.is_cuda and PT.supports(gate, up):
+                return PT.silu_mul(gate, up)
+            if gate.is_cuda:
+                _warn_once(f"SiLU product of {gate.dtype} {tuple(gate.stride())} and {up.dtype} {tuple(up.stride())}")
+            return exact.silu_mul(gate, up)
 
         _TRITON_EXACT = Elementwise("triton_exact", rms_norm_triton, add_rms_norm_triton, gated_rms_norm_triton,
                                     silu_mul_triton, exact.gdn_gates, exact.partial_rope, exact.sigmoid_gate)

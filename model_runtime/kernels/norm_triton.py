@@ -72,7 +72,8 @@ def mean_square_reference(x_RD: torch.Tensor) -> torch.Tensor:
 try:  # the CPU install has no Triton: only the GPU path (and the interpreter tests) use these
     import triton
     import triton.language as tl
-    from triton.language.extra import libdevice
+
+    from model_runtime.kernels import triton_math
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
 
@@ -101,22 +102,6 @@ if triton is not None:
         return tl.reshape(thread, (ROWS,))
 
     @triton.jit
-    def _rsqrt(x, CUDA_MATH: tl.constexpr):
-        """CUDA's rsqrtf (what ATen and Inductor call); NumPy's under Triton's CPU interpreter."""
-        if CUDA_MATH:
-            return libdevice.rsqrt(x)
-        else:
-            return tl.math.rsqrt(x)
-
-    @triton.jit
-    def _silu(g, CUDA_MATH: tl.constexpr):
-        """ATen's SiLU in float32: ``g / (1 + exp(-g))`` with CUDA's expf and an IEEE division."""
-        if CUDA_MATH:
-            return tl.math.div_rn(g, 1.0 + libdevice.exp(-g))
-        else:
-            return tl.math.div_rn(g, 1.0 + tl.exp(-g))
-
-    @triton.jit
     def _row_block(R, ROWS: tl.constexpr, COLS: tl.constexpr):
         """This program's ROWS rows: their indices, mask, int64 offsets, and COLS column offsets."""
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -141,6 +126,7 @@ if triton is not None:
             c0, c1 = tl.split(tl.permute(tl.reshape(sq, (ROWS, 2, LANES)), (0, 2, 1)))
             out = (acc + c0) + c1
         else:  # UNROLL == 4: [ROWS, LANES, 4] with chunk u = 2 p + q; split on q, then on p
+            tl.static_assert(UNROLL == 4)
             t = tl.permute(tl.reshape(sq, (ROWS, 4, LANES)), (0, 2, 1))
             even, odd = tl.split(tl.reshape(t, (ROWS, LANES, 2, 2)))
             c0, c2 = tl.split(even)
@@ -156,6 +142,7 @@ if triton is not None:
         with STORE_MS); with HAS_DELTA x is x + delta, stored to total_ptr."""
         LANES: tl.constexpr = 4 * BW
         COLS: tl.constexpr = UNROLL * LANES
+        tl.static_assert(D % COLS == 0)
         acc = tl.zeros([ROWS, LANES], tl.float32)
         for j in range(D // COLS):  # in order: each running sum is sequential
             col = j * COLS + cols
@@ -167,7 +154,7 @@ if triton is not None:
         ms = _row_sums(acc, VEC, BW, LOG_BW, ROWS) * factor
         if STORE_MS:
             tl.store(ms_ptr + rows, ms, mask=rows < R)
-        return _rsqrt(ms + eps, CUDA_MATH)[:, None]
+        return triton_math.rsqrt(ms + eps, CUDA_MATH)[:, None]
 
     @triton.jit
     def rms_norm_kernel(x_ptr, stride_x, d_ptr, stride_d, total_ptr, w_ptr, out_ptr, ms_ptr, R, eps, factor,
@@ -178,7 +165,10 @@ if triton is not None:
         rows, ok, r64, cols = _row_block(R, ROWS, COLS)
         inv = _inverse_rms(x_ptr, stride_x, d_ptr, stride_d, total_ptr, ms_ptr, rows, ok, r64, cols, R, eps, factor,
                            D, VEC, BW, LOG_BW, ROWS, UNROLL, HAS_DELTA, STORE_MS, CUDA_MATH)
-        if HAS_DELTA:  # the second pass reads the sum this block just wrote (still in L2)
+        if HAS_DELTA:
+            # The second pass reads back the sum this program just stored (from L2), and a value
+            # need not come back to the thread that stored it: the barrier makes the program's
+            # stores visible to all its threads. Programs never read each other's rows.
             tl.debug_barrier()
         for j in range(D // COLS):  # the rows again: normalise and scale
             col = j * COLS + cols
@@ -208,7 +198,7 @@ if triton is not None:
             if ROUND_SCALED:  # weight * normed in the input dtype, as PyTorch's type promotion gives it
                 scaled = scaled.to(x.dtype)
             g = tl.load(g_ptr + r64 * stride_g + col, mask=ok, other=0.0).to(tl.float32)
-            silu = _silu(g, CUDA_MATH)
+            silu = triton_math.silu(g, CUDA_MATH)
             tl.store(out_ptr + r64 * D + col, (scaled.to(tl.float32) * silu).to(x.dtype), mask=ok)
 
 
@@ -241,14 +231,15 @@ def supports(x: torch.Tensor, weight: torch.Tensor, other: torch.Tensor | None =
 def default_tile(D: int, plan: tuple[int, int]) -> tuple[int, int, int]:
     """``(rows, unroll, warps)`` for rows of ``D``: ``rows`` rows per program, ``unroll`` chunks of
     4 x bw lanes per load, ``warps`` warps. Any tile gives the same numbers (each row's sums keep
-    their order). Read off bench/elementwise_probe.py on the H200 (2026-11-30): wide rows go one
-    per program, four chunks per load (D=4096: 0.57 ms for a 65k-token residual add + norm, 3.8
-    TB/s); rows of 128 or 256 go 1024 values per program over two warps (the strided q heads:
-    0.26 ms, where 8 rows of two chunks took 1.2 ms)."""
+    their order). Read off bench/elementwise_probe.py on the H200 (2026-11-30): rows of 8 chunks
+    or more (D = 4096: 32) go one per program, four chunks per load over four warps (0.55 ms for
+    a 65k-token residual add + norm, 3.9 TB/s); narrower rows (D = 128 and 256: one and two
+    chunks) one chunk per load, about 1024 values per program over two warps (the strided q
+    heads: 0.26 ms, where 8 rows of two chunks per load took 1.2 ms)."""
     chunks = D // (4 * plan[1])
     if chunks >= 8 and chunks % 4 == 0:
         return 1, 4, 4
-    return max(1, 1024 // D), 1, 2
+    return _last_pow2(max(1, 1024 // D)), 1, 2
 
 
 def tile_candidates(D: int, plan: tuple[int, int]) -> list[tuple[int, int, int]]:
@@ -270,6 +261,9 @@ def tile_candidates(D: int, plan: tuple[int, int]) -> list[tuple[int, int, int]]
 def _launch_args(R: int, D: int, plan: tuple[int, int], device: torch.device, tile=None):
     vec, bw = plan
     rows, unroll, warps = tile or default_tile(D, plan)
+    if unroll not in (1, 2, 4) or D % (unroll * 4 * bw) or rows & (rows - 1) or warps & (warps - 1):
+        raise ValueError(f"tile (rows={rows}, unroll={unroll}, warps={warps}) does not fit D={D} with {bw} threads: "
+                         f"unroll is 1, 2 or 4, unroll x {4 * bw} lanes divides D, rows and warps are powers of two")
     grid = (-(-R // rows),)
     meta = dict(D=D, VEC=vec, BW=bw, LOG_BW=bw.bit_length() - 1, ROWS=rows, UNROLL=unroll, num_warps=warps,
                 CUDA_MATH=device.type == "cuda")
@@ -277,6 +271,17 @@ def _launch_args(R: int, D: int, plan: tuple[int, int], device: torch.device, ti
         # no FMAs (ATen rounds every square) and libdevice without flush-to-zero (as nvcc builds ATen)
         meta.update(enable_fp_fusion=False, enable_reflect_ftz=False)
     return grid, meta
+
+
+def _ms_pointer(ms_out: torch.Tensor | None, R: int, out: torch.Tensor) -> torch.Tensor:
+    """Where the kernel stores the float32 means: ``ms_out``, checked; without it the kernel is
+    built with STORE_MS=False, stores none, and gets ``out`` only to fill the argument."""
+    if ms_out is None:
+        return out
+    if ms_out.dtype != torch.float32 or ms_out.numel() != R or not ms_out.is_contiguous() or ms_out.device != out.device:
+        raise ValueError(f"ms_out must be {R} contiguous float32 values on {out.device}, got {tuple(ms_out.shape)} "
+                         f"{ms_out.dtype} on {ms_out.device}")
+    return ms_out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None, *,
@@ -298,7 +303,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Ten
     else:
         d_R, stride_d = x_R, stride_x
     grid, meta = _launch_args(R, D, plan, x.device, tile)
-    _kernels()[0][grid](x_R, stride_x, d_R, stride_d, total, weight, out, out if ms_out is None else ms_out, R,
+    _kernels()[0][grid](x_R, stride_x, d_R, stride_d, total, weight, out, _ms_pointer(ms_out, R, out), R,
                         float(eps), _factor(R, D), HAS_DELTA=delta is not None, STORE_MS=ms_out is not None, **meta)
     return (total, out) if delta is not None else out
 
@@ -316,7 +321,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     R = x.numel() // D
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     grid, meta = _launch_args(R, D, plan, x.device, tile)
-    _kernels()[1][grid](x_R, stride_x, g_R, stride_g, weight, out, out if ms_out is None else ms_out, R, float(eps),
+    _kernels()[1][grid](x_R, stride_x, g_R, stride_g, weight, out, _ms_pointer(ms_out, R, out), R, float(eps),
                         _factor(R, D), ROUND_SCALED=torch.promote_types(weight.dtype, x.dtype) == x.dtype,
                         STORE_MS=ms_out is not None, **meta)
     return out

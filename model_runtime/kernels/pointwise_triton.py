@@ -2,7 +2,7 @@
 
 Hugging Face computes ``act_fn(gate_proj(x)) * up_proj(x)``: ATen's SiLU in float32
 (``g / (1 + exp(-g))`` with CUDA's expf and an IEEE division), rounded to the input dtype, then
-the product in float32, rounded again. This kernel does exactly that (norm_triton's ``_silu``),
+the product in float32, rounded again. This kernel does exactly that (``triton_math.silu``),
 so its outputs are eager PyTorch's bit for bit (tests/gpu/test_kernels.py). It exists for speed:
 on the 9B shape the product streams 4.8 GB per layer per 65k-token row, which Inductor's fused
 kernel moved at 3.0 TB/s on the H200 and this one at 4.2 TB/s (bench/elementwise_probe.py).
@@ -16,7 +16,7 @@ try:  # the CPU install has no Triton: only the GPU path (and the interpreter te
     import triton
     import triton.language as tl
 
-    from model_runtime.kernels.norm_triton import _silu
+    from model_runtime.kernels import triton_math
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
 
@@ -39,14 +39,18 @@ if triton is not None:
         ok = offs < N
         g = tl.load(g_ptr + offs, mask=ok, other=0.0, eviction_policy="evict_first")
         u = tl.load(u_ptr + offs, mask=ok, other=0.0, eviction_policy="evict_first")
-        act = _silu(g.to(tl.float32), CUDA_MATH).to(g.dtype)  # F.silu's output, in the input dtype
+        act = triton_math.silu(g.to(tl.float32), CUDA_MATH).to(g.dtype)  # F.silu's output, in the input dtype
         tl.store(out_ptr + offs, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=ok)
 
 
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # PyTorch computes these in float32, as the kernel does
+
+
 def supports(gate: torch.Tensor, up: torch.Tensor) -> bool:
-    """Whether the kernel takes these operands: contiguous, one shape and one dtype."""
-    return (gate.shape == up.shape and gate.dtype == up.dtype and gate.is_contiguous() and up.is_contiguous()
-            and gate.device == up.device)
+    """Whether the kernel takes these operands: contiguous, one shape, one device, and one dtype
+    that PyTorch computes in float32 (bf16, fp16 or fp32)."""
+    return (gate.shape == up.shape and gate.dtype == up.dtype and gate.dtype in _DTYPES and gate.is_contiguous()
+            and up.is_contiguous() and gate.device == up.device)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, tile: tuple[int, int] | None = None) -> torch.Tensor:
@@ -54,13 +58,17 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, tile: tuple[int, int] | No
     if triton is None:
         raise RuntimeError("the Triton SiLU product needs triton")
     if not supports(gate, up):
-        raise ValueError(f"silu_mul takes contiguous gate and up of one shape and dtype; got {tuple(gate.shape)} "
-                         f"{gate.dtype} and {tuple(up.shape)} {up.dtype}")
+        raise ValueError(f"silu_mul takes contiguous gate and up of one shape, dtype (bf16, fp16, fp32) and device; "
+                         f"got {tuple(gate.shape)} {gate.dtype} on {gate.device} (contiguous: {gate.is_contiguous()}) "
+                         f"and {tuple(up.shape)} {up.dtype} on {up.device} (contiguous: {up.is_contiguous()})")
     block, warps = tile or DEFAULT_TILE
     out = torch.empty_like(gate)
     N = gate.numel()
     meta = dict(BLOCK=block, num_warps=warps, CUDA_MATH=gate.device.type == "cuda")
-    if gate.device.type == "cuda":  # libdevice without flush-to-zero, as nvcc builds ATen
+    if gate.device.type == "cuda":
+        # libdevice without flush-to-zero, as nvcc builds ATen; no FMA contraction, as ATen's
+        # kernels round every step (a precaution: the only product it could meet is exp's
+        # closing scaling by a power of two, which is exact)
         meta.update(enable_fp_fusion=False, enable_reflect_ftz=False)
     silu_mul_kernel[(triton.cdiv(N, block),)](gate, up, out, N, **meta)
     return out

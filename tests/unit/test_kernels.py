@@ -177,3 +177,29 @@ def test_exact_norms_decompose_into_atens_mean_and_the_rest():
     assert torch.equal(E._gated_rms_norm_from_ms(x, ms, gate, w, 1e-6), E.gated_rms_norm(x, gate, w, 1e-6))
     q = (torch.randn(5, 4, 2, 32, generator=g) * 3).to(torch.bfloat16)[:, :, 0]  # a strided view, as q heads are
     assert torch.equal(E._rms_norm_from_ms(q, E._mean_square(q), w[:32], 1e-6), E.rms_norm(q, w[:32], 1e-6))
+
+
+def test_triton_kernels_refuse_tiles_and_operands_they_do_not_take():
+    """The Triton kernels' host side, which needs no Triton: a norm tile that would leave columns
+    unread (unroll x lanes not dividing D) or an unroll the kernel has no branch for is refused,
+    every default tile of the calibrated widths fits, a wrong ``ms_out`` is refused, and the SiLU
+    product takes only dtypes PyTorch computes in float32."""
+    from model_runtime.kernels import norm_triton as NT
+    from model_runtime.kernels import pointwise_triton as PT
+
+    cpu = torch.device("cpu")
+    for bad in ((1, 2, 4), (1, 8, 4), (3, 1, 2)):
+        with pytest.raises(ValueError, match="does not fit D=384"):
+            NT._launch_args(10, 384, (4, 32), cpu, bad)
+    for D in (128, 256, 384, 1024, 2048, 4096, 5120):
+        for plan in NT._candidates(D):
+            NT._launch_args(10, D, plan, cpu, NT.default_tile(D, plan))
+            assert NT.default_tile(D, plan) in NT.tile_candidates(D, plan)
+    out = torch.empty(6, 8, dtype=torch.bfloat16)
+    assert NT._ms_pointer(None, 6, out) is out
+    with pytest.raises(ValueError, match="ms_out must be 6 contiguous float32"):
+        NT._ms_pointer(torch.empty(6, dtype=torch.bfloat16), 6, out)
+
+    a = torch.randn(4, 8)
+    assert PT.supports(a, a.clone()) and PT.supports(a.bfloat16(), a.bfloat16())
+    assert not PT.supports(a.double(), a.double())

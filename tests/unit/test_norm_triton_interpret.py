@@ -118,11 +118,12 @@ def test_rows_view_ignores_size_one_dims_and_copies_what_does_not_collapse(shape
     assert bf16_steps(NT.rms_norm(x, w, 1e-6, plan=(4, 32)), E.rms_norm(x, w, 1e-6)) <= 2.0
 
 
-@pytest.mark.parametrize("D", [128, 256, 1024])
-def test_every_tile_gives_the_same_numbers(D):
+@pytest.mark.parametrize("D,plan", [(128, (4, 32)), (256, (4, 32)), (1024, (4, 32)), (1024, (1, 32))], ids=str)
+def test_every_tile_gives_the_same_numbers(D, plan):
     """A tile (rows per program, chunks per load, warps) only changes how the work is cut: every
     candidate bench/elementwise_probe.py may pick must give the default tile's sums, norms and
-    residual sums bit for bit, rows left over in the last program included (R = 37)."""
+    residual sums bit for bit, rows left over in the last program included (R = 37), for both
+    lane layouts (vec 4 and vec 1)."""
     from model_runtime.kernels import norm_triton as NT
 
     g = torch.Generator().manual_seed(D)
@@ -130,7 +131,6 @@ def test_every_tile_gives_the_same_numbers(D):
     d = torch.randn(37, D, generator=g).to(torch.bfloat16)
     w = (torch.randn(D, generator=g) * 0.1).to(torch.bfloat16)
     gate = torch.randn(37, D, generator=g).to(torch.bfloat16)
-    plan = (4, 32)
 
     def run(tile):
         ms, ms_gated = torch.empty(37), torch.empty(37)
