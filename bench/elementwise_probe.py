@@ -58,7 +58,7 @@ def _cases(T: int, g: torch.Generator):
     def norm_case(nbytes, run, tile, D):
         plan = NT.plan_for(D)
         return dict(bytes=nbytes, ref=lambda: run(E.EAGER), impls=by_backend(run),
-                    tile=lambda t: tile(plan, t), tiles=NT.tile_candidates(D, plan or (4, 32)) if plan else [])
+                    tile=lambda t: tile(plan, t), tiles=NT.tile_candidates(D, plan) if plan else [])
 
     return {
         "add_rms_norm D=4096": norm_case(4 * hidden, lambda ew: ew.add_rms_norm(x, d, w, 1e-6),
@@ -79,6 +79,17 @@ def _cases(T: int, g: torch.Generator):
             tile=lambda t: CT.conv_splits(qkv, w_conv, packed, splits, silu=True, tile=t),
             tiles=CT.tile_candidates()),
     }
+
+
+def _measure(fn, want, nbytes: int, do_bench) -> dict:
+    """Median time of ``fn``, the bandwidth over ``nbytes`` and its count of values unequal to
+    ``want``; a tile that does not build gives its error instead of costing the table."""
+    try:
+        differ = _unequal(fn(), want)
+        ms = do_bench(fn, warmup=10, rep=60, return_mode="median")
+    except Exception as err:
+        return {"error": f"{type(err).__name__}: {err}"[:300]}
+    return {"ms": ms, "gb_per_s": nbytes / ms / 1e6, "unequal": differ}
 
 
 def _unequal(got, want) -> int:
@@ -104,24 +115,13 @@ def main(argv=None) -> int:
         for name, case in _cases(args.tokens, g).items():
             want = case["ref"]()
             rows = {}
-
-            def measure(label, fn, want=want):
-                try:
-                    differ = _unequal(fn(), want)
-                    ms = do_bench(fn, warmup=10, rep=60, return_mode="median")
-                except Exception as err:  # one tile that does not build must not cost the table
-                    rows[label] = {"error": f"{type(err).__name__}: {err}"[:300]}
-                    print(f"{name} {label}: {rows[label]['error']}", flush=True)
-                    return
-                rows[label] = {"ms": ms, "gb_per_s": case["bytes"] / ms / 1e6, "unequal": differ}
-                print(f"{name:24s} {label:28s} {ms:8.3f} ms {case['bytes'] / ms / 1e6:8.0f} GB/s  unequal {differ}",
-                      flush=True)
-
-            measure("eager", case["ref"])
-            for label, fn in case["impls"].items():
-                measure(label, fn)
-            for tile in case["tiles"]:
-                measure(f"tile {tile}", lambda t=tile: case["tile"](t))
+            for label, fn in (("eager", case["ref"]), *case["impls"].items(),
+                              *((f"tile {t}", lambda t=t: case["tile"](t)) for t in case["tiles"])):
+                rows[label] = _measure(fn, want, case["bytes"], do_bench)
+                r = rows[label]
+                print(f"{name:24s} {label:28s} " + (r["error"] if "error" in r else
+                      f"{r['ms']:8.3f} ms {r['gb_per_s']:8.0f} GB/s  unequal {r['unequal']}"), flush=True)
+            del want
             timed = {k: v for k, v in rows.items() if "ms" in v}
             exact_tiles = {k: v for k, v in timed.items() if k.startswith("tile") and v["unequal"] == 0}
             best = min(exact_tiles, key=lambda k: exact_tiles[k]["ms"]) if exact_tiles else None
@@ -130,7 +130,6 @@ def main(argv=None) -> int:
                 if "ms" in r and (not label.startswith("tile") or label == best):
                     lines.append(f"| {name} | {label}{' (fastest tile)' if label == best else ''} | {r['ms']:.3f} | "
                                  f"{r['gb_per_s']:.0f} | {r['unequal']} |")
-            want = None
             torch.cuda.empty_cache()
     results["seconds"] = time.perf_counter() - started
     (out / "elementwise-probe.json").write_text(json.dumps(results, indent=1))
