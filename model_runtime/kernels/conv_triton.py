@@ -34,6 +34,7 @@ import functools
 
 import torch
 
+from model_runtime.kernels import triton_math  # its jit helpers are module globals: the interpreter sees them
 from model_runtime.kernels.conv import _check
 from model_runtime.packing import PackedBatch
 
@@ -100,7 +101,6 @@ def _kernel():
     """Builds the kernel on first use (Triton is imported only where it runs)."""
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import libdevice
 
     @triton.jit
     def conv_silu_kernel(x_ptr, stride_x, w_ptr, pos_ptr, y_ptr, T, Ci,
@@ -120,13 +120,8 @@ def _kernel():
             w = tl.load(w_ptr + c * W + k, mask=c_ok, other=0.0).to(tl.float32)
             acc += x * w[None, :]
         y = acc.to(y_ptr.dtype.element_ty)  # fla's store: round to nearest even
-        if SILU:
-            yf = y.to(tl.float32)
-            if LIBDEVICE:
-                e = libdevice.exp(-yf)  # CUDA's expf
-            else:  # Triton's CPU interpreter has no libdevice (tests/unit only): NumPy's exp
-                e = tl.exp(-yf)
-            y = tl.math.div_rn(yf, 1.0 + e).to(y_ptr.dtype.element_ty)
+        if SILU:  # ATen's SiLU of the rounded conv (NumPy's exp under the CPU interpreter)
+            y = triton_math.silu(y.to(tl.float32), LIBDEVICE).to(y_ptr.dtype.element_ty)
         out = t.to(tl.int64)[:, None] * Ci + c[None, :]
         tl.store(y_ptr + out, y, mask=t_ok[:, None] & c_ok[None, :])
 
