@@ -4,7 +4,6 @@
 # SDPA again (run-to-run spread). Both are pinned: the pool's own default is the varlen kernel.
 set -u
 cd "$(dirname "$0")/.."
-GPUS=$(nvidia-smi -L | wc -l)
 source bench/plan_common.sh
 mkdir -p "$RESULTS/ab"
 i=0

@@ -6,10 +6,8 @@
 #          (--mode ab --swaps "$SUITE_SWAPS"; SUITE_SWAPS='' times the defaults alone, a minute less).
 set -u
 cd "$(dirname "$0")/.."
-GPUS=$(nvidia-smi -L | wc -l)
 source bench/plan_common.sh
 mkdir -p "$RESULTS/suite" "$RESULTS/probe"
-echo "[$(date +%T)] $GPUS GPU(s)"
 
 lane_a() {
   export CUDA_VISIBLE_DEVICES=0
@@ -22,6 +20,4 @@ lane_b() {
   step "suite, defaults vs HF (GPU $CUDA_VISIBLE_DEVICES)" bash -c "python3 -m bench.gpu_suite --mode ab --swaps '${SUITE_SWAPS-elementwise=inductor}' --out '$RESULTS/suite' --budget-s 570 > '$RESULTS/suite/log.txt' 2>&1"
 }
 
-(lane_a) & a=$!
-(lane_b) & b=$!
-wait $a; wait $b
+two_lanes

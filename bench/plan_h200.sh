@@ -9,10 +9,8 @@
 # About 25 minutes on 2 GPUs, 19 on 4 (2026-11-29).
 set -u
 cd "$(dirname "$0")/.."
-GPUS=$(nvidia-smi -L | wc -l)
 source bench/plan_common.sh
 mkdir -p "$RESULTS/suite" "$RESULTS/tests" "$RESULTS/multi"
-echo "[$(date +%T)] $GPUS GPU(s)"
 
 suite() {
   export CUDA_VISIBLE_DEVICES=0

@@ -11,10 +11,8 @@
 set -u
 HTTP=${HTTP:-1} PROBE=${PROBE:-1}
 cd "$(dirname "$0")/.."
-GPUS=$(nvidia-smi -L | wc -l)
 source bench/plan_common.sh
 mkdir -p "$RESULTS/suite" "$RESULTS/tests" "$RESULTS/multi" "$RESULTS/probe"
-echo "[$(date +%T)] $GPUS GPU(s)"
 
 lane_a() {
   export CUDA_VISIBLE_DEVICES=0
@@ -29,9 +27,7 @@ lane_b() {
 }
 
 if [ "$GPUS" -ge 2 ]; then
-  (lane_a) & a=$!
-  (lane_b) & b=$!
-  wait $a; wait $b
+  two_lanes
   unset CUDA_VISIBLE_DEVICES
   [ "$HTTP" = 1 ] && step "multi-GPU http ($GPUS GPUs)" python3 -m bench.multi_gpu --gpus "$GPUS" --phases http --out "$RESULTS/multi/http"
 else

@@ -6,10 +6,8 @@
 #          then packscore alone against elementwise=inductor (gpu_suite --mode ab --no-hf).
 set -u
 cd "$(dirname "$0")/.."
-GPUS=$(nvidia-smi -L | wc -l)
 source bench/plan_common.sh
 mkdir -p "$RESULTS/probe" "$RESULTS/profile" "$RESULTS/ab"
-echo "[$(date +%T)] $GPUS GPU(s)"
 
 lane_a() {
   export CUDA_VISIBLE_DEVICES=0
@@ -23,6 +21,4 @@ lane_b() {
   CUDA_VISIBLE_DEVICES=$gpu step "packscore A/B, no HF (GPU $gpu)" bash -c "python3 -m bench.gpu_suite --mode ab --no-hf --swaps 'elementwise=inductor' --out '$RESULTS/ab' --budget-s 300 > '$RESULTS/ab/log.txt' 2>&1"
 }
 
-(lane_a) & a=$!
-(lane_b) & b=$!
-wait $a; wait $b
+two_lanes

@@ -4,7 +4,6 @@
 # full bench/plan_h200.sh run.
 set -u
 cd "$(dirname "$0")/.."
-GPUS=$(nvidia-smi -L | wc -l)
 mkdir -p "$RESULTS/tests" "$RESULTS/multi"
 source bench/plan_common.sh
 files=(tests/gpu/test_parity_bf16.py tests/gpu/test_isolation.py "tests/gpu/test_kernels.py tests/gpu/test_backend_selection.py" tests/gpu/test_long_sequence.py)
