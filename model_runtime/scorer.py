@@ -19,6 +19,7 @@ from model_runtime.packing import PackedBatch, pack_first_fit_decreasing
 
 PAD_TOKEN = 0  # token id of alignment padding; any valid id works, its segment is never scored
 
+
 @dataclass(frozen=True)
 class SequenceInput:
     """One sequence to score; options are per sequence because a row may mix requests."""

@@ -31,8 +31,9 @@ class LocalServer:
     ``args`` are the serve options after ``--host``/``--port``; ``env`` is added to this
     process's environment, whose ``PACKSCORE_*`` variables are dropped so that only ``args`` and
     ``env`` configure the server. With ``log_dir`` the server's output goes to
-    ``log_dir/server-<port>.log`` and its tail is shown when the server dies or is not ready in time. ``program`` is the command that
-    starts the CLI (default: this interpreter, ``-m service.cli``).
+    ``log_dir/server-<port>.log`` and its tail is shown when the server dies or is not ready in
+    time. ``program`` is the command that starts the CLI (default: this interpreter,
+    ``-m service.cli``).
     """
 
     def __init__(
