@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from bench.hf_reference import diff_stats
-from model_runtime.scorer import Scorer
+from model_runtime.scoring.scorer import Scorer
 
 GiB = 2**30
 
@@ -92,7 +92,7 @@ def moe_block(tokens: int = 8192) -> dict:
 
 def head_memory(n: int = 65536) -> dict:
     from bench.hf_reference import build_twin
-    from model_runtime.head import score_positions
+    from model_runtime.scoring.head import score_positions
 
     twin = build_twin("qwen3.5-9b", num_layers=1)
     scorer = Scorer(twin.loaded, max_batch_tokens=65536)

@@ -33,7 +33,7 @@ def _cases(T: int, g: torch.Generator):
     from model_runtime.kernels import elementwise as E
     from model_runtime.kernels import norm_triton as NT
     from model_runtime.kernels import pointwise_triton as PT
-    from model_runtime.packing import PackedBatch
+    from model_runtime.model.packing import PackedBatch
 
     dev, bf = "cuda", torch.bfloat16
 

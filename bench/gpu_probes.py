@@ -24,9 +24,9 @@ def environment() -> dict:
     import transformers
     import triton
 
-    from model_runtime.kernels import select_backends
     from model_runtime.kernels.attention import _varlen_has_gqa
     from model_runtime.kernels.linear_attention import _fla_signature
+    from model_runtime.kernels.registry import select_backends
     from bench.hf_reference import hf_uses_fla
 
     info = {
@@ -95,8 +95,8 @@ def matmul_ceiling() -> dict:
 def moe_experts(num_layers: int | None, row_tokens: int, spec=None) -> dict:
     from bench.hf_reference import build_twin, set_moe_implementation
     from bench.workload import WorkloadSpec, grpo_workload
-    from model_runtime.packing import PackedBatch
-    from model_runtime.scorer import plan_row
+    from model_runtime.model.packing import PackedBatch
+    from model_runtime.scoring.rows import plan_row
 
     preset = "qwen3.5-35b-a3b" if H.DEVICE == "cuda" else "tiny-moe"
     twin = build_twin(preset, num_layers=num_layers, moe_implementation="grouped_mm", device=H.DEVICE,

@@ -47,7 +47,7 @@ def run_benchmark(suite: Suite, preset: str, num_sequences: int, *, hf_single: b
     from bench.flops import flop_model
     from bench.hf_reference import build_twin, score_padded, score_padded_fitting, score_single, to_numpy
     from bench.workload import WorkloadSpec, describe, grpo_workload
-    from model_runtime.scorer import Scorer
+    from model_runtime.scoring.scorer import Scorer
 
     ceiling = suite.results.get("ceiling", {}).get("tflops_mean") or 788.0
     t0 = time.perf_counter()
@@ -172,9 +172,9 @@ def run_benchmark(suite: Suite, preset: str, num_sequences: int, *, hf_single: b
 def extra_measurements(suite: Suite, bench: dict, scorer, sequences):
     """Profile of one full row, the head's memory at 64k tokens, and idle latency (same model)."""
     from bench.breakdown import format_breakdown, profile_row
-    from model_runtime.head import score_positions
-    from model_runtime.packing import pack_first_fit_decreasing
-    from model_runtime.scorer import SequenceInput
+    from model_runtime.model.packing import pack_first_fit_decreasing
+    from model_runtime.scoring.head import score_positions
+    from model_runtime.types import SequenceInput
 
     loaded = scorer.loaded
     rows = pack_first_fit_decreasing([s.length for s in sequences], scorer.max_batch_tokens)
@@ -182,8 +182,8 @@ def extra_measurements(suite: Suite, bench: dict, scorer, sequences):
     row_tokens = sum(s.length for s in row)
 
     # Forward and head apart, with events (three repeats each, median).
-    from model_runtime.packing import PackedBatch
-    from model_runtime.scorer import plan_row
+    from model_runtime.model.packing import PackedBatch
+    from model_runtime.scoring.rows import plan_row
 
     plan = plan_row(row)
     ids = torch.from_numpy(plan.ids_T).to(H.DEVICE)
@@ -321,7 +321,7 @@ def finish(suite: Suite):
 def dry_run(suite: Suite):
     """Every phase that needs no GPU, on the CPU with the tiny presets (reference kernels)."""
     from bench.workload import WorkloadSpec
-    from model_runtime.presets import PRESETS, Preset
+    from model_runtime.scoring.presets import PRESETS, Preset
 
     device = H.DEVICE
     H.set_device("cpu")

@@ -41,7 +41,8 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float | None:
 
 def module_divergence(twin, ids: np.ndarray, device: str = "cuda") -> list[dict]:
     """Per module of the Hugging Face model, in its call order: max |diff| of input 0 and output."""
-    from model_runtime.scorer import Scorer, SequenceInput
+    from model_runtime.scoring.scorer import Scorer
+    from model_runtime.types import SequenceInput
 
     captured: dict[str, dict[str, list]] = {"hf": {}, "ours": {}}
     order: list[str] = []
@@ -96,7 +97,7 @@ def layer0_steps(twin, ids: np.ndarray) -> dict:
 
     from bench.hf_reference import hf_uses_fla
     from model_runtime.kernels.linear_attention import gated_delta_rule_fla
-    from model_runtime.packing import PackedBatch
+    from model_runtime.model.packing import PackedBatch
 
     captured = {}
     with twin.hf() as hf_model:

@@ -22,11 +22,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from model_runtime.architectures import architecture_for
-from model_runtime.kernels import select_backends
-from model_runtime.loading import LoadedModel, _hf_kwargs
-from model_runtime.model import patch_for_packing
-from model_runtime.presets import PRESETS, build_config
+from model_runtime.kernels.registry import select_backends
+from model_runtime.model.architectures import architecture_for
+from model_runtime.model.causal_lm import patch_for_packing
+from model_runtime.scoring.loading import LoadedModel, _hf_kwargs
+from model_runtime.scoring.presets import PRESETS, build_config
 
 
 # Where each swappable kernel family lives on the packed model: (layer class name, attribute).
@@ -38,10 +38,10 @@ _SWAPPABLE = {"attention": ("PackedAttention", "attention_fn"), "gate_projection
 def kernel_backend(model, family: str, name: str):
     """Every layer of the packed ``model`` runs backend ``name`` of ``family`` (attention,
     gate_projection, conv1d or elementwise) for the duration of the block: one loaded model, timed both ways."""
-    from model_runtime.kernels import REGISTRY
+    from model_runtime.kernels.registry import REGISTRY
 
     if family == "elementwise":  # every module's ModuleOps (layers and the model's own norms)
-        from model_runtime.layers import ModuleOps
+        from model_runtime.model.layers import ModuleOps
 
         ops = ModuleOps(REGISTRY[family][name]())
         holders = [m for m in model.modules() if isinstance(getattr(m, "ops", None), ModuleOps)]

@@ -89,7 +89,7 @@ def encoding_costs(scored_tokens: int = 100_000, sequence_length: int = 1000, re
     """Milliseconds per step for JSON and msgpack (best of ``repeats``), and bytes on the wire."""
     import httpx
 
-    from model_runtime.scorer import SequenceInput
+    from model_runtime.types import SequenceInput
     from service.client import _as_seq, _Protocol
     from service.encoding import decode_body, encode_score_response
     from service.validation import Limits, parse_score_request
@@ -148,8 +148,8 @@ def main() -> None:
 
     import torch
 
-    from model_runtime.loading import load_model
-    from model_runtime.scorer import Scorer
+    from model_runtime.scoring.loading import load_model
+    from model_runtime.scoring.scorer import Scorer
 
     loaded = load_model(args.model)
     spec = WorkloadSpec(num_sequences=args.sequences, prompt_median=args.prompt_median,

@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.workload import WorkloadSpec, describe, grpo_workload  # noqa: E402
-from model_runtime.packing import pack_first_fit_decreasing  # noqa: E402
-from model_runtime.scorer import SequenceInput  # noqa: E402
+from model_runtime.model.packing import pack_first_fit_decreasing  # noqa: E402
+from model_runtime.types import SequenceInput  # noqa: E402
 
 
 class GpuMemorySampler:
@@ -92,7 +92,7 @@ def run_rows(pool, sequences: list[SequenceInput], budget: int, row_seconds: lis
 
 
 def phase_sp(args, out: dict) -> None:
-    from model_runtime.workers import start_pool
+    from model_runtime.pool.pool import start_pool
 
     length = args.sp_tokens
     rng = np.random.default_rng(0)
@@ -115,7 +115,7 @@ def phase_sp(args, out: dict) -> None:
 
 
 def phase_fsdp(args, out: dict) -> None:
-    from model_runtime.workers import start_pool
+    from model_runtime.pool.pool import start_pool
 
     for model in args.fsdp_models:
         for fsdp in (True, False):
@@ -148,7 +148,7 @@ def phase_fsdp(args, out: dict) -> None:
 def phase_pool(args, out: dict) -> tuple[float, list[SequenceInput]]:
     """One replica per GPU in this process, the whole workload: seconds of the timed pass, and
     the workload."""
-    from model_runtime.workers import start_pool
+    from model_runtime.pool.pool import start_pool
 
     pool = start_pool(pool_settings(args, args.dense_model, args.gpus, 1, False, args.budget))
     try:

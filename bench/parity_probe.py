@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from bench.hf_reference import diff_stats
-from model_runtime.scorer import Scorer, SequenceInput
+from model_runtime.scoring.scorer import Scorer
+from model_runtime.types import SequenceInput
 
 
 LENGTHS = (1, 2, 3, 5, 63, 64, 65, 127, 128, 129, 300, 1000)
@@ -46,7 +47,7 @@ def conv1d_fla_fused_silu(x_TC, weight_CW, packed, splits=None):
 
 
 def register_probe_kernels() -> None:
-    from model_runtime.kernels import REGISTRY
+    from model_runtime.kernels.registry import REGISTRY
 
     REGISTRY["conv1d"]["fla_fused_silu"] = conv1d_fla_fused_silu
 
@@ -65,7 +66,7 @@ VARIANTS = {
 
 def cuda_only(overrides: dict) -> bool:
     """Whether a variant needs CUDA: a backend the registry marks so, or this probe's own kernel."""
-    from model_runtime.kernels import CUDA_ONLY
+    from model_runtime.kernels.registry import CUDA_ONLY
 
     return bool((CUDA_ONLY | {"fla_fused_silu"}) & set(overrides.values()))
 
@@ -148,7 +149,7 @@ class CheckpointModel:
         return AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.bfloat16).to(self.device).eval()
 
     def ours(self, overrides):
-        from model_runtime.loading import load_model
+        from model_runtime.scoring.loading import load_model
 
         return load_model(str(self.path), device=self.device, dtype="bfloat16", allow_slow_kernels=True,
                           kernel_overrides=overrides)

@@ -34,7 +34,7 @@ import torch
 def _init_world_of_one(device: str) -> None:
     import torch.distributed as dist
 
-    from model_runtime.ports import free_port
+    from model_runtime.pool.ports import free_port
 
     if not dist.is_initialized():
         backend = "nccl" if device == "cuda" else "gloo"
@@ -55,10 +55,10 @@ def main(argv=None) -> int:
 
     from bench.hf_reference import build_twin, kernel_backend
     from bench.workload import WorkloadSpec, describe, grpo_workload
-    from model_runtime.packing import pack_first_fit_decreasing
+    from model_runtime.model.packing import pack_first_fit_decreasing
     from model_runtime.parallel.dims import ParallelDims
     from model_runtime.parallel.runner import ParallelScorer
-    from model_runtime.scorer import Scorer
+    from model_runtime.scoring.scorer import Scorer
 
     if device == "cuda":
         torch.cuda.set_device(0)

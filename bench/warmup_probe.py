@@ -24,8 +24,8 @@ def main() -> None:
 
     dirs = configure_kernel_cache(args.kernel_cache)  # before anything compiles
 
-    from model_runtime.loading import load_model
-    from model_runtime.scorer import Scorer
+    from model_runtime.scoring.loading import load_model
+    from model_runtime.scoring.scorer import Scorer
 
     loaded = load_model(args.model, device="cuda", dtype="bfloat16")
     load_s = time.perf_counter() - started

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from model_runtime.scorer import SequenceInput
+from model_runtime.types import SequenceInput
 
 
 @dataclass(frozen=True)

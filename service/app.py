@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from model_runtime.scorer import SequenceScores
+from model_runtime.types import SequenceScores
 from service import metrics as metrics_module
 from service.encoding import CONTENT_TYPE, JSON, MSGPACK, encode_json, encode_score_response, request_encoding
 from service.encoding import decode_body, response_encoding, result_record

@@ -132,30 +132,30 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _check_model_and_key(settings: Settings) -> None:
     """Fails before anything slow for mistakes that loading would only find minutes later."""
-    from model_runtime.presets import PRESETS
+    from model_runtime.scoring.presets import PRESETS
 
     if settings.model not in PRESETS and not Path(settings.model).is_dir():
         raise ValueError(f"--model {settings.model!r} is neither a checkpoint directory nor a preset ({', '.join(sorted(PRESETS))})")
     settings.resolved_api_key()  # an unreadable or empty key file
     if settings.uses_worker_pool:
         try:
-            from model_runtime.workers import start_pool  # noqa: F401
+            from model_runtime.pool.pool import start_pool  # noqa: F401
         except ImportError as exc:
             raise ImportError(
                 f"--world-size {settings.world_size} / --sp {settings.sp} / --fsdp need the worker pool "
-                f"(model_runtime.workers.start_pool), which is not available in this build: {exc}"
+                f"(model_runtime.pool.pool.start_pool), which is not available in this build: {exc}"
             ) from None
 
 
 def load_backend(settings: Settings):
     """The ScoringBackend the settings ask for: the worker pool, or the scorer in this process."""
     if settings.uses_worker_pool:
-        from model_runtime.workers import start_pool
+        from model_runtime.pool.pool import start_pool
 
         return start_pool(settings.model_dump())
-    from model_runtime.backend import LocalBackend
-    from model_runtime.loading import load_model
-    from model_runtime.scorer import Scorer
+    from model_runtime.scoring.backend import LocalBackend
+    from model_runtime.scoring.loading import load_model
+    from model_runtime.scoring.scorer import Scorer
 
     loaded = load_model(
         settings.model,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from model_runtime.ports import free_port
+from model_runtime.pool.ports import free_port
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,7 +11,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from model_runtime.backend import ModelInfo
+from model_runtime.scoring.backend import ModelInfo
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKEN_BUCKETS = tuple(2**i for i in range(6, 20))  # 64 .. 512k tokens

@@ -18,8 +18,8 @@ from typing import Callable
 
 import numpy as np
 
-from model_runtime.backend import ScoringBackend
-from model_runtime.scorer import SequenceInput
+from model_runtime.scoring.backend import ScoringBackend
+from model_runtime.types import SequenceInput
 from service.errors import ApiError
 from service.metrics import Metrics
 from service.scheduler import Scheduler

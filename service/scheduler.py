@@ -28,8 +28,8 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-from model_runtime.backend import BackendUnavailableError, ScoringBackend
-from model_runtime.scorer import InvalidSequenceError, SequenceInput, SequenceScores
+from model_runtime.scoring.backend import BackendUnavailableError, ScoringBackend
+from model_runtime.types import InvalidSequenceError, SequenceInput, SequenceScores
 from service.errors import ApiError, backend_unavailable
 from service.metrics import Metrics
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, WrapValidator
 
-from model_runtime.head import MAX_TOP_K
+from model_runtime.types import MAX_TOP_K
 
 
 def _token_ids(value: Any, handler) -> np.ndarray:

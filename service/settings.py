@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from model_runtime.kernel_overrides import FAMILIES, parse_kernel_overrides
+from model_runtime.kernels.overrides import FAMILIES, parse_kernel_overrides
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 DEFAULT_QUEUED_TOKENS = 262144  # the admission bound of a one-GPU server

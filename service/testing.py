@@ -16,8 +16,9 @@ from typing import AsyncIterator, Callable, Sequence
 import httpx
 import numpy as np
 
-from model_runtime.backend import BackendUnavailableError, ModelInfo
-from model_runtime.scorer import SequenceInput, SequenceScores, validate_sequence
+from model_runtime.scoring.backend import BackendUnavailableError, ModelInfo
+from model_runtime.scoring.rows import validate_sequence
+from model_runtime.types import SequenceInput, SequenceScores
 
 
 def expected_scores(seq: SequenceInput) -> SequenceScores:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 
-from model_runtime.scorer import SequenceInput
+from model_runtime.types import SequenceInput
 from service.errors import ApiError, from_validation_errors
 from service.schemas import ScoreRequest
 

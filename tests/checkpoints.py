@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from model_runtime.presets import tiny_config
+from model_runtime.scoring.presets import tiny_config
 
 KINDS = ("qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_next")
 

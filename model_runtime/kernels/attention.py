@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from model_runtime.packing import PackedBatch
+from model_runtime.model.packing import PackedBatch
 
 
 def _check(q_THD, k_THD, v_THD, packed: PackedBatch) -> None:

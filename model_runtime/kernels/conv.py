@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from model_runtime.packing import PackedBatch
+from model_runtime.model.packing import PackedBatch
 
 
 def _check(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: PackedBatch) -> None:

@@ -36,7 +36,7 @@ import torch
 
 from model_runtime.kernels import triton_math  # its jit helpers are module globals: the interpreter sees them
 from model_runtime.kernels.conv import _check
-from model_runtime.packing import PackedBatch
+from model_runtime.model.packing import PackedBatch
 
 # (tokens, channels, warps) per program; any tile gives the same numbers (each output's taps are
 # added in one order), and a split narrower than the channel block gets a narrower one.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from model_runtime.packing import PackedBatch
+from model_runtime.model.packing import PackedBatch
 
 
 def _check(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: PackedBatch) -> None:

@@ -63,10 +63,9 @@ def _candidates(dim: int) -> list[tuple[int, int]]:
 
 
 def mean_square_reference(x_RD: torch.Tensor) -> torch.Tensor:
-    """``x.float().pow(2).mean(-1)``: ATen's own, as Hugging Face's norms compute it."""
-    from model_runtime.kernels.elementwise import _mean_square
-
-    return _mean_square(x_RD)[..., 0]
+    """``x.float().pow(2).mean(-1)``: ATen's own, as Hugging Face's norms compute it (the same
+    calls as ``elementwise._mean_square``, written here so that elementwise -> norm_triton stays one-way)."""
+    return x_RD.float().pow(2).mean(-1, keepdim=True)[..., 0]
 
 
 try:  # the CPU install has no Triton: only the GPU path (and the interpreter tests) use these

@@ -14,7 +14,7 @@ Units (one all-gather each, resharded right after use so only one layer is whole
 - each decoder layer: ``PackedCausalLM.forward`` calls the layer's norms, token mixer and MLP
   directly rather than the layer module, so the four are grouped as one FSDP unit
   (``fully_shard([...])``) whose hooks fire on the submodules that actually run;
-- the LM head (when not tied to the embedding): ``model_runtime.head`` reads
+- the LM head (when not tied to the embedding): ``model_runtime.scoring.head`` reads
   ``model.lm_head.weight`` outside any forward, so ``unsharded_head_weight`` all-gathers it
   explicitly for the head and frees it afterwards. The head is the largest single tensor
   (248,320 x hidden), so it is sharded like everything else rather than kept whole everywhere;

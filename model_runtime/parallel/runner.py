@@ -18,13 +18,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from model_runtime.head import ROW_MULTIPLE, HeadOutput, score_positions
-from model_runtime.loading import LoadedModel
-from model_runtime.packing import PackedBatch
+from model_runtime.model.packing import PackedBatch
 from model_runtime.parallel.dims import ParallelDims
 from model_runtime.parallel.parallelize import unsharded_head_weight
 from model_runtime.parallel.ulysses import UlyssesExchange
-from model_runtime.scorer import PAD_TOKEN, Scorer, SequenceInput, SequenceScores, plan_row, split_results
+from model_runtime.scoring.head import ROW_MULTIPLE, HeadOutput, score_positions
+from model_runtime.scoring.loading import LoadedModel
+from model_runtime.scoring.rows import PAD_TOKEN, plan_row, split_results
+from model_runtime.scoring.scorer import Scorer
+from model_runtime.types import SequenceInput, SequenceScores
 
 
 

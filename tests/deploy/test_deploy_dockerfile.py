@@ -190,7 +190,7 @@ def in_context(path: str) -> bool:
 
 
 @pytest.mark.parametrize("path", [
-    "pyproject.toml", "README.md", "model_runtime/model.py", "service/cli.py", "deploy/docker/cuda_arch.py",
+    "pyproject.toml", "README.md", "model_runtime/model/causal_lm.py", "service/cli.py", "deploy/docker/cuda_arch.py",
 ])
 def test_dockerignore_keeps_what_the_build_reads(path):
     assert in_context(path)

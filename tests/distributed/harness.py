@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from model_runtime.ports import free_port
+from model_runtime.pool.ports import free_port
 
 
 def _entry(rank: int, world: int, port: int, backend: str, fn, args: tuple, out_dir: str) -> None:

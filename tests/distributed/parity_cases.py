@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from model_runtime.loading import load_model
 from model_runtime.parallel.dims import ParallelDims
 from model_runtime.parallel.parallelize import parallelize
 from model_runtime.parallel.runner import ParallelScorer
-from model_runtime.scorer import Scorer, SequenceInput
+from model_runtime.scoring.loading import load_model
+from model_runtime.scoring.scorer import Scorer
+from model_runtime.types import SequenceInput
 
 TOP_K = 3
 CONV_WIDTH = 4  # the GDN conv kernel: offsets -4..+4 cover the window on both sides of a start

@@ -9,10 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from model_runtime.backend import BackendUnavailableError, LocalBackend
-from model_runtime.loading import load_model
-from model_runtime.scorer import InvalidSequenceError, Scorer, SequenceInput
-from model_runtime.workers import start_pool
+from model_runtime.pool.pool import start_pool
+from model_runtime.scoring.backend import BackendUnavailableError, LocalBackend
+from model_runtime.scoring.loading import load_model
+from model_runtime.scoring.scorer import Scorer
+from model_runtime.types import InvalidSequenceError, SequenceInput
 
 TOL = 1e-5
 BASE = dict(model="tiny", device="cpu", dtype="auto", max_batch_tokens=256, allow_slow_kernels=False)

@@ -17,8 +17,9 @@ import httpx
 import numpy as np
 import pytest
 
-from model_runtime.loading import load_model
-from model_runtime.scorer import Scorer, SequenceInput
+from model_runtime.scoring.loading import load_model
+from model_runtime.scoring.scorer import Scorer
+from model_runtime.types import SequenceInput
 from service.local_server import LocalServer
 
 TOL = {"logprobs": 1e-5, "entropy": 1e-4}
@@ -36,7 +37,7 @@ def _command() -> list[str]:
 
 
 def _worker_pids(server_pid: int) -> list[int]:
-    """The server's children that run ``model_runtime.worker_main`` (read from /proc)."""
+    """The server's children that run ``model_runtime.pool.worker`` (read from /proc)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -47,7 +48,7 @@ def _worker_pids(server_pid: int) -> list[int]:
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == server_pid and b"model_runtime.worker_main" in cmdline:
+        if ppid == server_pid and b"model_runtime.pool.worker" in cmdline:
             pids.append(int(entry.name))
     return sorted(pids)
 

@@ -18,7 +18,7 @@ def tiny_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_scorer():
     """The same model in this process: what every answer is compared with."""
-    from model_runtime.loading import load_model
-    from model_runtime.scorer import Scorer
+    from model_runtime.scoring.loading import load_model
+    from model_runtime.scoring.scorer import Scorer
 
     return Scorer(load_model("tiny"), max_batch_tokens=8192)

@@ -9,7 +9,7 @@ import httpx
 import msgpack
 import numpy as np
 
-from model_runtime.scorer import SequenceInput
+from model_runtime.types import SequenceInput
 from service.local_server import LocalServer
 
 API_KEY = "e2e-secret"

@@ -31,8 +31,8 @@ def test_tiny_preset_answers_equal_the_in_process_scorer(tiny_server, tiny_score
 
 
 def test_saved_checkpoint_answers_equal_the_in_process_scorer(checkpoint_dir, tmp_path):
-    from model_runtime.loading import load_model
-    from model_runtime.scorer import Scorer
+    from model_runtime.scoring.loading import load_model
+    from model_runtime.scoring.scorer import Scorer
 
     path = checkpoint_dir("qwen3_5")
     server = ServerProcess(tmp_path, "--model", str(path), "--served-model-name", "ckpt", "--max-batch-tokens", "256")

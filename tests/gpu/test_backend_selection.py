@@ -4,8 +4,8 @@ and whatever runs is named in the model's backends (what /v1/models and the metr
 import pytest
 import torch
 
-import model_runtime.kernels as kernels
-from model_runtime.kernels import SlowKernelError, select_backends
+import model_runtime.kernels.registry as kernels
+from model_runtime.kernels.registry import SlowKernelError, select_backends
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,7 +35,7 @@ def test_fast_backends_chosen_on_this_machine(gpu_record):
 
 
 def test_missing_fla_refuses_to_start(without_fla):
-    from model_runtime.loading import load_model
+    from model_runtime.scoring.loading import load_model
 
     with pytest.raises(SlowKernelError, match="--allow-slow-kernels"):
         select_backends("cuda")
@@ -44,8 +44,8 @@ def test_missing_fla_refuses_to_start(without_fla):
 
 
 def test_missing_fla_allowed_is_visible(without_fla, gpu_record):
-    from model_runtime.backend import ModelInfo
-    from model_runtime.loading import load_model
+    from model_runtime.scoring.backend import ModelInfo
+    from model_runtime.scoring.loading import load_model
 
     loaded = load_model("tiny", device="cuda", allow_slow_kernels=True)
     info = ModelInfo.of(loaded)

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from model_runtime.scorer import Scorer, SequenceInput
+from model_runtime.scoring.scorer import Scorer
+from model_runtime.types import SequenceInput
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,7 +13,7 @@ from model_runtime.kernels.attention import causal_attention_reference, causal_a
 from model_runtime.kernels.conv import causal_conv1d_fla, causal_conv1d_reference
 from model_runtime.kernels.gate_projection import gate_projection_row, gate_projection_segment
 from model_runtime.kernels.linear_attention import gated_delta_rule_fla, gated_delta_rule_reference
-from model_runtime.packing import PackedBatch
+from model_runtime.model.packing import PackedBatch
 
 pytestmark = [
     pytest.mark.gpu,

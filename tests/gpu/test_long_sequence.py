@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from model_runtime.scorer import Scorer, SequenceInput
+from model_runtime.scoring.scorer import Scorer
+from model_runtime.types import SequenceInput
 from tests.gpu.conftest import smoke
 
 pytestmark = [
@@ -20,7 +21,7 @@ pytestmark = [
 
 
 def test_131k_tokens_one_sequence_9b(gpu_record):
-    from model_runtime.loading import load_model
+    from model_runtime.scoring.loading import load_model
 
     tokens = 16384 if smoke() else 131072
     loaded = load_model("qwen3.5-9b", device="cuda", dtype="bfloat16")

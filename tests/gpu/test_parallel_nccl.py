@@ -44,9 +44,10 @@ def test_nccl_sp_and_fsdp_match_one_gpu(checkpoint_dir, gpu_record):
 
 def test_cuda_pool_sp2_fsdp_matches_one_gpu(gpu_record):
     """The served path in bf16 with the installed kernels: DESIGN.md's bf16 bound (mean 2e-3)."""
-    from model_runtime.loading import load_model
-    from model_runtime.scorer import Scorer, SequenceInput
-    from model_runtime.workers import start_pool
+    from model_runtime.pool.pool import start_pool
+    from model_runtime.scoring.loading import load_model
+    from model_runtime.scoring.scorer import Scorer
+    from model_runtime.types import SequenceInput
 
     settings = dict(
         model="tiny", device="cuda", dtype="bfloat16", world_size=2, sp=2, fsdp=True, max_batch_tokens=1024, allow_slow_kernels=True

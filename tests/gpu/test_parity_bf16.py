@@ -27,7 +27,8 @@ import torch
 
 from bench.hf_reference import diff_stats, hf_uses_fla
 from bench.parity_probe import LENGTHS
-from model_runtime.scorer import Scorer, SequenceInput
+from model_runtime.scoring.scorer import Scorer
+from model_runtime.types import SequenceInput
 
 pytestmark = [
     pytest.mark.gpu,
@@ -78,7 +79,7 @@ def _overrides(variant: str) -> dict:
 def test_bf16_packed_matches_hf_alone(kind, variant, checkpoint_dir, gpu_record):
     from transformers import AutoModelForCausalLM
 
-    from model_runtime.loading import load_model
+    from model_runtime.scoring.loading import load_model
 
     path = checkpoint_dir(kind)
     loaded = load_model(str(path), device="cuda", dtype="bfloat16", kernel_overrides=_overrides(variant))

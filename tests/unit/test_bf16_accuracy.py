@@ -8,8 +8,8 @@ what a trainer needs is that packscore's bf16 error is no larger than the refere
 import numpy as np
 import torch
 
-from model_runtime.loading import load_model
-from model_runtime.scorer import Scorer
+from model_runtime.scoring.loading import load_model
+from model_runtime.scoring.scorer import Scorer
 from tests.unit.test_packed_parity import hf_reference, make_batch
 
 

@@ -7,10 +7,10 @@ import numpy as np
 import orjson
 import pytest
 
+from model_runtime.types import SequenceInput
 from service import cli
 from service.settings import Settings
 from service.testing import FakeBackend, expected_scores
-from model_runtime.scorer import SequenceInput
 
 SERVE_OPTIONS = (
     "--model", "--host", "--port", "--max-batch-tokens", "--max-wait-ms", "--max-queued-tokens",
@@ -106,7 +106,7 @@ def test_a_missing_model_or_worker_pool_fails_fast_with_a_clear_error(monkeypatc
     assert cli.main(["serve", "--model", str(tmp_path / "nope"), "--triton-cache-dir", str(tmp_path)]) == 2
     assert "neither a checkpoint directory nor a preset" in capsys.readouterr().err
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path)  # set before anything imports a kernel
-    monkeypatch.setitem(sys.modules, "model_runtime.workers", None)  # as if not written yet
+    monkeypatch.setitem(sys.modules, "model_runtime.pool.pool", None)  # as if not written yet
     assert cli.main(["serve", "--world-size", "2"]) == 2
     assert "worker pool" in capsys.readouterr().err
 
@@ -180,8 +180,8 @@ def test_model_len_resolution(requested, model_limit, queued, want):
 
 
 def test_offline_scoring_with_the_tiny_model_equals_the_in_process_scorer(tmp_path):
-    from model_runtime.loading import load_model
-    from model_runtime.scorer import Scorer
+    from model_runtime.scoring.loading import load_model
+    from model_runtime.scoring.scorer import Scorer
 
     rng = np.random.default_rng(1)
     rows = [{"id": str(i), "input_ids": rng.integers(0, 4096, n).tolist(), "score_from": 3}

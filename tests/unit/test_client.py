@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 
-from model_runtime.scorer import SequenceInput
+from model_runtime.types import SequenceInput
 from service.app import create_app
 from service.client import AsyncScoreClient, Limits, ScoreError, _as_seq, _Protocol, _retry_after
 from service.settings import Settings

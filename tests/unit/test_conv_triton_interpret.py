@@ -24,7 +24,7 @@ from tests.interpret import only_when_interpreting, require_triton
 pytestmark = only_when_interpreting
 triton = require_triton()
 
-from model_runtime.packing import PackedBatch  # noqa: E402
+from model_runtime.model.packing import PackedBatch  # noqa: E402
 
 LENGTHS = (1, 3, 17, 29)  # T = 50
 SPLITS = (8, 8, 8)

@@ -8,8 +8,8 @@ import textwrap
 import pytest
 import torch
 
-from model_runtime.head import BYTES_PER_LOGIT, chunk_tokens_for_budget, score_positions, score_positions_reference
 from model_runtime.kernels.logprob_head import LOGP_FLOOR
+from model_runtime.scoring.head import BYTES_PER_LOGIT, chunk_tokens_for_budget, score_positions, score_positions_reference
 
 
 @pytest.mark.parametrize("fixed_shape", [False, True], ids=["padded16", "fixed"])
@@ -56,7 +56,7 @@ def test_temperature_is_a_divisor_of_the_logits():
 MEASURE = textwrap.dedent(
     """
     import json, resource, sys, torch
-    from model_runtime.head import chunk_tokens_for_budget, score_positions
+    from model_runtime.scoring.head import chunk_tokens_for_budget, score_positions
     torch.set_num_threads(1)
     N, D, V, budget = 2048, 64, 248_320, int(sys.argv[1])
     g = torch.Generator().manual_seed(0)

@@ -9,7 +9,7 @@ import msgpack
 import numpy as np
 import orjson
 
-from model_runtime.scorer import SequenceInput
+from model_runtime.types import SequenceInput
 from service.app import create_app
 from service.scheduler import Scheduler, is_out_of_memory
 from service.settings import Settings

@@ -272,10 +272,10 @@ def test_extreme_temperatures_answer_numbers_not_nulls():
     """Any finite temperature > 0 is valid (API.md); at 5e-324 the fuzzer once got nulls back."""
     import math
 
-    from model_runtime.backend import LocalBackend
     from model_runtime.kernels.logprob_head import LOGP_FLOOR
-    from model_runtime.loading import load_model
-    from model_runtime.scorer import Scorer
+    from model_runtime.scoring.backend import LocalBackend
+    from model_runtime.scoring.loading import load_model
+    from model_runtime.scoring.scorer import Scorer
 
     backend = LocalBackend(Scorer(load_model("tiny", device="cpu")))
 

@@ -11,7 +11,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from model_runtime.head import MAX_TOP_K
+from model_runtime.types import MAX_TOP_K, SequenceInput
 from service.app import create_app
 from service.encoding import response_encoding
 from service.errors import param_path
@@ -19,7 +19,6 @@ from service.schemas import MAX_TOP_K as SCHEMA_MAX_TOP_K
 from service.schemas import ScoreResponse
 from service.settings import Settings
 from service.testing import FakeBackend, expected_scores, running_app
-from model_runtime.scorer import SequenceInput
 
 VOCAB = 1000
 LIMITS = dict(max_model_len=64, max_sequences_per_request=8, max_queued_tokens=300, max_request_bytes=20_000)

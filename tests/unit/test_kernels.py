@@ -4,12 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_runtime.kernels import FAMILIES, KernelBackends, SlowKernelError, select_backends
 from model_runtime.kernels.attention import causal_attention_reference, causal_attention_sdpa
 from model_runtime.kernels.conv import causal_conv1d_reference
 from model_runtime.kernels.gate_projection import gate_projection_row, gate_projection_segment
 from model_runtime.kernels.linear_attention import gated_delta_rule_reference
-from model_runtime.packing import PackedBatch
+from model_runtime.kernels.registry import FAMILIES, KernelBackends, SlowKernelError, select_backends
+from model_runtime.model.packing import PackedBatch
 
 LAYOUTS = [(1,), (5, 1, 7), (64, 65, 3, 128), (200,)]
 
@@ -122,7 +122,7 @@ def test_cpu_uses_references_and_cuda_refuses_missing_fast_kernels(monkeypatch):
         ("linear_attention", "conv1d", "attention"), "reference"
     )
     assert cpu["head"] == "torch" and cpu["elementwise"] == "eager"
-    import model_runtime.kernels as kernels
+    import model_runtime.kernels.registry as kernels
 
     monkeypatch.setattr(kernels, "_unavailable_reason", lambda family, name: "not installed (test)")
     with pytest.raises(SlowKernelError, match="--allow-slow-kernels"):

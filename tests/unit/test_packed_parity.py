@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from model_runtime.loading import load_model
-from model_runtime.packing import PackedBatch
-from model_runtime.scorer import Scorer, SequenceInput
+from model_runtime.model.packing import PackedBatch
+from model_runtime.scoring.loading import load_model
+from model_runtime.scoring.scorer import Scorer
+from model_runtime.types import SequenceInput
 
 LENGTHS = (1, 2, 3, 4, 5, 63, 64, 65, 127, 128, 129, 300)
 TOL = 1e-4  # float32 CPU target from DESIGN.md

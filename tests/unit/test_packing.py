@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model_runtime.packing import PackedBatch, pack_first_fit_decreasing
+from model_runtime.model.packing import PackedBatch, pack_first_fit_decreasing
 
 
 def test_packed_batch_offsets_and_positions():

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from model_runtime import messages as msg
 from model_runtime.parallel.dims import ParallelDims
 from model_runtime.parallel.ulysses import _heads_of, check_heads
-from model_runtime.scorer import SequenceInput
+from model_runtime.pool import messages as msg
+from model_runtime.types import SequenceInput
 
 
 @pytest.mark.parametrize(

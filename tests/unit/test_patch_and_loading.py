@@ -6,13 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from model_runtime.architectures import ARCHITECTURES, UnsupportedModelError
-from model_runtime.kernels import select_backends
-from model_runtime.layers import PackedAttention, PackedGatedDeltaNet
-from model_runtime.loading import load_model
-from model_runtime.model import PatchError, patch_for_packing
-from model_runtime.presets import PRESETS
-from model_runtime.scorer import Scorer, SequenceInput
+from model_runtime.kernels.registry import select_backends
+from model_runtime.model.architectures import ARCHITECTURES, UnsupportedModelError
+from model_runtime.model.causal_lm import PatchError, patch_for_packing
+from model_runtime.model.layers import PackedAttention, PackedGatedDeltaNet
+from model_runtime.scoring.loading import load_model
+from model_runtime.scoring.presets import PRESETS
+from model_runtime.scoring.scorer import Scorer
+from model_runtime.types import SequenceInput
 from tests.checkpoints import build_hf_model
 
 FAMILY = {"qwen3_5": "qwen3_5", "qwen3_5_vl": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe", "qwen3_next": "qwen3_next"}
@@ -110,7 +111,7 @@ def test_weights_version_changes_when_weights_are_rewritten(tmp_path):
 
 
 def test_presets_have_the_advertised_shapes():
-    from model_runtime.presets import build_config
+    from model_runtime.scoring.presets import build_config
 
     nine = build_config(PRESETS["qwen3.5-9b"])
     assert (nine.hidden_size, nine.num_hidden_layers, nine.vocab_size) == (4096, 32, 248320)
@@ -129,7 +130,7 @@ def test_tiny_preset_is_deterministic_and_defaults_to_float32_on_cpu():
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
 def test_weight_estimate_matches_the_loaded_model(kind, checkpoint_dir):
     """The FSDP workers decide GPU-or-CPU loading from this estimate, before building anything."""
-    from model_runtime.loading import estimated_weight_bytes
+    from model_runtime.scoring.loading import estimated_weight_bytes
 
     path = checkpoint_dir(kind)
     loaded = load_model(str(path), device="cpu", dtype="float32")

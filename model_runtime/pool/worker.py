@@ -1,10 +1,10 @@
-"""One rank of the worker pool, as its own process: ``python -m model_runtime.worker_main``.
+"""One rank of the worker pool, as its own process: ``python -m model_runtime.pool.worker``.
 
-Started by ``model_runtime.workers.WorkerPool`` with two inherited pipe descriptors (commands
+Started by ``model_runtime.pool.pool.WorkerPool`` with two inherited pipe descriptors (commands
 in, replies out). It reads a ``Start`` message, joins the process group on 127.0.0.1, loads and
 parallelizes the model, says ``Hello``, then runs the ``ScoreRow`` / ``Idle`` steps it is sent,
 in order, until ``Shutdown`` or until its command pipe closes. Only msgpack frames of
-``model_runtime.messages`` are read from the pipe.
+``model_runtime.pool.messages`` are read from the pipe.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from model_runtime import messages as msg
+from model_runtime.pool import messages as msg
 
 log = logging.getLogger("packscore.worker")
 
@@ -54,8 +54,8 @@ def _watch_parent() -> None:
 
 
 def _load(start: msg.Start, device: torch.device):
-    from model_runtime.kernel_overrides import parse_kernel_overrides
-    from model_runtime.loading import load_model
+    from model_runtime.kernels.overrides import parse_kernel_overrides
+    from model_runtime.scoring.loading import load_model
 
     name = start.served_model_name or None
     overrides = parse_kernel_overrides(start.kernels)
@@ -82,7 +82,7 @@ GPU_LOAD_FRACTION = 0.7
 
 
 def _fits_on_gpu(start: msg.Start, device: torch.device) -> bool:
-    from model_runtime.loading import estimated_weight_bytes, resolve_dtype
+    from model_runtime.scoring.loading import estimated_weight_bytes, resolve_dtype
 
     free, _ = torch.cuda.mem_get_info(device)
     need = estimated_weight_bytes(start.model, resolve_dtype(start.dtype, device))

@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from model_runtime.kernels.logprob_head import entropy_of, tempered_log_softmax
+from model_runtime.types import MAX_TOP_K
 
 # Bytes per (token, vocab) entry alive at a chunk's peak, measured in tests/unit/test_head.py:
 # float32 log-probs (4), a temporary of logsumexp or top-k (4), float32 probabilities (4), and
 # the matmul output in the compute dtype before its float32 copy (up to 4).
 BYTES_PER_LOGIT = 16
-MAX_TOP_K = 20
 
 
 @dataclass

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from model_runtime.architectures import LAYER_KINDS, Architecture
-from model_runtime.kernels import KernelBackends
-from model_runtime.layers import ModuleOps, PackedAttention, PackedGatedDeltaNet
-from model_runtime.packing import PackedBatch
+from model_runtime.kernels.registry import KernelBackends
+from model_runtime.model.architectures import LAYER_KINDS, Architecture
+from model_runtime.model.layers import ModuleOps, PackedAttention, PackedGatedDeltaNet
+from model_runtime.model.packing import PackedBatch
 
 
 class PatchError(RuntimeError):
@@ -38,7 +38,7 @@ class PackedCausalLM(nn.Module):
     """Decoder stack of a Qwen3.5-family model whose forward takes a packed row.
 
     Built by ``patch_for_packing``; holds the original embedding, decoder layers, final norm,
-    rotary embedding and LM head (the head is applied by ``model_runtime.head``, in chunks).
+    rotary embedding and LM head (the head is applied by ``model_runtime.scoring.head``, in chunks).
     """
 
     def __init__(self, hf_causal_lm: nn.Module, architecture: Architecture, backends: KernelBackends | None = None):

@@ -3,8 +3,8 @@
 Layout: ``dp = world_size / sp`` data-parallel groups of ``sp`` ranks (see
 ``model_runtime.parallel``). One process per GPU on CUDA (NCCL), or CPU processes joined by gloo
 with ``device="cpu"``. The HTTP process talks to each worker over two pipes carrying msgpack
-frames with raw numpy buffers (``model_runtime.messages``); nothing is pickled. The processes
-themselves are launched and stopped by ``model_runtime.worker_procs``.
+frames with raw numpy buffers (``model_runtime.pool.messages``); nothing is pickled. The processes
+themselves are launched and stopped by ``model_runtime.pool.procs``.
 
 Scheduling:
 - without FSDP the groups are independent: ``score_row`` sends the row to the group with the
@@ -39,12 +39,14 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from model_runtime import messages as msg
-from model_runtime.backend import BackendUnavailableError, ModelInfo
-from model_runtime.head import MAX_TOP_K, HeadOutput
 from model_runtime.parallel.dims import ParallelDims
-from model_runtime.scorer import InvalidSequenceError, SequenceInput, SequenceScores, split_results, validate_sequence
-from model_runtime.worker_procs import WorkerWorld
+from model_runtime.pool import messages as msg
+from model_runtime.pool.procs import WorkerWorld
+from model_runtime.scoring.backend import BackendUnavailableError, ModelInfo
+from model_runtime.scoring.head import HeadOutput
+from model_runtime.scoring.rows import split_results, validate_sequence
+from model_runtime.types import MAX_TOP_K
+from model_runtime.types import InvalidSequenceError, SequenceInput, SequenceScores
 
 log = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model_runtime.kernels import KernelBackends
 from model_runtime.kernels.elementwise import EAGER, Elementwise
+from model_runtime.kernels.registry import KernelBackends
 from model_runtime.kernels.elementwise import _rotate_half as rotate_half  # noqa: F401 (public name)
 from model_runtime.kernels.elementwise import partial_rope as apply_partial_rope
-from model_runtime.packing import PackedBatch
+from model_runtime.model.packing import PackedBatch
 
 # Hugging Face classes whose arithmetic the fused elementwise functions reproduce. Anything
 # else (a future norm with another formula) keeps running as its own module.

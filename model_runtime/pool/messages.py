@@ -18,7 +18,7 @@ from typing import Sequence
 import msgpack
 import numpy as np
 
-from model_runtime.scorer import SequenceInput
+from model_runtime.types import SequenceInput
 
 # Fixed wire dtypes (little-endian).
 IDS = np.dtype("<i4")  # token ids: vocabularies are far below 2**31

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from model_runtime.architectures import UnsupportedModelError, architecture_for
-from model_runtime.kernels import KernelBackends, select_backends
-from model_runtime.model import PackedCausalLM, PatchReport, patch_for_packing
-from model_runtime.presets import PRESETS, build_config
+from model_runtime.kernels.registry import KernelBackends, select_backends
+from model_runtime.model.architectures import UnsupportedModelError, architecture_for
+from model_runtime.model.causal_lm import PackedCausalLM, PatchReport, patch_for_packing
+from model_runtime.scoring.presets import PRESETS, build_config
 
 log = logging.getLogger(__name__)
 

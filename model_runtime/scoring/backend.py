@@ -1,7 +1,7 @@
 """What the HTTP service drives: something that scores one packed row at a time.
 
 ``LocalBackend`` runs the scorer in this process. The multi-process worker pool
-(``model_runtime.workers``) offers the same surface, with ``concurrency`` equal to its number of
+(``model_runtime.pool.pool``) offers the same surface, with ``concurrency`` equal to its number of
 data-parallel groups. The service never touches torch directly.
 """
 
@@ -11,8 +11,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-from model_runtime.loading import LoadedModel
-from model_runtime.scorer import Scorer, SequenceInput, SequenceScores
+from model_runtime.scoring.loading import LoadedModel
+from model_runtime.scoring.scorer import Scorer
+from model_runtime.types import SequenceInput, SequenceScores
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """One generation of the pool's worker processes: launching them, their pipes, stopping them.
 
-Each rank is ``python -m model_runtime.worker_main`` with two inherited pipe descriptors: the
-pool writes commands into one and reads replies from the other (``model_runtime.messages``
+Each rank is ``python -m model_runtime.pool.worker`` with two inherited pipe descriptors: the
+pool writes commands into one and reads replies from the other (``model_runtime.pool.messages``
 frames). The pool keeps no other handle on a worker than its ``Popen`` and these pipes.
 """
 
@@ -17,13 +17,13 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from model_runtime import messages as msg
 from model_runtime.parallel.dims import ParallelDims
-from model_runtime.ports import free_port
+from model_runtime.pool import messages as msg
+from model_runtime.pool.ports import free_port
 
 log = logging.getLogger(__name__)
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
+_REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class WorkerWorld:
@@ -52,7 +52,7 @@ class WorkerWorld:
             rep_recv, rep_send = Pipe(duplex=False)
             child_fds = (cmd_recv.fileno(), rep_send.fileno())
             proc = subprocess.Popen(
-                [sys.executable, "-m", "model_runtime.worker_main", "--recv-fd", str(child_fds[0]), "--send-fd", str(child_fds[1])],
+                [sys.executable, "-m", "model_runtime.pool.worker", "--recv-fd", str(child_fds[0]), "--send-fd", str(child_fds[1])],
                 pass_fds=child_fds,
                 env=env,
             )

@@ -1,0 +1,206 @@
+"""Kernel boundary: one function per family, each with a named backend.
+
+Families: ``linear_attention`` (gated delta rule), ``conv1d`` (causal depthwise conv),
+``attention`` (causal full attention), ``head`` (log-probability and entropy of a chunk of
+logits), ``elementwise`` (norms, gates, rotary, SiLU between the matrix products; its
+registry entries return the whole function set) and ``gate_projection`` (the GDN's narrow
+decay/beta projections, per row or per segment). Every fast backend has an exact PyTorch
+reference beside it; tests compare them on fresh random inputs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from model_runtime.kernels.attention import (
+    causal_attention_flash,
+    causal_attention_reference,
+    causal_attention_sdpa,
+    causal_attention_varlen,
+)
+from model_runtime.kernels import elementwise
+from model_runtime.kernels.conv import causal_conv1d_fla, causal_conv1d_reference, causal_conv1d_tridao
+from model_runtime.kernels.conv_triton import causal_conv1d_silu_triton
+from model_runtime.kernels.gate_projection import gate_projection_row, gate_projection_segment
+from model_runtime.kernels.linear_attention import gated_delta_rule_fla, gated_delta_rule_reference
+from model_runtime.kernels.logprob_head import logprob_entropy_torch, logprob_entropy_triton
+from model_runtime.kernels.overrides import FAMILIES  # one list for the CLI and the registry
+
+log = logging.getLogger(__name__)
+
+REGISTRY: dict[str, dict[str, Callable]] = {
+    "linear_attention": {"reference": gated_delta_rule_reference, "fla": gated_delta_rule_fla},
+    "conv1d": {"reference": causal_conv1d_reference, "fla": causal_conv1d_fla, "causal_conv1d": causal_conv1d_tridao,
+               "triton": causal_conv1d_silu_triton},
+    "attention": {
+        "reference": causal_attention_reference,
+        "sdpa": causal_attention_sdpa,
+        "varlen": causal_attention_varlen,
+        "flash_attn": causal_attention_flash,
+    },
+    "head": {"torch": logprob_entropy_torch, "triton": logprob_entropy_triton},
+    "elementwise": {"eager": elementwise.eager, "inductor": elementwise.inductor,
+                    "inductor_exact": elementwise.inductor_exact, "triton_exact": elementwise.triton_exact},
+    "gate_projection": {"row": gate_projection_row, "segment": gate_projection_segment},
+}
+# What a CPU run uses: the exact per-segment references, and plain PyTorch for the rest.
+_CPU_DEFAULT = {
+    "linear_attention": "reference",
+    "conv1d": "reference",
+    "attention": "reference",
+    "head": "torch",
+    "elementwise": "eager",
+    "gate_projection": "segment",
+}
+
+# Backends whose kernels exist only on CUDA.
+CUDA_ONLY = frozenset({"fla", "causal_conv1d", "varlen", "flash_attn", "triton", "inductor_exact", "triton_exact"})
+
+# The fast backends on a GPU, best first. Attention differs by where the model runs, as measured
+# on H200s (2026-11-29), 9B shape, benchmark workload:
+# - in the serving process (one GPU): SDPA per segment, faster than the varlen kernel (36.5k
+#   against 35.5k tokens/s) and, being Hugging Face's own call for one sequence, closer to it
+#   (tiny checkpoint: mean |logprob diff| 3.1e-6 against 1.8e-3);
+# - in the worker pool's processes: the varlen kernel, since there SDPA per segment was 27% slower
+#   (one replica on each of 4 GPUs: 96k and 97k against 132k tokens/s). Not the runner: in one
+#   process the pool's ParallelScorer is as fast as Scorer with either kernel (bench/runner_probe.py);
+#   the cause is not found yet.
+_GPU_PREFERENCE = {
+    "linear_attention": ("fla",),
+    # causal_conv1d, when installed, is also what Hugging Face calls (SiLU inside the kernel);
+    # otherwise Hugging Face convolves, rounds, then applies SiLU, which the Triton kernel does in
+    # one pass, equal to fla's conv plus ATen's SiLU bit for bit and 1% faster on the 9B benchmark.
+    "conv1d": ("causal_conv1d", "triton", "fla"),
+    "attention": ("sdpa",),  # always there: flash_attn and varlen only by --kernels
+    "head": ("triton",),
+    # triton_exact: Hugging Face's arithmetic bit for bit (norms summed in ATen's order and the
+    # MLP's SiLU product by Triton, the rest fused by Inductor), and 0.8% faster than inductor on
+    # the 9B benchmark (2026-11-30); inductor's own norms sum in another order (--kernels
+    # elementwise=inductor), which random 9B weights amplify to 2.6e-2 mean |logprob| over 32
+    # layers against 6.3e-8.
+    "elementwise": ("triton_exact",),
+    "gate_projection": ("segment",),
+}
+_POOL_GPU_PREFERENCE = {**_GPU_PREFERENCE, "attention": ("flash_attn", "varlen", "sdpa")}
+
+
+class SlowKernelError(RuntimeError):
+    """A GPU run would have to use a per-segment reference kernel."""
+
+
+@dataclass(frozen=True)
+class KernelBackends:
+    """The backend chosen for every family; ``names`` is what /v1/models and metrics show."""
+
+    linear_attention: str = "reference"
+    conv1d: str = "reference"
+    attention: str = "reference"
+    head: str = "torch"
+    elementwise: str = "eager"
+    gate_projection: str = "segment"
+    fallbacks: tuple[str, ...] = field(default=())
+
+    def __post_init__(self):
+        for family in FAMILIES:
+            name = getattr(self, family)
+            if name not in REGISTRY[family]:
+                raise ValueError(f"unknown {family} backend {name!r}; known: {sorted(REGISTRY[family])}")
+
+    @property
+    def names(self) -> dict[str, str]:
+        return {family: getattr(self, family) for family in FAMILIES}
+
+    def fn(self, family: str) -> Callable:
+        return REGISTRY[family][getattr(self, family)]
+
+
+# The module each optional backend is imported from; importing it (not only finding it) is
+# the availability test, so a package that is present but broken counts as missing.
+_BACKEND_MODULES = {
+    "fla": ("fla.ops.gated_delta_rule",),
+    "causal_conv1d": ("causal_conv1d",),
+    "flash_attn": ("flash_attn",),
+    "varlen": ("torch.nn.attention.varlen",),
+    "triton": ("triton",),
+    "inductor": ("triton", "torch._inductor"),
+    "inductor_exact": ("triton", "torch._inductor"),
+    "triton_exact": ("triton", "torch._inductor"),
+}
+
+
+def _unavailable_reason(family: str, name: str) -> str | None:
+    """``None`` when backend ``name`` of ``family`` can run here, else why not."""
+    modules = _BACKEND_MODULES.get(name, ())
+    if family == "conv1d" and name == "fla":
+        modules = ("fla.modules",)
+    for module in modules:
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            return f"{module.split('.')[0]} is not installed"
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # a broken install must not pass for a working one
+            return f"importing {module} failed: {type(err).__name__}: {err}"
+    return None
+
+
+def select_backends(
+    device: torch.device | str,
+    *,
+    allow_slow: bool = False,
+    overrides: dict[str, str] | None = None,
+    worker_pool: bool = False,
+) -> KernelBackends:
+    """Chooses the kernels for ``device``.
+
+    On CPU every family uses its exact reference. On CUDA the fastest installed backend is
+    taken (``worker_pool``: the fastest in a worker pool's process); if a family has none, this
+    raises ``SlowKernelError`` unless ``allow_slow``, in which case the reference is used,
+    logged as a warning and recorded in ``fallbacks``. ``overrides`` pins a family to a named
+    backend (``--kernels``, tests and benchmarks).
+    """
+    preference = _POOL_GPU_PREFERENCE if worker_pool else _GPU_PREFERENCE
+    device = torch.device(device)
+    overrides = dict(overrides or {})
+    unknown = set(overrides) - set(FAMILIES)
+    if unknown:
+        raise ValueError(f"unknown kernel families {sorted(unknown)}; known: {list(FAMILIES)}")
+    chosen: dict[str, str] = {}
+    fallbacks: list[str] = []
+    for family in FAMILIES:
+        if family in overrides:
+            name = overrides[family]  # an unknown name is refused by KernelBackends below
+            if device.type != "cuda" and name in CUDA_ONLY:
+                raise ValueError(f"the {family} backend {name!r} needs CUDA; on {device.type} use one of "
+                                 f"{sorted(set(REGISTRY[family]) - CUDA_ONLY)}")
+            reason = _unavailable_reason(family, name)
+            if reason is not None:
+                raise ValueError(f"the {family} backend {name!r} cannot run here: {reason}")
+            chosen[family] = name
+            continue
+        if device.type != "cuda":
+            chosen[family] = _CPU_DEFAULT[family]
+            continue
+        reasons = []
+        for name in preference[family]:
+            reason = _unavailable_reason(family, name)
+            if reason is None:
+                chosen[family] = name
+                break
+            reasons.append(f"{name}: {reason}")
+        else:
+            wanted = " or ".join(preference[family])
+            message = (
+                f"no fast {family} kernel is usable on CUDA (wanted {wanted}; {'; '.join(reasons)}); install the "
+                "'gpu' extra (pip install 'packscore[gpu]') or pass --allow-slow-kernels to run the slow reference"
+            )
+            if not allow_slow:
+                raise SlowKernelError(message)
+            log.warning("%s; using the slow reference kernel", message)
+            chosen[family] = _CPU_DEFAULT[family]
+            fallbacks.append(family)
+    return KernelBackends(**chosen, fallbacks=tuple(fallbacks))
