@@ -91,8 +91,8 @@ def encoding_costs(scored_tokens: int = 100_000, sequence_length: int = 1000, re
 
     from model_runtime.types import SequenceInput
     from service.client import _as_seq, _Protocol
-    from service.encoding import decode_body, encode_score_response
-    from service.validation import Limits, parse_score_request
+    from service.http.encoding import decode_body, encode_score_response
+    from service.http.validation import Limits, parse_score_request
 
     rng = np.random.default_rng(0)
     n = scored_tokens // sequence_length

@@ -1,0 +1,10 @@
+"""packscore's service: the HTTP server and the offline scorer around a ``ScoringBackend``.
+
+- ``cli``: ``packscore serve`` / ``packscore score``; ``settings``: the one typed config.
+- ``backends``: ``load_backend(settings)``, the worker pool or the scorer in this process.
+- ``http/``: the FastAPI app, schemas, encodings, errors, metrics, validation, the server.
+- ``scheduling/``: dynamic batching of requests into packed forwards.
+- ``runtime``: ``Service``, one running service: loading, readiness, draining.
+- ``offline``: scoring a JSONL file, resumable.
+- ``client``, ``local_server``, ``testing``: the Python client, a local server process, fakes for tests.
+"""

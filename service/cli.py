@@ -18,7 +18,7 @@ from typing import Sequence
 
 from pydantic import ValidationError
 
-from service.errors import validation_reason
+from service.http.errors import validation_reason
 from service.settings import Settings
 
 log = logging.getLogger("packscore")
@@ -147,30 +147,10 @@ def _check_model_and_key(settings: Settings) -> None:
             ) from None
 
 
-def load_backend(settings: Settings):
-    """The ScoringBackend the settings ask for: the worker pool, or the scorer in this process."""
-    if settings.uses_worker_pool:
-        from model_runtime.pool.pool import start_pool
-
-        return start_pool(settings.model_dump())
-    from model_runtime.scoring.backend import LocalBackend
-    from model_runtime.scoring.loading import load_model
-    from model_runtime.scoring.scorer import Scorer
-
-    loaded = load_model(
-        settings.model,
-        dtype=settings.dtype,
-        device=None if settings.device == "auto" else settings.device,
-        allow_slow_kernels=settings.allow_slow_kernels,
-        kernel_overrides=settings.kernel_overrides(),
-        served_name=settings.served_model_name,
-    )
-    return LocalBackend(Scorer(loaded, max_batch_tokens=settings.max_batch_tokens))
-
-
 def serve(settings: Settings) -> int:
-    from service.app import create_app
-    from service.server import run_server
+    from service.backends import load_backend
+    from service.http.app import create_app
+    from service.http.server import run_server
 
     app = create_app(settings, lambda: load_backend(settings))
     return run_server(app, settings)

@@ -15,11 +15,11 @@ from typing import IO, Iterator
 import orjson
 from tqdm import tqdm
 
-from service.encoding import result_record
-from service.errors import ApiError
-from service.scheduler import Scheduler, Ticket
+from service.http.encoding import result_record
+from service.http.errors import ApiError
+from service.http.validation import Limits, parse_score_request, resolve_model_len
+from service.scheduling.scheduler import Scheduler, Ticket
 from service.settings import Settings
-from service.validation import Limits, parse_score_request, resolve_model_len
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ async def _score_lines(settings: Settings, backend, input_path: Path, out: IO[by
 
 def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     """Scores every line of ``input_path`` not yet in ``output_path``; returns the exit status."""
-    from service.cli import load_backend
+    from service.backends import load_backend
 
     if not input_path.is_file():
         print(f"packscore: error: {input_path} does not exist", file=sys.stderr)

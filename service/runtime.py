@@ -20,11 +20,11 @@ import numpy as np
 
 from model_runtime.scoring.backend import ScoringBackend
 from model_runtime.types import SequenceInput
-from service.errors import ApiError
-from service.metrics import Metrics
-from service.scheduler import Scheduler
+from service.http.errors import ApiError
+from service.http.metrics import Metrics
+from service.http.validation import Limits, resolve_model_len
+from service.scheduling.scheduler import Scheduler
 from service.settings import Settings
-from service.validation import Limits, resolve_model_len
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ HISTOGRAMS = {"packscore_request_latency_seconds", "packscore_queue_wait_seconds
               "packscore_batch_tokens", "packscore_batch_fill_ratio"}
 GAUGES = {"packscore_queued_tokens", "packscore_queued_sequences", "packscore_ready", "packscore_workers_alive"}
 INFOS = {"packscore_model_info", "packscore_kernel_info"}
-# Exported by service/metrics.py beyond the issue's list; the dashboard shows it too.
+# Exported by service/http/metrics.py beyond the issue's list; the dashboard shows it too.
 EXTRA_GAUGES = {"packscore_slow_kernel_fallback"}
 LABELS = {
     "packscore_requests_total": {"route", "status"},
@@ -89,8 +89,8 @@ def test_only_documented_metrics_and_every_one_of_them(dashboard):
 
 
 def test_every_metric_used_is_exported_by_the_service_with_its_type(dashboard):
-    """Ties the dashboard (and the HPA metric) to service/metrics.py, not only to the issue's list."""
-    from service.metrics import Metrics
+    """Ties the dashboard (and the HPA metric) to service/http/metrics.py, not only to the issue's list."""
+    from service.http.metrics import Metrics
 
     suffixes = {"counter": ["_total"], "gauge": [""], "info": ["_info"], "histogram": ["_bucket", "_sum", "_count"]}
     exported = {}

@@ -121,7 +121,7 @@ def _read_jsonl(path):
 
 def test_offline_scoring_is_resumable_and_keeps_input_order(monkeypatch, tmp_path):
     backend = FakeBackend()
-    monkeypatch.setattr(cli, "load_backend", lambda settings: backend)
+    monkeypatch.setattr("service.backends.load_backend", lambda settings: backend)
     rng = np.random.default_rng(0)
     rows = [{"id": f"r{i}", "input_ids": rng.integers(0, 1000, rng.integers(2, 30)).tolist(), "score_from": 2}
             for i in range(40)]
@@ -147,7 +147,7 @@ def test_offline_scoring_is_resumable_and_keeps_input_order(monkeypatch, tmp_pat
 
 
 def test_offline_scoring_stops_at_a_bad_line_and_keeps_what_was_scored(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(cli, "load_backend", lambda settings: FakeBackend())
+    monkeypatch.setattr("service.backends.load_backend", lambda settings: FakeBackend())
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(source, [{"id": "a", "input_ids": [1, 2]}, {"id": "b", "input_ids": [1, 5000]}, {"id": "c", "input_ids": [3]}])
     assert cli.main(["score", str(source), "-o", str(out)]) == 2
@@ -158,7 +158,7 @@ def test_offline_scoring_stops_at_a_bad_line_and_keeps_what_was_scored(monkeypat
 def test_offline_scoring_holds_the_servers_sequence_limit(monkeypatch, tmp_path, capsys):
     """--max-model-len past the model's limit is refused, as the server refuses it at start-up;
     within it, a longer line is refused with its line number, as a request would be."""
-    monkeypatch.setattr(cli, "load_backend", lambda settings: FakeBackend(max_model_len=4096))
+    monkeypatch.setattr("service.backends.load_backend", lambda settings: FakeBackend(max_model_len=4096))
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}, {"id": "b", "input_ids": list(range(9))}])
     assert cli.main(["score", str(source), "-o", str(out), "--max-model-len", "8192"]) == 2
@@ -174,7 +174,7 @@ def test_offline_scoring_holds_the_servers_sequence_limit(monkeypatch, tmp_path,
     (2048, None, 10**6, 2048),
 ])
 def test_model_len_resolution(requested, model_limit, queued, want):
-    from service.validation import resolve_model_len
+    from service.http.validation import resolve_model_len
 
     assert resolve_model_len(requested, model_limit, queued) == want
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from model_runtime.types import SequenceInput
-from service.app import create_app
 from service.client import AsyncScoreClient, Limits, ScoreError, _as_seq, _Protocol, _retry_after
+from service.http.app import create_app
 from service.settings import Settings
 from service.testing import FakeBackend, expected_scores, running_app, wait_until
 

@@ -10,8 +10,8 @@ import numpy as np
 import orjson
 
 from model_runtime.types import SequenceInput
-from service.app import create_app
-from service.scheduler import Scheduler, is_out_of_memory
+from service.http.app import create_app
+from service.scheduling.scheduler import Scheduler, is_out_of_memory
 from service.settings import Settings
 from service.testing import FakeBackend, expected_scores, running_app, wait_until
 

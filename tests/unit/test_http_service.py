@@ -6,8 +6,8 @@ import threading
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.app import create_app
-from service.schemas import ModelList
+from service.http.app import create_app
+from service.http.schemas import ModelList
 from service.settings import Settings
 from service.testing import FakeBackend, running_app, wait_until
 

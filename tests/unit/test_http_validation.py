@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from model_runtime.types import MAX_TOP_K, SequenceInput
-from service.app import create_app
-from service.encoding import response_encoding
-from service.errors import param_path
-from service.schemas import MAX_TOP_K as SCHEMA_MAX_TOP_K
-from service.schemas import ScoreResponse
+from service.http.app import create_app
+from service.http.encoding import response_encoding
+from service.http.errors import param_path
+from service.http.schemas import MAX_TOP_K as SCHEMA_MAX_TOP_K
+from service.http.schemas import ScoreResponse
 from service.settings import Settings
 from service.testing import FakeBackend, expected_scores, running_app
 

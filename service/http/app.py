@@ -20,15 +20,15 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from model_runtime.types import SequenceScores
-from service import metrics as metrics_module
-from service.encoding import CONTENT_TYPE, JSON, MSGPACK, encode_json, encode_score_response, request_encoding
-from service.encoding import decode_body, response_encoding, result_record
-from service.errors import ERROR_RESPONSES, ApiError, backend_unavailable, from_validation_errors
+from service.http import metrics as metrics_module
+from service.http.encoding import CONTENT_TYPE, JSON, MSGPACK, encode_json, encode_score_response, request_encoding
+from service.http.encoding import decode_body, response_encoding, result_record
+from service.http.errors import ERROR_RESPONSES, ApiError, backend_unavailable, from_validation_errors
+from service.http.schemas import ErrorResponse, Health, ModelList, Readiness, ScoreRequest, ScoreResponse, Usage
+from service.http.validation import ScoreJob, parse_score_request
 from service.runtime import BackendSource, Service
-from service.scheduler import Scheduler, Ticket
-from service.schemas import ErrorResponse, Health, ModelList, Readiness, ScoreRequest, ScoreResponse, Usage
+from service.scheduling.scheduler import Scheduler, Ticket
 from service.settings import Settings
-from service.validation import ScoreJob, parse_score_request
 
 log = logging.getLogger(__name__)
 

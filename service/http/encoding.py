@@ -15,7 +15,7 @@ import msgpack
 import numpy as np
 import orjson
 
-from service.errors import ApiError
+from service.http.errors import ApiError
 
 Encoding = Literal["json", "msgpack"]
 

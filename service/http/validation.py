@@ -14,8 +14,8 @@ import numpy as np
 from pydantic import ValidationError
 
 from model_runtime.types import SequenceInput
-from service.errors import ApiError, from_validation_errors
-from service.schemas import ScoreRequest
+from service.http.errors import ApiError, from_validation_errors
+from service.http.schemas import ScoreRequest
 
 log = logging.getLogger(__name__)
 

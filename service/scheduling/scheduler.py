@@ -30,8 +30,8 @@ from typing import Sequence
 
 from model_runtime.scoring.backend import BackendUnavailableError, ScoringBackend
 from model_runtime.types import InvalidSequenceError, SequenceInput, SequenceScores
-from service.errors import ApiError, backend_unavailable
-from service.metrics import Metrics
+from service.http.errors import ApiError, backend_unavailable
+from service.http.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from typing import Iterable
 
 import orjson
 
-from service.schemas import ErrorResponse
+from service.http.schemas import ErrorResponse
 
 
 class ApiError(Exception):

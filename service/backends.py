@@ -1,0 +1,26 @@
+"""The scoring backend the settings ask for (shared by ``packscore serve`` and ``packscore score``)."""
+
+from __future__ import annotations
+
+from service.settings import Settings
+
+
+def load_backend(settings: Settings):
+    """The ScoringBackend the settings ask for: the worker pool, or the scorer in this process."""
+    if settings.uses_worker_pool:
+        from model_runtime.pool.pool import start_pool
+
+        return start_pool(settings.model_dump())
+    from model_runtime.scoring.backend import LocalBackend
+    from model_runtime.scoring.loading import load_model
+    from model_runtime.scoring.scorer import Scorer
+
+    loaded = load_model(
+        settings.model,
+        dtype=settings.dtype,
+        device=None if settings.device == "auto" else settings.device,
+        allow_slow_kernels=settings.allow_slow_kernels,
+        kernel_overrides=settings.kernel_overrides(),
+        served_name=settings.served_model_name,
+    )
+    return LocalBackend(Scorer(loaded, max_batch_tokens=settings.max_batch_tokens))

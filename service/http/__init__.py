@@ -1,0 +1,1 @@
+"""The HTTP edge: FastAPI app, request/response schemas, body encodings, errors, metrics, validation."""

@@ -1,0 +1,1 @@
+"""Dynamic batching: admitted requests split into sequences, packed into forwards, reassembled."""
