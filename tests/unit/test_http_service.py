@@ -39,6 +39,7 @@ def test_api_key_guards_every_route_but_the_probes(tmp_path):
                 "right-key": await client.post("/score", json=GOOD, headers=bearer),
                 "lowercase-scheme": await client.post("/v1/score", json=GOOD, headers={"Authorization": f"bearer {KEY}"}),
                 "healthz": await client.get("/healthz"),
+                "health": await client.get("/health"),
                 "readyz": await client.get("/readyz"),
                 "metrics": await client.get("/metrics"),
                 "models": await client.get("/v1/models"),
@@ -53,8 +54,9 @@ def test_api_key_guards_every_route_but_the_probes(tmp_path):
         assert out[name].status_code == 401, name
         assert out[name].json()["error"]["type"] == "unauthorized"
         assert out[name].headers["www-authenticate"] == "Bearer"
-    for name in ("right-key", "lowercase-scheme", "healthz", "readyz", "metrics-key"):
+    for name in ("right-key", "lowercase-scheme", "healthz", "health", "readyz", "metrics-key"):
         assert out[name].status_code == 200, (name, out[name].text)
+    assert out["health"].json() == out["healthz"].json() == {"status": "ok"}
 
 
 def test_api_key_from_the_environment(monkeypatch):
