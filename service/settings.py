@@ -55,7 +55,7 @@ class Settings(BaseSettings):
     # HTTP.
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on")
-    api_key: SecretStr | None = Field(None, description="require 'Authorization: Bearer <key>' on every route but /healthz, /readyz")
+    api_key: SecretStr | None = Field(None, description="require 'Authorization: Bearer <key>' on every route but /healthz, /health, /readyz")
     api_key_file: Path | None = Field(None, description="file holding the API key (a mounted secret)")
     log_level: LogLevel = Field("info", description="logging level")
 
