@@ -39,16 +39,18 @@ def in_process_tokens_per_s(scorer, sequences) -> float:
 
 def forward_totals(url: str) -> dict[str, float]:
     """The server's running totals of its forwards, from /metrics: ``seconds``, ``count`` (rows)
-    and ``tokens``. The difference of two readings describes the forwards in between."""
+    and ``tokens``, summed over served models. The difference of two readings describes the forwards
+    in between."""
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
     names = {"packscore_forward_seconds_sum": "seconds", "packscore_forward_seconds_count": "count",
              "packscore_batch_tokens_sum": "tokens"}
-    found = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in names:
-            found[names[name]] = float(value)
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name in names:
+                found[names[sample.name]] = found.get(names[sample.name], 0.0) + sample.value
     missing = set(names.values()) - set(found)
     if missing:
         raise RuntimeError(f"/metrics lacks {sorted(missing)}")
