@@ -129,8 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
         configure_kernel_cache(settings.triton_cache_dir)
     try:
-        settings = _resolve_hub_model(settings)
         _check_model_and_key(settings)
+        settings = _resolve_hub_model(settings)  # may download: after the cheap checks
     except (ValueError, OSError, ImportError) as exc:
         print(f"packscore: error: {exc}", file=sys.stderr)
         return 2

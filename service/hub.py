@@ -40,7 +40,7 @@ def resolve_model_source(spec: str, revision: str | None) -> str:
     """
     from model_runtime.scoring.presets import PRESETS
 
-    if spec in PRESETS or Path(spec).expanduser().is_dir():
+    if spec in PRESETS or Path(spec).is_dir():
         return spec
     if not is_hub_id(spec):
         raise ModelSourceError(
@@ -73,7 +73,7 @@ def resolve_model_source(spec: str, revision: str | None) -> str:
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
         reason = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else f"the hub cannot be used ({_first_line(exc)})"
         raise ModelSourceError(
-            f"--model {where}: not found in the Hugging Face cache {cache} and {reason}; download it where "
+            f"--model {where}: no such directory, not in the Hugging Face cache {cache}, and {reason}; download it where "
             f"the hub is reachable (`hf download {spec}`, same HF_HOME) or pass a checkpoint directory"
         ) from None
     if not (Path(path) / "config.json").is_file():
