@@ -1,7 +1,8 @@
 """The HTTP app: ``create_app(settings, backend)`` builds it; nothing lives at module level.
 
 Routes follow API.md: POST /score (alias /v1/score), GET /healthz (alias /health), /readyz,
-/metrics, /v1/models; /docs serves Swagger UI from the installed package, no CDN. Every error is the contract's JSON body, whatever the request's encoding.
+/metrics, /v1/models; /docs serves Swagger UI from the installed package, no CDN. Every error is
+the contract's JSON body, whatever the request's encoding.
 """
 
 from __future__ import annotations
