@@ -44,7 +44,8 @@ case "$verb" in
     fi
     tar cf - --exclude=./.git --exclude=./.whl . | (mkdir -p "$WORK/repo" && cd "$WORK/repo" && tar xf -)
     cd "$WORK/repo" || exit 1
-    export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    # service/client: packscore_client, which an install would map (the tree is not installed here)
+    export PYTHONPATH=$PWD:$PWD/service/client:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     export PYTHONUNBUFFERED=1 SESSION_DIR=$WORK RESULTS=$WORK/results
     export TRITON_CACHE_DIR=$WORK/kernel-cache TORCHINDUCTOR_CACHE_DIR=$WORK/kernel-cache/inductor
     # NVLink multicast stays off (device README): NCCL, PyTorch symmetric memory, NVSHMEM.

@@ -39,16 +39,18 @@ def in_process_tokens_per_s(scorer, sequences) -> float:
 
 def forward_totals(url: str) -> dict[str, float]:
     """The server's running totals of its forwards, from /metrics: ``seconds``, ``count`` (rows)
-    and ``tokens``. The difference of two readings describes the forwards in between."""
+    and ``tokens``, summed over served models. The difference of two readings describes the forwards
+    in between."""
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
     names = {"packscore_forward_seconds_sum": "seconds", "packscore_forward_seconds_count": "count",
              "packscore_batch_tokens_sum": "tokens"}
-    found = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in names:
-            found[names[name]] = float(value)
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name in names:
+                found[names[sample.name]] = found.get(names[sample.name], 0.0) + sample.value
     missing = set(names.values()) - set(found)
     if missing:
         raise RuntimeError(f"/metrics lacks {sorted(missing)}")
@@ -57,7 +59,7 @@ def forward_totals(url: str) -> dict[str, float]:
 
 async def _http_run(url: str, sequences, per_request: int, concurrency: int) -> tuple[float, float]:
     """(tokens/s, fraction of the wall time the server spent in forwards)."""
-    from service.client import AsyncScoreClient
+    from packscore_client import AsyncScoreClient
 
     payload = [{"input_ids": s.input_ids, "score_from": s.score_from} for s in sequences]
     parts = [payload[i : i + per_request] for i in range(0, len(payload), per_request)]
@@ -90,7 +92,7 @@ def encoding_costs(scored_tokens: int = 100_000, sequence_length: int = 1000, re
     import httpx
 
     from model_runtime.types import SequenceInput
-    from service.client import _as_seq, _Protocol
+    from packscore_client.protocol import Protocol, as_seq
     from service.http.encoding import decode_body, encode_score_response
     from service.http.validation import Limits, parse_score_request
 
@@ -116,8 +118,8 @@ def encoding_costs(scored_tokens: int = 100_000, sequence_length: int = 1000, re
 
     out = {}
     for encoding, media in (("json", "application/json"), ("msgpack", "application/msgpack")):
-        protocol = _Protocol("http://x", None, encoding, 1.0, None, None, None)
-        seqs = [_as_seq({"input_ids": s.input_ids}) for s in sequences]
+        protocol = Protocol("http://x", None, encoding, 1.0, None, None, None)
+        seqs = [as_seq({"input_ids": s.input_ids}) for s in sequences]
         request = protocol.body(seqs, {"temperature": 1.0, "return_entropy": True, "top_k": 0})
         response_bytes = encode_score_response(body, encoding)
         response = httpx.Response(200, content=response_bytes, headers={"content-type": media})

@@ -171,7 +171,7 @@ def phase_pool(args, out: dict) -> tuple[float, list[SequenceInput]]:
 
 def phase_http(args, out: dict) -> None:
     from bench.http_bench import forward_totals, start_server
-    from service.client import AsyncScoreClient
+    from packscore_client import AsyncScoreClient
 
     model = args.dense_model
     in_process, work = phase_pool(args, out)

@@ -1,10 +1,12 @@
 """packscore's service: the HTTP server and the offline scorer around a ``ScoringBackend``.
 
-- ``cli``: ``packscore serve`` / ``packscore score``; ``settings``: the one typed config.
+- ``cli``: ``packscore serve`` / ``packscore score``; ``settings``: the one typed config;
+  ``hub``: a Hugging Face hub id ``--model`` resolved to a local snapshot directory.
 - ``backends``: ``load_backend(settings)``, the worker pool or the scorer in this process.
 - ``http/``: the FastAPI app, schemas, encodings, errors, metrics, validation, the server.
 - ``scheduling/``: dynamic batching of requests into packed forwards.
 - ``runtime``: ``Service``, one running service: loading, readiness, draining.
 - ``offline``: scoring a JSONL file, resumable.
-- ``client``, ``local_server``, ``testing``: the Python client, a local server process, fakes for tests.
+- ``client/``: the Python client, its own distribution (``packscore_client``; ``service.client`` is an alias).
+- ``local_server``, ``testing``: a local server process, fakes for tests.
 """

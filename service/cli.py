@@ -24,7 +24,7 @@ from service.settings import Settings
 log = logging.getLogger("packscore")
 
 _MODEL_OPTIONS = (
-    "model", "served_model_name", "dtype", "device", "allow_slow_kernels", "kernels", "triton_cache_dir",
+    "model", "revision", "served_model_name", "dtype", "device", "allow_slow_kernels", "kernels", "triton_cache_dir",
     "world_size", "sp", "fsdp", "max_batch_tokens", "max_model_len", "log_level",
 )  # fmt: skip
 _SERVE_OPTIONS = _MODEL_OPTIONS + (
@@ -33,7 +33,7 @@ _SERVE_OPTIONS = _MODEL_OPTIONS + (
 )  # fmt: skip
 _SCORE_OPTIONS = _MODEL_OPTIONS + ("temperature", "top_k", "return_entropy")
 _METAVARS = {
-    "model": "PATH_OR_PRESET", "served_model_name": "NAME", "device": "DEVICE", "triton_cache_dir": "DIR",
+    "model": "PATH_OR_PRESET", "revision": "REV", "served_model_name": "NAME", "device": "DEVICE", "triton_cache_dir": "DIR",
     "host": "HOST", "port": "PORT", "api_key": "KEY", "api_key_file": "FILE", "max_wait_ms": "MS",
     "drain_timeout_s": "SECONDS", "temperature": "T", "top_k": "K", "kernels": "FAMILY=BACKEND",
 }  # fmt: skip; every other option takes a count, shown as N
@@ -63,16 +63,26 @@ def _add_options(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
             parser.add_argument(option, metavar=_METAVARS.get(name, "N"), default=argparse.SUPPRESS, help=help_text)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("packscore")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="packscore",
         description="Per-token log-probability and entropy scoring for RL trainers (Qwen3.5 / Qwen3-Next).",
         epilog="Every option also reads the environment variable shown in brackets; the command line wins.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = commands.add_parser(
         "serve",
-        help="serve the HTTP API (POST /score, /healthz, /readyz, /metrics, /v1/models)",
+        help="serve the HTTP API (POST /score, /health, /healthz, /readyz, /metrics, /v1/models, /docs)",
         description="Serve the HTTP API of API.md. With no --model it serves the built-in tiny preset on "
         "127.0.0.1:8000. SIGTERM drains: readiness turns 503, new requests get 503, admitted requests "
         "finish within --drain-timeout-s, then the process exits 0.",
@@ -120,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_kernel_cache(settings.triton_cache_dir)
     try:
         _check_model_and_key(settings)
+        settings = _resolve_hub_model(settings)  # may download: after the cheap checks
     except (ValueError, OSError, ImportError) as exc:
         print(f"packscore: error: {exc}", file=sys.stderr)
         return 2
@@ -130,12 +141,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return score_file(settings, args.input, args.output)
 
 
+def _resolve_hub_model(settings: Settings) -> Settings:
+    """A hub id --model becomes its local snapshot directory, served under the hub id's name."""
+    from service.hub import resolve_model_source
+
+    path = resolve_model_source(settings.model, settings.revision)
+    if path == settings.model:  # a preset or a directory
+        return settings
+    return settings.model_copy(update={"model": path, "served_model_name": settings.served_model_name or settings.model})
+
+
 def _check_model_and_key(settings: Settings) -> None:
     """Fails before anything slow for mistakes that loading would only find minutes later."""
-    from model_runtime.scoring.presets import PRESETS
-
-    if settings.model not in PRESETS and not Path(settings.model).is_dir():
-        raise ValueError(f"--model {settings.model!r} is neither a checkpoint directory nor a preset ({', '.join(sorted(PRESETS))})")
     settings.resolved_api_key()  # an unreadable or empty key file
     if settings.uses_worker_pool:
         try:

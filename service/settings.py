@@ -23,7 +23,12 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PACKSCORE_", extra="forbid", validate_default=True)
 
     # What to serve.
-    model: str = Field("tiny", description="checkpoint directory (config.json + *.safetensors) or preset name")
+    model: str = Field(
+        "tiny",
+        description="checkpoint directory (config.json + *.safetensors), preset name, or Hugging Face hub id "
+        "(ORG/NAME: from the local cache, HF_HOME / HF_HUB_CACHE, downloaded there where the hub is reachable)",
+    )
+    revision: str | None = Field(None, description="branch, tag or commit of a hub id --model (default: main)")
     served_model_name: str | None = Field(None, description="name clients use in 'model' (default: the model's)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="compute dtype; auto is bfloat16 on CUDA, float32 on CPU"
@@ -50,7 +55,7 @@ class Settings(BaseSettings):
     # HTTP.
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on")
-    api_key: SecretStr | None = Field(None, description="require 'Authorization: Bearer <key>' on every route but /healthz, /readyz")
+    api_key: SecretStr | None = Field(None, description="require 'Authorization: Bearer <key>' on every route but /healthz, /health, /readyz")
     api_key_file: Path | None = Field(None, description="file holding the API key (a mounted secret)")
     log_level: LogLevel = Field("info", description="logging level")
 

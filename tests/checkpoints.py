@@ -51,3 +51,22 @@ def save_checkpoint(kind: str, directory: Path, seed: int = 0, max_shard_size: s
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
     return directory
+
+
+def as_hub_cache(checkpoint: Path, cache: Path, repo_id: str, commit: str = "0123456789abcdef0123456789abcdef01234567") -> Path:
+    """Lays ``checkpoint``'s files out as huggingface_hub's cache holds a downloaded ``repo_id`` at
+    ``main``: ``models--ORG--NAME/{blobs/<id>, snapshots/<commit>/<file> -> blob, refs/main}``.
+    Returns the snapshot directory (what resolving ``repo_id`` offline must find)."""
+    import hashlib
+
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for file in sorted(checkpoint.iterdir()):
+        blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+        blob.write_bytes(file.read_bytes())
+        (snapshot / file.name).symlink_to(Path("../..") / "blobs" / blob.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot

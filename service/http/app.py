@@ -1,7 +1,8 @@
 """The HTTP app: ``create_app(settings, backend)`` builds it; nothing lives at module level.
 
-Routes follow API.md: POST /score (alias /v1/score), GET /healthz, /readyz, /metrics,
-/v1/models. Every error is the contract's JSON body, whatever the request's encoding.
+Routes follow API.md: POST /score (alias /v1/score), GET /healthz (alias /health), /readyz,
+/metrics, /v1/models; /docs serves Swagger UI from the installed package, no CDN. Every error is
+the contract's JSON body, whatever the request's encoding.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
+from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -33,9 +35,9 @@ from service.settings import Settings
 log = logging.getLogger(__name__)
 
 SCORE_ROUTES = ("/score", "/v1/score")
-_OPEN_ROUTES = frozenset({"/healthz", "/readyz"})  # no API key: probes must work without secrets
+_OPEN_ROUTES = frozenset({"/healthz", "/health", "/readyz"})  # no API key: probes must work without secrets
 _SERVED_WHILE_DRAINING = _OPEN_ROUTES | {"/metrics"}
-_ROUTE_LABELS = frozenset({*SCORE_ROUTES, "/healthz", "/readyz", "/metrics", "/v1/models", "/docs", "/openapi.json"})
+_ROUTE_LABELS = frozenset({*SCORE_ROUTES, *_OPEN_ROUTES, "/metrics", "/v1/models", "/docs", "/redoc", "/openapi.json"})
 _DAY_MS = 86_400_000
 _CLIENT_CLOSED = 499  # nginx's convention for "the client went away before the answer"
 
@@ -95,12 +97,15 @@ def create_app(settings: Settings, backend: BackendSource) -> FastAPI:
         finally:
             await service.stop()
 
-    app = FastAPI(
+    # FastAPIOffline: FastAPI whose /docs and /redoc load Swagger UI and ReDoc from its own package
+    # (served under /static-offline-docs), not from a CDN an air-gapped cluster cannot reach.
+    app = FastAPIOffline(
         title="packscore",
         version="1",
         description="Per-token log-probabilities and entropy of token sequences under the served model. "
         "Requests and answers in JSON or msgpack (Content-Type / Accept: application/msgpack).",
         lifespan=lifespan,
+        swagger_ui_parameters={"validatorUrl": None},  # no badge fetched from validator.swagger.io
     )
     app.state.service = service
     app.add_middleware(_Gate, service=service)
@@ -214,9 +219,12 @@ def _add_routes(app: FastAPI, service: Service) -> None:
     for path in SCORE_ROUTES:
         app.add_api_route(path, score, methods=["POST"], operation_id=f"score{path.replace('/', '_')}", **score_doc)
 
-    @app.get("/healthz", response_model=Health, summary="Liveness: the process serves HTTP")
     async def healthz() -> Response:
         return Response(encode_json({"status": "ok"}), media_type=JSON)
+
+    for path in ("/healthz", "/health"):  # /health: the name vLLM, TGI and SGLang answer on
+        app.add_api_route(path, healthz, methods=["GET"], response_model=Health,
+                          summary="Liveness: the process serves HTTP", operation_id=f"health{path.replace('/', '_')}")
 
     @app.get(
         "/readyz",

@@ -6,9 +6,11 @@ only together with those.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
+from prometheus_client import disable_created_metrics
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from model_runtime.scoring.backend import ModelInfo
@@ -25,17 +27,39 @@ _KNOWN_REJECTIONS = (
 )  # fmt: skip
 
 
+_MODEL = ["model"]  # the served model's name, on every series that belongs to one model
+
+
+@dataclass(frozen=True)
+class ModelMetrics:
+    """The series of one served model, bound to its ``model`` label (what the scheduler records)."""
+
+    tokens_scored: Counter
+    queue_wait: Histogram
+    forward_seconds: Histogram
+    batch_tokens: Histogram
+    batch_fill_ratio: Histogram
+
+
 class Metrics:
-    """The metric objects of one app; ``registry`` is what GET /metrics renders."""
+    """The metric objects of one app; ``registry`` is what GET /metrics renders.
+
+    Per-model series carry a ``model`` label; the process's own (CPU, memory, file descriptors)
+    are ``packscore_process_*``. No ``_created`` series: nothing reads them and they double the
+    samples of every counter and histogram.
+    """
 
     def __init__(self) -> None:
+        disable_created_metrics()  # a process-wide switch of prometheus_client
         r = self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(namespace="packscore", registry=r)
         self.requests = Counter(
             "packscore_requests_total", "HTTP requests answered, by route and status code.", ["route", "status"], registry=r
         )
         self.tokens_scored = Counter(
             "packscore_tokens_scored_total",
             "Tokens whose log-probability was returned (positions score_from .. L-1 of scored sequences).",
+            _MODEL,
             registry=r,
         )
         self.rejections = Counter(
@@ -56,18 +80,20 @@ class Metrics:
         self.queue_wait = Histogram(
             "packscore_queue_wait_seconds",
             "Time a sequence waited between admission and the start of its forward.",
+            _MODEL,
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.forward_seconds = Histogram(
-            "packscore_forward_seconds", "Duration of one packed forward.", buckets=_LATENCY_BUCKETS, registry=r
+            "packscore_forward_seconds", "Duration of one packed forward.", _MODEL, buckets=_LATENCY_BUCKETS, registry=r
         )
         self.batch_tokens = Histogram(
-            "packscore_batch_tokens", "Tokens in one packed forward.", buckets=_TOKEN_BUCKETS, registry=r
+            "packscore_batch_tokens", "Tokens in one packed forward.", _MODEL, buckets=_TOKEN_BUCKETS, registry=r
         )
         self.batch_fill_ratio = Histogram(
             "packscore_batch_fill_ratio",
             "Real tokens of a forward divided by --max-batch-tokens.",
+            _MODEL,
             buckets=_FILL_BUCKETS,
             registry=r,
         )
@@ -79,16 +105,15 @@ class Metrics:
         )
         self.ready = Gauge("packscore_ready", "1 when /readyz would answer 200, else 0.", registry=r)
         self.workers_alive = Gauge("packscore_workers_alive", "Scoring workers (GPU processes) alive.", registry=r)
-        self.model_info = Info(
-            "packscore_model", "The served model.", registry=r
-        )  # exported as packscore_model_info
-        self.kernel_info = Info("packscore_kernel", "Kernel backend of each family.", ["family"], registry=r)
+        self.model_info = Info("packscore_model", "The served model.", _MODEL, registry=r)  # packscore_model_info
+        self.kernel_info = Info("packscore_kernel", "Kernel backend of each family.", [*_MODEL, "family"], registry=r)
         self.slow_kernel_fallback = Gauge(
             "packscore_slow_kernel_fallback",
             "1 when some kernel family runs a slow per-sequence reference implementation.",
+            _MODEL,
             registry=r,
         )
-        self.parallel_info = Info("packscore_parallel", "Parallel layout of the workers.", registry=r)
+        self.parallel_info = Info("packscore_parallel", "Parallel layout of the workers.", _MODEL, registry=r)
 
     def watch(
         self,
@@ -104,10 +129,12 @@ class Metrics:
         self.ready.set_function(ready)
         self.workers_alive.set_function(workers_alive)
 
+    def for_model(self, name: str) -> ModelMetrics:
+        return ModelMetrics(*(getattr(self, f).labels(model=name) for f in ModelMetrics.__dataclass_fields__))
+
     def describe_model(self, info: ModelInfo, served_name: str) -> None:
-        self.model_info.info(
+        self.model_info.labels(model=served_name).info(
             {
-                "model": served_name,
                 "architecture": info.architecture,
                 "dtype": info.dtype,
                 "device": info.device,
@@ -115,9 +142,10 @@ class Metrics:
             }
         )
         for family, backend in info.kernels.items():
-            self.kernel_info.labels(family=family).info({"backend": backend})
-        self.slow_kernel_fallback.set(1 if info.slow_kernels else 0)
-        self.parallel_info.info({k: str(info.parallel.get(k, "")).lower() for k in ("world_size", "dp", "sp", "fsdp")})
+            self.kernel_info.labels(model=served_name, family=family).info({"backend": backend})
+        self.slow_kernel_fallback.labels(model=served_name).set(1 if info.slow_kernels else 0)
+        parallel = {k: str(info.parallel.get(k, "")).lower() for k in ("world_size", "dp", "sp", "fsdp")}
+        self.parallel_info.labels(model=served_name).info(parallel)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -91,12 +91,14 @@ class Scheduler:
         max_wait_ms: float,
         max_queued_tokens: int,
         metrics: Metrics | None = None,
+        model: str | None = None,
     ):
         self.backend = backend
         self.max_batch_tokens = int(max_batch_tokens)
         self.max_wait_s = float(max_wait_ms) / 1000.0
         self.max_queued_tokens = int(max_queued_tokens)
-        self.metrics = metrics or Metrics()
+        # The series of the model it schedules: ``model`` is the served name (default: the backend's).
+        self.metrics = (metrics or Metrics()).for_model(model or backend.info.name)
         self.concurrency = max(1, int(getattr(backend, "concurrency", 1)))
         self._queue: deque[_Item] = deque()
         self._waiting_tokens = 0  # in the queue, not yet in a row: what the packer can still pack
@@ -125,6 +127,7 @@ class Scheduler:
             max_wait_ms=settings.max_wait_ms,
             max_queued_tokens=settings.queued_tokens,
             metrics=metrics,
+            model=settings.served_model_name or backend.info.name,
         )
 
     # ---- lifecycle -------------------------------------------------------------------------

@@ -21,8 +21,8 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 class ServerProcess(LocalServer):
     """One ``packscore serve`` process for a test; its log goes to a file shown when a test fails."""
 
-    def __init__(self, tmp: Path, *args: str, api_key: str | None = API_KEY):
-        env = {"OMP_NUM_THREADS": "1"}  # two cores in CI: one for the server, one for the test process
+    def __init__(self, tmp: Path, *args: str, api_key: str | None = API_KEY, env: dict[str, str] | None = None):
+        env = {"OMP_NUM_THREADS": "1", **(env or {})}  # two cores in CI: one for the server, one for the test process
         if api_key:
             env["PACKSCORE_API_KEY"] = api_key
         super().__init__(args, env=env, log_dir=tmp)

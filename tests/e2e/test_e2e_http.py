@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.client import ScoreClient
+from packscore_client import ScoreClient
 from tests.e2e.helpers import API_KEY, AUTH, TINY_VOCAB, ServerProcess, assert_matches, decode, post, random_sequences
 
 

@@ -104,7 +104,7 @@ def test_an_empty_api_key_is_an_error_not_an_open_server(monkeypatch, capsys):
 
 def test_a_missing_model_or_worker_pool_fails_fast_with_a_clear_error(monkeypatch, tmp_path, capsys):
     assert cli.main(["serve", "--model", str(tmp_path / "nope"), "--triton-cache-dir", str(tmp_path)]) == 2
-    assert "neither a checkpoint directory nor a preset" in capsys.readouterr().err
+    assert "neither a checkpoint directory, a preset" in capsys.readouterr().err
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path)  # set before anything imports a kernel
     monkeypatch.setitem(sys.modules, "model_runtime.pool.pool", None)  # as if not written yet
     assert cli.main(["serve", "--world-size", "2"]) == 2

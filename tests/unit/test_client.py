@@ -4,13 +4,15 @@ import asyncio
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import numpy as np
 import pytest
 
 from model_runtime.types import SequenceInput
-from service.client import AsyncScoreClient, Limits, ScoreError, _as_seq, _Protocol, _retry_after
+from packscore_client import AsyncScoreClient, Limits, ScoreClient, ScoreError
+from packscore_client.protocol import Protocol, as_seq, retry_after
 from service.http.app import create_app
 from service.settings import Settings
 from service.testing import FakeBackend, expected_scores, running_app, wait_until
@@ -19,17 +21,17 @@ BASE = "http://packscore.test"
 
 
 def test_the_client_imports_no_torch():
-    code = "import sys, service.client; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, packscore_client, service.client; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def _protocol(**knobs):
-    return _Protocol(BASE, None, "msgpack", 10.0, knobs.get("seqs"), knobs.get("tokens"), knobs.get("bytes"))
+    return Protocol(BASE, None, "msgpack", 10.0, knobs.get("seqs"), knobs.get("tokens"), knobs.get("bytes"))
 
 
 def test_chunks_respect_every_limit_and_keep_order():
     p = _protocol(seqs=3, tokens=100, bytes=10_000)
-    seqs = [_as_seq(np.ones(n, dtype=np.int64)) for n in (10, 20, 30, 40, 150, 5, 5, 5, 5)]
+    seqs = [as_seq(np.ones(n, dtype=np.int64)) for n in (10, 20, 30, 40, 150, 5, 5, 5, 5)]
     parts = p.chunks(seqs, parallel=1)
     assert [i for part in parts for i in part] == list(range(len(seqs)))
     for part in parts:
@@ -48,17 +50,17 @@ def test_limits_learned_from_headers_are_capped_by_knobs():
 
 def test_inputs_are_checked_before_sending():
     with pytest.raises(ValueError, match="2\\*\\*31"):
-        _as_seq([1, 2**40])  # would wrap around in int32
+        as_seq([1, 2**40])  # would wrap around in int32
     with pytest.raises(TypeError):
-        _as_seq([1.5, 2.0])
-    seq = _as_seq({"input_ids": [1, 2, 3], "score_from": 2, "id": "x"})
+        as_seq([1.5, 2.0])
+    seq = as_seq({"input_ids": [1, 2, 3], "score_from": 2, "id": "x"})
     assert (seq.score_from, seq.id, seq.ids.tolist()) == (2, "x", [1, 2, 3])
 
 
 def test_retry_after_prefers_the_header():
     response = httpx.Response(429, headers={"Retry-After": "3"})
-    assert _retry_after(response, attempt=0) == 3.0
-    assert 0 < _retry_after(httpx.Response(503), attempt=2) <= 10
+    assert retry_after(response, attempt=0) == 3.0
+    assert 0 < retry_after(httpx.Response(503), attempt=2) <= 10
 
 
 def _expected(seq, **options):
@@ -155,3 +157,108 @@ def test_async_client_gives_up_after_its_time_bound_and_raises_errors_as_score_e
     drained, invalid = asyncio.run(main())
     assert drained.status == 503 and drained.type == "draining"
     assert (invalid.status, invalid.type, invalid.param) == (422, "invalid_value", "sequences[0].input_ids[2]")
+
+
+def _padded_batch(rng, vocab=1000):
+    """Four rows as verl / OpenRLHF pad them: left-padded prompts, right-padded responses, one row
+    with a hole in its response mask and one with no response at all."""
+    prompts, responses = [5, 1, 3, 2], [4, 6, 1, 0]
+    P, R = max(prompts), max(responses)
+    ids = np.full((4, P + R), 999_999, dtype=np.int64)  # pads hold an id the server would refuse
+    attn = np.zeros((4, P + R), dtype=np.int64)
+    resp = np.zeros((4, R), dtype=np.int64)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        ids[b, P - p : P + r] = rng.integers(0, vocab, p + r)
+        attn[b, P - p : P + r] = 1
+        resp[b, :r] = 1
+    resp[1, 2] = 0  # a masked-out token inside a response (a tool's output, say)
+    return ids, attn, resp, prompts, responses
+
+
+def test_score_padded_sends_no_pad_and_aligns_the_answers_with_the_response_mask():
+    rng = np.random.default_rng(3)
+    ids, attn, resp, prompts, responses = _padded_batch(rng)
+    P = max(prompts)
+
+    async def main():
+        backend = FakeBackend()
+        app = create_app(Settings(), backend)
+        async with running_app(app):
+            backend.rows.clear()  # the readiness pass's row
+            async with AsyncScoreClient(BASE, transport=httpx.ASGITransport(app=app)) as client:
+                full = await client.score_padded(ids, attn, np.concatenate([np.zeros_like(attn[:, :P]), resp], 1))
+                tail = await client.score_padded(ids, attn, resp, temperature=0.5, return_entropy=False)
+        return full, tail, backend.rows
+
+    full, tail, rows = asyncio.run(main())
+    assert full.logprobs.shape == ids.shape and tail.logprobs.shape == resp.shape
+    assert full.logprobs.dtype == np.float32 and full.entropy.dtype == np.float32 and tail.entropy is None
+    # Each row went alone as its real tokens up to its last response token: no pad was ever sent.
+    assert sorted(n for row in rows for n in row) == sorted([p + r for p, r in zip(prompts, responses) if r] * 2)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        real = ids[b, P - p : P + r]
+        if r == 0:
+            assert not full.logprobs[b].any() and not tail.logprobs[b].any()
+            continue
+        want = _expected({"input_ids": real, "score_from": p})
+        want_cold = _expected({"input_ids": real, "score_from": p}, temperature=0.5, return_entropy=False)
+        mask = resp[b, :r].astype(bool)
+        np.testing.assert_array_equal(full.logprobs[b, P : P + r], np.where(mask, want.logprobs, 0))
+        np.testing.assert_array_equal(full.entropy[b, P : P + r], np.where(mask, want.entropy, 0))
+        np.testing.assert_array_equal(tail.logprobs[b, :r], np.where(mask, want_cold.logprobs, 0))
+    assert not full.logprobs[:, :P].any() and not tail.logprobs[resp == 0].any()
+    assert full.model == "fake-model" and full.weights_version == "fake#1"
+
+
+def test_padded_input_is_refused_with_the_reason():
+    rng = np.random.default_rng(0)
+    ids, attn, resp, _, _ = _padded_batch(rng)
+    client = ScoreClient(BASE)
+    with pytest.raises(TypeError, match="pad tokens.*score_padded"):
+        client.score(ids)  # a 2-D batch: its rows hold pads
+    bad_attn = attn.copy()
+    bad_attn[0, 2] = 0  # a hole inside the real tokens
+    with pytest.raises(ValueError, match="row 0: attention_mask is not one contiguous run"):
+        client.score_padded(ids, bad_attn, resp)
+    bad_resp = resp.copy()
+    bad_resp[0, 5] = 1  # past row 0's last real token
+    with pytest.raises(ValueError, match="row 0: response_mask marks column 10 .* padding"):
+        client.score_padded(ids, attn, bad_resp)
+    whole = np.concatenate([attn[:, :5], resp], 1)  # row 0's first real token marked as response
+    whole[0, 0] = 1
+    with pytest.raises(ValueError, match="row 0: its first real token"):
+        client.score_padded(ids, attn, whole)
+    with pytest.raises(ValueError, match="response_mask must be"):
+        client.score_padded(ids, attn, np.ones((4, 20)))
+    client.close()
+
+
+def test_an_unreachable_server_fails_fast_with_a_log_line_per_retry(caplog):
+    from model_runtime.pool.ports import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="packscore_client"):
+        with ScoreClient(url, connect_retry_s=1.5) as client, pytest.raises(ScoreError) as failed:
+            client.score([[1, 2, 3]])
+    elapsed = time.monotonic() - started
+    assert failed.value.status == 0 and failed.value.type == "connection_error" and url in str(failed.value)
+    assert elapsed < 1.5 + 5, f"took {elapsed:.1f}s to give up with connect_retry_s=1.5"
+    retries = [r.getMessage() for r in caplog.records if "cannot reach" in r.getMessage()]
+    assert retries and all(url in m for m in retries), caplog.text
+
+
+def test_the_blocking_client_retries_503_then_scores_through_the_same_exchange():
+    answers = [httpx.Response(503, headers={"Retry-After": "0"}, json={"error": {"type": "not_ready", "message": "x"}}),
+               httpx.Response(200, json={"model": "m", "weights_version": "v",
+                                         "results": [{"id": None, "logprobs": [-1.5, -0.25]}]})]
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        return httpx.Response(404) if request.url.path == "/readyz" else answers.pop(0)
+
+    with ScoreClient(BASE, encoding="json", transport=httpx.MockTransport(handler)) as client:
+        (result,) = client.score([[1, 2, 3]], return_entropy=False)
+    assert seen == ["/readyz", "/score", "/score"]
+    np.testing.assert_array_equal(result.logprobs, np.array([-1.5, -0.25], np.float32))

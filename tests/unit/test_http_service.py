@@ -39,6 +39,7 @@ def test_api_key_guards_every_route_but_the_probes(tmp_path):
                 "right-key": await client.post("/score", json=GOOD, headers=bearer),
                 "lowercase-scheme": await client.post("/v1/score", json=GOOD, headers={"Authorization": f"bearer {KEY}"}),
                 "healthz": await client.get("/healthz"),
+                "health": await client.get("/health"),
                 "readyz": await client.get("/readyz"),
                 "metrics": await client.get("/metrics"),
                 "models": await client.get("/v1/models"),
@@ -53,8 +54,9 @@ def test_api_key_guards_every_route_but_the_probes(tmp_path):
         assert out[name].status_code == 401, name
         assert out[name].json()["error"]["type"] == "unauthorized"
         assert out[name].headers["www-authenticate"] == "Bearer"
-    for name in ("right-key", "lowercase-scheme", "healthz", "readyz", "metrics-key"):
+    for name in ("right-key", "lowercase-scheme", "healthz", "health", "readyz", "metrics-key"):
         assert out[name].status_code == 200, (name, out[name].text)
+    assert out["health"].json() == out["healthz"].json() == {"status": "ok"}
 
 
 def test_api_key_from_the_environment(monkeypatch):
@@ -172,21 +174,24 @@ def test_drain_timeout_answers_what_is_left_with_503():
 
 REQUIRED = {
     "packscore_requests_total": {"route", "status"},
-    "packscore_tokens_scored_total": set(),
+    "packscore_tokens_scored_total": {"model"},
     "packscore_rejections_total": {"reason"},
     "packscore_request_latency_seconds_bucket": {"route", "le"},
-    "packscore_queue_wait_seconds_bucket": {"le"},
-    "packscore_forward_seconds_bucket": {"le"},
-    "packscore_batch_tokens_bucket": {"le"},
-    "packscore_batch_fill_ratio_bucket": {"le"},
+    "packscore_queue_wait_seconds_bucket": {"model", "le"},
+    "packscore_forward_seconds_bucket": {"model", "le"},
+    "packscore_batch_tokens_bucket": {"model", "le"},
+    "packscore_batch_fill_ratio_bucket": {"model", "le"},
     "packscore_queued_tokens": set(),
     "packscore_queued_sequences": set(),
     "packscore_ready": set(),
     "packscore_workers_alive": set(),
     "packscore_model_info": {"model", "architecture", "dtype", "device", "weights_version"},
-    "packscore_kernel_info": {"family", "backend"},
-    "packscore_slow_kernel_fallback": set(),
-    "packscore_parallel_info": {"world_size", "dp", "sp", "fsdp"},
+    "packscore_kernel_info": {"model", "family", "backend"},
+    "packscore_slow_kernel_fallback": {"model"},
+    "packscore_parallel_info": {"model", "world_size", "dp", "sp", "fsdp"},
+    "packscore_process_cpu_seconds_total": set(),
+    "packscore_process_resident_memory_bytes": set(),
+    "packscore_process_open_fds": set(),
 }
 
 
@@ -222,6 +227,13 @@ def test_metrics_names_labels_and_values():
     assert value("packscore_kernel_info", family="attention", backend="reference") == 1
     assert value("packscore_parallel_info", world_size="1", fsdp="false") == 1
     assert value("packscore_slow_kernel_fallback") == 0
+    # Every per-model series names the served model; no _created series; the process's own figures.
+    for name in ("packscore_tokens_scored_total", "packscore_forward_seconds_count", "packscore_kernel_info",
+                 "packscore_model_info", "packscore_parallel_info", "packscore_slow_kernel_fallback"):
+        assert {s.labels.get("model") for s in samples[name]} == {"fake-model"}, (name, samples[name])
+    assert not [name for name in samples if name.endswith("_created")]
+    assert "_created" not in response.text
+    assert value("packscore_process_resident_memory_bytes") > 0 and value("packscore_process_cpu_seconds_total") > 0
 
 
 def test_models_route_has_the_contract_shape():

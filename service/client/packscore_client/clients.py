@@ -1,0 +1,198 @@
+"""``ScoreClient`` (blocking, thread-safe) and ``AsyncScoreClient`` (asyncio): the same arguments
+and results; each only drives ``Protocol.exchange`` with its own kind of I/O."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Generator, Iterable
+
+import httpx
+
+from packscore_client.padded import PaddedBatch, PaddedScores
+from packscore_client.protocol import Limits, Protocol, ScoredSequence, as_seqs, options
+
+_DISCOVERY_TIMEOUT_S = 5.0
+
+
+class _Base:
+    """Construction and the request plan both clients share.
+
+    ``retry_timeout_s`` bounds the retries of 429 / 503 (after their Retry-After) from the start of a
+    call; ``connect_retry_s`` bounds how long an unreachable server is retried (a log line each)
+    before ``ScoreError(0, "connection_error", ...)``. ``transport`` replaces the network (tests).
+    """
+
+    _http_class: type = httpx.Client
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        *,
+        encoding: str = "msgpack",
+        timeout_s: float = 600.0,
+        retry_timeout_s: float = 300.0,
+        connect_retry_s: float = 5.0,
+        max_concurrency: int = 4,
+        max_sequences_per_request: int | None = None,
+        max_request_tokens: int | None = None,
+        max_request_bytes: int | None = None,
+        transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
+    ):
+        self._p = Protocol(base_url, api_key, encoding, retry_timeout_s, max_sequences_per_request,
+                           max_request_tokens, max_request_bytes, connect_retry_s)
+        self._max_concurrency = max(1, max_concurrency)
+        # A host that never answers must fail within the connect budget, not after timeout_s.
+        timeout = httpx.Timeout(timeout_s, connect=max(1.0, min(timeout_s, connect_retry_s)))
+        self._http = self._http_class(base_url=self._p.base_url, timeout=timeout, headers=self._p.headers,
+                                      transport=transport)
+
+    @property
+    def limits(self) -> Limits:
+        return self._p.limits
+
+    def _plan(self, sequences, temperature, return_entropy, top_k, model, deadline_ms):
+        seqs = as_seqs(sequences)
+        opts = options(temperature, return_entropy, top_k, model, deadline_ms)
+        return seqs, opts, time.monotonic() + self._p.retry_timeout_s
+
+
+class ScoreClient(_Base):
+    """Blocking client; thread-safe. Use as a context manager or call ``close()``."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, **knobs: Any):
+        super().__init__(base_url, api_key, **knobs)
+        self._pool = ThreadPoolExecutor(max_workers=self._max_concurrency, thread_name_prefix="packscore-client")
+
+    def __enter__(self) -> "ScoreClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        self._http.close()
+
+    def score(
+        self,
+        sequences: Iterable[Any],
+        *,
+        temperature: float = 1.0,
+        return_entropy: bool = True,
+        top_k: int = 0,
+        model: str | None = None,
+        deadline_ms: int | None = None,
+    ) -> list[ScoredSequence]:
+        """Scores ``sequences`` (dicts with input_ids / score_from / id, or unpadded 1-D id lists or
+        arrays); one result per sequence, in order."""
+        seqs, opts, give_up = self._plan(sequences, temperature, return_entropy, top_k, model, deadline_ms)
+        if not self._p.limits_known:
+            self._p.learn_from_readyz(self._get("/readyz"))
+        parts = self._p.chunks(seqs, self._max_concurrency)
+        futures = [self._pool.submit(self._drive, self._p.exchange([seqs[i] for i in part], opts, give_up))
+                   for part in parts]
+        return [r for f in futures for r in f.result()]
+
+    def score_padded(self, input_ids: Any, attention_mask: Any, response_mask: Any, *, temperature: float = 1.0,
+                     return_entropy: bool = True, model: str | None = None,
+                     deadline_ms: int | None = None) -> PaddedScores:
+        """A trainer's padded batch ([B, T] ids and attention mask, [B, R] response mask over the last R
+        columns) -> [B, R] float32 log-probs and entropy aligned with the response mask; pads are
+        never sent. See ``packscore_client.padded``."""
+        batch = PaddedBatch.from_arrays(input_ids, attention_mask, response_mask)
+        results = self.score(batch.sequences, temperature=temperature, return_entropy=return_entropy, model=model,
+                             deadline_ms=deadline_ms) if batch.sequences else []
+        return batch.scores(results, return_entropy)
+
+    def _get(self, path: str) -> httpx.Response | Exception:
+        try:
+            return self._http.get(path, timeout=_DISCOVERY_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            return exc
+
+    def _drive(self, steps: Generator) -> list[ScoredSequence]:
+        try:
+            step = next(steps)
+            while True:
+                if isinstance(step, float):
+                    time.sleep(step)
+                    step = steps.send(None)
+                    continue
+                try:
+                    outcome: Any = self._http.post("/score", content=step)
+                except httpx.TransportError as exc:
+                    outcome = exc
+                step = steps.send(outcome)
+        except StopIteration as done:
+            return done.value
+
+
+class AsyncScoreClient(_Base):
+    """The asyncio twin of ScoreClient, with the same arguments and results."""
+
+    _http_class = httpx.AsyncClient
+
+    async def __aenter__(self) -> "AsyncScoreClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def score(
+        self,
+        sequences: Iterable[Any],
+        *,
+        temperature: float = 1.0,
+        return_entropy: bool = True,
+        top_k: int = 0,
+        model: str | None = None,
+        deadline_ms: int | None = None,
+    ) -> list[ScoredSequence]:
+        seqs, opts, give_up = self._plan(sequences, temperature, return_entropy, top_k, model, deadline_ms)
+        if not self._p.limits_known:
+            self._p.learn_from_readyz(await self._get("/readyz"))
+        gate = asyncio.Semaphore(self._max_concurrency)
+
+        async def send(part: list[int]) -> list[ScoredSequence]:
+            async with gate:
+                return await self._drive(self._p.exchange([seqs[i] for i in part], opts, give_up))
+
+        parts = await asyncio.gather(*(send(part) for part in self._p.chunks(seqs, self._max_concurrency)))
+        return [r for part in parts for r in part]
+
+    async def score_padded(self, input_ids: Any, attention_mask: Any, response_mask: Any, *, temperature: float = 1.0,
+                           return_entropy: bool = True, model: str | None = None,
+                           deadline_ms: int | None = None) -> PaddedScores:
+        batch = PaddedBatch.from_arrays(input_ids, attention_mask, response_mask)
+        results = await self.score(batch.sequences, temperature=temperature, return_entropy=return_entropy,
+                                   model=model, deadline_ms=deadline_ms) if batch.sequences else []
+        return batch.scores(results, return_entropy)
+
+    async def _get(self, path: str) -> httpx.Response | Exception:
+        try:
+            return await self._http.get(path, timeout=_DISCOVERY_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            return exc
+
+    async def _drive(self, steps: Generator) -> list[ScoredSequence]:
+        try:
+            step = next(steps)
+            while True:
+                if isinstance(step, float):
+                    await asyncio.sleep(step)
+                    step = steps.send(None)
+                    continue
+                try:
+                    outcome: Any = await self._http.post("/score", content=step)
+                except httpx.TransportError as exc:
+                    outcome = exc
+                step = steps.send(outcome)
+        except StopIteration as done:
+            return done.value
+

@@ -1,0 +1,92 @@
+"""Padded batches as RL trainers hold them (verl, OpenRLHF) in, padded per-token arrays out.
+
+A batch is ``input_ids`` [B, T], ``attention_mask`` [B, T] (1 on real tokens, left or right
+padding) and ``response_mask`` [B, R] over the last R columns of ``input_ids`` (R == T: the whole
+row; verl's ``response_mask`` and OpenRLHF's ``action_mask`` cover the response columns only).
+Each row is sent as its real tokens up to its last response token, with ``score_from`` at its
+first response token, so no pad is ever scored; the answers come back as [B, R] float32 arrays
+aligned with ``response_mask``, 0 wherever it is 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from packscore_client.protocol import ScoredSequence
+
+
+@dataclass
+class PaddedScores:
+    """Scores of a padded batch, aligned with its ``response_mask`` ([B, R], 0 where the mask is 0)."""
+
+    logprobs: np.ndarray  # float32 [B, R]
+    entropy: np.ndarray | None  # float32 [B, R], when return_entropy
+    model: str | None  # None when no row had a response token (nothing was sent)
+    weights_version: str | None
+
+
+@dataclass
+class PaddedBatch:
+    """A checked padded batch: the sequences to send and where their answers go."""
+
+    response_mask: np.ndarray  # bool [B, R]
+    offset: int  # T - R: the column of input_ids that response_mask's column 0 is
+    rows: list[int]  # the rows that have response tokens, in the order of ``sequences``
+    starts: list[int]  # per sent row: the input_ids column of its first scored token
+    sequences: list[dict]  # per sent row: {"id", "input_ids", "score_from"}
+
+    @classmethod
+    def from_arrays(cls, input_ids: Any, attention_mask: Any, response_mask: Any) -> "PaddedBatch":
+        ids, attn, resp = _numpy(input_ids), _numpy(attention_mask) != 0, _numpy(response_mask) != 0
+        if ids.ndim != 2 or attn.shape != ids.shape:
+            raise ValueError(f"input_ids and attention_mask must both be [B, T], got {ids.shape} and {attn.shape}")
+        if resp.ndim != 2 or resp.shape[0] != ids.shape[0] or resp.shape[1] > ids.shape[1]:
+            raise ValueError(f"response_mask must be [B, R] with R <= T over the last R columns of input_ids "
+                             f"{ids.shape}, got {resp.shape}")
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"input_ids must hold integer token ids, got dtype {ids.dtype}")
+        offset = ids.shape[1] - resp.shape[1]
+        rows, starts, sequences = [], [], []
+        for b in range(ids.shape[0]):
+            real = np.flatnonzero(attn[b])
+            scored = np.flatnonzero(resp[b]) + offset
+            if scored.size == 0:
+                continue  # nothing to score in this row: its answer stays 0
+            if real.size != real[-1] - real[0] + 1:
+                raise ValueError(f"row {b}: attention_mask is not one contiguous run of 1s (left or right padding "
+                                 "only); interleaved padding would be scored as tokens")
+            if scored[0] < real[0] or scored[-1] > real[-1]:
+                raise ValueError(f"row {b}: response_mask marks column {int(scored[0] if scored[0] < real[0] else scored[-1])}"
+                                 f" of input_ids, which attention_mask says is padding")
+            if scored[0] == real[0]:
+                raise ValueError(f"row {b}: its first real token is marked as response; a token needs at least one "
+                                 "before it to be predicted from")
+            rows.append(b)
+            starts.append(int(scored[0]))
+            sequences.append({"id": f"row-{b}", "input_ids": ids[b, real[0] : scored[-1] + 1],
+                              "score_from": int(scored[0] - real[0])})
+        return cls(resp, offset, rows, starts, sequences)
+
+    def scores(self, results: list[ScoredSequence], return_entropy: bool) -> PaddedScores:
+        """The answers to ``sequences``, in order, placed as [B, R] arrays."""
+        logprobs = np.zeros(self.response_mask.shape, np.float32)
+        entropy = np.zeros(self.response_mask.shape, np.float32) if return_entropy else None
+        for b, start, result in zip(self.rows, self.starts, results, strict=True):
+            cols = slice(start - self.offset, start - self.offset + result.logprobs.size)
+            logprobs[b, cols] = result.logprobs
+            if entropy is not None:
+                entropy[b, cols] = result.entropy
+        logprobs[~self.response_mask] = 0.0  # positions inside a response the mask leaves out
+        if entropy is not None:
+            entropy[~self.response_mask] = 0.0
+        first = results[0] if results else None
+        return PaddedScores(logprobs, entropy, first and first.model, first and first.weights_version)
+
+
+def _numpy(x: Any) -> np.ndarray:
+    if hasattr(x, "detach"):  # a torch tensor, on any device: no torch import needed
+        x = x.detach().cpu().numpy()
+    return np.asarray(x)

@@ -1,0 +1,280 @@
+"""What the blocking and the asyncio clients share, with no I/O: request bodies, splitting a batch
+under the server's limits, answers, errors, and the retry and split decisions of one exchange.
+
+``exchange`` is a generator that yields what it needs done (a body to POST, seconds to sleep) and
+receives the outcome; each client drives it with its own kind of I/O, so the retry logic exists once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Generator, Sequence
+
+import httpx
+import msgpack
+import numpy as np
+
+log = logging.getLogger("packscore_client")
+
+_INT32_MAX = 2**31 - 1
+_RETRY_STATUSES = (429, 503)
+_SPLITTABLE = ("too_many_sequences", "request_too_large", "body_too_large")  # 413 types that splitting fixes
+_HEADER = "x-packscore-max-"
+
+
+@dataclass
+class ScoredSequence:
+    """One sequence's scores; arrays cover positions score_from .. L-1."""
+
+    id: str | None
+    logprobs: np.ndarray  # float32 [n_scored]
+    entropy: np.ndarray | None  # float32 [n_scored], when return_entropy
+    top_k_ids: np.ndarray | None  # int32 [n_scored, k], when top_k > 0
+    top_k_logprobs: np.ndarray | None  # float32 [n_scored, k]
+    model: str
+    weights_version: str
+
+
+class ScoreError(Exception):
+    """The server refused or failed a request, or could not be reached (status 0, type
+    ``connection_error``); the fields are the contract's error body."""
+
+    def __init__(self, status: int, type: str, message: str, param: str | None = None):
+        super().__init__(f"{status} {type}: {message}" + (f" (param: {param})" if param else ""))
+        self.status, self.type, self.message, self.param = status, type, message, param
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may hold. The client's knobs cap what the server reports."""
+
+    max_sequences_per_request: int = 256
+    max_request_tokens: int = 65536
+    max_request_bytes: int = 8 << 20
+
+
+@dataclass
+class Seq:
+    """One sequence as sent: checked ids, where scoring starts, the caller's id."""
+
+    ids: np.ndarray  # int64 [L]
+    score_from: int
+    id: str | None
+
+
+def as_seq(item: Any) -> Seq:
+    """A dict with input_ids / score_from / id, or a plain 1-D sequence of ids, checked."""
+    if isinstance(item, dict):
+        ids, score_from, seq_id = item["input_ids"], item.get("score_from", 1), item.get("id")
+    else:
+        ids, score_from, seq_id = item, 1, None
+    if isinstance(ids, (bytes, bytearray)):
+        raise TypeError("input_ids must be a sequence of ints or a numpy array, not bytes")
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise TypeError(f"input_ids must be a 1-D sequence of ints, got dtype {arr.dtype} and shape {arr.shape}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and (arr.min() < 0 or arr.max() > _INT32_MAX):
+        # msgpack sends int32; a silent wrap-around could turn a bad id into a valid one.
+        raise ValueError(f"token ids must be in [0, 2**31), got {int(arr.min())} .. {int(arr.max())}")
+    return Seq(arr, int(score_from), seq_id)
+
+
+def as_seqs(sequences: Any) -> list[Seq]:
+    """``score``'s input; a padded 2-D array is refused: its rows would be scored pads and all."""
+    if getattr(sequences, "ndim", 1) >= 2:
+        raise TypeError(
+            f"score() got a {sequences.ndim}-D array {tuple(sequences.shape)}: its rows would be scored with their "
+            "pad tokens. Pass a padded batch to score_padded(input_ids, attention_mask, response_mask), or a "
+            "list of unpadded 1-D sequences"
+        )
+    return [as_seq(s) for s in sequences]
+
+
+def options(temperature, return_entropy, top_k, model, deadline_ms) -> dict:
+    """The request fields every part of one ``score`` call shares."""
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    return {"model": model, "temperature": float(temperature), "return_entropy": bool(return_entropy),
+            "top_k": int(top_k), "deadline_ms": deadline_ms}
+
+
+class Protocol:
+    """One client's configuration and what it has learned of the server's limits."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None,
+        encoding: str,
+        retry_timeout_s: float,
+        max_sequences_per_request: int | None,
+        max_request_tokens: int | None,
+        max_request_bytes: int | None,
+        connect_retry_s: float = 5.0,
+    ):
+        if encoding not in ("msgpack", "json"):
+            raise ValueError(f"encoding must be 'msgpack' or 'json', got {encoding!r}")
+        self.base_url = base_url.rstrip("/")
+        self.encoding = encoding
+        self.retry_timeout_s = retry_timeout_s
+        self.connect_retry_s = connect_retry_s
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        media = "application/msgpack" if encoding == "msgpack" else "application/json"
+        self.headers |= {"Content-Type": media, "Accept": media}
+        self.knobs = {
+            "max_sequences_per_request": max_sequences_per_request,
+            "max_request_tokens": max_request_tokens,
+            "max_request_bytes": max_request_bytes,
+        }
+        self.limits = self._capped(Limits())
+        self.limits_known = False
+        self._lock = threading.Lock()
+
+    def _capped(self, limits: Limits) -> Limits:
+        return replace(limits, **{k: min(v, getattr(limits, k)) for k, v in self.knobs.items() if v})
+
+    def learn(self, source: dict[str, Any] | httpx.Headers) -> None:
+        """Limits from /readyz's ``limits`` or from X-Packscore-Max-* response headers."""
+        found = {}
+        for field in ("max_sequences_per_request", "max_request_tokens", "max_request_bytes"):
+            key = _HEADER + field.removeprefix("max_").replace("_", "-") if isinstance(source, httpx.Headers) else field
+            value = source.get(key)
+            if value is not None and str(value).isdigit():
+                found[field] = int(value)
+        if found:
+            with self._lock:
+                self.limits = self._capped(replace(Limits(), **found))
+                self.limits_known = True
+
+    def learn_from_readyz(self, response: httpx.Response | Exception) -> None:
+        """The discovery answer, if any; without one the defaults and the first answer's headers do."""
+        if isinstance(response, httpx.Response) and response.status_code == 200:
+            try:
+                self.learn(response.json().get("limits", {}))
+            except ValueError:
+                pass
+
+    def chunks(self, seqs: Sequence[Seq], parallel: int) -> list[list[int]]:
+        """Indices of ``seqs`` grouped into requests that fit the limits, in order.
+
+        Parts sent at the same time share the server's admission queue, so each gets a
+        ``1 / parallel`` share of the token bound (a longer single sequence still goes alone).
+        """
+        lim = self.limits
+        token_budget = max(1, lim.max_request_tokens // parallel)
+        per_token = 4 if self.encoding == "msgpack" else 12  # bytes on the wire, generously
+        byte_budget = int(lim.max_request_bytes * 0.9) - 256
+        out: list[list[int]] = []
+        current: list[int] = []
+        tokens = size = 0
+        for i, s in enumerate(seqs):
+            n, b = s.ids.size, s.ids.size * per_token + 96
+            if current and (len(current) >= lim.max_sequences_per_request or tokens + n > token_budget
+                            or size + b > byte_budget):
+                out.append(current)
+                current, tokens, size = [], 0, 0
+            current.append(i)
+            tokens += n
+            size += b
+        if current:
+            out.append(current)
+        return out
+
+    def body(self, seqs: Sequence[Seq], options: dict) -> bytes:
+        if self.encoding == "msgpack":
+            items = [{"id": s.id, "input_ids": s.ids.astype("<i4").tobytes(), "score_from": s.score_from} for s in seqs]
+            return msgpack.packb({**options, "sequences": items}, use_bin_type=True)
+        items = [{"id": s.id, "input_ids": s.ids.tolist(), "score_from": s.score_from} for s in seqs]
+        return json.dumps({**options, "sequences": items}, separators=(",", ":")).encode()
+
+    def parse(self, response: httpx.Response, top_k: int) -> list[ScoredSequence]:
+        self.learn(response.headers)
+        media = response.headers.get("content-type", "").split(";")[0].strip()
+        body = msgpack.unpackb(response.content, raw=False) if "msgpack" in media else response.json()
+        model, version = body["model"], body["weights_version"]
+        return [_result(r, top_k, model, version) for r in body["results"]]
+
+    def exchange(self, seqs: list[Seq], options: dict, give_up: float) -> Generator[bytes | float, Any, list[ScoredSequence]]:
+        """The results of ``seqs`` in one request, or in halves where the server says it is too large.
+
+        Yields a body to POST (and receives the ``httpx.Response``, or the ``httpx.TransportError``
+        raised instead) or seconds to sleep (and receives None). 429 and 503 are retried after their
+        Retry-After until ``give_up`` (a ``time.monotonic()``); a server that cannot be reached is
+        retried for ``connect_retry_s`` from the first failure in a row, a log line each, then raised.
+        """
+        attempt, unreachable_since = 0, None
+        while True:
+            outcome = yield self.body(seqs, options)
+            if isinstance(outcome, httpx.Response):
+                unreachable_since = None
+                if outcome.status_code == 200:
+                    return self.parse(outcome, options["top_k"])
+                error = _error(outcome)
+                if outcome.status_code == 413 and error.type in _SPLITTABLE and len(seqs) > 1:
+                    self.learn(outcome.headers)
+                    half = len(seqs) // 2
+                    first = yield from self.exchange(seqs[:half], options, give_up)
+                    return first + (yield from self.exchange(seqs[half:], options, give_up))
+                wait = retry_after(outcome, attempt)
+                if outcome.status_code not in _RETRY_STATUSES or time.monotonic() + wait > give_up:
+                    raise error
+            else:
+                now = time.monotonic()
+                unreachable_since = unreachable_since or now
+                wait = retry_after(None, attempt)
+                if now + wait > min(give_up, unreachable_since + self.connect_retry_s):
+                    raise ScoreError(0, "connection_error", f"could not reach {self.base_url} for "
+                                     f"{now - unreachable_since:.1f}s: {_describe(outcome)}") from outcome
+                log.warning("packscore: cannot reach %s (%s); retrying in %.1fs (gives up %.0fs after the first "
+                            "failure: connect_retry_s)", self.base_url, _describe(outcome), wait, self.connect_retry_s)
+            yield wait
+            attempt += 1
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _array(value: Any, dtype: str) -> np.ndarray:
+    if isinstance(value, (bytes, bytearray)):
+        return np.frombuffer(value, dtype=dtype).astype(dtype[1:], copy=True)
+    try:
+        return np.asarray(value, dtype=dtype[1:])
+    except TypeError:  # JSON has no -inf / NaN: a server may send null for them
+        return np.asarray([np.nan if v is None else v for v in value], dtype=dtype[1:])
+
+
+def _result(r: dict, top_k: int, model: str, version: str) -> ScoredSequence:
+    logprobs = _array(r["logprobs"], "<f4")
+    entropy = _array(r["entropy"], "<f4") if "entropy" in r else None
+    ids = top = None
+    if "top_k_ids" in r:
+        ids = _array(r["top_k_ids"], "<i4").reshape(-1, top_k) if top_k else None
+        top = _array(r["top_k_logprobs"], "<f4").reshape(-1, top_k) if top_k else None
+    return ScoredSequence(r.get("id"), logprobs, entropy, ids, top, model, version)
+
+
+def _error(response: httpx.Response) -> ScoreError:
+    try:
+        e = response.json()["error"]
+        return ScoreError(response.status_code, e["type"], e["message"], e.get("param"))
+    except Exception:
+        return ScoreError(response.status_code, "http_error", response.text[:200] or response.reason_phrase)
+
+
+def retry_after(response: httpx.Response | None, attempt: int) -> float:
+    """Seconds to wait: the server's Retry-After, else exponential back-off with jitter."""
+    if response is not None:
+        value = response.headers.get("retry-after", "")
+        try:
+            return max(0.0, float(value))
+        except ValueError:
+            pass
+    return min(10.0, 0.25 * 2**attempt) * (0.5 + random.random() / 2)

@@ -1,0 +1,38 @@
+"""What users of vLLM, TGI and SGLang expect at the door, on a real server: a hub id served from an
+offline Hugging Face cache with the numbers of its directory, /health without the key."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+
+from tests.checkpoints import as_hub_cache
+from tests.e2e.helpers import AUTH, ServerProcess, assert_matches, decode, post, random_sequences
+
+REPO = "acme/tiny-qwen3.5"
+
+
+def test_a_hub_id_is_served_from_the_offline_cache_with_the_numbers_of_its_directory(checkpoint_dir, tmp_path,
+                                                                                    monkeypatch):
+    from model_runtime.scoring.loading import load_model
+    from model_runtime.scoring.scorer import Scorer
+
+    path = checkpoint_dir("qwen3_5")
+    cache = tmp_path / "hf-home" / "hub"
+    as_hub_cache(path, cache, REPO)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)  # it would win over HF_HOME
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}  # HF_HOME/hub is the cache searched
+    server = ServerProcess(tmp_path, "--model", REPO, "--max-batch-tokens", "256", env=env)
+    try:
+        server.wait_ready()
+        assert httpx.get(server.url + "/health").json() == {"status": "ok"}  # no key needed
+        model = httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"][0]
+        assert (model["id"], model["vocab_size"]) == (REPO, 512), model
+        seqs = random_sequences(np.random.default_rng(5), 5, 512, lengths=(2, 80))
+        response = post(server.url, {"sequences": seqs, "model": REPO, "top_k": 2}, encoding="msgpack")
+        assert response.status_code == 200, response.text
+        assert_matches(decode(response, 2), seqs, Scorer(load_model(str(path)), max_batch_tokens=4096), top_k=2)
+        assert f"resolving {REPO}@main through the Hugging Face cache {cache}" in server.log()
+    finally:
+        assert server.stop() == 0, server.log()
+

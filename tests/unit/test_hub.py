@@ -1,0 +1,61 @@
+"""``--model ORG/NAME`` resolved through an offline Hugging Face cache, in a fresh process (the hub
+reads HF_HUB_OFFLINE and HF_HUB_CACHE when it is imported), and the one-line error when it is not cached."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.checkpoints import as_hub_cache
+
+REPO = "acme/tiny-qwen"
+
+
+def _run(code: str, cache, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PACKSCORE_", "HF_"))}
+    env |= {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
+    return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+RESOLVE = "import sys; from service.hub import resolve_model_source as r; print(r(sys.argv[1], sys.argv[2] or None))"
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory, checkpoint_dir):
+    cache = tmp_path_factory.mktemp("hub")
+    return cache, as_hub_cache(checkpoint_dir("qwen3_5"), cache, REPO)
+
+
+def test_a_cached_hub_id_resolves_to_its_snapshot_offline(hub_cache):
+    cache, snapshot = hub_cache
+    for revision in ("", "main", snapshot.name):  # the default branch, named, and the commit itself
+        out = _run(RESOLVE, cache, REPO, revision)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == str(snapshot), (revision, out.stdout)
+    # Presets and directories are not hub ids: unchanged, whatever the cache holds.
+    out = _run(RESOLVE, cache, "tiny", "")
+    assert out.stdout.strip() == "tiny", out.stderr
+
+
+def test_an_uncached_hub_id_offline_is_one_clear_line_and_exit_2(hub_cache, tmp_path):
+    cache, _ = hub_cache
+    cli = "import sys; from service.cli import main; sys.exit(main(sys.argv[1:]))"
+    for model, revision in (("acme/not-downloaded", []), (REPO, ["--revision", "v9"])):
+        out = _run(cli, cache, "serve", "--model", model, *revision, "--port", "0")
+        assert out.returncode == 2, (out.returncode, out.stderr)
+        errors = [line for line in out.stderr.splitlines() if "error" in line]
+        assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr
+        assert str(cache) in errors[0] and model in errors[0] and "HF_HUB_OFFLINE" in errors[0], errors[0]
+    out = _run(cli, cache, "serve", "--model", "not a model")
+    assert out.returncode == 2 and "hub id (ORG/NAME)" in out.stderr, out.stderr
+
+
+def test_the_served_name_of_a_hub_id_is_the_hub_id(hub_cache):
+    cache, snapshot = hub_cache
+    code = ("import json, sys; from service.cli import _resolve_hub_model; from service.settings import Settings; "
+            "s = _resolve_hub_model(Settings(model=sys.argv[1])); print(json.dumps([s.model, s.served_model_name]))")
+    out = _run(code, cache, REPO)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [str(snapshot), REPO]
