@@ -106,3 +106,27 @@ def test_tiles_do_not_depend_on_the_count():
     first = experts_tiled(x[:1], top_i[:1], top_w[:1], gate_up, down)
     for n in (2, 3, 4, 31, 32, 33, 41):
         report(f"first token among {n}", experts_tiled(x[:n], top_i[:n], top_w[:n], gate_up, down)[:1], first, 0.0)
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_block_follows_hugging_face_bf16_per_token(kind):
+    """bf16 on the CPU, 8 of 16 experts per token: packscore's row against Hugging Face per sequence.
+
+    Against HF's grouped_mm experts (its default) only float32 summation orders differ (the
+    products' blocking, the top-k renormalisation, the top-k sum), each rounded once to bf16 at the
+    same step as HF: at most one bf16 step (2^-8 relative) at the output. HF's eager experts add the
+    8 weighted rows into a bf16 accumulator one expert at a time (8 roundings instead of one), so
+    against them up to 4 steps of the output's magnitude are allowed.
+    """
+    block = hf_block(kind, torch.bfloat16, seed=3, num_experts=16, num_experts_per_tok=8)
+    ours = PackedSparseMoe(block, select_backends("cpu"))
+    x_TD = torch.randn(sum(LENGTHS), block.gate.hidden_dim).bfloat16()
+    packed = PackedBatch.from_lengths(list(LENGTHS), device="cpu")
+    with torch.no_grad():
+        got = ours(x_TD, packed)
+        for implementation, steps in (("grouped_mm", 1), ("eager", 4)):
+            set_experts(block, implementation)
+            ref = torch.cat([block(x_TD[s:e][None])[0] for s, e in packed.segment_bounds])
+            scale = ref.float().abs().max().item()
+            diff = report(f"{kind} bf16 vs HF {implementation} per sequence", got, ref, steps * 2.0**-8 * scale)
+            print(f"{kind} bf16 vs HF {implementation}: max |diff| {diff:.3e}, output max {scale:.3e}")
