@@ -134,7 +134,7 @@ def patch_for_packing(hf_causal_lm: nn.Module, architecture: Architecture, backe
         if _MIXER_NAME.search(type(module).__name__) and not isinstance(module, _PACKED)
     ]
     if left:
-        raise PatchError(f"{len(left)} token mixers or MoE blocks were not switched to packed implementations: {', '.join(left)}")
+        raise PatchError(f"{len(left)} token mixers were not switched to packed implementations: {', '.join(left)}")
     return model, PatchReport(counts["linear_attention"], counts["full_attention"], moe_blocks)
 
 
