@@ -12,7 +12,9 @@ Phases (results JSON rewritten after each, a markdown table printed last and wri
    against its per-sequence calls (its batching noise);
 3. ``alone_vs_packed``: the packed 35B-A3B model (first 4 layers), each sequence alone against the
    same sequence inside one packed row: must be bit for bit equal on the GPU;
-4. the suite's benchmark (bench.gpu_suite.run_benchmark) on the first ``--sequences`` of the RL
+4. ``moe_experts``: one 16k-token row through 4 layers with packscore's block, then Hugging Face's
+   block (today's path before it, ``grouped_mm`` experts) and its ``eager`` experts: forward time;
+5. the suite's benchmark (bench.gpu_suite.run_benchmark) on the first ``--sequences`` of the RL
    mix: packscore, HF padded and HF one at a time, tokens/s, ``mfu_of_measured_peak`` on active
    parameters, ``diff_packscore_vs_hf_single`` and ``diff_hf_padded_vs_hf_single``; its entry is
    ``qwen3.5-35b-a3b`` as in the suite's results.
@@ -163,6 +165,12 @@ def markdown(results: dict, key: str) -> str:
         d = diffs.get(name)
         diff = f"{d['logprob_mean']:.3g} / {d['logprob_max']:.3g}" if d else ("reference" if name == "hf_single" else "")
         lines.append(f"| {name} | {side['tokens_per_s']:,.0f} | {side['mfu_of_measured_peak']:.3f} | {diff} |")
+    probe = results.get("moe_experts") or {}
+    if "packscore" in probe:
+        lines.append("")
+        lines.append("4-layer forward of one row, tokens/s: " + ", ".join(
+            f"{name} {probe[name]['tokens_per_s']:,.0f}" for name in ("packscore", "grouped_mm", "eager") if name in probe)
+            + " (grouped_mm, eager: Hugging Face's block)")
     inv = results.get("alone_vs_packed") or {}
     lines.append("")
     lines.append(f"alone vs packed ({inv.get('preset')}, {inv.get('dtype')}): bitwise equal = {inv.get('bitwise_equal')}, "
@@ -196,7 +204,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     args.mode = "moe"
     suite = Suite(args)
-    from bench.gpu_probes import matmul_ceiling
+    from bench.gpu_probes import matmul_ceiling, moe_experts
     from bench.gpu_suite import run_benchmark
 
     preset, spec, key = PRESET, None, PRESET
@@ -222,6 +230,9 @@ def main(argv=None):
             "MoE block vs Hugging Face, step by step", lambda: block_divergence(preset), 20)
         suite.results["alone_vs_packed"] = suite.phase(
             "alone vs packed (4 layers)", lambda: alone_vs_packed(preset), 30)
+        suite.results["moe_experts"] = suite.phase(
+            "MoE block: packscore vs Hugging Face grouped_mm and eager (4 layers)",
+            lambda: moe_experts(None if args.dry_run_cpu else 4, 200 if args.dry_run_cpu else 16384, spec), 30)
         suite.phase(f"benchmark {preset} ({args.sequences} sequences)", lambda: run_benchmark(
             suite, preset, args.sequences, hf_single=True, max_batch_tokens=65536 if not args.dry_run_cpu else 300,
             key=key, extras=False, spec=spec), 60)

@@ -37,7 +37,8 @@ def routed_pairs(top_i_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
     """``(order_S, counts_E)``: pair ids (``t * K + k``) sorted by expert, and pairs per expert."""
     flat_S = top_i_TK.reshape(-1)
     order_S = torch.argsort(flat_S, stable=True)
-    counts_E = torch.bincount(flat_S, minlength=num_experts)
+    # scatter_add, not bincount: bincount reads the largest id back to the host (a sync on CUDA).
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=flat_S.device).scatter_add_(0, flat_S, torch.ones_like(flat_S))
     return order_S, counts_E
 
 
