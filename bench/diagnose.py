@@ -66,7 +66,7 @@ def moe_block(tokens: int = 8192) -> dict:
 
     twin = build_twin("qwen3.5-35b-a3b", num_layers=1, moe_implementation="grouped_mm")
     model = twin.loaded.model
-    block = model.layers[0].mlp
+    block = next(b for _, attr, b in twin._originals if attr == "mlp")  # Hugging Face's block
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(1, tokens, model.config.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
     outputs = {}

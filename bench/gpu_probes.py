@@ -93,6 +93,9 @@ def matmul_ceiling() -> dict:
 
 
 def moe_experts(num_layers: int | None, row_tokens: int, spec=None) -> dict:
+    """One packed row through the 35B-A3B layers with packscore's MoE block, then with Hugging
+    Face's block in its place (its experts as ``grouped_mm``, then ``eager``): time and hidden-state
+    differences. Keys ``grouped_mm`` and ``eager`` are Hugging Face's; ``packscore`` is ours."""
     from bench.hf_reference import build_twin, set_moe_implementation
     from bench.workload import WorkloadSpec, grpo_workload
     from model_runtime.model.packing import PackedBatch
@@ -110,11 +113,16 @@ def moe_experts(num_layers: int | None, row_tokens: int, spec=None) -> dict:
         total += s.length
     plan = plan_row(sequences)
     ids = torch.from_numpy(plan.ids_T).to(H.DEVICE)
+    hf_blocks = [(layer, hf_block) for layer, attr, hf_block in twin._originals if attr == "mlp"]
+    ours_blocks = [(layer, layer.mlp) for layer, _ in hf_blocks]
     out, hidden = {"layers": len(model.layers), "row_tokens": total}, {}
-    for impl, repeats in (("grouped_mm", 3), ("eager", 2)):
-        set_moe_implementation(model, impl)
-        experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
-        assert experts.config._experts_implementation == impl, "the experts did not see the switch"
+    for impl, repeats in (("packscore", 3), ("grouped_mm", 3), ("eager", 2)):
+        if impl != "packscore":
+            set_moe_implementation(model, impl)
+            experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
+            assert experts.config._experts_implementation == impl, "the experts did not see the switch"
+        for layer, block in (ours_blocks if impl == "packscore" else hf_blocks):
+            layer.mlp = block
         times = []
         with torch.inference_mode():
             for r in range(repeats + 1):
@@ -127,10 +135,14 @@ def moe_experts(num_layers: int | None, row_tokens: int, spec=None) -> dict:
                     times.append(time.perf_counter() - t0)
         hidden[impl] = h.float()
         out[impl] = {"forward_s": float(np.median(times)), "tokens_per_s": total / float(np.median(times))}
-        log(f"35B-A3B experts {impl}: {out[impl]}")
+        log(f"35B-A3B MoE {impl}: {out[impl]}")
+    for layer, block in ours_blocks:
+        layer.mlp = block
     out["grouped_over_eager_speedup"] = out["eager"]["forward_s"] / out["grouped_mm"]["forward_s"]
+    out["packscore_over_hf_grouped_speedup"] = out["grouped_mm"]["forward_s"] / out["packscore"]["forward_s"]
     out["hidden_max_abs_diff"] = float((hidden["grouped_mm"] - hidden["eager"]).abs().max())
     out["hidden_rel_diff"] = float((hidden["grouped_mm"] - hidden["eager"]).norm() / hidden["eager"].norm())
+    out["packscore_vs_hf_grouped_hidden_max_abs_diff"] = float((hidden["packscore"] - hidden["grouped_mm"]).abs().max())
     set_moe_implementation(model, "grouped_mm")
     log(f"35B-A3B experts: {out}")
     return out

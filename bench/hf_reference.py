@@ -124,6 +124,7 @@ def build_twin(
     for layer, kind in zip(hf_model.model.layers, hf_model.config.layer_types):
         attr = "linear_attn" if kind == "linear_attention" else "self_attn"
         originals.append((layer, attr, getattr(layer, attr)))
+        originals.append((layer, "mlp", layer.mlp))  # the sparse-MoE block is swapped too
     backends = select_backends(device, overrides=kernel_overrides)
     model, report = patch_for_packing(hf_model, architecture_for(spec.model_type), backends)
     model.eval().requires_grad_(False)

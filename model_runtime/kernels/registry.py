@@ -4,7 +4,8 @@ Families: ``linear_attention`` (gated delta rule), ``conv1d`` (causal depthwise 
 ``attention`` (causal full attention), ``head`` (log-probability and entropy of a chunk of
 logits), ``elementwise`` (norms, gates, rotary, SiLU between the matrix products; its
 registry entries return the whole function set) and ``gate_projection`` (the GDN's narrow
-decay/beta projections, per row or per segment). Every fast backend has an exact PyTorch
+decay/beta projections, per row or per segment) and ``moe_experts`` (a sparse-MoE block's
+routed experts, each token's output independent of the row's size). Every fast backend has an exact PyTorch
 reference beside it; tests compare them on fresh random inputs.
 """
 
@@ -28,6 +29,7 @@ from model_runtime.kernels.conv import causal_conv1d_fla, causal_conv1d_referenc
 from model_runtime.kernels.conv_triton import causal_conv1d_silu_triton
 from model_runtime.kernels.gate_projection import gate_projection_row, gate_projection_segment
 from model_runtime.kernels.linear_attention import gated_delta_rule_fla, gated_delta_rule_reference
+from model_runtime.kernels.moe_experts import experts_grouped_mm, experts_tiled
 from model_runtime.kernels.logprob_head import logprob_entropy_torch, logprob_entropy_triton
 from model_runtime.kernels.overrides import FAMILIES  # one list for the CLI and the registry
 
@@ -47,6 +49,7 @@ REGISTRY: dict[str, dict[str, Callable]] = {
     "elementwise": {"eager": elementwise.eager, "inductor": elementwise.inductor,
                     "inductor_exact": elementwise.inductor_exact, "triton_exact": elementwise.triton_exact},
     "gate_projection": {"row": gate_projection_row, "segment": gate_projection_segment},
+    "moe_experts": {"tiled": experts_tiled, "grouped_mm": experts_grouped_mm},
 }
 # What a CPU run uses: the exact per-segment references, and plain PyTorch for the rest.
 _CPU_DEFAULT = {
@@ -56,10 +59,12 @@ _CPU_DEFAULT = {
     "head": "torch",
     "elementwise": "eager",
     "gate_projection": "segment",
+    "moe_experts": "tiled",
 }
 
 # Backends whose kernels exist only on CUDA.
-CUDA_ONLY = frozenset({"fla", "causal_conv1d", "varlen", "flash_attn", "triton", "inductor_exact", "triton_exact"})
+CUDA_ONLY = frozenset({"fla", "causal_conv1d", "varlen", "flash_attn", "triton", "inductor_exact", "triton_exact",
+                       "grouped_mm"})
 
 # The fast backends on a GPU, best first. Attention differs by where the model runs, as measured
 # on H200s (2026-11-29), 9B shape, benchmark workload:
@@ -85,6 +90,7 @@ _GPU_PREFERENCE = {
     # layers against 6.3e-8.
     "elementwise": ("triton_exact",),
     "gate_projection": ("segment",),
+    "moe_experts": ("grouped_mm",),
 }
 _POOL_GPU_PREFERENCE = {**_GPU_PREFERENCE, "attention": ("flash_attn", "varlen", "sdpa")}
 
@@ -103,6 +109,7 @@ class KernelBackends:
     head: str = "torch"
     elementwise: str = "eager"
     gate_projection: str = "segment"
+    moe_experts: str = "tiled"
     fallbacks: tuple[str, ...] = field(default=())
 
     def __post_init__(self):
@@ -136,6 +143,8 @@ _BACKEND_MODULES = {
 def _unavailable_reason(family: str, name: str) -> str | None:
     """``None`` when backend ``name`` of ``family`` can run here, else why not."""
     modules = _BACKEND_MODULES.get(name, ())
+    if family == "moe_experts" and name == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no grouped matrix product"
     if family == "conv1d" and name == "fla":
         modules = ("fla.modules",)
     for module in modules:

@@ -3,8 +3,8 @@
 Legend: T = tokens in the (local) row, D = hidden size, V = vocabulary.
 
 ``patch_for_packing`` is the one place where Hugging Face submodules are swapped. It replaces
-every token mixer and then checks that no attention or delta-rule module of the original
-classes is left anywhere in the model.
+every token mixer and every sparse-MoE block and then checks that no attention, delta-rule or
+sparse-MoE module of the original classes is left anywhere in the model.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from torch import nn
 from model_runtime.kernels.registry import KernelBackends
 from model_runtime.model.architectures import LAYER_KINDS, Architecture
 from model_runtime.model.layers import ModuleOps, PackedAttention, PackedGatedDeltaNet
+from model_runtime.model.moe import SPARSE_MOE_BLOCKS, PackedSparseMoe
 from model_runtime.model.packing import PackedBatch
 
 
@@ -29,9 +30,11 @@ class PatchError(RuntimeError):
 class PatchReport:
     linear_attention: int
     full_attention: int
+    sparse_moe: int = 0
 
     def __str__(self) -> str:
-        return f"{self.linear_attention} linear-attention and {self.full_attention} full-attention layers packed"
+        text = f"{self.linear_attention} linear-attention and {self.full_attention} full-attention layers packed"
+        return text + (f", {self.sparse_moe} sparse-MoE blocks batch-invariant" if self.sparse_moe else "")
 
 
 class PackedCausalLM(nn.Module):
@@ -67,7 +70,7 @@ class PackedCausalLM(nn.Module):
         for i, (layer, kind) in enumerate(zip(layers, self.layer_types)):
             x_TD, h_TD = ops.add_norm(layer.post_attention_layernorm, x_TD, self._mix(layer, kind, h_TD, packed, rope, sp))
             next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
-            x_TD, h_TD = ops.add_norm(next_norm, x_TD, ops.mlp(layer.mlp, h_TD))
+            x_TD, h_TD = ops.add_norm(next_norm, x_TD, self._mlp(layer.mlp, h_TD, packed, sp))
         return h_TD
 
     def _rope(self, x_TD: torch.Tensor, positions_T: torch.Tensor):
@@ -81,6 +84,11 @@ class PackedCausalLM(nn.Module):
         cos, sin = self.rotary_emb(x_TD.unsqueeze(0), positions)
         return cos[0], sin[0]
 
+    def _mlp(self, mlp, h_TD, packed, sp):
+        if isinstance(mlp, PackedSparseMoe):
+            return mlp(h_TD, packed, sp)
+        return self.ops.mlp(mlp, h_TD)
+
     @staticmethod
     def _mix(layer, kind, h_TD, packed, rope, sp):
         if kind == "linear_attention":
@@ -88,17 +96,19 @@ class PackedCausalLM(nn.Module):
         return layer.self_attn(h_TD, packed, rope, sp)
 
 
-_MIXER_NAME = re.compile(r"(Attention|GatedDeltaNet)$")
+_MIXER_NAME = re.compile(r"(Attention|GatedDeltaNet|SparseMoeBlock)$")
+_PACKED = (PackedAttention, PackedGatedDeltaNet, PackedSparseMoe)
 
 
 def patch_for_packing(hf_causal_lm: nn.Module, architecture: Architecture, backends: KernelBackends):
-    """Switches every token mixer to its packed implementation; returns ``(model, report)``.
+    """Switches every token mixer and sparse-MoE block to packscore's; returns ``(model, report)``.
 
     Raises ``PatchError`` for a layer kind it does not know, a mixer of an unexpected class, or
-    any attention/delta-rule module still unswitched afterwards.
+    any attention/delta-rule/sparse-MoE module still unswitched afterwards.
     """
     model = PackedCausalLM(hf_causal_lm, architecture, backends)
     counts = {kind: 0 for kind in LAYER_KINDS}
+    moe_blocks = 0
     if len(model.layer_types) != len(model.layers):
         raise PatchError(f"config lists {len(model.layer_types)} layer types for {len(model.layers)} layers")
     for i, (layer, kind) in enumerate(zip(model.layers, model.layer_types)):
@@ -115,14 +125,17 @@ def patch_for_packing(hf_causal_lm: nn.Module, architecture: Architecture, backe
         else:
             raise PatchError(f"layer {i} is of kind {kind!r}; packscore knows {list(LAYER_KINDS)}")
         counts[kind] += 1
+        if type(layer.mlp).__name__ in SPARSE_MOE_BLOCKS:
+            layer.mlp = PackedSparseMoe(layer.mlp, backends)
+            moe_blocks += 1
     left = [
         f"{name} ({type(module).__name__})"
         for name, module in model.named_modules()
-        if _MIXER_NAME.search(type(module).__name__) and not isinstance(module, (PackedAttention, PackedGatedDeltaNet))
+        if _MIXER_NAME.search(type(module).__name__) and not isinstance(module, _PACKED)
     ]
     if left:
         raise PatchError(f"{len(left)} token mixers were not switched to packed implementations: {', '.join(left)}")
-    return model, PatchReport(counts["linear_attention"], counts["full_attention"])
+    return model, PatchReport(counts["linear_attention"], counts["full_attention"], moe_blocks)
 
 
 def _expect(index: int, kind: str, module: nn.Module | None, known: frozenset[str]) -> None:

@@ -92,7 +92,8 @@ def run_parity(
         # the varlen kernel takes only 16-bit inputs, and fla's float32 delta rule multiplies in
         # TF32 with a per-shape autotuned tiling (on 2 x H200 its SP / FSDP layouts moved float32
         # log-probs by up to 4.4e-4, 2026-11-29). The bf16 served path is compared separately.
-        load["kernel_overrides"] = {"attention": "sdpa", "linear_attention": "reference", "conv1d": "reference"}
+        load["kernel_overrides"] = {"attention": "sdpa", "linear_attention": "reference", "conv1d": "reference",
+                                    "moe_experts": "tiled"}  # the grouped product is bf16 only
     for kind, path in checkpoints.items():
         reference = Scorer(load_model(path, **load))
         if rank == 0:

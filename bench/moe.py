@@ -1,0 +1,251 @@
+"""The 35B-A3B MoE on one GPU: packscore's MoE block against Hugging Face's, in numbers and speed.
+
+    python -m bench.moe --out DIR [--sequences 24]     (H200: about 5 minutes, at most 7)
+    python -m bench.moe --out DIR --dry-run-cpu        (tiny MoE preset on the CPU: every code path)
+
+Phases (results JSON rewritten after each, a markdown table printed last and written to DIR):
+1. the measured bf16 matmul ceiling (bench.gpu_probes.matmul_ceiling);
+2. ``block_divergence``: one sparse-MoE block of the 35B-A3B shape (random bf16 weights), step by
+   step (router logits, top-k ids and weights, routed experts on the same routing, shared expert,
+   shared gate, block output), packscore against Hugging Face on each sequence alone, with its
+   experts as ``grouped_mm`` (its default) and ``eager``; and Hugging Face's own whole-row call
+   against its per-sequence calls (its batching noise);
+3. ``alone_vs_packed``: the packed 35B-A3B model (first 4 layers), each sequence alone against the
+   same sequence inside one packed row: must be bit for bit equal on the GPU;
+4. ``moe_experts``: one 16k-token row through 4 layers with packscore's block, then Hugging Face's
+   block (today's path before it, ``grouped_mm`` experts) and its ``eager`` experts: forward time;
+5. the suite's benchmark (bench.gpu_suite.run_benchmark) on the first ``--sequences`` of the RL
+   mix: packscore, HF padded and HF one at a time, tokens/s, ``mfu_of_measured_peak`` on active
+   parameters, ``diff_packscore_vs_hf_single`` and ``diff_hf_padded_vs_hf_single``; its entry is
+   ``qwen3.5-35b-a3b`` as in the suite's results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from bench import suite_harness as H
+from bench.suite_harness import Suite, log
+
+PRESET = "qwen3.5-35b-a3b"
+DIVERGENCE_LENGTHS = (1, 7, 100, 513, 2000, 5000)
+INVARIANCE_LENGTHS = (1, 5, 64, 300, 1000, 3000)
+
+
+def _block_class(model_type: str):
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+    from transformers.models.qwen3_next import modeling_qwen3_next
+
+    if model_type.startswith("qwen3_5_moe"):
+        return modeling_qwen3_5_moe.Qwen3_5MoeSparseMoeBlock
+    return modeling_qwen3_next.Qwen3NextSparseMoeBlock
+
+
+def random_block(preset: str, device, dtype=torch.bfloat16, seed: int = 0):
+    """One Hugging Face sparse-MoE block of ``preset``'s shape, weights N(0, initializer_range)."""
+    from model_runtime.scoring.presets import PRESETS, build_config
+
+    spec = PRESETS[preset]
+    config = build_config(spec, num_hidden_layers=1)
+    config._experts_implementation = "grouped_mm"
+    torch.manual_seed(seed)
+    with torch.device(device):
+        block = _block_class(spec.model_type)(config)
+        for p in block.parameters():
+            p.data = (torch.randn_like(p, dtype=torch.float32) * config.initializer_range).to(dtype)
+    return block.eval().requires_grad_(False)
+
+
+def _set_experts(block, implementation: str) -> None:
+    config = block.experts.config
+    config._experts_implementation = implementation
+    if hasattr(config, "_experts_implementation_internal"):
+        config._experts_implementation_internal = implementation
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> dict:
+    d = (a.float() - b.float()).abs()
+    return {"max": float(d.max()), "mean": float(d.mean()), "differing_fraction": float((d > 0).float().mean())}
+
+
+def block_divergence(preset: str = PRESET, lengths=DIVERGENCE_LENGTHS) -> dict:
+    """Step-by-step differences of packscore's block (one packed row) from Hugging Face's (per sequence)."""
+    import torch.nn.functional as F
+
+    from model_runtime.kernels.registry import select_backends
+    from model_runtime.model.moe import PackedSparseMoe, _sigmoid_per_row
+    from model_runtime.model.packing import PackedBatch
+
+    device = torch.device(H.DEVICE)
+    dtype = torch.bfloat16
+    block = random_block(preset, device, dtype)
+    ours = PackedSparseMoe(block, select_backends(device, allow_slow=True))
+    packed = PackedBatch.from_lengths(list(lengths), device=device)
+    bounds = packed.segment_bounds
+    g = torch.Generator(device=device).manual_seed(1)
+    x_TD = torch.randn(sum(lengths), block.gate.hidden_dim, device=device, generator=g).to(dtype)
+    out = {"preset": preset, "lengths": list(lengths), "experts_backend": ours.experts_fn.__name__}
+    with torch.no_grad():
+        our_logits = ours._narrow(lambda x: F.linear(x, ours.gate.weight), x_TD, bounds)
+        our_w, our_i = ours.route(x_TD, bounds)
+        our_shared = ours.ops.mlp(ours.shared_expert, x_TD)
+        our_gate = _sigmoid_per_row(ours._narrow(ours.shared_expert_gate, x_TD, bounds))
+        our_out = ours(x_TD, packed)
+        for impl in ("grouped_mm", "eager"):
+            _set_experts(block, impl)
+            pieces = {k: [] for k in ("logits", "w", "i", "routed_same_routing", "ours_routed_same_routing", "shared", "gate", "out")}
+            for start, end in bounds:
+                x = x_TD[start:end]
+                logits, w, i = block.gate(x)
+                pieces["logits"].append(logits)
+                pieces["w"].append(w)
+                pieces["i"].append(i)
+                pieces["routed_same_routing"].append(block.experts(x, i, w))
+                pieces["ours_routed_same_routing"].append(ours.experts_fn(x, i, w, ours.experts.gate_up_proj, ours.experts.down_proj))
+                pieces["shared"].append(block.shared_expert(x))
+                pieces["gate"].append(torch.sigmoid(block.shared_expert_gate(x)))
+                pieces["out"].append(block(x[None])[0])
+            hf = {k: torch.cat(v) for k, v in pieces.items()}
+            same_ids = (hf["i"] == our_i).all(dim=-1)
+            out[f"vs_hf_{impl}_single"] = {
+                "router_logits": _diff(our_logits, hf["logits"]),
+                "top_k_ids_token_mismatch_fraction": float(1 - same_ids.float().mean()),
+                "top_k_weights_where_ids_agree": _diff(our_w[same_ids], hf["w"][same_ids]),
+                "routed_experts_same_routing": _diff(hf["ours_routed_same_routing"], hf["routed_same_routing"]),
+                "shared_expert": _diff(our_shared, hf["shared"]),
+                "shared_gate": _diff(our_gate, hf["gate"]),
+                "block_output": _diff(our_out, hf["out"]),
+            }
+            whole = block(x_TD[None])[0]
+            out[f"hf_{impl}_whole_row_vs_single"] = {"block_output": _diff(whole, hf["out"])}
+        _set_experts(block, "grouped_mm")
+    log(f"MoE block divergence: {json.dumps(out)}")
+    return out
+
+
+def alone_vs_packed(preset: str = PRESET, num_layers: int = 4, lengths=INVARIANCE_LENGTHS) -> dict:
+    """Each sequence alone against the same sequence in one packed row, through the packed model."""
+    import numpy as np
+
+    from bench.hf_reference import build_twin
+    from model_runtime.scoring.scorer import Scorer
+    from model_runtime.types import SequenceInput
+
+    dtype = torch.bfloat16 if H.DEVICE == "cuda" else torch.float32
+    twin = build_twin(preset, num_layers=num_layers, device=H.DEVICE, dtype=dtype)
+    scorer = Scorer(twin.loaded)
+    rng = np.random.default_rng(0)
+    seqs = [SequenceInput(rng.integers(0, twin.loaded.vocab_size, n), score_from=1) for n in lengths]
+    row = scorer.score_row(seqs)
+    worst = {}
+    for seq, in_row in zip(seqs, row):
+        alone = scorer.score_row([seq])[0]
+        worst[str(seq.length)] = max(float(np.abs(alone.logprobs - in_row.logprobs).max(initial=0.0)),
+                                     float(np.abs(alone.entropy - in_row.entropy).max(initial=0.0)))
+    out = {"preset": f"{preset}[:{num_layers}]", "dtype": str(dtype), "kernels": twin.loaded.backends.names,
+           "max_abs_diff_by_length": worst, "bitwise_equal": all(v == 0.0 for v in worst.values())}
+    log(f"alone vs packed: {out}")
+    del scorer, twin
+    return out
+
+
+def markdown(results: dict, key: str) -> str:
+    lines = ["| | tokens/s | of measured peak (active params) | mean / max abs diff of log-probs to HF one at a time |",
+             "| --- | ---: | ---: | ---: |"]
+    bench = results.get(key) or {}
+    sides = bench.get("sides", {})
+    diffs = {"packscore": bench.get("diff_packscore_vs_hf_single"), "hf_padded": bench.get("diff_hf_padded_vs_hf_single")}
+    for name, side in sides.items():
+        d = diffs.get(name)
+        diff = f"{d['logprob_mean']:.3g} / {d['logprob_max']:.3g}" if d else ("reference" if name == "hf_single" else "")
+        lines.append(f"| {name} | {side['tokens_per_s']:,.0f} | {side['mfu_of_measured_peak']:.3f} | {diff} |")
+    probe = results.get("moe_experts") or {}
+    if "packscore" in probe:
+        lines.append("")
+        lines.append("4-layer forward of one row, tokens/s: " + ", ".join(
+            f"{name} {probe[name]['tokens_per_s']:,.0f}" for name in ("packscore", "grouped_mm", "eager") if name in probe)
+            + " (grouped_mm, eager: Hugging Face's block)")
+    inv = results.get("alone_vs_packed") or {}
+    lines.append("")
+    lines.append(f"alone vs packed ({inv.get('preset')}, {inv.get('dtype')}): bitwise equal = {inv.get('bitwise_equal')}, "
+                 f"max |diff| by length {inv.get('max_abs_diff_by_length')}")
+    div = results.get("block_divergence") or {}
+    for impl in ("grouped_mm", "eager"):
+        steps = div.get(f"vs_hf_{impl}_single")
+        if steps:
+            lines.append("")
+            lines.append(f"MoE block, packscore (one row) vs HF {impl} (each sequence alone):")
+            lines.append("| step | max | mean | differing fraction |")
+            lines.append("| --- | ---: | ---: | ---: |")
+            for step, d in steps.items():
+                if isinstance(d, dict):
+                    lines.append(f"| {step} | {d['max']:.3g} | {d['mean']:.3g} | {d['differing_fraction']:.3g} |")
+                else:
+                    lines.append(f"| {step} | | | {d:.3g} |")
+            whole = div.get(f"hf_{impl}_whole_row_vs_single", {}).get("block_output")
+            if whole:
+                lines.append(f"| HF {impl} whole row vs alone (its batching noise) | {whole['max']:.3g} | {whole['mean']:.3g} | "
+                             f"{whole['differing_fraction']:.3g} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
+    parser.add_argument("--sequences", type=int, default=24, help="the first N sequences of the RL mix (24-64)")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting phases after this many seconds")
+    parser.add_argument("--dry-run-cpu", action="store_true", help="tiny MoE preset, tiny workload, on the CPU")
+    args = parser.parse_args(argv)
+    args.mode = "moe"
+    suite = Suite(args)
+    from bench.gpu_probes import matmul_ceiling, moe_experts
+    from bench.gpu_suite import run_benchmark
+
+    preset, spec, key = PRESET, None, PRESET
+    device = H.DEVICE
+    if args.dry_run_cpu:
+        from bench.workload import WorkloadSpec
+        from model_runtime.scoring.presets import PRESETS, Preset
+
+        H.set_device("cpu")
+        tiny = PRESETS["tiny"]
+        PRESETS["tiny-moe"] = Preset("tiny-moe", "qwen3_5_moe_text", {
+            **{k: v for k, v in tiny.config.items() if k != "intermediate_size"},
+            "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+        }, seed=0, initializer_range=0.05)
+        preset = "tiny-moe"
+        spec = WorkloadSpec(num_sequences=16, prompt_median=20, prompt_clip=(4, 60), response_median=30, response_clip=(2, 90))
+        suite.results["ceiling"] = {"tflops_mean": 1.0}
+        key = preset
+    else:
+        suite.results["ceiling"] = suite.phase("matmul ceiling", matmul_ceiling, 5) or {}
+    try:
+        suite.results["block_divergence"] = suite.phase(
+            "MoE block vs Hugging Face, step by step", lambda: block_divergence(preset), 20)
+        suite.results["alone_vs_packed"] = suite.phase(
+            "alone vs packed (4 layers)", lambda: alone_vs_packed(preset), 30)
+        suite.results["moe_experts"] = suite.phase(
+            "MoE block: packscore vs Hugging Face grouped_mm and eager (4 layers)",
+            lambda: moe_experts(None if args.dry_run_cpu else 4, 200 if args.dry_run_cpu else 16384, spec), 30)
+        suite.phase(f"benchmark {preset} ({args.sequences} sequences)", lambda: run_benchmark(
+            suite, preset, args.sequences, hf_single=True, max_batch_tokens=65536 if not args.dry_run_cpu else 300,
+            key=key, extras=False, spec=spec), 60)
+    finally:
+        H.set_device(device)
+        if args.dry_run_cpu:
+            PRESETS.pop("tiny-moe", None)
+    table = markdown(suite.results, key)
+    suite.texts["moe.md"] = table + "\n"
+    suite.save()
+    log(f"done in {time.perf_counter() - suite.started:.0f}s")
+    print(table, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Routed experts of a sparse-MoE block: every token's output independent of the row it is in.
+
+Legend: T = tokens of the (local) row, D = hidden size, E = experts, K = experts per token,
+I = an expert's intermediate size, S = T * K routed (token, expert) pairs, R = rows handed to a
+grouped product.
+
+Both backends compute Hugging Face's per-token arithmetic (its ``grouped_mm`` experts path):
+``gate, up = x @ gate_up[e].T`` (rounded to the model dtype), ``silu(gate) * up`` (each rounded),
+``@ down[e].T`` (rounded), times the routing weight (rounded), then the K weighted rows of a
+token summed in float32 and rounded once. What they add is that no step's arithmetic depends on
+how many tokens an expert received:
+
+- ``tiled`` (the reference; any device and dtype): each expert's tokens go through the two
+  products in zero-padded tiles of ``TILE_ROWS`` rows, so every product has the same shape
+  whatever the count (a CPU BLAS rounds products of a few rows differently from larger ones).
+- ``grouped_mm`` (CUDA, bfloat16): one ``torch._grouped_mm`` per product over all experts.
+  PyTorch picks its CUTLASS tile configuration from the mean rows per expert
+  (``rows / E``, thresholds 64 and 128); a tail of rows past the last expert's offset, which
+  the kernel never reads or writes, keeps that mean above 128, so every row count runs the
+  same configuration (no split-K in any of them).
+
+The K weighted rows of a token are summed in a fixed order (top-k order, float32), not by a
+reduction kernel whose split depends on the number of tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+TILE_ROWS = 32
+# grouped_mm's largest configuration is taken above this many rows per expert on average.
+GROUPED_MM_LARGE_CONFIG_ROWS = 129
+
+
+def routed_pairs(top_i_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order_S, counts_E)``: pair ids (``t * K + k``) sorted by expert, and pairs per expert."""
+    flat_S = top_i_TK.reshape(-1)
+    order_S = torch.argsort(flat_S, stable=True)
+    # scatter_add, not bincount: bincount reads the largest id back to the host (a sync on CUDA).
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=flat_S.device).scatter_add_(0, flat_S, torch.ones_like(flat_S))
+    return order_S, counts_E
+
+
+def combine_top_k(weighted_SD: torch.Tensor, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[T, D]``: each token's K weighted expert rows summed in top-k order in float32."""
+    w_TKD = weighted_SD.view(num_tokens, -1, weighted_SD.shape[-1])
+    acc_TD = w_TKD[:, 0].float()
+    for k in range(1, w_TKD.shape[1]):
+        acc_TD = acc_TD + w_TKD[:, k]
+    return acc_TD.to(dtype)
+
+
+def experts_tiled(
+    x_TD: torch.Tensor,
+    top_i_TK: torch.Tensor,
+    top_w_TK: torch.Tensor,
+    gate_up_E2ID: torch.Tensor,
+    down_EDI: torch.Tensor,
+    tile_rows: int = TILE_ROWS,
+) -> torch.Tensor:
+    """Routed experts' output ``[T, D]`` with every product over a ``[tile_rows, D]`` tile."""
+    T, K = top_i_TK.shape
+    D, I = x_TD.shape[1], down_EDI.shape[2]
+    order_S, counts_E = routed_pairs(top_i_TK, gate_up_E2ID.shape[0])
+    w_S = top_w_TK.reshape(-1)
+    weighted_SD = x_TD.new_empty(T * K, D)
+    start = 0
+    for e, n in enumerate(counts_E.tolist()):
+        for t0 in range(0, n, tile_rows):
+            pairs = order_S[start + t0 : start + min(n, t0 + tile_rows)]
+            x_tile = x_TD.new_zeros(tile_rows, D)
+            x_tile[: len(pairs)] = x_TD[pairs // K]
+            gate, up = F.linear(x_tile, gate_up_E2ID[e]).split(I, dim=-1)
+            y_tile = F.linear(F.silu(gate) * up, down_EDI[e])
+            weighted_SD[pairs] = y_tile[: len(pairs)] * w_S[pairs, None]
+        start += n
+    return combine_top_k(weighted_SD, T, x_TD.dtype)
+
+
+def in_row_tiles(fn, x_TD: torch.Tensor, tile_rows: int = TILE_ROWS) -> torch.Tensor:
+    """``fn(x_TD)`` for a per-row ``fn``, applied to zero-padded ``[tile_rows, D]`` tiles: the
+    ``tiled`` backend's way to give the block's other products one shape whatever the row."""
+    T = x_TD.shape[0]
+    padded = x_TD.new_zeros(-(-T // tile_rows) * tile_rows, x_TD.shape[1])
+    padded[:T] = x_TD
+    return torch.cat([fn(tile) for tile in padded.split(tile_rows)])[:T]
+
+
+def _grouped_mm(x_RD: torch.Tensor, w_EDN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    # The public name where torch has it, else the private one (what Hugging Face calls too).
+    fn = getattr(F, "grouped_mm", None) or torch._grouped_mm
+    return fn(x_RD, w_EDN, offs=offsets_E)
+
+
+def experts_grouped_mm(
+    x_TD: torch.Tensor,
+    top_i_TK: torch.Tensor,
+    top_w_TK: torch.Tensor,
+    gate_up_E2ID: torch.Tensor,
+    down_EDI: torch.Tensor,
+) -> torch.Tensor:
+    """Routed experts' output ``[T, D]`` through two grouped products of one fixed configuration."""
+    if x_TD.device.type != "cuda" or x_TD.dtype != torch.bfloat16:
+        raise ValueError(
+            f"the grouped_mm experts need bfloat16 on CUDA, got {x_TD.dtype} on {x_TD.device.type}; "
+            "use --kernels moe_experts=tiled"
+        )
+    T, K = top_i_TK.shape
+    E, D, I = gate_up_E2ID.shape[0], x_TD.shape[1], down_EDI.shape[2]
+    order_S, counts_E = routed_pairs(top_i_TK, E)
+    offsets_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+    S = T * K
+    rows = max(S, GROUPED_MM_LARGE_CONFIG_ROWS * E)  # rows past offsets[-1] are never computed
+    x_RD = x_TD.new_empty(rows, D)
+    x_RD[:S] = x_TD[order_S // K]
+    gate_up_R2I = _grouped_mm(x_RD, gate_up_E2ID.transpose(-2, -1), offsets_E)
+    h_RI = F.silu(gate_up_R2I[:, :I]) * gate_up_R2I[:, I:]
+    y_RD = _grouped_mm(h_RI, down_EDI.transpose(-2, -1), offsets_E)
+    weighted_SD = torch.empty_like(x_RD[:S])
+    weighted_SD[order_S] = y_RD[:S] * top_w_TK.reshape(-1)[order_S, None]
+    return combine_top_k(weighted_SD, T, x_TD.dtype)

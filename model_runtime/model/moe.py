@@ -1,0 +1,117 @@
+"""Packscore's sparse-MoE block (Qwen3.5-MoE, Qwen3-Next): Hugging Face's arithmetic per token,
+independent of the tokens it is packed with.
+
+Legend: T = tokens in the (local) row, D = hidden size, E = experts, K = experts per token.
+
+Hugging Face's block, step by step, and where this one rounds (the model dtype, bf16 on a GPU):
+router logits ``x @ W_r.T`` (rounded), softmax in float32, top-K, renormalised in float32, cast to
+the model dtype; routed experts as ``model_runtime.kernels.moe_experts`` describes; shared expert
+``down(silu(gate(x)) * up(x))`` (each step rounded), its gate ``sigmoid(x @ w_g.T)`` (rounded
+twice), their product (rounded), and the sum of routed and shared outputs (rounded).
+
+Differences from Hugging Face's block, each there so a token's numbers do not depend on its row:
+the narrow router and shared-gate products (N = E and 1) go through the ``gate_projection``
+kernel (per segment on a GPU, where a narrow product's kernel follows the row count) or, with
+the ``tiled`` experts, through fixed row tiles like the shared expert, and the
+top-K weights are renormalised by a sum in top-K order instead of a reduction kernel, and on
+the CPU the shared gate's sigmoid never runs in an elementwise kernel's scalar tail.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_runtime.kernels.moe_experts import in_row_tiles
+from model_runtime.kernels.registry import KernelBackends
+from model_runtime.model.layers import ModuleOps, _is_silu
+from model_runtime.model.packing import PackedBatch
+
+# Hugging Face's sparse-MoE block classes this block replaces.
+SPARSE_MOE_BLOCKS = frozenset({"Qwen3_5MoeSparseMoeBlock", "Qwen3NextSparseMoeBlock"})
+
+
+class PackedSparseMoe(nn.Module):
+    """Adopts the router, experts, shared expert and shared-expert gate of a Hugging Face block.
+
+    They stay submodules under their Hugging Face names (``gate.weight``, ``experts.gate_up_proj``,
+    ...), so parameter names, FSDP sharding and weight loading see the same model; only the
+    forward is packscore's.
+    """
+
+    def __init__(self, source: nn.Module, backends: KernelBackends):
+        super().__init__()
+        router, experts = source.gate, source.experts
+        if not _is_silu(experts.act_fn):
+            raise ValueError(f"packed MoE supports SiLU experts, got {type(experts.act_fn).__name__}")
+        for flag, wanted in (("has_bias", False), ("has_gate", True), ("is_transposed", False), ("is_concatenated", True)):
+            if getattr(experts, flag, wanted) != wanted:
+                raise ValueError(f"packed MoE expects experts with {flag}={wanted}")
+        self.top_k = router.top_k
+        self.num_experts = router.num_experts
+        self.normalise_top_k = getattr(router, "norm_topk_prob", True)  # Qwen3.5-MoE's router always does
+        self.gate = router  # weight [E, D]
+        self.experts = experts  # gate_up_proj [E, 2I, D] (gate rows, then up rows), down_proj [E, D, I]
+        self.shared_expert = source.shared_expert
+        self.shared_expert_gate = source.shared_expert_gate
+        if backends.moe_experts == "grouped_mm" and experts.gate_up_proj.dtype != torch.bfloat16:
+            raise ValueError(f"the grouped_mm experts need bfloat16 weights, got {experts.gate_up_proj.dtype}; "
+                             "use --kernels moe_experts=tiled")
+        self.experts_fn = backends.fn("moe_experts")
+        # With the tiled experts (the CPU reference) the router, shared expert and its gate run in
+        # row tiles too: a CPU BLAS rounds a product of a few rows differently, and tiles keep a
+        # token's numbers fixed under sequence parallelism as well, where segments are cut.
+        self.tiled = backends.moe_experts == "tiled"
+        self.gate_projection_fn = backends.fn("gate_projection")
+        self.ops = ModuleOps(backends.fn("elementwise")())
+
+    def route(self, x_TD: torch.Tensor, bounds) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(top_w_TK, top_i_TK)``: routing weights (model dtype) and expert ids, as Hugging Face's router."""
+        logits_TE = self._narrow(functools.partial(F.linear, weight=self.gate.weight), x_TD, bounds)
+        probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+        top_w_TK, top_i_TK = torch.topk(probs_TE, self.top_k, dim=-1)
+        if self.normalise_top_k:
+            total_T1 = top_w_TK[:, :1]
+            for k in range(1, self.top_k):
+                total_T1 = total_T1 + top_w_TK[:, k : k + 1]
+            top_w_TK = top_w_TK / total_T1
+        return top_w_TK.to(logits_TE.dtype), top_i_TK
+
+    def _narrow(self, linear, x_TD: torch.Tensor, bounds) -> torch.Tensor:
+        """A narrow product (router, shared gate): in tiles, or by the ``gate_projection`` kernel."""
+        return in_row_tiles(linear, x_TD) if self.tiled else self.gate_projection_fn(linear, x_TD, bounds)
+
+    def forward(self, x_TD: torch.Tensor, packed: PackedBatch, sp=None) -> torch.Tensor:
+        bounds = _local_segments(x_TD, packed, sp)
+        top_w_TK, top_i_TK = self.route(x_TD, bounds)
+        routed_TD = self.experts_fn(x_TD, top_i_TK, top_w_TK, self.experts.gate_up_proj, self.experts.down_proj)
+        shared_mlp = functools.partial(self.ops.mlp, self.shared_expert)
+        shared_TD = in_row_tiles(shared_mlp, x_TD) if self.tiled else shared_mlp(x_TD)
+        gate_T1 = _sigmoid_per_row(self._narrow(self.shared_expert_gate, x_TD, bounds))
+        return routed_TD + gate_T1 * shared_TD
+
+
+def _sigmoid_per_row(g_T1: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(g_T1)``, each value computed the same way whatever its position in the row.
+
+    A CPU elementwise kernel takes a row's tail (its last few elements) through scalar code
+    that rounds differently from the SIMD body; with one value per token, which tokens fall in
+    the tail would depend on the row. Repeated across a whole SIMD block, every value is in the body.
+    """
+    if g_T1.device.type != "cpu":
+        return torch.sigmoid(g_T1)
+    return torch.sigmoid(g_T1.expand(-1, _SIMD_BLOCK).contiguous())[:, :1]
+
+
+_SIMD_BLOCK = 64  # elements: a multiple of the widest CPU loop step (2 x 16 float32 lanes)
+
+
+def _local_segments(x_TD: torch.Tensor, packed: PackedBatch, sp) -> tuple[tuple[int, int], ...]:
+    """The row's segments within this rank's tokens (all of them without ``sp``)."""
+    if sp is None:
+        return packed.segment_bounds
+    T = x_TD.shape[0]
+    return packed.segments_within(sp.rank * T, (sp.rank + 1) * T)
