@@ -3,6 +3,10 @@
 The HTTP service and the offline CLI both call ``Scorer.score``. One call packs its sequences
 into rows of at most ``max_batch_tokens`` tokens (first-fit decreasing) and runs one packed
 forward per row; a sequence's numbers never depend on which others share its row.
+
+With ``prefix_min_tokens`` > 0, sequences of a row that share at least that many leading tokens
+(a GRPO group's prompt) run them once (``model_runtime.scoring.prefix``), and ``score`` keeps a
+group in one row where the budget allows.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 from model_runtime.model.packing import pack_first_fit_decreasing
 from model_runtime.scoring.head import BYTES_PER_LOGIT, ROW_MULTIPLE, chunk_tokens_for_budget, fused_chunk_tokens, score_positions
 from model_runtime.scoring.loading import LoadedModel
+from model_runtime.scoring.prefix import pack_groups_first_fit
 from model_runtime.scoring.rows import plan_row, split_results, validate_sequence
 from model_runtime.types import MAX_TOP_K, SequenceInput, SequenceScores
 
@@ -33,9 +38,17 @@ class Scorer:
     # allows the head 1 GiB at 64k tokens; 768 MiB leaves room for allocator rounding.
     CUDA_HEAD_CAP_BYTES = 768 << 20
 
-    def __init__(self, loaded: LoadedModel, *, max_batch_tokens: int = 16384, head_budget_bytes: int | None = None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        max_batch_tokens: int = 16384,
+        head_budget_bytes: int | None = None,
+        prefix_min_tokens: int = 0,
+    ):
         self.loaded = loaded
         self.max_batch_tokens = int(max_batch_tokens)
+        self.prefix_min_tokens = int(prefix_min_tokens)  # 0: every sequence runs whole
         self.logprob_fn = loaded.backends.fn("head")
         self._fixed_head_budget = head_budget_bytes
         if head_budget_bytes is None:
@@ -110,7 +123,10 @@ class Scorer:
         for i, seq in enumerate(sequences):
             validate_sequence(seq, self.loaded.vocab_size, i)
         results: list[SequenceScores | None] = [None] * len(sequences)
-        rows = pack_first_fit_decreasing([s.length for s in sequences], self.max_batch_tokens)
+        if self.prefix_min_tokens:
+            rows = pack_groups_first_fit(sequences, self.max_batch_tokens, self.prefix_min_tokens)
+        else:
+            rows = pack_first_fit_decreasing([s.length for s in sequences], self.max_batch_tokens)
         for row in rows:
             for i, scores in zip(row, self.score_row([sequences[i] for i in row], validated=True)):
                 results[i] = scores
@@ -122,7 +138,7 @@ class Scorer:
         if not validated:
             for i, seq in enumerate(sequences):
                 validate_sequence(seq, self.loaded.vocab_size, i)
-        plan = plan_row(sequences)
+        plan = plan_row(sequences, self.prefix_min_tokens)
         device = self.loaded.device
         # A padding segment (never scored) makes T a multiple of ROW_MULTIPLE: every matrix
         # product then computes a token's row the same way whatever its neighbours (on CPU), and
@@ -143,4 +159,4 @@ class Scorer:
             rows_N=rows_N,
             logprob_fn=self.logprob_fn,
         )
-        return split_results(sequences, head, plan.top_k)
+        return split_results(sequences, plan.expand(head), plan.top_k)

@@ -1,0 +1,156 @@
+"""Shared prefixes on and off: the benchmark's GRPO workload scored both ways, timed and compared.
+
+    python -m bench.prefix_sharing --out DIR                          # H200: 9B preset, bf16, ~3 min
+    python -m bench.prefix_sharing --out DIR --preset tiny --device cpu   # a dry run in seconds
+
+Two workloads: the benchmark's RL mix (256 sequences in groups of 8, ``bench.workload``) and a
+16-sample one (groups of 16, 1,000-token prompts, 2,000-token responses). For each: one
+``Scorer`` with prefix sharing and one without, on the same loaded model; after warm-up, one
+timed pass of each. ``speedup`` is tokens per second counting every sequence's full length,
+shared over unshared; ``logprob_mean_diff`` the mean |log-prob difference| to unshared scoring;
+``unique_token_bound`` the speedup if time were proportional to the tokens run. Writes
+``prefix-sharing.json`` and ``prefix-sharing.md`` to DIR and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.workload import WorkloadSpec, describe, grpo_workload
+from model_runtime.scoring.loading import load_model
+from model_runtime.scoring.prefix import tokens_saved
+from model_runtime.scoring.scorer import Scorer
+
+MIN_TOKENS = 64
+
+
+def workloads(vocab: int, tiny: bool) -> dict[str, list]:
+    if tiny:
+        mix = WorkloadSpec(num_sequences=24, prompt_median=150, prompt_clip=(64, 400), response_median=40, response_clip=(1, 200))
+        sixteen = WorkloadSpec(num_sequences=32, group_size=16, prompt_median=200, response_median=50, sigma=0.0)
+    else:
+        mix = WorkloadSpec()
+        sixteen = WorkloadSpec(num_sequences=64, group_size=16, prompt_median=1000, response_median=2000, sigma=0.0)
+    return {"rl_mix_groups_of_8": grpo_workload(vocab, mix), "groups_of_16_1k_prompt_2k_response": grpo_workload(vocab, sixteen)}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(scorer: Scorer, sequences) -> tuple[list, float]:
+    _sync(scorer.loaded.device)
+    t0 = time.perf_counter()
+    out = scorer.score(sequences)
+    _sync(scorer.loaded.device)
+    return out, time.perf_counter() - t0
+
+
+def compare(shared, plain) -> dict:
+    d_lp = np.concatenate([np.abs(a.logprobs - b.logprobs) for a, b in zip(shared, plain)])
+    d_ent = np.concatenate([np.abs(a.entropy - b.entropy) for a, b in zip(shared, plain)])
+    return {
+        "logprob_mean_diff": float(d_lp.mean()) if d_lp.size else 0.0,
+        "logprob_max_diff": float(d_lp.max()) if d_lp.size else 0.0,
+        "entropy_mean_diff": float(d_ent.mean()) if d_ent.size else 0.0,
+        "entropy_max_diff": float(d_ent.max()) if d_ent.size else 0.0,
+    }
+
+
+def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int) -> dict:
+    dev = torch.device(device)
+    dtype = "bfloat16" if dev.type == "cuda" else "float32"
+    t0 = time.perf_counter()
+    loaded = load_model(preset, device=dev, dtype=dtype)
+    load_s = time.perf_counter() - t0
+    plain = Scorer(loaded, max_batch_tokens=max_batch_tokens)
+    shared = Scorer(loaded, max_batch_tokens=max_batch_tokens, prefix_min_tokens=min_tokens)
+    t0 = time.perf_counter()
+    plain.warm_up()
+    shared.set_head_budget(plain.head_budget_bytes)
+    loads = workloads(loaded.vocab_size, tiny=preset == "tiny")
+    # The shared path's own kernel variants (initial and final states, gathered keys): one small
+    # row of two groups through each scorer before timing.
+    first = next(iter(loads.values()))[:16]
+    shared.score(first)
+    plain.score(first)
+    _sync(dev)
+    warm_s = time.perf_counter() - t0
+    result = {
+        "preset": preset,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "dtype": dtype,
+        "kernels": loaded.backends.names,
+        "max_batch_tokens": max_batch_tokens,
+        "prefix_min_tokens": min_tokens,
+        "load_s": load_s,
+        "warm_up_s": warm_s,
+        "workloads": {},
+    }
+    for name, sequences in loads.items():
+        work = describe(sequences)
+        saved = tokens_saved(sequences, min_tokens)  # as if the whole workload were one row
+        plain_out, plain_s = timed(plain, sequences)
+        shared_out, shared_s = timed(shared, sequences)
+        entry = {
+            "workload": work,
+            "tokens_saved_in_one_row": saved,
+            "unique_token_bound": work["tokens"] / (work["tokens"] - saved),
+            "unshared_s": plain_s,
+            "shared_s": shared_s,
+            "unshared_tokens_per_s": work["tokens"] / plain_s,
+            "shared_tokens_per_s": work["tokens"] / shared_s,
+            "speedup": plain_s / shared_s,
+            **compare(shared_out, plain_out),
+        }
+        result["workloads"][name] = entry
+        print(f"{name}: speedup {entry['speedup']:.3f} (bound {entry['unique_token_bound']:.3f}), "
+              f"mean |dlogp| {entry['logprob_mean_diff']:.2e}", flush=True)
+    main_entry = result["workloads"]["rl_mix_groups_of_8"]
+    result["speedup"] = main_entry["speedup"]
+    result["logprob_mean_diff"] = main_entry["logprob_mean_diff"]
+    return result
+
+
+def table(result: dict) -> str:
+    lines = [
+        f"prefix sharing, {result['preset']} on {result['device']} ({result['dtype']}), rows of {result['max_batch_tokens']} tokens",
+        "",
+        "| workload | tokens | unshared tok/s | shared tok/s | speedup | unique-token bound | mean abs dlogp | max abs dlogp |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, e in result["workloads"].items():
+        lines.append(
+            f"| {name} | {e['workload']['tokens']} | {e['unshared_tokens_per_s']:.0f} | {e['shared_tokens_per_s']:.0f} | "
+            f"{e['speedup']:.3f} | {e['unique_token_bound']:.3f} | {e['logprob_mean_diff']:.2e} | {e['logprob_max_diff']:.2e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="directory for prefix-sharing.json and prefix-sharing.md")
+    parser.add_argument("--preset", default="qwen3.5-9b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--max-batch-tokens", type=int, default=16384)
+    parser.add_argument("--min-tokens", type=int, default=MIN_TOKENS, help="shortest prefix shared")
+    args = parser.parse_args(argv)
+    result = run(args.preset, args.device, args.max_batch_tokens, args.min_tokens)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prefix-sharing.json").write_text(json.dumps(result, indent=2) + "\n")
+    text = table(result)
+    (out / "prefix-sharing.md").write_text(text)
+    print(text, flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
