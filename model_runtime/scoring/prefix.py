@@ -107,3 +107,59 @@ def pack_groups_first_fit(sequences: Sequence[SequenceInput], budget: int, min_t
         costs.append(cost if len(unit) > 1 else lengths[unit[0]])
     rows = pack_first_fit_decreasing(costs, budget)
     return [[i for u in row for i in units[u]] for row in rows]
+
+
+class RowTokens:
+    """Tokens a row will run as sequences join it, shared prefixes counted once.
+
+    Follows ``find_groups``'s rule for sequences added in row order, so a row the scheduler fills
+    to ``budget`` with it runs at most ``budget`` tokens.
+
+    >>> row = RowTokens(min_tokens=64)
+    >>> prompt = np.arange(100)
+    >>> row.add(np.concatenate([prompt, [1, 2]])); row.add(np.concatenate([prompt, [3]]))
+    >>> row.total  # 102 + 101 - 64 shared
+    139
+    """
+
+    def __init__(self, min_tokens: int):
+        self.min_tokens = int(min_tokens)
+        self.need = max(self.min_tokens, ALIGN) + 1
+        self.total = 0
+        # first tokens -> [first member's ids, members, shortest common prefix with the first]
+        self._groups: dict[bytes, list] = {}
+
+    def cost_with(self, input_ids) -> int:
+        """``total`` once ``input_ids`` has joined."""
+        ids = np.asarray(input_ids)
+        group = self._group_of(ids)
+        if group is None:
+            return self.total + ids.size
+        first, members, common = group
+        if members == 0:
+            return self.total + ids.size
+        new_common = common_prefix_length(first, ids) if members == 1 else min(common, common_prefix_length(first, ids))
+        old_saved = (members - 1) * self._shared(common) if members > 1 else 0
+        return self.total + ids.size + old_saved - members * self._shared(new_common)
+
+    def add(self, input_ids) -> None:
+        ids = np.asarray(input_ids)
+        self.total = self.cost_with(ids)
+        group = self._group_of(ids)
+        if group is None:
+            return
+        if group[1] == 0:
+            group[0] = ids
+        else:
+            lcp = common_prefix_length(group[0], ids)
+            group[2] = lcp if group[1] == 1 else min(group[2], lcp)
+        group[1] += 1
+
+    def _group_of(self, ids: np.ndarray):
+        if self.min_tokens < 1 or ids.size < self.need:
+            return None
+        return self._groups.setdefault(ids[: self.need].astype(np.int64).tobytes(), [None, 0, 0])
+
+    def _shared(self, common: int) -> int:
+        shared = (common - 1) // ALIGN * ALIGN
+        return shared if shared >= self.min_tokens else 0

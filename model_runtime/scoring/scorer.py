@@ -87,6 +87,7 @@ class Scorer:
         from the memory left), a row of many short sequences (fla's varlen index paths, many
         segments in attention), a top-k pass, and one-sequence rows of 1, 17 and 300 tokens (the
         shapes of idle requests; small sizes are their own compiled variants).
+        With prefix sharing, also a row of one group (the kernels' variants with initial states).
         On CPU: one short pass (nothing to compile).
         """
         import time
@@ -114,6 +115,8 @@ class Scorer:
         step("top-k", lambda: self.score_row([SequenceInput(rng.integers(0, vocab, 512), top_k=MAX_TOP_K) for _ in range(2)]))
         for n in (1, 17, 300):
             step(f"{n} tokens", lambda n=n: self.score_row([SequenceInput(rng.integers(0, vocab, n), score_from=1)]))
+        if self.prefix_min_tokens:
+            step("a shared prefix", lambda: self.score_row(shared_prefix_row(rng, vocab, self.prefix_min_tokens)))
         # Where start-up time goes (compilation and autotuning are in the first step that needs them).
         self.warm_up_steps = steps
         self.warm_up_seconds = time.perf_counter() - started
@@ -160,3 +163,9 @@ class Scorer:
             logprob_fn=self.logprob_fn,
         )
         return split_results(sequences, plan.expand(head), plan.top_k)
+
+
+def shared_prefix_row(rng: np.random.Generator, vocab: int, min_tokens: int, members: int = 4) -> list[SequenceInput]:
+    """A warm-up row: ``members`` sequences sharing a prompt long enough to be shared."""
+    prompt = rng.integers(0, vocab, max(min_tokens, 64) + 200)
+    return [SequenceInput(np.concatenate([prompt, rng.integers(0, vocab, 100 + 37 * i)]), score_from=prompt.size) for i in range(members)]
