@@ -32,8 +32,8 @@ MIN_TOKENS = 64
 
 def workloads(vocab: int, tiny: bool) -> dict[str, list]:
     if tiny:
-        mix = WorkloadSpec(num_sequences=24, prompt_median=150, prompt_clip=(64, 400), response_median=40, response_clip=(1, 200))
-        sixteen = WorkloadSpec(num_sequences=32, group_size=16, prompt_median=200, response_median=50, sigma=0.0)
+        mix = WorkloadSpec(num_sequences=16, prompt_median=90, prompt_clip=(64, 150), response_median=8, response_clip=(1, 30))
+        sixteen = WorkloadSpec(num_sequences=16, group_size=16, prompt_median=70, response_median=8, sigma=0.0)
     else:
         mix = WorkloadSpec()
         sixteen = WorkloadSpec(num_sequences=64, group_size=16, prompt_median=1000, response_median=2000, sigma=0.0)
@@ -78,7 +78,7 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int) -> dic
     loads = workloads(loaded.vocab_size, tiny=preset == "tiny")
     # The shared path's own kernel variants (initial and final states, gathered keys): one small
     # row of two groups through each scorer before timing.
-    first = next(iter(loads.values()))[:16]
+    first = next(iter(loads.values()))[: 4 if preset == "tiny" else 16]
     shared.score(first)
     plain.score(first)
     _sync(dev)
