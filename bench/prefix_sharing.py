@@ -32,7 +32,9 @@ MIN_TOKENS = 64
 
 def workloads(vocab: int, tiny: bool) -> dict[str, list]:
     if tiny:
-        mix = WorkloadSpec(num_sequences=16, prompt_median=90, prompt_clip=(64, 150), response_median=8, response_clip=(1, 30))
+        mix = WorkloadSpec(
+            num_sequences=16, prompt_median=90, prompt_clip=(64, 150), response_median=8, response_clip=(1, 30)
+        )
         sixteen = WorkloadSpec(num_sequences=16, group_size=16, prompt_median=70, response_median=8, sigma=0.0)
     else:
         mix = WorkloadSpec()

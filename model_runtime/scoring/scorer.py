@@ -168,4 +168,7 @@ class Scorer:
 def shared_prefix_row(rng: np.random.Generator, vocab: int, min_tokens: int, members: int = 4) -> list[SequenceInput]:
     """A warm-up row: ``members`` sequences sharing a prompt long enough to be shared."""
     prompt = rng.integers(0, vocab, max(min_tokens, 64) + 200)
-    return [SequenceInput(np.concatenate([prompt, rng.integers(0, vocab, 100 + 37 * i)]), score_from=prompt.size) for i in range(members)]
+    return [
+        SequenceInput(np.concatenate([prompt, rng.integers(0, vocab, 100 + 37 * i)]), score_from=prompt.size)
+        for i in range(members)
+    ]

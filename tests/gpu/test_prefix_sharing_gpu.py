@@ -61,7 +61,8 @@ def test_fla_delta_rule_continues_the_parent_state(case, gpu_record):
     a, a_w = rows.make(g, 32, dtype=torch.float32)
     b, b_w = rows.make(g, 32)
     got = gated_delta_rule_fla(q, k, v, -torch.nn.functional.softplus(a), b.sigmoid(), rows.linked)
-    want = rows.whole_of_linked(gated_delta_rule_fla(q_w, k_w, v_w, -torch.nn.functional.softplus(a_w), b_w.sigmoid(), rows.whole))
+    whole = gated_delta_rule_fla(q_w, k_w, v_w, -torch.nn.functional.softplus(a_w), b_w.sigmoid(), rows.whole)
+    want = rows.whole_of_linked(whole)
     err, diff = rel(got, want), float((got.float() - want.float()).abs().max())
     gpu_record("prefix gdn fla linked vs whole", prefix=case[0], rel=err, max_abs=diff)
     assert err <= 1e-2, f"fla GDN linked vs whole rel {err:.3e} > 1e-2 (max |diff| {diff:.3e})"
@@ -103,7 +104,8 @@ def test_tiny_model_shared_equals_unshared_in_bf16(gpu_record):
     loaded = load_model("tiny", device=DEV)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, loaded.vocab_size, 600)
-    seqs = [SequenceInput(np.concatenate([prompt, rng.integers(0, loaded.vocab_size, n)]), score_from=500) for n in (1, 90, 700, 1500)]
+    tail = lambda n: rng.integers(0, loaded.vocab_size, n)  # noqa: E731
+    seqs = [SequenceInput(np.concatenate([prompt, tail(n)]), score_from=500) for n in (1, 90, 700, 1500)]
     seqs.append(SequenceInput(rng.integers(0, loaded.vocab_size, 333), score_from=1))
     plain = Scorer(loaded).score_row(seqs)
     shared = Scorer(loaded, prefix_min_tokens=64).score_row(seqs)
