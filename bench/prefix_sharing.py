@@ -1,14 +1,16 @@
 """Shared prefixes on and off: the benchmark's GRPO workload scored both ways, timed and compared.
 
-    python -m bench.prefix_sharing --out DIR                          # H200: 9B preset, bf16, ~3 min
+    python -m bench.prefix_sharing --out DIR                          # H200: 9B preset, bf16, < 4 min
     python -m bench.prefix_sharing --out DIR --preset tiny --device cpu   # a dry run in seconds
 
 Two workloads: the benchmark's RL mix (256 sequences in groups of 8, ``bench.workload``) and a
 16-sample one (groups of 16, 1,000-token prompts, 2,000-token responses). For each: one
-``Scorer`` with prefix sharing and one without, on the same loaded model; after warm-up, one
+``Scorer`` with prefix sharing and one without, on the same loaded model and row budget
+(``--max-batch-tokens``, and the RL mix again in rows of ``--also-tokens``); after warm-up, one
 timed pass of each. ``speedup`` is tokens per second counting every sequence's full length,
 shared over unshared; ``logprob_mean_diff`` the mean |log-prob difference| to unshared scoring;
-``unique_token_bound`` the speedup if time were proportional to the tokens run. Writes
+``row_token_bound`` the speedup if time were proportional to the tokens the rows run (prompt
+tokens have no head cost, so the real ceiling is lower). Writes
 ``prefix-sharing.json`` and ``prefix-sharing.md`` to DIR and prints the table last.
 """
 
@@ -24,7 +26,7 @@ import torch
 
 from bench.workload import WorkloadSpec, describe, grpo_workload
 from model_runtime.scoring.loading import load_model
-from model_runtime.scoring.prefix import tokens_saved
+from model_runtime.scoring.prefix import pack_groups_first_fit, tokens_saved
 from model_runtime.scoring.scorer import Scorer
 
 MIN_TOKENS = 64
@@ -66,23 +68,36 @@ def compare(shared, plain) -> dict:
     }
 
 
-def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int) -> dict:
+def row_token_bound(sequences, budget: int, min_tokens: int) -> float:
+    """Tokens of the workload over the tokens its shared rows run: the speedup if time were
+    proportional to tokens run (groups cut by the row budget share only within a row)."""
+    rows = pack_groups_first_fit(sequences, budget, min_tokens)
+    run = sum(sum(sequences[i].length for i in r) - tokens_saved([sequences[i] for i in r], min_tokens) for r in rows)
+    return sum(s.length for s in sequences) / run
+
+
+def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_tokens: int, budget_s: float) -> dict:
+    started = time.perf_counter()
     dev = torch.device(device)
     dtype = "bfloat16" if dev.type == "cuda" else "float32"
-    t0 = time.perf_counter()
     loaded = load_model(preset, device=dev, dtype=dtype)
-    load_s = time.perf_counter() - t0
-    plain = Scorer(loaded, max_batch_tokens=max_batch_tokens)
-    shared = Scorer(loaded, max_batch_tokens=max_batch_tokens, prefix_min_tokens=min_tokens)
+    load_s = time.perf_counter() - started
     t0 = time.perf_counter()
+    plain = Scorer(loaded, max_batch_tokens=max_batch_tokens)
     plain.warm_up()
-    shared.set_head_budget(plain.head_budget_bytes)
+    scorers = {}
+    for budget in dict.fromkeys((max_batch_tokens, also_tokens or max_batch_tokens)):
+        pair = (Scorer(loaded, max_batch_tokens=budget), Scorer(loaded, max_batch_tokens=budget, prefix_min_tokens=min_tokens))
+        for scorer in pair:
+            scorer.set_head_budget(plain.head_budget_bytes)
+        scorers[budget] = pair
     loads = workloads(loaded.vocab_size, tiny=preset == "tiny")
-    # The shared path's own kernel variants (initial and final states, gathered keys): one small
-    # row of two groups through each scorer before timing.
-    first = next(iter(loads.values()))[: 4 if preset == "tiny" else 16]
-    shared.score(first)
-    plain.score(first)
+    # The shared path's own kernel variants (initial and final states, gathered keys): a small row
+    # of groups through each scorer before timing.
+    first = loads["rl_mix_groups_of_8"][: 4 if preset == "tiny" else 16]
+    for pair in scorers.values():
+        for scorer in pair:
+            scorer.score(first)
     _sync(dev)
     warm_s = time.perf_counter() - t0
     result = {
@@ -96,15 +111,25 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int) -> dic
         "warm_up_s": warm_s,
         "workloads": {},
     }
-    for name, sequences in loads.items():
+    runs = [(name, name, max_batch_tokens) for name in loads]
+    if also_tokens and also_tokens != max_batch_tokens:
+        runs.append((f"rl_mix_groups_of_8_rows_of_{also_tokens}", "rl_mix_groups_of_8", also_tokens))
+    for key, name, budget in runs:
+        if result["workloads"] and time.perf_counter() - started > budget_s:
+            print(f"{key}: skipped, past --budget-s {budget_s:.0f}", flush=True)
+            continue
+        sequences = loads[name]
+        plain, shared = scorers[budget]
         work = describe(sequences)
         saved = tokens_saved(sequences, min_tokens)  # as if the whole workload were one row
         plain_out, plain_s = timed(plain, sequences)
         shared_out, shared_s = timed(shared, sequences)
         entry = {
             "workload": work,
+            "max_batch_tokens": budget,
             "tokens_saved_in_one_row": saved,
             "unique_token_bound": work["tokens"] / (work["tokens"] - saved),
+            "row_token_bound": row_token_bound(sequences, budget, min_tokens),
             "unshared_s": plain_s,
             "shared_s": shared_s,
             "unshared_tokens_per_s": work["tokens"] / plain_s,
@@ -112,26 +137,29 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int) -> dic
             "speedup": plain_s / shared_s,
             **compare(shared_out, plain_out),
         }
-        result["workloads"][name] = entry
-        print(f"{name}: speedup {entry['speedup']:.3f} (bound {entry['unique_token_bound']:.3f}), "
+        result["workloads"][key] = entry
+        print(f"{key}: speedup {entry['speedup']:.3f} (token bound {entry['row_token_bound']:.3f} in rows of {budget}), "
               f"mean |dlogp| {entry['logprob_mean_diff']:.2e}", flush=True)
     main_entry = result["workloads"]["rl_mix_groups_of_8"]
     result["speedup"] = main_entry["speedup"]
     result["logprob_mean_diff"] = main_entry["logprob_mean_diff"]
+    result["total_s"] = time.perf_counter() - started
     return result
 
 
 def table(result: dict) -> str:
     lines = [
-        f"prefix sharing, {result['preset']} on {result['device']} ({result['dtype']}), rows of {result['max_batch_tokens']} tokens",
+        f"prefix sharing, {result['preset']} on {result['device']} ({result['dtype']}); token bound: workload tokens over "
+        "tokens the shared rows run",
         "",
-        "| workload | tokens | unshared tok/s | shared tok/s | speedup | unique-token bound | mean abs dlogp | max abs dlogp |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| workload | rows of | tokens | unshared tok/s | shared tok/s | speedup | token bound | mean abs dlogp | max abs dlogp |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, e in result["workloads"].items():
         lines.append(
-            f"| {name} | {e['workload']['tokens']} | {e['unshared_tokens_per_s']:.0f} | {e['shared_tokens_per_s']:.0f} | "
-            f"{e['speedup']:.3f} | {e['unique_token_bound']:.3f} | {e['logprob_mean_diff']:.2e} | {e['logprob_max_diff']:.2e} |"
+            f"| {name} | {e['max_batch_tokens']} | {e['workload']['tokens']} | {e['unshared_tokens_per_s']:.0f} | "
+            f"{e['shared_tokens_per_s']:.0f} | {e['speedup']:.3f} | {e['row_token_bound']:.3f} | "
+            f"{e['logprob_mean_diff']:.2e} | {e['logprob_max_diff']:.2e} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -141,10 +169,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", required=True, help="directory for prefix-sharing.json and prefix-sharing.md")
     parser.add_argument("--preset", default="qwen3.5-9b")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--max-batch-tokens", type=int, default=16384)
+    parser.add_argument("--max-batch-tokens", type=int, default=65536,
+                        help="row budget of the main comparison (rows this large keep most groups of 8 whole)")
+    parser.add_argument("--also-tokens", type=int, default=16384, help="also the RL mix in rows of this many tokens (0: no)")
     parser.add_argument("--min-tokens", type=int, default=MIN_TOKENS, help="shortest prefix shared")
+    parser.add_argument("--budget-s", type=float, default=200.0, help="start no further comparison after this many seconds")
     args = parser.parse_args(argv)
-    result = run(args.preset, args.device, args.max_batch_tokens, args.min_tokens)
+    result = run(args.preset, args.device, args.max_batch_tokens, args.min_tokens, args.also_tokens, args.budget_s)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prefix-sharing.json").write_text(json.dumps(result, indent=2) + "\n")
