@@ -9,6 +9,7 @@ import numpy as np
 from model_runtime.scoring.prefix import RowTokens, tokens_saved
 from model_runtime.types import SequenceInput
 from service.cli import build_parser
+from service.http.metrics import Metrics
 from service.scheduling.scheduler import Scheduler
 from service.settings import Settings
 from service.testing import FakeBackend
@@ -44,22 +45,23 @@ def test_scheduler_counts_a_shared_prompt_once_and_exports_the_savings():
     async def main(prefix_min_tokens):
         gate = threading.Event()
         backend = FakeBackend(gate=gate)
+        metrics = Metrics()
         scheduler = Scheduler(backend, max_batch_tokens=1500, max_wait_ms=0, max_queued_tokens=100_000,
-                              prefix_min_tokens=prefix_min_tokens)
+                              metrics=metrics, prefix_min_tokens=prefix_min_tokens)
         await scheduler.start()
         ticket = scheduler.submit(request)
         gate.set()
         await ticket.future
         await scheduler.close()
-        return backend.rows, scheduler.metrics
+        saved = metrics.registry.get_sample_value("packscore_prefix_tokens_saved_total", {"model": backend.info.name})
+        return backend.rows, saved
 
-    rows, metrics = asyncio.run(main(64))
+    rows, saved = asyncio.run(main(64))
     assert rows == [[400] * 8], rows
-    saved = metrics.registry.get_sample_value("packscore_prefix_tokens_saved_total")
     assert saved == 7 * 256, saved
-    rows, metrics = asyncio.run(main(0))
+    rows, saved = asyncio.run(main(0))
     assert [len(r) for r in rows] == [3, 3, 2], rows
-    assert metrics.registry.get_sample_value("packscore_prefix_tokens_saved_total") == 0
+    assert not saved, saved
 
 
 def test_no_prefix_sharing_flag_turns_it_off():
