@@ -23,4 +23,5 @@ def load_backend(settings: Settings):
         kernel_overrides=settings.kernel_overrides(),
         served_name=settings.served_model_name,
     )
-    return LocalBackend(Scorer(loaded, max_batch_tokens=settings.max_batch_tokens))
+    scorer = Scorer(loaded, max_batch_tokens=settings.max_batch_tokens, prefix_min_tokens=settings.prefix_min_tokens_in_use)
+    return LocalBackend(scorer)

@@ -25,7 +25,8 @@ log = logging.getLogger("packscore")
 
 _MODEL_OPTIONS = (
     "model", "revision", "served_model_name", "dtype", "device", "allow_slow_kernels", "kernels", "triton_cache_dir",
-    "world_size", "sp", "fsdp", "max_batch_tokens", "max_model_len", "log_level",
+    "world_size", "sp", "fsdp", "max_batch_tokens", "max_model_len", "log_level", "prefix_sharing",
+    "prefix_min_tokens",
 )  # fmt: skip
 _SERVE_OPTIONS = _MODEL_OPTIONS + (
     "host", "port", "api_key", "api_key_file", "max_wait_ms", "max_queued_tokens", "max_request_bytes",

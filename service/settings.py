@@ -72,6 +72,11 @@ class Settings(BaseSettings):
     max_model_len: int | None = Field(None, ge=1, description="longest sequence accepted; default: the model's")
     max_sequences_per_request: int = Field(4096, ge=1, description="most sequences in one request; beyond it 413")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long admitted requests may take to finish")
+    prefix_sharing: bool = Field(
+        True, description="run leading tokens that sequences of one row share (a GRPO group's prompt) once; "
+        "results equal unshared scoring up to rounding (--no-prefix-sharing: every sequence runs whole)"
+    )
+    prefix_min_tokens: int = Field(64, ge=1, description="shortest shared prefix worth running once (tokens)")
 
     # Offline scoring (packscore score): the options every line of the input is scored with.
     temperature: float = Field(1.0, gt=0, allow_inf_nan=False, description="logits are divided by it before the softmax")
@@ -116,6 +121,11 @@ class Settings(BaseSettings):
         if self.max_queued_tokens is not None:
             return self.max_queued_tokens
         return max(DEFAULT_QUEUED_TOKENS, 2 * self.world_size * self.max_batch_tokens)
+
+    @property
+    def prefix_min_tokens_in_use(self) -> int:
+        """The scorers' ``prefix_min_tokens``: 0 when prefix sharing is off."""
+        return self.prefix_min_tokens if self.prefix_sharing else 0
 
     @property
     def uses_worker_pool(self) -> bool:

@@ -4,6 +4,10 @@ Legend: T = tokens, H = query heads, Hkv = key/value heads, D = head dim.
 
 Backends share one signature: ``fn(q_THD, k_THD, v_THD, packed, scale) -> o_THD``, with
 grouped-query attention (query head ``h`` reads key/value head ``h // (H // Hkv)``).
+
+A segment with a parent in ``packed.links`` (a shared prefix) attends to its parent's keys and
+values, then its own: its query ``j`` sees the parent's ``P`` keys and its own first ``j + 1``
+(causal aligned to the bottom right of the ``[n, P + n]`` score matrix).
 """
 
 from __future__ import annotations
@@ -27,20 +31,29 @@ def _check(q_THD, k_THD, v_THD, packed: PackedBatch) -> None:
 
 
 def causal_attention_reference(q_THD, k_THD, v_THD, packed: PackedBatch, scale: float) -> torch.Tensor:
-    """Exact reference: float32 softmax attention, one segment at a time."""
+    """Exact reference: float32 softmax attention, one segment at a time (a continuation's keys
+    are its parent's, then its own)."""
     _check(q_THD, k_THD, v_THD, packed)
     group = q_THD.shape[1] // k_THD.shape[1]
     out = torch.empty_like(q_THD)
-    for start, end in packed.segments():
+    for (start, end), keys in zip(packed.segments(), _key_rows(packed)):
         q_HLD = q_THD[start:end].transpose(0, 1).float()
-        k_HLD = k_THD[start:end].transpose(0, 1).float().repeat_interleave(group, dim=0)
-        v_HLD = v_THD[start:end].transpose(0, 1).float().repeat_interleave(group, dim=0)
+        k_HLD = k_THD[keys].transpose(0, 1).float().repeat_interleave(group, dim=0)
+        v_HLD = v_THD[keys].transpose(0, 1).float().repeat_interleave(group, dim=0)
         scores_HLL = (q_HLD @ k_HLD.transpose(1, 2)) * scale
-        n = end - start
-        future = torch.ones(n, n, dtype=torch.bool, device=q_THD.device).triu(1)
+        n, m = end - start, k_HLD.shape[1]
+        future = torch.ones(n, m, dtype=torch.bool, device=q_THD.device).triu(1 + m - n)
         scores_HLL = scores_HLL.masked_fill(future, float("-inf"))
         out[start:end] = (scores_HLL.softmax(dim=-1) @ v_HLD).transpose(0, 1).to(q_THD.dtype)
     return out
+
+
+def _key_rows(packed: PackedBatch):
+    """Per segment, the rows of its keys: a slice of its own tokens, or (a continuation) its
+    parent's token indices then its own."""
+    if packed.links is None:
+        return [slice(start, end) for start, end in packed.segment_bounds]
+    return packed.linked.segment_keys
 
 
 def causal_attention_sdpa(q_THD, k_THD, v_THD, packed: PackedBatch, scale: float) -> torch.Tensor:
@@ -49,15 +62,25 @@ def causal_attention_sdpa(q_THD, k_THD, v_THD, packed: PackedBatch, scale: float
     Each segment goes through exactly the call Hugging Face's sdpa attention makes for one
     unpadded sequence (``is_causal``, shared key/value heads read in place with ``enable_gqa``),
     so its numbers do not depend on the other segments of the row, nor on their count.
+    A continuation (prefix links) attends to its parent's keys, then its own, with a lower-right
+    causal bias; its key/value heads are repeated, since the bias's efficient-attention path has
+    no grouped-query mode.
     """
     _check(q_THD, k_THD, v_THD, packed)
-    gqa = q_THD.shape[1] != k_THD.shape[1]
+    from torch.nn.attention.bias import causal_lower_right
+
+    group = q_THD.shape[1] // k_THD.shape[1]
     out = torch.empty_like(q_THD)
-    for start, end in packed.segments():
+    for (start, end), keys in zip(packed.segments(), _key_rows(packed)):
         q = q_THD[start:end].transpose(0, 1).unsqueeze(0)
-        k = k_THD[start:end].transpose(0, 1).unsqueeze(0)
-        v = v_THD[start:end].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        k = k_THD[keys].transpose(0, 1).unsqueeze(0)
+        v = v_THD[keys].transpose(0, 1).unsqueeze(0)
+        if isinstance(keys, slice):
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
+        else:
+            if group > 1:
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(end - start, k.shape[2]), scale=scale)
         out[start:end] = o[0].transpose(0, 1)
     return out
 
@@ -68,7 +91,9 @@ def causal_attention_varlen(q_THD, k_THD, v_THD, packed: PackedBatch, scale: flo
     Its default is NOT causal; ``window_size=(-1, 0)`` makes it causal per segment (on the
     H200 the default differed from per-segment causal attention by 3.9, the window by 0.004).
     Versions with ``enable_gqa`` read the shared key/value heads in place; older ones get
-    repeated keys and values.
+    repeated keys and values. With prefix links the keys are gathered (each continuation's
+    parent's, then its own) and the window, aligned to the bottom right as in flash attention,
+    keeps it causal.
     """
     _check(q_THD, k_THD, v_THD, packed)
     from torch.nn.attention.varlen import varlen_attn
@@ -81,10 +106,20 @@ def causal_attention_varlen(q_THD, k_THD, v_THD, packed: PackedBatch, scale: flo
         else:
             k_THD = k_THD.repeat_interleave(group, dim=1)
             v_THD = v_THD.repeat_interleave(group, dim=1)
-    cu = packed.cu_seqlens
+    k_THD, v_THD, cu_k, max_k = _gathered_keys(k_THD, v_THD, packed)
     return varlen_attn(
-        q_THD, k_THD, v_THD, cu, cu, packed.max_seqlen, packed.max_seqlen, scale=scale, window_size=(-1, 0), **extra
+        q_THD, k_THD, v_THD, packed.cu_seqlens, cu_k, packed.max_seqlen, max_k, scale=scale, window_size=(-1, 0), **extra
     )
+
+
+def _gathered_keys(k_THD, v_THD, packed: PackedBatch):
+    """``(k, v, cu_seqlens_k, max_seqlen_k)`` for a varlen kernel: the row's own keys, or with
+    prefix links every segment's key rows in attention order."""
+    if packed.links is None:
+        return k_THD, v_THD, packed.cu_seqlens, packed.max_seqlen
+    layout = packed.linked
+    index = layout.key_index_Tk
+    return k_THD.index_select(0, index), v_THD.index_select(0, index), layout.cu_seqlens_k, layout.max_seqlen_k
 
 
 _VARLEN_GQA: bool | None = None
@@ -106,7 +141,8 @@ def causal_attention_flash(q_THD, k_THD, v_THD, packed: PackedBatch, scale: floa
     _check(q_THD, k_THD, v_THD, packed)
     from flash_attn import flash_attn_varlen_func
 
-    cu = packed.cu_seqlens
+    # flash-attn >= 2.1 aligns the causal mask to the bottom right, as a continuation needs.
+    k_THD, v_THD, cu_k, max_k = _gathered_keys(k_THD, v_THD, packed)
     return flash_attn_varlen_func(
-        q_THD, k_THD, v_THD, cu, cu, packed.max_seqlen, packed.max_seqlen, softmax_scale=scale, causal=True
+        q_THD, k_THD, v_THD, packed.cu_seqlens, cu_k, packed.max_seqlen, max_k, softmax_scale=scale, causal=True
     )

@@ -6,6 +6,11 @@ Backends share one signature: ``fn(x_TC, weight_CW, packed, splits=None) -> y_TC
 applied. With ``splits`` (channel counts, e.g. the q, k and v widths) they return one tensor
 per split instead; a backend that can write the splits contiguously at no extra cost does so
 (fla's delta rule copies non-contiguous q, k and v before it starts).
+
+A segment with a parent in ``packed.links`` (a shared prefix) sees its parent's last inputs in
+its window. The reference reads them directly; the fast backends convolve the row as if every
+segment started from zeros, then ``continue_windows`` recomputes the first ``W - 1`` outputs of
+every continuation from a small row of parent tails and continuation heads.
 """
 
 from __future__ import annotations
@@ -30,14 +35,18 @@ def _split(y_TC: torch.Tensor, splits):
 
 
 def causal_conv1d_reference(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: PackedBatch, splits=None):
-    """Exact reference: one zero-padded convolution per segment, in the weight's dtype."""
+    """Exact reference: one zero-padded convolution per segment, in the weight's dtype; a
+    continuation's window starts with its parent's last ``W - 1`` inputs."""
     _check(x_TC, weight_CW, packed)
     width = weight_CW.shape[1]
+    parents = packed.linked.parent_bounds if packed.links is not None else (None,) * packed.num_segments
     out = []
-    for start, end in packed.segments():
-        seg_1CT = x_TC[start:end].t().unsqueeze(0).to(weight_CW.dtype)
+    for (start, end), parent in zip(packed.segments(), parents):
+        lead = min(width - 1, parent[1] - parent[0]) if parent is not None else 0
+        rows = x_TC[start:end] if not lead else torch.cat([x_TC[parent[1] - lead : parent[1]], x_TC[start:end]])
+        seg_1CT = rows.t().unsqueeze(0).to(weight_CW.dtype)
         y_1CT = F.conv1d(seg_1CT, weight_CW.unsqueeze(1), padding=width - 1, groups=weight_CW.shape[0])
-        out.append(F.silu(y_1CT[0, :, : end - start]).t())
+        out.append(F.silu(y_1CT[0, :, lead : lead + end - start]).t())
     return _split(torch.cat(out, dim=0).to(x_TC.dtype), splits)
 
 
@@ -67,8 +76,28 @@ def causal_conv1d_fla(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: Packe
     )
     y_TC = (y[0] if isinstance(y, tuple) else y)[0]
     if splits is None:
-        return F.silu(y_TC)
-    return tuple(F.silu(part).contiguous() for part in y_TC.split(list(splits), dim=-1))
+        out = F.silu(y_TC)
+    else:
+        out = tuple(F.silu(part).contiguous() for part in y_TC.split(list(splits), dim=-1))
+    return continue_windows(causal_conv1d_fla, x_TC, weight_CW, packed, splits, out)
+
+
+def continue_windows(conv_fn, x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: PackedBatch, splits, out):
+    """Rewrites, in ``out`` (``conv_fn``'s output for ``packed`` read as if no segment had a parent),
+    the first ``W - 1`` outputs of every continuation with windows that start in its parent.
+
+    The recomputed outputs come from ``conv_fn`` itself over a small row (each parent's last
+    ``W - 1`` inputs, then the continuation's first ones), so they round exactly as the rest.
+    """
+    if packed.links is None:
+        return out
+    windows = packed.linked.conv_windows(weight_CW.shape[1])
+    if windows.out_rows.numel() == 0:
+        return out
+    fixed = conv_fn(x_TC.index_select(0, windows.gather_rows), weight_CW, windows.packed, splits=splits)
+    for part, new in zip((out,) if splits is None else out, (fixed,) if splits is None else fixed):
+        part.index_copy_(0, windows.out_rows, new.index_select(0, windows.in_rows))
+    return out
 
 
 def _fla_conv():
@@ -95,4 +124,4 @@ def causal_conv1d_tridao(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: Pa
     # The kernel wants channels-last memory for seq_idx: [1, C, T] viewed from a [1, T, C] tensor.
     x_1CT = x_TC.unsqueeze(0).transpose(1, 2)
     y_1CT = causal_conv1d_fn(x_1CT, weight_CW, None, seq_idx=seq_idx_1T, activation="silu")
-    return _split(y_1CT[0].t(), splits)
+    return continue_windows(causal_conv1d_tridao, x_TC, weight_CW, packed, splits, _split(y_1CT[0].t(), splits))

@@ -35,7 +35,7 @@ import functools
 import torch
 
 from model_runtime.kernels import triton_math  # its jit helpers are module globals: the interpreter sees them
-from model_runtime.kernels.conv import _check
+from model_runtime.kernels.conv import _check, continue_windows
 from model_runtime.model.packing import PackedBatch
 
 # (tokens, channels, warps) per program; any tile gives the same numbers (each output's taps are
@@ -60,7 +60,7 @@ def causal_conv1d_silu_triton(x_TC: torch.Tensor, weight_CW: torch.Tensor, packe
     Example: ``q, k, v = causal_conv1d_silu_triton(x_TC, w_CW, packed, splits=(2048, 2048, 4096))``
     """
     outs = conv_splits(x_TC, weight_CW, packed, splits, silu=True)
-    return outs[0] if splits is None else outs
+    return continue_windows(causal_conv1d_silu_triton, x_TC, weight_CW, packed, splits, outs[0] if splits is None else outs)
 
 
 def conv_splits(x_TC, weight_CW, packed: PackedBatch, splits, silu: bool, tile=None) -> tuple[torch.Tensor, ...]:
@@ -72,7 +72,8 @@ def conv_splits(x_TC, weight_CW, packed: PackedBatch, splits, silu: bool, tile=N
     widths = (C,) if splits is None else tuple(int(n) for n in splits)
     if sum(widths) != C or min(widths) < 1:
         raise ValueError(f"splits must be positive and add up to C={C}, got {widths}")
-    pos_T = packed.position_ids
+    # Tokens since the segment start: a continuation's rotary positions go on from its parent's.
+    pos_T = packed.position_ids if packed.links is None else packed.linked.local_positions
     if pos_T.shape != (T,) or pos_T.device != x_TC.device:
         raise ValueError(f"packed.position_ids must be [T={T}] on {x_TC.device}, "
                          f"got {tuple(pos_T.shape)} on {pos_T.device}")

@@ -6,7 +6,8 @@ Backends share one signature:
 ``fn(q_THK, k_THK, v_THV, g_TH, beta_TH, packed) -> o_THV``
 where q and k are l2-normalised inside the kernel, q is scaled by ``K ** -0.5``, ``g`` is the
 log-decay (float32, <= 0) and ``beta`` the write strength. When ``Hv > Hk`` every key head
-serves ``Hv // Hk`` consecutive value heads (``repeat_interleave``).
+serves ``Hv // Hk`` consecutive value heads (``repeat_interleave``). A segment with a parent in
+``packed.links`` (a shared prefix) starts from its parent's final state instead of zeros.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def gated_delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: Packe
     """Exact float32 reference: the token-by-token recurrence, one segment at a time.
 
     For each token: ``S <- exp(g) S``; ``S <- S + k (beta (v - k^T S))^T``; ``o = q^T S``, with
-    ``S`` of shape ``[Hv, K, V]`` starting from zeros in every segment.
+    ``S`` of shape ``[Hv, K, V]`` starting from zeros in every segment, or from the final state
+    of the segment's parent (``packed.links``).
     """
     _check(q_THK, k_THK, v_THV, g_TH, beta_TH, packed)
     out_dtype = v_THV.dtype
@@ -49,14 +51,17 @@ def gated_delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: Packe
     v, decay, beta = v_THV.float(), g_TH.float().exp(), beta_TH.float()
     o = torch.empty_like(v)
     Hv, K, V = v.shape[1], k.shape[-1], v.shape[-1]
-    for start, end in packed.segments():
-        state_HKV = v.new_zeros(Hv, K, V)
+    parents = packed.links.parents if packed.links is not None else (-1,) * packed.num_segments
+    final_states = {}
+    for i, (start, end) in enumerate(packed.segments()):
+        state_HKV = final_states[parents[i]] if parents[i] >= 0 else v.new_zeros(Hv, K, V)
         for t in range(start, end):
             state_HKV = state_HKV * decay[t, :, None, None]
             predicted_HV = torch.einsum("hk,hkv->hv", k[t], state_HKV)
             delta_HV = (v[t] - predicted_HV) * beta[t, :, None]
             state_HKV = state_HKV + k[t, :, :, None] * delta_HV[:, None, :]
             o[t] = torch.einsum("hk,hkv->hv", q[t], state_HKV)
+        final_states[i] = state_HKV
     return o.to(out_dtype)
 
 
@@ -65,29 +70,46 @@ def gated_delta_rule_fla(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: PackedBatch
 
     fla >= 0.5 maps value head ``h`` to key head ``h // (Hv // Hk)`` itself (grouped value
     attention), which is exactly ``repeat_interleave``; older versions get repeated q and k.
+    With prefix links it runs twice: over the root segments (which come first in the row),
+    keeping their final states, then over the others, each from its parent's state.
     """
     _check(q_THK, k_THK, v_THV, g_TH, beta_TH, packed)
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
     group = v_THV.shape[1] // q_THK.shape[1]
     if group > 1 and not _fla_supports_gva():
         q_THK = q_THK.repeat_interleave(group, dim=1)
         k_THK = k_THK.repeat_interleave(group, dim=1)
+    g_TH = g_TH.float()
+    if packed.links is None:
+        return _fla_chunk(q_THK, k_THK, v_THV, g_TH, beta_TH, packed, None, keep_final=False)[0]
+    layout = packed.linked
+    r = layout.root_tokens
+    o_roots, final_NHKV = _fla_chunk(q_THK[:r], k_THK[:r], v_THV[:r], g_TH[:r], beta_TH[:r], layout.roots, None, keep_final=True)
+    # One zero state past the roots' for the segments that continue nothing (the padding).
+    initial = torch.cat([final_NHKV, final_NHKV.new_zeros(1, *final_NHKV.shape[1:])]).index_select(0, layout.state_index)
+    o_rest, _ = _fla_chunk(q_THK[r:], k_THK[r:], v_THV[r:], g_TH[r:], beta_TH[r:], layout.rest, initial, keep_final=False)
+    return torch.cat([o_roots, o_rest])
+
+
+def _fla_chunk(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: PackedBatch, initial_NHKV, *, keep_final: bool):
+    """One varlen call from ``initial_NHKV`` (None: zeros); returns ``(o_THV, final states
+    [N, Hv, K, V] in float32, or None unless ``keep_final``)``."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
     kwargs = {"cu_seqlens_cpu": packed.cu_seqlens_host_long} if _fla_accepts("cu_seqlens_cpu") else {}
-    o, _ = chunk_gated_delta_rule(
+    o, final = chunk_gated_delta_rule(
         q_THK.unsqueeze(0),
         k_THK.unsqueeze(0),
         v_THV.unsqueeze(0),
-        g=g_TH.float().unsqueeze(0),
+        g=g_TH.unsqueeze(0),
         beta=beta_TH.unsqueeze(0),
         scale=q_THK.shape[-1] ** -0.5,
-        initial_state=None,
-        output_final_state=False,
+        initial_state=initial_NHKV,
+        output_final_state=keep_final,
         cu_seqlens=packed.cu_seqlens_long,
         use_qk_l2norm_in_kernel=True,
         **kwargs,
     )
-    return o[0]
+    return o[0], final
 
 
 _SIGNATURE: dict | None = None

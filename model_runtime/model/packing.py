@@ -1,6 +1,7 @@
 """Packing: many sequences in one THD row, and the metadata every packed forward receives.
 
-Legend: T = tokens in the packed row, N = sequences (segments) in the row.
+Legend: T = tokens in the packed row, N = sequences (segments) in the row, Tk = key rows of
+attention over a row with prefix links.
 
 A row is a flat token dimension; ``cu_seqlens`` marks where each segment starts. Boundaries
 come from request lengths only (never from position ids or token values) and travel as the
@@ -17,6 +18,30 @@ import torch
 
 
 @dataclass(frozen=True)
+class PrefixLinks:
+    """Segments that continue another segment instead of starting from nothing.
+
+    ``parents[i]`` is the segment whose end state segment ``i`` continues (its GDN recurrent
+    state, its conv window, its attention keys and values), or -1. Segments ``[0, roots)`` have
+    no parent and every parent is one of them, so one pass over the roots gives every state the
+    others need.
+    """
+
+    parents: tuple[int, ...]
+    roots: int
+
+    def __post_init__(self):
+        n, roots = len(self.parents), self.roots
+        if not 0 <= roots <= n:
+            raise ValueError(f"roots must be in [0, {n}], got {roots}")
+        if any(p != -1 for p in self.parents[:roots]):
+            raise ValueError(f"the first {roots} segments are roots and cannot have parents: {self.parents[:roots]}")
+        bad = [p for p in self.parents[roots:] if not -1 <= p < roots]
+        if bad:
+            raise ValueError(f"a parent must be one of the {roots} root segments, got {bad}")
+
+
+@dataclass(frozen=True)
 class PackedBatch:
     """Boundaries of one packed row; immutable, built once per forward.
 
@@ -27,6 +52,8 @@ class PackedBatch:
         max_seqlen: length of the longest segment.
         position_ids: int64 ``[T]`` positions that restart at 0 in every segment.
         padding_segments: indices of segments that only align the row (never scored).
+        links: which segments continue another (a shared prefix), or None: every segment
+            starts from nothing. A continuation's positions go on from its parent's length.
 
     Example:
         >>> p = PackedBatch.from_lengths([3, 2])
@@ -40,12 +67,14 @@ class PackedBatch:
     max_seqlen: int
     position_ids: torch.Tensor
     padding_segments: tuple[int, ...] = field(default=())
+    links: PrefixLinks | None = None
 
     @staticmethod
     def from_lengths(
         lengths: Sequence[int],
         device: torch.device | str = "cpu",
         padding_segments: Sequence[int] = (),
+        links: PrefixLinks | None = None,
     ) -> "PackedBatch":
         lengths = tuple(int(n) for n in lengths)
         if not lengths:
@@ -56,10 +85,16 @@ class PackedBatch:
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
+        starts = [0] * len(lengths)
+        if links is not None:
+            if len(links.parents) != len(lengths):
+                raise ValueError(f"links name {len(links.parents)} segments for a row of {len(lengths)}")
+            # A continuation's rotary positions go on from its parent's end.
+            starts = [lengths[p] if p >= 0 else 0 for p in links.parents]
         # FLA caches index helpers by tensor identity: a fresh tensor per forward keeps every
         # forward on the path that matches its own boundaries.
         cu_seqlens = torch.tensor(offsets, dtype=torch.int32, device=device)
-        position_ids = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths]).to(device)
+        position_ids = torch.cat([torch.arange(a, a + n, dtype=torch.long) for a, n in zip(starts, lengths)]).to(device)
         return PackedBatch(
             lengths=lengths,
             cu_seqlens=cu_seqlens,
@@ -67,19 +102,23 @@ class PackedBatch:
             max_seqlen=max(lengths),
             position_ids=position_ids,
             padding_segments=tuple(padding_segments),
+            links=links,
         )
 
     @staticmethod
     def from_lengths_padded(
-        lengths: Sequence[int], multiple: int, device: torch.device | str = "cpu"
+        lengths: Sequence[int], multiple: int, device: torch.device | str = "cpu", links: PrefixLinks | None = None
     ) -> tuple["PackedBatch", int]:
         """The row of ``lengths`` with a trailing padding segment (never scored) so that its
         token count is a multiple of ``multiple``; returns the batch and the padding added (0:
-        none, and no padding segment)."""
+        none, and no padding segment). The padding segment continues nothing."""
         pad = (-sum(int(n) for n in lengths)) % multiple
         if pad == 0:
-            return PackedBatch.from_lengths(lengths, device=device), 0
-        return PackedBatch.from_lengths((*lengths, pad), device=device, padding_segments=(len(lengths),)), pad
+            return PackedBatch.from_lengths(lengths, device=device, links=links), 0
+        if links is not None:
+            links = PrefixLinks((*links.parents, -1), links.roots)
+        padded = PackedBatch.from_lengths((*lengths, pad), device=device, padding_segments=(len(lengths),), links=links)
+        return padded, pad
 
     @property
     def total_tokens(self) -> int:
@@ -130,6 +169,120 @@ class PackedBatch:
 
     @cached_property
     def _segments_within(self) -> dict[tuple[int, int], tuple[tuple[int, int], ...]]:
+        return {}
+
+    @cached_property
+    def linked(self) -> "LinkedLayout":
+        """What the kernels need to run a row with prefix links, built once for all layers."""
+        if self.links is None:
+            raise ValueError("this row has no prefix links")
+        return LinkedLayout.of(self)
+
+
+@dataclass(frozen=True)
+class ConvWindows:
+    """Gather ``gather_rows`` of the conv input as the segments of ``packed``, convolve, and
+    copy output rows ``in_rows`` of that small row onto rows ``out_rows`` of the big one."""
+
+    gather_rows: torch.Tensor
+    packed: PackedBatch
+    out_rows: torch.Tensor
+    in_rows: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LinkedLayout:
+    """Derived views of a row with ``PrefixLinks``, shared by every layer of a forward.
+
+    Attributes:
+        root_tokens: tokens of the root segments (they come first in the row).
+        roots: the root segments as a row of their own; ``rest``: the other segments.
+        state_index: int64 ``[N - roots]``: for every non-root segment, the row of the roots'
+            final states it starts from; ``roots`` (one past them) for a zero state.
+        parent_bounds: per segment, ``(start, end)`` of its parent, or None.
+        key_index_Tk: int64 ``[Tk]``: row positions of every segment's keys in attention order
+            (a continuation's parent's tokens, then its own).
+        cu_seqlens_k: int32 ``[N + 1]`` offsets of those keys; ``max_seqlen_k``: the longest.
+        local_positions: int64 ``[T]`` tokens since the segment's own start (0 at every segment).
+    """
+
+    root_tokens: int
+    roots: PackedBatch
+    rest: PackedBatch
+    state_index: torch.Tensor
+    parent_bounds: tuple[tuple[int, int] | None, ...]
+    key_index_Tk: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_k: int
+    local_positions: torch.Tensor
+    _offsets: tuple[int, ...]  # the row's cu_seqlens_host
+
+    @staticmethod
+    def of(packed: PackedBatch) -> "LinkedLayout":
+        links, bounds, device = packed.links, packed.segment_bounds, packed.cu_seqlens.device
+        r = links.roots
+        if r == 0 or r == packed.num_segments:
+            raise ValueError(f"a linked row needs roots and continuations, got {r} roots of {packed.num_segments}")
+        parent_bounds = tuple(bounds[p] if p >= 0 else None for p in links.parents)
+        keys, key_offsets = [], [0]
+        for (start, end), parent in zip(bounds, parent_bounds):
+            if parent is not None:
+                keys.append(torch.arange(*parent))
+            keys.append(torch.arange(start, end))
+            key_offsets.append(key_offsets[-1] + end - start + (parent[1] - parent[0] if parent else 0))
+        return LinkedLayout(
+            root_tokens=packed.cu_seqlens_host[r],
+            roots=PackedBatch.from_lengths(packed.lengths[:r], device=device),
+            rest=PackedBatch.from_lengths(packed.lengths[r:], device=device),
+            state_index=torch.tensor([p if p >= 0 else r for p in links.parents[r:]], dtype=torch.long, device=device),
+            parent_bounds=parent_bounds,
+            key_index_Tk=torch.cat(keys).to(device),
+            cu_seqlens_k=torch.tensor(key_offsets, dtype=torch.int32, device=device),
+            max_seqlen_k=max(b - a for a, b in zip(key_offsets[:-1], key_offsets[1:])),
+            local_positions=torch.cat([torch.arange(n, dtype=torch.long) for n in packed.lengths]).to(device),
+            _offsets=packed.cu_seqlens_host,
+        )
+
+    def conv_windows(self, width: int) -> "ConvWindows":
+        """How to recompute the first ``width - 1`` conv outputs of every continuation from its
+        parent's last inputs (cached per width)."""
+        cache = self._conv_cache
+        if width not in cache:
+            gather, lengths, out_rows, in_rows = [], [], [], []
+            offsets = self.rest.cu_seqlens_host
+            for i, parent in enumerate(self.parent_bounds[self.roots.num_segments :]):
+                if parent is None:
+                    continue
+                start = self.root_tokens + offsets[i]
+                own = min(width - 1, offsets[i + 1] - offsets[i])
+                tail = min(width - 1, parent[1] - parent[0])
+                base = len(gather)
+                gather += list(range(parent[1] - tail, parent[1])) + list(range(start, start + own))
+                lengths.append(tail + own)
+                out_rows += range(start, start + own)
+                in_rows += range(base + tail, base + tail + own)
+            device = self.state_index.device
+            as_index = lambda rows: torch.tensor(rows, dtype=torch.long, device=device)  # noqa: E731
+            cache[width] = ConvWindows(
+                as_index(gather), PackedBatch.from_lengths(lengths, device=device), as_index(out_rows), as_index(in_rows)
+            )
+        return cache[width]
+
+    @cached_property
+    def segment_keys(self) -> tuple[slice | torch.Tensor, ...]:
+        """Per segment, the rows of its attention keys: a slice of its own tokens, or for a
+        continuation an index tensor (its parent's tokens, then its own)."""
+        rows = []
+        for i, (start, end) in enumerate(zip(self._offsets[:-1], self._offsets[1:])):
+            parent = self.parent_bounds[i]
+            if parent is None:
+                rows.append(slice(start, end))
+            else:
+                rows.append(torch.cat([torch.arange(*parent), torch.arange(start, end)]).to(self.state_index.device))
+        return tuple(rows)
+
+    @cached_property
+    def _conv_cache(self) -> dict:
         return {}
 
 

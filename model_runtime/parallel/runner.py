@@ -45,6 +45,7 @@ class ParallelScorer:
         rank: int,
         max_batch_tokens: int = 16384,
         head_budget_bytes: int | None = None,
+        prefix_min_tokens: int = 0,
     ):
         self.loaded = loaded
         self.dims = dims
@@ -55,6 +56,9 @@ class ParallelScorer:
         # The single-process scorer owns the head's settings (chunk sizes, head kernel); reusing
         # it keeps both paths on the same numerics. Its forward is not used here.
         self.head_settings = Scorer(loaded, max_batch_tokens=max_batch_tokens, head_budget_bytes=head_budget_bytes)
+        # Shared prefixes cross Ulysses shards like any other state: the mixers' kernels see the
+        # whole row (head-sharded), and labels come from the global row plan.
+        self.prefix_min_tokens = int(prefix_min_tokens)
 
     def score_row(self, sequences: Sequence[SequenceInput]) -> list[SequenceScores]:
         head, top_k = self.score_row_flat(sequences)
@@ -71,7 +75,7 @@ class ParallelScorer:
 
     def _score_row_flat(self, sequences: Sequence[SequenceInput]) -> tuple[HeadOutput, int]:
         S, device = self.dims.sp, self.loaded.device
-        plan = plan_row(sequences)
+        plan = plan_row(sequences, self.prefix_min_tokens)
         # Padded as Scorer pads (to ROW_MULTIPLE tokens), and to a multiple of sp for the shards.
         packed, ids_T = plan.padded_row(ROW_MULTIPLE * S, device)
         per = ids_T.shape[0] // S
@@ -99,7 +103,7 @@ class ParallelScorer:
             )
         if S > 1:
             head = self._gather(head, np.diff(bounds).tolist(), plan.top_k)
-        return _to_cpu(head), plan.top_k
+        return _to_cpu(plan.expand(head)), plan.top_k
 
     @torch.no_grad()
     def idle_step(self) -> None:

@@ -54,6 +54,7 @@ class Start:
     kernels: str  # pinned kernel backends, "family=backend,..." ("" for the defaults)
     served_model_name: str  # name shown in /v1/models ("" for the model's own)
     timeout_s: float  # collective timeout: a stuck collective raises instead of hanging
+    prefix_min_tokens: int = 0  # shortest shared prefix run once (0: prefix sharing off)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from model_runtime.pool.procs import WorkerWorld
 from model_runtime.scoring.backend import BackendUnavailableError, ModelInfo
 from model_runtime.scoring.head import HeadOutput
 from model_runtime.scoring.rows import split_results, validate_sequence
+from model_runtime.scoring.scorer import shared_prefix_row
 from model_runtime.types import MAX_TOP_K
 from model_runtime.types import InvalidSequenceError, SequenceInput, SequenceScores
 
@@ -113,6 +114,7 @@ class WorkerPool:
             kernels=str(settings.get("kernels") or ""),
             served_model_name=str(settings.get("served_model_name") or ""),
             timeout_s=self.request_timeout_s,
+            prefix_min_tokens=int(settings.get("prefix_min_tokens", 0)) if settings.get("prefix_sharing", False) else 0,
         )
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -168,6 +170,8 @@ class WorkerPool:
                 [SequenceInput(rng.integers(0, self._vocab_size, budget))],
                 [SequenceInput(rng.integers(0, self._vocab_size, 64), top_k=MAX_TOP_K) for _ in range(max(1, budget // 64))],
             ]
+            if self._start_fields["prefix_min_tokens"]:  # the kernels' variants with initial states
+                rows.append(shared_prefix_row(rng, self._vocab_size, self._start_fields["prefix_min_tokens"]))
         for row in rows:
             self._run_on_every_group(row)
 

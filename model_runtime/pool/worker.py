@@ -116,7 +116,10 @@ def _setup(start: msg.Start):
     loaded = _load(start, device)
     costs = cost_coefficients(loaded)  # before sharding: it counts whole parameters
     parallelize(loaded.model, dims=dims, mesh=mesh)
-    runner = ParallelScorer(loaded, dims=dims, mesh=mesh, rank=start.rank, max_batch_tokens=start.max_batch_tokens)
+    runner = ParallelScorer(
+        loaded, dims=dims, mesh=mesh, rank=start.rank, max_batch_tokens=start.max_batch_tokens,
+        prefix_min_tokens=start.prefix_min_tokens,
+    )
     hello = msg.Hello(
         rank=start.rank,
         generation=start.generation,

@@ -3,6 +3,10 @@
 The HTTP service and the offline CLI both call ``Scorer.score``. One call packs its sequences
 into rows of at most ``max_batch_tokens`` tokens (first-fit decreasing) and runs one packed
 forward per row; a sequence's numbers never depend on which others share its row.
+
+With ``prefix_min_tokens`` > 0, sequences of a row that share at least that many leading tokens
+(a GRPO group's prompt) run them once (``model_runtime.scoring.prefix``), and ``score`` keeps a
+group in one row where the budget allows.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 from model_runtime.model.packing import pack_first_fit_decreasing
 from model_runtime.scoring.head import BYTES_PER_LOGIT, ROW_MULTIPLE, chunk_tokens_for_budget, fused_chunk_tokens, score_positions
 from model_runtime.scoring.loading import LoadedModel
+from model_runtime.scoring.prefix import pack_groups_first_fit
 from model_runtime.scoring.rows import plan_row, split_results, validate_sequence
 from model_runtime.types import MAX_TOP_K, SequenceInput, SequenceScores
 
@@ -33,9 +38,17 @@ class Scorer:
     # allows the head 1 GiB at 64k tokens; 768 MiB leaves room for allocator rounding.
     CUDA_HEAD_CAP_BYTES = 768 << 20
 
-    def __init__(self, loaded: LoadedModel, *, max_batch_tokens: int = 16384, head_budget_bytes: int | None = None):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        max_batch_tokens: int = 16384,
+        head_budget_bytes: int | None = None,
+        prefix_min_tokens: int = 0,
+    ):
         self.loaded = loaded
         self.max_batch_tokens = int(max_batch_tokens)
+        self.prefix_min_tokens = int(prefix_min_tokens)  # 0: every sequence runs whole
         self.logprob_fn = loaded.backends.fn("head")
         self._fixed_head_budget = head_budget_bytes
         if head_budget_bytes is None:
@@ -74,6 +87,7 @@ class Scorer:
         from the memory left), a row of many short sequences (fla's varlen index paths, many
         segments in attention), a top-k pass, and one-sequence rows of 1, 17 and 300 tokens (the
         shapes of idle requests; small sizes are their own compiled variants).
+        With prefix sharing, also a row of one group (the kernels' variants with initial states).
         On CPU: one short pass (nothing to compile).
         """
         import time
@@ -101,6 +115,8 @@ class Scorer:
         step("top-k", lambda: self.score_row([SequenceInput(rng.integers(0, vocab, 512), top_k=MAX_TOP_K) for _ in range(2)]))
         for n in (1, 17, 300):
             step(f"{n} tokens", lambda n=n: self.score_row([SequenceInput(rng.integers(0, vocab, n), score_from=1)]))
+        if self.prefix_min_tokens:
+            step("a shared prefix", lambda: self.score_row(shared_prefix_row(rng, vocab, self.prefix_min_tokens)))
         # Where start-up time goes (compilation and autotuning are in the first step that needs them).
         self.warm_up_steps = steps
         self.warm_up_seconds = time.perf_counter() - started
@@ -110,7 +126,10 @@ class Scorer:
         for i, seq in enumerate(sequences):
             validate_sequence(seq, self.loaded.vocab_size, i)
         results: list[SequenceScores | None] = [None] * len(sequences)
-        rows = pack_first_fit_decreasing([s.length for s in sequences], self.max_batch_tokens)
+        if self.prefix_min_tokens:
+            rows = pack_groups_first_fit(sequences, self.max_batch_tokens, self.prefix_min_tokens)
+        else:
+            rows = pack_first_fit_decreasing([s.length for s in sequences], self.max_batch_tokens)
         for row in rows:
             for i, scores in zip(row, self.score_row([sequences[i] for i in row], validated=True)):
                 results[i] = scores
@@ -122,7 +141,7 @@ class Scorer:
         if not validated:
             for i, seq in enumerate(sequences):
                 validate_sequence(seq, self.loaded.vocab_size, i)
-        plan = plan_row(sequences)
+        plan = plan_row(sequences, self.prefix_min_tokens)
         device = self.loaded.device
         # A padding segment (never scored) makes T a multiple of ROW_MULTIPLE: every matrix
         # product then computes a token's row the same way whatever its neighbours (on CPU), and
@@ -143,4 +162,13 @@ class Scorer:
             rows_N=rows_N,
             logprob_fn=self.logprob_fn,
         )
-        return split_results(sequences, head, plan.top_k)
+        return split_results(sequences, plan.expand(head), plan.top_k)
+
+
+def shared_prefix_row(rng: np.random.Generator, vocab: int, min_tokens: int, members: int = 4) -> list[SequenceInput]:
+    """A warm-up row: ``members`` sequences sharing a prompt long enough to be shared."""
+    prompt = rng.integers(0, vocab, max(min_tokens, 64) + 200)
+    return [
+        SequenceInput(np.concatenate([prompt, rng.integers(0, vocab, 100 + 37 * i)]), score_from=prompt.size)
+        for i in range(members)
+    ]

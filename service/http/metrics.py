@@ -35,6 +35,7 @@ class ModelMetrics:
     """The series of one served model, bound to its ``model`` label (what the scheduler records)."""
 
     tokens_scored: Counter
+    prefix_tokens_saved: Counter
     queue_wait: Histogram
     forward_seconds: Histogram
     batch_tokens: Histogram
@@ -59,6 +60,12 @@ class Metrics:
         self.tokens_scored = Counter(
             "packscore_tokens_scored_total",
             "Tokens whose log-probability was returned (positions score_from .. L-1 of scored sequences).",
+            _MODEL,
+            registry=r,
+        )
+        self.prefix_tokens_saved = Counter(
+            "packscore_prefix_tokens_saved_total",
+            "Tokens not run because sequences of a row shared them as a common prefix (run once per row).",
             _MODEL,
             registry=r,
         )

@@ -8,7 +8,7 @@ Pipeline (asyncio tasks joined by bounded hand-offs, forwards in a thread pool):
 - FIFO across requests: every row starts with the oldest queued sequence, so a big request is
   never starved; later sequences may fill the rest of the row when they fit.
 - A row holds at most ``max_batch_tokens`` tokens, except a longer sequence, which gets a row of
-  its own.
+  its own; with prefix sharing, a prefix that sequences of the row share counts once.
 - A full row is formed as soon as there are enough tokens, even while every runner is busy, so
   the next forward is ready before the current one ends (one prefetched row per runner). A
   partial row waits up to ``max_wait_ms`` after its oldest sequence arrived, and only closes
@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from model_runtime.scoring.backend import BackendUnavailableError, ScoringBackend
+from model_runtime.scoring.prefix import RowTokens, tokens_saved
 from model_runtime.types import InvalidSequenceError, SequenceInput, SequenceScores
 from service.http.errors import ApiError, backend_unavailable
 from service.http.metrics import Metrics
@@ -92,6 +93,7 @@ class Scheduler:
         max_queued_tokens: int,
         metrics: Metrics | None = None,
         model: str | None = None,
+        prefix_min_tokens: int = 0,
     ):
         self.backend = backend
         self.max_batch_tokens = int(max_batch_tokens)
@@ -99,6 +101,7 @@ class Scheduler:
         self.max_queued_tokens = int(max_queued_tokens)
         # The series of the model it schedules: ``model`` is the served name (default: the backend's).
         self.metrics = (metrics or Metrics()).for_model(model or backend.info.name)
+        self.prefix_min_tokens = int(prefix_min_tokens)  # rows count a shared prefix once (0: off)
         self.concurrency = max(1, int(getattr(backend, "concurrency", 1)))
         self._queue: deque[_Item] = deque()
         self._waiting_tokens = 0  # in the queue, not yet in a row: what the packer can still pack
@@ -128,6 +131,7 @@ class Scheduler:
             max_queued_tokens=settings.queued_tokens,
             metrics=metrics,
             model=settings.served_model_name or backend.info.name,
+            prefix_min_tokens=getattr(settings, "prefix_min_tokens_in_use", 0),
         )
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -291,17 +295,18 @@ class Scheduler:
     def _take_row(self) -> list[_Item]:
         budget = self.max_batch_tokens
         head = self._queue.popleft()
-        row, total = [head], head.tokens
+        row, run = [head], RowTokens(self.prefix_min_tokens)  # the tokens the row's forward runs
+        run.add(head.seq.input_ids)
         kept: list[_Item] = []
         scanned = 0
-        while self._queue and total < budget and scanned < _LOOKAHEAD:
+        while self._queue and run.total < budget and scanned < _LOOKAHEAD:
             item = self._queue.popleft()
             scanned += 1
             if not item.queued:
                 continue
-            if total + item.tokens <= budget:
+            if run.cost_with(item.seq.input_ids) <= budget:
                 row.append(item)
-                total += item.tokens
+                run.add(item.seq.input_ids)
             else:
                 kept.append(item)
         self._queue.extendleft(reversed(kept))  # skipped sequences keep their place at the front
@@ -350,6 +355,8 @@ class Scheduler:
             return
         elapsed = time.monotonic() - started
         tokens = sum(item.tokens for item in row)
+        if self.prefix_min_tokens:
+            self.metrics.prefix_tokens_saved.inc(tokens_saved([it.seq for it in row], self.prefix_min_tokens))
         self._observe_forward(tokens, elapsed)
         await self._results.put((row, scores))
 

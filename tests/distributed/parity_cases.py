@@ -62,8 +62,18 @@ def max_diffs(got, ref) -> dict[str, float]:
     return worst
 
 
+def grouped_row(vocab: int, seed: int = 2) -> list[SequenceInput]:
+    """A group sharing a 140-token prompt (run once by the ranks, ``prefix_min_tokens``), one of
+    them scored from inside the prompt, beside an unrelated sequence."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, vocab, 140)
+    tails = ((30, 140), (9, 20), (61, 139))  # (response length, score_from)
+    seqs = [SequenceInput(np.concatenate([prompt, rng.integers(0, vocab, n)]), score_from=sf) for n, sf in tails]
+    return seqs + [SequenceInput(rng.integers(0, vocab, 45), score_from=1, top_k=TOP_K)]
+
+
 def _rows(vocab: int, sp: int, with_boundaries: bool) -> dict[str, list[SequenceInput]]:
-    rows = {"mixed": mixed_row(vocab)}
+    rows = {"mixed": mixed_row(vocab), "grouped": grouped_row(vocab)}
     if with_boundaries:
         rows.update(boundary_rows(vocab, sp))
     return rows
@@ -106,7 +116,8 @@ def run_parity(
             mesh = dims.build_mesh(device_type)
             loaded = load_model(path, **load)
             parallelize(loaded.model, dims=dims, mesh=mesh)
-            runner = ParallelScorer(loaded, dims=dims, mesh=mesh, rank=rank)
+            # Shared prefixes on: their state crosses the shards like any other (the reference is unshared).
+            runner = ParallelScorer(loaded, dims=dims, mesh=mesh, rank=rank, prefix_min_tokens=64)
             rows = _rows(reference.loaded.vocab_size, sp, sp in boundaries_for)
             group = dims.group_of(rank)
             names = sorted(rows)

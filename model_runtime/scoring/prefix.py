@@ -1,0 +1,165 @@
+"""Shared prefixes: finding the sequences of a row that start with the same tokens.
+
+GRPO-style groups score several responses to one prompt. ``find_groups`` finds, among a row's
+sequences, those that share their first tokens; ``plan_row`` (``model_runtime.scoring.rows``) then
+lays the shared part out once as a segment of its own, and every member's remainder as a segment
+that continues that segment's state (``PackedBatch.links``).
+
+A group's shared segment is its longest common prefix less one token, rounded down to a multiple of
+``ALIGN`` tokens:
+- less one: every member keeps at least one token of its own, so the shared segment's last
+  position has one label for all members (the common token after it), and a member equal to the
+  common prefix is a continuation of one token;
+- rounded down: the delta rule's chunked kernels work in chunks of 64 tokens from a segment's
+  start; a continuation that starts on a chunk boundary of the unshared sequence is cut into the
+  same chunks, so sharing changes no chunk's arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from model_runtime.types import SequenceInput
+
+ALIGN = 64  # fla's delta-rule chunk size (see the module docstring)
+
+
+@dataclass(frozen=True)
+class PrefixGroup:
+    """Sequences (indices into the row) whose first ``shared`` tokens are run once."""
+
+    members: tuple[int, ...]
+    shared: int
+
+    @property
+    def tokens_saved(self) -> int:
+        return (len(self.members) - 1) * self.shared
+
+
+def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.size, b.size)
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
+def find_groups(sequences: Sequence[SequenceInput], min_tokens: int) -> list[PrefixGroup]:
+    """Groups of at least two sequences whose shared segment has ``>= min_tokens`` tokens.
+
+    Sequences are grouped by their first ``min_tokens`` tokens; a group shares the longest prefix
+    common to all its members (less one token, rounded down to ``ALIGN``). Groups come in the
+    order of their first member; members in row order.
+    """
+    if min_tokens < 1:
+        return []
+    need = max(min_tokens, ALIGN) + 1  # a shared segment of >= min_tokens and >= ALIGN, plus one own token
+    by_head: dict[bytes, list[int]] = {}
+    ids = [np.asarray(s.input_ids, dtype=np.int64) for s in sequences]
+    for i, x in enumerate(ids):
+        if x.size >= need:
+            by_head.setdefault(x[:need].tobytes(), []).append(i)
+    groups = []
+    for members in by_head.values():
+        if len(members) < 2:
+            continue
+        first = ids[members[0]]
+        common = min(common_prefix_length(first, ids[j]) for j in members[1:])
+        shared = (common - 1) // ALIGN * ALIGN
+        if shared >= max(min_tokens, 1):
+            groups.append(PrefixGroup(tuple(members), shared))
+    groups.sort(key=lambda g: g.members[0])
+    return groups
+
+
+def tokens_saved(sequences: Sequence[SequenceInput], min_tokens: int) -> int:
+    """How many tokens sharing prefixes removes from a row of ``sequences``."""
+    return sum(g.tokens_saved for g in find_groups(sequences, min_tokens))
+
+
+def pack_groups_first_fit(sequences: Sequence[SequenceInput], budget: int, min_tokens: int) -> list[list[int]]:
+    """Rows of at most ``budget`` run tokens (shared prefixes counted once), first-fit decreasing.
+
+    The sequences that share a prefix go as one unit when it fits a row; a group larger than the
+    budget is cut into units that do, each still sharing its prefix. Without sharing
+    (``min_tokens`` 0) this is ``pack_first_fit_decreasing``.
+    """
+    from model_runtime.model.packing import pack_first_fit_decreasing
+
+    lengths = [s.length for s in sequences]
+    groups = find_groups(sequences, min_tokens)
+    grouped = {i for g in groups for i in g.members}
+    units: list[list[int]] = [[i] for i in range(len(sequences)) if i not in grouped]
+    costs: list[int] = [lengths[i] for i in range(len(sequences)) if i not in grouped]
+    for g in groups:
+        unit: list[int] = []
+        cost = g.shared
+        for i in sorted(g.members, key=lambda i: -lengths[i]):
+            own = lengths[i] - g.shared
+            if unit and cost + own > budget:
+                units.append(unit)
+                costs.append(cost if len(unit) > 1 else lengths[unit[0]])
+                unit, cost = [], g.shared
+            unit.append(i)
+            cost += own
+        units.append(unit)
+        costs.append(cost if len(unit) > 1 else lengths[unit[0]])
+    rows = pack_first_fit_decreasing(costs, budget)
+    return [[i for u in row for i in units[u]] for row in rows]
+
+
+class RowTokens:
+    """Tokens a row will run as sequences join it, shared prefixes counted once.
+
+    Follows ``find_groups``'s rule for sequences added in row order, so a row the scheduler fills
+    to ``budget`` with it runs at most ``budget`` tokens.
+
+    >>> row = RowTokens(min_tokens=64)
+    >>> prompt = np.arange(100)
+    >>> row.add(np.concatenate([prompt, [1, 2]])); row.add(np.concatenate([prompt, [3]]))
+    >>> row.total  # 102 + 101 - 64 shared
+    139
+    """
+
+    def __init__(self, min_tokens: int):
+        self.min_tokens = int(min_tokens)
+        self.need = max(self.min_tokens, ALIGN) + 1
+        self.total = 0
+        # first tokens -> [first member's ids, members, shortest common prefix with the first]
+        self._groups: dict[bytes, list] = {}
+
+    def cost_with(self, input_ids) -> int:
+        """``total`` once ``input_ids`` has joined."""
+        ids = np.asarray(input_ids)
+        group = self._group_of(ids)
+        if group is None:
+            return self.total + ids.size
+        first, members, common = group
+        if members == 0:
+            return self.total + ids.size
+        new_common = common_prefix_length(first, ids) if members == 1 else min(common, common_prefix_length(first, ids))
+        old_saved = (members - 1) * self._shared(common) if members > 1 else 0
+        return self.total + ids.size + old_saved - members * self._shared(new_common)
+
+    def add(self, input_ids) -> None:
+        ids = np.asarray(input_ids)
+        self.total = self.cost_with(ids)
+        group = self._group_of(ids)
+        if group is None:
+            return
+        if group[1] == 0:
+            group[0] = ids
+        else:
+            lcp = common_prefix_length(group[0], ids)
+            group[2] = lcp if group[1] == 1 else min(group[2], lcp)
+        group[1] += 1
+
+    def _group_of(self, ids: np.ndarray):
+        if self.min_tokens < 1 or ids.size < self.need:
+            return None
+        return self._groups.setdefault(ids[: self.need].astype(np.int64).tobytes(), [None, 0, 0])
+
+    def _shared(self, common: int) -> int:
+        shared = (common - 1) // ALIGN * ALIGN
+        return shared if shared >= self.min_tokens else 0

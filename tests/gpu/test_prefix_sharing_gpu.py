@@ -1,0 +1,114 @@
+"""Shared prefixes on the GPU kernels: a linked row against the same sequences laid out whole.
+
+bf16 inputs; a continuation reads its parent's GDN state (fla's initial_state), conv window
+(the window fix over the fast conv kernels) and keys (gathered for varlen, a lower-right causal
+bias for SDPA).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from model_runtime.kernels.attention import causal_attention_sdpa, causal_attention_varlen
+from model_runtime.kernels.conv import causal_conv1d_fla
+from model_runtime.kernels.conv_triton import causal_conv1d_silu_triton
+from model_runtime.kernels.linear_attention import gated_delta_rule_fla
+from model_runtime.model.packing import PackedBatch, PrefixLinks
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU kernels need CUDA"),
+]
+
+DEV = "cuda"
+CASES = [(128, (1, 70, 300), (50,)), (100, (5, 64), ())]  # an aligned prefix and one that is not
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+class Rows:
+    def __init__(self, prefix, conts, loose):
+        self.prefix, self.conts, self.loose = prefix, conts, loose
+        roots = 1 + len(loose)
+        self.linked = PackedBatch.from_lengths(
+            (prefix, *loose, *conts), device=DEV, links=PrefixLinks((-1,) * roots + (0,) * len(conts), roots)
+        )
+        self.whole = PackedBatch.from_lengths((*(prefix + c for c in conts), *loose), device=DEV)
+
+    def make(self, g, *shape, dtype=torch.bfloat16):
+        def rand(n):
+            return torch.randn(n, *shape, generator=g, device=DEV).to(dtype)
+
+        prefix, conts, loose = rand(self.prefix), [rand(n) for n in self.conts], [rand(n) for n in self.loose]
+        return torch.cat([prefix, *loose, *conts]), torch.cat([torch.cat([prefix, c]) for c in conts] + loose)
+
+    def whole_of_linked(self, whole):
+        offsets, n = self.whole.cu_seqlens_host, len(self.conts)
+        parts = [whole[: self.prefix]]
+        parts += [whole[offsets[n + j] : offsets[n + j + 1]] for j in range(len(self.loose))]
+        parts += [whole[offsets[j] + self.prefix : offsets[j + 1]] for j in range(n)]
+        return torch.cat(parts)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"P{c[0]}")
+def test_fla_delta_rule_continues_the_parent_state(case, gpu_record):
+    rows, g = Rows(*case), torch.Generator(device=DEV).manual_seed(0)
+    q, q_w = rows.make(g, 16, 128)
+    k, k_w = rows.make(g, 16, 128)
+    v, v_w = rows.make(g, 32, 128)
+    a, a_w = rows.make(g, 32, dtype=torch.float32)
+    b, b_w = rows.make(g, 32)
+    got = gated_delta_rule_fla(q, k, v, -torch.nn.functional.softplus(a), b.sigmoid(), rows.linked)
+    whole = gated_delta_rule_fla(q_w, k_w, v_w, -torch.nn.functional.softplus(a_w), b_w.sigmoid(), rows.whole)
+    want = rows.whole_of_linked(whole)
+    err, diff = rel(got, want), float((got.float() - want.float()).abs().max())
+    gpu_record("prefix gdn fla linked vs whole", prefix=case[0], rel=err, max_abs=diff)
+    assert err <= 1e-2, f"fla GDN linked vs whole rel {err:.3e} > 1e-2 (max |diff| {diff:.3e})"
+
+
+@pytest.mark.parametrize("conv", [causal_conv1d_fla, causal_conv1d_silu_triton], ids=["fla", "triton"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"P{c[0]}")
+def test_fast_conv_continues_the_parent_window(case, conv, gpu_record):
+    rows, g = Rows(*case), torch.Generator(device=DEV).manual_seed(1)
+    x, x_w = rows.make(g, 96)
+    weight = torch.randn(96, 4, generator=g, device=DEV).to(torch.bfloat16)
+    got = torch.cat(conv(x, weight, rows.linked, splits=(32, 32, 32)), dim=-1)
+    want = rows.whole_of_linked(torch.cat(conv(x_w, weight, rows.whole, splits=(32, 32, 32)), dim=-1))
+    diff = float((got.float() - want.float()).abs().max())
+    gpu_record("prefix conv linked vs whole", conv=conv.__name__, prefix=case[0], max_abs=diff)
+    # Each output is the same four products in the same order: equal, not just close.
+    assert diff == 0.0, f"{conv.__name__} linked vs whole max |diff| {diff:.3e} (expected 0)"
+
+
+@pytest.mark.parametrize("fn", [causal_attention_sdpa, causal_attention_varlen], ids=["sdpa", "varlen"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"P{c[0]}")
+def test_attention_reads_the_parent_keys(case, fn, gpu_record):
+    rows, g = Rows(*case), torch.Generator(device=DEV).manual_seed(2)
+    q, q_w = rows.make(g, 16, 256)
+    k, k_w = rows.make(g, 4, 256)
+    v, v_w = rows.make(g, 4, 256)
+    got = fn(q, k, v, rows.linked, 256**-0.5)
+    want = rows.whole_of_linked(fn(q_w, k_w, v_w, rows.whole, 256**-0.5))
+    err = rel(got, want)
+    gpu_record("prefix attention linked vs whole", fn=fn.__name__, prefix=case[0], rel=err)
+    assert err <= 1e-2, f"{fn.__name__} linked vs whole rel {err:.3e} > 1e-2"
+
+
+def test_tiny_model_shared_equals_unshared_in_bf16(gpu_record):
+    from model_runtime.scoring.loading import load_model
+    from model_runtime.scoring.scorer import Scorer
+    from model_runtime.types import SequenceInput
+
+    loaded = load_model("tiny", device=DEV)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, loaded.vocab_size, 600)
+    tail = lambda n: rng.integers(0, loaded.vocab_size, n)  # noqa: E731
+    seqs = [SequenceInput(np.concatenate([prompt, tail(n)]), score_from=500) for n in (1, 90, 700, 1500)]
+    seqs.append(SequenceInput(rng.integers(0, loaded.vocab_size, 333), score_from=1))
+    plain = Scorer(loaded).score_row(seqs)
+    shared = Scorer(loaded, prefix_min_tokens=64).score_row(seqs)
+    d = np.concatenate([np.abs(a.logprobs - b.logprobs) for a, b in zip(shared, plain)])
+    gpu_record("prefix tiny model shared vs unshared", mean=float(d.mean()), max=float(d.max()))
+    assert d.mean() <= 2e-3, f"mean |dlogp| {d.mean():.3e} > 2e-3 (max {d.max():.3e})"

@@ -1,0 +1,85 @@
+"""Prefix sharing in the service: row filling, the metric, the flag, and the benchmark's dry run."""
+
+import asyncio
+import json
+import threading
+
+import numpy as np
+
+from model_runtime.scoring.prefix import RowTokens, tokens_saved
+from model_runtime.types import SequenceInput
+from service.cli import build_parser
+from service.http.metrics import Metrics
+from service.scheduling.scheduler import Scheduler
+from service.settings import Settings
+from service.testing import FakeBackend
+
+
+def group(rng, prompt_len, sizes):
+    prompt = rng.integers(0, 900, prompt_len)
+    return [SequenceInput(np.concatenate([prompt, rng.integers(0, 900, n)]), score_from=prompt_len) for n in sizes]
+
+
+def test_row_tokens_match_the_row_plan_for_random_rows():
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        prompts = [rng.integers(0, 4, rng.integers(60, 300)) for _ in range(3)]
+        seqs = []
+        for _ in range(rng.integers(1, 10)):
+            p = prompts[rng.integers(0, 3)]
+            ids = np.concatenate([p[: rng.integers(0, p.size + 1)], rng.integers(0, 4, rng.integers(1, 80))])
+            seqs.append(SequenceInput(ids))
+        min_tokens = int(rng.choice([1, 64, 100]))
+        row = RowTokens(min_tokens)
+        for i, s in enumerate(seqs):
+            cost = row.cost_with(s.input_ids)
+            row.add(s.input_ids)
+            want = sum(x.length for x in seqs[: i + 1]) - tokens_saved(seqs[: i + 1], min_tokens)
+            assert cost == row.total == want, f"trial {trial}, sequence {i}: {cost}, {row.total} != {want}"
+
+
+def test_scheduler_counts_a_shared_prompt_once_and_exports_the_savings():
+    rng = np.random.default_rng(1)
+    request = group(rng, 300, [100] * 8)  # 3,200 tokens whole, 256 + 8 * 144 = 1,408 shared
+
+    async def main(prefix_min_tokens):
+        gate = threading.Event()
+        backend = FakeBackend(gate=gate)
+        metrics = Metrics()
+        scheduler = Scheduler(backend, max_batch_tokens=1500, max_wait_ms=0, max_queued_tokens=100_000,
+                              metrics=metrics, prefix_min_tokens=prefix_min_tokens)
+        await scheduler.start()
+        ticket = scheduler.submit(request)
+        gate.set()
+        await ticket.future
+        await scheduler.close()
+        saved = metrics.registry.get_sample_value("packscore_prefix_tokens_saved_total", {"model": backend.info.name})
+        return backend.rows, saved
+
+    rows, saved = asyncio.run(main(64))
+    assert rows == [[400] * 8], rows
+    assert saved == 7 * 256, saved
+    rows, saved = asyncio.run(main(0))
+    assert [len(r) for r in rows] == [3, 3, 2], rows
+    assert not saved, saved
+
+
+def test_no_prefix_sharing_flag_turns_it_off():
+    args = build_parser().parse_args(["serve", "--no-prefix-sharing"])
+    settings = Settings(**{k: v for k, v in vars(args).items() if k in Settings.model_fields})
+    assert settings.prefix_sharing is False and settings.prefix_min_tokens_in_use == 0
+    assert Settings().prefix_min_tokens_in_use == 64
+
+
+def test_benchmark_dry_run_on_the_cpu(tmp_path):
+    from bench.prefix_sharing import main
+
+    result = main(["--preset", "tiny", "--device", "cpu", "--out", str(tmp_path), "--also-tokens", "0"])
+    saved = json.loads((tmp_path / "prefix-sharing.json").read_text())
+    assert set(saved["workloads"]) == {"rl_mix_groups_of_8", "groups_of_16_1k_prompt_2k_response"}
+    for name, entry in saved["workloads"].items():
+        assert entry["tokens_saved_in_one_row"] > 0 and entry["row_token_bound"] > 1, name
+        # float32 on the CPU: shared and unshared agree to rounding (DESIGN.md: 1e-5).
+        assert entry["logprob_max_diff"] <= 1e-5, f"{name}: max |dlogp| {entry['logprob_max_diff']:.3e} > 1e-5"
+    assert saved["speedup"] == result["speedup"] > 0
+    assert (tmp_path / "prefix-sharing.md").read_text().startswith("prefix sharing, tiny")

@@ -1,0 +1,248 @@
+"""Shared prefixes: a group's common prompt run once gives the numbers of every sequence run whole.
+
+Kernels: a row where continuations link to a prefix segment against the same sequences laid out
+whole, on fresh random inputs. Model: the tiny checkpoints of every architecture, shared against
+unshared scoring in float32 (tolerance 1e-5, DESIGN.md's float32 bound for shared prefixes).
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from model_runtime.kernels.attention import causal_attention_reference, causal_attention_sdpa
+from model_runtime.kernels.conv import causal_conv1d_reference, continue_windows
+from model_runtime.kernels.linear_attention import gated_delta_rule_reference
+from model_runtime.model.packing import PackedBatch, PrefixLinks
+from model_runtime.scoring.loading import load_model
+from model_runtime.scoring.prefix import ALIGN, find_groups, pack_groups_first_fit, tokens_saved
+from model_runtime.scoring.rows import plan_row
+from model_runtime.scoring.scorer import Scorer
+from model_runtime.types import SequenceInput
+
+TOL = 1e-5
+ARCHITECTURES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+def report(name, got, want, tol=TOL):
+    diff = (torch.as_tensor(got).double() - torch.as_tensor(want).double()).abs().max().item()
+    assert diff <= tol, f"{name}: max |diff| {diff:.3e} > tol {tol:.0e}"
+
+
+# ---------------------------------------------------------------- kernels on random inputs
+
+CASES = [
+    # (prefix length, continuation lengths, lengths of unrelated sequences)
+    (9, (5, 1, 2), (4,)),
+    (2, (3, 4), ()),  # a parent shorter than the conv window
+    (70, (1, 66, 8), (3, 12)),
+]
+
+
+def case_id(case):
+    prefix, conts, loose = case
+    return f"P{prefix}-C{'-'.join(map(str, conts))}-U{len(loose)}"
+
+
+class Rows:
+    """A linked row ``[prefix, unrelated..., continuations...]`` and the same sequences whole."""
+
+    def __init__(self, prefix: int, conts, loose):
+        self.prefix, self.conts, self.loose = prefix, tuple(conts), tuple(loose)
+        roots = 1 + len(self.loose)
+        self.linked = PackedBatch.from_lengths(
+            (prefix, *self.loose, *self.conts), links=PrefixLinks((-1,) * roots + (0,) * len(self.conts), roots)
+        )
+        self.whole = PackedBatch.from_lengths((*(prefix + c for c in self.conts), *self.loose))
+
+    def make(self, g: torch.Generator, *shape):
+        """``(linked_T..., whole_T...)``: one random tensor per token layout, the same values."""
+        def rand(n):
+            return torch.randn(n, *shape, generator=g)
+
+        prefix, conts, loose = rand(self.prefix), [rand(n) for n in self.conts], [rand(n) for n in self.loose]
+        linked = torch.cat([prefix, *loose, *conts])
+        whole = torch.cat([torch.cat([prefix, c]) for c in conts] + loose)
+        return linked, whole
+
+    def whole_of_linked(self, whole_T: torch.Tensor) -> torch.Tensor:
+        """The whole row's values at the linked row's tokens (prefix from the first sequence)."""
+        offsets = self.whole.cu_seqlens_host
+        n = len(self.conts)
+        parts = [whole_T[: self.prefix]]
+        parts += [whole_T[offsets[n + j] : offsets[n + j + 1]] for j in range(len(self.loose))]
+        parts += [whole_T[offsets[j] + self.prefix : offsets[j + 1]] for j in range(n)]
+        return torch.cat(parts)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_delta_rule_reference_continues_the_parent_state(case):
+    rows, g = Rows(*case), torch.Generator().manual_seed(1)
+    q, q_w = rows.make(g, 2, 8)
+    k, k_w = rows.make(g, 2, 8)
+    v, v_w = rows.make(g, 4, 6)
+    a, a_w = rows.make(g, 4)
+    b, b_w = rows.make(g, 4)
+    gate, gate_w = -torch.nn.functional.softplus(a), -torch.nn.functional.softplus(a_w)
+    beta, beta_w = b.sigmoid(), b_w.sigmoid()
+    got = gated_delta_rule_reference(q, k, v, gate, beta, rows.linked)
+    want = gated_delta_rule_reference(q_w, k_w, v_w, gate_w, beta_w, rows.whole)
+    report("delta rule linked vs whole", got, rows.whole_of_linked(want))
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("splits", [None, (8, 8, 16)], ids=["one", "splits"])
+def test_conv_reference_and_window_fix_continue_the_parent_window(case, splits):
+    rows, g = Rows(*case), torch.Generator().manual_seed(2)
+    x, x_w = rows.make(g, 32)
+    weight = torch.randn(32, 4, generator=g)
+    want = causal_conv1d_reference(x_w, weight, rows.whole, splits=splits)
+    got = causal_conv1d_reference(x, weight, rows.linked, splits=splits)
+    # The fast backends' path: convolve as if nothing were linked, then fix the windows.
+    def unlinked(x_TC, w_CW, packed, splits=None):
+        return causal_conv1d_reference(x_TC, w_CW, dataclasses.replace(packed, links=None), splits=splits)
+
+    fixed = continue_windows(unlinked, x, weight, rows.linked, splits, unlinked(x, weight, rows.linked, splits))
+    as_one = (lambda t: t) if splits is None else (lambda t: torch.cat(t, dim=-1))
+    report("conv reference linked vs whole", as_one(got), rows.whole_of_linked(as_one(want)))
+    report("conv window fix vs whole", as_one(fixed), rows.whole_of_linked(as_one(want)))
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("fn", [causal_attention_reference, causal_attention_sdpa], ids=["reference", "sdpa"])
+def test_attention_reads_the_parent_keys(case, fn):
+    rows, g = Rows(*case), torch.Generator().manual_seed(3)
+    q, q_w = rows.make(g, 4, 16)
+    k, k_w = rows.make(g, 2, 16)
+    v, v_w = rows.make(g, 2, 16)
+    got = fn(q, k, v, rows.linked, 0.25)
+    want = causal_attention_reference(q_w, k_w, v_w, rows.whole, 0.25)
+    report(f"attention {fn.__name__} linked vs whole", got, rows.whole_of_linked(want))
+
+
+def test_links_must_point_at_roots():
+    with pytest.raises(ValueError, match="root"):
+        PrefixLinks((-1, 0, 1), roots=1)
+    with pytest.raises(ValueError, match="cannot have parents"):
+        PrefixLinks((0, -1), roots=2)
+
+
+def test_continuation_positions_go_on_from_the_parent():
+    packed = PackedBatch.from_lengths((3, 2, 2), links=PrefixLinks((-1, 0, 0), 1))
+    assert packed.position_ids.tolist() == [0, 1, 2, 3, 4, 3, 4]
+    assert packed.linked.local_positions.tolist() == [0, 1, 2, 0, 1, 0, 1]
+
+
+# ---------------------------------------------------------------- row plans
+
+
+def group_row(vocab: int, seed: int = 0):
+    """Two groups, unrelated sequences, score_from inside a prefix, a member equal to its prompt,
+    duplicates, and two temperatures inside one group."""
+    rng = np.random.default_rng(seed)
+    prompt, prompt2 = rng.integers(0, vocab, 140), rng.integers(0, vocab, 70)
+    tail = lambda n: rng.integers(0, vocab, n)  # noqa: E731
+    dup = np.concatenate([prompt2, tail(10)])
+    return [
+        SequenceInput(np.concatenate([prompt, tail(20)]), score_from=140),
+        SequenceInput(tail(33), score_from=2),
+        SequenceInput(np.concatenate([prompt, tail(7)]), score_from=10, top_k=3),
+        SequenceInput(prompt.copy(), score_from=100),  # equal to the group's common prefix
+        SequenceInput(dup, score_from=1, temperature=0.7),
+        SequenceInput(np.concatenate([prompt, tail(30)]), score_from=139, temperature=0.7),
+        SequenceInput(dup.copy(), score_from=1, temperature=0.7),  # a duplicate
+        SequenceInput(prompt[:50].copy(), score_from=5),  # too short to share
+        SequenceInput(np.concatenate([prompt, tail(1)]), score_from=60, temperature=0.7),
+    ]
+
+
+def test_groups_share_their_aligned_common_prefix():
+    seqs = group_row(500)
+    groups = find_groups(seqs, 64)
+    assert [(g.members, g.shared) for g in groups] == [((0, 2, 3, 5, 8), 128), ((4, 6), 64)]
+    assert tokens_saved(seqs, 64) == 4 * 128 + 64
+    assert find_groups(seqs, 0) == [] and find_groups(seqs, 129) == []
+    plan = plan_row(seqs, 64)
+    assert plan.tokens_saved == 4 * 128 + 64
+    assert sum(plan.lengths) == sum(s.length for s in seqs) - plan.tokens_saved
+    assert list(plan.positions_N) == sorted(plan.positions_N)
+    assert plan.expand_N.size == sum(s.num_scored for s in seqs)
+    # Prefix positions asked for by several sequences at one temperature are scored once.
+    assert plan.positions_N.size < plan.expand_N.size
+
+
+def test_packing_keeps_a_group_in_one_row_and_cuts_one_too_large():
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, 500, 200)
+    seqs = [SequenceInput(np.concatenate([prompt, rng.integers(0, 500, 50)])) for _ in range(6)]
+    seqs += [SequenceInput(rng.integers(0, 500, 120)) for _ in range(3)]
+    shared = (200 - 1) // ALIGN * ALIGN
+    # The group costs shared + 6 * (250 - shared) tokens: one row of that budget holds all six.
+    budget = shared + 6 * (250 - shared)
+    rows = pack_groups_first_fit(seqs, budget, 64)
+    assert any(set(range(6)) <= set(r) for r in rows), rows
+    assert sorted(i for r in rows for i in r) == list(range(9))
+    cut = pack_groups_first_fit(seqs, budget - 1, 64)
+    assert sorted(i for r in cut for i in r) == list(range(9))
+    for r in cut:
+        assert sum(seqs[i].length for i in r) - tokens_saved([seqs[i] for i in r], 64) <= budget - 1
+
+
+# ---------------------------------------------------------------- the model, three architectures
+
+
+@pytest.fixture(scope="module")
+def loaded_models(checkpoint_dir):
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            cache[kind] = load_model(str(checkpoint_dir(kind)), device="cpu")
+        return cache[kind]
+
+    return get
+
+
+def compare_results(name, got, want):
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.logprobs.shape == b.logprobs.shape, f"{name}: sequence {i} has {a.logprobs.shape} against {b.logprobs.shape}"
+        if not a.logprobs.size:
+            continue
+        report(f"{name}: sequence {i} log-probs", a.logprobs, b.logprobs)
+        report(f"{name}: sequence {i} entropy", a.entropy, b.entropy)
+        if b.top_k_ids is not None:
+            np.testing.assert_array_equal(a.top_k_ids, b.top_k_ids, err_msg=f"{name}: sequence {i} top-k ids")
+            report(f"{name}: sequence {i} top-k log-probs", a.top_k_logprobs, b.top_k_logprobs)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_shared_row_equals_unshared(arch, loaded_models, capsys):
+    loaded = loaded_models(arch)
+    seqs = group_row(loaded.vocab_size, seed=1)
+    plain = Scorer(loaded).score_row(seqs)
+    shared = Scorer(loaded, prefix_min_tokens=64).score_row(seqs)
+    worst = max(float(np.abs(a.logprobs - b.logprobs).max(initial=0.0)) for a, b in zip(shared, plain))
+    with capsys.disabled():
+        print(f"\n[prefix sharing {arch}] max |dlogp| shared vs unshared {worst:.2e} (tol {TOL:.0e})")
+    compare_results(arch, shared, plain)
+
+
+def test_a_member_scored_alone_or_with_its_group_agrees(loaded_models):
+    """Packing invariance: whether its group-mates came in the same request does not matter."""
+    loaded = loaded_models("qwen3_5")
+    seqs = group_row(loaded.vocab_size, seed=2)
+    scorer = Scorer(loaded, prefix_min_tokens=64, max_batch_tokens=100_000)
+    together = scorer.score(seqs)
+    apart = scorer.score(seqs[:4]) + scorer.score(seqs[4:])
+    compare_results("one request vs two", apart, together)
+    members = (2, 3, 8)  # score_from inside the prefix, equal to the prompt, one token of its own
+    compare_results("alone vs with the group", [scorer.score([seqs[i]])[0] for i in members], [together[i] for i in members])
+
+
+def test_scorer_score_with_small_rows_equals_unshared(loaded_models):
+    loaded = loaded_models("qwen3_5")
+    seqs = group_row(loaded.vocab_size, seed=3)
+    plain = Scorer(loaded, max_batch_tokens=100_000).score(seqs)
+    shared = Scorer(loaded, max_batch_tokens=300, prefix_min_tokens=64).score(seqs)
+    compare_results("rows of 300 tokens, shared", shared, plain)
