@@ -16,9 +16,10 @@ Parts (``MODE``, space- or comma-separated; ``all`` = ``suite`` and then the ext
 Time: ``TOTAL_S`` (default 530) bounds the whole call; each part gets its own budget
 (``SUITE_S``, ``PROFILE_S``, ``PROBE_S``, ``TESTS_S``, ``HTTP_BURST_S``, ...; defaults in
 ``PARTS``) clipped to what is left, and is stopped (its process group killed) when it runs out.
-With less than ``MIN_PART_S`` (30) left, the remaining parts are skipped. ``SUITE_HF`` (``single``: Hugging
-Face one sequence at a time only, the faster form, about 3 minutes less than ``both``) and
-``SUITE_SWAPS`` (kernel swaps timed beside the defaults, ``;``-separated) shape the suite.
+With less than ``MIN_PART_S`` (30) left, the remaining parts are skipped. ``SUITE_HF`` (default
+``single``: Hugging Face one sequence at a time, the faster form, about 5 minutes in all;
+``both`` adds the padded form, about 3 minutes more, with ``SUITE_S=540``) and ``SUITE_SWAPS``
+(kernel swaps timed beside the defaults, ``;``-separated, about a minute each) shape the suite.
 
 Output: at most 8 files in ``OUT`` (default bench/out), none in a folder: each part's results
 JSON (the suite's as ``h200-<date>.json`` with its chart), and ``summary.md``: every part's own
@@ -57,11 +58,11 @@ class Part:
 
 def _suite_argv() -> tuple[str, ...]:
     return ("-m", "bench.gpu_suite", "--mode", "ab", "--swaps", os.environ.get("SUITE_SWAPS", ""),
-            "--hf", os.environ.get("SUITE_HF", "both"))
+            "--hf", os.environ.get("SUITE_HF", "single"))
 
 
 PARTS = {
-    "suite": lambda: Part("suite", _suite_argv(), 500),
+    "suite": lambda: Part("suite", _suite_argv(), 360),
     "profile": lambda: Part("profile", ("-m", "bench.gpu_suite", "--mode", "profile"), 200),
     "probe": lambda: Part("probe", ("-m", "bench.elementwise_probe"), 150),
     "tests": lambda: Part("tests", ("-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "tests/gpu"), 300),
