@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CONTRACT = ROOT.parent / "shared" / "docs/api.md"  # beside the checkout in CI
+CONTRACT = ROOT.parent / "shared" / "API.md"  # beside the checkout in CI
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "deploy" / "README.md"]
 
 
