@@ -1,5 +1,5 @@
 """The GPU suite's probes beside the benchmark: the machine (environment, bf16 matmul ceiling),
-MoE experts grouped_mm against eager, the GPU tests run as a subprocess, and a restart's warm-up.
+MoE experts grouped_mm against eager, and the GPU tests run as a subprocess.
 """
 
 from __future__ import annotations
@@ -163,31 +163,3 @@ def run_tests(suite: Suite, smoke: bool, select: str | None = None) -> dict:
     records = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
     summary = [line for line in proc.stdout.splitlines() if " passed" in line or " failed" in line]
     return {"returncode": proc.returncode, "summary": summary[-1] if summary else "", "records": records}
-
-
-def restart_probe(suite: Suite, model: str, max_batch_tokens: int) -> dict:
-    cache = os.environ.get("TRITON_CACHE_DIR", "/tmp/packscore-kernel-cache")
-    cmd = [sys.executable, "-m", "bench.warmup_probe", "--model", model, "--max-batch-tokens", str(max_batch_tokens),
-           "--kernel-cache", cache]
-    t0 = time.perf_counter()
-    # Triton prints one line per autotuning it does: with a warm cache there should be none.
-    env = {**os.environ, "TRITON_PRINT_AUTOTUNING": "1"}
-    # Autotuning results Triton kept on disk (fla asks for cache_results): if the restart still
-    # autotunes, these counts say whether the results were never written or not found.
-    stored_before = sorted(p.name for p in Path(cache).rglob("*.autotune.json"))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(60, int(suite.remaining() - 10)), env=env)
-    stored_after = sorted(p.name for p in Path(cache).rglob("*.autotune.json"))
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("WARMUP_PROBE ")), None)
-    if line is None:
-        raise RuntimeError(f"probe failed ({proc.returncode}): {proc.stderr[-3000:]}")
-    result = json.loads(line.removeprefix("WARMUP_PROBE "))
-    result["process_s"] = time.perf_counter() - t0
-    tuned = [l for l in (proc.stdout + proc.stderr).splitlines() if "autotuning" in l.lower()]
-    result["autotuning_runs"] = len(tuned)
-    result["autotune_files_before"] = len(stored_before)
-    result["autotune_files_after"] = len(stored_after)
-    result["autotune_file_kernels_before"] = sorted({n.removesuffix(".autotune.json") for n in stored_before})[:40]
-    result["autotuning_keys"] = [l for l in (proc.stdout + proc.stderr).splitlines() if "with key as" in l][:20]
-    result["autotuned"] = sorted({l.split("function")[-1].split("finished")[0].strip() for l in tuned if "function" in l})[:40]
-    log(f"warm restart: {result}")
-    return result

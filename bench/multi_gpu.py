@@ -229,6 +229,10 @@ def main(argv=None) -> int:
     parser.add_argument("--sequences", type=int, default=None, help="workload size (multiple of 8; default 256)")
     parser.add_argument("--out", default=os.environ.get("OUT", str(REPO / "bench" / "out")))
     args = parser.parse_args(argv)
+    # NVLink multicast stays off on the lent machines (NCCL, PyTorch symmetric memory, NVSHMEM);
+    # the workers and the server inherit this environment.
+    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(key, value)
     if args.quick:
         args.dense_model, args.fsdp_models, args.sp_tokens, args.budget = "tiny", ["tiny"], 512, 2048
         args.workload = WorkloadSpec(num_sequences=16, prompt_median=60, prompt_clip=(8, 256),

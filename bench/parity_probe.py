@@ -10,7 +10,7 @@ scored by:
 - packscore with its default CUDA kernels, and with one family at a time replaced by the
   backend that rounds where Hugging Face's eager modules round (conv1d ``reference``: bf16
   conv, then SiLU in bf16; elementwise ``eager``; head ``torch``), with all of those together,
-  and with fla's conv and its fused float32 SiLU, as packscore ran it before 2026-11-29;
+  and with fla's conv and its fused float32 SiLU (one rounding where Hugging Face has two);
 - packscore on each sequence alone, against the packed row (isolation), and the first modules
   whose outputs differ between the two.
 The attention, gate-projection and ``inductor_exact`` swaps are measured by tests/gpu
@@ -37,8 +37,8 @@ from model_runtime.types import SequenceInput
 
 LENGTHS = (1, 2, 3, 5, 63, 64, 65, 127, 128, 129, 300, 1000)
 def conv1d_fla_fused_silu(x_TC, weight_CW, packed, splits=None):
-    """fla's conv with SiLU inside the kernel (float32, one rounding): packscore's conv until
-    2026-11-29, kept here to measure what the separate bf16 SiLU step changed."""
+    """fla's conv with SiLU inside the kernel (float32, one rounding), kept here to measure what
+    the separate bf16 SiLU step changes."""
     from model_runtime.kernels.conv import _fla_conv, _split
 
     y = _fla_conv()(x=x_TC.unsqueeze(0), weight=weight_CW, bias=None, activation="silu",
@@ -56,7 +56,7 @@ HF_LIKE = {"conv1d": "reference", "attention": "sdpa", "elementwise": "eager", "
 VARIANTS = {
     "default": {},
     "conv1d=reference": {"conv1d": "reference"},
-    "conv1d=fla_fused_silu (before 2026-11-29)": {"conv1d": "fla_fused_silu"},
+    "conv1d=fla_fused_silu": {"conv1d": "fla_fused_silu"},
     "elementwise=eager": {"elementwise": "eager"},
     "head=torch": {"head": "torch"},
     "hf-like (all four)": HF_LIKE,

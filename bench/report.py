@@ -1,6 +1,6 @@
 """Tables and a chart from the suite's results JSON.
 
-    python -m bench.report bench/results/h200-2026-11-29.json   # prints the markdown table
+    python -m bench.report bench/results/h200-2026-11-30.json   # prints the markdown table
 """
 
 from __future__ import annotations

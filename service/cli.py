@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         help="serve the HTTP API (POST /score, /health, /healthz, /readyz, /metrics, /v1/models, /docs)",
-        description="Serve the HTTP API of API.md. With no --model it serves the built-in tiny preset on "
+        description="Serve the HTTP API of docs/api.md. With no --model it serves the built-in tiny preset on "
         "127.0.0.1:8000. SIGTERM drains: readiness turns 503, new requests get 503, admitted requests "
         "finish within --drain-timeout-s, then the process exits 0.",
     )

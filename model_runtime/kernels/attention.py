@@ -88,8 +88,8 @@ def causal_attention_sdpa(q_THD, k_THD, v_THD, packed: PackedBatch, scale: float
 def causal_attention_varlen(q_THD, k_THD, v_THD, packed: PackedBatch, scale: float) -> torch.Tensor:
     """``torch.nn.attention.varlen.varlen_attn`` over the whole row.
 
-    Its default is NOT causal; ``window_size=(-1, 0)`` makes it causal per segment (on the
-    H200 the default differed from per-segment causal attention by 3.9, the window by 0.004).
+    Its default is NOT causal; ``window_size=(-1, 0)`` makes it causal per segment
+    (tests/gpu/test_kernels.py compares it with per-segment causal attention).
     Versions with ``enable_gqa`` read the shared key/value heads in place; older ones get
     repeated keys and values. With prefix links the keys are gathered (each continuation's
     parent's, then its own) and the window, aligned to the bottom right as in flash attention,

@@ -56,8 +56,8 @@ def causal_conv1d_fla(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: Packe
     SiLU runs as its own step on the conv's output in the input dtype, not inside fla's kernel:
     this is where Hugging Face rounds when ``causal_conv1d`` is not installed (the only case in
     which this backend is chosen), conv output to bf16, then SiLU to bf16. fla's fused SiLU rounds
-    once; on the H200 that one rounding moved the tiny checkpoint's log-probs by 1.07e-2 mean
-    against Hugging Face and the separate step by 2.0e-3 (bench/parity_probe.py). With
+    once, and that one rounding, amplified by the layers, is most of the distance from Hugging
+    Face (bench/parity_probe.py measures it). With
     ``splits`` the SiLU step writes each split to its own contiguous tensor, which is the copy
     fla's delta rule would otherwise make of q, k and v.
 

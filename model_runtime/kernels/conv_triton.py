@@ -4,9 +4,8 @@
 Legend: T = tokens in the row, C = channels (Ci: one split's), W = kernel width.
 
 Why: ``causal_conv1d_fla`` runs fla's conv, then ATen's SiLU over each strided split of its
-output and a copy per split; on the H200 a 65k-token forward of the 9B model spent 19.9 ms in
-the conv and 40 ms in that (strided, unvectorised) SiLU, plus the copies. This kernel reads x
-once and writes every split (q, k, v) as its own contiguous tensor, one launch per split.
+output and a copy per split, a strided unvectorised pass that costs twice the conv itself
+(docs/benchmarks.md). This kernel reads x once and writes every split (q, k, v) as its own contiguous tensor, one launch per split.
 fla's default is assumed: its opt-in Gluon conv (``FLA_GLUON=1``) is another kernel.
 
 The arithmetic it reproduces, step by step:
@@ -39,10 +38,8 @@ from model_runtime.kernels.conv import _check, continue_windows
 from model_runtime.model.packing import PackedBatch
 
 # (tokens, channels, warps) per program; any tile gives the same numbers (each output's taps are
-# added in one order), and a split narrower than the channel block gets a narrower one.
-# bench/elementwise_probe.py on the H200 (2026-11-30), 65k tokens x 8192 channels in 13 segments:
-# 0.91 ms with 32 x 128 over 4 warps, 1.12 ms with the first choice of 64 x 128; fla's conv
-# followed by ATen's SiLU (Hugging Face's path) took 2.10 ms.
+# added in one order), and a split narrower than the channel block gets a narrower one. The
+# default is bench/elementwise_probe.py's fastest tile on an H200 (docs/benchmarks.md).
 DEFAULT_TILE = (32, 128, 4)
 
 

@@ -129,7 +129,7 @@ def _compile_options() -> dict:
 
     # Each function is compiled dynamic in its sizes, yet once per layout it meets (q heads cut
     # from a wider projection, rows of heads, whole rows): a process that scores several models
-    # or shapes passed the default limit of 8 on the H200, and fullgraph=True makes that an error.
+    # or shapes passes the default limit of 8, and fullgraph=True makes that an error.
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo_config, name):
             setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
@@ -142,11 +142,8 @@ def inductor_exact() -> Elementwise:
     """``inductor``, except that each norm takes its mean of squares from ATen (``_mean_square``)
     and Inductor fuses only what follows; every step then rounds as Hugging Face's eager norms do.
 
-    Measured on the H200 (2026-11-29): the four tiny checkpoint kinds scored within 1.2e-7 (mean
-    |logprob|) of Hugging Face run per sequence, where ``inductor``'s own float32 sums left
-    6.8e-7 to 1.7e-3. It costs a float32 copy of every norm's squared input (written by one fused
-    kernel, read by ATen's mean): 4.1% of the 9B benchmark's rate (34,504 against 35,977 tokens/s,
-    bench/results/h200x2-2026-11-29-run7-suite-ab.json). ``triton_exact`` does the same in one
+    It costs a float32 copy of every norm's squared input (written by one fused kernel, read by
+    ATen's mean), a few percent of the 9B benchmark's rate. ``triton_exact`` does the same in one
     pass and falls back to this path where its plan does not apply.
     """
     global _EXACT
@@ -194,11 +191,8 @@ def triton_exact() -> Elementwise:
     against ATen on this GPU; the tiny test models' widths) or with fewer than 16 rows takes
     ``inductor_exact``'s path, which is exact too.
 
-    Measured on the H200 (2026-11-30, bench/results/h200-2026-11-30.json): 0.8% faster than
-    ``inductor`` on the 9B benchmark (36,980 against 36,697 tokens/s; the first version, with
-    untuned tiles and Inductor's SiLU product, was 2.1% slower) and within 6.3e-8 mean |logprob|
-    of Hugging Face run one sequence at a time over its 810k tokens, where ``inductor`` is 2.6e-2
-    away.
+    The CUDA default: no slower than ``inductor`` on the 9B benchmark, and equal to Hugging Face
+    where ``inductor``'s sums drift (figures in docs/benchmarks.md).
     """
     global _TRITON_EXACT
     if _TRITON_EXACT is None:

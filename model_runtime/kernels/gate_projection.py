@@ -8,18 +8,16 @@ Both backends compute ``linear(x_TD)``; they differ in how many rows one matrix 
 A bf16 product's kernel, and with it its summation order, follows the row count, and for these
 narrow products (N = 32 or 64) it changes the rounding of a sequence's rows with the size of the
 row it is packed in. The decay is then accumulated over the whole sequence, so those roundings
-add up: on the H200 this was the first place where a sequence packed with others parted from
-the same sequence alone (tests/gpu/test_isolation.py).
+add up, and a sequence packed with others would part from the same sequence alone
+(tests/gpu/test_isolation.py).
 
 - ``row``: one product over the whole row (the plain reference).
 - ``segment``: one product per segment, the call a sequence scored alone makes (and Hugging
   Face's for one sequence), so a segment's numbers do not depend on its neighbours.
 
-Measured on the H200 (2026-11-29, 9B shape): with ``segment`` a sequence alone and packed gave
-bit-for-bit equal log-probs (``row``: 6.0e-3 mean apart), at no measurable cost on the benchmark
-workload (36,201 against 36,231 tokens/s; rows of about 20 sequences of 3k tokens). It costs two
-small launches per segment and GDN layer, so rows of hundreds of short sequences pay more; that
-case is not measured yet.
+``segment`` costs two small launches per segment and GDN layer: nothing measurable on rows of
+a few dozen long sequences, more on rows of hundreds of short ones (figures in
+docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -18,10 +18,9 @@ ATen's order for rows over a contiguous last dimension, R >= 16 (``_candidates``
   (sum i takes every fourth stride), added in the same order;
 - then the warp folds in halves: thread t adds thread t + BW/2's value, then t + BW/4's, down
   to t + 1 (shuffles at falling offsets), and the sum is multiplied by float32(1 / D).
-Measured on the H200 (torch 2.11, bench/aten_order_probe.py, 2048 random rows of D = 128, 256
-and 4096): VEC = 4 with BW = 32 and these folds reproduced every row bit for bit; folding adjacent
-pairs instead (offsets 1, 2, 4, ...) left 30% of the rows one float32 step off. Since the plan
-depends on PyTorch's version, ``plan_for`` calibrates it once per D against ATen's own ``mean``
+On an H200 with torch 2.11, VEC = 4 with BW = 32 and these folds reproduce ATen's sums bit for
+bit (tests/unit/data/aten_mean_of_squares_h200.npz; how it was found: docs/benchmarks.md),
+where folding adjacent pairs (offsets 1, 2, 4, ...) does not. Since the plan depends on PyTorch's version, ``plan_for`` calibrates it once per D against ATen's own ``mean``
 on random rows and returns None when no candidate reproduces it; the caller then uses ATen
 (``elementwise.inductor_exact``'s path). The squares are not contracted into fused
 multiply-adds (``enable_fp_fusion=False``): ATen rounds each square before adding it.
@@ -230,11 +229,10 @@ def supports(x: torch.Tensor, weight: torch.Tensor, other: torch.Tensor | None =
 def default_tile(D: int, plan: tuple[int, int]) -> tuple[int, int, int]:
     """``(rows, unroll, warps)`` for rows of ``D``: ``rows`` rows per program, ``unroll`` chunks of
     4 x bw lanes per load, ``warps`` warps. Any tile gives the same numbers (each row's sums keep
-    their order). Read off bench/elementwise_probe.py on the H200 (2026-11-30): rows of 8 chunks
-    or more (D = 4096: 32) go one per program, four chunks per load over four warps (0.55 ms for
-    a 65k-token residual add + norm, 3.9 TB/s); narrower rows (D = 128 and 256: one and two
-    chunks) one chunk per load, about 1024 values per program over two warps (the strided q
-    heads: 0.26 ms, where 8 rows of two chunks per load took 1.2 ms)."""
+    their order). The fastest bench/elementwise_probe.py finds on an H200: rows of 8 chunks or
+    more (D = 4096: 32) one per program, four chunks per load over four warps; narrower rows
+    (D = 128 and 256: one and two chunks) one chunk per load, about 1024 values per program over
+    two warps."""
     chunks = D // (4 * plan[1])
     if chunks >= 8 and chunks % 4 == 0:
         return 1, 4, 4

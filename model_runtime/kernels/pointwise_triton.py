@@ -4,8 +4,8 @@ Hugging Face computes ``act_fn(gate_proj(x)) * up_proj(x)``: ATen's SiLU in floa
 (``g / (1 + exp(-g))`` with CUDA's expf and an IEEE division), rounded to the input dtype, then
 the product in float32, rounded again. This kernel does exactly that (``triton_math.silu``),
 so its outputs are eager PyTorch's bit for bit (tests/gpu/test_kernels.py). It exists for speed:
-on the 9B shape the product streams 4.8 GB per layer per 65k-token row, which Inductor's fused
-kernel moved at 3.0 TB/s on the H200 and this one at 4.2 TB/s (bench/elementwise_probe.py).
+on the 9B shape the product streams 4.8 GB per layer per 65k-token row, and this kernel moves it
+closer to the H200's bandwidth than Inductor's fused one (bench/elementwise_probe.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
 
 # (block, warps): elements per program and warps per program; any choice gives the same numbers.
-# bench/elementwise_probe.py on the H200 (2026-11-30), 65k x 12288: 1.16 ms (4.2 TB/s) against
-# Inductor's 1.60 ms; the three best tiles were within 0.5% of each other.
+# The default is among the fastest bench/elementwise_probe.py finds on an H200, all within noise.
 DEFAULT_TILE = (2048, 4)
 
 

@@ -66,28 +66,23 @@ _CPU_DEFAULT = {
 CUDA_ONLY = frozenset({"fla", "causal_conv1d", "varlen", "flash_attn", "triton", "inductor_exact", "triton_exact",
                        "grouped_mm"})
 
-# The fast backends on a GPU, best first. Attention differs by where the model runs, as measured
-# on H200s (2026-11-29), 9B shape, benchmark workload:
-# - in the serving process (one GPU): SDPA per segment, faster than the varlen kernel (36.5k
-#   against 35.5k tokens/s) and, being Hugging Face's own call for one sequence, closer to it
-#   (tiny checkpoint: mean |logprob diff| 3.1e-6 against 1.8e-3);
-# - in the worker pool's processes: the varlen kernel, since there SDPA per segment was 27% slower
-#   (one replica on each of 4 GPUs: 96k and 97k against 132k tokens/s). Not the runner: in one
-#   process the pool's ParallelScorer is as fast as Scorer with either kernel (bench/runner_probe.py);
-#   the cause is not found yet.
+# The fast backends on a GPU, best first. Attention differs by where the model runs (figures in
+# docs/benchmarks.md):
+# - in the serving process (one GPU): SDPA per segment, the faster there and, being Hugging
+#   Face's own call for one sequence, the closer to it;
+# - in the worker pool's processes: the varlen kernel, since there SDPA per segment is slower, for
+#   a reason not found yet (the pool's runner alone is as fast as Scorer with either kernel).
 _GPU_PREFERENCE = {
     "linear_attention": ("fla",),
     # causal_conv1d, when installed, is also what Hugging Face calls (SiLU inside the kernel);
     # otherwise Hugging Face convolves, rounds, then applies SiLU, which the Triton kernel does in
-    # one pass, equal to fla's conv plus ATen's SiLU bit for bit and 1% faster on the 9B benchmark.
+    # one pass, equal to fla's conv plus ATen's SiLU bit for bit and faster.
     "conv1d": ("causal_conv1d", "triton", "fla"),
     "attention": ("sdpa",),  # always there: flash_attn and varlen only by --kernels
     "head": ("triton",),
     # triton_exact: Hugging Face's arithmetic bit for bit (norms summed in ATen's order and the
-    # MLP's SiLU product by Triton, the rest fused by Inductor), and 0.8% faster than inductor on
-    # the 9B benchmark (2026-11-30); inductor's own norms sum in another order (--kernels
-    # elementwise=inductor), which random 9B weights amplify to 2.6e-2 mean |logprob| over 32
-    # layers against 6.3e-8.
+    # MLP's SiLU product by Triton, the rest fused by Inductor), and no slower than inductor, whose
+    # own norms sum in another order (--kernels elementwise=inductor) that 32 layers amplify.
     "elementwise": ("triton_exact",),
     "gate_projection": ("segment",),
     "moe_experts": ("grouped_mm",),

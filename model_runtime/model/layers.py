@@ -79,6 +79,12 @@ def _is_silu(act: nn.Module) -> bool:
     return isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
 
 
+def _adopt(target: nn.Module, source: nn.Module, *names: str) -> None:
+    """Gives ``target`` these attributes of ``source``: its modules and parameters are shared, not copied."""
+    for name in names:
+        setattr(target, name, getattr(source, name))
+
+
 class PackedGatedDeltaNet(nn.Module):
     """Gated DeltaNet over a packed row: conv window and delta-rule state restart per segment.
 
@@ -89,29 +95,18 @@ class PackedGatedDeltaNet(nn.Module):
 
     def __init__(self, source: nn.Module, backends: KernelBackends, *, fused_projections: bool):
         super().__init__()
-        self.num_k_heads = source.num_k_heads
-        self.num_v_heads = source.num_v_heads
-        self.head_k_dim = source.head_k_dim
-        self.head_v_dim = source.head_v_dim
+        _adopt(self, source, "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
         self.fused_projections = fused_projections
         if source.activation not in ("silu", "swish"):
             raise ValueError(f"packed GDN supports a SiLU conv activation, got {source.activation!r}")
         if source.conv1d.bias is not None:
             raise ValueError("packed GDN expects a conv1d without bias")
         if fused_projections:
-            self.in_proj_qkvz = source.in_proj_qkvz
-            self.in_proj_ba = source.in_proj_ba
+            _adopt(self, source, "in_proj_qkvz", "in_proj_ba")
             self._split_fused = source.fix_query_key_value_ordering
         else:
-            self.in_proj_qkv = source.in_proj_qkv
-            self.in_proj_z = source.in_proj_z
-            self.in_proj_b = source.in_proj_b
-            self.in_proj_a = source.in_proj_a
-        self.conv1d = source.conv1d
-        self.A_log = source.A_log
-        self.dt_bias = source.dt_bias
-        self.norm = source.norm
-        self.out_proj = source.out_proj
+            _adopt(self, source, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        _adopt(self, source, "conv1d", "A_log", "dt_bias", "norm", "out_proj")
         self.conv_fn = backends.fn("conv1d")
         self.delta_rule_fn = backends.fn("linear_attention")
         self.gate_projection_fn = backends.fn("gate_projection")

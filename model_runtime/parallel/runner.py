@@ -68,8 +68,8 @@ class ParallelScorer:
         """The whole row's head output (CPU tensors, in row order) and its top-k width."""
         # inference_mode, as in Scorer, except with FSDP: its unshard bumps version counters of
         # its parameter buffers, which tensors made under inference_mode do not have (it fails
-        # outright on a world of one rank). no_grad costs every op a little host time: 12% on the
-        # tiny CPU model, nothing measurable on an H200 (bench/runner_probe.py).
+        # outright on a world of one rank). no_grad costs every op a little host time, which only
+        # a small CPU model notices.
         with torch.no_grad() if self.dims.fsdp else torch.inference_mode():
             return self._score_row_flat(sequences)
 

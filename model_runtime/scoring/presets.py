@@ -46,69 +46,26 @@ def tiny_config() -> dict:
     )
 
 
+def _real_shape(**shape) -> dict:
+    """A released Qwen3.5 model's text config: what they all share, then ``shape``."""
+    return dict(vocab_size=248320, head_dim=256, linear_num_key_heads=16, linear_key_head_dim=128,
+                linear_value_head_dim=128, max_position_embeddings=262144, rope_parameters=dict(_ROPE_QWEN35),
+                **shape)
+
+
 PRESETS: dict[str, Preset] = {
     # Weights drawn with std 0.05 so the tiny model's distributions are not uniform.
     "tiny": Preset("tiny", "qwen3_5_text", tiny_config(), seed=0, initializer_range=0.05),
-    "qwen3.5-9b": Preset(
-        "qwen3.5-9b",
-        "qwen3_5_text",
-        dict(
-            vocab_size=248320,
-            hidden_size=4096,
-            intermediate_size=12288,
-            num_hidden_layers=32,
-            num_attention_heads=16,
-            num_key_value_heads=4,
-            head_dim=256,
-            linear_num_key_heads=16,
-            linear_num_value_heads=32,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            max_position_embeddings=262144,
-            rope_parameters=dict(_ROPE_QWEN35),
-        ),
-    ),
-    "qwen3.5-27b": Preset(
-        "qwen3.5-27b",
-        "qwen3_5_text",
-        dict(
-            vocab_size=248320,
-            hidden_size=5120,
-            intermediate_size=17408,
-            num_hidden_layers=64,
-            num_attention_heads=24,
-            num_key_value_heads=4,
-            head_dim=256,
-            linear_num_key_heads=16,
-            linear_num_value_heads=48,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            max_position_embeddings=262144,
-            rope_parameters=dict(_ROPE_QWEN35),
-        ),
-    ),
-    "qwen3.5-35b-a3b": Preset(
-        "qwen3.5-35b-a3b",
-        "qwen3_5_moe_text",
-        dict(
-            vocab_size=248320,
-            hidden_size=2048,
-            num_hidden_layers=40,
-            num_attention_heads=16,
-            num_key_value_heads=2,
-            head_dim=256,
-            linear_num_key_heads=16,
-            linear_num_value_heads=32,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            num_experts=256,
-            num_experts_per_tok=8,
-            moe_intermediate_size=512,
-            shared_expert_intermediate_size=512,
-            max_position_embeddings=262144,
-            rope_parameters=dict(_ROPE_QWEN35),
-        ),
-    ),
+    "qwen3.5-9b": Preset("qwen3.5-9b", "qwen3_5_text", _real_shape(
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
+        num_key_value_heads=4, linear_num_value_heads=32)),
+    "qwen3.5-27b": Preset("qwen3.5-27b", "qwen3_5_text", _real_shape(
+        hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+        num_key_value_heads=4, linear_num_value_heads=48)),
+    "qwen3.5-35b-a3b": Preset("qwen3.5-35b-a3b", "qwen3_5_moe_text", _real_shape(
+        hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+        linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512)),
 }
 
 

@@ -1,6 +1,6 @@
 """The HTTP app: ``create_app(settings, backend)`` builds it; nothing lives at module level.
 
-Routes follow API.md: POST /score (alias /v1/score), GET /healthz (alias /health), /readyz,
+Routes follow docs/api.md: POST /score (alias /v1/score), GET /healthz (alias /health), /readyz,
 /metrics, /v1/models; /docs serves Swagger UI from the installed package, no CDN. Every error is
 the contract's JSON body, whatever the request's encoding.
 """
@@ -201,7 +201,7 @@ def _install_error_handlers(app: FastAPI, service: Service) -> None:
 def _add_routes(app: FastAPI, service: Service) -> None:
     score_doc = dict(
         summary="Score token sequences",
-        description="Per-token log-probabilities (and entropy, top-k) for each sequence; see API.md.",
+        description="Per-token log-probabilities (and entropy, top-k) for each sequence; see docs/api.md.",
         response_class=Response,
         responses={
             200: {

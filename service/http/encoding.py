@@ -1,4 +1,4 @@
-"""Wire encodings: JSON through orjson, msgpack with raw little-endian arrays (API.md).
+"""Wire encodings: JSON through orjson, msgpack with raw little-endian arrays (docs/api.md).
 
 Request bodies are decoded here (400 on anything malformed); responses are encoded from plain
 dicts holding numpy arrays, never from pydantic objects, so that a 100k-token answer costs
@@ -94,7 +94,7 @@ def decode_body(raw: bytes, encoding: Encoding) -> Any:
 
 
 def result_record(seq_id, scores, *, return_entropy: bool, top_k: int) -> dict:
-    """One sequence's answer as API.md lays it out (numpy arrays; the encoder formats them)."""
+    """One sequence's answer as docs/api.md lays it out (numpy arrays; the encoder formats them)."""
     record = {"id": seq_id, "logprobs": scores.logprobs}
     if return_entropy:
         record["entropy"] = scores.entropy

@@ -1,4 +1,4 @@
-"""Pydantic models of the HTTP contract (API.md): requests, responses, errors.
+"""Pydantic models of the HTTP contract (docs/api.md): requests, responses, errors.
 
 Requests are validated with these models. Responses are built as plain dicts of numpy arrays
 (encoding 100k floats through pydantic would cost more than the forward on a small model); the

@@ -23,7 +23,7 @@ CHART = REPO / "deploy" / "helm" / "packscore"
 RELEASE = "ps"
 NAMESPACE = "rl"
 
-# `packscore serve` options as documented in shared/API.md and issue 6.
+# `packscore serve` options as documented in docs/api.md and issue 6.
 CLI_OPTIONS = {
     "--model", "--host", "--port", "--max-batch-tokens", "--max-wait-ms", "--max-queued-tokens",
     "--max-request-bytes", "--max-model-len", "--drain-timeout-s", "--api-key", "--api-key-file",

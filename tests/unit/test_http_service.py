@@ -281,7 +281,7 @@ def test_openapi_documents_both_encodings_examples_and_error_bodies():
 
 
 def test_extreme_temperatures_answer_numbers_not_nulls():
-    """Any finite temperature > 0 is valid (API.md); at 5e-324 the fuzzer once got nulls back."""
+    """Any finite temperature > 0 is valid (docs/api.md); at 5e-324 the fuzzer once got nulls back."""
     import math
 
     from model_runtime.kernels.logprob_head import LOGP_FLOOR

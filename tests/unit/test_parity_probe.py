@@ -20,26 +20,3 @@ def test_probe_dry_run_compares_every_variant(tmp_path, capsys):
     assert isolation["logprob_max"] == 0.0 and isolation["entropy_max"] == 0.0, f"alone vs packed on CPU: {isolation}"
     assert "| checkpoint qwen3_5 |" in capsys.readouterr().out
 
-
-def test_hf_divergence_dry_run_lists_every_module(tmp_path, capsys):
-    """bench/hf_divergence.py on the CPU (tiny preset, float32): the module table is complete and
-    packscore's first module outputs equal Hugging Face's (the same weights, the same inputs)."""
-    from bench import hf_divergence
-
-    assert hf_divergence.main(["--dry-run-cpu", "--out", str(tmp_path), "--lengths", "40"]) == 0
-    rows = json.loads((tmp_path / "hf_divergence.json").read_text())["length 40"]["modules"]
-    by_name = {r["module"]: r for r in rows}
-    assert by_name["model.embed_tokens"]["output_max_diff"] == 0.0
-    assert by_name["model.layers.0.linear_attn.in_proj_qkv"]["output_max_diff"] == 0.0
-    compared = [r for r in rows if "output_max_diff" in r]
-    assert len(compared) > 40 and all(r["output_max_diff"] < 1e-4 for r in compared), "float32 CPU forwards drifted apart"
-    assert "| model.norm |" in capsys.readouterr().out
-
-
-def test_runner_probe_dry_run_times_every_runner(tmp_path):
-    """bench/runner_probe.py on the CPU (tiny preset, a world of one gloo rank)."""
-    from bench import runner_probe
-
-    assert runner_probe.main(["--dry-run-cpu", "--out", str(tmp_path)]) == 0
-    runs = json.loads((tmp_path / "runner_probe.json").read_text())["runs"]
-    assert len(runs) == 5 and all(r["tokens_per_s"] > 0 for r in runs)

@@ -1,4 +1,4 @@
-"""Python client of the packscore HTTP API (API.md). Needs numpy, httpx and msgpack only: no torch,
+"""Python client of the packscore HTTP API (docs/api.md). Needs numpy, httpx and msgpack only: no torch,
 no transformers, none of the server's packages (``pip install ./service/client``).
 
     >>> client = ScoreClient("http://127.0.0.1:8000", api_key=None)
