@@ -229,6 +229,12 @@ def _fp8_weight_shapes(path: Path, config: dict, stored: dict, dtypes: dict) -> 
     """Checkpoint names -> shapes with each FP8 weight's scale checked and folded into it."""
     block = fp8_block_size(config)
     out = {k: v for k, v in stored.items() if not k.endswith(FP8_SCALE_SUFFIX)}
+    if not any(k.endswith(FP8_SCALE_SUFFIX) for k in stored):
+        raise CheckpointError(
+            "incompatible",
+            f"{path}: config.json declares FP8 quantization (quant_method 'fp8') but no tensor in the files is "
+            f"float8 with a weight{FP8_SCALE_SUFFIX} scale; the config does not describe these weights",
+        )
     for key in stored:
         if not key.endswith(FP8_SCALE_SUFFIX) or key.startswith(IGNORED_PREFIXES):
             continue
@@ -362,22 +368,22 @@ def _compare(path: Path, tensors: dict, expected: dict) -> None:
     if absent or extra or differ:
         parts = []
         if absent:
-            parts.append(f"{len(absent)} served tensors are absent ({_names(absent)})")
+            parts.append(f"{_count(absent, 'served tensor')} {_are(absent)} absent ({_names(absent)})")
         if extra:
-            parts.append(f"{len(extra)} tensors are not in the served model ({_names(extra)})")
+            parts.append(f"{_count(extra, 'tensor')} {_are(extra)} not in the served model ({_names(extra)})")
         if differ:
-            parts.append(f"{len(differ)} shapes differ ({_names(differ)})")
+            parts.append(f"{_count(differ, 'shape')} differ ({_names(differ)})")
         raise CheckpointError("incompatible", f"{path} does not have the served model's architecture: " + "; ".join(parts))
 
 
 def _gaps_message(path, missing, unexpected, mismatched, after_load: bool = False) -> str:
     parts = []
     if missing:
-        parts.append(f"{len(missing)} tensors the model needs are missing ({_names(missing)})")
+        parts.append(f"{_count(missing, 'tensor')} the model needs {_are(missing)} missing ({_names(missing)})")
     if unexpected:
-        parts.append(f"{len(unexpected)} tensors in the files are not used by the model ({_names(unexpected)})")
+        parts.append(f"{_count(unexpected, 'tensor')} in the files {_are(unexpected)} not used by the model ({_names(unexpected)})")
     if mismatched:
-        parts.append(f"{len(mismatched)} shapes differ ({_names(mismatched)})")
+        parts.append(f"{_count(mismatched, 'shape')} differ ({_names(mismatched)})")
     when = " after loading" if after_load else ""
     return f"checkpoint {path} is incomplete{when}: " + "; ".join(parts) + "; nothing is served from it (no tensor is ever left random)"
 
@@ -386,3 +392,11 @@ def _names(items) -> str:
     items = list(items)
     shown = ", ".join(str(i) for i in items[:SHOWN])
     return shown + (f", ... and {len(items) - SHOWN} more" if len(items) > SHOWN else "")
+
+
+def _count(items, noun: str) -> str:
+    return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"
+
+
+def _are(items) -> str:
+    return "is" if len(items) == 1 else "are"
