@@ -132,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _check_model_and_key(settings)
         settings = _resolve_hub_model(settings)  # may download: after the cheap checks
+        _check_checkpoint(settings)
     except (ValueError, OSError, ImportError) as exc:
         print(f"packscore: error: {exc}", file=sys.stderr)
         return 2
@@ -150,6 +151,16 @@ def _resolve_hub_model(settings: Settings) -> Settings:
     if path == settings.model:  # a preset or a directory
         return settings
     return settings.model_copy(update={"model": path, "served_model_name": settings.served_model_name or settings.model})
+
+
+def _check_checkpoint(settings: Settings) -> None:
+    """config.json and the safetensors headers against the model, before the port is bound."""
+    from model_runtime.scoring.presets import PRESETS
+
+    if settings.model not in PRESETS:
+        from model_runtime.scoring.checkpoint import check_checkpoint
+
+        check_checkpoint(Path(settings.model))
 
 
 def _check_model_and_key(settings: Settings) -> None:

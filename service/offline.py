@@ -29,19 +29,28 @@ class InputError(ValueError):
 
 
 def finished_ids(output: Path) -> set[str]:
-    """Ids of complete lines of ``output``; a torn last line (the run was killed mid-write) is cut off."""
+    """Ids of the result lines of ``output``. A torn last line (no newline: the run was killed
+    while writing it) is cut off; any other line that is not a result stops the run with its line
+    number, since the good lines after it must be neither dropped nor scored again."""
     if not output.exists():
         return set()
     done: set[str] = set()
     good_end = 0
     with output.open("rb") as f:
-        for line in f:
+        for number, line in enumerate(f, start=1):
             if not line.endswith(b"\n"):
-                break
+                break  # only the last line can lack its newline
             try:
-                done.add(orjson.loads(line)["id"])
-            except (orjson.JSONDecodeError, KeyError, TypeError):
-                break
+                seq_id = orjson.loads(line)["id"]
+                if not isinstance(seq_id, str):
+                    raise TypeError(f"id must be a string, got {seq_id!r}")
+            except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+                reason = f"no id: {exc}" if isinstance(exc, KeyError) else str(exc)
+                raise InputError(
+                    f"{output}:{number}: not a result line ({reason}); remove or repair it, then run again "
+                    "(the lines after it are kept)"
+                ) from None
+            done.add(seq_id)
             good_end += len(line)
     if good_end != output.stat().st_size:
         log.warning("%s: dropping an incomplete last line (the previous run stopped while writing it)", output)
@@ -138,7 +147,11 @@ def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     if not input_path.is_file():
         print(f"packscore: error: {input_path} does not exist", file=sys.stderr)
         return 2
-    done = finished_ids(output_path)
+    try:
+        done = finished_ids(output_path)
+    except InputError as exc:
+        print(f"packscore: error: {exc}", file=sys.stderr)
+        return 2
     total = sum(1 for line in input_path.open("rb") if line.strip())
     log.info("%d sequences in %s, %d already scored in %s", total, input_path, len(done), output_path)
     backend = load_backend(settings)

@@ -70,3 +70,67 @@ def as_hub_cache(checkpoint: Path, cache: Path, repo_id: str, commit: str = "012
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
     return snapshot
+
+
+def rewrite_checkpoint(source: Path, directory: Path, edit_tensors=None, edit_config=None) -> Path:
+    """A copy of the checkpoint ``source`` with its tensors (a name -> tensor dict) and its
+    config (a dict) passed through ``edit_tensors`` / ``edit_config``: the broken checkpoints a
+    converter or a hand edit can produce."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for file in sorted(Path(source).glob("*.safetensors")):
+        tensors.update(load_file(file))
+    if edit_tensors is not None:
+        tensors = edit_tensors(tensors)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((Path(source) / "config.json").read_text())
+    if edit_config is not None:
+        config = edit_config(config)
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    if (Path(source) / "generation_config.json").exists():
+        shutil.copy(Path(source) / "generation_config.json", directory)
+    return directory
+
+
+FP8_MAX = 448.0  # the largest float8 e4m3 value
+
+
+def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled float8 e4m3 of a 2-D weight as Qwen's FP8 releases store it: ``(q, scale_inv)``
+    with ``weight ~= q * scale_inv`` over each ``block``."""
+    rows, cols = weight.shape
+    br, bc = block
+    scale = torch.empty(-(-rows // br), -(-cols // bc), dtype=torch.float32)
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            w = weight[i * br : (i + 1) * br, j * bc : (j + 1) * bc].float()
+            scale[i, j] = w.abs().max().clamp(min=1e-12) / FP8_MAX
+            q[i * br : (i + 1) * br, j * bc : (j + 1) * bc] = (w / scale[i, j]).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def save_fp8_checkpoint(kind: str, directory: Path, block: tuple[int, int] = (128, 128), seed: int = 0) -> Path:
+    """A tiny checkpoint of ``kind`` with every projection stored as block-scaled FP8 (the
+    embedding, the head, norms and the small gates stay in float, as in Qwen's releases)."""
+
+    def quantize(tensors):
+        out = {}
+        for name, t in tensors.items():
+            if t.dim() == 2 and name.endswith("_proj.weight") and "visual" not in name:
+                out[name], out[name + "_scale_inv"] = quantize_fp8(t, block)
+            else:
+                out[name] = t
+        return out
+
+    def fp8_config(config):
+        quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+        return {**config, "quantization_config": quant}
+
+    source = save_checkpoint(kind, directory / "source", seed=seed)
+    return rewrite_checkpoint(source, directory / "fp8", quantize, fp8_config)

@@ -11,6 +11,11 @@ only underflows to probabilities of 0. A log-probability below float32's range (
 not the arg-max at an extreme temperature) is reported as ``LOGP_FLOOR``, the lowest float32,
 so that JSON can carry it; temperatures below float32's smallest normal count as that.
 
+Every sum over the vocabulary in the ``torch`` backend runs in one fixed order
+(``fixed_order_row_sum_``), so a position's numbers do not depend on the other positions of its
+chunk: BLAS and PyTorch's reductions choose their summation order from the tensor's shape and
+the thread count (a chunk of one row took another path and moved the entropy by 1e-5).
+
 The ``triton`` backend reads each logit once: one program per position streams the row and
 keeps per-lane running (max, sum of exp d, sum of exp d * d), rescaled whenever the max grows
 (the online softmax). The ``torch`` backend is the plain float32 computation it must match.
@@ -33,23 +38,35 @@ def temperature32(temperature_C: torch.Tensor) -> torch.Tensor:
     return temperature_C.to(torch.float32).clamp(MIN_TEMPERATURE, MAX_TEMPERATURE)
 
 
+def fixed_order_row_sum_(x_CV: torch.Tensor) -> torch.Tensor:
+    """The sum of each row of ``x_CV`` (which is overwritten), added pairwise by halving
+    (``x[:, :h] += x[:, w-h:w]`` until one column is left). Only elementwise additions, so a row's
+    sum is the same bits whatever the other rows, the thread count or the CPU's vector width."""
+    width = x_CV.shape[1]
+    while width > 1:
+        half = width // 2
+        x_CV[:, :half].add_(x_CV[:, width - half : width])
+        width -= half
+    return x_CV[:, 0].clone()  # a copy, so that the [C, V] buffer can be freed
+
+
 def tempered_log_softmax(z_CV: torch.Tensor, temperature_C: torch.Tensor) -> torch.Tensor:
     """float32 ``log softmax(z / T)`` of one chunk (a new tensor; ``z_CV`` is left alone)."""
     logp_CV = z_CV.float()
     if logp_CV is z_CV:
         logp_CV = logp_CV.clone()
-    logp_CV.sub_(logp_CV.amax(dim=-1, keepdim=True))
+    logp_CV.sub_(logp_CV.amax(dim=-1, keepdim=True))  # a max is exact in any order
     logp_CV.div_(temperature32(temperature_C).to(logp_CV.device)[:, None])
-    logp_CV.sub_(torch.logsumexp(logp_CV, dim=-1, keepdim=True))
+    lse_C = fixed_order_row_sum_(logp_CV.exp()).log_()
+    logp_CV.sub_(lse_C[:, None])
     return logp_CV.clamp_(min=LOGP_FLOOR)
 
 
 def entropy_of(logp_CV: torch.Tensor) -> torch.Tensor:
-    """``-sum p log p`` as a batched dot product: no third ``[C, V]`` tensor, and no cancellation
-    between two large numbers as in ``lse - sum(p z)`` at low temperatures. (A floored ``log p``
-    has ``p = 0`` exactly, so it adds nothing.)"""
-    p_CV = logp_CV.exp()
-    h_C = -torch.bmm(p_CV.unsqueeze(1), logp_CV.unsqueeze(2))[:, 0, 0]
+    """``-sum p log p`` in a fixed order: no cancellation between two large numbers as in
+    ``lse - sum(p z)`` at low temperatures. (A floored ``log p`` has ``p = 0`` exactly, so it
+    adds nothing.)"""
+    h_C = -fixed_order_row_sum_(logp_CV.exp().mul_(logp_CV))
     return torch.where(h_C > 0, h_C, 0.0)  # rounding below 0 (and -0.0) reads as 0
 
 

@@ -185,9 +185,10 @@ class WorkerPool:
         self._steps.put(None)
         with self._lock:
             world, self._world = self._world, None
+            graceful = world is not None and not world.failed
+            if world is not None:
+                world.failed = True  # the reader stops watching: exits from here on are not failures
         if world is not None:
-            graceful = not world.failed
-            world.failed = True  # the reader stops watching: exits from here on are not failures
             self._fail_pending(world.generation, "the worker pool is shutting down")
             world.stop(graceful=graceful)
 
@@ -267,8 +268,10 @@ class WorkerPool:
                 log.exception("worker pool restart failed; retrying in %.0fs", delay)
                 with self._lock:
                     world, self._world = self._world, None
+                    if world is not None:
+                        world.failed = True
                 if world is not None:
-                    world.failed = True
+                    self._fail_pending(world.generation, "the worker pool failed to restart")
                     world.stop(graceful=False)
                 time.sleep(delay)
                 delay = min(30.0, delay * 2)
@@ -343,9 +346,19 @@ class WorkerPool:
     # Dispatch.
 
     def _new_pending(self, world: WorkerWorld) -> _Pending:
+        """Registers a row for ``world``'s reply, or settles it at once when ``world`` has failed.
+
+        ``world.failed`` is only set under ``_lock``, and ``_fail_pending`` collects the rows of
+        that world under ``_lock`` after it was set: a row is either registered before (and failed
+        by ``_fail_pending``) or sees the flag here. Registered later, no reader would ever
+        settle it and its caller would wait out ``request_timeout_s``.
+        """
         with self._lock:
             p = _Pending(next(self._ids), world.generation, time.monotonic() + self.request_timeout_s)
-            self._pending[p.request_id] = p
+            if world.failed:
+                p.settle(error=BackendUnavailableError("the worker pool is restarting after a worker failure"))
+            else:
+                self._pending[p.request_id] = p
         return p
 
     def _await(self, pending: _Pending) -> msg.RowResult:
@@ -401,7 +414,8 @@ class WorkerPool:
         try:
             pending = self._new_pending(world)
             try:
-                world.send_group(group, msg.encode(msg.ScoreRow.of(pending.request_id, sequences)))
+                if not pending.done.is_set():
+                    world.send_group(group, msg.encode(msg.ScoreRow.of(pending.request_id, sequences)))
             except OSError as error:
                 pending.settle(error=BackendUnavailableError(f"cannot reach group {group}: {error}"))
             return self._await(pending)

@@ -39,6 +39,12 @@ class HeadOutput:
 # paths), which keeps a sequence's numbers independent of its neighbours.
 ROW_MULTIPLE = 16
 
+# How far a sequence's float32 numbers may move on the CPU when it is packed with others instead
+# of scored alone (DESIGN.md: "<= 1e-6 float32 CPU"; on GPUs, bit for bit). Not 0 because MKL and
+# oneDNN pick their GEMM kernel, and so a row's summation order, from the whole product's shape on
+# CPUs with AVX-512 / AMX (measured 4.8e-7 there), however rows are padded.
+CPU_PACKED_TOLERANCE = 1e-6
+
 
 def _pad_rows(x_ND: torch.Tensor, multiple: int) -> torch.Tensor:
     pad = (-x_ND.shape[0]) % multiple

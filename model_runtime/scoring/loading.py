@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import logging
 import math
 import time
@@ -15,8 +14,9 @@ from pathlib import Path
 import torch
 
 from model_runtime.kernels.registry import KernelBackends, select_backends
-from model_runtime.model.architectures import UnsupportedModelError, architecture_for
+from model_runtime.model.architectures import architecture_for
 from model_runtime.model.causal_lm import PackedCausalLM, PatchReport, patch_for_packing
+from model_runtime.scoring.checkpoint import CheckpointSpec, assert_fully_loaded, build_meta_model, check_checkpoint
 from model_runtime.scoring.presets import PRESETS, build_config
 
 log = logging.getLogger(__name__)
@@ -95,22 +95,26 @@ def load_model(
         hf_kwargs = _hf_kwargs(PRESETS[spec].model_type, moe_implementation)
         hf_model, model_type, version, name = _build_preset(spec, torch_dtype, device, hf_kwargs)
         source = f"preset:{spec}"
+        max_model_len = int(getattr(hf_model.config, "max_position_embeddings", 0) or 0)
     else:
         path = Path(spec)
-        model_type = _check_checkpoint(path)
+        if not path.is_dir():
+            known = ", ".join(sorted(PRESETS))
+            raise FileNotFoundError(f"--model {str(path)!r} is neither a checkpoint directory nor a preset ({known})")
+        checked = check_checkpoint(path)  # refuses before a byte of weights is read
+        model_type, max_model_len = checked.model_type, checked.max_model_len
         hf_kwargs = _hf_kwargs(model_type, moe_implementation)
-        hf_model = _load_checkpoint(path, torch_dtype, device, hf_kwargs)
+        hf_model = _load_checkpoint(checked, torch_dtype, device, hf_kwargs)
         version, name, source = checkpoint_version(path), path.name, str(path)
     architecture = architecture_for(model_type)
     model, report = patch_for_packing(hf_model, architecture, backends)
     model.eval().requires_grad_(False)
-    cfg = model.config
     loaded = LoadedModel(
         model=model,
         name=served_name or name,
         architecture=architecture.name,
         vocab_size=model.vocab_size,
-        max_model_len=int(getattr(cfg, "max_position_embeddings", 0) or 0),
+        max_model_len=max_model_len,
         dtype=torch_dtype,
         device=run_on,
         weights_version=version,
@@ -172,30 +176,36 @@ def _build_preset(name: str, dtype: torch.dtype, device: torch.device, hf_kwargs
     return model, preset.model_type, f"preset:{name}#seed{preset.seed}", name
 
 
-def _check_checkpoint(path: Path) -> str:
-    if not path.is_dir():
-        known = ", ".join(sorted(PRESETS))
-        raise FileNotFoundError(f"--model {str(path)!r} is neither a checkpoint directory nor a preset ({known})")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise UnsupportedModelError(f"{path} has no config.json; expected a Hugging Face checkpoint directory")
-    if not any(path.glob("*.safetensors")):
-        raise UnsupportedModelError(f"{path} has no *.safetensors weights; packscore loads safetensors only")
-    model_type = json.loads(config_file.read_text()).get("model_type")
-    architecture_for(model_type)  # raises with the list of supported types
-    return model_type
-
-
-def _load_checkpoint(path: Path, dtype: torch.dtype, device: torch.device, hf_kwargs: dict):
+def _load_checkpoint(checked: CheckpointSpec, dtype: torch.dtype, device: torch.device, hf_kwargs: dict):
+    """Hugging Face's loader on a checked checkpoint; refuses the model if anything was left unloaded."""
     from transformers import AutoModelForCausalLM
 
     # For qwen3_5 / qwen3_5_moe multimodal checkpoints the CausalLM class takes the text part
     # only: the vision tower's weights are skipped and never allocated.
     kwargs = dict(hf_kwargs)
-    if device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
-        kwargs["device_map"] = str(device)  # stream shards straight to the GPU
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, **kwargs)
+    if checked.quantization == "fp8":
+        model, info = _load_fp8(checked, dtype, kwargs)
+    else:
+        if device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
+            kwargs["device_map"] = str(device)  # stream shards straight to the GPU
+        model, info = AutoModelForCausalLM.from_pretrained(
+            checked.path, dtype=dtype, use_safetensors=True, output_loading_info=True, **kwargs
+        )
+    assert_fully_loaded(checked.path, info)
     return model.to(device)
+
+
+def _load_fp8(checked: CheckpointSpec, dtype: torch.dtype, hf_kwargs: dict):
+    """FP8 weights dequantized here (see fp8.py), then loaded by Hugging Face as plain weights,
+    with its own name mapping (prefixes, per-expert tensors)."""
+    from model_runtime.scoring.fp8 import read_dequantized
+
+    meta = build_meta_model(checked.config)  # the causal LM class and its (text) config, unquantized
+    state_dict = read_dequantized(checked, dtype)
+    log.info("%s: FP8 weights dequantized to %s at load", checked.path, str(dtype).removeprefix("torch."))
+    return type(meta).from_pretrained(
+        None, config=meta.config, state_dict=state_dict, dtype=dtype, output_loading_info=True, **hf_kwargs
+    )
 
 
 def checkpoint_version(path: Path) -> str:

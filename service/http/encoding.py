@@ -15,7 +15,7 @@ import msgpack
 import numpy as np
 import orjson
 
-from service.http.errors import ApiError
+from service.http.errors import ApiError, OversizedInt
 
 Encoding = Literal["json", "msgpack"]
 
@@ -84,13 +84,20 @@ def decode_body(raw: bytes, encoding: Encoding) -> Any:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         fast_error = exc
-    # orjson refuses integers beyond 64 bits and the NaN / Infinity literals that many JSON
-    # writers emit (Python's json among them). Such bodies are well-formed in practice and their
-    # values are what is wrong: parse them slowly so that validation answers 422 naming the field.
+    # orjson reads an integer literal past 64 bits as a float (validation then names the field:
+    # errors.past_64_bits), and refuses one past a double's range ("number is infinity") and the
+    # NaN / Infinity literals that many JSON writers emit (Python's json among them). Such bodies
+    # are well-formed and their values are what is wrong: parse them slowly so that validation
+    # answers 422 naming the field.
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_int=_parse_int)
     except (ValueError, RecursionError):
         raise ApiError(400, "malformed_body", f"The body is not valid JSON: {fast_error}.") from None
+
+
+def _parse_int(literal: str) -> int | OversizedInt:
+    # 20 digits hold every 64-bit integer; longer literals are refused by validation, by field.
+    return int(literal) if len(literal.lstrip("-")) <= 20 else OversizedInt(literal)
 
 
 def result_record(seq_id, scores, *, return_entropy: bool, top_k: int) -> dict:

@@ -31,6 +31,27 @@ class ApiError(Exception):
         return orjson.dumps({"error": {"type": self.type, "message": self.message, "param": self.param}})
 
 
+class OversizedInt:
+    """An integer literal of more digits than any 64-bit integer has, kept as its digit count:
+    no field takes one, and converting it could take seconds (Python limits int() to 4300 digits)."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, literal: str):
+        self.digits = len(literal.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"an integer of {self.digits} digits"
+
+
+def past_64_bits(value) -> bool:
+    """An integer no 64-bit field can hold: an ``OversizedInt``, or the float orjson turns an
+    integer literal past 64 bits into (the JSON fast path keeps no exact value for it)."""
+    if isinstance(value, OversizedInt):
+        return True
+    return isinstance(value, float) and value == value and abs(value) >= 2.0**63 and value.is_integer()
+
+
 def backend_unavailable(message: str, retry_after_s: int) -> ApiError:
     """503 ``backend_unavailable``: no worker can score now; the client retries after the hint."""
     return ApiError(503, "backend_unavailable", message, headers={"Retry-After": str(retry_after_s)})
@@ -68,6 +89,10 @@ def from_validation_errors(errors: list[dict]) -> ApiError:
         message = f"{param} is required."
     elif kind == "extra_forbidden":
         message = f"{param} is not a field of this request."
+    elif past_64_bits(first.get("input")) and kind.startswith("int"):
+        message = f"{param or 'the body'}: integers must fit in 64 bits, got a larger one."
+    elif past_64_bits(first.get("input")):
+        message = f"{param or 'the body'}: {validation_reason(first)}, got an integer past 64 bits."
     else:
         shown = _short_repr(first.get("input"))
         reason = validation_reason(first)

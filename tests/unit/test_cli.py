@@ -202,3 +202,24 @@ def test_settings_dump_is_what_the_worker_pool_reads():
     for key in ("model", "device", "dtype", "world_size", "sp", "fsdp", "max_batch_tokens", "allow_slow_kernels",
                 "served_model_name"):
         assert key in dumped
+
+
+@pytest.mark.parametrize("bad", [b"{not json\n", b'{"logprobs": []}\n', b"\n", b'{"id": 3}\n'], ids=["garbage", "no-id", "blank", "int-id"])
+def test_resume_refuses_a_corrupt_middle_line_and_keeps_the_lines_after_it(monkeypatch, tmp_path, capsys, bad):
+    """A bad line in the middle of OUT is not a torn write: the run stops naming it, and no good
+    line after it is dropped (or scored again)."""
+    backend = FakeBackend()
+    monkeypatch.setattr("service.backends.load_backend", lambda settings: backend)
+    rows = [{"id": f"r{i}", "input_ids": [1, 2, 3 + i]} for i in range(6)]
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, rows)
+    assert cli.main(["score", str(source), "-o", str(out)]) == 0
+    lines = out.read_bytes().splitlines(keepends=True)
+    corrupt = b"".join(lines[:2]) + bad + b"".join(lines[2:])
+    out.write_bytes(corrupt)
+    scored_before = sum(len(row) for row in backend.rows)
+    assert cli.main(["score", str(source), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{out}:3: not a result line" in err and "Traceback" not in err, err
+    assert out.read_bytes() == corrupt, "OUT must be left as it was"
+    assert sum(len(row) for row in backend.rows) == scored_before

@@ -278,3 +278,43 @@ def test_fastapi_request_validation_errors_use_the_contract_body():
 
     response = asyncio.run(main())
     _check_error(response, 422, "invalid_value", "limit")
+
+
+# Integer literals past 64 bits: orjson reads them as floats (or refuses them as "infinity"), so
+# the message must come from the field, never show the float ("1e+40") or a parser's complaint.
+BIG_INTEGERS = [
+    ("deadline-10e40", b'{"sequences": [{"input_ids": [1, 2]}], "deadline_ms": 1' + b"0" * 40 + b"}", "deadline_ms"),
+    ("id-5000-digits", b'{"sequences": [{"id": ' + b"7" * 5000 + b', "input_ids": [1, 2]}]}', "sequences[0].id"),
+    ("input-id-30-digits", b'{"sequences": [{"input_ids": [1, ' + b"9" * 30 + b"]}]}", "sequences[0].input_ids[1]"),
+    ("input-id-5000-digits", b'{"sequences": [{"input_ids": [1, ' + b"9" * 5000 + b"]}]}", "sequences[0].input_ids[1]"),
+    ("top-k-25-digits-with-nan", b'{"sequences": [{"input_ids": [1]}], "top_k": ' + b"1" * 25 + b', "x": NaN}', "top_k"),
+    ("score-from-negative-25-digits", b'{"sequences": [{"input_ids": [1], "score_from": -' + b"1" * 25 + b"}]}",
+     "sequences[0].score_from"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, raw, param", BIG_INTEGERS, ids=[c[0] for c in BIG_INTEGERS])
+def test_integers_past_64_bits_are_refused_by_field(name, raw, param):
+    async def main():
+        app, backend = make_app()
+        async with running_app(app) as client:
+            rows_before = len(backend.rows)
+            response = await client.post("/score", content=raw, headers=JSON_H)
+            _check_error(response, 422, "invalid_value", param)
+            message = response.json()["error"]["message"]
+            assert message.startswith(param) and "64 bits" in message, message
+            for leak in ("e+", "inf", "1111111111", "7777777777", "9999999999", "0000000000"):
+                assert leak not in message, f"{name}: {message!r} shows {leak!r}"
+            assert len(backend.rows) == rows_before
+
+    asyncio.run(main())
+
+
+def test_a_64_bit_deadline_is_still_an_integer():
+    async def main():
+        app, _ = make_app()
+        async with running_app(app) as client:
+            raw = b'{"sequences": [{"input_ids": [1, 2]}], "deadline_ms": 18446744073709551615}'
+            assert (await client.post("/score", content=raw, headers=JSON_H)).status_code == 200
+
+    asyncio.run(main())

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from model_runtime.model.packing import PackedBatch
+from model_runtime.scoring.head import CPU_PACKED_TOLERANCE
 from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.scorer import Scorer
 from model_runtime.types import SequenceInput
@@ -105,9 +106,10 @@ def test_permuting_the_row_changes_nothing(models):
     perm = np.random.default_rng(0).permutation(len(seqs))
     shuffled = scorer.score_row([seqs[i] for i in perm])
     for j, i in enumerate(perm):
-        diff = max_abs(shuffled[j].logprobs, base[i].logprobs)
-        # The reference kernels work per segment, so placement cannot change a single bit.
-        assert diff == 0.0, f"sequence {i} differs by {diff:.3e} after permutation"
+        diff = max(max_abs(shuffled[j].logprobs, base[i].logprobs), max_abs(shuffled[j].entropy, base[i].entropy))
+        # The reference kernels work per segment; the row's products keep their shape, but where a
+        # sequence sits in them is up to the GEMM kernel (CPU_PACKED_TOLERANCE).
+        assert diff <= CPU_PACKED_TOLERANCE, f"sequence {i} differs by {diff:.3e} after permutation > tol {CPU_PACKED_TOLERANCE:.0e}"
         np.testing.assert_array_equal(shuffled[j].top_k_ids, base[i].top_k_ids)
 
 
@@ -155,9 +157,10 @@ def test_top_k_elsewhere_in_the_row_changes_nothing(models):
     np.testing.assert_array_equal(a.entropy, b.entropy)
 
 
-def test_dense_sequence_alone_or_packed_is_bitwise_equal():
-    """Rows padded to a multiple of 16 tokens make every CPU matmul row-independent, so a dense
-    model's numbers for a sequence do not move by a bit whatever it is packed with."""
+def test_dense_sequence_alone_or_packed_is_within_the_cpu_guarantee():
+    """A dense model's numbers for a sequence move by at most CPU_PACKED_TOLERANCE whatever it is
+    packed with (rows padded to a multiple of 16 tokens; on CPUs without AVX-512 that is bit for
+    bit, and the printed difference shows it)."""
     loaded = load_model("tiny", device="cpu")
     scorer = Scorer(loaded)
     rng = np.random.default_rng(4)
@@ -166,6 +169,7 @@ def test_dense_sequence_alone_or_packed_is_bitwise_equal():
     for others in ([1], [5, 100], [300, 2, 64]):
         row = [SequenceInput(rng.integers(0, loaded.vocab_size, n)) for n in others]
         for packed in (scorer.score_row(row + [mine])[-1], scorer.score_row([mine] + row)[0]):
-            np.testing.assert_array_equal(packed.logprobs, alone.logprobs, err_msg=f"packed with {others}")
-            np.testing.assert_array_equal(packed.entropy, alone.entropy, err_msg=f"packed with {others}")
+            for name in ("logprobs", "entropy", "top_k_logprobs"):
+                diff = max_abs(getattr(packed, name), getattr(alone, name))
+                assert diff <= CPU_PACKED_TOLERANCE, f"{name} packed with {others}: {diff:.3e} > tol {CPU_PACKED_TOLERANCE:.0e}"
             np.testing.assert_array_equal(packed.top_k_ids, alone.top_k_ids, err_msg=f"packed with {others}")

@@ -7,6 +7,7 @@ checks what must hold on any device: a sequence scores the same alone and packed
 import json
 
 from bench import parity_probe
+from model_runtime.scoring.head import CPU_PACKED_TOLERANCE
 
 
 def test_probe_dry_run_compares_every_variant(tmp_path, capsys):
@@ -17,6 +18,8 @@ def test_probe_dry_run_compares_every_variant(tmp_path, capsys):
         row = results[f"packscore {name}"]
         assert row["logprob_mean"] < 1e-2, f"{name}: mean |logprob diff| {row['logprob_mean']:.3e} against HF bf16"
     isolation = results["packscore alone vs packed"]
-    assert isolation["logprob_max"] == 0.0 and isolation["entropy_max"] == 0.0, f"alone vs packed on CPU: {isolation}"
+    # Not 0: CPU GEMM kernels are chosen by shape (CPU_PACKED_TOLERANCE says why).
+    worst = max(isolation["logprob_max"], isolation["entropy_max"])
+    assert worst <= CPU_PACKED_TOLERANCE, f"alone vs packed on CPU: max diff {worst:.3e} > tol {CPU_PACKED_TOLERANCE:.0e}: {isolation}"
     assert "| checkpoint qwen3_5 |" in capsys.readouterr().out
 

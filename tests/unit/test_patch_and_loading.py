@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from model_runtime.kernels.registry import select_backends
-from model_runtime.model.architectures import ARCHITECTURES, UnsupportedModelError
+from model_runtime.model.architectures import ARCHITECTURES
 from model_runtime.model.causal_lm import PatchError, patch_for_packing
 from model_runtime.model.layers import PackedAttention, PackedGatedDeltaNet
+from model_runtime.scoring.checkpoint import CheckpointError
 from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.presets import PRESETS
 from model_runtime.scoring.scorer import Scorer
@@ -79,17 +80,17 @@ def test_wrong_architecture_for_the_model_fails():
 def test_unsupported_checkpoint_names_what_is_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (tmp_path / "model.safetensors").write_bytes(b"")
-    with pytest.raises(UnsupportedModelError, match="qwen3_5, qwen3_5_moe and qwen3_next"):
+    with pytest.raises(CheckpointError, match="qwen3_5, qwen3_5_moe and qwen3_next"):
         load_model(str(tmp_path), device="cpu")
 
 
 def test_missing_pieces_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a checkpoint directory nor a preset"):
         load_model(str(tmp_path / "nope"), device="cpu")
-    with pytest.raises(UnsupportedModelError, match="no config.json"):
+    with pytest.raises(CheckpointError, match="no config.json"):
         load_model(str(tmp_path), device="cpu")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5"}))
-    with pytest.raises(UnsupportedModelError, match="no \\*.safetensors"):
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
         load_model(str(tmp_path), device="cpu")
 
 

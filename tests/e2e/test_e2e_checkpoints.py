@@ -1,0 +1,127 @@
+"""Broken checkpoints stop ``packscore serve`` and ``packscore score`` before the port is bound,
+with one clear line and no traceback; checkpoints with a vision tower or ``mtp.*`` tensors serve."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from model_runtime.pool.ports import free_port
+from tests.checkpoints import rewrite_checkpoint, save_fp8_checkpoint
+from tests.e2e.helpers import ServerProcess, decode, post
+
+REPO = Path(__file__).resolve().parents[2]
+A_LOG = "model.layers.0.linear_attn.A_log"
+Q_PROJ = "model.layers.3.self_attn.q_proj.weight"
+
+
+def _without(*names):
+    return lambda tensors: {k: v for k, v in tensors.items() if k not in names}
+
+
+BROKEN = {
+    # name: (edit of the tensors, edit of config.json, words the error must contain)
+    "missing_tensor": (_without(A_LOG), None, ("incomplete", A_LOG)),
+    "renamed_keys": (lambda t: {"transformer." + k: v for k, v in t.items()}, None, ("transformer.lm_head.weight", "model.embed_tokens.weight")),
+    "extra_tensor": (lambda t: {**t, "model.layers.1.mlp.extra.weight": torch.zeros(2, 2)}, None, ("model.layers.1.mlp.extra.weight", "not used")),
+    "wrong_shape": (lambda t: {**t, Q_PROJ: t[Q_PROJ][:, :-1]}, None, (Q_PROJ, "[256, 63]")),
+    "llama_config": (None, lambda c: {**c, "model_type": "llama"}, ("unsupported model_type 'llama'",)),
+    "fp8_config_on_plain_weights": (None, lambda c: {**c, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, ("FP8",)),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def broken(checkpoint_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("broken")
+    source = checkpoint_dir("qwen3_5")
+    return {name: rewrite_checkpoint(source, root / name, t, c) for name, (t, c, _) in BROKEN.items()}
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PACKSCORE_")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _run_watching_port(command: list[str], port: int | None, timeout: float = 120.0):
+    """Runs the CLI; while it runs, keeps trying to connect to ``port``. Returns (code, stderr, connected)."""
+    proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    connected = False
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        if port is not None:
+            with socket.socket() as s:
+                s.settimeout(0.05)
+                connected |= s.connect_ex(("127.0.0.1", port)) == 0
+        time.sleep(0.02)
+    if proc.poll() is None:
+        proc.kill()  # our own child, by its handle
+    out, err = proc.communicate()
+    return proc.returncode, (out + err).decode(errors="replace"), connected
+
+
+@pytest.mark.parametrize("name", list(BROKEN))
+def test_serve_refuses_before_binding_the_port(name, broken):
+    port = free_port()
+    command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--model", str(broken[name])]
+    code, output, connected = _run_watching_port(command, port)
+    assert code == 2, f"exit status {code}, expected 2:\n{output}"
+    assert not connected, f"the port was bound:\n{output}"
+    assert "Traceback" not in output and "Uvicorn running" not in output, output
+    errors = [line for line in output.splitlines() if line.startswith("packscore: error:")]
+    assert len(errors) == 1, output
+    for needle in BROKEN[name][2]:
+        assert needle in errors[0], f"{needle!r} not in {errors[0]!r}"
+
+
+def test_score_refuses_before_reading_the_input(broken, tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"id": "a", "input_ids": [1, 2, 3]}) + "\n")
+    out = tmp_path / "out.jsonl"
+    command = [sys.executable, "-m", "service.cli", "score", str(source), "-o", str(out), "--model", str(broken["renamed_keys"])]
+    code, output, _ = _run_watching_port(command, None)
+    assert code == 2, f"exit status {code}, expected 2:\n{output}"
+    assert "Traceback" not in output and output.count("packscore: error:") == 1, output
+    assert not out.exists(), "nothing may be written from a refused checkpoint"
+
+
+def _serves(tmp_path, model_dir: Path):
+    server = ServerProcess(tmp_path, "--model", str(model_dir), api_key=None)
+    try:
+        server.wait_ready()
+        ids = (np.arange(1, 20) * 7 % 512).tolist()
+        response = post(server.url, {"sequences": [{"input_ids": ids, "score_from": 2}]}, headers={})
+        assert response.status_code == 200, response.text
+        logprobs = decode(response, 0)[0]["logprobs"]
+        assert logprobs.shape == (17,) and np.all(np.isfinite(logprobs))
+        return logprobs
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def test_vision_tower_and_mtp_checkpoint_serves(checkpoint_dir, tmp_path):
+    """A multimodal checkpoint (vision tower, model.language_model.* names) with mtp.* tensors
+    serves the same numbers as its text weights alone."""
+    extra = {"mtp.fc.weight": torch.zeros(64, 128), "mtp.layers.0.mlp.up_proj.weight": torch.zeros(128, 64)}
+    with_mtp = rewrite_checkpoint(checkpoint_dir("qwen3_5_vl"), tmp_path / "vl_mtp", lambda t: {**t, **extra})
+    text_only = rewrite_checkpoint(
+        checkpoint_dir("qwen3_5_vl"),
+        tmp_path / "text",
+        lambda t: {k.replace("model.language_model.", "model."): v for k, v in t.items() if "visual" not in k},
+        lambda c: {**c["text_config"], "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"]},
+    )
+    np.testing.assert_array_equal(_serves(tmp_path, with_mtp), _serves(tmp_path, text_only))
+
+
+def test_fp8_checkpoint_serves(tmp_path):
+    """FP8 weights with their block scales are dequantized at load (docs/checkpoints.md)."""
+    _serves(tmp_path, save_fp8_checkpoint("qwen3_5", tmp_path / "fp8", block=(32, 16)))
