@@ -127,7 +127,7 @@ class Service:
             max_model_len=model_len,
             max_sequences_per_request=s.max_sequences_per_request,
             max_request_tokens=s.queued_tokens,
-            max_request_bytes=s.max_request_bytes,
+            max_request_bytes=s.request_bytes,
         )
         self.metrics.describe_model(info, self.served_name)
         if info.slow_kernels:
