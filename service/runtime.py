@@ -194,6 +194,10 @@ class Service:
         if self.phase != "draining":
             log.info("draining: finishing admitted requests within %.0fs", self.settings.drain_timeout_s)
             self.phase = "draining"
+            if self.scheduler is not None:  # not admitted yet: as new as a request arriving now
+                self.scheduler.stop_admitting(ApiError(
+                    503, "draining", "The server is shutting down; retry on another replica.",
+                    headers={"Retry-After": "1", "Connection": "close"}))
 
     async def drain(self) -> None:
         self.begin_drain()

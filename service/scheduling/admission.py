@@ -1,9 +1,10 @@
 """Admission in time: how much work the queue may hold, and who waits for room.
 
 The queue holds ``queue_seconds`` of work per GPU at the measured scoring rate, never less
-than ``floor_rows`` full rows per GPU (the prior before any row was measured, and what keeps
-a prefetched row behind every running one whatever the rate), never more than
-``max_tokens`` (``--max-queued-tokens``, also the largest request).
+than ``floor_rows`` full rows per GPU (what keeps a prefetched row behind every running one
+whatever the rate), never more than ``max_tokens`` (``--max-queued-tokens``, also the largest
+request). Before a full row was measured, the rate of the readiness pass stands in: a small
+row is mostly fixed cost, so it underestimates, and the floor covers the rest.
 
 A request that does not fit waits here, first come first served, until earlier work
 finishes and frees room, up to ``max_wait_s`` (or its deadline, which the caller enforces);
@@ -59,19 +60,28 @@ class Admission:
         self.admitted = 0  # tokens admitted and not yet released (queued or in a forward)
         self.waiting = 0  # tokens of requests waiting for room
         self.rate: float | None = None  # measured tokens/s of one GPU
+        self._measured = False  # False while ``rate`` is only the prior from a small row
         self._rate_at = 0.0
         self._waiters: deque[tuple[int, asyncio.Future]] = deque()
 
     # ---- the bound ------------------------------------------------------------------------
 
     def observe(self, tokens: int, seconds: float) -> None:
-        """A forward of ``tokens`` took ``seconds`` on one GPU (rows too small to tell are skipped)."""
-        if tokens < _MEASURED_ROW_FRACTION * self.row_tokens or seconds <= 0:
+        """A forward of ``tokens`` took ``seconds`` on one GPU.
+
+        A row under a quarter of the budget is mostly fixed cost and says little about the rate:
+        it only serves as the prior until a real row is measured (the readiness pass, at start).
+        """
+        if seconds <= 0:
             return
         now = time.monotonic()
         rate = tokens / seconds
-        if self.rate is None:
-            self.rate = rate
+        if tokens < _MEASURED_ROW_FRACTION * self.row_tokens:
+            if self.rate is None:
+                self.rate = rate
+            return
+        if not self._measured:
+            self.rate, self._measured = rate, True
         else:
             keep = 0.5 ** ((now - self._rate_at) / _RATE_HALF_LIFE_S)
             self.rate = keep * self.rate + (1 - keep) * rate

@@ -164,6 +164,10 @@ class Scheduler:
                         for i, thread in enumerate(self._threads)]
         self._tasks.append(asyncio.create_task(self._dispatch_loop(), name="packscore-dispatcher"))
 
+    def stop_admitting(self, error: ApiError) -> None:
+        """Requests still waiting for room get ``error`` (a drain began); admitted ones run on."""
+        self.admission.close(error)
+
     async def close(self, reason: str = "the server is shutting down") -> None:
         """Fails whatever is still pending with 503 and stops the pipeline."""
         self._closed = True

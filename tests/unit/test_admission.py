@@ -24,14 +24,17 @@ def admission(**overrides) -> Admission:
 
 def test_the_bound_is_the_row_floor_until_measured_then_seconds_of_work_capped_by_max_tokens():
     a = admission(gpus=2)
-    assert a.bound == 3 * 100 * 2  # the prior: three rows per GPU
-    a.observe(10, 0.001)  # a tenth of a row: says nothing about the rate
-    assert a.rate is None
-    a.observe(100, 0.1)  # 1,000 tokens/s per GPU
+    assert a.bound == 3 * 100 * 2  # nothing measured: three rows per GPU
+    a.observe(10, 0.01)  # a tenth of a row (the readiness pass): only a prior
+    assert a.rate == pytest.approx(1000.0) and a.bound == 2 * 1000 * 2
+    a.observe(10, 0.001)  # more small rows change nothing
     assert a.rate == pytest.approx(1000.0)
-    assert a.bound == 2 * 1000 * 2  # 2 s of work on each of 2 GPUs
+    a.observe(100, 0.2)  # the first full row replaces the prior: 500 tokens/s per GPU
+    assert a.rate == pytest.approx(500.0) and a.bound == 2 * 500 * 2  # 2 s of work on each of 2 GPUs
     a.observe(100, 0.05)  # a second forward moves the average only as time passes (half-life 10 s)
-    assert 1000.0 < a.rate < 1010.0
+    assert 500.0 < a.rate < 510.0
+    a.rate = 50.0  # a slow GPU: the floor of three rows per GPU holds
+    assert a.bound == 3 * 100 * 2
     a.rate = 100_000.0  # a fast GPU: the hard cap decides
     assert a.bound == 10_000
     assert admission(queue_seconds=None).bound == 10_000  # no time bound: the cap alone
