@@ -110,13 +110,17 @@ def _payload(sequences) -> list[dict]:
     return [{"input_ids": np.asarray(s.input_ids), "score_from": s.score_from} for s in sequences]
 
 
-def _metric(url: str, name: str) -> float:
+def _metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the /metrics samples called ``name`` that carry ``labels`` (whatever others they have)."""
     import httpx
 
+    wanted = [f'{k}="{v}"' for k, v in labels.items()]
     total = 0.0
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name):
-            total += float(line.rsplit(" ", 1)[1])
+        sample, _, value = line.rpartition(" ")
+        metric, _, label_text = sample.partition("{")
+        if metric == name and all(w in label_text for w in wanted):
+            total += float(value)
     return total
 
 
@@ -126,7 +130,7 @@ async def trainer_burst(url: str, sequences) -> dict:
 
     payload = _payload(sequences)
     parts = [payload[i : i + PER_REQUEST] for i in range(0, len(payload), PER_REQUEST)]
-    refused = _metric(url, 'packscore_rejections_total{reason="queue_full"}')
+    refused = _metric(url, "packscore_rejections_total", reason="queue_full")
     async with AsyncScoreClient(url, max_concurrency=1, timeout_s=3600, retry_timeout_s=3600) as client:
         await client.score(payload[:1], return_entropy=True)  # limits learnt, a connection open
         started = time.perf_counter()
@@ -135,7 +139,7 @@ async def trainer_burst(url: str, sequences) -> dict:
     assert sum(len(a) for a in answers) == len(payload)
     tokens = sum(s.length for s in sequences)
     return {"tokens_per_s": tokens / elapsed, "seconds": elapsed,
-            "http_429": int(_metric(url, 'packscore_rejections_total{reason="queue_full"}') - refused)}
+            "http_429": int(_metric(url, "packscore_rejections_total", reason="queue_full") - refused)}
 
 
 async def idle_latency_http(url: str, seq) -> dict:
@@ -355,7 +359,7 @@ def latency_breakdown(repeats: int) -> dict:
     from model_runtime.scoring.loading import load_model
     from model_runtime.scoring.scorer import Scorer
     from model_runtime.types import SequenceInput
-    from service.client import _as_seq, _Protocol
+    from packscore_client.protocol import Protocol, as_seq
     from service.http.encoding import decode_body, encode_score_response, result_record
     from service.http.validation import Limits, parse_score_request
     from service.local_server import LocalServer
@@ -378,9 +382,9 @@ def latency_breakdown(repeats: int) -> dict:
         server.stop(timeout=30)
     out["zero_forward_scheduler_ms"] = _scheduler_round_trip_ms(idle_sequence())
     # Encoding and validation of this request and its answer, both sides.
-    protocol = _Protocol("http://x", None, "msgpack", 1.0, None, None, None)
+    protocol = Protocol("http://x", None, "msgpack", 1.0, None, None, None)
     options = {"temperature": 1.0, "return_entropy": True, "top_k": 0}
-    body = protocol.body([_as_seq(p) for p in _payload([tiny_seq])], options)
+    body = protocol.body([as_seq(p) for p in _payload([tiny_seq])], options)
     limits = Limits(4096, 1 << 20, 4096, 1 << 20, 1 << 26)
     scores = scorer.score([tiny_seq])
     answer = {"model": "m", "weights_version": "v", "results": [result_record(None, scores[0], return_entropy=True, top_k=0)],
@@ -398,7 +402,7 @@ def latency_breakdown(repeats: int) -> dict:
             times.append(time.perf_counter() - t0)
         return _ms(times)
 
-    out["encoding_ms"] = (timed(lambda: protocol.body([_as_seq(p) for p in _payload([tiny_seq])], options))
+    out["encoding_ms"] = (timed(lambda: protocol.body([as_seq(p) for p in _payload([tiny_seq])], options))
                           + timed(lambda: parse_score_request(decode_body(body, "msgpack"), limits, "m"))
                           + timed(lambda: encode_score_response(answer, "msgpack"))
                           + timed(lambda: protocol.parse(response, 0)))
@@ -436,7 +440,7 @@ def simulated_server(tree: Path, gpus: int, rows: int, time_scale: float, flags:
 
 def simulated_mode(args) -> dict:
     sequences = grpo_workload(VOCAB)
-    rows = 16384
+    rows = args.rows
     here = Path(__file__).resolve().parents[1]
     trees = {"after": here}
     if args.before_tree:
@@ -472,8 +476,9 @@ def simulated_mode(args) -> dict:
             entry[f"http_429{suffix}"] = burst["http_429"]
         out[f"gpus_{gpus}"] = entry
         print(f"{gpus} GPU(s): {entry}", flush=True)
-    out["idle_breakdown_cpu"] = latency_breakdown(args.repeats)
-    print(f"idle latency on this CPU: {out['idle_breakdown_cpu']}", flush=True)
+    if not args.no_breakdown:
+        out["idle_breakdown_cpu"] = latency_breakdown(args.repeats)
+        print(f"idle latency on this CPU: {out['idle_breakdown_cpu']}", flush=True)
     return out
 
 
@@ -548,6 +553,8 @@ def main(argv=None) -> None:
     parser.add_argument("--sequences", type=int, default=256, help="gpu mode: workload size (fewer only for a dry run)")
     parser.add_argument("--gpus", type=int, nargs="+", default=list(GPU_COUNTS), help="simulated mode: pool sizes")
     parser.add_argument("--time-scale", type=float, default=1.0, help="simulated mode: multiplies every forward's time")
+    parser.add_argument("--rows", type=int, default=16384, help="simulated mode: --max-batch-tokens of the server")
+    parser.add_argument("--no-breakdown", action="store_true", help="simulated mode: skip the CPU idle-latency breakdown")
     parser.add_argument("--repeats", type=int, default=2, help="simulated mode: runs of each measurement; the best counts")
     parser.add_argument("--before-tree", default=None, help="simulated mode: also serve from this source tree")
     args = parser.parse_args(argv)
