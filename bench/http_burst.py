@@ -364,6 +364,9 @@ def latency_breakdown(repeats: int) -> dict:
     from service.http.validation import Limits, parse_score_request
     from service.local_server import LocalServer
 
+    import torch
+
+    torch.set_num_threads(1)  # as the server's OMP_NUM_THREADS=1: one core each on a small machine
     rng = np.random.default_rng(2)
     tiny_seq = SequenceInput(rng.integers(0, 4096, IDLE_LENGTH), score_from=IDLE_LENGTH // 4)
     scorer = Scorer(load_model("tiny"))
