@@ -30,13 +30,15 @@ _MODEL_OPTIONS = (
 )  # fmt: skip
 _SERVE_OPTIONS = _MODEL_OPTIONS + (
     "host", "port", "api_key", "api_key_file", "max_wait_ms", "max_queued_tokens", "max_request_bytes",
-    "max_sequences_per_request", "drain_timeout_s",
+    "max_sequences_per_request", "drain_timeout_s", "queue_seconds", "max_admission_wait_s",
+    "request_read_timeout_s", "max_connections",
 )  # fmt: skip
 _SCORE_OPTIONS = _MODEL_OPTIONS + ("temperature", "top_k", "return_entropy")
 _METAVARS = {
     "model": "PATH_OR_PRESET", "revision": "REV", "served_model_name": "NAME", "device": "DEVICE", "triton_cache_dir": "DIR",
     "host": "HOST", "port": "PORT", "api_key": "KEY", "api_key_file": "FILE", "max_wait_ms": "MS",
-    "drain_timeout_s": "SECONDS", "temperature": "T", "top_k": "K", "kernels": "FAMILY=BACKEND",
+    "drain_timeout_s": "SECONDS", "queue_seconds": "SECONDS", "max_admission_wait_s": "SECONDS",
+    "request_read_timeout_s": "SECONDS", "temperature": "T", "top_k": "K", "kernels": "FAMILY=BACKEND",
 }  # fmt: skip; every other option takes a count, shown as N
 
 

@@ -127,7 +127,7 @@ class Service:
             max_model_len=model_len,
             max_sequences_per_request=s.max_sequences_per_request,
             max_request_tokens=s.queued_tokens,
-            max_request_bytes=s.max_request_bytes,
+            max_request_bytes=s.request_bytes,
         )
         self.metrics.describe_model(info, self.served_name)
         if info.slow_kernels:
@@ -194,6 +194,10 @@ class Service:
         if self.phase != "draining":
             log.info("draining: finishing admitted requests within %.0fs", self.settings.drain_timeout_s)
             self.phase = "draining"
+            if self.scheduler is not None:  # not admitted yet: as new as a request arriving now
+                self.scheduler.stop_admitting(ApiError(
+                    503, "draining", "The server is shutting down; retry on another replica.",
+                    headers={"Retry-After": "1", "Connection": "close"}))
 
     async def drain(self) -> None:
         self.begin_drain()

@@ -16,7 +16,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from model_runtime.kernels.overrides import FAMILIES, parse_kernel_overrides
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
-DEFAULT_QUEUED_TOKENS = 262144  # the admission bound of a one-GPU server
+DEFAULT_QUEUED_TOKENS = 1 << 20  # the hard cap on admitted tokens of a one-GPU server
+# Bytes a request may take per token when it must be admissible (JSON ids of up to 6 digits
+# with separators and spaces, room for per-sequence fields), plus per-sequence and fixed room.
+_BODY_BYTES_PER_TOKEN = 12
+_BODY_BYTES_PER_SEQUENCE = 256
+_BODY_BYTES_FIXED = 1 << 20
 
 
 class Settings(BaseSettings):
@@ -62,13 +67,41 @@ class Settings(BaseSettings):
     # Scheduling and admission.
     max_batch_tokens: int = Field(16384, ge=1, description="token budget of one packed forward (per GPU)")
     max_wait_ms: float = Field(5.0, ge=0, description="how long a queued sequence may wait for its batch to fill")
+    queue_seconds: float = Field(
+        4.0,
+        gt=0,
+        description="admission bound in time: the queue holds this many seconds of measured scoring work per GPU "
+        "(never less than 3 full rows per GPU, the bound before any row was measured); a request beyond it waits",
+    )
+    max_admission_wait_s: float = Field(
+        30.0,
+        ge=0,
+        description="how long a request over the admission bound waits server-side for room (at most its "
+        "deadline_ms) before 429 with Retry-After; 0 answers 429 at once",
+    )
     max_queued_tokens: int | None = Field(
         None,
         ge=1,
-        description="admission bound on tokens waiting to be scored, also the largest request; beyond it 429. "
-        "Default: max(262144, 2 x world-size x max-batch-tokens), a row queued behind the running one on every GPU",
+        description="hard cap on tokens admitted and not yet scored, whatever --queue-seconds allows, and the "
+        "largest request (413 beyond it); requests waiting for room hold at most as many again (429 beyond). "
+        "Default: max(1048576, 4 x world-size x max-batch-tokens)",
     )
-    max_request_bytes: int = Field(64 << 20, ge=1, description="largest request body in bytes; beyond it 413")
+    max_request_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="largest request body in bytes; beyond it 413. Default: what the largest admissible request "
+        "needs, 12 bytes per token of --max-queued-tokens + 256 per sequence of --max-sequences-per-request + 1 MiB",
+    )
+    request_read_timeout_s: float = Field(
+        30.0, gt=0, description="a request's headers and body must arrive within this many seconds, else the "
+        "connection is closed (408 when possible)"
+    )
+    max_connections: int | None = Field(
+        None,
+        ge=1,
+        description="most open client connections; a new one beyond it closes the connection whose request has "
+        "been arriving the longest, or an idle one. Default: the descriptor limit less those in use and 64",
+    )
     max_model_len: int | None = Field(None, ge=1, description="longest sequence accepted; default: the model's")
     max_sequences_per_request: int = Field(4096, ge=1, description="most sequences in one request; beyond it 413")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long admitted requests may take to finish")
@@ -120,7 +153,15 @@ class Settings(BaseSettings):
         """The admission bound in effect: ``--max-queued-tokens``, or one sized to the pool."""
         if self.max_queued_tokens is not None:
             return self.max_queued_tokens
-        return max(DEFAULT_QUEUED_TOKENS, 2 * self.world_size * self.max_batch_tokens)
+        return max(DEFAULT_QUEUED_TOKENS, 4 * self.world_size * self.max_batch_tokens)
+
+    @property
+    def request_bytes(self) -> int:
+        """The body limit in effect: ``--max-request-bytes``, or what the largest admissible request needs."""
+        if self.max_request_bytes is not None:
+            return self.max_request_bytes
+        return (_BODY_BYTES_PER_TOKEN * self.queued_tokens + _BODY_BYTES_PER_SEQUENCE * self.max_sequences_per_request
+                + _BODY_BYTES_FIXED)
 
     @property
     def prefix_min_tokens_in_use(self) -> int:

@@ -40,6 +40,10 @@ _SERVED_WHILE_DRAINING = _OPEN_ROUTES | {"/metrics"}
 _ROUTE_LABELS = frozenset({*SCORE_ROUTES, *_OPEN_ROUTES, "/metrics", "/v1/models", "/docs", "/redoc", "/openapi.json"})
 _DAY_MS = 86_400_000
 _CLIENT_CLOSED = 499  # nginx's convention for "the client went away before the answer"
+# Bodies larger than this are decoded and validated in a thread, so that the event loop keeps
+# answering (/healthz, other requests) meanwhile; smaller ones cost less than the hand-off.
+_DECODE_INLINE_BYTES = 256 << 10
+_CLOSE = {"Connection": "close"}
 
 _BIN = {"type": "string", "format": "binary"}
 _MSGPACK_SCORE_RESPONSE = {
@@ -170,7 +174,10 @@ class _Gate:
 
 
 def _draining_error() -> ApiError:
-    return ApiError(503, "draining", "The server is shutting down; retry on another replica.", headers={"Retry-After": "1"})
+    # Connection: close, so that a keep-alive client reconnects (to another replica) instead of
+    # finding its next request met by a closed socket.
+    return ApiError(503, "draining", "The server is shutting down; retry on another replica.",
+                    headers={"Retry-After": "1", **_CLOSE})
 
 
 def _install_error_handlers(app: FastAPI, service: Service) -> None:
@@ -238,8 +245,9 @@ def _add_routes(app: FastAPI, service: Service) -> None:
             body = {"status": "ready", "model": service.served_name, "limits": service.limits.as_dict()}
             return Response(encode_json(body), media_type=JSON)
         error = {"type": "not_ready", "message": f"Not ready: {status.replace('_', ' ')}.", "param": None}
+        headers = {"Retry-After": "1", **_CLOSE} if status == "draining" else {"Retry-After": "5"}
         return Response(encode_json({"status": status, "error": error}), status_code=503, media_type=JSON,
-                        headers={"Retry-After": "1" if status == "draining" else "5"})
+                        headers=headers)
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response, responses=_errors(401))
     async def metrics() -> Response:
@@ -279,7 +287,10 @@ async def _score(request: Request, service: Service) -> Response:
     in_encoding = request_encoding(request.headers.get("content-type"))
     try:
         raw = await _read_body(request, limits.max_request_bytes)
-        job = parse_score_request(decode_body(raw, in_encoding), limits, service.served_name)
+        if len(raw) > _DECODE_INLINE_BYTES:
+            job = await asyncio.to_thread(_parse, raw, in_encoding, limits, service.served_name)
+        else:
+            job = _parse(raw, in_encoding, limits, service.served_name)
     except ApiError as exc:
         if exc.status == 413:  # tell the client the limits it must split under
             exc.headers.update(limits.headers())
@@ -290,10 +301,9 @@ async def _score(request: Request, service: Service) -> Response:
         raise backend_unavailable("A scoring worker is down; retry shortly.", retry_after_s=5)
     # Capped at a day: an unbounded integer must not overflow the clock arithmetic.
     deadline = time.monotonic() + min(job.deadline_ms, _DAY_MS) / 1000.0 if job.deadline_ms is not None else None
-    ticket = scheduler.submit(job.sequences, deadline=deadline)
     service.inflight += 1
     try:
-        scores = await _wait(request, scheduler, ticket, deadline)
+        scores = await _admit_and_wait(request, scheduler, job, deadline)
         if scores is None:
             service.metrics.rejections.labels(reason="client_disconnected").inc()
             return Response(status_code=_CLIENT_CLOSED)
@@ -305,8 +315,14 @@ async def _score(request: Request, service: Service) -> Response:
         service.inflight -= 1
 
 
+def _parse(raw: bytes, encoding, limits, served_name: str) -> ScoreJob:
+    return parse_score_request(decode_body(raw, encoding), limits, served_name)
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
-    too_large = ApiError(413, "body_too_large", f"The body exceeds {limit} bytes (max_request_bytes); split the request.")
+    # Connection: close, so the rest of an oversized body is not read and thrown away.
+    too_large = ApiError(413, "body_too_large", f"The body exceeds {limit} bytes (max_request_bytes); split the request.",
+                         headers=dict(_CLOSE))
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large
@@ -319,17 +335,43 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _wait(request: Request, scheduler: Scheduler, ticket: Ticket, deadline: float | None) -> list[SequenceScores] | None:
-    """The ticket's results; None if the client went away; ApiError 504 past the deadline."""
+async def _admit_and_wait(request: Request, scheduler: Scheduler, job: ScoreJob,
+                          deadline: float | None) -> list[SequenceScores] | None:
+    """The request's results once admitted and scored; None if the client went away first.
+
+    Raises ApiError 429 when no room freed up within the admission wait, 504 past the deadline.
+    """
     disconnected = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        admit = asyncio.ensure_future(scheduler.submit_when_room(job.sequences, deadline=deadline))
+        try:
+            await asyncio.wait({admit, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            admit.cancel()
+            raise
+        if not admit.done():  # the client left while its request waited for room
+            admit.cancel()
+            await asyncio.wait({admit})
+        if admit.cancelled() or (disconnected.done() and admit.exception() is not None):
+            return None
+        ticket = admit.result()  # raises the 429 (or 503)
+        if disconnected.done():
+            scheduler.cancel(ticket)
+            return None
+        return await _wait(scheduler, ticket, deadline, disconnected)
+    finally:
+        disconnected.cancel()
+
+
+async def _wait(scheduler: Scheduler, ticket: Ticket, deadline: float | None,
+                disconnected: asyncio.Future) -> list[SequenceScores] | None:
+    """The ticket's results; None if the client went away; ApiError 504 past the deadline."""
     try:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         done, _ = await asyncio.wait({ticket.future, disconnected}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         scheduler.cancel(ticket)
         raise
-    finally:
-        disconnected.cancel()
     if ticket.future.done():
         return ticket.future.result()  # raises the ticket's ApiError, if it failed
     scheduler.cancel(ticket)  # drops its sequences that have not started

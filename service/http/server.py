@@ -1,16 +1,25 @@
-"""Runs the app under uvicorn, with SIGTERM meaning "drain, then exit 0"."""
+"""Runs the app under uvicorn, with SIGTERM meaning "drain, then exit 0", and the connection
+guard of protocol.py (read timeout, connection cap, JSON protocol errors)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import signal
 import sys
+import threading
 
 import uvicorn
 from fastapi import FastAPI
 
+from service.http.protocol import default_max_connections, guarded_protocol
 from service.runtime import Service
 from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+_EXIT_GRACE_S = 3.0  # past the drain timeout, the process exits whatever still runs
 
 
 class DrainingServer(uvicorn.Server):
@@ -42,6 +51,11 @@ class DrainingServer(uvicorn.Server):
     def _begin_drain(self) -> None:
         if self._drain is None:
             self._drain = asyncio.ensure_future(self.service.drain())
+            # The drain itself ends at its timeout; this catches whatever could still hold the
+            # exit after it (a handler that ignores cancellation, a non-daemon thread).
+            timer = threading.Timer(self.service.settings.drain_timeout_s + _EXIT_GRACE_S, _exit_now)
+            timer.daemon = True
+            timer.start()
 
     async def on_tick(self, counter: int) -> bool:
         # Checked every 0.1 s by uvicorn's main loop: exit once drained or when startup failed.
@@ -50,17 +64,34 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def run_server(app: FastAPI, settings: Settings) -> int:
-    """Serves until SIGTERM (drained) or SIGINT; returns the process's exit status."""
-    service: Service = app.state.service
-    config = uvicorn.Config(
+def _exit_now() -> None:
+    log.warning("drain: still running %.0f s past the drain timeout; exiting", _EXIT_GRACE_S)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
+    """uvicorn's configuration for ``settings``: the guarded h11 protocol, the server's limits."""
+    max_connections = settings.max_connections or default_max_connections()
+    return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
+        http=guarded_protocol(settings.request_read_timeout_s, max_connections),
         log_level=settings.log_level,
         access_log=settings.log_level == "debug",  # one line per request costs CPU under load
-        timeout_graceful_shutdown=5,
+        # After a drain every admitted request has its answer: connections still open then are
+        # idle or stuck, and the drain timeout is the contract's bound on the exit.
+        timeout_graceful_shutdown=1,
     )
+
+
+def run_server(app: FastAPI, settings: Settings) -> int:
+    """Serves until SIGTERM (drained) or SIGINT; returns the process's exit status."""
+    service: Service = app.state.service
+    config = uvicorn_config(app, settings)
     try:
         DrainingServer(config, service).run()
     except KeyboardInterrupt:  # SIGINT: uvicorn shut down gracefully, then re-raised it

@@ -5,14 +5,19 @@ Pipeline (asyncio tasks joined by bounded hand-offs, forwards in a thread pool):
     submit() -> FIFO of sequences -> packer -> rows -> runner x concurrency -> results -> dispatcher
                                                          (backend.score_row in a thread)
 
-- FIFO across requests: every row starts with the oldest queued sequence, so a big request is
-  never starved; later sequences may fill the rest of the row when they fit.
+- Admission (admission.py): the queue holds a few seconds of measured work per GPU; a request
+  over that waits here for room (up to its deadline or ``--max-admission-wait-s``) before 429.
+- Rows: every row starts with the oldest queued sequence, so a big request is never starved;
+  the rest of the row is filled largest-first from the queued sequences that arrived within
+  ``_LOOKAHEAD_AGE_S`` of that oldest one (whole bursts pack as tightly as offline scoring).
 - A row holds at most ``max_batch_tokens`` tokens, except a longer sequence, which gets a row of
   its own; with prefix sharing, a prefix that sequences of the row share counts once.
 - A full row is formed as soon as there are enough tokens, even while every runner is busy, so
   the next forward is ready before the current one ends (one prefetched row per runner). A
   partial row waits up to ``max_wait_ms`` after its oldest sequence arrived, and only closes
-  once some runner is idle: while all are busy, waiting costs nothing and fills the row.
+  once some runner is idle: while all are busy, waiting costs nothing and fills the row. A
+  request that arrives after a quiet spell (no other request for ``_QUIET_S``) does not wait:
+  nothing is coming to fill its row, and an idle request's latency is the forward's alone.
 - A forward that fails is retried split in halves, down to single sequences; only the requests
   owning a sequence that fails alone fail (413 when it does not fit in memory). A backend that
   is unavailable fails the row's requests with 503.
@@ -22,23 +27,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
+import queue
+import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Callable, Sequence
 
 from model_runtime.scoring.backend import BackendUnavailableError, ScoringBackend
 from model_runtime.scoring.prefix import RowTokens, tokens_saved
 from model_runtime.types import InvalidSequenceError, SequenceInput, SequenceScores
 from service.http.errors import ApiError, backend_unavailable
 from service.http.metrics import Metrics
+from service.scheduling.admission import Admission, QueueFullError
 
 log = logging.getLogger(__name__)
 
-# How far past the head of the queue the packer looks for sequences that fit the row's rest.
-_LOOKAHEAD = 1024
-_RATE_HALF_LIFE_S = 10.0  # memory of the throughput estimate behind Retry-After
+# Which queued sequences may fill the rest of a row: at most this many, arrived at most this
+# long after the row's first (oldest) sequence, so newer work cannot overtake older for long.
+_LOOKAHEAD = 4096
+_LOOKAHEAD_AGE_S = 2.0
+_QUIET_S = 0.05  # a request after this long without another one starts at once
+_FLOOR_ROWS = 3.0  # the admission bound never holds fewer full rows per GPU (running, prefetched, filling)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -61,6 +70,7 @@ class Ticket:
         # A failed ticket whose caller has already gone must not log "exception never retrieved".
         self.future.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.items: list[_Item] = []
+        self.quiet = False  # arrived after a quiet spell: its row need not wait to fill
 
     @property
     def done(self) -> bool:
@@ -91,6 +101,8 @@ class Scheduler:
         max_batch_tokens: int,
         max_wait_ms: float,
         max_queued_tokens: int,
+        queue_seconds: float | None = None,
+        max_admission_wait_s: float = 0.0,
         metrics: Metrics | None = None,
         model: str | None = None,
         prefix_min_tokens: int = 0,
@@ -103,6 +115,9 @@ class Scheduler:
         self.metrics = (metrics or Metrics()).for_model(model or backend.info.name)
         self.prefix_min_tokens = int(prefix_min_tokens)  # rows count a shared prefix once (0: off)
         self.concurrency = max(1, int(getattr(backend, "concurrency", 1)))
+        self.admission = Admission(gpus=self.concurrency, row_tokens=self.max_batch_tokens, queue_seconds=queue_seconds,
+                                   floor_rows=_FLOOR_ROWS, max_tokens=self.max_queued_tokens, max_wait_s=max_admission_wait_s)
+        self._last_arrival = float("-inf")
         self._queue: deque[_Item] = deque()
         self._waiting_tokens = 0  # in the queue, not yet in a row: what the packer can still pack
         # Admitted and not yet finished (waiting or in a forward): the admission bound and the
@@ -112,9 +127,7 @@ class Scheduler:
         self._pending: set[Ticket] = set()
         self._outstanding_rows = 0  # formed rows not yet finished (waiting for a runner or running)
         self._tasks: list[asyncio.Task] = []
-        self._pool: ThreadPoolExecutor | None = None
-        self._rate_tokens_per_s: float | None = None
-        self._rate_updated = 0.0
+        self._threads: list[_ForwardThread] = []
         self.last_success_at: float | None = None  # monotonic time of the last successful forward
         self.last_failure: str | None = None  # why the last forward failed for backend reasons
         self._closed = False
@@ -129,6 +142,8 @@ class Scheduler:
             max_batch_tokens=getattr(backend, "max_row_tokens", settings.max_batch_tokens),
             max_wait_ms=settings.max_wait_ms,
             max_queued_tokens=settings.queued_tokens,
+            queue_seconds=settings.queue_seconds,
+            max_admission_wait_s=settings.max_admission_wait_s,
             metrics=metrics,
             model=settings.served_model_name or backend.info.name,
             prefix_min_tokens=getattr(settings, "prefix_min_tokens_in_use", 0),
@@ -143,22 +158,29 @@ class Scheduler:
         self._results: asyncio.Queue[tuple[list[_Item], list[SequenceScores]]] = asyncio.Queue(
             maxsize=2 * self.concurrency
         )
-        self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="packscore-forward")
+        self._threads = [_ForwardThread(f"packscore-forward-{i}") for i in range(self.concurrency)]
         self._tasks = [asyncio.create_task(self._pack_loop(), name="packscore-packer")]
-        self._tasks += [asyncio.create_task(self._run_loop(), name=f"packscore-runner-{i}") for i in range(self.concurrency)]
+        self._tasks += [asyncio.create_task(self._run_loop(thread), name=f"packscore-runner-{i}")
+                        for i, thread in enumerate(self._threads)]
         self._tasks.append(asyncio.create_task(self._dispatch_loop(), name="packscore-dispatcher"))
+
+    def stop_admitting(self, error: ApiError) -> None:
+        """Requests still waiting for room get ``error`` (a drain began); admitted ones run on."""
+        self.admission.close(error)
 
     async def close(self, reason: str = "the server is shutting down") -> None:
         """Fails whatever is still pending with 503 and stops the pipeline."""
         self._closed = True
+        error = ApiError(503, "unavailable", f"{reason[0].upper()}{reason[1:]}; retry.",
+                         headers={"Retry-After": "1", "Connection": "close"})
+        self.admission.close(error)
         for ticket in list(self._pending):
-            self.fail(ticket, ApiError(503, "unavailable", f"{reason[0].upper()}{reason[1:]}; retry.", headers={"Retry-After": "1"}))
+            self.fail(ticket, error)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._pool is not None:
-            # A forward already running in a thread cannot be interrupted; do not wait for it.
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for thread in self._threads:
+            thread.stop()  # a forward already running cannot be interrupted: its thread is a daemon
 
     # ---- admission ---------------------------------------------------------------------------
 
@@ -175,32 +197,48 @@ class Scheduler:
         return len(self._pending)
 
     def retry_after_s(self, tokens: int = 0) -> int:
-        """Whole seconds until ``tokens`` more would likely fit, from the recent throughput (1..60)."""
-        rate = self._rate_tokens_per_s
-        excess = self._queued_tokens + tokens - self.max_queued_tokens
-        if not rate or excess <= 0:
-            return 1
-        return int(min(60, max(1, math.ceil(excess / (rate * self.concurrency)))))
+        """Whole seconds after which ``tokens`` more would likely fit (1..60)."""
+        return self.admission.retry_after_s(tokens)
 
     def submit(self, sequences: Sequence[SequenceInput], *, deadline: float | None = None, probe: bool = False) -> Ticket:
-        """Admits a validated request, or raises ApiError 429 (queue full) / 503 (closed).
+        """Admits a validated request now, or raises ApiError 429 (no room now) / 503 (closed).
 
         ``probe`` (the readiness pass) goes to the head of the queue and is not counted against
         the admission bound: a busy server is still a ready one.
         """
+        self._check_open()
+        tokens = sum(s.length for s in sequences)
+        if probe:
+            self.admission.force(tokens)
+        elif not self.admission.try_admit(tokens):
+            raise _queue_full(self.admission.refusal(tokens))
+        return self._enqueue(sequences, deadline, probe)
+
+    async def submit_when_room(self, sequences: Sequence[SequenceInput], *, deadline: float | None = None) -> Ticket:
+        """Admits a validated request, waiting for room up to its deadline or the server's
+        maximum wait; raises ApiError 429 when the queue stayed full, 503 when closed."""
+        self._check_open()
+        tokens = sum(s.length for s in sequences)
+        timeout = None if deadline is None else deadline - time.monotonic()
+        try:
+            await self.admission.admit(tokens, timeout)
+        except QueueFullError as exc:
+            raise _queue_full(exc) from None
+        if self._closed:
+            self.admission.release(tokens)
+            self._check_open()
+        return self._enqueue(sequences, deadline, False)
+
+    def _check_open(self) -> None:
         if self._closed:
             raise ApiError(503, "unavailable", "The server is shutting down; retry.", headers={"Retry-After": "1"})
+
+    def _enqueue(self, sequences: Sequence[SequenceInput], deadline: float | None, probe: bool) -> Ticket:
         ticket = Ticket(sequences, deadline, self._loop)
-        if not probe and self._queued_tokens + ticket.tokens > self.max_queued_tokens:
-            retry = self.retry_after_s(ticket.tokens)
-            raise ApiError(
-                429,
-                "queue_full",
-                f"The admission queue is full ({self._queued_tokens} of {self.max_queued_tokens} tokens queued); "
-                f"retry in {retry} s.",
-                headers={"Retry-After": str(retry)},
-            )
         now = time.monotonic()
+        if not probe:
+            ticket.quiet = now - self._last_arrival >= _QUIET_S
+            self._last_arrival = now
         ticket.items = [_Item(ticket, i, seq, now) for i, seq in enumerate(ticket.sequences)]
         if probe:
             self._queue.extendleft(reversed(ticket.items))
@@ -241,6 +279,7 @@ class Scheduler:
             item.released = True
             self._queued_tokens -= item.tokens
             self._queued_sequences -= 1
+            self.admission.release(item.tokens)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Waits until every admitted request has its answer; False when ``timeout`` passed first."""
@@ -278,7 +317,7 @@ class Scheduler:
                 head = self._queue[0]
                 full = self._waiting_tokens >= self.max_batch_tokens or head.tokens >= self.max_batch_tokens
                 now = time.monotonic()
-                due = head.enqueued_at + self.max_wait_s
+                due = head.enqueued_at + (0.0 if head.ticket.quiet else self.max_wait_s)
                 if full and self._outstanding_rows < 2 * self.concurrency:
                     return self._take_row()
                 if not full and now >= due and self._outstanding_rows < self.concurrency:
@@ -293,35 +332,39 @@ class Scheduler:
                 pass
 
     def _take_row(self) -> list[_Item]:
+        """The next row: the oldest queued sequence, then the largest that still fit among those
+        queued within ``_LOOKAHEAD_AGE_S`` of it (first-fit decreasing on a bounded window)."""
         budget = self.max_batch_tokens
         head = self._queue.popleft()
         row, run = [head], RowTokens(self.prefix_min_tokens)  # the tokens the row's forward runs
         run.add(head.seq.input_ids)
-        kept: list[_Item] = []
-        scanned = 0
-        while self._queue and run.total < budget and scanned < _LOOKAHEAD:
-            item = self._queue.popleft()
-            scanned += 1
-            if not item.queued:
-                continue
+        horizon = head.enqueued_at + _LOOKAHEAD_AGE_S
+        window: list[_Item] = []
+        for item in self._queue:
+            if len(window) >= _LOOKAHEAD or item.enqueued_at > horizon:
+                break
+            if item.queued:
+                window.append(item)
+        for item in sorted(window, key=lambda it: -it.tokens):  # stable: equal lengths keep arrival order
+            if run.total >= budget:
+                break
             if run.cost_with(item.seq.input_ids) <= budget:
                 row.append(item)
                 run.add(item.seq.input_ids)
-            else:
-                kept.append(item)
-        self._queue.extendleft(reversed(kept))  # skipped sequences keep their place at the front
         for item in row:
-            item.queued = False
+            item.queued = False  # the packer's queue drops them lazily (see _drop_stale_head)
             self._waiting_tokens -= item.tokens
+        if len(row) > 1:
+            self._queue = deque(item for item in self._queue if item.queued)
         return row
 
     # ---- runners -----------------------------------------------------------------------------
 
-    async def _run_loop(self) -> None:
+    async def _run_loop(self, thread: "_ForwardThread") -> None:
         while True:
             row = await self._rows.get()
             try:
-                await self._forward(row)
+                await self._forward(row, thread)
             except Exception:  # never let one row stop a runner; its requests get a 500
                 log.exception("unexpected error while scoring a row")
                 for item in row:
@@ -332,7 +375,7 @@ class Scheduler:
                 self._outstanding_rows -= 1
                 self._wake.set()
 
-    async def _forward(self, row: list[_Item]) -> None:
+    async def _forward(self, row: list[_Item], thread: "_ForwardThread") -> None:
         row = [item for item in row if not item.ticket.done]
         if not row:
             return
@@ -342,7 +385,7 @@ class Scheduler:
                 item.started = True
                 self.metrics.queue_wait.observe(started - item.enqueued_at)
         try:
-            scores = await self._loop.run_in_executor(self._pool, self.backend.score_row, [it.seq for it in row])
+            scores = await thread.run(self.backend.score_row, [it.seq for it in row])
         except BackendUnavailableError as exc:
             self.last_failure = str(exc) or "backend unavailable"
             log.error("backend unavailable for a row of %d sequences: %s", len(row), exc)
@@ -351,7 +394,7 @@ class Scheduler:
                 self.fail(item.ticket, error)
             return
         except Exception as exc:
-            await self._retry_split(row, exc)
+            await self._retry_split(row, exc, thread)
             return
         elapsed = time.monotonic() - started
         tokens = sum(item.tokens for item in row)
@@ -360,7 +403,7 @@ class Scheduler:
         self._observe_forward(tokens, elapsed)
         await self._results.put((row, scores))
 
-    async def _retry_split(self, row: list[_Item], exc: Exception) -> None:
+    async def _retry_split(self, row: list[_Item], exc: Exception, thread: "_ForwardThread") -> None:
         if len(row) > 1:
             # Split by tokens so each half roughly halves the memory the forward needed.
             half, acc, mid = sum(it.tokens for it in row) / 2, 0, 1
@@ -370,8 +413,8 @@ class Scheduler:
                     break
             log.warning("forward of %d sequences failed (%s); retrying in halves of %d and %d",
                         len(row), _short(exc), mid, len(row) - mid)
-            await self._forward(row[:mid])
-            await self._forward(row[mid:])
+            await self._forward(row[:mid], thread)
+            await self._forward(row[mid:], thread)
             return
         item = row[0]
         param = f"sequences[{item.index}].input_ids"
@@ -394,13 +437,7 @@ class Scheduler:
         m.forward_seconds.observe(elapsed)
         m.batch_tokens.observe(tokens)
         m.batch_fill_ratio.observe(tokens / self.max_batch_tokens)
-        rate = tokens / max(elapsed, 1e-6)
-        if self._rate_tokens_per_s is None:
-            self._rate_tokens_per_s = rate
-        else:
-            weight = 0.5 ** ((now - self._rate_updated) / _RATE_HALF_LIFE_S)
-            self._rate_tokens_per_s = weight * self._rate_tokens_per_s + (1 - weight) * rate
-        self._rate_updated = now
+        self.admission.observe(tokens, elapsed)
 
     # ---- dispatcher --------------------------------------------------------------------------
 
@@ -419,6 +456,49 @@ class Scheduler:
                     self._pending.discard(ticket)
                     ticket.future.set_result(ticket.results)  # type: ignore[arg-type]
             self.metrics.tokens_scored.inc(scored)
+
+
+class _ForwardThread:
+    """One runner's forward thread, a daemon: a forward still running when the process must
+    exit (the drain timed out) does not hold the exit."""
+
+    def __init__(self, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    async def run(self, fn: Callable, *args):
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._jobs.put((loop, future, fn, args))
+        return await future
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            loop, future, fn, args = job
+            try:
+                result, error = fn(*args), None
+            except BaseException as exc:  # handed to the awaiting runner
+                result, error = None, exc
+            try:
+                loop.call_soon_threadsafe(_settle, future, result, error)
+            except RuntimeError:  # the loop closed while the forward ran
+                return
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if not future.done():  # the runner may have been cancelled meanwhile
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+
+def _queue_full(exc: QueueFullError) -> ApiError:
+    return ApiError(429, "queue_full", str(exc), headers={"Retry-After": str(exc.retry_after_s)})
 
 
 def _deadline_error() -> ApiError:

@@ -21,8 +21,10 @@ def _queued_sequences(url: str) -> float:
 
 
 def test_sigterm_drains_admitted_requests_and_exits_0(tmp_path, tiny_scorer):
-    # Rows of one sequence keep the admitted work queued long enough to observe the drain.
-    server = ServerProcess(tmp_path, "--max-batch-tokens", "64", "--drain-timeout-s", "120").wait_ready()
+    # Rows of one sequence keep the admitted work queued long enough to observe the drain; a
+    # queue of 1,000 s of work admits every request at once (none waits for room).
+    server = ServerProcess(tmp_path, "--max-batch-tokens", "64", "--drain-timeout-s", "120",
+                           "--queue-seconds", "1000").wait_ready()
     try:
         rng = np.random.default_rng(5)
         batches = [random_sequences(rng, 4, TINY_VOCAB, lengths=(40, 64)) for _ in range(6)]

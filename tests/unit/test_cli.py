@@ -35,15 +35,23 @@ def test_defaults_serve_the_tiny_model_on_loopback():
     assert settings.resolved_api_key() is None
 
 
-def test_admission_bound_defaults_to_a_queued_row_per_gpu():
-    """Unset, --max-queued-tokens keeps every GPU a row ahead; on 4 GPUs the old fixed 262,144
-    let a client keep only one 65k-token row per GPU in flight (HTTP ran at 0.58 of in-process)."""
-    assert cli.parse_settings(["serve"])[1].queued_tokens == 262144
-    assert cli.parse_settings(["serve", "--max-batch-tokens", "65536"])[1].queued_tokens == 262144
-    four = cli.parse_settings(["serve", "--world-size", "4", "--max-batch-tokens", "65536"])[1]
-    assert four.queued_tokens == 2 * 4 * 65536
-    given = cli.parse_settings(["serve", "--world-size", "4", "--max-queued-tokens", "1000"])[1]
-    assert given.queued_tokens == 1000
+def test_admission_hard_cap_and_body_limit_defaults_follow_the_pool():
+    """Unset, --max-queued-tokens caps admission at 1M tokens or four rows per GPU, whichever is
+    more (the time bound, --queue-seconds, decides below it); the body limit follows the cap."""
+    one = cli.parse_settings(["serve"])[1]
+    assert one.queued_tokens == 1 << 20 and one.queue_seconds == 4.0 and one.max_admission_wait_s == 30.0
+    assert one.request_bytes == 12 * (1 << 20) + 256 * one.max_sequences_per_request + (1 << 20)
+    eight = cli.parse_settings(["serve", "--world-size", "8", "--max-batch-tokens", "65536"])[1]
+    assert eight.queued_tokens == 4 * 8 * 65536
+    given = cli.parse_settings(["serve", "--world-size", "4", "--max-queued-tokens", "1000",
+                                "--max-request-bytes", "5000"])[1]
+    assert given.queued_tokens == 1000 and given.request_bytes == 5000
+
+
+def test_hostile_client_options_parse():
+    s = cli.parse_settings(["serve", "--request-read-timeout-s", "2.5", "--max-connections", "100",
+                            "--queue-seconds", "2", "--max-admission-wait-s", "0"])[1]
+    assert (s.request_read_timeout_s, s.max_connections, s.queue_seconds, s.max_admission_wait_s) == (2.5, 100, 2.0, 0.0)
 
 
 def test_kernels_option_pins_backends():

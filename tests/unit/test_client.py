@@ -118,7 +118,7 @@ def test_async_client_retries_429_until_admitted():
     async def main():
         gate = threading.Event()
         backend = FakeBackend()
-        app = create_app(Settings(max_queued_tokens=10, max_batch_tokens=10, max_wait_ms=0), backend)
+        app = create_app(Settings(max_queued_tokens=10, max_batch_tokens=10, max_wait_ms=0, max_admission_wait_s=0), backend)
         async with running_app(app) as raw:
             backend.gate = gate
             blocker = asyncio.ensure_future(raw.post("/score", json={"sequences": [{"input_ids": [1] * 10}]}))

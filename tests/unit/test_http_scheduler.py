@@ -180,7 +180,7 @@ def test_admission_bound_answers_429_with_retry_after():
     async def main():
         gate = threading.Event()
         backend = FakeBackend()
-        app = create_app(Settings(max_batch_tokens=100, max_wait_ms=0, max_queued_tokens=100), backend)
+        app = create_app(Settings(max_batch_tokens=100, max_wait_ms=0, max_queued_tokens=100, max_admission_wait_s=0), backend)
         async with running_app(app) as client:
             backend.gate = gate  # held from here on; the readiness pass ran already
             first = asyncio.ensure_future(client.post("/score", json={"sequences": [{"input_ids": [1] * 60}]}))
@@ -248,17 +248,32 @@ def test_partial_rows_wait_up_to_max_wait_ms_for_more_work():
     async def main():
         backend = FakeBackend()
         scheduler = await started(backend, max_batch_tokens=100, max_wait_ms=300)
-        first = scheduler.submit(seqs_of(10))
+        lone = scheduler.submit(seqs_of(5))  # after a quiet spell: runs at once, alone
+        await asyncio.sleep(0.01)
+        first = scheduler.submit(seqs_of(10))  # requests are arriving: its row waits to fill
         await asyncio.sleep(0.05)
         second = scheduler.submit(seqs_of(20))
         t0 = time.monotonic()
-        await asyncio.gather(first.future, second.future)
+        await asyncio.gather(lone.future, first.future, second.future)
         waited = time.monotonic() - t0
         await scheduler.close()
         return backend.rows, waited
 
     rows, waited = asyncio.run(main())
-    assert rows == [[10, 20]] and waited < 1.0
+    assert rows == [[5], [10, 20]] and waited < 1.0
+
+
+def test_a_request_after_a_quiet_spell_does_not_wait_for_its_row_to_fill():
+    async def main():
+        backend = FakeBackend()
+        scheduler = await started(backend, max_batch_tokens=100, max_wait_ms=5000)
+        t0 = time.monotonic()
+        await scheduler.submit(seqs_of(10)).future
+        latency = time.monotonic() - t0
+        await scheduler.close()
+        return latency
+
+    assert asyncio.run(main()) < 1.0
 
 
 def test_rows_run_concurrently_up_to_the_backend_concurrency():

@@ -1,0 +1,582 @@
+"""HTTP efficiency under a trainer's burst, and idle latency: in process against over HTTP.
+
+    python -m bench.http_burst --mode gpu --out DIR          # one GPU, the 9B shape, 16k and 64k rows (~4 min)
+    python -m bench.http_burst --mode simulated --out DIR    # CPU: simulated pools of 1, 2, 4, 8 H200s (~4 min)
+
+Workload: bench/workload.py's RL mix (256 sequences, 810,801 tokens), sent as a trainer sends a
+step's batch: 8 concurrent requests of 32 sequences through the bundled AsyncScoreClient
+(msgpack), which honours Retry-After. The server runs with default flags except the row size.
+
+- gpu: the qwen3.5-9b preset on one GPU. In process: ``Scorer.score`` of the whole workload
+  (first-fit-decreasing rows of the budget). Over HTTP: ``create_app`` + uvicorn in this process,
+  serving the same warm scorer (its warm-up already done), the client in a child process.
+- simulated: a backend whose forwards sleep for as long as the 9B takes on an H200 for that
+  row (the cost model below), ``concurrency`` = GPUs; the real scheduler, server, client and
+  wire. In process: the better of the first-fit-decreasing rows run by GPUs-many threads and
+  the server's scheduler driven directly with the burst's requests. Over HTTP:
+  ``packscore serve`` with that backend in a child process. ``--before-tree DIR`` also runs the
+  server from another source tree (the admission before docs/admission.md), for comparison.
+  Each measurement runs ``--repeats`` times and the best counts (this machine may be shared).
+
+Idle latency: one 512-token sequence, the server idle, median of 20: ``Scorer.score`` (or one
+simulated forward) in process against one request over HTTP.
+
+Cost model of one forward of the 9B on one H200 (bench/results/h200-2026-11-30.json: 810,801
+tokens in 21.9 s at 64k rows, 36.5k tokens/s at 16k rows, 61 ms for one 512-token sequence):
+
+    seconds = max(0.060, 0.0075 + tokens / 37,900 + 1.12e-10 * sum(length**2))
+
+37.9k tokens/s is the matmul rate (linear layers and head at the measured 584 TFLOP/s), the
+quadratic term is causal attention (8 layers of width 4096 at that rate), 7.5 ms per forward
+fits the 16k-row figure, and 60 ms is the floor of a small forward (kernel launches).
+
+Writes DIR/http-burst.json (merged into an existing file: each mode updates its own part) and
+DIR/http-burst.md, and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):  # run as a script (bench/http_burst.py serve-sim ...): the tree on PYTHONPATH serves
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+from bench.workload import WorkloadSpec, describe, grpo_workload  # noqa: E402
+
+VOCAB = 248_320
+REQUESTS, PER_REQUEST = 8, 32
+IDLE_LENGTH, IDLE_REPEATS = 512, 20
+GPU_COUNTS = (1, 2, 4, 8)
+
+# The cost model (see the module docstring).
+FLOOR_S, FIXED_S, TOKENS_PER_S, ATTENTION_S_PER_L2 = 0.060, 0.0075, 37_900.0, 1.12e-10
+
+
+def forward_seconds(lengths) -> float:
+    lengths = np.asarray(lengths, dtype=np.float64)
+    return max(FLOOR_S, FIXED_S + lengths.sum() / TOKENS_PER_S + ATTENTION_S_PER_L2 * float(np.square(lengths).sum()))
+
+
+class SimulatedH200Backend:
+    """A ScoringBackend whose forwards take as long as the 9B's on ``gpus`` H200s (sleeping)."""
+
+    def __init__(self, gpus: int, row_tokens: int, time_scale: float = 1.0):
+        from model_runtime.scoring.backend import ModelInfo
+
+        self.info = ModelInfo(
+            name="qwen3.5-9b-simulated", architecture="qwen3_5", vocab_size=VOCAB, max_model_len=262_144,
+            dtype="bfloat16", device="simulated-h200", weights_version="simulated#1",
+            kernels={"linear_attention": "simulated", "conv1d": "simulated", "attention": "simulated"},
+            parallel={"world_size": gpus, "dp": gpus, "sp": 1, "fsdp": False},
+        )
+        self.concurrency = gpus
+        self.max_row_tokens = row_tokens
+        self.time_scale = time_scale
+
+    def score_row(self, sequences):
+        from service.testing import expected_scores
+
+        started = time.perf_counter()
+        out = [expected_scores(s) for s in sequences]
+        rest = forward_seconds([s.length for s in sequences]) * self.time_scale - (time.perf_counter() - started)
+        if rest > 0:
+            time.sleep(rest)
+        return out
+
+    def warm_up(self) -> None:
+        pass
+
+    def is_alive(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+# ---- the client side -----------------------------------------------------------------------
+
+def _payload(sequences) -> list[dict]:
+    return [{"input_ids": np.asarray(s.input_ids), "score_from": s.score_from} for s in sequences]
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the /metrics samples called ``name`` that carry ``labels`` (whatever others they have)."""
+    import httpx
+
+    wanted = [f'{k}="{v}"' for k, v in labels.items()]
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        sample, _, value = line.rpartition(" ")
+        metric, _, label_text = sample.partition("{")
+        if metric == name and all(w in label_text for w in wanted):
+            total += float(value)
+    return total
+
+
+async def trainer_burst(url: str, sequences) -> dict:
+    """8 concurrent requests of 32 sequences; tokens/s from the first send to the last answer."""
+    from service.client import AsyncScoreClient
+
+    payload = _payload(sequences)
+    parts = [payload[i : i + PER_REQUEST] for i in range(0, len(payload), PER_REQUEST)]
+    refused = _metric(url, "packscore_rejections_total", reason="queue_full")
+    async with AsyncScoreClient(url, max_concurrency=1, timeout_s=3600, retry_timeout_s=3600) as client:
+        await client.score(payload[:1], return_entropy=True)  # limits learnt, a connection open
+        started = time.perf_counter()
+        answers = await asyncio.gather(*(client.score(p, return_entropy=True) for p in parts))
+        elapsed = time.perf_counter() - started
+    assert sum(len(a) for a in answers) == len(payload)
+    tokens = sum(s.length for s in sequences)
+    return {"tokens_per_s": tokens / elapsed, "seconds": elapsed,
+            "http_429": int(_metric(url, "packscore_rejections_total", reason="queue_full") - refused)}
+
+
+async def idle_latency_http(url: str, seq) -> dict:
+    """Seconds per request of one sequence to an idle server, and what the server spent of them
+    in the forward and waiting in the queue (means, from /metrics)."""
+    from service.client import AsyncScoreClient
+
+    out = []
+    async with AsyncScoreClient(url, max_concurrency=1) as client:
+        await client.score(_payload([seq]))
+        before = {name: _metric(url, name) for name in _SERVER_TIMES}
+        for _ in range(IDLE_REPEATS):
+            await asyncio.sleep(0.2)  # the server goes idle between requests
+            t0 = time.perf_counter()
+            await client.score(_payload([seq]))
+            out.append(time.perf_counter() - t0)
+        after = {name: _metric(url, name) for name in _SERVER_TIMES}
+    server = {key: (after[name] - before[name]) / IDLE_REPEATS for name, key in _SERVER_TIMES.items()}
+    return {"seconds": out, **server}
+
+
+_SERVER_TIMES = {"packscore_forward_seconds_sum": "forward_s", "packscore_queue_wait_seconds_sum": "queue_wait_s"}
+
+
+def idle_latency_in_process(score, seq) -> list[float]:
+    out = []
+    for _ in range(IDLE_REPEATS):
+        time.sleep(0.05)
+        t0 = time.perf_counter()
+        score([seq])
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def idle_sequence(vocab: int = VOCAB):
+    from model_runtime.types import SequenceInput
+
+    rng = np.random.default_rng(1)
+    return SequenceInput(rng.integers(0, vocab, IDLE_LENGTH), score_from=IDLE_LENGTH // 4)
+
+
+def workload(num_sequences: int = 256, vocab: int = VOCAB):
+    """bench/workload.py's RL mix (``num_sequences`` < 256 only for dry runs)."""
+    return grpo_workload(vocab, WorkloadSpec(num_sequences=num_sequences))
+
+
+def client_main(args) -> None:
+    """``client --url U``: the burst and the idle latency against a server, as JSON on stdout."""
+    sequences = workload(args.sequences, args.vocab)
+    burst = asyncio.run(trainer_burst(args.url, sequences))
+    idle = asyncio.run(idle_latency_http(args.url, idle_sequence(args.vocab)))
+    print(json.dumps({"burst": burst, "idle": idle}))
+
+
+# ---- the server side -----------------------------------------------------------------------
+
+def serve_sim_main(args, server_flags: list[str]) -> int:
+    """``serve-sim --gpus N [serve flags]``: ``packscore serve`` with the simulated backend."""
+    from service.cli import parse_settings
+    from service.http.app import create_app
+    from service.http.server import run_server
+
+    _, settings = parse_settings(server_flags)  # "serve" and its options, as LocalServer passes them
+    backend = SimulatedH200Backend(args.gpus, settings.max_batch_tokens, args.time_scale)
+    return run_server(create_app(settings, backend), settings)
+
+
+class InProcessServer:
+    """The service app under uvicorn in a thread of this process (the GPU mode shares its model)."""
+
+    def __init__(self, app, settings):
+        import uvicorn
+
+        from service.http.server import uvicorn_config
+
+        self.url = f"http://127.0.0.1:{settings.port}"
+        self.server = uvicorn.Server(uvicorn_config(app, settings))
+        self.thread = threading.Thread(target=self.server.run, name="bench-server", daemon=True)
+
+    def __enter__(self) -> "InProcessServer":
+        import httpx
+
+        self.thread.start()
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/readyz", timeout=30).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("the in-process server did not get ready")
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def run_client_process(url: str, sequences: int, vocab: int) -> dict:
+    command = [sys.executable, "-m", "bench.http_burst", "client", "--url", url, "--sequences", str(sequences),
+               "--vocab", str(vocab)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    if done.returncode:
+        raise RuntimeError(f"client failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _ms(values) -> float:
+    return float(np.median(values) * 1000)
+
+
+# ---- the modes -----------------------------------------------------------------------------
+
+def gpu_mode(args) -> dict:
+    import torch
+
+    from model_runtime.scoring.backend import LocalBackend
+    from model_runtime.scoring.loading import load_model
+    from model_runtime.scoring.scorer import Scorer
+    from model_runtime.pool.ports import free_port
+    from service.http.app import create_app
+    from service.settings import Settings
+
+    loaded = load_model(args.model)
+    sequences = workload(args.sequences, loaded.vocab_size)
+    tokens = sum(s.length for s in sequences)
+    out = {"model": args.model, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "workload": describe(sequences)}
+    for rows in (65536, 16384):  # the larger first: its warm-up compiles and autotunes the most
+        t0 = time.perf_counter()
+        scorer = Scorer(loaded, max_batch_tokens=rows)
+        scorer.warm_up()
+        warm = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        scorer.score(sequences)
+        local = tokens / (time.perf_counter() - t0)
+        local_idle = idle_latency_in_process(scorer.score, idle_sequence(loaded.vocab_size))
+        backend = _Warmed(LocalBackend(scorer))
+        settings = Settings(model=args.model, max_batch_tokens=rows, port=free_port(), log_level="warning")
+        with InProcessServer(create_app(settings, backend), settings) as server:
+            http = run_client_process(server.url, args.sequences, loaded.vocab_size)
+        out[f"rows_{rows}"] = {
+            "ratio": http["burst"]["tokens_per_s"] / local,
+            "in_process_tokens_per_s": local,
+            "http_tokens_per_s": http["burst"]["tokens_per_s"],
+            "http_429": http["burst"]["http_429"],
+            "idle_in_process_ms": _ms(local_idle),
+            "idle_http_ms": _ms(http["idle"]["seconds"]),
+            "idle_ratio": _ms(http["idle"]["seconds"]) / _ms(local_idle),
+            "idle_server_forward_ms": http["idle"]["forward_s"] * 1000,
+            "idle_server_queue_wait_ms": http["idle"]["queue_wait_s"] * 1000,
+            "warm_up_s": warm,
+        }
+        print(f"rows {rows}: {out[f'rows_{rows}']}", flush=True)
+    return out
+
+
+class _Warmed:
+    """A backend already warmed up in this process: the server's warm-up is skipped."""
+
+    def __init__(self, backend):
+        self._backend = backend
+        self.info, self.concurrency, self.max_row_tokens = backend.info, backend.concurrency, backend.max_row_tokens
+
+    def score_row(self, sequences):
+        return self._backend.score_row(sequences)
+
+    def warm_up(self) -> None:
+        pass
+
+    def is_alive(self) -> bool:
+        return self._backend.is_alive()
+
+    def close(self) -> None:
+        self._backend.close()
+
+
+def in_process_pool(sequences, gpus: int, rows: int, time_scale: float) -> float:
+    """Tokens/s of the first-fit-decreasing rows run by ``gpus`` simulated GPUs, each taking the next row."""
+    from model_runtime.model.packing import pack_first_fit_decreasing
+
+    backend = SimulatedH200Backend(gpus, rows, time_scale)
+    plan = pack_first_fit_decreasing([s.length for s in sequences], rows)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=gpus) as pool:
+        list(pool.map(lambda row: backend.score_row([sequences[i] for i in row]), plan))
+    return sum(s.length for s in sequences) / (time.perf_counter() - t0)
+
+
+def in_process_scheduler(sequences, gpus: int, rows: int, time_scale: float) -> float:
+    """Tokens/s of the server's own scheduler in this process, given the burst's 8 requests at once (no HTTP)."""
+    from service.scheduling.scheduler import Scheduler
+    from service.settings import Settings
+
+    async def run() -> float:
+        backend = SimulatedH200Backend(gpus, rows, time_scale)
+        scheduler = Scheduler.from_settings(backend, Settings(max_batch_tokens=rows))
+        await scheduler.start()
+        parts = [sequences[i : i + PER_REQUEST] for i in range(0, len(sequences), PER_REQUEST)]
+        t0 = time.perf_counter()
+
+        async def one(part):
+            ticket = await scheduler.submit_when_room(part)
+            return await ticket.future
+
+        await asyncio.gather(*(one(p) for p in parts))
+        elapsed = time.perf_counter() - t0
+        await scheduler.close()
+        return sum(s.length for s in sequences) / elapsed
+
+    return asyncio.run(run())
+
+
+def latency_breakdown(repeats: int) -> dict:
+    """Where an idle request's time goes on this CPU: the tiny model in process and over HTTP,
+    and the parts of the difference (milliseconds, medians)."""
+    from model_runtime.scoring.loading import load_model
+    from model_runtime.scoring.scorer import Scorer
+    from model_runtime.types import SequenceInput
+    from packscore_client.protocol import Protocol, as_seq
+    from service.http.encoding import decode_body, encode_score_response, result_record
+    from service.http.validation import Limits, parse_score_request
+    from service.local_server import LocalServer
+
+    import torch
+
+    torch.set_num_threads(1)  # as the server's OMP_NUM_THREADS=1: one core each on a small machine
+    rng = np.random.default_rng(2)
+    tiny_seq = SequenceInput(rng.integers(0, 4096, IDLE_LENGTH), score_from=IDLE_LENGTH // 4)
+    scorer = Scorer(load_model("tiny"))
+    scorer.warm_up()
+    out = {"tiny_in_process_ms": _ms(idle_latency_in_process(scorer.score, tiny_seq))}
+    server = LocalServer(["--model", "tiny", "--log-level", "warning"], env={"OMP_NUM_THREADS": "1"}).wait_ready()
+    try:
+        out["tiny_http_ms"] = _ms(asyncio.run(idle_latency_http(server.url, tiny_seq))["seconds"])
+    finally:
+        server.stop(timeout=30)
+    # The same request with a forward that takes no time: HTTP, server and scheduler overhead alone.
+    server = simulated_server(Path(__file__).resolve().parents[1], 1, 16384, 0.0)
+    try:
+        out["zero_forward_http_ms"] = _ms(asyncio.run(idle_latency_http(server.url, idle_sequence()))["seconds"])
+    finally:
+        server.stop(timeout=30)
+    out["zero_forward_scheduler_ms"] = _scheduler_round_trip_ms(idle_sequence())
+    # Encoding and validation of this request and its answer, both sides.
+    protocol = Protocol("http://x", None, "msgpack", 1.0, None, None, None)
+    options = {"temperature": 1.0, "return_entropy": True, "top_k": 0}
+    body = protocol.body([as_seq(p) for p in _payload([tiny_seq])], options)
+    limits = Limits(4096, 1 << 20, 4096, 1 << 20, 1 << 26)
+    scores = scorer.score([tiny_seq])
+    answer = {"model": "m", "weights_version": "v", "results": [result_record(None, scores[0], return_entropy=True, top_k=0)],
+              "usage": {"input_tokens": IDLE_LENGTH, "scored_tokens": 1}}
+    encoded = encode_score_response(answer, "msgpack")
+    import httpx
+
+    response = httpx.Response(200, content=encoded, headers={"content-type": "application/msgpack"})
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(repeats * 50):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return _ms(times)
+
+    out["encoding_ms"] = (timed(lambda: protocol.body([as_seq(p) for p in _payload([tiny_seq])], options))
+                          + timed(lambda: parse_score_request(decode_body(body, "msgpack"), limits, "m"))
+                          + timed(lambda: encode_score_response(answer, "msgpack"))
+                          + timed(lambda: protocol.parse(response, 0)))
+    return out
+
+
+def _scheduler_round_trip_ms(seq) -> float:
+    from service.scheduling.scheduler import Scheduler
+    from service.settings import Settings
+
+    async def run() -> list[float]:
+        scheduler = Scheduler.from_settings(SimulatedH200Backend(1, 16384, 0.0), Settings())
+        await scheduler.start()
+        times = []
+        for _ in range(IDLE_REPEATS):
+            await asyncio.sleep(0.2)
+            t0 = time.perf_counter()
+            await (await scheduler.submit_when_room([seq])).future
+            times.append(time.perf_counter() - t0)
+        await scheduler.close()
+        return times
+
+    return _ms(asyncio.run(run()))
+
+
+def simulated_server(tree: Path, gpus: int, rows: int, time_scale: float, flags: tuple[str, ...] = ()):
+    from service.local_server import LocalServer
+
+    script = Path(__file__).resolve()
+    program = [sys.executable, str(script), "serve-sim", "--gpus", str(gpus), "--time-scale", str(time_scale)]
+    env = {"PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+    return LocalServer(["--max-batch-tokens", str(rows), "--log-level", "warning", *flags], env=env,
+                       program=program).wait_ready(timeout=120)
+
+
+def simulated_mode(args) -> dict:
+    sequences = grpo_workload(VOCAB)
+    rows = args.rows
+    here = Path(__file__).resolve().parents[1]
+    trees = {"after": here}
+    if args.before_tree:
+        trees["before"] = Path(args.before_tree).resolve()
+    seq = idle_sequence()
+    out: dict = {"cost_model": f"max({FLOOR_S}, {FIXED_S} + tokens / {TOKENS_PER_S:.0f} + {ATTENTION_S_PER_L2} * sum(L^2)) s",
+                 "time_scale": args.time_scale, "rows": rows}
+    for gpus in args.gpus:
+        # In process, the better of two: first-fit-decreasing rows handed to the GPUs in turn,
+        # and the server's scheduler without HTTP (it balances the tail across GPUs better).
+        ffd = max(in_process_pool(sequences, gpus, rows, args.time_scale) for _ in range(args.repeats))
+        scheduled = max(in_process_scheduler(sequences, gpus, rows, args.time_scale) for _ in range(args.repeats))
+        local = max(ffd, scheduled)
+        entry = {"in_process_tokens_per_s": local, "in_process_ffd_tokens_per_s": ffd,
+                 "in_process_scheduler_tokens_per_s": scheduled}
+        if gpus == 1:
+            backend = SimulatedH200Backend(1, rows, args.time_scale)
+            entry["idle_in_process_ms"] = _ms(idle_latency_in_process(backend.score_row, seq))
+        for name, tree in trees.items():
+            server = simulated_server(tree, gpus, rows, args.time_scale)
+            try:
+                runs = [asyncio.run(trainer_burst(server.url, sequences)) for _ in range(args.repeats)]
+                burst = max(runs, key=lambda r: r["tokens_per_s"])
+                if gpus == 1:
+                    idle = asyncio.run(idle_latency_http(server.url, seq))
+                    entry[f"idle_http_ms_{name}"] = _ms(idle["seconds"])
+                    entry[f"idle_server_queue_wait_ms_{name}"] = idle["queue_wait_s"] * 1000
+            finally:
+                server.stop(timeout=30)
+            suffix = "" if name == "after" else "_before"
+            entry[f"ratio{suffix}"] = burst["tokens_per_s"] / local
+            entry[f"http_tokens_per_s{suffix}"] = burst["tokens_per_s"]
+            entry[f"http_429{suffix}"] = burst["http_429"]
+        out[f"gpus_{gpus}"] = entry
+        print(f"{gpus} GPU(s): {entry}", flush=True)
+    if not args.no_breakdown:
+        out["idle_breakdown_cpu"] = latency_breakdown(args.repeats)
+        print(f"idle latency on this CPU: {out['idle_breakdown_cpu']}", flush=True)
+    return out
+
+
+# ---- report --------------------------------------------------------------------------------
+
+def table(result: dict) -> str:
+    lines = []
+    gpu = result.get("gpu")
+    if gpu:
+        lines += [f"One GPU ({gpu.get('device')}, {gpu.get('model')}), default flags, trainer burst of {REQUESTS} x {PER_REQUEST} sequences:", "",
+                  "| rows | in process tokens/s | HTTP tokens/s | ratio | 429s | idle in process | idle HTTP | idle ratio |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for key in ("rows_16384", "rows_65536"):
+            r = gpu.get(key)
+            if r:
+                lines.append(f"| {key[5:]} | {r['in_process_tokens_per_s']:,.0f} | {r['http_tokens_per_s']:,.0f} | "
+                             f"**{r['ratio']:.3f}** | {r['http_429']} | {r['idle_in_process_ms']:.1f} ms | "
+                             f"{r['idle_http_ms']:.1f} ms | {r['idle_ratio']:.2f} |")
+        lines.append("")
+    sim = result.get("simulated_detail")
+    if sim:
+        before = any("ratio_before" in v for k, v in sim.items() if k.startswith("gpus_"))
+        lines += [f"Simulated H200 pool (cost model {sim['cost_model']}, time scale {sim['time_scale']}), "
+                  f"{sim['rows']}-token rows, default flags:", "",
+                  "| GPUs | in process tokens/s | HTTP tokens/s | ratio | 429s |" + (" before: ratio | before: 429s |" if before else ""),
+                  "| --- | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if before else "")]
+        for key, r in sim.items():
+            if key.startswith("gpus_"):
+                line = (f"| {key[5:]} | {r['in_process_tokens_per_s']:,.0f} | {r['http_tokens_per_s']:,.0f} | "
+                        f"**{r['ratio']:.3f}** | {r['http_429']} |")
+                if before:
+                    line += f" {r.get('ratio_before', float('nan')):.3f} | {r.get('http_429_before', '')} |"
+                lines.append(line)
+        one = sim.get("gpus_1", {})
+        if "idle_in_process_ms" in one:
+            lines += ["", f"Idle latency, one {IDLE_LENGTH}-token sequence (1 simulated GPU): in process "
+                      f"{one['idle_in_process_ms']:.1f} ms, HTTP {one['idle_http_ms_after']:.1f} ms "
+                      f"({one['idle_http_ms_after'] / one['idle_in_process_ms']:.2f}x)"
+                      + (f"; before: HTTP {one['idle_http_ms_before']:.1f} ms" if "idle_http_ms_before" in one else "") + "."]
+    cpu = (sim or {}).get("idle_breakdown_cpu")
+    if cpu:
+        lines += ["", f"Idle latency of one {IDLE_LENGTH}-token sequence on this CPU (medians):", "",
+                  "| what | ms |", "| --- | ---: |",
+                  f"| tiny model, in process (`Scorer.score`) | {cpu['tiny_in_process_ms']:.2f} |",
+                  f"| tiny model, over HTTP (msgpack, `AsyncScoreClient`) | {cpu['tiny_http_ms']:.2f} |",
+                  f"| ratio | **{cpu['tiny_http_ms'] / cpu['tiny_in_process_ms']:.2f}** |",
+                  f"| a forward of no time, over HTTP: the whole HTTP + scheduler overhead | {cpu['zero_forward_http_ms']:.2f} |",
+                  f"| of which the scheduler (submit to result, event loop and forward thread) | {cpu['zero_forward_scheduler_ms']:.2f} |",
+                  f"| of which encoding and validation, both sides | {cpu['encoding_ms']:.2f} |"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve-sim"]:
+        parser = argparse.ArgumentParser(prog="http_burst serve-sim")
+        parser.add_argument("--gpus", type=int, required=True)
+        parser.add_argument("--time-scale", type=float, default=1.0)
+        args, rest = parser.parse_known_args(argv[1:])
+        sys.exit(serve_sim_main(args, rest))
+    if argv[:1] == ["client"]:
+        parser = argparse.ArgumentParser(prog="http_burst client")
+        parser.add_argument("--url", required=True)
+        parser.add_argument("--sequences", type=int, default=256)
+        parser.add_argument("--vocab", type=int, default=VOCAB)
+        client_main(parser.parse_args(argv[1:]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", choices=("gpu", "simulated"), required=True)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--model", default="qwen3.5-9b", help="gpu mode: the model (preset or checkpoint)")
+    parser.add_argument("--sequences", type=int, default=256, help="gpu mode: workload size (fewer only for a dry run)")
+    parser.add_argument("--gpus", type=int, nargs="+", default=list(GPU_COUNTS), help="simulated mode: pool sizes")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="simulated mode: multiplies every forward's time")
+    parser.add_argument("--rows", type=int, default=16384, help="simulated mode: --max-batch-tokens of the server")
+    parser.add_argument("--no-breakdown", action="store_true", help="simulated mode: skip the CPU idle-latency breakdown")
+    parser.add_argument("--repeats", type=int, default=2, help="simulated mode: runs of each measurement; the best counts")
+    parser.add_argument("--before-tree", default=None, help="simulated mode: also serve from this source tree")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "http-burst.json"
+    result = json.loads(path.read_text()) if path.exists() else {}
+    if args.mode == "gpu":
+        gpu = gpu_mode(args)
+        result["gpu"] = gpu
+    else:
+        sim = simulated_mode(args)
+        result["simulated"] = {k: v["ratio"] for k, v in sim.items() if k.startswith("gpus_")}
+        result["simulated_detail"] = sim
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    text = table(result)
+    (args.out / "http-burst.md").write_text(text + "\n")
+    print(f"\nwrote {path}\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

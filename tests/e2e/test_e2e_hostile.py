@@ -1,0 +1,184 @@
+"""Careless and hostile clients against a real server: half-sent requests, descriptor exhaustion,
+huge bodies, protocol garbage, and a drain that must end on time (docs/admission.md)."""
+
+from __future__ import annotations
+
+import resource
+import signal
+import socket
+import sys
+import threading
+import time
+
+import httpx
+import orjson
+import pytest
+
+from service.local_server import LocalServer
+
+FAKE = [sys.executable, "-m", "tests.e2e.fake_server"]
+
+
+def fake_server(tmp_path, *args: str, env: dict | None = None, program: list[str] | None = None) -> LocalServer:
+    return LocalServer(["--log-level", "warning", *args], env={"OMP_NUM_THREADS": "1", **(env or {})},
+                       log_dir=tmp_path, program=program or FAKE)
+
+
+def _connect(server: LocalServer) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.port), timeout=30)
+
+
+def _read_until_closed(sock: socket.socket, limit_s: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes, and when it closed (seconds from now)."""
+    t0 = time.monotonic()
+    sock.settimeout(limit_s)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return data, time.monotonic() - t0
+
+
+def _json_error(raw: bytes) -> tuple[int, dict]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    assert b"content-type: application/json" in head.lower(), raw[:300]
+    return status, orjson.loads(body)["error"]
+
+
+@pytest.mark.parametrize("sent", [b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Ty",
+                                  b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                  b"Content-Length: 1000\r\n\r\n{\"sequences\": ["], ids=["half-headers", "half-body"])
+def test_a_half_sent_request_is_closed_within_the_read_timeout(tmp_path, sent):
+    server = fake_server(tmp_path, "--request-read-timeout-s", "1").wait_ready()
+    try:
+        with _connect(server) as sock:
+            sock.sendall(sent)
+            data, closed_after = _read_until_closed(sock, 1 + 5)
+    finally:
+        server.stop()
+    assert closed_after < 1 + 5, f"still open after {closed_after:.1f} s"
+    status, error = _json_error(data)
+    assert status == 408 and error["type"] == "request_timeout", data
+
+
+def test_protocol_errors_are_answered_with_the_json_error_body(tmp_path):
+    server = fake_server(tmp_path).wait_ready()
+    try:
+        answers = []
+        for raw in (b"GARBAGE\x01 / HTTP/9\r\n\r\n",
+                    b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n"):
+            with _connect(server) as sock:
+                sock.sendall(raw)
+                answers.append(_read_until_closed(sock, 10)[0])
+    finally:
+        server.stop()
+    for data in answers:
+        status, error = _json_error(data)
+        assert status == 400 and error["type"] == "malformed_request" and error["param"] is None, data
+
+
+def test_a_normal_request_is_answered_after_600_half_open_connections_at_512_descriptors(tmp_path):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1024:  # this process holds the 600 connections
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    limited = ["bash", "-c", 'ulimit -n 512 && exec "$0" "$@"', *FAKE]
+    server = fake_server(tmp_path, program=limited).wait_ready()
+    held: list[socket.socket] = []
+    try:
+        for _ in range(600):
+            sock = socket.socket()
+            sock.setblocking(False)
+            try:
+                sock.connect(("127.0.0.1", server.port))
+            except BlockingIOError:
+                pass
+            held.append(sock)
+        time.sleep(0.2)
+        for sock in held:
+            try:
+                sock.send(b"POST /score HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+            except OSError:
+                pass  # already evicted
+        t0 = time.monotonic()
+        response = httpx.post(server.url + "/score", json={"sequences": [{"input_ids": [1, 2, 3]}]}, timeout=5)
+        answered_after = time.monotonic() - t0
+        alive = server.proc.poll() is None
+    finally:
+        for sock in held:
+            sock.close()
+        server.stop()
+    assert alive, server.log()
+    assert response.status_code == 200 and answered_after < 5, (response.status_code, answered_after)
+
+
+def test_healthz_answers_within_1s_during_four_concurrent_60_mib_bodies(tmp_path):
+    server = fake_server(tmp_path).wait_ready()
+    chunk = b"[" + b"123456," * ((1 << 20) // 7)
+    size = 60 << 20
+    answers: list[int] = []
+
+    def body():  # streamed (chunked), so the server must count what arrives
+        sent = 0
+        yield b'{"sequences": [{"input_ids": '
+        while sent < size:
+            yield chunk
+            sent += len(chunk)
+
+    def send(i: int) -> None:
+        try:
+            if i % 2:
+                r = httpx.post(server.url + "/score", content=body(), timeout=60,
+                               headers={"Content-Type": "application/json"})
+            else:
+                r = httpx.post(server.url + "/score", content=b"".join(body()), timeout=60,
+                               headers={"Content-Type": "application/json"})
+            answers.append(r.status_code)
+        except httpx.HTTPError:
+            answers.append(0)  # the server closed a connection whose body it refused
+
+    try:
+        senders = [threading.Thread(target=send, args=(i,)) for i in range(4)]
+        for t in senders:
+            t.start()
+        worst = 0.0
+        while any(t.is_alive() for t in senders):
+            t0 = time.monotonic()
+            assert httpx.get(server.url + "/healthz", timeout=10).status_code == 200
+            worst = max(worst, time.monotonic() - t0)
+            time.sleep(0.05)
+        for t in senders:
+            t.join()
+    finally:
+        server.stop()
+    assert worst < 1.0, f"/healthz took {worst:.2f} s"
+    assert all(code in (413, 0) for code in answers), answers
+
+
+def test_sigterm_during_a_long_forward_exits_0_at_the_drain_timeout(tmp_path):
+    # One 1000-token sequence at 30 ms per token: a 30 s forward.
+    server = fake_server(tmp_path, "--drain-timeout-s", "2", env={"FAKE_SECONDS_PER_TOKEN": "0.03"}).wait_ready()
+    answers: dict[str, httpx.Response] = {}
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as keep_alive:
+            assert keep_alive.get("/healthz").status_code == 200  # a kept-alive connection
+            long = threading.Thread(target=lambda: answers.update(
+                long=httpx.post(server.url + "/score", json={"sequences": [{"input_ids": [1] * 1000}]}, timeout=30)))
+            long.start()
+            time.sleep(1.0)  # its forward is running
+            server.proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            time.sleep(0.3)
+            late = keep_alive.post("/score", json={"sequences": [{"input_ids": [1, 2]}]})
+            code = server.proc.wait(timeout=30)
+            exited_after = time.monotonic() - t0
+            long.join(timeout=10)
+    finally:
+        server.stop()
+    assert code == 0 and exited_after < 7, (code, exited_after, server.log())
+    assert late.status_code == 503 and late.headers.get("connection") == "close", late.headers
+    assert late.json()["error"]["type"] == "draining"
+    cut = answers["long"]  # admitted, cut off by the drain timeout
+    assert cut.status_code == 503 and cut.headers.get("connection") == "close", cut.headers
