@@ -137,7 +137,7 @@ class LocalBackend:
             with ThreadPoolExecutor(1) as hasher:
                 hashed = hasher.submit(content_version, path) if version is None else None
                 if self._fits_beside(plan):
-                    new = read_parameters(loaded.model, plan, device=loaded.device, dtype=loaded.dtype)
+                    new = read_parameters(loaded.model, plan)
                     load_s = time.perf_counter() - started
                     new_version = version or hashed.result()
                     with self._lock:
@@ -149,7 +149,7 @@ class LocalBackend:
                     new_version = version or hashed.result()
                     with self._lock:  # forwards wait while the weights are copied into place
                         t0 = time.perf_counter()
-                        read_parameters(loaded.model, plan, device=loaded.device, dtype=loaded.dtype, into_model=True)
+                        read_parameters(loaded.model, plan, into_model=True)
                         previous = self._set_version(new_version)
                         swap_ms = 1e3 * (time.perf_counter() - t0)
                         load_s = time.perf_counter() - started

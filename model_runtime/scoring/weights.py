@@ -15,7 +15,7 @@ checkpoint tensors it is made of, checks names and shapes before anything is rea
 Only safetensors are opened (``safe_open``: a header and raw buffers, never a pickle).
 
 Example:
-    >>> new = read_parameters(model, plan_reads(model, Path("step-120")), device=device, dtype=dtype)
+    >>> new = read_parameters(model, plan_reads(model, Path("step-120")))
     >>> swap_parameters(model, new)  # between two forwards
 """
 
@@ -145,18 +145,11 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p.data
 
 
-def read_parameters(
-    model: nn.Module,
-    plan: ReadPlan,
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    threads: int = 4,
-    into_model: bool = False,
-) -> dict[str, torch.Tensor]:
-    """New tensors for every parameter of ``model`` (this rank's rows of a sharded one) on ``device``.
+def read_parameters(model: nn.Module, plan: ReadPlan, *, threads: int = 4, into_model: bool = False) -> dict[str, torch.Tensor]:
+    """New tensors for every parameter of ``model`` (this rank's rows of a sharded one).
 
-    Floating-point tensors are cast to ``dtype``; ``model`` is not touched, unless ``into_model``:
+    Each takes its parameter's device and dtype (bf16 on CUDA, as loaded at start); ``model`` is
+    not touched, unless ``into_model``:
     then each tensor is copied into its parameter as it is read (the in-place update when a
     second copy does not fit; the plan was checked first) and nothing is returned. ``threads`` tensors are
     read at a time (reads from the page cache and host-to-device copies release the GIL). On CUDA
@@ -166,6 +159,7 @@ def read_parameters(
     from safetensors import SafetensorError, safe_open
 
     params = dict(model.named_parameters())
+    device = next(local_tensor(p) for p in params.values()).device
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     if stream is not None and into_model:
         stream.wait_stream(torch.cuda.current_stream(device))  # the last forward is done with the old weights
@@ -189,7 +183,7 @@ def read_parameters(
                         with torch.no_grad():
                             target.copy_(host)
                         return r.param, None
-                    return r.param, host.to(device=device, dtype=dtype if p.is_floating_point() else p.dtype).contiguous()
+                    return r.param, host.to(device=target.device, dtype=target.dtype).contiguous()
 
             with ThreadPoolExecutor(max(1, threads)) as ex:
                 out = dict(ex.map(read, plan.reads))
@@ -270,3 +264,23 @@ def content_version(path: Path, *, threads: int = 16, piece: int = 1 << 30) -> s
     for (file, start), part in zip(pieces, parts):
         total.update(f"{file.name}@{start}:{part}\n".encode())
     return f"sha256-{total.hexdigest()[:12]}"
+
+
+def materialize(model: nn.Module, path: Path, device: torch.device) -> None:
+    """Gives a model built on the meta device (and FSDP-sharded, or not) its weights from ``path``.
+
+    Each rank allocates and reads only its own shards. The rotary embedding's buffers, computed
+    from the config, are rebuilt on ``device``; any other buffer would be left uninitialised, so
+    one is refused.
+    """
+    plan = plan_reads(model, path)  # checked before any memory is taken
+    model.to_empty(device=device)
+    rotary = model.rotary_emb
+    with torch.device(device):
+        fresh = type(rotary)(rotary.config)
+    for name, buf in fresh.named_buffers():
+        setattr(rotary, name, buf)
+    others = [n for n, _ in model.named_buffers() if not n.startswith("rotary_emb.")]
+    if others:
+        raise ValueError(f"buffers outside the rotary embedding would be left uninitialised: {others[:5]}")
+    read_parameters(model, plan, into_model=True)

@@ -1,5 +1,6 @@
 """Weight updates in one process: the checkpoint-to-parameter mapping, the swap and failed updates."""
 
+import copy
 import json
 import threading
 import time
@@ -32,10 +33,23 @@ def second(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def served(checkpoint_dir):
+    """A fresh backend serving the seed-0 qwen3_5 checkpoint (a copy of one loaded model)."""
+    loaded = load_model(str(checkpoint_dir("qwen3_5")), device="cpu")
+    return lambda: LocalBackend(Scorer(copy.deepcopy(loaded)))
+
+
+@pytest.fixture(scope="module")
+def reference_new(second):
+    """A scorer that loaded the seed-1 checkpoint at start."""
+    return Scorer(load_model(str(second("qwen3_5")), device="cpu"))
+
+
 def rows(vocab: int, count: int, seed: int = 0) -> list[list[SequenceInput]]:
     rng = np.random.default_rng(seed)
     return [
-        [SequenceInput(rng.integers(0, vocab, int(n)), score_from=1, top_k=i % 2) for n in rng.integers(2, 40, 1 + i % 3)]
+        [SequenceInput(rng.integers(0, vocab, int(n)), score_from=1, top_k=i % 2) for n in rng.integers(2, 24, 1 + i % 2)]
         for i in range(count)
     ]
 
@@ -52,17 +66,16 @@ def test_every_kind_reads_the_parameters_from_pretrained_builds(kind, checkpoint
     served = load_model(str(checkpoint_dir(kind)), device="cpu")
     fresh = load_model(str(second(kind)), device="cpu")
     plan = plan_reads(served.model, second(kind))
-    swap_parameters(served.model, read_parameters(served.model, plan, device=torch.device("cpu"), dtype=torch.float32))
+    swap_parameters(served.model, read_parameters(served.model, plan))
     want = dict(fresh.model.named_parameters())
     differ = [n for n, p in served.model.named_parameters() if not torch.equal(p, want[n])]
     assert not differ, f"{len(differ)} parameters differ from a fresh load: {differ[:5]}"
 
 
-def test_an_update_serves_what_a_fresh_scorer_of_the_new_checkpoint_serves(checkpoint_dir, second):
+def test_an_update_serves_what_a_fresh_scorer_of_the_new_checkpoint_serves(served, reference_new, checkpoint_dir, second):
     old, new = checkpoint_dir("qwen3_5"), second("qwen3_5")
-    backend = LocalBackend(Scorer(load_model(str(old), device="cpu")))
-    reference = Scorer(load_model(str(new), device="cpu"))
-    work = rows(backend.info.vocab_size, 3)
+    backend, reference = served(), reference_new
+    work = rows(backend.info.vocab_size, 2)
     before = [backend.score_row(r) for r in work]
     first_version = backend.info.weights_version
     assert all(s.weights_version == first_version for r in before for s in r)
@@ -110,31 +123,33 @@ def _broken_copies(src: Path, root: Path) -> dict[str, tuple[Path, str]]:
     return out
 
 
-def test_a_failed_update_changes_nothing(checkpoint_dir, tmp_path):
+def test_a_failed_update_changes_nothing(served, checkpoint_dir, tmp_path):
     old = checkpoint_dir("qwen3_5")
-    backend = LocalBackend(Scorer(load_model(str(old), device="cpu")))
+    backend = served()
     work = rows(backend.info.vocab_size, 2, seed=3)
     before = [backend.score_row(r) for r in work]
     version = backend.info.weights_version
+    snapshot = {n: p.clone() for n, p in backend.scorer.loaded.model.named_parameters()}
     for name, (path, kind) in _broken_copies(old, tmp_path).items():
         with pytest.raises(CheckpointError) as caught:
             backend.update_weights(path, "bad")
         assert caught.value.kind == kind, f"{name}: {caught.value.kind} ({caught.value}), want {kind}"
         assert backend.info.weights_version == version
-        for i, row in enumerate(work):
-            got = backend.score_row(row)
-            assert all(s.weights_version == version for s in got)
-            assert_equal(got, before[i], f"{name}: row {i}")
+        changed = [n for n, p in backend.scorer.loaded.model.named_parameters() if not torch.equal(p, snapshot[n])]
+        assert not changed, f"{name}: a failed update changed {changed[:5]}"
+    for i, row in enumerate(work):
+        got = backend.score_row(row)
+        assert all(s.weights_version == version for s in got)
+        assert_equal(got, before[i], f"row {i} after the failed updates")
     with pytest.raises(CheckpointError, match=r"model\.layers\.3\.self_attn\.q_proj\.weight"):
         backend.update_weights(tmp_path / "missing", None)  # the message names the tensor
 
 
-def test_a_forward_during_the_load_finishes_on_the_old_version(checkpoint_dir, second, monkeypatch):
+def test_a_forward_during_the_load_finishes_on_the_old_version(served, reference_new, second, monkeypatch):
     import model_runtime.scoring.weights as weights
 
-    old, new = checkpoint_dir("qwen3_5"), second("qwen3_5")
-    backend = LocalBackend(Scorer(load_model(str(old), device="cpu")))
-    reference_new = Scorer(load_model(str(new), device="cpu"))
+    new = second("qwen3_5")
+    backend = served()
     row = rows(backend.info.vocab_size, 1, seed=5)[0]
     reference_old = backend.score_row(row)
     loaded, release = threading.Event(), threading.Event()
@@ -162,11 +177,10 @@ def test_a_forward_during_the_load_finishes_on_the_old_version(checkpoint_dir, s
     assert_equal(after, reference_new.score_row(row), "forward after the swap")
 
 
-def test_every_row_under_continuous_load_matches_the_version_it_names(checkpoint_dir, second):
-    old, new = checkpoint_dir("qwen3_5"), second("qwen3_5")
-    backend = LocalBackend(Scorer(load_model(str(old), device="cpu")))
-    reference_new = Scorer(load_model(str(new), device="cpu"))
-    work = rows(backend.info.vocab_size, 4, seed=7)
+def test_every_row_under_continuous_load_matches_the_version_it_names(served, reference_new, second):
+    new = second("qwen3_5")
+    backend = served()
+    work = rows(backend.info.vocab_size, 2, seed=7)
     want = {backend.info.weights_version: [backend.score_row(r) for r in work], "new": [reference_new.score_row(r) for r in work]}
     seen, stop = [], threading.Event()
 
