@@ -110,9 +110,15 @@ class LocalBackend:
         self.info = ModelInfo.of(scorer.loaded)
         self.max_row_tokens = scorer.max_batch_tokens
         self._lock = threading.Lock()  # held by a forward, and by a swap
+        # Held by a swap while it waits for the running forward: a caller scoring row after row
+        # would otherwise win the forward lock back every time (Python's locks are not fair).
+        self._turnstile = threading.Lock()
         self._updating = threading.Lock()  # one update at a time
+        self.update_in_place: bool | None = None  # None: beside the old weights when a second copy fits
 
     def score_row(self, sequences: Sequence[SequenceInput]) -> list[SequenceScores]:
+        with self._turnstile:
+            pass
         with self._lock:
             results = self.scorer.score_row(sequences)
             version = self.scorer.loaded.weights_version
@@ -136,18 +142,19 @@ class LocalBackend:
             plan = plan_reads(loaded.model, path)
             with ThreadPoolExecutor(1) as hasher:
                 hashed = hasher.submit(content_version, path) if version is None else None
-                if self._fits_beside(plan):
+                beside = self._fits_beside() if self.update_in_place is None else not self.update_in_place
+                if beside:
                     new = read_parameters(loaded.model, plan)
                     load_s = time.perf_counter() - started
                     new_version = version or hashed.result()
-                    with self._lock:
+                    with self._turnstile, self._lock:
                         t0 = time.perf_counter()
                         swap_parameters(loaded.model, new)
                         previous = self._set_version(new_version)
                         swap_ms = 1e3 * (time.perf_counter() - t0)
                 else:
                     new_version = version or hashed.result()
-                    with self._lock:  # forwards wait while the weights are copied into place
+                    with self._turnstile, self._lock:  # forwards wait while the weights are copied into place
                         t0 = time.perf_counter()
                         read_parameters(loaded.model, plan, into_model=True)
                         previous = self._set_version(new_version)
@@ -163,7 +170,7 @@ class LocalBackend:
         self.info = replace(self.info, weights_version=version)
         return previous
 
-    def _fits_beside(self, plan) -> bool:
+    def _fits_beside(self) -> bool:
         device = self.scorer.loaded.device
         if device.type != "cuda":
             return True

@@ -209,3 +209,15 @@ def test_every_row_under_continuous_load_matches_the_version_it_names(served, re
         versions.add(version)
         assert_equal(got, want[version][i], f"row {i} named {version}")
     assert versions == set(want), f"saw versions {versions}"
+
+
+def test_an_update_in_place_serves_the_same_numbers(served, reference_new, second):
+    """When a second copy does not fit (forced here), the weights are copied into place between forwards."""
+    backend = served()
+    backend.update_in_place = True
+    before = {id(p): p for p in backend.scorer.loaded.model.parameters()}
+    update = backend.update_weights(second("qwen3_5"), "in-place")
+    assert update.weights_version == "in-place"
+    assert {id(p) for p in backend.scorer.loaded.model.parameters()} == set(before)
+    row = rows(backend.info.vocab_size, 1, seed=9)[0]
+    assert_equal(backend.score_row(row), reference_new.score_row(row), "after an update in place")
