@@ -126,8 +126,6 @@ def measure(args) -> dict:
     torch.set_num_threads(1)
     ranks = args.ranks[0]
     mem = TreeMemory()
-    rng = np.random.default_rng(0)
-    row = [SequenceInput(rng.integers(0, CONFIG["vocab_size"], 64))]
     out: dict = {"ranks": ranks}
     started = time.perf_counter()
     if ranks == 0:
@@ -142,6 +140,7 @@ def measure(args) -> dict:
         backend = start_pool(dict(model=args.checkpoint, device="cpu", dtype="float32", world_size=ranks, sp=1,
                                   fsdp=True, max_batch_tokens=256))
     out["start_s"] = time.perf_counter() - started
+    row = [SequenceInput(np.random.default_rng(0).integers(0, backend.info.vocab_size, 64))]
     out["start_peak_rss"], out["start_peak_pss"] = mem.peak_rss, mem.peak_pss
     backend.score_row(row)
     out["serving_rss"], out["serving_pss"] = mem.now()
