@@ -1,82 +1,388 @@
-"""The checkpoint check shared by the start and by weight updates (minimal stand-in; see issue 18).
+"""What a checkpoint directory holds, checked against what the model needs, before any weight is read.
 
-``check_checkpoint`` reads ``config.json`` and the safetensors headers only (never a pickle,
-never a tensor's bytes) and raises ``CheckpointError`` whose ``kind`` says what is wrong:
-``unsupported`` (not a safetensors checkpoint of a supported architecture), ``incomplete``
-(a tensor the model needs is missing, or one it does not use is left over) or ``incompatible``
-(a shape differs from the served model's).
+``check_checkpoint(path)`` reads ``config.json`` and the safetensors headers (names, shapes,
+dtypes; no tensor data), builds the Hugging Face model on the meta device from the config, and
+maps every checkpoint name onto the model's names the way Hugging Face's loader does for the
+layouts the Qwen3.5 / Qwen3-Next families ship in:
+
+- ``model.language_model.*`` (a multimodal ``*ForConditionalGeneration`` checkpoint) -> ``model.*``;
+- names without the ``model.`` prefix (a checkpoint of the bare decoder) -> ``model.*``;
+- per-expert ``...mlp.experts.{e}.{gate,up,down}_proj.weight`` -> the fused
+  ``...mlp.experts.gate_up_proj`` ``[E, 2I, D]`` and ``...mlp.experts.down_proj`` ``[E, D, I]``;
+- ``lm_head.weight`` may be absent when the config ties it to the embedding;
+- FP8 (``quant_method: fp8``, block-scaled ``weight_scale_inv``) weights count as the weight they
+  dequantize to (see ``model_runtime.scoring.fp8``).
+
+Vision-tower (``model.visual.*``, ``visual.*``) and multi-token-prediction (``mtp.*``) tensors
+are never loaded and are ignored. Anything else is refused with ``CheckpointError``: a tensor the
+model needs that no file holds, a tensor no part of the model takes, or a shape that differs.
+Nothing is ever left at its random initialisation. The loader re-checks what Hugging Face
+actually loaded (``assert_fully_loaded``), so a layout this module maps wrongly still fails loudly.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-# Tensors a served text model never loads: a vision tower and multi-token-prediction heads.
-IGNORED_TENSORS = re.compile(r"^(model\.visual\.|visual\.|mtp\.)")
-KINDS = ("unsupported", "incomplete", "incompatible")
+from model_runtime.model.architectures import UnsupportedModelError, architecture_for
+
+IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.")  # never loaded: the vision tower, multi-token prediction
+FP8_SCALE_SUFFIX = "_scale_inv"  # "<name>.weight_scale_inv" scales "<name>.weight" block by block
+SHOWN = 5  # names quoted in a message
+
+_EXPERT_KEY = re.compile(r"^(?P<base>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be served; ``kind`` is one of ``KINDS``."""
+    """A checkpoint that must not be served. ``kind`` is one of:
+
+    - ``"unsupported"``: a model_type, quantization or file format packscore does not load;
+    - ``"incomplete"``: a tensor the model needs is missing, or a tensor in the files is unused;
+    - ``"incompatible"``: a shape (or, against ``expected``, the architecture) differs.
+    """
 
     def __init__(self, kind: str, message: str):
-        if kind not in KINDS:
-            raise ValueError(f"unknown checkpoint error kind {kind!r}; known: {KINDS}")
         super().__init__(message)
         self.kind = kind
 
 
 @dataclass(frozen=True)
 class CheckpointSpec:
+    """A checked checkpoint: what it holds, in the model's own tensor names."""
+
     path: Path
-    model_type: str
-    tensors: dict[str, tuple[int, ...]]  # name -> shape, from the safetensors headers
-    files: tuple[str, ...]  # the safetensors files, sorted
+    model_type: str  # config.json's model_type (qwen3_5, qwen3_5_text, ...)
+    architecture: str  # the family, as /v1/models names it (qwen3_5, qwen3_5_moe, qwen3_next)
+    tensors: dict[str, tuple[int, ...]]  # model tensor name -> shape, as loaded (fused experts, FP8 dequantized)
+    config: dict  # config.json as read
+    max_model_len: int  # the context the config allows (yarn rope scaling raises it)
+    quantization: str | None = None  # "fp8" when weights are dequantized at load, else None
+    files: tuple[Path, ...] = field(default=())  # the safetensors files read, in order
 
 
 def check_checkpoint(path: Path, *, expected: dict[str, tuple[int, ...]] | None = None) -> CheckpointSpec:
-    """Checks ``path`` holds a supported safetensors checkpoint (and, given ``expected`` names ->
-    shapes in checkpoint naming, exactly those tensors beside the ignored ones)."""
-    from safetensors import SafetensorError, safe_open
+    """Checks ``path`` (config.json + safetensors) against the model its config describes.
 
-    from model_runtime.model.architectures import UnsupportedModelError, architecture_for
-
+    With ``expected`` (the served model's tensor names -> shapes, e.g. a previous spec's
+    ``tensors``) the checkpoint must also hold exactly those names with those shapes
+    (``kind="incompatible"`` otherwise). Raises ``CheckpointError``; reads no tensor data.
+    """
     path = Path(path)
+    config = read_config(path)
+    model_type = config.get("model_type")
+    try:
+        architecture = architecture_for(model_type)
+    except UnsupportedModelError as exc:
+        raise CheckpointError("unsupported", f"{path}: {exc}") from None
+    quantization = _quantization(path, config)
+    files = safetensors_files(path)
+    stored, dtypes = _read_headers(path, files)
+    if quantization == "fp8":
+        stored = _fp8_weight_shapes(path, config, stored, dtypes)
+    else:
+        _refuse_float8(path, dtypes)
+    needed, aliases = _model_tensors(path, config)
+    tensors = _match(path, stored, needed, aliases)
+    if expected is not None:
+        _compare(path, tensors, expected)
+    return CheckpointSpec(
+        path=path,
+        model_type=model_type,
+        architecture=architecture.name,
+        tensors=tensors,
+        config=config,
+        max_model_len=context_length(config),
+        quantization=quantization,
+        files=tuple(files),
+    )
+
+
+def read_config(path: Path) -> dict:
     if not path.is_dir():
-        raise CheckpointError("unsupported", f"{path.name} is not a checkpoint directory")
+        raise CheckpointError("unsupported", f"{path} is not a directory; expected a Hugging Face checkpoint directory")
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise CheckpointError("unsupported", f"{path.name} has no config.json")
+        raise CheckpointError("unsupported", f"{path} has no config.json; expected a Hugging Face checkpoint directory")
     try:
-        model_type = json.loads(config_file.read_text()).get("model_type")
-        architecture_for(model_type)
-    except (ValueError, UnsupportedModelError, AttributeError) as error:
-        raise CheckpointError("unsupported", f"{path.name}/config.json: {error}") from None
-    files = tuple(sorted(f.name for f in path.glob("*.safetensors")))
-    if not files:
-        raise CheckpointError("unsupported", f"{path.name} has no *.safetensors files; only safetensors are read")
-    tensors: dict[str, tuple[int, ...]] = {}
-    for name in files:
+        config = json.loads(config_file.read_text())
+    except (ValueError, OSError) as exc:
+        raise CheckpointError("unsupported", f"{config_file} is not readable JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError("unsupported", f"{config_file} must hold a JSON object, got {type(config).__name__}")
+    return config
+
+
+def text_config(config: dict) -> dict:
+    """The language model's part of a (possibly multimodal) config."""
+    inner = config.get("text_config")
+    return inner if isinstance(inner, dict) else config
+
+
+def context_length(config: dict) -> int:
+    """Longest sequence the config's positions allow: ``max_position_embeddings``, or with yarn
+    rope scaling ``factor * original_max_position_embeddings`` when that is larger."""
+    text = text_config(config)
+    base = int(text.get("max_position_embeddings") or config.get("max_position_embeddings") or 0)
+    rope = text.get("rope_scaling") or text.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type")) != "yarn":
+        return base
+    original = int(rope.get("original_max_position_embeddings") or base)
+    factor = float(rope.get("factor") or (base / original if original else 1.0))
+    return max(base, int(factor * original))
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The weight files Hugging Face would read: those of ``model.safetensors.index.json`` when
+    there is one, else every ``*.safetensors`` of the directory."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
         try:
-            with safe_open(path / name, framework="pt") as f:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            raise CheckpointError("unsupported", f"{index} is not a safetensors index: {exc}") from None
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise CheckpointError("incomplete", f"{path}: shards listed in {index.name} are missing: {_names(absent)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        extra = f" (found {_names(pickles)}: pickled weights are never read)" if pickles else ""
+        raise CheckpointError("unsupported", f"{path} has no *.safetensors weights; packscore loads safetensors only{extra}")
+    return files
+
+
+def assert_fully_loaded(path: Path, info: dict) -> None:
+    """Refuses a model Hugging Face loaded with gaps: ``info`` is ``from_pretrained``'s loading info."""
+    missing = sorted(info.get("missing_keys") or ())
+    unexpected = sorted(k for k in info.get("unexpected_keys") or () if not k.startswith(IGNORED_PREFIXES))
+    mismatched = [str(m[0]) if isinstance(m, (tuple, list)) else str(m) for m in info.get("mismatched_keys") or ()]
+    errors = [str(e) for e in info.get("error_msgs") or ()]
+    if missing or unexpected:
+        raise CheckpointError("incomplete", _gaps_message(path, missing, unexpected, mismatched, after_load=True))
+    if mismatched or errors:
+        raise CheckpointError("incompatible", f"{path}: loading reported differing shapes or errors: {_names(mismatched + errors)}")
+
+
+# Reading.
+
+
+def _quantization(path: Path, config: dict) -> str | None:
+    quant = config.get("quantization_config") or text_config(config).get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method != "fp8":
+        raise CheckpointError(
+            "unsupported",
+            f"{path}: quantization_config.quant_method {method!r} is not supported; packscore loads unquantized "
+            "checkpoints and FP8 block-scaled ones (quant_method 'fp8', dequantized at load)",
+        )
+    block = quant.get("weight_block_size")
+    if block is not None and (not isinstance(block, list) or len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):
+        raise CheckpointError("unsupported", f"{path}: FP8 weight_block_size must be two positive integers, got {block!r}")
+    return "fp8"
+
+
+def fp8_block_size(config: dict) -> tuple[int, int] | None:
+    """The FP8 scaling block ``(rows, cols)`` of the config, or None for one scale per tensor."""
+    quant = config.get("quantization_config") or text_config(config).get("quantization_config") or {}
+    block = quant.get("weight_block_size")
+    return (int(block[0]), int(block[1])) if block else None
+
+
+def _read_headers(path: Path, files: list[Path]) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
                 for key in f.keys():
-                    tensors[key] = tuple(f.get_slice(key).get_shape())
-        except (SafetensorError, OSError) as error:
-            raise CheckpointError("unsupported", f"{name} is not a readable safetensors file: {error}") from None
-    if expected is not None:
-        missing = [n for n in expected if n not in tensors]
-        left = sorted(n for n in tensors if n not in expected and not IGNORED_TENSORS.match(n))
-        if missing or left:
-            what = []
-            if missing:
-                what.append(f"missing {len(missing)} tensors the model needs: {', '.join(missing[:5])}")
-            if left:
-                what.append(f"{len(left)} tensors the model does not use: {', '.join(left[:5])}")
-            raise CheckpointError("incomplete", f"{path.name}: " + "; ".join(what))
-        wrong = [f"{n} {list(tensors[n])} (served: {list(s)})" for n, s in expected.items() if tuple(tensors[n]) != tuple(s)]
-        if wrong:
-            raise CheckpointError("incompatible", f"{path.name}: {len(wrong)} tensors differ in shape: {', '.join(wrong[:5])}")
-    return CheckpointSpec(path, model_type, tensors, files)
+                    if key in shapes:
+                        raise CheckpointError("incompatible", f"{path}: tensor {key!r} is stored twice (again in {file.name})")
+                    piece = f.get_slice(key)
+                    shapes[key] = tuple(int(d) for d in piece.get_shape())
+                    dtypes[key] = piece.get_dtype()
+        except CheckpointError:
+            raise
+        except Exception as exc:  # safetensors raises its own error type for a corrupt header
+            raise CheckpointError("unsupported", f"{file} is not a readable safetensors file: {exc}") from None
+    return shapes, dtypes
+
+
+def _refuse_float8(path: Path, dtypes: dict[str, str]) -> None:
+    float8 = sorted(k for k, d in dtypes.items() if d.startswith("F8") and not k.startswith(IGNORED_PREFIXES))
+    if float8:
+        raise CheckpointError(
+            "unsupported", f"{path}: float8 tensors without an FP8 quantization_config in config.json: {_names(float8)}"
+        )
+
+
+def _fp8_weight_shapes(path: Path, config: dict, stored: dict, dtypes: dict) -> dict[str, tuple[int, ...]]:
+    """Checkpoint names -> shapes with each FP8 weight's scale checked and folded into it."""
+    block = fp8_block_size(config)
+    out = {k: v for k, v in stored.items() if not k.endswith(FP8_SCALE_SUFFIX)}
+    for key in stored:
+        if not key.endswith(FP8_SCALE_SUFFIX) or key.startswith(IGNORED_PREFIXES):
+            continue
+        weight = key[: -len(FP8_SCALE_SUFFIX)]
+        if weight not in stored:
+            raise CheckpointError("incomplete", f"{path}: FP8 scale {key!r} has no weight {weight!r}")
+        if not dtypes[weight].startswith("F8"):
+            raise CheckpointError("incompatible", f"{path}: {weight!r} has an FP8 scale but is stored as {dtypes[weight]}")
+        want = fp8_scale_shape(stored[weight], block)
+        if stored[key] != want and not (block is None and math.prod(stored[key]) == 1):
+            raise CheckpointError(
+                "incompatible", f"{path}: FP8 scale {key!r} is {list(stored[key])}, expected {list(want)} for weight {list(stored[weight])} in blocks {block}"
+            )
+    unscaled = sorted(k for k, d in dtypes.items() if d.startswith("F8") and k + FP8_SCALE_SUFFIX not in stored and not k.startswith(IGNORED_PREFIXES))
+    if unscaled:
+        raise CheckpointError("incomplete", f"{path}: FP8 weights without a {FP8_SCALE_SUFFIX} scale: {_names(unscaled)}")
+    return out
+
+
+def fp8_scale_shape(weight_shape: tuple[int, ...], block: tuple[int, int] | None) -> tuple[int, ...]:
+    """The scale a block-quantized weight carries: the last two dims divided into blocks, rounded up."""
+    if block is None or len(weight_shape) < 2:
+        return ()
+    *lead, rows, cols = weight_shape
+    return (*lead, -(-rows // block[0]), -(-cols // block[1]))
+
+
+# Matching against the model.
+
+
+def build_meta_model(config: dict):
+    """The Hugging Face causal LM the config describes, on the meta device (no memory, no data)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    plain = {k: v for k, v in config.items() if k != "quantization_config"}
+    if isinstance(plain.get("text_config"), dict):
+        plain["text_config"] = {k: v for k, v in plain["text_config"].items() if k != "quantization_config"}
+    hf_config = AutoConfig.for_model(plain.pop("model_type"), **plain)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config)
+
+
+def _model_tensors(path: Path, config: dict) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """The model's tensor names -> shapes, one name per tensor, and its tied aliases -> that name."""
+    try:
+        model = build_meta_model(config)
+    except Exception as exc:  # a config transformers cannot build a model from
+        raise CheckpointError("incompatible", f"{path}: config.json does not describe a buildable model: {exc}") from None
+    needed: dict[str, tuple[int, ...]] = {}
+    aliases: dict[str, str] = {}
+    first_name: dict[int, str] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        owner = first_name.setdefault(id(tensor), name)
+        if owner == name:
+            needed[name] = tuple(tensor.shape)
+        else:
+            aliases[name] = owner  # a tied weight (lm_head.weight tied to the embedding)
+    return needed, aliases
+
+
+def _match(path: Path, stored: dict, needed: dict, aliases: dict) -> dict[str, tuple[int, ...]]:
+    """Maps checkpoint names onto ``needed``; raises naming what is missing, unused or misshapen."""
+    known = needed.keys() | aliases.keys()
+    provided: dict[str, tuple[int, ...]] = {}
+    unexpected: list[str] = []
+    mismatched: list[str] = []
+    experts: dict[str, dict[str, dict[int, tuple[str, tuple[int, ...]]]]] = {}
+    for key, shape in stored.items():
+        if key.startswith(IGNORED_PREFIXES):
+            continue
+        name = _model_name(key, known)
+        match = _EXPERT_KEY.match(name)
+        if name not in known and match and f"{match['base']}.gate_up_proj" in needed:
+            experts.setdefault(match["base"], {}).setdefault(match["proj"], {})[int(match["expert"])] = (key, shape)
+            continue
+        if name not in known:
+            unexpected.append(key)
+            continue
+        target = aliases.get(name, name)
+        if shape != needed[target]:
+            mismatched.append(f"{key} {list(shape)} (model: {list(needed[target])})")
+        provided[target] = shape
+    missing = [n for n in needed if n not in provided and n.rsplit(".", 1)[0] not in experts]
+    for base, projections in experts.items():
+        _fuse_experts(base, projections, needed, provided, missing, unexpected, mismatched)
+    missing = [n for n in missing if n not in provided]
+    if missing or unexpected:
+        raise CheckpointError("incomplete", _gaps_message(path, missing, unexpected, mismatched))
+    if mismatched:
+        raise CheckpointError("incompatible", f"{path}: tensor shapes differ from what config.json describes: {_names(mismatched)}")
+    return {name: needed[name] for name in needed}
+
+
+def _model_name(key: str, known) -> str:
+    if key.startswith("model.language_model."):
+        key = "model." + key[len("model.language_model.") :]
+    if key not in known and f"model.{key}" in known:  # a checkpoint of the bare decoder
+        key = f"model.{key}"
+    return key
+
+
+def _fuse_experts(base, projections, needed, provided, missing, unexpected, mismatched) -> None:
+    """Per-expert gate/up/down weights of one MoE layer against its fused ``gate_up_proj`` / ``down_proj``."""
+    fused_gate_up, fused_down = f"{base}.gate_up_proj", f"{base}.down_proj"
+    count = needed[fused_gate_up][0]
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        have = projections.get(proj, {})
+        missing.extend(f"{base}.{e}.{proj}.weight" for e in range(count) if e not in have)
+        unexpected.extend(key for e, (key, _) in sorted(have.items()) if e >= count)
+    shapes = {proj: {s for e, (_, s) in projections.get(proj, {}).items() if e < count} for proj in ("gate_proj", "up_proj", "down_proj")}
+    if any(len(s) != 1 for s in shapes.values()):
+        if all(shapes.values()):
+            mismatched.append(f"{base}.*: experts of one layer differ in shape")
+        return
+    (gate,), (up,), (down,) = shapes["gate_proj"], shapes["up_proj"], shapes["down_proj"]
+    got = {fused_gate_up: (count, gate[0] + up[0], gate[1]), fused_down: (count, *down)}
+    for name, shape in got.items():
+        if name not in needed:
+            continue
+        if shape != needed[name] or gate != up:
+            mismatched.append(f"{base}.*.{name.rsplit('.', 1)[1]} {list(shape)} (model: {list(needed[name])})")
+        provided[name] = shape
+
+
+def _compare(path: Path, tensors: dict, expected: dict) -> None:
+    expected = {k: tuple(v) for k, v in expected.items()}
+    absent = [k for k in expected if k not in tensors]
+    extra = [k for k in tensors if k not in expected]
+    differ = [f"{k} {list(tensors[k])} (served: {list(expected[k])})" for k in expected if k in tensors and tensors[k] != expected[k]]
+    if absent or extra or differ:
+        parts = []
+        if absent:
+            parts.append(f"{len(absent)} served tensors are absent ({_names(absent)})")
+        if extra:
+            parts.append(f"{len(extra)} tensors are not in the served model ({_names(extra)})")
+        if differ:
+            parts.append(f"{len(differ)} shapes differ ({_names(differ)})")
+        raise CheckpointError("incompatible", f"{path} does not have the served model's architecture: " + "; ".join(parts))
+
+
+def _gaps_message(path, missing, unexpected, mismatched, after_load: bool = False) -> str:
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} tensors the model needs are missing ({_names(missing)})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} tensors in the files are not used by the model ({_names(unexpected)})")
+    if mismatched:
+        parts.append(f"{len(mismatched)} shapes differ ({_names(mismatched)})")
+    when = " after loading" if after_load else ""
+    return f"checkpoint {path} is incomplete{when}: " + "; ".join(parts) + "; nothing is served from it (no tensor is ever left random)"
+
+
+def _names(items) -> str:
+    items = list(items)
+    shown = ", ".join(str(i) for i in items[:SHOWN])
+    return shown + (f", ... and {len(items) - SHOWN} more" if len(items) > SHOWN else "")
