@@ -2,11 +2,12 @@
 
     python -m bench.weights_cpu --out bench/results [--baseline-tree DIR] [--ranks 2 4]
 
-Builds two random qwen3_5 checkpoints of a few hundred MB (float32, save_pretrained), then for
+Builds two random qwen3_5 checkpoints of a few hundred MB (bf16, save_pretrained; served in
+float32, so every loader makes real copies rather than mapping the files), then for
 each code tree (this one, and ``--baseline-tree``: a checkout of an older commit, for the
 "before" figures) and each rank count starts the worker pool with ``--fsdp`` on CPU (gloo),
 sampling the resident memory of the whole process tree (the pool's process and its workers)
-every 20 ms: its peak while starting, while it scores, and during an update to the second
+every 20 ms: its peak while starting and scoring a first row, what it holds while serving, and during an update to the second
 checkpoint (where the tree has ``update_weights``). RSS counts a page shared by two processes
 twice; PSS (``/proc/PID/smaps_rollup``) splits it, so both are reported. The single process
 (``LocalBackend``) is measured the same way. Each measurement runs in a fresh process.
@@ -55,7 +56,7 @@ def build_checkpoints(root: Path) -> tuple[Path, Path]:
         if not (path / "config.json").exists():
             torch.manual_seed(seed)
             model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**CONFIG, rope_parameters=dict(_ROPE_QWEN35)))
-            model.save_pretrained(path, max_shard_size="200MB")
+            model.to(torch.bfloat16).save_pretrained(path, max_shard_size="200MB")
             del model
         out.append(path)
     return out[0], out[1]
@@ -141,8 +142,8 @@ def measure(args) -> dict:
                                   fsdp=True, max_batch_tokens=256))
     out["start_s"] = time.perf_counter() - started
     row = [SequenceInput(np.random.default_rng(0).integers(0, backend.info.vocab_size, 64))]
+    backend.score_row(row)  # weights a loader left mapped from the file are resident only once read
     out["start_peak_rss"], out["start_peak_pss"] = mem.peak_rss, mem.peak_pss
-    backend.score_row(row)
     out["serving_rss"], out["serving_pss"] = mem.now()
     if hasattr(backend, "update_weights") and args.checkpoint != "tiny":
         mem.reset()

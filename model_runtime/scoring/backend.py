@@ -145,8 +145,8 @@ class LocalBackend:
                 beside = self._fits_beside() if self.update_in_place is None else not self.update_in_place
                 if beside:
                     new = read_parameters(loaded.model, plan)
-                    load_s = time.perf_counter() - started
                     new_version = version or hashed.result()
+                    load_s = time.perf_counter() - started
                     with self._turnstile, self._lock:
                         t0 = time.perf_counter()
                         swap_parameters(loaded.model, new)
