@@ -7,7 +7,7 @@ float32, so every loader makes real copies rather than mapping the files), then 
 each code tree (this one, and ``--baseline-tree``: a checkout of an older commit, for the
 "before" figures) and each rank count starts the worker pool with ``--fsdp`` on CPU (gloo),
 sampling the resident memory of the whole process tree (the pool's process and its workers)
-every 20 ms: its peak while starting and scoring a first row, what it holds while serving, and during an update to the second
+every 20 ms: its peak while starting (loading), then what it holds after a first row, and during an update to the second
 checkpoint (where the tree has ``update_weights``). RSS counts a page shared by two processes
 twice; PSS (``/proc/PID/smaps_rollup``) splits it, so both are reported. The single process
 (``LocalBackend``) is measured the same way. Each measurement runs in a fresh process.
@@ -141,9 +141,12 @@ def measure(args) -> dict:
         backend = start_pool(dict(model=args.checkpoint, device="cpu", dtype="float32", world_size=ranks, sp=1,
                                   fsdp=True, max_batch_tokens=256))
     out["start_s"] = time.perf_counter() - started
-    row = [SequenceInput(np.random.default_rng(0).integers(0, backend.info.vocab_size, 64))]
-    backend.score_row(row)  # weights a loader left mapped from the file are resident only once read
+    time.sleep(0.1)  # one more sample
     out["start_peak_rss"], out["start_peak_pss"] = mem.peak_rss, mem.peak_pss
+    out["loaded_rss"], out["loaded_pss"] = mem.now()
+    row = [SequenceInput(np.random.default_rng(0).integers(0, backend.info.vocab_size, 64))]
+    backend.score_row(row)
+    out["first_row_peak_rss"], out["first_row_peak_pss"] = mem.peak_rss, mem.peak_pss
     out["serving_rss"], out["serving_pss"] = mem.now()
     if hasattr(backend, "update_weights") and args.checkpoint != "tiny":
         mem.reset()
@@ -220,8 +223,8 @@ def _table(report: dict) -> str:
         f"One copy of the weights: {gib(one)} GiB (float32). Peaks summed over the process tree; the share of the "
         "weights is the peak PSS less the control's (the same processes serving the tiny preset).",
         "",
-        "| code | processes | start s | start peak RSS GiB | start peak PSS GiB | weights' share of the peak, in copies | "
-        "serving RSS GiB | update load s | swap ms | update peak PSS GiB |",
+        "| code | processes | start s | start peak RSS GiB | start peak PSS GiB | weights' share of the start peak, in copies | "
+        "PSS after the first row GiB | update load s | swap ms | update peak PSS GiB |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     control = {r["ranks"]: r for r in report["results"] if r["code"].startswith("control")}
@@ -231,7 +234,7 @@ def _table(report: dict) -> str:
         procs = "1 (LocalBackend)" if r["ranks"] == 0 else f"1 + {r['ranks']} FSDP ranks"
         lines.append(
             f"| {r['code']} | {procs} | {r['start_s']:.1f} | {gib(r['start_peak_rss'])} | {gib(r['start_peak_pss'])} | "
-            f"{copies} | {gib(r['serving_rss'])} | "
+            f"{copies} | {gib(r['serving_pss'])} | "
             f"{r.get('update_load_s', float('nan')):.2f} | {r.get('update_swap_ms', float('nan')):.1f} | "
             f"{gib(r.get('update_peak_pss', 0))} |"
         )

@@ -170,7 +170,12 @@ class _WeightUpdates:
     """This rank's side of weight updates: a background load beside the served weights, the swap."""
 
     def __init__(self, model, rank: int, replies: _Replies, version: str):
+        from model_runtime.scoring.weights import held_parameters
+
         self.model, self.rank, self.replies = model, rank, replies
+        # Taken before any forward: the loading thread runs beside FSDP forwards, during which
+        # the modules hold gathered whole parameters instead of this rank's shards.
+        self.params = held_parameters(model)
         self.version = version  # what the rows scored here are scored by
         self._thread: threading.Thread | None = None
         self._staged: tuple[int, dict] | None = None  # (request id, new tensors)
@@ -193,7 +198,8 @@ class _WeightUpdates:
 
         started = time.perf_counter()
         try:
-            tensors = read_parameters(self.model, plan_reads(self.model, Path(message.path)))
+            plan = plan_reads(self.model, Path(message.path), self.params)
+            tensors = read_parameters(self.model, plan, params=self.params)
         except CheckpointError as error:
             self._done(message.request_id, started, False, error.kind, str(error))
             return

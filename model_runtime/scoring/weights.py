@@ -65,7 +65,16 @@ def _checkpoint_name(param: str, prefix: str) -> str:
     return param if param.startswith("lm_head.") else prefix + param
 
 
-def parameter_reads(model: nn.Module, names) -> list[ParameterRead]:
+def held_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters by name, as held between forwards (FSDP shards, not whole tensors).
+
+    Take it between two forwards and hand it to a loading thread: during an FSDP forward the
+    modules hold the gathered whole parameters instead, so ``named_parameters`` would return those.
+    """
+    return dict(model.named_parameters())
+
+
+def parameter_reads(params: dict[str, torch.Tensor], names) -> list[ParameterRead]:
     """How every parameter of ``model`` is read from a checkpoint holding tensors ``names``.
 
     The prefix (``model.`` or a multimodal checkpoint's ``model.language_model.``) and the experts'
@@ -74,7 +83,7 @@ def parameter_reads(model: nn.Module, names) -> list[ParameterRead]:
     names = set(names)
     prefix = _prefix(names)
     reads = []
-    for param, p in model.named_parameters():
+    for param, p in params.items():
         shape = tuple(p.shape)  # a DTensor reports its whole shape
         name = _checkpoint_name(param, prefix)
         m = _EXPERTS.match(param)
@@ -101,7 +110,7 @@ def _header_names(path: Path) -> set[str]:
     return names
 
 
-def plan_reads(model: nn.Module, path: Path) -> ReadPlan:
+def plan_reads(model: nn.Module, path: Path, params: dict[str, torch.Tensor] | None = None) -> ReadPlan:
     """Checks the checkpoint at ``path`` against ``model`` and maps every parameter to its tensors.
 
     ``check_checkpoint`` (the check made at start) compares it with the served model's tensors,
@@ -110,12 +119,13 @@ def plan_reads(model: nn.Module, path: Path) -> ReadPlan:
     the safetensors headers only.
     """
     path = Path(path)
-    served = {_checkpoint_name(param, "model."): tuple(p.shape) for param, p in model.named_parameters()}
+    params = held_parameters(model) if params is None else params
+    served = {_checkpoint_name(param, "model."): tuple(p.shape) for param, p in params.items()}
     spec = check_checkpoint(path, expected=served)
     if spec.quantization is not None:
         raise CheckpointError("unsupported", f"{path}: weight updates read unquantized checkpoints; this one is {spec.quantization}")
     names = _header_names(path)
-    reads = parameter_reads(model, names)
+    reads = parameter_reads(params, names)
     unknown = [n for r in reads for n in r.parts if n not in names]
     if unknown:  # a layout the check accepts and this reader does not know: refuse, never guess
         raise CheckpointError("incomplete", f"{path}: the weight reader finds no {', '.join(unknown[:5])}")
@@ -150,7 +160,14 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p.data
 
 
-def read_parameters(model: nn.Module, plan: ReadPlan, *, threads: int = 4, into_model: bool = False) -> dict[str, torch.Tensor]:
+def read_parameters(
+    model: nn.Module,
+    plan: ReadPlan,
+    *,
+    params: dict[str, torch.Tensor] | None = None,
+    threads: int = 4,
+    into_model: bool = False,
+) -> dict[str, torch.Tensor]:
     """New tensors for every parameter of ``model`` (this rank's rows of a sharded one).
 
     Each takes its parameter's device and dtype (bf16 on CUDA, as loaded at start); ``model`` is
@@ -163,7 +180,7 @@ def read_parameters(model: nn.Module, plan: ReadPlan, *, threads: int = 4, into_
     """
     from safetensors import SafetensorError, safe_open
 
-    params = dict(model.named_parameters())
+    params = held_parameters(model) if params is None else params
     device = next(local_tensor(p) for p in params.values()).device
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     if stream is not None and into_model:
