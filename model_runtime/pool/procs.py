@@ -54,7 +54,8 @@ class WorkerWorld:
             rep_recv, rep_send = Pipe(duplex=False)
             child_fds = (cmd_recv.fileno(), rep_send.fileno())
             proc = subprocess.Popen(
-                [sys.executable, "-m", "model_runtime.pool.worker", "--recv-fd", str(child_fds[0]), "--send-fd", str(child_fds[1])],
+                [sys.executable, "-m", "model_runtime.pool.worker", "--recv-fd", str(child_fds[0]), "--send-fd", str(child_fds[1]),
+                 "--parent-pid", str(os.getpid())],
                 pass_fds=child_fds,
                 env=env,
             )

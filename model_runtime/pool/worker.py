@@ -46,9 +46,9 @@ class _Replies:
             self.conn.send_bytes(msg.encode(message))
 
 
-def _watch_parent() -> None:
-    """Exits when the pool's process goes away, even while this rank is busy in a forward."""
-    parent = os.getppid()
+def _watch_parent(parent: int) -> None:
+    """Exits when the pool's process goes away, even while this rank is busy in a forward (or
+    went away while this process was still importing torch)."""
 
     def watch():
         while True:
@@ -319,10 +319,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="packscore worker process (started by the worker pool)")
     parser.add_argument("--recv-fd", type=int, required=True, help="inherited descriptor of the command pipe")
     parser.add_argument("--send-fd", type=int, required=True, help="inherited descriptor of the reply pipe")
+    parser.add_argument("--parent-pid", type=int, default=None, help="the pool's process id (default: the parent now)")
     args = parser.parse_args(argv)
     # Ctrl-C in a terminal reaches the whole process group; the pool decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _watch_parent()
+    _watch_parent(args.parent_pid or os.getppid())
     commands = Connection(args.recv_fd, writable=False)
     replies = _Replies(Connection(args.send_fd, readable=False))
     code = serve(commands, replies)
