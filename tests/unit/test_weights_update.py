@@ -194,11 +194,11 @@ def test_every_row_under_continuous_load_matches_the_version_it_names(served, re
     thread = threading.Thread(target=load)
     thread.start()
     try:
-        while len(seen) < 3:
+        while len(seen) < 3 and thread.is_alive():
             time.sleep(0.01)
         backend.update_weights(new, "new")
         count = len(seen)
-        while len(seen) < count + 3:
+        while len(seen) < count + 3 and thread.is_alive():
             time.sleep(0.01)
     finally:
         stop.set()
