@@ -67,7 +67,7 @@ PARTS = {
     "probe": lambda: Part("probe", ("-m", "bench.elementwise_probe"), 150),
     "tests": lambda: Part("tests", ("-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "tests/gpu"), 300),
     "http_burst": lambda: Part("http_burst", ("-m", "bench.http_burst", "--mode", "gpu"), 150, "http_burst"),
-    "weights_swap": lambda: Part("weights_swap", ("-m", "bench.weights_swap"), 120, "weights_swap"),
+    "weights_swap": lambda: Part("weights_swap", ("-m", "bench.weights_swap"), 240, "weights_swap"),
     "prefix_sharing": lambda: Part("prefix_sharing", ("-m", "bench.prefix_sharing"), 120, "prefix_sharing"),
     "moe": lambda: Part("moe", ("-m", "bench.moe"), 300, "moe"),
 }

@@ -34,6 +34,7 @@ class SequenceScores:
     entropy: np.ndarray | None  # float32 [n_scored], when asked for
     top_k_ids: np.ndarray | None  # int32 [n_scored, k], when top_k > 0
     top_k_logprobs: np.ndarray | None  # float32 [n_scored, k]
+    weights_version: str | None = None  # the version of the weights that scored the whole sequence
 
 
 class InvalidSequenceError(ValueError):

@@ -8,6 +8,10 @@ into numbers and nothing else.
 Flow: pool -> worker ``Start`` once; worker -> pool ``Hello`` when its model is ready; then
 pool -> worker ``ScoreRow`` / ``Idle`` steps, answered by the group leader's ``RowResult`` (or
 any rank's ``Failure``); pool -> worker ``Shutdown`` at the end.
+
+A weight update: pool -> every rank ``LoadWeights`` (read beside the served weights while steps
+go on), every rank answers ``WeightsDone``; then pool -> every rank ``SwapWeights`` between the
+same two steps (commit, or drop after a failure anywhere), answered by ``WeightsDone`` again.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class Start:
     served_model_name: str  # name shown in /v1/models ("" for the model's own)
     timeout_s: float  # collective timeout: a stuck collective raises instead of hanging
     prefix_min_tokens: int = 0  # shortest shared prefix run once (0: prefix sharing off)
+    weights_version: str = ""  # version of the weights at ``model`` after an update ("": the model's own)
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,7 @@ class RowResult:
     entropy: bytes  # FLOAT [N]: entropy of every scored position
     top_k_ids: bytes  # IDS [N * K], row-major
     top_k_logprobs: bytes  # FLOAT [N * K], row-major
+    weights_version: str  # the version of the weights that scored the row
 
 
 @dataclass(frozen=True)
@@ -151,11 +157,46 @@ class Failure:
 
 
 @dataclass(frozen=True)
+class LoadWeights:
+    """pool -> every rank: read the checkpoint at ``path`` beside the served weights (each rank its
+    own shards under FSDP), in the background while steps go on."""
+
+    request_id: int  # echoed in every rank's WeightsDone
+    path: str  # checkpoint directory, already resolved and allowed by the service
+
+
+@dataclass(frozen=True)
+class SwapWeights:
+    """pool -> every rank, between two steps: serve the weights loaded for ``request_id`` as
+    ``version`` (``commit``), or drop them (a rank failed to load)."""
+
+    request_id: int  # echoed in every rank's WeightsDone
+    load_id: int  # the request_id of the LoadWeights whose weights these are
+    commit: bool  # True: swap; False: free the loaded weights and keep serving the old ones
+    version: str  # the version the rows name from this step on (when committed)
+
+
+@dataclass(frozen=True)
+class WeightsDone:
+    """every rank -> pool: the answer to LoadWeights or SwapWeights."""
+
+    request_id: int  # the LoadWeights / SwapWeights it answers
+    rank: int  # the sender's global rank
+    ok: bool  # loaded (or swapped, or dropped)
+    kind: str  # when not ok: "unsupported", "incomplete", "incompatible" (the checkpoint) or "internal"
+    message: str  # when not ok: one line naming the problem
+    seconds: float  # time the rank spent loading (LoadWeights) or with steps paused (SwapWeights)
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """pool -> worker: leave the loop, destroy the process group and exit 0."""
 
 
-MESSAGES = {cls.__name__: cls for cls in (Start, Hello, ScoreRow, Idle, RowResult, Failure, Shutdown)}
+MESSAGES = {
+    cls.__name__: cls
+    for cls in (Start, Hello, ScoreRow, Idle, RowResult, Failure, LoadWeights, SwapWeights, WeightsDone, Shutdown)
+}
 
 
 def encode(message) -> bytes:

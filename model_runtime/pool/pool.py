@@ -18,6 +18,12 @@ Scheduling:
 A group's row may hold ``sp * max_batch_tokens`` tokens (``max_row_tokens``): a sequence too long
 for one GPU's budget fits a group whose ``sp`` ranks each hold a shard of it.
 
+Weight updates (``update_weights``): every rank loads the new checkpoint beside the served weights
+while rows keep running, then every rank swaps between the same two rows of its command stream
+(with FSDP the stepper sends the swap between two steps, so every rank swaps at the same step and
+each swaps its own shards). Each row's result names the version that scored it. A failure on any
+rank drops what every rank loaded: nothing changes.
+
 Failure: a worker that exits (its reply pipe closes) or a row that outlives ``worker_timeout_s``
 fails every in-flight row with ``BackendUnavailableError``; ``is_alive()`` turns False, the whole
 world is killed and started again in the background, and ``is_alive()`` returns to True once a
@@ -32,8 +38,10 @@ import queue
 import subprocess
 import threading
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import wait
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -42,7 +50,8 @@ import torch
 from model_runtime.parallel.dims import ParallelDims
 from model_runtime.pool import messages as msg
 from model_runtime.pool.procs import WorkerWorld
-from model_runtime.scoring.backend import BackendUnavailableError, ModelInfo
+from model_runtime.scoring.backend import BackendUnavailableError, ModelInfo, UpdateInProgressError, WeightsUpdate
+from model_runtime.scoring.checkpoint import CheckpointError
 from model_runtime.scoring.head import HeadOutput
 from model_runtime.scoring.rows import split_results, validate_sequence
 from model_runtime.scoring.scorer import shared_prefix_row
@@ -66,7 +75,8 @@ def _device_type(device) -> str:
 
 @dataclass
 class _Pending:
-    """One row (or idle step) waiting for its group leader's reply."""
+    """One row (or idle step) waiting for its group leader's reply, or a weights command waiting
+    for every rank's (``ranks`` replies, collected in ``replies``)."""
 
     request_id: int
     generation: int
@@ -74,11 +84,27 @@ class _Pending:
     done: threading.Event = field(default_factory=threading.Event)
     reply: msg.RowResult | None = None
     error: BaseException | None = None
+    ranks: int = 1
+    replies: list = field(default_factory=list)
 
     def settle(self, reply=None, error=None) -> None:
         if not self.done.is_set():
             self.reply, self.error = reply, error
             self.done.set()
+
+    def add(self, reply) -> None:
+        """One rank's answer; settled once every rank has answered."""
+        self.replies.append(reply)
+        if len(self.replies) == self.ranks:
+            self.settle(reply=self.replies)
+
+
+@dataclass(frozen=True)
+class _Swap:
+    """A swap for the stepper to send to every rank between two steps (FSDP lockstep)."""
+
+    frame: bytes
+    pending: _Pending
 
 
 class WorkerPool:
@@ -115,8 +141,10 @@ class WorkerPool:
             served_model_name=str(settings.get("served_model_name") or ""),
             timeout_s=self.request_timeout_s,
             prefix_min_tokens=int(settings.get("prefix_min_tokens", 0)) if settings.get("prefix_sharing", False) else 0,
+            weights_version="",
         )
         self._lock = threading.Lock()
+        self._updating = threading.Lock()  # one weight update at a time
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._lane_cost = [0.0] * self.dims.dp  # estimated cost of the rows each group has in flight
@@ -174,6 +202,56 @@ class WorkerPool:
                 rows.append(shared_prefix_row(rng, self._vocab_size, self._start_fields["prefix_min_tokens"]))
         for row in rows:
             self._run_on_every_group(row)
+
+    def update_weights(self, path: Path, version: str | None = None) -> WeightsUpdate:
+        """Every rank loads ``path`` beside its weights, then every rank swaps between the same two rows."""
+        from model_runtime.scoring.weights import content_version
+
+        if not self._updating.acquire(blocking=False):
+            raise UpdateInProgressError(f"an update of {self.info.name} is already running")
+        try:
+            started = time.perf_counter()
+            world = self._world
+            if world is None or world.failed or not self._alive:
+                raise BackendUnavailableError("the worker pool is restarting after a worker failure")
+            with ThreadPoolExecutor(1) as hasher:  # the content hash runs while the ranks read
+                hashed = hasher.submit(content_version, Path(path)) if version is None else None
+                load = self._new_pending(world, ranks=self.dims.world_size, timeout_s=self.start_timeout_s)
+                self._send_all(world, load, msg.LoadWeights(load.request_id, str(path)))
+                failed = [r for r in self._await(load) if not r.ok]
+                new_version = version or hashed.result()
+            load_s = time.perf_counter() - started
+            swap = self._new_pending(world, ranks=self.dims.world_size)
+            frame = msg.encode(msg.SwapWeights(swap.request_id, load.request_id, not failed, new_version))
+            if self.dims.lockstep:
+                self._steps.put(_Swap(frame, swap))  # the stepper sends it between two steps
+            else:
+                self._send_all(world, swap, frame)
+            swapped = self._await(swap)
+            if failed:
+                first = min(failed, key=lambda r: r.rank)
+                if first.kind == "internal":
+                    raise RuntimeError(f"worker rank {first.rank} could not load {path}: {first.message}")
+                raise CheckpointError(first.kind, first.message)
+            refused = [r for r in swapped if not r.ok]
+            if refused:
+                self._on_world_failure(world, f"worker rank {refused[0].rank} could not swap: {refused[0].message}")
+                raise BackendUnavailableError(f"the weight swap failed on rank {refused[0].rank}; the pool is restarting")
+            previous = self.info.weights_version
+            self.info = replace(self.info, weights_version=new_version)
+            # A restarted world loads what serves now.
+            self._start_fields.update(model=str(path), weights_version=new_version, served_model_name=self.info.name)
+            swap_ms = 1e3 * max(r.seconds for r in swapped)
+            return WeightsUpdate(new_version, previous, load_s, swap_ms)
+        finally:
+            self._updating.release()
+
+    def _send_all(self, world: WorkerWorld, pending: _Pending, message) -> None:
+        frame = message if isinstance(message, bytes) else msg.encode(message)
+        try:
+            world.send_every(frame)
+        except OSError as error:
+            pending.settle(error=BackendUnavailableError(f"cannot reach the workers: {error}"))
 
     def is_alive(self) -> bool:
         world = self._world
@@ -334,6 +412,8 @@ class WorkerPool:
             pending = self._pending.get(getattr(reply, "request_id", -1))
         if isinstance(reply, msg.RowResult) and pending is not None:
             pending.settle(reply=reply)
+        elif isinstance(reply, msg.WeightsDone) and pending is not None:
+            pending.add(reply)
         elif isinstance(reply, msg.Failure):
             log.error("worker rank %d: request %d failed (%s): %s", rank, reply.request_id, reply.kind, reply.message)
             if pending is not None:
@@ -345,7 +425,7 @@ class WorkerPool:
 
     # Dispatch.
 
-    def _new_pending(self, world: WorkerWorld) -> _Pending:
+    def _new_pending(self, world: WorkerWorld, ranks: int = 1, timeout_s: float | None = None) -> _Pending:
         """Registers a row for ``world``'s reply, or settles it at once when ``world`` has failed.
 
         ``world.failed`` is only set under ``_lock``, and ``_fail_pending`` collects the rows of
@@ -353,8 +433,9 @@ class WorkerPool:
         by ``_fail_pending``) or sees the flag here. Registered later, no reader would ever
         settle it and its caller would wait out ``request_timeout_s``.
         """
+        timeout_s = self.request_timeout_s if timeout_s is None else timeout_s
         with self._lock:
-            p = _Pending(next(self._ids), world.generation, time.monotonic() + self.request_timeout_s)
+            p = _Pending(next(self._ids), world.generation, time.monotonic() + timeout_s, ranks=ranks)
             if world.failed:
                 p.settle(error=BackendUnavailableError("the worker pool is restarting after a worker failure"))
             else:
@@ -365,7 +446,7 @@ class WorkerPool:
         try:
             # The reader settles every pending row on success, failure, a dead worker or the
             # deadline; the extra margin only guards against a reader that died itself.
-            if not pending.done.wait(self.request_timeout_s + 30.0):
+            if not pending.done.wait(max(0.0, pending.deadline - time.monotonic()) + 30.0):
                 raise BackendUnavailableError("no reply from the worker pool")
         finally:
             with self._lock:
@@ -448,6 +529,17 @@ class WorkerPool:
             held = None
             if bundle is None:
                 break
+            if isinstance(bundle, _Swap):  # between two steps: every rank swaps before the next one
+                world = self._world
+                if world is None or world.failed:
+                    bundle.pending.settle(error=BackendUnavailableError("the worker pool is restarting"))
+                else:
+                    self._send_all(world, bundle.pending, bundle.frame)
+                    try:
+                        self._await(bundle.pending)  # no step starts before every rank has swapped
+                    except BaseException:
+                        pass  # the updating thread sees the same outcome
+                continue
             batch = list(bundle)
             busy = time.monotonic() - self._last_step_end < self.DEMAND_WINDOW_S
             deadline = time.monotonic() + (self.STEP_GATHER_S if busy else 0.0)
@@ -460,7 +552,7 @@ class WorkerPool:
                 if extra is None:
                     self._steps.put(None)  # shutting down: seen once this step is done
                     break
-                if len(batch) + len(extra) > self.dims.dp:
+                if isinstance(extra, _Swap) or len(batch) + len(extra) > self.dims.dp:
                     held = extra
                     break
                 batch.extend(extra)
@@ -469,6 +561,9 @@ class WorkerPool:
             self.step_counts["steps"] += 1
             self.step_counts["rows"] += len(batch)
         for bundle in [held] + _drain(self._steps):  # fail whatever is still queued at shutdown
+            if isinstance(bundle, _Swap):
+                bundle.pending.settle(error=BackendUnavailableError("the worker pool is shutting down"))
+                continue
             for _, ticket in bundle or ():
                 ticket.put(BackendUnavailableError("the worker pool is shutting down"))
 
@@ -527,7 +622,10 @@ def _split(sequences: Sequence[SequenceInput], reply: msg.RowResult) -> list[Seq
     expected = sum(s.num_scored for s in sequences)
     if head.logprobs_N.shape[0] != expected:
         raise RuntimeError(f"worker returned {head.logprobs_N.shape[0]} positions for a row with {expected}")
-    return split_results(sequences, head, k)
+    results = split_results(sequences, head, k)
+    for r in results:
+        r.weights_version = reply.weights_version
+    return results
 
 
 def start_pool(settings: dict) -> WorkerPool:

@@ -37,6 +37,8 @@ class WorkerWorld:
         self.commands: list[Connection] = []
         self.replies: list[Connection] = []
         self.send_locks = [threading.Lock() for _ in range(dims.world_size)]
+        # A group's ranks see its rows and any message to every rank in one order.
+        self.group_locks = [threading.Lock() for _ in range(dims.dp)]
         try:
             self._launch(start_fields)
         except BaseException:
@@ -52,7 +54,8 @@ class WorkerWorld:
             rep_recv, rep_send = Pipe(duplex=False)
             child_fds = (cmd_recv.fileno(), rep_send.fileno())
             proc = subprocess.Popen(
-                [sys.executable, "-m", "model_runtime.pool.worker", "--recv-fd", str(child_fds[0]), "--send-fd", str(child_fds[1])],
+                [sys.executable, "-m", "model_runtime.pool.worker", "--recv-fd", str(child_fds[0]), "--send-fd", str(child_fds[1]),
+                 "--parent-pid", str(os.getpid())],
                 pass_fds=child_fds,
                 env=env,
             )
@@ -74,8 +77,20 @@ class WorkerWorld:
             self.commands[rank].send_bytes(frame)
 
     def send_group(self, group: int, frame: bytes) -> None:
-        for rank in self.dims.ranks_of_group(group):
-            self.send(rank, frame)
+        with self.group_locks[group]:
+            for rank in self.dims.ranks_of_group(group):
+                self.send(rank, frame)
+
+    def send_every(self, frame: bytes) -> None:
+        """Sends ``frame`` to every rank, at the same place in each group's stream of rows."""
+        for lock in self.group_locks:
+            lock.acquire()
+        try:
+            for rank in range(self.dims.world_size):
+                self.send(rank, frame)
+        finally:
+            for lock in self.group_locks:
+                lock.release()
 
     def all_running(self) -> bool:
         return all(p.poll() is None for p in self.procs)

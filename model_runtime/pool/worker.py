@@ -5,6 +5,11 @@ in, replies out). It reads a ``Start`` message, joins the process group on 127.0
 parallelizes the model, says ``Hello``, then runs the ``ScoreRow`` / ``Idle`` steps it is sent,
 in order, until ``Shutdown`` or until its command pipe closes. Only msgpack frames of
 ``model_runtime.pool.messages`` are read from the pipe.
+
+A weight update reads the new checkpoint in a background thread while steps go on
+(``LoadWeights``) and swaps it in when told (``SwapWeights``), between two steps. With FSDP a
+checkpoint is read shard by shard, at start as for updates: each rank reads only the bytes of its
+own shards, so a host holds one copy of the weights, not one per rank.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import threading
 import time
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -40,9 +46,9 @@ class _Replies:
             self.conn.send_bytes(msg.encode(message))
 
 
-def _watch_parent() -> None:
-    """Exits when the pool's process goes away, even while this rank is busy in a forward."""
-    parent = os.getppid()
+def _watch_parent(parent: int) -> None:
+    """Exits when the pool's process goes away, even while this rank is busy in a forward (or
+    went away while this process was still importing torch)."""
 
     def watch():
         while True:
@@ -53,16 +59,33 @@ def _watch_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def _reads_shards(start: msg.Start) -> bool:
+    """FSDP over a checkpoint: every rank builds the model empty and reads only its own shards."""
+    from model_runtime.scoring.presets import PRESETS
+
+    return start.fsdp and start.model not in PRESETS
+
+
 def _load(start: msg.Start, device: torch.device):
     from model_runtime.kernels.overrides import parse_kernel_overrides
     from model_runtime.scoring.loading import load_model
 
     name = start.served_model_name or None
     overrides = parse_kernel_overrides(start.kernels)
-    # A model that does not fit one GPU must not be loaded whole onto one: with FSDP it is
-    # loaded on the CPU with the GPU's kernels, and fully_shard moves each rank's shards. (A
-    # model that fits is loaded on the GPU and sharded there: seconds instead of minutes, and
-    # host RAM does not have to hold world_size copies.)
+    if _reads_shards(start):
+        return load_model(
+            start.model,
+            dtype=start.dtype,
+            device=device,
+            allow_slow_kernels=start.allow_slow_kernels,
+            kernel_overrides=overrides,
+            served_name=name,
+            worker_pool=True,
+            weights_later=True,
+        )
+    # A preset (random weights drawn whole) that does not fit one GPU must not be built whole onto
+    # one: with FSDP it is built on the CPU with the GPU's kernels, and fully_shard moves each
+    # rank's shards.
     on_host = device.type == "cuda" and start.fsdp and not _fits_on_gpu(start, device)
     return load_model(
         start.model,
@@ -116,6 +139,10 @@ def _setup(start: msg.Start):
     loaded = _load(start, device)
     costs = cost_coefficients(loaded)  # before sharding: it counts whole parameters
     parallelize(loaded.model, dims=dims, mesh=mesh)
+    if _reads_shards(start):
+        from model_runtime.scoring.weights import materialize
+
+        materialize(loaded.model, Path(start.model), device)
     runner = ParallelScorer(
         loaded, dims=dims, mesh=mesh, rank=start.rank, max_batch_tokens=start.max_batch_tokens,
         prefix_min_tokens=start.prefix_min_tokens,
@@ -130,7 +157,7 @@ def _setup(start: msg.Start):
         max_model_len=loaded.max_model_len,
         dtype=loaded.dtype_name,
         device=device.type,
-        weights_version=loaded.weights_version,
+        weights_version=start.weights_version or loaded.weights_version,
         kernels=dict(loaded.backends.names),
         slow_kernels=list(loaded.backends.fallbacks),
         cost_per_token=costs[0],
@@ -139,7 +166,69 @@ def _setup(start: msg.Start):
     return dims, runner, hello
 
 
-def _result(request_id: int, head, top_k: int) -> msg.RowResult:
+class _WeightUpdates:
+    """This rank's side of weight updates: a background load beside the served weights, the swap."""
+
+    def __init__(self, model, rank: int, replies: _Replies, version: str):
+        from model_runtime.scoring.weights import held_parameters
+
+        self.model, self.rank, self.replies = model, rank, replies
+        # Taken before any forward: the loading thread runs beside FSDP forwards, during which
+        # the modules hold gathered whole parameters instead of this rank's shards.
+        self.params = held_parameters(model)
+        self.version = version  # what the rows scored here are scored by
+        self._thread: threading.Thread | None = None
+        self._staged: tuple[int, dict] | None = None  # (request id, new tensors)
+
+    def _done(self, request_id: int, started: float, ok: bool = True, kind: str = "", message: str = "") -> None:
+        seconds = time.perf_counter() - started
+        self.replies.send(msg.WeightsDone(request_id, self.rank, ok, kind, message, seconds))
+
+    def load(self, message: msg.LoadWeights) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._done(message.request_id, time.perf_counter(), False, "internal", "a weight load is already running")
+            return
+        self._staged = None
+        self._thread = threading.Thread(target=self._load, args=(message,), name="weights-load", daemon=True)
+        self._thread.start()
+
+    def _load(self, message: msg.LoadWeights) -> None:
+        from model_runtime.scoring.checkpoint import CheckpointError
+        from model_runtime.scoring.weights import plan_reads, read_parameters
+
+        started = time.perf_counter()
+        try:
+            plan = plan_reads(self.model, Path(message.path), self.params)
+            tensors = read_parameters(self.model, plan, params=self.params)
+        except CheckpointError as error:
+            self._done(message.request_id, started, False, error.kind, str(error))
+            return
+        except Exception as error:
+            log.exception("loading %s failed", message.path)
+            self._done(message.request_id, started, False, "internal", f"{type(error).__name__}: {error}")
+            return
+        self._staged = (message.request_id, tensors)
+        self._done(message.request_id, started)
+
+    def swap(self, message: msg.SwapWeights) -> None:
+        """Between two steps: serve the loaded weights (commit) or drop them."""
+        from model_runtime.scoring.weights import swap_parameters
+
+        started = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()
+        staged, self._staged = self._staged, None
+        if message.commit:
+            if staged is None or staged[0] != message.load_id:
+                self._done(message.request_id, started, False, "internal", f"no weights loaded for update {message.load_id}")
+                return
+            swap_parameters(self.model, staged[1])
+            self.version = message.version
+        del staged
+        self._done(message.request_id, started)
+
+
+def _result(request_id: int, head, top_k: int, version: str) -> msg.RowResult:
     to_np = lambda t: np.zeros(0) if t is None else t.numpy()  # noqa: E731
     return msg.RowResult(
         request_id=request_id,
@@ -148,11 +237,14 @@ def _result(request_id: int, head, top_k: int) -> msg.RowResult:
         entropy=to_np(head.entropy_N).astype(msg.FLOAT).tobytes(),
         top_k_ids=to_np(head.top_k_ids_NK).astype(msg.IDS).tobytes(),
         top_k_logprobs=to_np(head.top_k_logprobs_NK).astype(msg.FLOAT).tobytes(),
+        weights_version=version,
     )
 
 
-def _empty_result(request_id: int) -> msg.RowResult:
-    return msg.RowResult(request_id=request_id, top_k=0, logprobs=b"", entropy=b"", top_k_ids=b"", top_k_logprobs=b"")
+def _empty_result(request_id: int, version: str) -> msg.RowResult:
+    return msg.RowResult(
+        request_id=request_id, top_k=0, logprobs=b"", entropy=b"", top_k_ids=b"", top_k_logprobs=b"", weights_version=version
+    )
 
 
 def _failure_kind(error: BaseException) -> str:
@@ -177,6 +269,7 @@ def serve(commands: Connection, replies: _Replies) -> int:
         replies.send(msg.Failure(request_id=-1, kind=_failure_kind(error), message=f"{type(error).__name__}: {error}", fatal=True))
         return 1
     replies.send(hello)
+    updates = _WeightUpdates(runner.loaded.model, start.rank, replies, hello.weights_version)
     leader = dims.sp_rank(start.rank) == 0
     # With collectives in a step (Ulysses inside the group, FSDP across the world), a rank that
     # failed mid-forward leaves its peers waiting: the pool restarts the world instead.
@@ -190,13 +283,19 @@ def serve(commands: Connection, replies: _Replies) -> int:
         message = msg.decode(frame)
         if isinstance(message, msg.Shutdown):
             return 0
+        if isinstance(message, msg.LoadWeights):
+            updates.load(message)
+            continue
+        if isinstance(message, msg.SwapWeights):
+            updates.swap(message)
+            continue
         try:
             if isinstance(message, msg.ScoreRow):
                 head, top_k = runner.score_row_flat(message.sequences())
-                reply = _result(message.request_id, head, top_k)
+                reply = _result(message.request_id, head, top_k, updates.version)
             elif isinstance(message, msg.Idle):
                 runner.idle_step()
-                reply = _empty_result(message.request_id)
+                reply = _empty_result(message.request_id, updates.version)
             else:
                 raise ValueError(f"unexpected {type(message).__name__} message in the step loop")
         except Exception as error:
@@ -220,10 +319,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="packscore worker process (started by the worker pool)")
     parser.add_argument("--recv-fd", type=int, required=True, help="inherited descriptor of the command pipe")
     parser.add_argument("--send-fd", type=int, required=True, help="inherited descriptor of the reply pipe")
+    parser.add_argument("--parent-pid", type=int, default=None, help="the pool's process id (default: the parent now)")
     args = parser.parse_args(argv)
     # Ctrl-C in a terminal reaches the whole process group; the pool decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _watch_parent()
+    _watch_parent(args.parent_pid or os.getppid())
     commands = Connection(args.recv_fd, writable=False)
     replies = _Replies(Connection(args.send_fd, readable=False))
     code = serve(commands, replies)

@@ -8,8 +8,13 @@ data-parallel groups. The service never touches torch directly.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Protocol, Sequence
+
+import torch
 
 from model_runtime.scoring.loading import LoadedModel
 from model_runtime.scoring.scorer import Scorer
@@ -47,6 +52,16 @@ class ModelInfo:
         )
 
 
+@dataclass(frozen=True)
+class WeightsUpdate:
+    """What ``update_weights`` reports once the new version serves."""
+
+    weights_version: str  # the version now serving
+    previous_version: str  # the version it replaced
+    load_s: float  # from the call to the new weights ready beside the old (checks and reading)
+    swap_ms: float  # the pause between two forwards while the weights are swapped
+
+
 class BackendUnavailableError(RuntimeError):
     """The backend cannot score right now (a worker died, or it is restarting)."""
 
@@ -67,6 +82,16 @@ class ScoringBackend(Protocol):
     def warm_up(self) -> None:
         """Compiles and autotunes kernels for the configured budget (before readiness)."""
 
+    def update_weights(self, path: Path, version: str | None) -> WeightsUpdate:
+        """Serves the safetensors checkpoint at ``path`` as ``version`` (None: its content hash).
+
+        Blocking (the service calls it in a thread). Loads the checkpoint beside the old weights
+        where memory allows (else in place between forwards), checks it, then swaps atomically
+        between forwards: a row is scored entirely by one version, which its ``SequenceScores``
+        name. ``info.weights_version`` changes at the swap. Raises ``CheckpointError`` (and
+        changes nothing) for a checkpoint the model cannot take.
+        """
+
     def is_alive(self) -> bool: ...
 
     def close(self) -> None: ...
@@ -76,23 +101,90 @@ class LocalBackend:
     """The scorer in this process; one forward at a time."""
 
     concurrency = 1
+    # Share of the free GPU memory a second copy of the weights may take; beyond it an update
+    # copies the new weights into place between forwards instead.
+    BESIDE_FRACTION = 0.9
 
     def __init__(self, scorer: Scorer):
         self.scorer = scorer
         self.info = ModelInfo.of(scorer.loaded)
         self.max_row_tokens = scorer.max_batch_tokens
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held by a forward, and by a swap
+        # Held by a swap while it waits for the running forward: a caller scoring row after row
+        # would otherwise win the forward lock back every time (Python's locks are not fair).
+        self._turnstile = threading.Lock()
+        self._updating = threading.Lock()  # one update at a time
+        self.update_in_place: bool | None = None  # None: beside the old weights when a second copy fits
 
     def score_row(self, sequences: Sequence[SequenceInput]) -> list[SequenceScores]:
+        with self._turnstile:
+            pass
         with self._lock:
-            return self.scorer.score_row(sequences)
+            results = self.scorer.score_row(sequences)
+            version = self.scorer.loaded.weights_version
+        for r in results:
+            r.weights_version = version
+        return results
 
     def warm_up(self) -> None:
         with self._lock:
             self.scorer.warm_up()
+
+    def update_weights(self, path: Path, version: str | None = None) -> WeightsUpdate:
+        from model_runtime.scoring.weights import content_version, plan_reads, read_parameters, swap_parameters
+
+        path = Path(path)
+        if not self._updating.acquire(blocking=False):
+            raise UpdateInProgressError(f"an update of {self.info.name} is already running")
+        try:
+            started = time.perf_counter()
+            loaded = self.scorer.loaded
+            plan = plan_reads(loaded.model, path)
+            with ThreadPoolExecutor(1) as hasher:
+                hashed = hasher.submit(content_version, path) if version is None else None
+                beside = self._fits_beside() if self.update_in_place is None else not self.update_in_place
+                if beside:
+                    new = read_parameters(loaded.model, plan)
+                    new_version = version or hashed.result()
+                    load_s = time.perf_counter() - started
+                    with self._turnstile, self._lock:
+                        t0 = time.perf_counter()
+                        swap_parameters(loaded.model, new)
+                        previous = self._set_version(new_version)
+                        swap_ms = 1e3 * (time.perf_counter() - t0)
+                else:
+                    new_version = version or hashed.result()
+                    with self._turnstile, self._lock:  # forwards wait while the weights are copied into place
+                        t0 = time.perf_counter()
+                        read_parameters(loaded.model, plan, into_model=True)
+                        previous = self._set_version(new_version)
+                        swap_ms = 1e3 * (time.perf_counter() - t0)
+                        load_s = time.perf_counter() - started
+            return WeightsUpdate(new_version, previous, load_s, swap_ms)
+        finally:
+            self._updating.release()
+
+    def _set_version(self, version: str) -> str:
+        previous = self.scorer.loaded.weights_version
+        self.scorer.loaded.weights_version = version
+        self.info = replace(self.info, weights_version=version)
+        return previous
+
+    def _fits_beside(self) -> bool:
+        device = self.scorer.loaded.device
+        if device.type != "cuda":
+            return True
+        need = sum(p.numel() for p in self.scorer.loaded.model.parameters()) * self.scorer.loaded.dtype.itemsize
+        free, _ = torch.cuda.mem_get_info(device)
+        idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return need <= self.BESIDE_FRACTION * (free + idle)
 
     def is_alive(self) -> bool:
         return True
 
     def close(self) -> None:
         pass
+
+
+class UpdateInProgressError(RuntimeError):
+    """An update of the same model is already running (the service answers 409)."""

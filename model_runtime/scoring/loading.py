@@ -72,6 +72,7 @@ def load_model(
     moe_implementation: str | None = None,
     kernel_device: str | torch.device | None = None,
     worker_pool: bool = False,
+    weights_later: bool = False,
 ) -> LoadedModel:
     """Loads ``spec`` (a preset name or a checkpoint directory) and patches it for packing.
 
@@ -79,6 +80,10 @@ def load_model(
     loads a large model on the CPU and shards it onto the GPUs): kernels are chosen for it, and
     the result's ``device`` is it. ``worker_pool`` chooses the kernels that are fastest in a
     worker pool's process (``select_backends``).
+
+    ``weights_later`` (a checkpoint only) builds the model on the meta device, without reading a
+    weight: FSDP shards it first, then each rank reads only its own shards' bytes
+    (``model_runtime.scoring.weights.materialize``), so a host holds one copy, not one per rank.
 
     ``moe_implementation`` picks how Hugging Face runs MoE experts: ``grouped_mm`` (one grouped
     matrix product over all experts, the default) or ``eager`` (a Python loop over experts).
@@ -104,7 +109,10 @@ def load_model(
         checked = check_checkpoint(path)  # refuses before a byte of weights is read
         model_type, max_model_len = checked.model_type, checked.max_model_len
         hf_kwargs = _hf_kwargs(model_type, moe_implementation)
-        hf_model = _load_checkpoint(checked, torch_dtype, device, hf_kwargs)
+        if weights_later:
+            hf_model = _empty_checkpoint_model(path, torch_dtype, hf_kwargs)
+        else:
+            hf_model = _load_checkpoint(checked, torch_dtype, device, hf_kwargs)
         version, name, source = checkpoint_version(path), path.name, str(path)
     architecture = architecture_for(model_type)
     model, report = patch_for_packing(hf_model, architecture, backends)
@@ -174,6 +182,14 @@ def _build_preset(name: str, dtype: torch.dtype, device: torch.device, hf_kwargs
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, **hf_kwargs)
     model = model.to(device)
     return model, preset.model_type, f"preset:{name}#seed{preset.seed}", name
+
+
+def _empty_checkpoint_model(path: Path, dtype: torch.dtype, hf_kwargs: dict):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, **hf_kwargs)
 
 
 def _load_checkpoint(checked: CheckpointSpec, dtype: torch.dtype, device: torch.device, hf_kwargs: dict):

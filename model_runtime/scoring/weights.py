@@ -1,0 +1,308 @@
+"""Reading a safetensors checkpoint into a packed model's parameters, whole or shard by shard.
+
+Legend: E = experts, I = expert intermediate size, D = hidden size.
+
+The packed model (``model_runtime.model.causal_lm``) keeps Hugging Face's submodules under
+shorter names: ``layers.3.mlp.down_proj.weight`` is the checkpoint's
+``model.layers.3.mlp.down_proj.weight`` (``model.language_model.`` in a multimodal checkpoint,
+whose ``model.visual.*`` tensors are never read), and an MoE layer's experts are one fused
+parameter each (``experts.gate_up_proj`` ``[E, 2I, D]``: every expert's ``gate_proj`` then
+``up_proj`` rows; ``experts.down_proj`` ``[E, D, I]``), stored per expert in checkpoints written by
+``save_pretrained`` and fused in some others. ``plan_reads`` maps every parameter to the
+checkpoint tensors it is made of, checks names and shapes before anything is read, and
+``read_parameters`` reads them, only the rows of dim 0 a rank holds when FSDP sharded it.
+
+Only safetensors are opened (``safe_open``: a header and raw buffers, never a pickle).
+
+Example:
+    >>> new = read_parameters(model, plan_reads(model, Path("step-120")))
+    >>> swap_parameters(model, new)  # between two forwards
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from model_runtime.scoring.checkpoint import CheckpointError, check_checkpoint, safetensors_files
+
+_EXPERTS = re.compile(r"^(?P<layer>.*\.experts)\.(?P<which>gate_up_proj|down_proj)$")
+
+
+@dataclass(frozen=True)
+class ParameterRead:
+    """Where one parameter of the packed model comes from."""
+
+    param: str  # name in the packed model (``named_parameters``)
+    shape: tuple[int, ...]  # the whole parameter's shape (before any FSDP sharding)
+    parts: tuple[str, ...]  # checkpoint tensors, in the order they are combined
+    combine: str  # "copy" (one tensor), "stack" (per-expert down_proj), "stack_pairs" (gate, up per expert)
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    path: Path
+    reads: tuple[ParameterRead, ...]
+
+
+def _prefix(names) -> str:
+    if any(n.startswith("model.language_model.") for n in names):
+        return "model.language_model."
+    if any(n.startswith("model.") for n in names):
+        return "model."
+    return ""  # a checkpoint of the bare decoder
+
+
+def _checkpoint_name(param: str, prefix: str) -> str:
+    return param if param.startswith("lm_head.") else prefix + param
+
+
+def held_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters by name, as held between forwards (FSDP shards, not whole tensors).
+
+    Take it between two forwards and hand it to a loading thread: during an FSDP forward the
+    modules hold the gathered whole parameters instead, so ``named_parameters`` would return those.
+    """
+    return dict(model.named_parameters())
+
+
+def parameter_reads(params: dict[str, torch.Tensor], names) -> list[ParameterRead]:
+    """How every parameter of ``model`` is read from a checkpoint holding tensors ``names``.
+
+    The prefix (``model.`` or a multimodal checkpoint's ``model.language_model.``) and the experts'
+    layout (fused, or one tensor per expert as ``save_pretrained`` writes them) follow ``names``.
+    """
+    names = set(names)
+    prefix = _prefix(names)
+    reads = []
+    for param, p in params.items():
+        shape = tuple(p.shape)  # a DTensor reports its whole shape
+        name = _checkpoint_name(param, prefix)
+        m = _EXPERTS.match(param)
+        if m is None or name in names:
+            reads.append(ParameterRead(param, shape, (name,), "copy"))
+            continue
+        base = _checkpoint_name(m["layer"], prefix)
+        if m["which"] == "down_proj":
+            parts = tuple(f"{base}.{e}.down_proj.weight" for e in range(shape[0]))
+            reads.append(ParameterRead(param, shape, parts, "stack"))
+        else:
+            parts = tuple(n for e in range(shape[0]) for n in (f"{base}.{e}.gate_proj.weight", f"{base}.{e}.up_proj.weight"))
+            reads.append(ParameterRead(param, shape, parts, "stack_pairs"))
+    return reads
+
+
+def _header_names(path: Path) -> set[str]:
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
+def plan_reads(model: nn.Module, path: Path, params: dict[str, torch.Tensor] | None = None) -> ReadPlan:
+    """Checks the checkpoint at ``path`` against ``model`` and maps every parameter to its tensors.
+
+    ``check_checkpoint`` (the check made at start) compares it with the served model's tensors,
+    raising ``CheckpointError``: ``unsupported``, ``incomplete`` (naming the first missing or
+    left-over tensors) or ``incompatible`` (naming the shapes that differ). Reads the config and
+    the safetensors headers only.
+    """
+    path = Path(path)
+    params = held_parameters(model) if params is None else params
+    served = {_checkpoint_name(param, "model."): tuple(p.shape) for param, p in params.items()}
+    spec = check_checkpoint(path, expected=served)
+    if spec.quantization is not None:
+        raise CheckpointError("unsupported", f"{path}: weight updates read unquantized checkpoints; this one is {spec.quantization}")
+    names = _header_names(path)
+    reads = parameter_reads(params, names)
+    unknown = [n for r in reads for n in r.parts if n not in names]
+    if unknown:  # a layout the check accepts and this reader does not know: refuse, never guess
+        raise CheckpointError("incomplete", f"{path}: the weight reader finds no {', '.join(unknown[:5])}")
+    return ReadPlan(path, tuple(reads))
+
+
+def local_rows(p: torch.Tensor) -> slice | None:
+    """Rows of dim 0 this rank holds of ``p`` (an FSDP2 ``Shard(0)`` DTensor), or None for all.
+
+    FSDP2 splits dim 0 as ``torch.chunk`` does: ``ceil(n / world)`` rows per rank, the last
+    ranks holding fewer or none.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(p, DTensor):
+        return None
+    placements = p.placements
+    if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
+        raise ValueError(f"expected FSDP's Shard(0) placement, got {placements}")
+    mesh = p.device_mesh
+    world, rank = mesh.size(), mesh.get_local_rank()
+    n = p.shape[0]
+    per = math.ceil(n / world)
+    lo = min(n, rank * per)
+    return slice(lo, min(n, lo + per))
+
+
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds of ``p`` (its FSDP shard, or ``p`` itself)."""
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local() if isinstance(p, DTensor) else p.data
+
+
+def read_parameters(
+    model: nn.Module,
+    plan: ReadPlan,
+    *,
+    params: dict[str, torch.Tensor] | None = None,
+    threads: int = 4,
+    into_model: bool = False,
+) -> dict[str, torch.Tensor]:
+    """New tensors for every parameter of ``model`` (this rank's rows of a sharded one).
+
+    Each takes its parameter's device and dtype (bf16 on CUDA, as loaded at start); ``model`` is
+    not touched, unless ``into_model``:
+    then each tensor is copied into its parameter as it is read (the in-place update when a
+    second copy does not fit; the plan was checked first) and nothing is returned. ``threads`` tensors are
+    read at a time (reads from the page cache and host-to-device copies release the GIL). On CUDA
+    the copies run on a side stream, so a forward on the default stream is not held up; they are
+    finished before this returns.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    params = held_parameters(model) if params is None else params
+    device = next(local_tensor(p) for p in params.values()).device
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    if stream is not None and into_model:
+        stream.wait_stream(torch.cuda.current_stream(device))  # the last forward is done with the old weights
+    try:
+        with ExitStack() as stack:
+            source: dict[str, object] = {}  # checkpoint tensor name -> the open file holding it
+            for file in sorted(plan.path.glob("*.safetensors")):
+                f = stack.enter_context(safe_open(file, framework="pt"))
+                source.update(dict.fromkeys(f.keys(), f))
+
+            def read(r: ParameterRead) -> tuple[str, torch.Tensor]:
+                p = params[r.param]
+                target = local_tensor(p)
+                host = _read_rows(r, source, local_rows(p))
+                if tuple(host.shape) != tuple(target.shape):
+                    raise CheckpointError(
+                        "incompatible", f"{r.param}: read {list(host.shape)} for a local tensor of {list(target.shape)}"
+                    )
+                with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                    if into_model:
+                        with torch.no_grad():
+                            target.copy_(host)
+                        return r.param, None
+                    return r.param, host.to(device=target.device, dtype=target.dtype).contiguous()
+
+            with ThreadPoolExecutor(max(1, threads)) as ex:
+                out = dict(ex.map(read, plan.reads))
+        if stream is not None:
+            stream.synchronize()
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError("unsupported", f"{plan.path.name}: reading the weights failed: {error}") from None
+    return {} if into_model else out
+
+
+def _read_rows(r: ParameterRead, source: dict, rows: slice | None) -> torch.Tensor:
+    """The parameter's rows ``rows`` of dim 0 (all when None), read from the checkpoint."""
+    if r.combine == "copy":
+        sl = source[r.parts[0]].get_slice(r.parts[0])
+        return sl[:] if rows is None else sl[rows.start : rows.stop]
+    get = lambda name: source[name].get_tensor(name)  # noqa: E731
+    experts = range(r.shape[0]) if rows is None else range(rows.start, rows.stop)
+    if r.combine == "stack":
+        mats = [get(r.parts[e]) for e in experts]
+    else:  # each expert's gate rows then its up rows, as Hugging Face fuses them
+        mats = [torch.cat([get(r.parts[2 * e]), get(r.parts[2 * e + 1])]) for e in experts]
+    if not mats:
+        return torch.empty((0, *r.shape[1:]))
+    return torch.stack(mats)
+
+
+def swap_parameters(model: nn.Module, new: dict[str, torch.Tensor]) -> None:
+    """Makes ``new`` the model's weights. Call between forwards.
+
+    A whole parameter is re-pointed at its new tensor (the old one is freed when no forward holds
+    it). An FSDP shard is copied into place instead: FSDP keeps views of its sharded storage for
+    its all-gathers, which a re-pointed tensor would leave behind.
+    """
+    from torch.distributed.tensor import DTensor
+
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(new))
+    if missing:
+        raise ValueError(f"no new tensor for {len(missing)} parameters: {missing[:5]}")
+    current = torch.cuda.current_stream() if any(t.is_cuda for t in new.values()) else None
+    with torch.no_grad():
+        for name, p in params.items():
+            t = new[name]
+            if isinstance(p, DTensor):
+                p.to_local().copy_(t)
+            else:
+                if t.is_cuda and current is not None:
+                    t.record_stream(current)  # allocated on the loader's stream, used on this one
+                p.data = t
+
+
+def content_version(path: Path, *, threads: int = 16, piece: int = 1 << 30) -> str:
+    """``sha256-<12 hex>`` over the checkpoint's config and every safetensors byte.
+
+    Files are hashed in pieces of ``piece`` bytes side by side (hashlib releases the GIL), so a
+    large checkpoint in the page cache hashes at several GB/s, beside a running forward.
+    """
+    files = sorted(path.glob("*.safetensors"))
+    pieces = [(f, start) for f in files for start in range(0, max(1, f.stat().st_size), piece)]
+
+    def digest(item) -> str:
+        file, start = item
+        h = hashlib.sha256()
+        with open(file, "rb", buffering=0) as f:
+            f.seek(start)
+            left = piece
+            while left > 0 and (chunk := f.read(min(left, 16 << 20))):
+                h.update(chunk)
+                left -= len(chunk)
+        return h.hexdigest()
+
+    with ThreadPoolExecutor(max(1, min(threads, len(pieces)))) as ex:
+        parts = list(ex.map(digest, pieces))
+    total = hashlib.sha256()
+    config = path / "config.json"
+    if config.is_file():
+        total.update(config.read_bytes())
+    for (file, start), part in zip(pieces, parts):
+        total.update(f"{file.name}@{start}:{part}\n".encode())
+    return f"sha256-{total.hexdigest()[:12]}"
+
+
+def materialize(model: nn.Module, path: Path, device: torch.device) -> None:
+    """Gives a model built on the meta device (and FSDP-sharded, or not) its weights from ``path``.
+
+    Each rank allocates and reads only its own shards. The rotary embedding's buffers, computed
+    from the config, are rebuilt on ``device``; any other buffer would be left uninitialised, so
+    one is refused.
+    """
+    plan = plan_reads(model, path)  # checked before any memory is taken
+    model.to_empty(device=device)
+    rotary = model.rotary_emb
+    with torch.device(device):
+        fresh = type(rotary)(rotary.config)
+    for name, buf in fresh.named_buffers():
+        setattr(rotary, name, buf)
+    others = [n for n, _ in model.named_buffers() if not n.startswith("rotary_emb.")]
+    if others:
+        raise ValueError(f"buffers outside the rotary embedding would be left uninitialised: {others[:5]}")
+    read_parameters(model, plan, into_model=True)

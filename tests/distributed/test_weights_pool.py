@@ -1,0 +1,96 @@
+"""Weight updates in the worker pool (2 gloo ranks, replicas and FSDP) under continuous load."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from model_runtime.pool.pool import start_pool
+from model_runtime.scoring.checkpoint import CheckpointError
+from model_runtime.scoring.loading import load_model
+from model_runtime.scoring.scorer import Scorer
+from model_runtime.scoring.weights import content_version
+from model_runtime.types import SequenceInput
+from tests.checkpoints import save_checkpoint
+
+TOL = 1e-5  # as the pool's other tests: gloo ranks run one intra-op thread, the reference two
+BASE = dict(device="cpu", dtype="auto", max_batch_tokens=256, allow_slow_kernels=False, world_size=2, sp=1)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(checkpoint_dir, tmp_path_factory):
+    """(old, new, incomplete): two tiny qwen3_5 checkpoints and one missing a tensor."""
+    from safetensors.torch import load_file, save_file
+
+    old = checkpoint_dir("qwen3_5")
+    new = save_checkpoint("qwen3_5", tmp_path_factory.mktemp("seed1"), seed=1)
+    incomplete = tmp_path_factory.mktemp("incomplete")
+    (incomplete / "config.json").write_text((old / "config.json").read_text())
+    (weights,) = old.glob("*.safetensors")
+    tensors = load_file(weights)
+    del tensors["model.layers.0.linear_attn.A_log"]
+    save_file(tensors, incomplete / "model.safetensors")
+    return old, new, incomplete
+
+
+def make_rows(vocab: int, count: int) -> list[list[SequenceInput]]:
+    rng = np.random.default_rng(11)
+    return [[SequenceInput(rng.integers(0, vocab, int(n)), score_from=1) for n in rng.integers(2, 30, 2)] for _ in range(count)]
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["replicas", "fsdp"])
+def test_every_rank_swaps_at_the_same_row_and_failures_change_nothing(fsdp, checkpoints):
+    old, new, incomplete = checkpoints
+    pool = start_pool({**BASE, "model": str(old), "fsdp": fsdp})
+    try:
+        work = make_rows(pool.info.vocab_size, 3)
+        old_ref, new_ref = (Scorer(load_model(str(p), device="cpu")) for p in (old, new))
+        first = pool.info.weights_version
+        want = {first: [old_ref.score_row(r) for r in work], "step-1": [new_ref.score_row(r) for r in work]}
+        want[content_version(old)] = want[first]
+        seen, stop, errors = [], threading.Event(), []
+
+        def load(offset: int) -> None:
+            i = offset
+            try:
+                while not stop.is_set():
+                    seen.append((i % len(work), pool.score_row(work[i % len(work)])))
+                    i += 1
+            except BaseException as error:  # reported below: no row may fail because of a swap
+                errors.append(error)
+
+        threads = [threading.Thread(target=load, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            update = pool.update_weights(new, "step-1")
+            assert (update.weights_version, update.previous_version) == ("step-1", first)
+            assert pool.info.weights_version == "step-1"
+            with pytest.raises(CheckpointError) as caught:
+                pool.update_weights(incomplete, "broken")
+            assert caught.value.kind == "incomplete" and "A_log" in str(caught.value)
+            assert pool.info.weights_version == "step-1"
+            count = len(seen)
+            while len(seen) < count + 2 and not errors:
+                time.sleep(0.05)
+            back = pool.update_weights(old, None)
+            assert back.weights_version == content_version(old) and back.previous_version == "step-1"
+            count = len(seen)
+            while len(seen) < count + 2 and not errors:
+                time.sleep(0.05)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+        assert not errors, f"rows failed during updates: {errors[:2]}"
+        versions = []
+        for i, got in seen:
+            (version,) = {s.weights_version for s in got}  # one version per row
+            versions.append(version)
+            for j, (a, b) in enumerate(zip(got, want[version][i])):
+                diff = float(np.abs(a.logprobs - b.logprobs).max())
+                assert diff <= TOL, f"row {i} seq {j} named {version}: max |diff| {diff:.3e} > tol {TOL:.0e}"
+        assert {"step-1", content_version(old)} <= set(versions), f"versions seen: {versions}"
+    finally:
+        pool.close()

@@ -1,0 +1,34 @@
+"""Weight updates on CUDA (bf16): beside the old weights and in place, against a fresh load."""
+
+import numpy as np
+import pytest
+import torch
+
+from model_runtime.scoring.backend import LocalBackend
+from model_runtime.scoring.loading import load_model
+from model_runtime.scoring.scorer import Scorer
+from model_runtime.types import SequenceInput
+from tests.checkpoints import save_checkpoint
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["beside", "in-place"])
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_an_update_on_cuda_equals_a_fresh_load(kind, in_place, tmp_path):
+    old = save_checkpoint(kind, tmp_path / "old", seed=0)
+    new = save_checkpoint(kind, tmp_path / "new", seed=1)
+    backend = LocalBackend(Scorer(load_model(str(old), device="cuda")))
+    backend.update_in_place = in_place
+    fresh = Scorer(load_model(str(new), device="cuda"))
+    rng = np.random.default_rng(0)
+    row = [SequenceInput(rng.integers(0, backend.info.vocab_size, n), score_from=1) for n in (5, 40, 200)]
+    update = backend.update_weights(new, "v2")
+    params = list(backend.scorer.loaded.model.parameters())
+    assert all(p.dtype == torch.bfloat16 and p.is_cuda for p in params)
+    got, want = backend.score_row(row), fresh.score_row(row)
+    for j, (a, b) in enumerate(zip(got, want)):
+        diff = float(np.abs(a.logprobs - b.logprobs).max())
+        assert a.weights_version == "v2"
+        assert diff == 0.0, f"{kind} sequence {j}: max |diff| {diff:.3e} against a fresh load, want bit for bit"
+    assert update.weights_version == "v2" and backend.info.weights_version == "v2"

@@ -1,0 +1,223 @@
+"""Weight updates in one process: the checkpoint-to-parameter mapping, the swap and failed updates."""
+
+import copy
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model_runtime.scoring.backend import LocalBackend
+from model_runtime.scoring.checkpoint import CheckpointError
+from model_runtime.scoring.loading import load_model
+from model_runtime.scoring.scorer import Scorer
+from model_runtime.scoring.weights import content_version, plan_reads, read_parameters, swap_parameters
+from model_runtime.types import SequenceInput
+from tests.checkpoints import save_checkpoint
+
+
+@pytest.fixture(scope="module")
+def second(tmp_path_factory):
+    """kind -> a second tiny checkpoint of that kind with other weights (seed 1)."""
+    cache = {}
+
+    def get(kind: str) -> Path:
+        if kind not in cache:
+            cache[kind] = save_checkpoint(kind, tmp_path_factory.mktemp(f"{kind}-seed1"), seed=1)
+        return cache[kind]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint_dir):
+    """A fresh backend serving the seed-0 qwen3_5 checkpoint (a copy of one loaded model)."""
+    loaded = load_model(str(checkpoint_dir("qwen3_5")), device="cpu")
+    return lambda: LocalBackend(Scorer(copy.deepcopy(loaded)))
+
+
+@pytest.fixture(scope="module")
+def reference_new(second):
+    """A scorer that loaded the seed-1 checkpoint at start."""
+    return Scorer(load_model(str(second("qwen3_5")), device="cpu"))
+
+
+def rows(vocab: int, count: int, seed: int = 0) -> list[list[SequenceInput]]:
+    rng = np.random.default_rng(seed)
+    return [
+        [SequenceInput(rng.integers(0, vocab, int(n)), score_from=1, top_k=i % 2) for n in rng.integers(2, 24, 1 + i % 2)]
+        for i in range(count)
+    ]
+
+
+def assert_equal(got, want, where: str) -> None:
+    for j, (a, b) in enumerate(zip(got, want)):
+        diff = float(np.abs(a.logprobs - b.logprobs).max()) if a.logprobs.size else 0.0
+        assert np.array_equal(a.logprobs, b.logprobs), f"{where} sequence {j}: max |diff| {diff:.3e}, want exactly equal"
+        assert np.array_equal(a.entropy, b.entropy), f"{where} sequence {j}: entropies differ"
+
+
+def test_every_kind_reads_the_parameters_from_pretrained_builds(kind, checkpoint_dir, second):
+    """Names, prefixes (multimodal) and fused experts (MoE) map exactly as Hugging Face's load does."""
+    served = load_model(str(checkpoint_dir(kind)), device="cpu")
+    fresh = load_model(str(second(kind)), device="cpu")
+    plan = plan_reads(served.model, second(kind))
+    swap_parameters(served.model, read_parameters(served.model, plan))
+    want = dict(fresh.model.named_parameters())
+    differ = [n for n, p in served.model.named_parameters() if not torch.equal(p, want[n])]
+    assert not differ, f"{len(differ)} parameters differ from a fresh load: {differ[:5]}"
+
+
+def test_an_update_serves_what_a_fresh_scorer_of_the_new_checkpoint_serves(served, reference_new, checkpoint_dir, second):
+    old, new = checkpoint_dir("qwen3_5"), second("qwen3_5")
+    backend, reference = served(), reference_new
+    work = rows(backend.info.vocab_size, 2)
+    before = [backend.score_row(r) for r in work]
+    first_version = backend.info.weights_version
+    assert all(s.weights_version == first_version for r in before for s in r)
+
+    update = backend.update_weights(new, "step-1")
+    assert (update.weights_version, update.previous_version) == ("step-1", first_version)
+    assert backend.info.weights_version == "step-1" and update.load_s > 0 and update.swap_ms >= 0
+    for i, row in enumerate(work):
+        got = backend.score_row(row)
+        assert all(s.weights_version == "step-1" for s in got)
+        assert_equal(got, reference.score_row(row), f"row {i} after the update")
+
+    back = backend.update_weights(old, None)  # no version: the content hash
+    assert back.weights_version == content_version(old) and back.previous_version == "step-1"
+    for i, row in enumerate(work):
+        assert_equal(backend.score_row(row), before[i], f"row {i} back on the first checkpoint")
+
+
+def _broken_copies(src: Path, root: Path) -> dict[str, tuple[Path, str]]:
+    """Checkpoints that must be refused: name -> (path, CheckpointError kind)."""
+    (weights_file,) = src.glob("*.safetensors")
+    tensors = load_file(weights_file)
+    out = {}
+
+    def variant(name: str, kind: str, tensors_out: dict | None, config: dict | None = None, raw: bytes | None = None):
+        d = root / name
+        d.mkdir()
+        cfg = json.loads((src / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps(config or cfg))
+        if raw is not None:
+            (d / "model.safetensors").write_bytes(raw)
+        else:
+            save_file(tensors_out, d / "model.safetensors")
+        out[name] = (d, kind)
+
+    variant("missing", "incomplete", {k: v for k, v in tensors.items() if k != "model.layers.3.self_attn.q_proj.weight"})
+    variant("extra", "incomplete", {**tensors, "model.layers.99.mlp.up_proj.weight": torch.zeros(2, 2)})
+    wider = dict(tensors)
+    wider["model.norm.weight"] = torch.zeros(wider["model.norm.weight"].shape[0] + 1)
+    variant("wrong-shape", "incompatible", wider)
+    variant("garbage", "unsupported", None, raw=b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
+    truncated = weights_file.read_bytes()
+    variant("truncated", "unsupported", None, raw=truncated[: len(truncated) // 2])
+    variant("other-model", "unsupported", tensors, config={"model_type": "llama"})
+    return out
+
+
+def test_a_failed_update_changes_nothing(served, checkpoint_dir, tmp_path):
+    old = checkpoint_dir("qwen3_5")
+    backend = served()
+    work = rows(backend.info.vocab_size, 2, seed=3)
+    before = [backend.score_row(r) for r in work]
+    version = backend.info.weights_version
+    snapshot = {n: p.clone() for n, p in backend.scorer.loaded.model.named_parameters()}
+    for name, (path, kind) in _broken_copies(old, tmp_path).items():
+        with pytest.raises(CheckpointError) as caught:
+            backend.update_weights(path, "bad")
+        assert caught.value.kind == kind, f"{name}: {caught.value.kind} ({caught.value}), want {kind}"
+        assert backend.info.weights_version == version
+        changed = [n for n, p in backend.scorer.loaded.model.named_parameters() if not torch.equal(p, snapshot[n])]
+        assert not changed, f"{name}: a failed update changed {changed[:5]}"
+    for i, row in enumerate(work):
+        got = backend.score_row(row)
+        assert all(s.weights_version == version for s in got)
+        assert_equal(got, before[i], f"row {i} after the failed updates")
+    with pytest.raises(CheckpointError, match=r"model\.layers\.3\.self_attn\.q_proj\.weight"):
+        backend.update_weights(tmp_path / "missing", None)  # the message names the tensor
+
+
+def test_a_forward_during_the_load_finishes_on_the_old_version(served, reference_new, second, monkeypatch):
+    import model_runtime.scoring.weights as weights
+
+    new = second("qwen3_5")
+    backend = served()
+    row = rows(backend.info.vocab_size, 1, seed=5)[0]
+    reference_old = backend.score_row(row)
+    loaded, release = threading.Event(), threading.Event()
+    real = weights.read_parameters
+
+    def slow_read(*args, **kwargs):
+        out = real(*args, **kwargs)
+        loaded.set()
+        assert release.wait(30), "the test never released the load"
+        return out
+
+    monkeypatch.setattr(weights, "read_parameters", slow_read)
+    result = {}
+    updater = threading.Thread(target=lambda: result.setdefault("update", backend.update_weights(new, "v2")))
+    updater.start()
+    assert loaded.wait(30)
+    during = backend.score_row(row)  # the new weights sit beside the old ones, not yet swapped
+    assert all(s.weights_version != "v2" for s in during)
+    assert_equal(during, reference_old, "forward during the load")
+    release.set()
+    updater.join(30)
+    assert result["update"].weights_version == "v2"
+    after = backend.score_row(row)
+    assert all(s.weights_version == "v2" for s in after)
+    assert_equal(after, reference_new.score_row(row), "forward after the swap")
+
+
+def test_every_row_under_continuous_load_matches_the_version_it_names(served, reference_new, second):
+    new = second("qwen3_5")
+    backend = served()
+    work = rows(backend.info.vocab_size, 2, seed=7)
+    want = {backend.info.weights_version: [backend.score_row(r) for r in work], "new": [reference_new.score_row(r) for r in work]}
+    seen, stop = [], threading.Event()
+
+    def load():
+        i = 0
+        while not stop.is_set():
+            got = backend.score_row(work[i % len(work)])
+            seen.append((i % len(work), got))
+            i += 1
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    try:
+        while len(seen) < 3 and thread.is_alive():
+            time.sleep(0.01)
+        backend.update_weights(new, "new")
+        count = len(seen)
+        while len(seen) < count + 3 and thread.is_alive():
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        thread.join(30)
+    versions = set()
+    for i, got in seen:
+        (version,) = {s.weights_version for s in got}  # one version per row
+        versions.add(version)
+        assert_equal(got, want[version][i], f"row {i} named {version}")
+    assert versions == set(want), f"saw versions {versions}"
+
+
+def test_an_update_in_place_serves_the_same_numbers(served, reference_new, second):
+    """When a second copy does not fit (forced here), the weights are copied into place between forwards."""
+    backend = served()
+    backend.update_in_place = True
+    before = {id(p): p for p in backend.scorer.loaded.model.parameters()}
+    update = backend.update_weights(second("qwen3_5"), "in-place")
+    assert update.weights_version == "in-place"
+    assert {id(p) for p in backend.scorer.loaded.model.parameters()} == set(before)
+    row = rows(backend.info.vocab_size, 1, seed=9)[0]
+    assert_equal(backend.score_row(row), reference_new.score_row(row), "after an update in place")
