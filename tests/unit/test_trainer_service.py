@@ -439,3 +439,46 @@ def test_openapi_documents_the_new_fields(tmp_path):
     assert set(components["Mismatch"]["properties"]) == {"mean_abs_diff", "max_abs_diff", "k3_kl"}
     assert set(schema["paths"]["/v1/weights"]["post"]["responses"]) >= {"200", "403", "404", "409", "422"}
     assert "WeightsRequest" in components and "WeightsResponse" in components
+
+
+# ---- the client ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("encoding", ["json", "msgpack"])
+def test_client_updates_weights_pins_versions_and_sends_rollouts(tmp_path, encoding):
+    import httpx
+
+    from service.client import AsyncScoreClient, ScoreError
+
+    root = _root(tmp_path)
+    settings = Settings(weights_root=root, api_key=KEY, admin_key=ADMIN)
+    rollout = _expected(SEQ) + np.float32(0.5)
+
+    async def main():
+        app = create_app(settings, _two())
+        async with running_app(app):
+            transport = httpx.ASGITransport(app=app)
+            async with AsyncScoreClient("http://packscore.test", KEY, admin_key=ADMIN, encoding=encoding,
+                                        transport=transport) as client:
+                first = await client.score([{**SEQ, "rollout_logprobs": rollout}], model="policy")
+                update = await client.update_weights("policy", "step-1", version="v2")
+                pinned = await client.score([SEQ], model="policy", weights_version="v2")
+                with pytest.raises(ScoreError) as stale:
+                    await client.score([SEQ], model="policy", weights_version=FAKE_VERSION)
+                with pytest.raises(ScoreError) as escape:
+                    await client.update_weights("policy", "../x")
+            async with AsyncScoreClient("http://packscore.test", KEY, transport=transport) as scoring_only:
+                with pytest.raises(ScoreError) as no_admin:
+                    await scoring_only.update_weights("policy", "step-2")
+            return first, update, pinned, stale.value, escape.value, no_admin.value
+
+    first, update, pinned, stale, escape, no_admin = asyncio.run(main())
+    assert first[0].weights_version == FAKE_VERSION and first[0].model == "policy"
+    assert abs(first[0].mismatch["max_abs_diff"] - 0.5) <= 1e-6 and abs(first[0].mismatch["mean_abs_diff"] - 0.5) <= 1e-6
+    assert abs(first[0].mismatch["k3_kl"] - (math.exp(-0.5) - 1 + 0.5)) <= 1e-6
+    assert (update.model, update.weights_version, update.previous_version) == ("policy", "v2", FAKE_VERSION)
+    assert pinned[0].weights_version == "v2"
+    np.testing.assert_allclose(pinned[0].logprobs, _expected(SEQ, 1), rtol=0, atol=1e-6)
+    assert (stale.status, stale.type) == (409, "weights_version_mismatch")
+    assert (escape.status, escape.type) == (403, "forbidden_path")
+    assert no_admin.status == 403
