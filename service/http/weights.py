@@ -76,6 +76,8 @@ async def update_weights(service: Service, body: Any, root: Path) -> dict:
 
 
 async def _run(service: Service, model: ServedModel, path: Path, version: str | None) -> dict:
+    if not callable(getattr(model.backend, "update_weights", None)):
+        raise ApiError(409, "update_unsupported", f"The backend of {model.name!r} cannot update its weights.", "model")
     if model.updating:
         raise ApiError(409, "update_in_progress", f"An update of {model.name!r} is already running; retry once it is done.", "model")
     model.updating = True
