@@ -238,7 +238,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
                 "description": "scores, in the encoding named by Accept (default: the request's)",
                 "content": {MSGPACK: {"schema": _MSGPACK_SCORE_RESPONSE}},
             },
-            **_errors(400, 401, 404, 413, 422, 429, 503, 504),
+            **_errors(400, 401, 404, 409, 413, 422, 429, 503, 504),
         },
     )
 
