@@ -361,6 +361,12 @@ def test_mismatch_matches_a_plain_loop_on_random_inputs():
             assert abs(got[key] - want[key]) <= 1e-12, f"n={n} {key}: {got[key]} vs {want[key]} (tol 1e-12)"
 
 
+def test_mismatch_stays_a_number_when_exp_overflows():
+    figures = mismatch(np.array([-1.0, -2.0], np.float32), np.array([-3e38, -2.0], np.float32))
+    assert all(math.isfinite(v) for v in figures.values()), figures
+    assert figures["k3_kl"] == np.finfo(np.float64).max and figures["max_abs_diff"] > 1e38
+
+
 @pytest.mark.parametrize("encoding", ["json", "msgpack"])
 def test_rollout_logprobs_give_mismatch_figures(encoding):
     rng = np.random.default_rng(1)
