@@ -20,6 +20,7 @@ from service.http.errors import ApiError, backend_unavailable, from_validation_e
 from service.http.schemas import WeightsRequest
 from service.http.validation import pick_model
 from service.runtime import ServedModel, Service
+from service.scheduling.scheduler import is_out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,11 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
         raise ApiError(409, "update_in_progress", f"{exc}; retry once it is done.", "model") from None
     except BackendUnavailableError as exc:
         raise backend_unavailable(f"The weights of {model.name!r} could not be updated: {exc}.", retry_after_s=5) from None
+    except (OSError, RuntimeError) as exc:  # the old version still serves: the update changed nothing
+        log.error("weights update of %s failed", model.name, exc_info=exc)
+        if is_out_of_memory(exc):
+            raise backend_unavailable(f"The new weights of {model.name!r} do not fit in memory now: {exc}.", retry_after_s=30) from None
+        raise ApiError(422, "unreadable_checkpoint", f"The checkpoint could not be loaded: {exc}", "path") from None
     finally:
         model.updating = False
     metrics = service.metrics

@@ -234,6 +234,26 @@ def test_a_refused_checkpoint_changes_nothing(tmp_path):
     np.testing.assert_allclose(after.json()["results"][0]["logprobs"], _expected(SEQ, 0), rtol=0, atol=1e-6)
 
 
+def test_an_unreadable_checkpoint_is_422_and_memory_503(tmp_path):
+    root = _root(tmp_path)
+
+    def check(path):
+        if path.name == "step-1":
+            raise OSError("model.safetensors: unexpected end of file")
+        raise RuntimeError("CUDA out of memory. Tried to allocate 18.00 GiB")
+
+    async def main():
+        async with running_app(create_app(Settings(weights_root=root), FakeBackend(check_checkpoint=check))) as client:
+            return (await client.post("/v1/weights", json={"path": "step-1"}),
+                    await client.post("/v1/weights", json={"path": "step-2"}),
+                    await client.post("/score", json=_score({})))
+
+    unreadable, memory, after = asyncio.run(main())
+    assert unreadable.status_code == 422 and unreadable.json()["error"]["type"] == "unreadable_checkpoint"
+    assert memory.status_code == 503 and "retry-after" in memory.headers
+    assert after.json()["weights_version"] == FAKE_VERSION
+
+
 def test_a_second_update_of_the_same_model_is_409_and_readiness_holds_during_a_load(tmp_path):
     root = _root(tmp_path)
     load_gate = threading.Event()
