@@ -109,7 +109,7 @@ def test_a_request_picks_its_model_and_models_never_share_a_row():
 def test_models_share_the_forward_slots_and_the_admission_bound():
     gate = threading.Event()
     backends = {"policy": FakeBackend(gate=gate), "ref": FakeBackend(gate=gate)}
-    settings = Settings(max_queued_tokens=12, max_wait_ms=0)
+    settings = Settings(max_queued_tokens=12, max_wait_ms=0, max_admission_wait_s=0)  # 429 at once, not after a wait
 
     async def main():
         gate.set()
