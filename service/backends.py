@@ -5,6 +5,12 @@ from __future__ import annotations
 from service.settings import Settings
 
 
+def backend_loaders(settings: Settings) -> dict:
+    """One loader per served model (``--model NAME=PATH`` repeated), keyed by served name; the
+    key is None for a plain ``--model X``, named by ``--served-model-name`` or the model itself."""
+    return {name: (lambda s=settings.for_model(name, spec): load_backend(s)) for name, spec in settings.model_specs().items()}
+
+
 def load_backend(settings: Settings):
     """The ScoringBackend the settings ask for: the worker pool, or the scorer in this process."""
     if settings.uses_worker_pool:

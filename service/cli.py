@@ -8,6 +8,7 @@ also reads ``PACKSCORE_<OPTION>``; the command line wins over the environment. N
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -31,7 +32,7 @@ _MODEL_OPTIONS = (
 _SERVE_OPTIONS = _MODEL_OPTIONS + (
     "host", "port", "api_key", "api_key_file", "max_wait_ms", "max_queued_tokens", "max_request_bytes",
     "max_sequences_per_request", "drain_timeout_s", "queue_seconds", "max_admission_wait_s",
-    "request_read_timeout_s", "max_connections",
+    "request_read_timeout_s", "max_connections", "weights_root", "admin_key", "admin_key_file",
 )  # fmt: skip
 _SCORE_OPTIONS = _MODEL_OPTIONS + ("temperature", "top_k", "return_entropy")
 _METAVARS = {
@@ -39,6 +40,7 @@ _METAVARS = {
     "host": "HOST", "port": "PORT", "api_key": "KEY", "api_key_file": "FILE", "max_wait_ms": "MS",
     "drain_timeout_s": "SECONDS", "queue_seconds": "SECONDS", "max_admission_wait_s": "SECONDS",
     "request_read_timeout_s": "SECONDS", "temperature": "T", "top_k": "K", "kernels": "FAMILY=BACKEND",
+    "weights_root": "DIR", "admin_key": "KEY", "admin_key_file": "FILE",
 }  # fmt: skip; every other option takes a count, shown as N
 
 
@@ -61,6 +63,8 @@ def _add_options(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
             parser.add_argument(option, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         elif typing.get_origin(kind) is typing.Literal:
             parser.add_argument(option, choices=typing.get_args(kind), default=argparse.SUPPRESS, help=help_text)
+        elif name == "model":  # repeatable: several served models, NAME=PATH_OR_PRESET each
+            parser.add_argument(option, metavar=_METAVARS["model"], action="append", default=argparse.SUPPRESS, help=help_text)
         else:
             # Values stay strings here: Settings converts and validates them, as it does the environment.
             parser.add_argument(option, metavar=_METAVARS.get(name, "N"), default=argparse.SUPPRESS, help=help_text)
@@ -109,6 +113,9 @@ def parse_settings(argv: Sequence[str] | None = None) -> tuple[argparse.Namespac
     parser = build_parser()
     args = parser.parse_args(argv)
     given = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+    if "model" in given:  # the repeated option as one value: itself, or a JSON list of several
+        models = given["model"]
+        given["model"] = models[0] if len(models) == 1 else json.dumps(models)
     try:
         settings = Settings(**given)
     except ValidationError as exc:
@@ -140,6 +147,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "serve":
         return serve(settings)
+    specs = settings.model_specs()
+    if len(specs) > 1:
+        print("packscore: error: packscore score scores with one model; give one --model", file=sys.stderr)
+        return 2
+    settings = settings.for_model(*next(iter(specs.items())))
     from service.offline import score_file
 
     return score_file(settings, args.input, args.output)
@@ -149,6 +161,10 @@ def _resolve_hub_model(settings: Settings) -> Settings:
     """A hub id --model becomes its local snapshot directory, served under the hub id's name."""
     from service.hub import resolve_model_source
 
+    specs = settings.model_specs()
+    if None not in specs:  # several, or one NAME=: each resolved, served under its given name
+        resolved = {name: resolve_model_source(spec, settings.revision) for name, spec in specs.items()}
+        return settings.model_copy(update={"model": json.dumps(resolved)})
     path = resolve_model_source(settings.model, settings.revision)
     if path == settings.model:  # a preset or a directory
         return settings
@@ -168,6 +184,9 @@ def _check_checkpoint(settings: Settings) -> None:
 def _check_model_and_key(settings: Settings) -> None:
     """Fails before anything slow for mistakes that loading would only find minutes later."""
     settings.resolved_api_key()  # an unreadable or empty key file
+    settings.resolved_admin_key()
+    if settings.weights_root is not None and not settings.weights_root.is_dir():
+        raise ValueError(f"--weights-root {str(settings.weights_root)!r} is not a directory")
     if settings.uses_worker_pool:
         try:
             from model_runtime.pool.pool import start_pool  # noqa: F401
@@ -179,11 +198,11 @@ def _check_model_and_key(settings: Settings) -> None:
 
 
 def serve(settings: Settings) -> int:
-    from service.backends import load_backend
+    from service.backends import backend_loaders
     from service.http.app import create_app
     from service.http.server import run_server
 
-    app = create_app(settings, lambda: load_backend(settings))
+    app = create_app(settings, backend_loaders(settings))
     return run_server(app, settings)
 
 

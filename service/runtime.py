@@ -14,7 +14,8 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -23,12 +24,14 @@ from model_runtime.types import SequenceInput
 from service.http.errors import ApiError
 from service.http.metrics import Metrics
 from service.http.validation import Limits, resolve_model_len
-from service.scheduling.scheduler import Scheduler
+from service.scheduling.scheduler import Scheduler, SharedCapacity
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
 BackendSource = ScoringBackend | Callable[[], ScoringBackend]
+# One source, or served name -> source for several models (None: named by the model itself).
+BackendSources = BackendSource | Mapping[str | None, BackendSource]
 
 _READY_MAX_AGE_S = 10.0  # a forward this recent proves the backend scores; older, /readyz runs a probe
 _PROBE_TIMEOUT_S = 60.0
@@ -60,17 +63,26 @@ def _settle(future: asyncio.Future, result, error: BaseException | None) -> None
             future.set_result(result)
 
 
+@dataclass
+class ServedModel:
+    """One model of the deployment: its backend (weights and version), limits and scheduler."""
+
+    name: str
+    backend: ScoringBackend
+    limits: Limits
+    scheduler: Scheduler | None = None
+    updating: bool = False  # a POST /v1/weights for it is running
+
+
 class Service:
-    def __init__(self, settings: Settings, backend: BackendSource, metrics: Metrics | None = None):
+    def __init__(self, settings: Settings, backend: BackendSources, metrics: Metrics | None = None):
         self.settings = settings
-        self._backend_source = backend
+        self._backend_sources = dict(backend) if isinstance(backend, Mapping) else {None: backend}
         self.metrics = metrics or Metrics()
         self.api_key = settings.resolved_api_key()
+        self.admin_key = settings.resolved_admin_key()
         self.phase = "loading"
-        self.backend: ScoringBackend | None = None
-        self.scheduler: Scheduler | None = None
-        self.limits: Limits | None = None
-        self.served_name = settings.served_model_name or ""
+        self.models: dict[str, ServedModel] = {}  # in --model order; the first is the default
         self.fatal_error: str | None = None  # set when loading failed; the server then exits non-zero
         self.inflight = 0  # /score requests admitted and not yet answered
         self.drained = False  # set once a drain finished: the server may exit
@@ -78,11 +90,36 @@ class Service:
         self._probe_ok = False
         self._start_task: asyncio.Task | None = None
         self.metrics.watch(
-            queued_tokens=lambda: self.scheduler.queued_tokens if self.scheduler else 0,
-            queued_sequences=lambda: self.scheduler.queued_sequences if self.scheduler else 0,
+            queued_tokens=lambda: sum(m.scheduler.queued_tokens for m in self._scheduled()),
+            queued_sequences=lambda: sum(m.scheduler.queued_sequences for m in self._scheduled()),
             ready=lambda: 1.0 if self.is_ready() else 0.0,
             workers_alive=self._workers_alive,
         )
+
+    # ---- the served models (the first one stands for all where one is asked for) ---------------
+
+    @property
+    def default(self) -> ServedModel | None:
+        return next(iter(self.models.values()), None)
+
+    @property
+    def backend(self) -> ScoringBackend | None:
+        return self.default.backend if self.default else None
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        return self.default.scheduler if self.default else None
+
+    @property
+    def limits(self) -> Limits | None:
+        return self.default.limits if self.default else None
+
+    @property
+    def served_name(self) -> str:
+        return self.default.name if self.default else (self.settings.served_model_name or "")
+
+    def _scheduled(self) -> list[ServedModel]:
+        return [m for m in list(self.models.values()) if m.scheduler is not None]
 
     # ---- startup -------------------------------------------------------------------------------
 
@@ -92,22 +129,28 @@ class Service:
 
     async def _start(self) -> None:
         try:
-            source = self._backend_source
-            backend = source if hasattr(source, "score_row") else await _in_daemon_thread(source)
-            self.backend = backend
-            self._configure(backend)
+            for key, source in self._backend_sources.items():
+                backend = source if hasattr(source, "score_row") else await _in_daemon_thread(source)
+                self._configure(key, backend)
             self._advance("warming_up")
-            started = time.perf_counter()
-            await _in_daemon_thread(backend.warm_up)
-            log.info("warm-up took %.1fs", time.perf_counter() - started)
-            self.scheduler = Scheduler.from_settings(backend, self.settings, self.metrics)
-            await self.scheduler.start()
+            for model in self.models.values():
+                started = time.perf_counter()
+                await _in_daemon_thread(model.backend.warm_up)
+                log.info("warm-up of %s took %.1fs", model.name, time.perf_counter() - started)
+            shared = None
+            if len(self.models) > 1:
+                concurrency = max(int(getattr(m.backend, "concurrency", 1)) for m in self.models.values())
+                shared = SharedCapacity(self.settings.queued_tokens, concurrency)
+            for model in self.models.values():
+                model.scheduler = Scheduler.from_settings(model.backend, self.settings, self.metrics, shared=shared,
+                                                        model=model.name)
+                await model.scheduler.start()
             self._advance("probing")
             await self._run_probe()
             if not self._probe_ok:
                 raise RuntimeError("the first readiness pass failed")
             self._advance("ready")
-            log.info("ready: serving %r on %s", self.served_name, backend.info.device)
+            log.info("ready: serving %s", ", ".join(f"{m.name!r} on {m.backend.info.device}" for m in self.models.values()))
         except Exception as exc:
             log.exception("startup failed")
             self.fatal_error = f"{type(exc).__name__}: {exc}"
@@ -118,45 +161,57 @@ class Service:
         if self.phase != "draining":  # a SIGTERM during startup wins
             self.phase = phase
 
-    def _configure(self, backend: ScoringBackend) -> None:
+    def _configure(self, key: str | None, backend: ScoringBackend) -> None:
         info, s = backend.info, self.settings
-        self.served_name = s.served_model_name or info.name
+        name = key or s.served_model_name or info.name
+        if name in self.models:
+            backend.close()
+            raise ValueError(f"two served models are named {name!r}; name them with --model NAME=PATH")
         model_len = resolve_model_len(s.max_model_len, info.max_model_len, s.queued_tokens)
-        self.limits = Limits(
+        limits = Limits(
             vocab_size=info.vocab_size,
             max_model_len=model_len,
             max_sequences_per_request=s.max_sequences_per_request,
             max_request_tokens=s.queued_tokens,
             max_request_bytes=s.request_bytes,
         )
-        self.metrics.describe_model(info, self.served_name)
+        self.models[name] = ServedModel(name, backend, limits)
+        self.metrics.describe_model(info, name)
         if info.slow_kernels:
             log.warning("slow reference kernels in use for %s", ", ".join(info.slow_kernels))
 
     # ---- readiness -----------------------------------------------------------------------------
 
     def _workers_alive(self) -> float:
-        if self.backend is None:
-            return 0.0
-        alive = getattr(self.backend, "workers_alive", None)
-        if alive is not None:
-            return float(alive() if callable(alive) else alive)
-        return float(self.backend.info.parallel.get("world_size", 1)) if self.backend.is_alive() else 0.0
+        total = 0.0
+        for backend in [m.backend for m in list(self.models.values())]:
+            alive = getattr(backend, "workers_alive", None)
+            if alive is not None:
+                total += float(alive() if callable(alive) else alive)
+            elif backend.is_alive():
+                total += float(backend.info.parallel.get("world_size", 1))
+        return total
+
+    def _all_alive(self) -> bool:
+        return bool(self.models) and all(m.backend.is_alive() for m in self.models.values())
 
     def is_ready(self) -> bool:
         """The last known readiness, without running anything (for the metric)."""
-        return self.phase == "ready" and self._probe_ok and self.backend is not None and self.backend.is_alive()
+        return self.phase == "ready" and self._probe_ok and self._all_alive()
 
     async def readiness(self) -> tuple[bool, str]:
         """(ready, status) for GET /readyz; runs a scoring pass when the last proof is stale."""
         if self.phase != "ready":
             return False, self.phase
-        assert self.backend is not None and self.scheduler is not None
-        if not self.backend.is_alive():
+        if not self._all_alive():
             self._probe_ok = False  # a worker came back: it must score again before we are ready
             return False, "worker_down"
-        last = self.scheduler.last_success_at
-        stale = last is None or time.monotonic() - last > _READY_MAX_AGE_S or self.scheduler.last_failure
+        now = time.monotonic()
+        stale = any(
+            m.scheduler.last_success_at is None or now - m.scheduler.last_success_at > _READY_MAX_AGE_S
+            or m.scheduler.last_failure
+            for m in self._scheduled()
+        )
         if stale or not self._probe_ok:
             await self._run_probe()
         if self.phase != "ready":
@@ -170,22 +225,26 @@ class Service:
         await asyncio.shield(self._probe)
 
     async def _probe_once(self) -> None:
-        assert self.scheduler is not None and self.backend is not None
-        vocab = self.backend.info.vocab_size
-        seq = SequenceInput(np.arange(_PROBE_LENGTH, dtype=np.int64) % vocab)
+        # Every served model scores one sequence; they run side by side.
+        results = await asyncio.gather(*(self._probe_model(m) for m in self._scheduled()))
+        self._probe_ok = bool(results) and all(results)
+
+    async def _probe_model(self, model: ServedModel) -> bool:
+        assert model.scheduler is not None
+        seq = SequenceInput(np.arange(_PROBE_LENGTH, dtype=np.int64) % model.backend.info.vocab_size)
         ticket = None
         try:
-            ticket = self.scheduler.submit([seq], probe=True)
+            ticket = model.scheduler.submit([seq], probe=True)
             scores = await asyncio.wait_for(asyncio.shield(ticket.future), _PROBE_TIMEOUT_S)
             ok = bool(np.all(np.isfinite(scores[0].logprobs)))
             if not ok:
-                log.error("readiness pass returned non-finite log-probabilities")
+                log.error("readiness pass of %s returned non-finite log-probabilities", model.name)
         except (ApiError, TimeoutError) as exc:
             if ticket is not None:
-                self.scheduler.cancel(ticket)
-            log.error("readiness pass failed: %s", exc)
+                model.scheduler.cancel(ticket)
+            log.error("readiness pass of %s failed: %s", model.name, exc)
             ok = False
-        self._probe_ok = ok
+        return ok
 
     # ---- draining and shutdown -----------------------------------------------------------------
 
@@ -203,19 +262,21 @@ class Service:
         self.begin_drain()
         deadline = time.monotonic() + self.settings.drain_timeout_s
         finished = True
-        if self.scheduler is not None:
-            finished = await self.scheduler.wait_idle(self.settings.drain_timeout_s)
+        for model in self._scheduled():
+            finished &= await model.scheduler.wait_idle(max(0.0, deadline - time.monotonic()))
         while self.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.02)  # answers being encoded and sent
-        if not finished and self.scheduler is not None:
-            log.warning("drain timeout: %d requests unfinished get 503", self.scheduler.pending_requests)
-            await self.scheduler.close("the server is shutting down (drain timeout)")
+        if not finished:
+            for model in self._scheduled():
+                if model.scheduler.pending_requests:
+                    log.warning("drain timeout: %d requests unfinished for %s get 503", model.scheduler.pending_requests, model.name)
+                await model.scheduler.close("the server is shutting down (drain timeout)")
         self.drained = True
 
     async def stop(self) -> None:
         if self._start_task is not None and not self._start_task.done():
             self._start_task.cancel()
-        if self.scheduler is not None:
-            await self.scheduler.close()
-        if self.backend is not None:
-            self.backend.close()
+        for model in self._scheduled():
+            await model.scheduler.close()
+        for model in self.models.values():
+            model.backend.close()

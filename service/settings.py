@@ -7,6 +7,7 @@ over the environment, which wins over the default. ``main()`` builds it once and
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -31,7 +32,9 @@ class Settings(BaseSettings):
     model: str = Field(
         "tiny",
         description="checkpoint directory (config.json + *.safetensors), preset name, or Hugging Face hub id "
-        "(ORG/NAME: from the local cache, HF_HOME / HF_HUB_CACHE, downloaded there where the hub is reachable)",
+        "(ORG/NAME: from the local cache, HF_HOME / HF_HUB_CACHE, downloaded there where the hub is reachable); "
+        "several models: NAME=PATH_OR_PRESET, the option repeated (in PACKSCORE_MODEL: comma-separated, or a "
+        "JSON object of name -> path)",
     )
     revision: str | None = Field(None, description="branch, tag or commit of a hub id --model (default: main)")
     served_model_name: str | None = Field(None, description="name clients use in 'model' (default: the model's)")
@@ -62,6 +65,13 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on")
     api_key: SecretStr | None = Field(None, description="require 'Authorization: Bearer <key>' on every route but /healthz, /health, /readyz")
     api_key_file: Path | None = Field(None, description="file holding the API key (a mounted secret)")
+    weights_root: Path | None = Field(
+        None, description="directory under which POST /v1/weights may load new checkpoints (unset: no weight updates)"
+    )
+    admin_key: SecretStr | None = Field(
+        None, description="key POST /v1/weights requires instead of the API key (which it then refuses)"
+    )
+    admin_key_file: Path | None = Field(None, description="file holding the admin key (a mounted secret)")
     log_level: LogLevel = Field("info", description="logging level")
 
     # Scheduling and admission.
@@ -120,7 +130,25 @@ class Settings(BaseSettings):
     def _one_key_source(self) -> "Settings":
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("give --api-key or --api-key-file, not both")
+        if self.admin_key is not None and self.admin_key_file is not None:
+            raise ValueError("give --admin-key or --admin-key-file, not both")
+        specs = self.model_specs()  # raises on a malformed list of models
+        if len(specs) > 1 and self.served_model_name is not None:
+            raise ValueError("--served-model-name names the only model; with several, name each as --model NAME=PATH")
         return self
+
+    def model_specs(self) -> dict[str | None, str]:
+        """``--model`` as served name -> path or preset; the name is None for a plain ``--model X``
+        (served as ``--served-model-name`` or the model's own name).
+
+        Accepted forms: ``X``, ``NAME=X``, ``A=X,B=Y``, a JSON list of those, or a JSON object
+        ``{"A": "X", "B": "Y"}`` (the CLI passes a repeated option as a JSON list).
+        """
+        return parse_model_specs(self.model)
+
+    def for_model(self, name: str | None, spec: str) -> "Settings":
+        """These settings for one served model: its path and its served name."""
+        return self.model_copy(update={"model": spec, "served_model_name": name or self.served_model_name})
 
     @field_validator("kernels")
     @classmethod
@@ -132,6 +160,10 @@ class Settings(BaseSettings):
     def kernel_overrides(self) -> dict[str, str]:
         """``--kernels`` as the family -> backend mapping the loader takes."""
         return parse_kernel_overrides(self.kernels or "")
+
+    def resolved_admin_key(self) -> str | None:
+        """The key POST /v1/weights requires, read from ``admin_key_file`` when given; None: the API key rules."""
+        return _read_key(self.admin_key, self.admin_key_file, "--admin-key / PACKSCORE_ADMIN_KEY")
 
     def resolved_api_key(self) -> str | None:
         """The configured key, read from ``api_key_file`` when given; None means no authentication."""
@@ -171,3 +203,53 @@ class Settings(BaseSettings):
     @property
     def uses_worker_pool(self) -> bool:
         return self.world_size > 1 or self.sp > 1 or self.fsdp
+
+
+def _read_key(value: SecretStr | None, file: Path | None, option: str) -> str | None:
+    if file is not None:
+        key = file.read_text().strip()
+        if not key:
+            raise ValueError(f"{option} file {file} is empty")
+        return key
+    if value is not None:
+        key = value.get_secret_value().strip()
+        if not key:
+            raise ValueError(f"the key ({option}) is empty; unset it instead")
+        return key
+    return None
+
+
+def parse_model_specs(text: str) -> dict[str | None, str]:
+    """``--model``'s value as served name -> path or preset (see ``Settings.model_specs``)."""
+    text = text.strip()
+    if Path(text).is_dir():  # a directory whose name holds "," or "=" is still one checkpoint
+        return {None: text}
+    if text.startswith("{"):
+        try:
+            mapping = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"--model: not a JSON object of name -> path: {exc}") from None
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
+            raise ValueError("--model: a JSON object must map names to path strings")
+        items = [f"{k}={v}" for k, v in mapping.items()]
+    elif text.startswith("["):
+        try:
+            items = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"--model: not a JSON list: {exc}") from None
+        if not all(isinstance(i, str) for i in items):
+            raise ValueError("--model: a JSON list must hold NAME=PATH strings")
+    else:
+        items = text.split(",")
+    specs: dict[str | None, str] = {}
+    for item in (i.strip() for i in items):
+        name, sep, spec = item.partition("=")
+        name, spec = (name.strip(), spec.strip()) if sep else (None, item)
+        if not spec or name == "":
+            raise ValueError(f"--model {item!r}: expected PATH_OR_PRESET or NAME=PATH_OR_PRESET")
+        if name in specs:
+            raise ValueError(f"--model: the name {name!r} is given twice" if name else "--model: give each model a NAME=")
+        specs[name] = spec
+    if len(specs) > 1 and None in specs:
+        raise ValueError("--model: with several models, name each one as NAME=PATH_OR_PRESET")
+    return specs

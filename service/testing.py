@@ -8,25 +8,34 @@ records every row it was given, so a test can check how the scheduler packed the
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import threading
 import time
 from contextlib import asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
 from typing import AsyncIterator, Callable, Sequence
 
 import httpx
 import numpy as np
 
-from model_runtime.scoring.backend import BackendUnavailableError, ModelInfo
+from model_runtime.scoring.backend import BackendUnavailableError, ModelInfo, UpdateInProgressError, WeightsUpdate
+from model_runtime.scoring.checkpoint import CheckpointError
 from model_runtime.scoring.rows import validate_sequence
 from model_runtime.types import SequenceInput, SequenceScores
 
 
-def expected_scores(seq: SequenceInput) -> SequenceScores:
-    """What FakeBackend returns for ``seq``: simple functions of the ids and options."""
+FAKE_VERSION = "fake#1"
+VERSION_OFFSET = 0.125  # each weight update of FakeBackend lowers every log-prob by this much
+
+
+def expected_scores(seq: SequenceInput, generation: int = 0, version: str = FAKE_VERSION) -> SequenceScores:
+    """What FakeBackend returns for ``seq`` after ``generation`` weight updates: simple functions
+    of the ids and options."""
     ids = np.asarray(seq.input_ids, dtype=np.int64)
     targets = ids[seq.score_from :]
     positions = np.arange(seq.score_from, seq.length, dtype=np.float32)
-    logprobs = (-(targets % 97).astype(np.float32) / 10.0 - 0.01) / np.float32(seq.temperature)
+    logprobs = (-(targets % 97).astype(np.float32) / 10.0 - 0.01 - VERSION_OFFSET * generation) / np.float32(seq.temperature)
     entropy = positions / 100.0 + 1.0
     k = seq.top_k
     top_ids = (targets[:, None] + np.arange(k)[None, :]).astype(np.int32) if k else None
@@ -36,6 +45,7 @@ def expected_scores(seq: SequenceInput) -> SequenceScores:
         entropy=entropy.astype(np.float32) if seq.return_entropy else None,
         top_k_ids=top_ids,
         top_k_logprobs=top_logp.astype(np.float32) if k else None,
+        weights_version=version,
     )
 
 
@@ -47,6 +57,12 @@ class FakeBackend:
         oom_above_tokens: a row with more tokens raises a CUDA-style out-of-memory RuntimeError.
         concurrency: how many score_row calls may overlap.
         gate: when given, every forward waits until it is set (lets a test hold the pipeline).
+        load_gate: when given, every weight update waits until it is set before its swap.
+        check_checkpoint: called with an update's path before its swap; raises CheckpointError
+            to refuse it (the default accepts any directory).
+
+    A weight update (``update_weights``) swaps between forwards: each row is scored by one
+    version, and after ``n`` updates every log-prob is ``n * VERSION_OFFSET`` lower.
     """
 
     def __init__(
@@ -59,6 +75,8 @@ class FakeBackend:
         concurrency: int = 1,
         gate: threading.Event | None = None,
         name: str = "fake-model",
+        load_gate: threading.Event | None = None,
+        check_checkpoint: Callable[[Path], None] | None = None,
     ):
         self.info = ModelInfo(
             name=name,
@@ -67,7 +85,7 @@ class FakeBackend:
             max_model_len=max_model_len,
             dtype="float32",
             device="cpu",
-            weights_version="fake#1",
+            weights_version=FAKE_VERSION,
             kernels={"linear_attention": "reference", "conv1d": "reference", "attention": "reference"},
         )
         self.concurrency = concurrency
@@ -80,12 +98,18 @@ class FakeBackend:
         self.running = 0
         self.max_running = 0
         self._lock = threading.Lock()
+        self.load_gate = load_gate
+        self.check_checkpoint = check_checkpoint
+        self.generation = 0  # weight updates so far
+        self.versions = [FAKE_VERSION]  # every version served, by generation
+        self._updating = threading.Lock()
 
     def score_row(self, sequences: Sequence[SequenceInput]) -> list[SequenceScores]:
         for i, seq in enumerate(sequences):
             validate_sequence(seq, self.info.vocab_size, i)
         with self._lock:
             self.rows.append([s.length for s in sequences])
+            generation, version = self.generation, self.info.weights_version  # the row's version, read once
             self.running += 1
             self.max_running = max(self.max_running, self.running)
         try:
@@ -98,10 +122,37 @@ class FakeBackend:
                 raise RuntimeError(f"CUDA out of memory. Tried to allocate {tokens} MiB")
             if self.seconds_per_token:
                 time.sleep(tokens * self.seconds_per_token)
-            return [expected_scores(s) for s in sequences]
+            return [expected_scores(s, generation, version) for s in sequences]
         finally:
             with self._lock:
                 self.running -= 1
+
+    def update_weights(self, path: Path, version: str | None = None) -> WeightsUpdate:
+        path = Path(path)
+        if not self._updating.acquire(blocking=False):
+            raise UpdateInProgressError(f"an update of {self.info.name} is already running")
+        try:
+            started = time.perf_counter()
+            if not path.is_dir():
+                raise CheckpointError("unsupported", f"{path.name} is not a checkpoint directory")
+            if self.check_checkpoint is not None:
+                self.check_checkpoint(path)
+            if self.load_gate is not None:
+                self.load_gate.wait(timeout=30)
+            if version is None:  # a content hash, as the real backends compute
+                digest = hashlib.sha256()
+                for f in sorted(path.iterdir()):
+                    digest.update(f.name.encode() + (f.read_bytes() if f.is_file() else b""))
+                version = f"sha256-{digest.hexdigest()[:12]}"
+            load_s = time.perf_counter() - started
+            with self._lock:  # between rows: a row reads its version once, under this lock
+                previous = self.info.weights_version
+                self.generation += 1
+                self.versions.append(version)
+                self.info = replace(self.info, weights_version=version)
+            return WeightsUpdate(version, previous, load_s, 0.0)
+        finally:
+            self._updating.release()
 
     def warm_up(self) -> None:
         pass

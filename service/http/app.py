@@ -1,8 +1,8 @@
 """The HTTP app: ``create_app(settings, backend)`` builds it; nothing lives at module level.
 
 Routes follow docs/api.md: POST /score (alias /v1/score), GET /healthz (alias /health), /readyz,
-/metrics, /v1/models; /docs serves Swagger UI from the installed package, no CDN. Every error is
-the contract's JSON body, whatever the request's encoding.
+/metrics, /v1/models, and POST /v1/weights with ``--weights-root``; /docs serves Swagger UI from the
+installed package, no CDN. Every error is the contract's JSON body, whatever the request's encoding.
 """
 
 from __future__ import annotations
@@ -21,14 +21,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from model_runtime.types import SequenceScores
+from model_runtime.types import SequenceInput, SequenceScores
 from service.http import metrics as metrics_module
 from service.http.encoding import CONTENT_TYPE, JSON, MSGPACK, encode_json, encode_score_response, request_encoding
 from service.http.encoding import decode_body, response_encoding, result_record
 from service.http.errors import ERROR_RESPONSES, ApiError, backend_unavailable, from_validation_errors
+from service.http.rollout import mismatch
 from service.http.schemas import ErrorResponse, Health, ModelList, Readiness, ScoreRequest, ScoreResponse, Usage
+from service.http.schemas import WeightsRequest, WeightsResponse
 from service.http.validation import ScoreJob, parse_score_request
-from service.runtime import BackendSource, Service
+from service.http.weights import WEIGHTS_ROUTE, update_weights
+from service.runtime import BackendSources, ServedModel, Service
 from service.scheduling.scheduler import Scheduler, Ticket
 from service.settings import Settings
 
@@ -37,7 +40,9 @@ log = logging.getLogger(__name__)
 SCORE_ROUTES = ("/score", "/v1/score")
 _OPEN_ROUTES = frozenset({"/healthz", "/health", "/readyz"})  # no API key: probes must work without secrets
 _SERVED_WHILE_DRAINING = _OPEN_ROUTES | {"/metrics"}
-_ROUTE_LABELS = frozenset({*SCORE_ROUTES, *_OPEN_ROUTES, "/metrics", "/v1/models", "/docs", "/redoc", "/openapi.json"})
+_ROUTE_LABELS = frozenset({*SCORE_ROUTES, *_OPEN_ROUTES, "/metrics", "/v1/models", WEIGHTS_ROUTE, "/docs", "/redoc",
+                           "/openapi.json"})
+_MAX_RESCORES = 4  # weight swaps a request's sequences may straddle before it gets a 503
 _DAY_MS = 86_400_000
 _CLIENT_CLOSED = 499  # nginx's convention for "the client went away before the answer"
 # Bodies larger than this are decoded and validated in a thread, so that the event loop keeps
@@ -65,6 +70,7 @@ _MSGPACK_SCORE_RESPONSE = {
                     "entropy": _BIN,
                     "top_k_ids": _BIN,
                     "top_k_logprobs": _BIN,
+                    "mismatch": {"$ref": "#/components/schemas/Mismatch"},
                 },
             },
         },
@@ -88,9 +94,10 @@ def error_response(error: ApiError, metrics: metrics_module.Metrics) -> Response
     return Response(error.body(), status_code=error.status, media_type=JSON, headers=error.headers)
 
 
-def create_app(settings: Settings, backend: BackendSource) -> FastAPI:
+def create_app(settings: Settings, backend: BackendSources) -> FastAPI:
     """The service app. ``backend`` is a ScoringBackend, or a function that loads one (run in a
-    thread by the lifespan hook, so /healthz answers while the model loads)."""
+    thread by the lifespan hook, so /healthz answers while the model loads), or a mapping of
+    served name -> either for several models."""
     service = Service(settings, backend)
 
     @asynccontextmanager
@@ -158,10 +165,10 @@ class _Gate:
 
     def _refusal(self, scope: Scope, path: str) -> ApiError | None:
         key = self.service.api_key
+        if path == WEIGHTS_ROUTE and self.service.admin_key is not None:
+            return self._admin_refusal(scope)
         if key is not None and path not in _OPEN_ROUTES:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), key.encode()):
+            if not _bearer_is(scope, key):
                 return ApiError(
                     401,
                     "unauthorized",
@@ -171,6 +178,21 @@ class _Gate:
         if self.service.phase == "draining" and path not in _SERVED_WHILE_DRAINING:
             return _draining_error()
         return None
+
+    def _admin_refusal(self, scope: Scope) -> ApiError | None:
+        """With --admin-key, POST /v1/weights takes that key only: the scoring key gets 403."""
+        if _bearer_is(scope, self.service.admin_key):
+            return _draining_error() if self.service.phase == "draining" else None
+        if self.service.api_key is not None and _bearer_is(scope, self.service.api_key):
+            return ApiError(403, "forbidden", "The scoring key may not update weights; send the admin key.")
+        return ApiError(401, "unauthorized", "The admin key is required: send 'Authorization: Bearer <admin key>'.",
+                        headers={"WWW-Authenticate": "Bearer"})
+
+
+def _bearer_is(scope: Scope, key: str) -> bool:
+    given = dict(scope["headers"]).get(b"authorization", b"")
+    scheme, _, token = given.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key.encode())
 
 
 def _draining_error() -> ApiError:
@@ -216,7 +238,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
                 "description": "scores, in the encoding named by Accept (default: the request's)",
                 "content": {MSGPACK: {"schema": _MSGPACK_SCORE_RESPONSE}},
             },
-            **_errors(400, 401, 404, 413, 422, 429, 503, 504),
+            **_errors(400, 401, 404, 409, 413, 422, 429, 503, 504),
         },
     )
 
@@ -242,7 +264,8 @@ def _add_routes(app: FastAPI, service: Service) -> None:
     async def readyz() -> Response:
         ready, status = await service.readiness()
         if ready:
-            body = {"status": "ready", "model": service.served_name, "limits": service.limits.as_dict()}
+            body = {"status": "ready", "model": service.served_name, "models": list(service.models),
+                    "limits": service.limits.as_dict()}
             return Response(encode_json(body), media_type=JSON)
         error = {"type": "not_ready", "message": f"Not ready: {status.replace('_', ' ')}.", "param": None}
         headers = {"Retry-After": "1", **_CLOSE} if status == "draining" else {"Retry-After": "5"}
@@ -253,24 +276,49 @@ def _add_routes(app: FastAPI, service: Service) -> None:
     async def metrics() -> Response:
         return Response(service.metrics.render(), media_type=metrics_module.CONTENT_TYPE)
 
-    @app.get("/v1/models", response_model=ModelList, summary="The served model", responses=_errors(401, 503))
+    @app.get("/v1/models", response_model=ModelList, summary="The served models", responses=_errors(401, 503))
     async def models() -> Response:
-        backend = service.backend
-        if backend is None or service.limits is None:
+        if service.phase in ("loading", "failed") or not service.models:
             raise _not_ready(service)
-        info = backend.info
-        card = {
-            "id": service.served_name,
-            "architecture": info.architecture,
-            "vocab_size": info.vocab_size,
-            "max_model_len": service.limits.max_model_len,
-            "dtype": info.dtype,
-            "device": info.device,
-            "parallel": {k: info.parallel.get(k) for k in ("world_size", "dp", "sp", "fsdp")},
-            "kernels": dict(info.kernels),
-            "weights_version": info.weights_version,
-        }
-        return Response(encode_json({"data": [card]}), media_type=JSON)
+        return Response(encode_json({"data": [_model_card(m) for m in list(service.models.values())]}), media_type=JSON)
+
+    if service.settings.weights_root is not None:
+        _add_weights_route(app, service, service.settings.weights_root)
+
+
+def _model_card(model: ServedModel) -> dict:
+    info = model.backend.info
+    return {
+        "id": model.name,
+        "architecture": info.architecture,
+        "vocab_size": info.vocab_size,
+        "max_model_len": model.limits.max_model_len,
+        "dtype": info.dtype,
+        "device": info.device,
+        "parallel": {k: info.parallel.get(k) for k in ("world_size", "dp", "sp", "fsdp")},
+        "kernels": dict(info.kernels),
+        "weights_version": info.weights_version,
+    }
+
+
+def _add_weights_route(app: FastAPI, service: Service, root) -> None:
+    @app.post(
+        WEIGHTS_ROUTE,
+        summary="Serve a new checkpoint of a model (loaded from under --weights-root, swapped between forwards)",
+        response_class=Response,
+        responses={200: {"model": WeightsResponse, "description": "the new version serves"},
+                   **_errors(400, 401, 403, 404, 409, 422, 503)},
+        openapi_extra={"requestBody": {"required": True, "content": {
+            JSON: {"schema": {"$ref": "#/components/schemas/WeightsRequest"}},
+            MSGPACK: {"schema": {"$ref": "#/components/schemas/WeightsRequest"}}}}},
+    )
+    async def weights(request: Request) -> Response:
+        if service.phase != "ready":
+            raise _not_ready(service)
+        encoding = request_encoding(request.headers.get("content-type"))
+        body = decode_body(await _read_body(request, 1 << 20), encoding)
+        answer = await update_weights(service, body, root)
+        return Response(encode_json(answer), media_type=JSON)
 
 
 def _not_ready(service: Service) -> ApiError:
@@ -281,42 +329,88 @@ def _not_ready(service: Service) -> ApiError:
 
 
 async def _score(request: Request, service: Service) -> Response:
-    scheduler, limits = service.scheduler, service.limits
-    if service.phase != "ready" or scheduler is None or limits is None:
+    limits = service.limits
+    if service.phase != "ready" or service.scheduler is None or limits is None:
         raise _not_ready(service)
     in_encoding = request_encoding(request.headers.get("content-type"))
     try:
         raw = await _read_body(request, limits.max_request_bytes)
+        served = {name: m.limits for name, m in service.models.items()}
         if len(raw) > _DECODE_INLINE_BYTES:
-            job = await asyncio.to_thread(_parse, raw, in_encoding, limits, service.served_name)
+            job = await asyncio.to_thread(_parse, raw, in_encoding, served)
         else:
-            job = _parse(raw, in_encoding, limits, service.served_name)
+            job = _parse(raw, in_encoding, served)
     except ApiError as exc:
         if exc.status == 413:  # tell the client the limits it must split under
             exc.headers.update(limits.headers())
         raise
+    model = service.models[job.model]
+    limits = model.limits
     if service.phase != "ready":  # SIGTERM while the body was being read
         raise _not_ready(service)
-    if not service.backend.is_alive():  # a worker died: answer now instead of failing in the queue
+    if job.weights_version is not None and job.weights_version != model.backend.info.weights_version:
+        raise _version_mismatch(job.weights_version, model)
+    if not model.backend.is_alive():  # a worker died: answer now instead of failing in the queue
         raise backend_unavailable("A scoring worker is down; retry shortly.", retry_after_s=5)
     # Capped at a day: an unbounded integer must not overflow the clock arithmetic.
     deadline = time.monotonic() + min(job.deadline_ms, _DAY_MS) / 1000.0 if job.deadline_ms is not None else None
     service.inflight += 1
     try:
-        scores = await _admit_and_wait(request, scheduler, job, deadline)
-        if scores is None:
+        scored = await _score_with_one_version(request, model, job, deadline)
+        if scored is None:
             service.metrics.rejections.labels(reason="client_disconnected").inc()
             return Response(status_code=_CLIENT_CLOSED)
         out_encoding = response_encoding(request.headers.get("accept"), in_encoding)
-        body = _score_body(job, scores, service)
+        body = _score_body(job, *scored, service)
         return Response(encode_score_response(body, out_encoding), media_type=CONTENT_TYPE[out_encoding],
                         headers=limits.headers())
     finally:
         service.inflight -= 1
 
 
-def _parse(raw: bytes, encoding, limits, served_name: str) -> ScoreJob:
-    return parse_score_request(decode_body(raw, encoding), limits, served_name)
+def _parse(raw: bytes, encoding, served) -> ScoreJob:
+    return parse_score_request(decode_body(raw, encoding), served)
+
+
+def _version_mismatch(pinned: str, model: ServedModel) -> ApiError:
+    served = model.backend.info.weights_version
+    return ApiError(409, "weights_version_mismatch",
+                    f"weights_version {pinned!r} is not served; {model.name!r} now serves {served!r}.", "weights_version")
+
+
+async def _score_with_one_version(request: Request, model: ServedModel, job: ScoreJob,
+                                  deadline: float | None) -> tuple[list[SequenceScores], str] | None:
+    """The job's scores, every one by the same weights version, and that version; None if the
+    client went away.
+
+    A weight swap between two of its rows leaves a request scored by two versions: its sequences
+    scored by the older one are scored again (a pinned request gets 409 instead), so no request
+    fails because of a swap.
+    """
+    scheduler = model.scheduler
+    assert scheduler is not None
+    scores: list[SequenceScores | None] = [None] * len(job.sequences)
+    todo = list(range(len(job.sequences)))
+    for attempt in range(_MAX_RESCORES + 1):
+        # A re-score goes first and past the admission bound, as the probe: its tokens were admitted.
+        got = await _admit_and_wait(request, scheduler, [job.sequences[i] for i in todo], deadline, rescore=attempt > 0)
+        if got is None:
+            return None
+        for i, s in zip(todo, got):
+            scores[i] = s
+        served = model.backend.info.weights_version
+        versions = [s.weights_version or served for s in scores]  # type: ignore[union-attr]
+        if job.weights_version is not None:
+            if any(v != job.weights_version for v in versions):
+                raise _version_mismatch(job.weights_version, model)
+            return scores, job.weights_version  # type: ignore[return-value]
+        if len(set(versions)) == 1:
+            return scores, versions[0]  # type: ignore[return-value]
+        todo = [i for i, v in enumerate(versions) if v != served]
+        log.info("%d of %d sequences of a request scored by an older version of %s: scoring them again with %s",
+                 len(todo), len(versions), model.name, served)
+    raise ApiError(503, "unavailable", f"The weights of {model.name!r} changed while the request was scored; retry.",
+                   headers={"Retry-After": "1"})
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -335,15 +429,18 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _admit_and_wait(request: Request, scheduler: Scheduler, job: ScoreJob,
-                          deadline: float | None) -> list[SequenceScores] | None:
+async def _admit_and_wait(request: Request, scheduler: Scheduler, sequences: list[SequenceInput],
+                          deadline: float | None, rescore: bool = False) -> list[SequenceScores] | None:
     """The request's results once admitted and scored; None if the client went away first.
 
     Raises ApiError 429 when no room freed up within the admission wait, 504 past the deadline.
     """
     disconnected = asyncio.ensure_future(_until_disconnect(request))
     try:
-        admit = asyncio.ensure_future(scheduler.submit_when_room(job.sequences, deadline=deadline))
+        if rescore:  # its tokens were admitted once: it goes first, as the probe does
+            admit = asyncio.ensure_future(_submit_now(scheduler, sequences, deadline))
+        else:
+            admit = asyncio.ensure_future(scheduler.submit_when_room(sequences, deadline=deadline))
         try:
             await asyncio.wait({admit, disconnected}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
@@ -361,6 +458,10 @@ async def _admit_and_wait(request: Request, scheduler: Scheduler, job: ScoreJob,
         return await _wait(scheduler, ticket, deadline, disconnected)
     finally:
         disconnected.cancel()
+
+
+async def _submit_now(scheduler: Scheduler, sequences: list[SequenceInput], deadline: float | None) -> Ticket:
+    return scheduler.submit(sequences, deadline=deadline, probe=True)
 
 
 async def _wait(scheduler: Scheduler, ticket: Ticket, deadline: float | None,
@@ -386,14 +487,17 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
-def _score_body(job: ScoreJob, scores: list[SequenceScores], service: Service) -> dict:
+def _score_body(job: ScoreJob, scores: list[SequenceScores], version: str, service: Service) -> dict:
     results = [
         result_record(seq_id, s, return_entropy=job.return_entropy, top_k=job.top_k) for seq_id, s in zip(job.ids, scores)
     ]
-    assert service.backend is not None
+    for record, s, rollout in zip(results, scores, job.rollout):
+        if rollout is not None:
+            record["mismatch"] = figures = mismatch(s.logprobs, rollout)
+            service.metrics.observe_mismatch(job.model, figures)
     return {
-        "model": service.served_name,
-        "weights_version": service.backend.info.weights_version,
+        "model": job.model,
+        "weights_version": version,
         "results": results,
         "usage": {"input_tokens": job.input_tokens, "scored_tokens": job.scored_tokens},
     }
@@ -408,7 +512,7 @@ def _openapi(app: FastAPI, service: Service) -> dict:
     request_schema = ScoreRequest.model_json_schema(ref_template="#/components/schemas/{model}")
     components.update(request_schema.pop("$defs", {}))
     components["ScoreRequest"] = request_schema
-    for model in (ErrorResponse, Usage):
+    for model in (ErrorResponse, Usage, WeightsRequest, WeightsResponse):
         components.setdefault(model.__name__, model.model_json_schema(ref_template="#/components/schemas/{model}"))
     if service.limits is not None:
         _describe_limits(components, service)
@@ -429,12 +533,11 @@ def _openapi(app: FastAPI, service: Service) -> dict:
 
 def _describe_limits(components: dict, service: Service) -> None:
     """Puts the served model's limits into the request schema, so clients and fuzzers see them."""
-    limits = service.limits
-    assert limits is not None
+    served = [m.limits for m in service.models.values()]
     ids = components["SequenceIn"]["properties"]["input_ids"]
-    ids["items"]["maximum"] = limits.vocab_size - 1
-    ids["maxItems"] = limits.max_model_len
+    ids["items"]["maximum"] = max(limits.vocab_size for limits in served) - 1
+    ids["maxItems"] = max(limits.max_model_len for limits in served)
     request = components["ScoreRequest"]["properties"]
-    request["sequences"]["maxItems"] = limits.max_sequences_per_request
-    request["model"] = {"anyOf": [{"type": "string", "enum": [service.served_name]}, {"type": "null"}],
+    request["sequences"]["maxItems"] = served[0].max_sequences_per_request
+    request["model"] = {"anyOf": [{"type": "string", "enum": list(service.models)}, {"type": "null"}],
                         "default": None, "description": request["model"].get("description", "")}

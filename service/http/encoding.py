@@ -135,5 +135,7 @@ def encode_score_response(body: dict, encoding: Encoding) -> bytes:
         if "top_k_ids" in result:
             packed["top_k_ids"] = _bin(result["top_k_ids"], "<i4")
             packed["top_k_logprobs"] = _bin(result["top_k_logprobs"], "<f4")
+        if "mismatch" in result:
+            packed["mismatch"] = result["mismatch"]
         results.append(packed)
     return msgpack.packb({**body, "results": results}, use_bin_type=True)

@@ -111,7 +111,9 @@ def _short_repr(value) -> str:
 ERROR_RESPONSES = {
     400: {"model": ErrorResponse, "description": "malformed body: bad JSON or msgpack, or a wrong content type"},
     401: {"model": ErrorResponse, "description": "missing or wrong API key"},
+    403: {"model": ErrorResponse, "description": "a key or path not allowed for this route"},
     404: {"model": ErrorResponse, "description": "unknown model"},
+    409: {"model": ErrorResponse, "description": "weights version conflict, or an update already running"},
     413: {"model": ErrorResponse, "description": "body, sequence or request too large"},
     422: {"model": ErrorResponse, "description": "well-formed body with invalid values"},
     429: {"model": ErrorResponse, "description": "admission queue full; retry after Retry-After seconds"},

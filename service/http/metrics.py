@@ -17,6 +17,7 @@ from model_runtime.scoring.backend import ModelInfo
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKEN_BUCKETS = tuple(2**i for i in range(6, 20))  # 64 .. 512k tokens
+_MISMATCH_BUCKETS = (1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1, 3, 10)
 _FILL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0, 2.0, 8.0)  # > 1: an oversize sequence
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -24,6 +25,7 @@ _KNOWN_REJECTIONS = (
     "queue_full", "draining", "not_ready", "deadline_exceeded", "client_disconnected", "backend_unavailable",
     "sequence_too_large", "sequence_too_long", "request_too_large", "too_many_sequences", "body_too_large",
     "invalid_value", "malformed_body", "unsupported_content_type", "model_not_found", "unauthorized",
+    "model_required", "weights_version_mismatch",
 )  # fmt: skip
 
 
@@ -121,6 +123,40 @@ class Metrics:
             registry=r,
         )
         self.parallel_info = Info("packscore_parallel", "Parallel layout of the workers.", _MODEL, registry=r)
+        self.rollout_mean_abs_diff, self.rollout_max_abs_diff, self.rollout_k3_kl = (
+            Histogram(
+                f"packscore_rollout_{name}",
+                f"Per sequence sent with rollout_logprobs: {what}, d = packscore's log-prob - the rollout's.",
+                ["model"],
+                buckets=_MISMATCH_BUCKETS,
+                registry=r,
+            )
+            for name, what in (
+                ("mean_abs_diff", "mean |d| over its scored tokens"),
+                ("max_abs_diff", "max |d| over its scored tokens"),
+                ("k3_kl", "mean(exp(d) - 1 - d), the k3 estimate of KL(rollout || served model)"),
+            )
+        )
+        self.weights_updates = Counter(
+            "packscore_weights_updates_total",
+            "POST /v1/weights answered, by model and outcome (ok, or the error type).",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.weights_load_seconds = Histogram(
+            "packscore_weights_load_seconds",
+            "Time from a weight update's request to the new weights ready beside the old.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.weights_swap_seconds = Histogram(
+            "packscore_weights_swap_seconds",
+            "Pause between two forwards while a weight update swapped the weights.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
 
     def watch(
         self,
@@ -139,7 +175,13 @@ class Metrics:
     def for_model(self, name: str) -> ModelMetrics:
         return ModelMetrics(*(getattr(self, f).labels(model=name) for f in ModelMetrics.__dataclass_fields__))
 
+    def observe_mismatch(self, model: str, figures: dict[str, float]) -> None:
+        self.rollout_mean_abs_diff.labels(model=model).observe(figures["mean_abs_diff"])
+        self.rollout_max_abs_diff.labels(model=model).observe(figures["max_abs_diff"])
+        self.rollout_k3_kl.labels(model=model).observe(figures["k3_kl"])
+
     def describe_model(self, info: ModelInfo, served_name: str) -> None:
+        """The model's info series (again after a weight update: its weights_version changed)."""
         self.model_info.labels(model=served_name).info(
             {
                 "architecture": info.architecture,

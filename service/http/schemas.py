@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import numpy as np
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, WrapValidator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import WrapValidator
 
 from model_runtime.types import MAX_TOP_K
 
@@ -55,12 +56,37 @@ TokenIds = Annotated[
 ]
 
 
+def _float32s(value: Any, handler) -> np.ndarray:
+    """A list of numbers (JSON or msgpack) or a msgpack bin of little-endian float32, as float32.
+
+    Non-finite values pass here; validation names the first one with its index.
+    """
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raw = bytes(value)
+        if len(raw) % 4:
+            raise ValueError("a bin of rollout_logprobs must hold whole little-endian float32 values")
+        return np.frombuffer(raw, dtype="<f4")
+    return np.asarray(handler(value), dtype=np.float32)
+
+
+Float32s = Annotated[
+    list[StrictFloat],
+    WrapValidator(_float32s),
+    Field(
+        description="the rollout engine's log-prob of each scored token (positions score_from .. L-1, so "
+        "len(input_ids) - score_from values, finite); in msgpack also a bin of little-endian float32",
+        json_schema_extra={"items": {"type": "number"}},
+    ),
+]
+
+
 class SequenceIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: Text | None = Field(None, description="echoed back unchanged")
     input_ids: TokenIds
     score_from: StrictInt = Field(1, ge=1, description="first position scored; 1 <= score_from <= len(input_ids)")
+    rollout_logprobs: Float32s | None = Field(None, description="turns on `mismatch` in this sequence's result")
 
 
 class ScoreRequest(BaseModel):
@@ -86,6 +112,17 @@ class ScoreRequest(BaseModel):
     return_entropy: StrictBool = Field(True, description="whether entropy is returned")
     top_k: StrictInt = Field(0, ge=0, le=MAX_TOP_K, description="when > 0 also return the k most likely tokens")
     deadline_ms: StrictInt | None = Field(None, ge=1, description="give up (504) when not done after this many ms")
+    weights_version: Text | None = Field(
+        None, description="score only with exactly this version of the model's weights, else 409 weights_version_mismatch"
+    )
+
+
+class Mismatch(BaseModel):
+    """Packscore's log-probs ``p`` against the rollout's ``r``, ``d = p - r`` over the scored tokens."""
+
+    mean_abs_diff: float = Field(description="mean |d|")
+    max_abs_diff: float = Field(description="max |d|")
+    k3_kl: float = Field(description="mean(exp(d) - 1 - d): the k3 estimate of KL(rollout || served model)")
 
 
 class SequenceResult(BaseModel):
@@ -94,6 +131,7 @@ class SequenceResult(BaseModel):
     entropy: list[float] | None = Field(None, description="entropy of each scored position (when return_entropy)")
     top_k_ids: list[list[int]] | None = Field(None, description="[n_scored][k] most likely ids (when top_k > 0)")
     top_k_logprobs: list[list[float]] | None = Field(None, description="[n_scored][k] their log-probabilities")
+    mismatch: Mismatch | None = Field(None, description="against rollout_logprobs (when the sequence sent them)")
 
 
 class Usage(BaseModel):
@@ -119,6 +157,27 @@ class ScoreResponse(BaseModel):
     weights_version: str
     results: list[SequenceResult]
     usage: Usage
+
+
+class WeightsRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"examples": [{"model": "policy", "path": "step-000120", "version": "step-120"}]},
+    )
+
+    model: Text | None = Field(None, description="served model name; null means the only served model")
+    path: Text = Field(description="checkpoint directory (config.json + *.safetensors) relative to --weights-root")
+    version: Text | None = Field(
+        None, min_length=1, max_length=256, description="the new weights_version; default: a hash of the checkpoint's content"
+    )
+
+
+class WeightsResponse(BaseModel):
+    model: str
+    weights_version: str = Field(description="the version now serving")
+    previous_version: str = Field(description="the version it replaced")
+    load_s: float = Field(description="seconds from the request to the new weights ready beside the old")
+    swap_ms: float = Field(description="the pause between two forwards while the weights were swapped")
 
 
 class ErrorDetail(BaseModel):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 from pydantic import ValidationError
@@ -70,19 +70,40 @@ class ScoreJob:
     deadline_ms: int | None
     input_tokens: int
     scored_tokens: int
+    model: str = ""  # the served model that scores it
+    weights_version: str | None = None  # the pinned version, if any
+    rollout: tuple[np.ndarray | None, ...] = ()  # float32 rollout log-probs per sequence, where sent
 
 
-def parse_score_request(body: Any, limits: Limits, served_name: str) -> ScoreJob:
-    """Validates a decoded /score body; raises ApiError 404 / 413 / 422."""
+def pick_model(requested: Any, served: Mapping[str, Any]) -> str:
+    """The served model a request's ``model`` names: 404 for an unknown name, 422 when omitted
+    while several are served."""
+    if requested is None:
+        if len(served) > 1:
+            raise ApiError(422, "model_required", f"Several models are served ({', '.join(served)}); name one in 'model'.", "model")
+        return next(iter(served))
+    if requested not in served:
+        raise ApiError(404, "model_not_found", f"Model {requested!r} is not served here; this server serves "
+                       f"{', '.join(repr(n) for n in served)}.", "model")
+    return requested
+
+
+def parse_score_request(body: Any, limits: Limits | Mapping[str, Limits], served_name: str = "") -> ScoreJob:
+    """Validates a decoded /score body; raises ApiError 404 / 413 / 422.
+
+    ``limits`` is the served model's, or served name -> limits when several are served.
+    """
+    served = {served_name: limits} if isinstance(limits, Limits) else limits
     if not isinstance(body, dict):
         raise ApiError(422, "invalid_value", f"The body must be an object, got {type(body).__name__}.")
     sequences = body.get("sequences")
     # Counted before the per-item validation, which would otherwise walk an unbounded list.
-    if isinstance(sequences, list) and len(sequences) > limits.max_sequences_per_request:
+    any_limits = next(iter(served.values()))  # every model shares the request bounds
+    if isinstance(sequences, list) and len(sequences) > any_limits.max_sequences_per_request:
         raise ApiError(
             413,
             "too_many_sequences",
-            f"The request has {len(sequences)} sequences; at most {limits.max_sequences_per_request} are accepted "
+            f"The request has {len(sequences)} sequences; at most {any_limits.max_sequences_per_request} are accepted "
             "per request. Split it.",
             "sequences",
         )
@@ -90,10 +111,11 @@ def parse_score_request(body: Any, limits: Limits, served_name: str) -> ScoreJob
         request = ScoreRequest.model_validate(body)
     except ValidationError as exc:
         raise from_validation_errors(exc.errors(include_url=False)) from None
-    if request.model is not None and request.model != served_name:
-        raise ApiError(404, "model_not_found", f"Model {request.model!r} is not served here; this server serves {served_name!r}.", "model")
+    model = pick_model(request.model, served)
+    limits = served[model]
 
     out: list[SequenceInput] = []
+    rollout: list[np.ndarray | None] = []
     input_tokens = scored_tokens = 0
     for i, seq in enumerate(request.sequences):
         ids = _checked_ids(seq.input_ids, i, limits)
@@ -113,6 +135,7 @@ def parse_score_request(body: Any, limits: Limits, served_name: str) -> ScoreJob
                 return_entropy=request.return_entropy,
             )
         )
+        rollout.append(None if seq.rollout_logprobs is None else _checked_rollout(seq.rollout_logprobs, i, ids.size - seq.score_from))
         input_tokens += ids.size
         scored_tokens += ids.size - seq.score_from
     if input_tokens > limits.max_request_tokens:
@@ -131,7 +154,22 @@ def parse_score_request(body: Any, limits: Limits, served_name: str) -> ScoreJob
         deadline_ms=request.deadline_ms,
         input_tokens=input_tokens,
         scored_tokens=scored_tokens,
+        model=model,
+        weights_version=request.weights_version,
+        rollout=tuple(rollout),
     )
+
+
+def _checked_rollout(values: np.ndarray, i: int, n_scored: int) -> np.ndarray:
+    param = f"sequences[{i}].rollout_logprobs"
+    if values.size != n_scored:
+        raise ApiError(422, "invalid_value", f"rollout_logprobs must hold one value per scored position, "
+                       f"len(input_ids) - score_from = {n_scored}, got {values.size}.", param)
+    bad = np.flatnonzero(~np.isfinite(values))
+    if bad.size:
+        j = int(bad[0])
+        raise ApiError(422, "invalid_value", f"rollout_logprobs must be finite, got {values[j]}.", f"{param}[{j}]")
+    return values
 
 
 def _checked_ids(ids: np.ndarray, i: int, limits: Limits) -> np.ndarray:

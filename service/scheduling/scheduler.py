@@ -93,6 +93,26 @@ class _Item:
         self.released = False  # True once it no longer counts against admission (done or dropped)
 
 
+class SharedCapacity:
+    """What the schedulers of several served models share: the admission bound and the forward slots.
+
+    Each served model has its own scheduler (rows never mix models); they share one ``Admission``
+    (the first scheduler's: one time-measured bound within ``--max-queued-tokens`` for the whole
+    deployment) and run at most ``concurrency`` forwards at once across models, so two models on
+    one GPU never hold two rows' activations together.
+    """
+
+    def __init__(self, max_queued_tokens: int, concurrency: int):
+        self.max_queued_tokens = int(max_queued_tokens)
+        self.slots = asyncio.Semaphore(max(1, int(concurrency)))
+        self.schedulers: list[Scheduler] = []
+        self.admission: Admission | None = None  # set by the first scheduler
+
+    @property
+    def queued_tokens(self) -> int:
+        return sum(s._queued_tokens for s in self.schedulers)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -106,8 +126,12 @@ class Scheduler:
         metrics: Metrics | None = None,
         model: str | None = None,
         prefix_min_tokens: int = 0,
+        shared: SharedCapacity | None = None,
     ):
         self.backend = backend
+        self._shared = shared
+        if shared is not None:
+            shared.schedulers.append(self)
         self.max_batch_tokens = int(max_batch_tokens)
         self.max_wait_s = float(max_wait_ms) / 1000.0
         self.max_queued_tokens = int(max_queued_tokens)
@@ -115,8 +139,14 @@ class Scheduler:
         self.metrics = (metrics or Metrics()).for_model(model or backend.info.name)
         self.prefix_min_tokens = int(prefix_min_tokens)  # rows count a shared prefix once (0: off)
         self.concurrency = max(1, int(getattr(backend, "concurrency", 1)))
-        self.admission = Admission(gpus=self.concurrency, row_tokens=self.max_batch_tokens, queue_seconds=queue_seconds,
-                                   floor_rows=_FLOOR_ROWS, max_tokens=self.max_queued_tokens, max_wait_s=max_admission_wait_s)
+        if shared is not None and shared.admission is not None:
+            self.admission = shared.admission  # one bound for every served model
+        else:
+            self.admission = Admission(gpus=self.concurrency, row_tokens=self.max_batch_tokens, queue_seconds=queue_seconds,
+                                       floor_rows=_FLOOR_ROWS, max_tokens=self.max_queued_tokens,
+                                       max_wait_s=max_admission_wait_s)
+            if shared is not None:
+                shared.admission = self.admission
         self._last_arrival = float("-inf")
         self._queue: deque[_Item] = deque()
         self._waiting_tokens = 0  # in the queue, not yet in a row: what the packer can still pack
@@ -133,7 +163,8 @@ class Scheduler:
         self._closed = False
 
     @classmethod
-    def from_settings(cls, backend: ScoringBackend, settings, metrics: Metrics | None = None) -> "Scheduler":
+    def from_settings(cls, backend: ScoringBackend, settings, metrics: Metrics | None = None,
+                      shared: SharedCapacity | None = None, model: str | None = None) -> "Scheduler":
         """The scheduler the server and offline scoring build from their ``Settings``: rows of
         the backend's ``max_row_tokens`` (a sequence-parallel group takes sp times the per-GPU
         budget), else of ``--max-batch-tokens``."""
@@ -145,8 +176,9 @@ class Scheduler:
             queue_seconds=settings.queue_seconds,
             max_admission_wait_s=settings.max_admission_wait_s,
             metrics=metrics,
-            model=settings.served_model_name or backend.info.name,
+            model=model or settings.served_model_name or backend.info.name,
             prefix_min_tokens=getattr(settings, "prefix_min_tokens_in_use", 0),
+            shared=shared,
         )
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -385,7 +417,12 @@ class Scheduler:
                 item.started = True
                 self.metrics.queue_wait.observe(started - item.enqueued_at)
         try:
-            scores = await thread.run(self.backend.score_row, [it.seq for it in row])
+            if self._shared is None:
+                scores = await thread.run(self.backend.score_row, [it.seq for it in row])
+            else:
+                async with self._shared.slots:
+                    started = time.monotonic()  # the forward's time, not the wait for another model's
+                    scores = await thread.run(self.backend.score_row, [it.seq for it in row])
         except BackendUnavailableError as exc:
             self.last_failure = str(exc) or "backend unavailable"
             log.error("backend unavailable for a row of %d sequences: %s", len(row), exc)

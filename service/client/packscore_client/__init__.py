@@ -16,12 +16,15 @@ no transformers, none of the server's packages (``pip install ./service/client``
 - A batch larger than the server accepts in one request is split under its limits (read from the
   ``X-Packscore-Max-*`` headers of every answer, from /readyz before the first call, or given as
   knobs); the parts are sent concurrently and the results come back in input order.
+- Every result names the weights version that scored it (parts of a split batch may differ unless
+  ``weights_version=`` pins one); a sequence sent with ``rollout_logprobs`` gets ``mismatch``.
+  ``update_weights(model, path)`` asks the server to serve a new checkpoint (docs/weights.md).
 - ``score_padded`` takes padded batches as verl and OpenRLHF hold them and never sends a pad; the
   plain ``score`` refuses a 2-D array rather than score its pad tokens.
 """
 
 from packscore_client.clients import AsyncScoreClient, ScoreClient
 from packscore_client.padded import PaddedScores
-from packscore_client.protocol import Limits, ScoredSequence, ScoreError
+from packscore_client.protocol import Limits, ScoredSequence, ScoreError, WeightsUpdate
 
-__all__ = ["AsyncScoreClient", "Limits", "PaddedScores", "ScoreClient", "ScoreError", "ScoredSequence"]
+__all__ = ["AsyncScoreClient", "Limits", "PaddedScores", "ScoreClient", "ScoreError", "ScoredSequence", "WeightsUpdate"]

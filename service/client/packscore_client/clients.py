@@ -11,7 +11,7 @@ from typing import Any, Generator, Iterable
 import httpx
 
 from packscore_client.padded import PaddedBatch, PaddedScores
-from packscore_client.protocol import Limits, Protocol, ScoredSequence, as_seqs, options
+from packscore_client.protocol import Limits, Protocol, ScoredSequence, WeightsUpdate, as_seqs, options
 
 _DISCOVERY_TIMEOUT_S = 5.0
 
@@ -40,9 +40,11 @@ class _Base:
         max_request_tokens: int | None = None,
         max_request_bytes: int | None = None,
         transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
+        admin_key: str | None = None,
     ):
         self._p = Protocol(base_url, api_key, encoding, retry_timeout_s, max_sequences_per_request,
                            max_request_tokens, max_request_bytes, connect_retry_s)
+        self._p.admin_key = admin_key  # POST /v1/weights sends it instead of the API key
         self._max_concurrency = max(1, max_concurrency)
         # A host that never answers must fail within the connect budget, not after timeout_s.
         timeout = httpx.Timeout(timeout_s, connect=max(1.0, min(timeout_s, connect_retry_s)))
@@ -53,9 +55,9 @@ class _Base:
     def limits(self) -> Limits:
         return self._p.limits
 
-    def _plan(self, sequences, temperature, return_entropy, top_k, model, deadline_ms):
+    def _plan(self, sequences, temperature, return_entropy, top_k, model, deadline_ms, weights_version=None):
         seqs = as_seqs(sequences)
-        opts = options(temperature, return_entropy, top_k, model, deadline_ms)
+        opts = options(temperature, return_entropy, top_k, model, deadline_ms, weights_version)
         return seqs, opts, time.monotonic() + self._p.retry_timeout_s
 
 
@@ -85,10 +87,14 @@ class ScoreClient(_Base):
         top_k: int = 0,
         model: str | None = None,
         deadline_ms: int | None = None,
+        weights_version: str | None = None,
     ) -> list[ScoredSequence]:
-        """Scores ``sequences`` (dicts with input_ids / score_from / id, or unpadded 1-D id lists or
-        arrays); one result per sequence, in order."""
-        seqs, opts, give_up = self._plan(sequences, temperature, return_entropy, top_k, model, deadline_ms)
+        """Scores ``sequences`` (dicts with input_ids / score_from / id and optionally
+        rollout_logprobs, or unpadded 1-D id lists or arrays); one result per sequence, in order,
+        each naming the weights version that scored it. ``weights_version`` pins the version: the
+        server answers 409 (raised as ScoreError) when it serves another."""
+        seqs, opts, give_up = self._plan(sequences, temperature, return_entropy, top_k, model, deadline_ms,
+                                         weights_version)
         if not self._p.limits_known:
             self._p.learn_from_readyz(self._get("/readyz"))
         parts = self._p.chunks(seqs, self._max_concurrency)
@@ -106,6 +112,12 @@ class ScoreClient(_Base):
         results = self.score(batch.sequences, temperature=temperature, return_entropy=return_entropy, model=model,
                              deadline_ms=deadline_ms) if batch.sequences else []
         return batch.scores(results, return_entropy)
+
+    def update_weights(self, model: str | None, path: str, version: str | None = None) -> WeightsUpdate:
+        """Asks the server to serve the checkpoint at ``path`` (relative to its --weights-root) for
+        ``model``; returns once the new version serves. ``version`` defaults to a content hash."""
+        content, headers = self._p.weights_request(model, path, version)
+        return self._p.weights_answer(self._http.post("/v1/weights", content=content, headers=headers))
 
     def _get(self, path: str) -> httpx.Response | Exception:
         try:
@@ -153,8 +165,10 @@ class AsyncScoreClient(_Base):
         top_k: int = 0,
         model: str | None = None,
         deadline_ms: int | None = None,
+        weights_version: str | None = None,
     ) -> list[ScoredSequence]:
-        seqs, opts, give_up = self._plan(sequences, temperature, return_entropy, top_k, model, deadline_ms)
+        seqs, opts, give_up = self._plan(sequences, temperature, return_entropy, top_k, model, deadline_ms,
+                                         weights_version)
         if not self._p.limits_known:
             self._p.learn_from_readyz(await self._get("/readyz"))
         gate = asyncio.Semaphore(self._max_concurrency)
@@ -173,6 +187,11 @@ class AsyncScoreClient(_Base):
         results = await self.score(batch.sequences, temperature=temperature, return_entropy=return_entropy,
                                    model=model, deadline_ms=deadline_ms) if batch.sequences else []
         return batch.scores(results, return_entropy)
+
+    async def update_weights(self, model: str | None, path: str, version: str | None = None) -> WeightsUpdate:
+        """As ``ScoreClient.update_weights``."""
+        content, headers = self._p.weights_request(model, path, version)
+        return self._p.weights_answer(await self._http.post("/v1/weights", content=content, headers=headers))
 
     async def _get(self, path: str) -> httpx.Response | Exception:
         try:

@@ -38,7 +38,19 @@ class ScoredSequence:
     top_k_ids: np.ndarray | None  # int32 [n_scored, k], when top_k > 0
     top_k_logprobs: np.ndarray | None  # float32 [n_scored, k]
     model: str
+    weights_version: str  # the version of the weights that scored it
+    mismatch: dict[str, float] | None = None  # against rollout_logprobs, when the sequence sent them
+
+
+@dataclass(frozen=True)
+class WeightsUpdate:
+    """The server's answer to ``update_weights``: the new version serves."""
+
+    model: str
     weights_version: str
+    previous_version: str
+    load_s: float
+    swap_ms: float
 
 
 class ScoreError(Exception):
@@ -66,12 +78,19 @@ class Seq:
     ids: np.ndarray  # int64 [L]
     score_from: int
     id: str | None
+    rollout: np.ndarray | None = None  # float32 [L - score_from], the rollout engine's log-probs
 
 
 def as_seq(item: Any) -> Seq:
-    """A dict with input_ids / score_from / id, or a plain 1-D sequence of ids, checked."""
+    """A dict with input_ids / score_from / id (and optionally rollout_logprobs), or a plain 1-D
+    sequence of ids, checked."""
+    rollout = None
     if isinstance(item, dict):
         ids, score_from, seq_id = item["input_ids"], item.get("score_from", 1), item.get("id")
+        if item.get("rollout_logprobs") is not None:
+            rollout = np.asarray(item["rollout_logprobs"], dtype=np.float32)
+            if rollout.ndim != 1:
+                raise TypeError(f"rollout_logprobs must be 1-D, got shape {rollout.shape}")
     else:
         ids, score_from, seq_id = item, 1, None
     if isinstance(ids, (bytes, bytearray)):
@@ -83,7 +102,10 @@ def as_seq(item: Any) -> Seq:
     if arr.size and (arr.min() < 0 or arr.max() > _INT32_MAX):
         # msgpack sends int32; a silent wrap-around could turn a bad id into a valid one.
         raise ValueError(f"token ids must be in [0, 2**31), got {int(arr.min())} .. {int(arr.max())}")
-    return Seq(arr, int(score_from), seq_id)
+    if rollout is not None and rollout.size != arr.size - int(score_from):
+        raise ValueError(f"rollout_logprobs must hold len(input_ids) - score_from = {arr.size - int(score_from)} "
+                         f"values, got {rollout.size}")
+    return Seq(arr, int(score_from), seq_id, rollout)
 
 
 def as_seqs(sequences: Any) -> list[Seq]:
@@ -97,12 +119,15 @@ def as_seqs(sequences: Any) -> list[Seq]:
     return [as_seq(s) for s in sequences]
 
 
-def options(temperature, return_entropy, top_k, model, deadline_ms) -> dict:
+def options(temperature, return_entropy, top_k, model, deadline_ms, weights_version=None) -> dict:
     """The request fields every part of one ``score`` call shares."""
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
-    return {"model": model, "temperature": float(temperature), "return_entropy": bool(return_entropy),
+    opts = {"model": model, "temperature": float(temperature), "return_entropy": bool(return_entropy),
             "top_k": int(top_k), "deadline_ms": deadline_ms}
+    if weights_version is not None:  # a server without version pins knows no such field
+        opts["weights_version"] = weights_version
+    return opts
 
 
 class Protocol:
@@ -126,6 +151,7 @@ class Protocol:
         self.retry_timeout_s = retry_timeout_s
         self.connect_retry_s = connect_retry_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.admin_key: str | None = None  # POST /v1/weights: the admin key, when the server has one
         media = "application/msgpack" if encoding == "msgpack" else "application/json"
         self.headers |= {"Content-Type": media, "Accept": media}
         self.knobs = {
@@ -190,9 +216,30 @@ class Protocol:
     def body(self, seqs: Sequence[Seq], options: dict) -> bytes:
         if self.encoding == "msgpack":
             items = [{"id": s.id, "input_ids": s.ids.astype("<i4").tobytes(), "score_from": s.score_from} for s in seqs]
+            for item, s in zip(items, seqs):
+                if s.rollout is not None:
+                    item["rollout_logprobs"] = s.rollout.astype("<f4").tobytes()
             return msgpack.packb({**options, "sequences": items}, use_bin_type=True)
         items = [{"id": s.id, "input_ids": s.ids.tolist(), "score_from": s.score_from} for s in seqs]
+        for item, s in zip(items, seqs):
+            if s.rollout is not None:
+                item["rollout_logprobs"] = s.rollout.tolist()
         return json.dumps({**options, "sequences": items}, separators=(",", ":")).encode()
+
+    def weights_request(self, model: str | None, path: str, version: str | None) -> tuple[bytes, dict]:
+        """The body and headers of POST /v1/weights (JSON; the admin key when one was given)."""
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if self.admin_key:
+            headers["Authorization"] = f"Bearer {self.admin_key}"
+        return json.dumps({"model": model, "path": str(path), "version": version}).encode(), headers
+
+    @staticmethod
+    def weights_answer(response: httpx.Response) -> WeightsUpdate:
+        if response.status_code != 200:
+            raise _error(response)
+        body = response.json()
+        return WeightsUpdate(body["model"], body["weights_version"], body["previous_version"], body["load_s"],
+                             body["swap_ms"])
 
     def parse(self, response: httpx.Response, top_k: int) -> list[ScoredSequence]:
         self.learn(response.headers)
@@ -258,7 +305,7 @@ def _result(r: dict, top_k: int, model: str, version: str) -> ScoredSequence:
     if "top_k_ids" in r:
         ids = _array(r["top_k_ids"], "<i4").reshape(-1, top_k) if top_k else None
         top = _array(r["top_k_logprobs"], "<f4").reshape(-1, top_k) if top_k else None
-    return ScoredSequence(r.get("id"), logprobs, entropy, ids, top, model, version)
+    return ScoredSequence(r.get("id"), logprobs, entropy, ids, top, model, version, r.get("mismatch"))
 
 
 def _error(response: httpx.Response) -> ScoreError:

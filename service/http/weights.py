@@ -1,0 +1,114 @@
+"""POST /v1/weights: a new checkpoint from under ``--weights-root`` for one served model.
+
+The path is resolved inside the root (403 ``forbidden_path`` for anything that leaves it, a
+symlink included); the backend loads it beside the old weights, checks it and swaps between
+forwards (``ScoringBackend.update_weights``). A failed update changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
+
+from pydantic import ValidationError
+
+from model_runtime.scoring.backend import BackendUnavailableError, UpdateInProgressError
+from model_runtime.scoring.checkpoint import CheckpointError
+from service.http.errors import ApiError, backend_unavailable, from_validation_errors
+from service.http.schemas import WeightsRequest
+from service.http.validation import pick_model
+from service.runtime import ServedModel, Service
+from service.scheduling.scheduler import is_out_of_memory
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_ROUTE = "/v1/weights"
+
+
+def _forbidden(path: str, why: str) -> ApiError:
+    return ApiError(403, "forbidden_path", f"path {path!r} {why}; give a directory relative to --weights-root.", "path")
+
+
+def resolve_checkpoint(root: Path, path: str) -> Path:
+    """``path`` inside ``root``: 403 for an absolute path, ``..`` or a symlink leaving the root
+    (the directory or any file in it), 422 when it names no directory."""
+    if "\x00" in path or not path.strip():
+        raise ApiError(422, "invalid_value", "path must name a checkpoint directory under --weights-root.", "path")
+    pure = PurePosixPath(path.replace("\\", "/"))
+    if pure.is_absolute() or PureWindowsPath(path).drive or PureWindowsPath(path).is_absolute():
+        raise _forbidden(path, "is absolute")
+    if ".." in pure.parts:
+        raise _forbidden(path, "climbs out with '..'")
+    real_root = root.resolve()
+    target = (real_root / pure).resolve()  # follows every symlink on the way, dangling ones too
+    if not target.is_relative_to(real_root):
+        raise _forbidden(path, "leaves --weights-root through a symlink")
+    if not target.is_dir():
+        raise ApiError(422, "invalid_value", f"path {path!r} is not a directory under --weights-root.", "path")
+    for entry in target.iterdir():  # the files the loader will open
+        if entry.is_symlink() and not entry.resolve().is_relative_to(real_root):
+            raise _forbidden(path, f"holds {entry.name}, a symlink that leaves --weights-root")
+    return target
+
+
+def _checkpoint_refused(exc: CheckpointError) -> ApiError:
+    return ApiError(422, f"{exc.kind}_checkpoint", f"The checkpoint was refused: {exc}", "path")
+
+
+async def update_weights(service: Service, body: Any, root: Path) -> dict:
+    """Runs one update to its end; the answer once the new version serves."""
+    if not isinstance(body, dict):
+        raise ApiError(422, "invalid_value", f"The body must be an object, got {type(body).__name__}.")
+    try:
+        request = WeightsRequest.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors(include_url=False)) from None
+    model = service.models[pick_model(request.model, service.models)]
+    path = resolve_checkpoint(root, request.path)
+    try:
+        answer = await _run(service, model, path, request.version)
+    except ApiError as exc:
+        service.metrics.weights_updates.labels(model=model.name, outcome=exc.type).inc()
+        raise
+    service.metrics.weights_updates.labels(model=model.name, outcome="ok").inc()
+    return answer
+
+
+async def _run(service: Service, model: ServedModel, path: Path, version: str | None) -> dict:
+    if not callable(getattr(model.backend, "update_weights", None)):
+        raise ApiError(409, "update_unsupported", f"The backend of {model.name!r} cannot update its weights.", "model")
+    if model.updating:
+        raise ApiError(409, "update_in_progress", f"An update of {model.name!r} is already running; retry once it is done.", "model")
+    model.updating = True
+    try:
+        log.info("weights update of %s from %s (version %s)", model.name, path, version or "content hash")
+        update = await asyncio.to_thread(model.backend.update_weights, path, version)
+    except CheckpointError as exc:
+        log.warning("weights update of %s refused: %s", model.name, exc)
+        raise _checkpoint_refused(exc) from None
+    except UpdateInProgressError as exc:
+        raise ApiError(409, "update_in_progress", f"{exc}; retry once it is done.", "model") from None
+    except BackendUnavailableError as exc:
+        raise backend_unavailable(f"The weights of {model.name!r} could not be updated: {exc}.", retry_after_s=5) from None
+    except (OSError, RuntimeError) as exc:  # the old version still serves: the update changed nothing
+        log.error("weights update of %s failed", model.name, exc_info=exc)
+        if is_out_of_memory(exc):
+            raise backend_unavailable(f"The new weights of {model.name!r} do not fit in memory now: {exc}.", retry_after_s=30) from None
+        raise ApiError(422, "unreadable_checkpoint", f"The checkpoint could not be loaded: {exc}", "path") from None
+    finally:
+        model.updating = False
+    metrics = service.metrics
+    metrics.weights_load_seconds.labels(model=model.name).observe(update.load_s)
+    metrics.weights_swap_seconds.labels(model=model.name).observe(update.swap_ms / 1000.0)
+    metrics.describe_model(model.backend.info, model.name)
+    log.info("%s now serves %s (was %s): loaded in %.2fs, swapped in %.1fms",
+             model.name, update.weights_version, update.previous_version, update.load_s, update.swap_ms)
+    return {
+        "model": model.name,
+        "weights_version": update.weights_version,
+        "previous_version": update.previous_version,
+        "load_s": update.load_s,
+        "swap_ms": update.swap_ms,
+    }

@@ -1,0 +1,188 @@
+"""Following the trainer with a real server: a policy and a reference served together, the policy's
+weights swapped under continuous load (API.md "POST /v1/weights", "Several models in one deployment").
+
+Every answer is compared with an in-process scorer of the version it names.
+"""
+
+import threading
+import time
+
+import httpx
+import msgpack
+import numpy as np
+import pytest
+from safetensors.torch import load_file, save_file
+
+from model_runtime.types import SequenceInput
+from service.client import ScoreClient, ScoreError
+from tests.checkpoints import save_checkpoint
+from tests.e2e.helpers import API_KEY, AUTH, TOL, ServerProcess, assert_matches, decode, post, random_sequences
+
+from model_runtime.scoring.backend import LocalBackend  # noqa: E402
+
+# The backend side of weight updates (issue 18) lands from the weights-backend branch.
+needs_updates = pytest.mark.skipif(not hasattr(LocalBackend, "update_weights"),
+                                   reason="LocalBackend.update_weights is not in this tree yet (weights-backend branch)")
+
+ADMIN_KEY = "e2e-admin"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+VOCAB = 512  # tests/checkpoints.py's vocabulary
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    """A server with a policy (under the weights root) and a reference; checkpoints and their scorers."""
+    from model_runtime.scoring.loading import load_model
+    from model_runtime.scoring.scorer import Scorer
+
+    tmp = tmp_path_factory.mktemp("weights")
+    root = tmp / "root"
+    policy0 = save_checkpoint("qwen3_5", root / "step-0", seed=0)
+    policy1 = save_checkpoint("qwen3_5", root / "step-1", seed=1)
+    reference = save_checkpoint("qwen3_5", tmp / "reference", seed=2)
+    broken = save_checkpoint("qwen3_5", root / "broken", seed=3)
+    tensors = load_file(broken / "model.safetensors")
+    dropped = sorted(tensors)[-1]
+    del tensors[dropped]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    (tmp / "outside").mkdir()
+    (root / "escape").symlink_to(tmp / "outside", target_is_directory=True)
+
+    server = ServerProcess(tmp, "--model", f"policy={policy0}", "--model", f"ref={reference}", "--weights-root", str(root),
+                           "--admin-key", ADMIN_KEY, "--max-batch-tokens", "256", "--max-wait-ms", "2")
+    try:
+        server.wait_ready(timeout=240)
+        scorers = {name: Scorer(load_model(str(path)), max_batch_tokens=4096)
+                   for name, path in (("step-0", policy0), ("step-1", policy1), ("ref", reference))}
+        yield {"server": server, "scorers": scorers, "dropped": dropped}
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def _versions(url: str) -> dict[str, str]:
+    return {m["id"]: m["weights_version"] for m in httpx.get(url + "/v1/models", headers=AUTH).json()["data"]}
+
+
+@needs_updates
+def test_a_policy_swapped_under_load_beside_its_reference(deployment):
+    server, scorers = deployment["server"], deployment["scorers"]
+    url = server.url
+    first = _versions(url)["policy"]
+    ref_version = _versions(url)["ref"]
+    version_scorer = {first: scorers["step-0"], "step-1": scorers["step-1"]}
+
+    # Two served: a request must name its model.
+    omitted = post(url, {"sequences": [{"input_ids": [1, 2, 3]}]})
+    assert omitted.status_code == 422 and omitted.json()["error"]["type"] == "model_required", omitted.text
+
+    answers: list[tuple[str, list[dict], httpx.Response, bool]] = []  # model, sent, answer, sent after the update
+    updated, stop = threading.Event(), threading.Event()
+
+    def load(i: int) -> None:
+        rng = np.random.default_rng(1000 + i)
+        model = "ref" if i == 2 else "policy"
+        while not stop.is_set():
+            seqs = random_sequences(rng, int(rng.integers(1, 4)), VOCAB, lengths=(2, 40))
+            after = updated.is_set()
+            answer = post(url, {"model": model, "sequences": seqs}, encoding="msgpack" if i % 2 else "json")
+            answers.append((model, seqs, answer, after))
+
+    def wait_for(condition, what: str) -> None:
+        deadline = time.monotonic() + 300
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: sum(a[0] == "policy" for a in answers) >= 2, "answers before the update")
+        update = httpx.post(url + "/v1/weights", json={"model": "policy", "path": "step-1", "version": "step-1"},
+                            headers=ADMIN, timeout=300)
+        updated.set()
+        wait_for(lambda: sum(a[0] == "policy" and a[3] for a in answers) >= 2 and any(a[0] == "ref" and a[3] for a in answers),
+                 "answers after the update")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert update.status_code == 200, update.text
+    body = update.json()
+    assert (body["model"], body["weights_version"], body["previous_version"]) == ("policy", "step-1", first)
+    print(f"[weights e2e] update of the tiny policy: load {body['load_s']:.3f}s, swap {body['swap_ms']:.2f}ms; "
+          f"{len(answers)} answers under load")
+
+    seen = {"policy": set(), "ref": set()}
+    for model, seqs, response, after in answers:
+        assert response.status_code == 200, response.text
+        got = response.json() if response.headers["content-type"] == "application/json" else msgpack.unpackb(response.content)
+        version = got["weights_version"]
+        seen[model].add(version)
+        if model == "ref":
+            assert version == ref_version
+        elif after:
+            assert version == "step-1", "an answer to a request sent after the update returned names the old version"
+        assert_matches(decode(response, 0), seqs, scorers["ref"] if model == "ref" else version_scorer[version])
+    assert seen["policy"] == {first, "step-1"} and seen["ref"] == {ref_version}, seen
+
+    # A stale pin is refused, naming the version served; the current one is served.
+    seqs = random_sequences(np.random.default_rng(5), 2, VOCAB, lengths=(2, 30))
+    stale = post(url, {"model": "policy", "sequences": seqs, "weights_version": first})
+    assert stale.status_code == 409 and stale.json()["error"]["type"] == "weights_version_mismatch"
+    assert "step-1" in stale.json()["error"]["message"]
+    pinned = post(url, {"model": "policy", "sequences": seqs, "weights_version": "step-1"})
+    assert pinned.status_code == 200
+    assert_matches(decode(pinned, 0), seqs, scorers["step-1"])
+
+
+@needs_updates
+def test_refused_updates_change_nothing(deployment):
+    server, scorers = deployment["server"], deployment["scorers"]
+    url = server.url
+    before = _versions(url)
+    escapes = ["/etc", "../reference", "step-1/../../reference", "escape", ".."]
+    for path in escapes:
+        response = httpx.post(url + "/v1/weights", json={"model": "policy", "path": path}, headers=ADMIN, timeout=60)
+        assert response.status_code == 403 and response.json()["error"]["type"] == "forbidden_path", (path, response.text)
+    scoring_key = httpx.post(url + "/v1/weights", json={"model": "policy", "path": "step-0"}, headers=AUTH, timeout=60)
+    assert scoring_key.status_code == 403
+
+    broken = httpx.post(url + "/v1/weights", json={"model": "policy", "path": "broken"}, headers=ADMIN, timeout=120)
+    assert broken.status_code == 422 and broken.json()["error"]["type"] == "incomplete_checkpoint", broken.text
+    assert deployment["dropped"] in broken.json()["error"]["message"]
+    assert _versions(url) == before
+    seqs = random_sequences(np.random.default_rng(6), 3, VOCAB, lengths=(2, 50))
+    response = post(url, {"model": "policy", "sequences": seqs})
+    assert response.status_code == 200 and response.json()["weights_version"] == before["policy"]
+    current = scorers["step-1"] if before["policy"] == "step-1" else scorers["step-0"]
+    assert_matches(decode(response, 0), seqs, current)
+
+
+def test_mismatch_figures_and_the_client(deployment):
+    server, scorers = deployment["server"], deployment["scorers"]
+    rng = np.random.default_rng(7)
+    seqs = random_sequences(rng, 4, VOCAB, lengths=(2, 50))
+    want = scorers["ref"].score([SequenceInput(np.array(s["input_ids"]), s["score_from"]) for s in seqs])
+    rollouts = [(w.logprobs + rng.normal(0, 0.3, w.logprobs.size)).astype(np.float32) for w in want]
+    for encoding in ("json", "msgpack"):
+        with ScoreClient(server.url, API_KEY, admin_key=ADMIN_KEY, encoding=encoding) as client:
+            got = client.score([{**s, "rollout_logprobs": r} for s, r in zip(seqs, rollouts)], model="ref")
+            for s, w, r, g in zip(seqs, want, rollouts, got):
+                d = w.logprobs.astype(np.float64) - r.astype(np.float64)
+                expected = {"mean_abs_diff": float(np.abs(d).mean()) if d.size else 0.0,
+                            "max_abs_diff": float(np.abs(d).max()) if d.size else 0.0,
+                            "k3_kl": float(np.mean(np.exp(d) - 1 - d)) if d.size else 0.0}
+                for key, value in expected.items():
+                    assert abs(g.mismatch[key] - value) <= TOL, f"{s['id']} {key}: {g.mismatch[key]} vs {value} (tol {TOL})"
+                assert g.model == "ref" and g.weights_version == _versions(server.url)["ref"]
+            with pytest.raises(ScoreError) as stale:
+                client.score(seqs[:1], model="ref", weights_version="not-served")
+            assert stale.value.status == 409
+    metrics = httpx.get(server.url + "/metrics", headers=AUTH).text
+    assert 'packscore_rollout_k3_kl_count{model="ref"}' in metrics
+
+
+def test_no_weights_route_without_a_weights_root(tiny_server):
+    response = httpx.post(tiny_server.url + "/v1/weights", json={"path": "x"}, headers=AUTH, timeout=30)
+    assert response.status_code == 404

@@ -1,0 +1,510 @@
+"""Following the trainer with the fake backend: several models, POST /v1/weights, version pins,
+rollout mismatch (API.md "POST /v1/weights", "Several models in one deployment")."""
+
+import asyncio
+import json
+import math
+import os
+import threading
+
+import msgpack
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from model_runtime.scoring.checkpoint import CheckpointError
+from model_runtime.types import SequenceInput
+from service.http.app import create_app
+from service.http.rollout import mismatch
+from service.settings import Settings, parse_model_specs
+from service.testing import FAKE_VERSION, FakeBackend, expected_scores, running_app, wait_until
+
+SEQ = {"id": "a", "input_ids": [1, 2, 3, 4], "score_from": 2}
+KEY, ADMIN = "score-key", "admin-key"
+
+
+@pytest.fixture(autouse=True)
+def _no_packscore_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("PACKSCORE_"):
+            monkeypatch.delenv(name)
+
+
+def _two(**fake):
+    return {"policy": FakeBackend(name="policy-ckpt", **fake), "ref": FakeBackend(name="ref-ckpt", vocab_size=500)}
+
+
+def _score(body: dict, **extra) -> dict:
+    return {"sequences": [SEQ], **extra, **body}
+
+
+def _expected(seq: dict, generation: int = 0) -> np.ndarray:
+    return expected_scores(SequenceInput(np.array(seq["input_ids"]), seq["score_from"]), generation).logprobs
+
+
+def _root(tmp_path):
+    root = tmp_path / "root"
+    for step in ("step-1", "step-2"):
+        (root / step).mkdir(parents=True)
+        (root / step / "model.safetensors").write_bytes(step.encode())
+    return root
+
+
+# ---- several models --------------------------------------------------------------------------
+
+
+def test_model_specs_forms():
+    assert parse_model_specs("tiny") == {None: "tiny"}
+    assert parse_model_specs("policy=/ckpt/p, ref=tiny") == {"policy": "/ckpt/p", "ref": "tiny"}
+    assert parse_model_specs('{"policy": "/ckpt/p", "ref": "tiny"}') == {"policy": "/ckpt/p", "ref": "tiny"}
+    assert parse_model_specs('["policy=/ckpt/p", "ref=tiny"]') == {"policy": "/ckpt/p", "ref": "tiny"}
+    for bad, why in (("a=tiny,tiny", "name each"), ("a=tiny,a=x", "twice"), ("a=", "expected"), ("=x", "expected")):
+        with pytest.raises(ValueError, match=why):
+            parse_model_specs(bad)
+
+
+def test_repeated_model_option_and_environment(monkeypatch):
+    from service import cli
+
+    settings = cli.parse_settings(["serve", "--model", "policy=tiny", "--model", "ref=tiny"])[1]
+    assert settings.model_specs() == {"policy": "tiny", "ref": "tiny"}
+    assert cli.parse_settings(["serve", "--model", "tiny"])[1].model_specs() == {None: "tiny"}
+    monkeypatch.setenv("PACKSCORE_MODEL", "policy=tiny,ref=tiny")
+    assert cli.parse_settings(["serve"])[1].model_specs() == {"policy": "tiny", "ref": "tiny"}
+    with pytest.raises(ValueError, match="served-model-name"):
+        Settings(model="a=tiny,b=tiny", served_model_name="x")
+
+
+def test_a_request_picks_its_model_and_models_never_share_a_row():
+    backends = _two()
+
+    async def main():
+        async with running_app(create_app(Settings(), backends)) as client:
+            return {
+                "omitted": await client.post("/score", json=_score({})),
+                "unknown": await client.post("/score", json=_score({"model": "nope"})),
+                "policy": await client.post("/score", json=_score({"model": "policy"})),
+                "ref": await client.post("/score", json=_score({"model": "ref"})),
+                "ref-vocab": await client.post("/score", json={"model": "ref", "sequences": [{"input_ids": [1, 600]}]}),
+                "policy-vocab": await client.post("/score", json={"model": "policy", "sequences": [{"input_ids": [1, 600]}]}),
+                "models": await client.get("/v1/models"),
+                "ready": await client.get("/readyz"),
+            }
+
+    out = asyncio.run(main())
+    assert out["omitted"].status_code == 422 and out["omitted"].json()["error"]["type"] == "model_required"
+    assert out["omitted"].json()["error"]["param"] == "model"
+    assert out["unknown"].status_code == 404 and out["unknown"].json()["error"]["type"] == "model_not_found"
+    for name in ("policy", "ref"):
+        assert out[name].status_code == 200 and out[name].json()["model"] == name
+    assert out["ref-vocab"].status_code == 422  # each model checks ids against its own vocabulary
+    assert out["policy-vocab"].status_code == 200
+    assert [m["id"] for m in out["models"].json()["data"]] == ["policy", "ref"]
+    assert out["ready"].json()["models"] == ["policy", "ref"]
+    # every row a backend saw came from requests for it: the policy saw its two, the ref one
+    assert sum(len(r) for r in backends["policy"].rows[1:]) == 2  # rows[0] is the readiness pass
+    assert sum(len(r) for r in backends["ref"].rows[1:]) == 1
+
+
+def test_models_share_the_forward_slots_and_the_admission_bound():
+    gate = threading.Event()
+    backends = {"policy": FakeBackend(gate=gate), "ref": FakeBackend(gate=gate)}
+    settings = Settings(max_queued_tokens=12, max_wait_ms=0, max_admission_wait_s=0)  # 429 at once, not after a wait
+
+    async def main():
+        gate.set()
+        async with running_app(create_app(settings, backends)) as client:
+            gate.clear()
+            first = asyncio.create_task(client.post("/score", json=_score({"model": "policy"})))
+            second = asyncio.create_task(client.post("/score", json=_score({"model": "ref"})))
+            await wait_until(lambda: backends["policy"].running + backends["ref"].running == 1)
+            await asyncio.sleep(0.05)
+            running_together = backends["policy"].running + backends["ref"].running
+            # 8 tokens admitted across both models: 8 more would pass the shared bound of 12
+            full = await client.post("/score", json={"model": "ref", "sequences": [SEQ, SEQ]})
+            gate.set()
+            return running_together, full, await first, await second
+
+    running_together, full, first, second = asyncio.run(main())
+    assert running_together == 1, "two models ran forwards at once on one device"
+    assert full.status_code == 429, full.text
+    assert first.status_code == 200 and second.status_code == 200
+
+
+# ---- POST /v1/weights ------------------------------------------------------------------------
+
+
+def test_weights_route_is_absent_without_a_root():
+    async def main():
+        async with running_app(create_app(Settings(), FakeBackend())) as client:
+            return await client.post("/v1/weights", json={"path": "x"}), await client.get("/openapi.json")
+
+    response, openapi = asyncio.run(main())
+    assert response.status_code == 404 and response.json()["error"]["type"] == "not_found"
+    assert "/v1/weights" not in openapi.json()["paths"]
+
+
+def test_an_update_swaps_the_version_and_the_numbers(tmp_path):
+    root = _root(tmp_path)
+    backends = _two()
+
+    async def main():
+        async with running_app(create_app(Settings(weights_root=root), backends)) as client:
+            before = await client.post("/score", json=_score({"model": "policy"}))
+            update = await client.post("/v1/weights", json={"model": "policy", "path": "step-1", "version": "step-1"})
+            after = await client.post("/score", json=_score({"model": "policy"}))
+            ref = await client.post("/score", json=_score({"model": "ref"}))
+            hashed = await client.post("/v1/weights", json={"model": "policy", "path": "step-2/"})
+            models = await client.get("/v1/models")
+            metrics = await client.get("/metrics")
+            return before, update, after, ref, hashed, models, metrics
+
+    before, update, after, ref, hashed, models, metrics = asyncio.run(main())
+    assert before.json()["weights_version"] == FAKE_VERSION
+    body = update.json()
+    assert update.status_code == 200, update.text
+    assert (body["model"], body["weights_version"], body["previous_version"]) == ("policy", "step-1", FAKE_VERSION)
+    assert body["load_s"] >= 0 and body["swap_ms"] >= 0
+    assert after.json()["weights_version"] == "step-1"
+    np.testing.assert_allclose(after.json()["results"][0]["logprobs"], _expected(SEQ, 1), rtol=0, atol=1e-6)
+    assert ref.json()["weights_version"] == FAKE_VERSION  # the other model is untouched
+    np.testing.assert_allclose(ref.json()["results"][0]["logprobs"], _expected(SEQ, 0), rtol=0, atol=1e-6)
+    assert hashed.status_code == 200 and hashed.json()["weights_version"].startswith("sha256-")
+    versions = {m["id"]: m["weights_version"] for m in models.json()["data"]}
+    assert versions == {"policy": hashed.json()["weights_version"], "ref": FAKE_VERSION}
+    info = {s.labels["model"]: s.labels["weights_version"] for f in text_string_to_metric_families(metrics.text)
+            if f.name in ("packscore_model", "packscore_model_info") for s in f.samples}
+    assert info == versions
+    assert 'packscore_weights_updates_total{model="policy",outcome="ok"} 2.0' in metrics.text
+
+
+def test_every_path_escape_is_forbidden(tmp_path):
+    root = _root(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "model.safetensors").write_bytes(b"x")
+    (root / "link-out").symlink_to(outside, target_is_directory=True)
+    (root / "files-out").mkdir()
+    (root / "files-out" / "model.safetensors").symlink_to(outside / "model.safetensors")
+    (root / "link-in").symlink_to(root / "step-1", target_is_directory=True)
+    escapes = [str(outside), "../outside", "step-1/../../outside", "link-out", "link-out/", "files-out",
+               "..", "step-1/..", "C:\\outside", "\\\\host\\share"]
+
+    async def main():
+        app = create_app(Settings(weights_root=root), FakeBackend())
+        async with running_app(app) as client:
+            refused = {p: await client.post("/v1/weights", json={"path": p}) for p in escapes}
+            missing = await client.post("/v1/weights", json={"path": "step-9"})
+            inside = await client.post("/v1/weights", json={"path": "link-in", "version": "v2"})
+            unknown = await client.post("/v1/weights", json={"model": "nope", "path": "step-1"})
+            return refused, missing, inside, unknown
+
+    refused, missing, inside, unknown = asyncio.run(main())
+    for path, response in refused.items():
+        assert response.status_code == 403, (path, response.text)
+        assert response.json()["error"]["type"] == "forbidden_path" and response.json()["error"]["param"] == "path"
+    assert missing.status_code == 422 and missing.json()["error"]["param"] == "path"
+    assert inside.status_code == 200, inside.text  # a symlink that stays inside the root is fine
+    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "model_not_found"
+
+
+def test_a_refused_checkpoint_changes_nothing(tmp_path):
+    root = _root(tmp_path)
+
+    def check(path):
+        if path.name == "step-2":
+            raise CheckpointError("incomplete", "step-2: missing 1 tensors the model needs: lm_head.weight")
+        if path.name == "step-1":
+            raise CheckpointError("incompatible", "step-1: 1 tensors differ in shape: lm_head.weight [8, 4] (served: [8, 8])")
+
+    async def main():
+        app = create_app(Settings(weights_root=root), FakeBackend(check_checkpoint=check))
+        async with running_app(app) as client:
+            incomplete = await client.post("/v1/weights", json={"path": "step-2"})
+            incompatible = await client.post("/v1/weights", json={"path": "step-1"})
+            after = await client.post("/score", json=_score({}))
+            return incomplete, incompatible, after
+
+    incomplete, incompatible, after = asyncio.run(main())
+    assert incomplete.status_code == 422 and incomplete.json()["error"]["type"] == "incomplete_checkpoint"
+    assert "lm_head.weight" in incomplete.json()["error"]["message"]
+    assert incompatible.status_code == 422 and incompatible.json()["error"]["type"] == "incompatible_checkpoint"
+    assert "lm_head.weight" in incompatible.json()["error"]["message"]
+    assert after.json()["weights_version"] == FAKE_VERSION
+    np.testing.assert_allclose(after.json()["results"][0]["logprobs"], _expected(SEQ, 0), rtol=0, atol=1e-6)
+
+
+def test_an_unreadable_checkpoint_is_422_and_memory_503(tmp_path):
+    root = _root(tmp_path)
+
+    def check(path):
+        if path.name == "step-1":
+            raise OSError("model.safetensors: unexpected end of file")
+        raise RuntimeError("CUDA out of memory. Tried to allocate 18.00 GiB")
+
+    async def main():
+        async with running_app(create_app(Settings(weights_root=root), FakeBackend(check_checkpoint=check))) as client:
+            return (await client.post("/v1/weights", json={"path": "step-1"}),
+                    await client.post("/v1/weights", json={"path": "step-2"}),
+                    await client.post("/score", json=_score({})))
+
+    unreadable, memory, after = asyncio.run(main())
+    assert unreadable.status_code == 422 and unreadable.json()["error"]["type"] == "unreadable_checkpoint"
+    assert memory.status_code == 503 and "retry-after" in memory.headers
+    assert after.json()["weights_version"] == FAKE_VERSION
+
+
+def test_a_second_update_of_the_same_model_is_409_and_readiness_holds_during_a_load(tmp_path):
+    root = _root(tmp_path)
+    load_gate = threading.Event()
+    backends = _two(load_gate=load_gate)
+
+    async def main():
+        async with running_app(create_app(Settings(weights_root=root), backends)) as client:
+            first = asyncio.create_task(client.post("/v1/weights", json={"model": "policy", "path": "step-1"}))
+            await wait_until(lambda: backends["policy"]._updating.locked())
+            second = await client.post("/v1/weights", json={"model": "policy", "path": "step-2"})
+            ready = await client.get("/readyz")
+            served = await client.post("/score", json=_score({"model": "policy"}))
+            load_gate.set()
+            return second, ready, served, await first
+
+    second, ready, served, first = asyncio.run(main())
+    assert second.status_code == 409 and second.json()["error"]["type"] == "update_in_progress"
+    assert ready.status_code == 200
+    assert served.status_code == 200 and served.json()["weights_version"] == FAKE_VERSION
+    assert first.status_code == 200
+
+
+def test_the_admin_key_guards_updates_and_the_scoring_key_is_refused(tmp_path):
+    root = _root(tmp_path)
+    settings = Settings(weights_root=root, api_key=KEY, admin_key=ADMIN)
+    body = {"path": "step-1", "version": "v2"}
+
+    async def main():
+        async with running_app(create_app(settings, FakeBackend())) as client:
+            bearer = lambda key: {"Authorization": f"Bearer {key}"}  # noqa: E731
+            return {
+                "none": await client.post("/v1/weights", json=body),
+                "scoring-key": await client.post("/v1/weights", json=body, headers=bearer(KEY)),
+                "admin-on-score": await client.post("/score", json=_score({}), headers=bearer(ADMIN)),
+                "admin": await client.post("/v1/weights", json=body, headers=bearer(ADMIN)),
+            }
+
+    out = asyncio.run(main())
+    assert out["none"].status_code == 401
+    assert out["scoring-key"].status_code == 403
+    assert out["admin-on-score"].status_code == 401
+    assert out["admin"].status_code == 200, out["admin"].text
+
+    async def without_admin_key():
+        async with running_app(create_app(Settings(weights_root=root, api_key=KEY), FakeBackend())) as client:
+            return (await client.post("/v1/weights", json=body),
+                    await client.post("/v1/weights", json=body, headers={"Authorization": f"Bearer {KEY}"}))
+
+    none, scoring = asyncio.run(without_admin_key())
+    assert none.status_code == 401 and scoring.status_code == 200
+
+
+# ---- versions: pins and swaps in the middle of a request ------------------------------------
+
+
+def test_a_pin_is_served_exactly_or_409(tmp_path):
+    root = _root(tmp_path)
+
+    async def main():
+        async with running_app(create_app(Settings(weights_root=root), FakeBackend())) as client:
+            pinned = await client.post("/score", json=_score({"weights_version": FAKE_VERSION}))
+            await client.post("/v1/weights", json={"path": "step-1", "version": "v2"})
+            stale = await client.post("/score", json=_score({"weights_version": FAKE_VERSION}))
+            current = await client.post("/score", json=_score({"weights_version": "v2"}))
+            return pinned, stale, current
+
+    pinned, stale, current = asyncio.run(main())
+    assert pinned.status_code == 200 and pinned.json()["weights_version"] == FAKE_VERSION
+    error = stale.json()["error"]
+    assert stale.status_code == 409 and error["type"] == "weights_version_mismatch" and "'v2'" in error["message"]
+    assert error["param"] == "weights_version"
+    assert current.status_code == 200 and current.json()["weights_version"] == "v2"
+
+
+@pytest.mark.parametrize("pin", [None, FAKE_VERSION], ids=["unpinned", "pinned"])
+def test_a_swap_between_the_rows_of_a_request(tmp_path, pin):
+    """Two sequences in two rows; the weights change while the first is in its forward. Unpinned:
+    the first is scored again, and the answer names the new version for both. Pinned: 409."""
+    root = _root(tmp_path)
+    gate = threading.Event()
+    backend = FakeBackend(gate=gate)
+    seqs = [{"id": "a", "input_ids": [1, 2, 3, 4], "score_from": 1}, {"id": "b", "input_ids": [5, 6, 7, 8], "score_from": 2}]
+    settings = Settings(weights_root=root, max_batch_tokens=4, max_wait_ms=0)
+
+    async def main():
+        gate.set()
+        async with running_app(create_app(settings, backend)) as client:
+            gate.clear()
+            request = asyncio.create_task(client.post("/score", json={"sequences": seqs, "weights_version": pin}))
+            await wait_until(lambda: backend.running == 1)
+            update = await client.post("/v1/weights", json={"path": "step-1", "version": "v2"})
+            gate.set()
+            return update, await request
+
+    update, response = asyncio.run(main())
+    assert update.status_code == 200
+    if pin is not None:
+        assert response.status_code == 409 and response.json()["error"]["type"] == "weights_version_mismatch"
+        return
+    assert response.status_code == 200, response.text
+    assert response.json()["weights_version"] == "v2"
+    for seq, result in zip(seqs, response.json()["results"]):
+        np.testing.assert_allclose(result["logprobs"], _expected(seq, 1), rtol=0, atol=1e-6)
+    assert [len(r) for r in backend.rows[1:]] == [1, 1, 1]  # a, b, then a again
+
+
+# ---- rollout mismatch ------------------------------------------------------------------------
+
+
+def _mismatch_reference(p, r) -> dict:
+    d = [float(a) - float(b) for a, b in zip(np.float32(p), np.float32(r))]
+    if not d:
+        return {"mean_abs_diff": 0.0, "max_abs_diff": 0.0, "k3_kl": 0.0}
+    return {"mean_abs_diff": sum(abs(x) for x in d) / len(d), "max_abs_diff": max(abs(x) for x in d),
+            "k3_kl": sum(math.exp(x) - 1 - x for x in d) / len(d)}
+
+
+def test_mismatch_matches_a_plain_loop_on_random_inputs():
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 7, 300):
+        p = -rng.exponential(2.0, n).astype(np.float32)
+        r = (p + rng.normal(0, 0.3, n)).astype(np.float32)
+        got, want = mismatch(p, r), _mismatch_reference(p, r)
+        for key in want:
+            assert abs(got[key] - want[key]) <= 1e-12, f"n={n} {key}: {got[key]} vs {want[key]} (tol 1e-12)"
+
+
+def test_mismatch_stays_a_number_when_exp_overflows():
+    figures = mismatch(np.array([-1.0, -2.0], np.float32), np.array([-3e38, -2.0], np.float32))
+    assert all(math.isfinite(v) for v in figures.values()), figures
+    assert figures["k3_kl"] == np.finfo(np.float64).max and figures["max_abs_diff"] > 1e38
+
+
+@pytest.mark.parametrize("encoding", ["json", "msgpack"])
+def test_rollout_logprobs_give_mismatch_figures(encoding):
+    rng = np.random.default_rng(1)
+    seqs = [{"id": "a", "input_ids": [3, 9, 27, 81, 5], "score_from": 2}, {"id": "b", "input_ids": [7, 8], "score_from": 2},
+            {"id": "c", "input_ids": [1, 2, 3]}]
+    rollouts = [(_expected(seqs[0]) + rng.normal(0, 0.2, 3)).astype(np.float32), np.zeros(0, np.float32), None]
+
+    def wire(r):
+        return r.astype("<f4").tobytes() if encoding == "msgpack" else r.tolist()
+
+    sent = [{**s, **({"rollout_logprobs": wire(r)} if r is not None else {})} for s, r in zip(seqs, rollouts)]
+
+    async def main():
+        async with running_app(create_app(Settings(), FakeBackend())) as client:
+            if encoding == "msgpack":
+                packed = [{**s, "input_ids": np.asarray(s["input_ids"], "<i4").tobytes()} for s in sent]
+                response = await client.post("/score", content=msgpack.packb({"sequences": packed}),
+                                             headers={"Content-Type": "application/msgpack"})
+                results = msgpack.unpackb(response.content)["results"]
+            else:
+                response = await client.post("/score", json={"sequences": sent})
+                results = response.json()["results"]
+            return response, results, await client.get("/metrics")
+
+    response, results, metrics = asyncio.run(main())
+    assert response.status_code == 200
+    for seq, rollout, result in zip(seqs, rollouts, results):
+        if rollout is None:
+            assert "mismatch" not in result
+            continue
+        want = _mismatch_reference(_expected(seq), rollout)
+        for key, value in want.items():
+            assert abs(result["mismatch"][key] - value) <= 1e-9, f"{seq['id']} {key}: {result['mismatch'][key]} vs {value}"
+    assert results[1]["mismatch"] == {"mean_abs_diff": 0.0, "max_abs_diff": 0.0, "k3_kl": 0.0}
+    assert 'packscore_rollout_k3_kl_count{model="fake-model"} 2.0' in metrics.text
+
+
+def test_bad_rollout_logprobs_are_422_naming_the_field():
+    cases = {
+        "length": ({"input_ids": [1, 2, 3], "score_from": 1, "rollout_logprobs": [-1.0]}, "sequences[0].rollout_logprobs"),
+        "nan": ({"input_ids": [1, 2, 3], "rollout_logprobs": [-1.0, float("nan")]}, "sequences[0].rollout_logprobs[1]"),
+        "string": ({"input_ids": [1, 2, 3], "rollout_logprobs": [-1.0, "x"]}, "sequences[0].rollout_logprobs[1]"),
+        "bool": ({"input_ids": [1, 2, 3], "rollout_logprobs": [True, -1.0]}, "sequences[0].rollout_logprobs[0]"),
+    }
+
+    async def main():
+        async with running_app(create_app(Settings(), FakeBackend())) as client:
+            out = {}
+            for name, (seq, _) in cases.items():
+                content = json.dumps({"sequences": [seq]}).encode()  # Python's json writes NaN
+                out[name] = await client.post("/score", content=content, headers={"Content-Type": "application/json"})
+            packed = msgpack.packb({"sequences": [{"input_ids": [1, 2, 3], "rollout_logprobs": b"\0\0\0"}]})
+            out["bin"] = await client.post("/score", content=packed, headers={"Content-Type": "application/msgpack"})
+            inf = msgpack.packb({"sequences": [{"input_ids": [1, 2, 3], "rollout_logprobs": np.array([0, np.inf], "<f4").tobytes()}]})
+            out["bin-inf"] = await client.post("/score", content=inf, headers={"Content-Type": "application/msgpack"})
+            return out
+
+    out = asyncio.run(main())
+    for name, (_, param) in cases.items():
+        assert out[name].status_code == 422, (name, out[name].text)
+        assert out[name].json()["error"]["param"] == param, (name, out[name].json())
+    assert out["bin"].status_code == 422 and out["bin"].json()["error"]["param"] == "sequences[0].rollout_logprobs"
+    assert out["bin-inf"].status_code == 422 and out["bin-inf"].json()["error"]["param"] == "sequences[0].rollout_logprobs[1]"
+
+
+def test_openapi_documents_the_new_fields(tmp_path):
+    async def main():
+        async with running_app(create_app(Settings(weights_root=tmp_path), _two())) as client:
+            return (await client.get("/openapi.json")).json()
+
+    schema = asyncio.run(main())
+    components = schema["components"]["schemas"]
+    assert "rollout_logprobs" in components["SequenceIn"]["properties"]
+    assert "weights_version" in components["ScoreRequest"]["properties"]
+    assert components["ScoreRequest"]["properties"]["model"]["anyOf"][0]["enum"] == ["policy", "ref"]
+    assert set(components["Mismatch"]["properties"]) == {"mean_abs_diff", "max_abs_diff", "k3_kl"}
+    assert set(schema["paths"]["/v1/weights"]["post"]["responses"]) >= {"200", "403", "404", "409", "422"}
+    assert "WeightsRequest" in components and "WeightsResponse" in components
+
+
+# ---- the client ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("encoding", ["json", "msgpack"])
+def test_client_updates_weights_pins_versions_and_sends_rollouts(tmp_path, encoding):
+    import httpx
+
+    from service.client import AsyncScoreClient, ScoreError
+
+    root = _root(tmp_path)
+    settings = Settings(weights_root=root, api_key=KEY, admin_key=ADMIN)
+    rollout = _expected(SEQ) + np.float32(0.5)
+
+    async def main():
+        app = create_app(settings, _two())
+        async with running_app(app):
+            transport = httpx.ASGITransport(app=app)
+            async with AsyncScoreClient("http://packscore.test", KEY, admin_key=ADMIN, encoding=encoding,
+                                        transport=transport) as client:
+                first = await client.score([{**SEQ, "rollout_logprobs": rollout}], model="policy")
+                update = await client.update_weights("policy", "step-1", version="v2")
+                pinned = await client.score([SEQ], model="policy", weights_version="v2")
+                with pytest.raises(ScoreError) as stale:
+                    await client.score([SEQ], model="policy", weights_version=FAKE_VERSION)
+                with pytest.raises(ScoreError) as escape:
+                    await client.update_weights("policy", "../x")
+            async with AsyncScoreClient("http://packscore.test", KEY, transport=transport) as scoring_only:
+                with pytest.raises(ScoreError) as no_admin:
+                    await scoring_only.update_weights("policy", "step-2")
+            return first, update, pinned, stale.value, escape.value, no_admin.value
+
+    first, update, pinned, stale, escape, no_admin = asyncio.run(main())
+    assert first[0].weights_version == FAKE_VERSION and first[0].model == "policy"
+    assert abs(first[0].mismatch["max_abs_diff"] - 0.5) <= 1e-6 and abs(first[0].mismatch["mean_abs_diff"] - 0.5) <= 1e-6
+    assert abs(first[0].mismatch["k3_kl"] - (math.exp(-0.5) - 1 + 0.5)) <= 1e-6
+    assert (update.model, update.weights_version, update.previous_version) == ("policy", "v2", FAKE_VERSION)
+    assert pinned[0].weights_version == "v2"
+    np.testing.assert_allclose(pinned[0].logprobs, _expected(SEQ, 1), rtol=0, atol=1e-6)
+    assert (stale.status, stale.type) == (409, "weights_version_mismatch")
+    assert (escape.status, escape.type) == (403, "forbidden_path")
+    assert no_admin.status == 403
