@@ -64,11 +64,13 @@ def test_scheduler_counts_a_shared_prompt_once_and_exports_the_savings():
     assert not saved, saved
 
 
-def test_no_prefix_sharing_flag_turns_it_off():
-    args = build_parser().parse_args(["serve", "--no-prefix-sharing"])
+def test_prefix_sharing_is_off_by_default_and_the_flag_turns_it_on():
+    assert Settings().prefix_sharing is False and Settings().prefix_min_tokens_in_use == 0
+    args = build_parser().parse_args(["serve", "--prefix-sharing"])
     settings = Settings(**{k: v for k, v in vars(args).items() if k in Settings.model_fields})
-    assert settings.prefix_sharing is False and settings.prefix_min_tokens_in_use == 0
-    assert Settings().prefix_min_tokens_in_use == 64
+    assert settings.prefix_sharing is True and settings.prefix_min_tokens_in_use == 64
+    args = build_parser().parse_args(["serve", "--no-prefix-sharing"])
+    assert Settings(**{k: v for k, v in vars(args).items() if k in Settings.model_fields}).prefix_min_tokens_in_use == 0
 
 
 def test_benchmark_dry_run_on_the_cpu(tmp_path):
