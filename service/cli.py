@@ -175,10 +175,11 @@ def _check_checkpoint(settings: Settings) -> None:
     """config.json and the safetensors headers against the model, before the port is bound."""
     from model_runtime.scoring.presets import PRESETS
 
-    if settings.model not in PRESETS:
-        from model_runtime.scoring.checkpoint import check_checkpoint
+    from model_runtime.scoring.checkpoint import check_checkpoint
 
-        check_checkpoint(Path(settings.model))
+    for spec in settings.model_specs().values():  # every served model, each refused on its own
+        if spec not in PRESETS:
+            check_checkpoint(Path(spec))
 
 
 def _check_model_and_key(settings: Settings) -> None:
