@@ -19,7 +19,7 @@ from typing import AsyncIterator, Callable, Sequence
 import httpx
 import numpy as np
 
-from model_runtime.scoring.backend import BackendUnavailableError, ModelInfo, UpdateInProgressError, WeightsUpdate
+from model_runtime.scoring.backend import BackendUnavailableError, ModelInfo, UpdateInProgressError, WeightsUpdate, begin_update
 from model_runtime.scoring.checkpoint import CheckpointError
 from model_runtime.scoring.rows import validate_sequence
 from model_runtime.types import SequenceInput, SequenceScores
@@ -129,10 +129,8 @@ class FakeBackend:
 
     def update_weights(self, path: Path, version: str | None = None) -> WeightsUpdate:
         path = Path(path)
-        if not self._updating.acquire(blocking=False):
-            raise UpdateInProgressError(f"an update of {self.info.name} is already running")
+        started = begin_update(self._updating, self.info.name)
         try:
-            started = time.perf_counter()
             if not path.is_dir():
                 raise CheckpointError("unsupported", f"{path.name} is not a checkpoint directory")
             if self.check_checkpoint is not None:

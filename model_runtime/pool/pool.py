@@ -161,18 +161,7 @@ class WorkerPool:
         first = hellos[0]
         self._vocab_size = first.vocab_size
         self._costs = (first.cost_per_token, first.cost_per_token_squared)
-        self.info = ModelInfo(
-            name=first.name,
-            architecture=first.architecture,
-            vocab_size=first.vocab_size,
-            max_model_len=first.max_model_len,
-            dtype=first.dtype,
-            device=first.device,
-            weights_version=first.weights_version,
-            kernels=dict(first.kernels),
-            parallel=self.dims.as_info(),
-            slow_kernels=tuple(first.slow_kernels),
-        )
+        self.info = ModelInfo.from_fields(first, self.dims.as_info())
         self._alive = True
         if self.dims.lockstep:
             threading.Thread(target=self._step_loop, name="pool-stepper", daemon=True).start()

@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import asdict, replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -119,6 +120,7 @@ def _setup(start: msg.Start):
     from model_runtime.parallel.dims import ParallelDims
     from model_runtime.parallel.parallelize import parallelize
     from model_runtime.parallel.runner import ParallelScorer, cost_coefficients
+    from model_runtime.scoring.backend import ModelInfo
 
     dims = ParallelDims.from_world(start.world_size, start.sp, start.fsdp)
     if start.device == "cuda":
@@ -147,19 +149,13 @@ def _setup(start: msg.Start):
         loaded, dims=dims, mesh=mesh, rank=start.rank, max_batch_tokens=start.max_batch_tokens,
         prefix_min_tokens=start.prefix_min_tokens,
     )
+    info = replace(ModelInfo.of(loaded), device=device.type, weights_version=start.weights_version or loaded.weights_version,
+                   kernels=dict(loaded.backends.names), slow_kernels=list(loaded.backends.fallbacks))
     hello = msg.Hello(
         rank=start.rank,
         generation=start.generation,
         pid=os.getpid(),
-        name=loaded.name,
-        architecture=loaded.architecture,
-        vocab_size=loaded.vocab_size,
-        max_model_len=loaded.max_model_len,
-        dtype=loaded.dtype_name,
-        device=device.type,
-        weights_version=start.weights_version or loaded.weights_version,
-        kernels=dict(loaded.backends.names),
-        slow_kernels=list(loaded.backends.fallbacks),
+        **{k: v for k, v in asdict(info).items() if k != "parallel"},
         cost_per_token=costs[0],
         cost_per_token_squared=costs[1],
     )

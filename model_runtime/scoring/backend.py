@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Protocol, Sequence
 
@@ -50,6 +50,13 @@ class ModelInfo:
             parallel=parallel or {"world_size": 1, "dp": 1, "sp": 1, "fsdp": False},
             slow_kernels=loaded.backends.fallbacks,
         )
+
+    @staticmethod
+    def from_fields(source, parallel: dict) -> "ModelInfo":
+        """A ModelInfo from any object carrying its fields by name (a worker's ``Hello``)."""
+        names = [f.name for f in fields(ModelInfo) if f.name != "parallel"]
+        info = ModelInfo(**{n: getattr(source, n) for n in names}, parallel=parallel)
+        return replace(info, kernels=dict(info.kernels), slow_kernels=tuple(info.slow_kernels))
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,14 @@ class ScoringBackend(Protocol):
     def close(self) -> None: ...
 
 
+def begin_update(lock: threading.Lock, name: str) -> float:
+    """Takes ``lock`` for one weight update (the caller releases it) and returns its start time;
+    a second update of the same model is refused, not queued."""
+    if not lock.acquire(blocking=False):
+        raise UpdateInProgressError(f"an update of {name} is already running")
+    return time.perf_counter()
+
+
 class LocalBackend:
     """The scorer in this process; one forward at a time."""
 
@@ -134,10 +149,8 @@ class LocalBackend:
         from model_runtime.scoring.weights import content_version, plan_reads, read_parameters, swap_parameters
 
         path = Path(path)
-        if not self._updating.acquire(blocking=False):
-            raise UpdateInProgressError(f"an update of {self.info.name} is already running")
+        started = begin_update(self._updating, self.info.name)
         try:
-            started = time.perf_counter()
             loaded = self.scorer.loaded
             plan = plan_reads(loaded.model, path)
             with ThreadPoolExecutor(1) as hasher:

@@ -366,26 +366,29 @@ def _compare(path: Path, tensors: dict, expected: dict) -> None:
     extra = [k for k in tensors if k not in expected]
     differ = [f"{k} {list(tensors[k])} (served: {list(expected[k])})" for k in expected if k in tensors and tensors[k] != expected[k]]
     if absent or extra or differ:
-        parts = []
-        if absent:
-            parts.append(f"{_count(absent, 'served tensor')} {_are(absent)} absent ({_names(absent)})")
-        if extra:
-            parts.append(f"{_count(extra, 'tensor')} {_are(extra)} not in the served model ({_names(extra)})")
-        if differ:
-            parts.append(f"{_count(differ, 'shape')} differ ({_names(differ)})")
+        parts = _parts((absent, "served tensor", "absent"), (extra, "tensor", "not in the served model"), (differ, "shape", None))
         raise CheckpointError("incompatible", f"{path} does not have the served model's architecture: " + "; ".join(parts))
 
 
 def _gaps_message(path, missing, unexpected, mismatched, after_load: bool = False) -> str:
-    parts = []
-    if missing:
-        parts.append(f"{_count(missing, 'tensor')} the model needs {_are(missing)} missing ({_names(missing)})")
-    if unexpected:
-        parts.append(f"{_count(unexpected, 'tensor')} in the files {_are(unexpected)} not used by the model ({_names(unexpected)})")
-    if mismatched:
-        parts.append(f"{_count(mismatched, 'shape')} differ ({_names(mismatched)})")
+    parts = _parts((missing, "tensor", "the model needs", "missing"), (unexpected, "tensor", "in the files", "not used by the model"),
+                   (mismatched, "shape", None))
     when = " after loading" if after_load else ""
     return f"checkpoint {path} is incomplete{when}: " + "; ".join(parts) + "; nothing is served from it (no tensor is ever left random)"
+
+
+def _parts(*groups) -> list[str]:
+    """One phrase per non-empty group: (items, noun, state) or (items, noun, qualifier, state);
+    a state of None means the items differ."""
+    out = []
+    for items, noun, *words in groups:
+        if not items:
+            continue
+        *qualifier, state = words
+        subject = " ".join([_count(items, noun), *qualifier])
+        verb = "differ" if state is None else f"{_are(items)} {state}"
+        out.append(f"{subject} {verb} ({_names(items)})")
+    return out
 
 
 def _names(items) -> str:
