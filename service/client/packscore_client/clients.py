@@ -55,7 +55,8 @@ class _Base:
     def limits(self) -> Limits:
         return self._p.limits
 
-    def _plan(self, sequences, temperature, return_entropy, top_k, model, deadline_ms, weights_version=None):
+    def _plan(self, sequences, *, temperature=1.0, return_entropy=True, top_k=0, model=None, deadline_ms=None,
+              weights_version=None):
         seqs = as_seqs(sequences)
         opts = options(temperature, return_entropy, top_k, model, deadline_ms, weights_version)
         return seqs, opts, time.monotonic() + self._p.retry_timeout_s
@@ -93,8 +94,8 @@ class ScoreClient(_Base):
         rollout_logprobs, or unpadded 1-D id lists or arrays); one result per sequence, in order,
         each naming the weights version that scored it. ``weights_version`` pins the version: the
         server answers 409 (raised as ScoreError) when it serves another."""
-        seqs, opts, give_up = self._plan(sequences, temperature, return_entropy, top_k, model, deadline_ms,
-                                         weights_version)
+        seqs, opts, give_up = self._plan(sequences, temperature=temperature, return_entropy=return_entropy, top_k=top_k,
+                                         model=model, deadline_ms=deadline_ms, weights_version=weights_version)
         if not self._p.limits_known:
             self._p.learn_from_readyz(self._get("/readyz"))
         parts = self._p.chunks(seqs, self._max_concurrency)
@@ -156,19 +157,10 @@ class AsyncScoreClient(_Base):
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def score(
-        self,
-        sequences: Iterable[Any],
-        *,
-        temperature: float = 1.0,
-        return_entropy: bool = True,
-        top_k: int = 0,
-        model: str | None = None,
-        deadline_ms: int | None = None,
-        weights_version: str | None = None,
-    ) -> list[ScoredSequence]:
-        seqs, opts, give_up = self._plan(sequences, temperature, return_entropy, top_k, model, deadline_ms,
-                                         weights_version)
+    async def score(self, sequences: Iterable[Any], **options: Any) -> list[ScoredSequence]:
+        """``ScoreClient.score``, awaited: the same keyword arguments (temperature, return_entropy,
+        top_k, model, deadline_ms, weights_version) and the same results."""
+        seqs, opts, give_up = self._plan(sequences, **options)
         if not self._p.limits_known:
             self._p.learn_from_readyz(await self._get("/readyz"))
         gate = asyncio.Semaphore(self._max_concurrency)
