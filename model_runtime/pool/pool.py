@@ -39,7 +39,7 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Sequence
@@ -50,10 +50,10 @@ import torch
 from model_runtime.parallel.dims import ParallelDims
 from model_runtime.pool import messages as msg
 from model_runtime.pool.procs import WorkerWorld
+from model_runtime.pool.replies import Pending, Swap, reply_error, split_reply
 from model_runtime.scoring.backend import BackendUnavailableError, ModelInfo, UpdateInProgressError, WeightsUpdate
 from model_runtime.scoring.checkpoint import CheckpointError
-from model_runtime.scoring.head import HeadOutput
-from model_runtime.scoring.rows import split_results, validate_sequence
+from model_runtime.scoring.rows import validate_sequence
 from model_runtime.scoring.scorer import shared_prefix_row
 from model_runtime.types import MAX_TOP_K
 from model_runtime.types import InvalidSequenceError, SequenceInput, SequenceScores
@@ -71,40 +71,6 @@ def _device_type(device) -> str:
     if name.startswith("cuda:"):
         log.warning("device %s: the worker pool places rank r on cuda:r; the index is ignored", name)
     return kind
-
-
-@dataclass
-class _Pending:
-    """One row (or idle step) waiting for its group leader's reply, or a weights command waiting
-    for every rank's (``ranks`` replies, collected in ``replies``)."""
-
-    request_id: int
-    generation: int
-    deadline: float  # time.monotonic() after which the world is considered hung
-    done: threading.Event = field(default_factory=threading.Event)
-    reply: msg.RowResult | None = None
-    error: BaseException | None = None
-    ranks: int = 1
-    replies: list = field(default_factory=list)
-
-    def settle(self, reply=None, error=None) -> None:
-        if not self.done.is_set():
-            self.reply, self.error = reply, error
-            self.done.set()
-
-    def add(self, reply) -> None:
-        """One rank's answer; settled once every rank has answered."""
-        self.replies.append(reply)
-        if len(self.replies) == self.ranks:
-            self.settle(reply=self.replies)
-
-
-@dataclass(frozen=True)
-class _Swap:
-    """A swap for the stepper to send to every rank between two steps (FSDP lockstep)."""
-
-    frame: bytes
-    pending: _Pending
 
 
 class WorkerPool:
@@ -146,7 +112,7 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._updating = threading.Lock()  # one weight update at a time
         self._ids = itertools.count(1)
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, Pending] = {}
         self._lane_cost = [0.0] * self.dims.dp  # estimated cost of the rows each group has in flight
         self._rows_done = [0] * self.dims.dp  # rows sent to each group (balance, for tests and logs)
         self._steps: queue.Queue = queue.Queue()
@@ -213,7 +179,7 @@ class WorkerPool:
             swap = self._new_pending(world, ranks=self.dims.world_size)
             frame = msg.encode(msg.SwapWeights(swap.request_id, load.request_id, not failed, new_version))
             if self.dims.lockstep:
-                self._steps.put(_Swap(frame, swap))  # the stepper sends it between two steps
+                self._steps.put(Swap(frame, swap))  # the stepper sends it between two steps
             else:
                 self._send_all(world, swap, frame)
             swapped = self._await(swap)
@@ -235,7 +201,7 @@ class WorkerPool:
         finally:
             self._updating.release()
 
-    def _send_all(self, world: WorkerWorld, pending: _Pending, message) -> None:
+    def _send_all(self, world: WorkerWorld, pending: Pending, message) -> None:
         frame = message if isinstance(message, bytes) else msg.encode(message)
         try:
             world.send_every(frame)
@@ -406,7 +372,7 @@ class WorkerPool:
         elif isinstance(reply, msg.Failure):
             log.error("worker rank %d: request %d failed (%s): %s", rank, reply.request_id, reply.kind, reply.message)
             if pending is not None:
-                pending.settle(error=_error_for(reply))
+                pending.settle(error=reply_error(reply))
             if reply.fatal:
                 self._on_world_failure(world, f"worker rank {rank} failed: {reply.message}")
         else:
@@ -414,7 +380,7 @@ class WorkerPool:
 
     # Dispatch.
 
-    def _new_pending(self, world: WorkerWorld, ranks: int = 1, timeout_s: float | None = None) -> _Pending:
+    def _new_pending(self, world: WorkerWorld, ranks: int = 1, timeout_s: float | None = None) -> Pending:
         """Registers a row for ``world``'s reply, or settles it at once when ``world`` has failed.
 
         ``world.failed`` is only set under ``_lock``, and ``_fail_pending`` collects the rows of
@@ -424,14 +390,14 @@ class WorkerPool:
         """
         timeout_s = self.request_timeout_s if timeout_s is None else timeout_s
         with self._lock:
-            p = _Pending(next(self._ids), world.generation, time.monotonic() + timeout_s, ranks=ranks)
+            p = Pending(next(self._ids), world.generation, time.monotonic() + timeout_s, ranks=ranks)
             if world.failed:
                 p.settle(error=BackendUnavailableError("the worker pool is restarting after a worker failure"))
             else:
                 self._pending[p.request_id] = p
         return p
 
-    def _await(self, pending: _Pending) -> msg.RowResult:
+    def _await(self, pending: Pending) -> msg.RowResult:
         try:
             # The reader settles every pending row on success, failure, a dead worker or the
             # deadline; the extra margin only guards against a reader that died itself.
@@ -447,7 +413,7 @@ class WorkerPool:
     def _run(self, sequences: Sequence[SequenceInput]) -> list[SequenceScores]:
         if self.dims.lockstep:
             return self._run_in_steps([sequences])[0]
-        return _split(sequences, self._run_on_group(sequences, None))
+        return split_reply(sequences, self._run_on_group(sequences, None))
 
     def _run_on_every_group(self, sequences: Sequence[SequenceInput]) -> None:
         """Scores ``sequences`` once on each group (warm-up and the pass after a restart)."""
@@ -458,7 +424,7 @@ class WorkerPool:
 
         def one(group: int) -> None:
             try:
-                _split(sequences, self._run_on_group(sequences, group))
+                split_reply(sequences, self._run_on_group(sequences, group))
             except BaseException as error:
                 errors.append(error)
 
@@ -502,7 +468,7 @@ class WorkerPool:
             outcome = ticket.get()
             if isinstance(outcome, BaseException):
                 raise outcome
-            results.append(_split(row, outcome))
+            results.append(split_reply(row, outcome))
         return results
 
     def _step_loop(self) -> None:
@@ -518,7 +484,7 @@ class WorkerPool:
             held = None
             if bundle is None:
                 break
-            if isinstance(bundle, _Swap):  # between two steps: every rank swaps before the next one
+            if isinstance(bundle, Swap):  # between two steps: every rank swaps before the next one
                 world = self._world
                 if world is None or world.failed:
                     bundle.pending.settle(error=BackendUnavailableError("the worker pool is restarting"))
@@ -541,7 +507,7 @@ class WorkerPool:
                 if extra is None:
                     self._steps.put(None)  # shutting down: seen once this step is done
                     break
-                if isinstance(extra, _Swap) or len(batch) + len(extra) > self.dims.dp:
+                if isinstance(extra, Swap) or len(batch) + len(extra) > self.dims.dp:
                     held = extra
                     break
                 batch.extend(extra)
@@ -550,7 +516,7 @@ class WorkerPool:
             self.step_counts["steps"] += 1
             self.step_counts["rows"] += len(batch)
         for bundle in [held] + _drain(self._steps):  # fail whatever is still queued at shutdown
-            if isinstance(bundle, _Swap):
+            if isinstance(bundle, Swap):
                 bundle.pending.settle(error=BackendUnavailableError("the worker pool is shutting down"))
                 continue
             for _, ticket in bundle or ():
@@ -590,31 +556,6 @@ def _drain(q: queue.Queue) -> list:
             items.append(q.get_nowait())
         except queue.Empty:
             return items
-
-
-def _error_for(failure: msg.Failure) -> BaseException:
-    if failure.kind == "oom":
-        return torch.OutOfMemoryError(f"out of memory in a worker: {failure.message}")
-    if failure.kind == "invalid":
-        return InvalidSequenceError(failure.message, "sequences")
-    return RuntimeError(f"worker failure: {failure.message}")
-
-
-def _split(sequences: Sequence[SequenceInput], reply: msg.RowResult) -> list[SequenceScores]:
-    k = reply.top_k
-    head = HeadOutput(
-        torch.from_numpy(msg._array(reply.logprobs, msg.FLOAT)),
-        torch.from_numpy(msg._array(reply.entropy, msg.FLOAT)),
-        torch.from_numpy(msg._array(reply.top_k_ids, msg.IDS).reshape(-1, k).astype(np.int64)) if k else None,
-        torch.from_numpy(msg._array(reply.top_k_logprobs, msg.FLOAT).reshape(-1, k)) if k else None,
-    )
-    expected = sum(s.num_scored for s in sequences)
-    if head.logprobs_N.shape[0] != expected:
-        raise RuntimeError(f"worker returned {head.logprobs_N.shape[0]} positions for a row with {expected}")
-    results = split_results(sequences, head, k)
-    for r in results:
-        r.weights_version = reply.weights_version
-    return results
 
 
 def start_pool(settings: dict) -> WorkerPool:
