@@ -9,7 +9,8 @@ Parts (``MODE``, space- or comma-separated; ``all`` = ``suite`` and then the ext
   headline tokens/s, fraction of the measured matmul peak, speedup and log-prob agreement.
 - ``profile``: the 9B profile of one full row, the head's memory, idle latency (no HF).
 - ``probe``: every Triton tile of the memory-bound steps against eager (``bench.elementwise_probe``).
-- ``tests``: ``pytest tests/gpu`` (kernels, bf16 parity against HF, isolation).
+- ``tests``: ``pytest tests/gpu`` (kernels, bf16 parity against HF, isolation; ``TESTS_PATHS``
+  picks other paths or test ids).
 - extras, each run only when its module exists: ``http_burst`` (``--mode gpu``),
   ``weights_swap``, ``prefix_sharing``, ``moe``.
 
@@ -65,7 +66,8 @@ PARTS = {
     "suite": lambda: Part("suite", _suite_argv(), 360),
     "profile": lambda: Part("profile", ("-m", "bench.gpu_suite", "--mode", "profile"), 200),
     "probe": lambda: Part("probe", ("-m", "bench.elementwise_probe"), 150),
-    "tests": lambda: Part("tests", ("-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "tests/gpu"), 300),
+    "tests": lambda: Part("tests", ("-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider",
+                                    *os.environ.get("TESTS_PATHS", "tests/gpu").split()), 300),
     "http_burst": lambda: Part("http_burst", ("-m", "bench.http_burst", "--mode", "gpu"), 150, "http_burst"),
     "weights_swap": lambda: Part("weights_swap", ("-m", "bench.weights_swap"), 240, "weights_swap"),
     "prefix_sharing": lambda: Part("prefix_sharing", ("-m", "bench.prefix_sharing"), 120, "prefix_sharing"),

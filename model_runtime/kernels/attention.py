@@ -76,12 +76,55 @@ def causal_attention_sdpa(q_THD, k_THD, v_THD, packed: PackedBatch, scale: float
         k = k_THD[keys].transpose(0, 1).unsqueeze(0)
         v = v_THD[keys].transpose(0, 1).unsqueeze(0)
         if isinstance(keys, slice):
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
+            o = sdpa_causal(q, k, v, scale, group)
         else:
             if group > 1:
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(end - start, k.shape[2]), scale=scale)
         out[start:end] = o[0].transpose(0, 1)
+    return out
+
+
+def sdpa_causal(q_1HLD, k_1HLD, v_1HLD, scale: float, group: int) -> torch.Tensor:
+    """Causal SDPA of one whole sequence, the call Hugging Face's sdpa attention makes.
+
+    On CUDA the sequence is zero-padded at its end to ``attention_bucket(L)`` tokens. SDPA's
+    cuDNN backend (its choice on Hopper) builds an execution plan for every new length, tens of
+    milliseconds each, which real traffic (a new length per sequence) would pay on every request;
+    buckets bound the plans to a few dozen, built once. Causal masking keeps the padded keys
+    away from every real query, and the cuDNN kernel computes the real rows bit for bit as it
+    does unpadded (tests/gpu/test_kernels.py).
+    """
+    L = q_1HLD.shape[2]
+    padded = attention_bucket(L) if q_1HLD.is_cuda else L
+    if padded != L:
+        grow = (0, 0, 0, padded - L)
+        q_1HLD, k_1HLD, v_1HLD = F.pad(q_1HLD, grow), F.pad(k_1HLD, grow), F.pad(v_1HLD, grow)
+    o = F.scaled_dot_product_attention(q_1HLD, k_1HLD, v_1HLD, is_causal=True, scale=scale, enable_gqa=group > 1)
+    return o[:, :, :L] if padded != L else o
+
+
+ATTENTION_MIN_BUCKET = 256
+ATTENTION_BUCKETS_PER_OCTAVE = 8
+
+
+def attention_bucket(length: int) -> int:
+    """The padded length SDPA runs a sequence of ``length`` tokens at: at least 256, then the
+    next multiple of 1/8 of the length's power of two (at most 12.5% more tokens, about eight
+    buckets per doubling: some fifty up to 64k tokens)."""
+    if length <= ATTENTION_MIN_BUCKET:
+        return ATTENTION_MIN_BUCKET
+    step = max(ATTENTION_MIN_BUCKET, (1 << (length.bit_length() - 1)) // ATTENTION_BUCKETS_PER_OCTAVE)
+    return -(-length // step) * step
+
+
+def attention_buckets(max_length: int) -> list[int]:
+    """Every bucket a sequence of at most ``max_length`` tokens can fall in, in increasing order."""
+    out, length = [], 1
+    while length <= max_length:
+        bucket = attention_bucket(length)
+        out.append(bucket)
+        length = bucket + 1
     return out
 
 

@@ -96,6 +96,9 @@ def _fla_chunk(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: PackedBatch, initial_
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     kwargs = {"cu_seqlens_cpu": packed.cu_seqlens_host_long} if _fla_accepts("cu_seqlens_cpu") else {}
+    normalised = _l2norm_fixed_key(q_THK), _l2norm_fixed_key(k_THK)
+    if normalised[0] is not None:
+        q_THK, k_THK = normalised
     o, final = chunk_gated_delta_rule(
         q_THK.unsqueeze(0),
         k_THK.unsqueeze(0),
@@ -106,10 +109,44 @@ def _fla_chunk(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: PackedBatch, initial_
         initial_state=initial_NHKV,
         output_final_state=keep_final,
         cu_seqlens=packed.cu_seqlens_long,
-        use_qk_l2norm_in_kernel=True,
+        use_qk_l2norm_in_kernel=normalised[0] is None,
         **kwargs,
     )
     return o[0], final
+
+
+# fla's in-kernel q/k L2 norm (``l2norm_fwd``) autotunes 25 configurations, each compiled, for
+# every new ``NB = ceil(rows / 65536)``: every new row size would pay seconds of compilation
+# mid-request. Its kernel does not read NB (NB only keys the autotuning), so calling the same
+# kernel with NB fixed computes the same values and tunes once.
+_L2NORM_NB = 1
+_L2NORM_KERNEL: object | None = None
+
+
+def _l2norm_fixed_key(x_THK: torch.Tensor) -> torch.Tensor | None:
+    """``x`` L2-normalised over its last dim by fla's own kernel with its autotuning key fixed,
+    or None where that kernel is not there (then fla normalises inside, as before)."""
+    global _L2NORM_KERNEL
+    if _L2NORM_KERNEL is None:
+        try:
+            from fla.modules.norm.l2norm import l2norm_fwd_kernel
+
+            _L2NORM_KERNEL = l2norm_fwd_kernel
+        except ImportError:
+            _L2NORM_KERNEL = False
+    if _L2NORM_KERNEL is False or not x_THK.is_cuda or x_THK.shape[-1] > 512:
+        return None
+    import triton
+
+    D = x_THK.shape[-1]
+    x_RD = x_THK.reshape(-1, D).contiguous()
+    rows = x_RD.shape[0]
+    y_RD = torch.empty_like(x_RD)
+    rstd_R = torch.empty(rows, dtype=torch.float32, device=x_RD.device)
+    _L2NORM_KERNEL[lambda meta: (triton.cdiv(rows, meta["BT"]),)](
+        x=x_RD, y=y_RD, rstd=rstd_R, eps=1e-6, T=rows, D=D, BD=triton.next_power_of_2(D), NB=_L2NORM_NB
+    )
+    return y_RD.view(x_THK.shape)
 
 
 _SIGNATURE: dict | None = None

@@ -107,12 +107,17 @@ class PackedBatch:
 
     @staticmethod
     def from_lengths_padded(
-        lengths: Sequence[int], multiple: int, device: torch.device | str = "cpu", links: PrefixLinks | None = None
+        lengths: Sequence[int],
+        multiple: int,
+        device: torch.device | str = "cpu",
+        links: PrefixLinks | None = None,
+        minimum: int = 0,
     ) -> tuple["PackedBatch", int]:
         """The row of ``lengths`` with a trailing padding segment (never scored) so that its
-        token count is a multiple of ``multiple``; returns the batch and the padding added (0:
-        none, and no padding segment). The padding segment continues nothing."""
-        pad = (-sum(int(n) for n in lengths)) % multiple
+        token count is a multiple of ``multiple`` and at least ``minimum``; returns the batch and
+        the padding added (0: none, and no padding segment). The padding segment continues nothing."""
+        total = sum(int(n) for n in lengths)
+        pad = (-max(total, minimum)) % multiple + max(0, minimum - total)
         if pad == 0:
             return PackedBatch.from_lengths(lengths, device=device, links=links), 0
         if links is not None:

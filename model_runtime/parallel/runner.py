@@ -22,7 +22,7 @@ from model_runtime.model.packing import PackedBatch
 from model_runtime.parallel.dims import ParallelDims
 from model_runtime.parallel.parallelize import unsharded_head_weight
 from model_runtime.parallel.ulysses import UlyssesExchange
-from model_runtime.scoring.head import ROW_MULTIPLE, HeadOutput, score_positions
+from model_runtime.scoring.head import ROW_MULTIPLE, HeadOutput, min_row_tokens, score_positions
 from model_runtime.scoring.loading import LoadedModel
 from model_runtime.scoring.rows import PAD_TOKEN, plan_row, split_results
 from model_runtime.scoring.scorer import Scorer
@@ -77,7 +77,7 @@ class ParallelScorer:
         S, device = self.dims.sp, self.loaded.device
         plan = plan_row(sequences, self.prefix_min_tokens)
         # Padded as Scorer pads (to ROW_MULTIPLE tokens), and to a multiple of sp for the shards.
-        packed, ids_T = plan.padded_row(ROW_MULTIPLE * S, device)
+        packed, ids_T = plan.padded_row(ROW_MULTIPLE * S, device, minimum=min_row_tokens(device, S))
         per = ids_T.shape[0] // S
         lo = self.sp_rank * per
         # Scored positions are increasing along the row, so each shard's are one contiguous run.

@@ -38,6 +38,16 @@ class HeadOutput:
 # whatever the other rows are once the row count is a multiple of 16 (fewer rows take other code
 # paths), which keeps a sequence's numbers independent of its neighbours.
 ROW_MULTIPLE = 16
+# cuBLAS picks a product's kernel from its shape, and below a few hundred rows it picks kernels
+# that sum K in another order (split-K), so a short row alone would round differently from the
+# same tokens in a long row. Measured on the H200 for every linear shape of the 9B and 35B-A3B:
+# rows differ up to 256 rows and agree from 300 on; 512 leaves a margin.
+CUDA_MIN_ROW_TOKENS = 512
+
+
+def min_row_tokens(device: torch.device | str, shards: int = 1) -> int:
+    """The fewest tokens a row (each of its ``shards`` under sequence parallelism) runs on ``device``."""
+    return CUDA_MIN_ROW_TOKENS * shards if torch.device(device).type == "cuda" else 0
 
 # How far a sequence's float32 numbers may move on the CPU when it is packed with others instead
 # of scored alone (DESIGN.md: "<= 1e-6 float32 CPU"; on GPUs, bit for bit). Not 0 because MKL and

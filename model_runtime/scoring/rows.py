@@ -60,10 +60,11 @@ class RowPlan:
     expand_N: np.ndarray | None = None  # int64 [sum of num_scored]: head row of each result
     tokens_saved: int = 0  # tokens the shared prefixes removed from the row
 
-    def padded_row(self, multiple: int, device) -> tuple[PackedBatch, np.ndarray]:
+    def padded_row(self, multiple: int, device, minimum: int = 0) -> tuple[PackedBatch, np.ndarray]:
         """The row's ``PackedBatch``, padded with a segment of its own (never scored) to a
-        multiple of ``multiple`` tokens, and its ids with the padding's (``PAD_TOKEN``)."""
-        packed, pad = PackedBatch.from_lengths_padded(self.lengths, multiple, device=device, links=self.links)
+        multiple of ``multiple`` tokens and at least ``minimum``, and its ids with the
+        padding's (``PAD_TOKEN``)."""
+        packed, pad = PackedBatch.from_lengths_padded(self.lengths, multiple, device=device, links=self.links, minimum=minimum)
         ids_T = np.concatenate([self.ids_T, np.full(pad, PAD_TOKEN, dtype=np.int64)]) if pad else self.ids_T
         return packed, ids_T
 

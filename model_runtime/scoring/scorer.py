@@ -17,7 +17,14 @@ import numpy as np
 import torch
 
 from model_runtime.model.packing import pack_first_fit_decreasing
-from model_runtime.scoring.head import BYTES_PER_LOGIT, ROW_MULTIPLE, chunk_tokens_for_budget, fused_chunk_tokens, score_positions
+from model_runtime.scoring.head import (
+    BYTES_PER_LOGIT,
+    ROW_MULTIPLE,
+    chunk_tokens_for_budget,
+    fused_chunk_tokens,
+    min_row_tokens,
+    score_positions,
+)
 from model_runtime.scoring.loading import LoadedModel
 from model_runtime.scoring.prefix import pack_groups_first_fit
 from model_runtime.scoring.rows import plan_row, split_results, validate_sequence
@@ -115,11 +122,26 @@ class Scorer:
         step("top-k", lambda: self.score_row([SequenceInput(rng.integers(0, vocab, 512), top_k=MAX_TOP_K) for _ in range(2)]))
         for n in (1, 17, 300):
             step(f"{n} tokens", lambda n=n: self.score_row([SequenceInput(rng.integers(0, vocab, n), score_from=1)]))
+        step("attention plans", self._warm_attention_plans)
         if self.prefix_min_tokens:
             step("a shared prefix", lambda: self.score_row(shared_prefix_row(rng, vocab, self.prefix_min_tokens)))
         # Where start-up time goes (compilation and autotuning are in the first step that needs them).
         self.warm_up_steps = steps
         self.warm_up_seconds = time.perf_counter() - started
+
+    def _warm_attention_plans(self) -> None:
+        """Builds SDPA's plan for every attention bucket of the budget (a few dozen, ~60 ms each
+        on the H200), so no request pays for one (``kernels.attention.sdpa_causal``)."""
+        from model_runtime.kernels.attention import attention_buckets, causal_attention_sdpa, sdpa_causal
+
+        device, dtype = self.loaded.device, self.loaded.model.lm_head.weight.dtype
+        shapes = {(m.num_heads, m.num_kv_heads, m.head_dim, m.scaling) for m in self.loaded.model.modules()
+                  if getattr(m, "attention_fn", None) is causal_attention_sdpa}
+        for heads, kv_heads, head_dim, scale in shapes:
+            for length in attention_buckets(self.max_batch_tokens):
+                q = torch.zeros(1, heads, length, head_dim, device=device, dtype=dtype)
+                kv = torch.zeros(1, kv_heads, length, head_dim, device=device, dtype=dtype)
+                sdpa_causal(q, kv, kv, scale, heads // kv_heads)
 
     def score(self, sequences: Sequence[SequenceInput]) -> list[SequenceScores]:
         """Scores any number of sequences; results come back in input order."""
@@ -146,7 +168,8 @@ class Scorer:
         # A padding segment (never scored) makes T a multiple of ROW_MULTIPLE: every matrix
         # product then computes a token's row the same way whatever its neighbours (on CPU), and
         # T >= 2 keeps torch.compile from specialising a one-token row mid-request (on CUDA).
-        packed, ids_T = plan.padded_row(ROW_MULTIPLE, device)
+        # On CUDA rows are also at least CUDA_MIN_ROW_TOKENS long (see there).
+        packed, ids_T = plan.padded_row(ROW_MULTIPLE, device, minimum=min_row_tokens(device))
         # Host-to-device copies before the forward: issued after it, each would wait for it.
         targets_N = torch.from_numpy(plan.targets_N).to(device)
         temperature_N = torch.from_numpy(plan.temperature_N).to(device)

@@ -53,10 +53,17 @@ def test_alone_vs_packed(twin, swap, gpu_record):
         return _alone_vs_packed(twin, gpu_record, "" if swap == "default" else f", {swap}")
 
 
-def _alone_vs_packed(twin, gpu_record, label):
+@pytest.mark.parametrize("length", [5, 64, 300])
+def test_short_sequence_alone_vs_packed(twin, length, gpu_record):
+    """A short sequence alone: the row is padded to CUDA_MIN_ROW_TOKENS, so its products take
+    the kernels a long row takes (unpadded, 5- and 64-token rows took split-K kernels)."""
+    return _alone_vs_packed(twin, gpu_record, f", {length} tokens", victim_length=length)
+
+
+def _alone_vs_packed(twin, gpu_record, label, victim_length=777):
     rng = np.random.default_rng(5)
     vocab = twin.loaded.vocab_size
-    victim = SequenceInput(rng.integers(0, vocab, 777), score_from=100)
+    victim = SequenceInput(rng.integers(0, vocab, victim_length), score_from=min(100, victim_length - 1))
     others = [SequenceInput(rng.integers(0, vocab, n), score_from=1) for n in (3000, 65, 1, 2048, 129, 9000)]
     scorer = Scorer(twin.loaded, max_batch_tokens=1 << 16)
     alone = scorer.score_row([victim])[0]

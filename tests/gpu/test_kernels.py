@@ -332,3 +332,36 @@ def test_triton_norm_sums_as_aten(dim, gpu_record):
     gpu_record(f"kernel triton norm sums vs ATen (D={dim})", **report)
     bad = {k: v for k, v in report.items() if k.startswith("rows") and v}
     assert not bad, f"D={dim}, plan {plan}: {bad}"
+
+
+@pytest.mark.parametrize("rows", [5, 300, 4096, 16384 * 16, 40000 * 16, 65536 * 16])
+def test_l2norm_with_a_fixed_autotuning_key_equals_fla(rows, gpu_record):
+    """The q/k L2 norm run with fla's kernel and its autotuning key fixed (one tuning for every
+    row size) equals fla's own ``l2norm_fwd`` (which tunes once per ``ceil(rows / 65536)``)."""
+    from fla.modules.norm.l2norm import l2norm_fwd
+
+    from model_runtime.kernels.linear_attention import _l2norm_fixed_key
+
+    g = torch.Generator(device=DEV).manual_seed(rows)
+    x = torch.randn(rows, 128, device=DEV, generator=g).to(torch.bfloat16)
+    ours = _l2norm_fixed_key(x.view(-1, 16, 128) if rows % 16 == 0 else x.view(-1, 1, 128))
+    diff = float((ours.reshape(rows, 128).float() - l2norm_fwd(x)[0].float()).abs().max())
+    gpu_record("l2norm fixed autotuning key vs fla", rows=rows, max_abs=diff)
+    assert diff == 0.0, f"fixed-key l2norm differs from fla's by {diff:.3e} (tolerance 0)"
+
+
+@pytest.mark.parametrize("length", [1, 7, 301, 779, 2903, 9013])
+def test_sdpa_bucket_padding_is_exact(length, gpu_record):
+    """SDPA over a sequence zero-padded to its attention bucket gives the real rows bit for bit."""
+    import torch.nn.functional as F
+
+    from model_runtime.kernels.attention import attention_bucket, sdpa_causal
+
+    g = torch.Generator(device=DEV).manual_seed(length)
+    q = torch.randn(1, 16, length, 256, device=DEV, generator=g).to(torch.bfloat16)
+    k = torch.randn(1, 4, length, 256, device=DEV, generator=g).to(torch.bfloat16)
+    v = torch.randn(1, 4, length, 256, device=DEV, generator=g).to(torch.bfloat16)
+    plain = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=256**-0.5, enable_gqa=True)
+    diff = float((sdpa_causal(q, k, v, 256**-0.5, 4).float() - plain.float()).abs().max())
+    gpu_record("sdpa bucket padding vs unpadded", length=length, bucket=attention_bucket(length), max_abs=diff)
+    assert diff == 0.0, f"bucketed SDPA differs from unpadded by {diff:.3e} (tolerance 0)"
