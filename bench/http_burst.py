@@ -298,7 +298,8 @@ def gpu_mode(args) -> dict:
 
 
 class _Warmed:
-    """A backend already warmed up in this process: the server's warm-up is skipped."""
+    """A backend already warmed up in this process: the server's warm-up only builds what is kept
+    per thread (SDPA's plans), on the server's forward thread."""
 
     def __init__(self, backend):
         self._backend = backend
@@ -308,7 +309,7 @@ class _Warmed:
         return self._backend.score_row(sequences)
 
     def warm_up(self) -> None:
-        pass
+        self._backend.scorer.warm_attention_plans()
 
     def is_alive(self) -> bool:
         return self._backend.is_alive()

@@ -133,10 +133,6 @@ class Service:
                 backend = source if hasattr(source, "score_row") else await _in_daemon_thread(source)
                 self._configure(key, backend)
             self._advance("warming_up")
-            for model in self.models.values():
-                started = time.perf_counter()
-                await _in_daemon_thread(model.backend.warm_up)
-                log.info("warm-up of %s took %.1fs", model.name, time.perf_counter() - started)
             shared = None
             if len(self.models) > 1:
                 concurrency = max(int(getattr(m.backend, "concurrency", 1)) for m in self.models.values())
@@ -145,6 +141,12 @@ class Service:
                 model.scheduler = Scheduler.from_settings(model.backend, self.settings, self.metrics, shared=shared,
                                                         model=model.name)
                 await model.scheduler.start()
+            for model in self.models.values():
+                started = time.perf_counter()
+                # On the thread the forwards run on: what the warm-up builds per thread (cuDNN's
+                # attention plans) is then there for every request.
+                await model.scheduler.run_on_forward_thread(model.backend.warm_up)
+                log.info("warm-up of %s took %.1fs", model.name, time.perf_counter() - started)
             self._advance("probing")
             await self._run_probe()
             if not self._probe_ok:

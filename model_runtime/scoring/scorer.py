@@ -122,16 +122,18 @@ class Scorer:
         step("top-k", lambda: self.score_row([SequenceInput(rng.integers(0, vocab, 512), top_k=MAX_TOP_K) for _ in range(2)]))
         for n in (1, 17, 300):
             step(f"{n} tokens", lambda n=n: self.score_row([SequenceInput(rng.integers(0, vocab, n), score_from=1)]))
-        step("attention plans", self._warm_attention_plans)
+        step("attention plans", self.warm_attention_plans)
         if self.prefix_min_tokens:
             step("a shared prefix", lambda: self.score_row(shared_prefix_row(rng, vocab, self.prefix_min_tokens)))
         # Where start-up time goes (compilation and autotuning are in the first step that needs them).
         self.warm_up_steps = steps
         self.warm_up_seconds = time.perf_counter() - started
 
-    def _warm_attention_plans(self) -> None:
-        """Builds SDPA's plan for every attention bucket of the budget (a few dozen, ~60 ms each
-        on the H200), so no request pays for one (``kernels.attention.sdpa_causal``)."""
+    def warm_attention_plans(self) -> None:
+        """Builds SDPA's plan for every attention bucket of the budget (some eighty, ~60 ms each
+        on the H200), so no request pays for one (``kernels.attention.sdpa_causal``). cuDNN keeps
+        plans per thread: call it on the thread that runs the forwards (the server runs the
+        whole warm-up there)."""
         from model_runtime.kernels.attention import attention_buckets, causal_attention_sdpa, sdpa_causal
 
         device, dtype = self.loaded.device, self.loaded.model.lm_head.weight.dtype

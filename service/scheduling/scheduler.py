@@ -196,6 +196,11 @@ class Scheduler:
                         for i, thread in enumerate(self._threads)]
         self._tasks.append(asyncio.create_task(self._dispatch_loop(), name="packscore-dispatcher"))
 
+    async def run_on_forward_thread(self, fn: Callable):
+        """``fn()`` on the first forward thread, where the forwards run: state a backend keeps
+        per thread (cuDNN caches its attention plans per thread) is then built where it is read."""
+        return await self._threads[0].run(fn)
+
     def stop_admitting(self, error: ApiError) -> None:
         """Requests still waiting for room get ``error`` (a drain began); admitted ones run on."""
         self.admission.close(error)
