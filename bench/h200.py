@@ -12,7 +12,8 @@ Parts (``MODE``, space- or comma-separated; ``all`` = ``suite`` and then the ext
 - ``tests``: ``pytest tests/gpu`` (kernels, bf16 parity against HF, isolation; ``TESTS_PATHS``
   picks other paths or test ids).
 - extras, each run only when its module exists: ``http_burst`` (``--mode gpu``),
-  ``weights_swap``, ``prefix_sharing``, ``moe``.
+  ``weights_swap``, ``prefix_sharing``, ``moe``; ``hf_divergence`` only by name (packscore
+  against Hugging Face module by module, ``HF_DIVERGENCE_PRESET``, default the 35B-A3B, 8 layers).
 
 Time: ``TOTAL_S`` (default 530) bounds the whole call; each part gets its own budget
 (``SUITE_S``, ``PROFILE_S``, ``PROBE_S``, ``TESTS_S``, ``HTTP_BURST_S``, ...; defaults in
@@ -72,9 +73,11 @@ PARTS = {
     "weights_swap": lambda: Part("weights_swap", ("-m", "bench.weights_swap"), 240, "weights_swap"),
     "prefix_sharing": lambda: Part("prefix_sharing", ("-m", "bench.prefix_sharing"), 120, "prefix_sharing"),
     "moe": lambda: Part("moe", ("-m", "bench.moe"), 300, "moe"),
+    "hf_divergence": lambda: Part("hf_divergence", ("-m", "bench.hf_divergence", "--preset", os.environ.get(
+        "HF_DIVERGENCE_PRESET", "qwen3.5-35b-a3b"), "--layers", "8", "--lengths", "2000"), 90, "hf_divergence"),
 }
 BUDGETED = {"suite", "profile", "moe"}  # parts that take --budget-s and stop starting phases in time
-EXTRAS = ("http_burst", "weights_swap", "prefix_sharing", "moe")
+EXTRAS = ("http_burst", "weights_swap", "prefix_sharing", "moe")  # hf_divergence: by name only, a probe
 
 
 def parse_mode(mode: str) -> list[str]:
