@@ -129,8 +129,9 @@ def block_divergence(preset: str = PRESET, lengths=DIVERGENCE_LENGTHS) -> dict:
     return out
 
 
-def alone_vs_packed(preset: str = PRESET, num_layers: int = 4, lengths=INVARIANCE_LENGTHS) -> dict:
-    """Each sequence alone against the same sequence in one packed row, through the packed model."""
+def alone_vs_packed(preset: str = PRESET, num_layers: int = 4, lengths=INVARIANCE_LENGTHS, experts: str | None = None) -> dict:
+    """Each sequence alone against the same sequence in one packed row, through the packed model
+    (``experts``: a ``moe_experts`` backend instead of the default)."""
     import numpy as np
 
     from bench.hf_reference import build_twin
@@ -138,7 +139,8 @@ def alone_vs_packed(preset: str = PRESET, num_layers: int = 4, lengths=INVARIANC
     from model_runtime.types import SequenceInput
 
     dtype = torch.bfloat16 if H.DEVICE == "cuda" else torch.float32
-    twin = build_twin(preset, num_layers=num_layers, device=H.DEVICE, dtype=dtype)
+    twin = build_twin(preset, num_layers=num_layers, device=H.DEVICE, dtype=dtype,
+                      kernel_overrides={"moe_experts": experts} if experts else None)
     scorer = Scorer(twin.loaded)
     rng = np.random.default_rng(0)
     seqs = [SequenceInput(rng.integers(0, twin.loaded.vocab_size, n), score_from=1) for n in lengths]
