@@ -39,7 +39,8 @@ def bits(x: torch.Tensor) -> torch.Tensor:
 def assert_bitwise(what: str, got: torch.Tensor, want: torch.Tensor):
     differ = int((bits(got) != bits(want)).sum())
     diff = float((got.float() - want.float()).abs().max()) if got.numel() else 0.0
-    assert got.shape == want.shape and differ == 0, f"{what}: {differ} of {want.numel()} values differ, max |diff| {diff:.3e} (tolerance: bit for bit)"
+    assert got.shape == want.shape and differ == 0, (
+        f"{what}: {differ} of {want.numel()} values differ, max |diff| {diff:.3e} (tolerance: bit for bit)")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
