@@ -20,7 +20,10 @@ more. These kernels do the same arithmetic in one pass each:
 
 Every step is one IEEE float32 operation then a cast, as ATen's kernels compute them (opmath
 float32 for bf16), so any tile gives the same numbers; tests/gpu/test_moe_fused.py checks them
-against the composition bit for bit. Under Triton's CPU interpreter (no libdevice) NumPy's exp
+against the composition bit for bit. In the sm_90 code LLVM turns a float32 product or sum of two
+bf16 values that is rounded to bf16 into one ``mul.rn.bf16`` / ``add.rn.bf16``: the same numbers,
+since such a product is exact in float32 and float32 carries more than 2 * 8 + 2 bits (so rounding
+a sum twice equals rounding it once). Under Triton's CPU interpreter (no libdevice) NumPy's exp
 stands in and casts to bf16 truncate instead of rounding to nearest.
 """
 
