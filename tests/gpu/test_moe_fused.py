@@ -63,8 +63,8 @@ def test_fused_block_equals_the_grouped_mm_block(lengths, gpu_record):
     from model_runtime.model.packing import PackedBatch
 
     block = random_block("qwen3.5-35b-a3b", "cuda")
-    plain = PackedSparseMoe(block, select_backends("cuda", overrides={"moe_experts": "grouped_mm"}))
-    fused = PackedSparseMoe(block, select_backends("cuda", overrides={"moe_experts": "grouped_mm_fused"}))
+    plain = PackedSparseMoe(block, select_backends("cuda", allow_slow=True, overrides={"moe_experts": "grouped_mm"}))
+    fused = PackedSparseMoe(block, select_backends("cuda", allow_slow=True, overrides={"moe_experts": "grouped_mm_fused"}))
     packed = PackedBatch.from_lengths(list(lengths), device="cuda")
     g = torch.Generator(device="cuda").manual_seed(len(lengths))
     x = torch.randn(sum(lengths), block.gate.hidden_dim, device="cuda", generator=g).bfloat16()
