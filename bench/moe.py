@@ -1,23 +1,30 @@
 """The 35B-A3B MoE on one GPU: packscore's MoE block against Hugging Face's, in numbers and speed.
 
-    python -m bench.moe --out DIR [--sequences 24]     (H200: about 5 minutes, at most 7)
-    python -m bench.moe --out DIR --dry-run-cpu        (tiny MoE preset on the CPU: every code path)
+    python -m bench.moe --out DIR [--sequences 24]     (H200: about 6 minutes, at most 8)
+    python -m bench.moe --out DIR --dry-run-cpu        (tiny MoE preset on the CPU: every code path, under a minute)
 
-Phases (results JSON rewritten after each, a markdown table printed last and written to DIR):
+Phases (results JSON rewritten after each, a markdown table printed last and written to DIR), the
+benchmark early so that its Hugging Face one-at-a-time pass fits in ``--budget-s``:
 1. the measured bf16 matmul ceiling (bench.gpu_probes.matmul_ceiling);
-2. ``block_divergence``: one sparse-MoE block of the 35B-A3B shape (random bf16 weights), step by
-   step (router logits, top-k ids and weights, routed experts on the same routing, shared expert,
-   shared gate, block output), packscore against Hugging Face on each sequence alone, with its
-   experts as ``grouped_mm`` (its default) and ``eager``; and Hugging Face's own whole-row call
-   against its per-sequence calls (its batching noise);
-3. ``alone_vs_packed``: the packed 35B-A3B model (first 4 layers), each sequence alone against the
-   same sequence inside one packed row: must be bit for bit equal on the GPU;
-4. ``moe_experts``: one 16k-token row through 4 layers with packscore's block, then Hugging Face's
-   block (today's path before it, ``grouped_mm`` experts) and its ``eager`` experts: forward time;
-5. the suite's benchmark (bench.gpu_suite.run_benchmark) on the first ``--sequences`` of the RL
+2. ``block_timing``: one sparse-MoE block of the 35B-A3B shape (random bf16 weights) on a 16k- and
+   a 64k-token row of the RL mix's lengths: ms per block for packscore with the fused experts
+   (``grouped_mm_fused``), with the ``grouped_mm`` composition, and for Hugging Face's block
+   (``grouped_mm`` experts, the whole row); whether fused equals the composition bit for bit; the
+   top CUDA kernels of one fused forward on the 64k row (torch.profiler);
+3. the suite's benchmark (bench.gpu_suite.run_benchmark) on the first ``--sequences`` of the RL
    mix: packscore, HF padded and HF one at a time, tokens/s, ``mfu_of_measured_peak`` on active
-   parameters, ``diff_packscore_vs_hf_single`` and ``diff_hf_padded_vs_hf_single``; its entry is
-   ``qwen3.5-35b-a3b`` as in the suite's results.
+   parameters, ``diff_packscore_vs_hf_single`` and ``diff_hf_padded_vs_hf_single``; then
+   packscore again with the other grouped experts backend (``packscore_moe_experts_<name>``: its
+   speed, its diff to HF one at a time and to packscore); its entry is ``qwen3.5-35b-a3b`` as in
+   the suite's results;
+4. ``block_divergence``: the block step by step (router logits, top-k ids and weights, routed
+   experts on the same routing, shared expert, shared gate, block output), packscore against
+   Hugging Face on each sequence alone, with its experts as ``grouped_mm`` (its default) and
+   ``eager``; and Hugging Face's own whole-row call against its per-sequence calls (its batching noise);
+5. ``alone_vs_packed``: the packed 35B-A3B model (first 4 layers), each sequence alone against the
+   same sequence inside one packed row: must be bit for bit equal on the GPU;
+6. ``moe_experts``: one 16k-token row through 4 layers with packscore's block, then Hugging Face's
+   block (``grouped_mm`` experts) and its ``eager`` experts: forward time.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from bench.suite_harness import Suite, log
 PRESET = "qwen3.5-35b-a3b"
 DIVERGENCE_LENGTHS = (1, 7, 100, 513, 2000, 5000)
 INVARIANCE_LENGTHS = (1, 5, 64, 300, 1000, 3000)
+BLOCK_ROWS = (16384, 65536)  # tokens of the rows the block is timed on
+BLOCK_PROFILE_TOP = 10
 
 
 def _block_class(model_type: str):
@@ -129,8 +138,111 @@ def block_divergence(preset: str = PRESET, lengths=DIVERGENCE_LENGTHS) -> dict:
     return out
 
 
-def alone_vs_packed(preset: str = PRESET, num_layers: int = 4, lengths=INVARIANCE_LENGTHS) -> dict:
-    """Each sequence alone against the same sequence in one packed row, through the packed model."""
+def _row_lengths(tokens: int, vocab_size: int, spec=None) -> list[int]:
+    """Sequence lengths of the RL mix, in order, the last one cut so that they sum to ``tokens``."""
+    from bench.workload import WorkloadSpec, grpo_workload
+
+    lengths, total = [], 0
+    while total < tokens:
+        for s in grpo_workload(vocab_size, spec or WorkloadSpec()):
+            n = min(s.length, tokens - total)
+            lengths.append(n)
+            total += n
+            if total == tokens:
+                break
+    return lengths
+
+
+def _median_ms(fn, warm: int = 2, repeats: int = 5) -> float:
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(repeats):
+        watch = H.Stopwatch()
+        watch.start()
+        fn()
+        times.append(watch.stop())
+    return float(sorted(times)[len(times) // 2])
+
+
+def top_kernels(fn, top: int = BLOCK_PROFILE_TOP) -> list[dict]:
+    """The kernels of one call of ``fn`` by total device time (on the CPU: operators by self CPU time)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = H.DEVICE == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+        H.sync()
+    rows = []
+    events = prof.key_averages()
+    # kernels are the device-typed events; should a torch not type them, those with device time only
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA] or [
+        e for e in events if e.self_device_time_total > 0 and e.self_cpu_time_total == 0]
+    for e in kernels if cuda else events:
+        us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if us > 0:
+            rows.append({"name": e.key, "calls": e.count, "total_ms": us / 1e3})
+    total = sum(r["total_ms"] for r in rows) or 1.0
+    rows.sort(key=lambda r: -r["total_ms"])
+    for r in rows:
+        r["share"] = r["total_ms"] / total
+    return rows[:top] + ([{"name": f"(all {len(rows)} kernels)", "calls": sum(r["calls"] for r in rows), "total_ms": total,
+                           "share": 1.0}] if rows else [])
+
+
+def block_timing(preset: str = PRESET, rows=BLOCK_ROWS, spec=None) -> dict:
+    """One sparse-MoE block of ``preset``'s shape (random bf16 weights) on a packed row of each size
+    in ``rows`` (the RL mix's lengths): ms per block forward for packscore with each grouped experts
+    backend and for Hugging Face's block (``grouped_mm`` experts) on the whole row; whether the
+    fused backend equals the composition bit for bit; and the top kernels of one fused forward on the
+    largest row. On the CPU (``--dry-run-cpu``) the ``tiled`` backend stands in for both."""
+    from model_runtime.kernels.registry import select_backends
+    from model_runtime.model.moe import PackedSparseMoe
+    from model_runtime.model.packing import PackedBatch
+    from model_runtime.scoring.presets import PRESETS, build_config
+
+    device = torch.device(H.DEVICE)
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    block = random_block(preset, device, dtype)
+    vocab_size = build_config(PRESETS[preset], num_hidden_layers=1).vocab_size
+    names = {"fused": "grouped_mm_fused", "composition": "grouped_mm"} if cuda else {"fused": "tiled", "composition": "tiled"}
+    ours = {key: PackedSparseMoe(block, select_backends(device, allow_slow=True, overrides={"moe_experts": name}))
+            for key, name in names.items()}
+    out = {"preset": preset, "dtype": str(dtype), "backends": names, "rows": {}}
+    g = torch.Generator(device=device).manual_seed(2)
+    with torch.inference_mode():
+        for tokens in rows:
+            lengths = _row_lengths(tokens, vocab_size, spec)
+            packed = PackedBatch.from_lengths(lengths, device=device)
+            x_TD = torch.randn(tokens, block.gate.hidden_dim, device=device, generator=g).to(dtype)
+            entry = {"sequences": len(lengths)}
+            fused_out, plain_out = ours["fused"](x_TD, packed), ours["composition"](x_TD, packed)
+            bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+            entry["fused_vs_composition_differing"] = int((fused_out.view(bits) != plain_out.view(bits)).sum())
+            entry["fused_vs_composition_max_abs_diff"] = float((fused_out.float() - plain_out.float()).abs().max())
+            entry["fused_vs_composition_bitwise_equal"] = entry["fused_vs_composition_differing"] == 0
+            del fused_out, plain_out
+            entry["packscore_fused_ms"] = _median_ms(lambda: ours["fused"](x_TD, packed))
+            entry["packscore_composition_ms"] = _median_ms(lambda: ours["composition"](x_TD, packed))
+            _set_experts(block, "grouped_mm")
+            entry["hf_grouped_mm_ms"] = _median_ms(lambda: block(x_TD[None]))
+            entry["fused_speedup_over_composition"] = entry["packscore_composition_ms"] / entry["packscore_fused_ms"]
+            entry["fused_speedup_over_hf"] = entry["hf_grouped_mm_ms"] / entry["packscore_fused_ms"]
+            out["rows"][str(tokens)] = entry
+            log(f"MoE block, {tokens} tokens: {entry}")
+            if tokens == max(rows):
+                out["profile_tokens"] = tokens
+                out["profile_fused"] = top_kernels(lambda: ours["fused"](x_TD, packed))
+            del x_TD
+    log(f"MoE block timing: {json.dumps(out)}")
+    return out
+
+
+def alone_vs_packed(preset: str = PRESET, num_layers: int = 4, lengths=INVARIANCE_LENGTHS, experts: str | None = None) -> dict:
+    """Each sequence alone against the same sequence in one packed row, through the packed model
+    (``experts``: a ``moe_experts`` backend instead of the default)."""
     import numpy as np
 
     from bench.hf_reference import build_twin
@@ -138,7 +250,8 @@ def alone_vs_packed(preset: str = PRESET, num_layers: int = 4, lengths=INVARIANC
     from model_runtime.types import SequenceInput
 
     dtype = torch.bfloat16 if H.DEVICE == "cuda" else torch.float32
-    twin = build_twin(preset, num_layers=num_layers, device=H.DEVICE, dtype=dtype)
+    twin = build_twin(preset, num_layers=num_layers, device=H.DEVICE, dtype=dtype,
+                      kernel_overrides={"moe_experts": experts} if experts else None)
     scorer = Scorer(twin.loaded)
     rng = np.random.default_rng(0)
     seqs = [SequenceInput(rng.integers(0, twin.loaded.vocab_size, n), score_from=1) for n in lengths]
@@ -160,11 +273,34 @@ def markdown(results: dict, key: str) -> str:
              "| --- | ---: | ---: | ---: |"]
     bench = results.get(key) or {}
     sides = bench.get("sides", {})
-    diffs = {"packscore": bench.get("diff_packscore_vs_hf_single"), "hf_padded": bench.get("diff_hf_padded_vs_hf_single")}
     for name, side in sides.items():
-        d = diffs.get(name)
+        d = bench.get(f"diff_{name}_vs_hf_single")
         diff = f"{d['logprob_mean']:.3g} / {d['logprob_max']:.3g}" if d else ("reference" if name == "hf_single" else "")
         lines.append(f"| {name} | {side['tokens_per_s']:,.0f} | {side['mfu_of_measured_peak']:.3f} | {diff} |")
+    if isinstance(bench.get("hf_single"), str):
+        lines.append(f"\nHF one at a time {bench['hf_single']}")
+    for name in sides:
+        d = bench.get(f"diff_{name}_vs_packscore")
+        if d:
+            lines.append(f"\n{name} vs packscore, log-probs mean / max abs diff: {d['logprob_mean']:.3g} / {d['logprob_max']:.3g}")
+    timing = results.get("block_timing") or {}
+    if timing.get("rows"):
+        lines.append("")
+        lines.append(f"One MoE block ({timing['preset']}, {timing['dtype']}), ms per forward; packscore "
+                     f"fused = {timing['backends']['fused']}, composition = {timing['backends']['composition']}:")
+        lines.append("| row tokens | packscore fused | packscore composition | HF grouped_mm (whole row) | fused = composition bit for bit |")
+        lines.append("| ---: | ---: | ---: | ---: | --- |")
+        for tokens, e in timing["rows"].items():
+            lines.append(f"| {int(tokens):,} | {e['packscore_fused_ms']:.2f} | {e['packscore_composition_ms']:.2f} | "
+                         f"{e['hf_grouped_mm_ms']:.2f} | {e['fused_vs_composition_bitwise_equal']} "
+                         f"({e['fused_vs_composition_differing']} differ, max {e['fused_vs_composition_max_abs_diff']:.3g}) |")
+    if timing.get("profile_fused"):
+        lines.append("")
+        lines.append(f"Top kernels of one fused block forward ({timing['profile_tokens']:,} tokens):")
+        lines.append("| kernel | calls | total ms | share |")
+        lines.append("| --- | ---: | ---: | ---: |")
+        for r in timing["profile_fused"]:
+            lines.append(f"| {r['name'][:110]} | {r['calls']} | {r['total_ms']:.3f} | {r['share']:.3f} |")
     probe = results.get("moe_experts") or {}
     if "packscore" in probe:
         lines.append("")
@@ -225,7 +361,20 @@ def main(argv=None):
         key = preset
     else:
         suite.results["ceiling"] = suite.phase("matmul ceiling", matmul_ceiling, 5) or {}
+    from model_runtime.kernels.registry import select_backends
+
+    # the whole-model benchmark also runs with the other grouped experts backend (a no-op swap on the CPU)
+    served = select_backends(H.DEVICE, allow_slow=True).moe_experts
+    other = {"grouped_mm": "grouped_mm_fused", "grouped_mm_fused": "grouped_mm"}.get(served, served)
     try:
+        # The block timing and the benchmark first: the benchmark's Hugging Face one-at-a-time pass
+        # is skipped when less than its time is left, and it carries the issue's numbers.
+        suite.results["block_timing"] = suite.phase(
+            "MoE block: packscore fused vs composition vs Hugging Face, ms per block", lambda: block_timing(
+                preset, (200, 500) if args.dry_run_cpu else BLOCK_ROWS, spec), 30)
+        suite.phase(f"benchmark {preset} ({args.sequences} sequences)", lambda: run_benchmark(
+            suite, preset, args.sequences, hf_single=True, max_batch_tokens=65536 if not args.dry_run_cpu else 300,
+            key=key, extras=False, spec=spec, alternatives=(f"moe_experts={other}",)), 60)
         suite.results["block_divergence"] = suite.phase(
             "MoE block vs Hugging Face, step by step", lambda: block_divergence(preset), 20)
         suite.results["alone_vs_packed"] = suite.phase(
@@ -233,9 +382,6 @@ def main(argv=None):
         suite.results["moe_experts"] = suite.phase(
             "MoE block: packscore vs Hugging Face grouped_mm and eager (4 layers)",
             lambda: moe_experts(None if args.dry_run_cpu else 4, 200 if args.dry_run_cpu else 16384, spec), 30)
-        suite.phase(f"benchmark {preset} ({args.sequences} sequences)", lambda: run_benchmark(
-            suite, preset, args.sequences, hf_single=True, max_batch_tokens=65536 if not args.dry_run_cpu else 300,
-            key=key, extras=False, spec=spec), 60)
     finally:
         H.set_device(device)
         if args.dry_run_cpu:

@@ -4,7 +4,7 @@ Legend: T = tokens of the (local) row, D = hidden size, E = experts, K = experts
 I = an expert's intermediate size, S = T * K routed (token, expert) pairs, R = rows handed to a
 grouped product.
 
-Both backends compute Hugging Face's per-token arithmetic (its ``grouped_mm`` experts path):
+Every backend computes Hugging Face's per-token arithmetic (its ``grouped_mm`` experts path):
 ``gate, up = x @ gate_up[e].T`` (rounded to the model dtype), ``silu(gate) * up`` (each rounded),
 ``@ down[e].T`` (rounded), times the routing weight (rounded), then the K weighted rows of a
 token summed in float32 and rounded once. What they add is that no step's arithmetic depends on
@@ -18,6 +18,13 @@ how many tokens an expert received:
   (``rows / E``, thresholds 64 and 128); a tail of rows past the last expert's offset, which
   the kernel never reads or writes, keeps that mean above 128, so every row count runs the
   same configuration (no split-K in any of them).
+- ``grouped_mm_fused`` (CUDA, bfloat16): the same two products, and ``grouped_mm``'s numbers
+  bit for bit; the gather of the rows, the SiLU product, the weighting, the top-k sum and the
+  block's ``routed + gate * shared`` run in one pass each (model_runtime/kernels/moe_triton.py)
+  instead of the composition's many over ``[S, D]`` and ``[T, D]``.
+
+Every backend takes ``shared = (gate_T1, shared_TD)`` and then returns the block's output,
+``routed + gate * shared`` (``add_shared``): the fused one adds it in the top-k sum's pass.
 
 The K weighted rows of a token are summed in a fixed order (top-k order, float32), not by a
 reduction kernel whose split depends on the number of tokens.
@@ -57,9 +64,11 @@ def experts_tiled(
     top_w_TK: torch.Tensor,
     gate_up_E2ID: torch.Tensor,
     down_EDI: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     tile_rows: int = TILE_ROWS,
 ) -> torch.Tensor:
-    """Routed experts' output ``[T, D]`` with every product over a ``[tile_rows, D]`` tile."""
+    """Routed experts' output ``[T, D]`` with every product over a ``[tile_rows, D]`` tile
+    (``shared``: see ``add_shared``)."""
     T, K = top_i_TK.shape
     D, I = x_TD.shape[1], down_EDI.shape[2]
     order_S, counts_E = routed_pairs(top_i_TK, gate_up_E2ID.shape[0])
@@ -75,7 +84,7 @@ def experts_tiled(
             y_tile = F.linear(F.silu(gate) * up, down_EDI[e])
             weighted_SD[pairs] = y_tile[: len(pairs)] * w_S[pairs, None]
         start += n
-    return combine_top_k(weighted_SD, T, x_TD.dtype)
+    return add_shared(combine_top_k(weighted_SD, T, x_TD.dtype), shared)
 
 
 def in_row_tiles(fn, x_TD: torch.Tensor, tile_rows: int = TILE_ROWS) -> torch.Tensor:
@@ -93,19 +102,63 @@ def _grouped_mm(x_RD: torch.Tensor, w_EDN: torch.Tensor, offsets_E: torch.Tensor
     return fn(x_RD, w_EDN, offs=offsets_E)
 
 
+def _check_grouped(x_TD: torch.Tensor, name: str) -> None:
+    if x_TD.device.type != "cuda" or x_TD.dtype != torch.bfloat16:
+        raise ValueError(
+            f"the {name} experts need bfloat16 on CUDA, got {x_TD.dtype} on {x_TD.device.type}; "
+            "use --kernels moe_experts=tiled"
+        )
+
+
 def experts_grouped_mm(
     x_TD: torch.Tensor,
     top_i_TK: torch.Tensor,
     top_w_TK: torch.Tensor,
     gate_up_E2ID: torch.Tensor,
     down_EDI: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Routed experts' output ``[T, D]`` through two grouped products of one fixed configuration."""
-    if x_TD.device.type != "cuda" or x_TD.dtype != torch.bfloat16:
-        raise ValueError(
-            f"the grouped_mm experts need bfloat16 on CUDA, got {x_TD.dtype} on {x_TD.device.type}; "
-            "use --kernels moe_experts=tiled"
-        )
+    """Routed experts' output ``[T, D]`` through two grouped products of one fixed configuration
+    (``shared``: see ``add_shared``)."""
+    _check_grouped(x_TD, "grouped_mm")
+    return grouped_experts(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared, fused=False)
+
+
+def experts_grouped_mm_fused(
+    x_TD: torch.Tensor,
+    top_i_TK: torch.Tensor,
+    top_w_TK: torch.Tensor,
+    gate_up_E2ID: torch.Tensor,
+    down_EDI: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``experts_grouped_mm``'s numbers bit for bit, with the steps around the two products in
+    Triton kernels (model_runtime/kernels/moe_triton.py) that move a fraction of the memory."""
+    _check_grouped(x_TD, "grouped_mm_fused")
+    return grouped_experts(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared, fused=True)
+
+
+def add_shared(routed_TD: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """The block's output from its routed experts' and, with ``shared = (gate_T1, shared_TD)``,
+    its gated shared expert: ``routed + gate * shared`` (each step rounded to the dtype)."""
+    if shared is None:
+        return routed_TD
+    gate_T1, shared_TD = shared
+    return routed_TD + gate_T1 * shared_TD
+
+
+def grouped_experts(
+    x_TD: torch.Tensor,
+    top_i_TK: torch.Tensor,
+    top_w_TK: torch.Tensor,
+    gate_up_E2ID: torch.Tensor,
+    down_EDI: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    fused: bool,
+) -> torch.Tensor:
+    """The two grouped products with the steps around them in PyTorch (``fused=False``) or in the
+    Triton kernels (``fused=True``); no device check, so that the CPU interpreter tests run both."""
     T, K = top_i_TK.shape
     E, D, I = gate_up_E2ID.shape[0], x_TD.shape[1], down_EDI.shape[2]
     order_S, counts_E = routed_pairs(top_i_TK, E)
@@ -113,10 +166,24 @@ def experts_grouped_mm(
     S = T * K
     rows = max(S, GROUPED_MM_LARGE_CONFIG_ROWS * E)  # rows past offsets[-1] are never computed
     x_RD = x_TD.new_empty(rows, D)
-    x_RD[:S] = x_TD[order_S // K]
+    if not fused:
+        x_RD[:S] = x_TD[order_S // K]
+        gate_up_R2I = _grouped_mm(x_RD, gate_up_E2ID.transpose(-2, -1), offsets_E)
+        h_RI = F.silu(gate_up_R2I[:, :I]) * gate_up_R2I[:, I:]
+        y_RD = _grouped_mm(h_RI, down_EDI.transpose(-2, -1), offsets_E)
+        weighted_SD = torch.empty_like(x_RD[:S])
+        weighted_SD[order_S] = y_RD[:S] * top_w_TK.reshape(-1)[order_S, None]
+        return add_shared(combine_top_k(weighted_SD, T, x_TD.dtype), shared)
+    from model_runtime.kernels import moe_triton
+
+    if top_w_TK.dtype != x_TD.dtype:
+        raise ValueError(f"the fused experts take routing weights in the model dtype {x_TD.dtype}, got {top_w_TK.dtype}")
+    torch.index_select(x_TD, 0, order_S // K, out=x_RD[:S])  # gathered straight into the product's rows
     gate_up_R2I = _grouped_mm(x_RD, gate_up_E2ID.transpose(-2, -1), offsets_E)
-    h_RI = F.silu(gate_up_R2I[:, :I]) * gate_up_R2I[:, I:]
+    h_RI = moe_triton.silu_mul_rows(gate_up_R2I, S)  # only the S computed rows: the tail is never read
     y_RD = _grouped_mm(h_RI, down_EDI.transpose(-2, -1), offsets_E)
-    weighted_SD = torch.empty_like(x_RD[:S])
-    weighted_SD[order_S] = y_RD[:S] * top_w_TK.reshape(-1)[order_S, None]
-    return combine_top_k(weighted_SD, T, x_TD.dtype)
+    # pos_S[t * K + k]: where pair (t, k) sits in the sorted rows (the inverse of order_S)
+    pos_S = torch.empty_like(order_S).index_copy_(0, order_S, torch.arange(S, device=order_S.device))
+    if shared is not None:
+        shared = tuple(t.contiguous() for t in shared)
+    return moe_triton.combine_top_k(y_RD, pos_S.view(T, K), top_w_TK.contiguous(), shared)

@@ -57,8 +57,8 @@ class PackedSparseMoe(nn.Module):
         self.experts = experts  # gate_up_proj [E, 2I, D] (gate rows, then up rows), down_proj [E, D, I]
         self.shared_expert = source.shared_expert
         self.shared_expert_gate = source.shared_expert_gate
-        if backends.moe_experts == "grouped_mm" and experts.gate_up_proj.dtype != torch.bfloat16:
-            raise ValueError(f"the grouped_mm experts need bfloat16 weights, got {experts.gate_up_proj.dtype}; "
+        if backends.moe_experts.startswith("grouped_mm") and experts.gate_up_proj.dtype != torch.bfloat16:
+            raise ValueError(f"the {backends.moe_experts} experts need bfloat16 weights, got {experts.gate_up_proj.dtype}; "
                              "use --kernels moe_experts=tiled")
         self.experts_fn = backends.fn("moe_experts")
         # With the tiled experts (the CPU reference) the router, shared expert and its gate run in
@@ -87,11 +87,12 @@ class PackedSparseMoe(nn.Module):
     def forward(self, x_TD: torch.Tensor, packed: PackedBatch, sp=None) -> torch.Tensor:
         bounds = _local_segments(x_TD, packed, sp)
         top_w_TK, top_i_TK = self.route(x_TD, bounds)
-        routed_TD = self.experts_fn(x_TD, top_i_TK, top_w_TK, self.experts.gate_up_proj, self.experts.down_proj)
         shared_mlp = functools.partial(self.ops.mlp, self.shared_expert)
         shared_TD = in_row_tiles(shared_mlp, x_TD) if self.tiled else shared_mlp(x_TD)
         gate_T1 = _sigmoid_per_row(self._narrow(self.shared_expert_gate, x_TD, bounds))
-        return routed_TD + gate_T1 * shared_TD
+        # routed + gate * shared, added by the experts' kernel (the fused one in its top-k sum's pass)
+        return self.experts_fn(x_TD, top_i_TK, top_w_TK, self.experts.gate_up_proj, self.experts.down_proj,
+                               shared=(gate_T1, shared_TD))
 
 
 def _sigmoid_per_row(g_T1: torch.Tensor) -> torch.Tensor:
