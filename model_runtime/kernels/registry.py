@@ -85,7 +85,8 @@ _GPU_PREFERENCE = {
     # own norms sum in another order (--kernels elementwise=inductor) that 32 layers amplify.
     "elementwise": ("triton_exact",),
     "gate_projection": ("segment",),
-    "moe_experts": ("grouped_mm",),
+    # grouped_mm_fused: grouped_mm's arithmetic bit for bit, the steps around the products in Triton.
+    "moe_experts": ("grouped_mm_fused", "grouped_mm"),
 }
 _POOL_GPU_PREFERENCE = {**_GPU_PREFERENCE, "attention": ("flash_attn", "varlen", "sdpa")}
 
