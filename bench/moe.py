@@ -375,10 +375,10 @@ def main(argv=None):
         suite.phase(f"benchmark {preset} ({args.sequences} sequences)", lambda: run_benchmark(
             suite, preset, args.sequences, hf_single=True, max_batch_tokens=65536 if not args.dry_run_cpu else 300,
             key=key, extras=False, spec=spec, alternatives=(f"moe_experts={other}",)), 60)
-        suite.results["block_divergence"] = suite.phase(
-            "MoE block vs Hugging Face, step by step", lambda: block_divergence(preset), 20)
         suite.results["alone_vs_packed"] = suite.phase(
             "alone vs packed (4 layers)", lambda: alone_vs_packed(preset), 30)
+        suite.results["block_divergence"] = suite.phase(
+            "MoE block vs Hugging Face, step by step", lambda: block_divergence(preset), 20)
         suite.results["moe_experts"] = suite.phase(
             "MoE block: packscore vs Hugging Face grouped_mm and eager (4 layers)",
             lambda: moe_experts(None if args.dry_run_cpu else 4, 200 if args.dry_run_cpu else 16384, spec), 30)
