@@ -6,14 +6,20 @@ Backends share one signature: ``fn(q_THD, k_THD, v_THD, packed, scale) -> o_THD`
 grouped-query attention (query head ``h`` reads key/value head ``h // (H // Hkv)``).
 
 A segment with a parent in ``packed.links`` (a shared prefix) attends to its parent's keys and
-values, then its own: its query ``j`` sees the parent's ``P`` keys and its own first ``j + 1``
-(causal aligned to the bottom right of the ``[n, P + n]`` score matrix).
+values, then its own. Every backend computes that as it computes the unshared sequence: the same
+kernel over the whole sequence (the parent's queries, keys and values, then the segment's own,
+causal from position 0), keeping the segment's own last rows (``_on_whole_sequences``). The
+parent's queries are computed again inside attention only; in exchange a continuation's numbers
+are those of the unshared sequence bit for bit, which a bottom-right causal mask over the
+parent's keys does not give (its kernels tile and reduce differently).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+import functools
 
 from model_runtime.model.packing import PackedBatch
 
@@ -30,57 +36,56 @@ def _check(q_THD, k_THD, v_THD, packed: PackedBatch) -> None:
         raise ValueError(f"q has {q_THD.shape[0]} tokens but the packed row has {packed.total_tokens}")
 
 
+def _on_whole_sequences(kernel):
+    """Runs ``kernel`` on a row with prefix links as on the unshared row: over every segment's
+    whole sequence (``LinkedLayout.whole``), keeping each token's own output row."""
+
+    @functools.wraps(kernel)
+    def attention(q_THD, k_THD, v_THD, packed: PackedBatch, scale: float) -> torch.Tensor:
+        _check(q_THD, k_THD, v_THD, packed)
+        if packed.links is None:
+            return kernel(q_THD, k_THD, v_THD, packed, scale)
+        layout = packed.linked
+        rows = layout.whole_index_Tw
+        o_TwHD = kernel(q_THD.index_select(0, rows), k_THD.index_select(0, rows), v_THD.index_select(0, rows),
+                        layout.whole, scale)
+        return o_TwHD.index_select(0, layout.own_rows_T)
+
+    return attention
+
+
+@_on_whole_sequences
 def causal_attention_reference(q_THD, k_THD, v_THD, packed: PackedBatch, scale: float) -> torch.Tensor:
-    """Exact reference: float32 softmax attention, one segment at a time (a continuation's keys
-    are its parent's, then its own)."""
-    _check(q_THD, k_THD, v_THD, packed)
+    """Exact reference: float32 softmax attention, one segment at a time."""
     group = q_THD.shape[1] // k_THD.shape[1]
     out = torch.empty_like(q_THD)
-    for (start, end), keys in zip(packed.segments(), _key_rows(packed)):
+    for start, end in packed.segments():
         q_HLD = q_THD[start:end].transpose(0, 1).float()
-        k_HLD = k_THD[keys].transpose(0, 1).float().repeat_interleave(group, dim=0)
-        v_HLD = v_THD[keys].transpose(0, 1).float().repeat_interleave(group, dim=0)
+        k_HLD = k_THD[start:end].transpose(0, 1).float().repeat_interleave(group, dim=0)
+        v_HLD = v_THD[start:end].transpose(0, 1).float().repeat_interleave(group, dim=0)
         scores_HLL = (q_HLD @ k_HLD.transpose(1, 2)) * scale
-        n, m = end - start, k_HLD.shape[1]
-        future = torch.ones(n, m, dtype=torch.bool, device=q_THD.device).triu(1 + m - n)
+        n = end - start
+        future = torch.ones(n, n, dtype=torch.bool, device=q_THD.device).triu(1)
         scores_HLL = scores_HLL.masked_fill(future, float("-inf"))
         out[start:end] = (scores_HLL.softmax(dim=-1) @ v_HLD).transpose(0, 1).to(q_THD.dtype)
     return out
 
 
-def _key_rows(packed: PackedBatch):
-    """Per segment, the rows of its keys: a slice of its own tokens, or (a continuation) its
-    parent's token indices then its own."""
-    if packed.links is None:
-        return [slice(start, end) for start, end in packed.segment_bounds]
-    return packed.linked.segment_keys
-
-
+@_on_whole_sequences
 def causal_attention_sdpa(q_THD, k_THD, v_THD, packed: PackedBatch, scale: float) -> torch.Tensor:
     """PyTorch SDPA, one launch per segment.
 
     Each segment goes through exactly the call Hugging Face's sdpa attention makes for one
     unpadded sequence (``is_causal``, shared key/value heads read in place with ``enable_gqa``),
     so its numbers do not depend on the other segments of the row, nor on their count.
-    A continuation (prefix links) attends to its parent's keys, then its own, with a lower-right
-    causal bias; its key/value heads are repeated, since the bias's efficient-attention path has
-    no grouped-query mode.
     """
-    _check(q_THD, k_THD, v_THD, packed)
-    from torch.nn.attention.bias import causal_lower_right
-
     group = q_THD.shape[1] // k_THD.shape[1]
     out = torch.empty_like(q_THD)
-    for (start, end), keys in zip(packed.segments(), _key_rows(packed)):
+    for start, end in packed.segments():
         q = q_THD[start:end].transpose(0, 1).unsqueeze(0)
-        k = k_THD[keys].transpose(0, 1).unsqueeze(0)
-        v = v_THD[keys].transpose(0, 1).unsqueeze(0)
-        if isinstance(keys, slice):
-            o = sdpa_causal(q, k, v, scale, group)
-        else:
-            if group > 1:
-                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(end - start, k.shape[2]), scale=scale)
+        k = k_THD[start:end].transpose(0, 1).unsqueeze(0)
+        v = v_THD[start:end].transpose(0, 1).unsqueeze(0)
+        o = sdpa_causal(q, k, v, scale, group)
         out[start:end] = o[0].transpose(0, 1)
     return out
 
@@ -129,17 +134,15 @@ def attention_buckets(max_length: int) -> list[int]:
     return out
 
 
+@_on_whole_sequences
 def causal_attention_varlen(q_THD, k_THD, v_THD, packed: PackedBatch, scale: float) -> torch.Tensor:
     """``torch.nn.attention.varlen.varlen_attn`` over the whole row.
 
     Its default is NOT causal; ``window_size=(-1, 0)`` makes it causal per segment
     (tests/gpu/test_kernels.py compares it with per-segment causal attention).
     Versions with ``enable_gqa`` read the shared key/value heads in place; older ones get
-    repeated keys and values. With prefix links the keys are gathered (each continuation's
-    parent's, then its own) and the window, aligned to the bottom right as in flash attention,
-    keeps it causal.
+    repeated keys and values.
     """
-    _check(q_THD, k_THD, v_THD, packed)
     from torch.nn.attention.varlen import varlen_attn
 
     group = q_THD.shape[1] // k_THD.shape[1]
@@ -150,20 +153,8 @@ def causal_attention_varlen(q_THD, k_THD, v_THD, packed: PackedBatch, scale: flo
         else:
             k_THD = k_THD.repeat_interleave(group, dim=1)
             v_THD = v_THD.repeat_interleave(group, dim=1)
-    k_THD, v_THD, cu_k, max_k = _gathered_keys(k_THD, v_THD, packed)
-    return varlen_attn(
-        q_THD, k_THD, v_THD, packed.cu_seqlens, cu_k, packed.max_seqlen, max_k, scale=scale, window_size=(-1, 0), **extra
-    )
-
-
-def _gathered_keys(k_THD, v_THD, packed: PackedBatch):
-    """``(k, v, cu_seqlens_k, max_seqlen_k)`` for a varlen kernel: the row's own keys, or with
-    prefix links every segment's key rows in attention order."""
-    if packed.links is None:
-        return k_THD, v_THD, packed.cu_seqlens, packed.max_seqlen
-    layout = packed.linked
-    index = layout.key_index_Tk
-    return k_THD.index_select(0, index), v_THD.index_select(0, index), layout.cu_seqlens_k, layout.max_seqlen_k
+    cu, n = packed.cu_seqlens, packed.max_seqlen
+    return varlen_attn(q_THD, k_THD, v_THD, cu, cu, n, n, scale=scale, window_size=(-1, 0), **extra)
 
 
 _VARLEN_GQA: bool | None = None
@@ -180,13 +171,10 @@ def _varlen_has_gqa() -> bool:
     return _VARLEN_GQA
 
 
+@_on_whole_sequences
 def causal_attention_flash(q_THD, k_THD, v_THD, packed: PackedBatch, scale: float) -> torch.Tensor:
     """``flash_attn_varlen_func`` (flash-attn package), causal, native GQA."""
-    _check(q_THD, k_THD, v_THD, packed)
     from flash_attn import flash_attn_varlen_func
 
-    # flash-attn >= 2.1 aligns the causal mask to the bottom right, as a continuation needs.
-    k_THD, v_THD, cu_k, max_k = _gathered_keys(k_THD, v_THD, packed)
-    return flash_attn_varlen_func(
-        q_THD, k_THD, v_THD, packed.cu_seqlens, cu_k, packed.max_seqlen, max_k, softmax_scale=scale, causal=True
-    )
+    cu, n = packed.cu_seqlens, packed.max_seqlen
+    return flash_attn_varlen_func(q_THD, k_THD, v_THD, cu, cu, n, n, softmax_scale=scale, causal=True)

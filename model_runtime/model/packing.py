@@ -1,7 +1,8 @@
 """Packing: many sequences in one THD row, and the metadata every packed forward receives.
 
-Legend: T = tokens in the packed row, N = sequences (segments) in the row, Tk = key rows of
-attention over a row with prefix links.
+Legend: T = tokens in the packed row, N = sequences (segments) in the row, Tw = tokens of the
+row's whole sequences (a continuation's parent's tokens, then its own) for attention over a row
+with prefix links.
 
 A row is a flat token dimension; ``cu_seqlens`` marks where each segment starts. Boundaries
 come from request lengths only (never from position ids or token values) and travel as the
@@ -205,9 +206,11 @@ class LinkedLayout:
         state_index: int64 ``[N - roots]``: for every non-root segment, the row of the roots'
             final states it starts from; ``roots`` (one past them) for a zero state.
         parent_bounds: per segment, ``(start, end)`` of its parent, or None.
-        key_index_Tk: int64 ``[Tk]``: row positions of every segment's keys in attention order
-            (a continuation's parent's tokens, then its own).
-        cu_seqlens_k: int32 ``[N + 1]`` offsets of those keys; ``max_seqlen_k``: the longest.
+        whole: every segment as the whole sequence it stands for, a row of its own without
+            links: a root as it is, a continuation as its parent's tokens then its own.
+        whole_index_Tw: int64 ``[Tw]``: the row positions that make up ``whole``.
+        own_rows_T: int64 ``[T]``: for every token of the row, its row in ``whole`` (a
+            continuation's own tokens are the tail of its whole sequence).
         local_positions: int64 ``[T]`` tokens since the segment's own start (0 at every segment).
     """
 
@@ -216,11 +219,10 @@ class LinkedLayout:
     rest: PackedBatch
     state_index: torch.Tensor
     parent_bounds: tuple[tuple[int, int] | None, ...]
-    key_index_Tk: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    max_seqlen_k: int
+    whole: PackedBatch
+    whole_index_Tw: torch.Tensor
+    own_rows_T: torch.Tensor
     local_positions: torch.Tensor
-    _offsets: tuple[int, ...]  # the row's cu_seqlens_host
 
     @staticmethod
     def of(packed: PackedBatch) -> "LinkedLayout":
@@ -229,23 +231,23 @@ class LinkedLayout:
         if r == 0 or r == packed.num_segments:
             raise ValueError(f"a linked row needs roots and continuations, got {r} roots of {packed.num_segments}")
         parent_bounds = tuple(bounds[p] if p >= 0 else None for p in links.parents)
-        keys, key_offsets = [], [0]
+        whole_rows, own_rows, whole_lengths = [], [], []
         for (start, end), parent in zip(bounds, parent_bounds):
-            if parent is not None:
-                keys.append(torch.arange(*parent))
-            keys.append(torch.arange(start, end))
-            key_offsets.append(key_offsets[-1] + end - start + (parent[1] - parent[0] if parent else 0))
+            head = list(range(*parent)) if parent is not None else []
+            own_rows += range(len(whole_rows) + len(head), len(whole_rows) + len(head) + end - start)
+            whole_rows += head + list(range(start, end))
+            whole_lengths.append(len(head) + end - start)
+        as_index = lambda rows: torch.tensor(rows, dtype=torch.long, device=device)  # noqa: E731
         return LinkedLayout(
             root_tokens=packed.cu_seqlens_host[r],
             roots=PackedBatch.from_lengths(packed.lengths[:r], device=device),
             rest=PackedBatch.from_lengths(packed.lengths[r:], device=device),
             state_index=torch.tensor([p if p >= 0 else r for p in links.parents[r:]], dtype=torch.long, device=device),
             parent_bounds=parent_bounds,
-            key_index_Tk=torch.cat(keys).to(device),
-            cu_seqlens_k=torch.tensor(key_offsets, dtype=torch.int32, device=device),
-            max_seqlen_k=max(b - a for a, b in zip(key_offsets[:-1], key_offsets[1:])),
+            whole=PackedBatch.from_lengths(whole_lengths, device=device),
+            whole_index_Tw=as_index(whole_rows),
+            own_rows_T=as_index(own_rows),
             local_positions=torch.cat([torch.arange(n, dtype=torch.long) for n in packed.lengths]).to(device),
-            _offsets=packed.cu_seqlens_host,
         )
 
     def conv_windows(self, width: int) -> "ConvWindows":
@@ -272,19 +274,6 @@ class LinkedLayout:
                 as_index(gather), PackedBatch.from_lengths(lengths, device=device), as_index(out_rows), as_index(in_rows)
             )
         return cache[width]
-
-    @cached_property
-    def segment_keys(self) -> tuple[slice | torch.Tensor, ...]:
-        """Per segment, the rows of its attention keys: a slice of its own tokens, or for a
-        continuation an index tensor (its parent's tokens, then its own)."""
-        rows = []
-        for i, (start, end) in enumerate(zip(self._offsets[:-1], self._offsets[1:])):
-            parent = self.parent_bounds[i]
-            if parent is None:
-                rows.append(slice(start, end))
-            else:
-                rows.append(torch.cat([torch.arange(*parent), torch.arange(start, end)]).to(self.state_index.device))
-        return tuple(rows)
 
     @cached_property
     def _conv_cache(self) -> dict:
