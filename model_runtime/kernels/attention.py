@@ -45,11 +45,7 @@ def _on_whole_sequences(kernel):
         _check(q_THD, k_THD, v_THD, packed)
         if packed.links is None:
             return kernel(q_THD, k_THD, v_THD, packed, scale)
-        layout = packed.linked
-        rows = layout.whole_index_Tw
-        o_TwHD = kernel(q_THD.index_select(0, rows), k_THD.index_select(0, rows), v_THD.index_select(0, rows),
-                        layout.whole, scale)
-        return o_TwHD.index_select(0, layout.own_rows_T)
+        return packed.linked.on_whole_sequences(lambda q, k, v, whole: kernel(q, k, v, whole, scale), q_THD, k_THD, v_THD)
 
     return attention
 

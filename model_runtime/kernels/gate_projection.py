@@ -15,6 +15,10 @@ add up, and a sequence packed with others would part from the same sequence alon
 - ``segment``: one product per segment, the call a sequence scored alone makes (and Hugging
   Face's for one sequence), so a segment's numbers do not depend on its neighbours.
 
+On a row with prefix links (a shared prompt run once) ``narrow_products`` runs them over the
+row's unshared sequences (``LinkedLayout.on_whole_sequences``), so a prompt's and a
+continuation's rows get the rounding of the sequence scored whole.
+
 ``segment`` costs two small launches per segment and GDN layer: nothing measurable on rows of
 a few dozen long sequences, more on rows of hundreds of short ones (figures in
 docs/benchmarks.md).
@@ -26,6 +30,8 @@ from typing import Sequence
 
 import torch
 from torch import nn
+
+from model_runtime.model.packing import PackedBatch
 
 
 def gate_projection_row(linear: nn.Module, x_TD: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
@@ -43,3 +49,17 @@ def gate_projection_segment(linear: nn.Module, x_TD: torch.Tensor, bounds: Seque
     if bounds[0][0] != 0 or bounds[-1][1] != x_TD.shape[0]:
         raise ValueError(f"segments {bounds[0]}..{bounds[-1]} do not cover the row of {x_TD.shape[0]} tokens")
     return torch.cat([linear(x_TD[start:end]) for start, end in bounds])
+
+
+def narrow_products(fn, linears: Sequence, x_TD: torch.Tensor, packed: PackedBatch, local_bounds=None) -> tuple:
+    """``fn(linear, x_TD, bounds)`` for every linear of ``linears``, ``bounds`` the row's segments,
+    or ``local_bounds`` (a sequence-parallel shard's: its segments are cut, so a row with prefix
+    links keeps them as they are there). On a whole row with prefix links, every product runs
+    over the row's unshared sequences and is read back at the row's own tokens."""
+    if local_bounds is not None:
+        return tuple(fn(linear, x_TD, local_bounds) for linear in linears)
+    if packed.links is None:
+        return tuple(fn(linear, x_TD, packed.segment_bounds) for linear in linears)
+    return packed.linked.on_whole_sequences(
+        lambda x_TwD, whole: tuple(fn(linear, x_TwD, whole.segment_bounds) for linear in linears), x_TD
+    )

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from model_runtime.kernels.elementwise import EAGER, Elementwise
+from model_runtime.kernels.gate_projection import narrow_products
 from model_runtime.kernels.registry import KernelBackends
 from model_runtime.kernels.elementwise import _rotate_half as rotate_half  # noqa: F401 (public name)
 from model_runtime.kernels.elementwise import partial_rope as apply_partial_rope
@@ -112,31 +113,25 @@ class PackedGatedDeltaNet(nn.Module):
         self.gate_projection_fn = backends.fn("gate_projection")
         self.ops = ModuleOps(backends.fn("elementwise")())
 
-    @staticmethod
-    def _local_segments(x_TD: torch.Tensor, packed: PackedBatch, sp) -> tuple[tuple[int, int], ...]:
-        """The row's segments within this rank's tokens (all of them without ``sp``)."""
-        if sp is None:
-            return packed.segment_bounds  # built once per forward, shared by every layer
+    def _gate_products(self, linears, x_TD: torch.Tensor, packed: PackedBatch, sp) -> tuple[torch.Tensor, ...]:
+        """The narrow gate products of ``linears`` per segment (``narrow_products``); under ``sp``
+        over the segments within this rank's tokens."""
         T = x_TD.shape[0]
-        return packed.segments_within(sp.rank * T, (sp.rank + 1) * T)
-
-    def _gate_inputs(self, x_TD: torch.Tensor, packed: PackedBatch, sp) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(a_TH, b_TH)``: the decay and beta projections (Qwen3.5's separate ones)."""
-        bounds = self._local_segments(x_TD, packed, sp)
-        return self.gate_projection_fn(self.in_proj_a, x_TD, bounds), self.gate_projection_fn(self.in_proj_b, x_TD, bounds)
+        local = None if sp is None else packed.segments_within(sp.rank * T, (sp.rank + 1) * T)
+        return narrow_products(self.gate_projection_fn, linears, x_TD, packed, local)
 
     def _project(self, x_TD: torch.Tensor, packed: PackedBatch, sp):
         """Returns pre-conv ``q_THK, k_THK, v_THV``, gate ``z_THV`` and ``b_TH, a_TH``."""
         T = x_TD.shape[0]
         if self.fused_projections:
-            ba = self.gate_projection_fn(self.in_proj_ba, x_TD, self._local_segments(x_TD, packed, sp))
+            (ba,) = self._gate_products((self.in_proj_ba,), x_TD, packed, sp)
             # Hugging Face's own de-interleaving of Qwen3-Next's fused projections (reads [B, T, ...]).
             parts = self._split_fused(self.in_proj_qkvz(x_TD)[None], ba[None])
             q, k, v, z, b, a = (t[0] for t in parts)
             return q, k, v, z, b, a
         key_dim = self.num_k_heads * self.head_k_dim
         q, k, v = self.in_proj_qkv(x_TD).split([key_dim, key_dim, self.num_v_heads * self.head_v_dim], dim=-1)
-        a, b = self._gate_inputs(x_TD, packed, sp)
+        a, b = self._gate_products((self.in_proj_a, self.in_proj_b), x_TD, packed, sp)
         return (
             q.reshape(T, self.num_k_heads, self.head_k_dim),
             k.reshape(T, self.num_k_heads, self.head_k_dim),
@@ -176,7 +171,8 @@ class PackedGatedDeltaNet(nn.Module):
         splits = (key_dim, key_dim, self.num_v_heads * self.head_v_dim)
         q, k, v = self.conv_fn(self.in_proj_qkv(x_TD), self.conv1d.weight[:, 0, :], packed, splits=splits)
         z = self.in_proj_z(x_TD).reshape(T, self.num_v_heads, self.head_v_dim)
-        g_TH, beta_TH = self.ops.ew.gdn_gates(*self._gate_inputs(x_TD, packed, None), self.A_log, self.dt_bias)
+        a_TH, b_TH = self._gate_products((self.in_proj_a, self.in_proj_b), x_TD, packed, None)
+        g_TH, beta_TH = self.ops.ew.gdn_gates(a_TH, b_TH, self.A_log, self.dt_bias)
         return (
             q.reshape(T, self.num_k_heads, self.head_k_dim),
             k.reshape(T, self.num_k_heads, self.head_k_dim),

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_runtime.kernels.gate_projection import narrow_products
 from model_runtime.kernels.moe_experts import in_row_tiles
 from model_runtime.kernels.registry import KernelBackends
 from model_runtime.model.layers import ModuleOps, _is_silu
@@ -68,9 +69,9 @@ class PackedSparseMoe(nn.Module):
         self.gate_projection_fn = backends.fn("gate_projection")
         self.ops = ModuleOps(backends.fn("elementwise")())
 
-    def route(self, x_TD: torch.Tensor, bounds) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x_TD: torch.Tensor, bounds, whole_row: PackedBatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(top_w_TK, top_i_TK)``: routing weights (model dtype) and expert ids, as Hugging Face's router."""
-        logits_TE = self._narrow(functools.partial(F.linear, weight=self.gate.weight), x_TD, bounds)
+        logits_TE = self._narrow(functools.partial(F.linear, weight=self.gate.weight), x_TD, bounds, whole_row)
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
         top_w_TK, top_i_TK = torch.topk(probs_TE, self.top_k, dim=-1)
         if self.normalise_top_k:
@@ -80,16 +81,23 @@ class PackedSparseMoe(nn.Module):
             top_w_TK = top_w_TK / total_T1
         return top_w_TK.to(logits_TE.dtype), top_i_TK
 
-    def _narrow(self, linear, x_TD: torch.Tensor, bounds) -> torch.Tensor:
-        """A narrow product (router, shared gate): in tiles, or by the ``gate_projection`` kernel."""
-        return in_row_tiles(linear, x_TD) if self.tiled else self.gate_projection_fn(linear, x_TD, bounds)
+    def _narrow(self, linear, x_TD: torch.Tensor, bounds, whole_row: PackedBatch | None = None) -> torch.Tensor:
+        """A narrow product (router, shared gate): in tiles, or by the ``gate_projection`` kernel;
+        given ``whole_row`` (the row itself, no sequence parallelism) its prefix links are followed
+        (``narrow_products``)."""
+        if self.tiled:
+            return in_row_tiles(linear, x_TD)
+        if whole_row is not None:
+            return narrow_products(self.gate_projection_fn, (linear,), x_TD, whole_row)[0]
+        return self.gate_projection_fn(linear, x_TD, bounds)
 
     def forward(self, x_TD: torch.Tensor, packed: PackedBatch, sp=None) -> torch.Tensor:
         bounds = _local_segments(x_TD, packed, sp)
-        top_w_TK, top_i_TK = self.route(x_TD, bounds)
+        whole_row = packed if sp is None else None
+        top_w_TK, top_i_TK = self.route(x_TD, bounds, whole_row)
         shared_mlp = functools.partial(self.ops.mlp, self.shared_expert)
         shared_TD = in_row_tiles(shared_mlp, x_TD) if self.tiled else shared_mlp(x_TD)
-        gate_T1 = _sigmoid_per_row(self._narrow(self.shared_expert_gate, x_TD, bounds))
+        gate_T1 = _sigmoid_per_row(self._narrow(self.shared_expert_gate, x_TD, bounds, whole_row))
         # routed + gate * shared, added by the experts' kernel (the fused one in its top-k sum's pass)
         return self.experts_fn(x_TD, top_i_TK, top_w_TK, self.experts.gate_up_proj, self.experts.down_proj,
                                shared=(gate_T1, shared_TD))

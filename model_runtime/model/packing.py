@@ -206,11 +206,12 @@ class LinkedLayout:
         state_index: int64 ``[N - roots]``: for every non-root segment, the row of the roots'
             final states it starts from; ``roots`` (one past them) for a zero state.
         parent_bounds: per segment, ``(start, end)`` of its parent, or None.
-        whole: every segment as the whole sequence it stands for, a row of its own without
-            links: a root as it is, a continuation as its parent's tokens then its own.
+        whole: the row's sequences as they are unshared, a row of its own without links: every
+            segment that no other continues, a continuation as its parent's tokens then its own.
         whole_index_Tw: int64 ``[Tw]``: the row positions that make up ``whole``.
         own_rows_T: int64 ``[T]``: for every token of the row, its row in ``whole`` (a
-            continuation's own tokens are the tail of its whole sequence).
+            continuation's own tokens are the tail of its sequence; a parent's tokens are the
+            head of its first continuation's).
         local_positions: int64 ``[T]`` tokens since the segment's own start (0 at every segment).
     """
 
@@ -231,12 +232,19 @@ class LinkedLayout:
         if r == 0 or r == packed.num_segments:
             raise ValueError(f"a linked row needs roots and continuations, got {r} roots of {packed.num_segments}")
         parent_bounds = tuple(bounds[p] if p >= 0 else None for p in links.parents)
-        whole_rows, own_rows, whole_lengths = [], [], []
-        for (start, end), parent in zip(bounds, parent_bounds):
+        # Every segment that no other continues, as its whole sequence; a parent's own rows are
+        # read from its first continuation's (the call that unshared sequence makes).
+        whole_rows, whole_lengths, own_at, parents = [], [], {}, set(links.parents)
+        for i, ((start, end), parent) in enumerate(zip(bounds, parent_bounds)):
+            if i in parents:  # its rows appear in its continuations' sequences
+                continue
             head = list(range(*parent)) if parent is not None else []
-            own_rows += range(len(whole_rows) + len(head), len(whole_rows) + len(head) + end - start)
+            if parent is not None and links.parents[i] not in own_at:
+                own_at[links.parents[i]] = len(whole_rows)
+            own_at[i] = len(whole_rows) + len(head)
             whole_rows += head + list(range(start, end))
             whole_lengths.append(len(head) + end - start)
+        own_rows = [r for i, (start, end) in enumerate(bounds) for r in range(own_at[i], own_at[i] + end - start)]
         as_index = lambda rows: torch.tensor(rows, dtype=torch.long, device=device)  # noqa: E731
         return LinkedLayout(
             root_tokens=packed.cu_seqlens_host[r],
@@ -249,6 +257,16 @@ class LinkedLayout:
             own_rows_T=as_index(own_rows),
             local_positions=torch.cat([torch.arange(n, dtype=torch.long) for n in packed.lengths]).to(device),
         )
+
+    def on_whole_sequences(self, fn, *xs_T: torch.Tensor) -> torch.Tensor:
+        """``fn(*xs_Tw, whole)`` with every ``x_T`` read at ``whole``'s tokens, its output (a tensor
+        or a tuple of them) read back at the row's own tokens: a kernel whose numbers depend on a
+        sequence's length (attention, the narrow gate products) computes every row token exactly
+        as for the unshared sequences."""
+        out = fn(*(x.index_select(0, self.whole_index_Tw) for x in xs_T), self.whole)
+        if isinstance(out, tuple):
+            return tuple(o.index_select(0, self.own_rows_T) for o in out)
+        return out.index_select(0, self.own_rows_T)
 
     def conv_windows(self, width: int) -> "ConvWindows":
         """How to recompute the first ``width - 1`` conv outputs of every continuation from its
