@@ -16,7 +16,8 @@ def load_backend(settings: Settings):
     if settings.uses_worker_pool:
         from model_runtime.pool.pool import start_pool
 
-        return start_pool(settings.model_dump())
+        # The pool reads the prefix length in use (0: sharing off), as the scorer below does.
+        return start_pool({**settings.model_dump(), "prefix_min_tokens": settings.prefix_min_tokens_in_use})
     from model_runtime.scoring.backend import LocalBackend
     from model_runtime.scoring.loading import load_model
     from model_runtime.scoring.scorer import Scorer

@@ -115,11 +115,10 @@ class Settings(BaseSettings):
     max_model_len: int | None = Field(None, ge=1, description="longest sequence accepted; default: the model's")
     max_sequences_per_request: int = Field(4096, ge=1, description="most sequences in one request; beyond it 413")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long admitted requests may take to finish")
-    # Off by default: in bf16 on the H200 shared scoring moved the 9B's log-probs by more than the
-    # 2e-3 target (docs/prefix-sharing.md); float32 results are identical.
+    # On by default: a shared row computes every token as the unshared row does (docs/prefix-sharing.md).
     prefix_sharing: bool = Field(
-        False, description="run leading tokens that sequences of one row share (a GRPO group's prompt) once "
-        "(--prefix-sharing); results equal unshared scoring in float32, differ by bf16 rounding on GPUs"
+        True, description="run leading tokens that sequences of one row share (a GRPO group's prompt) once; "
+        "the results are those of unshared scoring (--no-prefix-sharing runs every sequence whole)"
     )
     prefix_min_tokens: int = Field(64, ge=1, description="shortest shared prefix worth running once (tokens)")
 

@@ -106,7 +106,7 @@ class WorkerPool:
             kernels=str(settings.get("kernels") or ""),
             served_model_name=str(settings.get("served_model_name") or ""),
             timeout_s=self.request_timeout_s,
-            prefix_min_tokens=int(settings.get("prefix_min_tokens", 0)) if settings.get("prefix_sharing", False) else 0,
+            prefix_min_tokens=int(settings.get("prefix_min_tokens", 0)),  # 0: prefix sharing off
             weights_version="",
         )
         self._lock = threading.Lock()
@@ -563,6 +563,7 @@ def start_pool(settings: dict) -> WorkerPool:
 
     ``settings`` is the service's ``Settings.model_dump()``; the keys read are model, device, dtype,
     world_size, sp, fsdp, max_batch_tokens, allow_slow_kernels, kernels, served_model_name (and optionally
-    worker_timeout_s, worker_start_timeout_s); other keys are ignored.
+    worker_timeout_s, worker_start_timeout_s, and prefix_min_tokens: the shortest shared prefix run once,
+    0 or absent for none, i.e. ``Settings.prefix_min_tokens_in_use``); other keys are ignored.
     """
     return WorkerPool(settings)

@@ -64,13 +64,28 @@ def test_scheduler_counts_a_shared_prompt_once_and_exports_the_savings():
     assert not saved, saved
 
 
-def test_prefix_sharing_is_off_by_default_and_the_flag_turns_it_on():
-    assert Settings().prefix_sharing is False and Settings().prefix_min_tokens_in_use == 0
-    args = build_parser().parse_args(["serve", "--prefix-sharing"])
-    settings = Settings(**{k: v for k, v in vars(args).items() if k in Settings.model_fields})
-    assert settings.prefix_sharing is True and settings.prefix_min_tokens_in_use == 64
-    args = build_parser().parse_args(["serve", "--no-prefix-sharing"])
-    assert Settings(**{k: v for k, v in vars(args).items() if k in Settings.model_fields}).prefix_min_tokens_in_use == 0
+def test_prefix_sharing_is_on_by_default_and_the_flag_turns_it_off():
+    def settings(*argv):
+        args = build_parser().parse_args(["serve", *argv])
+        return Settings(**{k: v for k, v in vars(args).items() if k in Settings.model_fields})
+
+    assert Settings().prefix_sharing is True and Settings().prefix_min_tokens_in_use == 64
+    assert settings().prefix_min_tokens_in_use == 64
+    assert settings("--prefix-min-tokens", "128").prefix_min_tokens_in_use == 128
+    assert settings("--no-prefix-sharing").prefix_min_tokens_in_use == 0
+    assert settings("--no-prefix-sharing", "--prefix-sharing").prefix_min_tokens_in_use == 64
+
+
+def test_the_pool_and_the_local_scorer_get_the_prefix_length_in_use(monkeypatch):
+    import model_runtime.pool.pool as pool
+    from service.backends import load_backend
+
+    seen = []
+    monkeypatch.setattr(pool, "start_pool", lambda d: seen.append(d["prefix_min_tokens"]))
+    for sharing, want in ((True, 64), (False, 0)):
+        load_backend(Settings(world_size=2, prefix_sharing=sharing))
+        local = load_backend(Settings(prefix_sharing=sharing))
+        assert seen[-1] == want and local.scorer.prefix_min_tokens == want
 
 
 def test_benchmark_dry_run_on_the_cpu(tmp_path):
