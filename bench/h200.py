@@ -71,7 +71,7 @@ PARTS = {
                                     *os.environ.get("TESTS_PATHS", "tests/gpu").split()), 300),
     "http_burst": lambda: Part("http_burst", ("-m", "bench.http_burst", "--mode", "gpu"), 150, "http_burst"),
     "weights_swap": lambda: Part("weights_swap", ("-m", "bench.weights_swap"), 240, "weights_swap"),
-    "prefix_sharing": lambda: Part("prefix_sharing", ("-m", "bench.prefix_sharing"), 120, "prefix_sharing"),
+    "prefix_sharing": lambda: Part("prefix_sharing", ("-m", "bench.prefix_sharing"), 400, "prefix_sharing"),
     "moe": lambda: Part("moe", ("-m", "bench.moe"), 300, "moe"),
     "hf_divergence": lambda: Part("hf_divergence", ("-m", "bench.hf_divergence", "--preset", os.environ.get(
         "HF_DIVERGENCE_PRESET", "qwen3.5-35b-a3b"), "--layers", "8", "--lengths", "2000"), 90, "hf_divergence"),

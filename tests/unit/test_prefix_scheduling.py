@@ -96,7 +96,18 @@ def test_benchmark_dry_run_on_the_cpu(tmp_path):
     assert set(saved["workloads"]) == {"rl_mix_groups_of_8", "groups_of_16_1k_prompt_2k_response"}
     for name, entry in saved["workloads"].items():
         assert entry["tokens_saved_in_one_row"] > 0 and entry["row_token_bound"] > 1, name
+        # The head and attention are not saved: the FLOP bound is above 1 and below the token one.
+        assert 1 < entry["flop_bound"] < entry["row_token_bound"], (name, entry["flop_bound"], entry["row_token_bound"])
+        assert entry["first_pass_unshared_s"] > 0 and entry["first_pass_shared_s"] > 0, name
         # float32 on the CPU: shared and unshared agree to rounding (DESIGN.md: 1e-5).
         assert entry["logprob_max_diff"] <= 1e-5, f"{name}: max |dlogp| {entry['logprob_max_diff']:.3e} > 1e-5"
     assert saved["speedup"] == result["speedup"] > 0
     assert (tmp_path / "prefix-sharing.md").read_text().startswith("prefix sharing, tiny")
+
+
+def test_flop_bounds_from_the_preset_shape_alone():
+    from bench.prefix_sharing import main
+
+    bounds = main(["--preset", "tiny", "--flops-only", "--out", "unused"])
+    for name, b in bounds.items():
+        assert 1 < b["flop_bound"] < b["row_token_bound"], (name, b)
