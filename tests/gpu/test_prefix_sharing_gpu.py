@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from model_runtime.kernels.attention import causal_attention_flash, causal_attention_sdpa, causal_attention_varlen
-from model_runtime.kernels.conv import causal_conv1d_fla
+from model_runtime.kernels.conv import causal_conv1d_fla, causal_conv1d_tridao
 from model_runtime.kernels.conv_triton import causal_conv1d_silu_triton
 from model_runtime.kernels.linear_attention import gated_delta_rule_fla
 from model_runtime.model.packing import PackedBatch, PrefixLinks
@@ -76,7 +76,16 @@ def test_fla_delta_rule_continues_the_parent_state(case, gpu_record):
         assert err <= 1e-2, f"fla GDN linked vs whole rel {err:.3e} > 1e-2 (max |diff| {diff:.3e})"
 
 
-@pytest.mark.parametrize("conv", [causal_conv1d_fla, causal_conv1d_silu_triton], ids=["fla", "triton"])
+def _conv_backends():
+    convs = [pytest.param(causal_conv1d_fla, id="fla"), pytest.param(causal_conv1d_silu_triton, id="triton")]
+    try:
+        import causal_conv1d  # noqa: F401
+    except ImportError:
+        return convs
+    return convs + [pytest.param(causal_conv1d_tridao, id="causal_conv1d")]
+
+
+@pytest.mark.parametrize("conv", _conv_backends())
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"P{c[0]}")
 def test_fast_conv_continues_the_parent_window(case, conv, gpu_record):
     rows, g = Rows(*case), torch.Generator(device=DEV).manual_seed(1)
