@@ -13,6 +13,7 @@ import torch
 
 from model_runtime.kernels.attention import causal_attention_reference, causal_attention_sdpa
 from model_runtime.kernels.conv import causal_conv1d_reference, continue_windows
+from model_runtime.kernels.gate_projection import gate_projection_segment, narrow_products
 from model_runtime.kernels.linear_attention import gated_delta_rule_reference
 from model_runtime.model.packing import PackedBatch, PrefixLinks
 from model_runtime.scoring.loading import load_model
@@ -134,6 +135,19 @@ def test_attention_of_a_continuation_is_the_whole_sequence_tail_bit_for_bit(case
     got = fn(q, k, v, rows.linked, 0.25)
     want = rows.whole_of_linked(fn(q_w, k_w, v_w, rows.whole, 0.25))
     report(f"attention {fn.__name__} {dtype} linked vs whole (bit for bit)", got, want, tol=0.0)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_narrow_gate_products_of_a_linked_row_are_the_whole_sequences_bit_for_bit(case):
+    # On a GPU a product per segment rounds with the segment's row count, so a linked row runs it
+    # over the unshared sequences; a CPU product rounds alike at any row count, so what this
+    # checks here is that every token's row comes back in its place.
+    rows, g = Rows(*case), torch.Generator().manual_seed(5)
+    x, x_w = (t.to(torch.bfloat16) for t in rows.make(g, 64))
+    linear = torch.nn.Linear(64, 8, bias=False).to(torch.bfloat16)
+    (got,) = narrow_products(gate_projection_segment, (linear,), x, rows.linked)
+    want = rows.whole_of_linked(gate_projection_segment(linear, x_w, rows.whole.segment_bounds))
+    report("narrow gate product linked vs whole (bit for bit)", got.float(), want.float(), tol=0.0)
 
 
 def test_whole_sequence_view_of_a_linked_row():
