@@ -148,3 +148,31 @@ def test_tiny_model_shared_equals_unshared_in_bf16(attention, gpu_record):
         f"{unequal} of {d.size} log-probs differ from unshared scoring (mean |dlogp| {d.mean():.3e}, "
         f"max {d.max():.3e}, max |dentropy| {e.max():.3e}); expected 0"
     )
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"P{c[0]}")
+def test_narrow_gate_products_of_a_linked_row_are_the_whole_sequences(case, gpu_record):
+    from model_runtime.kernels.gate_projection import gate_projection_segment, narrow_products
+
+    rows, g = Rows(*case), torch.Generator(device=DEV).manual_seed(3)
+    x, x_w = rows.make(g, 4096)
+    linear = torch.nn.Linear(4096, 32, bias=False, device=DEV, dtype=torch.bfloat16)  # the 9B's in_proj_a shape
+    (got,) = narrow_products(gate_projection_segment, (linear,), x, rows.linked)
+    want = rows.whole_of_linked(gate_projection_segment(linear, x_w, rows.whole.segment_bounds))
+    diff = float((got.float() - want.float()).abs().max())
+    gpu_record("prefix narrow gate product linked vs whole", prefix=case[0], max_abs=diff)
+    assert diff == 0.0, f"narrow gate product linked vs whole max |diff| {diff:.3e}, expected 0"
+
+
+def test_narrow_gate_product_rows_of_a_prompt_do_not_depend_on_the_sequence_length(gpu_record):
+    # A shared prompt's rows come from its first continuation's sequence; another member's
+    # unshared run equals them only if the product's rows of the prompt do not change with the
+    # sequence's length (the one step whose kernel may follow the row count).
+    g = torch.Generator(device=DEV).manual_seed(4)
+    x = torch.randn(4096 + 640, 4096, generator=g, device=DEV).to(torch.bfloat16)
+    linear = torch.nn.Linear(4096, 32, bias=False, device=DEV, dtype=torch.bfloat16)
+    prompt = 640
+    want = linear(x[: prompt + 1])[:prompt]
+    worst = {n: float((linear(x[: prompt + n])[:prompt].float() - want.float()).abs().max()) for n in (64, 700, 1500, 4096)}
+    gpu_record("prefix narrow product prompt rows vs length", **{f"tail_{n}": d for n, d in worst.items()})
+    assert max(worst.values()) == 0.0, f"prompt rows of the narrow product change with the sequence length: {worst}"
