@@ -76,7 +76,7 @@ PARTS = {
     "hf_divergence": lambda: Part("hf_divergence", ("-m", "bench.hf_divergence", "--preset", os.environ.get(
         "HF_DIVERGENCE_PRESET", "qwen3.5-35b-a3b"), "--layers", "8", "--lengths", "2000"), 90, "hf_divergence"),
 }
-BUDGETED = {"suite", "profile", "moe"}  # parts that take --budget-s and stop starting phases in time
+BUDGETED = {"suite", "profile", "moe", "prefix_sharing"}  # parts that take --budget-s and stop starting phases in time
 EXTRAS = ("http_burst", "weights_swap", "prefix_sharing", "moe")  # hf_divergence: by name only, a probe
 
 

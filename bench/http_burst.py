@@ -270,7 +270,9 @@ def gpu_mode(args) -> dict:
            "workload": describe(sequences)}
     for rows in (65536, 16384):  # the larger first: its warm-up compiles and autotunes the most
         t0 = time.perf_counter()
-        scorer = Scorer(loaded, max_batch_tokens=rows)
+        settings = Settings(model=args.model, max_batch_tokens=rows, port=free_port(), log_level="warning")
+        # In process as the server scores: with its default prefix sharing.
+        scorer = Scorer(loaded, max_batch_tokens=rows, prefix_min_tokens=settings.prefix_min_tokens_in_use)
         scorer.warm_up()
         warm = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -278,7 +280,6 @@ def gpu_mode(args) -> dict:
         local = tokens / (time.perf_counter() - t0)
         local_idle = idle_latency_in_process(scorer.score, idle_sequence(loaded.vocab_size))
         backend = _Warmed(LocalBackend(scorer))
-        settings = Settings(model=args.model, max_batch_tokens=rows, port=free_port(), log_level="warning")
         with InProcessServer(create_app(settings, backend), settings) as server:
             http = run_client_process(server.url, args.sequences, loaded.vocab_size)
         out[f"rows_{rows}"] = {
