@@ -64,16 +64,16 @@ def test_scheduler_counts_a_shared_prompt_once_and_exports_the_savings():
     assert not saved, saved
 
 
-def test_prefix_sharing_is_on_by_default_and_the_flag_turns_it_off():
+def test_prefix_sharing_is_off_by_default_and_the_flag_turns_it_on():
     def settings(*argv):
         args = build_parser().parse_args(["serve", *argv])
         return Settings(**{k: v for k, v in vars(args).items() if k in Settings.model_fields})
 
-    assert Settings().prefix_sharing is True and Settings().prefix_min_tokens_in_use == 64
-    assert settings().prefix_min_tokens_in_use == 64
-    assert settings("--prefix-min-tokens", "128").prefix_min_tokens_in_use == 128
-    assert settings("--no-prefix-sharing").prefix_min_tokens_in_use == 0
-    assert settings("--no-prefix-sharing", "--prefix-sharing").prefix_min_tokens_in_use == 64
+    assert Settings().prefix_sharing is False and Settings().prefix_min_tokens_in_use == 0
+    assert settings().prefix_min_tokens_in_use == 0
+    assert settings("--prefix-sharing").prefix_min_tokens_in_use == 64
+    assert settings("--prefix-sharing", "--prefix-min-tokens", "128").prefix_min_tokens_in_use == 128
+    assert settings("--prefix-sharing", "--no-prefix-sharing").prefix_min_tokens_in_use == 0
 
 
 def test_the_pool_and_the_local_scorer_get_the_prefix_length_in_use(monkeypatch):
