@@ -123,8 +123,15 @@ def test_attention_of_a_continuation_is_the_whole_sequence_tail(case, fn, gpu_re
     assert diff == 0.0, f"{fn.__name__} linked vs whole max |diff| {diff:.3e} (rel {err:.3e}), expected 0"
 
 
+_VARIED = pytest.mark.xfail(strict=False, reason=(
+    "measured on the H200 (9B, RL mix): members of varied lengths move 9.9e-3 mean from unshared, "
+    "because the narrow gate products' rows of the prompt change with the row count (see the test below)"))
+
+
+@pytest.mark.parametrize("tails", [pytest.param((700, 700, 700, 700), id="one-length"),
+                                   pytest.param((1, 90, 700, 1500), id="varied-lengths", marks=_VARIED)])
 @pytest.mark.parametrize("attention", ["sdpa", "varlen"])
-def test_tiny_model_shared_equals_unshared_in_bf16(attention, gpu_record):
+def test_tiny_model_shared_equals_unshared_in_bf16(attention, tails, gpu_record):
     from model_runtime.scoring.loading import load_model
     from model_runtime.scoring.scorer import Scorer
     from model_runtime.types import SequenceInput
@@ -134,7 +141,7 @@ def test_tiny_model_shared_equals_unshared_in_bf16(attention, gpu_record):
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, loaded.vocab_size, 600)
     tail = lambda n: rng.integers(0, loaded.vocab_size, n)  # noqa: E731
-    seqs = [SequenceInput(np.concatenate([prompt, tail(n)]), score_from=500) for n in (1, 90, 700, 1500)]
+    seqs = [SequenceInput(np.concatenate([prompt, tail(n)]), score_from=500) for n in tails]
     seqs.append(SequenceInput(rng.integers(0, loaded.vocab_size, 333), score_from=1))
     plain = Scorer(loaded, prefix_min_tokens=0).score_row(seqs)
     shared = Scorer(loaded, prefix_min_tokens=64).score_row(seqs)
@@ -164,6 +171,10 @@ def test_narrow_gate_products_of_a_linked_row_are_the_whole_sequences(case, gpu_
     assert diff == 0.0, f"narrow gate product linked vs whole max |diff| {diff:.3e}, expected 0"
 
 
+@pytest.mark.xfail(strict=False, reason=(
+    "measured on the H200: a [M, 4096] x [4096, 32] product's rows differ between almost any two row "
+    "counts from 16 to 8192 (cuBLAS picks its kernel by M); packscore keeps Hugging Face's per-sequence "
+    "products, so prefix sharing is off by default"))
 def test_narrow_gate_product_rows_of_a_prompt_do_not_depend_on_the_sequence_length(gpu_record):
     # A shared prompt's rows come from its first continuation's sequence; another member's
     # unshared run equals them only if the product's rows of the prompt do not change with the
