@@ -4,7 +4,9 @@
 
 The same random-weight model runs as Hugging Face's (one sequence, its own modules) and as
 packscore's packed model (the sequence alone in a row); forward hooks record every decoder
-layer's sub-module outputs (norms, token mixer, MLP / sparse-MoE block) and the layer's output.
+layer's sub-module outputs (norms, token mixer, MLP / sparse-MoE block), the layer's output, and
+what the token mixer and the MLP receive (packscore's residual add and norm are fused inside its
+layer, so their output is seen as the next module's input).
 The first module whose output differs, in execution order, is where the two part; the table
 gives every module's mean and max |difference| and the fraction of differing elements, and the
 log-probs at the end. Writes ``hf-divergence.json`` to DIR and prints the table last.
@@ -41,6 +43,13 @@ def _record(layers, length: int, store: dict) -> list:
                 t = _first_tensor(out)
                 store[name] = t.reshape(-1, t.shape[-1])[:length].float().cpu()
             handles.append(module.register_forward_hook(hook))
+        # What the token mixer and the MLP receive: the (fused, unhooked) residual add and norm's output.
+        for part in ("linear_attn", "self_attn", "mlp"):
+            if hasattr(layer, part):
+                def pre(mod, args, kwargs, name=f"{i}.{part}.input"):
+                    t = args[0] if args else kwargs.get("hidden_states")
+                    store[name] = t.reshape(-1, t.shape[-1])[:length].float().cpu()
+                handles.append(getattr(layer, part).register_forward_pre_hook(pre, with_kwargs=True))
     return handles
 
 
