@@ -94,12 +94,13 @@ def block_divergence(preset: str = PRESET, lengths=DIVERGENCE_LENGTHS) -> dict:
     device = torch.device(H.DEVICE)
     dtype = torch.bfloat16
     block = random_block(preset, device, dtype)
-    ours = PackedSparseMoe(block, select_backends(device, allow_slow=True))
+    backends = select_backends(device, allow_slow=True)
+    ours = PackedSparseMoe(block, backends)
     packed = PackedBatch.from_lengths(list(lengths), device=device)
     bounds = packed.segment_bounds
     g = torch.Generator(device=device).manual_seed(1)
     x_TD = torch.randn(sum(lengths), block.gate.hidden_dim, device=device, generator=g).to(dtype)
-    out = {"preset": preset, "lengths": list(lengths), "experts_backend": ours.experts_fn.__name__}
+    out = {"preset": preset, "lengths": list(lengths), "experts_backend": backends.moe_experts}
     with torch.no_grad():
         our_logits = ours._narrow(lambda x: F.linear(x, ours.gate.weight), x_TD, bounds)
         our_w, our_i = ours.route(x_TD, bounds)

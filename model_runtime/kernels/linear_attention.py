@@ -96,9 +96,9 @@ def _fla_chunk(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: PackedBatch, initial_
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     kwargs = {"cu_seqlens_cpu": packed.cu_seqlens_host_long} if _fla_accepts("cu_seqlens_cpu") else {}
-    normalised = _l2norm_fixed_key(q_THK), _l2norm_fixed_key(k_THK)
-    if normalised[0] is not None:
-        q_THK, k_THK = normalised
+    q_normalised = _l2norm_fixed_key(q_THK)
+    if q_normalised is not None:
+        q_THK, k_THK = q_normalised, _l2norm_fixed_key(k_THK)
     o, final = chunk_gated_delta_rule(
         q_THK.unsqueeze(0),
         k_THK.unsqueeze(0),
@@ -109,7 +109,7 @@ def _fla_chunk(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: PackedBatch, initial_
         initial_state=initial_NHKV,
         output_final_state=keep_final,
         cu_seqlens=packed.cu_seqlens_long,
-        use_qk_l2norm_in_kernel=normalised[0] is None,
+        use_qk_l2norm_in_kernel=q_normalised is None,
         **kwargs,
     )
     return o[0], final

@@ -32,6 +32,8 @@ reduction kernel whose split depends on the number of tokens.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -102,14 +104,6 @@ def _grouped_mm(x_RD: torch.Tensor, w_EDN: torch.Tensor, offsets_E: torch.Tensor
     return fn(x_RD, w_EDN, offs=offsets_E)
 
 
-def _check_grouped(x_TD: torch.Tensor, name: str) -> None:
-    if x_TD.device.type != "cuda" or x_TD.dtype != torch.bfloat16:
-        raise ValueError(
-            f"the {name} experts need bfloat16 on CUDA, got {x_TD.dtype} on {x_TD.device.type}; "
-            "use --kernels moe_experts=tiled"
-        )
-
-
 def experts_grouped_mm(
     x_TD: torch.Tensor,
     top_i_TK: torch.Tensor,
@@ -117,25 +111,22 @@ def experts_grouped_mm(
     gate_up_E2ID: torch.Tensor,
     down_EDI: torch.Tensor,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    fused: bool = False,
 ) -> torch.Tensor:
     """Routed experts' output ``[T, D]`` through two grouped products of one fixed configuration
-    (``shared``: see ``add_shared``)."""
-    _check_grouped(x_TD, "grouped_mm")
-    return grouped_experts(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared, fused=False)
+    (``shared``: see ``add_shared``); ``fused``: the same numbers bit for bit, with the steps around
+    the two products in Triton kernels (model_runtime/kernels/moe_triton.py) that move a fraction
+    of the memory."""
+    if x_TD.device.type != "cuda" or x_TD.dtype != torch.bfloat16:
+        raise ValueError(
+            f"the {'grouped_mm_fused' if fused else 'grouped_mm'} experts need bfloat16 on CUDA, got "
+            f"{x_TD.dtype} on {x_TD.device.type}; use --kernels moe_experts=tiled"
+        )
+    return grouped_experts(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared, fused=fused)
 
 
-def experts_grouped_mm_fused(
-    x_TD: torch.Tensor,
-    top_i_TK: torch.Tensor,
-    top_w_TK: torch.Tensor,
-    gate_up_E2ID: torch.Tensor,
-    down_EDI: torch.Tensor,
-    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """``experts_grouped_mm``'s numbers bit for bit, with the steps around the two products in
-    Triton kernels (model_runtime/kernels/moe_triton.py) that move a fraction of the memory."""
-    _check_grouped(x_TD, "grouped_mm_fused")
-    return grouped_experts(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared, fused=True)
+experts_grouped_mm_fused = functools.partial(experts_grouped_mm, fused=True)
 
 
 def add_shared(routed_TD: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -165,23 +156,22 @@ def grouped_experts(
     offsets_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
     S = T * K
     rows = max(S, GROUPED_MM_LARGE_CONFIG_ROWS * E)  # rows past offsets[-1] are never computed
+    if fused and top_w_TK.dtype != x_TD.dtype:
+        raise ValueError(f"the fused experts take routing weights in the model dtype {x_TD.dtype}, got {top_w_TK.dtype}")
     x_RD = x_TD.new_empty(rows, D)
-    if not fused:
-        x_RD[:S] = x_TD[order_S // K]
-        gate_up_R2I = _grouped_mm(x_RD, gate_up_E2ID.transpose(-2, -1), offsets_E)
+    torch.index_select(x_TD, 0, order_S // K, out=x_RD[:S])  # gathered straight into the product's rows
+    gate_up_R2I = _grouped_mm(x_RD, gate_up_E2ID.transpose(-2, -1), offsets_E)
+    if fused:
+        from model_runtime.kernels import moe_triton
+
+        h_RI = moe_triton.silu_mul_rows(gate_up_R2I, S)  # only the S computed rows: the tail is never read
+    else:
         h_RI = F.silu(gate_up_R2I[:, :I]) * gate_up_R2I[:, I:]
-        y_RD = _grouped_mm(h_RI, down_EDI.transpose(-2, -1), offsets_E)
+    y_RD = _grouped_mm(h_RI, down_EDI.transpose(-2, -1), offsets_E)
+    if not fused:
         weighted_SD = torch.empty_like(x_RD[:S])
         weighted_SD[order_S] = y_RD[:S] * top_w_TK.reshape(-1)[order_S, None]
         return add_shared(combine_top_k(weighted_SD, T, x_TD.dtype), shared)
-    from model_runtime.kernels import moe_triton
-
-    if top_w_TK.dtype != x_TD.dtype:
-        raise ValueError(f"the fused experts take routing weights in the model dtype {x_TD.dtype}, got {top_w_TK.dtype}")
-    torch.index_select(x_TD, 0, order_S // K, out=x_RD[:S])  # gathered straight into the product's rows
-    gate_up_R2I = _grouped_mm(x_RD, gate_up_E2ID.transpose(-2, -1), offsets_E)
-    h_RI = moe_triton.silu_mul_rows(gate_up_R2I, S)  # only the S computed rows: the tail is never read
-    y_RD = _grouped_mm(h_RI, down_EDI.transpose(-2, -1), offsets_E)
     # pos_S[t * K + k]: where pair (t, k) sits in the sorted rows (the inverse of order_S)
     pos_S = torch.empty_like(order_S).index_copy_(0, order_S, torch.arange(S, device=order_S.device))
     if shared is not None:
