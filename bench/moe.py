@@ -102,10 +102,10 @@ def block_divergence(preset: str = PRESET, lengths=DIVERGENCE_LENGTHS) -> dict:
     x_TD = torch.randn(sum(lengths), block.gate.hidden_dim, device=device, generator=g).to(dtype)
     out = {"preset": preset, "lengths": list(lengths), "experts_backend": backends.moe_experts}
     with torch.no_grad():
-        our_logits = ours._narrow(lambda x: F.linear(x, ours.gate.weight), x_TD, bounds)
-        our_w, our_i = ours.route(x_TD, bounds)
+        our_logits = ours._narrow(lambda x: F.linear(x, ours.gate.weight), x_TD, packed)
+        our_w, our_i = ours.route(x_TD, packed)
         our_shared = ours.ops.mlp(ours.shared_expert, x_TD)
-        our_gate = _sigmoid_per_row(ours._narrow(ours.shared_expert_gate, x_TD, bounds))
+        our_gate = _sigmoid_per_row(ours._narrow(ours.shared_expert_gate, x_TD, packed))
         our_out = ours(x_TD, packed)
         for impl in ("grouped_mm", "eager"):
             _set_experts(block, impl)

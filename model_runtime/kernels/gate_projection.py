@@ -51,6 +51,15 @@ def gate_projection_segment(linear: nn.Module, x_TD: torch.Tensor, bounds: Seque
     return torch.cat([linear(x_TD[start:end]) for start, end in bounds])
 
 
+def shard_segments(x_TD: torch.Tensor, packed: PackedBatch, sp) -> tuple[tuple[int, int], ...] | None:
+    """Under sequence parallelism ``sp``, the row's segments within this rank's ``x_TD`` tokens;
+    None for a whole row (``narrow_products`` then uses the row's own segments and links)."""
+    if sp is None:
+        return None
+    T = x_TD.shape[0]
+    return packed.segments_within(sp.rank * T, (sp.rank + 1) * T)
+
+
 def narrow_products(fn, linears: Sequence, x_TD: torch.Tensor, packed: PackedBatch, local_bounds=None) -> tuple:
     """``fn(linear, x_TD, bounds)`` for every linear of ``linears``, ``bounds`` the row's segments,
     or ``local_bounds`` (a sequence-parallel shard's: its segments are cut, so a row with prefix

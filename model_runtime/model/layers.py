@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from model_runtime.kernels.elementwise import EAGER, Elementwise
-from model_runtime.kernels.gate_projection import narrow_products
+from model_runtime.kernels.gate_projection import narrow_products, shard_segments
 from model_runtime.kernels.registry import KernelBackends
 from model_runtime.kernels.elementwise import _rotate_half as rotate_half  # noqa: F401 (public name)
 from model_runtime.kernels.elementwise import partial_rope as apply_partial_rope
@@ -116,9 +116,7 @@ class PackedGatedDeltaNet(nn.Module):
     def _gate_products(self, linears, x_TD: torch.Tensor, packed: PackedBatch, sp) -> tuple[torch.Tensor, ...]:
         """The narrow gate products of ``linears`` per segment (``narrow_products``); under ``sp``
         over the segments within this rank's tokens."""
-        T = x_TD.shape[0]
-        local = None if sp is None else packed.segments_within(sp.rank * T, (sp.rank + 1) * T)
-        return narrow_products(self.gate_projection_fn, linears, x_TD, packed, local)
+        return narrow_products(self.gate_projection_fn, linears, x_TD, packed, shard_segments(x_TD, packed, sp))
 
     def _project(self, x_TD: torch.Tensor, packed: PackedBatch, sp):
         """Returns pre-conv ``q_THK, k_THK, v_THV``, gate ``z_THV`` and ``b_TH, a_TH``."""

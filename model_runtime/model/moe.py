@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_runtime.kernels.gate_projection import narrow_products
+from model_runtime.kernels.gate_projection import narrow_products, shard_segments
 from model_runtime.kernels.moe_experts import in_row_tiles
 from model_runtime.kernels.registry import KernelBackends
 from model_runtime.model.layers import ModuleOps, _is_silu
@@ -69,9 +69,9 @@ class PackedSparseMoe(nn.Module):
         self.gate_projection_fn = backends.fn("gate_projection")
         self.ops = ModuleOps(backends.fn("elementwise")())
 
-    def route(self, x_TD: torch.Tensor, bounds, whole_row: PackedBatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x_TD: torch.Tensor, packed: PackedBatch, sp=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(top_w_TK, top_i_TK)``: routing weights (model dtype) and expert ids, as Hugging Face's router."""
-        logits_TE = self._narrow(functools.partial(F.linear, weight=self.gate.weight), x_TD, bounds, whole_row)
+        logits_TE = self._narrow(functools.partial(F.linear, weight=self.gate.weight), x_TD, packed, sp)
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
         top_w_TK, top_i_TK = torch.topk(probs_TE, self.top_k, dim=-1)
         if self.normalise_top_k:
@@ -81,23 +81,18 @@ class PackedSparseMoe(nn.Module):
             top_w_TK = top_w_TK / total_T1
         return top_w_TK.to(logits_TE.dtype), top_i_TK
 
-    def _narrow(self, linear, x_TD: torch.Tensor, bounds, whole_row: PackedBatch | None = None) -> torch.Tensor:
-        """A narrow product (router, shared gate): in tiles, or by the ``gate_projection`` kernel;
-        given ``whole_row`` (the row itself, no sequence parallelism) its prefix links are followed
-        (``narrow_products``)."""
+    def _narrow(self, linear, x_TD: torch.Tensor, packed: PackedBatch, sp=None) -> torch.Tensor:
+        """A narrow product (router, shared gate): in tiles, or by the ``gate_projection`` kernel
+        per segment (``narrow_products``: a row's prefix links followed, a shard's segments cut)."""
         if self.tiled:
             return in_row_tiles(linear, x_TD)
-        if whole_row is not None:
-            return narrow_products(self.gate_projection_fn, (linear,), x_TD, whole_row)[0]
-        return self.gate_projection_fn(linear, x_TD, bounds)
+        return narrow_products(self.gate_projection_fn, (linear,), x_TD, packed, shard_segments(x_TD, packed, sp))[0]
 
     def forward(self, x_TD: torch.Tensor, packed: PackedBatch, sp=None) -> torch.Tensor:
-        bounds = _local_segments(x_TD, packed, sp)
-        whole_row = packed if sp is None else None
-        top_w_TK, top_i_TK = self.route(x_TD, bounds, whole_row)
+        top_w_TK, top_i_TK = self.route(x_TD, packed, sp)
         shared_mlp = functools.partial(self.ops.mlp, self.shared_expert)
         shared_TD = in_row_tiles(shared_mlp, x_TD) if self.tiled else shared_mlp(x_TD)
-        gate_T1 = _sigmoid_per_row(self._narrow(self.shared_expert_gate, x_TD, bounds, whole_row))
+        gate_T1 = _sigmoid_per_row(self._narrow(self.shared_expert_gate, x_TD, packed, sp))
         # routed + gate * shared, added by the experts' kernel (the fused one in its top-k sum's pass)
         return self.experts_fn(x_TD, top_i_TK, top_w_TK, self.experts.gate_up_proj, self.experts.down_proj,
                                shared=(gate_T1, shared_TD))
@@ -116,11 +111,3 @@ def _sigmoid_per_row(g_T1: torch.Tensor) -> torch.Tensor:
 
 
 _SIMD_BLOCK = 64  # elements: a multiple of the widest CPU loop step (2 x 16 float32 lanes)
-
-
-def _local_segments(x_TD: torch.Tensor, packed: PackedBatch, sp) -> tuple[tuple[int, int], ...]:
-    """The row's segments within this rank's tokens (all of them without ``sp``)."""
-    if sp is None:
-        return packed.segment_bounds
-    T = x_TD.shape[0]
-    return packed.segments_within(sp.rank * T, (sp.rank + 1) * T)
