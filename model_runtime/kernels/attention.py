@@ -16,10 +16,10 @@ parent's keys does not give (its kernels tile and reduce differently).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
-
-import functools
 
 from model_runtime.model.packing import PackedBatch
 
