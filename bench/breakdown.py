@@ -78,3 +78,52 @@ def format_breakdown(breakdown: dict) -> str:
     for k in breakdown["top_kernels_ms"]:
         lines.append(f"  {k['ms']:9.2f} ms  [{k['category']}] {k['name']}")
     return "\n".join(lines)
+
+
+MODULE_PARTS = ("linear_attn", "self_attn", "mlp")  # a decoder layer's token mixer and its MLP / MoE block
+
+
+def module_times(layers, run) -> dict:
+    """Device time of every decoder layer's token mixer and MLP during ``run()``, in ms, summed
+    by kind (``linear_attn``, ``self_attn``, ``mlp``) with each kind's count; what is left of the
+    wall time (``other_ms``) is the residual adds and norms, the embedding and the head.
+    CUDA events around each module's forward; on the CPU, wall time."""
+    cuda = torch.cuda.is_available()
+    marks: list[tuple[str, object, object]] = []
+    handles = []
+
+    def now():
+        if cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def attach(module, kind):
+        opened = []
+        handles.append(module.register_forward_pre_hook(lambda mod, args: opened.append(now())))
+        handles.append(module.register_forward_hook(lambda mod, args, out: marks.append((kind, opened.pop(), now()))))
+
+    for layer in layers:
+        for part in MODULE_PARTS:
+            if hasattr(layer, part):
+                attach(getattr(layer, part), part)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    try:
+        sync()
+        started = time.perf_counter()
+        run()
+        sync()
+        wall_ms = (time.perf_counter() - started) * 1e3
+    finally:
+        for h in handles:
+            h.remove()
+    totals: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for kind, start, end in marks:
+        totals[kind] += start.elapsed_time(end) if cuda else (end - start) * 1e3
+        counts[kind] += 1
+    out = {"wall_ms": wall_ms, "other_ms": wall_ms - sum(totals.values())}
+    for kind in totals:
+        out[kind] = {"ms": totals[kind], "count": counts[kind], "ms_each": totals[kind] / counts[kind]}
+    return out

@@ -174,7 +174,7 @@ def run_benchmark(suite: Suite, preset: str, num_sequences: int, *, hf_single: b
 
 def extra_measurements(suite: Suite, bench: dict, scorer, sequences):
     """Profile of one full row, the head's memory at 64k tokens, and idle latency (same model)."""
-    from bench.breakdown import format_breakdown, profile_row
+    from bench.breakdown import format_breakdown, module_times, profile_row
     from model_runtime.model.packing import pack_first_fit_decreasing
     from model_runtime.scoring.head import score_positions
     from model_runtime.types import SequenceInput
@@ -204,12 +204,14 @@ def extra_measurements(suite: Suite, bench: dict, scorer, sequences):
                             rows_N=torch.from_numpy(plan.positions_N), logprob_fn=scorer.logprob_fn)
             head_ms.append(head.stop())
     breakdown = profile_row(lambda: scorer.score_row(row))
+    breakdown["modules"] = module_times(loaded.model.layers, lambda: scorer.score_row(row))
     breakdown.update({"row_tokens": row_tokens, "row_sequences": len(row), "scored_positions": int(plan.targets_N.size),
                       "forward_ms_events": float(np.median(fwd_ms)), "head_ms_events": float(np.median(head_ms))})
     bench["profile"] = breakdown
     text = f"profile of one packed row: {row_tokens} tokens, {len(row)} sequences, {plan.targets_N.size} scored\n"
     text += f"forward {np.median(fwd_ms):.1f} ms, head {np.median(head_ms):.1f} ms (CUDA events, median of 3)\n"
     text += format_breakdown(breakdown)
+    text += "\nper module kind (CUDA events): " + json.dumps(breakdown["modules"])
     suite.texts[f"profile-{bench['preset']}.txt"] = text
     log(text)
 

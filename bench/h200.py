@@ -13,7 +13,9 @@ Parts (``MODE``, space- or comma-separated; ``all`` = ``suite`` and then the ext
   picks other paths or test ids).
 - extras, each run only when its module exists: ``http_burst`` (``--mode gpu``),
   ``weights_swap``, ``prefix_sharing``, ``moe``; ``hf_divergence`` only by name (packscore
-  against Hugging Face module by module, ``HF_DIVERGENCE_PRESET``, default the 35B-A3B, 8 layers).
+  against Hugging Face module by module, ``HF_DIVERGENCE_PRESET``, default the 35B-A3B;
+  ``HF_DIVERGENCE_LAYERS``, default 8; ``HF_DIVERGENCE_LENGTHS``, default 2000; the whole 35B-A3B
+  on 3,000 and 6,000 tokens takes about 75 s).
 
 Time: ``TOTAL_S`` (default 530) bounds the whole call; each part gets its own budget
 (``SUITE_S``, ``PROFILE_S``, ``PROBE_S``, ``TESTS_S``, ``HTTP_BURST_S``, ...; defaults in
@@ -21,7 +23,8 @@ Time: ``TOTAL_S`` (default 530) bounds the whole call; each part gets its own bu
 With less than ``MIN_PART_S`` (30) left, the remaining parts are skipped. ``SUITE_HF`` (default
 ``single``: Hugging Face one sequence at a time, the faster form, about 5 minutes in all;
 ``both`` adds the padded form, about 3 minutes more, with ``SUITE_S=540``) and ``SUITE_SWAPS``
-(kernel swaps timed beside the defaults, ``;``-separated, about a minute each) shape the suite.
+(kernel swaps timed beside the defaults, ``;``-separated, about a minute each) shape the suite;
+``MOE_SEQUENCES`` (default 24; 256, the whole workload, needs ``MOE_S=400``) the MoE benchmark.
 
 Output: at most 8 files in ``OUT`` (default bench/out), none in a folder: each part's results
 JSON (the suite's as ``h200-<date>.json`` with its chart), and ``summary.md``: every part's own
@@ -72,9 +75,10 @@ PARTS = {
     "http_burst": lambda: Part("http_burst", ("-m", "bench.http_burst", "--mode", "gpu"), 150, "http_burst"),
     "weights_swap": lambda: Part("weights_swap", ("-m", "bench.weights_swap"), 240, "weights_swap"),
     "prefix_sharing": lambda: Part("prefix_sharing", ("-m", "bench.prefix_sharing"), 400, "prefix_sharing"),
-    "moe": lambda: Part("moe", ("-m", "bench.moe"), 300, "moe"),
+    "moe": lambda: Part("moe", ("-m", "bench.moe", "--sequences", os.environ.get("MOE_SEQUENCES", "24")), 300, "moe"),
     "hf_divergence": lambda: Part("hf_divergence", ("-m", "bench.hf_divergence", "--preset", os.environ.get(
-        "HF_DIVERGENCE_PRESET", "qwen3.5-35b-a3b"), "--layers", "8", "--lengths", "2000"), 90, "hf_divergence"),
+        "HF_DIVERGENCE_PRESET", "qwen3.5-35b-a3b"), "--layers", os.environ.get("HF_DIVERGENCE_LAYERS", "8"),
+        "--lengths", os.environ.get("HF_DIVERGENCE_LENGTHS", "2000")), 90, "hf_divergence"),
 }
 BUDGETED = {"suite", "profile", "moe", "prefix_sharing"}  # parts that take --budget-s and stop starting phases in time
 EXTRAS = ("http_burst", "weights_swap", "prefix_sharing", "moe")  # hf_divergence: by name only, a probe

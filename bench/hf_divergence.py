@@ -9,7 +9,10 @@ what the token mixer and the MLP receive (packscore's residual add and norm are 
 layer, so their output is seen as the next module's input).
 The first module whose output differs, in execution order, is where the two part; the table
 gives every module's mean and max |difference| and the fraction of differing elements, and the
-log-probs at the end. Writes ``hf-divergence.json`` to DIR and prints the table last.
+log-probs at the end. Where a sparse-MoE block's output is the first to differ, the block is
+taken apart on Hugging Face's own input to it (``moe_block_steps``): router logits, top-k ids and
+weights (with the order of the top-k renormalisation sum), routed experts on one routing, shared
+expert, shared gate and output. Writes ``hf-divergence.json`` to DIR and prints the table last.
 """
 
 from __future__ import annotations
@@ -53,6 +56,74 @@ def _record(layers, length: int, store: dict) -> list:
     return handles
 
 
+def _diff(a: torch.Tensor, b: torch.Tensor) -> dict:
+    d = (a.float() - b.float()).abs()
+    return {"max": float(d.max()) if d.numel() else 0.0, "mean": float(d.mean()) if d.numel() else 0.0,
+            "differing": int((d > 0).sum())}
+
+
+def renorm_sum_orders(top_TK: torch.Tensor) -> dict:
+    """How ``top_TK.sum(-1)`` (Hugging Face's renormalisation, a reduction kernel) adds K float32
+    values: the fraction of rows on which each fixed order gives the same bits."""
+    v = [top_TK[:, k] for k in range(top_TK.shape[1])]
+    K = len(v)
+    orders = {"sequential": lambda: _fold(v)}
+    if K == 8:
+        orders.update({
+            "pairwise": lambda: ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])),
+            "halves_then_sequential": lambda: _fold([v[j] + v[j + 4] for j in range(4)]),
+            "halves_then_pairwise": lambda: ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])),
+            "shuffle_tree": lambda: ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])),
+        })
+    reference = top_TK.sum(-1)
+    out = {name: float((fn() == reference).float().mean()) for name, fn in orders.items()}
+    out["rows"] = top_TK.shape[0]
+    return out
+
+
+def _fold(values):
+    total = values[0]
+    for v in values[1:]:
+        total = total + v
+    return total
+
+
+def moe_block_steps(hf_block, ours, x_TD: torch.Tensor) -> dict:
+    """Hugging Face's sparse-MoE block and packscore's on the same rows (one sequence), step by step."""
+    from model_runtime.model.moe import _sigmoid_per_row
+    from model_runtime.model.packing import PackedBatch
+
+    packed = PackedBatch.from_lengths([x_TD.shape[0]], device=x_TD.device)
+    with torch.inference_mode():
+        logits, w, i = hf_block.gate(x_TD)
+        our_logits = ours._narrow(lambda x: torch.nn.functional.linear(x, ours.gate.weight), x_TD, packed)
+        our_w, our_i = ours.route(x_TD, packed)
+        top, _ = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), ours.top_k, dim=-1)
+        same = (i == our_i).all(dim=-1)
+        routed_hf = hf_block.experts(x_TD, i, w)
+        routed_ours = ours.experts_fn(x_TD, i, w, ours.experts.gate_up_proj, ours.experts.down_proj)
+        shared_hf = hf_block.shared_expert(x_TD)
+        shared_ours = ours.ops.mlp(ours.shared_expert, x_TD)
+        gate_hf = torch.sigmoid(hf_block.shared_expert_gate(x_TD))
+        gate_ours = _sigmoid_per_row(ours._narrow(ours.shared_expert_gate, x_TD, packed))
+        out_hf = hf_block(x_TD[None])
+        out_hf = (out_hf[0] if isinstance(out_hf, tuple) else out_hf)[0]
+        out_ours = ours(x_TD, packed)
+        return {
+            "tokens": x_TD.shape[0],
+            "router_logits": _diff(our_logits, logits),
+            "top_k_ids_tokens_differing": int((~same).sum()),
+            "top_k_weights_where_ids_agree": _diff(our_w[same], w[same]),
+            "renorm_sum_orders_vs_torch_sum": renorm_sum_orders(top),
+            "renorm_sum_orders_vs_torch_sum_random_65536": renorm_sum_orders(
+                torch.rand(65536, ours.top_k, device=x_TD.device).sort(dim=-1, descending=True).values),
+            "routed_experts_on_hf_routing": _diff(routed_ours, routed_hf),
+            "shared_expert": _diff(shared_ours, shared_hf),
+            "shared_gate": _diff(gate_ours, gate_hf),
+            "block_output": _diff(out_ours, out_hf),
+        }
+
+
 def divergence(preset: str, num_layers: int, length: int, seed: int = 0, device: str = "cuda") -> dict:
     from bench.hf_reference import build_twin
     from model_runtime.scoring.scorer import Scorer
@@ -71,7 +142,7 @@ def divergence(preset: str, num_layers: int, length: int, seed: int = 0, device:
     theirs: dict = {}
     with twin.hf() as hf, torch.inference_mode():
         handles = _record(layers, length, theirs)
-        logits = hf(input_ids=torch.from_numpy(ids)[None].to(device)).logits[0].float()
+        logits = hf(input_ids=torch.from_numpy(ids)[None].to(device), use_cache=False).logits[0].float()
         for h in handles:
             h.remove()
     logp = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.from_numpy(ids[1:]).to(device)[:, None])[:, 0].cpu().numpy()
@@ -85,11 +156,19 @@ def divergence(preset: str, num_layers: int, length: int, seed: int = 0, device:
         if first is None and row["max"] > 0:
             first = name
     dl = np.abs(mine.logprobs - logp)
+    steps = None
+    if first is not None and first.endswith(".mlp"):
+        index = int(first.split(".")[0])
+        hf_block = next(m for layer, attr, m in twin._originals if attr == "mlp" and layer is layers[index])
+        if type(hf_block).__name__.endswith("SparseMoeBlock"):
+            x_TD = theirs[f"{index}.mlp.input"].to(device=device, dtype=dtype)
+            steps = {"layer": index, **moe_block_steps(hf_block, layers[index].mlp, x_TD)}
     del twin, scorer
     if device == "cuda":
         torch.cuda.empty_cache()
     return {"preset": f"{preset}[:{num_layers}]", "length": length, "first_differing": first or "none",
-            "modules": rows, "logprob_mean_diff": float(dl.mean()), "logprob_max_diff": float(dl.max())}
+            "modules": rows, "logprob_mean_diff": float(dl.mean()), "logprob_max_diff": float(dl.max()),
+            "moe_block_steps": steps}
 
 
 def table(results: list[dict]) -> str:
@@ -100,6 +179,9 @@ def table(results: list[dict]) -> str:
                      f"{r['logprob_max_diff']:.2e}\n")
         lines.append("| module | max | mean | differing fraction |\n| --- | ---: | ---: | ---: |")
         lines += [f"| {m['module']} | {m['max']:.3g} | {m['mean']:.3g} | {m['differing']:.3g} |" for m in r["modules"]]
+        if r.get("moe_block_steps"):
+            lines.append(f"\nlayer {r['moe_block_steps']['layer']}'s MoE block on Hugging Face's input, step by step:\n")
+            lines += [f"- {k}: {v}" for k, v in r["moe_block_steps"].items() if k != "layer"]
     return "\n".join(lines) + "\n"
 
 

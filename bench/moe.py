@@ -1,6 +1,6 @@
 """The 35B-A3B MoE on one GPU: packscore's MoE block against Hugging Face's, in numbers and speed.
 
-    python -m bench.moe --out DIR [--sequences 24]     (H200: about 6 minutes, at most 8)
+    python -m bench.moe --out DIR [--sequences 24]     (H200: about 3 minutes; 256 sequences about 6)
     python -m bench.moe --out DIR --dry-run-cpu        (tiny MoE preset on the CPU: every code path, under a minute)
 
 Phases (results JSON rewritten after each, a markdown table printed last and written to DIR), the
@@ -16,7 +16,8 @@ benchmark early so that its Hugging Face one-at-a-time pass fits in ``--budget-s
    parameters, ``diff_packscore_vs_hf_single`` and ``diff_hf_padded_vs_hf_single``; then
    packscore again with the other grouped experts backend (``packscore_moe_experts_<name>``: its
    speed, its diff to HF one at a time and to packscore); its entry is ``qwen3.5-35b-a3b`` as in
-   the suite's results;
+   the suite's results, with the suite's extras (``profile``: one row's kernels by category and
+   each layer kind's device time; the head at 64k positions; idle latency);
 4. ``block_divergence``: the block step by step (router logits, top-k ids and weights, routed
    experts on the same routing, shared expert, shared gate, block output), packscore against
    Hugging Face on each sequence alone, with its experts as ``grouped_mm`` (its default) and
@@ -284,6 +285,17 @@ def markdown(results: dict, key: str) -> str:
         d = bench.get(f"diff_{name}_vs_packscore")
         if d:
             lines.append(f"\n{name} vs packscore, log-probs mean / max abs diff: {d['logprob_mean']:.3g} / {d['logprob_max']:.3g}")
+    modules = (bench.get("profile") or {}).get("modules")
+    if modules:
+        lines.append("")
+        lines.append(f"One row of {bench['profile']['row_tokens']:,} tokens, {modules['wall_ms']:.0f} ms: device time by module kind")
+        lines.append("| module | count | ms | ms each | share |")
+        lines.append("| --- | ---: | ---: | ---: | ---: |")
+        for kind, m in modules.items():
+            if isinstance(m, dict):
+                lines.append(f"| {kind} | {m['count']} | {m['ms']:.1f} | {m['ms_each']:.2f} | {m['ms'] / modules['wall_ms']:.3f} |")
+        lines.append(f"| other (norms, adds, embedding, head) | | {modules['other_ms']:.1f} | | "
+                     f"{modules['other_ms'] / modules['wall_ms']:.3f} |")
     timing = results.get("block_timing") or {}
     if timing.get("rows"):
         lines.append("")
@@ -335,7 +347,7 @@ def markdown(results: dict, key: str) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
-    parser.add_argument("--sequences", type=int, default=24, help="the first N sequences of the RL mix (24-64)")
+    parser.add_argument("--sequences", type=int, default=24, help="the first N sequences of the RL mix (24 to 256, the whole workload)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting phases after this many seconds")
     parser.add_argument("--dry-run-cpu", action="store_true", help="tiny MoE preset, tiny workload, on the CPU")
     args = parser.parse_args(argv)
@@ -375,7 +387,7 @@ def main(argv=None):
                 preset, (200, 500) if args.dry_run_cpu else BLOCK_ROWS, spec), 30)
         suite.phase(f"benchmark {preset} ({args.sequences} sequences)", lambda: run_benchmark(
             suite, preset, args.sequences, hf_single=True, max_batch_tokens=65536 if not args.dry_run_cpu else 300,
-            key=key, extras=False, spec=spec, alternatives=(f"moe_experts={other}",)), 60)
+            key=key, extras=True, spec=spec, alternatives=(f"moe_experts={other}",)), 60)
         suite.results["alone_vs_packed"] = suite.phase(
             "alone vs packed (4 layers)", lambda: alone_vs_packed(preset), 30)
         suite.results["block_divergence"] = suite.phase(
