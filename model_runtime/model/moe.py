@@ -12,9 +12,10 @@ twice), their product (rounded), and the sum of routed and shared outputs (round
 Differences from Hugging Face's block, each there so a token's numbers do not depend on its row:
 the narrow router and shared-gate products (N = E and 1) go through the ``gate_projection``
 kernel (per segment on a GPU, where a narrow product's kernel follows the row count) or, with
-the ``tiled`` experts, through fixed row tiles like the shared expert, and the
-top-K weights are renormalised by a sum in top-K order instead of a reduction kernel, and on
-the CPU the shared gate's sigmoid never runs in an elementwise kernel's scalar tail.
+the ``tiled`` experts, through fixed row tiles like the shared expert, the top-K weights are
+renormalised by a sum written out in the order PyTorch's reduction adds them (``top_k_total``)
+instead of by a reduction kernel, and on the CPU the shared gate's sigmoid never runs in an
+elementwise kernel's scalar tail.
 """
 
 from __future__ import annotations
@@ -75,10 +76,7 @@ class PackedSparseMoe(nn.Module):
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
         top_w_TK, top_i_TK = torch.topk(probs_TE, self.top_k, dim=-1)
         if self.normalise_top_k:
-            total_T1 = top_w_TK[:, :1]
-            for k in range(1, self.top_k):
-                total_T1 = total_T1 + top_w_TK[:, k : k + 1]
-            top_w_TK = top_w_TK / total_T1
+            top_w_TK = top_w_TK / top_k_total(top_w_TK)
         return top_w_TK.to(logits_TE.dtype), top_i_TK
 
     def _narrow(self, linear, x_TD: torch.Tensor, packed: PackedBatch, sp=None) -> torch.Tensor:
@@ -96,6 +94,40 @@ class PackedSparseMoe(nn.Module):
         # routed + gate * shared, added by the experts' kernel (the fused one in its top-k sum's pass)
         return self.experts_fn(x_TD, top_i_TK, top_w_TK, self.experts.gate_up_proj, self.experts.down_proj,
                                shared=(gate_T1, shared_TD))
+
+
+def top_k_total(w_TK: torch.Tensor) -> torch.Tensor:
+    """``w_TK.sum(-1, keepdim=True)`` (Hugging Face's renormalisation) in the order PyTorch's own
+    reduction adds K float32 values on the device, written out so that no kernel heuristic can
+    change it with the number of rows.
+
+    On CUDA a reduction over a short contiguous dimension runs on ``L`` lanes (the largest power
+    of two <= K, at most a warp): lane ``t`` adds ``w[t], w[t + L], ...`` in turn, then the lanes
+    are folded by warp shuffles at offsets ``L/2, ..., 1``; for K = 8 that is
+    ``((w0 + w4) + (w2 + w6)) + ((w1 + w5) + (w3 + w7))`` (equal to ``torch.sum`` on every row in
+    tests/gpu/test_moe_fused.py; a sum in top-k order differs from it on about 4 rows in 10, and
+    after the division and the cast a routing weight by one bf16 step now and then). On the CPU,
+    in top-k order, as PyTorch's CPU sum adds a row this short.
+    """
+    columns = [w_TK[:, k : k + 1] for k in range(w_TK.shape[-1])]
+    if w_TK.device.type == "cuda":
+        return lane_tree_sum(columns)
+    total_T1 = columns[0]
+    for c in columns[1:]:
+        total_T1 = total_T1 + c
+    return total_T1
+
+
+def lane_tree_sum(values: list):
+    """The sum of ``values`` as a CUDA reduction over one short row adds them (``top_k_total``)."""
+    lanes = min(1 << (len(values).bit_length() - 1), 32)
+    acc = list(values[:lanes])
+    for k in range(lanes, len(values)):
+        acc[k % lanes] = acc[k % lanes] + values[k]
+    while lanes > 1:
+        lanes //= 2
+        acc = [acc[t] + acc[t + lanes] for t in range(lanes)]
+    return acc[0]
 
 
 def _sigmoid_per_row(g_T1: torch.Tensor) -> torch.Tensor:

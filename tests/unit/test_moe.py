@@ -130,3 +130,23 @@ def test_block_follows_hugging_face_bf16_per_token(kind):
             scale = ref.float().abs().max().item()
             diff = report(f"{kind} bf16 vs HF {implementation} per sequence", got, ref, steps * 2.0**-8 * scale)
             print(f"{kind} bf16 vs HF {implementation}: max |diff| {diff:.3e}, output max {scale:.3e}")
+
+
+def test_lane_tree_sum_is_the_warp_reduction_order():
+    """The CUDA order of the router's renormalisation sum: for K = 8 one value per lane folded at
+    offsets 4, 2, 1; for K = 10 lanes 0 and 1 first add their second value. Symbols instead of
+    numbers, so the test reads the order itself rather than a rounding it causes."""
+    from model_runtime.model.moe import lane_tree_sum
+
+    class Expr:  # records how the values are added
+        def __init__(self, text):
+            self.text = text
+
+        def __add__(self, other):
+            return Expr(f"({self.text}+{other.text})")
+
+    eight = lane_tree_sum([Expr(f"w{i}") for i in range(8)]).text
+    assert eight == "(((w0+w4)+(w2+w6))+((w1+w5)+(w3+w7)))", eight
+    ten = lane_tree_sum([Expr(f"w{i}") for i in range(10)]).text
+    assert ten == "((((w0+w8)+w4)+(w2+w6))+(((w1+w9)+w5)+(w3+w7)))", ten
+    assert lane_tree_sum([Expr("w0")]).text == "w0"
