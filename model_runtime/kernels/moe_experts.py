@@ -7,7 +7,7 @@ grouped product.
 Every backend computes Hugging Face's per-token arithmetic (its ``grouped_mm`` experts path):
 ``gate, up = x @ gate_up[e].T`` (rounded to the model dtype), ``silu(gate) * up`` (each rounded),
 ``@ down[e].T`` (rounded), times the routing weight (rounded), then the K weighted rows of a
-token summed in float32 and rounded once. What they add is that no step's arithmetic depends on
+token summed in float32 (in the order of ``combine_top_k``) and rounded once. What they add is that no step's arithmetic depends on
 how many tokens an expert received:
 
 - ``tiled`` (the reference; any device and dtype): each expert's tokens go through the two
@@ -26,8 +26,9 @@ how many tokens an expert received:
 Every backend takes ``shared = (gate_T1, shared_TD)`` and then returns the block's output,
 ``routed + gate * shared`` (``add_shared``): the fused one adds it in the top-k sum's pass.
 
-The K weighted rows of a token are summed in a fixed order (top-k order, float32), not by a
-reduction kernel whose split depends on the number of tokens.
+The K weighted rows of a token are summed in a fixed order written out (``combine_top_k``: the
+order PyTorch's CUDA reduction uses, on the CPU top-k order), float32, not by a reduction kernel
+whose split could depend on the number of tokens.
 """
 
 from __future__ import annotations
@@ -51,11 +52,30 @@ def routed_pairs(top_i_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
     return order_S, counts_E
 
 
-def combine_top_k(weighted_SD: torch.Tensor, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[T, D]``: each token's K weighted expert rows summed in top-k order in float32."""
+# CUDA's reduction over a strided dimension keeps this many float32 accumulators per output.
+CUDA_SUM_ACCUMULATORS = 4
+
+
+def combine_top_k(weighted_SD: torch.Tensor, num_tokens: int, dtype: torch.dtype, cuda_order: bool | None = None) -> torch.Tensor:
+    """``[T, D]``: each token's K weighted expert rows summed in float32, in the order Hugging
+    Face's ``.view(T, K, D).sum(dim=1)`` adds them on the device (``cuda_order``, default: the
+    tensor's device): on CUDA, row k into accumulator ``k % 4`` (each from +0.0), then the four
+    accumulators in turn, as PyTorch's reduction kernel unrolls a strided dimension (equal to
+    ``torch.sum`` on every element for K = 8 and 10 on an H200, tests/gpu/test_moe_fused.py);
+    on the CPU in top-k order."""
     w_TKD = weighted_SD.view(num_tokens, -1, weighted_SD.shape[-1])
+    K = w_TKD.shape[1]
+    if cuda_order if cuda_order is not None else weighted_SD.device.type == "cuda":
+        acc = [torch.zeros(w_TKD.shape[0], w_TKD.shape[2], dtype=torch.float32, device=w_TKD.device)
+               for _ in range(CUDA_SUM_ACCUMULATORS)]
+        for k in range(K):
+            acc[k % CUDA_SUM_ACCUMULATORS] = acc[k % CUDA_SUM_ACCUMULATORS] + w_TKD[:, k]
+        acc_TD = acc[0]
+        for a in acc[1:]:
+            acc_TD = acc_TD + a
+        return acc_TD.to(dtype)
     acc_TD = w_TKD[:, 0].float()
-    for k in range(1, w_TKD.shape[1]):
+    for k in range(1, K):
         acc_TD = acc_TD + w_TKD[:, k]
     return acc_TD.to(dtype)
 

@@ -14,8 +14,8 @@ more. These kernels do the same arithmetic in one pass each:
   (``triton_math.silu``), as the MLP's SiLU product kernel (pointwise_triton.py).
 - ``combine_top_k``: for each token, its K rows of the second product (found through ``pos``,
   the position of pair ``t * K + k`` in the sorted order) times its routing weights, each product
-  rounded to the model dtype, summed in float32 in top-k order starting from ``k = 0``, rounded
-  once; then, when given, the block's ``routed + gate * shared`` (the product rounded, then the
+  rounded to the model dtype, summed in float32 in the order of PyTorch's CUDA sum
+  (``moe_experts.combine_top_k``: four accumulators, each from +0.0), rounded once; then, when given, the block's ``routed + gate * shared`` (the product rounded, then the
   sum rounded), so the routed output is never written in float32 nor re-read.
 
 Every step is one IEEE float32 operation then a cast, as ATen's kernels compute them (opmath
@@ -64,17 +64,26 @@ if triton is not None:
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         ok = cols < D
-        # k = 0 starts the sum itself (not 0 + it): a -0.0 term stays -0.0, as in the composition
-        p = tl.load(pos_ptr + t * K).to(tl.int64)
-        w = tl.load(w_ptr + t * K)
-        y = tl.load(y_ptr + p * stride_y + cols, mask=ok, other=0.0)
-        acc = (y.to(tl.float32) * w.to(tl.float32)).to(y.dtype).to(tl.float32)
-        for k in tl.static_range(1, K):
+        # PyTorch's CUDA sum over K (moe_experts.combine_top_k): term k into accumulator k % 4,
+        # each from +0.0, then the four in turn
+        acc0 = tl.zeros([BLOCK_D], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_D], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_D], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for k in tl.static_range(K):
             p = tl.load(pos_ptr + t * K + k).to(tl.int64)
             w = tl.load(w_ptr + t * K + k)
             y = tl.load(y_ptr + p * stride_y + cols, mask=ok, other=0.0)
-            acc = acc + (y.to(tl.float32) * w.to(tl.float32)).to(y.dtype).to(tl.float32)
-        out = acc.to(out_ptr.dtype.element_ty)
+            term = (y.to(tl.float32) * w.to(tl.float32)).to(y.dtype).to(tl.float32)
+            if k % 4 == 0:
+                acc0 = acc0 + term
+            elif k % 4 == 1:
+                acc1 = acc1 + term
+            elif k % 4 == 2:
+                acc2 = acc2 + term
+            else:
+                acc3 = acc3 + term
+        out = (((acc0 + acc1) + acc2) + acc3).to(out_ptr.dtype.element_ty)
         if HAS_SHARED:
             g = tl.load(gate_ptr + t)
             s = tl.load(shared_ptr + t * D + cols, mask=ok, other=0.0)

@@ -74,3 +74,38 @@ def test_fused_block_equals_the_grouped_mm_block(lengths, gpu_record):
     gpu_record(f"fused MoE block vs grouped_mm block, lengths {lengths}", differing=n)
     worst = float((got.float() - want.float()).abs().max())
     assert n == 0, f"{n} of {want.numel()} values differ, max |diff| {worst:.3e} (tolerance: bit for bit)"
+
+
+@pytest.mark.parametrize("k", [8, 2, 4, 6, 10, 16])
+def test_top_k_total_adds_as_torch_sum(k, gpu_record):
+    """The router's renormalisation sum, written out, equals PyTorch's reduction (Hugging Face's
+    ``.sum(-1)``) bit for bit on every row, whatever the number of rows."""
+    from model_runtime.model.moe import top_k_total
+
+    g = torch.Generator(device="cuda").manual_seed(k)
+    w = torch.softmax(torch.randn(65536, 256, device="cuda", generator=g), dim=-1).topk(k, dim=-1).values
+    differing_rows = {}
+    for rows in (1, 3, 100, 2000, 65536):
+        ours, theirs = top_k_total(w[:rows]), w[:rows].sum(-1, keepdim=True)
+        differing_rows[f"T{rows}"] = int((ours != theirs).sum())
+    gpu_record(f"router renormalisation sum vs torch.sum, K={k}", **differing_rows)
+    assert not any(differing_rows.values()), f"rows whose sum differs from torch.sum (tolerance: bit for bit): {differing_rows}"
+
+
+@pytest.mark.parametrize("k", [8, 10])
+def test_combine_top_k_adds_as_torch_sum(k, gpu_record):
+    """The top-k sum of the weighted expert rows, written out (``moe_experts.combine_top_k``, and
+    the fused kernel through the composition tests above), equals Hugging Face's
+    ``.view(T, K, D).sum(dim=1)`` bit for bit. Rows of wide dynamic range, so that the order of the
+    float32 additions shows in the bf16 result."""
+    from model_runtime.kernels.moe_experts import combine_top_k
+
+    g = torch.Generator(device="cuda").manual_seed(k)
+    differing = {}
+    for rows in (1, 64, 327, 6000, 65536):
+        scale = torch.exp2(torch.randint(-12, 12, (rows, k, 1), device="cuda", generator=g).float())
+        w_TKD = (torch.randn(rows, k, D, device="cuda", generator=g) * scale).bfloat16()
+        ours = combine_top_k(w_TKD.view(rows * k, D), rows, torch.bfloat16)
+        differing[f"T{rows}"] = int((ours.view(torch.int16) != w_TKD.sum(dim=1).view(torch.int16)).sum())
+    gpu_record(f"top-k sum of expert rows vs torch.sum(dim=1), K={k}", **differing)
+    assert not any(differing.values()), f"elements that differ from torch.sum (tolerance: bit for bit): {differing}"

@@ -76,7 +76,7 @@ def _combine_inputs(T, K, D, R, dtype, seed):
     y_RD = torch.randn(R, D, generator=g).to(dtype)
     y_RD[T * K :] = float("nan")  # the never-computed tail must never be read
     w_TK = torch.rand(T, K, generator=g).to(dtype)
-    # token 0: every routed row -0.0 (weights negative): the sum must keep the sign as the composition does
+    # token 0: every routed row -0.0 (weights negative): the sum starts from +0.0, as PyTorch's CUDA sum does
     y_RD[pos_TK[0]] = 0.0
     w_TK[0] = -w_TK[0]
     gate_T1 = torch.rand(T, 1, generator=g).to(dtype)
@@ -91,10 +91,10 @@ def composition(y_RD, pos_TK, w_TK, shared, cast):
     T, K = pos_TK.shape
     dtype = y_RD.dtype
     weighted_TKD = cast(y_RD[pos_TK.reshape(-1)].float() * w_TK.reshape(-1, 1).float(), dtype).view(T, K, -1)
-    acc = weighted_TKD[:, 0].float()
-    for k in range(1, K):
-        acc = acc + weighted_TKD[:, k].float()
-    out = cast(acc, dtype)
+    acc = [torch.zeros_like(weighted_TKD[:, 0], dtype=torch.float32) for _ in range(4)]  # CUDA's sum order
+    for k in range(K):
+        acc[k % 4] = acc[k % 4] + weighted_TKD[:, k].float()
+    out = cast(((acc[0] + acc[1]) + acc[2]) + acc[3], dtype)
     if shared is not None:
         gs = cast(shared[0].float() * shared[1].float(), dtype)
         out = cast(out.float() + gs.float(), dtype)
@@ -118,7 +118,7 @@ def test_combine_top_k_follows_the_composition(T, K, D, with_shared, dtype):
     weighted_SD = torch.empty(T * K, D, dtype=dtype)
     order = torch.argsort(pos_TK.reshape(-1))
     weighted_SD[order] = y_RD[: T * K] * w_TK.reshape(-1)[order, None]
-    eager = ME.add_shared(ME.combine_top_k(weighted_SD, T, dtype), shared)
+    eager = ME.add_shared(ME.combine_top_k(weighted_SD, T, dtype, cuda_order=True), shared)
     if dtype == torch.float32:
         assert_bitwise("combine_top_k float32 vs PyTorch", got, eager)
     else:
