@@ -17,10 +17,6 @@ pytestmark = [
 BACKENDS = ("grouped_mm", "grouped_mm_fused")
 
 
-@pytest.mark.xfail(strict=False, reason="measured on the H200 (35B-A3B, 4 layers) before rows had a minimum: 5 and 64 tokens "
-                   "differed alone vs packed (0.42, 0.27), from cuBLAS's split-K kernels for out_proj below 100 rows; "
-                   "rows are now padded to 512 tokens, which made the 9B's short sequences equal (test_isolation), "
-                   "not yet re-run on this shape")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_moe_alone_equals_packed_bit_for_bit(backend, gpu_record):
     from bench.moe import alone_vs_packed
