@@ -66,9 +66,10 @@ def combine_top_k(weighted_SD: torch.Tensor, num_tokens: int, dtype: torch.dtype
     w_TKD = weighted_SD.view(num_tokens, -1, weighted_SD.shape[-1])
     K = w_TKD.shape[1]
     if cuda_order if cuda_order is not None else weighted_SD.device.type == "cuda":
-        acc = [torch.zeros(w_TKD.shape[0], w_TKD.shape[2], dtype=torch.float32, device=w_TKD.device)
-               for _ in range(CUDA_SUM_ACCUMULATORS)]
-        for k in range(K):
+        # 0.0 + w first (a -0.0 row becomes +0.0); an accumulator that no row reaches stays +0.0
+        # and adding it changes nothing, so only min(K, 4) are kept
+        acc = [w_TKD[:, j].float().add_(0.0) for j in range(min(K, CUDA_SUM_ACCUMULATORS))]
+        for k in range(CUDA_SUM_ACCUMULATORS, K):
             acc[k % CUDA_SUM_ACCUMULATORS] = acc[k % CUDA_SUM_ACCUMULATORS] + w_TKD[:, k]
         acc_TD = acc[0]
         for a in acc[1:]:

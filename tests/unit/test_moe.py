@@ -150,3 +150,24 @@ def test_lane_tree_sum_is_the_warp_reduction_order():
     ten = lane_tree_sum([Expr(f"w{i}") for i in range(10)]).text
     assert ten == "((((w0+w8)+w4)+(w2+w6))+(((w1+w9)+w5)+(w3+w7)))", ten
     assert lane_tree_sum([Expr("w0")]).text == "w0"
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8, 10])
+def test_combine_in_cuda_order_is_four_accumulators_from_zero(k):
+    """``combine_top_k``'s CUDA order (the one PyTorch's strided sum uses, measured on an H200):
+    row k into accumulator k % 4, each from +0.0, then the four in turn; bit for bit, -0.0 rows
+    included, whatever K."""
+    from model_runtime.kernels.moe_experts import combine_top_k
+
+    g = torch.Generator().manual_seed(k)
+    T, D = 50, 64
+    w = (torch.randn(T * k, D, generator=g) * torch.exp2(torch.randint(-12, 12, (T * k, 1), generator=g).float())).bfloat16()
+    w[:k] = -0.0  # token 0: every row -0.0
+    v = w.view(T, k, D).float()
+    acc = [torch.zeros(T, D) for _ in range(4)]
+    for j in range(k):
+        acc[j % 4] = acc[j % 4] + v[:, j]
+    want = (((acc[0] + acc[1]) + acc[2]) + acc[3]).bfloat16()
+    got = combine_top_k(w, T, torch.bfloat16, cuda_order=True)
+    differing = int((got.view(torch.int16) != want.view(torch.int16)).sum())
+    assert differing == 0, f"{differing} of {T * D} values differ from four accumulators (tolerance: bit for bit)"
