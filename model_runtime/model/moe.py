@@ -107,7 +107,9 @@ def top_k_total(w_TK: torch.Tensor) -> torch.Tensor:
     ``((w0 + w4) + (w2 + w6)) + ((w1 + w5) + (w3 + w7))`` (equal to ``torch.sum`` on every row in
     tests/gpu/test_moe_fused.py; a sum in top-k order differs from it on about 4 rows in 10, and
     after the division and the cast a routing weight by one bf16 step now and then). On the CPU,
-    in top-k order, as PyTorch's CPU sum adds a row this short.
+    in top-k order: PyTorch's CPU sum adds a row of up to 8 values that way (measured on an AVX-512
+    machine), a longer one (K = 10) in vector lanes that follow the instruction set, so the CPU
+    keeps one fixed order rather than follow each machine's.
     """
     columns = [w_TK[:, k : k + 1] for k in range(w_TK.shape[-1])]
     if w_TK.device.type == "cuda":
