@@ -7,8 +7,8 @@ grouped product.
 Every backend computes Hugging Face's per-token arithmetic (its ``grouped_mm`` experts path):
 ``gate, up = x @ gate_up[e].T`` (rounded to the model dtype), ``silu(gate) * up`` (each rounded),
 ``@ down[e].T`` (rounded), times the routing weight (rounded), then the K weighted rows of a
-token summed in float32 (in the order of ``combine_top_k``) and rounded once. What they add is that no step's arithmetic depends on
-how many tokens an expert received:
+token summed in float32 (in the order of ``combine_top_k``) and rounded once. What they add is
+that no step's arithmetic depends on how many tokens an expert received:
 
 - ``tiled`` (the reference; any device and dtype): each expert's tokens go through the two
   products in zero-padded tiles of ``TILE_ROWS`` rows, so every product has the same shape
@@ -56,13 +56,14 @@ def routed_pairs(top_i_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
 CUDA_SUM_ACCUMULATORS = 4
 
 
-def combine_top_k(weighted_SD: torch.Tensor, num_tokens: int, dtype: torch.dtype, cuda_order: bool | None = None) -> torch.Tensor:
+def combine_top_k(weighted_SD: torch.Tensor, num_tokens: int, dtype: torch.dtype,
+                  cuda_order: bool | None = None) -> torch.Tensor:
     """``[T, D]``: each token's K weighted expert rows summed in float32, in the order Hugging
     Face's ``.view(T, K, D).sum(dim=1)`` adds them on the device (``cuda_order``, default: the
     tensor's device): on CUDA, row k into accumulator ``k % 4`` (each from +0.0), then the four
-    accumulators in turn, as PyTorch's reduction kernel unrolls a strided dimension (equal to
-    ``torch.sum`` on every element for K = 8 and 10 on an H200, tests/gpu/test_moe_fused.py);
-    on the CPU in top-k order."""
+    accumulators in turn, as PyTorch's reduction kernel unrolls a strided dimension (measured
+    equal to ``torch.sum`` on every element for K = 8 and 10 on an H200; checked by
+    tests/gpu/test_moe_fused.py); on the CPU in top-k order."""
     w_TKD = weighted_SD.view(num_tokens, -1, weighted_SD.shape[-1])
     K = w_TKD.shape[1]
     if cuda_order if cuda_order is not None else weighted_SD.device.type == "cuda":

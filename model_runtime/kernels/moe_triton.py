@@ -15,8 +15,9 @@ more. These kernels do the same arithmetic in one pass each:
 - ``combine_top_k``: for each token, its K rows of the second product (found through ``pos``,
   the position of pair ``t * K + k`` in the sorted order) times its routing weights, each product
   rounded to the model dtype, summed in float32 in the order of PyTorch's CUDA sum
-  (``moe_experts.combine_top_k``: four accumulators, each from +0.0), rounded once; then, when given, the block's ``routed + gate * shared`` (the product rounded, then the
-  sum rounded), so the routed output is never written in float32 nor re-read.
+  (``moe_experts.combine_top_k``: four accumulators, each from +0.0), rounded once; then, when
+  given, the block's ``routed + gate * shared`` (the product rounded, then the sum rounded), so
+  the routed output is never written in float32 nor re-read.
 
 Every step is one IEEE float32 operation then a cast, as ATen's kernels compute them (opmath
 float32 for bf16), so any tile gives the same numbers; tests/gpu/test_moe_fused.py checks them
