@@ -8,9 +8,10 @@ benchmark early so that its Hugging Face one-at-a-time pass fits in ``--budget-s
 1. the measured bf16 matmul ceiling (bench.gpu_probes.matmul_ceiling);
 2. ``block_timing``: one sparse-MoE block of the 35B-A3B shape (random bf16 weights) on a 16k- and
    a 64k-token row of the RL mix's lengths: ms per block for packscore with the fused experts
-   (``grouped_mm_fused``), with the ``grouped_mm`` composition, and for Hugging Face's block
-   (``grouped_mm`` experts, the whole row); whether fused equals the composition bit for bit; the
-   top CUDA kernels of one fused forward on the 64k row (torch.profiler);
+   (``grouped_mm_fused``), with its rows scattered (``grouped_mm_fused_scatter``), with the
+   ``grouped_mm`` composition, and for Hugging Face's block (``grouped_mm`` experts, the whole
+   row); whether each fused form equals the composition bit for bit; the top CUDA kernels of one
+   fused forward on the 64k row (torch.profiler);
 3. the suite's benchmark (bench.gpu_suite.run_benchmark) on the first ``--sequences`` of the RL
    mix: packscore, HF padded and HF one at a time, tokens/s, ``mfu_of_measured_peak`` on active
    parameters, ``diff_packscore_vs_hf_single`` and ``diff_hf_padded_vs_hf_single``; then
@@ -209,7 +210,8 @@ def block_timing(preset: str = PRESET, rows=BLOCK_ROWS, spec=None) -> dict:
     dtype = torch.bfloat16 if cuda else torch.float32
     block = random_block(preset, device, dtype)
     vocab_size = build_config(PRESETS[preset], num_hidden_layers=1).vocab_size
-    names = {"fused": "grouped_mm_fused", "composition": "grouped_mm"} if cuda else {"fused": "tiled", "composition": "tiled"}
+    names = ({"fused": "grouped_mm_fused", "composition": "grouped_mm", "fused_scatter": "grouped_mm_fused_scatter"} if cuda
+             else {"fused": "tiled", "composition": "tiled", "fused_scatter": "tiled"})
     ours = {key: PackedSparseMoe(block, select_backends(device, allow_slow=True, overrides={"moe_experts": name}))
             for key, name in names.items()}
     out = {"preset": preset, "dtype": str(dtype), "backends": names, "rows": {}}
@@ -225,9 +227,12 @@ def block_timing(preset: str = PRESET, rows=BLOCK_ROWS, spec=None) -> dict:
             entry["fused_vs_composition_differing"] = int((fused_out.view(bits) != plain_out.view(bits)).sum())
             entry["fused_vs_composition_max_abs_diff"] = float((fused_out.float() - plain_out.float()).abs().max())
             entry["fused_vs_composition_bitwise_equal"] = entry["fused_vs_composition_differing"] == 0
-            del fused_out, plain_out
+            scatter_out = ours["fused_scatter"](x_TD, packed)
+            entry["fused_scatter_vs_composition_differing"] = int((scatter_out.view(bits) != plain_out.view(bits)).sum())
+            del fused_out, plain_out, scatter_out
             entry["packscore_fused_ms"] = _median_ms(lambda: ours["fused"](x_TD, packed))
             entry["packscore_composition_ms"] = _median_ms(lambda: ours["composition"](x_TD, packed))
+            entry["packscore_fused_scatter_ms"] = _median_ms(lambda: ours["fused_scatter"](x_TD, packed))
             _set_experts(block, "grouped_mm")
             entry["hf_grouped_mm_ms"] = _median_ms(lambda: block(x_TD[None]))
             entry["fused_speedup_over_composition"] = entry["packscore_composition_ms"] / entry["packscore_fused_ms"]
@@ -301,12 +306,14 @@ def markdown(results: dict, key: str) -> str:
         lines.append("")
         lines.append(f"One MoE block ({timing['preset']}, {timing['dtype']}), ms per forward; packscore "
                      f"fused = {timing['backends']['fused']}, composition = {timing['backends']['composition']}:")
-        lines.append("| row tokens | packscore fused | packscore composition | HF grouped_mm (whole row) | fused = composition bit for bit |")
-        lines.append("| ---: | ---: | ---: | ---: | --- |")
+        lines.append("| row tokens | packscore fused | fused, rows scattered | packscore composition | HF grouped_mm (whole row) "
+                     "| fused = composition bit for bit | scattered: values differing |")
+        lines.append("| ---: | ---: | ---: | ---: | ---: | --- | ---: |")
         for tokens, e in timing["rows"].items():
-            lines.append(f"| {int(tokens):,} | {e['packscore_fused_ms']:.2f} | {e['packscore_composition_ms']:.2f} | "
-                         f"{e['hf_grouped_mm_ms']:.2f} | {e['fused_vs_composition_bitwise_equal']} "
-                         f"({e['fused_vs_composition_differing']} differ, max {e['fused_vs_composition_max_abs_diff']:.3g}) |")
+            lines.append(f"| {int(tokens):,} | {e['packscore_fused_ms']:.2f} | {e.get('packscore_fused_scatter_ms', float('nan')):.2f} | "
+                         f"{e['packscore_composition_ms']:.2f} | {e['hf_grouped_mm_ms']:.2f} | {e['fused_vs_composition_bitwise_equal']} "
+                         f"({e['fused_vs_composition_differing']} differ, max {e['fused_vs_composition_max_abs_diff']:.3g}) | "
+                         f"{e.get('fused_scatter_vs_composition_differing', '')} |")
     if timing.get("profile_fused"):
         lines.append("")
         lines.append(f"Top kernels of one fused block forward ({timing['profile_tokens']:,} tokens):")

@@ -19,7 +19,8 @@ that no step's arithmetic depends on how many tokens an expert received:
   the kernel never reads or writes, keeps that mean above 128, so every row count runs the
   same configuration (no split-K in any of them).
 - ``grouped_mm_fused`` (CUDA, bfloat16): the same two products, and ``grouped_mm``'s numbers
-  bit for bit; the gather of the rows, the SiLU product, the weighting, the top-k sum and the
+  bit for bit (``grouped_mm_fused_scatter``, opt-in until timed: the same with the products' input
+  rows written from the tokens' side, each token's row read once instead of K times); the gather of the rows, the SiLU product, the weighting, the top-k sum and the
   block's ``routed + gate * shared`` run in one pass each (model_runtime/kernels/moe_triton.py)
   instead of the composition's many over ``[S, D]`` and ``[T, D]``.
 
@@ -135,20 +136,23 @@ def experts_grouped_mm(
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
     fused: bool = False,
+    scatter: bool = False,
 ) -> torch.Tensor:
     """Routed experts' output ``[T, D]`` through two grouped products of one fixed configuration
     (``shared``: see ``add_shared``); ``fused``: the same numbers bit for bit, with the steps around
     the two products in Triton kernels (model_runtime/kernels/moe_triton.py) that move a fraction
-    of the memory."""
+    of the memory; ``scatter`` (with ``fused``): the products' input rows written from the tokens'
+    side (``moe_triton.scatter_rows``) instead of gathered."""
     if x_TD.device.type != "cuda" or x_TD.dtype != torch.bfloat16:
         raise ValueError(
             f"the {'grouped_mm_fused' if fused else 'grouped_mm'} experts need bfloat16 on CUDA, got "
             f"{x_TD.dtype} on {x_TD.device.type}; use --kernels moe_experts=tiled"
         )
-    return grouped_experts(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared, fused=fused)
+    return grouped_experts(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared, fused=fused, scatter=scatter)
 
 
 experts_grouped_mm_fused = functools.partial(experts_grouped_mm, fused=True)
+experts_grouped_mm_fused_scatter = functools.partial(experts_grouped_mm, fused=True, scatter=True)
 
 
 def add_shared(routed_TD: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -169,9 +173,11 @@ def grouped_experts(
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
     fused: bool,
+    scatter: bool = False,
 ) -> torch.Tensor:
     """The two grouped products with the steps around them in PyTorch (``fused=False``) or in the
-    Triton kernels (``fused=True``); no device check, so that the CPU interpreter tests run both."""
+    Triton kernels (``fused=True``; ``scatter``: the input rows written by ``scatter_rows``); no
+    device check, so that the CPU interpreter tests run both."""
     T, K = top_i_TK.shape
     E, D, I = gate_up_E2ID.shape[0], x_TD.shape[1], down_EDI.shape[2]
     order_S, counts_E = routed_pairs(top_i_TK, E)
@@ -181,11 +187,17 @@ def grouped_experts(
     if fused and top_w_TK.dtype != x_TD.dtype:
         raise ValueError(f"the fused experts take routing weights in the model dtype {x_TD.dtype}, got {top_w_TK.dtype}")
     x_RD = x_TD.new_empty(rows, D)
-    torch.index_select(x_TD, 0, order_S // K, out=x_RD[:S])  # gathered straight into the product's rows
-    gate_up_R2I = _grouped_mm(x_RD, gate_up_E2ID.transpose(-2, -1), offsets_E)
     if fused:
         from model_runtime.kernels import moe_triton
 
+        # pos_S[t * K + k]: where pair (t, k) sits in the sorted rows (the inverse of order_S)
+        pos_S = torch.empty_like(order_S).index_copy_(0, order_S, torch.arange(S, device=order_S.device))
+    if fused and scatter:
+        moe_triton.scatter_rows(x_TD, pos_S.view(T, K), x_RD)
+    else:
+        torch.index_select(x_TD, 0, order_S // K, out=x_RD[:S])  # gathered straight into the product's rows
+    gate_up_R2I = _grouped_mm(x_RD, gate_up_E2ID.transpose(-2, -1), offsets_E)
+    if fused:
         h_RI = moe_triton.silu_mul_rows(gate_up_R2I, S)  # only the S computed rows: the tail is never read
     else:
         h_RI = F.silu(gate_up_R2I[:, :I]) * gate_up_R2I[:, I:]
@@ -194,8 +206,6 @@ def grouped_experts(
         weighted_SD = torch.empty_like(x_RD[:S])
         weighted_SD[order_S] = y_RD[:S] * top_w_TK.reshape(-1)[order_S, None]
         return add_shared(combine_top_k(weighted_SD, T, x_TD.dtype), shared)
-    # pos_S[t * K + k]: where pair (t, k) sits in the sorted rows (the inverse of order_S)
-    pos_S = torch.empty_like(order_S).index_copy_(0, order_S, torch.arange(S, device=order_S.device))
     if shared is not None:
         shared = tuple(t.contiguous() for t in shared)
     return moe_triton.combine_top_k(y_RD, pos_S.view(T, K), top_w_TK.contiguous(), shared)

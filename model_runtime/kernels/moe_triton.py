@@ -12,6 +12,10 @@ more. These kernels do the same arithmetic in one pass each:
   first product's ``[rows, 2I]`` output (gate columns, then up columns), read in place. SiLU is
   ATen's CUDA formula ``x / (1 + exp(-x))`` with CUDA's expf and an IEEE division
   (``triton_math.silu``), as the MLP's SiLU product kernel (pointwise_triton.py).
+- ``scatter_rows``: every token's row read once and written to its K places in the grouped
+  product's input (``out[pos[t, k]] = x[t]``): the row gather ``index_select(x, 0, order // K)``
+  seen from the tokens' side, which reads each row once instead of K times. A copy, so the
+  numbers cannot change; opt-in (``moe_experts=grouped_mm_fused_scatter``) until timed on a GPU.
 - ``combine_top_k``: for each token, its K rows of the second product (found through ``pos``,
   the position of pair ``t * K + k`` in the sorted order) times its routing weights, each product
   rounded to the model dtype, summed in float32 in the order of PyTorch's CUDA sum
@@ -44,6 +48,7 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
 # across lanes). 16 elements per thread, as the MLP's SiLU product kernel.
 SILU_BLOCK, SILU_WARPS = 2048, 4
 COMBINE_BLOCK_D, COMBINE_WARPS = 2048, 4
+SCATTER_BLOCK_D, SCATTER_WARPS = 2048, 4
 
 if triton is not None:
     @triton.jit
@@ -93,6 +98,17 @@ if triton is not None:
         tl.store(out_ptr + t * D + cols, out, mask=ok)
 
 
+    @triton.jit
+    def _scatter_rows_kernel(x_ptr, pos_ptr, out_ptr, D, stride_x, stride_out, K: tl.constexpr, BLOCK_D: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        ok = cols < D
+        x = tl.load(x_ptr + t * stride_x + cols, mask=ok)
+        for k in tl.static_range(K):
+            p = tl.load(pos_ptr + t * K + k).to(tl.int64)
+            tl.store(out_ptr + p * stride_out + cols, x, mask=ok)
+
+
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # PyTorch computes these in float32, as the kernels do
 
 
@@ -138,6 +154,29 @@ def silu_mul_rows(gate_up_R2I: torch.Tensor, num_rows: int, out_RI: torch.Tensor
     return out_RI
 
 
+def scatter_rows(x_TD: torch.Tensor, pos_TK: torch.Tensor, out_RD: torch.Tensor) -> torch.Tensor:
+    """``out_RD[pos_TK[t, k]] = x_TD[t]`` for every token t and k (rows of ``out_RD`` that no
+    ``pos`` names are left as they are). Returns ``out_RD``.
+
+    >>> scatter_rows(x, pos.view(T, K), x_R)  # x_R[:T * K] == x.index_select(0, order // K)
+    """
+    _require_triton()
+    T, K = pos_TK.shape
+    D = x_TD.shape[1]
+    if (x_TD.shape[0] != T or out_RD.shape[1] != D or out_RD.shape[0] < T * K or out_RD.dtype != x_TD.dtype
+            or x_TD.stride(1) != 1 or out_RD.stride(1) != 1 or not pos_TK.is_contiguous()
+            or pos_TK.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"scatter_rows takes x [T, D], contiguous int pos [T, K] and out [>= T * K, D] of x's dtype, "
+                         f"unit column strides; got x {tuple(x_TD.shape)} {x_TD.dtype} strides {x_TD.stride()}, "
+                         f"pos {tuple(pos_TK.shape)} {pos_TK.dtype}, out {tuple(out_RD.shape)} {out_RD.dtype}")
+    if T == 0:
+        return out_RD
+    block_d = min(triton.next_power_of_2(D), SCATTER_BLOCK_D)
+    _scatter_rows_kernel[(T, triton.cdiv(D, block_d))](x_TD, pos_TK, out_RD, D, x_TD.stride(0), out_RD.stride(0),
+                                                       K=K, BLOCK_D=block_d, num_warps=SCATTER_WARPS)
+    return out_RD
+
+
 def combine_top_k(
     y_RD: torch.Tensor,
     pos_TK: torch.Tensor,
@@ -145,7 +184,7 @@ def combine_top_k(
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``[T, D]``: token t's rows ``y_RD[pos_TK[t, k]]`` times ``top_w_TK[t, k]`` (each rounded to
-    the dtype), summed over k in order in float32 and rounded; with ``shared = (gate_T1, shared_TD)``
+    the dtype), summed over k in float32 in PyTorch's CUDA order and rounded; with ``shared = (gate_T1, shared_TD)``
     then ``out + gate * shared`` (each step rounded), the sparse-MoE block's output.
 
     >>> out = combine_top_k(y, pos, w)  # == moe_experts.combine_top_k(y[pos.flatten()] * w.flatten()[:, None], T, dtype)

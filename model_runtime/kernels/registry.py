@@ -29,7 +29,12 @@ from model_runtime.kernels.conv import causal_conv1d_fla, causal_conv1d_referenc
 from model_runtime.kernels.conv_triton import causal_conv1d_silu_triton
 from model_runtime.kernels.gate_projection import gate_projection_row, gate_projection_segment
 from model_runtime.kernels.linear_attention import gated_delta_rule_fla, gated_delta_rule_reference
-from model_runtime.kernels.moe_experts import experts_grouped_mm, experts_grouped_mm_fused, experts_tiled
+from model_runtime.kernels.moe_experts import (
+    experts_grouped_mm,
+    experts_grouped_mm_fused,
+    experts_grouped_mm_fused_scatter,
+    experts_tiled,
+)
 from model_runtime.kernels.logprob_head import logprob_entropy_torch, logprob_entropy_triton
 from model_runtime.kernels.overrides import FAMILIES  # one list for the CLI and the registry
 
@@ -49,7 +54,8 @@ REGISTRY: dict[str, dict[str, Callable]] = {
     "elementwise": {"eager": elementwise.eager, "inductor": elementwise.inductor,
                     "inductor_exact": elementwise.inductor_exact, "triton_exact": elementwise.triton_exact},
     "gate_projection": {"row": gate_projection_row, "segment": gate_projection_segment},
-    "moe_experts": {"tiled": experts_tiled, "grouped_mm": experts_grouped_mm, "grouped_mm_fused": experts_grouped_mm_fused},
+    "moe_experts": {"tiled": experts_tiled, "grouped_mm": experts_grouped_mm, "grouped_mm_fused": experts_grouped_mm_fused,
+                    "grouped_mm_fused_scatter": experts_grouped_mm_fused_scatter},
 }
 # What a CPU run uses: the exact per-segment references, and plain PyTorch for the rest.
 _CPU_DEFAULT = {
@@ -64,7 +70,7 @@ _CPU_DEFAULT = {
 
 # Backends whose kernels exist only on CUDA.
 CUDA_ONLY = frozenset({"fla", "causal_conv1d", "varlen", "flash_attn", "triton", "inductor_exact", "triton_exact",
-                       "grouped_mm", "grouped_mm_fused"})
+                       "grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter"})
 
 # The fast backends on a GPU, best first. Attention differs by where the model runs (figures in
 # docs/benchmarks.md):
@@ -134,6 +140,7 @@ _BACKEND_MODULES = {
     "inductor_exact": ("triton", "torch._inductor"),
     "triton_exact": ("triton", "torch._inductor"),
     "grouped_mm_fused": ("triton",),
+    "grouped_mm_fused_scatter": ("triton",),
 }
 
 

@@ -1,6 +1,6 @@
-"""The fused MoE experts (``moe_experts=grouped_mm_fused``) on the GPU: the ``grouped_mm``
-composition's numbers bit for bit, on the Qwen3.5-35B-A3B block shape (E=256, K=8, D=2048, I=512)
-and row counts from one token to a 64k-token row.
+"""The fused MoE experts (``moe_experts=grouped_mm_fused``, and ``grouped_mm_fused_scatter``) on
+the GPU: the ``grouped_mm`` composition's numbers bit for bit, on the Qwen3.5-35B-A3B block shape
+(E=256, K=8, D=2048, I=512) and row counts from one token to a 64k-token row.
 """
 
 import pytest
@@ -40,18 +40,26 @@ def inputs():
 
 @pytest.mark.parametrize("rows", ROWS, ids=lambda n: f"T{n}")
 def test_fused_experts_equal_the_composition_bit_for_bit(inputs, rows, gpu_record):
-    from model_runtime.kernels.moe_experts import experts_grouped_mm, experts_grouped_mm_fused
+    from model_runtime.kernels.moe_experts import (
+        experts_grouped_mm,
+        experts_grouped_mm_fused,
+        experts_grouped_mm_fused_scatter,
+    )
 
     gate_up, down, x, top_i, top_w, gate, shared = (t[:rows] if t.dim() == 2 else t for t in inputs)
+    counts, worst = {}, {}
     with torch.inference_mode():
-        routed = (experts_grouped_mm(x, top_i, top_w, gate_up, down), experts_grouped_mm_fused(x, top_i, top_w, gate_up, down))
-        block = (experts_grouped_mm(x, top_i, top_w, gate_up, down, shared=(gate, shared)),
-                 experts_grouped_mm_fused(x, top_i, top_w, gate_up, down, shared=(gate, shared)))
-    counts = {"routed_differing": differing(*routed), "block_differing": differing(*block)}
-    worst = [float((a.float() - b.float()).abs().max()) for a, b in (routed, block)]
+        routed_want = experts_grouped_mm(x, top_i, top_w, gate_up, down)
+        block_want = experts_grouped_mm(x, top_i, top_w, gate_up, down, shared=(gate, shared))
+        for name, fn in (("fused", experts_grouped_mm_fused), ("fused_scatter", experts_grouped_mm_fused_scatter)):
+            routed = fn(x, top_i, top_w, gate_up, down)
+            block = fn(x, top_i, top_w, gate_up, down, shared=(gate, shared))
+            counts[f"{name}_routed_differing"] = differing(routed, routed_want)
+            counts[f"{name}_block_differing"] = differing(block, block_want)
+            worst[name] = max(float((routed.float() - routed_want.float()).abs().max()),
+                              float((block.float() - block_want.float()).abs().max()))
     gpu_record(f"fused MoE experts vs grouped_mm, {rows} tokens", **counts)
-    assert counts == {"routed_differing": 0, "block_differing": 0}, (
-        f"{counts} of {rows * D} values differ (tolerance: bit for bit); max |diff| routed {worst[0]:.3e}, block {worst[1]:.3e}")
+    assert not any(counts.values()), f"{counts} of {rows * D} values differ (tolerance: bit for bit); max |diff| {worst}"
 
 
 @pytest.mark.parametrize("lengths", [(1,), (5, 64, 300), (1000, 3000, 12000)], ids=lambda v: "L" + "-".join(map(str, v)))

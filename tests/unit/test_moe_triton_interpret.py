@@ -148,6 +148,26 @@ def test_fused_experts_equal_the_composition_float32():
         got = ME.grouped_experts(x, top_i, top_w, gate_up, down, sh, fused=True)
         diff, tol = float((got - want).abs().max()), 1e-6 * float(want.abs().max())
         assert diff <= tol, f"fused vs composition: max |diff| {diff:.3e} (tolerance {tol:.3e})"
+        scattered = ME.grouped_experts(x, top_i, top_w, gate_up, down, sh, fused=True, scatter=True)
+        assert_bitwise("fused with scatter_rows vs fused with the gather", scattered, got)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("T,K,D", [(9, 8, 2048), (13, 3, 100), (1, 2, 4100)], ids=lambda v: str(v))
+def test_scatter_rows_writes_what_the_gather_reads(T, K, D, dtype):
+    """Every token's row at its K places, bit for bit the rows ``index_select`` gathers; rows no
+    place names (the grouped product's never-computed tail) untouched."""
+    from model_runtime.kernels import moe_triton as MT
+
+    g = torch.Generator().manual_seed(T * K + D)
+    x = torch.randn(T, D, generator=g).to(dtype)
+    x[0, :3] = -0.0
+    order = torch.randperm(T * K, generator=g)
+    pos = torch.empty_like(order).index_copy_(0, order, torch.arange(T * K))
+    out = torch.full((T * K + 5, D), float("nan"), dtype=dtype)
+    MT.scatter_rows(x, pos.view(T, K), out)
+    assert_bitwise("scatter_rows vs index_select", out[: T * K], x.index_select(0, order // K))
+    assert bool(out[T * K :].isnan().all()), "scatter_rows wrote past the pairs"
 
 
 def test_the_kernels_refuse_what_they_do_not_take():
@@ -159,6 +179,8 @@ def test_the_kernels_refuse_what_they_do_not_take():
     with pytest.raises(ValueError, match="unit column stride"):
         MT.silu_mul_rows(a.t(), 2)
     pos = torch.arange(6).view(3, 2)
+    with pytest.raises(ValueError, match="scatter_rows"):
+        MT.scatter_rows(a[:3], pos, torch.empty(5, 8, dtype=torch.bfloat16))  # fewer than T * K rows
     with pytest.raises(ValueError, match="weights"):
         MT.combine_top_k(a, pos, torch.rand(3, 2))  # float32 weights for bf16 rows
     with pytest.raises(ValueError, match="shared"):
