@@ -42,7 +42,7 @@ def profile_row(run, *, top: int = 25) -> dict:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         started = time.perf_counter()
         run()
         sync()
@@ -61,6 +61,7 @@ def profile_row(run, *, top: int = 25) -> dict:
     per_category["gpu_idle (launch, python, packing, host)"] = max(0.0, wall_ms - busy_ms)
     kernels = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]
     return {
+        "top_ops_by_shape_ms": _top_ops_by_shape(prof, top),
         "wall_ms": wall_ms,
         "gpu_busy_ms": busy_ms,
         "kernel_launches": launches,
@@ -69,11 +70,25 @@ def profile_row(run, *, top: int = 25) -> dict:
     }
 
 
+def _top_ops_by_shape(prof, top: int) -> list[dict]:
+    """The operators that launched the most device time, one row per (name, input shapes): which
+    call a copy or a fill comes from (``aten::copy_`` of ``[[65536, 2048], ...]``)."""
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        ms = getattr(e, "self_device_time_total", 0) / 1e3
+        if ms > 0 and e.key.startswith("aten::"):
+            rows.append({"op": e.key, "shapes": str(e.input_shapes)[:160], "calls": e.count, "ms": ms})
+    return sorted(rows, key=lambda r: -r["ms"])[:top]
+
+
 def format_breakdown(breakdown: dict) -> str:
     wall = breakdown["wall_ms"]
     lines = [f"wall {wall:.1f} ms, GPU busy {breakdown['gpu_busy_ms']:.1f} ms, {breakdown['kernel_launches']} kernels"]
     for name, ms in breakdown["categories_ms"].items():
         lines.append(f"  {name:<45s} {ms:9.1f} ms  {100 * ms / wall:5.1f}%")
+    lines.append("top aten operators by their kernels' time, with input shapes:")
+    for r in breakdown.get("top_ops_by_shape_ms", []):
+        lines.append(f"  {r['ms']:9.2f} ms  {r['calls']:5d} x {r['op']} {r['shapes']}")
     lines.append("top kernels:")
     for k in breakdown["top_kernels_ms"]:
         lines.append(f"  {k['ms']:9.2f} ms  [{k['category']}] {k['name']}")
