@@ -8,10 +8,10 @@ benchmark early so that its Hugging Face one-at-a-time pass fits in ``--budget-s
 1. the measured bf16 matmul ceiling (bench.gpu_probes.matmul_ceiling);
 2. ``block_timing``: one sparse-MoE block of the 35B-A3B shape (random bf16 weights) on a 16k- and
    a 64k-token row of the RL mix's lengths: ms per block for packscore with the fused experts
-   (``grouped_mm_fused``), with its rows scattered (``grouped_mm_fused_scatter``), with the
-   ``grouped_mm`` composition, and for Hugging Face's block (``grouped_mm`` experts, the whole
-   row); whether each fused form equals the composition bit for bit; the top CUDA kernels of one
-   fused forward on the 64k row (torch.profiler);
+   (``grouped_mm_fused``), with its rows scattered (``grouped_mm_fused_scatter``), each also with
+   the candidates router (``moe_router=candidates``), with the ``grouped_mm`` composition, and for
+   Hugging Face's block (``grouped_mm`` experts, the whole row); whether each equals the
+   composition bit for bit; the top CUDA kernels of one fused forward on the 64k row (torch.profiler);
 3. the suite's benchmark (bench.gpu_suite.run_benchmark) on the first ``--sequences`` of the RL
    mix: packscore, HF padded and HF one at a time, tokens/s, ``mfu_of_measured_peak`` on active
    parameters, ``diff_packscore_vs_hf_single`` and ``diff_hf_padded_vs_hf_single``; then
@@ -197,9 +197,10 @@ def top_kernels(fn, top: int = BLOCK_PROFILE_TOP) -> list[dict]:
 def block_timing(preset: str = PRESET, rows=BLOCK_ROWS, spec=None) -> dict:
     """One sparse-MoE block of ``preset``'s shape (random bf16 weights) on a packed row of each size
     in ``rows`` (the RL mix's lengths): ms per block forward for packscore with each grouped experts
-    backend and for Hugging Face's block (``grouped_mm`` experts) on the whole row; whether the
-    fused backend equals the composition bit for bit; and the top kernels of one fused forward on the
-    largest row. On the CPU (``--dry-run-cpu``) the ``tiled`` backend stands in for both."""
+    backend and router (the opt-in ones too) and for Hugging Face's block (``grouped_mm`` experts)
+    on the whole row; how many values each differs from the composition in (0: bit for bit); and
+    the top kernels of one fused forward on the largest row. On the CPU (``--dry-run-cpu``) the CPU
+    kernels stand in."""
     from model_runtime.kernels.registry import select_backends
     from model_runtime.model.moe import PackedSparseMoe
     from model_runtime.model.packing import PackedBatch
@@ -210,11 +211,16 @@ def block_timing(preset: str = PRESET, rows=BLOCK_ROWS, spec=None) -> dict:
     dtype = torch.bfloat16 if cuda else torch.float32
     block = random_block(preset, device, dtype)
     vocab_size = build_config(PRESETS[preset], num_hidden_layers=1).vocab_size
-    names = ({"fused": "grouped_mm_fused", "composition": "grouped_mm", "fused_scatter": "grouped_mm_fused_scatter"} if cuda
-             else {"fused": "tiled", "composition": "tiled", "fused_scatter": "tiled"})
-    ours = {key: PackedSparseMoe(block, select_backends(device, allow_slow=True, overrides={"moe_experts": name}))
-            for key, name in names.items()}
-    out = {"preset": preset, "dtype": str(dtype), "backends": names, "rows": {}}
+    # name -> kernel overrides; "composition" is the plain reference the others must equal bit for bit
+    variants = {
+        "fused": {"moe_experts": "grouped_mm_fused"},
+        "composition": {"moe_experts": "grouped_mm"},
+        "fused_scatter": {"moe_experts": "grouped_mm_fused_scatter"},
+        "fused_candidates": {"moe_experts": "grouped_mm_fused", "moe_router": "candidates"},
+        "fused_scatter_candidates": {"moe_experts": "grouped_mm_fused_scatter", "moe_router": "candidates"},
+    } if cuda else {"fused": {}, "composition": {}}
+    ours = {key: PackedSparseMoe(block, select_backends(device, allow_slow=True, overrides=o)) for key, o in variants.items()}
+    out = {"preset": preset, "dtype": str(dtype), "backends": {k: ",".join(f"{f}={b}" for f, b in o.items()) or "the CPU's" for k, o in variants.items()}, "rows": {}}
     g = torch.Generator(device=device).manual_seed(2)
     with torch.inference_mode():
         for tokens in rows:
@@ -222,17 +228,18 @@ def block_timing(preset: str = PRESET, rows=BLOCK_ROWS, spec=None) -> dict:
             packed = PackedBatch.from_lengths(lengths, device=device)
             x_TD = torch.randn(tokens, block.gate.hidden_dim, device=device, generator=g).to(dtype)
             entry = {"sequences": len(lengths)}
-            fused_out, plain_out = ours["fused"](x_TD, packed), ours["composition"](x_TD, packed)
+            plain_out = ours["composition"](x_TD, packed)
             bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
-            entry["fused_vs_composition_differing"] = int((fused_out.view(bits) != plain_out.view(bits)).sum())
-            entry["fused_vs_composition_max_abs_diff"] = float((fused_out.float() - plain_out.float()).abs().max())
+            for key in ours:
+                if key != "composition":
+                    got = ours[key](x_TD, packed)
+                    entry[f"{key}_vs_composition_differing"] = int((got.view(bits) != plain_out.view(bits)).sum())
+                    entry[f"{key}_vs_composition_max_abs_diff"] = float((got.float() - plain_out.float()).abs().max())
+                    del got
             entry["fused_vs_composition_bitwise_equal"] = entry["fused_vs_composition_differing"] == 0
-            scatter_out = ours["fused_scatter"](x_TD, packed)
-            entry["fused_scatter_vs_composition_differing"] = int((scatter_out.view(bits) != plain_out.view(bits)).sum())
-            del fused_out, plain_out, scatter_out
-            entry["packscore_fused_ms"] = _median_ms(lambda: ours["fused"](x_TD, packed))
-            entry["packscore_composition_ms"] = _median_ms(lambda: ours["composition"](x_TD, packed))
-            entry["packscore_fused_scatter_ms"] = _median_ms(lambda: ours["fused_scatter"](x_TD, packed))
+            del plain_out
+            for key in ours:
+                entry[f"packscore_{key}_ms"] = _median_ms(lambda key=key: ours[key](x_TD, packed))
             _set_experts(block, "grouped_mm")
             entry["hf_grouped_mm_ms"] = _median_ms(lambda: block(x_TD[None]))
             entry["fused_speedup_over_composition"] = entry["packscore_composition_ms"] / entry["packscore_fused_ms"]
@@ -304,16 +311,17 @@ def markdown(results: dict, key: str) -> str:
     timing = results.get("block_timing") or {}
     if timing.get("rows"):
         lines.append("")
-        lines.append(f"One MoE block ({timing['preset']}, {timing['dtype']}), ms per forward; packscore "
-                     f"fused = {timing['backends']['fused']}, composition = {timing['backends']['composition']}:")
-        lines.append("| row tokens | packscore fused | fused, rows scattered | packscore composition | HF grouped_mm (whole row) "
-                     "| fused = composition bit for bit | scattered: values differing |")
-        lines.append("| ---: | ---: | ---: | ---: | ---: | --- | ---: |")
+        lines.append(f"One MoE block ({timing['preset']}, {timing['dtype']}), ms per forward; kernels: "
+                     + "; ".join(f"{k} = {v}" for k, v in timing["backends"].items()) + ":")
+        keys = [k[len("packscore_"):-len("_ms")] for k in next(iter(timing["rows"].values())) if k.startswith("packscore_")]
+        others = [k for k in keys if k != "composition"]
+        lines.append("| row tokens | " + " | ".join(f"{k} ms" for k in keys) + " | HF grouped_mm (whole row) ms | "
+                     + " | ".join(f"{k}: values differing from composition" for k in others) + " |")
+        lines.append("| ---: |" + " ---: |" * (len(keys) + 1 + len(others)))
         for tokens, e in timing["rows"].items():
-            lines.append(f"| {int(tokens):,} | {e['packscore_fused_ms']:.2f} | {e.get('packscore_fused_scatter_ms', float('nan')):.2f} | "
-                         f"{e['packscore_composition_ms']:.2f} | {e['hf_grouped_mm_ms']:.2f} | {e['fused_vs_composition_bitwise_equal']} "
-                         f"({e['fused_vs_composition_differing']} differ, max {e['fused_vs_composition_max_abs_diff']:.3g}) | "
-                         f"{e.get('fused_scatter_vs_composition_differing', '')} |")
+            lines.append(f"| {int(tokens):,} | " + " | ".join(f"{e[f'packscore_{k}_ms']:.2f}" for k in keys)
+                         + f" | {e['hf_grouped_mm_ms']:.2f} | "
+                         + " | ".join(str(e.get(f"{k}_vs_composition_differing", "")) for k in others) + " |")
     if timing.get("profile_fused"):
         lines.append("")
         lines.append(f"Top kernels of one fused block forward ({timing['profile_tokens']:,} tokens):")

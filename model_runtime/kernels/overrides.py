@@ -4,7 +4,8 @@ the workers (no torch import)."""
 from __future__ import annotations
 
 # One boundary per family (model_runtime/kernels/); each has named backends.
-FAMILIES = ("linear_attention", "conv1d", "attention", "head", "elementwise", "gate_projection", "moe_experts")
+FAMILIES = ("linear_attention", "conv1d", "attention", "head", "elementwise", "gate_projection", "moe_experts",
+            "moe_router")
 
 
 def parse_kernel_overrides(text: str) -> dict[str, str]:

@@ -4,9 +4,10 @@ Families: ``linear_attention`` (gated delta rule), ``conv1d`` (causal depthwise 
 ``attention`` (causal full attention), ``head`` (log-probability and entropy of a chunk of
 logits), ``elementwise`` (norms, gates, rotary, SiLU between the matrix products; its
 registry entries return the whole function set) and ``gate_projection`` (the GDN's narrow
-decay/beta projections, per row or per segment) and ``moe_experts`` (a sparse-MoE block's
-routed experts, each token's output independent of the row's size). Every fast backend has an exact PyTorch
-reference beside it; tests compare them on fresh random inputs.
+decay/beta projections, per row or per segment), ``moe_experts`` (a sparse-MoE block's
+routed experts, each token's output independent of the row's size) and ``moe_router`` (the
+router's top-k, ``torch.topk``'s answer). Every fast backend has an exact PyTorch reference
+beside it; tests compare them on fresh random inputs.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from model_runtime.kernels.moe_experts import (
     experts_grouped_mm_fused_scatter,
     experts_tiled,
 )
+from model_runtime.kernels.moe_router import top_k_candidates, top_k_torch
 from model_runtime.kernels.logprob_head import logprob_entropy_torch, logprob_entropy_triton
 from model_runtime.kernels.overrides import FAMILIES  # one list for the CLI and the registry
 
@@ -56,6 +58,7 @@ REGISTRY: dict[str, dict[str, Callable]] = {
     "gate_projection": {"row": gate_projection_row, "segment": gate_projection_segment},
     "moe_experts": {"tiled": experts_tiled, "grouped_mm": experts_grouped_mm, "grouped_mm_fused": experts_grouped_mm_fused,
                     "grouped_mm_fused_scatter": experts_grouped_mm_fused_scatter},
+    "moe_router": {"topk": top_k_torch, "candidates": top_k_candidates},
 }
 # What a CPU run uses: the exact per-segment references, and plain PyTorch for the rest.
 _CPU_DEFAULT = {
@@ -66,11 +69,12 @@ _CPU_DEFAULT = {
     "elementwise": "eager",
     "gate_projection": "segment",
     "moe_experts": "tiled",
+    "moe_router": "topk",
 }
 
 # Backends whose kernels exist only on CUDA.
 CUDA_ONLY = frozenset({"fla", "causal_conv1d", "varlen", "flash_attn", "triton", "inductor_exact", "triton_exact",
-                       "grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter"})
+                       "grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter", "candidates"})
 
 # The fast backends on a GPU, best first. Attention differs by where the model runs (figures in
 # docs/benchmarks.md):
@@ -93,6 +97,9 @@ _GPU_PREFERENCE = {
     "gate_projection": ("segment",),
     # grouped_mm_fused: grouped_mm's arithmetic bit for bit, the steps around the products in Triton.
     "moe_experts": ("grouped_mm_fused", "grouped_mm"),
+    # topk: torch.topk itself; candidates (--kernels moe_router=candidates) returns the same and is
+    # opt-in until timed on a GPU.
+    "moe_router": ("topk",),
 }
 _POOL_GPU_PREFERENCE = {**_GPU_PREFERENCE, "attention": ("flash_attn", "varlen", "sdpa")}
 
@@ -112,6 +119,7 @@ class KernelBackends:
     elementwise: str = "eager"
     gate_projection: str = "segment"
     moe_experts: str = "tiled"
+    moe_router: str = "topk"
     fallbacks: tuple[str, ...] = field(default=())
 
     def __post_init__(self):
@@ -141,6 +149,7 @@ _BACKEND_MODULES = {
     "triton_exact": ("triton", "torch._inductor"),
     "grouped_mm_fused": ("triton",),
     "grouped_mm_fused_scatter": ("triton",),
+    "candidates": ("triton",),
 }
 
 

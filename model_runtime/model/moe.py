@@ -68,13 +68,14 @@ class PackedSparseMoe(nn.Module):
         # token's numbers fixed under sequence parallelism as well, where segments are cut.
         self.tiled = backends.moe_experts == "tiled"
         self.gate_projection_fn = backends.fn("gate_projection")
+        self.top_k_fn = backends.fn("moe_router")
         self.ops = ModuleOps(backends.fn("elementwise")())
 
     def route(self, x_TD: torch.Tensor, packed: PackedBatch, sp=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(top_w_TK, top_i_TK)``: routing weights (model dtype) and expert ids, as Hugging Face's router."""
         logits_TE = self._narrow(functools.partial(F.linear, weight=self.gate.weight), x_TD, packed, sp)
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
-        top_w_TK, top_i_TK = torch.topk(probs_TE, self.top_k, dim=-1)
+        top_w_TK, top_i_TK = self.top_k_fn(probs_TE, self.top_k)  # torch.topk's answer, ties included
         if self.normalise_top_k:
             top_w_TK = top_w_TK / top_k_total(top_w_TK)
         return top_w_TK.to(logits_TE.dtype), top_i_TK
