@@ -56,12 +56,6 @@ def _record(layers, length: int, store: dict) -> list:
     return handles
 
 
-def _diff(a: torch.Tensor, b: torch.Tensor) -> dict:
-    d = (a.float() - b.float()).abs()
-    return {"max": float(d.max()) if d.numel() else 0.0, "mean": float(d.mean()) if d.numel() else 0.0,
-            "differing": int((d > 0).sum())}
-
-
 def renorm_sum_orders(top_TK: torch.Tensor) -> dict:
     """How ``top_TK.sum(-1)`` (Hugging Face's renormalisation, a reduction kernel) adds K float32
     values: the fraction of rows on which each fixed order gives the same bits."""
@@ -89,39 +83,18 @@ def _fold(values):
 
 
 def moe_block_steps(hf_block, ours, x_TD: torch.Tensor) -> dict:
-    """Hugging Face's sparse-MoE block and packscore's on the same rows (one sequence), step by step."""
-    from model_runtime.model.moe import _sigmoid_per_row
+    """Hugging Face's sparse-MoE block and packscore's on the same rows (one sequence), step by step
+    (``bench.moe.block_steps``), with the orders of the router's renormalisation sum."""
+    from bench.moe import block_steps
     from model_runtime.model.packing import PackedBatch
 
-    packed = PackedBatch.from_lengths([x_TD.shape[0]], device=x_TD.device)
     with torch.inference_mode():
-        logits, w, i = hf_block.gate(x_TD)
-        our_logits = ours._narrow(lambda x: torch.nn.functional.linear(x, ours.gate.weight), x_TD, packed)
-        our_w, our_i = ours.route(x_TD, packed)
+        steps, _ = block_steps(hf_block, ours, x_TD, PackedBatch.from_lengths([x_TD.shape[0]], device=x_TD.device))
+        logits, _, _ = hf_block.gate(x_TD)
         top, _ = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), ours.top_k, dim=-1)
-        same = (i == our_i).all(dim=-1)
-        routed_hf = hf_block.experts(x_TD, i, w)
-        routed_ours = ours.experts_fn(x_TD, i, w, ours.experts.gate_up_proj, ours.experts.down_proj)
-        shared_hf = hf_block.shared_expert(x_TD)
-        shared_ours = ours.ops.mlp(ours.shared_expert, x_TD)
-        gate_hf = torch.sigmoid(hf_block.shared_expert_gate(x_TD))
-        gate_ours = _sigmoid_per_row(ours._narrow(ours.shared_expert_gate, x_TD, packed))
-        out_hf = hf_block(x_TD[None])
-        out_hf = (out_hf[0] if isinstance(out_hf, tuple) else out_hf)[0]
-        out_ours = ours(x_TD, packed)
-        return {
-            "tokens": x_TD.shape[0],
-            "router_logits": _diff(our_logits, logits),
-            "top_k_ids_tokens_differing": int((~same).sum()),
-            "top_k_weights_where_ids_agree": _diff(our_w[same], w[same]),
-            "renorm_sum_orders_vs_torch_sum": renorm_sum_orders(top),
-            "renorm_sum_orders_vs_torch_sum_random_65536": renorm_sum_orders(
-                torch.rand(65536, ours.top_k, device=x_TD.device).sort(dim=-1, descending=True).values),
-            "routed_experts_on_hf_routing": _diff(routed_ours, routed_hf),
-            "shared_expert": _diff(shared_ours, shared_hf),
-            "shared_gate": _diff(gate_ours, gate_hf),
-            "block_output": _diff(out_ours, out_hf),
-        }
+        random = torch.rand(65536, ours.top_k, device=x_TD.device).sort(dim=-1, descending=True).values
+        return {"tokens": x_TD.shape[0], **steps, "renorm_sum_orders_vs_torch_sum": renorm_sum_orders(top),
+                "renorm_sum_orders_vs_torch_sum_random_65536": renorm_sum_orders(random)}
 
 
 def divergence(preset: str, num_layers: int, length: int, seed: int = 0, device: str = "cuda") -> dict:

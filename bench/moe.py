@@ -85,12 +85,49 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> dict:
     return {"max": float(d.max()), "mean": float(d.mean()), "differing_fraction": float((d > 0).float().mean())}
 
 
-def block_divergence(preset: str = PRESET, lengths=DIVERGENCE_LENGTHS) -> dict:
-    """Step-by-step differences of packscore's block (one packed row) from Hugging Face's (per sequence)."""
+def block_steps(block, ours, x_TD: torch.Tensor, packed) -> tuple[dict, torch.Tensor]:
+    """Packscore's block ``ours`` on the packed row ``x_TD`` against Hugging Face's ``block`` on each
+    of its segments alone, step by step (router logits, top-k ids and weights, routed experts on
+    Hugging Face's routing, shared expert, shared gate, output); returns the differences and
+    Hugging Face's per-segment output."""
     import torch.nn.functional as F
 
+    from model_runtime.model.moe import _sigmoid_per_row
+
+    our_logits = ours._narrow(lambda x: F.linear(x, ours.gate.weight), x_TD, packed)
+    our_w, our_i = ours.route(x_TD, packed)
+    our_shared = ours.ops.mlp(ours.shared_expert, x_TD)
+    our_gate = _sigmoid_per_row(ours._narrow(ours.shared_expert_gate, x_TD, packed))
+    our_out = ours(x_TD, packed)
+    pieces = {k: [] for k in ("logits", "w", "i", "routed_same_routing", "ours_routed_same_routing", "shared", "gate", "out")}
+    for start, end in packed.segment_bounds:
+        x = x_TD[start:end]
+        logits, w, i = block.gate(x)
+        pieces["logits"].append(logits)
+        pieces["w"].append(w)
+        pieces["i"].append(i)
+        pieces["routed_same_routing"].append(block.experts(x, i, w))
+        pieces["ours_routed_same_routing"].append(ours.experts_fn(x, i, w, ours.experts.gate_up_proj, ours.experts.down_proj))
+        pieces["shared"].append(block.shared_expert(x))
+        pieces["gate"].append(torch.sigmoid(block.shared_expert_gate(x)))
+        pieces["out"].append(block(x[None])[0])
+    hf = {k: torch.cat(v) for k, v in pieces.items()}
+    same_ids = (hf["i"] == our_i).all(dim=-1)
+    return {
+        "router_logits": _diff(our_logits, hf["logits"]),
+        "top_k_ids_token_mismatch_fraction": float(1 - same_ids.float().mean()),
+        "top_k_weights_where_ids_agree": _diff(our_w[same_ids], hf["w"][same_ids]),
+        "routed_experts_same_routing": _diff(hf["ours_routed_same_routing"], hf["routed_same_routing"]),
+        "shared_expert": _diff(our_shared, hf["shared"]),
+        "shared_gate": _diff(our_gate, hf["gate"]),
+        "block_output": _diff(our_out, hf["out"]),
+    }, hf["out"]
+
+
+def block_divergence(preset: str = PRESET, lengths=DIVERGENCE_LENGTHS) -> dict:
+    """Step-by-step differences of packscore's block (one packed row) from Hugging Face's (per sequence)."""
     from model_runtime.kernels.registry import select_backends
-    from model_runtime.model.moe import PackedSparseMoe, _sigmoid_per_row
+    from model_runtime.model.moe import PackedSparseMoe
     from model_runtime.model.packing import PackedBatch
 
     device = torch.device(H.DEVICE)
@@ -99,43 +136,14 @@ def block_divergence(preset: str = PRESET, lengths=DIVERGENCE_LENGTHS) -> dict:
     backends = select_backends(device, allow_slow=True)
     ours = PackedSparseMoe(block, backends)
     packed = PackedBatch.from_lengths(list(lengths), device=device)
-    bounds = packed.segment_bounds
     g = torch.Generator(device=device).manual_seed(1)
     x_TD = torch.randn(sum(lengths), block.gate.hidden_dim, device=device, generator=g).to(dtype)
     out = {"preset": preset, "lengths": list(lengths), "experts_backend": backends.moe_experts}
     with torch.no_grad():
-        our_logits = ours._narrow(lambda x: F.linear(x, ours.gate.weight), x_TD, packed)
-        our_w, our_i = ours.route(x_TD, packed)
-        our_shared = ours.ops.mlp(ours.shared_expert, x_TD)
-        our_gate = _sigmoid_per_row(ours._narrow(ours.shared_expert_gate, x_TD, packed))
-        our_out = ours(x_TD, packed)
         for impl in ("grouped_mm", "eager"):
             _set_experts(block, impl)
-            pieces = {k: [] for k in ("logits", "w", "i", "routed_same_routing", "ours_routed_same_routing", "shared", "gate", "out")}
-            for start, end in bounds:
-                x = x_TD[start:end]
-                logits, w, i = block.gate(x)
-                pieces["logits"].append(logits)
-                pieces["w"].append(w)
-                pieces["i"].append(i)
-                pieces["routed_same_routing"].append(block.experts(x, i, w))
-                pieces["ours_routed_same_routing"].append(ours.experts_fn(x, i, w, ours.experts.gate_up_proj, ours.experts.down_proj))
-                pieces["shared"].append(block.shared_expert(x))
-                pieces["gate"].append(torch.sigmoid(block.shared_expert_gate(x)))
-                pieces["out"].append(block(x[None])[0])
-            hf = {k: torch.cat(v) for k, v in pieces.items()}
-            same_ids = (hf["i"] == our_i).all(dim=-1)
-            out[f"vs_hf_{impl}_single"] = {
-                "router_logits": _diff(our_logits, hf["logits"]),
-                "top_k_ids_token_mismatch_fraction": float(1 - same_ids.float().mean()),
-                "top_k_weights_where_ids_agree": _diff(our_w[same_ids], hf["w"][same_ids]),
-                "routed_experts_same_routing": _diff(hf["ours_routed_same_routing"], hf["routed_same_routing"]),
-                "shared_expert": _diff(our_shared, hf["shared"]),
-                "shared_gate": _diff(our_gate, hf["gate"]),
-                "block_output": _diff(our_out, hf["out"]),
-            }
-            whole = block(x_TD[None])[0]
-            out[f"hf_{impl}_whole_row_vs_single"] = {"block_output": _diff(whole, hf["out"])}
+            out[f"vs_hf_{impl}_single"], hf_out = block_steps(block, ours, x_TD, packed)
+            out[f"hf_{impl}_whole_row_vs_single"] = {"block_output": _diff(block(x_TD[None])[0], hf_out)}
         _set_experts(block, "grouped_mm")
     log(f"MoE block divergence: {json.dumps(out)}")
     return out
@@ -282,6 +290,13 @@ def alone_vs_packed(preset: str = PRESET, num_layers: int = 4, lengths=INVARIANC
     return out
 
 
+def _table(title: str, columns) -> list[str]:
+    """A blank line, ``title`` and a markdown table's header: the first column left-aligned, the
+    others (numbers) right-aligned."""
+    columns = tuple(columns)
+    return ["", title, "| " + " | ".join(columns) + " |", "| --- |" + " ---: |" * (len(columns) - 1)]
+
+
 def markdown(results: dict, key: str) -> str:
     lines = ["| | tokens/s | of measured peak (active params) | mean / max abs diff of log-probs to HF one at a time |",
              "| --- | ---: | ---: | ---: |"]
@@ -299,10 +314,8 @@ def markdown(results: dict, key: str) -> str:
             lines.append(f"\n{name} vs packscore, log-probs mean / max abs diff: {d['logprob_mean']:.3g} / {d['logprob_max']:.3g}")
     modules = (bench.get("profile") or {}).get("modules")
     if modules:
-        lines.append("")
-        lines.append(f"One row of {bench['profile']['row_tokens']:,} tokens, {modules['wall_ms']:.0f} ms: device time by module kind")
-        lines.append("| module | count | ms | ms each | share |")
-        lines.append("| --- | ---: | ---: | ---: | ---: |")
+        lines += _table(f"One row of {bench['profile']['row_tokens']:,} tokens, {modules['wall_ms']:.0f} ms: device time by "
+                        "module kind", ("module", "count", "ms", "ms each", "share"))
         for kind, m in modules.items():
             if isinstance(m, dict):
                 lines.append(f"| {kind} | {m['count']} | {m['ms']:.1f} | {m['ms_each']:.2f} | {m['ms'] / modules['wall_ms']:.3f} |")
@@ -310,23 +323,19 @@ def markdown(results: dict, key: str) -> str:
                      f"{modules['other_ms'] / modules['wall_ms']:.3f} |")
     timing = results.get("block_timing") or {}
     if timing.get("rows"):
-        lines.append("")
-        lines.append(f"One MoE block ({timing['preset']}, {timing['dtype']}), ms per forward; kernels: "
-                     + "; ".join(f"{k} = {v}" for k, v in timing["backends"].items()) + ":")
         keys = [k[len("packscore_"):-len("_ms")] for k in next(iter(timing["rows"].values())) if k.startswith("packscore_")]
         others = [k for k in keys if k != "composition"]
-        lines.append("| row tokens | " + " | ".join(f"{k} ms" for k in keys) + " | HF grouped_mm (whole row) ms | "
-                     + " | ".join(f"{k}: values differing from composition" for k in others) + " |")
-        lines.append("| ---: |" + " ---: |" * (len(keys) + 1 + len(others)))
+        lines += _table(f"One MoE block ({timing['preset']}, {timing['dtype']}), ms per forward; kernels: "
+                        + "; ".join(f"{k} = {v}" for k, v in timing["backends"].items()) + ":",
+                        ("row tokens", *(f"{k} ms" for k in keys), "HF grouped_mm (whole row) ms",
+                         *(f"{k}: values differing from composition" for k in others)))
         for tokens, e in timing["rows"].items():
             lines.append(f"| {int(tokens):,} | " + " | ".join(f"{e[f'packscore_{k}_ms']:.2f}" for k in keys)
                          + f" | {e['hf_grouped_mm_ms']:.2f} | "
                          + " | ".join(str(e.get(f"{k}_vs_composition_differing", "")) for k in others) + " |")
     if timing.get("profile_fused"):
-        lines.append("")
-        lines.append(f"Top kernels of one fused block forward ({timing['profile_tokens']:,} tokens):")
-        lines.append("| kernel | calls | total ms | share |")
-        lines.append("| --- | ---: | ---: | ---: |")
+        lines += _table(f"Top kernels of one fused block forward ({timing['profile_tokens']:,} tokens):",
+                        ("kernel", "calls", "total ms", "share"))
         for r in timing["profile_fused"]:
             lines.append(f"| {r['name'][:110]} | {r['calls']} | {r['total_ms']:.3f} | {r['share']:.3f} |")
     probe = results.get("moe_experts") or {}
@@ -343,10 +352,8 @@ def markdown(results: dict, key: str) -> str:
     for impl in ("grouped_mm", "eager"):
         steps = div.get(f"vs_hf_{impl}_single")
         if steps:
-            lines.append("")
-            lines.append(f"MoE block, packscore (one row) vs HF {impl} (each sequence alone):")
-            lines.append("| step | max | mean | differing fraction |")
-            lines.append("| --- | ---: | ---: | ---: |")
+            lines += _table(f"MoE block, packscore (one row) vs HF {impl} (each sequence alone):",
+                            ("step", "max", "mean", "differing fraction"))
             for step, d in steps.items():
                 if isinstance(d, dict):
                     lines.append(f"| {step} | {d['max']:.3g} | {d['mean']:.3g} | {d['differing_fraction']:.3g} |")

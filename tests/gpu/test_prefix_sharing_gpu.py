@@ -76,13 +76,19 @@ def test_fla_delta_rule_continues_the_parent_state(case, gpu_record):
         assert err <= 1e-2, f"fla GDN linked vs whole rel {err:.3e} > 1e-2 (max |diff| {diff:.3e})"
 
 
-def _conv_backends():
-    convs = [pytest.param(causal_conv1d_fla, id="fla"), pytest.param(causal_conv1d_silu_triton, id="triton")]
+def _backends(always: dict, optional_module: str, optional) -> list:
+    """pytest params of the backends in ``always`` ({id: fn}), and ``optional`` (id =
+    ``optional_module``) where that package is installed."""
+    params = [pytest.param(fn, id=name) for name, fn in always.items()]
     try:
-        import causal_conv1d  # noqa: F401
+        __import__(optional_module)
     except ImportError:
-        return convs
-    return convs + [pytest.param(causal_conv1d_tridao, id="causal_conv1d")]
+        return params
+    return params + [pytest.param(optional, id=optional_module)]
+
+
+def _conv_backends():
+    return _backends({"fla": causal_conv1d_fla, "triton": causal_conv1d_silu_triton}, "causal_conv1d", causal_conv1d_tridao)
 
 
 @pytest.mark.parametrize("conv", _conv_backends())
@@ -100,12 +106,7 @@ def test_fast_conv_continues_the_parent_window(case, conv, gpu_record):
 
 
 def _attention_backends():
-    fns = [pytest.param(causal_attention_sdpa, id="sdpa"), pytest.param(causal_attention_varlen, id="varlen")]
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return fns
-    return fns + [pytest.param(causal_attention_flash, id="flash_attn")]
+    return _backends({"sdpa": causal_attention_sdpa, "varlen": causal_attention_varlen}, "flash_attn", causal_attention_flash)
 
 
 @pytest.mark.parametrize("fn", _attention_backends())
