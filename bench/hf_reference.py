@@ -33,13 +33,14 @@ from model_runtime.scoring.presets import PRESETS, build_config
 _SWAPPABLE = {"attention": ("PackedAttention", "attention_fn"), "gate_projection": ("PackedGatedDeltaNet", "gate_projection_fn"),
               "conv1d": ("PackedGatedDeltaNet", "conv_fn"),
               # between the grouped backends only: the block runs its other products in tiles when built with tiled
-              "moe_experts": ("PackedSparseMoe", "experts_fn")}
+              "moe_experts": ("PackedSparseMoe", "experts_fn"), "moe_router": ("PackedSparseMoe", "top_k_fn"),
+              "moe_shared": ("PackedSparseMoe", "shared_fn")}
 
 
 @contextlib.contextmanager
 def kernel_backend(model, family: str, name: str):
     """Every layer of the packed ``model`` runs backend ``name`` of ``family`` (attention,
-    gate_projection, conv1d, moe_experts or elementwise) for the duration of the block: one loaded model, timed both ways."""
+    gate_projection, conv1d, moe_experts, moe_router, moe_shared or elementwise) for the duration of the block: one loaded model, timed both ways."""
     from model_runtime.kernels.registry import REGISTRY
 
     if family == "elementwise":  # every module's ModuleOps (layers and the model's own norms)

@@ -7,16 +7,16 @@ Phases (results JSON rewritten after each, a markdown table printed last and wri
 benchmark early so that its Hugging Face one-at-a-time pass fits in ``--budget-s``:
 1. the measured bf16 matmul ceiling (bench.gpu_probes.matmul_ceiling);
 2. ``block_timing``: one sparse-MoE block of the 35B-A3B shape (random bf16 weights) on a 16k- and
-   a 64k-token row of the RL mix's lengths: ms per block for packscore with the fused experts
-   (``grouped_mm_fused``), with its rows scattered (``grouped_mm_fused_scatter``), each also with
-   the candidates router (``moe_router=candidates``), with the ``grouped_mm`` composition, and for
-   Hugging Face's block (``grouped_mm`` experts, the whole row); whether each equals the
-   composition bit for bit; the top CUDA kernels of one fused forward on the 64k row (torch.profiler);
+   a 64k-token row of the RL mix's lengths: ms per block for packscore with the default kernels,
+   the plain composition (``PLAIN``) and each step between them (fused experts, rows scattered,
+   the select router, the shared expert on a second stream), and for Hugging Face's block
+   (``grouped_mm`` experts, the whole row); how many values each differs from the composition in
+   (0: bit for bit); the top CUDA kernels of one default forward on the 64k row (torch.profiler);
 3. the suite's benchmark (bench.gpu_suite.run_benchmark) on the first ``--sequences`` of the RL
    mix: packscore, HF padded and HF one at a time, tokens/s, ``mfu_of_measured_peak`` on active
    parameters, ``diff_packscore_vs_hf_single`` and ``diff_hf_padded_vs_hf_single``; then
-   packscore again with the other grouped experts backend (``packscore_moe_experts_<name>``: its
-   speed, its diff to HF one at a time and to packscore); its entry is ``qwen3.5-35b-a3b`` as in
+   packscore again with the plain MoE kernels (``PLAIN``: its speed, its diff to HF one at a time
+   and to packscore, which must be 0); its entry is ``qwen3.5-35b-a3b`` as in
    the suite's results, with the suite's extras (``profile``: one row's kernels by category and
    each layer kind's device time; the head at 64k positions; idle latency);
 4. ``block_divergence``: the block step by step (router logits, top-k ids and weights, routed
@@ -47,6 +47,8 @@ DIVERGENCE_LENGTHS = (1, 7, 100, 513, 2000, 5000)
 INVARIANCE_LENGTHS = (1, 5, 64, 300, 1000, 3000)
 BLOCK_ROWS = (16384, 65536)  # tokens of the rows the block is timed on
 BLOCK_PROFILE_TOP = 10
+# The plain reference every other MoE variant must equal bit for bit.
+PLAIN = {"moe_experts": "grouped_mm", "moe_router": "topk", "moe_shared": "inline"}
 
 
 def _block_class(model_type: str):
@@ -92,12 +94,9 @@ def block_steps(block, ours, x_TD: torch.Tensor, packed) -> tuple[dict, torch.Te
     Hugging Face's per-segment output."""
     import torch.nn.functional as F
 
-    from model_runtime.model.moe import _sigmoid_per_row
-
     our_logits = ours._narrow(lambda x: F.linear(x, ours.gate.weight), x_TD, packed)
     our_w, our_i = ours.route(x_TD, packed)
-    our_shared = ours.ops.mlp(ours.shared_expert, x_TD)
-    our_gate = _sigmoid_per_row(ours._narrow(ours.shared_expert_gate, x_TD, packed))
+    our_gate, our_shared = ours._shared(x_TD, packed)
     our_out = ours(x_TD, packed)
     pieces = {k: [] for k in ("logits", "w", "i", "routed_same_routing", "ours_routed_same_routing", "shared", "gate", "out")}
     for start, end in packed.segment_bounds:
@@ -221,14 +220,18 @@ def block_timing(preset: str = PRESET, rows=BLOCK_ROWS, spec=None) -> dict:
     vocab_size = build_config(PRESETS[preset], num_hidden_layers=1).vocab_size
     # name -> kernel overrides; "composition" is the plain reference the others must equal bit for bit
     variants = {
-        "fused": {"moe_experts": "grouped_mm_fused"},
-        "composition": {"moe_experts": "grouped_mm"},
-        "fused_scatter": {"moe_experts": "grouped_mm_fused_scatter"},
-        "fused_candidates": {"moe_experts": "grouped_mm_fused", "moe_router": "candidates"},
-        "fused_scatter_candidates": {"moe_experts": "grouped_mm_fused_scatter", "moe_router": "candidates"},
-    } if cuda else {"fused": {}, "composition": {}}
-    ours = {key: PackedSparseMoe(block, select_backends(device, allow_slow=True, overrides=o)) for key, o in variants.items()}
-    out = {"preset": preset, "dtype": str(dtype), "backends": {k: ",".join(f"{f}={b}" for f, b in o.items()) or "the CPU's" for k, o in variants.items()}, "rows": {}}
+        "default": {},  # what select_backends gives
+        "composition": PLAIN,
+        "fused": {**PLAIN, "moe_experts": "grouped_mm_fused"},
+        "fused_scatter": {**PLAIN, "moe_experts": "grouped_mm_fused_scatter"},
+        "fused_scatter_select": {**PLAIN, "moe_experts": "grouped_mm_fused_scatter", "moe_router": "select"},
+        "fused_scatter_select_stream": {"moe_experts": "grouped_mm_fused_scatter", "moe_router": "select",
+                                        "moe_shared": "stream"},
+    } if cuda else {"default": {}, "composition": {}}
+    chosen = {key: select_backends(device, allow_slow=True, overrides=o) for key, o in variants.items()}
+    ours = {key: PackedSparseMoe(block, b) for key, b in chosen.items()}
+    out = {"preset": preset, "dtype": str(dtype), "rows": {},
+           "backends": {k: ",".join(f"{f}={getattr(b, f)}" for f in PLAIN) for k, b in chosen.items()}}
     g = torch.Generator(device=device).manual_seed(2)
     with torch.inference_mode():
         for tokens in rows:
@@ -244,19 +247,19 @@ def block_timing(preset: str = PRESET, rows=BLOCK_ROWS, spec=None) -> dict:
                     entry[f"{key}_vs_composition_differing"] = int((got.view(bits) != plain_out.view(bits)).sum())
                     entry[f"{key}_vs_composition_max_abs_diff"] = float((got.float() - plain_out.float()).abs().max())
                     del got
-            entry["fused_vs_composition_bitwise_equal"] = entry["fused_vs_composition_differing"] == 0
+            entry["default_vs_composition_bitwise_equal"] = entry["default_vs_composition_differing"] == 0
             del plain_out
             for key in ours:
                 entry[f"packscore_{key}_ms"] = _median_ms(lambda key=key: ours[key](x_TD, packed))
             _set_experts(block, "grouped_mm")
             entry["hf_grouped_mm_ms"] = _median_ms(lambda: block(x_TD[None]))
-            entry["fused_speedup_over_composition"] = entry["packscore_composition_ms"] / entry["packscore_fused_ms"]
-            entry["fused_speedup_over_hf"] = entry["hf_grouped_mm_ms"] / entry["packscore_fused_ms"]
+            entry["default_speedup_over_composition"] = entry["packscore_composition_ms"] / entry["packscore_default_ms"]
+            entry["default_speedup_over_hf"] = entry["hf_grouped_mm_ms"] / entry["packscore_default_ms"]
             out["rows"][str(tokens)] = entry
             log(f"MoE block, {tokens} tokens: {entry}")
             if tokens == max(rows):
                 out["profile_tokens"] = tokens
-                out["profile_fused"] = top_kernels(lambda: ours["fused"](x_TD, packed))
+                out["profile_default"] = top_kernels(lambda: ours["default"](x_TD, packed))
             del x_TD
     log(f"MoE block timing: {json.dumps(out)}")
     return out
@@ -333,10 +336,10 @@ def markdown(results: dict, key: str) -> str:
             lines.append(f"| {int(tokens):,} | " + " | ".join(f"{e[f'packscore_{k}_ms']:.2f}" for k in keys)
                          + f" | {e['hf_grouped_mm_ms']:.2f} | "
                          + " | ".join(str(e.get(f"{k}_vs_composition_differing", "")) for k in others) + " |")
-    if timing.get("profile_fused"):
-        lines += _table(f"Top kernels of one fused block forward ({timing['profile_tokens']:,} tokens):",
+    if timing.get("profile_default"):
+        lines += _table(f"Top kernels of one block forward with the default kernels ({timing['profile_tokens']:,} tokens):",
                         ("kernel", "calls", "total ms", "share"))
-        for r in timing["profile_fused"]:
+        for r in timing["profile_default"]:
             lines.append(f"| {r['name'][:110]} | {r['calls']} | {r['total_ms']:.3f} | {r['share']:.3f} |")
     probe = results.get("moe_experts") or {}
     if "packscore" in probe:
@@ -398,9 +401,8 @@ def main(argv=None):
         suite.results["ceiling"] = suite.phase("matmul ceiling", matmul_ceiling, 5) or {}
     from model_runtime.kernels.registry import select_backends
 
-    # the whole-model benchmark also runs with the other grouped experts backend (a no-op swap on the CPU)
-    served = select_backends(H.DEVICE, allow_slow=True).moe_experts
-    other = {"grouped_mm": "grouped_mm_fused", "grouped_mm_fused": "grouped_mm"}.get(served, served)
+    # the whole-model benchmark also runs with the plain MoE kernels: its speed, and equal bit for bit
+    plain = ",".join(f"{f}={b}" for f, b in PLAIN.items()) if H.DEVICE == "cuda" else "default"
     try:
         # The block timing and the benchmark first: the benchmark's Hugging Face one-at-a-time pass
         # is skipped when less than its time is left, and it carries the issue's numbers.
@@ -409,7 +411,7 @@ def main(argv=None):
                 preset, (200, 500) if args.dry_run_cpu else BLOCK_ROWS, spec), 30)
         suite.phase(f"benchmark {preset} ({args.sequences} sequences)", lambda: run_benchmark(
             suite, preset, args.sequences, hf_single=True, max_batch_tokens=65536 if not args.dry_run_cpu else 300,
-            key=key, extras=True, spec=spec, alternatives=(f"moe_experts={other}",)), 60)
+            key=key, extras=True, spec=spec, alternatives=(plain,)), 60)
         suite.results["alone_vs_packed"] = suite.phase(
             "alone vs packed (4 layers)", lambda: alone_vs_packed(preset), 30)
         suite.results["block_divergence"] = suite.phase(

@@ -19,13 +19,19 @@ that no step's arithmetic depends on how many tokens an expert received:
   the kernel never reads or writes, keeps that mean above 128, so every row count runs the
   same configuration (no split-K in any of them).
 - ``grouped_mm_fused`` (CUDA, bfloat16): the same two products, and ``grouped_mm``'s numbers
-  bit for bit (``grouped_mm_fused_scatter``, opt-in until timed: the same with the products' input
-  rows written from the tokens' side, each token's row read once instead of K times); the gather of the rows, the SiLU product, the weighting, the top-k sum and the
+  bit for bit (``grouped_mm_fused_scatter``, the CUDA default: the same with the products' input
+  rows written from the tokens' side, each token's row read once instead of K times); the gather
+  of the rows, the SiLU product, the weighting, the top-k sum and the
   block's ``routed + gate * shared`` run in one pass each (model_runtime/kernels/moe_triton.py)
   instead of the composition's many over ``[S, D]`` and ``[T, D]``.
 
-Every backend takes ``shared = (gate_T1, shared_TD)`` and then returns the block's output,
-``routed + gate * shared`` (``add_shared``): the fused one adds it in the top-k sum's pass.
+Every backend takes ``shared = (gate_T1, shared_TD)``, or a function returning it (called only
+where the backend adds it), and then returns the block's output, ``routed + gate * shared``
+(``add_shared``): the fused one adds it in the top-k sum's pass.
+
+Where the shared expert runs is its own family, ``moe_shared``: ``inline`` (before the routed
+experts, on the current stream) or ``stream`` (CUDA: on a second stream, beside the router and
+the rows' scatter, which leave the tensor cores idle; the same kernels, so the same numbers).
 
 The K weighted rows of a token are summed in a fixed order written out (``combine_top_k``: the
 order PyTorch's CUDA reduction uses, on the CPU top-k order), float32, not by a reduction kernel
@@ -112,6 +118,38 @@ def experts_tiled(
     return add_shared(combine_top_k(weighted_SD, T, x_TD.dtype), shared)
 
 
+def shared_inline(compute):
+    """``moe_shared=inline``: runs ``compute()`` now; returns a function giving its result."""
+    result = compute()
+    return lambda: result
+
+
+def shared_side_stream(compute):
+    """``moe_shared=stream``: enqueues ``compute()`` on a second stream of the current device,
+    after everything enqueued so far; the function returned makes the current stream wait for it.
+
+    Its tensors are allocated on the second stream and freed after the current stream used them;
+    the next call's wait (the second stream after the current one) keeps a reuse of that memory
+    behind that use.
+    """
+    main = torch.cuda.current_stream()
+    side = _side_stream(main.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        result = compute()
+
+    def ready():
+        main.wait_stream(side)
+        return result
+
+    return ready
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    return torch.cuda.Stream(device=device)
+
+
 def in_row_tiles(fn, x_TD: torch.Tensor, tile_rows: int = TILE_ROWS) -> torch.Tensor:
     """``fn(x_TD)`` for a per-row ``fn``, applied to zero-padded ``[tile_rows, D]`` tiles: the
     ``tiled`` backend's way to give the block's other products one shape whatever the row."""
@@ -160,7 +198,7 @@ def add_shared(routed_TD: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor
     its gated shared expert: ``routed + gate * shared`` (each step rounded to the dtype)."""
     if shared is None:
         return routed_TD
-    gate_T1, shared_TD = shared
+    gate_T1, shared_TD = shared() if callable(shared) else shared
     return routed_TD + gate_T1 * shared_TD
 
 
@@ -206,6 +244,8 @@ def grouped_experts(
         weighted_SD = torch.empty_like(x_RD[:S])
         weighted_SD[order_S] = y_RD[:S] * top_w_TK.reshape(-1)[order_S, None]
         return add_shared(combine_top_k(weighted_SD, T, x_TD.dtype), shared)
+    if callable(shared):  # computed elsewhere (moe_shared=stream): waited for only here
+        shared = shared()
     if shared is not None:
         shared = tuple(t.contiguous() for t in shared)
     return moe_triton.combine_top_k(y_RD, pos_S.view(T, K), top_w_TK.contiguous(), shared)

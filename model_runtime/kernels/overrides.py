@@ -5,7 +5,7 @@ from __future__ import annotations
 
 # One boundary per family (model_runtime/kernels/); each has named backends.
 FAMILIES = ("linear_attention", "conv1d", "attention", "head", "elementwise", "gate_projection", "moe_experts",
-            "moe_router")
+            "moe_router", "moe_shared")
 
 
 def parse_kernel_overrides(text: str) -> dict[str, str]:

@@ -6,7 +6,8 @@ logits), ``elementwise`` (norms, gates, rotary, SiLU between the matrix products
 registry entries return the whole function set) and ``gate_projection`` (the GDN's narrow
 decay/beta projections, per row or per segment), ``moe_experts`` (a sparse-MoE block's
 routed experts, each token's output independent of the row's size) and ``moe_router`` (the
-router's top-k, ``torch.topk``'s answer). Every fast backend has an exact PyTorch reference
+router's top-k, ``torch.topk``'s answer) and ``moe_shared`` (where the shared expert runs: on the
+current stream, or beside the routed experts on a second one). Every fast backend has an exact PyTorch reference
 beside it; tests compare them on fresh random inputs.
 """
 
@@ -35,8 +36,10 @@ from model_runtime.kernels.moe_experts import (
     experts_grouped_mm_fused,
     experts_grouped_mm_fused_scatter,
     experts_tiled,
+    shared_inline,
+    shared_side_stream,
 )
-from model_runtime.kernels.moe_router import top_k_candidates, top_k_torch
+from model_runtime.kernels.moe_router import top_k_select, top_k_torch
 from model_runtime.kernels.logprob_head import logprob_entropy_torch, logprob_entropy_triton
 from model_runtime.kernels.overrides import FAMILIES  # one list for the CLI and the registry
 
@@ -58,7 +61,8 @@ REGISTRY: dict[str, dict[str, Callable]] = {
     "gate_projection": {"row": gate_projection_row, "segment": gate_projection_segment},
     "moe_experts": {"tiled": experts_tiled, "grouped_mm": experts_grouped_mm, "grouped_mm_fused": experts_grouped_mm_fused,
                     "grouped_mm_fused_scatter": experts_grouped_mm_fused_scatter},
-    "moe_router": {"topk": top_k_torch, "candidates": top_k_candidates},
+    "moe_router": {"topk": top_k_torch, "select": top_k_select},
+    "moe_shared": {"inline": shared_inline, "stream": shared_side_stream},
 }
 # What a CPU run uses: the exact per-segment references, and plain PyTorch for the rest.
 _CPU_DEFAULT = {
@@ -70,11 +74,12 @@ _CPU_DEFAULT = {
     "gate_projection": "segment",
     "moe_experts": "tiled",
     "moe_router": "topk",
+    "moe_shared": "inline",
 }
 
 # Backends whose kernels exist only on CUDA.
 CUDA_ONLY = frozenset({"fla", "causal_conv1d", "varlen", "flash_attn", "triton", "inductor_exact", "triton_exact",
-                       "grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter", "candidates"})
+                       "grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter", "select", "stream"})
 
 # The fast backends on a GPU, best first. Attention differs by where the model runs (figures in
 # docs/benchmarks.md):
@@ -95,11 +100,14 @@ _GPU_PREFERENCE = {
     # own norms sum in another order (--kernels elementwise=inductor) that 32 layers amplify.
     "elementwise": ("triton_exact",),
     "gate_projection": ("segment",),
-    # grouped_mm_fused: grouped_mm's arithmetic bit for bit, the steps around the products in Triton.
-    "moe_experts": ("grouped_mm_fused", "grouped_mm"),
-    # topk: torch.topk itself; candidates (--kernels moe_router=candidates) returns the same and is
-    # opt-in until timed on a GPU.
-    "moe_router": ("topk",),
+    # grouped_mm_fused(_scatter): grouped_mm's arithmetic bit for bit, the steps around the
+    # products in Triton; scatter writes the products' rows from the tokens' side (docs/moe.md).
+    "moe_experts": ("grouped_mm_fused_scatter", "grouped_mm_fused", "grouped_mm"),
+    # select: torch.topk's answer, its radix select replaced by one Triton pass.
+    "moe_router": ("select", "topk"),
+    # inline: on an H200 the second stream (--kernels moe_shared=stream) made a 64k-token block slower
+    # (9.93 against 9.23 ms, docs/moe.md).
+    "moe_shared": ("inline",),
 }
 _POOL_GPU_PREFERENCE = {**_GPU_PREFERENCE, "attention": ("flash_attn", "varlen", "sdpa")}
 
@@ -120,6 +128,7 @@ class KernelBackends:
     gate_projection: str = "segment"
     moe_experts: str = "tiled"
     moe_router: str = "topk"
+    moe_shared: str = "inline"
     fallbacks: tuple[str, ...] = field(default=())
 
     def __post_init__(self):
@@ -149,7 +158,7 @@ _BACKEND_MODULES = {
     "triton_exact": ("triton", "torch._inductor"),
     "grouped_mm_fused": ("triton",),
     "grouped_mm_fused_scatter": ("triton",),
-    "candidates": ("triton",),
+    "select": ("triton",),
 }
 
 

@@ -69,6 +69,7 @@ class PackedSparseMoe(nn.Module):
         self.tiled = backends.moe_experts == "tiled"
         self.gate_projection_fn = backends.fn("gate_projection")
         self.top_k_fn = backends.fn("moe_router")
+        self.shared_fn = backends.fn("moe_shared")
         self.ops = ModuleOps(backends.fn("elementwise")())
 
     def route(self, x_TD: torch.Tensor, packed: PackedBatch, sp=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,13 +89,17 @@ class PackedSparseMoe(nn.Module):
         return narrow_products(self.gate_projection_fn, (linear,), x_TD, packed, shard_segments(x_TD, packed, sp))[0]
 
     def forward(self, x_TD: torch.Tensor, packed: PackedBatch, sp=None) -> torch.Tensor:
+        shared = self.shared_fn(functools.partial(self._shared, x_TD, packed, sp))
         top_w_TK, top_i_TK = self.route(x_TD, packed, sp)
-        shared_mlp = functools.partial(self.ops.mlp, self.shared_expert)
-        shared_TD = in_row_tiles(shared_mlp, x_TD) if self.tiled else shared_mlp(x_TD)
-        gate_T1 = _sigmoid_per_row(self._narrow(self.shared_expert_gate, x_TD, packed, sp))
         # routed + gate * shared, added by the experts' kernel (the fused one in its top-k sum's pass)
         return self.experts_fn(x_TD, top_i_TK, top_w_TK, self.experts.gate_up_proj, self.experts.down_proj,
-                               shared=(gate_T1, shared_TD))
+                               shared=shared)
+
+    def _shared(self, x_TD: torch.Tensor, packed: PackedBatch, sp=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(gate_T1, shared_TD)``: the shared expert's gate and output."""
+        shared_mlp = functools.partial(self.ops.mlp, self.shared_expert)
+        shared_TD = in_row_tiles(shared_mlp, x_TD) if self.tiled else shared_mlp(x_TD)
+        return _sigmoid_per_row(self._narrow(self.shared_expert_gate, x_TD, packed, sp)), shared_TD
 
 
 def top_k_total(w_TK: torch.Tensor) -> torch.Tensor:

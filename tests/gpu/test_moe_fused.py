@@ -62,26 +62,32 @@ def test_fused_experts_equal_the_composition_bit_for_bit(inputs, rows, gpu_recor
     assert not any(counts.values()), f"{counts} of {rows * D} values differ (tolerance: bit for bit); max |diff| {worst}"
 
 
+@pytest.mark.parametrize("variant", ["default", "fused", "fused_scatter_select"])
 @pytest.mark.parametrize("lengths", [(1,), (5, 64, 300), (1000, 3000, 12000)], ids=lambda v: "L" + "-".join(map(str, v)))
-def test_fused_block_equals_the_grouped_mm_block(lengths, gpu_record):
-    """The whole PackedSparseMoe (router, shared expert and gate included) with either backend."""
-    from bench.moe import random_block
+def test_block_equals_the_plain_block(lengths, variant, gpu_record):
+    """The whole PackedSparseMoe (router, shared expert and gate included) with the served kernels
+    (``default``: fused experts with scattered rows, the select router, the shared expert on a
+    second stream) and with steps between, against the plain composition (``bench.moe.PLAIN``)."""
+    from bench.moe import PLAIN, random_block
     from model_runtime.kernels.registry import select_backends
     from model_runtime.model.moe import PackedSparseMoe
     from model_runtime.model.packing import PackedBatch
 
+    overrides = {"default": {}, "fused": {**PLAIN, "moe_experts": "grouped_mm_fused"},
+                 "fused_scatter_select": {**PLAIN, "moe_experts": "grouped_mm_fused_scatter", "moe_router": "select"}}
     block = random_block("qwen3.5-35b-a3b", "cuda")
-    plain = PackedSparseMoe(block, select_backends("cuda", allow_slow=True, overrides={"moe_experts": "grouped_mm"}))
-    fused = PackedSparseMoe(block, select_backends("cuda", allow_slow=True, overrides={"moe_experts": "grouped_mm_fused"}))
+    plain = PackedSparseMoe(block, select_backends("cuda", allow_slow=True, overrides=PLAIN))
+    ours = PackedSparseMoe(block, select_backends("cuda", allow_slow=True, overrides=overrides[variant]))
     packed = PackedBatch.from_lengths(list(lengths), device="cuda")
     g = torch.Generator(device="cuda").manual_seed(len(lengths))
     x = torch.randn(sum(lengths), block.gate.hidden_dim, device="cuda", generator=g).bfloat16()
     with torch.inference_mode():
-        want, got = plain(x, packed), fused(x, packed)
-    n = differing(got, want)
-    gpu_record(f"fused MoE block vs grouped_mm block, lengths {lengths}", differing=n)
+        want, got = plain(x, packed), ours(x, packed)
+        again = ours(x, packed)  # a second call reuses the second stream's memory
+    n, repeat = differing(got, want), differing(again, want)
+    gpu_record(f"MoE block {variant} vs plain block, lengths {lengths}", differing=n, differing_second_call=repeat)
     worst = float((got.float() - want.float()).abs().max())
-    assert n == 0, f"{n} of {want.numel()} values differ, max |diff| {worst:.3e} (tolerance: bit for bit)"
+    assert n == repeat == 0, f"{n} (second call {repeat}) of {want.numel()} values differ, max |diff| {worst:.3e} (tolerance: bit for bit)"
 
 
 @pytest.mark.parametrize("k", [8, 2, 4, 6, 10, 16])
