@@ -9,7 +9,7 @@ benchmark early so that its Hugging Face one-at-a-time pass fits in ``--budget-s
 2. ``block_timing``: one sparse-MoE block of the 35B-A3B shape (random bf16 weights) on a 16k- and
    a 64k-token row of the RL mix's lengths: ms per block for packscore with the default kernels,
    the plain composition (``PLAIN``) and each step between them (fused experts, rows scattered,
-   the select router, the shared expert on a second stream), and for Hugging Face's block
+   the select router, the shared expert on a second stream, the products in Triton), and for Hugging Face's block
    (``grouped_mm`` experts, the whole row); how many values each differs from the composition in
    (0: bit for bit); the top CUDA kernels of one default forward on the 64k row (torch.profiler);
 3. the suite's benchmark (bench.gpu_suite.run_benchmark) on the first ``--sequences`` of the RL
@@ -227,6 +227,7 @@ def block_timing(preset: str = PRESET, rows=BLOCK_ROWS, spec=None) -> dict:
         "fused_scatter_select": {**PLAIN, "moe_experts": "grouped_mm_fused_scatter", "moe_router": "select"},
         "fused_scatter_select_stream": {"moe_experts": "grouped_mm_fused_scatter", "moe_router": "select",
                                         "moe_shared": "stream"},
+        "triton_grouped_select": {**PLAIN, "moe_experts": "triton_grouped", "moe_router": "select"},
     } if cuda else {"default": {}, "composition": {}}
     chosen = {key: select_backends(device, allow_slow=True, overrides=o) for key, o in variants.items()}
     ours = {key: PackedSparseMoe(block, b) for key, b in chosen.items()}

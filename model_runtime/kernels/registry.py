@@ -36,6 +36,7 @@ from model_runtime.kernels.moe_experts import (
     experts_grouped_mm_fused,
     experts_grouped_mm_fused_scatter,
     experts_tiled,
+    experts_triton_grouped,
     shared_inline,
     shared_side_stream,
 )
@@ -60,7 +61,7 @@ REGISTRY: dict[str, dict[str, Callable]] = {
                     "inductor_exact": elementwise.inductor_exact, "triton_exact": elementwise.triton_exact},
     "gate_projection": {"row": gate_projection_row, "segment": gate_projection_segment},
     "moe_experts": {"tiled": experts_tiled, "grouped_mm": experts_grouped_mm, "grouped_mm_fused": experts_grouped_mm_fused,
-                    "grouped_mm_fused_scatter": experts_grouped_mm_fused_scatter},
+                    "grouped_mm_fused_scatter": experts_grouped_mm_fused_scatter, "triton_grouped": experts_triton_grouped},
     "moe_router": {"topk": top_k_torch, "select": top_k_select},
     "moe_shared": {"inline": shared_inline, "stream": shared_side_stream},
 }
@@ -79,7 +80,7 @@ _CPU_DEFAULT = {
 
 # Backends whose kernels exist only on CUDA.
 CUDA_ONLY = frozenset({"fla", "causal_conv1d", "varlen", "flash_attn", "triton", "inductor_exact", "triton_exact",
-                       "grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter", "select", "stream"})
+                       "grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter", "triton_grouped", "select", "stream"})
 
 # The fast backends on a GPU, best first. Attention differs by where the model runs (figures in
 # docs/benchmarks.md):
@@ -158,6 +159,7 @@ _BACKEND_MODULES = {
     "triton_exact": ("triton", "torch._inductor"),
     "grouped_mm_fused": ("triton",),
     "grouped_mm_fused_scatter": ("triton",),
+    "triton_grouped": ("triton",),
     "select": ("triton",),
 }
 
