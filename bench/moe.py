@@ -261,9 +261,44 @@ def block_timing(preset: str = PRESET, rows=BLOCK_ROWS, spec=None) -> dict:
             if tokens == max(rows):
                 out["profile_tokens"] = tokens
                 out["profile_default"] = top_kernels(lambda: ours["default"](x_TD, packed))
+                if "triton_grouped_select" in ours:
+                    out["triton_tiles"] = triton_tile_sweep(ours["triton_grouped_select"], ours["composition"], x_TD, packed)
             del x_TD
     log(f"MoE block timing: {json.dumps(out)}")
     return out
+
+
+# Tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the Triton grouped products, timed one product at a time.
+TRITON_TILES = {
+    "gate_up": ((128, 64, 64, 8, 4), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 128, 8, 3), (64, 64, 64, 4, 4)),
+    "down": ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (256, 128, 64, 8, 3), (128, 64, 64, 4, 4)),
+}
+
+
+def triton_tile_sweep(ours, plain, x_TD: torch.Tensor, packed) -> list[dict]:
+    """The block with the Triton grouped products (``ours``) at each tile of ``TRITON_TILES``, one
+    product's tile changed at a time: ms per block and values differing from ``plain``'s output
+    (any tile must give 0)."""
+    from model_runtime.kernels import moe_gemm_triton as MG
+
+    want = plain(x_TD, packed).view(torch.int16)
+    saved = MG.GATE_UP_TILE, MG.DOWN_TILE
+    rows = []
+    try:
+        for product, tiles in TRITON_TILES.items():
+            for tile in tiles:
+                MG.GATE_UP_TILE, MG.DOWN_TILE = (tile, saved[1]) if product == "gate_up" else (saved[0], tile)
+                row = {"product": product, "tile": list(tile)}
+                try:
+                    row["differing"] = int((ours(x_TD, packed).view(torch.int16) != want).sum())
+                    row["block_ms"] = _median_ms(lambda: ours(x_TD, packed))
+                except Exception as err:  # a tile that does not build (shared memory, registers) gives its error
+                    row["error"] = f"{type(err).__name__}: {err}"[:200]
+                rows.append(row)
+                log(f"Triton grouped products, {product} tile {tile}: {row}")
+    finally:
+        MG.GATE_UP_TILE, MG.DOWN_TILE = saved
+    return rows
 
 
 def alone_vs_packed(preset: str = PRESET, num_layers: int = 4, lengths=INVARIANCE_LENGTHS, experts: str | None = None) -> dict:
@@ -337,6 +372,13 @@ def markdown(results: dict, key: str) -> str:
             lines.append(f"| {int(tokens):,} | " + " | ".join(f"{e[f'packscore_{k}_ms']:.2f}" for k in keys)
                          + f" | {e['hf_grouped_mm_ms']:.2f} | "
                          + " | ".join(str(e.get(f"{k}_vs_composition_differing", "")) for k in others) + " |")
+    if timing.get("triton_tiles"):
+        lines += _table(f"The block with the Triton grouped products ({timing['profile_tokens']:,} tokens), one product's "
+                        "tile changed at a time:", ("product", "tile (M, N, K, warps, stages)", "block ms",
+                                                   "values differing from the composition"))
+        for r in timing["triton_tiles"]:
+            lines.append(f"| {r['product']} | {tuple(r['tile'])} | " + (f"{r['block_ms']:.2f} | {r['differing']} |"
+                         if "block_ms" in r else f"{r['error']} | |"))
     if timing.get("profile_default"):
         lines += _table(f"Top kernels of one block forward with the default kernels ({timing['profile_tokens']:,} tokens):",
                         ("kernel", "calls", "total ms", "share"))
