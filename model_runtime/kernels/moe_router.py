@@ -16,7 +16,9 @@ calls it):
   (not stable) of it runs the same in-place network, since for a row of at most 4096 it fills the
   indices with 0..k-1 and calls the same function; the ids are then read through its
   permutation. The radix select over all E experts (256 for Qwen3.5-MoE) is most of
-  ``torch.topk``'s time; the pass keeps a token's row in registers.
+  ``torch.topk``'s time; the pass keeps a token's row in registers. Because the argument rests
+  on how this torch implements ``topk``, the first call for each (device, E, k) checks the two
+  against each other on rows with many ties and, should they differ, keeps ``torch.topk``.
 
 Probabilities are taken to be free of NaN (a softmax of finite logits), which ``torch.topk``
 would rank above every number.
@@ -25,6 +27,8 @@ would rank above every number.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 try:  # the CPU install has no Triton: only the GPU path (and the interpreter tests) use it
@@ -32,6 +36,8 @@ try:  # the CPU install has no Triton: only the GPU path (and the interpreter te
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
+
+log = logging.getLogger(__name__)
 
 ROWS_PER_PROGRAM, WARPS = 8, 4
 
@@ -98,12 +104,48 @@ IN_PLACE_SORT_MAX = 32
 
 def top_k_select(probs_TE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk(probs_TE, k, dim=-1)`` as the gathered list sorted by ``torch.sort`` (see the
-    module docstring); ``torch.topk`` itself where the shapes fall outside that argument."""
+    module docstring); ``torch.topk`` itself where the shapes fall outside that argument, or where
+    this torch's ``topk`` was found to answer otherwise (``agrees_with_torch_topk``)."""
     T, E = probs_TE.shape
     if E <= k or E & (E - 1) or k > IN_PLACE_SORT_MAX or probs_TE.dtype != torch.float32:
         return torch.topk(probs_TE, k, dim=-1)
+    if not agrees_with_torch_topk(probs_TE.device, E, k):
+        return torch.topk(probs_TE, k, dim=-1)
+    return select_top_k(probs_TE, k)
+
+
+def select_top_k(probs_TE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The select path itself: ``gathered_top_k``, then ``torch.sort`` and the ids through its
+    permutation (float32 ``[T, E]``, E a power of two above k, k <= 32)."""
     values_TK, ids_TK = gathered_top_k(probs_TE.contiguous(), k)
     if k == 1:
         return values_TK, ids_TK
     values_TK, perm_TK = torch.sort(values_TK, dim=-1, descending=True, stable=False)
     return values_TK, ids_TK.gather(1, perm_TK)
+
+
+_AGREES: dict[tuple, bool] = {}
+CHECK_ROWS = 4096
+
+
+def agrees_with_torch_topk(device: torch.device, experts: int, k: int) -> bool:
+    """Whether ``select_top_k`` returns what this torch's CUDA ``topk`` returns, checked once per
+    (device, experts, k) on rows with many ties (the argument in the module docstring rests on how
+    ``topk`` is implemented, which a torch release may change); on a mismatch a warning, and
+    ``top_k_select`` uses ``torch.topk``. Not checked off CUDA (the interpreter tests), where
+    ``topk`` orders ties its own way."""
+    key = (str(device), experts, k)
+    if key not in _AGREES:
+        if torch.device(device).type != "cuda":
+            _AGREES[key] = True
+        else:
+            g = torch.Generator(device=device).manual_seed(experts + k)
+            logits = torch.round(torch.randn(CHECK_ROWS, experts, device=device, generator=g) * 2)  # few values: ties
+            probs = torch.softmax(logits.bfloat16(), dim=-1, dtype=torch.float32)
+            want_values, want_ids = torch.topk(probs, k, dim=-1)
+            values, ids = select_top_k(probs, k)
+            _AGREES[key] = bool(torch.equal(values, want_values) and torch.equal(ids, want_ids))
+            if not _AGREES[key]:
+                log.warning("the select router differs from torch %s's topk for %d experts, k=%d, on rows with ties; "
+                            "using torch.topk", torch.__version__, experts, k)
+    return _AGREES[key]
