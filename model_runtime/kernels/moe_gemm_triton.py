@@ -122,6 +122,15 @@ if triton is not None:
         tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+def check_sizes(hidden: int, intermediate: int) -> None:
+    """Refuses a model whose hidden or intermediate size the tiles do not divide."""
+    for what, size, block in (("hidden", hidden, GATE_UP_TILE[2]), ("hidden", hidden, DOWN_TILE[1]),
+                              ("intermediate", intermediate, GATE_UP_TILE[1]), ("intermediate", intermediate, DOWN_TILE[2])):
+        if size % block:
+            raise ValueError(f"moe_experts=triton_grouped needs the experts' {what} size to be a multiple of {block}, "
+                             f"got {size}; use --kernels moe_experts=grouped_mm_fused_scatter")
+
+
 def _require_triton():
     if triton is None:
         raise RuntimeError("the Triton grouped experts need triton")

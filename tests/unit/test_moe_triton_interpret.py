@@ -236,6 +236,10 @@ def test_the_kernels_refuse_what_they_do_not_take():
     from model_runtime.kernels import moe_gemm_triton as MG
     from model_runtime.kernels import moe_triton as MT
 
+    MG.check_sizes(hidden=2048, intermediate=512)  # Qwen3.5-35B-A3B, Qwen3-Next
+    with pytest.raises(ValueError, match="intermediate size to be a multiple of 64"):
+        MG.check_sizes(hidden=2048, intermediate=32)
+
     with pytest.raises(ValueError, match="multiple of"):
         MG.gate_up_silu(torch.randn(3, 40), torch.zeros(6, dtype=torch.int32), torch.full((2,), 6, dtype=torch.int32),
                         torch.randn(2, 128, 40), tile=SMALL_TILE)
