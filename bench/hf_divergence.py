@@ -59,6 +59,8 @@ def _record(layers, length: int, store: dict) -> list:
 def renorm_sum_orders(top_TK: torch.Tensor) -> dict:
     """How ``top_TK.sum(-1)`` (Hugging Face's renormalisation, a reduction kernel) adds K float32
     values: the fraction of rows on which each fixed order gives the same bits."""
+    from model_runtime.model.moe import lane_tree_sum
+
     v = [top_TK[:, k] for k in range(top_TK.shape[1])]
     K = len(v)
     orders = {"sequential": lambda: _fold(v)}
@@ -67,7 +69,7 @@ def renorm_sum_orders(top_TK: torch.Tensor) -> dict:
             "pairwise": lambda: ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])),
             "halves_then_sequential": lambda: _fold([v[j] + v[j + 4] for j in range(4)]),
             "halves_then_pairwise": lambda: ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])),
-            "shuffle_tree": lambda: ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])),
+            "shuffle_tree": lambda: lane_tree_sum(v),  # what top_k_total adds on CUDA
         })
     reference = top_TK.sum(-1)
     out = {name: float((fn() == reference).float().mean()) for name, fn in orders.items()}

@@ -104,10 +104,15 @@ def conv_splits(x_TC, weight_CW, packed: PackedBatch, splits, silu: bool, tile=N
     return tuple(outs)
 
 
-@functools.cache
 def _kernel(rolling: bool = False):
-    """Builds the kernel on first use (Triton is imported only where it runs): the 2-D tile's, or
-    with ``rolling`` the one that walks its tokens in order (width 4)."""
+    """The kernel and whether Triton interprets it: the 2-D tile's, or with ``rolling`` the one
+    that walks its tokens in order (width 4)."""
+    return _rolling_kernel() if rolling else _tile_kernel()
+
+
+@functools.cache
+def _rolling_kernel():
+    """Builds the rolling kernel on first use (Triton is imported only where it runs)."""
     import triton
     import triton.language as tl
 
@@ -143,8 +148,14 @@ def _kernel(rolling: bool = False):
             tl.store(y_ptr + t.to(tl.int64) * Ci + c, y, mask=c_ok & ok)
             x3, x2, x1 = x2, x1, x0
 
-    if rolling:
-        return conv_silu_rolling_kernel, bool(triton.knobs.runtime.interpret)
+    return conv_silu_rolling_kernel, bool(triton.knobs.runtime.interpret)
+
+
+@functools.cache
+def _tile_kernel():
+    """Builds the 2-D tile's kernel on first use."""
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def conv_silu_kernel(x_ptr, stride_x, w_ptr, pos_ptr, y_ptr, T, Ci,

@@ -204,10 +204,17 @@ experts_triton_grouped = functools.partial(experts_grouped_mm, fused=True, trito
 def add_shared(routed_TD: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """The block's output from its routed experts' and, with ``shared = (gate_T1, shared_TD)``,
     its gated shared expert: ``routed + gate * shared`` (each step rounded to the dtype)."""
+    shared = shared_tensors(shared)
     if shared is None:
         return routed_TD
-    gate_T1, shared_TD = shared() if callable(shared) else shared
+    gate_T1, shared_TD = shared
     return routed_TD + gate_T1 * shared_TD
+
+
+def shared_tensors(shared):
+    """``(gate_T1, shared_TD)`` or None from what a backend was given: the pair, None, or a
+    function returning the pair (``moe_shared``), called here, where the backend adds it."""
+    return shared() if callable(shared) else shared
 
 
 def grouped_experts(
@@ -260,8 +267,7 @@ def grouped_experts(
         weighted_SD = torch.empty_like(x_RD[:S])
         weighted_SD[order_S] = y_RD[:S] * top_w_TK.reshape(-1)[order_S, None]
         return add_shared(combine_top_k(weighted_SD, T, x_TD.dtype), shared)
-    if callable(shared):  # computed elsewhere (moe_shared=stream): waited for only here
-        shared = shared()
+    shared = shared_tensors(shared)
     if shared is not None:
         shared = tuple(t.contiguous() for t in shared)
     return moe_triton.combine_top_k(y_RD, pos_S.view(T, K), top_w_TK.contiguous(), shared)

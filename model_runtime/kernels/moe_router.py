@@ -134,9 +134,9 @@ def agrees_with_torch_topk(device: torch.device, experts: int, k: int) -> bool:
     ``topk`` is implemented, which a torch release may change); on a mismatch a warning, and
     ``top_k_select`` uses ``torch.topk``. Not checked off CUDA (the interpreter tests), where
     ``topk`` orders ties its own way."""
-    key = (str(device), experts, k)
+    key = (torch.device(device), experts, k)
     if key not in _AGREES:
-        if torch.device(device).type != "cuda":
+        if key[0].type != "cuda":
             _AGREES[key] = True
         else:
             g = torch.Generator(device=device).manual_seed(experts + k)
