@@ -18,7 +18,8 @@ the thread count (a chunk of one row took another path and moved the entropy by 
 
 The ``triton`` backend reads each logit once: one program per position streams the row and
 keeps per-lane running (max, sum of exp d, sum of exp d * d), rescaled whenever the max grows
-(the online softmax). The ``torch`` backend is the plain float32 computation it must match.
+(the online softmax), with one exp and at most one division per logit. The ``torch`` backend is
+the plain float32 computation it must match.
 """
 
 from __future__ import annotations
@@ -114,43 +115,50 @@ def _check(z_CV, targets_C, temperature_C) -> None:
         )
 
 
-_KERNEL = None
-
-
-def _kernel():
-    """Builds the Triton kernel on first use (Triton is imported only on machines that run it)."""
-    global _KERNEL
-    if _KERNEL is not None:
-        return _KERNEL
+try:  # the CPU install has no Triton: only the CUDA backend (and the interpreter) builds these
     import triton
     import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is absent
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _scan(z_row, V, temp, m, s, t, lanes, BLOCK: tl.constexpr, DIVIDE: tl.constexpr):
+        """Per lane over the row: m = max raw logit so far, s = sum exp(d), t = sum exp(d) * d with
+        d = (z - m) / temp (``DIVIDE`` False: temp is 1, by which a division is exact)."""
+        for start in range(0, V, BLOCK):
+            cols = start + lanes
+            z = tl.load(z_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            # One division and one exp per logit (the step is compute-bound): delta is either the
+            # new logit's d (z <= m, -inf for masked columns) or the shift of the old terms when z
+            # is the lane's new max (its own d is then 0, adding 1 to s and nothing to t).
+            delta = (z - m) / temp if DIVIDE else z - m
+            grows = z > m
+            e = tl.exp(-tl.abs(delta))
+            # Old terms' d move down by the shift; an e of 0 drops them (and avoids 0 * inf).
+            t_grown = tl.where(e > 0, e * (t - s * delta), 0.0)
+            t = tl.where(grows, t_grown, t + tl.where(e > 0, e * delta, 0.0))
+            s = tl.where(grows, s * e + 1.0, s + e)
+            m = tl.maximum(m, z)
+        return m, s, t
 
     @triton.jit
     def logprob_entropy_kernel(
-        z_ptr, stride_row, target_ptr, temp_ptr, logp_ptr, entropy_ptr, V, LOGP_FLOOR: tl.constexpr, BLOCK: tl.constexpr
+        z_ptr, stride_row, target_ptr, temp_ptr, logp_ptr, entropy_ptr, V: tl.constexpr, LOGP_FLOOR: tl.constexpr, BLOCK: tl.constexpr
     ):
         row = tl.program_id(0)
         z_row = z_ptr + row.to(tl.int64) * stride_row
         temp = tl.load(temp_ptr + row)
         lanes = tl.arange(0, BLOCK)
-        # Per lane: m = max raw logit so far, s = sum exp(d), t = sum exp(d) * d with
-        # d = (z - m) / temp. m starts at a finite floor so that lanes which only ever see masked
-        # columns (vocabularies smaller than BLOCK) never compute -inf - -inf.
+        # m starts at a finite floor so that lanes which only ever see masked columns
+        # (vocabularies smaller than BLOCK) never compute -inf - -inf.
         m = tl.full([BLOCK], LOGP_FLOOR, tl.float32)
         s = tl.zeros([BLOCK], tl.float32)
         t = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, V, BLOCK):
-            cols = start + lanes
-            z = tl.load(z_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, z)
-            shift = (m_new - m) / temp  # >= 0, +inf at extreme temperatures
-            rescale = tl.exp(-shift)
-            d = (z - m_new) / temp  # <= 0, -inf for masked columns
-            e = tl.exp(d)
-            # Old terms' d move down by shift; a rescale of 0 drops them (and avoids 0 * inf).
-            t = tl.where(rescale > 0, rescale * (t - s * shift), 0.0) + tl.where(e > 0, e * d, 0.0)
-            s = s * rescale + e
-            m = m_new
+        if temp == 1.0:  # the usual temperature: no division at all
+            m, s, t = _scan(z_row, V, temp, m, s, t, lanes, BLOCK, False)
+        else:
+            m, s, t = _scan(z_row, V, temp, m, s, t, lanes, BLOCK, True)
         m_row = tl.max(m, axis=0)
         shift = (m_row - m) / temp
         w = tl.exp(-shift)
@@ -163,5 +171,9 @@ def _kernel():
         h = lse - t_row / s_row
         tl.store(entropy_ptr + row, tl.where(h > 0, h, 0.0))  # rounding below 0 (and -0.0) reads as 0
 
-    _KERNEL = logprob_entropy_kernel
-    return _KERNEL
+
+def _kernel():
+    """The Triton kernel (Triton is imported only on machines that have it)."""
+    if triton is None:
+        raise RuntimeError("the triton head backend needs triton")
+    return logprob_entropy_kernel

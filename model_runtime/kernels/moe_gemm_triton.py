@@ -19,8 +19,8 @@ tests/gpu/test_moe_fused.py checks it on the GPU; in Triton's CPU interpreter th
 NumPy's, so there tests/unit/test_moe_triton_interpret.py checks the indexing, the tiles and the
 epilogue against a model within a bf16 step.
 
-Tiles: the rows of each expert are cut into tiles of ``BLOCK_M``; program ``(m, n)`` finds its
-expert by a binary search over the experts' cumulative tile counts (``tile_ends``), so one launch
+Tiles: the rows of each expert are cut into tiles of ``BLOCK_M``; program ``(m, n)`` (n fastest
+in a one-dimensional launch) finds its expert by a binary search over the experts' cumulative tile counts (``tile_ends``), so one launch
 covers every expert whatever its count, without a read back to the host.
 """
 
@@ -56,6 +56,14 @@ if triton is not None:
         return lo
 
     @triton.jit
+    def _tile_of_program(n_tiles):
+        """``(m, n)`` of this program in a one-dimensional launch, n fastest: the column tiles of one
+        row tile run side by side, so its rows (gathered from anywhere in ``x``) come from memory
+        once and then from L2."""
+        pid = tl.program_id(0)
+        return pid // n_tiles, pid % n_tiles
+
+    @triton.jit
     def _tile_rows(tile_ends_ptr, offsets_ptr, pid, E: tl.constexpr, BLOCK_M: tl.constexpr):
         """``(e, rows, row_ok)`` of tile ``pid``: its expert, its BLOCK_M row indices and which of
         them are the expert's (the last tile of an expert is partial)."""
@@ -70,12 +78,12 @@ if triton is not None:
                              stride_x, stride_we, stride_wn, stride_h, D: tl.constexpr, I: tl.constexpr,
                              E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              CUDA_MATH: tl.constexpr, UPCAST: tl.constexpr):
-        pid_m = tl.program_id(0)
+        pid_m, pid_n = _tile_of_program(I // BLOCK_N)
         if pid_m >= tl.load(tile_ends_ptr + E - 1):
             return
         e, rows, row_ok = _tile_rows(tile_ends_ptr, offsets_ptr, pid_m, E, BLOCK_M)
         tok = tl.load(tok_ptr + rows, mask=row_ok, other=0).to(tl.int64)  # the token of each routed row
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + tok[:, None] * stride_x + ks[None, :]
         w_e = w_ptr + e.to(tl.int64) * stride_we
@@ -100,15 +108,15 @@ if triton is not None:
 
     @triton.jit
     def _down_kernel(h_ptr, w_ptr, offsets_ptr, tile_ends_ptr, y_ptr,
-                     stride_h, stride_we, stride_wn, stride_y, I: tl.constexpr,
+                     stride_h, stride_we, stride_wn, stride_y, D: tl.constexpr, I: tl.constexpr,
                      E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      UPCAST: tl.constexpr):
-        pid_m = tl.program_id(0)
+        pid_m, pid_n = _tile_of_program(D // BLOCK_N)
         if pid_m >= tl.load(tile_ends_ptr + E - 1):
             return
         e, rows, row_ok = _tile_rows(tile_ends_ptr, offsets_ptr, pid_m, E, BLOCK_M)
         rows = rows.to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = h_ptr + rows[:, None] * stride_h + ks[None, :]
         b_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
@@ -180,7 +188,7 @@ def gate_up_silu(x_TD: torch.Tensor, tok_S: torch.Tensor, offsets_E: torch.Tenso
     h_SI = x_TD.new_empty(S, I)
     if S == 0:
         return h_SI
-    grid = (_max_tiles(S, E, block_m), I // block_n)
+    grid = (_max_tiles(S, E, block_m) * (I // block_n),)
     meta = _meta(tile or GATE_UP_TILE)
     _gate_up_silu_kernel[grid](x_TD, tok_S, gate_up_E2ID, offsets_E, tile_ends(offsets_E, block_m), h_SI,
                                x_TD.stride(0), gate_up_E2ID.stride(0), gate_up_E2ID.stride(1), h_SI.stride(0), D=D, I=I,
@@ -204,7 +212,7 @@ def down(h_SI: torch.Tensor, offsets_E: torch.Tensor, down_EDI: torch.Tensor, ti
     y_SD = h_SI.new_empty(S, D)
     if S == 0:
         return y_SD
-    grid = (_max_tiles(S, E, block_m), D // block_n)
+    grid = (_max_tiles(S, E, block_m) * (D // block_n),)
     _down_kernel[grid](h_SI, down_EDI, offsets_E, tile_ends(offsets_E, block_m), y_SD, h_SI.stride(0), down_EDI.stride(0),
-                       down_EDI.stride(1), y_SD.stride(0), I=I, E=E, **_meta(tile or DOWN_TILE))
+                       down_EDI.stride(1), y_SD.stride(0), D=D, I=I, E=E, **_meta(tile or DOWN_TILE))
     return y_SD
