@@ -9,9 +9,11 @@ benchmark early so that its Hugging Face one-at-a-time pass fits in ``--budget-s
 2. ``block_timing``: one sparse-MoE block of the 35B-A3B shape (random bf16 weights) on a 16k- and
    a 64k-token row of the RL mix's lengths: ms per block for packscore with the default kernels,
    the plain composition (``PLAIN``) and each step between them (fused experts, rows scattered,
-   the select router, the shared expert on a second stream, the products in Triton), and for Hugging Face's block
-   (``grouped_mm`` experts, the whole row); how many values each differs from the composition in
-   (0: bit for bit); the top CUDA kernels of one default forward on the 64k row (torch.profiler);
+   the select router, the shared expert on a second stream, the products in Triton), and for
+   Hugging Face's block (``grouped_mm`` experts, the whole row); how many values each differs from
+   the composition in (0: bit for bit); the top CUDA kernels of one default forward on the 64k
+   row (torch.profiler); with ``--triton-tiles``, the Triton products at each tile of
+   ``TRITON_TILES``;
 3. the suite's benchmark (bench.gpu_suite.run_benchmark) on the first ``--sequences`` of the RL
    mix: packscore, HF padded and HF one at a time, tokens/s, ``mfu_of_measured_peak`` on active
    parameters, ``diff_packscore_vs_hf_single`` and ``diff_hf_padded_vs_hf_single``; then
@@ -201,7 +203,7 @@ def top_kernels(fn, top: int = BLOCK_PROFILE_TOP) -> list[dict]:
                            "share": 1.0}] if rows else [])
 
 
-def block_timing(preset: str = PRESET, rows=BLOCK_ROWS, spec=None) -> dict:
+def block_timing(preset: str = PRESET, rows=BLOCK_ROWS, spec=None, triton_tiles: bool = False) -> dict:
     """One sparse-MoE block of ``preset``'s shape (random bf16 weights) on a packed row of each size
     in ``rows`` (the RL mix's lengths): ms per block forward for packscore with each grouped experts
     backend and router (the opt-in ones too) and for Hugging Face's block (``grouped_mm`` experts)
@@ -261,7 +263,7 @@ def block_timing(preset: str = PRESET, rows=BLOCK_ROWS, spec=None) -> dict:
             if tokens == max(rows):
                 out["profile_tokens"] = tokens
                 out["profile_default"] = top_kernels(lambda: ours["default"](x_TD, packed))
-                if "triton_grouped_select" in ours:
+                if triton_tiles and "triton_grouped_select" in ours:
                     out["triton_tiles"] = triton_tile_sweep(ours["triton_grouped_select"], ours["composition"], x_TD, packed)
             del x_TD
     log(f"MoE block timing: {json.dumps(out)}")
@@ -435,6 +437,9 @@ def main(argv=None):
     parser.add_argument("--sequences", type=int, default=24, help="the first N sequences of the RL mix (24 to 256, the whole workload)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting phases after this many seconds")
     parser.add_argument("--dry-run-cpu", action="store_true", help="tiny MoE preset, tiny workload, on the CPU")
+    parser.add_argument("--triton-tiles", action="store_true",
+                        help="sweep the Triton grouped products' tiles in the block timing (about 30 s on an H200) "
+                             "and run the benchmark with the fastest pair")
     args = parser.parse_args(argv)
     args.mode = "moe"
     suite = Suite(args)
@@ -470,7 +475,7 @@ def main(argv=None):
         # is skipped when less than its time is left, and it carries the issue's numbers.
         suite.results["block_timing"] = suite.phase(
             "MoE block: packscore fused vs composition vs Hugging Face, ms per block", lambda: block_timing(
-                preset, (200, 500) if args.dry_run_cpu else BLOCK_ROWS, spec), 30)
+                preset, (200, 500) if args.dry_run_cpu else BLOCK_ROWS, spec, args.triton_tiles), 30)
         suite.phase(f"benchmark {preset} ({args.sequences} sequences)", lambda: run_benchmark(
             suite, preset, args.sequences, hf_single=True, max_batch_tokens=65536 if not args.dry_run_cpu else 300,
             key=key, extras=True, spec=spec, alternatives=(plain, cutlass)), 60)

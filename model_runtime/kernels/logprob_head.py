@@ -126,12 +126,16 @@ if triton is not None:
     def _scan(z_row, V, temp, m, s, t, lanes, BLOCK: tl.constexpr, DIVIDE: tl.constexpr):
         """Per lane over the row: m = max raw logit so far, s = sum exp(d), t = sum exp(d) * d with
         d = (z - m) / temp (``DIVIDE`` False: temp is 1, by which a division is exact)."""
+        z_next = tl.load(z_row + lanes, mask=lanes < V, other=float("-inf"))
         for start in range(0, V, BLOCK):
-            cols = start + lanes
-            z = tl.load(z_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-            # One division and one exp per logit (the step is compute-bound): delta is either the
-            # new logit's d (z <= m, -inf for masked columns) or the shift of the old terms when z
-            # is the lane's new max (its own d is then 0, adding 1 to s and nothing to t).
+            z = z_next.to(tl.float32)
+            # the next block's load is issued before this one's arithmetic, so that one program
+            # keeps a load in flight while it computes (masked past V: -inf, never added)
+            cols = start + BLOCK + lanes
+            z_next = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
+            # One division and one exp per logit: delta is either the new logit's d (z <= m, -inf
+            # for masked columns) or the shift of the old terms when z is the lane's new max (its
+            # own d is then 0, adding 1 to s and nothing to t).
             delta = (z - m) / temp if DIVIDE else z - m
             grows = z > m
             e = tl.exp(-tl.abs(delta))

@@ -101,10 +101,11 @@ _GPU_PREFERENCE = {
     # own norms sum in another order (--kernels elementwise=inductor) that 32 layers amplify.
     "elementwise": ("triton_exact",),
     "gate_projection": ("segment",),
-    # triton_grouped: grouped_mm's arithmetic bit for bit, the products too in Triton, the rows'
-    # gather and the SiLU product inside the first; grouped_mm_fused(_scatter): CUTLASS's products
-    # with the steps around them in Triton (docs/moe.md).
-    "moe_experts": ("triton_grouped", "grouped_mm_fused_scatter", "grouped_mm_fused", "grouped_mm"),
+    # grouped_mm_fused(_scatter): grouped_mm's arithmetic bit for bit, CUTLASS's products with the
+    # steps around them in Triton; scatter writes the products' rows from the tokens' side. The
+    # products in Triton (--kernels moe_experts=triton_grouped, the same numbers) made a 64k-token
+    # block slower on an H200 (docs/moe.md).
+    "moe_experts": ("grouped_mm_fused_scatter", "grouped_mm_fused", "grouped_mm"),
     # select: torch.topk's answer, its radix select replaced by one Triton pass.
     "moe_router": ("select", "topk"),
     # inline: on an H200 the second stream (--kernels moe_shared=stream) made a 64k-token block slower
