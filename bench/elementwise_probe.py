@@ -102,6 +102,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/out")
     parser.add_argument("--tokens", type=int, default=65536, help="tokens in the row (default: %(default)s)")
+    parser.add_argument("--only", default="", help="only the steps whose name contains this (e.g. conv)")
     args = parser.parse_args(argv)
     from triton.testing import do_bench
 
@@ -113,6 +114,8 @@ def main(argv=None) -> int:
     lines = ["| step | implementation | median ms | GB/s | unequal to eager |", "| --- | --- | ---: | ---: | ---: |"]
     with torch.inference_mode():
         for name, case in _cases(args.tokens, g).items():
+            if args.only not in name:
+                continue
             want = case["ref"]()
             rows = {}
             for label, fn in (("eager", case["ref"]), *case["impls"].items(),
