@@ -9,11 +9,9 @@ benchmark early so that its Hugging Face one-at-a-time pass fits in ``--budget-s
 2. ``block_timing``: one sparse-MoE block of the 35B-A3B shape (random bf16 weights) on a 16k- and
    a 64k-token row of the RL mix's lengths: ms per block for packscore with the default kernels,
    the plain composition (``PLAIN``) and each step between them (fused experts, rows scattered,
-   the select router, the shared expert on a second stream, the products in Triton), and for
-   Hugging Face's block (``grouped_mm`` experts, the whole row); how many values each differs from
-   the composition in (0: bit for bit); the top CUDA kernels of one default forward on the 64k
-   row (torch.profiler); with ``--triton-tiles``, the Triton products at each tile of
-   ``TRITON_TILES``;
+   the select router, the shared expert on a second stream), and for Hugging Face's block
+   (``grouped_mm`` experts, the whole row); how many values each differs from the composition in
+   (0: bit for bit); the top CUDA kernels of one default forward on the 64k row (torch.profiler);
 3. the suite's benchmark (bench.gpu_suite.run_benchmark) on the first ``--sequences`` of the RL
    mix: packscore, HF padded and HF one at a time, tokens/s, ``mfu_of_measured_peak`` on active
    parameters, ``diff_packscore_vs_hf_single`` and ``diff_hf_padded_vs_hf_single``; then
@@ -203,7 +201,7 @@ def top_kernels(fn, top: int = BLOCK_PROFILE_TOP) -> list[dict]:
                            "share": 1.0}] if rows else [])
 
 
-def block_timing(preset: str = PRESET, rows=BLOCK_ROWS, spec=None, triton_tiles: bool = False) -> dict:
+def block_timing(preset: str = PRESET, rows=BLOCK_ROWS, spec=None) -> dict:
     """One sparse-MoE block of ``preset``'s shape (random bf16 weights) on a packed row of each size
     in ``rows`` (the RL mix's lengths): ms per block forward for packscore with each grouped experts
     backend and router (the opt-in ones too) and for Hugging Face's block (``grouped_mm`` experts)
@@ -229,7 +227,6 @@ def block_timing(preset: str = PRESET, rows=BLOCK_ROWS, spec=None, triton_tiles:
         "fused_scatter_select": {**PLAIN, "moe_experts": "grouped_mm_fused_scatter", "moe_router": "select"},
         "fused_scatter_select_stream": {"moe_experts": "grouped_mm_fused_scatter", "moe_router": "select",
                                         "moe_shared": "stream"},
-        "triton_grouped_select": {**PLAIN, "moe_experts": "triton_grouped", "moe_router": "select"},
     } if cuda else {"default": {}, "composition": {}}
     chosen = {key: select_backends(device, allow_slow=True, overrides=o) for key, o in variants.items()}
     ours = {key: PackedSparseMoe(block, b) for key, b in chosen.items()}
@@ -263,57 +260,9 @@ def block_timing(preset: str = PRESET, rows=BLOCK_ROWS, spec=None, triton_tiles:
             if tokens == max(rows):
                 out["profile_tokens"] = tokens
                 out["profile_default"] = top_kernels(lambda: ours["default"](x_TD, packed))
-                if triton_tiles and "triton_grouped_select" in ours:
-                    out["triton_tiles"] = triton_tile_sweep(ours["triton_grouped_select"], ours["composition"], x_TD, packed)
             del x_TD
     log(f"MoE block timing: {json.dumps(out)}")
     return out
-
-
-# Tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, TMA]) of the Triton grouped products, timed one product at a time.
-TRITON_TILES = {
-    "gate_up": ((256, 64, 64, 8, 3), (256, 64, 64, 8, 4), (128, 128, 64, 8, 4), (128, 64, 64, 8, 4),
-                (256, 64, 64, 8, 3, True), (256, 64, 64, 8, 4, True), (128, 128, 64, 8, 4, True), (128, 64, 64, 8, 4, True)),
-    "down": ((128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 4), (128, 128, 64, 8, 4),
-             (128, 256, 64, 8, 3, True), (128, 256, 64, 8, 4, True), (256, 128, 64, 8, 3, True), (128, 128, 64, 8, 4, True)),
-}
-
-
-def triton_tile_sweep(ours, plain, x_TD: torch.Tensor, packed) -> dict:
-    """The block with the Triton grouped products (``ours``) at each tile of ``TRITON_TILES``, one
-    product's tile changed at a time: ms per block and values differing from ``plain``'s output
-    (any tile must give 0). Then both products at their fastest tile together (``best``); those
-    tiles stay set for the rest of the process, so that the benchmark after it runs them (the
-    shipped defaults, ``moe_gemm_triton.GATE_UP_TILE`` and ``DOWN_TILE``, are set from this)."""
-    from model_runtime.kernels import moe_gemm_triton as MG
-
-    want = plain(x_TD, packed).view(torch.int16)
-    saved = MG.GATE_UP_TILE, MG.DOWN_TILE
-    rows, fastest = [], {}
-    try:
-        for product, tiles in TRITON_TILES.items():
-            for tile in tiles:
-                MG.GATE_UP_TILE, MG.DOWN_TILE = (tile, saved[1]) if product == "gate_up" else (saved[0], tile)
-                row = {"product": product, "tile": list(tile)}
-                try:
-                    row["differing"] = int((ours(x_TD, packed).view(torch.int16) != want).sum())
-                    row["block_ms"] = _median_ms(lambda: ours(x_TD, packed))
-                except Exception as err:  # a tile that does not build (shared memory, registers) gives its error
-                    row["error"] = f"{type(err).__name__}: {err}"[:200]
-                rows.append(row)
-                log(f"Triton grouped products, {product} tile {tile}: {row}")
-                if row.get("differing") == 0 and row["block_ms"] < fastest.get(product, (None, float("inf")))[1]:
-                    fastest[product] = (tuple(tile), row["block_ms"])
-    finally:
-        MG.GATE_UP_TILE, MG.DOWN_TILE = saved
-    best = {"gate_up": list(fastest.get("gate_up", (saved[0],))[0]), "down": list(fastest.get("down", (saved[1],))[0])}
-    MG.GATE_UP_TILE, MG.DOWN_TILE = tuple(best["gate_up"]), tuple(best["down"])
-    best["differing"] = int((ours(x_TD, packed).view(torch.int16) != want).sum())
-    best["block_ms"] = _median_ms(lambda: ours(x_TD, packed))
-    if best["differing"]:  # never run tiles that change the numbers
-        MG.GATE_UP_TILE, MG.DOWN_TILE = saved
-    log(f"Triton grouped products, fastest tiles together: {best}")
-    return {"tiles": rows, "best": best}
 
 
 def alone_vs_packed(preset: str = PRESET, num_layers: int = 4, lengths=INVARIANCE_LENGTHS, experts: str | None = None) -> dict:
@@ -387,17 +336,6 @@ def markdown(results: dict, key: str) -> str:
             lines.append(f"| {int(tokens):,} | " + " | ".join(f"{e[f'packscore_{k}_ms']:.2f}" for k in keys)
                          + f" | {e['hf_grouped_mm_ms']:.2f} | "
                          + " | ".join(str(e.get(f"{k}_vs_composition_differing", "")) for k in others) + " |")
-    if timing.get("triton_tiles"):
-        sweep = timing["triton_tiles"]
-        lines += _table(f"The block with the Triton grouped products ({timing['profile_tokens']:,} tokens), one product's "
-                        "tile changed at a time:", ("product", "tile (M, N, K, warps, stages[, TMA])", "block ms",
-                                                   "values differing from the composition"))
-        for r in sweep["tiles"]:
-            lines.append(f"| {r['product']} | {tuple(r['tile'])} | " + (f"{r['block_ms']:.2f} | {r['differing']} |"
-                         if "block_ms" in r else f"{r['error']} | |"))
-        b = sweep["best"]
-        lines.append(f"| both at their fastest | {tuple(b['gate_up'])}, {tuple(b['down'])} | {b['block_ms']:.2f} | "
-                     f"{b['differing']} |")
     if timing.get("profile_default"):
         lines += _table(f"Top kernels of one block forward with the default kernels ({timing['profile_tokens']:,} tokens):",
                         ("kernel", "calls", "total ms", "share"))
@@ -437,9 +375,6 @@ def main(argv=None):
     parser.add_argument("--sequences", type=int, default=24, help="the first N sequences of the RL mix (24 to 256, the whole workload)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting phases after this many seconds")
     parser.add_argument("--dry-run-cpu", action="store_true", help="tiny MoE preset, tiny workload, on the CPU")
-    parser.add_argument("--triton-tiles", action="store_true",
-                        help="sweep the Triton grouped products' tiles in the block timing (about 30 s on an H200) "
-                             "and run the benchmark with the fastest pair")
     args = parser.parse_args(argv)
     args.mode = "moe"
     suite = Suite(args)
@@ -468,17 +403,15 @@ def main(argv=None):
 
     # the whole-model benchmark also runs with the plain MoE kernels: its speed, and equal bit for bit
     plain = ",".join(f"{f}={b}" for f, b in PLAIN.items()) if H.DEVICE == "cuda" else "default"
-    # and with the CUTLASS products around Triton steps (the default before the Triton products)
-    cutlass = "moe_experts=grouped_mm_fused_scatter,moe_router=select,moe_shared=inline" if H.DEVICE == "cuda" else "default"
     try:
         # The block timing and the benchmark first: the benchmark's Hugging Face one-at-a-time pass
         # is skipped when less than its time is left, and it carries the issue's numbers.
         suite.results["block_timing"] = suite.phase(
             "MoE block: packscore fused vs composition vs Hugging Face, ms per block", lambda: block_timing(
-                preset, (200, 500) if args.dry_run_cpu else BLOCK_ROWS, spec, args.triton_tiles), 30)
+                preset, (200, 500) if args.dry_run_cpu else BLOCK_ROWS, spec), 30)
         suite.phase(f"benchmark {preset} ({args.sequences} sequences)", lambda: run_benchmark(
             suite, preset, args.sequences, hf_single=True, max_batch_tokens=65536 if not args.dry_run_cpu else 300,
-            key=key, extras=True, spec=spec, alternatives=(plain, cutlass)), 60)
+            key=key, extras=True, spec=spec, alternatives=(plain,)), 60)
         suite.results["alone_vs_packed"] = suite.phase(
             "alone vs packed (4 layers)", lambda: alone_vs_packed(preset), 30)
         suite.results["block_divergence"] = suite.phase(

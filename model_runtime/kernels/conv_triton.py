@@ -40,20 +40,13 @@ from model_runtime.model.packing import PackedBatch
 # (tokens, channels, warps) per program; any tile gives the same numbers (each output's taps are
 # added in one order), and a split narrower than the channel block gets a narrower one. The
 # default is bench/elementwise_probe.py's fastest tile on an H200 (docs/benchmarks.md).
-# A fourth element ``ROLLING`` (width 4 only) runs the other kernel: a program walks its tokens in
-# order over a strip of channels and keeps the last three inputs in registers, so each input is
-# read once instead of once per tap (not yet timed on a GPU).
 DEFAULT_TILE = (32, 128, 4)
-ROLLING = "rolling"
 
 
 def tile_candidates() -> list[tuple]:
-    """The tiles bench/elementwise_probe.py times: 8 to 64 outputs per thread, and rolling strips
-    of 2 to 8 channels per thread."""
+    """The tiles bench/elementwise_probe.py times: 8 to 64 outputs per thread."""
     return [(bt, bc, warps) for bt in (32, 64, 128, 256) for bc in (64, 128, 256) for warps in (4, 8)
-            if 8 <= bt * bc // (32 * warps) <= 64] + [
-        (bt, bc, warps, ROLLING) for bt in (32, 64) for bc in (256, 512, 1024) for warps in (4, 8)
-        if 2 <= bc // (32 * warps) <= 8]
+            if 8 <= bt * bc // (32 * warps) <= 64]
 
 
 def causal_conv1d_silu_triton(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: PackedBatch, splits=None):
@@ -85,11 +78,8 @@ def conv_splits(x_TC, weight_CW, packed: PackedBatch, splits, silu: bool, tile=N
         x_TC = x_TC.contiguous()
     weight_CW = weight_CW.contiguous()
     width = weight_CW.shape[1]
-    block_t, max_block_c, warps, *mode = tile or DEFAULT_TILE
-    rolling = bool(mode) and width == 4
-    if mode and not rolling:  # the rolling kernel keeps three inputs: other widths take the 2-D tile
-        block_t, max_block_c, warps = DEFAULT_TILE
-    kernel, interpreted = _kernel(rolling)
+    block_t, max_block_c, warps = tile or DEFAULT_TILE
+    kernel, interpreted = _tile_kernel()
     outs, c0 = [], 0
     for ci in widths:
         y_TC = torch.empty(T, ci, dtype=x_TC.dtype, device=x_TC.device)
@@ -102,53 +92,6 @@ def conv_splits(x_TC, weight_CW, packed: PackedBatch, splits, silu: bool, tile=N
         outs.append(y_TC)
         c0 += ci
     return tuple(outs)
-
-
-def _kernel(rolling: bool = False):
-    """The kernel and whether Triton interprets it: the 2-D tile's, or with ``rolling`` the one
-    that walks its tokens in order (width 4)."""
-    return _rolling_kernel() if rolling else _tile_kernel()
-
-
-@functools.cache
-def _rolling_kernel():
-    """Builds the rolling kernel on first use (Triton is imported only where it runs)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def conv_silu_rolling_kernel(x_ptr, stride_x, w_ptr, pos_ptr, y_ptr, T, Ci,
-                                 W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                                 SILU: tl.constexpr, LIBDEVICE: tl.constexpr):
-        t0 = tl.program_id(0) * BLOCK_T
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        c_ok = c < Ci
-        w0 = tl.load(w_ptr + c * W, mask=c_ok, other=0.0).to(tl.float32)
-        w1 = tl.load(w_ptr + c * W + 1, mask=c_ok, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + c * W + 2, mask=c_ok, other=0.0).to(tl.float32)
-        w3 = tl.load(w_ptr + c * W + 3, mask=c_ok, other=0.0).to(tl.float32)
-        # the three inputs before the first token (0 before the row; a tap before a segment's start
-        # is dropped by the position test below, as the 2-D kernel's mask drops it)
-        x3 = tl.load(x_ptr + (t0 - 3).to(tl.int64) * stride_x + c, mask=c_ok & (t0 >= 3), other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptr + (t0 - 2).to(tl.int64) * stride_x + c, mask=c_ok & (t0 >= 2), other=0.0).to(tl.float32)
-        x1 = tl.load(x_ptr + (t0 - 1).to(tl.int64) * stride_x + c, mask=c_ok & (t0 >= 1), other=0.0).to(tl.float32)
-        for i in tl.static_range(BLOCK_T):
-            t = t0 + i
-            ok = t < T
-            pos = tl.load(pos_ptr + t, mask=ok, other=0)  # tokens since the segment start
-            x0 = tl.load(x_ptr + t.to(tl.int64) * stride_x + c, mask=c_ok & ok, other=0.0).to(tl.float32)
-            acc = tl.zeros([BLOCK_C], dtype=tl.float32)  # taps oldest first, each 0 before the segment
-            acc += tl.where(pos >= 3, x3, 0.0) * w0
-            acc += tl.where(pos >= 2, x2, 0.0) * w1
-            acc += tl.where(pos >= 1, x1, 0.0) * w2
-            acc += x0 * w3
-            y = acc.to(y_ptr.dtype.element_ty)
-            if SILU:
-                y = triton_math.silu(y.to(tl.float32), LIBDEVICE).to(y_ptr.dtype.element_ty)
-            tl.store(y_ptr + t.to(tl.int64) * Ci + c, y, mask=c_ok & ok)
-            x3, x2, x1 = x2, x1, x0
-
-    return conv_silu_rolling_kernel, bool(triton.knobs.runtime.interpret)
 
 
 @functools.cache

@@ -20,9 +20,7 @@ that no step's arithmetic depends on how many tokens an expert received:
   same configuration (no split-K in any of them).
 - ``grouped_mm_fused`` (CUDA, bfloat16): the same two products, and ``grouped_mm``'s numbers
   bit for bit (``grouped_mm_fused_scatter``, the CUDA default: the same with the products' input
-  rows written from the tokens' side, each token's row read once instead of K times;
-  ``triton_grouped``, opt-in until an H200 shows it equal and faster: the two products in Triton
-  too, the row gather and the SiLU product inside the first); the gather
+  rows written from the tokens' side, each token's row read once instead of K times); the gather
   of the rows, the SiLU product, the weighting, the top-k sum and the
   block's ``routed + gate * shared`` run in one pass each (model_runtime/kernels/moe_triton.py)
   instead of the composition's many over ``[S, D]`` and ``[T, D]``.
@@ -177,28 +175,23 @@ def experts_grouped_mm(
     *,
     fused: bool = False,
     scatter: bool = False,
-    triton_products: bool = False,
 ) -> torch.Tensor:
     """Routed experts' output ``[T, D]`` through two grouped products of one fixed configuration
     (``shared``: see ``add_shared``); ``fused``: the same numbers bit for bit, with the steps around
     the two products in Triton kernels (model_runtime/kernels/moe_triton.py) that move a fraction
     of the memory; ``scatter`` (with ``fused``): the products' input rows written from the tokens'
-    side (``moe_triton.scatter_rows``) instead of gathered; ``triton_products`` (with ``fused``):
-    the products themselves in Triton, the gather and the SiLU product inside the first
-    (model_runtime/kernels/moe_gemm_triton.py)."""
+    side (``moe_triton.scatter_rows``) instead of gathered."""
     if x_TD.device.type != "cuda" or x_TD.dtype != torch.bfloat16:
         raise ValueError(
-            f"the {'triton_grouped' if triton_products else 'grouped_mm_fused' if fused else 'grouped_mm'} experts need "
+            f"the {'grouped_mm_fused' if fused else 'grouped_mm'} experts need "
             f"bfloat16 on CUDA, got "
             f"{x_TD.dtype} on {x_TD.device.type}; use --kernels moe_experts=tiled"
         )
-    return grouped_experts(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared, fused=fused, scatter=scatter,
-                           triton_products=triton_products)
+    return grouped_experts(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared, fused=fused, scatter=scatter)
 
 
 experts_grouped_mm_fused = functools.partial(experts_grouped_mm, fused=True)
 experts_grouped_mm_fused_scatter = functools.partial(experts_grouped_mm, fused=True, scatter=True)
-experts_triton_grouped = functools.partial(experts_grouped_mm, fused=True, triton_products=True)
 
 
 def add_shared(routed_TD: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -227,12 +220,10 @@ def grouped_experts(
     *,
     fused: bool,
     scatter: bool = False,
-    triton_products: bool = False,
 ) -> torch.Tensor:
     """The two grouped products with the steps around them in PyTorch (``fused=False``) or in the
-    Triton kernels (``fused=True``; ``scatter``: the input rows written by ``scatter_rows``;
-    ``triton_products``: the products too); no device check, so that the CPU interpreter tests run
-    them."""
+    Triton kernels (``fused=True``; ``scatter``: the input rows written by ``scatter_rows``); no
+    device check, so that the CPU interpreter tests run them."""
     T, K = top_i_TK.shape
     E, D, I = gate_up_E2ID.shape[0], x_TD.shape[1], down_EDI.shape[2]
     order_S, counts_E = routed_pairs(top_i_TK, E)
@@ -245,24 +236,18 @@ def grouped_experts(
 
         # pos_S[t * K + k]: where pair (t, k) sits in the sorted rows (the inverse of order_S)
         pos_S = torch.empty_like(order_S).index_copy_(0, order_S, torch.arange(S, device=order_S.device))
-    if fused and triton_products:
-        from model_runtime.kernels import moe_gemm_triton
-
-        h_RI = moe_gemm_triton.gate_up_silu(x_TD, (order_S // K).to(torch.int32), offsets_E, gate_up_E2ID)
-        y_RD = moe_gemm_triton.down(h_RI, offsets_E, down_EDI)
+    rows = max(S, GROUPED_MM_LARGE_CONFIG_ROWS * E)  # rows past offsets[-1] are never computed
+    x_RD = x_TD.new_empty(rows, D)
+    if fused and scatter:
+        moe_triton.scatter_rows(x_TD, pos_S.view(T, K), x_RD)
     else:
-        rows = max(S, GROUPED_MM_LARGE_CONFIG_ROWS * E)  # rows past offsets[-1] are never computed
-        x_RD = x_TD.new_empty(rows, D)
-        if fused and scatter:
-            moe_triton.scatter_rows(x_TD, pos_S.view(T, K), x_RD)
-        else:
-            torch.index_select(x_TD, 0, order_S // K, out=x_RD[:S])  # gathered straight into the product's rows
-        gate_up_R2I = _grouped_mm(x_RD, gate_up_E2ID.transpose(-2, -1), offsets_E)
-        if fused:
-            h_RI = moe_triton.silu_mul_rows(gate_up_R2I, S)  # only the S computed rows: the tail is never read
-        else:
-            h_RI = F.silu(gate_up_R2I[:, :I]) * gate_up_R2I[:, I:]
-        y_RD = _grouped_mm(h_RI, down_EDI.transpose(-2, -1), offsets_E)
+        torch.index_select(x_TD, 0, order_S // K, out=x_RD[:S])  # gathered straight into the product's rows
+    gate_up_R2I = _grouped_mm(x_RD, gate_up_E2ID.transpose(-2, -1), offsets_E)
+    if fused:
+        h_RI = moe_triton.silu_mul_rows(gate_up_R2I, S)  # only the S computed rows: the tail is never read
+    else:
+        h_RI = F.silu(gate_up_R2I[:, :I]) * gate_up_R2I[:, I:]
+    y_RD = _grouped_mm(h_RI, down_EDI.transpose(-2, -1), offsets_E)
     if not fused:
         weighted_SD = torch.empty_like(x_RD[:S])
         weighted_SD[order_S] = y_RD[:S] * top_w_TK.reshape(-1)[order_S, None]

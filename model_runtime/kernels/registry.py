@@ -36,7 +36,6 @@ from model_runtime.kernels.moe_experts import (
     experts_grouped_mm_fused,
     experts_grouped_mm_fused_scatter,
     experts_tiled,
-    experts_triton_grouped,
     shared_inline,
     shared_side_stream,
 )
@@ -61,7 +60,7 @@ REGISTRY: dict[str, dict[str, Callable]] = {
                     "inductor_exact": elementwise.inductor_exact, "triton_exact": elementwise.triton_exact},
     "gate_projection": {"row": gate_projection_row, "segment": gate_projection_segment},
     "moe_experts": {"tiled": experts_tiled, "grouped_mm": experts_grouped_mm, "grouped_mm_fused": experts_grouped_mm_fused,
-                    "grouped_mm_fused_scatter": experts_grouped_mm_fused_scatter, "triton_grouped": experts_triton_grouped},
+                    "grouped_mm_fused_scatter": experts_grouped_mm_fused_scatter},
     "moe_router": {"topk": top_k_torch, "select": top_k_select},
     "moe_shared": {"inline": shared_inline, "stream": shared_side_stream},
 }
@@ -80,7 +79,7 @@ _CPU_DEFAULT = {
 
 # Backends whose kernels exist only on CUDA.
 CUDA_ONLY = frozenset({"fla", "causal_conv1d", "varlen", "flash_attn", "triton", "inductor_exact", "triton_exact",
-                       "grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter", "triton_grouped", "select", "stream"})
+                       "grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter", "select", "stream"})
 
 # The fast backends on a GPU, best first. Attention differs by where the model runs (figures in
 # docs/benchmarks.md):
@@ -103,8 +102,7 @@ _GPU_PREFERENCE = {
     "gate_projection": ("segment",),
     # grouped_mm_fused(_scatter): grouped_mm's arithmetic bit for bit, CUTLASS's products with the
     # steps around them in Triton; scatter writes the products' rows from the tokens' side. The
-    # products in Triton (--kernels moe_experts=triton_grouped, the same numbers) made a 64k-token
-    # block slower on an H200 (docs/moe.md).
+    # products themselves in Triton gave the same numbers but a slower block on an H200 (docs/moe.md).
     "moe_experts": ("grouped_mm_fused_scatter", "grouped_mm_fused", "grouped_mm"),
     # select: torch.topk's answer, its radix select replaced by one Triton pass.
     "moe_router": ("select", "topk"),
@@ -161,7 +159,6 @@ _BACKEND_MODULES = {
     "triton_exact": ("triton", "torch._inductor"),
     "grouped_mm_fused": ("triton",),
     "grouped_mm_fused_scatter": ("triton",),
-    "triton_grouped": ("triton",),
     "select": ("triton",),
 }
 

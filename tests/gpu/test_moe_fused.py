@@ -1,5 +1,5 @@
-"""The fused MoE experts (``moe_experts=grouped_mm_fused``, ``grouped_mm_fused_scatter`` and the
-opt-in ``triton_grouped``, whose products are Triton's) on the GPU: the ``grouped_mm`` composition's numbers bit for bit, on the Qwen3.5-35B-A3B block shape
+"""The fused MoE experts (``moe_experts=grouped_mm_fused``, and ``grouped_mm_fused_scatter``) on
+the GPU: the ``grouped_mm`` composition's numbers bit for bit, on the Qwen3.5-35B-A3B block shape
 (E=256, K=8, D=2048, I=512) and row counts from one token to a 64k-token row.
 """
 
@@ -44,7 +44,6 @@ def test_fused_experts_equal_the_composition_bit_for_bit(inputs, rows, gpu_recor
         experts_grouped_mm,
         experts_grouped_mm_fused,
         experts_grouped_mm_fused_scatter,
-        experts_triton_grouped,
     )
 
     gate_up, down, x, top_i, top_w, gate, shared = (t[:rows] if t.dim() == 2 else t for t in inputs)
@@ -52,8 +51,7 @@ def test_fused_experts_equal_the_composition_bit_for_bit(inputs, rows, gpu_recor
     with torch.inference_mode():
         routed_want = experts_grouped_mm(x, top_i, top_w, gate_up, down)
         block_want = experts_grouped_mm(x, top_i, top_w, gate_up, down, shared=(gate, shared))
-        for name, fn in (("fused", experts_grouped_mm_fused), ("fused_scatter", experts_grouped_mm_fused_scatter),
-                         ("triton_grouped", experts_triton_grouped)):
+        for name, fn in (("fused", experts_grouped_mm_fused), ("fused_scatter", experts_grouped_mm_fused_scatter)):
             routed = fn(x, top_i, top_w, gate_up, down)
             block = fn(x, top_i, top_w, gate_up, down, shared=(gate, shared))
             counts[f"{name}_routed_differing"] = differing(routed, routed_want)
@@ -64,7 +62,7 @@ def test_fused_experts_equal_the_composition_bit_for_bit(inputs, rows, gpu_recor
     assert not any(counts.values()), f"{counts} of {rows * D} values differ (tolerance: bit for bit); max |diff| {worst}"
 
 
-@pytest.mark.parametrize("variant", ["default", "fused", "fused_scatter_select", "triton_grouped"])
+@pytest.mark.parametrize("variant", ["default", "fused", "fused_scatter_select"])
 @pytest.mark.parametrize("lengths", [(1,), (5, 64, 300), (1000, 3000, 12000)], ids=lambda v: "L" + "-".join(map(str, v)))
 def test_block_equals_the_plain_block(lengths, variant, gpu_record):
     """The whole PackedSparseMoe (router, shared expert and gate included) with the served kernels
@@ -76,8 +74,7 @@ def test_block_equals_the_plain_block(lengths, variant, gpu_record):
     from model_runtime.model.packing import PackedBatch
 
     overrides = {"default": {}, "fused": {**PLAIN, "moe_experts": "grouped_mm_fused"},
-                 "fused_scatter_select": {**PLAIN, "moe_experts": "grouped_mm_fused_scatter", "moe_router": "select"},
-                 "triton_grouped": {**PLAIN, "moe_experts": "triton_grouped"}}
+                 "fused_scatter_select": {**PLAIN, "moe_experts": "grouped_mm_fused_scatter", "moe_router": "select"}}
     block = random_block("qwen3.5-35b-a3b", "cuda")
     plain = PackedSparseMoe(block, select_backends("cuda", allow_slow=True, overrides=PLAIN))
     ours = PackedSparseMoe(block, select_backends("cuda", allow_slow=True, overrides=overrides[variant]))

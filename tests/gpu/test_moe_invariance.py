@@ -1,8 +1,7 @@
 """MoE on the GPU: a sequence scored alone equals the same sequence packed with others, bit for bit.
 
 The first 4 layers of the Qwen3.5-35B-A3B shape (random bf16 weights), with the served kernels and
-each grouped experts backend (``grouped_mm``, ``grouped_mm_fused``, ``grouped_mm_fused_scatter``,
-``triton_grouped``). Lengths span the grouped
+each grouped experts backend (``grouped_mm``, ``grouped_mm_fused``, ``grouped_mm_fused_scatter``). Lengths span the grouped
 product's tile configurations a row size would pick without the fixed tail (fewer than 64, 64-128
 and over 128 rows per expert on average).
 """
@@ -15,7 +14,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="MoE invariance on the GPU needs CUDA"),
 ]
-BACKENDS = ("grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter", "triton_grouped")
+BACKENDS = ("grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -170,80 +170,8 @@ def test_scatter_rows_writes_what_the_gather_reads(T, K, D, dtype):
     assert bool(out[T * K :].isnan().all()), "scatter_rows wrote past the pairs"
 
 
-SMALL_TILE = (16, 32, 32, 4, 1)  # the interpreter's dot needs 16 or more along each side
-SMALL_TILE_TMA = (*SMALL_TILE, True)  # the weights (and the down product's rows) through descriptors
-
-
-def _routing(T, E, K, seed, skew=False):
-    g = torch.Generator().manual_seed(seed)
-    scores = torch.rand(T, E, generator=g)
-    if skew:  # most tokens on a few experts, some experts on none: full, partial and empty tiles
-        scores[:, : E // 2] += 2 * torch.arange(E // 2, 0, -1) / E
-    return scores.topk(K, dim=-1).indices
-
-
-@pytest.mark.parametrize("tile", [SMALL_TILE, SMALL_TILE_TMA], ids=["pointers", "tma"])
-@pytest.mark.parametrize("T,E,K,skew", [(53, 8, 3, False), (1, 4, 2, False), (97, 16, 4, True)], ids=lambda v: str(v))
-def test_triton_products_follow_the_grouped_products_float32(T, E, K, skew, tile, monkeypatch):
-    """The Triton grouped products (row gather and SiLU product inside the first) against the
-    composition's, in float32: the same rows of the same experts, within the float32 rounding of
-    two differently ordered sums (NumPy's product in the interpreter)."""
-    from model_runtime.kernels import moe_experts as ME
-    from model_runtime.kernels import moe_gemm_triton as MG
-
-    monkeypatch.setattr(MG, "GATE_UP_TILE", tile)
-    monkeypatch.setattr(MG, "DOWN_TILE", tile)
-    g = torch.Generator().manual_seed(T + E)
-    D, I = (48, 40) if skew else (64, 64)  # sizes the tile does not divide: masked partial tiles
-    gate_up, down = torch.randn(E, 2 * I, D, generator=g) * 0.1, torch.randn(E, D, I, generator=g) * 0.1
-    x = torch.randn(T, D, generator=g)
-    top_i = _routing(T, E, K, seed=T, skew=skew)
-    top_w = torch.rand(T, K, generator=g)
-    shared = (torch.rand(T, 1, generator=g), torch.randn(T, D, generator=g))
-    for sh in (None, shared):
-        want = ME.grouped_experts(x, top_i, top_w, gate_up, down, sh, fused=False)
-        got = ME.grouped_experts(x, top_i, top_w, gate_up, down, sh, fused=True, triton_products=True)
-        diff, tol = float((got - want).abs().max()), 1e-5 * float(want.abs().max())
-        assert diff <= tol, f"triton products vs composition: max |diff| {diff:.3e} (tolerance {tol:.3e})"
-
-
-def test_triton_gate_up_silu_rounds_as_silu_mul_rows():
-    """bf16: the first product's epilogue is ``silu_mul_rows`` of the product rounded to bf16; fed
-    the same rounded product (the interpreter's own), the two agree bit for bit."""
-    from model_runtime.kernels import moe_gemm_triton as MG
-    from model_runtime.kernels import moe_triton as MT
-
-    g = torch.Generator().manual_seed(5)
-    E, D, I, T, K = 4, 32, 32, 21, 2
-    gate_up = (torch.randn(E, 2 * I, D, generator=g) * 0.2).bfloat16()
-    x = torch.randn(T, D, generator=g).bfloat16()
-    top_i = _routing(T, E, K, seed=1)
-    order = torch.argsort(top_i.reshape(-1), stable=True)
-    offsets = torch.cumsum(torch.bincount(top_i.reshape(-1), minlength=E), 0, dtype=torch.int32)
-    tok = (order // K).to(torch.int32)
-    h = MG.gate_up_silu(x, tok, offsets, gate_up, tile=SMALL_TILE)
-    # the product as the interpreter computes it: float32 sums of bf16 inputs, truncated to bf16
-    rows = []
-    for r in range(T * K):
-        e = int(torch.searchsorted(offsets, r, right=True))
-        rows.append(x[tok[r]].float() @ gate_up[e].float().T)
-    product = to_dtype_as_interpreter(torch.stack(rows), torch.bfloat16)
-    want = MT.silu_mul_rows(product, T * K)
-    differ = int((bits(h) != bits(want)).sum())
-    # NumPy's float32 dot may add in another order than torch's: allow a rare bf16 step
-    assert differ <= h.numel() // 200, f"{differ} of {h.numel()} values differ from silu_mul_rows of the product"
-
-
 def test_the_kernels_refuse_what_they_do_not_take():
-    from model_runtime.kernels import moe_gemm_triton as MG
     from model_runtime.kernels import moe_triton as MT
-
-    with pytest.raises(ValueError, match="weights"):  # weights of another width than x
-        MG.gate_up_silu(torch.randn(3, 40), torch.zeros(6, dtype=torch.int32), torch.full((2,), 6, dtype=torch.int32),
-                        torch.randn(2, 128, 48), tile=SMALL_TILE)
-    with pytest.raises(ValueError, match="weights"):
-        MG.down(torch.randn(6, 32).bfloat16(), torch.full((2,), 6, dtype=torch.int32), torch.randn(2, 32, 32),
-                tile=SMALL_TILE)
 
     a = torch.randn(6, 8).to(torch.bfloat16)
     with pytest.raises(ValueError, match="num_rows"):
