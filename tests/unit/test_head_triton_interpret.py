@@ -80,8 +80,8 @@ def test_head_kernel_equals_the_online_model_and_the_reference(V, dtype):
     want_logp, want_ent = online_model(z.float().numpy(), targets.numpy(), temperature32(temps).numpy(), block)
     differing = int((logp.numpy().view(np.int32) != want_logp.view(np.int32)).sum()
                     + (ent.numpy().view(np.int32) != want_ent.view(np.int32)).sum())
-    assert differing == 0, (f"{differing} values differ from the online model (tolerance: bit for bit): "
-                            f"logp {logp.tolist()} vs {want_logp.tolist()}, entropy {ent.tolist()} vs {want_ent.tolist()}")
+    assert differing == 0, (f"{differing} values differ from the online model (tolerance: bit for bit): logp "
+                            f"{logp.tolist()} vs {want_logp.tolist()}, entropy {ent.tolist()} vs {want_ent.tolist()}")
     ref_logp, ref_ent = logprob_entropy_torch(z, targets, temps)
     tol = 2e-6 * max(1.0, float(ref_logp.abs().max()))
     worst = max(float((logp - ref_logp).abs().max()), float((ent - ref_ent).abs().max()))
