@@ -43,7 +43,7 @@ from model_runtime.model.packing import PackedBatch
 DEFAULT_TILE = (32, 128, 4)
 
 
-def tile_candidates() -> list[tuple]:
+def tile_candidates() -> list[tuple[int, int, int]]:
     """The tiles bench/elementwise_probe.py times: 8 to 64 outputs per thread."""
     return [(bt, bc, warps) for bt in (32, 64, 128, 256) for bc in (64, 128, 256) for warps in (4, 8)
             if 8 <= bt * bc // (32 * warps) <= 64]
@@ -78,8 +78,8 @@ def conv_splits(x_TC, weight_CW, packed: PackedBatch, splits, silu: bool, tile=N
         x_TC = x_TC.contiguous()
     weight_CW = weight_CW.contiguous()
     width = weight_CW.shape[1]
+    kernel, interpreted = _kernel()
     block_t, max_block_c, warps = tile or DEFAULT_TILE
-    kernel, interpreted = _tile_kernel()
     outs, c0 = [], 0
     for ci in widths:
         y_TC = torch.empty(T, ci, dtype=x_TC.dtype, device=x_TC.device)
@@ -95,8 +95,8 @@ def conv_splits(x_TC, weight_CW, packed: PackedBatch, splits, silu: bool, tile=N
 
 
 @functools.cache
-def _tile_kernel():
-    """Builds the 2-D tile's kernel on first use."""
+def _kernel():
+    """Builds the kernel on first use (Triton is imported only where it runs)."""
     import triton
     import triton.language as tl
 

@@ -183,8 +183,7 @@ def experts_grouped_mm(
     side (``moe_triton.scatter_rows``) instead of gathered."""
     if x_TD.device.type != "cuda" or x_TD.dtype != torch.bfloat16:
         raise ValueError(
-            f"the {'grouped_mm_fused' if fused else 'grouped_mm'} experts need "
-            f"bfloat16 on CUDA, got "
+            f"the {'grouped_mm_fused' if fused else 'grouped_mm'} experts need bfloat16 on CUDA, got "
             f"{x_TD.dtype} on {x_TD.device.type}; use --kernels moe_experts=tiled"
         )
     return grouped_experts(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared, fused=fused, scatter=scatter)
@@ -223,21 +222,21 @@ def grouped_experts(
 ) -> torch.Tensor:
     """The two grouped products with the steps around them in PyTorch (``fused=False``) or in the
     Triton kernels (``fused=True``; ``scatter``: the input rows written by ``scatter_rows``); no
-    device check, so that the CPU interpreter tests run them."""
+    device check, so that the CPU interpreter tests run both."""
     T, K = top_i_TK.shape
     E, D, I = gate_up_E2ID.shape[0], x_TD.shape[1], down_EDI.shape[2]
     order_S, counts_E = routed_pairs(top_i_TK, E)
     offsets_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
     S = T * K
+    rows = max(S, GROUPED_MM_LARGE_CONFIG_ROWS * E)  # rows past offsets[-1] are never computed
     if fused and top_w_TK.dtype != x_TD.dtype:
         raise ValueError(f"the fused experts take routing weights in the model dtype {x_TD.dtype}, got {top_w_TK.dtype}")
+    x_RD = x_TD.new_empty(rows, D)
     if fused:
         from model_runtime.kernels import moe_triton
 
         # pos_S[t * K + k]: where pair (t, k) sits in the sorted rows (the inverse of order_S)
         pos_S = torch.empty_like(order_S).index_copy_(0, order_S, torch.arange(S, device=order_S.device))
-    rows = max(S, GROUPED_MM_LARGE_CONFIG_ROWS * E)  # rows past offsets[-1] are never computed
-    x_RD = x_TD.new_empty(rows, D)
     if fused and scatter:
         moe_triton.scatter_rows(x_TD, pos_S.view(T, K), x_RD)
     else:

@@ -24,7 +24,6 @@ Probabilities are taken to be free of NaN (a softmax of finite logits), which ``
 would rank above every number.
 """
 
-
 from __future__ import annotations
 
 import logging

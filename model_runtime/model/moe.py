@@ -59,7 +59,7 @@ class PackedSparseMoe(nn.Module):
         self.experts = experts  # gate_up_proj [E, 2I, D] (gate rows, then up rows), down_proj [E, D, I]
         self.shared_expert = source.shared_expert
         self.shared_expert_gate = source.shared_expert_gate
-        if backends.moe_experts != "tiled" and experts.gate_up_proj.dtype != torch.bfloat16:
+        if backends.moe_experts.startswith("grouped_mm") and experts.gate_up_proj.dtype != torch.bfloat16:
             raise ValueError(f"the {backends.moe_experts} experts need bfloat16 weights, got {experts.gate_up_proj.dtype}; "
                              "use --kernels moe_experts=tiled")
         self.experts_fn = backends.fn("moe_experts")

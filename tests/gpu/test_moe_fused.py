@@ -66,8 +66,9 @@ def test_fused_experts_equal_the_composition_bit_for_bit(inputs, rows, gpu_recor
 @pytest.mark.parametrize("lengths", [(1,), (5, 64, 300), (1000, 3000, 12000)], ids=lambda v: "L" + "-".join(map(str, v)))
 def test_block_equals_the_plain_block(lengths, variant, gpu_record):
     """The whole PackedSparseMoe (router, shared expert and gate included) with the served kernels
-    (``default``: fused experts with scattered rows, the select router, the shared expert on a
-    second stream) and with steps between, against the plain composition (``bench.moe.PLAIN``)."""
+    (``default``: fused experts with scattered rows, the select router, the shared expert inline)
+    and with steps between, against the plain composition (``bench.moe.PLAIN``); called twice, as
+    a served block is."""
     from bench.moe import PLAIN, random_block
     from model_runtime.kernels.registry import select_backends
     from model_runtime.model.moe import PackedSparseMoe
@@ -83,7 +84,7 @@ def test_block_equals_the_plain_block(lengths, variant, gpu_record):
     x = torch.randn(sum(lengths), block.gate.hidden_dim, device="cuda", generator=g).bfloat16()
     with torch.inference_mode():
         want, got = plain(x, packed), ours(x, packed)
-        again = ours(x, packed)  # a second call reuses the second stream's memory
+        again = ours(x, packed)  # a second call reuses the first one's memory
     n, repeat = differing(got, want), differing(again, want)
     gpu_record(f"MoE block {variant} vs plain block, lengths {lengths}", differing=n, differing_second_call=repeat)
     worst = float((got.float() - want.float()).abs().max())
