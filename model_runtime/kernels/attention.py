@@ -105,6 +105,55 @@ def sdpa_causal(q_1HLD, k_1HLD, v_1HLD, scale: float, group: int) -> torch.Tenso
     return o[:, :, :L] if padded != L else o
 
 
+def causal_attention_sdpa_fused(q_THD, k_THD, v_THD, packed: PackedBatch, scale: float) -> torch.Tensor:
+    """``causal_attention_sdpa``, whose layer may instead hand over the rotary embedding and the
+    output gate too (``rope_and_gate``): the same SDPA calls on the same padded operands, with
+    the memory-bound steps around them in two Triton passes (``attention_triton``)."""
+    return causal_attention_sdpa(q_THD, k_THD, v_THD, packed, scale)
+
+
+def sdpa_rope_and_gate(q_THD, k_THD, v_THD, cos_TR, sin_TR, gate_THD, packed: PackedBatch, scale: float):
+    """``o_proj``'s input ``[T, H * D]``: ``partial_rope`` on q and k, causal SDPA per segment as
+    ``sdpa_causal`` runs it (zero-padded to its bucket), then ``o * sigmoid(gate)``; or None
+    where the fused passes do not take these operands (a shared prefix, a CPU tensor, another
+    dtype or layout), and the layer then runs the steps one by one."""
+    from model_runtime.kernels import attention_triton as AT
+
+    if packed.links is not None or not q_THD.is_cuda or not AT.supports(q_THD, k_THD, v_THD, cos_TR, sin_TR, gate_THD):
+        return None
+    _check(q_THD, k_THD, v_THD, packed)
+    layout = AT.bucket_layout(packed.lengths, q_THD.device, attention_bucket)
+    if layout.total_padded > FUSED_MAX_PADDING * q_THD.shape[0] + ATTENTION_MIN_BUCKET * 64:
+        return None  # mostly very short sequences: every one padded at once would not fit
+    return bucketed_sdpa_gated(q_THD, k_THD, v_THD, cos_TR, sin_TR, gate_THD, packed, scale, layout)
+
+
+# The fused path holds every segment's padded operands at once: at most this many times the row's
+# tokens (64-token sequences grow 4x to the smallest bucket; single tokens would grow 256x).
+FUSED_MAX_PADDING = 4
+
+
+def bucketed_sdpa_gated(q_THD, k_THD, v_THD, cos_TR, sin_TR, gate_THD, packed: PackedBatch, scale: float,
+                        layout=None) -> torch.Tensor:
+    from model_runtime.kernels import attention_triton as AT
+
+    T, H, D = q_THD.shape
+    Hkv = k_THD.shape[1]
+    layout = layout or AT.bucket_layout(packed.lengths, q_THD.device, attention_bucket)
+    q_buf, k_buf, v_buf = AT.rope_into_buckets(q_THD, k_THD, v_THD, cos_TR, sin_TR, layout)
+    y_TE = q_THD.new_empty(T, H * D)
+    for start, n, padded, offset in zip(layout.starts, layout.lengths, layout.padded, layout.offsets):
+        q = q_buf[offset * H * D : (offset + padded) * H * D].view(1, H, padded, D)
+        k = k_buf[offset * Hkv * D : (offset + padded) * Hkv * D].view(1, Hkv, padded, D)
+        v = v_buf[offset * Hkv * D : (offset + padded) * Hkv * D].view(1, Hkv, padded, D)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=H > Hkv)
+        AT.gate_rows(o, gate_THD, y_TE, start, n)
+    return y_TE
+
+
+causal_attention_sdpa_fused.rope_and_gate = sdpa_rope_and_gate
+
+
 ATTENTION_MIN_BUCKET = 256
 ATTENTION_BUCKETS_PER_OCTAVE = 16
 

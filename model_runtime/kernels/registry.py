@@ -24,6 +24,7 @@ from model_runtime.kernels.attention import (
     causal_attention_flash,
     causal_attention_reference,
     causal_attention_sdpa,
+    causal_attention_sdpa_fused,
     causal_attention_varlen,
 )
 from model_runtime.kernels import elementwise
@@ -52,6 +53,7 @@ REGISTRY: dict[str, dict[str, Callable]] = {
     "attention": {
         "reference": causal_attention_reference,
         "sdpa": causal_attention_sdpa,
+        "sdpa_fused": causal_attention_sdpa_fused,
         "varlen": causal_attention_varlen,
         "flash_attn": causal_attention_flash,
     },
@@ -78,7 +80,7 @@ _CPU_DEFAULT = {
 }
 
 # Backends whose kernels exist only on CUDA.
-CUDA_ONLY = frozenset({"fla", "causal_conv1d", "varlen", "flash_attn", "triton", "inductor_exact", "triton_exact",
+CUDA_ONLY = frozenset({"fla", "causal_conv1d", "varlen", "sdpa_fused", "flash_attn", "triton", "inductor_exact", "triton_exact",
                        "grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter", "select", "stream"})
 
 # The fast backends on a GPU, best first. Attention differs by where the model runs (figures in
@@ -93,7 +95,9 @@ _GPU_PREFERENCE = {
     # otherwise Hugging Face convolves, rounds, then applies SiLU, which the Triton kernel does in
     # one pass, equal to fla's conv plus ATen's SiLU bit for bit and faster.
     "conv1d": ("causal_conv1d", "triton", "fla"),
-    "attention": ("sdpa",),  # always there: flash_attn and varlen only by --kernels
+    # sdpa_fused: the same SDPA calls, with the rotary embedding, the padding and the output gate
+    # in two Triton passes (equal bit for bit); always there: flash_attn and varlen only by --kernels
+    "attention": ("sdpa_fused", "sdpa"),
     "head": ("triton",),
     # triton_exact: Hugging Face's arithmetic bit for bit (norms summed in ATen's order and the
     # MLP's SiLU product by Triton, the rest fused by Inductor), and no slower than inductor, whose
@@ -154,6 +158,7 @@ _BACKEND_MODULES = {
     "flash_attn": ("flash_attn",),
     "varlen": ("torch.nn.attention.varlen",),
     "triton": ("triton",),
+    "sdpa_fused": ("triton",),
     "inductor": ("triton", "torch._inductor"),
     "inductor_exact": ("triton", "torch._inductor"),
     "triton_exact": ("triton", "torch._inductor"),

@@ -32,3 +32,11 @@ if triton is not None:
             return tl.math.div_rn(g, 1.0 + libdevice.exp(-g))
         else:
             return tl.math.div_rn(g, 1.0 + tl.exp(-g))
+
+    @triton.jit
+    def sigmoid(g, CUDA_MATH: tl.constexpr):
+        """ATen's sigmoid in float32: ``1 / (1 + exp(-g))`` with CUDA's expf and an IEEE division."""
+        if CUDA_MATH:
+            return tl.math.div_rn(1.0, 1.0 + libdevice.exp(-g))
+        else:
+            return tl.math.div_rn(1.0, 1.0 + tl.exp(-g))

@@ -222,6 +222,13 @@ class PackedAttention(nn.Module):
         q = self.ops.norm(self.q_norm, q)
         k = self.ops.norm(self.k_norm, self.k_proj(x_TD).view(T, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x_TD).view(T, self.num_kv_heads, self.head_dim)
+        # A backend that also takes the rotary embedding and the output gate (one pass each side
+        # of attention) returns o_proj's input, or None for operands it does not take.
+        rope_and_gate = getattr(self.attention_fn, "rope_and_gate", None) if sp is None else None
+        if rope_and_gate is not None:
+            gated = rope_and_gate(q, k, v, *rope, gate, packed, self.scaling)
+            if gated is not None:
+                return self.o_proj(gated)
         q, k = self.ops.ew.partial_rope(q, k, *rope)
         if sp is not None:
             q, k, v = sp.to_heads(q), sp.to_heads_kv(k), sp.to_heads_kv(v)

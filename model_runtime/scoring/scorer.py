@@ -134,11 +134,16 @@ class Scorer:
         on the H200), so no request pays for one (``kernels.attention.sdpa_causal``). cuDNN keeps
         plans per thread: call it on the thread that runs the forwards (the server runs the
         whole warm-up there)."""
-        from model_runtime.kernels.attention import attention_buckets, causal_attention_sdpa, sdpa_causal
+        from model_runtime.kernels.attention import (
+            attention_buckets,
+            causal_attention_sdpa,
+            causal_attention_sdpa_fused,
+            sdpa_causal,
+        )
 
         device, dtype = self.loaded.device, self.loaded.model.lm_head.weight.dtype
         shapes = {(m.num_heads, m.num_kv_heads, m.head_dim, m.scaling) for m in self.loaded.model.modules()
-                  if getattr(m, "attention_fn", None) is causal_attention_sdpa}
+                  if getattr(m, "attention_fn", None) in (causal_attention_sdpa, causal_attention_sdpa_fused)}
         for heads, kv_heads, head_dim, scale in shapes:
             for length in attention_buckets(self.max_batch_tokens):
                 q = torch.zeros(1, heads, length, head_dim, device=device, dtype=dtype)

@@ -28,7 +28,7 @@ def test_fast_backends_chosen_on_this_machine(gpu_record):
     gpu_record("backends on this machine", **chosen.names)
     assert chosen.linear_attention == "fla"
     assert chosen.conv1d in ("triton", "causal_conv1d")
-    assert chosen.attention == "sdpa"
+    assert chosen.attention == "sdpa_fused"
     assert select_backends("cuda", worker_pool=True).attention in ("varlen", "flash_attn")
     assert chosen.head == "triton" and chosen.elementwise == "triton_exact"
     assert chosen.fallbacks == ()

@@ -170,6 +170,40 @@ def test_attention_is_causal_per_segment(backend, lengths, heads, kv_heads, head
     assert err <= tol, f"{backend} attention rel diff {err:.3e} > tol {tol:.0e}"
 
 
+# Segments of bucket length exactly (no padding), short ones, and a 64k-token row of the RL mix's sizes.
+FUSED_ATTENTION_ROWS = [(1, 5, 256, 300, 4352), (17, 2000, 1, 513), (4097, 3000, 1500, 2231, 700, 9000, 6000, 39000)]
+
+
+@pytest.mark.parametrize("lengths", [pytest.param(s, id=f"N{len(s)}-T{sum(s)}") for s in FUSED_ATTENTION_ROWS])
+@pytest.mark.parametrize("kv_heads", [2, 4])  # the 35B-A3B's, the 9B's
+def test_fused_rope_attention_gate_equals_the_steps(lengths, kv_heads, gpu_record):
+    """sdpa_fused's two Triton passes around SDPA against the steps one by one (eager rotary,
+    ``causal_attention_sdpa``, eager ``o * sigmoid(gate)``: Hugging Face's arithmetic): bit for
+    bit, with the gate read in place from a wider projection as the layer does."""
+    from model_runtime.kernels import elementwise as E
+    from model_runtime.kernels.attention import sdpa_rope_and_gate
+
+    g = torch.Generator(device=DEV).manual_seed(kv_heads + sum(lengths))
+    H, D, R, T = 16, 256, 64, sum(lengths)
+    packed = PackedBatch.from_lengths(lengths, device=DEV)
+    wide = torch.randn(T, H, 2 * D, device=DEV, generator=g).to(torch.bfloat16) * 2
+    q, gate = wide.chunk(2, dim=-1)
+    k = torch.randn(T, kv_heads, D, device=DEV, generator=g).to(torch.bfloat16) * 2
+    v = torch.randn(T, kv_heads, D, device=DEV, generator=g).to(torch.bfloat16)
+    angle = torch.arange(T, device=DEV)[:, None].float() * torch.rand(R, device=DEV, generator=g)[None] * 0.3
+    cos, sin = angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
+    fused = sdpa_rope_and_gate(q, k, v, cos, sin, gate, packed, D**-0.5)
+    assert fused is not None, "the fused passes refused the layer's own operands"
+    rq, rk = E.EAGER.partial_rope(q, k, cos, sin)
+    o = causal_attention_sdpa(rq, rk, v, packed, D**-0.5)
+    steps = (o * torch.sigmoid(gate)).reshape(T, -1)
+    unequal = int((fused.view(torch.int16) != steps.view(torch.int16)).sum())
+    gpu_record("kernel attention sdpa_fused vs steps", lengths=str(lengths), kv_heads=kv_heads, unequal=unequal,
+               max_abs=max_abs(fused, steps))
+    assert unequal == 0, f"fused attention differs from the steps in {unequal} of {steps.numel()} values " \
+                         f"(max |diff| {max_abs(fused, steps):.3e}, tolerance 0)"
+
+
 @pytest.mark.parametrize("lengths", [pytest.param(s, id=f"N{len(s)}-T{sum(s)}") for s in SEGMENTS])
 @pytest.mark.parametrize("outputs", [32, 64])  # Qwen3.5-9B's in_proj_a / in_proj_b; Qwen3-Next's in_proj_ba
 def test_gate_projection_segment_matches_row_and_alone(lengths, outputs, gpu_record):
