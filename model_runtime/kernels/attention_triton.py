@@ -76,11 +76,17 @@ def _build_layout(lengths: tuple[int, ...], device: str, bucket) -> BucketLayout
         block_position += range(0, p, BLOCK_T)
         start += n
         offset += p
-    table = torch.tensor([starts, list(lengths), padded, offsets], dtype=torch.int64)
+    n_blocks, n_segments = len(block_segment), len(lengths)
+    host = torch.tensor(block_segment + list(block_position) + starts + list(lengths) + padded + offsets, dtype=torch.int64)
+    if torch.device(device).type == "cuda":
+        # one asynchronous upload: a blocking copy from pageable memory would wait for every
+        # kernel queued before this layer and leave the GPU idle while the host catches up
+        host = host.pin_memory()
+    table = host.to(device, non_blocking=True)
+    blocks = table[: 2 * n_blocks].to(torch.int32)
     return BucketLayout(
         tuple(starts), lengths, tuple(padded), tuple(offsets), offset,
-        torch.tensor(block_segment, dtype=torch.int32).to(device), torch.tensor(block_position, dtype=torch.int32).to(device),
-        table.to(device),
+        blocks[:n_blocks], blocks[n_blocks:], table[2 * n_blocks :].view(4, n_segments),
     )
 
 
