@@ -135,6 +135,7 @@ FUSED_MAX_PADDING = 4
 
 def bucketed_sdpa_gated(q_THD, k_THD, v_THD, cos_TR, sin_TR, gate_THD, packed: PackedBatch, scale: float,
                         layout=None) -> torch.Tensor:
+    """``sdpa_rope_and_gate``'s work without its checks (the interpreter tests run it on the CPU)."""
     from model_runtime.kernels import attention_triton as AT
 
     T, H, D = q_THD.shape
