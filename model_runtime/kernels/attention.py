@@ -140,7 +140,8 @@ def bucketed_sdpa_gated(q_THD, k_THD, v_THD, cos_TR, sin_TR, gate_THD, packed: P
 
     T, H, D = q_THD.shape
     Hkv = k_THD.shape[1]
-    layout = layout or AT.bucket_layout(packed.lengths, q_THD.device, attention_bucket)
+    if layout is None:
+        layout = AT.bucket_layout(packed.lengths, q_THD.device, attention_bucket)
     q_buf, k_buf, v_buf = AT.rope_into_buckets(q_THD, k_THD, v_THD, cos_TR, sin_TR, layout)
     y_TE = q_THD.new_empty(T, H * D)
     for start, n, padded, offset in zip(layout.starts, layout.lengths, layout.padded, layout.offsets):

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
+from model_runtime.kernels import triton_math
+
 try:  # the CPU install has no Triton: only the GPU path (and the interpreter tests) use these
     import triton
     import triton.language as tl
-
-    from model_runtime.kernels import triton_math
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
 
@@ -192,11 +192,6 @@ def supports(q_THD, k_THD, v_THD, cos_TR, sin_TR, gate_THD) -> bool:
             and cos_TR.stride() == sin_TR.stride() and R % 2 == 0 and 0 < R <= D and H % k_THD.shape[1] == 0)
 
 
-def _launch_meta(device: torch.device) -> dict:
-    # libdevice without flush-to-zero and no FMA contraction: ATen's kernels round every step
-    return dict(enable_fp_fusion=False, enable_reflect_ftz=False) if device.type == "cuda" else {}
-
-
 def rope_into_buckets(q_THD, k_THD, v_THD, cos_TR, sin_TR, layout: BucketLayout):
     """``(q, k, v)`` rotated (q, k) and laid out head-major per segment: flat buffers of
     ``H * P * D`` and ``Hkv * P * D`` elements, segment ``i``'s part starting at
@@ -214,7 +209,7 @@ def rope_into_buckets(q_THD, k_THD, v_THD, cos_TR, sin_TR, layout: BucketLayout)
         layout.block_segment, layout.block_position, layout.segment_table, len(layout.lengths),
         q_THD.stride(0), q_THD.stride(1), k_THD.stride(0), k_THD.stride(1), v_THD.stride(0), v_THD.stride(1), cos_TR.stride(0),
         H=H, HKV=Hkv, D=D, R=cos_TR.shape[-1], BLOCK_T=BLOCK_T, BLOCK_D=triton.next_power_of_2(D),
-        num_warps=4, **_launch_meta(q_THD.device),
+        num_warps=4, **triton_math.aten_rounding_options(q_THD.device),
     )
     return qb, kb, vb
 
@@ -226,5 +221,5 @@ def gate_rows(o_1HPD, gate_THD, y_TE, start: int, n: int) -> None:
     _gate_rows_kernel[grid](
         o_1HPD, gate_THD, y_TE, start, n, o_1HPD.stride(1), o_1HPD.stride(2), gate_THD.stride(0), gate_THD.stride(1),
         y_TE.stride(0), D=D, BLOCK_T=GATE_BLOCK_T, BLOCK_D=triton.next_power_of_2(D),
-        CUDA_MATH=o_1HPD.device.type == "cuda", num_warps=4, **_launch_meta(o_1HPD.device),
+        CUDA_MATH=o_1HPD.device.type == "cuda", num_warps=4, **triton_math.aten_rounding_options(o_1HPD.device),
     )

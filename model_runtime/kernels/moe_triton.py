@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import torch
 
+from model_runtime.kernels import triton_math
+
 try:  # the CPU install has no Triton: only the GPU path (and the interpreter tests) use these
     import triton
     import triton.language as tl
-
-    from model_runtime.kernels import triton_math
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
 
@@ -114,11 +114,7 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # PyTorch computes the
 
 
 def _meta(device: torch.device, warps: int) -> dict:
-    meta = dict(num_warps=warps, CUDA_MATH=device.type == "cuda")
-    if device.type == "cuda":
-        # libdevice without flush-to-zero and no FMA contraction, as nvcc builds ATen's kernels
-        meta.update(enable_fp_fusion=False, enable_reflect_ftz=False)
-    return meta
+    return dict(num_warps=warps, CUDA_MATH=device.type == "cuda", **triton_math.aten_rounding_options(device))
 
 
 def _require_triton():

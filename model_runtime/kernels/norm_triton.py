@@ -67,11 +67,11 @@ def mean_square_reference(x_RD: torch.Tensor) -> torch.Tensor:
     return x_RD.float().pow(2).mean(-1, keepdim=True)[..., 0]
 
 
+from model_runtime.kernels import triton_math
+
 try:  # the CPU install has no Triton: only the GPU path (and the interpreter tests) use these
     import triton
     import triton.language as tl
-
-    from model_runtime.kernels import triton_math
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
 
@@ -263,10 +263,7 @@ def _launch_args(R: int, D: int, plan: tuple[int, int], device: torch.device, ti
                          f"unroll is 1, 2 or 4, unroll x {4 * bw} lanes divides D, rows and warps are powers of two")
     grid = (-(-R // rows),)
     meta = dict(D=D, VEC=vec, BW=bw, LOG_BW=bw.bit_length() - 1, ROWS=rows, UNROLL=unroll, num_warps=warps,
-                CUDA_MATH=device.type == "cuda")
-    if device.type == "cuda":  # the interpreter takes no compiler options
-        # no FMAs (ATen rounds every square) and libdevice without flush-to-zero (as nvcc builds ATen)
-        meta.update(enable_fp_fusion=False, enable_reflect_ftz=False)
+                CUDA_MATH=device.type == "cuda", **triton_math.aten_rounding_options(device))
     return grid, meta
 
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
+from model_runtime.kernels import triton_math
+
 try:  # the CPU install has no Triton: only the GPU path (and the interpreter tests) use these
     import triton
     import triton.language as tl
-
-    from model_runtime.kernels import triton_math
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
 
@@ -63,11 +63,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, tile: tuple[int, int] | No
     block, warps = tile or DEFAULT_TILE
     out = torch.empty_like(gate)
     N = gate.numel()
-    meta = dict(BLOCK=block, num_warps=warps, CUDA_MATH=gate.device.type == "cuda")
-    if gate.device.type == "cuda":
-        # libdevice without flush-to-zero, as nvcc builds ATen; no FMA contraction, as ATen's
-        # kernels round every step (a precaution: the only product it could meet is exp's
-        # closing scaling by a power of two, which is exact)
-        meta.update(enable_fp_fusion=False, enable_reflect_ftz=False)
+    meta = dict(BLOCK=block, num_warps=warps, CUDA_MATH=gate.device.type == "cuda",
+                **triton_math.aten_rounding_options(gate.device))
     silu_mul_kernel[(triton.cdiv(N, block),)](gate, up, out, N, **meta)
     return out

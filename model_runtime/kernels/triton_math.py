@@ -9,6 +9,13 @@ functions stand in, so the interpreter tests check the order of operations, not 
 
 from __future__ import annotations
 
+def aten_rounding_options(device) -> dict:
+    """Compiler options of a kernel that must round as ATen's do: on CUDA no FMA contraction
+    (ATen rounds every step) and libdevice without flush-to-zero (as nvcc builds ATen); none
+    elsewhere (Triton's interpreter takes no compiler options)."""
+    return dict(enable_fp_fusion=False, enable_reflect_ftz=False) if device.type == "cuda" else {}
+
+
 try:  # the CPU install has no Triton: only the GPU path (and the interpreter tests) use these
     import triton
     import triton.language as tl
