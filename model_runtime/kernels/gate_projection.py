@@ -28,7 +28,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from model_runtime.model.packing import PackedBatch
@@ -72,3 +74,30 @@ def narrow_products(fn, linears: Sequence, x_TD: torch.Tensor, packed: PackedBat
     return packed.linked.on_whole_sequences(
         lambda x_TwD, whole: tuple(fn(linear, x_TwD, whole.segment_bounds) for linear in linears), x_TD
     )
+
+
+
+@torch.inference_mode()
+def first_changed_rows(in_features: int, out_features: int, dtype: torch.dtype, device, max_rows: int,
+                       seed: int = 0) -> np.ndarray:
+    """``changed[M]`` for ``M`` up to ``max_rows``: the first row of a ``[M, in] x [in, out]``
+    product that differs from the same row of the product over ``M - 1`` rows (``M`` when none
+    does; entries 0 and 1 are ``max_rows + 1``). A sequence's first ``P`` rows then come out the
+    same bits at every length between ``L1`` and ``L2`` when ``changed[L1 + 1 : L2 + 1]`` is at
+    least ``P`` throughout.
+
+    Found on random operands of this shape, dtype and layout, which is what the BLAS picks its
+    kernel by; every row count in one pass, with one host sync at the end.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(max_rows, in_features, generator=gen, device=device).to(dtype)
+    w = (torch.randn(out_features, in_features, generator=gen, device=device) * in_features ** -0.5).to(dtype)
+    changed = torch.full((max_rows + 1,), max_rows + 1, dtype=torch.int64, device=device)
+    previous = F.linear(x[:1], w)
+    for m in range(2, max_rows + 1):
+        y = F.linear(x[:m], w)
+        differs = (y[: m - 1] != previous).any(dim=1)
+        # argmax finds the first differing row; a row count with none records m
+        changed[m] = torch.where(differs.any(), differs.to(torch.int8).argmax(), m)
+        previous = y
+    return changed.cpu().numpy()

@@ -53,10 +53,12 @@ GROUPED_MM_LARGE_CONFIG_ROWS = 129
 def routed_pairs(top_i_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(order_S, counts_E)``: pair ids (``t * K + k``) sorted by expert, and pairs per expert."""
     flat_S = top_i_TK.reshape(-1)
-    order_S = torch.argsort(flat_S, stable=True)
-    # scatter_add, not bincount: bincount reads the largest id back to the host (a sync on CUDA).
-    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=flat_S.device).scatter_add_(0, flat_S, torch.ones_like(flat_S))
-    return order_S, counts_E
+    sorted_S, order_S = torch.sort(flat_S, stable=True)
+    # Counted from the sorted ids (where each expert's run ends): bincount reads the largest id
+    # back to the host (a sync on CUDA), a scatter_add of S ones into E bins contends on atomics.
+    experts_E = torch.arange(num_experts, dtype=sorted_S.dtype, device=sorted_S.device)
+    ends_E = torch.searchsorted(sorted_S, experts_E, right=True)
+    return order_S, torch.diff(ends_E, prepend=ends_E.new_zeros(1))
 
 
 # CUDA's reduction over a strided dimension keeps this many float32 accumulators per output.

@@ -1,0 +1,105 @@
+"""Where the narrow products' rounding follows the row count, and what that leaves of prefix sharing.
+
+    python -m bench.narrow_steps --out DIR [--max-rows 65536]     # H200, about a minute
+    python -m bench.narrow_steps --out DIR --device cpu --max-rows 600   # a dry run
+
+For every narrow product of the presets (the Gated DeltaNet's decay and beta projections, the MoE
+router and shared-expert gate), ``gate_projection.row_count_steps`` lists the row counts at which
+the product's first rows change bits. Two sequences whose lengths lie between the same two steps
+of every narrow product compute their shared prompt's rows of those products alike, so sharing
+their prompt is exact; the benchmark workloads are then grouped that way and the tokens saved
+counted against grouping by prompt alone. Writes ``narrow-steps.json`` to DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from bench.prefix_sharing import workloads
+import numpy as np
+
+from model_runtime.kernels.gate_projection import first_changed_rows
+from model_runtime.scoring.prefix import find_groups
+from model_runtime.scoring.presets import PRESETS, build_config
+
+
+def narrow_shapes(preset: str) -> dict[str, tuple[int, int]]:
+    config = build_config(PRESETS[preset])
+    hidden = config.hidden_size
+    shapes = {"gdn_gates": (hidden, config.linear_num_value_heads)}
+    if getattr(config, "num_experts", 0):
+        shapes["moe_router"] = (hidden, config.num_experts)
+        shapes["moe_shared_gate"] = (hidden, 1)
+    return shapes
+
+
+def exact_subgroups(lengths, shared: int, changed: np.ndarray) -> list[list[int]]:
+    """Members (indices into ``lengths``) split where the narrow products' first ``shared`` rows
+    change between consecutive lengths."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    out = [[order[0]]]
+    for a, b in zip(order, order[1:]):
+        la, lb = lengths[a], lengths[b]
+        if lb >= len(changed) or (lb > la and changed[la + 1 : lb + 1].min() < shared):
+            out.append([])
+        out[-1].append(b)
+    return out
+
+
+def saved_by_class(sequences, changed: np.ndarray, min_tokens: int = 64) -> dict:
+    plain = find_groups(sequences, min_tokens)
+    saved_plain = sum(g.tokens_saved for g in plain)
+    saved_split, subgroups = 0, 0
+    for g in plain:
+        for sub in exact_subgroups([sequences[i].length for i in g.members], g.shared, changed):
+            if len(sub) > 1:
+                saved_split += (len(sub) - 1) * g.shared  # a subgroup's prefix is at least the group's
+                subgroups += 1
+    total = sum(s.length for s in sequences)
+    return {"tokens": total, "saved_by_prompt": saved_plain, "saved_by_prompt_and_class": saved_split,
+            "groups": len(plain), "subgroups": subgroups,
+            "token_bound_by_prompt": total / (total - saved_plain),
+            "token_bound_by_class": total / (total - saved_split)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--max-rows", type=int, default=65536)
+    parser.add_argument("--presets", default="qwen3.5-9b,qwen3.5-35b-a3b")
+    args = parser.parse_args(argv)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    out = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "max_rows": args.max_rows,
+           "dtype": str(dtype), "presets": {}}
+    probed: dict[tuple[int, int], np.ndarray] = {}
+    for preset in args.presets.split(","):
+        entry = {"shapes": {}, "workloads": {}}
+        for name, shape in narrow_shapes(preset).items():
+            if shape not in probed:
+                t0 = time.perf_counter()
+                probed[shape] = first_changed_rows(*shape, dtype, args.device, args.max_rows)
+                steps = np.flatnonzero(probed[shape] < np.arange(args.max_rows + 1))
+                print(f"{preset} {name} {shape}: {steps.size} row counts change rows, in {time.perf_counter() - t0:.1f} s; "
+                      f"(M, first changed row): {[(int(m), int(probed[shape][m])) for m in steps[:60]]}", flush=True)
+            c = probed[shape]
+            steps = np.flatnonzero(c < np.arange(args.max_rows + 1))
+            entry["shapes"][name] = {"in_out": shape, "changes": [[int(m), int(c[m])] for m in steps]}
+        changed = np.minimum.reduce([probed[tuple(v["in_out"])] for v in entry["shapes"].values()])
+        vocab = build_config(PRESETS[preset]).vocab_size
+        for wname, sequences in workloads(vocab, tiny=False).items():
+            entry["workloads"][wname] = saved_by_class(sequences, changed)
+            print(preset, wname, entry["workloads"][wname], flush=True)
+        out["presets"][preset] = entry
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "narrow-steps.json").write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""The head's chunk size changes speed, not numbers (what ``Scorer.tune_head_chunk`` relies on).
+
+On the real vocabulary and hidden sizes, a position's log-prob and entropy from the fused head
+are the same bits whatever the chunk size, and the tuner takes one of the sizes it timed.
+"""
+
+import pytest
+import torch
+
+from model_runtime.kernels.logprob_head import logprob_entropy_triton
+from model_runtime.scoring.head import score_positions
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused head needs CUDA"),
+]
+
+VOCAB = 248320
+CHUNKS = (256, 512, 768, 1024, 1536, 1600)
+
+
+@pytest.mark.parametrize("hidden", [2048, 4096])
+def test_chunk_size_changes_no_number(hidden, gpu_record):
+    gen = torch.Generator(device="cuda").manual_seed(hidden)
+    weight_VD = (torch.randn(VOCAB, hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    N = 3000  # no chunk size divides it: every size has a padded last chunk
+    hidden_ND = torch.randn(N, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    targets_N = torch.randint(0, VOCAB, (N,), device="cuda", generator=gen)
+    temperature_N = torch.ones(N, device="cuda")
+    outs = {c: score_positions(hidden_ND, weight_VD, targets_N, temperature_N, chunk_tokens=c,
+                               logprob_fn=logprob_entropy_triton) for c in CHUNKS}
+    ref = outs[CHUNKS[0]]
+    differing = {c: int((o.logprobs_N != ref.logprobs_N).sum() + (o.entropy_N != ref.entropy_N).sum())
+                 for c, o in outs.items()}
+    gpu_record("head_chunks", hidden=hidden, positions=N, differing=differing)
+    assert all(n == 0 for n in differing.values()), f"values differing from chunks of {CHUNKS[0]}: {differing}"
+
+
+def test_tuned_chunk_is_a_timed_candidate():
+    from model_runtime.scoring.loading import load_model
+    from model_runtime.scoring.scorer import Scorer
+
+    scorer = Scorer(load_model("tiny", device="cuda", dtype=torch.bfloat16), max_batch_tokens=4096,
+                    head_budget_bytes=64 << 20)
+    limit = scorer.head_chunk_tokens
+    scorer.tune_head_chunk(repeats=2)
+    assert scorer.head_chunk_timings, "no chunk size was timed"
+    assert scorer.head_chunk_tokens in scorer.head_chunk_timings
+    assert scorer.head_chunk_tokens <= limit
+    assert all(c % Scorer.HEAD_CHUNK_STEP == 0 or c == limit for c in scorer.head_chunk_timings)
