@@ -67,6 +67,14 @@ def saved_by_class(sequences, changed: np.ndarray, min_tokens: int = 64) -> dict
             "token_bound_by_class": total / (total - saved_split)}
 
 
+def summary(shape, changed: np.ndarray, steps: np.ndarray) -> dict:
+    """What the JSON keeps of one product's probe: how many row counts change rows, the lowest row
+    they change, and the first 40 as ``(row count, first changed row)``."""
+    return {"in_out": list(shape), "row_counts_changing": int(steps.size),
+            "lowest_changed_row": int(changed[steps].min()) if steps.size else None,
+            "first_changes": [[int(m), int(changed[m])] for m in steps[:40]]}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -89,7 +97,7 @@ def main(argv=None) -> int:
                       f"(M, first changed row): {[(int(m), int(probed[shape][m])) for m in steps[:60]]}", flush=True)
             c = probed[shape]
             steps = np.flatnonzero(c < np.arange(args.max_rows + 1))
-            entry["shapes"][name] = {"in_out": shape, "changes": [[int(m), int(c[m])] for m in steps]}
+            entry["shapes"][name] = summary(shape, c, steps)
         changed = np.minimum.reduce([probed[tuple(v["in_out"])] for v in entry["shapes"].values()])
         vocab = build_config(PRESETS[preset]).vocab_size
         for wname, sequences in workloads(vocab, tiny=False).items():

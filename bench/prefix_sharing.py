@@ -73,20 +73,21 @@ def compare(shared, plain) -> dict:
     }
 
 
-def row_token_bound(sequences, budget: int, min_tokens: int) -> float:
+def row_token_bound(sequences, budget: int, min_tokens: int, rounding=None) -> float:
     """Tokens of the workload over the tokens its shared rows run: the speedup if time were
     proportional to tokens run (groups cut by the row budget share only within a row)."""
-    rows = pack_groups_first_fit(sequences, budget, min_tokens)
-    run = sum(sum(sequences[i].length for i in r) - tokens_saved([sequences[i] for i in r], min_tokens) for r in rows)
+    rows = pack_groups_first_fit(sequences, budget, min_tokens, rounding)
+    run = sum(sum(sequences[i].length for i in r) - tokens_saved([sequences[i] for i in r], min_tokens, rounding)
+              for r in rows)
     return sum(s.length for s in sequences) / run
 
 
-def flop_bound(sequences, budget: int, min_tokens: int, flops: FlopModel) -> float:
+def flop_bound(sequences, budget: int, min_tokens: int, flops: FlopModel, rounding=None) -> float:
     """Model FLOPs of the workload unshared over shared: sharing saves the body's matmuls on the
     tokens not run; attention's quadratic term is the same (a continuation attends over its whole
     prefix) and so, counted as unshared, is the head (prompt positions are rarely scored)."""
-    rows = pack_groups_first_fit(sequences, budget, min_tokens)
-    saved = sum(tokens_saved([sequences[i] for i in r], min_tokens) for r in rows)
+    rows = pack_groups_first_fit(sequences, budget, min_tokens, rounding)
+    saved = sum(tokens_saved([sequences[i] for i in r], min_tokens, rounding) for r in rows)
     unshared = flops.workload_flops(sequences)
     return unshared / (unshared - 2.0 * flops.matmul_params_per_token * saved)
 
@@ -132,16 +133,22 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
     plain.warm_up()
     scorers = {}
     for budget in dict.fromkeys((max_batch_tokens, also_tokens or max_batch_tokens)):
-        pair = (Scorer(loaded, max_batch_tokens=budget), Scorer(loaded, max_batch_tokens=budget, prefix_min_tokens=min_tokens))
-        for scorer in pair:
+        # unshared; shared as served (only among members whose lengths round the prompt alike);
+        # shared among every member of a group (the rounding not followed)
+        trio = (Scorer(loaded, max_batch_tokens=budget), Scorer(loaded, max_batch_tokens=budget, prefix_min_tokens=min_tokens),
+                Scorer(loaded, max_batch_tokens=budget, prefix_min_tokens=min_tokens))
+        for scorer in trio:
             scorer.set_head_budget(plain.head_budget_bytes)
-        scorers[budget] = pair
+        t_round = time.perf_counter()
+        trio[1].measure_prefix_rounding()
+        result_rounding_s = time.perf_counter() - t_round
+        scorers[budget] = trio
     loads = workloads(loaded.vocab_size, tiny=preset == "tiny")
     # The shared path's own kernel variants (initial and final states, gathered keys): a small row
     # of groups through each scorer before timing.
     first = loads["rl_mix_groups_of_8"][: 4 if preset == "tiny" else 16]
-    for pair in scorers.values():
-        for scorer in pair:
+    for trio in scorers.values():
+        for scorer in trio:
             scorer.score(first)
     _sync(dev)
     warm_s = time.perf_counter() - t0
@@ -154,6 +161,7 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
         "prefix_min_tokens": min_tokens,
         "load_s": load_s,
         "warm_up_s": warm_s,
+        "rounding_measure_s": result_rounding_s,
         "workloads": {},
     }
     # The RL mix in the main rows and the 16-sample workload always run; the RL mix in smaller rows
@@ -168,20 +176,23 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
             continue
         pass_started = time.perf_counter()
         sequences = loads[name]
-        plain, shared = scorers[budget]
+        plain, shared, by_prompt = scorers[budget]
+        rounding = shared.prefix_rounding
         work = describe(sequences)
-        saved = tokens_saved(sequences, min_tokens)  # as if the whole workload were one row
+        saved = tokens_saved(sequences, min_tokens, rounding)  # as if the whole workload were one row
         first_plain_out, first_plain_s = timed(plain, sequences)
         first_shared_out, first_shared_s = timed(shared, sequences)
+        timed(by_prompt, sequences)
         plain_out, plain_s = timed(plain, sequences)
         shared_out, shared_s = timed(shared, sequences)
+        prompt_out, prompt_s = timed(by_prompt, sequences)
         entry = {
             "workload": work,
             "max_batch_tokens": budget,
             "tokens_saved_in_one_row": saved,
             "unique_token_bound": work["tokens"] / (work["tokens"] - saved),
-            "row_token_bound": row_token_bound(sequences, budget, min_tokens),
-            "flop_bound": flop_bound(sequences, budget, min_tokens, flops),
+            "row_token_bound": row_token_bound(sequences, budget, min_tokens, rounding),
+            "flop_bound": flop_bound(sequences, budget, min_tokens, flops, rounding),
             "first_pass_unshared_s": first_plain_s,
             "first_pass_shared_s": first_shared_s,
             "first_pass_speedup": first_plain_s / first_shared_s,
@@ -193,12 +204,21 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
             **compare(shared_out, plain_out),
             # Each side's passes agree with each other (deterministic kernels), first to second.
             "first_pass_logprob_max_diff": compare(first_shared_out, first_plain_out)["logprob_max_diff"],
+            # every member of a group sharing its prompt, whatever its length's rounding
+            "by_prompt": {
+                "row_token_bound": row_token_bound(sequences, budget, min_tokens),
+                "flop_bound": flop_bound(sequences, budget, min_tokens, flops),
+                "shared_s": prompt_s,
+                "speedup": plain_s / prompt_s,
+                **compare(prompt_out, plain_out),
+            },
         }
         result["workloads"][key] = entry
         if key == "rl_mix_groups_of_8":
             result["rl_mix_passes_s"] = time.perf_counter() - pass_started
         print(f"{key}: speedup {entry['speedup']:.3f} (first pass {entry['first_pass_speedup']:.3f}; token bound {entry['row_token_bound']:.3f}, FLOP bound {entry['flop_bound']:.3f} in rows of {budget}), "
-              f"mean |dlogp| {entry['logprob_mean_diff']:.2e}", flush=True)
+              f"mean |dlogp| {entry['logprob_mean_diff']:.2e}; every member: speedup {entry['by_prompt']['speedup']:.3f}, "
+              f"mean |dlogp| {entry['by_prompt']['logprob_mean_diff']:.2e}", flush=True)
     main_entry = result["workloads"]["rl_mix_groups_of_8"]
     result["speedup"] = main_entry["speedup"]
     result["logprob_mean_diff"] = main_entry["logprob_mean_diff"]
@@ -212,17 +232,18 @@ def table(result: dict) -> str:
         "tokens the shared rows run; FLOP bound: model FLOPs unshared over shared (bench/flops.py); "
         "timed: the second pass of each side",
         "",
-        "| workload | rows of | tokens | unshared tok/s | shared tok/s | speedup | first-pass speedup | token bound "
+        "| workload | sharing | rows of | tokens | unshared tok/s | shared tok/s | speedup | token bound "
         "| FLOP bound | mean abs dlogp | max abs dlogp |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, e in result["workloads"].items():
-        lines.append(
-            f"| {name} | {e['max_batch_tokens']} | {e['workload']['tokens']} | {e['unshared_tokens_per_s']:.0f} | "
-            f"{e['shared_tokens_per_s']:.0f} | {e['speedup']:.3f} | {e['first_pass_speedup']:.3f} | "
-            f"{e['row_token_bound']:.3f} | {e['flop_bound']:.3f} | "
-            f"{e['logprob_mean_diff']:.2e} | {e['logprob_max_diff']:.2e} |"
-        )
+        p = e["by_prompt"]
+        for kind, speedup, shared_s, row in (("as served", e["speedup"], e["shared_s"], e), ("every member", p["speedup"], p["shared_s"], p)):
+            lines.append(
+                f"| {name} | {kind} | {e['max_batch_tokens']} | {e['workload']['tokens']} | {e['unshared_tokens_per_s']:.0f} | "
+                f"{e['workload']['tokens'] / shared_s:.0f} | {speedup:.3f} | {row['row_token_bound']:.3f} | {row['flop_bound']:.3f} | "
+                f"{row['logprob_mean_diff']:.2e} | {row['logprob_max_diff']:.2e} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -113,6 +113,11 @@ class PackedGatedDeltaNet(nn.Module):
         self.gate_projection_fn = backends.fn("gate_projection")
         self.ops = ModuleOps(backends.fn("elementwise")())
 
+    def narrow_weights(self) -> tuple[torch.Tensor, ...]:
+        """The weights of the narrow gate products, whose rounding follows the sequence's length
+        (``model_runtime.scoring.rounding``)."""
+        return (self.in_proj_ba.weight,) if self.fused_projections else (self.in_proj_a.weight, self.in_proj_b.weight)
+
     def _gate_products(self, linears, x_TD: torch.Tensor, packed: PackedBatch, sp) -> tuple[torch.Tensor, ...]:
         """The narrow gate products of ``linears`` per segment (``narrow_products``); under ``sp``
         over the segments within this rank's tokens."""

@@ -81,6 +81,11 @@ class PackedSparseMoe(nn.Module):
             top_w_TK = top_w_TK / top_k_total(top_w_TK)
         return top_w_TK.to(logits_TE.dtype), top_i_TK
 
+    def narrow_weights(self) -> tuple[torch.Tensor, ...]:
+        """The router's and shared gate's weights where they run per segment, whose rounding then
+        follows the sequence's length (``model_runtime.scoring.rounding``); none in tiles."""
+        return () if self.tiled else (self.gate.weight, self.shared_expert_gate.weight)
+
     def _narrow(self, linear, x_TD: torch.Tensor, packed: PackedBatch, sp=None) -> torch.Tensor:
         """A narrow product (router, shared gate): in tiles, or by the ``gate_projection`` kernel
         per segment (``narrow_products``: a row's prefix links followed, a shard's segments cut)."""

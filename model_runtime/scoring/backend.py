@@ -131,6 +131,11 @@ class LocalBackend:
         self._updating = threading.Lock()  # one update at a time
         self.update_in_place: bool | None = None  # None: beside the old weights when a second copy fits
 
+    @property
+    def prefix_rounding(self):
+        """Which members of a group may share their prompt (``Scorer.prefix_rounding``)."""
+        return self.scorer.prefix_rounding
+
     def score_row(self, sequences: Sequence[SequenceInput]) -> list[SequenceScores]:
         with self._turnstile:
             pass

@@ -13,6 +13,11 @@ A group's shared segment is its longest common prefix less one token, rounded do
 - rounded down: the delta rule's chunked kernels work in chunks of 64 tokens from a segment's
   start; a continuation that starts on a chunk boundary of the unshared sequence is cut into the
   same chunks, so sharing changes no chunk's arithmetic.
+
+With a ``RowRounding`` (measured on the GPU, ``model_runtime.scoring.rounding``), a group is also
+cut where its members' lengths would round the prompt's rows of a narrow product differently
+(cuBLAS picks their kernel by the row count): members then share only with those that compute
+the prompt as they would alone, so sharing changes no number at all (docs/prefix-sharing.md).
 """
 
 from __future__ import annotations
@@ -45,12 +50,33 @@ def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if differ.size else n
 
 
-def find_groups(sequences: Sequence[SequenceInput], min_tokens: int) -> list[PrefixGroup]:
+def shared_length(common: int, min_tokens: int) -> int:
+    """The tokens a group whose members have ``common`` leading tokens in common runs once (0: none)."""
+    shared = (common - 1) // ALIGN * ALIGN
+    return shared if shared >= max(min_tokens, 1) else 0
+
+
+def share(members: Sequence[int], lengths: Sequence[int], common: int, min_tokens: int, rounding=None) -> list[PrefixGroup]:
+    """The groups that ``members`` (sequences starting with the same ``common`` tokens, of
+    ``lengths`` in the order of ``members``) form: one, or with ``rounding`` those its row
+    counts allow (``RowRounding.split``)."""
+    shared = shared_length(common, min_tokens) if len(members) > 1 else 0
+    if not shared:
+        return []
+    if rounding is None:
+        return [PrefixGroup(tuple(sorted(members)), shared)]
+    floor = max(min_tokens, ALIGN)
+    return [PrefixGroup(tuple(sorted(members[j] for j in part)), p)
+            for part, p in rounding.split(lengths, shared, floor, ALIGN)]
+
+
+def find_groups(sequences: Sequence[SequenceInput], min_tokens: int, rounding=None) -> list[PrefixGroup]:
     """Groups of at least two sequences whose shared segment has ``>= min_tokens`` tokens.
 
     Sequences are grouped by their first ``min_tokens`` tokens; a group shares the longest prefix
-    common to all its members (less one token, rounded down to ``ALIGN``). Groups come in the
-    order of their first member; members in row order.
+    common to all its members (less one token, rounded down to ``ALIGN``), or with ``rounding``
+    (a ``RowRounding``) splits where its members' lengths round that prefix's rows differently.
+    Groups come in the order of their first member; members in row order.
     """
     if min_tokens < 1:
         return []
@@ -66,19 +92,18 @@ def find_groups(sequences: Sequence[SequenceInput], min_tokens: int) -> list[Pre
             continue
         first = ids[members[0]]
         common = min(common_prefix_length(first, ids[j]) for j in members[1:])
-        shared = (common - 1) // ALIGN * ALIGN
-        if shared >= max(min_tokens, 1):
-            groups.append(PrefixGroup(tuple(members), shared))
+        groups += share(members, [ids[j].size for j in members], common, min_tokens, rounding)
     groups.sort(key=lambda g: g.members[0])
     return groups
 
 
-def tokens_saved(sequences: Sequence[SequenceInput], min_tokens: int) -> int:
+def tokens_saved(sequences: Sequence[SequenceInput], min_tokens: int, rounding=None) -> int:
     """How many tokens sharing prefixes removes from a row of ``sequences``."""
-    return sum(g.tokens_saved for g in find_groups(sequences, min_tokens))
+    return sum(g.tokens_saved for g in find_groups(sequences, min_tokens, rounding))
 
 
-def pack_groups_first_fit(sequences: Sequence[SequenceInput], budget: int, min_tokens: int) -> list[list[int]]:
+def pack_groups_first_fit(sequences: Sequence[SequenceInput], budget: int, min_tokens: int,
+                          rounding=None) -> list[list[int]]:
     """Rows of at most ``budget`` run tokens (shared prefixes counted once), first-fit decreasing.
 
     The sequences that share a prefix go as one unit when it fits a row; a group larger than the
@@ -88,7 +113,7 @@ def pack_groups_first_fit(sequences: Sequence[SequenceInput], budget: int, min_t
     from model_runtime.model.packing import pack_first_fit_decreasing
 
     lengths = [s.length for s in sequences]
-    groups = find_groups(sequences, min_tokens)
+    groups = find_groups(sequences, min_tokens, rounding)
     grouped = {i for g in groups for i in g.members}
     units: list[list[int]] = [[i] for i in range(len(sequences)) if i not in grouped]
     costs: list[int] = [lengths[i] for i in range(len(sequences)) if i not in grouped]
@@ -112,8 +137,8 @@ def pack_groups_first_fit(sequences: Sequence[SequenceInput], budget: int, min_t
 class RowTokens:
     """Tokens a row will run as sequences join it, shared prefixes counted once.
 
-    Follows ``find_groups``'s rule for sequences added in row order, so a row the scheduler fills
-    to ``budget`` with it runs at most ``budget`` tokens.
+    Follows ``find_groups``'s rule (with the same ``rounding``) for sequences added in row order,
+    so a row the scheduler fills to ``budget`` with it runs at most ``budget`` tokens.
 
     >>> row = RowTokens(min_tokens=64)
     >>> prompt = np.arange(100)
@@ -122,25 +147,21 @@ class RowTokens:
     139
     """
 
-    def __init__(self, min_tokens: int):
+    def __init__(self, min_tokens: int, rounding=None):
         self.min_tokens = int(min_tokens)
+        self.rounding = rounding
         self.need = max(self.min_tokens, ALIGN) + 1
         self.total = 0
-        # first tokens -> [first member's ids, members, shortest common prefix with the first]
+        # first tokens -> [first member's ids, members' lengths, shortest common prefix with the first, tokens saved]
         self._groups: dict[bytes, list] = {}
 
     def cost_with(self, input_ids) -> int:
         """``total`` once ``input_ids`` has joined."""
         ids = np.asarray(input_ids)
         group = self._group_of(ids)
-        if group is None:
+        if group is None or group[0] is None:
             return self.total + ids.size
-        first, members, common = group
-        if members == 0:
-            return self.total + ids.size
-        new_common = common_prefix_length(first, ids) if members == 1 else min(common, common_prefix_length(first, ids))
-        old_saved = (members - 1) * self._shared(common) if members > 1 else 0
-        return self.total + ids.size + old_saved - members * self._shared(new_common)
+        return self.total + ids.size - (self._joined(group, ids)[1] - group[3])
 
     def add(self, input_ids) -> None:
         ids = np.asarray(input_ids)
@@ -148,18 +169,21 @@ class RowTokens:
         group = self._group_of(ids)
         if group is None:
             return
-        if group[1] == 0:
-            group[0] = ids
-        else:
-            lcp = common_prefix_length(group[0], ids)
-            group[2] = lcp if group[1] == 1 else min(group[2], lcp)
-        group[1] += 1
+        if group[0] is None:
+            group[0], group[1], group[2] = ids, [ids.size], ids.size
+            return
+        group[2], group[3] = self._joined(group, ids)
+        group[1].append(ids.size)
+
+    def _joined(self, group, ids: np.ndarray) -> tuple[int, int]:
+        """``(common, saved)`` of ``group`` with ``ids`` in it."""
+        first, lengths, common, _ = group
+        common = min(common, common_prefix_length(first, ids))
+        members = list(range(len(lengths) + 1))
+        saved = sum(g.tokens_saved for g in share(members, lengths + [ids.size], common, self.min_tokens, self.rounding))
+        return common, saved
 
     def _group_of(self, ids: np.ndarray):
         if self.min_tokens < 1 or ids.size < self.need:
             return None
-        return self._groups.setdefault(ids[: self.need].astype(np.int64).tobytes(), [None, 0, 0])
-
-    def _shared(self, common: int) -> int:
-        shared = (common - 1) // ALIGN * ALIGN
-        return shared if shared >= self.min_tokens else 0
+        return self._groups.setdefault(ids[: self.need].astype(np.int64).tobytes(), [None, [], 0, 0])

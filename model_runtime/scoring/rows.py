@@ -77,10 +77,11 @@ class RowPlan:
         return HeadOutput(pick(head.logprobs_N), pick(head.entropy_N), pick(head.top_k_ids_NK), pick(head.top_k_logprobs_NK))
 
 
-def plan_row(sequences: Sequence[SequenceInput], prefix_min_tokens: int = 0) -> RowPlan:
+def plan_row(sequences: Sequence[SequenceInput], prefix_min_tokens: int = 0, rounding=None) -> RowPlan:
     """The row of ``sequences``; with ``prefix_min_tokens`` > 0, sequences that share at least that
-    many leading tokens run them once (``model_runtime.scoring.prefix``)."""
-    groups = find_groups(sequences, prefix_min_tokens) if prefix_min_tokens > 0 else []
+    many leading tokens run them once (``model_runtime.scoring.prefix``; ``rounding``: only among
+    members whose lengths compute them alike)."""
+    groups = find_groups(sequences, prefix_min_tokens, rounding) if prefix_min_tokens > 0 else []
     if groups:
         return _plan_shared_row(sequences, groups)
     lengths = tuple(s.length for s in sequences)

@@ -44,8 +44,6 @@ class Scorer:
     # The head's memory cap on CUDA: one chunk of bf16 logits plus its hidden rows. DESIGN.md
     # allows the head 1 GiB at 64k tokens; 768 MiB leaves room for allocator rounding.
     CUDA_HEAD_CAP_BYTES = 768 << 20
-    # The fused head's chunk sizes that ``tune_head_chunk`` times: multiples of this many positions.
-    HEAD_CHUNK_STEP = 256
 
     def __init__(
         self,
@@ -58,10 +56,11 @@ class Scorer:
         self.loaded = loaded
         self.max_batch_tokens = int(max_batch_tokens)
         self.prefix_min_tokens = int(prefix_min_tokens)  # 0: every sequence runs whole
+        # Which members of a group may share their prompt without a number moving: measured on
+        # the GPU at warm-up (``measure_prefix_rounding``); None shares among all members.
+        self.prefix_rounding = None
         self.logprob_fn = loaded.backends.fn("head")
         self._fixed_head_budget = head_budget_bytes
-        self.head_chunk_timings: dict[int, float] = {}  # tune_head_chunk's ms per 1,000 positions
-        self._tuned_head_chunk: int | None = None
         if head_budget_bytes is None:
             head_budget_bytes = self.CUDA_HEAD_CAP_BYTES if loaded.device.type == "cuda" else 256 << 20
         self.set_head_budget(head_budget_bytes)
@@ -80,8 +79,6 @@ class Scorer:
             hidden = self.loaded.model.lm_head.weight.shape[1]
             itemsize = self.loaded.model.lm_head.weight.element_size()
             self.head_chunk_tokens = fused_chunk_tokens(vocab, hidden, budget_bytes, itemsize)
-            if self._tuned_head_chunk is not None:
-                self.head_chunk_tokens = min(self.head_chunk_tokens, self._tuned_head_chunk)
 
     def size_head_from_free_memory(self, fraction: float = 0.25) -> None:
         """On CUDA, shrinks the head's budget to ``fraction`` of the memory still free (measured
@@ -93,54 +90,16 @@ class Scorer:
         reserved_idle = torch.cuda.memory_reserved(self.loaded.device) - torch.cuda.memory_allocated(self.loaded.device)
         self.set_head_budget(min(self.CUDA_HEAD_CAP_BYTES, int(fraction * (free + reserved_idle))))
 
-    @torch.inference_mode()
-    def tune_head_chunk(self, repeats: int = 5) -> None:
-        """On CUDA with the fused head: of the chunk sizes that are multiples of
-        ``HEAD_CHUNK_STEP`` up to the memory budget's, takes the one whose vocabulary product and
-        log-prob pass cost the least time per position (median of ``repeats``).
-
-        cuBLAS runs some shapes of ``[C, D] x [D, V]`` markedly slower per position than others
-        (``bench.layer_probe``'s head table, docs/kernels.md). A position's logits are the same bits
-        at every size (tests/gpu/test_head_chunks.py), and every chunk of a row keeps one shape
-        (``score_positions``'s ``fixed_shape``), so the choice changes speed, not numbers.
-        """
-        if self.loaded.device.type != "cuda" or self.loaded.backends.head == "torch":
-            return
-        weight_VD = self.loaded.model.lm_head.weight
-        limit = self.head_chunk_tokens
-        candidates = sorted(set(range(self.HEAD_CHUNK_STEP, limit + 1, self.HEAD_CHUNK_STEP)) | {limit})
-        device = weight_VD.device
-        hidden_CD = torch.randn(limit, weight_VD.shape[1], device=device).to(weight_VD.dtype)
-        targets_C = torch.zeros(limit, dtype=torch.long, device=device)
-        temperature_C = torch.ones(limit, device=device)
-        timings = {}
-        for c in candidates:
-            def run(c=c):
-                z_CV = torch.nn.functional.linear(hidden_CD[:c], weight_VD)
-                self.logprob_fn(z_CV, targets_C[:c], temperature_C[:c])
-
-            run()
-            times = []
-            for _ in range(repeats):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                run()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            timings[c] = float(np.median(times)) * 1000.0 / c
-        self.head_chunk_timings = timings
-        self._tuned_head_chunk = min(candidates, key=timings.__getitem__)
-        self.head_chunk_tokens = self._tuned_head_chunk
-
     def warm_up(self) -> None:
         """Runs the shapes the service will see so kernels compile and autotune before readiness.
 
         On CUDA: one sequence filling the token budget (the largest activations: sizes the head
-        from the memory left, then ``tune_head_chunk`` times its chunk sizes), a row of many short
-        sequences (fla's varlen index paths, many segments in attention), a top-k pass, and one-sequence rows of 1, 17 and 300 tokens (the
+        from the memory left), a row of many short sequences (fla's varlen index paths, many
+        segments in attention), a top-k pass, and one-sequence rows of 1, 17 and 300 tokens (the
         shapes of idle requests; small sizes are their own compiled variants).
-        With prefix sharing, also a row of one group (the kernels' variants with initial states).
+        With prefix sharing, also where the narrow products round by row count
+        (``measure_prefix_rounding``) and a row of one group (the kernels' variants with initial
+        states).
         On CPU: one short pass (nothing to compile).
         """
         import time
@@ -163,7 +122,6 @@ class Scorer:
 
         step("one sequence of the budget", lambda: self.score_row([SequenceInput(rng.integers(0, vocab, budget), score_from=1)]))
         self.size_head_from_free_memory()
-        step("the head's chunk size", self.tune_head_chunk)
         short = [SequenceInput(rng.integers(0, vocab, 64), score_from=8) for _ in range(max(1, budget // 64))]
         step("many short sequences", lambda: self.score_row(short))
         step("top-k", lambda: self.score_row([SequenceInput(rng.integers(0, vocab, 512), top_k=MAX_TOP_K) for _ in range(2)]))
@@ -171,10 +129,20 @@ class Scorer:
             step(f"{n} tokens", lambda n=n: self.score_row([SequenceInput(rng.integers(0, vocab, n), score_from=1)]))
         step("attention plans", self.warm_attention_plans)
         if self.prefix_min_tokens:
+            step("the narrow products' rounding by row count", self.measure_prefix_rounding)
             step("a shared prefix", lambda: self.score_row(shared_prefix_row(rng, vocab, self.prefix_min_tokens)))
         # Where start-up time goes (compilation and autotuning are in the first step that needs them).
         self.warm_up_steps = steps
         self.warm_up_seconds = time.perf_counter() - started
+
+    def measure_prefix_rounding(self) -> None:
+        """On CUDA, where the narrow products round a prompt's rows by the sequence's length
+        (``model_runtime.scoring.rounding``): groups are then cut there, and a shared prompt gives
+        every member the numbers it gets alone, bit for bit."""
+        from model_runtime.scoring.rounding import MAX_PROBED_ROWS, measure
+
+        if self.loaded.device.type == "cuda":
+            self.prefix_rounding = measure(self.loaded.model, min(self.max_batch_tokens, MAX_PROBED_ROWS))
 
     def warm_attention_plans(self) -> None:
         """Builds SDPA's plan for every attention bucket of the budget (some eighty, ~60 ms each
@@ -203,7 +171,7 @@ class Scorer:
             validate_sequence(seq, self.loaded.vocab_size, i)
         results: list[SequenceScores | None] = [None] * len(sequences)
         if self.prefix_min_tokens:
-            rows = pack_groups_first_fit(sequences, self.max_batch_tokens, self.prefix_min_tokens)
+            rows = pack_groups_first_fit(sequences, self.max_batch_tokens, self.prefix_min_tokens, self.prefix_rounding)
         else:
             rows = pack_first_fit_decreasing([s.length for s in sequences], self.max_batch_tokens)
         for row in rows:
@@ -217,7 +185,7 @@ class Scorer:
         if not validated:
             for i, seq in enumerate(sequences):
                 validate_sequence(seq, self.loaded.vocab_size, i)
-        plan = plan_row(sequences, self.prefix_min_tokens)
+        plan = plan_row(sequences, self.prefix_min_tokens, self.prefix_rounding)
         device = self.loaded.device
         # A padding segment (never scored) makes T a multiple of ROW_MULTIPLE: every matrix
         # product then computes a token's row the same way whatever its neighbours (on CPU), and

@@ -162,6 +162,12 @@ class Scheduler:
         self.last_failure: str | None = None  # why the last forward failed for backend reasons
         self._closed = False
 
+    @property
+    def prefix_rounding(self):
+        """The backend's ``RowRounding`` (measured at its warm-up), so that rows count a shared
+        prefix as the backend will run it; None where the backend has none."""
+        return getattr(self.backend, "prefix_rounding", None)
+
     @classmethod
     def from_settings(cls, backend: ScoringBackend, settings, metrics: Metrics | None = None,
                       shared: SharedCapacity | None = None, model: str | None = None) -> "Scheduler":
@@ -373,7 +379,7 @@ class Scheduler:
         queued within ``_LOOKAHEAD_AGE_S`` of it (first-fit decreasing on a bounded window)."""
         budget = self.max_batch_tokens
         head = self._queue.popleft()
-        row, run = [head], RowTokens(self.prefix_min_tokens)  # the tokens the row's forward runs
+        row, run = [head], RowTokens(self.prefix_min_tokens, self.prefix_rounding)  # the tokens the row's forward runs
         run.add(head.seq.input_ids)
         horizon = head.enqueued_at + _LOOKAHEAD_AGE_S
         window: list[_Item] = []
@@ -441,7 +447,7 @@ class Scheduler:
         elapsed = time.monotonic() - started
         tokens = sum(item.tokens for item in row)
         if self.prefix_min_tokens:
-            self.metrics.prefix_tokens_saved.inc(tokens_saved([it.seq for it in row], self.prefix_min_tokens))
+            self.metrics.prefix_tokens_saved.inc(tokens_saved([it.seq for it in row], self.prefix_min_tokens, self.prefix_rounding))
         self._observe_forward(tokens, elapsed)
         await self._results.put((row, scores))
 

@@ -16,6 +16,7 @@ from model_runtime.kernels.conv import causal_conv1d_fla, causal_conv1d_tridao
 from model_runtime.kernels.conv_triton import causal_conv1d_silu_triton
 from model_runtime.kernels.linear_attention import gated_delta_rule_fla
 from model_runtime.model.packing import PackedBatch, PrefixLinks
+from model_runtime.scoring.prefix import tokens_saved
 
 pytestmark = [
     pytest.mark.gpu,
@@ -124,13 +125,8 @@ def test_attention_of_a_continuation_is_the_whole_sequence_tail(case, fn, gpu_re
     assert diff == 0.0, f"{fn.__name__} linked vs whole max |diff| {diff:.3e} (rel {err:.3e}), expected 0"
 
 
-_VARIED = pytest.mark.xfail(strict=False, reason=(
-    "measured on the H200 (9B, RL mix): members of varied lengths move 9.9e-3 mean from unshared, "
-    "because the narrow gate products' rows of the prompt change with the row count (see the test below)"))
-
-
 @pytest.mark.parametrize("tails", [pytest.param((700, 700, 700, 700), id="one-length"),
-                                   pytest.param((1, 90, 700, 1500), id="varied-lengths", marks=_VARIED)])
+                                   pytest.param((1, 90, 700, 1500), id="varied-lengths")])
 @pytest.mark.parametrize("attention", ["sdpa", "varlen"])
 def test_tiny_model_shared_equals_unshared_in_bf16(attention, tails, gpu_record):
     from model_runtime.scoring.loading import load_model
@@ -145,12 +141,16 @@ def test_tiny_model_shared_equals_unshared_in_bf16(attention, tails, gpu_record)
     seqs = [SequenceInput(np.concatenate([prompt, tail(n)]), score_from=500) for n in tails]
     seqs.append(SequenceInput(rng.integers(0, loaded.vocab_size, 333), score_from=1))
     plain = Scorer(loaded, prefix_min_tokens=0).score_row(seqs)
-    shared = Scorer(loaded, prefix_min_tokens=64).score_row(seqs)
+    sharing = Scorer(loaded, max_batch_tokens=8192, prefix_min_tokens=64)
+    sharing.measure_prefix_rounding()  # as its warm-up does: members share only where it is exact
+    shared = sharing.score_row(seqs)
+    saved = tokens_saved(seqs, 64, sharing.prefix_rounding)
     d = np.concatenate([np.abs(a.logprobs - b.logprobs) for a, b in zip(shared, plain)])
     e = np.concatenate([np.abs(a.entropy - b.entropy) for a, b in zip(shared, plain)])
     unequal = int((d != 0).sum())
     gpu_record("prefix tiny model shared vs unshared", attention=attention, kernels=str(loaded.backends.names),
-               mean=float(d.mean()), max=float(d.max()), unequal=unequal, of=int(d.size), entropy_max=float(e.max()))
+               mean=float(d.mean()), max=float(d.max()), unequal=unequal, of=int(d.size), entropy_max=float(e.max()),
+               tokens_saved=saved, tokens_saved_every_member=tokens_saved(seqs, 64))
     # Every step of a shared row computes a token as the unshared row does: equal to the bit.
     assert unequal == 0 and float(e.max()) == 0.0, (
         f"{unequal} of {d.size} log-probs differ from unshared scoring (mean |dlogp| {d.mean():.3e}, "
@@ -173,9 +173,10 @@ def test_narrow_gate_products_of_a_linked_row_are_the_whole_sequences(case, gpu_
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "measured on the H200: a [M, 4096] x [4096, 32] product's rows differ between almost any two row "
-    "counts from 16 to 8192 (cuBLAS picks its kernel by M); packscore keeps Hugging Face's per-sequence "
-    "products, so prefix sharing is off by default"))
+    "measured on the H200: a [M, 4096] x [4096, 32] product's rows from 17 on change at 293 row counts "
+    "from 688 to 65,536 (cuBLAS picks its kernel by M; bench/results/h200-2026-12-02-narrow-steps.json); "
+    "packscore keeps Hugging Face's per-sequence products and shares a prompt only among members whose "
+    "lengths round it alike (model_runtime/scoring/rounding.py, the test below)"))
 def test_narrow_gate_product_rows_of_a_prompt_do_not_depend_on_the_sequence_length(gpu_record):
     # A shared prompt's rows come from its first continuation's sequence; another member's
     # unshared run equals them only if the product's rows of the prompt do not change with the
@@ -188,3 +189,29 @@ def test_narrow_gate_product_rows_of_a_prompt_do_not_depend_on_the_sequence_leng
     worst = {n: float((linear(x[: prompt + n])[:prompt].float() - want.float()).abs().max()) for n in (64, 700, 1500, 4096)}
     gpu_record("prefix narrow product prompt rows vs length", **{f"tail_{n}": d for n, d in worst.items()})
     assert max(worst.values()) == 0.0, f"prompt rows of the narrow product change with the sequence length: {worst}"
+
+
+def test_9b_slice_group_of_varied_lengths_scores_as_unshared(slice_9b_twin, gpu_record):
+    """The 9B shape's narrow products round by row count: with the measured ``RowRounding`` a
+    group of varied lengths shares its prompt only where that changes no bit."""
+    from model_runtime.scoring.scorer import Scorer
+    from model_runtime.types import SequenceInput
+
+    loaded = slice_9b_twin.loaded
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, loaded.vocab_size, 900)
+    tails = (1, 40, 300, 700, 701, 1200, 1500, 2600, 4000, 4000)
+    seqs = [SequenceInput(np.concatenate([prompt, rng.integers(0, loaded.vocab_size, n)]), score_from=800) for n in tails]
+    plain = Scorer(loaded, max_batch_tokens=16384).score_row(seqs)
+    sharing = Scorer(loaded, max_batch_tokens=16384, prefix_min_tokens=64)
+    sharing.measure_prefix_rounding()
+    shared = sharing.score_row(seqs)
+    d = np.concatenate([np.abs(a.logprobs - b.logprobs) for a, b in zip(shared, plain)])
+    e = np.concatenate([np.abs(a.entropy - b.entropy) for a, b in zip(shared, plain)])
+    saved = tokens_saved(seqs, 64, sharing.prefix_rounding)
+    gpu_record("prefix 9B slice varied lengths", unequal=int((d != 0).sum()), of=int(d.size), max=float(d.max()),
+               entropy_max=float(e.max()), tokens_saved=saved, tokens_saved_every_member=tokens_saved(seqs, 64))
+    assert saved > 0, "no member shared its prompt"
+    assert float(d.max()) == 0.0 and float(e.max()) == 0.0, (
+        f"{int((d != 0).sum())} of {d.size} log-probs differ from unshared scoring (max |dlogp| {d.max():.3e}, "
+        f"max |dentropy| {e.max():.3e}); expected 0")

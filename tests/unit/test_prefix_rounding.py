@@ -1,0 +1,114 @@
+"""Prefix sharing that follows the narrow products' rounding by row count (``RowRounding``).
+
+The table a GPU measures is replaced here by made-up ones; the grouping, the row costing and the
+table's measurement and cache run as in the service.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from model_runtime.scoring import rounding as R
+from model_runtime.scoring.prefix import RowTokens, find_groups, tokens_saved
+from model_runtime.scoring.rows import plan_row
+from model_runtime.types import SequenceInput
+
+
+def table(max_rows: int, changes: dict[int, int]) -> R.RowRounding:
+    """A ``RowRounding`` whose products change from row ``changes[m]`` on at row count ``m``."""
+    changed = R.RowRounding.exact(max_rows).changed.copy()
+    for m, row in changes.items():
+        changed[m] = row
+    return R.RowRounding(changed)
+
+
+def group(rng, prompt_len, tails, vocab=900):
+    prompt = rng.integers(0, vocab, prompt_len)
+    return [SequenceInput(np.concatenate([prompt, rng.integers(0, vocab, n)]), score_from=prompt_len) for n in tails]
+
+
+def test_stable_rows_of_two_lengths():
+    r = table(100, {50: 17, 60: 40})
+    assert r.stable_rows(30, 30) > 10**9  # one length: always alike
+    assert r.stable_rows(30, 49) > 49 and r.stable_rows(49, 30) > 49
+    assert r.stable_rows(30, 55) == 17 and r.stable_rows(55, 65) == 40 and r.stable_rows(40, 70) == 17
+    assert r.stable_rows(10, 101) == 0  # past the measured row counts: nothing is known alike
+
+
+def test_a_group_is_cut_where_its_lengths_round_the_prompt_differently():
+    rng = np.random.default_rng(0)
+    seqs = group(rng, 700, [300, 400, 1500, 1600, 5000])  # lengths 1000, 1100, 2200, 2300, 5700
+    r = table(8192, {2000: 17, 4000: 17})
+    groups = find_groups(seqs, 64, r)
+    assert [(g.members, g.shared) for g in groups] == [((0, 1), 640), ((2, 3), 640)]
+    assert tokens_saved(seqs, 64, r) == 2 * 640
+    assert [(g.members, g.shared) for g in find_groups(seqs, 64)] == [((0, 1, 2, 3, 4), 640)]
+
+
+def test_a_shorter_shared_prefix_keeps_the_group_when_it_saves_more():
+    rng = np.random.default_rng(1)
+    seqs = group(rng, 700, [300, 400, 1500, 1600])
+    # rows from 508 on change at 2,000 rows: 448 shared tokens stay alike for all four members
+    r = table(8192, {2000: 508})
+    groups = find_groups(seqs, 64, r)
+    assert [(g.members, g.shared) for g in groups] == [((0, 1, 2, 3), 448)]  # 3 * 448 > 2 * 640
+    # below the minimum shared length, the group is cut instead
+    assert [(g.members, g.shared) for g in find_groups(seqs, 500, r)] == [((0, 1), 640), ((2, 3), 640)]
+
+
+def test_a_member_longer_than_the_table_shares_only_with_its_own_length():
+    rng = np.random.default_rng(2)
+    seqs = group(rng, 200, [100, 900, 900])
+    r = table(512, {})
+    assert [(g.members, g.shared) for g in find_groups(seqs, 64, r)] == [((1, 2), 192)]
+
+
+def test_an_exact_table_changes_nothing():
+    rng = np.random.default_rng(3)
+    seqs = group(rng, 300, [5, 60, 700]) + group(rng, 129, [1, 2]) + group(rng, 90, [40])
+    assert find_groups(seqs, 64, R.RowRounding.exact(4096)) == find_groups(seqs, 64)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_row_tokens_follow_the_grouping_with_a_table(seed):
+    rng = np.random.default_rng(seed)
+    r = table(600, {int(m): int(rng.integers(0, 200)) for m in rng.integers(70, 600, 12)})
+    for trial in range(150):
+        prompts = [rng.integers(0, 4, rng.integers(60, 300)) for _ in range(3)]
+        seqs = []
+        for _ in range(rng.integers(1, 10)):
+            p = prompts[rng.integers(0, 3)]
+            ids = np.concatenate([p[: rng.integers(0, p.size + 1)], rng.integers(0, 4, rng.integers(1, 300))])
+            seqs.append(SequenceInput(ids))
+        min_tokens = int(rng.choice([1, 64, 100]))
+        row = RowTokens(min_tokens, r)
+        for i, s in enumerate(seqs):
+            cost = row.cost_with(s.input_ids)
+            row.add(s.input_ids)
+            want = sum(x.length for x in seqs[: i + 1]) - tokens_saved(seqs[: i + 1], min_tokens, r)
+            assert cost == row.total == want, f"trial {trial}, sequence {i}: {cost}, {row.total} != {want}"
+        assert sum(plan_row(seqs, min_tokens, r).lengths) == row.total  # the row runs what was counted
+
+
+def test_measure_keeps_the_table_and_reads_it_back(tmp_path, monkeypatch):
+    linear = torch.nn.Linear(32, 4, bias=False)
+
+    class Gates(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = linear
+
+        def narrow_weights(self):
+            return (self.a.weight,)
+
+    model = torch.nn.Sequential(Gates())
+    first = R.measure(model, 40, cache_dir=tmp_path)
+    assert first.max_rows == 40 and list((tmp_path / "row-rounding").glob("*.npy"))
+
+    def not_again(*args, **kwargs):
+        raise AssertionError("measured again despite the kept table")
+
+    monkeypatch.setattr("model_runtime.kernels.gate_projection.first_changed_rows", not_again)
+    second = R.measure(model, 40, cache_dir=tmp_path)
+    assert np.array_equal(first.changed, second.changed)
+    assert R.measure(torch.nn.Linear(3, 3), 40, cache_dir=tmp_path).stable_rows(1, 40) > 10**9  # no narrow product
