@@ -4,11 +4,11 @@
     python -m bench.narrow_steps --out DIR --device cpu --max-rows 600   # a dry run
 
 For every narrow product of the presets (the Gated DeltaNet's decay and beta projections, the MoE
-router and shared-expert gate), ``gate_projection.row_count_steps`` lists the row counts at which
-the product's first rows change bits. Two sequences whose lengths lie between the same two steps
-of every narrow product compute their shared prompt's rows of those products alike, so sharing
-their prompt is exact; the benchmark workloads are then grouped that way and the tokens saved
-counted against grouping by prompt alone. Writes ``narrow-steps.json`` to DIR.
+router and shared-expert gate), ``gate_projection.first_changed_rows`` finds the row counts at
+which the product's rows change bits. Two sequences whose lengths lie between the same two such
+row counts compute their shared prompt's rows of those products alike, so sharing their prompt is
+exact (``model_runtime.scoring.rounding``); the benchmark workloads are then grouped that way and
+the tokens saved counted against grouping by prompt alone. Writes ``narrow-steps.json`` to DIR.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import numpy as np
 from model_runtime.kernels.gate_projection import first_changed_rows
 from model_runtime.scoring.prefix import find_groups
 from model_runtime.scoring.presets import PRESETS, build_config
+from model_runtime.scoring.rounding import RowRounding
 
 
 def narrow_shapes(preset: str) -> dict[str, tuple[int, int]]:
@@ -38,31 +39,14 @@ def narrow_shapes(preset: str) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def exact_subgroups(lengths, shared: int, changed: np.ndarray) -> list[list[int]]:
-    """Members (indices into ``lengths``) split where the narrow products' first ``shared`` rows
-    change between consecutive lengths."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    out = [[order[0]]]
-    for a, b in zip(order, order[1:]):
-        la, lb = lengths[a], lengths[b]
-        if lb >= len(changed) or (lb > la and changed[la + 1 : lb + 1].min() < shared):
-            out.append([])
-        out[-1].append(b)
-    return out
-
-
 def saved_by_class(sequences, changed: np.ndarray, min_tokens: int = 64) -> dict:
     plain = find_groups(sequences, min_tokens)
+    exact = find_groups(sequences, min_tokens, RowRounding(changed))
     saved_plain = sum(g.tokens_saved for g in plain)
-    saved_split, subgroups = 0, 0
-    for g in plain:
-        for sub in exact_subgroups([sequences[i].length for i in g.members], g.shared, changed):
-            if len(sub) > 1:
-                saved_split += (len(sub) - 1) * g.shared  # a subgroup's prefix is at least the group's
-                subgroups += 1
+    saved_split = sum(g.tokens_saved for g in exact)
     total = sum(s.length for s in sequences)
     return {"tokens": total, "saved_by_prompt": saved_plain, "saved_by_prompt_and_class": saved_split,
-            "groups": len(plain), "subgroups": subgroups,
+            "groups": len(plain), "subgroups": len(exact),
             "token_bound_by_prompt": total / (total - saved_plain),
             "token_bound_by_class": total / (total - saved_split)}
 

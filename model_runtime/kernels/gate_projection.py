@@ -77,27 +77,49 @@ def narrow_products(fn, linears: Sequence, x_TD: torch.Tensor, packed: PackedBat
 
 
 
-@torch.inference_mode()
-def first_changed_rows(in_features: int, out_features: int, dtype: torch.dtype, device, max_rows: int,
-                       seed: int = 0) -> np.ndarray:
-    """``changed[M]`` for ``M`` up to ``max_rows``: the first row of a ``[M, in] x [in, out]``
-    product that differs from the same row of the product over ``M - 1`` rows (``M`` when none
-    does; entries 0 and 1 are ``max_rows + 1``). A sequence's first ``P`` rows then come out the
-    same bits at every length between ``L1`` and ``L2`` when ``changed[L1 + 1 : L2 + 1]`` is at
-    least ``P`` throughout.
+def order_sensitive_operands(in_features: int, out_features: int, dtype: torch.dtype, device, rows: int,
+                             seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, w)`` of a ``[rows, in] x [in, out]`` product whose rounded outputs change with almost
+    any change of its summation order.
 
-    Found on random operands of this shape, dtype and layout, which is what the BLAS picks its
-    kernel by; every row count in one pass, with one host sync at the end.
+    On random operands two summation orders differ by about a float32 ulp of the partial sums,
+    which moves a bf16 output in about one case in a thousand: a kernel change could pass unseen.
+    Here the second half of each dot product cancels the first to within 2^-6 (the same terms,
+    shuffled, times ``-(1 + 2^-6 r)``), so the output is about 2^-6 of the partial sums and their
+    rounding shows in most outputs.
     """
     gen = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(max_rows, in_features, generator=gen, device=device).to(dtype)
-    w = (torch.randn(out_features, in_features, generator=gen, device=device) * in_features ** -0.5).to(dtype)
+    half = in_features // 2
+    u = torch.randn(rows, half, generator=gen, device=device)
+    v = torch.randn(out_features, half, generator=gen, device=device) * in_features ** -0.5
+    perm = torch.randperm(half, generator=gen, device=device)
+    r = torch.rand(out_features, half, generator=gen, device=device) * 2 - 1
+    tail = in_features - 2 * half  # an odd in_features: one more column, of zero weight
+    x = torch.cat([u, u[:, perm], torch.randn(rows, tail, generator=gen, device=device)], dim=1)
+    w = torch.cat([v, -v[:, perm] * (1 + r * 2.0 ** -6), torch.zeros(out_features, tail, device=device)], dim=1)
+    return x.to(dtype), w.to(dtype)
+
+
+@torch.inference_mode()
+def first_changed_rows(in_features: int, out_features: int, dtype: torch.dtype, device, max_rows: int,
+                       seeds: tuple[int, ...] = (0, 1)) -> np.ndarray:
+    """``changed[M]`` for ``M`` up to ``max_rows``: the first row of a ``[M, in] x [in, out]``
+    product that differs from the same row of the product over ``M - 1`` rows (``M`` when none
+    does; entries 0 and 1 are ``max_rows + 1``), the least over ``order_sensitive_operands`` of
+    each seed. The BLAS picks its kernel by the operands' shape, dtype and layout, not their
+    values; the operands only make a change of summation order visible. Every row count in one
+    pass, with one host sync at the end.
+    """
+    operands = [order_sensitive_operands(in_features, out_features, dtype, device, max_rows, seed) for seed in seeds]
     changed = torch.full((max_rows + 1,), max_rows + 1, dtype=torch.int64, device=device)
-    previous = F.linear(x[:1], w)
+    previous = [F.linear(x[:1], w) for x, w in operands]
     for m in range(2, max_rows + 1):
-        y = F.linear(x[:m], w)
-        differs = (y[: m - 1] != previous).any(dim=1)
+        differs = None
+        for j, (x, w) in enumerate(operands):
+            y = F.linear(x[:m], w)
+            d = (y[: m - 1] != previous[j]).any(dim=1)
+            differs = d if differs is None else differs | d
+            previous[j] = y
         # argmax finds the first differing row; a row count with none records m
         changed[m] = torch.where(differs.any(), differs.to(torch.int8).argmax(), m)
-        previous = y
     return changed.cpu().numpy()

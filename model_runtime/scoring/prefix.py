@@ -65,9 +65,7 @@ def share(members: Sequence[int], lengths: Sequence[int], common: int, min_token
         return []
     if rounding is None:
         return [PrefixGroup(tuple(sorted(members)), shared)]
-    floor = max(min_tokens, ALIGN)
-    return [PrefixGroup(tuple(sorted(members[j] for j in part)), p)
-            for part, p in rounding.split(lengths, shared, floor, ALIGN)]
+    return [PrefixGroup(tuple(sorted(members[j] for j in part)), shared) for part in rounding.split(lengths)]
 
 
 def find_groups(sequences: Sequence[SequenceInput], min_tokens: int, rounding=None) -> list[PrefixGroup]:

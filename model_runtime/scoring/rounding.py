@@ -5,15 +5,15 @@ router and shared-expert gate; ``kernels/gate_projection.py``) run over the whol
 Hugging Face computes them for one sequence, so their rounding follows the sequence's length:
 cuBLAS picks the kernel, and with it the summation order, by the row count. Two members of a
 GRPO group whose lengths round the prompt's rows differently cannot share that prompt without
-one of them moving (about 1e-2 in a log-prob after the layers, bf16). ``RowRounding`` records,
-for every row count, from which row on the products change against one row fewer
-(``gate_projection.first_changed_rows``, the minimum over the model's narrow products), and
-``split`` cuts a group where that happens inside its shared prefix: every member then computes
-the prompt as it would alone.
+one of them moving (about 1e-2 in a log-prob after the layers, bf16). ``RowRounding`` records
+the row counts at which any narrow product's rows change against one row fewer
+(``gate_projection.first_changed_rows``, on operands that make a change of summation order
+visible), and ``split`` cuts a group wherever its members' lengths straddle one: every member
+then computes the prompt as it would alone.
 
 ``measure`` finds it on the model's device once per product shape and keeps it on disk
 (``$PACKSCORE_CACHE_DIR``, default ``~/.cache/packscore``), keyed by the GPU, PyTorch and CUDA
-versions, the shape and the dtype: about 10 s a shape the first time on an H200.
+versions, the shape, the dtype and the probe's version.
 """
 
 from __future__ import annotations
@@ -33,14 +33,21 @@ log = logging.getLogger(__name__)
 # Row counts probed at most: a member longer than this shares only with members of its own length.
 MAX_PROBED_ROWS = 32768
 _ALWAYS = 1 << 62  # rows that never change
+PROBE_VERSION = 2  # part of the cache key: a table measured another way is measured again
 
 
 @dataclass(frozen=True)
 class RowRounding:
-    """``changed[M]``: the first row of any narrow product over ``M`` rows that differs from the
-    product over ``M - 1`` rows (``M`` or more: none does)."""
+    """``changed[M]``: the first row of any narrow product over ``M`` rows seen to differ from the
+    product over ``M - 1`` rows (``M`` or more: none did). Two lengths compute a prompt alike only
+    when no row count between them changed anything: where the first changed row lies depends on
+    the probe's operands (a row whose order changed may still round alike), so it is not trusted."""
 
     changed: np.ndarray
+
+    def __post_init__(self):
+        steps = self.changed < np.arange(self.changed.size)
+        object.__setattr__(self, "_steps_up_to", np.cumsum(steps))  # row counts <= M that changed rows
 
     @property
     def max_rows(self) -> int:
@@ -51,45 +58,24 @@ class RowRounding:
         """A model whose narrow products never round by row count (or has none)."""
         return cls(np.full(max_rows + 1, _ALWAYS, dtype=np.int64))
 
-    def stable_rows(self, a: int, b: int) -> int:
-        """How many first rows every narrow product computes alike at lengths ``a`` and ``b``."""
+    def alike(self, a: int, b: int) -> bool:
+        """Whether sequences of ``a`` and ``b`` tokens compute every narrow product's common rows alike."""
         if a == b:
-            return _ALWAYS
-        lo, hi = min(a, b), max(a, b)
-        if hi > self.max_rows:
-            return 0
-        return int(self.changed[lo + 1 : hi + 1].min())
+            return True
+        if max(a, b) > self.max_rows:
+            return False
+        return bool(self._steps_up_to[a] == self._steps_up_to[b])
 
-    def split(self, lengths: Sequence[int], shared: int, floor: int, align: int) -> list[tuple[list[int], int]]:
-        """``(members, tokens)`` for the parts of a group of sequences of ``lengths`` (indices into
-        it) whose first ``shared`` tokens agree: members ordered by length are cut wherever two
-        neighbours compute fewer than the shared rows alike, each part sharing what all its members
-        compute alike (a multiple of ``align``, at least ``floor``, at most ``shared``). The cut
-        point chosen is the one that saves the most tokens; parts of one member are dropped."""
+    def split(self, lengths: Sequence[int]) -> list[list[int]]:
+        """The members (indices into ``lengths``) of a group cut into parts whose lengths compute
+        the narrow products alike, parts of one member dropped."""
         order = sorted(range(len(lengths)), key=lengths.__getitem__)
-        links = [self.stable_rows(lengths[a], lengths[b]) for a, b in zip(order, order[1:])]
-
-        def aligned(rows: int) -> int:
-            return min(shared, rows // align * align)
-
-        candidates = {shared} | {aligned(r) for r in links if floor <= aligned(r) < shared}
-        best: list[tuple[list[int], int]] = []
-        best_saved = 0
-        for cut in sorted(candidates, reverse=True):
-            parts, part, inner = [], [order[0]], []
-            for link, j in zip(links, order[1:]):
-                if link < cut:
-                    parts.append((part, inner))
-                    part, inner = [], []
-                else:
-                    inner.append(link)
-                part.append(j)
-            parts.append((part, inner))
-            kept = [(p, aligned(min(inner))) for p, inner in parts if len(p) > 1]
-            saved = sum((len(p) - 1) * tokens for p, tokens in kept)
-            if saved > best_saved:
-                best, best_saved = kept, saved
-        return best
+        parts = [[order[0]]]
+        for a, b in zip(order, order[1:]):
+            if not self.alike(lengths[a], lengths[b]):
+                parts.append([])
+            parts[-1].append(b)
+        return [p for p in parts if len(p) > 1]
 
 
 def narrow_weights(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -118,7 +104,7 @@ def measure(model: torch.nn.Module, max_rows: int, cache_dir: str | os.PathLike 
 def _cache_path(cache_dir, device: torch.device, k: int, n: int, dtype: torch.dtype, max_rows: int) -> Path | None:
     root = cache_dir or os.environ.get("PACKSCORE_CACHE_DIR") or Path.home() / ".cache" / "packscore"
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    key = f"{gpu}|torch {torch.__version__}|cuda {torch.version.cuda}|{k}x{n}|{dtype}|{max_rows}"
+    key = f"{gpu}|torch {torch.__version__}|cuda {torch.version.cuda}|{k}x{n}|{dtype}|{max_rows}|probe {PROBE_VERSION}"
     return Path(root) / "row-rounding" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.npy"
 
 
