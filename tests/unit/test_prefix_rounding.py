@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from model_runtime.scoring import rounding as R
-from model_runtime.scoring.prefix import RowTokens, find_groups, tokens_saved
-from model_runtime.scoring.rows import plan_row
+from model_runtime.scoring.prefix import find_groups, tokens_saved
 from model_runtime.types import SequenceInput
 
 
@@ -65,27 +64,6 @@ def test_an_exact_table_changes_nothing():
     rng = np.random.default_rng(3)
     seqs = group(rng, 300, [5, 60, 700]) + group(rng, 129, [1, 2]) + group(rng, 90, [40])
     assert find_groups(seqs, 64, R.RowRounding.exact(4096)) == find_groups(seqs, 64)
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_row_tokens_follow_the_grouping_with_a_table(seed):
-    rng = np.random.default_rng(seed)
-    r = table(600, {int(m): int(rng.integers(0, 200)) for m in rng.integers(70, 600, 12)})
-    for trial in range(150):
-        prompts = [rng.integers(0, 4, rng.integers(60, 300)) for _ in range(3)]
-        seqs = []
-        for _ in range(rng.integers(1, 10)):
-            p = prompts[rng.integers(0, 3)]
-            ids = np.concatenate([p[: rng.integers(0, p.size + 1)], rng.integers(0, 4, rng.integers(1, 300))])
-            seqs.append(SequenceInput(ids))
-        min_tokens = int(rng.choice([1, 64, 100]))
-        row = RowTokens(min_tokens, r)
-        for i, s in enumerate(seqs):
-            cost = row.cost_with(s.input_ids)
-            row.add(s.input_ids)
-            want = sum(x.length for x in seqs[: i + 1]) - tokens_saved(seqs[: i + 1], min_tokens, r)
-            assert cost == row.total == want, f"trial {trial}, sequence {i}: {cost}, {row.total} != {want}"
-        assert sum(plan_row(seqs, min_tokens, r).lengths) == row.total  # the row runs what was counted
 
 
 def test_measure_keeps_the_table_and_reads_it_back(tmp_path, monkeypatch):

@@ -5,8 +5,11 @@ import json
 import threading
 
 import numpy as np
+import pytest
 
 from model_runtime.scoring.prefix import RowTokens, tokens_saved
+from model_runtime.scoring.rounding import RowRounding
+from model_runtime.scoring.rows import plan_row
 from model_runtime.types import SequenceInput
 from service.cli import build_parser
 from service.http.metrics import Metrics
@@ -20,22 +23,32 @@ def group(rng, prompt_len, sizes):
     return [SequenceInput(np.concatenate([prompt, rng.integers(0, 900, n)]), score_from=prompt_len) for n in sizes]
 
 
-def test_row_tokens_match_the_row_plan_for_random_rows():
+def made_up_rounding(rng) -> RowRounding:
+    """A ``RowRounding`` whose narrow products change rows at a dozen row counts below 600."""
+    changed = RowRounding.exact(600).changed.copy()
+    changed[rng.integers(70, 600, 12)] = 0
+    return RowRounding(changed)
+
+
+@pytest.mark.parametrize("with_rounding", [False, True], ids=["by-prompt", "rounding-followed"])
+def test_row_tokens_match_the_row_plan_for_random_rows(with_rounding):
     rng = np.random.default_rng(0)
+    rounding = made_up_rounding(rng) if with_rounding else None
     for trial in range(200):
         prompts = [rng.integers(0, 4, rng.integers(60, 300)) for _ in range(3)]
         seqs = []
         for _ in range(rng.integers(1, 10)):
             p = prompts[rng.integers(0, 3)]
-            ids = np.concatenate([p[: rng.integers(0, p.size + 1)], rng.integers(0, 4, rng.integers(1, 80))])
+            ids = np.concatenate([p[: rng.integers(0, p.size + 1)], rng.integers(0, 4, rng.integers(1, 300 if with_rounding else 80))])
             seqs.append(SequenceInput(ids))
         min_tokens = int(rng.choice([1, 64, 100]))
-        row = RowTokens(min_tokens)
+        row = RowTokens(min_tokens, rounding)
         for i, s in enumerate(seqs):
             cost = row.cost_with(s.input_ids)
             row.add(s.input_ids)
-            want = sum(x.length for x in seqs[: i + 1]) - tokens_saved(seqs[: i + 1], min_tokens)
+            want = sum(x.length for x in seqs[: i + 1]) - tokens_saved(seqs[: i + 1], min_tokens, rounding)
             assert cost == row.total == want, f"trial {trial}, sequence {i}: {cost}, {row.total} != {want}"
+        assert sum(plan_row(seqs, min_tokens, rounding).lengths) == row.total  # the row runs what was counted
 
 
 def test_scheduler_counts_a_shared_prompt_once_and_exports_the_savings():
@@ -62,6 +75,37 @@ def test_scheduler_counts_a_shared_prompt_once_and_exports_the_savings():
     rows, saved = asyncio.run(main(0))
     assert [len(r) for r in rows] == [3, 3, 2], rows
     assert not saved, saved
+
+
+def test_scheduler_costs_a_row_as_the_backends_rounding_cuts_the_group():
+    rng = np.random.default_rng(2)
+    request = group(rng, 300, [100] * 4 + [200] * 4)  # 400- and 500-token members
+    changed = RowRounding.exact(4096).changed.copy()
+    changed[450] = 0  # the narrow products change rows at 450 rows: the two lengths do not share
+
+    async def main(rounding):
+        gate = threading.Event()
+        backend = FakeBackend(gate=gate)
+        backend.prefix_rounding = rounding  # what a GPU backend measures at warm-up
+        metrics = Metrics()
+        scheduler = Scheduler(backend, max_batch_tokens=2000, max_wait_ms=0, max_queued_tokens=100_000,
+                              metrics=metrics, prefix_min_tokens=64)
+        await scheduler.start()
+        ticket = scheduler.submit(request)
+        gate.set()
+        await ticket.future
+        await scheduler.close()
+        saved = metrics.registry.get_sample_value("packscore_prefix_tokens_saved_total", {"model": backend.info.name})
+        return backend.rows, saved
+
+    # one prompt for all eight: 256 + 4 * 144 + 4 * 244 = 1,808 tokens, one row
+    rows, saved = asyncio.run(main(None))
+    assert [len(r) for r in rows] == [8] and saved == 7 * 256, (rows, saved)
+    # cut in two groups: 832 + 1,232 = 2,064 tokens do not fit 2,000; the first row takes the four
+    # 500-token members and three 400-token ones (1,232 + 688 = 1,920), the last goes alone
+    rows, saved = asyncio.run(main(RowRounding(changed)))
+    assert sorted(sorted(r) for r in rows) == [[400], [400] * 3 + [500] * 4], rows
+    assert saved == (3 + 2) * 256, saved
 
 
 def test_prefix_sharing_is_off_by_default_and_the_flag_turns_it_on():
