@@ -115,15 +115,14 @@ class Settings(BaseSettings):
     max_model_len: int | None = Field(None, ge=1, description="longest sequence accepted; default: the model's")
     max_sequences_per_request: int = Field(4096, ge=1, description="most sequences in one request; beyond it 413")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long admitted requests may take to finish")
-    # Off by default: one process on a GPU shares a prompt only among members whose lengths round
-    # the narrow gate products alike, which keeps little of the saving on varied lengths (1.05x on
-    # the 9B's RL mix), and rows smaller than the budget have not been shown exact; the worker
-    # pool shares among every member (docs/prefix-sharing.md).
+    # Off by default: on a GPU a prompt is shared only among members whose lengths round the narrow
+    # gate products alike, which keeps little of the saving on varied lengths (1.05x on the 9B's RL
+    # mix), and rows smaller than the budget have not been shown exact (docs/prefix-sharing.md).
     prefix_sharing: bool = Field(
         False, description="run leading tokens that sequences of one row share (a GRPO group's prompt) once; "
-        "one process on a GPU shares only among members whose lengths round the narrow products alike "
-        "(measured at start-up, kept in $PACKSCORE_CACHE_DIR); the worker pool among every member, where "
-        "a result may move by about 1e-2 in bf16 (--no-prefix-sharing: every sequence runs whole)"
+        "on a GPU only among members whose lengths round the narrow products alike (measured at start-up, "
+        "kept in $PACKSCORE_CACHE_DIR); under --sp > 1 among every member, where a result may move by "
+        "about 1e-2 in bf16 (--no-prefix-sharing: every sequence runs whole)"
     )
     prefix_min_tokens: int = Field(64, ge=1, description="shortest shared prefix worth running once (tokens)")
 

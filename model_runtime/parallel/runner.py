@@ -46,6 +46,7 @@ class ParallelScorer:
         max_batch_tokens: int = 16384,
         head_budget_bytes: int | None = None,
         prefix_min_tokens: int = 0,
+        prefix_rounding=None,
     ):
         self.loaded = loaded
         self.dims = dims
@@ -59,6 +60,7 @@ class ParallelScorer:
         # Shared prefixes cross Ulysses shards like any other state: the mixers' kernels see the
         # whole row (head-sharded), and labels come from the global row plan.
         self.prefix_min_tokens = int(prefix_min_tokens)
+        self.prefix_rounding = prefix_rounding  # a RowRounding: members share only where exact
 
     def score_row(self, sequences: Sequence[SequenceInput]) -> list[SequenceScores]:
         head, top_k = self.score_row_flat(sequences)
@@ -75,7 +77,7 @@ class ParallelScorer:
 
     def _score_row_flat(self, sequences: Sequence[SequenceInput]) -> tuple[HeadOutput, int]:
         S, device = self.dims.sp, self.loaded.device
-        plan = plan_row(sequences, self.prefix_min_tokens)
+        plan = plan_row(sequences, self.prefix_min_tokens, self.prefix_rounding)
         # Padded as Scorer pads (to ROW_MULTIPLE tokens), and to a multiple of sp for the shards.
         packed, ids_T = plan.padded_row(ROW_MULTIPLE * S, device, minimum=min_row_tokens(device, S))
         per = ids_T.shape[0] // S

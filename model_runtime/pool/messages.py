@@ -16,7 +16,7 @@ same two steps (commit, or drop after a failure anywhere), answered by ``Weights
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Sequence
 
 import msgpack
@@ -80,6 +80,10 @@ class Hello:
     slow_kernels: list  # families that fell back to slow reference kernels
     cost_per_token: float  # forward FLOPs per token (balancing estimate)
     cost_per_token_squared: float  # attention FLOPs per squared segment length (balancing estimate)
+    # With prefix sharing on a GPU: the measured RowRounding (``RowRounding.from_steps``), so that
+    # the pool's scheduler cuts groups as the workers will; 0 rows: none measured
+    prefix_max_rows: int = 0
+    prefix_steps: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)

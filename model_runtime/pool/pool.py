@@ -123,6 +123,7 @@ class WorkerPool:
         self._closing = False
         self._restarts = 0
         self._generation = 0
+        self.prefix_rounding = None  # the workers' RowRounding (prefix sharing on a GPU, sp = 1)
         hellos = self._start_world()
         first = hellos[0]
         self._vocab_size = first.vocab_size
@@ -285,7 +286,9 @@ class WorkerPool:
             raise
         threading.Thread(target=self._read_loop, args=(world,), name=f"pool-reader-{world.generation}", daemon=True).start()
         log.info("worker pool generation %d up: pids %s, layout %s", world.generation, world.pids, self.dims.as_info())
-        return [hellos[r] for r in range(self.dims.world_size)]
+        ordered = [hellos[r] for r in range(self.dims.world_size)]
+        self.prefix_rounding = _prefix_rounding(ordered)
+        return ordered
 
     def _restart_loop(self) -> None:
         delay = 1.0
@@ -567,3 +570,17 @@ def start_pool(settings: dict) -> WorkerPool:
     0 or absent for none, i.e. ``Settings.prefix_min_tokens_in_use``); other keys are ignored.
     """
     return WorkerPool(settings)
+
+
+def _prefix_rounding(hellos: list[msg.Hello]):
+    """The ``RowRounding`` every worker measured, which the scheduler's row costing follows; None
+    where none was measured. Ranks that measured different tables would cut groups differently
+    from the scheduler's costing, so they refuse to serve."""
+    from model_runtime.scoring.rounding import RowRounding
+
+    tables = {(h.prefix_max_rows, tuple(h.prefix_steps)) for h in hellos}
+    if len(tables) > 1:
+        raise RuntimeError("the workers measured different narrow-product rounding tables (GPUs of several kinds?); "
+                           "serve them without --prefix-sharing")
+    max_rows, steps = tables.pop()
+    return RowRounding.from_steps(steps, max_rows) if max_rows else None

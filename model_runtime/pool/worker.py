@@ -140,6 +140,7 @@ def _setup(start: msg.Start):
     mesh = dims.build_mesh(device.type)
     loaded = _load(start, device)
     costs = cost_coefficients(loaded)  # before sharding: it counts whole parameters
+    rounding = _prefix_rounding(start, dims, loaded, device)
     parallelize(loaded.model, dims=dims, mesh=mesh)
     if _reads_shards(start):
         from model_runtime.scoring.weights import materialize
@@ -147,7 +148,7 @@ def _setup(start: msg.Start):
         materialize(loaded.model, Path(start.model), device)
     runner = ParallelScorer(
         loaded, dims=dims, mesh=mesh, rank=start.rank, max_batch_tokens=start.max_batch_tokens,
-        prefix_min_tokens=start.prefix_min_tokens,
+        prefix_min_tokens=start.prefix_min_tokens, prefix_rounding=rounding,
     )
     info = replace(ModelInfo.of(loaded), device=device.type, weights_version=start.weights_version or loaded.weights_version,
                    kernels=dict(loaded.backends.names), slow_kernels=list(loaded.backends.fallbacks))
@@ -158,8 +159,22 @@ def _setup(start: msg.Start):
         **{k: v for k, v in asdict(info).items() if k != "parallel"},
         cost_per_token=costs[0],
         cost_per_token_squared=costs[1],
+        prefix_max_rows=rounding.max_rows if rounding is not None else 0,
+        prefix_steps=rounding.steps if rounding is not None else [],
     )
     return dims, runner, hello
+
+
+def _prefix_rounding(start: msg.Start, dims, loaded, device: torch.device):
+    """With prefix sharing on a GPU and whole sequences on each rank (sp = 1): where the narrow
+    products round by row count, as one process measures it (``Scorer.measure_prefix_rounding``).
+    Under sequence parallelism they run per local segment, which the table does not describe;
+    groups then share among every member."""
+    if not start.prefix_min_tokens or device.type != "cuda" or dims.sp > 1:
+        return None
+    from model_runtime.scoring.rounding import MAX_PROBED_ROWS, measure
+
+    return measure(loaded.model, min(start.max_batch_tokens, MAX_PROBED_ROWS), device=device)
 
 
 class _WeightUpdates:

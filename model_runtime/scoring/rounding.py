@@ -58,6 +58,18 @@ class RowRounding:
         """A model whose narrow products never round by row count (or has none)."""
         return cls(np.full(max_rows + 1, _ALWAYS, dtype=np.int64))
 
+    @property
+    def steps(self) -> list[int]:
+        """The row counts at which some narrow product's rows change (what ``from_steps`` takes)."""
+        return [int(m) for m in np.flatnonzero(self.changed < np.arange(self.changed.size))]
+
+    @classmethod
+    def from_steps(cls, steps: Sequence[int], max_rows: int) -> "RowRounding":
+        """The table that ``steps`` describes (how the worker pool's processes hand it over)."""
+        changed = cls.exact(max_rows).changed.copy()
+        changed[np.asarray(steps, dtype=np.int64)] = 0
+        return cls(changed)
+
     def alike(self, a: int, b: int) -> bool:
         """Whether sequences of ``a`` and ``b`` tokens compute every narrow product's common rows alike."""
         if a == b:
@@ -83,12 +95,15 @@ def narrow_weights(model: torch.nn.Module) -> list[torch.Tensor]:
     return [w for m in model.modules() if hasattr(m, "narrow_weights") for w in m.narrow_weights()]
 
 
-def measure(model: torch.nn.Module, max_rows: int, cache_dir: str | os.PathLike | None = None) -> RowRounding:
-    """``RowRounding`` of ``model``'s narrow products on their device, up to ``max_rows`` rows."""
+def measure(model: torch.nn.Module, max_rows: int, cache_dir: str | os.PathLike | None = None,
+            device: torch.device | None = None) -> RowRounding:
+    """``RowRounding`` of ``model``'s narrow products on ``device`` (default: their weights'),
+    up to ``max_rows`` rows. Only the weights' shapes and dtypes are read, not their values."""
     from model_runtime.kernels.gate_projection import first_changed_rows
 
     changed = RowRounding.exact(max_rows).changed
-    shapes = {(w.shape[1], w.shape[0], w.dtype, w.device) for w in narrow_weights(model)}
+    shapes = {(w.shape[1], w.shape[0], w.dtype, torch.device(device) if device is not None else w.device)
+              for w in narrow_weights(model)}
     for in_features, out_features, dtype, device in sorted(shapes, key=str):
         path = _cache_path(cache_dir, device, in_features, out_features, dtype, max_rows)
         rows = _load(path)
@@ -118,7 +133,7 @@ def _load(path: Path | None) -> np.ndarray | None:
 def _save(path: Path | None, rows: np.ndarray) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.npy")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp.npy")  # the pool's ranks may write it at once
         np.save(tmp, rows)
         tmp.replace(path)
     except OSError as exc:  # a read-only home: measured again next start

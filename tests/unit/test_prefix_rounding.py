@@ -109,3 +109,28 @@ def test_the_probe_operands_make_a_change_of_summation_order_visible():
     plain = flips(torch.randn(64, K, generator=gen).bfloat16(), (torch.randn(16, K, generator=gen) * K ** -0.5).bfloat16())
     print(f"bf16 outputs changed by reversing the sum: probe operands {probe:.4f}, random {plain:.4f}")
     assert probe > 0.005 and probe > 10 * plain, f"probe operands {probe:.4f} against random {plain:.4f}"
+
+
+def test_the_pool_hands_the_table_over_as_steps():
+    from model_runtime.pool import messages as msg
+    from model_runtime.pool.pool import _prefix_rounding
+
+    rng = np.random.default_rng(4)
+    r = table(3000, {int(m): int(rng.integers(0, m)) for m in rng.integers(2, 3000, 40)})
+    back = R.RowRounding.from_steps(r.steps, r.max_rows)
+    pairs = rng.integers(1, 3100, (500, 2))
+    assert all(back.alike(int(a), int(b)) == r.alike(int(a), int(b)) for a, b in pairs)
+
+    def hello(rank, rounding):
+        h = msg.Hello(rank=rank, generation=0, pid=1, name="m", architecture="qwen3_5", vocab_size=10, max_model_len=10,
+                      dtype="bfloat16", device="cuda", weights_version="v", kernels={}, slow_kernels=[],
+                      cost_per_token=1.0, cost_per_token_squared=1.0,
+                      prefix_max_rows=rounding.max_rows if rounding else 0, prefix_steps=rounding.steps if rounding else [])
+        return msg.decode(msg.encode(h))  # as it crosses the pipe (msgpack, no pickle)
+
+    got = _prefix_rounding([hello(0, r), hello(1, r)])
+    assert got.steps == r.steps and got.max_rows == r.max_rows
+    assert _prefix_rounding([hello(0, None), hello(1, None)]) is None
+    other = R.RowRounding.from_steps(r.steps[1:], r.max_rows)
+    with pytest.raises(RuntimeError, match="different narrow-product rounding"):
+        _prefix_rounding([hello(0, r), hello(1, other)])
