@@ -12,8 +12,8 @@ visible), and ``split`` cuts a group wherever its members' lengths straddle one:
 then computes the prompt as it would alone.
 
 ``measure`` finds it on the model's device once per product shape and keeps it on disk
-(``$PACKSCORE_CACHE_DIR``, default ``~/.cache/packscore``), keyed by the GPU, PyTorch and CUDA
-versions, the shape, the dtype and the probe's version.
+(``$PACKSCORE_CACHE_DIR``, default ``$XDG_CACHE_HOME/packscore`` or ``~/.cache/packscore``),
+keyed by the GPU, PyTorch and CUDA versions, the shape, the dtype and the probe's version.
 """
 
 from __future__ import annotations
@@ -117,7 +117,8 @@ def measure(model: torch.nn.Module, max_rows: int, cache_dir: str | os.PathLike 
 
 
 def _cache_path(cache_dir, device: torch.device, k: int, n: int, dtype: torch.dtype, max_rows: int) -> Path | None:
-    root = cache_dir or os.environ.get("PACKSCORE_CACHE_DIR") or Path.home() / ".cache" / "packscore"
+    xdg = os.environ.get("XDG_CACHE_HOME")  # the image points it at its writable /cache volume
+    root = cache_dir or os.environ.get("PACKSCORE_CACHE_DIR") or (Path(xdg) if xdg else Path.home() / ".cache") / "packscore"
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     key = f"{gpu}|torch {torch.__version__}|cuda {torch.version.cuda}|{k}x{n}|{dtype}|{max_rows}|probe {PROBE_VERSION}"
     return Path(root) / "row-rounding" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.npy"
