@@ -51,12 +51,13 @@ def saved_by_class(sequences, changed: np.ndarray, min_tokens: int = 64) -> dict
             "token_bound_by_class": total / (total - saved_split)}
 
 
-def summary(shape, changed: np.ndarray, steps: np.ndarray) -> dict:
+def summary(shape, changed: np.ndarray) -> dict:
     """What the JSON keeps of one product's probe: how many row counts change rows, the lowest row
     they change, and the first 40 as ``(row count, first changed row)``."""
-    return {"in_out": list(shape), "row_counts_changing": int(steps.size),
-            "lowest_changed_row": int(changed[steps].min()) if steps.size else None,
-            "first_changes": [[int(m), int(changed[m])] for m in steps[:40]]}
+    steps = RowRounding(changed).steps
+    return {"in_out": list(shape), "row_counts_changing": len(steps),
+            "lowest_changed_row": int(changed[steps].min()) if steps else None,
+            "first_changes": [[m, int(changed[m])] for m in steps[:40]]}
 
 
 def main(argv=None) -> int:
@@ -76,12 +77,8 @@ def main(argv=None) -> int:
             if shape not in probed:
                 t0 = time.perf_counter()
                 probed[shape] = first_changed_rows(*shape, dtype, args.device, args.max_rows)
-                steps = np.flatnonzero(probed[shape] < np.arange(args.max_rows + 1))
-                print(f"{preset} {name} {shape}: {steps.size} row counts change rows, in {time.perf_counter() - t0:.1f} s; "
-                      f"(M, first changed row): {[(int(m), int(probed[shape][m])) for m in steps[:60]]}", flush=True)
-            c = probed[shape]
-            steps = np.flatnonzero(c < np.arange(args.max_rows + 1))
-            entry["shapes"][name] = summary(shape, c, steps)
+                print(f"{preset} {name} {shape}: {time.perf_counter() - t0:.1f} s, {summary(shape, probed[shape])}", flush=True)
+            entry["shapes"][name] = summary(shape, probed[shape])
         changed = np.minimum.reduce([probed[tuple(v["in_out"])] for v in entry["shapes"].values()])
         vocab = build_config(PRESETS[preset]).vocab_size
         for wname, sequences in workloads(vocab, tiny=False).items():

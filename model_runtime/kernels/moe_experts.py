@@ -51,14 +51,14 @@ GROUPED_MM_LARGE_CONFIG_ROWS = 129
 
 
 def routed_pairs(top_i_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(order_S, counts_E)``: pair ids (``t * K + k``) sorted by expert, and pairs per expert."""
+    """``(order_S, ends_E)``: pair ids (``t * K + k``) sorted by expert, and where each expert's
+    pairs end in that order (the grouped products' offsets)."""
     flat_S = top_i_TK.reshape(-1)
     sorted_S, order_S = torch.sort(flat_S, stable=True)
     # Counted from the sorted ids (where each expert's run ends): bincount reads the largest id
     # back to the host (a sync on CUDA), a scatter_add of S ones into E bins contends on atomics.
     experts_E = torch.arange(num_experts, dtype=sorted_S.dtype, device=sorted_S.device)
-    ends_E = torch.searchsorted(sorted_S, experts_E, right=True)
-    return order_S, torch.diff(ends_E, prepend=ends_E.new_zeros(1))
+    return order_S, torch.searchsorted(sorted_S, experts_E, right=True)
 
 
 # CUDA's reduction over a strided dimension keeps this many float32 accumulators per output.
@@ -104,19 +104,19 @@ def experts_tiled(
     (``shared``: see ``add_shared``)."""
     T, K = top_i_TK.shape
     D, I = x_TD.shape[1], down_EDI.shape[2]
-    order_S, counts_E = routed_pairs(top_i_TK, gate_up_E2ID.shape[0])
+    order_S, ends_E = routed_pairs(top_i_TK, gate_up_E2ID.shape[0])
     w_S = top_w_TK.reshape(-1)
     weighted_SD = x_TD.new_empty(T * K, D)
     start = 0
-    for e, n in enumerate(counts_E.tolist()):
-        for t0 in range(0, n, tile_rows):
-            pairs = order_S[start + t0 : start + min(n, t0 + tile_rows)]
+    for e, end in enumerate(ends_E.tolist()):
+        for t0 in range(start, end, tile_rows):
+            pairs = order_S[t0 : min(end, t0 + tile_rows)]
             x_tile = x_TD.new_zeros(tile_rows, D)
             x_tile[: len(pairs)] = x_TD[pairs // K]
             gate, up = F.linear(x_tile, gate_up_E2ID[e]).split(I, dim=-1)
             y_tile = F.linear(F.silu(gate) * up, down_EDI[e])
             weighted_SD[pairs] = y_tile[: len(pairs)] * w_S[pairs, None]
-        start += n
+        start = end
     return add_shared(combine_top_k(weighted_SD, T, x_TD.dtype), shared)
 
 
@@ -227,8 +227,8 @@ def grouped_experts(
     device check, so that the CPU interpreter tests run both."""
     T, K = top_i_TK.shape
     E, D, I = gate_up_E2ID.shape[0], x_TD.shape[1], down_EDI.shape[2]
-    order_S, counts_E = routed_pairs(top_i_TK, E)
-    offsets_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+    order_S, ends_E = routed_pairs(top_i_TK, E)
+    offsets_E = ends_E.to(torch.int32)
     S = T * K
     rows = max(S, GROUPED_MM_LARGE_CONFIG_ROWS * E)  # rows past offsets[-1] are never computed
     if fused and top_w_TK.dtype != x_TD.dtype:

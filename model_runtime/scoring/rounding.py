@@ -46,8 +46,9 @@ class RowRounding:
     changed: np.ndarray
 
     def __post_init__(self):
-        steps = self.changed < np.arange(self.changed.size)
-        object.__setattr__(self, "_steps_up_to", np.cumsum(steps))  # row counts <= M that changed rows
+        is_step = self.changed < np.arange(self.changed.size)  # row count M changed some row
+        object.__setattr__(self, "_is_step", is_step)
+        object.__setattr__(self, "_steps_up_to", np.cumsum(is_step))  # row counts <= M that changed rows
 
     @property
     def max_rows(self) -> int:
@@ -61,7 +62,7 @@ class RowRounding:
     @property
     def steps(self) -> list[int]:
         """The row counts at which some narrow product's rows change (what ``from_steps`` takes)."""
-        return [int(m) for m in np.flatnonzero(self.changed < np.arange(self.changed.size))]
+        return [int(m) for m in np.flatnonzero(self._is_step)]
 
     @classmethod
     def from_steps(cls, steps: Sequence[int], max_rows: int) -> "RowRounding":
@@ -104,13 +105,13 @@ def measure(model: torch.nn.Module, max_rows: int, cache_dir: str | os.PathLike 
     changed = RowRounding.exact(max_rows).changed
     shapes = {(w.shape[1], w.shape[0], w.dtype, torch.device(device) if device is not None else w.device)
               for w in narrow_weights(model)}
-    for in_features, out_features, dtype, device in sorted(shapes, key=str):
-        path = _cache_path(cache_dir, device, in_features, out_features, dtype, max_rows)
+    for in_features, out_features, dtype, on in sorted(shapes, key=str):
+        path = _cache_path(cache_dir, on, in_features, out_features, dtype, max_rows)
         rows = _load(path)
         if rows is None:
             log.info("measuring how a [rows, %d] x [%d, %d] %s product rounds by row count, up to %d rows "
                      "(once per GPU and version; kept in %s)", in_features, in_features, out_features, dtype, max_rows, path)
-            rows = first_changed_rows(in_features, out_features, dtype, device, max_rows)
+            rows = first_changed_rows(in_features, out_features, dtype, on, max_rows)
             _save(path, rows)
         changed = np.minimum(changed, rows)
     return RowRounding(changed)

@@ -51,15 +51,16 @@ def test_row_tokens_match_the_row_plan_for_random_rows(with_rounding):
         assert sum(plan_row(seqs, min_tokens, rounding).lengths) == row.total  # the row runs what was counted
 
 
-def test_scheduler_counts_a_shared_prompt_once_and_exports_the_savings():
-    rng = np.random.default_rng(1)
-    request = group(rng, 300, [100] * 8)  # 3,200 tokens whole, 256 + 8 * 144 = 1,408 shared
+def schedule_once(request, *, max_batch_tokens: int, prefix_min_tokens: int, rounding=None):
+    """``(rows, tokens saved)``: one request through a real scheduler over a fake backend that
+    records its rows (``rounding``: the backend's measured ``RowRounding``, as a GPU's warm-up sets it)."""
 
-    async def main(prefix_min_tokens):
+    async def main():
         gate = threading.Event()
         backend = FakeBackend(gate=gate)
+        backend.prefix_rounding = rounding
         metrics = Metrics()
-        scheduler = Scheduler(backend, max_batch_tokens=1500, max_wait_ms=0, max_queued_tokens=100_000,
+        scheduler = Scheduler(backend, max_batch_tokens=max_batch_tokens, max_wait_ms=0, max_queued_tokens=100_000,
                               metrics=metrics, prefix_min_tokens=prefix_min_tokens)
         await scheduler.start()
         ticket = scheduler.submit(request)
@@ -69,10 +70,17 @@ def test_scheduler_counts_a_shared_prompt_once_and_exports_the_savings():
         saved = metrics.registry.get_sample_value("packscore_prefix_tokens_saved_total", {"model": backend.info.name})
         return backend.rows, saved
 
-    rows, saved = asyncio.run(main(64))
+    return asyncio.run(main())
+
+
+def test_scheduler_counts_a_shared_prompt_once_and_exports_the_savings():
+    rng = np.random.default_rng(1)
+    request = group(rng, 300, [100] * 8)  # 3,200 tokens whole, 256 + 8 * 144 = 1,408 shared
+
+    rows, saved = schedule_once(request, max_batch_tokens=1500, prefix_min_tokens=64)
     assert rows == [[400] * 8], rows
     assert saved == 7 * 256, saved
-    rows, saved = asyncio.run(main(0))
+    rows, saved = schedule_once(request, max_batch_tokens=1500, prefix_min_tokens=0)
     assert [len(r) for r in rows] == [3, 3, 2], rows
     assert not saved, saved
 
@@ -83,27 +91,12 @@ def test_scheduler_costs_a_row_as_the_backends_rounding_cuts_the_group():
     changed = RowRounding.exact(4096).changed.copy()
     changed[450] = 0  # the narrow products change rows at 450 rows: the two lengths do not share
 
-    async def main(rounding):
-        gate = threading.Event()
-        backend = FakeBackend(gate=gate)
-        backend.prefix_rounding = rounding  # what a GPU backend measures at warm-up
-        metrics = Metrics()
-        scheduler = Scheduler(backend, max_batch_tokens=2000, max_wait_ms=0, max_queued_tokens=100_000,
-                              metrics=metrics, prefix_min_tokens=64)
-        await scheduler.start()
-        ticket = scheduler.submit(request)
-        gate.set()
-        await ticket.future
-        await scheduler.close()
-        saved = metrics.registry.get_sample_value("packscore_prefix_tokens_saved_total", {"model": backend.info.name})
-        return backend.rows, saved
-
     # one prompt for all eight: 256 + 4 * 144 + 4 * 244 = 1,808 tokens, one row
-    rows, saved = asyncio.run(main(None))
+    rows, saved = schedule_once(request, max_batch_tokens=2000, prefix_min_tokens=64)
     assert [len(r) for r in rows] == [8] and saved == 7 * 256, (rows, saved)
     # cut in two groups: 832 + 1,232 = 2,064 tokens do not fit 2,000; the first row takes the four
     # 500-token members and three 400-token ones (1,232 + 688 = 1,920), the last goes alone
-    rows, saved = asyncio.run(main(RowRounding(changed)))
+    rows, saved = schedule_once(request, max_batch_tokens=2000, prefix_min_tokens=64, rounding=RowRounding(changed))
     assert sorted(sorted(r) for r in rows) == [[400], [400] * 3 + [500] * 4], rows
     assert saved == (3 + 2) * 256, saved
 
