@@ -101,6 +101,14 @@ def run_benchmark(suite: Suite, preset: str, num_sequences: int, *, hf_single: b
     ours = [(r.logprobs, r.entropy) for r in ours_raw]
     side("packscore", seconds, peak, max_batch_tokens=max_batch_tokens,
          first_pass_tokens_per_s=work["tokens"] / first_s)
+    # The same kernels with each row's results read back before the next row is queued: what
+    # overlapping the host's work between rows with the GPU's gains.
+    scorer.queue_ahead = False
+    serial_raw, seconds, peak = timed(lambda: scorer.score(sequences))
+    scorer.queue_ahead = True
+    side("packscore_rows_read_back_one_by_one", seconds, peak, max_batch_tokens=max_batch_tokens)
+    bench["diff_packscore_rows_read_back_one_by_one_vs_packscore"] = diff_stats([(r.logprobs, r.entropy) for r in serial_raw], ours)
+    del serial_raw
 
     if extras:
         try:

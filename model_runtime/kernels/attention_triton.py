@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from model_runtime.kernels import triton_math
+from model_runtime.model.packing import upload
 
 try:  # the CPU install has no Triton: only the GPU path (and the interpreter tests) use these
     import triton
@@ -78,11 +79,7 @@ def _build_layout(lengths: tuple[int, ...], device: str, bucket) -> BucketLayout
         offset += p
     n_blocks, n_segments = len(block_segment), len(lengths)
     host = torch.tensor(block_segment + list(block_position) + starts + list(lengths) + padded + offsets, dtype=torch.int64)
-    if torch.device(device).type == "cuda":
-        # one asynchronous upload: a blocking copy from pageable memory would wait for every
-        # kernel queued before this layer and leave the GPU idle while the host catches up
-        host = host.pin_memory()
-    table = host.to(device, non_blocking=True)
+    table = upload(host, device)  # one asynchronous upload (a blocking one would wait for the queued kernels)
     blocks = table[: 2 * n_blocks].to(torch.int32)
     return BucketLayout(
         tuple(starts), lengths, tuple(padded), tuple(offsets), offset,

@@ -42,6 +42,16 @@ class PrefixLinks:
             raise ValueError(f"a parent must be one of the {roots} root segments, got {bad}")
 
 
+def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``host`` on ``device``. To a GPU through pinned memory without blocking: a plain copy from
+    pageable memory waits for every kernel already queued, which would leave the GPU idle while
+    the host prepares the next row (``Scorer.score`` queues a row before collecting the last)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class PackedBatch:
     """Boundaries of one packed row; immutable, built once per forward.
@@ -94,8 +104,8 @@ class PackedBatch:
             starts = [lengths[p] if p >= 0 else 0 for p in links.parents]
         # FLA caches index helpers by tensor identity: a fresh tensor per forward keeps every
         # forward on the path that matches its own boundaries.
-        cu_seqlens = torch.tensor(offsets, dtype=torch.int32, device=device)
-        position_ids = torch.cat([torch.arange(a, a + n, dtype=torch.long) for a, n in zip(starts, lengths)]).to(device)
+        cu_seqlens = upload(torch.tensor(offsets, dtype=torch.int32), device)
+        position_ids = upload(torch.cat([torch.arange(a, a + n, dtype=torch.long) for a, n in zip(starts, lengths)]), device)
         return PackedBatch(
             lengths=lengths,
             cu_seqlens=cu_seqlens,
@@ -245,17 +255,17 @@ class LinkedLayout:
             whole_rows += head + list(range(start, end))
             whole_lengths.append(len(head) + end - start)
         own_rows = [r for i, (start, end) in enumerate(bounds) for r in range(own_at[i], own_at[i] + end - start)]
-        as_index = lambda rows: torch.tensor(rows, dtype=torch.long, device=device)  # noqa: E731
+        as_index = lambda rows: upload(torch.tensor(rows, dtype=torch.long), device)  # noqa: E731
         return LinkedLayout(
             root_tokens=packed.cu_seqlens_host[r],
             roots=PackedBatch.from_lengths(packed.lengths[:r], device=device),
             rest=PackedBatch.from_lengths(packed.lengths[r:], device=device),
-            state_index=torch.tensor([p if p >= 0 else r for p in links.parents[r:]], dtype=torch.long, device=device),
+            state_index=upload(torch.tensor([p if p >= 0 else r for p in links.parents[r:]], dtype=torch.long), device),
             parent_bounds=parent_bounds,
             whole=PackedBatch.from_lengths(whole_lengths, device=device),
             whole_index_Tw=as_index(whole_rows),
             own_rows_T=as_index(own_rows),
-            local_positions=torch.cat([torch.arange(n, dtype=torch.long) for n in packed.lengths]).to(device),
+            local_positions=upload(torch.cat([torch.arange(n, dtype=torch.long) for n in packed.lengths]), device),
         )
 
     def on_whole_sequences(self, fn, *xs_T: torch.Tensor) -> torch.Tensor:
@@ -287,7 +297,7 @@ class LinkedLayout:
                 out_rows += range(start, start + own)
                 in_rows += range(base + tail, base + tail + own)
             device = self.state_index.device
-            as_index = lambda rows: torch.tensor(rows, dtype=torch.long, device=device)  # noqa: E731
+            as_index = lambda rows: upload(torch.tensor(rows, dtype=torch.long), device)  # noqa: E731
             cache[width] = ConvWindows(
                 as_index(gather), PackedBatch.from_lengths(lengths, device=device), as_index(out_rows), as_index(in_rows)
             )

@@ -11,14 +11,16 @@ group in one row where the budget allows.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from model_runtime.model.packing import pack_first_fit_decreasing
+from model_runtime.model.packing import pack_first_fit_decreasing, upload
 from model_runtime.scoring.head import (
     BYTES_PER_LOGIT,
+    HeadOutput,
     ROW_MULTIPLE,
     chunk_tokens_for_budget,
     fused_chunk_tokens,
@@ -59,6 +61,9 @@ class Scorer:
         # Which members of a group may share their prompt without a number moving: measured on
         # the GPU at warm-up (``measure_prefix_rounding``); None shares among all members.
         self.prefix_rounding = None
+        # score() queues a row before reading the last back; False reads each back first (the
+        # benchmark times both).
+        self.queue_ahead = True
         self.logprob_fn = loaded.backends.fn("head")
         self._fixed_head_budget = head_budget_bytes
         if head_budget_bytes is None:
@@ -166,7 +171,10 @@ class Scorer:
                 sdpa_causal(q, kv, kv, scale, heads // kv_heads)
 
     def score(self, sequences: Sequence[SequenceInput]) -> list[SequenceScores]:
-        """Scores any number of sequences; results come back in input order."""
+        """Scores any number of sequences; results come back in input order.
+
+        Each row is queued on the device before the previous row's results are read back, so the
+        host's work between rows (planning, uploads, splitting results) overlaps the GPU's."""
         for i, seq in enumerate(sequences):
             validate_sequence(seq, self.loaded.vocab_size, i)
         results: list[SequenceScores | None] = [None] * len(sequences)
@@ -174,14 +182,33 @@ class Scorer:
             rows = pack_groups_first_fit(sequences, self.max_batch_tokens, self.prefix_min_tokens, self.prefix_rounding)
         else:
             rows = pack_first_fit_decreasing([s.length for s in sequences], self.max_batch_tokens)
+        waiting: tuple[list[int], PendingRow] | None = None
         for row in rows:
-            for i, scores in zip(row, self.score_row([sequences[i] for i in row], validated=True)):
-                results[i] = scores
+            queued = (row, self.queue_row([sequences[i] for i in row], validated=True))
+            if waiting is not None:
+                self._collect(*waiting, results)
+            waiting = queued
+            if not self.queue_ahead:
+                self._collect(*waiting, results)
+                waiting = None
+        if waiting is not None:
+            self._collect(*waiting, results)
         return results  # type: ignore[return-value]
 
-    @torch.inference_mode()
+    @staticmethod
+    def _collect(row: list[int], pending: "PendingRow", results: list) -> None:
+        for i, scores in zip(row, pending.results()):
+            results[i] = scores
+
     def score_row(self, sequences: Sequence[SequenceInput], *, validated: bool = False) -> list[SequenceScores]:
         """Scores ``sequences`` in exactly one packed forward, whatever their total length."""
+        return self.queue_row(sequences, validated=validated).results()
+
+    @torch.inference_mode()
+    def queue_row(self, sequences: Sequence[SequenceInput], *, validated: bool = False) -> "PendingRow":
+        """Queues one packed forward of ``sequences`` and the copy of its results to the host;
+        ``.results()`` on the returned row waits for them. On a GPU nothing here waits for the
+        device, so the next row can be queued behind this one."""
         if not validated:
             for i, seq in enumerate(sequences):
                 validate_sequence(seq, self.loaded.vocab_size, i)
@@ -192,11 +219,10 @@ class Scorer:
         # T >= 2 keeps torch.compile from specialising a one-token row mid-request (on CUDA).
         # On CUDA rows are also at least CUDA_MIN_ROW_TOKENS long (see there).
         packed, ids_T = plan.padded_row(ROW_MULTIPLE, device, minimum=min_row_tokens(device))
-        # Host-to-device copies before the forward: issued after it, each would wait for it.
-        targets_N = torch.from_numpy(plan.targets_N).to(device)
-        temperature_N = torch.from_numpy(plan.temperature_N).to(device)
-        rows_N = torch.from_numpy(plan.positions_N).to(device)
-        hidden_TD = self.loaded.model(torch.from_numpy(ids_T).to(device), packed)
+        targets_N = upload(torch.from_numpy(plan.targets_N), device)
+        temperature_N = upload(torch.from_numpy(plan.temperature_N), device)
+        rows_N = upload(torch.from_numpy(plan.positions_N), device)
+        hidden_TD = self.loaded.model(upload(torch.from_numpy(ids_T), device), packed)
         head = score_positions(
             hidden_TD,
             self.loaded.model.lm_head.weight,
@@ -207,8 +233,36 @@ class Scorer:
             rows_N=rows_N,
             logprob_fn=self.logprob_fn,
         )
-        return split_results(sequences, plan.expand(head), plan.top_k)
+        del hidden_TD
+        return PendingRow(list(sequences), plan.top_k, plan.expand(head))
 
+
+class PendingRow:
+    """A queued row's results on their way to the host: on a GPU, copied into pinned memory
+    behind the row's own kernels; ``results()`` waits for that copy alone, not for rows queued
+    after it."""
+
+    def __init__(self, sequences: list[SequenceInput], top_k: int, head: HeadOutput):
+        self.sequences, self.top_k = sequences, top_k
+        self._done = None
+        if head.logprobs_N.is_cuda:
+            if head.top_k_ids_NK is not None:
+                head = dataclasses.replace(head, top_k_ids_NK=head.top_k_ids_NK.to(torch.int32))
+            head = HeadOutput(*(None if t is None else _to_pinned(t) for t in (getattr(head, f.name) for f in dataclasses.fields(head))))
+            self._done = torch.cuda.Event()
+            self._done.record()
+        self._head = head
+
+    def results(self) -> list[SequenceScores]:
+        if self._done is not None:
+            self._done.synchronize()
+        return split_results(self.sequences, self._head, self.top_k)
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 def shared_prefix_row(rng: np.random.Generator, vocab: int, min_tokens: int, members: int = 4) -> list[SequenceInput]:
     """A warm-up row: ``members`` sequences sharing a prompt long enough to be shared."""

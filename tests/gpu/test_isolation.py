@@ -123,3 +123,24 @@ def test_matmul_rows_depend_on_row_count(k, n, gpu_record):
     # Another summation order moves a bf16 result by at most a rounding step or two.
     bound = 2 * 2.0**-8 * float(alone.float().abs().max())
     assert max(diffs.values()) <= bound, f"row-count dependence {max(diffs.values()):.3e} exceeds two bf16 steps ({bound:.3e})"
+
+
+def test_queued_rows_equal_rows_one_at_a_time(twin, gpu_record):
+    """``Scorer.score`` queues each row before reading the last one's results back (and uploads
+    without blocking): every sequence, top-k included, must get the numbers it gets from a row
+    scored and read back on its own."""
+    rng = np.random.default_rng(11)
+    vocab = twin.loaded.vocab_size
+    seqs = [SequenceInput(rng.integers(0, vocab, int(n)), score_from=int(n) // 3, top_k=int(k))
+            for n, k in zip(rng.integers(200, 3000, 14), [0, 0, 3] * 5)]
+    scorer = Scorer(twin.loaded, max_batch_tokens=4096)
+    queued = scorer.score(seqs)
+    single = [scorer.score_row([s])[0] for s in seqs]
+    worst = 0.0
+    for a, b in zip(queued, single):
+        worst = max(worst, float(np.abs(a.logprobs - b.logprobs).max()), float(np.abs(a.entropy - b.entropy).max()))
+        if b.top_k_ids is not None:
+            assert np.array_equal(a.top_k_ids, b.top_k_ids), "queued rows changed a top-k id"
+            worst = max(worst, float(np.abs(a.top_k_logprobs - b.top_k_logprobs).max()))
+    gpu_record("queued_rows", sequences=len(seqs), max_abs_diff=worst)
+    assert worst == 0.0, f"queued rows differ from rows scored one at a time by {worst:.3e} (tolerance 0)"

@@ -14,6 +14,7 @@ def test_dry_run_measures_every_side(tmp_path):
     for phase in ("benchmark tiny", "experts grouped_mm vs eager (tiny)", "GPU tests (all skip on CPU)"):
         assert results["phases"][phase].startswith("ok"), (phase, results["phases"], results["errors"])
     bench = results["tiny"]
-    assert set(bench["sides"]) == {"packscore", "hf_padded", "hf_single", "packscore_attention_sdpa",
-                                   "packscore_gate_projection_row"}
+    assert set(bench["sides"]) == {"packscore", "packscore_rows_read_back_one_by_one", "hf_padded", "hf_single",
+                                   "packscore_attention_sdpa", "packscore_gate_projection_row"}
+    assert bench["diff_packscore_rows_read_back_one_by_one_vs_packscore"]["logprob_max"] == 0
     assert bench["speedup_vs_hf"] > 0 and bench["diff_packscore_vs_hf_single"]["logprob_max"] < 1e-3
