@@ -24,6 +24,7 @@ With less than ``MIN_PART_S`` (30) left, the remaining parts are skipped. ``SUIT
 ``single``: Hugging Face one sequence at a time, the faster form, about 5 minutes in all;
 ``both`` adds the padded form, about 3 minutes more, with ``SUITE_S=540``) and ``SUITE_SWAPS``
 (kernel swaps timed beside the defaults, ``;``-separated, about a minute each) shape the suite;
+``PROBE_ONLY`` (e.g. ``conv``) limits the probe to the steps whose name contains it;
 ``MOE_SEQUENCES`` (default 24; 256, the whole workload, needs ``MOE_S=400``) the MoE benchmark.
 
 Output: at most 8 files in ``OUT`` (default bench/out), none in a folder: each part's results
@@ -69,7 +70,7 @@ def _suite_argv() -> tuple[str, ...]:
 PARTS = {
     "suite": lambda: Part("suite", _suite_argv(), 360),
     "profile": lambda: Part("profile", ("-m", "bench.gpu_suite", "--mode", "profile"), 200),
-    "probe": lambda: Part("probe", ("-m", "bench.elementwise_probe"), 150),
+    "probe": lambda: Part("probe", ("-m", "bench.elementwise_probe", "--only", os.environ.get("PROBE_ONLY", "")), 150),
     "tests": lambda: Part("tests", ("-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider",
                                     *os.environ.get("TESTS_PATHS", "tests/gpu").split()), 300),
     "http_burst": lambda: Part("http_burst", ("-m", "bench.http_burst", "--mode", "gpu"), 150, "http_burst"),
