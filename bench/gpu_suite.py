@@ -230,20 +230,21 @@ def extra_measurements(suite: Suite, bench: dict, scorer, sequences):
     targets = torch.randint(0, V, (n,))
     temps = torch.ones(n)
     head = {}
-    for name, fn, chunk in (("fused", scorer.logprob_fn, scorer.head_chunk_tokens),
-                            ("torch", None, scorer.head_chunk_tokens_top_k)):
+    # As served: log-probs and entropy, then the same with a top-k ranking pass beside them.
+    for name, top_k in (("fused", 0), ("fused_top_k_5", 5)):
         with torch.inference_mode():
-            score_positions(hidden, loaded.model.lm_head.weight, targets[:256], temps[:256], chunk_tokens=chunk,
-                            rows_N=torch.arange(256), logprob_fn=fn)
+            run = lambda m: scorer.head(hidden, loaded.model.lm_head.weight, targets[:m], temps[:m],  # noqa: E731
+                                        top_k=top_k, rows_N=torch.arange(m))
+            run(256)
             sync()
             reset_peak()
             base = allocated()
             t0 = time.perf_counter()
-            score_positions(hidden, loaded.model.lm_head.weight, targets, temps, chunk_tokens=chunk,
-                            rows_N=torch.arange(n), logprob_fn=fn)
+            run(n)
             sync()
             head[name] = {"positions": n, "seconds": time.perf_counter() - t0,
-                          "extra_peak_gib": (peak_allocated() - base) / GiB, "chunk_tokens": chunk}
+                          "extra_peak_gib": (peak_allocated() - base) / GiB, "chunk_tokens": scorer.head_chunk_tokens,
+                          "ranking_rows": scorer.head_chunk_tokens_top_k if top_k else None}
     del hidden
     bench["head_64k"] = head
     log(f"head at {n} positions: {head}")

@@ -172,7 +172,7 @@ def _kernel():
                 x = tl.load(x_ptr + t.to(tl.int64) * stride_x + c, mask=c_ok & t_ok, other=0.0).to(tl.float32)
                 acc = tl.zeros([BLOCK_C], dtype=tl.float32)
                 for k in tl.static_range(W):  # oldest tap first, as fla adds them
-                    back: tl.constexpr = W - 1 - k
+                    back = W - 1 - k
                     if back == 3:
                         tap = p3
                     elif back == 2:

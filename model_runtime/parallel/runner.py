@@ -22,7 +22,7 @@ from model_runtime.model.packing import PackedBatch
 from model_runtime.parallel.dims import ParallelDims
 from model_runtime.parallel.parallelize import unsharded_head_weight
 from model_runtime.parallel.ulysses import UlyssesExchange
-from model_runtime.scoring.head import ROW_MULTIPLE, HeadOutput, min_row_tokens, score_positions
+from model_runtime.scoring.head import ROW_MULTIPLE, HeadOutput, min_row_tokens
 from model_runtime.scoring.loading import LoadedModel
 from model_runtime.scoring.rows import PAD_TOKEN, plan_row, split_results
 from model_runtime.scoring.scorer import Scorer
@@ -91,18 +91,9 @@ class ParallelScorer:
         targets_N = torch.from_numpy(plan.targets_N[a:b]).to(device)
         temperature_N = torch.from_numpy(plan.temperature_N[a:b]).to(device)
         hidden_TlD = self.loaded.model(torch.from_numpy(ids_T[lo : lo + per]).to(device), packed, self.sp)
-        settings = self.head_settings
         with unsharded_head_weight(self.loaded.model) as weight_VD:
-            head = score_positions(
-                hidden_TlD,
-                weight_VD,
-                targets_N,
-                temperature_N,
-                top_k=plan.top_k,
-                chunk_tokens=settings.head_chunk_tokens_top_k if plan.top_k else settings.head_chunk_tokens,
-                rows_N=local_positions,
-                logprob_fn=settings.logprob_fn,
-            )
+            head = self.head_settings.head(hidden_TlD, weight_VD, targets_N, temperature_N, top_k=plan.top_k,
+                                           rows_N=local_positions)
         if S > 1:
             head = self._gather(head, np.diff(bounds).tolist(), plan.top_k)
         return _to_cpu(plan.expand(head)), plan.top_k

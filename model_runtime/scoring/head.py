@@ -96,12 +96,16 @@ def score_positions(
     rows_N: torch.Tensor | None = None,
     logprob_fn=None,
     fixed_shape: bool | None = None,
+    top_k_rows: int | None = None,
 ) -> HeadOutput:
     """Chunked head. ``temperature_N`` is per position (a row may mix requests).
 
     With ``rows_N`` (int64 ``[N]``), ``hidden_ND`` is the whole row ``[T, D]`` and position ``i``
     reads row ``rows_N[i]``. ``logprob_fn`` is a ``head`` kernel (see ``model_runtime.kernels``);
-    the default is the plain PyTorch one. Top-k requests take the plain path, which also ranks.
+    without one the plain PyTorch path computes everything. With a ``logprob_fn`` and ``top_k``,
+    the log-probs and entropy still come from it, and the ranking runs on float32 log-probs of
+    the same logits ``top_k_rows`` positions at a time (default: the chunk): a position's
+    numbers do not depend on whether a neighbour asked for top-k.
 
     With ``fixed_shape`` (the default on CUDA) every chunk's product has exactly ``chunk_tokens``
     rows (the last one is zero-padded): cuBLAS picks its kernel, and so a row's summation order,
@@ -132,8 +136,14 @@ def score_positions(
         padded_CD = _pad_rows(h_CD, chunk_tokens) if fixed_shape else _pad_rows(h_CD, ROW_MULTIPLE)
         z_CV = F.linear(padded_CD, weight_VD)[: end - start]
         del padded_CD, h_CD
-        if logprob_fn is not None and not top_k:
+        if logprob_fn is not None:
             logprobs[start:end], entropy[start:end] = logprob_fn(z_CV, targets_N[start:end], temperature_N[start:end])
+            step = max(1, top_k_rows or chunk_tokens)
+            for a in range(0, end - start if top_k else 0, step):
+                b = min(end - start, a + step)
+                logp_RV = tempered_log_softmax(z_CV[a:b], temperature_N[start + a : start + b])
+                top_logp[start + a : start + b], top_ids[start + a : start + b] = logp_RV.topk(top_k, dim=-1)
+                del logp_RV
             # Released before the next chunk's product, or two chunks of logits would coexist.
             del z_CV
             continue

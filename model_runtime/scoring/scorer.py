@@ -73,17 +73,34 @@ class Scorer:
         self.warm_up_steps: dict[str, float] = {}
 
     def set_head_budget(self, budget_bytes: int) -> None:
-        """Sizes the head's chunks: ``head_chunk_tokens`` for log-prob/entropy rows and
-        ``head_chunk_tokens_top_k`` for rows that also rank (those hold float32 copies)."""
+        """Sizes the head's chunks: ``head_chunk_tokens`` positions per vocabulary product (every
+        row, top-k or not, so a position's logits never depend on its neighbours' options) and
+        ``head_chunk_tokens_top_k`` positions per ranking pass (those hold float32 copies). With
+        the fused kernel, ranking gets a quarter of the budget beside the chunk's logits."""
         vocab = self.loaded.vocab_size
         self.head_budget_bytes = int(budget_bytes)
-        self.head_chunk_tokens_top_k = chunk_tokens_for_budget(vocab, budget_bytes, BYTES_PER_LOGIT)
         if self.loaded.backends.head == "torch":
-            self.head_chunk_tokens = self.head_chunk_tokens_top_k
+            self.head_chunk_tokens = chunk_tokens_for_budget(vocab, budget_bytes, BYTES_PER_LOGIT)
+            self.head_chunk_tokens_top_k = self.head_chunk_tokens
         else:
             hidden = self.loaded.model.lm_head.weight.shape[1]
             itemsize = self.loaded.model.lm_head.weight.element_size()
             self.head_chunk_tokens = fused_chunk_tokens(vocab, hidden, budget_bytes, itemsize)
+            self.head_chunk_tokens_top_k = chunk_tokens_for_budget(vocab, budget_bytes // 4, BYTES_PER_LOGIT)
+
+    def head(self, hidden_TD, weight_VD, targets_N, temperature_N, *, top_k: int, rows_N) -> HeadOutput:
+        """``score_positions`` with this scorer's chunks and head kernel."""
+        return score_positions(
+            hidden_TD,
+            weight_VD,
+            targets_N,
+            temperature_N,
+            top_k=top_k,
+            chunk_tokens=self.head_chunk_tokens,
+            top_k_rows=self.head_chunk_tokens_top_k,
+            rows_N=rows_N,
+            logprob_fn=self.logprob_fn,
+        )
 
     def size_head_from_free_memory(self, fraction: float = 0.25) -> None:
         """On CUDA, shrinks the head's budget to ``fraction`` of the memory still free (measured
@@ -223,16 +240,8 @@ class Scorer:
         temperature_N = upload(torch.from_numpy(plan.temperature_N), device)
         rows_N = upload(torch.from_numpy(plan.positions_N), device)
         hidden_TD = self.loaded.model(upload(torch.from_numpy(ids_T), device), packed)
-        head = score_positions(
-            hidden_TD,
-            self.loaded.model.lm_head.weight,
-            targets_N,
-            temperature_N,
-            top_k=plan.top_k,
-            chunk_tokens=self.head_chunk_tokens_top_k if plan.top_k else self.head_chunk_tokens,
-            rows_N=rows_N,
-            logprob_fn=self.logprob_fn,
-        )
+        head = self.head(hidden_TD, self.loaded.model.lm_head.weight, targets_N, temperature_N, top_k=plan.top_k,
+                         rows_N=rows_N)
         del hidden_TD
         return PendingRow(list(sequences), plan.top_k, plan.expand(head))
 

@@ -40,6 +40,27 @@ def test_chunked_equals_unchunked(chunk, top_k, fixed_shape):
         assert diff <= tol, f"top-k ids do not hold the top-k log-probs: max |diff| {diff:.3e} > tol {tol:.0e}"
 
 
+@pytest.mark.parametrize("ranking_rows", [1, 5, 64])
+def test_a_top_k_ranking_pass_leaves_log_probs_and_entropy_alone(ranking_rows):
+    """With a head kernel, a row that ranks gets its log-probs and entropy from that kernel over
+    the same chunks as a row that does not: bit for bit the numbers without top-k (a neighbour's
+    top-k must not move them), and the ranking equal to the plain path's."""
+    from model_runtime.kernels.logprob_head import logprob_entropy_torch
+
+    g = torch.Generator().manual_seed(ranking_rows)
+    N, D, V = 133, 32, 300
+    hidden, weight = torch.randn(N, D, generator=g), torch.randn(V, D, generator=g) * 0.3
+    targets = torch.randint(0, V, (N,), generator=g)
+    temperature = torch.rand(N, generator=g) * 2 + 0.1
+    run = lambda k, fn: score_positions(hidden, weight, targets, temperature, top_k=k, chunk_tokens=64,  # noqa: E731
+                                        top_k_rows=ranking_rows, logprob_fn=fn)
+    plain, ranked, plain_ranked = run(0, logprob_entropy_torch), run(4, logprob_entropy_torch), run(4, None)
+    assert torch.equal(ranked.logprobs_N, plain.logprobs_N) and torch.equal(ranked.entropy_N, plain.entropy_N)
+    assert torch.equal(ranked.top_k_ids_NK, plain_ranked.top_k_ids_NK)
+    diff = (ranked.top_k_logprobs_NK - plain_ranked.top_k_logprobs_NK).abs().max().item()
+    assert diff == 0, f"ranking pass top-k log-probs differ from the plain path's by {diff:.3e} (tolerance 0)"
+
+
 def test_chunk_size_follows_the_budget():
     assert chunk_tokens_for_budget(248_320, 1 << 30) == (1 << 30) // (248_320 * BYTES_PER_LOGIT)
     assert chunk_tokens_for_budget(10**9, 1) == 1
