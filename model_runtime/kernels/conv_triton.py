@@ -41,20 +41,12 @@ from model_runtime.model.packing import PackedBatch
 # added in one order), and a split narrower than the channel block gets a narrower one. The
 # default is bench/elementwise_probe.py's fastest tile on an H200 (docs/benchmarks.md).
 DEFAULT_TILE = (32, 128, 4)
-# A streaming tile (tokens, channels, warps, tokens per step): the program walks its tokens in
-# order and keeps the window's last W - 1 rows in registers, so each input row is read once
-# instead of once per tap (the block tiles above read it W times, mostly from L1).
-STREAM_MAX_WIDTH = 4
 
 
-def tile_candidates() -> list[tuple[int, ...]]:
-    """The tiles bench/elementwise_probe.py times: block tiles of 8 to 64 outputs per thread, and
-    streaming tiles of 2 to 16 channels per thread."""
-    block = [(bt, bc, warps) for bt in (32, 64, 128, 256) for bc in (64, 128, 256) for warps in (4, 8)
-             if 8 <= bt * bc // (32 * warps) <= 64]
-    stream = [(span, bc, warps, step) for span in (64, 128) for bc in (256, 512, 1024) for warps in (2, 4)
-              for step in (1, 4)]
-    return block + stream
+def tile_candidates() -> list[tuple[int, int, int]]:
+    """The tiles bench/elementwise_probe.py times: 8 to 64 outputs per thread."""
+    return [(bt, bc, warps) for bt in (32, 64, 128, 256) for bc in (64, 128, 256) for warps in (4, 8)
+            if 8 <= bt * bc // (32 * warps) <= 64]
 
 
 def causal_conv1d_silu_triton(x_TC: torch.Tensor, weight_CW: torch.Tensor, packed: PackedBatch, splits=None):
@@ -86,26 +78,17 @@ def conv_splits(x_TC, weight_CW, packed: PackedBatch, splits, silu: bool, tile=N
         x_TC = x_TC.contiguous()
     weight_CW = weight_CW.contiguous()
     width = weight_CW.shape[1]
-    block_kernel, stream_kernel, interpreted = _kernel()
-    block_t, max_block_c, warps, *stream = tile or DEFAULT_TILE
-    if stream and width > STREAM_MAX_WIDTH:
-        raise ValueError(f"a streaming tile keeps at most {STREAM_MAX_WIDTH - 1} rows of the window, "
-                         f"the conv is {width} wide")
+    kernel, interpreted = _kernel()
+    block_t, max_block_c, warps = tile or DEFAULT_TILE
     outs, c0 = [], 0
     for ci in widths:
         y_TC = torch.empty(T, ci, dtype=x_TC.dtype, device=x_TC.device)
         block_c = min(max_block_c, 1 << (ci - 1).bit_length())
         grid = (-(-T // block_t), -(-ci // block_c))
-        args = (x_TC[:, c0:], x_TC.stride(0), weight_CW[c0:], pos_T, y_TC, T, ci)
         # Flush-to-zero off in libdevice: ATen's expf is compiled without it.
-        common = dict(W=width, BLOCK_C=block_c, SILU=silu, LIBDEVICE=not interpreted, num_warps=warps,
-                      enable_reflect_ftz=False)
-        if stream:
-            if block_t % stream[0]:
-                raise ValueError(f"a streaming tile's tokens per step ({stream[0]}) must divide its tokens ({block_t})")
-            stream_kernel[grid](*args, SPAN=block_t, STEP=stream[0], **common)
-        else:
-            block_kernel[grid](*args, BLOCK_T=block_t, **common)
+        kernel[grid](x_TC[:, c0:], x_TC.stride(0), weight_CW[c0:], pos_T, y_TC, T, ci,
+                     W=width, BLOCK_T=block_t, BLOCK_C=block_c, SILU=silu, LIBDEVICE=not interpreted,
+                     num_warps=warps, enable_reflect_ftz=False)
         outs.append(y_TC)
         c0 += ci
     return tuple(outs)
@@ -140,62 +123,4 @@ def _kernel():
         out = t.to(tl.int64)[:, None] * Ci + c[None, :]
         tl.store(y_ptr + out, y, mask=t_ok[:, None] & c_ok[None, :])
 
-    @triton.jit
-    def conv_silu_stream_kernel(x_ptr, stride_x, w_ptr, pos_ptr, y_ptr, T, Ci,
-                                W: tl.constexpr, SPAN: tl.constexpr, STEP: tl.constexpr, BLOCK_C: tl.constexpr,
-                                SILU: tl.constexpr, LIBDEVICE: tl.constexpr):
-        """The block kernel's arithmetic, token after token: x_{t-1}, x_{t-2}, x_{t-3} (float32)
-        ride along in registers; a tap before the segment start reads 0.0, as the masked load does."""
-        t0 = tl.program_id(0) * SPAN
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        c_ok = c < Ci
-        w0 = tl.load(w_ptr + c * W, mask=c_ok, other=0.0).to(tl.float32)
-        w1 = w0  # taps past W are never read
-        w2 = w0
-        w3 = w0
-        if W > 1:
-            w1 = tl.load(w_ptr + c * W + 1, mask=c_ok, other=0.0).to(tl.float32)
-        if W > 2:
-            w2 = tl.load(w_ptr + c * W + 2, mask=c_ok, other=0.0).to(tl.float32)
-        if W > 3:
-            w3 = tl.load(w_ptr + c * W + 3, mask=c_ok, other=0.0).to(tl.float32)
-        # The rows before this program's first token (never from another segment: the masks below
-        # drop them by the token's own position).
-        p1 = tl.load(x_ptr + (t0 - 1).to(tl.int64) * stride_x + c, mask=c_ok & (t0 >= 1), other=0.0).to(tl.float32)
-        p2 = tl.load(x_ptr + (t0 - 2).to(tl.int64) * stride_x + c, mask=c_ok & (t0 >= 2), other=0.0).to(tl.float32)
-        p3 = tl.load(x_ptr + (t0 - 3).to(tl.int64) * stride_x + c, mask=c_ok & (t0 >= 3), other=0.0).to(tl.float32)
-        for base in range(0, SPAN, STEP):
-            for j in tl.static_range(STEP):
-                t = t0 + base + j
-                t_ok = t < T
-                pos = tl.load(pos_ptr + t, mask=t_ok, other=0)  # tokens since the segment start
-                x = tl.load(x_ptr + t.to(tl.int64) * stride_x + c, mask=c_ok & t_ok, other=0.0).to(tl.float32)
-                acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-                for k in tl.static_range(W):  # oldest tap first, as fla adds them
-                    back = W - 1 - k
-                    if back == 3:
-                        tap = p3
-                    elif back == 2:
-                        tap = p2
-                    elif back == 1:
-                        tap = p1
-                    else:
-                        tap = x
-                    if k == 0:
-                        wk = w0
-                    elif k == 1:
-                        wk = w1
-                    elif k == 2:
-                        wk = w2
-                    else:
-                        wk = w3
-                    acc += tl.where(pos >= back, tap, 0.0) * wk
-                y = acc.to(y_ptr.dtype.element_ty)
-                if SILU:
-                    y = triton_math.silu(y.to(tl.float32), LIBDEVICE).to(y_ptr.dtype.element_ty)
-                tl.store(y_ptr + t.to(tl.int64) * Ci + c, y, mask=c_ok & t_ok)
-                p3 = p2
-                p2 = p1
-                p1 = x
-
-    return conv_silu_kernel, conv_silu_stream_kernel, bool(triton.knobs.runtime.interpret)
+    return conv_silu_kernel, bool(triton.knobs.runtime.interpret)

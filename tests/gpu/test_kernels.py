@@ -151,30 +151,6 @@ def test_conv_silu_triton_equals_fla(lengths, splits, w_dtype, gpu_record):
     assert alone_unequal == 0, f"{alone_unequal} outputs differ from their segment run alone"
 
 
-@pytest.mark.parametrize("splits,w_dtype", [
-    pytest.param((2048, 2048, 4096), torch.bfloat16, id="C8192-bf16"),
-    pytest.param((32, 32, 32), torch.float32, id="C96-w32"),  # inexact products: the FMAs must agree
-])
-def test_every_conv_tile_equals_the_default(splits, w_dtype, gpu_record):
-    """Every tile bench/elementwise_probe.py may pick, the streaming ones included, compiles to
-    the default tile's arithmetic: equal outputs on a row with segments across every tile edge."""
-    from model_runtime.kernels.conv_triton import DEFAULT_TILE, conv_splits, tile_candidates
-
-    lengths = CONV_ROWS[1]
-    C = sum(splits)
-    g = torch.Generator(device=DEV).manual_seed(C)
-    packed = PackedBatch.from_lengths(lengths, device=DEV)
-    x = torch.randn(packed.total_tokens, C, device=DEV, generator=g, dtype=torch.bfloat16)
-    w = (torch.randn(C, 4, device=DEV, generator=g) * 0.5).to(w_dtype)
-    want = conv_splits(x, w, packed, splits, silu=True, tile=DEFAULT_TILE)
-    unequal = {tile: sum(int((a != b).sum()) for a, b in zip(conv_splits(x, w, packed, splits, silu=True, tile=tile), want))
-               for tile in tile_candidates()}
-    bad = {str(t): n for t, n in unequal.items() if n}
-    gpu_record("kernel conv tiles vs the default (unequal elements)", channels=C, weight=str(w_dtype),
-               tiles=len(unequal), unequal_tiles=len(bad))
-    assert not bad, f"tiles unequal to the default {DEFAULT_TILE} (elements): {bad}"
-
-
 @pytest.mark.parametrize("lengths", [pytest.param(s, id=f"N{len(s)}-T{sum(s)}") for s in SEGMENTS])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 4, 256), (4, 2, 32)])
 @pytest.mark.parametrize("backend", ["varlen", "sdpa"])  # the pool's default, the serving process's
