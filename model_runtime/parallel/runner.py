@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from model_runtime.model.packing import PackedBatch
+from model_runtime.model.packing import PackedBatch, upload
 from model_runtime.parallel.dims import ParallelDims
 from model_runtime.parallel.parallelize import unsharded_head_weight
 from model_runtime.parallel.ulysses import UlyssesExchange
@@ -85,12 +85,11 @@ class ParallelScorer:
         # Scored positions are increasing along the row, so each shard's are one contiguous run.
         bounds = np.searchsorted(plan.positions_N, np.arange(S + 1) * per)
         a, b = int(bounds[self.sp_rank]), int(bounds[self.sp_rank + 1])
-        # Host-to-device copies before the forward, as in Scorer.score_row: issued after it, each
-        # would wait for it.
-        local_positions = torch.from_numpy(plan.positions_N[a:b] - lo).to(device)
-        targets_N = torch.from_numpy(plan.targets_N[a:b]).to(device)
-        temperature_N = torch.from_numpy(plan.temperature_N[a:b]).to(device)
-        hidden_TlD = self.loaded.model(torch.from_numpy(ids_T[lo : lo + per]).to(device), packed, self.sp)
+        # Uploaded as Scorer.queue_row uploads: without waiting for kernels already queued.
+        local_positions = upload(torch.from_numpy(plan.positions_N[a:b] - lo), device)
+        targets_N = upload(torch.from_numpy(plan.targets_N[a:b]), device)
+        temperature_N = upload(torch.from_numpy(plan.temperature_N[a:b]), device)
+        hidden_TlD = self.loaded.model(upload(torch.from_numpy(ids_T[lo : lo + per]), device), packed, self.sp)
         with unsharded_head_weight(self.loaded.model) as weight_VD:
             head = self.head_settings.head(hidden_TlD, weight_VD, targets_N, temperature_N, top_k=plan.top_k,
                                            rows_N=local_positions)
