@@ -5,7 +5,7 @@
 For every ``[M, K] x [K, N]`` linear shape of the two models (the narrow gate products aside:
 bench/narrow_steps.py), the first 256 rows are computed inside products of M = 256, 272, ...,
 8192 rows (multiples of ROW_MULTIPLE) and compared with the same rows inside an M = 16,384
-product. A row count whose rows differ takes another kernel (split-K, another tile order): rows
+product (``--reference-rows``). A row count whose rows differ takes another kernel (split-K, another tile order): rows
 of fewer tokens than the largest such count would change with their neighbours, which is what
 ``head.CUDA_MIN_ROW_TOKENS`` must stay above. Writes ``product-steps.json``.
 """
@@ -31,20 +31,25 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/out")
     parser.add_argument("--max-rows", type=int, default=8192)
+    parser.add_argument("--reference-rows", type=int, default=16384)
+    parser.add_argument("--device", default="cuda", help="cpu: a quick check of the script (small --max-rows)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "max_rows": args.max_rows, "shapes": {}}
+    dev = args.device
+    g = torch.Generator(device=dev).manual_seed(0)
+    name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+    out = {"device": name, "torch": torch.__version__, "max_rows": args.max_rows, "reference_rows": args.reference_rows,
+           "shapes": {}}
     for model, shapes in SHAPES.items():
-        for name, (k, n) in shapes.items():
-            w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
-            x = torch.randn(16384, k, device="cuda", generator=g).to(torch.bfloat16)
+        for label, (k, n) in shapes.items():
+            w = (torch.randn(n, k, device=dev, generator=g) * 0.02).to(torch.bfloat16)
+            x = torch.randn(args.reference_rows, k, device=dev, generator=g).to(torch.bfloat16)
             ref = (x @ w.t())[:256]
             changed = [m for m in range(256, args.max_rows + 1, 16) if not torch.equal((x[:m] @ w.t())[:256], ref)]
-            out["shapes"][f"{model} {name} K={k} N={n}"] = {"row_counts_unlike_16384": len(changed),
+            out["shapes"][f"{model} {label} K={k} N={n}"] = {"row_counts_unlike_reference": len(changed),
                                                           "largest": max(changed) if changed else None,
                                                           "first": changed[:40]}
-            print(f"{model:8s} {name:32s} K={k:5d} N={n:5d}: {len(changed)} row counts differ, largest "
+            print(f"{model:8s} {label:32s} K={k:5d} N={n:5d}: {len(changed)} row counts differ, largest "
                   f"{max(changed) if changed else None}", flush=True)
             del w, x
     out["seconds"] = time.perf_counter() - started
