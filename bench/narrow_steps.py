@@ -18,11 +18,10 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from bench.prefix_sharing import workloads
-import numpy as np
-
 from model_runtime.kernels.gate_projection import first_changed_rows
 from model_runtime.scoring.prefix import find_groups
 from model_runtime.scoring.presets import PRESETS, build_config

@@ -76,7 +76,6 @@ def narrow_products(fn, linears: Sequence, x_TD: torch.Tensor, packed: PackedBat
     )
 
 
-
 def order_sensitive_operands(in_features: int, out_features: int, dtype: torch.dtype, device, rows: int,
                              seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x, w)`` of a ``[rows, in] x [in, out]`` product whose rounded outputs change with almost

@@ -34,6 +34,8 @@ import logging
 import numpy as np
 import torch
 
+from model_runtime.kernels import triton_math
+
 log = logging.getLogger(__name__)
 
 _MAX_THREADS = 512  # ATen's max_reduce_threads for float32
@@ -66,8 +68,6 @@ def mean_square_reference(x_RD: torch.Tensor) -> torch.Tensor:
     calls as ``elementwise._mean_square``, written here so that elementwise -> norm_triton stays one-way)."""
     return x_RD.float().pow(2).mean(-1, keepdim=True)[..., 0]
 
-
-from model_runtime.kernels import triton_math
 
 try:  # the CPU install has no Triton: only the GPU path (and the interpreter tests) use these
     import triton

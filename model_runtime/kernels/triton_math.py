@@ -9,6 +9,7 @@ functions stand in, so the interpreter tests check the order of operations, not 
 
 from __future__ import annotations
 
+
 def aten_rounding_options(device) -> dict:
     """Compiler options of a kernel that must round as ATen's do: on CUDA no FMA contraction
     (ATen rounds every step) and libdevice without flush-to-zero (as nvcc builds ATen); none

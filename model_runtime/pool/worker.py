@@ -172,9 +172,9 @@ def _prefix_rounding(start: msg.Start, dims, loaded, device: torch.device):
     groups then share among every member."""
     if not start.prefix_min_tokens or device.type != "cuda" or dims.sp > 1:
         return None
-    from model_runtime.scoring.rounding import MAX_PROBED_ROWS, measure
+    from model_runtime.scoring.rounding import measure
 
-    return measure(loaded.model, min(start.max_batch_tokens, MAX_PROBED_ROWS), device=device)
+    return measure(loaded.model, start.max_batch_tokens, device=device)
 
 
 class _WeightUpdates:

@@ -138,12 +138,13 @@ def score_positions(
         del padded_CD, h_CD
         if logprob_fn is not None:
             logprobs[start:end], entropy[start:end] = logprob_fn(z_CV, targets_N[start:end], temperature_N[start:end])
-            step = max(1, top_k_rows or chunk_tokens)
-            for a in range(0, end - start if top_k else 0, step):
-                b = min(end - start, a + step)
-                logp_RV = tempered_log_softmax(z_CV[a:b], temperature_N[start + a : start + b])
-                top_logp[start + a : start + b], top_ids[start + a : start + b] = logp_RV.topk(top_k, dim=-1)
-                del logp_RV
+            if top_k:  # ranked apart, a few positions' float32 log-probs at a time
+                step = max(1, top_k_rows or chunk_tokens)
+                for a in range(start, end, step):
+                    b = min(end, a + step)
+                    logp_RV = tempered_log_softmax(z_CV[a - start : b - start], temperature_N[a:b])
+                    top_logp[a:b], top_ids[a:b] = logp_RV.topk(top_k, dim=-1)
+                    del logp_RV
             # Released before the next chunk's product, or two chunks of logits would coexist.
             del z_CV
             continue

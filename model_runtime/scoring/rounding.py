@@ -99,9 +99,11 @@ def narrow_weights(model: torch.nn.Module) -> list[torch.Tensor]:
 def measure(model: torch.nn.Module, max_rows: int, cache_dir: str | os.PathLike | None = None,
             device: torch.device | None = None) -> RowRounding:
     """``RowRounding`` of ``model``'s narrow products on ``device`` (default: their weights'),
-    up to ``max_rows`` rows. Only the weights' shapes and dtypes are read, not their values."""
+    up to ``max_rows`` rows (at most ``MAX_PROBED_ROWS``; a row budget fits here as it is). Only
+    the weights' shapes and dtypes are read, not their values."""
     from model_runtime.kernels.gate_projection import first_changed_rows
 
+    max_rows = min(int(max_rows), MAX_PROBED_ROWS)
     changed = RowRounding.exact(max_rows).changed
     shapes = {(w.shape[1], w.shape[0], w.dtype, torch.device(device) if device is not None else w.device)
               for w in narrow_weights(model)}
@@ -117,7 +119,7 @@ def measure(model: torch.nn.Module, max_rows: int, cache_dir: str | os.PathLike 
     return RowRounding(changed)
 
 
-def _cache_path(cache_dir, device: torch.device, k: int, n: int, dtype: torch.dtype, max_rows: int) -> Path | None:
+def _cache_path(cache_dir, device: torch.device, k: int, n: int, dtype: torch.dtype, max_rows: int) -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")  # the image points it at its writable /cache volume
     root = cache_dir or os.environ.get("PACKSCORE_CACHE_DIR") or (Path(xdg) if xdg else Path.home() / ".cache") / "packscore"
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -125,14 +127,14 @@ def _cache_path(cache_dir, device: torch.device, k: int, n: int, dtype: torch.dt
     return Path(root) / "row-rounding" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.npy"
 
 
-def _load(path: Path | None) -> np.ndarray | None:
+def _load(path: Path) -> np.ndarray | None:
     try:
-        return np.load(path) if path is not None and path.exists() else None
+        return np.load(path) if path.exists() else None
     except (OSError, ValueError):  # unreadable or torn: measured again
         return None
 
 
-def _save(path: Path | None, rows: np.ndarray) -> None:
+def _save(path: Path, rows: np.ndarray) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp.npy")  # the pool's ranks may write it at once

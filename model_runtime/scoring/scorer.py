@@ -11,7 +11,7 @@ group in one row where the budget allows.
 
 from __future__ import annotations
 
-import dataclasses
+from collections import deque
 from typing import Sequence
 
 import numpy as np
@@ -161,10 +161,10 @@ class Scorer:
         """On CUDA, where the narrow products round a prompt's rows by the sequence's length
         (``model_runtime.scoring.rounding``): groups are then cut there, and a shared prompt gives
         every member the numbers it gets alone, bit for bit."""
-        from model_runtime.scoring.rounding import MAX_PROBED_ROWS, measure
+        from model_runtime.scoring.rounding import measure
 
         if self.loaded.device.type == "cuda":
-            self.prefix_rounding = measure(self.loaded.model, min(self.max_batch_tokens, MAX_PROBED_ROWS))
+            self.prefix_rounding = measure(self.loaded.model, self.max_batch_tokens)
 
     def warm_attention_plans(self) -> None:
         """Builds SDPA's plan for every attention bucket of the budget (some eighty, ~60 ms each
@@ -199,17 +199,15 @@ class Scorer:
             rows = pack_groups_first_fit(sequences, self.max_batch_tokens, self.prefix_min_tokens, self.prefix_rounding)
         else:
             rows = pack_first_fit_decreasing([s.length for s in sequences], self.max_batch_tokens)
-        waiting: tuple[list[int], PendingRow] | None = None
+        # Rows queued on the device and not yet read back: one behind the row being read (none
+        # without queue_ahead).
+        queued: deque[tuple[list[int], PendingRow]] = deque()
         for row in rows:
-            queued = (row, self.queue_row([sequences[i] for i in row], validated=True))
-            if waiting is not None:
-                self._collect(*waiting, results)
-            waiting = queued
-            if not self.queue_ahead:
-                self._collect(*waiting, results)
-                waiting = None
-        if waiting is not None:
-            self._collect(*waiting, results)
+            queued.append((row, self.queue_row([sequences[i] for i in row], validated=True)))
+            while len(queued) > (1 if self.queue_ahead else 0):
+                self._collect(*queued.popleft(), results)
+        while queued:
+            self._collect(*queued.popleft(), results)
         return results  # type: ignore[return-value]
 
     @staticmethod
@@ -242,7 +240,6 @@ class Scorer:
         hidden_TD = self.loaded.model(upload(torch.from_numpy(ids_T), device), packed)
         head = self.head(hidden_TD, self.loaded.model.lm_head.weight, targets_N, temperature_N, top_k=plan.top_k,
                          rows_N=rows_N)
-        del hidden_TD
         return PendingRow(list(sequences), plan.top_k, plan.expand(head))
 
 
@@ -255,9 +252,9 @@ class PendingRow:
         self.sequences, self.top_k = sequences, top_k
         self._done = None
         if head.logprobs_N.is_cuda:
-            if head.top_k_ids_NK is not None:
-                head = dataclasses.replace(head, top_k_ids_NK=head.top_k_ids_NK.to(torch.int32))
-            head = HeadOutput(*(None if t is None else _to_pinned(t) for t in (getattr(head, f.name) for f in dataclasses.fields(head))))
+            ids = None if head.top_k_ids_NK is None else head.top_k_ids_NK.to(torch.int32)  # half the bytes to copy
+            head = HeadOutput(*(None if t is None else _to_pinned(t)
+                                for t in (head.logprobs_N, head.entropy_N, ids, head.top_k_logprobs_NK)))
             self._done = torch.cuda.Event()
             self._done.record()
         self._head = head
@@ -272,6 +269,7 @@ def _to_pinned(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host
+
 
 def shared_prefix_row(rng: np.random.Generator, vocab: int, min_tokens: int, members: int = 4) -> list[SequenceInput]:
     """A warm-up row: ``members`` sequences sharing a prompt long enough to be shared."""
