@@ -12,8 +12,10 @@ Parts (``MODE``, space- or comma-separated; ``all`` = ``suite`` and then the ext
 - ``tests``: ``pytest tests/gpu`` (kernels, bf16 parity against HF, isolation; ``TESTS_PATHS``
   picks other paths or test ids).
 - extras, each run only when its module exists: ``http_burst`` (``--mode gpu``),
-  ``weights_swap``, ``prefix_sharing``, ``moe``; ``product_steps`` only by name (the row
-  counts at which each dense product's rows change, bench/product_steps.py); ``hf_divergence``
+  ``weights_swap``, ``prefix_sharing``, ``moe``; ``product_steps`` only by name (which row
+  counts compute each dense product's rows alike, bench/product_steps.py); ``narrow_steps`` only
+  by name (the same for the narrow gate products, up to ``NARROW_MAX_ROWS``, default 32768, and
+  what it leaves of prefix sharing, bench/narrow_steps.py); ``hf_divergence``
   only by name (packscore against Hugging Face module by module, ``HF_DIVERGENCE_PRESET``, default the 35B-A3B;
   ``HF_DIVERGENCE_LAYERS``, default 8; ``HF_DIVERGENCE_LENGTHS``, default 2000; the whole 35B-A3B
   on 3,000 and 6,000 tokens takes about 75 s).
@@ -78,7 +80,9 @@ PARTS = {
     "weights_swap": lambda: Part("weights_swap", ("-m", "bench.weights_swap"), 240, "weights_swap"),
     "prefix_sharing": lambda: Part("prefix_sharing", ("-m", "bench.prefix_sharing"), 400, "prefix_sharing"),
     "moe": lambda: Part("moe", ("-m", "bench.moe", "--sequences", os.environ.get("MOE_SEQUENCES", "24")), 300, "moe"),
-    "product_steps": lambda: Part("product_steps", ("-m", "bench.product_steps"), 60),
+    "product_steps": lambda: Part("product_steps", ("-m", "bench.product_steps"), 120),
+    "narrow_steps": lambda: Part("narrow_steps", ("-m", "bench.narrow_steps", "--max-rows", os.environ.get(
+        "NARROW_MAX_ROWS", "32768")), 200),
     "hf_divergence": lambda: Part("hf_divergence", ("-m", "bench.hf_divergence", "--preset", os.environ.get(
         "HF_DIVERGENCE_PRESET", "qwen3.5-35b-a3b"), "--layers", os.environ.get("HF_DIVERGENCE_LAYERS", "8"),
         "--lengths", os.environ.get("HF_DIVERGENCE_LENGTHS", "2000")), 90, "hf_divergence"),

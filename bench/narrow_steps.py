@@ -4,11 +4,12 @@
     python -m bench.narrow_steps --out DIR --device cpu --max-rows 600   # a dry run
 
 For every narrow product of the presets (the Gated DeltaNet's decay and beta projections, the MoE
-router and shared-expert gate), ``gate_projection.first_changed_rows`` finds the row counts at
-which the product's rows change bits. Two sequences whose lengths lie between the same two such
-row counts compute their shared prompt's rows of those products alike, so sharing their prompt is
-exact (``model_runtime.scoring.rounding``); the benchmark workloads are then grouped that way and
-the tokens saved counted against grouping by prompt alone. Writes ``narrow-steps.json`` to DIR.
+router and shared-expert gate), ``gate_projection.row_kinds`` finds which row counts compute their
+common rows alike (a kind: one kernel of cuBLAS, wherever it recurs). Two sequences whose lengths
+are of one kind compute their shared prompt's rows of those products alike, so sharing their
+prompt is exact (``model_runtime.scoring.rounding``); the benchmark workloads are then grouped
+that way and the tokens saved counted against grouping by prompt alone and against the ranges
+between changes (how packscore grouped before kinds). Writes ``narrow-steps.json`` to DIR.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import numpy as np
 import torch
 
 from bench.prefix_sharing import workloads
-from model_runtime.kernels.gate_projection import first_changed_rows
+from model_runtime.kernels.gate_projection import row_kinds
 from model_runtime.scoring.prefix import find_groups
 from model_runtime.scoring.presets import PRESETS, build_config
-from model_runtime.scoring.rounding import RowRounding
+from model_runtime.scoring.rounding import RowRounding, combine
 
 
 def narrow_shapes(preset: str) -> dict[str, tuple[int, int]]:
@@ -38,25 +39,27 @@ def narrow_shapes(preset: str) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def saved_by_class(sequences, changed: np.ndarray, min_tokens: int = 64) -> dict:
+def saved_by_kind(sequences, rounding: RowRounding, min_tokens: int = 64) -> dict:
     plain = find_groups(sequences, min_tokens)
-    exact = find_groups(sequences, min_tokens, RowRounding(changed))
-    saved_plain = sum(g.tokens_saved for g in plain)
-    saved_split = sum(g.tokens_saved for g in exact)
+    exact = find_groups(sequences, min_tokens, rounding)
+    ranges = find_groups(sequences, min_tokens, RowRounding(np.cumsum(np.isin(np.arange(rounding.max_rows + 1),
+                                                                             rounding.steps))))
     total = sum(s.length for s in sequences)
-    return {"tokens": total, "saved_by_prompt": saved_plain, "saved_by_prompt_and_class": saved_split,
-            "groups": len(plain), "subgroups": len(exact),
-            "token_bound_by_prompt": total / (total - saved_plain),
-            "token_bound_by_class": total / (total - saved_split)}
+    saved = {name: sum(g.tokens_saved for g in groups) for name, groups in
+             (("prompt", plain), ("kind", exact), ("range", ranges))}
+    return {"tokens": total, "groups": len(plain), "subgroups": len(exact),
+            **{f"saved_by_{k}": v for k, v in saved.items()},
+            **{f"token_bound_by_{k}": total / (total - v) for k, v in saved.items()}}
 
 
-def summary(shape, changed: np.ndarray) -> dict:
-    """What the JSON keeps of one product's probe: how many row counts change rows, the lowest row
-    they change, and the first 40 as ``(row count, first changed row)``."""
-    steps = RowRounding(changed).steps
-    return {"in_out": list(shape), "row_counts_changing": len(steps),
-            "lowest_changed_row": int(changed[steps].min()) if steps else None,
-            "first_changes": [[m, int(changed[m])] for m in steps[:40]]}
+def summary(shape, kinds: np.ndarray) -> dict:
+    """What the JSON keeps of one product's probe: its kinds, the ranges of one kind, and the
+    first 40 ranges as ``(first row count, kind)``."""
+    r = RowRounding(kinds)
+    return {"in_out": list(shape), "kinds": r.kind_count, "ranges": len(r.runs),
+            "rows_of_largest_kinds": {int(k): int(n) for n, k in sorted(zip(*np.unique(kinds[1:], return_counts=True)[::-1]),
+                                                                         reverse=True)[:8]},
+            "first_runs": r.runs[:40]}
 
 
 def main(argv=None) -> int:
@@ -75,13 +78,13 @@ def main(argv=None) -> int:
         for name, shape in narrow_shapes(preset).items():
             if shape not in probed:
                 t0 = time.perf_counter()
-                probed[shape] = first_changed_rows(*shape, dtype, args.device, args.max_rows)
+                probed[shape] = row_kinds(*shape, dtype, args.device, args.max_rows)
                 print(f"{preset} {name} {shape}: {time.perf_counter() - t0:.1f} s, {summary(shape, probed[shape])}", flush=True)
             entry["shapes"][name] = summary(shape, probed[shape])
-        changed = np.minimum.reduce([probed[tuple(v["in_out"])] for v in entry["shapes"].values()])
+        rounding = combine([probed[tuple(v["in_out"])] for v in entry["shapes"].values()], args.max_rows)
         vocab = build_config(PRESETS[preset]).vocab_size
         for wname, sequences in workloads(vocab, tiny=False).items():
-            entry["workloads"][wname] = saved_by_class(sequences, changed)
+            entry["workloads"][wname] = saved_by_kind(sequences, rounding)
             print(preset, wname, entry["workloads"][wname], flush=True)
         out["presets"][preset] = entry
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -162,6 +162,10 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
         "load_s": load_s,
         "warm_up_s": warm_s,
         "rounding_measure_s": result_rounding_s,
+        # the narrow products' kinds of row count (model_runtime/scoring/rounding.py) the rows follow
+        "rounding_kinds": {budget: {"kinds": trio[1].prefix_rounding.kind_count, "ranges": len(trio[1].prefix_rounding.runs),
+                                    "max_rows": trio[1].prefix_rounding.max_rows}
+                           for budget, trio in scorers.items() if trio[1].prefix_rounding is not None},
         "workloads": {},
     }
     # The RL mix in the main rows and the 16-sample workload always run; the RL mix in smaller rows

@@ -122,3 +122,47 @@ def first_changed_rows(in_features: int, out_features: int, dtype: torch.dtype, 
         # argmax finds the first differing row; a row count with none records m
         changed[m] = torch.where(differs.any(), differs.to(torch.int8).argmax(), m)
     return changed.cpu().numpy()
+
+
+# Kinds kept apart at most: past this many, a further range of row counts is a kind of its own
+# (never wrongly alike; only less sharing), which bounds the probe's comparisons.
+MAX_KINDS = 256
+
+
+@torch.inference_mode()
+def row_kinds(in_features: int, out_features: int, dtype: torch.dtype, device, max_rows: int,
+              seeds: tuple[int, ...] = (0, 1)) -> np.ndarray:
+    """``kinds[M]`` for ``M`` up to ``max_rows``: row counts of one kind compute every row they
+    have in common alike (entry 0 is entry 1's).
+
+    ``first_changed_rows`` cuts the row counts into ranges within which each count computes the
+    rows of one fewer alike; then the largest count of each range is compared, on every common row
+    and with ``order_sensitive_operands`` of each seed, with the largest count seen so far of each
+    kind found before it. cuBLAS returns to a kernel it used for fewer rows, so most ranges join an
+    earlier kind. The kernel's rows do not depend on the operands' values, only its order does.
+    """
+    changed = first_changed_rows(in_features, out_features, dtype, device, max_rows, seeds)
+    starts = [1] + [m for m in range(2, max_rows + 1) if changed[m] < m]
+    ends = [s - 1 for s in starts[1:]] + [max_rows]
+    operands = [order_sensitive_operands(in_features, out_features, dtype, device, max_rows, seed) for seed in seeds]
+    kinds = np.zeros(max_rows + 1, dtype=np.int64)
+    reps: dict[int, tuple[int, list[torch.Tensor]]] = {}  # per kind kept: its largest row count and those outputs
+    order: list[int] = []  # kinds kept, the last matched first (cuBLAS alternates among few kernels)
+    count = 0
+    for start, end in zip(starts, ends):
+        ys = [F.linear(x[:end], w) for x, w in operands]
+        found = next((k for k in order if all(torch.equal(y[: min(reps[k][0], end)], r[: min(reps[k][0], end)])
+                                              for y, r in zip(ys, reps[k][1]))), None)
+        if found is None:
+            found, count = count, count + 1
+            if len(reps) >= MAX_KINDS:  # a kind of its own, compared with nothing
+                kinds[start:end + 1] = found
+                continue
+        if end > reps.get(found, (0,))[0]:
+            reps[found] = (end, ys)
+        if found in order:
+            order.remove(found)
+        order.insert(0, found)
+        kinds[start:end + 1] = found
+    kinds[0] = kinds[1] if max_rows >= 1 else 0
+    return kinds

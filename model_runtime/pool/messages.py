@@ -80,10 +80,11 @@ class Hello:
     slow_kernels: list  # families that fell back to slow reference kernels
     cost_per_token: float  # forward FLOPs per token (balancing estimate)
     cost_per_token_squared: float  # attention FLOPs per squared segment length (balancing estimate)
-    # With prefix sharing on a GPU: the measured RowRounding (``RowRounding.from_steps``), so that
-    # the pool's scheduler cuts groups as the workers will; 0 rows: none measured
+    # With prefix sharing on a GPU: the measured RowRounding as ``[first row count, kind]`` runs
+    # (``RowRounding.from_runs``), so that the pool's scheduler cuts groups as the workers will;
+    # 0 rows: none measured
     prefix_max_rows: int = 0
-    prefix_steps: list = field(default_factory=list)
+    prefix_runs: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -578,9 +578,9 @@ def _prefix_rounding(hellos: list[msg.Hello]):
     from the scheduler's costing, so they refuse to serve."""
     from model_runtime.scoring.rounding import RowRounding
 
-    tables = {(h.prefix_max_rows, tuple(h.prefix_steps)) for h in hellos}
+    tables = {(h.prefix_max_rows, tuple(tuple(r) for r in h.prefix_runs)) for h in hellos}
     if len(tables) > 1:
         raise RuntimeError("the workers measured different narrow-product rounding tables (GPUs of several kinds?); "
                            "serve them without --prefix-sharing")
-    max_rows, steps = tables.pop()
-    return RowRounding.from_steps(steps, max_rows) if max_rows else None
+    max_rows, runs = tables.pop()
+    return RowRounding.from_runs(runs, max_rows) if max_rows else None

@@ -160,7 +160,7 @@ def _setup(start: msg.Start):
         cost_per_token=costs[0],
         cost_per_token_squared=costs[1],
         prefix_max_rows=rounding.max_rows if rounding is not None else 0,
-        prefix_steps=rounding.steps if rounding is not None else [],
+        prefix_runs=rounding.runs if rounding is not None else [],
     )
     return dims, runner, hello
 

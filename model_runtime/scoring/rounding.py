@@ -5,11 +5,12 @@ router and shared-expert gate; ``kernels/gate_projection.py``) run over the whol
 Hugging Face computes them for one sequence, so their rounding follows the sequence's length:
 cuBLAS picks the kernel, and with it the summation order, by the row count. Two members of a
 GRPO group whose lengths round the prompt's rows differently cannot share that prompt without
-one of them moving (about 1e-2 in a log-prob after the layers, bf16). ``RowRounding`` records
-the row counts at which any narrow product's rows change against one row fewer
-(``gate_projection.first_changed_rows``, on operands that make a change of summation order
-visible), and ``split`` cuts a group wherever its members' lengths straddle one: every member
-then computes the prompt as it would alone.
+one of them moving (about 1e-2 in a log-prob after the layers, bf16). ``RowRounding`` gives every
+row count a *kind* (``gate_projection.row_kinds``: row counts of one kind compute every row they
+have in common alike, checked on operands that make a change of summation order visible), and
+``split`` cuts a group into its members' kinds: every member then computes the prompt as it would
+alone. cuBLAS switches among a few kernels as the row count grows, so a kind usually spans many
+separate ranges of row counts.
 
 ``measure`` finds it on the model's device once per product shape and keeps it on disk
 (``$PACKSCORE_CACHE_DIR``, default ``$XDG_CACHE_HOME/packscore`` or ``~/.cache/packscore``),
@@ -32,63 +33,64 @@ log = logging.getLogger(__name__)
 
 # Row counts probed at most: a member longer than this shares only with members of its own length.
 MAX_PROBED_ROWS = 32768
-_ALWAYS = 1 << 62  # rows that never change
-PROBE_VERSION = 2  # part of the cache key: a table measured another way is measured again
+PROBE_VERSION = 3  # part of the cache key: a table measured another way is measured again
 
 
 @dataclass(frozen=True)
 class RowRounding:
-    """``changed[M]``: the first row of any narrow product over ``M`` rows seen to differ from the
-    product over ``M - 1`` rows (``M`` or more: none did). Two lengths compute a prompt alike only
-    when no row count between them changed anything: where the first changed row lies depends on
-    the probe's operands (a row whose order changed may still round alike), so it is not trusted."""
+    """``kinds[M]`` for ``M`` up to ``max_rows``: sequences of ``a`` and ``b`` tokens compute
+    every narrow product's common rows alike when ``kinds[a] == kinds[b]`` (entry 0 unused)."""
 
-    changed: np.ndarray
-
-    def __post_init__(self):
-        is_step = self.changed < np.arange(self.changed.size)  # row count M changed some row
-        object.__setattr__(self, "_is_step", is_step)
-        object.__setattr__(self, "_steps_up_to", np.cumsum(is_step))  # row counts <= M that changed rows
+    kinds: np.ndarray
 
     @property
     def max_rows(self) -> int:
-        return self.changed.size - 1
+        return self.kinds.size - 1
 
     @classmethod
     def exact(cls, max_rows: int) -> "RowRounding":
         """A model whose narrow products never round by row count (or has none)."""
-        return cls(np.full(max_rows + 1, _ALWAYS, dtype=np.int64))
+        return cls(np.zeros(max_rows + 1, dtype=np.int64))
 
     @property
     def steps(self) -> list[int]:
-        """The row counts at which some narrow product's rows change (what ``from_steps`` takes)."""
-        return [int(m) for m in np.flatnonzero(self._is_step)]
+        """The row counts whose kind differs from one row fewer's."""
+        return [int(m) + 2 for m in np.flatnonzero(self.kinds[2:] != self.kinds[1:-1])]
+
+    @property
+    def runs(self) -> list[list[int]]:
+        """``[first row count, kind]`` of every run of one kind (how the worker pool's processes
+        hand the table over; ``from_runs`` takes it back)."""
+        starts = [1] + self.steps
+        return [[m, int(self.kinds[m])] for m in starts] if self.max_rows >= 1 else []
 
     @classmethod
-    def from_steps(cls, steps: Sequence[int], max_rows: int) -> "RowRounding":
-        """The table that ``steps`` describes (how the worker pool's processes hand it over)."""
-        changed = cls.exact(max_rows).changed.copy()
-        changed[np.asarray(steps, dtype=np.int64)] = 0
-        return cls(changed)
+    def from_runs(cls, runs: Sequence[Sequence[int]], max_rows: int) -> "RowRounding":
+        kinds = np.zeros(max_rows + 1, dtype=np.int64)
+        for (start, kind), nxt in zip(runs, [*list(runs)[1:], (max_rows + 1, 0)]):
+            kinds[int(start):int(nxt[0])] = int(kind)
+        kinds[0] = kinds[1] if max_rows >= 1 else 0
+        return cls(kinds)
+
+    @property
+    def kind_count(self) -> int:
+        return int(np.unique(self.kinds[1:]).size)
+
+    def kind(self, length: int):
+        """``length``'s kind; past the measured row counts a length is a kind of its own."""
+        return int(self.kinds[length]) if length <= self.max_rows else ("length", int(length))
 
     def alike(self, a: int, b: int) -> bool:
         """Whether sequences of ``a`` and ``b`` tokens compute every narrow product's common rows alike."""
-        if a == b:
-            return True
-        if max(a, b) > self.max_rows:
-            return False
-        return bool(self._steps_up_to[a] == self._steps_up_to[b])
+        return a == b or self.kind(a) == self.kind(b)
 
     def split(self, lengths: Sequence[int]) -> list[list[int]]:
-        """The members (indices into ``lengths``) of a group cut into parts whose lengths compute
-        the narrow products alike, parts of one member dropped."""
-        order = sorted(range(len(lengths)), key=lengths.__getitem__)
-        parts = [[order[0]]]
-        for a, b in zip(order, order[1:]):
-            if not self.alike(lengths[a], lengths[b]):
-                parts.append([])
-            parts[-1].append(b)
-        return [p for p in parts if len(p) > 1]
+        """The members (indices into ``lengths``) of a group cut by kind, parts of one member
+        dropped; each part by length, the parts in the order of their shortest member."""
+        parts: dict = {}
+        for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+            parts.setdefault(self.kind(lengths[i]), []).append(i)
+        return [p for p in parts.values() if len(p) > 1]
 
 
 def narrow_weights(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -101,22 +103,30 @@ def measure(model: torch.nn.Module, max_rows: int, cache_dir: str | os.PathLike 
     """``RowRounding`` of ``model``'s narrow products on ``device`` (default: their weights'),
     up to ``max_rows`` rows (at most ``MAX_PROBED_ROWS``; a row budget fits here as it is). Only
     the weights' shapes and dtypes are read, not their values."""
-    from model_runtime.kernels.gate_projection import first_changed_rows
+    from model_runtime.kernels.gate_projection import row_kinds
 
     max_rows = min(int(max_rows), MAX_PROBED_ROWS)
-    changed = RowRounding.exact(max_rows).changed
     shapes = {(w.shape[1], w.shape[0], w.dtype, torch.device(device) if device is not None else w.device)
               for w in narrow_weights(model)}
+    per_shape = []
     for in_features, out_features, dtype, on in sorted(shapes, key=str):
         path = _cache_path(cache_dir, on, in_features, out_features, dtype, max_rows)
-        rows = _load(path)
-        if rows is None:
+        kinds = _load(path, max_rows)
+        if kinds is None:
             log.info("measuring how a [rows, %d] x [%d, %d] %s product rounds by row count, up to %d rows "
                      "(once per GPU and version; kept in %s)", in_features, in_features, out_features, dtype, max_rows, path)
-            rows = first_changed_rows(in_features, out_features, dtype, on, max_rows)
-            _save(path, rows)
-        changed = np.minimum(changed, rows)
-    return RowRounding(changed)
+            kinds = row_kinds(in_features, out_features, dtype, on, max_rows)
+            _save(path, kinds)
+        per_shape.append(kinds)
+    return combine(per_shape, max_rows)
+
+
+def combine(per_shape: Sequence[np.ndarray], max_rows: int) -> RowRounding:
+    """One ``RowRounding`` from each product's kinds: alike where every product is alike."""
+    if not per_shape:
+        return RowRounding.exact(max_rows)
+    _, kinds = np.unique(np.stack(per_shape, axis=1), axis=0, return_inverse=True)
+    return RowRounding(np.asarray(kinds, dtype=np.int64).reshape(-1))
 
 
 def _cache_path(cache_dir, device: torch.device, k: int, n: int, dtype: torch.dtype, max_rows: int) -> Path:
@@ -127,11 +137,12 @@ def _cache_path(cache_dir, device: torch.device, k: int, n: int, dtype: torch.dt
     return Path(root) / "row-rounding" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.npy"
 
 
-def _load(path: Path) -> np.ndarray | None:
+def _load(path: Path, max_rows: int) -> np.ndarray | None:
     try:
-        return np.load(path) if path.exists() else None
+        kinds = np.load(path) if path.exists() else None
     except (OSError, ValueError):  # unreadable or torn: measured again
         return None
+    return kinds if kinds is not None and kinds.shape == (max_rows + 1,) else None
 
 
 def _save(path: Path, rows: np.ndarray) -> None:

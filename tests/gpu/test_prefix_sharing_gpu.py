@@ -215,3 +215,26 @@ def test_9b_slice_group_of_varied_lengths_scores_as_unshared(slice_9b_twin, gpu_
     assert float(d.max()) == 0.0 and float(e.max()) == 0.0, (
         f"{int((d != 0).sum())} of {d.size} log-probs differ from unshared scoring (max |dlogp| {d.max():.3e}, "
         f"max |dentropy| {e.max():.3e}); expected 0")
+
+
+def test_row_counts_of_one_kind_compute_a_prompt_alike(gpu_record):
+    """``row_kinds`` on the 9B's decay/beta shape: sequences of two lengths of one kind must give the
+    same rows of their common prompt on fresh operands (another seed than the probe's), and
+    lengths of different kinds are where sharing would move a member."""
+    from model_runtime.kernels.gate_projection import order_sensitive_operands, row_kinds
+
+    max_rows = 8192
+    kinds = row_kinds(4096, 32, torch.bfloat16, DEV, max_rows)
+    x, w = order_sensitive_operands(4096, 32, torch.bfloat16, DEV, max_rows, seed=7)
+    rng = np.random.default_rng(3)
+    alike = unlike_seen = 0
+    for _ in range(400):
+        a, b = sorted(int(v) for v in rng.integers(600, max_rows + 1, 2))
+        same = torch.equal(torch.nn.functional.linear(x[:a], w), torch.nn.functional.linear(x[:b], w)[:a])
+        if kinds[a] == kinds[b]:
+            alike += 1
+            assert same, f"row counts {a} and {b} are of kind {kinds[a]} but their common rows differ"
+        unlike_seen += int(not same)
+    ranges = int((kinds[2:] != kinds[1:-1]).sum()) + 1
+    gpu_record("prefix narrow product kinds (9B decay/beta, to 8192 rows)", kinds=int(np.unique(kinds[1:]).size),
+               ranges=ranges, pairs_alike=alike, pairs_unequal=unlike_seen)

@@ -13,12 +13,9 @@ from model_runtime.scoring.prefix import find_groups, tokens_saved
 from model_runtime.types import SequenceInput
 
 
-def table(max_rows: int, changes: dict[int, int]) -> R.RowRounding:
-    """A ``RowRounding`` whose products change from row ``changes[m]`` on at row count ``m``."""
-    changed = R.RowRounding.exact(max_rows).changed.copy()
-    for m, row in changes.items():
-        changed[m] = row
-    return R.RowRounding(changed)
+def table(max_rows: int, runs: dict[int, int]) -> R.RowRounding:
+    """A ``RowRounding`` whose row counts from ``m`` on are of kind ``runs[m]`` (kind 0 before the first)."""
+    return R.RowRounding.from_runs([[1, 0]] + sorted(runs.items()), max_rows)
 
 
 def group(rng, prompt_len, tails, vocab=900):
@@ -26,31 +23,32 @@ def group(rng, prompt_len, tails, vocab=900):
     return [SequenceInput(np.concatenate([prompt, rng.integers(0, vocab, n)]), score_from=prompt_len) for n in tails]
 
 
-def test_two_lengths_are_alike_when_no_row_count_between_them_changed_rows():
-    r = table(100, {50: 17, 60: 40})
+def test_two_lengths_are_alike_when_they_are_of_one_kind():
+    r = table(100, {50: 1, 60: 0, 90: 2})
     assert r.alike(30, 30) and r.alike(100, 100)  # one length: always alike
-    assert r.alike(30, 49) and r.alike(49, 30) and r.alike(50, 59) and r.alike(60, 100)
-    assert not r.alike(30, 50) and not r.alike(55, 65) and not r.alike(40, 70)
+    assert r.alike(30, 49) and r.alike(49, 30) and r.alike(50, 59) and r.alike(90, 100)
+    assert r.alike(30, 60) and r.alike(1, 89)  # kind 0 again from 60 rows: cuBLAS's first kernel back
+    assert not r.alike(30, 50) and not r.alike(55, 65) and not r.alike(40, 95)
     assert not r.alike(10, 101)  # past the measured row counts: nothing is known alike
     assert r.alike(101, 101)
+    assert r.steps == [50, 60, 90] and r.kind_count == 3
 
 
 def test_a_group_is_cut_where_its_lengths_round_the_prompt_differently():
     rng = np.random.default_rng(0)
     seqs = group(rng, 700, [300, 400, 1500, 1600, 5000])  # lengths 1000, 1100, 2200, 2300, 5700
-    r = table(8192, {2000: 17, 4000: 17})
+    r = table(8192, {2000: 1, 4000: 2})
     groups = find_groups(seqs, 64, r)
     assert [(g.members, g.shared) for g in groups] == [((0, 1), 640), ((2, 3), 640)]
     assert tokens_saved(seqs, 64, r) == 2 * 640
     assert [(g.members, g.shared) for g in find_groups(seqs, 64)] == [((0, 1, 2, 3, 4), 640)]
 
 
-def test_a_change_past_the_prompt_still_cuts_the_group():
-    # where the first changed row lies depends on the probe's operands: it is not trusted
+def test_members_of_one_kind_share_across_the_ranges_between_them():
     rng = np.random.default_rng(1)
-    seqs = group(rng, 300, [300, 400, 1500, 1600])
-    r = table(8192, {1000: 900})
-    assert [(g.members, g.shared) for g in find_groups(seqs, 64, r)] == [((0, 1), 256), ((2, 3), 256)]
+    seqs = group(rng, 300, [300, 1500, 400, 1600, 3000])  # lengths 600, 1800, 700, 1900, 3300
+    r = table(8192, {650: 1, 1700: 0, 3000: 1})
+    assert [(g.members, g.shared) for g in find_groups(seqs, 64, r)] == [((0, 1, 3), 256), ((2, 4), 256)]
 
 
 def test_a_member_longer_than_the_table_shares_only_with_its_own_length():
@@ -84,9 +82,9 @@ def test_measure_keeps_the_table_and_reads_it_back(tmp_path, monkeypatch):
     def not_again(*args, **kwargs):
         raise AssertionError("measured again despite the kept table")
 
-    monkeypatch.setattr("model_runtime.kernels.gate_projection.first_changed_rows", not_again)
+    monkeypatch.setattr("model_runtime.kernels.gate_projection.row_kinds", not_again)
     second = R.measure(model, 40, cache_dir=tmp_path)
-    assert np.array_equal(first.changed, second.changed)
+    assert np.array_equal(first.kinds, second.kinds)
     assert R.measure(torch.nn.Linear(3, 3), 40, cache_dir=tmp_path).alike(2, 40)  # no narrow product
 
 
@@ -111,13 +109,13 @@ def test_the_probe_operands_make_a_change_of_summation_order_visible():
     assert probe > 0.005 and probe > 10 * plain, f"probe operands {probe:.4f} against random {plain:.4f}"
 
 
-def test_the_pool_hands_the_table_over_as_steps():
+def test_the_pool_hands_the_table_over_as_runs():
     from model_runtime.pool import messages as msg
     from model_runtime.pool.pool import _prefix_rounding
 
     rng = np.random.default_rng(4)
-    r = table(3000, {int(m): int(rng.integers(0, m)) for m in rng.integers(2, 3000, 40)})
-    back = R.RowRounding.from_steps(r.steps, r.max_rows)
+    r = table(3000, {int(m): int(rng.integers(0, 4)) for m in rng.integers(2, 3000, 40)})
+    back = R.RowRounding.from_runs(r.runs, r.max_rows)
     pairs = rng.integers(1, 3100, (500, 2))
     assert all(back.alike(int(a), int(b)) == r.alike(int(a), int(b)) for a, b in pairs)
 
@@ -125,12 +123,47 @@ def test_the_pool_hands_the_table_over_as_steps():
         h = msg.Hello(rank=rank, generation=0, pid=1, name="m", architecture="qwen3_5", vocab_size=10, max_model_len=10,
                       dtype="bfloat16", device="cuda", weights_version="v", kernels={}, slow_kernels=[],
                       cost_per_token=1.0, cost_per_token_squared=1.0,
-                      prefix_max_rows=rounding.max_rows if rounding else 0, prefix_steps=rounding.steps if rounding else [])
+                      prefix_max_rows=rounding.max_rows if rounding else 0, prefix_runs=rounding.runs if rounding else [])
         return msg.decode(msg.encode(h))  # as it crosses the pipe (msgpack, no pickle)
 
     got = _prefix_rounding([hello(0, r), hello(1, r)])
-    assert got.steps == r.steps and got.max_rows == r.max_rows
+    assert got.runs == r.runs and got.max_rows == r.max_rows and np.array_equal(got.kinds, r.kinds)
     assert _prefix_rounding([hello(0, None), hello(1, None)]) is None
-    other = R.RowRounding.from_steps(r.steps[1:], r.max_rows)
+    other = R.RowRounding.from_runs(r.runs[:-1], r.max_rows)  # the last run joins the one before
     with pytest.raises(RuntimeError, match="different narrow-product rounding"):
         _prefix_rounding([hello(0, r), hello(1, other)])
+
+
+def test_row_kinds_join_the_ranges_where_a_kernel_returns(monkeypatch):
+    """A stand-in BLAS that sums K backwards for 10-19 and 30-39 rows (another kernel) and forwards
+    otherwise: the probe finds two kinds, the second spanning both of its ranges."""
+    from model_runtime.kernels import gate_projection as G
+
+    def linear(x, w):
+        backwards = 10 <= x.shape[0] < 20 or 30 <= x.shape[0] < 40
+        p = x[:, None, :] * w[None]
+        out = torch.zeros(p.shape[:2], dtype=x.dtype)
+        for k in (range(p.shape[-1] - 1, -1, -1) if backwards else range(p.shape[-1])):
+            out = out + p[..., k]
+        return out
+
+    monkeypatch.setattr(G.F, "linear", linear)
+    kinds = G.row_kinds(32, 4, torch.float32, "cpu", 50)
+    want = np.array([0] * 10 + [1] * 10 + [0] * 10 + [1] * 10 + [0] * 11)
+    assert np.array_equal(kinds, want), f"kinds {kinds.tolist()}, expected {want.tolist()}"
+    r = R.RowRounding(kinds)
+    assert r.alike(5, 45) and r.alike(12, 35) and not r.alike(12, 25) and r.runs == [[1, 0], [10, 1], [20, 0], [30, 1], [40, 0]]
+
+
+def test_row_kinds_of_the_cpu_blas_compute_common_rows_alike():
+    """The real product on the CPU: every pair of row counts of one kind gives equal common rows."""
+    from model_runtime.kernels.gate_projection import order_sensitive_operands, row_kinds
+
+    kinds = row_kinds(256, 8, torch.bfloat16, "cpu", 300)
+    x, w = order_sensitive_operands(256, 8, torch.bfloat16, "cpu", 300)
+    rng = np.random.default_rng(0)
+    for a, b in rng.integers(1, 301, (60, 2)):
+        a, b = sorted((int(a), int(b)))
+        same = torch.equal(torch.nn.functional.linear(x[:a], w), torch.nn.functional.linear(x[:b], w)[:a])
+        if kinds[a] == kinds[b]:
+            assert same, f"row counts {a} and {b} are of kind {kinds[a]} but their common rows differ"

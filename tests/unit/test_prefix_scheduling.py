@@ -24,10 +24,9 @@ def group(rng, prompt_len, sizes):
 
 
 def made_up_rounding(rng) -> RowRounding:
-    """A ``RowRounding`` whose narrow products change rows at a dozen row counts below 600."""
-    changed = RowRounding.exact(600).changed.copy()
-    changed[rng.integers(70, 600, 12)] = 0
-    return RowRounding(changed)
+    """A ``RowRounding`` whose row counts below 600 fall in a dozen ranges of three kinds."""
+    starts = sorted({1, *(int(m) for m in rng.integers(70, 600, 12))})
+    return RowRounding.from_runs([[m, int(rng.integers(0, 3))] for m in starts], 600)
 
 
 @pytest.mark.parametrize("with_rounding", [False, True], ids=["by-prompt", "rounding-followed"])
@@ -88,15 +87,15 @@ def test_scheduler_counts_a_shared_prompt_once_and_exports_the_savings():
 def test_scheduler_costs_a_row_as_the_backends_rounding_cuts_the_group():
     rng = np.random.default_rng(2)
     request = group(rng, 300, [100] * 4 + [200] * 4)  # 400- and 500-token members
-    changed = RowRounding.exact(4096).changed.copy()
-    changed[450] = 0  # the narrow products change rows at 450 rows: the two lengths do not share
+    # the narrow products take another kernel from 450 rows on: the two lengths do not share
+    rounding = RowRounding.from_runs([[1, 0], [450, 1]], 4096)
 
     # one prompt for all eight: 256 + 4 * 144 + 4 * 244 = 1,808 tokens, one row
     rows, saved = schedule_once(request, max_batch_tokens=2000, prefix_min_tokens=64)
     assert [len(r) for r in rows] == [8] and saved == 7 * 256, (rows, saved)
     # cut in two groups: 832 + 1,232 = 2,064 tokens do not fit 2,000; the first row takes the four
     # 500-token members and three 400-token ones (1,232 + 688 = 1,920), the last goes alone
-    rows, saved = schedule_once(request, max_batch_tokens=2000, prefix_min_tokens=64, rounding=RowRounding(changed))
+    rows, saved = schedule_once(request, max_batch_tokens=2000, prefix_min_tokens=64, rounding=rounding)
     assert sorted(sorted(r) for r in rows) == [[400], [400] * 3 + [500] * 4], rows
     assert saved == (3 + 2) * 256, saved
 
