@@ -115,14 +115,16 @@ class Settings(BaseSettings):
     max_model_len: int | None = Field(None, ge=1, description="longest sequence accepted; default: the model's")
     max_sequences_per_request: int = Field(4096, ge=1, description="most sequences in one request; beyond it 413")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long admitted requests may take to finish")
-    # Off by default: on a GPU a prompt is shared only among members whose lengths round the narrow
-    # gate products alike, which keeps little of the saving on varied lengths (1.05x on the 9B's RL
-    # mix), and rows smaller than the budget have not been shown exact (docs/prefix-sharing.md).
-    prefix_sharing: bool = Field(
-        False, description="run leading tokens that sequences of one row share (a GRPO group's prompt) once; "
-        "on a GPU only among members whose lengths round the narrow products alike (measured at start-up, "
-        "kept in $PACKSCORE_CACHE_DIR); under --sp > 1 among every member, where a result may move by "
-        "about 1e-2 in bf16 (--no-prefix-sharing: every sequence runs whole)"
+    # Default on where sharing changes no number (a GPU, whole sequences on each rank): there a prompt
+    # is shared only among members whose lengths compute it alike, bit for bit and faster (1.09x on
+    # the 9B's RL mix); off on the CPU (float32 within 1e-5, not bit for bit) and under --sp > 1
+    # (every member shares, about 1e-2 in bf16). docs/prefix-sharing.md.
+    prefix_sharing: bool | None = Field(
+        None, description="run leading tokens that sequences of one row share (a GRPO group's prompt) once. "
+        "Default: on a GPU with --sp 1, where it shares only among members whose lengths compute the prompt "
+        "alike (measured at start-up, kept in $PACKSCORE_CACHE_DIR) and changes no number; off on the CPU and "
+        "under --sp > 1. --prefix-sharing forces it there too (under --sp > 1 a result may move by about 1e-2 "
+        "in bf16); --no-prefix-sharing: every sequence runs whole"
     )
     prefix_min_tokens: int = Field(64, ge=1, description="shortest shared prefix worth running once (tokens)")
 
@@ -202,8 +204,20 @@ class Settings(BaseSettings):
 
     @property
     def prefix_min_tokens_in_use(self) -> int:
-        """The scorers' ``prefix_min_tokens``: 0 when prefix sharing is off."""
+        """The scorers' ``prefix_min_tokens``: 0 when prefix sharing is off (by default off but on
+        a GPU with whole sequences on each rank, where it is exact)."""
+        if self.prefix_sharing is None:
+            return self.prefix_min_tokens if self.sp == 1 and self.device_type == "cuda" else 0
         return self.prefix_min_tokens if self.prefix_sharing else 0
+
+    @property
+    def device_type(self) -> str:
+        """``--device``'s type, ``auto`` resolved as the model loader resolves it."""
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return torch.device(self.device).type
 
     @property
     def uses_worker_pool(self) -> bool:

@@ -6,6 +6,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from model_runtime.scoring.prefix import RowTokens, tokens_saved
 from model_runtime.scoring.rounding import RowRounding
@@ -100,16 +101,20 @@ def test_scheduler_costs_a_row_as_the_backends_rounding_cuts_the_group():
     assert saved == (3 + 2) * 256, saved
 
 
-def test_prefix_sharing_is_off_by_default_and_the_flag_turns_it_on():
+def test_prefix_sharing_is_on_by_default_only_where_it_is_exact_and_the_flags_force_it():
     def settings(*argv):
         args = build_parser().parse_args(["serve", *argv])
         return Settings(**{k: v for k, v in vars(args).items() if k in Settings.model_fields})
 
-    assert Settings().prefix_sharing is False and Settings().prefix_min_tokens_in_use == 0
-    assert settings().prefix_min_tokens_in_use == 0
-    assert settings("--prefix-sharing").prefix_min_tokens_in_use == 64
+    assert Settings().prefix_sharing is None
+    assert settings("--device", "cpu").prefix_min_tokens_in_use == 0  # float32 within 1e-5, not bit for bit
+    assert settings("--device", "cuda").prefix_min_tokens_in_use == 64  # the measured kinds: bit for bit
+    assert settings("--device", "cuda:1", "--world-size", "2").prefix_min_tokens_in_use == 64
+    assert settings("--device", "cuda", "--world-size", "2", "--sp", "2").prefix_min_tokens_in_use == 0
+    assert settings().prefix_min_tokens_in_use == (64 if torch.cuda.is_available() else 0)  # auto: as loading resolves it
+    assert settings("--device", "cpu", "--prefix-sharing").prefix_min_tokens_in_use == 64
     assert settings("--prefix-sharing", "--prefix-min-tokens", "128").prefix_min_tokens_in_use == 128
-    assert settings("--prefix-sharing", "--no-prefix-sharing").prefix_min_tokens_in_use == 0
+    assert settings("--device", "cuda", "--prefix-sharing", "--no-prefix-sharing").prefix_min_tokens_in_use == 0
 
 
 def test_the_pool_and_the_local_scorer_get_the_prefix_length_in_use(monkeypatch):
