@@ -32,6 +32,7 @@ from bench.flops import FlopModel, flop_model
 from bench.workload import WorkloadSpec, describe, grpo_workload
 from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.prefix import pack_groups_first_fit, tokens_saved
+from model_runtime.scoring.rounding import RowRounding
 from model_runtime.scoring.scorer import Scorer
 
 MIN_TOKENS = 64
@@ -142,6 +143,7 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
         t_round = time.perf_counter()
         trio[1].measure_prefix_rounding()
         result_rounding_s = time.perf_counter() - t_round
+        trio[2].prefix_rounding = RowRounding.exact(budget)  # every member of a group alike
         scorers[budget] = trio
     loads = workloads(loaded.vocab_size, tiny=preset == "tiny")
     # The shared path's own kernel variants (initial and final states, gathered keys): a small row

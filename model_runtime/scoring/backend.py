@@ -130,10 +130,12 @@ class LocalBackend:
         self._turnstile = threading.Lock()
         self._updating = threading.Lock()  # one update at a time
         self.update_in_place: bool | None = None  # None: beside the old weights when a second copy fits
+        # The scheduler costs rows with it from the first request on, warm-up or not (``packscore score``)
+        self.scorer.rounding_in_use()
 
     @property
     def prefix_rounding(self):
-        """Which members of a group may share their prompt (``Scorer.prefix_rounding``)."""
+        """Which members of a group may share their prompt (``Scorer.rounding_in_use``)."""
         return self.scorer.prefix_rounding
 
     def score_row(self, sequences: Sequence[SequenceInput]) -> list[SequenceScores]:

@@ -58,8 +58,9 @@ class Scorer:
         self.loaded = loaded
         self.max_batch_tokens = int(max_batch_tokens)
         self.prefix_min_tokens = int(prefix_min_tokens)  # 0: every sequence runs whole
-        # Which members of a group may share their prompt without a number moving: measured on
-        # the GPU at warm-up (``measure_prefix_rounding``); None shares among all members.
+        # Which members of a group may share their prompt without a number moving: on the GPU
+        # measured before the first shared row (``rounding_in_use``); None on the CPU shares among
+        # all members (set ``RowRounding.exact`` to do that on the GPU).
         self.prefix_rounding = None
         # score() queues a row before reading the last back; False reads each back first (the
         # benchmark times both).
@@ -157,6 +158,14 @@ class Scorer:
         self.warm_up_steps = steps
         self.warm_up_seconds = time.perf_counter() - started
 
+    def rounding_in_use(self):
+        """The ``RowRounding`` groups are cut by: on CUDA with sharing on, measured first if no
+        one has (``measure_prefix_rounding``), so that a scorer never shares a prompt among members
+        whose lengths compute it differently; None on the CPU."""
+        if self.prefix_rounding is None and self.prefix_min_tokens and self.loaded.device.type == "cuda":
+            self.measure_prefix_rounding()
+        return self.prefix_rounding
+
     def measure_prefix_rounding(self) -> None:
         """On CUDA, where the narrow products round a prompt's rows by the sequence's length
         (``model_runtime.scoring.rounding``): groups are then cut there, and a shared prompt gives
@@ -196,7 +205,7 @@ class Scorer:
             validate_sequence(seq, self.loaded.vocab_size, i)
         results: list[SequenceScores | None] = [None] * len(sequences)
         if self.prefix_min_tokens:
-            rows = pack_groups_first_fit(sequences, self.max_batch_tokens, self.prefix_min_tokens, self.prefix_rounding)
+            rows = pack_groups_first_fit(sequences, self.max_batch_tokens, self.prefix_min_tokens, self.rounding_in_use())
         else:
             rows = pack_first_fit_decreasing([s.length for s in sequences], self.max_batch_tokens)
         # Rows queued on the device and not yet read back: one behind the row being read (none
@@ -227,7 +236,7 @@ class Scorer:
         if not validated:
             for i, seq in enumerate(sequences):
                 validate_sequence(seq, self.loaded.vocab_size, i)
-        plan = plan_row(sequences, self.prefix_min_tokens, self.prefix_rounding)
+        plan = plan_row(sequences, self.prefix_min_tokens, self.rounding_in_use())
         device = self.loaded.device
         # A padding segment (never scored) makes T a multiple of ROW_MULTIPLE: every matrix
         # product then computes a token's row the same way whatever its neighbours (on CPU), and

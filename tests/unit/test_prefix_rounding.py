@@ -167,3 +167,22 @@ def test_row_kinds_of_the_cpu_blas_compute_common_rows_alike():
         same = torch.equal(torch.nn.functional.linear(x[:a], w), torch.nn.functional.linear(x[:b], w)[:a])
         if kinds[a] == kinds[b]:
             assert same, f"row counts {a} and {b} are of kind {kinds[a]} but their common rows differ"
+
+
+def test_a_cuda_scorer_measures_its_table_before_its_first_shared_row(monkeypatch):
+    """``packscore score`` and any scorer that skipped its warm-up: on CUDA the table is measured
+    on first use, never left out (which would share among every member and move numbers)."""
+    from types import SimpleNamespace
+
+    from model_runtime.scoring.loading import load_model
+    from model_runtime.scoring.scorer import Scorer
+
+    loaded = load_model("tiny")
+    scorer = Scorer(loaded, prefix_min_tokens=64)
+    made = R.RowRounding.from_runs([[1, 0], [500, 1]], 4096)
+    calls = []
+    monkeypatch.setattr(scorer, "measure_prefix_rounding", lambda: (calls.append(1), setattr(scorer, "prefix_rounding", made)))
+    scorer.loaded = SimpleNamespace(device=torch.device("cuda"))  # only the device is read before measuring
+    assert scorer.rounding_in_use() is made and scorer.rounding_in_use() is made and calls == [1]
+    assert Scorer(loaded, prefix_min_tokens=64).rounding_in_use() is None  # the CPU: every member alike
+    assert Scorer(loaded).rounding_in_use() is None
