@@ -152,7 +152,7 @@ class Scorer:
             step(f"{n} tokens", lambda n=n: self.score_row([SequenceInput(rng.integers(0, vocab, n), score_from=1)]))
         step("attention plans", self.warm_attention_plans)
         if self.prefix_min_tokens:
-            step("the narrow products' rounding by row count", self.measure_prefix_rounding)
+            step("the narrow products' rounding by row count", self.rounding_in_use)  # unless measured already
             step("a shared prefix", lambda: self.score_row(shared_prefix_row(rng, vocab, self.prefix_min_tokens)))
         # Where start-up time goes (compilation and autotuning are in the first step that needs them).
         self.warm_up_steps = steps
