@@ -41,8 +41,8 @@ ROW_MULTIPLE = 16
 # cuBLAS picks a product's kernel from its shape, and below a few hundred rows it picks kernels
 # that sum K in another order (split-K), so a short row alone would round differently from the
 # same tokens in a long row. On the H200 every linear shape of the 9B and 35B-A3B computes its rows
-# as the longest rows do from 592 rows on (the 9B's MLP down product returns to another kernel at
-# 576-591 rows; bench/product_steps.py, bench/results/h200-2026-12-02d-product-steps.json).
+# as the longest rows do from 592 rows on (probed every 16 rows to 8,192, every 256 beyond; the
+# 9B's MLP down product returns to another kernel at 576-591 rows; bench/product_steps.py).
 CUDA_MIN_ROW_TOKENS = 640
 
 
