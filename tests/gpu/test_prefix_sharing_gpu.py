@@ -238,3 +238,31 @@ def test_row_counts_of_one_kind_compute_a_prompt_alike(gpu_record):
     ranges = int((kinds[2:] != kinds[1:-1]).sum()) + 1
     gpu_record("prefix narrow product kinds (9B decay/beta, to 8192 rows)", kinds=int(np.unique(kinds[1:]).size),
                ranges=ranges, pairs_alike=alike, pairs_unequal=unlike_seen)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_next"])
+def test_moe_checkpoints_shared_equal_unshared_in_bf16(kind, checkpoint_dir, gpu_record):
+    """The MoE kinds (router and shared gate per whole sequence, grouped experts) with the served
+    kernels and the measured table, a group of varied lengths beside an unrelated sequence: every
+    number bit for bit the unshared one (prefix sharing is on by default on a GPU)."""
+    from model_runtime.scoring.loading import load_model
+    from model_runtime.scoring.scorer import Scorer
+    from model_runtime.types import SequenceInput
+
+    loaded = load_model(str(checkpoint_dir(kind)), device=DEV, dtype="bfloat16")
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, loaded.vocab_size, 650)
+    seqs = [SequenceInput(np.concatenate([prompt, rng.integers(0, loaded.vocab_size, n)]), score_from=600, top_k=2)
+            for n in (1, 64, 300, 700, 701, 2000)]
+    seqs.append(SequenceInput(rng.integers(0, loaded.vocab_size, 500), score_from=1))
+    plain = Scorer(loaded, max_batch_tokens=8192).score_row(seqs)
+    sharing = Scorer(loaded, max_batch_tokens=8192, prefix_min_tokens=64)
+    shared = sharing.score_row(seqs)  # the table measured on first use (rounding_in_use)
+    saved = tokens_saved(seqs, 64, sharing.prefix_rounding)
+    d = max(float(np.abs(a.logprobs - b.logprobs).max()) for a, b in zip(shared, plain))
+    e = max(float(np.abs(a.entropy - b.entropy).max()) for a, b in zip(shared, plain))
+    ids = all(np.array_equal(a.top_k_ids, b.top_k_ids) for a, b in zip(shared, plain))
+    gpu_record("prefix MoE checkpoint shared vs unshared", kind=kind, logprob_max=d, entropy_max=e, top_k_ids_equal=ids,
+               tokens_saved=saved, tokens_saved_every_member=tokens_saved(seqs, 64))
+    assert sharing.prefix_rounding is not None and saved > 0, "the table was not measured or nothing was shared"
+    assert d == 0.0 and e == 0.0 and ids, f"{kind}: shared vs unshared max |dlogp| {d:.3e}, |dentropy| {e:.3e}, top-k ids equal {ids}; expected 0"
