@@ -99,17 +99,13 @@ def order_sensitive_operands(in_features: int, out_features: int, dtype: torch.d
     return x.to(dtype), w.to(dtype)
 
 
-@torch.inference_mode()
-def first_changed_rows(in_features: int, out_features: int, dtype: torch.dtype, device, max_rows: int,
-                       seeds: tuple[int, ...] = (0, 1)) -> np.ndarray:
+def first_changed_rows(operands: Sequence[tuple[torch.Tensor, torch.Tensor]], max_rows: int) -> np.ndarray:
     """``changed[M]`` for ``M`` up to ``max_rows``: the first row of a ``[M, in] x [in, out]``
     product that differs from the same row of the product over ``M - 1`` rows (``M`` when none
-    does; entries 0 and 1 are ``max_rows + 1``), the least over ``order_sensitive_operands`` of
-    each seed. The BLAS picks its kernel by the operands' shape, dtype and layout, not their
-    values; the operands only make a change of summation order visible. Every row count in one
-    pass, with one host sync at the end.
+    does; entries 0 and 1 are ``max_rows + 1``), the least over ``operands`` (pairs ``(x, w)`` of
+    at least ``max_rows`` rows). Every row count in one pass, with one host sync at the end.
     """
-    operands = [order_sensitive_operands(in_features, out_features, dtype, device, max_rows, seed) for seed in seeds]
+    device = operands[0][0].device
     changed = torch.full((max_rows + 1,), max_rows + 1, dtype=torch.int64, device=device)
     previous = [F.linear(x[:1], w) for x, w in operands]
     for m in range(2, max_rows + 1):
@@ -139,20 +135,26 @@ def row_kinds(in_features: int, out_features: int, dtype: torch.dtype, device, m
     rows of one fewer alike; then the largest count of each range is compared, on every common row
     and with ``order_sensitive_operands`` of each seed, with the largest count seen so far of each
     kind found before it. cuBLAS returns to a kernel it used for fewer rows, so most ranges join an
-    earlier kind. The kernel's rows do not depend on the operands' values, only its order does.
+    earlier kind. The BLAS picks its kernel by the operands' shape, dtype and layout, not their
+    values; the operands only make a change of summation order visible.
     """
-    changed = first_changed_rows(in_features, out_features, dtype, device, max_rows, seeds)
+    operands = [order_sensitive_operands(in_features, out_features, dtype, device, max_rows, seed) for seed in seeds]
+    changed = first_changed_rows(operands, max_rows)
     starts = [1] + [m for m in range(2, max_rows + 1) if changed[m] < m]
     ends = [s - 1 for s in starts[1:]] + [max_rows]
-    operands = [order_sensitive_operands(in_features, out_features, dtype, device, max_rows, seed) for seed in seeds]
     kinds = np.zeros(max_rows + 1, dtype=np.int64)
     reps: dict[int, tuple[int, list[torch.Tensor]]] = {}  # per kind kept: its largest row count and those outputs
     order: list[int] = []  # kinds kept, the last matched first (cuBLAS alternates among few kernels)
+
+    def alike(ys: list[torch.Tensor], end: int, kind: int) -> bool:
+        rows, rep = reps[kind]
+        n = min(rows, end)
+        return all(torch.equal(y[:n], r[:n]) for y, r in zip(ys, rep))
+
     count = 0
     for start, end in zip(starts, ends):
         ys = [F.linear(x[:end], w) for x, w in operands]
-        found = next((k for k in order if all(torch.equal(y[: min(reps[k][0], end)], r[: min(reps[k][0], end)])
-                                              for y, r in zip(ys, reps[k][1]))), None)
+        found = next((k for k in order if alike(ys, end, k)), None)
         if found is None:
             found, count = count, count + 1
             if len(reps) >= MAX_KINDS:  # a kind of its own, compared with nothing
