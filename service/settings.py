@@ -212,12 +212,12 @@ class Settings(BaseSettings):
 
     @property
     def device_type(self) -> str:
-        """``--device``'s type, ``auto`` resolved as the model loader resolves it."""
+        """``--device``'s type, ``auto`` resolved by the model loader's own rule."""
         import torch
 
-        if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        return torch.device(self.device).type
+        from model_runtime.scoring.loading import default_device
+
+        return (default_device() if self.device == "auto" else torch.device(self.device)).type
 
     @property
     def uses_worker_pool(self) -> bool:
