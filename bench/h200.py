@@ -28,7 +28,10 @@ With less than ``MIN_PART_S`` (30) left, the remaining parts are skipped. ``SUIT
 ``both`` adds the padded form, about 3 minutes more, with ``SUITE_S=540``) and ``SUITE_SWAPS``
 (kernel swaps timed beside the defaults, ``;``-separated, about a minute each) shape the suite;
 ``PROBE_ONLY`` (e.g. ``conv``) limits the probe to the steps whose name contains it;
-``MOE_SEQUENCES`` (default 24; 256, the whole workload, needs ``MOE_S=400``) the MoE benchmark.
+``MOE_SEQUENCES`` (default 24; 256, the whole workload, needs ``MOE_S=400``) and ``MOE_HF``
+(default ``single``; ``none``: packscore's own sides only, about 2 minutes for the whole
+workload) the MoE benchmark; ``PREFIX_SHARING_PRESET`` (default the 9B) and
+``PREFIX_SHARING_ALSO`` (rows of 16384 too; 0: not) the prefix-sharing benchmark.
 
 Output: at most 8 files in ``OUT`` (default bench/out), none in a folder: each part's results
 JSON (the suite's as ``h200-<date>.json`` with its chart), and ``summary.md``: every part's own
@@ -78,8 +81,11 @@ PARTS = {
                                     *os.environ.get("TESTS_PATHS", "tests/gpu").split()), 300),
     "http_burst": lambda: Part("http_burst", ("-m", "bench.http_burst", "--mode", "gpu"), 150, "http_burst"),
     "weights_swap": lambda: Part("weights_swap", ("-m", "bench.weights_swap"), 240, "weights_swap"),
-    "prefix_sharing": lambda: Part("prefix_sharing", ("-m", "bench.prefix_sharing"), 400, "prefix_sharing"),
-    "moe": lambda: Part("moe", ("-m", "bench.moe", "--sequences", os.environ.get("MOE_SEQUENCES", "24")), 300, "moe"),
+    "prefix_sharing": lambda: Part("prefix_sharing", ("-m", "bench.prefix_sharing", "--preset", os.environ.get(
+        "PREFIX_SHARING_PRESET", "qwen3.5-9b"), "--also-tokens", os.environ.get("PREFIX_SHARING_ALSO", "16384")), 400,
+        "prefix_sharing"),
+    "moe": lambda: Part("moe", ("-m", "bench.moe", "--sequences", os.environ.get("MOE_SEQUENCES", "24"),
+                                "--hf", os.environ.get("MOE_HF", "single")), 300, "moe"),
     "product_steps": lambda: Part("product_steps", ("-m", "bench.product_steps"), 120),
     "narrow_steps": lambda: Part("narrow_steps", ("-m", "bench.narrow_steps", "--max-rows", os.environ.get(
         "NARROW_MAX_ROWS", "32768")), 200),

@@ -374,6 +374,9 @@ def main(argv=None):
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     parser.add_argument("--sequences", type=int, default=24, help="the first N sequences of the RL mix (24 to 256, the whole workload)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting phases after this many seconds")
+    parser.add_argument("--hf", choices=("single", "none"), default="single",
+                        help="none: packscore's own sides of the benchmark only, without the block timing, "
+                             "the plain kernels and the probes after it")
     parser.add_argument("--dry-run-cpu", action="store_true", help="tiny MoE preset, tiny workload, on the CPU")
     args = parser.parse_args(argv)
     args.mode = "moe"
@@ -406,12 +409,16 @@ def main(argv=None):
     try:
         # The block timing and the benchmark first: the benchmark's Hugging Face one-at-a-time pass
         # is skipped when less than its time is left, and it carries the numbers.
-        suite.results["block_timing"] = suite.phase(
-            "MoE block: packscore fused vs composition vs Hugging Face, ms per block", lambda: block_timing(
-                preset, (200, 500) if args.dry_run_cpu else BLOCK_ROWS, spec), 30)
+        full = args.hf != "none"
+        if full:
+            suite.results["block_timing"] = suite.phase(
+                "MoE block: packscore fused vs composition vs Hugging Face, ms per block", lambda: block_timing(
+                    preset, (200, 500) if args.dry_run_cpu else BLOCK_ROWS, spec), 30)
         suite.phase(f"benchmark {preset} ({args.sequences} sequences)", lambda: run_benchmark(
-            suite, preset, args.sequences, hf_single=True, max_batch_tokens=65536 if not args.dry_run_cpu else 300,
-            key=key, extras=True, spec=spec, alternatives=(plain,)), 60)
+            suite, preset, args.sequences, hf_single=full, max_batch_tokens=65536 if not args.dry_run_cpu else 300,
+            key=key, extras=full, spec=spec, alternatives=(plain,) if full else (), hf="both" if full else "none"), 60)
+        if not full:
+            return finish_moe(suite, key)
         suite.results["alone_vs_packed"] = suite.phase(
             "alone vs packed (4 layers)", lambda: alone_vs_packed(preset), 30)
         suite.results["block_divergence"] = suite.phase(
@@ -423,6 +430,10 @@ def main(argv=None):
         H.set_device(device)
         if args.dry_run_cpu:
             PRESETS.pop("tiny-moe", None)
+    finish_moe(suite, key)
+
+
+def finish_moe(suite: Suite, key: str) -> None:
     table = markdown(suite.results, key)
     suite.texts["moe.md"] = table + "\n"
     suite.save()
