@@ -347,10 +347,11 @@ def markdown(results: dict, key: str) -> str:
         lines.append("4-layer forward of one row, tokens/s: " + ", ".join(
             f"{name} {probe[name]['tokens_per_s']:,.0f}" for name in ("packscore", "grouped_mm", "eager") if name in probe)
             + " (grouped_mm, eager: Hugging Face's block)")
-    inv = results.get("alone_vs_packed") or {}
-    lines.append("")
-    lines.append(f"alone vs packed ({inv.get('preset')}, {inv.get('dtype')}): bitwise equal = {inv.get('bitwise_equal')}, "
-                 f"max |diff| by length {inv.get('max_abs_diff_by_length')}")
+    inv = results.get("alone_vs_packed")
+    if inv:  # not run with --hf none, or cut by the time budget
+        lines.append("")
+        lines.append(f"alone vs packed ({inv.get('preset')}, {inv.get('dtype')}): bitwise equal = {inv.get('bitwise_equal')}, "
+                     f"max |diff| by length {inv.get('max_abs_diff_by_length')}")
     div = results.get("block_divergence") or {}
     for impl in ("grouped_mm", "eager"):
         steps = div.get(f"vs_hf_{impl}_single")
@@ -417,23 +418,18 @@ def main(argv=None):
         suite.phase(f"benchmark {preset} ({args.sequences} sequences)", lambda: run_benchmark(
             suite, preset, args.sequences, hf_single=full, max_batch_tokens=65536 if not args.dry_run_cpu else 300,
             key=key, extras=full, spec=spec, alternatives=(plain,) if full else (), hf="both" if full else "none"), 60)
-        if not full:
-            return finish_moe(suite, key)
-        suite.results["alone_vs_packed"] = suite.phase(
-            "alone vs packed (4 layers)", lambda: alone_vs_packed(preset), 30)
-        suite.results["block_divergence"] = suite.phase(
-            "MoE block vs Hugging Face, step by step", lambda: block_divergence(preset), 20)
-        suite.results["moe_experts"] = suite.phase(
-            "MoE block: packscore vs Hugging Face grouped_mm and eager (4 layers)",
-            lambda: moe_experts(None if args.dry_run_cpu else 4, 200 if args.dry_run_cpu else 16384, spec), 30)
+        if full:
+            suite.results["alone_vs_packed"] = suite.phase(
+                "alone vs packed (4 layers)", lambda: alone_vs_packed(preset), 30)
+            suite.results["block_divergence"] = suite.phase(
+                "MoE block vs Hugging Face, step by step", lambda: block_divergence(preset), 20)
+            suite.results["moe_experts"] = suite.phase(
+                "MoE block: packscore vs Hugging Face grouped_mm and eager (4 layers)",
+                lambda: moe_experts(None if args.dry_run_cpu else 4, 200 if args.dry_run_cpu else 16384, spec), 30)
     finally:
         H.set_device(device)
         if args.dry_run_cpu:
             PRESETS.pop("tiny-moe", None)
-    finish_moe(suite, key)
-
-
-def finish_moe(suite: Suite, key: str) -> None:
     table = markdown(suite.results, key)
     suite.texts["moe.md"] = table + "\n"
     suite.save()
