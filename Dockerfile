@@ -7,7 +7,8 @@ ARG CUDA_VERSION=12.8.1
 ARG UBUNTU_VERSION=24.04
 
 # ---------------------------------------------------------------------------
-# build: compile causal-conv1d against the same torch the runtime stage installs.
+# build: compile causal-conv1d against the same torch the runtime stage installs, and
+# packscore's expert-GEMM library.
 # ---------------------------------------------------------------------------
 FROM nvidia/cuda:${CUDA_VERSION}-cudnn-devel-ubuntu${UBUNTU_VERSION} AS build
 
@@ -31,7 +32,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
 # from its archive, so pinning them here would only break later rebuilds.
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-dev python3-venv \
+ && apt-get install -y --no-install-recommends python3 python3-dev python3-venv git ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 
 RUN python3 -m venv /opt/venv \
@@ -49,6 +50,14 @@ RUN pip download --no-deps --no-binary causal-conv1d --no-build-isolation \
  && python cuda_arch.py patch /build/causal_conv1d-${CAUSAL_CONV1D_VERSION}/setup.py \
  && pip wheel --no-deps --no-build-isolation -w /wheels /build/causal_conv1d-${CAUSAL_CONV1D_VERSION} \
  && python cuda_arch.py check /wheels/causal_conv1d-${CAUSAL_CONV1D_VERSION}-*.whl
+
+# packscore's expert-GEMM library (the MoE experts' default kernel on Hopper,
+# model_runtime/kernels/expert_gemm.py): one CUTLASS kernel, headers only, sm_90a.
+ARG CUTLASS_VERSION=v4.7.0
+RUN --mount=type=bind,source=.,target=/src \
+    git clone --quiet --depth 1 --branch ${CUTLASS_VERSION} https://github.com/NVIDIA/cutlass /build/cutlass \
+ && cd /src \
+ && python -m model_runtime.kernels.expert_gemm --cutlass /build/cutlass --out /wheels/libpackscore_expert_gemm.so
 
 # ---------------------------------------------------------------------------
 # runtime: CUDA runtime, a CUDA build of torch, packscore with the `gpu` extra.
@@ -89,7 +98,8 @@ RUN apt-get update \
 RUN python3 -m venv /opt/venv \
  && pip install torch==${TORCH_VERSION} --index-url ${TORCH_INDEX_URL}
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install /wheels/causal_conv1d-*.whl
+    pip install /wheels/causal_conv1d-*.whl \
+ && install -D -m 0755 /wheels/libpackscore_expert_gemm.so /opt/packscore/lib/libpackscore_expert_gemm.so
 # The build context is bind-mounted (rw: setuptools writes build/ into it, the writes
 # are discarded), so no source tree is left in a layer; .dockerignore keeps it small.
 RUN --mount=type=bind,source=.,target=/src,rw \
@@ -106,6 +116,7 @@ ENV HOME=/home/packscore \
     TORCHINDUCTOR_CACHE_DIR=/cache/inductor \
     XDG_CACHE_HOME=/cache/xdg \
     HF_HUB_OFFLINE=1 \
+    PACKSCORE_EXPERT_GEMM=/opt/packscore/lib/libpackscore_expert_gemm.so \
     PACKSCORE_HOST=0.0.0.0 \
     PACKSCORE_PORT=8000
 

@@ -24,6 +24,11 @@ that no step's arithmetic depends on how many tokens an expert received:
   of the rows, the SiLU product, the weighting, the top-k sum and the
   block's ``routed + gate * shared`` run in one pass each (model_runtime/kernels/moe_triton.py)
   instead of the composition's many over ``[S, D]`` and ``[T, D]``.
+- ``expert_tiles`` (CUDA, bfloat16, Hopper; the default where its library is built): the scattered
+  fused path with each expert's rows starting on a multiple of a tile's rows, and both products
+  in packscore's CUTLASS kernel over that layout (model_runtime/kernels/expert_gemm.py): the same
+  K order, so ``grouped_mm``'s numbers bit for bit, without the grouped kernel's per-expert
+  descriptor rewrites.
 
 Every backend takes ``shared = (gate_T1, shared_TD)``, or a function returning it (called only
 where the backend adds it), and then returns the block's output, ``routed + gate * shared``
@@ -195,6 +200,18 @@ experts_grouped_mm_fused = functools.partial(experts_grouped_mm, fused=True)
 experts_grouped_mm_fused_scatter = functools.partial(experts_grouped_mm, fused=True, scatter=True)
 
 
+def experts_expert_tiles(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared=None) -> torch.Tensor:
+    """``grouped_mm_fused_scatter``'s numbers bit for bit, its two products in packscore's CUTLASS
+    kernel over a tile-aligned expert layout (``expert_gemm``)."""
+    from model_runtime.kernels import expert_gemm
+
+    if x_TD.device.type != "cuda" or x_TD.dtype != torch.bfloat16:
+        raise ValueError(f"the expert_tiles experts need bfloat16 on CUDA, got {x_TD.dtype} on {x_TD.device.type}; "
+                         "use --kernels moe_experts=tiled")
+    return grouped_experts(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared, fused=True, scatter=True,
+                           tiled=expert_gemm.cutlass_product())
+
+
 def add_shared(routed_TD: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """The block's output from its routed experts' and, with ``shared = (gate_T1, shared_TD)``,
     its gated shared expert: ``routed + gate * shared`` (each step rounded to the dtype)."""
@@ -221,15 +238,20 @@ def grouped_experts(
     *,
     fused: bool,
     scatter: bool = False,
+    tiled=None,
 ) -> torch.Tensor:
     """The two grouped products with the steps around them in PyTorch (``fused=False``) or in the
-    Triton kernels (``fused=True``; ``scatter``: the input rows written by ``scatter_rows``); no
-    device check, so that the CPU interpreter tests run both."""
+    Triton kernels (``fused=True``; ``scatter``: the input rows written by ``scatter_rows``); with
+    ``tiled`` (an ``expert_gemm.TiledProduct``, with ``fused`` and ``scatter``) the rows laid out so
+    that every expert starts on a multiple of its tile's rows and both products run through it. No
+    device check, so that the CPU interpreter tests run them all."""
     T, K = top_i_TK.shape
     E, D, I = gate_up_E2ID.shape[0], x_TD.shape[1], down_EDI.shape[2]
     order_S, ends_E = routed_pairs(top_i_TK, E)
     offsets_E = ends_E.to(torch.int32)
     S = T * K
+    if tiled is not None:
+        return _tiled_experts(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared, order_S, ends_E, tiled)
     rows = max(S, GROUPED_MM_LARGE_CONFIG_ROWS * E)  # rows past offsets[-1] are never computed
     if fused and top_w_TK.dtype != x_TD.dtype:
         raise ValueError(f"the fused experts take routing weights in the model dtype {x_TD.dtype}, got {top_w_TK.dtype}")
@@ -253,6 +275,33 @@ def grouped_experts(
         weighted_SD = torch.empty_like(x_RD[:S])
         weighted_SD[order_S] = y_RD[:S] * top_w_TK.reshape(-1)[order_S, None]
         return add_shared(combine_top_k(weighted_SD, T, x_TD.dtype), shared)
+    shared = shared_tensors(shared)
+    if shared is not None:
+        shared = tuple(t.contiguous() for t in shared)
+    return moe_triton.combine_top_k(y_RD, pos_S.view(T, K), top_w_TK.contiguous(), shared)
+
+
+def _tiled_experts(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared, order_S, ends_E, tiled) -> torch.Tensor:
+    """``grouped_experts`` over the tile-aligned layout: pair (t, k) goes to its place in the sorted
+    rows moved on by its expert's padding, the products run through ``tiled.mm``, and the SiLU pass
+    and the top-k sum read the rows where they are."""
+    from model_runtime.kernels import expert_gemm, moe_triton
+
+    T, K = top_i_TK.shape
+    E, D = gate_up_E2ID.shape[0], x_TD.shape[1]
+    S = T * K
+    if top_w_TK.dtype != x_TD.dtype:
+        raise ValueError(f"the fused experts take routing weights in the model dtype {x_TD.dtype}, got {top_w_TK.dtype}")
+    counts_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
+    rows = expert_gemm.layout_rows(S, E, tiled.tile_rows)
+    starts_E, tile_expert_M = expert_gemm.expert_layout(counts_E, tiled.tile_rows, rows)
+    pos_S = torch.empty_like(order_S).index_copy_(0, order_S, torch.arange(S, device=order_S.device))
+    pos_S += (starts_E - (ends_E - counts_E))[top_i_TK.reshape(-1)]  # each pair's expert's padding before it
+    x_RD = x_TD.new_empty(rows, D)  # rows no pair names are never read back
+    moe_triton.scatter_rows(x_TD, pos_S.view(T, K), x_RD)
+    gate_up_R2I = tiled.mm(x_RD, gate_up_E2ID.contiguous(), tile_expert_M)
+    h_RI = moe_triton.silu_mul_rows(gate_up_R2I, rows)
+    y_RD = tiled.mm(h_RI, down_EDI.contiguous(), tile_expert_M)
     shared = shared_tensors(shared)
     if shared is not None:
         shared = tuple(t.contiguous() for t in shared)

@@ -35,6 +35,7 @@ from model_runtime.kernels.linear_attention import gated_delta_rule_fla, gated_d
 from model_runtime.kernels.moe_experts import (
     experts_grouped_mm,
     experts_grouped_mm_fused,
+    experts_expert_tiles,
     experts_grouped_mm_fused_scatter,
     experts_tiled,
     shared_inline,
@@ -62,7 +63,7 @@ REGISTRY: dict[str, dict[str, Callable]] = {
                     "inductor_exact": elementwise.inductor_exact, "triton_exact": elementwise.triton_exact},
     "gate_projection": {"row": gate_projection_row, "segment": gate_projection_segment},
     "moe_experts": {"tiled": experts_tiled, "grouped_mm": experts_grouped_mm, "grouped_mm_fused": experts_grouped_mm_fused,
-                    "grouped_mm_fused_scatter": experts_grouped_mm_fused_scatter},
+                    "grouped_mm_fused_scatter": experts_grouped_mm_fused_scatter, "expert_tiles": experts_expert_tiles},
     "moe_router": {"topk": top_k_torch, "select": top_k_select},
     "moe_shared": {"inline": shared_inline, "stream": shared_side_stream},
 }
@@ -81,7 +82,7 @@ _CPU_DEFAULT = {
 
 # Backends whose kernels exist only on CUDA.
 CUDA_ONLY = frozenset({"fla", "causal_conv1d", "varlen", "sdpa_fused", "flash_attn", "triton", "inductor_exact", "triton_exact",
-                       "grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter", "select", "stream"})
+                       "grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter", "expert_tiles", "select", "stream"})
 
 # The fast backends on a GPU, best first. Attention differs by where the model runs (figures in
 # docs/benchmarks.md):
@@ -107,7 +108,9 @@ _GPU_PREFERENCE = {
     # grouped_mm_fused(_scatter): grouped_mm's arithmetic bit for bit, CUTLASS's products with the
     # steps around them in Triton; scatter writes the products' rows from the tokens' side. The
     # products themselves in Triton gave the same numbers but a slower block on an H200 (docs/moe.md).
-    "moe_experts": ("grouped_mm_fused_scatter", "grouped_mm_fused", "grouped_mm"),
+    # expert_tiles: the same numbers again, both products in packscore's CUTLASS kernel over a
+    # tile-aligned layout (faster than grouped_mm's on an H200, docs/moe.md); where its library is built.
+    "moe_experts": ("expert_tiles", "grouped_mm_fused_scatter", "grouped_mm_fused", "grouped_mm"),
     # select: torch.topk's answer, its radix select replaced by one Triton pass.
     "moe_router": ("select", "topk"),
     # inline: on an H200 the second stream (--kernels moe_shared=stream) made a 64k-token block slower
@@ -164,6 +167,7 @@ _BACKEND_MODULES = {
     "triton_exact": ("triton", "torch._inductor"),
     "grouped_mm_fused": ("triton",),
     "grouped_mm_fused_scatter": ("triton",),
+    "expert_tiles": ("triton",),
     "select": ("triton",),
 }
 
@@ -173,6 +177,12 @@ def _unavailable_reason(family: str, name: str) -> str | None:
     modules = _BACKEND_MODULES.get(name, ())
     if family == "moe_experts" and name.startswith("grouped_mm") and not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no grouped matrix product"
+    if family == "moe_experts" and name == "expert_tiles":
+        from model_runtime.kernels import expert_gemm
+
+        reason = expert_gemm.unavailable_reason()
+        if reason is not None:
+            return reason
     if family == "conv1d" and name == "fla":
         modules = ("fla.modules",)
     for module in modules:

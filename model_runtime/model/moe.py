@@ -32,6 +32,8 @@ from model_runtime.kernels.registry import KernelBackends
 from model_runtime.model.layers import ModuleOps, _is_silu
 from model_runtime.model.packing import PackedBatch
 
+# The experts backends that take bfloat16 weights on CUDA only.
+CUDA_BF16_EXPERTS = frozenset({"grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter", "expert_tiles"})
 # Hugging Face's sparse-MoE block classes this block replaces.
 SPARSE_MOE_BLOCKS = frozenset({"Qwen3_5MoeSparseMoeBlock", "Qwen3NextSparseMoeBlock"})
 
@@ -59,7 +61,7 @@ class PackedSparseMoe(nn.Module):
         self.experts = experts  # gate_up_proj [E, 2I, D] (gate rows, then up rows), down_proj [E, D, I]
         self.shared_expert = source.shared_expert
         self.shared_expert_gate = source.shared_expert_gate
-        if backends.moe_experts.startswith("grouped_mm") and experts.gate_up_proj.dtype != torch.bfloat16:
+        if backends.moe_experts in CUDA_BF16_EXPERTS and experts.gate_up_proj.dtype != torch.bfloat16:
             raise ValueError(f"the {backends.moe_experts} experts need bfloat16 weights, got {experts.gate_up_proj.dtype}; "
                              "use --kernels moe_experts=tiled")
         self.experts_fn = backends.fn("moe_experts")

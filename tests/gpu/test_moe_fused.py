@@ -1,6 +1,8 @@
-"""The fused MoE experts (``moe_experts=grouped_mm_fused``, and ``grouped_mm_fused_scatter``) on
-the GPU: the ``grouped_mm`` composition's numbers bit for bit, on the Qwen3.5-35B-A3B block shape
-(E=256, K=8, D=2048, I=512) and row counts from one token to a 64k-token row.
+"""The fused MoE experts (``moe_experts=grouped_mm_fused``, ``grouped_mm_fused_scatter`` and
+``expert_tiles``) on the GPU: the ``grouped_mm`` composition's numbers bit for bit, on the
+Qwen3.5-35B-A3B block shape (E=256, K=8, D=2048, I=512) and row counts from one token to a
+64k-token row. ``expert_tiles`` needs its library (model_runtime/kernels/expert_gemm.py); where it
+is not built its cases are skipped with the reason.
 """
 
 import pytest
@@ -46,12 +48,18 @@ def test_fused_experts_equal_the_composition_bit_for_bit(inputs, rows, gpu_recor
         experts_grouped_mm_fused_scatter,
     )
 
+    from model_runtime.kernels import expert_gemm
+    from model_runtime.kernels.moe_experts import experts_expert_tiles
+
     gate_up, down, x, top_i, top_w, gate, shared = (t[:rows] if t.dim() == 2 else t for t in inputs)
     counts, worst = {}, {}
+    backends = [("fused", experts_grouped_mm_fused), ("fused_scatter", experts_grouped_mm_fused_scatter)]
+    if expert_gemm.unavailable_reason() is None:
+        backends.append(("expert_tiles", experts_expert_tiles))
     with torch.inference_mode():
         routed_want = experts_grouped_mm(x, top_i, top_w, gate_up, down)
         block_want = experts_grouped_mm(x, top_i, top_w, gate_up, down, shared=(gate, shared))
-        for name, fn in (("fused", experts_grouped_mm_fused), ("fused_scatter", experts_grouped_mm_fused_scatter)):
+        for name, fn in backends:
             routed = fn(x, top_i, top_w, gate_up, down)
             block = fn(x, top_i, top_w, gate_up, down, shared=(gate, shared))
             counts[f"{name}_routed_differing"] = differing(routed, routed_want)
@@ -60,6 +68,56 @@ def test_fused_experts_equal_the_composition_bit_for_bit(inputs, rows, gpu_recor
                               float((block.float() - block_want.float()).abs().max()))
     gpu_record(f"fused MoE experts vs grouped_mm, {rows} tokens", **counts)
     assert not any(counts.values()), f"{counts} of {rows * D} values differ (tolerance: bit for bit); max |diff| {worst}"
+
+
+def expert_tiles_or_skip():
+    from model_runtime.kernels import expert_gemm
+
+    reason = expert_gemm.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"expert_tiles unavailable: {reason}")
+    return expert_gemm
+
+
+@pytest.mark.parametrize("skew", [0.0, 8.0], ids=["router-like", "skewed"])
+@pytest.mark.parametrize("tokens", [1, 300, 16384, 65536], ids=lambda n: f"T{n}")
+def test_expert_mm_equals_grouped_mm(tokens, skew, gpu_record):
+    """packscore's CUTLASS product over the tile-aligned layout against ``torch._grouped_mm`` on the
+    grouped rows, both products of the block, bit for bit: routing from random logits, and skewed
+    so that a few experts take most rows and many take none."""
+    expert_gemm = expert_tiles_or_skip()
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    logits = torch.randn(tokens, E, device="cuda", generator=g) + skew * torch.linspace(0, 1, E, device="cuda")
+    counts = torch.bincount(logits.topk(K, dim=-1).indices.reshape(-1), minlength=E)
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    S, tile = tokens * K, expert_gemm.cutlass_product().tile_rows
+    rows = expert_gemm.layout_rows(S, E, tile)
+    starts, tile_expert = expert_gemm.expert_layout(counts, tile, rows)
+    expert_of_row = torch.repeat_interleave(torch.arange(E, device="cuda"), counts, output_size=S)
+    dest = torch.arange(S, device="cuda") - (offsets.long() - counts)[expert_of_row] + starts[expert_of_row]
+    results = {}
+    for name, n, k in (("gate_up", 2 * I, D), ("down", D, I)):
+        w = (torch.randn(E, n, k, device="cuda", generator=g) * 0.02).bfloat16()
+        x = torch.randn(S, k, device="cuda", generator=g).bfloat16()
+        want = torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+        laid = x.new_full((rows, k), float("nan"))  # rows no pair names hold NaN: they must stay apart
+        laid[dest] = x
+        got = expert_gemm.expert_mm(laid, w, tile_expert)[dest]
+        results[name] = differing(got, want)
+    gpu_record(f"expert_mm vs torch._grouped_mm, {tokens} tokens, skew {skew}", max_rows_per_expert=int(counts.max()),
+               empty_experts=int((counts == 0).sum()), **results)
+    assert not any(results.values()), f"values differing from torch._grouped_mm (tolerance: bit for bit): {results}"
+
+
+def test_expert_mm_refuses_what_it_does_not_take():
+    expert_gemm = expert_tiles_or_skip()
+    tile = expert_gemm.cutlass_product().tile_rows
+    w = torch.zeros(4, 256, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="a multiple of"):
+        expert_gemm.expert_mm(torch.zeros(tile + 1, 128, device="cuda", dtype=torch.bfloat16), w,
+                              torch.zeros(1, device="cuda", dtype=torch.int32))
+    with pytest.raises(ValueError, match="bfloat16"):
+        expert_gemm.expert_mm(torch.zeros(tile, 128, device="cuda"), w, torch.zeros(1, device="cuda", dtype=torch.int32))
 
 
 @pytest.mark.parametrize("variant", ["default", "fused", "fused_scatter_select"])

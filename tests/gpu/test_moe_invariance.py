@@ -1,7 +1,8 @@
 """MoE on the GPU: a sequence scored alone equals the same sequence packed with others, bit for bit.
 
 The first 4 layers of the Qwen3.5-35B-A3B shape (random bf16 weights), with the served kernels and
-each grouped experts backend (``grouped_mm``, ``grouped_mm_fused``, ``grouped_mm_fused_scatter``). Lengths span the grouped
+each grouped experts backend (``grouped_mm``, ``grouped_mm_fused``, ``grouped_mm_fused_scatter``,
+``expert_tiles``: skipped, with the reason, where its library is not built). Lengths span the grouped
 product's tile configurations a row size would pick without the fixed tail (fewer than 64, 64-128
 and over 128 rows per expert on average).
 """
@@ -14,13 +15,22 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="MoE invariance on the GPU needs CUDA"),
 ]
-BACKENDS = ("grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter")
+BACKENDS = ("grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter", "expert_tiles")
+
+
+def skip_unavailable(backend: str) -> None:
+    from model_runtime.kernels.registry import _unavailable_reason
+
+    reason = _unavailable_reason("moe_experts", backend)
+    if reason is not None:
+        pytest.skip(f"{backend} unavailable: {reason}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_moe_alone_equals_packed_bit_for_bit(backend, gpu_record):
     from bench.moe import alone_vs_packed
 
+    skip_unavailable(backend)
     result = alone_vs_packed(lengths=(1, 5, 64, 300, 1000, 3000, 9000), experts=backend)
     gpu_record(f"MoE alone vs packed (35B-A3B, 4 layers, {backend})",
                **{f"len_{k}": v for k, v in result["max_abs_diff_by_length"].items()})
@@ -34,6 +44,7 @@ def test_grouped_experts_rows_do_not_depend_on_the_count(backend, gpu_record):
     """The experts alone: one token's row is the same with 0..20k other pairs on its experts."""
     from model_runtime.kernels.registry import REGISTRY
 
+    skip_unavailable(backend)
     experts = REGISTRY["moe_experts"][backend]
 
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -1,0 +1,110 @@
+"""The expert-GEMM library's Python side on the CPU: the tile-aligned layout, the plain reference
+product, how a missing or wrong library is reported, and the build command's errors. The kernel
+itself against torch._grouped_mm, bit for bit: tests/gpu/test_moe_fused.py."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from model_runtime.kernels import expert_gemm
+
+
+@pytest.fixture
+def fresh_library(monkeypatch):
+    """``_library`` caches one load per process: clear it around a test that points elsewhere."""
+    expert_gemm._library.cache_clear()
+    yield monkeypatch
+    expert_gemm._library.cache_clear()
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 300, 128, 1], [0, 0, 0, 7], [128] * 6, [0] * 3 + [1000]],
+                         ids=lambda c: "-".join(map(str, c[:5])))
+@pytest.mark.parametrize("tile", [64, 128])
+def test_layout_starts_every_expert_on_a_tile_and_names_each_tiles_expert(counts, tile):
+    counts_E = torch.tensor(counts)
+    rows = expert_gemm.layout_rows(int(counts_E.sum()), len(counts), tile)
+    starts, tile_expert = expert_gemm.expert_layout(counts_E, tile, rows)
+    assert rows % tile == 0 and tile_expert.dtype == torch.int32 and tile_expert.shape == (rows // tile,)
+    assert bool((starts % tile == 0).all())
+    end = 0
+    for e, n in enumerate(counts):
+        assert int(starts[e]) == end, f"expert {e} starts at {int(starts[e])}, want {end}"
+        first, tiles = end // tile, -(-n // tile)
+        assert tile_expert[first:first + tiles].tolist() == [e] * tiles
+        end += tiles * tile
+    assert end <= rows, f"the layout needs {end} rows, layout_rows gave {rows}"
+    assert bool((tile_expert[end // tile:] == -1).all())
+
+
+def test_layout_rows_hold_the_worst_case():
+    for pairs, experts, tile in ((1, 256, 128), (524160, 256, 128), (7, 3, 64)):
+        worst = [1] * (experts - 1) + [pairs - experts + 1] if pairs >= experts else [1] * pairs
+        need = sum(-(-n // tile) * tile for n in worst)
+        assert expert_gemm.layout_rows(pairs, experts, tile) >= need
+
+
+def test_reference_product_equals_per_expert_products():
+    g = torch.Generator().manual_seed(0)
+    counts = torch.tensor([3, 0, 9, 1])
+    tile = 4
+    rows = expert_gemm.layout_rows(int(counts.sum()), 4, tile)
+    starts, tile_expert = expert_gemm.expert_layout(counts, tile, rows)
+    x = torch.randn(rows, 6, generator=g)
+    w = torch.randn(4, 5, 6, generator=g)
+    got = expert_gemm.reference_product(tile).mm(x, w, tile_expert)
+    for e, n in enumerate(counts.tolist()):
+        s = int(starts[e])
+        want = x[s:s + n] @ w[e].T
+        diff = float((got[s:s + n] - want).abs().max()) if n else 0.0
+        assert diff <= 1e-6, f"expert {e}: max |diff| {diff:.3e} (tolerance 1e-6: a CPU BLAS rounds by row count)"
+    tail = int(starts[-1]) + -(-int(counts[-1]) // tile) * tile
+    assert bool((got[tail:] == 0).all())
+
+
+def test_a_missing_library_is_reported_with_its_path_and_the_build_command(fresh_library, tmp_path):
+    fresh_library.setenv("PACKSCORE_EXPERT_GEMM", str(tmp_path / "absent.so"))
+    lib, reason = expert_gemm._library()
+    assert lib is None and "absent.so" in reason and "python -m model_runtime.kernels.expert_gemm" in reason
+    with pytest.raises(RuntimeError, match="absent.so"):
+        expert_gemm.cutlass_product()
+
+
+def test_a_file_that_is_no_library_is_refused(fresh_library, tmp_path):
+    bad = tmp_path / "bad.so"
+    bad.write_bytes(b"not an ELF file")
+    fresh_library.setenv("PACKSCORE_EXPERT_GEMM", str(bad))
+    lib, reason = expert_gemm._library()
+    assert lib is None and "bad.so" in reason
+
+
+def test_the_default_library_path_follows_the_cache_dir_and_the_source(fresh_library, tmp_path):
+    fresh_library.delenv("PACKSCORE_EXPERT_GEMM", raising=False)
+    fresh_library.setenv("PACKSCORE_CACHE_DIR", str(tmp_path))
+    path = expert_gemm.library_path()
+    assert path.parent == tmp_path / "kernels" and expert_gemm.source_hash() in path.name
+
+
+def test_without_cuda_the_backend_is_unavailable_and_the_cpu_refuses_it():
+    from model_runtime.kernels.registry import select_backends
+
+    if not torch.cuda.is_available():
+        assert expert_gemm.unavailable_reason() == "no CUDA device"
+        with pytest.raises(ValueError, match="needs CUDA"):
+            select_backends("cpu", overrides={"moe_experts": "expert_tiles"})
+
+
+def test_build_names_what_is_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nvcc"):
+        expert_gemm.build(tmp_path, tmp_path / "lib.so", nvcc=str(tmp_path / "no-nvcc"))
+    fake_nvcc = tmp_path / "nvcc"
+    fake_nvcc.write_text("#!/bin/sh\nexit 1\n")
+    with pytest.raises(FileNotFoundError, match="CUTLASS"):
+        expert_gemm.build(tmp_path, tmp_path / "lib.so", nvcc=str(fake_nvcc))
+
+
+def test_the_build_command_documents_itself():
+    out = subprocess.run([sys.executable, "-m", "model_runtime.kernels.expert_gemm", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "--cutlass" in out and "--out" in out and expert_gemm.CUTLASS_VERSION in out
