@@ -12,6 +12,8 @@ serves ``Hv // Hk`` consecutive value heads (``repeat_interleave``). A segment w
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from model_runtime.model.packing import PackedBatch
@@ -95,6 +97,7 @@ def _fla_chunk(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: PackedBatch, initial_
     [N, Hv, K, V] in float32, or None unless ``keep_final``)``."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+    _pin_fla_state_kernel()
     kwargs = {"cu_seqlens_cpu": packed.cu_seqlens_host_long} if _fla_accepts("cu_seqlens_cpu") else {}
     q_normalised = _l2norm_fixed_key(q_THK)
     if q_normalised is not None:
@@ -175,3 +178,38 @@ def _fla_accepts(name: str) -> bool:
 def _fla_supports_gva() -> bool:
     """Whether the installed fla accepts more value heads than key heads (checked once)."""
     return _fla_signature()["gva"]
+
+
+# fla autotunes its state kernel (chunk_gated_delta_rule_fwd_kernel_h) once, on the first call's
+# shape, and keeps that pick for every later row whatever its number of sequences. On an H200 a pick
+# made on a one-sequence warm-up ran rows of 16 sequences 0.4 ms a layer slower; every one of its 12
+# configs gives the same bits (bench/results/h200-2026-12-02f-fla-configs.json), so on Hopper the
+# fastest on packed rows is pinned. PACKSCORE_FLA_AUTOTUNE=1 leaves fla's autotuning alone.
+FLA_STATE_KERNEL_PIN = {"BV": 64, "num_warps": 4, "num_stages": 4}
+_pinned = False
+
+
+def _pin_fla_state_kernel() -> None:
+    global _pinned
+    if _pinned:
+        return
+    _pinned = True
+    if os.environ.get("PACKSCORE_FLA_AUTOTUNE") == "1" or not torch.cuda.is_available():
+        return
+    if torch.cuda.get_device_capability() != (9, 0):
+        return
+    try:
+        from fla.ops.common import chunk_delta_h
+    except ImportError:
+        return
+    tuner = getattr(chunk_delta_h, "chunk_gated_delta_rule_fwd_kernel_h_blockdim64", None)
+    while tuner is not None and not hasattr(tuner, "configs"):  # under triton.heuristics
+        tuner = getattr(tuner, "fn", None)
+    if tuner is None:
+        return
+    pin = FLA_STATE_KERNEL_PIN
+    chosen = [c for c in tuner.configs if c.kwargs.get("BV") == pin["BV"] and c.num_warps == pin["num_warps"]
+              and c.num_stages == pin["num_stages"]]
+    if chosen:
+        tuner.configs = chosen[:1]
+        tuner.cache.clear()
