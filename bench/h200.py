@@ -30,7 +30,8 @@ With less than ``MIN_PART_S`` (30) left, the remaining parts are skipped. ``SUIT
 ``PROBE_ONLY`` (e.g. ``conv``) limits the probe to the steps whose name contains it;
 ``MOE_SEQUENCES`` (default 24; 256, the whole workload, needs ``MOE_S=400``) and ``MOE_HF``
 (default ``single``; ``none``: packscore's own sides only, about 2 minutes for the whole
-workload) the MoE benchmark; ``PREFIX_SHARING_PRESET`` (default the 9B) and
+workload) and ``MOE_ALSO`` (kernel overrides timed beside the defaults, ``;``-separated) the MoE
+benchmark; ``PREFIX_SHARING_PRESET`` (default the 9B) and
 ``PREFIX_SHARING_ALSO`` (rows of 16384 too; 0: not) the prefix-sharing benchmark.
 
 Output: at most 8 files in ``OUT`` (default bench/out), none in a folder: each part's results
@@ -85,7 +86,9 @@ PARTS = {
         "PREFIX_SHARING_PRESET", "qwen3.5-9b"), "--also-tokens", os.environ.get("PREFIX_SHARING_ALSO", "16384")), 400,
         "prefix_sharing"),
     "moe": lambda: Part("moe", ("-m", "bench.moe", "--sequences", os.environ.get("MOE_SEQUENCES", "24"),
-                                "--hf", os.environ.get("MOE_HF", "single")), 300, "moe"),
+                                "--hf", os.environ.get("MOE_HF", "single"),
+                                *(a for k in os.environ.get("MOE_ALSO", "").split(";") if k for a in ("--also", k))),
+                        300, "moe"),
     "product_steps": lambda: Part("product_steps", ("-m", "bench.product_steps"), 120),
     "narrow_steps": lambda: Part("narrow_steps", ("-m", "bench.narrow_steps", "--max-rows", os.environ.get(
         "NARROW_MAX_ROWS", "32768")), 200),

@@ -2,7 +2,8 @@
 # Everything measured on one H200, in one device call (at most TOTAL_S, default 530 s), from the
 # repository root:
 #     MODE=all bash bench/h200.sh       # parts and budgets: python -m bench.h200 --help
-# Installs the carried wheels (.whl/, docs/benchmarks.md says how to fetch them), keeps compiled
+# Installs the carried wheels (.whl/, docs/benchmarks.md says how to fetch them), uses the carried
+# expert-GEMM library (.psg/, docs/moe.md says how to build it), keeps compiled
 # kernels in $TRITON_CACHE_DIR, turns NVLink multicast off, and writes at most 8 files to $OUT.
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +14,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD:$PWD/service/client${PYTHONPATH:+:$PYTHONPATH}  # packscore_client from the source tree
+# the MoE experts' CUTLASS library, built here and carried (model_runtime/kernels/expert_gemm.py)
+if [ -z "${PACKSCORE_EXPERT_GEMM:-}" ] && [ -f .psg/libpackscore_expert_gemm.so ]; then
+  export PACKSCORE_EXPERT_GEMM=$PWD/.psg/libpackscore_expert_gemm.so
+fi
 export PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/packscore-kernel-cache}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$TRITON_CACHE_DIR/inductor}

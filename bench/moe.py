@@ -378,6 +378,9 @@ def main(argv=None):
     parser.add_argument("--hf", choices=("single", "none"), default="single",
                         help="none: packscore's own sides of the benchmark only, without the block timing, "
                              "the plain kernels and the probes after it")
+    parser.add_argument("--also", action="append", default=[], metavar="KERNELS",
+                        help="time the benchmark again with these --kernels overrides, beside the defaults "
+                             "(e.g. moe_experts=grouped_mm_fused_scatter); repeatable")
     parser.add_argument("--dry-run-cpu", action="store_true", help="tiny MoE preset, tiny workload, on the CPU")
     args = parser.parse_args(argv)
     args.mode = "moe"
@@ -417,7 +420,8 @@ def main(argv=None):
                     preset, (200, 500) if args.dry_run_cpu else BLOCK_ROWS, spec), 30)
         suite.phase(f"benchmark {preset} ({args.sequences} sequences)", lambda: run_benchmark(
             suite, preset, args.sequences, hf_single=full, max_batch_tokens=65536 if not args.dry_run_cpu else 300,
-            key=key, extras=full, spec=spec, alternatives=(plain,) if full else (), hf="both" if full else "none"), 60)
+            key=key, extras=full, spec=spec, alternatives=((plain,) if full else ()) + tuple(args.also),
+            hf="both" if full else "none"), 60)
         if full:
             suite.results["alone_vs_packed"] = suite.phase(
                 "alone vs packed (4 layers)", lambda: alone_vs_packed(preset), 30)
