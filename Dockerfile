@@ -56,8 +56,8 @@ RUN pip download --no-deps --no-binary causal-conv1d --no-build-isolation \
 ARG CUTLASS_VERSION=v4.7.0
 RUN --mount=type=bind,source=.,target=/src \
     git clone --quiet --depth 1 --branch ${CUTLASS_VERSION} https://github.com/NVIDIA/cutlass /build/cutlass \
- && cd /src \
- && python -m model_runtime.kernels.expert_gemm --cutlass /build/cutlass --out /wheels/libpackscore_expert_gemm.so
+ && PYTHONPATH=/src python -m model_runtime.kernels.expert_gemm --cutlass /build/cutlass \
+        --out /wheels/libpackscore_expert_gemm.so
 
 # ---------------------------------------------------------------------------
 # runtime: CUDA runtime, a CUDA build of torch, packscore with the `gpu` extra.

@@ -26,7 +26,7 @@ log = logging.getLogger("packscore")
 
 _MODEL_OPTIONS = (
     "model", "revision", "served_model_name", "dtype", "device", "allow_slow_kernels", "kernels", "triton_cache_dir",
-    "world_size", "sp", "fsdp", "max_batch_tokens", "max_model_len", "log_level", "prefix_sharing",
+    "expert_gemm", "world_size", "sp", "fsdp", "max_batch_tokens", "max_model_len", "log_level", "prefix_sharing",
     "prefix_min_tokens",
 )  # fmt: skip
 _SERVE_OPTIONS = _MODEL_OPTIONS + (
@@ -37,6 +37,7 @@ _SERVE_OPTIONS = _MODEL_OPTIONS + (
 _SCORE_OPTIONS = _MODEL_OPTIONS + ("temperature", "top_k", "return_entropy")
 _METAVARS = {
     "model": "PATH_OR_PRESET", "revision": "REV", "served_model_name": "NAME", "device": "DEVICE", "triton_cache_dir": "DIR",
+    "expert_gemm": "FILE",
     "host": "HOST", "port": "PORT", "api_key": "KEY", "api_key_file": "FILE", "max_wait_ms": "MS",
     "drain_timeout_s": "SECONDS", "queue_seconds": "SECONDS", "max_admission_wait_s": "SECONDS",
     "request_read_timeout_s": "SECONDS", "temperature": "T", "top_k": "K", "kernels": "FAMILY=BACKEND",
@@ -138,6 +139,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.pop("TRITON_CACHE_DIR", None)
         os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
         configure_kernel_cache(settings.triton_cache_dir)
+    if settings.expert_gemm is not None:
+        if not settings.expert_gemm.is_file():
+            print(f"packscore: error: --expert-gemm {settings.expert_gemm}: no such file", file=sys.stderr)
+            return 2
+        # read where the experts' backend is chosen, in this process and in the pool's workers
+        os.environ["PACKSCORE_EXPERT_GEMM"] = str(settings.expert_gemm)
     try:
         _check_model_and_key(settings)
         settings = _resolve_hub_model(settings)  # may download: after the cheap checks

@@ -54,6 +54,10 @@ class Settings(BaseSettings):
     triton_cache_dir: Path | None = Field(
         None, description="directory for compiled Triton and Inductor kernels (sets TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR=DIR/inductor)"
     )
+    expert_gemm: Path | None = Field(
+        None, description="the MoE experts' CUTLASS library (expert_tiles, Hopper; default: where "
+        "`python -m model_runtime.kernels.expert_gemm` builds it, in $PACKSCORE_CACHE_DIR/kernels)"
+    )
 
     # Parallelism (world_size > 1, sp > 1 or fsdp start the multi-process worker pool).
     world_size: int = Field(1, ge=1, description="GPUs (worker processes) used by this server")

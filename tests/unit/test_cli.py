@@ -110,6 +110,19 @@ def test_an_empty_api_key_is_an_error_not_an_open_server(monkeypatch, capsys):
     assert "API key" in capsys.readouterr().err
 
 
+def test_the_expert_gemm_library_is_checked_and_handed_to_the_kernels(monkeypatch, tmp_path, capsys):
+    monkeypatch.delenv("PACKSCORE_EXPERT_GEMM", raising=False)
+    try:
+        assert cli.main(["serve", "--expert-gemm", str(tmp_path / "absent.so")]) == 2
+        assert "--expert-gemm" in capsys.readouterr().err and "PACKSCORE_EXPERT_GEMM" not in os.environ
+        lib = tmp_path / "lib.so"
+        lib.write_bytes(b"")
+        assert cli.main(["serve", "--expert-gemm", str(lib), "--model", str(tmp_path / "nope")]) == 2
+        assert os.environ["PACKSCORE_EXPERT_GEMM"] == str(lib)  # the pool's workers inherit it
+    finally:
+        os.environ.pop("PACKSCORE_EXPERT_GEMM", None)
+
+
 def test_a_missing_model_or_worker_pool_fails_fast_with_a_clear_error(monkeypatch, tmp_path, capsys):
     assert cli.main(["serve", "--model", str(tmp_path / "nope"), "--triton-cache-dir", str(tmp_path)]) == 2
     assert "neither a checkpoint directory, a preset" in capsys.readouterr().err
