@@ -248,10 +248,10 @@ def grouped_experts(
     T, K = top_i_TK.shape
     E, D, I = gate_up_E2ID.shape[0], x_TD.shape[1], down_EDI.shape[2]
     order_S, ends_E = routed_pairs(top_i_TK, E)
-    offsets_E = ends_E.to(torch.int32)
-    S = T * K
     if tiled is not None:
         return _tiled_experts(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared, order_S, ends_E, tiled)
+    offsets_E = ends_E.to(torch.int32)
+    S = T * K
     rows = max(S, GROUPED_MM_LARGE_CONFIG_ROWS * E)  # rows past offsets[-1] are never computed
     if fused and top_w_TK.dtype != x_TD.dtype:
         raise ValueError(f"the fused experts take routing weights in the model dtype {x_TD.dtype}, got {top_w_TK.dtype}")

@@ -237,6 +237,8 @@ def select_backends(
             reason = _unavailable_reason(family, name)
             if reason is None:
                 chosen[family] = name
+                if reasons:  # a faster backend was skipped: say why, once, at start
+                    log.info("%s: using %s (%s)", family, name, "; ".join(reasons))
                 break
             reasons.append(f"{name}: {reason}")
         else:
