@@ -19,8 +19,9 @@ that no step's arithmetic depends on how many tokens an expert received:
   the kernel never reads or writes, keeps that mean above 128, so every row count runs the
   same configuration (no split-K in any of them).
 - ``grouped_mm_fused`` (CUDA, bfloat16): the same two products, and ``grouped_mm``'s numbers
-  bit for bit (``grouped_mm_fused_scatter``, the CUDA default: the same with the products' input
-  rows written from the tokens' side, each token's row read once instead of K times); the gather
+  bit for bit (``grouped_mm_fused_scatter``, the CUDA default where ``expert_tiles`` cannot run:
+  the same with the products' input rows written from the tokens' side, each token's row read
+  once instead of K times); the gather
   of the rows, the SiLU product, the weighting, the top-k sum and the
   block's ``routed + gate * shared`` run in one pass each (model_runtime/kernels/moe_triton.py)
   instead of the composition's many over ``[S, D]`` and ``[T, D]``.
