@@ -40,6 +40,8 @@ from typing import Callable
 
 import torch
 
+from model_runtime.kernels.cache import packscore_cache_dir
+
 SOURCE = Path(__file__).with_name("csrc") / "expert_gemm_sm90.cu"
 ABI_VERSION = 1  # csrc/expert_gemm_sm90.cu's kAbiVersion
 CUTLASS_VERSION = "v4.7.0"  # the headers the source is written against
@@ -49,13 +51,8 @@ def source_hash() -> str:
     return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
 
 
-def cache_root() -> Path:
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return Path(os.environ.get("PACKSCORE_CACHE_DIR") or (Path(xdg) if xdg else Path.home() / ".cache") / "packscore")
-
-
 def default_library_path() -> Path:
-    return cache_root() / "kernels" / f"libpackscore_expert_gemm-{source_hash()}.so"
+    return packscore_cache_dir() / "kernels" / f"libpackscore_expert_gemm-{source_hash()}.so"
 
 
 def library_path() -> Path:

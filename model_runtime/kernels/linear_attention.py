@@ -12,6 +12,7 @@ serves ``Hv // Hk`` consecutive value heads (``repeat_interleave``). A segment w
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -180,20 +181,15 @@ def _fla_supports_gva() -> bool:
     return _fla_signature()["gva"]
 
 
-# fla autotunes its state kernel (chunk_gated_delta_rule_fwd_kernel_h) once, on the first call's
-# shape, and keeps that pick for every later row whatever its number of sequences. On an H200 a pick
-# made on a one-sequence warm-up ran rows of 16 sequences 0.4 ms a layer slower; every one of its 12
-# configs gives the same bits (bench/results/h200-2026-12-02f-fla-configs.json), so on Hopper the
-# fastest on packed rows is pinned. PACKSCORE_FLA_AUTOTUNE=1 leaves fla's autotuning alone.
+# fla autotunes its state kernel once, on the first call's shape (the warm-up's one long sequence),
+# and keeps that pick for rows of many sequences, where it can be slower; every configuration gives
+# the same bits, so on Hopper the fastest on packed rows is pinned (docs/kernels.md).
+# PACKSCORE_FLA_AUTOTUNE=1 leaves fla's autotuning alone.
 FLA_STATE_KERNEL_PIN = {"BV": 64, "num_warps": 4, "num_stages": 4}
-_pinned = False
 
 
+@functools.cache
 def _pin_fla_state_kernel() -> None:
-    global _pinned
-    if _pinned:
-        return
-    _pinned = True
     if os.environ.get("PACKSCORE_FLA_AUTOTUNE") == "1" or not torch.cuda.is_available():
         return
     if torch.cuda.get_device_capability() != (9, 0):

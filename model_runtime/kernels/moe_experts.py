@@ -249,60 +249,48 @@ def grouped_experts(
     T, K = top_i_TK.shape
     E, D, I = gate_up_E2ID.shape[0], x_TD.shape[1], down_EDI.shape[2]
     order_S, ends_E = routed_pairs(top_i_TK, E)
-    if tiled is not None:
-        return _tiled_experts(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared, order_S, ends_E, tiled)
-    offsets_E = ends_E.to(torch.int32)
     S = T * K
-    rows = max(S, GROUPED_MM_LARGE_CONFIG_ROWS * E)  # rows past offsets[-1] are never computed
     if fused and top_w_TK.dtype != x_TD.dtype:
         raise ValueError(f"the fused experts take routing weights in the model dtype {x_TD.dtype}, got {top_w_TK.dtype}")
+    if tiled is None:
+        offsets_E = ends_E.to(torch.int32)
+        rows, computed = max(S, GROUPED_MM_LARGE_CONFIG_ROWS * E), S  # rows past offsets[-1] are never computed
+
+        def product(x_RK, w_ENK):
+            return _grouped_mm(x_RK, w_ENK.transpose(-2, -1), offsets_E)
+    else:
+        if not (fused and scatter):
+            raise ValueError("the tile-aligned layout runs on the fused path with scattered rows only")
+        from model_runtime.kernels import expert_gemm
+
+        counts_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
+        rows = computed = expert_gemm.layout_rows(S, E, tiled.tile_rows)  # padding rows are computed, never read
+        starts_E, tile_expert_M = expert_gemm.expert_layout(counts_E, tiled.tile_rows, rows)
+
+        def product(x_RK, w_ENK):
+            return tiled.mm(x_RK, w_ENK.contiguous(), tile_expert_M)
     x_RD = x_TD.new_empty(rows, D)
     if fused:
         from model_runtime.kernels import moe_triton
 
         # pos_S[t * K + k]: where pair (t, k) sits in the sorted rows (the inverse of order_S)
         pos_S = torch.empty_like(order_S).index_copy_(0, order_S, torch.arange(S, device=order_S.device))
+        if tiled is not None:  # moved on by the padding of the experts before the pair's own
+            pos_S += (starts_E - (ends_E - counts_E))[top_i_TK.reshape(-1)]
     if fused and scatter:
         moe_triton.scatter_rows(x_TD, pos_S.view(T, K), x_RD)
     else:
         torch.index_select(x_TD, 0, order_S // K, out=x_RD[:S])  # gathered straight into the product's rows
-    gate_up_R2I = _grouped_mm(x_RD, gate_up_E2ID.transpose(-2, -1), offsets_E)
+    gate_up_R2I = product(x_RD, gate_up_E2ID)
     if fused:
-        h_RI = moe_triton.silu_mul_rows(gate_up_R2I, S)  # only the S computed rows: the tail is never read
+        h_RI = moe_triton.silu_mul_rows(gate_up_R2I, computed)  # the rows no product computed are never read
     else:
         h_RI = F.silu(gate_up_R2I[:, :I]) * gate_up_R2I[:, I:]
-    y_RD = _grouped_mm(h_RI, down_EDI.transpose(-2, -1), offsets_E)
+    y_RD = product(h_RI, down_EDI)
     if not fused:
         weighted_SD = torch.empty_like(x_RD[:S])
         weighted_SD[order_S] = y_RD[:S] * top_w_TK.reshape(-1)[order_S, None]
         return add_shared(combine_top_k(weighted_SD, T, x_TD.dtype), shared)
-    shared = shared_tensors(shared)
-    if shared is not None:
-        shared = tuple(t.contiguous() for t in shared)
-    return moe_triton.combine_top_k(y_RD, pos_S.view(T, K), top_w_TK.contiguous(), shared)
-
-
-def _tiled_experts(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared, order_S, ends_E, tiled) -> torch.Tensor:
-    """``grouped_experts`` over the tile-aligned layout: pair (t, k) goes to its place in the sorted
-    rows moved on by its expert's padding, the products run through ``tiled.mm``, and the SiLU pass
-    and the top-k sum read the rows where they are."""
-    from model_runtime.kernels import expert_gemm, moe_triton
-
-    T, K = top_i_TK.shape
-    E, D = gate_up_E2ID.shape[0], x_TD.shape[1]
-    S = T * K
-    if top_w_TK.dtype != x_TD.dtype:
-        raise ValueError(f"the fused experts take routing weights in the model dtype {x_TD.dtype}, got {top_w_TK.dtype}")
-    counts_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
-    rows = expert_gemm.layout_rows(S, E, tiled.tile_rows)
-    starts_E, tile_expert_M = expert_gemm.expert_layout(counts_E, tiled.tile_rows, rows)
-    pos_S = torch.empty_like(order_S).index_copy_(0, order_S, torch.arange(S, device=order_S.device))
-    pos_S += (starts_E - (ends_E - counts_E))[top_i_TK.reshape(-1)]  # each pair's expert's padding before it
-    x_RD = x_TD.new_empty(rows, D)  # rows no pair names are never read back
-    moe_triton.scatter_rows(x_TD, pos_S.view(T, K), x_RD)
-    gate_up_R2I = tiled.mm(x_RD, gate_up_E2ID.contiguous(), tile_expert_M)
-    h_RI = moe_triton.silu_mul_rows(gate_up_R2I, rows)
-    y_RD = tiled.mm(h_RI, down_EDI.contiguous(), tile_expert_M)
     shared = shared_tensors(shared)
     if shared is not None:
         shared = tuple(t.contiguous() for t in shared)

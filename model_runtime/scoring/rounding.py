@@ -29,6 +29,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from model_runtime.kernels.cache import packscore_cache_dir
+
 log = logging.getLogger(__name__)
 
 # Row counts probed at most: a member longer than this shares only with members of its own length.
@@ -130,8 +132,7 @@ def combine(per_shape: Sequence[np.ndarray], max_rows: int) -> RowRounding:
 
 
 def _cache_path(cache_dir, device: torch.device, k: int, n: int, dtype: torch.dtype, max_rows: int) -> Path:
-    xdg = os.environ.get("XDG_CACHE_HOME")  # the image points it at its writable /cache volume
-    root = cache_dir or os.environ.get("PACKSCORE_CACHE_DIR") or (Path(xdg) if xdg else Path.home() / ".cache") / "packscore"
+    root = cache_dir or packscore_cache_dir()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     key = f"{gpu}|torch {torch.__version__}|cuda {torch.version.cuda}|{k}x{n}|{dtype}|{max_rows}|probe {PROBE_VERSION}"
     return Path(root) / "row-rounding" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.npy"

@@ -2,7 +2,8 @@
 
 ``gpu_record(name, **numbers)`` prints one line and, when ``PACKSCORE_GPU_REPORT`` names a
 file, appends the numbers to it as a JSON line, so the benchmark suite can put what the tests
-measured into its results. ``PACKSCORE_GPU_SMOKE=1`` shrinks the long-sequence test.
+measured into its results. ``PACKSCORE_GPU_SMOKE=1`` shrinks the long-sequence test;
+``skip_unavailable(family, backend)`` skips a backend that cannot run here, with the reason.
 """
 
 import json
@@ -45,3 +46,13 @@ def _fmt(value):
 
 def smoke() -> bool:
     return os.environ.get("PACKSCORE_GPU_SMOKE") == "1"
+
+
+def skip_unavailable(family: str, backend: str) -> None:
+    """Skips with the registry's reason where ``backend`` cannot run here (``expert_tiles`` without
+    its library, which is built ahead of time: docs/gpu.md)."""
+    from model_runtime.kernels.registry import _unavailable_reason
+
+    reason = _unavailable_reason(family, backend)
+    if reason is not None:
+        pytest.skip(f"{backend} unavailable: {reason}")

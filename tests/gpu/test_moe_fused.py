@@ -8,6 +8,8 @@ is not built its cases are skipped with the reason.
 import pytest
 import torch
 
+from tests.gpu.conftest import skip_unavailable
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused MoE experts need CUDA"),
@@ -54,7 +56,7 @@ def test_fused_experts_equal_the_composition_bit_for_bit(inputs, rows, gpu_recor
     gate_up, down, x, top_i, top_w, gate, shared = (t[:rows] if t.dim() == 2 else t for t in inputs)
     counts, worst = {}, {}
     backends = [("fused", experts_grouped_mm_fused), ("fused_scatter", experts_grouped_mm_fused_scatter)]
-    if expert_gemm.unavailable_reason() is None:
+    if expert_gemm.unavailable_reason() is None:  # else its own tests below skip with the reason
         backends.append(("expert_tiles", experts_expert_tiles))
     with torch.inference_mode():
         routed_want = experts_grouped_mm(x, top_i, top_w, gate_up, down)
@@ -73,9 +75,7 @@ def test_fused_experts_equal_the_composition_bit_for_bit(inputs, rows, gpu_recor
 def expert_tiles_or_skip():
     from model_runtime.kernels import expert_gemm
 
-    reason = expert_gemm.unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"expert_tiles unavailable: {reason}")
+    skip_unavailable("moe_experts", "expert_tiles")
     return expert_gemm
 
 

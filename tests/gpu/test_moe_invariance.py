@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.gpu.conftest import skip_unavailable
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="MoE invariance on the GPU needs CUDA"),
@@ -18,19 +20,11 @@ pytestmark = [
 BACKENDS = ("grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter", "expert_tiles")
 
 
-def skip_unavailable(backend: str) -> None:
-    from model_runtime.kernels.registry import _unavailable_reason
-
-    reason = _unavailable_reason("moe_experts", backend)
-    if reason is not None:
-        pytest.skip(f"{backend} unavailable: {reason}")
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_moe_alone_equals_packed_bit_for_bit(backend, gpu_record):
     from bench.moe import alone_vs_packed
 
-    skip_unavailable(backend)
+    skip_unavailable("moe_experts", backend)
     result = alone_vs_packed(lengths=(1, 5, 64, 300, 1000, 3000, 9000), experts=backend)
     gpu_record(f"MoE alone vs packed (35B-A3B, 4 layers, {backend})",
                **{f"len_{k}": v for k, v in result["max_abs_diff_by_length"].items()})
@@ -44,7 +38,7 @@ def test_grouped_experts_rows_do_not_depend_on_the_count(backend, gpu_record):
     """The experts alone: one token's row is the same with 0..20k other pairs on its experts."""
     from model_runtime.kernels.registry import REGISTRY
 
-    skip_unavailable(backend)
+    skip_unavailable("moe_experts", backend)
     experts = REGISTRY["moe_experts"][backend]
 
     g = torch.Generator(device="cuda").manual_seed(0)
