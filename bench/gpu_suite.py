@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import time
 import traceback
 
@@ -93,6 +94,8 @@ def run_benchmark(suite: Suite, preset: str, num_sequences: int, *, hf_single: b
     bench["warm_up_s"] = scorer.warm_up_seconds
     bench["warm_up_steps_s"] = scorer.warm_up_steps
     bench["head_chunk_tokens"] = scorer.head_chunk_tokens
+    # rows one narrow product may span (gate_projection=runs), by module name without the layer
+    bench["narrow_runs"] = {re.sub(r"^layers\.\d+\.", "", name): rows for name, rows in (scorer.narrow_runs or {}).items()}
     log(f"warm-up {scorer.warm_up_seconds:.1f}s (caches as the run started), head chunk {scorer.head_chunk_tokens} tokens")
     # The first pass meets every row shape for the first time, as a server's traffic does: its
     # rate shows what compiling or planning per new shape would cost a real client.

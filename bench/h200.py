@@ -167,6 +167,10 @@ def headline(name: str, out_dir: Path) -> str:
 def collect(name: str, work: Path, out: Path, written: list[str]) -> list[str]:
     """Copies the part's JSON (and the suite's chart) to ``out``, within MAX_FILES; returns its
     markdown tables."""
+    report = work / "gpu-report.jsonl"  # what the GPU tests recorded (tests/gpu/conftest.py), as one JSON file
+    if report.exists():
+        records = [json.loads(line) for line in report.read_text().splitlines() if line.strip()]
+        (work / "gpu-report.json").write_text(json.dumps({"records": records}, indent=1))
     found = sorted(work.glob("*.json")) + sorted(work.glob("*.png"))
     for path in found:
         alone = sum(p.suffix == path.suffix for p in found) == 1

@@ -14,6 +14,10 @@ add up, and a sequence packed with others would part from the same sequence alon
 - ``row``: one product over the whole row (the plain reference).
 - ``segment``: one product per segment, the call a sequence scored alone makes (and Hugging
   Face's for one sequence), so a segment's numbers do not depend on its neighbours.
+- ``runs``: ``segment``'s numbers with fewer products. Where a product's rounding was measured
+  not to depend on the row count or on a row's place (``uniform_rows``, set on the linear by
+  ``scoring.rounding.prepare_runs``), consecutive segments go through one product of at most that
+  many rows; elsewhere, and before any measurement, one product per segment.
 
 On a row with prefix links (a shared prompt run once) ``narrow_products`` runs them over the
 row's unshared sequences (``LinkedLayout.on_whole_sequences``), so a prompt's and a
@@ -51,6 +55,37 @@ def gate_projection_segment(linear: nn.Module, x_TD: torch.Tensor, bounds: Seque
     if bounds[0][0] != 0 or bounds[-1][1] != x_TD.shape[0]:
         raise ValueError(f"segments {bounds[0]}..{bounds[-1]} do not cover the row of {x_TD.shape[0]} tokens")
     return torch.cat([linear(x_TD[start:end]) for start, end in bounds])
+
+
+# The linear's attribute holding how many rows one of its products may have and still give every
+# segment in it the rows of its own product (``prepare_runs``); absent or < 2: per segment.
+UNIFORM_ROWS = "packscore_uniform_rows"
+
+
+def segment_runs(bounds: Sequence[tuple[int, int]], max_rows: int) -> list[tuple[int, int]]:
+    """Consecutive ``bounds`` merged into runs of at most ``max_rows`` rows, in order; a segment
+    longer than that is a run of its own."""
+    runs: list[tuple[int, int]] = []
+    for start, end in bounds:
+        if runs and end - runs[-1][0] <= max_rows and runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], end)
+        else:
+            runs.append((start, end))
+    return runs
+
+
+def gate_projection_runs(linear: nn.Module, x_TD: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """``gate_projection_segment``'s numbers from one product per run of segments (``segment_runs``)
+    where ``linear`` carries a measured ``UNIFORM_ROWS``; per segment where it does not."""
+    limit = getattr(linear, UNIFORM_ROWS, 0)
+    if limit < 2 or len(bounds) <= 1:
+        return gate_projection_segment(linear, x_TD, bounds)
+    if bounds[0][0] != 0 or bounds[-1][1] != x_TD.shape[0]:
+        raise ValueError(f"segments {bounds[0]}..{bounds[-1]} do not cover the row of {x_TD.shape[0]} tokens")
+    runs = segment_runs(bounds, limit)
+    if len(runs) == 1:
+        return linear(x_TD)
+    return torch.cat([linear(x_TD[start:end]) for start, end in runs])
 
 
 def shard_segments(x_TD: torch.Tensor, packed: PackedBatch, sp) -> tuple[tuple[int, int], ...] | None:
@@ -168,3 +203,28 @@ def row_kinds(in_features: int, out_features: int, dtype: torch.dtype, device, m
         kinds[start:end + 1] = found
     kinds[0] = kinds[1] if max_rows >= 1 else 0
     return kinds
+
+
+def uniform_rows(kinds: np.ndarray) -> int:
+    """The most rows ``U`` such that every row count from 1 to ``U`` is of one kind (``row_kinds``)."""
+    counts = kinds[1:]
+    differ = np.flatnonzero(counts != counts[0]) if counts.size else np.zeros(1, dtype=np.int64)
+    return int(differ[0]) if differ.size else int(counts.size)
+
+
+@torch.inference_mode()
+def rows_keep_their_place(in_features: int, out_features: int, dtype: torch.dtype, device, rows: int,
+                          trials: int = 24, seed: int = 2) -> bool:
+    """Whether a product over any slice of ``rows`` rows gives that slice's rows of the product
+    over all of them, bit for bit (on ``order_sensitive_operands``, slices of random and edge
+    offsets and lengths). ``row_kinds`` compares slices that start at row 0; a kernel whose
+    summation order followed a row's place (a stream-K split, say) would pass it and fail here."""
+    x, w = order_sensitive_operands(in_features, out_features, dtype, device, rows, seed)
+    whole = F.linear(x, w)
+    rng = np.random.default_rng(seed)
+    slices = [(0, 1), (rows - 1, rows), (1, rows), (0, rows // 2 or 1)]
+    for _ in range(trials):
+        n = int(rng.integers(1, rows + 1))
+        start = int(rng.integers(0, rows - n + 1))
+        slices.append((start, start + n))
+    return all(torch.equal(F.linear(x[a:b], w), whole[a:b]) for a, b in slices if b > a)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_runtime.kernels.gate_projection import narrow_products, shard_segments
+from model_runtime.kernels.gate_projection import UNIFORM_ROWS, narrow_products, shard_segments
 from model_runtime.kernels.moe_experts import in_row_tiles
 from model_runtime.kernels.registry import KernelBackends
 from model_runtime.model.layers import ModuleOps, _is_silu
@@ -76,12 +76,19 @@ class PackedSparseMoe(nn.Module):
 
     def route(self, x_TD: torch.Tensor, packed: PackedBatch, sp=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(top_w_TK, top_i_TK)``: routing weights (model dtype) and expert ids, as Hugging Face's router."""
-        logits_TE = self._narrow(functools.partial(F.linear, weight=self.gate.weight), x_TD, packed, sp)
+        logits_TE = self._narrow(self._router_product(), x_TD, packed, sp)
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
         top_w_TK, top_i_TK = self.top_k_fn(probs_TE, self.top_k)  # torch.topk's answer, ties included
         if self.normalise_top_k:
             top_w_TK = top_w_TK / top_k_total(top_w_TK)
         return top_w_TK.to(logits_TE.dtype), top_i_TK
+
+    def _router_product(self):
+        """The router's logits product, carrying the run limit measured for the router
+        (``gate_projection.UNIFORM_ROWS``, set on ``self.gate``)."""
+        product = functools.partial(F.linear, weight=self.gate.weight)
+        setattr(product, UNIFORM_ROWS, getattr(self.gate, UNIFORM_ROWS, 0))
+        return product
 
     def narrow_weights(self) -> tuple[torch.Tensor, ...]:
         """The router's and shared gate's weights where they run per segment, whose rounding then

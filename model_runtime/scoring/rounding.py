@@ -105,22 +105,63 @@ def measure(model: torch.nn.Module, max_rows: int, cache_dir: str | os.PathLike 
     """``RowRounding`` of ``model``'s narrow products on ``device`` (default: their weights'),
     up to ``max_rows`` rows (at most ``MAX_PROBED_ROWS``; a row budget fits here as it is). Only
     the weights' shapes and dtypes are read, not their values."""
-    from model_runtime.kernels.gate_projection import row_kinds
+    max_rows = min(int(max_rows), MAX_PROBED_ROWS)
+    shapes = {_shape(w, device) for w in narrow_weights(model)}
+    return combine([_shape_kinds(shape, max_rows, cache_dir) for shape in sorted(shapes, key=str)], max_rows)
+
+
+def prepare_runs(model: torch.nn.Module, max_rows: int, cache_dir: str | os.PathLike | None = None,
+                 device: torch.device | None = None) -> dict[str, int]:
+    """Sets on every module that owns a narrow weight how many rows one of its products may have
+    and still give each segment in it the rows of that segment's own product
+    (``gate_projection.UNIFORM_ROWS``, read by the ``runs`` backend): the row counts up to which
+    the product is of one kind (``uniform_rows``), where a slice's product also equals its rows of
+    a longer one (``rows_keep_their_place``); 0 elsewhere. Returns it by module name. Only the
+    weights' shapes and dtypes are read; a shape's kinds come from the same disk cache as
+    ``measure``'s."""
+    from model_runtime.kernels.gate_projection import UNIFORM_ROWS, rows_keep_their_place, uniform_rows
 
     max_rows = min(int(max_rows), MAX_PROBED_ROWS)
-    shapes = {(w.shape[1], w.shape[0], w.dtype, torch.device(device) if device is not None else w.device)
-              for w in narrow_weights(model)}
-    per_shape = []
-    for in_features, out_features, dtype, on in sorted(shapes, key=str):
-        path = _cache_path(cache_dir, on, in_features, out_features, dtype, max_rows)
-        kinds = _load(path, max_rows)
-        if kinds is None:
-            log.info("measuring how a [rows, %d] x [%d, %d] %s product rounds by row count, up to %d rows "
-                     "(once per GPU and version; kept in %s)", in_features, in_features, out_features, dtype, max_rows, path)
-            kinds = row_kinds(in_features, out_features, dtype, on, max_rows)
-            _save(path, kinds)
-        per_shape.append(kinds)
-    return combine(per_shape, max_rows)
+    narrow = {id(w) for w in narrow_weights(model)}
+    limits: dict[tuple, int] = {}
+    found: dict[str, int] = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or id(weight) not in narrow:
+            continue
+        shape = _shape(weight, device)
+        if shape not in limits:
+            rows = uniform_rows(_shape_kinds(shape, max_rows, cache_dir))
+            if rows >= 2 and not rows_keep_their_place(shape[0], shape[1], shape[2], shape[3], rows):
+                log.warning("a [rows, %d] x [%d, %d] product rounds a row by its place: one product per segment",
+                            shape[0], shape[0], shape[1])
+                rows = 0
+            limits[shape] = rows
+        setattr(module, UNIFORM_ROWS, limits[shape])
+        found[name] = limits[shape]
+    if limits:
+        log.info("narrow products over runs of segments up to %s rows",
+                 ", ".join(f"[{k[0]} -> {k[1]}]: {v}" for k, v in sorted(limits.items(), key=str)))
+    return found
+
+
+def _shape(w: torch.Tensor, device) -> tuple:
+    return (w.shape[1], w.shape[0], w.dtype, torch.device(device) if device is not None else w.device)
+
+
+def _shape_kinds(shape: tuple, max_rows: int, cache_dir) -> np.ndarray:
+    """``row_kinds`` of one product shape, from the disk cache when measured before."""
+    from model_runtime.kernels.gate_projection import row_kinds
+
+    in_features, out_features, dtype, on = shape
+    path = _cache_path(cache_dir, on, in_features, out_features, dtype, max_rows)
+    kinds = _load(path, max_rows)
+    if kinds is None:
+        log.info("measuring how a [rows, %d] x [%d, %d] %s product rounds by row count, up to %d rows "
+                 "(once per GPU and version; kept in %s)", in_features, in_features, out_features, dtype, max_rows, path)
+        kinds = row_kinds(in_features, out_features, dtype, on, max_rows)
+        _save(path, kinds)
+    return kinds
 
 
 def combine(per_shape: Sequence[np.ndarray], max_rows: int) -> RowRounding:

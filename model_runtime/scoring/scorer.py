@@ -62,6 +62,8 @@ class Scorer:
         # measured before the first shared row (``rounding_in_use``); None on the CPU shares among
         # all members (set ``RowRounding.exact`` to do that on the GPU).
         self.prefix_rounding = None
+        # Rows a narrow product may span with the ``runs`` backend (``narrow_runs_in_use``).
+        self.narrow_runs: dict[str, int] | None = None
         # score() queues a row before reading the last back; False reads each back first (the
         # benchmark times both).
         self.queue_ahead = True
@@ -143,6 +145,7 @@ class Scorer:
             torch.cuda.synchronize(self.loaded.device)
             steps[name] = time.perf_counter() - t0
 
+        step("the narrow products' runs", self.narrow_runs_in_use)  # before the first row, which would measure it
         step("one sequence of the budget", lambda: self.score_row([SequenceInput(rng.integers(0, vocab, budget), score_from=1)]))
         self.size_head_from_free_memory()
         short = [SequenceInput(rng.integers(0, vocab, 64), score_from=8) for _ in range(max(1, budget // 64))]
@@ -165,6 +168,18 @@ class Scorer:
         if self.prefix_rounding is None and self.prefix_min_tokens and self.loaded.device.type == "cuda":
             self.measure_prefix_rounding()
         return self.prefix_rounding
+
+    def narrow_runs_in_use(self) -> dict[str, int]:
+        """With the ``runs`` gate-projection backend on CUDA, how many rows one narrow product may
+        span, by module (``rounding.prepare_runs``, measured before the first row); empty
+        elsewhere, where every narrow product runs per segment."""
+        if self.narrow_runs is None:
+            self.narrow_runs = {}
+            if self.loaded.device.type == "cuda" and self.loaded.backends.names.get("gate_projection") == "runs":
+                from model_runtime.scoring.rounding import prepare_runs
+
+                self.narrow_runs = prepare_runs(self.loaded.model, self.max_batch_tokens)
+        return self.narrow_runs
 
     def measure_prefix_rounding(self) -> None:
         """On CUDA, where the narrow products round a prompt's rows by the sequence's length
@@ -236,6 +251,7 @@ class Scorer:
         if not validated:
             for i, seq in enumerate(sequences):
                 validate_sequence(seq, self.loaded.vocab_size, i)
+        self.narrow_runs_in_use()
         plan = plan_row(sequences, self.prefix_min_tokens, self.rounding_in_use())
         device = self.loaded.device
         # A padding segment (never scored) makes T a multiple of ROW_MULTIPLE: every matrix

@@ -227,6 +227,49 @@ def test_gate_projection_segment_matches_row_and_alone(lengths, outputs, gpu_rec
     assert err <= tol, f"gate projection rel diff {err:.3e} > tol {tol:.0e}"
 
 
+@pytest.mark.parametrize("in_features,outputs", [(2048, 32), (2048, 256), (2048, 1), (4096, 32), (4096, 64)],
+                         ids=["35b-decay-beta", "35b-router", "35b-shared-gate", "9b-decay-beta", "next-ba"])
+def test_gate_projection_runs_equal_per_segment(in_features, outputs, gpu_record):
+    """``runs``: where a bf16 narrow product measures one kind of row count up to U rows and keeps
+    each row's place (``prepare_runs``' two checks), one product over consecutive segments of up
+    to U rows gives every segment its own product's values bit for bit: random rows of segments
+    of 1 to 3,000 tokens, on the probe's order-sensitive operands and on random ones."""
+    from model_runtime.kernels.gate_projection import (
+        UNIFORM_ROWS, gate_projection_runs, order_sensitive_operands, row_kinds, rows_keep_their_place,
+        segment_runs, uniform_rows,
+    )
+
+    max_rows = 4096
+    limit = uniform_rows(row_kinds(in_features, outputs, torch.bfloat16, DEV, max_rows))
+    keeps_place = limit >= 2 and rows_keep_their_place(in_features, outputs, torch.bfloat16, DEV, limit)
+    gpu_record("kernel gate projection runs: uniform rows", in_features=in_features, outputs=outputs,
+               uniform_rows=limit, keeps_place=keeps_place, probed_to=max_rows)
+    if not keeps_place:
+        pytest.skip(f"[{in_features} -> {outputs}] rounds by row count from {limit + 1} rows: runs keep per segment")
+    rng = torch.Generator().manual_seed(outputs)
+    linear = torch.nn.Linear(in_features, outputs, bias=False, device=DEV, dtype=torch.bfloat16)
+    setattr(linear, UNIFORM_ROWS, limit)
+    unequal, runs_seen = 0, 0
+    for trial in range(6):
+        lengths = [int(n) for n in torch.randint(1, 3000, (int(torch.randint(2, 24, (1,), generator=rng)),), generator=rng)]
+        packed = PackedBatch.from_lengths(lengths, device=DEV)
+        bounds = tuple(packed.segments())
+        if trial % 2:
+            x, w = order_sensitive_operands(in_features, outputs, torch.bfloat16, DEV, sum(lengths), seed=trial)
+        else:
+            x = torch.randn(sum(lengths), in_features, device=DEV).to(torch.bfloat16)
+            w = (torch.randn(outputs, in_features, device=DEV) * in_features ** -0.5).to(torch.bfloat16)
+        with torch.no_grad():
+            linear.weight.copy_(w)
+            got = gate_projection_runs(linear, x, bounds)
+            want = torch.cat([linear(x[a:b]) for a, b in bounds])
+        unequal += int((got.view(torch.int16) != want.view(torch.int16)).sum())
+        runs_seen += len(segment_runs(bounds, limit))
+    gpu_record("kernel gate projection runs vs per segment", in_features=in_features, outputs=outputs,
+               uniform_rows=limit, products=runs_seen, unequal=unequal)
+    assert unequal == 0, f"runs of segments differ from per-segment products in {unequal} values (tolerance 0)"
+
+
 @pytest.mark.parametrize("vocab", [248320, 4096, 777])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_fused_head_matches_torch(vocab, temperature, gpu_record):

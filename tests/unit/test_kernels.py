@@ -60,6 +60,81 @@ def test_gate_projection_refuses_bounds_that_do_not_cover_the_row():
         gate_projection_segment(linear, torch.zeros(10, 8), ((0, 4), (4, 9)))
 
 
+def test_segment_runs_merge_neighbours_up_to_the_limit():
+    from model_runtime.kernels.gate_projection import segment_runs
+
+    bounds = [(0, 3), (3, 10), (10, 11), (11, 30), (30, 31), (31, 35)]
+    assert segment_runs(bounds, 11) == [(0, 11), (11, 30), (30, 35)]  # 19 rows: a run of its own
+    assert segment_runs(bounds, 35) == [(0, 35)]
+    assert segment_runs(bounds, 1) == bounds
+    assert segment_runs([], 8) == []
+
+
+@pytest.mark.parametrize("limit", [0, 1, 2, 70, 129, 10_000])
+@pytest.mark.parametrize("lengths", LAYOUTS + [(7, 70, 1, 1, 63, 129, 2)], ids=layout_id)
+def test_gate_projection_runs_give_every_segment_its_own_product(lengths, limit):
+    """``runs`` against ``segment`` on operands whose every sum is exact (small integers), so
+    that any product equals any other bit for bit: a difference is a wrong row, not rounding.
+    Without a measured limit (0, 1) it is ``segment`` itself."""
+    from model_runtime.kernels.gate_projection import UNIFORM_ROWS, gate_projection_runs, segment_runs
+
+    g = torch.Generator().manual_seed(len(lengths) + limit)
+    packed = PackedBatch.from_lengths(lengths)
+    linear = torch.nn.Linear(48, 6, bias=False)
+    calls = []
+    linear.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
+    setattr(linear, UNIFORM_ROWS, limit)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randint(-4, 5, (6, 48), generator=g).float())
+        x = torch.randint(-4, 5, (packed.total_tokens, 48), generator=g).float()
+        bounds = tuple(packed.segments())
+        got = gate_projection_runs(linear, x, bounds)
+        want = gate_projection_segment(linear, x, bounds)
+    assert torch.equal(got, want), f"runs differ from per-segment products by {(got - want).abs().max():.3e}"
+    runs = segment_runs(bounds, limit) if limit >= 2 else bounds
+    assert calls[: len(runs)] == [b - a for a, b in runs] or len(bounds) == 1
+
+
+def test_gate_projection_runs_refuse_bounds_that_do_not_cover_the_row():
+    from model_runtime.kernels.gate_projection import UNIFORM_ROWS, gate_projection_runs
+
+    linear = torch.nn.Linear(8, 2, bias=False)
+    setattr(linear, UNIFORM_ROWS, 64)
+    with pytest.raises(ValueError, match="do not cover the row of 10 tokens"):
+        gate_projection_runs(linear, torch.zeros(10, 8), ((0, 4), (4, 9)))
+
+
+def test_uniform_rows_end_at_the_first_change_of_kind():
+    import numpy as np
+
+    from model_runtime.kernels.gate_projection import uniform_rows
+
+    assert uniform_rows(np.array([0, 0, 0, 0, 0])) == 4  # entry 0 mirrors 1; one kind to 4 rows
+    assert uniform_rows(np.array([0, 0, 0, 1, 0])) == 2  # a kernel returns at 4 rows: not uniform past 2
+    assert uniform_rows(np.array([3, 3])) == 1
+    assert uniform_rows(np.array([0])) == 0
+
+
+def test_rows_keep_their_place_catches_a_product_that_rounds_by_place(monkeypatch):
+    """A stand-in BLAS that sums K backwards for rows at odd offsets from the product's first row:
+    every product starting at row 0 agrees on common rows (``row_kinds`` sees one kind), yet a
+    slice that starts one row later rounds its rows the other way."""
+    from model_runtime.kernels import gate_projection as G
+
+    def blas(x, w, odd_rows_backwards: bool):
+        p = x.float()[:, None, :] * w.float()[None]  # exact products of bf16 values, summed in float32
+        fwd, bwd = p.sum(-1), p.flip(-1).sum(-1)  # two orders of one float32 sum
+        odd = (torch.arange(x.shape[0]) % 2 == 1)[:, None] & odd_rows_backwards
+        return torch.where(odd, bwd, fwd).to(x.dtype)
+
+    shape = (2048, 16, torch.bfloat16, "cpu", 40)  # long sums: a change of order shows in about 1% of outputs
+    monkeypatch.setattr(G.F, "linear", lambda x, w: blas(x, w, False))
+    assert G.rows_keep_their_place(*shape)
+    monkeypatch.setattr(G.F, "linear", lambda x, w: blas(x, w, True))
+    assert G.uniform_rows(G.row_kinds(*shape)) == 40
+    assert not G.rows_keep_their_place(*shape)
+
+
 @pytest.mark.parametrize("lengths", LAYOUTS, ids=layout_id)
 def test_conv_reference_matches_direct_sum(lengths):
     """y_t = silu(sum_j w_j x_{t-W+1+j}) with zeros before each segment, written as a plain loop."""

@@ -186,3 +186,59 @@ def test_a_cuda_scorer_measures_its_table_before_its_first_shared_row(monkeypatc
     assert scorer.rounding_in_use() is made and scorer.rounding_in_use() is made and calls == [1]
     assert Scorer(loaded, prefix_min_tokens=64).rounding_in_use() is None  # the CPU: every member alike
     assert Scorer(loaded).rounding_in_use() is None
+
+
+def test_prepare_runs_sets_each_narrow_module_its_measured_limit(tmp_path, monkeypatch):
+    """``prepare_runs`` gives every module owning a narrow weight the rows its product may span:
+    the row counts of one kind, 0 where a slice's rows move with their place; one measurement per
+    shape, kept in the same cache as ``measure``'s table."""
+    from model_runtime.kernels import gate_projection as G
+
+    class Gates(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(32, 4, bias=False), torch.nn.Linear(32, 4, bias=False)
+            self.router = torch.nn.Module()
+            self.router.weight = torch.nn.Parameter(torch.zeros(6, 32))  # a router: a weight, no Linear
+            self.wide = torch.nn.Linear(32, 64, bias=False)  # not narrow: left alone
+
+        def narrow_weights(self):
+            return (self.a.weight, self.b.weight, self.router.weight)
+
+    kinds = {4: np.array([0] * 41), 6: np.array([0] * 20 + [1] * 21)}  # [32 -> 6] changes kernel at 20 rows
+    measured = []
+    monkeypatch.setattr(G, "row_kinds", lambda k, n, dtype, device, rows: measured.append(n) or kinds[n])
+    monkeypatch.setattr(G, "rows_keep_their_place", lambda *args: True)
+    model = torch.nn.Sequential(Gates())
+    got = R.prepare_runs(model, 40, cache_dir=tmp_path)
+    assert got == {"0.a": 40, "0.b": 40, "0.router": 19}
+    assert sorted(measured) == [4, 6]  # one measurement per shape
+    assert getattr(model[0].a, G.UNIFORM_ROWS) == 40 and not hasattr(model[0].wide, G.UNIFORM_ROWS)
+    measured.clear()
+    monkeypatch.setattr(G, "rows_keep_their_place", lambda *args: False)
+    assert R.prepare_runs(model, 40, cache_dir=tmp_path) == {"0.a": 0, "0.b": 0, "0.router": 0}
+    assert measured == []  # read back from the cache
+    assert R.measure(model, 40, cache_dir=tmp_path).alike(5, 19) and not R.measure(model, 40, cache_dir=tmp_path).alike(5, 25)
+
+
+def test_the_router_product_carries_the_routers_limit():
+    from model_runtime.kernels.gate_projection import UNIFORM_ROWS
+    from tests.unit.test_moe import hf_block
+    from model_runtime.kernels.registry import select_backends
+    from model_runtime.model.moe import PackedSparseMoe
+
+    ours = PackedSparseMoe(hf_block("qwen3_5_moe"), select_backends("cpu"))
+    assert getattr(ours._router_product(), UNIFORM_ROWS) == 0
+    setattr(ours.gate, UNIFORM_ROWS, 512)
+    product = ours._router_product()
+    x = torch.randn(3, ours.gate.weight.shape[1])
+    assert getattr(product, UNIFORM_ROWS) == 512 and torch.equal(product(x), x @ ours.gate.weight.T)
+
+
+def test_a_cpu_scorer_measures_no_runs():
+    from model_runtime.scoring.loading import load_model
+    from model_runtime.scoring.scorer import Scorer
+
+    loaded = load_model("tiny", device="cpu")
+    scorer = Scorer(loaded)
+    assert scorer.narrow_runs_in_use() == {}
