@@ -22,7 +22,8 @@ def _saved(url: str) -> float:
     return sum(float(line.split()[-1]) for line in lines)
 
 
-def test_the_default_server_shares_a_group_prompt_bit_for_bit(tmp_path, gpu_record):
+@pytest.mark.parametrize("kernels", [(), ("--kernels", "gate_projection=segment")], ids=["default", "segment"])
+def test_the_default_server_shares_a_group_prompt_bit_for_bit(tmp_path, gpu_record, kernels):
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 4096, 700).tolist()
     seqs = [{"id": f"m{i}", "input_ids": prompt + rng.integers(0, 4096, n).tolist(), "score_from": 700}
@@ -32,7 +33,8 @@ def test_the_default_server_shares_a_group_prompt_bit_for_bit(tmp_path, gpu_reco
     servers = []
     for name, flags in (("default", ()), ("unshared", ("--no-prefix-sharing",))):
         (tmp_path / name).mkdir()
-        servers.append(ServerProcess(tmp_path / name, "--model", "tiny", "--device", "cuda", "--max-wait-ms", "2", *flags))
+        servers.append(ServerProcess(tmp_path / name, "--model", "tiny", "--device", "cuda", "--max-wait-ms", "2",
+                                     *kernels, *flags))
     try:
         default, unshared = (s.wait_ready(timeout=300) for s in servers)
         got = [post(s.url, body) for s in (default, unshared)]
@@ -41,7 +43,7 @@ def test_the_default_server_shares_a_group_prompt_bit_for_bit(tmp_path, gpu_reco
         d = max(float(np.abs(a["logprobs"] - b["logprobs"]).max()) for a, b in zip(shared, plain))
         e = max(float(np.abs(a["entropy"] - b["entropy"]).max()) for a, b in zip(shared, plain))
         saved = (_saved(default.url), _saved(unshared.url))
-        gpu_record("served default shares a prompt", logprob_max=d, entropy_max=e, tokens_saved=saved[0],
+        gpu_record("served default shares a prompt", kernels=" ".join(kernels) or "default", logprob_max=d, entropy_max=e, tokens_saved=saved[0],
                    tokens_saved_unshared=saved[1])
         assert saved[0] > 0 and saved[1] == 0, f"tokens saved: default {saved[0]}, --no-prefix-sharing {saved[1]}"
         assert d == 0.0 and e == 0.0, f"shared vs unshared: max |dlogp| {d:.3e}, max |dentropy| {e:.3e}; expected 0"
