@@ -27,14 +27,16 @@ def test_sigterm_drains_admitted_requests_and_exits_0(tmp_path, tiny_scorer):
                            "--queue-seconds", "1000").wait_ready()
     try:
         rng = np.random.default_rng(5)
-        batches = [random_sequences(rng, 4, TINY_VOCAB, lengths=(40, 64)) for _ in range(6)]
+        # 16 rows a request: three admitted requests keep the drain busy for a second or more, so the
+        # late request below still finds the server listening on a fast or a loaded machine
+        batches = [random_sequences(rng, 16, TINY_VOCAB, lengths=(40, 64)) for _ in range(6)]
         answers: dict[int, httpx.Response] = {}
         threads = [threading.Thread(target=lambda i=i, b=b: answers.update({i: post(server.url, {"sequences": b})}))
                    for i, b in enumerate(batches)]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 60
-        while _queued_sequences(server.url) < 12:  # at least three requests admitted and waiting
+        while _queued_sequences(server.url) < 48:  # at least three requests admitted and waiting
             assert time.monotonic() < deadline, server.log()
             time.sleep(0.01)
         server.proc.send_signal(signal.SIGTERM)
