@@ -107,6 +107,9 @@ def test_the_probe_operands_make_a_change_of_summation_order_visible():
     plain = flips(torch.randn(64, K, generator=gen).bfloat16(), (torch.randn(16, K, generator=gen) * K ** -0.5).bfloat16())
     print(f"bf16 outputs changed by reversing the sum: probe operands {probe:.4f}, random {plain:.4f}")
     assert probe > 0.005 and probe > 10 * plain, f"probe operands {probe:.4f} against random {plain:.4f}"
+    short = flips(*order_sensitive_operands(64, 16, torch.bfloat16, "cpu", 256))
+    print(f"bf16 outputs changed by reversing a sum of 64 inputs: probe operands {short:.4f}")
+    assert short < probe / 3, f"64 inputs {short:.4f} against {K}: {probe:.4f} (rounding.MIN_RUN_IN_FEATURES relies on it)"
 
 
 def test_the_pool_hands_the_table_over_as_runs():
@@ -210,6 +213,9 @@ def test_prepare_runs_sets_each_narrow_module_its_measured_limit(tmp_path, monke
     monkeypatch.setattr(G, "row_kinds", lambda k, n, dtype, device, rows: measured.append(n) or kinds[n])
     monkeypatch.setattr(G, "rows_keep_their_place", lambda *args: True)
     model = torch.nn.Sequential(Gates())
+    assert R.prepare_runs(model, 40, cache_dir=tmp_path) == {"0.a": 0, "0.b": 0, "0.router": 0}  # 32 inputs: too few
+    assert measured == []
+    monkeypatch.setattr(R, "MIN_RUN_IN_FEATURES", 32)
     got = R.prepare_runs(model, 40, cache_dir=tmp_path)
     assert got == {"0.a": 40, "0.b": 40, "0.router": 19}
     assert sorted(measured) == [4, 6]  # one measurement per shape
