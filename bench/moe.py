@@ -228,6 +228,10 @@ def block_timing(preset: str = PRESET, rows=BLOCK_ROWS, spec=None) -> dict:
         "fused_scatter_select_stream": {"moe_experts": "grouped_mm_fused_scatter", "moe_router": "select",
                                         "moe_shared": "stream"},
     } if cuda else {"default": {}, "composition": {}}
+    from model_runtime.kernels import expert_gemm
+
+    if cuda and expert_gemm.unavailable_reason() is None:  # the SiLU product in the gate/up epilogue, opt-in
+        variants["tiles_silu"] = {"moe_experts": "expert_tiles_silu", "moe_router": "select", "moe_shared": "inline"}
     chosen = {key: select_backends(device, allow_slow=True, overrides=o) for key, o in variants.items()}
     ours = {key: PackedSparseMoe(block, b) for key, b in chosen.items()}
     out = {"preset": preset, "dtype": str(dtype), "rows": {},

@@ -43,7 +43,7 @@ import torch
 from model_runtime.kernels.cache import packscore_cache_dir
 
 SOURCE = Path(__file__).with_name("csrc") / "expert_gemm_sm90.cu"
-ABI_VERSION = 1  # csrc/expert_gemm_sm90.cu's kAbiVersion
+ABI_VERSION = 2  # csrc/expert_gemm_sm90.cu's kAbiVersion
 CUTLASS_VERSION = "v4.7.0"  # the headers the source is written against
 
 
@@ -76,9 +76,12 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         lib.pse_tile_rows.restype = ctypes.c_int
         lib.pse_workspace_bytes.restype = ctypes.c_size_t
         lib.pse_workspace_bytes.argtypes = [ctypes.c_int] * 6
-        lib.pse_expert_mm.restype = ctypes.c_int
-        lib.pse_expert_mm.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-                                      + [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_void_p])
+        lib.pse_expert_mm_silu_workspace_bytes.restype = ctypes.c_size_t
+        lib.pse_expert_mm_silu_workspace_bytes.argtypes = [ctypes.c_int] * 6
+        for fn in (lib.pse_expert_mm, lib.pse_expert_mm_silu):
+            fn.restype = ctypes.c_int
+            fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+                           + [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_void_p])
     except AttributeError as err:
         return None, f"{path} is not a packscore expert-GEMM library: {err}"
     if lib.pse_abi_version() != ABI_VERSION:
@@ -98,10 +101,13 @@ def unavailable_reason() -> str | None:
 @dataclass(frozen=True)
 class TiledProduct:
     """A product over a tile-aligned expert layout: ``mm(x_RK, w_ENK, tile_expert_M)`` gives
-    ``[R, N]``, the rows of tile m times ``w_ENK[tile_expert[m]].T`` (tiles of -1 unwritten)."""
+    ``[R, N]``, the rows of tile m times ``w_ENK[tile_expert[m]].T`` (tiles of -1 unwritten).
+    ``mm_silu``, where given, gives the experts' ``silu(gate) * up`` ``[R, N / 2]`` straight from
+    ``w_ENK`` = gate rows then up rows (``expert_mm_silu``)."""
 
     tile_rows: int
     mm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    mm_silu: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 def expert_layout(counts_E: torch.Tensor, tile_rows: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,32 +128,53 @@ def layout_rows(pairs: int, experts: int, tile_rows: int) -> int:
     return -(-(pairs + experts * (tile_rows - 1)) // tile_rows) * tile_rows
 
 
-def expert_mm(x_RK: torch.Tensor, w_ENK: torch.Tensor, tile_expert_M: torch.Tensor) -> torch.Tensor:
-    """The CUTLASS kernel (see the module docstring); bf16, contiguous, on the current stream."""
+# Gate (and up) columns of one N tile of the fused SiLU product: I must be a multiple of it.
+SILU_PAIR_COLUMNS = 64
+
+
+def _run(name: str, x_RK: torch.Tensor, w_ENK: torch.Tensor, tile_expert_M: torch.Tensor, out_columns: int):
     lib, reason = _library()
     if lib is None:
         raise RuntimeError(f"the expert GEMM library is not loaded: {reason}")
     if x_RK.dtype != torch.bfloat16 or w_ENK.dtype != torch.bfloat16:
-        raise ValueError(f"expert_mm takes bfloat16 operands, got {x_RK.dtype} and {w_ENK.dtype}")
+        raise ValueError(f"{name} takes bfloat16 operands, got {x_RK.dtype} and {w_ENK.dtype}")
     if not (x_RK.is_contiguous() and w_ENK.is_contiguous() and tile_expert_M.is_contiguous()):
-        raise ValueError("expert_mm takes contiguous operands")
+        raise ValueError(f"{name} takes contiguous operands")
     (R, K), (E, N, Kw) = x_RK.shape, w_ENK.shape
     tile = lib.pse_tile_rows()
     if K != Kw or R % tile or tile_expert_M.shape != (R // tile,) or tile_expert_M.dtype != torch.int32:
-        raise ValueError(f"expert_mm: x {tuple(x_RK.shape)} (rows a multiple of {tile}), w {tuple(w_ENK.shape)}, "
+        raise ValueError(f"{name}: x {tuple(x_RK.shape)} (rows a multiple of {tile}), w {tuple(w_ENK.shape)}, "
                          f"tile_expert {tuple(tile_expert_M.shape)} {tile_expert_M.dtype} do not fit")
-    out = x_RK.new_empty(R, N)
+    out = x_RK.new_empty(R, out_columns)
     device = x_RK.device
     index = device.index if device.index is not None else torch.cuda.current_device()
     sm_count = torch.cuda.get_device_properties(index).multi_processor_count
-    size = lib.pse_workspace_bytes(R, K, N, E, sm_count, index)
+    size = getattr(lib, "pse_workspace_bytes" if name == "expert_mm" else "pse_expert_mm_silu_workspace_bytes")(
+        R, K, N, E, sm_count, index)
     workspace = torch.empty(size, dtype=torch.uint8, device=device) if size else None
-    status = lib.pse_expert_mm(x_RK.data_ptr(), w_ENK.data_ptr(), out.data_ptr(), tile_expert_M.data_ptr(), R, K, N, E,
-                               None if workspace is None else workspace.data_ptr(), size, sm_count, index,
-                               torch.cuda.current_stream(device).cuda_stream)
+    status = getattr(lib, f"pse_{name}")(x_RK.data_ptr(), w_ENK.data_ptr(), out.data_ptr(), tile_expert_M.data_ptr(),
+                                         R, K, N, E, None if workspace is None else workspace.data_ptr(), size, sm_count,
+                                         index, torch.cuda.current_stream(device).cuda_stream)
     if status != 0:
-        raise RuntimeError(f"the expert GEMM kernel failed (status {status}) on x {tuple(x_RK.shape)}, w {tuple(w_ENK.shape)}")
+        raise RuntimeError(f"the {name} kernel failed (status {status}) on x {tuple(x_RK.shape)}, w {tuple(w_ENK.shape)}")
     return out
+
+
+def expert_mm(x_RK: torch.Tensor, w_ENK: torch.Tensor, tile_expert_M: torch.Tensor) -> torch.Tensor:
+    """The CUTLASS kernel (see the module docstring); bf16, contiguous, on the current stream."""
+    return _run("expert_mm", x_RK, w_ENK, tile_expert_M, w_ENK.shape[1])
+
+
+def expert_mm_silu(x_RK: torch.Tensor, w_E2IK: torch.Tensor, tile_expert_M: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` ``[R, I]`` of the experts' gate/up product, in the product's epilogue:
+    ``w_E2IK`` holds every expert's I gate rows then its I up rows (``gate_up_proj`` as it is
+    stored); the kernel reads tile t's gate rows ``[64t, 64t + 64)`` and the up rows beside them
+    through one TMA box, so each thread holds a gate column and its up column. Rounded as ATen
+    rounds ``F.silu(gate) * up`` on the product's bf16 outputs: equal to ``moe_triton.silu_mul_rows``
+    of ``expert_mm`` bit for bit (tests/gpu/test_moe_fused.py). I a multiple of 64."""
+    if w_E2IK.shape[1] % (2 * SILU_PAIR_COLUMNS):
+        raise ValueError(f"expert_mm_silu needs 2I a multiple of {2 * SILU_PAIR_COLUMNS}, got {w_E2IK.shape[1]}")
+    return _run("expert_mm_silu", x_RK, w_E2IK, tile_expert_M, w_E2IK.shape[1] // 2)
 
 
 def expert_mm_reference(x_RK: torch.Tensor, w_ENK: torch.Tensor, tile_expert_M: torch.Tensor,
@@ -163,15 +190,25 @@ def expert_mm_reference(x_RK: torch.Tensor, w_ENK: torch.Tensor, tile_expert_M: 
     return out
 
 
-def cutlass_product() -> TiledProduct:
+def expert_mm_silu_reference(x_RK: torch.Tensor, w_E2IK: torch.Tensor, tile_expert_M: torch.Tensor,
+                             tile_rows: int) -> torch.Tensor:
+    """The plain reference of ``expert_mm_silu``: the product, then ``F.silu(gate) * up``."""
+    gate_up = expert_mm_reference(x_RK, w_E2IK, tile_expert_M, tile_rows)
+    half = w_E2IK.shape[1] // 2
+    return torch.nn.functional.silu(gate_up[:, :half]) * gate_up[:, half:]
+
+
+def cutlass_product(silu: bool = False) -> TiledProduct:
+    """The CUTLASS kernel's products; with ``silu`` also its gate/up product with the SiLU in the epilogue."""
     lib, reason = _library()
     if lib is None:
         raise RuntimeError(f"the expert GEMM library is not loaded: {reason}")
-    return TiledProduct(lib.pse_tile_rows(), expert_mm)
+    return TiledProduct(lib.pse_tile_rows(), expert_mm, expert_mm_silu if silu else None)
 
 
-def reference_product(tile_rows: int = 128) -> TiledProduct:
-    return TiledProduct(tile_rows, functools.partial(expert_mm_reference, tile_rows=tile_rows))
+def reference_product(tile_rows: int = 128, silu: bool = False) -> TiledProduct:
+    return TiledProduct(tile_rows, functools.partial(expert_mm_reference, tile_rows=tile_rows),
+                        functools.partial(expert_mm_silu_reference, tile_rows=tile_rows) if silu else None)
 
 
 def build(cutlass_dir: Path, out: Path | None = None, nvcc: str | None = None) -> Path:

@@ -30,6 +30,8 @@ that no step's arithmetic depends on how many tokens an expert received:
   in packscore's CUTLASS kernel over that layout (model_runtime/kernels/expert_gemm.py): the same
   K order, so ``grouped_mm``'s numbers bit for bit, without the grouped kernel's per-expert
   descriptor rewrites.
+- ``expert_tiles_silu`` (the same, opt-in until measured on a GPU): ``silu(gate) * up`` in the
+  gate/up product's epilogue (``expert_gemm.expert_mm_silu``) instead of a pass of its own.
 
 Every backend takes ``shared = (gate_T1, shared_TD)``, or a function returning it (called only
 where the backend adds it), and then returns the block's output, ``routed + gate * shared``
@@ -213,6 +215,20 @@ def experts_expert_tiles(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, share
                            tiled=expert_gemm.cutlass_product())
 
 
+def experts_expert_tiles_silu(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared=None) -> torch.Tensor:
+    """``expert_tiles`` with ``silu(gate) * up`` computed in the gate/up product's epilogue
+    (``expert_gemm.expert_mm_silu``): the same numbers, one pass over the gate/up outputs fewer.
+    I must be a multiple of 64 (``expert_tiles`` otherwise)."""
+    from model_runtime.kernels import expert_gemm
+
+    if x_TD.device.type != "cuda" or x_TD.dtype != torch.bfloat16:
+        raise ValueError(f"the expert_tiles_silu experts need bfloat16 on CUDA, got {x_TD.dtype} on {x_TD.device.type}; "
+                         "use --kernels moe_experts=tiled")
+    silu = down_EDI.shape[2] % expert_gemm.SILU_PAIR_COLUMNS == 0
+    return grouped_experts(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared, fused=True, scatter=True,
+                           tiled=expert_gemm.cutlass_product(silu=silu))
+
+
 def add_shared(routed_TD: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """The block's output from its routed experts' and, with ``shared = (gate_T1, shared_TD)``,
     its gated shared expert: ``routed + gate * shared`` (each step rounded to the dtype)."""
@@ -281,10 +297,13 @@ def grouped_experts(
         moe_triton.scatter_rows(x_TD, pos_S.view(T, K), x_RD)
     else:
         torch.index_select(x_TD, 0, order_S // K, out=x_RD[:S])  # gathered straight into the product's rows
-    gate_up_R2I = product(x_RD, gate_up_E2ID)
-    if fused:
+    if tiled is not None and tiled.mm_silu is not None:  # the SiLU product in the gate/up product's epilogue
+        h_RI = tiled.mm_silu(x_RD, gate_up_E2ID.contiguous(), tile_expert_M)
+    elif fused:
+        gate_up_R2I = product(x_RD, gate_up_E2ID)
         h_RI = moe_triton.silu_mul_rows(gate_up_R2I, computed)  # the rows no product computed are never read
     else:
+        gate_up_R2I = product(x_RD, gate_up_E2ID)
         h_RI = F.silu(gate_up_R2I[:, :I]) * gate_up_R2I[:, I:]
     y_RD = product(h_RI, down_EDI)
     if not fused:

@@ -36,6 +36,7 @@ from model_runtime.kernels.moe_experts import (
     experts_grouped_mm,
     experts_grouped_mm_fused,
     experts_expert_tiles,
+    experts_expert_tiles_silu,
     experts_grouped_mm_fused_scatter,
     experts_tiled,
     shared_inline,
@@ -63,7 +64,8 @@ REGISTRY: dict[str, dict[str, Callable]] = {
                     "inductor_exact": elementwise.inductor_exact, "triton_exact": elementwise.triton_exact},
     "gate_projection": {"row": gate_projection_row, "segment": gate_projection_segment, "runs": gate_projection_runs},
     "moe_experts": {"tiled": experts_tiled, "grouped_mm": experts_grouped_mm, "grouped_mm_fused": experts_grouped_mm_fused,
-                    "grouped_mm_fused_scatter": experts_grouped_mm_fused_scatter, "expert_tiles": experts_expert_tiles},
+                    "grouped_mm_fused_scatter": experts_grouped_mm_fused_scatter, "expert_tiles": experts_expert_tiles,
+                    "expert_tiles_silu": experts_expert_tiles_silu},
     "moe_router": {"topk": top_k_torch, "select": top_k_select},
     "moe_shared": {"inline": shared_inline, "stream": shared_side_stream},
 }
@@ -82,7 +84,8 @@ _CPU_DEFAULT = {
 
 # Backends whose kernels exist only on CUDA.
 CUDA_ONLY = frozenset({"fla", "causal_conv1d", "varlen", "sdpa_fused", "flash_attn", "triton", "inductor_exact", "triton_exact",
-                       "grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter", "expert_tiles", "select", "stream"})
+                       "grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter", "expert_tiles", "expert_tiles_silu",
+                       "select", "stream"})
 
 # The fast backends on a GPU, best first. Attention differs by where the model runs (figures in
 # docs/benchmarks.md):
@@ -112,6 +115,7 @@ _GPU_PREFERENCE = {
     # products themselves in Triton gave the same numbers but a slower block on an H200 (docs/moe.md).
     # expert_tiles: the same numbers again, both products in packscore's CUTLASS kernel over a
     # tile-aligned layout (faster than grouped_mm's on an H200, docs/moe.md); where its library is built.
+    # expert_tiles_silu (the SiLU product in the gate/up epilogue) only by --kernels until measured.
     "moe_experts": ("expert_tiles", "grouped_mm_fused_scatter", "grouped_mm_fused", "grouped_mm"),
     # select: torch.topk's answer, its radix select replaced by one Triton pass.
     "moe_router": ("select", "topk"),
@@ -170,6 +174,7 @@ _BACKEND_MODULES = {
     "grouped_mm_fused": ("triton",),
     "grouped_mm_fused_scatter": ("triton",),
     "expert_tiles": ("triton",),
+    "expert_tiles_silu": ("triton",),
     "select": ("triton",),
 }
 
@@ -179,7 +184,7 @@ def _unavailable_reason(family: str, name: str) -> str | None:
     modules = _BACKEND_MODULES.get(name, ())
     if family == "moe_experts" and name.startswith("grouped_mm") and not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no grouped matrix product"
-    if family == "moe_experts" and name == "expert_tiles":
+    if family == "moe_experts" and name in ("expert_tiles", "expert_tiles_silu"):
         from model_runtime.kernels import expert_gemm
 
         reason = expert_gemm.unavailable_reason()

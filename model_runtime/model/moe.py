@@ -33,7 +33,8 @@ from model_runtime.model.layers import ModuleOps, _is_silu
 from model_runtime.model.packing import PackedBatch
 
 # The experts backends that take bfloat16 weights on CUDA only.
-CUDA_BF16_EXPERTS = frozenset({"grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter", "expert_tiles"})
+CUDA_BF16_EXPERTS = frozenset({"grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter", "expert_tiles",
+                               "expert_tiles_silu"})
 # Hugging Face's sparse-MoE block classes this block replaces.
 SPARSE_MOE_BLOCKS = frozenset({"Qwen3_5MoeSparseMoeBlock", "Qwen3NextSparseMoeBlock"})
 

@@ -1,5 +1,5 @@
-"""The fused MoE experts (``moe_experts=grouped_mm_fused``, ``grouped_mm_fused_scatter`` and
-``expert_tiles``) on the GPU: the ``grouped_mm`` composition's numbers bit for bit, on the
+"""The fused MoE experts (``moe_experts=grouped_mm_fused``, ``grouped_mm_fused_scatter``,
+``expert_tiles`` and ``expert_tiles_silu``) on the GPU: the ``grouped_mm`` composition's numbers bit for bit, on the
 Qwen3.5-35B-A3B block shape (E=256, K=8, D=2048, I=512) and row counts from one token to a
 64k-token row. ``expert_tiles`` needs its library (model_runtime/kernels/expert_gemm.py); where it
 is not built its cases are skipped with the reason.
@@ -51,13 +51,13 @@ def test_fused_experts_equal_the_composition_bit_for_bit(inputs, rows, gpu_recor
     )
 
     from model_runtime.kernels import expert_gemm
-    from model_runtime.kernels.moe_experts import experts_expert_tiles
+    from model_runtime.kernels.moe_experts import experts_expert_tiles, experts_expert_tiles_silu
 
     gate_up, down, x, top_i, top_w, gate, shared = (t[:rows] if t.dim() == 2 else t for t in inputs)
     counts, worst = {}, {}
     backends = [("fused", experts_grouped_mm_fused), ("fused_scatter", experts_grouped_mm_fused_scatter)]
     if expert_gemm.unavailable_reason() is None:  # else its own tests below skip with the reason
-        backends.append(("expert_tiles", experts_expert_tiles))
+        backends += [("expert_tiles", experts_expert_tiles), ("expert_tiles_silu", experts_expert_tiles_silu)]
     with torch.inference_mode():
         routed_want = experts_grouped_mm(x, top_i, top_w, gate_up, down)
         block_want = experts_grouped_mm(x, top_i, top_w, gate_up, down, shared=(gate, shared))
@@ -107,6 +107,37 @@ def test_expert_mm_equals_grouped_mm(tokens, skew, gpu_record):
     gpu_record(f"expert_mm vs torch._grouped_mm, {tokens} tokens, skew {skew}", max_rows_per_expert=int(counts.max()),
                empty_experts=int((counts == 0).sum()), **results)
     assert not any(results.values()), f"values differing from torch._grouped_mm (tolerance: bit for bit): {results}"
+
+
+@pytest.mark.parametrize("skew", [0.0, 8.0], ids=["router-like", "skewed"])
+@pytest.mark.parametrize("tokens", [1, 300, 16384, 65536], ids=lambda n: f"T{n}")
+def test_expert_mm_silu_equals_the_product_then_the_silu_pass(tokens, skew, gpu_record):
+    """The gate/up product with ``silu(gate) * up`` in its epilogue against the product and then
+    the SiLU pass the fused path runs (``silu_mul_rows``, ATen's rounding), bit for bit, and
+    against ``F.silu(gate) * up`` of ``torch._grouped_mm``'s rows."""
+    from model_runtime.kernels import moe_triton
+
+    expert_gemm = expert_tiles_or_skip()
+    g = torch.Generator(device="cuda").manual_seed(tokens + 1)
+    logits = torch.randn(tokens, E, device="cuda", generator=g) + skew * torch.linspace(0, 1, E, device="cuda")
+    counts = torch.bincount(logits.topk(K, dim=-1).indices.reshape(-1), minlength=E)
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    S, tile = tokens * K, expert_gemm.cutlass_product().tile_rows
+    rows = expert_gemm.layout_rows(S, E, tile)
+    starts, tile_expert = expert_gemm.expert_layout(counts, tile, rows)
+    expert_of_row = torch.repeat_interleave(torch.arange(E, device="cuda"), counts, output_size=S)
+    dest = torch.arange(S, device="cuda") - (offsets.long() - counts)[expert_of_row] + starts[expert_of_row]
+    w = (torch.randn(E, 2 * I, D, device="cuda", generator=g) * 0.02).bfloat16()
+    x = torch.randn(S, D, device="cuda", generator=g).bfloat16()
+    laid = x.new_zeros((rows, D))
+    laid[dest] = x
+    got = expert_gemm.expert_mm_silu(laid, w, tile_expert)
+    two_passes = moe_triton.silu_mul_rows(expert_gemm.expert_mm(laid, w, tile_expert), rows)
+    gate_up = torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+    aten = torch.nn.functional.silu(gate_up[:, :I]) * gate_up[:, I:]
+    results = {"vs_two_passes": differing(got[dest], two_passes[dest]), "vs_aten": differing(got[dest], aten)}
+    gpu_record(f"expert_mm_silu, {tokens} tokens, skew {skew}", empty_experts=int((counts == 0).sum()), **results)
+    assert not any(results.values()), f"values differing (tolerance: bit for bit): {results}"
 
 
 def test_expert_mm_refuses_what_it_does_not_take():

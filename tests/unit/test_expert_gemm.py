@@ -63,6 +63,35 @@ def test_reference_product_equals_per_expert_products():
     assert bool((got[tail:] == 0).all())
 
 
+def test_reference_silu_product_is_silu_gate_times_up():
+    """``expert_mm_silu``'s reference: the product, then ``F.silu(gate) * up``, gate rows first."""
+    g = torch.Generator().manual_seed(1)
+    counts = torch.tensor([5, 2, 0])
+    tile, I = 4, 3
+    rows = expert_gemm.layout_rows(int(counts.sum()), 3, tile)
+    starts, tile_expert = expert_gemm.expert_layout(counts, tile, rows)
+    x, w = torch.randn(rows, 6, generator=g), torch.randn(3, 2 * I, 6, generator=g)
+    product = expert_gemm.reference_product(tile, silu=True)
+    got = product.mm_silu(x, w, tile_expert)
+    assert got.shape == (rows, I) and expert_gemm.reference_product(tile).mm_silu is None
+    for e, n in enumerate(counts.tolist()):
+        s = int(starts[e])
+        y = x[s:s + n] @ w[e].T
+        want = torch.nn.functional.silu(y[:, :I]) * y[:, I:]
+        diff = float((got[s:s + n] - want).abs().max()) if n else 0.0
+        assert diff <= 1e-6, f"expert {e}: max |diff| {diff:.3e} (tolerance 1e-6)"
+
+
+def test_the_silu_product_refuses_an_intermediate_size_off_its_pairs():
+    with pytest.raises(ValueError, match="2I a multiple of 128"):
+        expert_gemm.expert_mm_silu(torch.zeros(128, 8, dtype=torch.bfloat16), torch.zeros(2, 96, 8, dtype=torch.bfloat16),
+                                   torch.zeros(1, dtype=torch.int32))
+
+
+def test_the_library_declares_the_abi_this_module_wants():
+    assert f"kAbiVersion = {expert_gemm.ABI_VERSION};" in expert_gemm.SOURCE.read_text()
+
+
 def test_a_missing_library_is_reported_with_its_path_and_the_build_command(fresh_library, tmp_path):
     fresh_library.setenv("PACKSCORE_EXPERT_GEMM", str(tmp_path / "absent.so"))
     lib, reason = expert_gemm._library()
@@ -91,8 +120,9 @@ def test_without_cuda_the_backend_is_unavailable_and_the_cpu_refuses_it():
 
     if not torch.cuda.is_available():
         assert expert_gemm.unavailable_reason() == "no CUDA device"
-        with pytest.raises(ValueError, match="needs CUDA"):
-            select_backends("cpu", overrides={"moe_experts": "expert_tiles"})
+        for name in ("expert_tiles", "expert_tiles_silu"):
+            with pytest.raises(ValueError, match="needs CUDA"):
+                select_backends("cpu", overrides={"moe_experts": name})
 
 
 def test_build_names_what_is_missing(tmp_path):

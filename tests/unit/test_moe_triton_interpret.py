@@ -170,10 +170,12 @@ def test_tiled_layout_equals_the_scattered_fused_path_float32(tile):
     shared = (torch.rand(T, 1, generator=g), torch.randn(T, D, generator=g))
     for sh in (None, shared):
         want = ME.grouped_experts(x, top_i, top_w, gate_up, down, sh, fused=True, scatter=True)
-        got = ME.grouped_experts(x, top_i, top_w, gate_up, down, sh, fused=True, scatter=True,
-                                 tiled=expert_gemm.reference_product(tile))
-        diff, tol = float((got - want).abs().max()), 1e-6 * float(want.abs().max())
-        assert diff <= tol, f"tiled layout vs scattered fused: max |diff| {diff:.3e} (tolerance {tol:.3e})"
+        for silu in (False, True):  # with the SiLU product in the gate/up product (expert_tiles_silu)
+            got = ME.grouped_experts(x, top_i, top_w, gate_up, down, sh, fused=True, scatter=True,
+                                     tiled=expert_gemm.reference_product(tile, silu=silu))
+            diff, tol = float((got - want).abs().max()), 1e-6 * float(want.abs().max())
+            assert diff <= tol, f"tiled layout (silu in the product: {silu}) vs scattered fused: max |diff| {diff:.3e} " \
+                                f"(tolerance {tol:.3e})"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])

@@ -155,7 +155,7 @@ using Tile = Shape<_128, _128, _64>;
 using Cluster = Shape<_1, _2, _1>;
 using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
 using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
-constexpr int kAbiVersion = 1;  // bump with any change to the C functions below
+constexpr int kAbiVersion = 2;  // bump with any change to the C functions below
 
 using Elem = cutlass::bfloat16_t;
 constexpr int kAlign = 16 / sizeof(Elem);
@@ -177,6 +177,215 @@ struct Gemm {
   static constexpr int kTileM = size<0>(Tile{});
 };
 
+// ---- gate/up with silu(gate) * up in the epilogue ---------------------------------------------
+//
+// The weights stay [E, 2I, K] (every gate row, then every up row). B is read through a
+// hierarchical N mode (64, 2, I/64) with strides (K, I K, 64 K): N tile t holds gate rows
+// [64t, 64t + 64) then up rows [64t, 64t + 64), so one TMA box brings a tile's gate and up rows
+// and every thread holds gate column j and up column j of its rows. The epilogue writes
+// h[:, 64t + j] = bf16(bf16(silu(bf16(gate))) * bf16(up)), ATen's rounding (F.silu then the
+// product, each in float32 and rounded; expf and an IEEE division, as nvcc builds ATen).
+constexpr int kPairCols = 64;  // gate (and up) columns of one N tile
+
+// The CollectiveBuilder's mainloop (built for a flat B) with B read through the pairs layout: its
+// own TMA for B, the tiled view of B that goes with it, and the producer loop that issues it; the
+// consumer side (pipelines, wgmma, K order) is the base's.
+template <class Base>
+struct PairedBMainloop : Base {
+  using typename Base::Arguments;
+  using InternalElementA = typename Base::InternalElementA;
+  using InternalElementB = typename Base::InternalElementB;
+  using ClusterShape = typename Base::DispatchPolicy::ClusterShape;
+
+  template <class N>
+  static CUTLASS_HOST_DEVICE auto pairs_shape(N n) {  // (64, 2, I/64): static within a tile
+    return make_shape(Int<kPairCols>{}, _2{}, int(n) / (2 * kPairCols));
+  }
+  template <class N, class K>
+  static CUTLASS_HOST_DEVICE auto pairs_stride(N n, K k) {  // gate row j, up row j: I K apart
+    return make_stride(int64_t(k), int64_t(n) / 2 * k, int64_t(kPairCols) * k);
+  }
+  using PairsLayoutB = decltype(make_layout(make_shape(pairs_shape(0), int(0), int(0)),
+                                            make_stride(pairs_stride(0, 0), _1{}, int64_t(0))));
+  using TMA_BP = decltype(make_tma_copy_B_sm90(
+      typename Base::GmemTiledCopyB{}, make_tensor(static_cast<InternalElementB const*>(nullptr), PairsLayoutB{}),
+      typename Base::SmemLayoutB{}(_, _, cute::Int<0>{}), typename Base::TileShape{}, ClusterShape{}));
+
+  struct Params : Base::Params {
+    TMA_BP tma_load_bp;  // the base's tma_load_b reads B flat and is never issued
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace) {
+    auto [M, N, K, L] = append<4>(problem_shape, 1);
+    Params params{Base::to_underlying_arguments(problem_shape, args, workspace), {}};
+    auto ptr_B = reinterpret_cast<InternalElementB const*>(args.ptr_B);
+    Tensor tensor_b = make_tensor(ptr_B, make_layout(make_shape(pairs_shape(N), int(K), int(L)),
+                                                     make_stride(pairs_stride(N, K), _1{}, int64_t(N) * K)));
+    params.tma_load_bp = make_tma_copy_B_sm90(typename Base::GmemTiledCopyB{}, tensor_b,
+                                              typename Base::SmemLayoutB{}(_, _, cute::Int<0>{}),
+                                              typename Base::TileShape{}, ClusterShape{});
+    return params;
+  }
+
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const& problem_shape, Arguments const& args) {
+    auto [M, N, K, L] = append<4>(problem_shape, 1);
+    return N % (2 * kPairCols) == 0 && Base::can_implement(problem_shape, args);
+  }
+
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
+    cute::prefetch_tma_descriptor(params.tma_load_a.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_load_bp.get_tma_descriptor());
+  }
+
+  template <class ProblemShape_MNKL>
+  CUTLASS_DEVICE auto load_init(ProblemShape_MNKL const& problem_shape_MNKL, Params const& params) const {
+    using X = Underscore;
+    auto [M, N, K, L] = problem_shape_MNKL;
+    Tensor mA_mkl = params.tma_load_a.get_tma_tensor(make_shape(M, K, L));
+    Tensor mB_nkl = params.tma_load_bp.get_tma_tensor(make_shape(pairs_shape(N), int(K), int(L)));
+    Tensor gA_mkl = local_tile(mA_mkl, typename Base::TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});
+    Tensor gB_nkl = local_tile(mB_nkl, typename Base::TileShape{}, make_coord(_, _, _), Step<X, _1, _1>{});
+    return cute::make_tuple(gA_mkl, gB_nkl);
+  }
+
+  // The producer: one elected thread issues, per K tile, the A tile (shared with the cluster's
+  // other N tile by multicast) and this tile's gate and up rows of B, onto the stage's barrier.
+  template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load(Params const& params, typename Base::MainloopPipeline pipeline,
+                           typename Base::PipelineState stage, cute::tuple<TensorA, TensorB> const& inputs,
+                           BlockCoord const& blk_coord, KTileIterator k_tile, int k_tiles, int,
+                           uint32_t block_rank_in_cluster, typename Base::TensorStorage& smem) {
+    static_assert(size<0>(ClusterShape{}) == 1, "B is not multicast: one M tile a cluster");
+    if (!cute::elect_one_sync()) return;
+    Tensor sA = make_tensor(make_smem_ptr(smem.smem_A.data()), typename Base::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(smem.smem_B.data()), typename Base::SmemLayoutB{});
+    uint32_t cluster_n = block_rank_in_cluster / size<0>(ClusterShape{});
+    auto tma_a = params.tma_load_a.get_slice(cluster_n);
+    auto tma_b = params.tma_load_bp.get_slice(0);
+    auto [m, n, k, l] = blk_coord;
+    Tensor tAgA = tma_a.partition_S(get<0>(inputs)(_, _, m, _, l));
+    Tensor tAsA = tma_a.partition_D(sA);
+    Tensor tBgB = tma_b.partition_S(get<1>(inputs)(_, _, n, _, l));
+    Tensor tBsB = tma_b.partition_D(sB);
+    uint16_t to_cluster = 0;  // A goes to every CTA of the cluster (all share the M tile)
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < size<1>(ClusterShape{}); ++j) to_cluster |= uint16_t(1) << j;
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tiles > 0; --k_tiles, ++k_tile, ++stage) {
+      pipeline.producer_acquire(stage);
+      auto* barrier = pipeline.producer_get_barrier(stage);
+      copy(params.tma_load_a.with(*barrier, to_cluster), tAgA(_, _, _, *k_tile), tAsA(_, _, _, stage.index()));
+      copy(params.tma_load_bp.with(*barrier, 0), tBgB(_, _, _, *k_tile), tBsB(_, _, _, stage.index()));
+    }
+  }
+};
+
+// Writes silu(gate) * up of the tile's 64 pairs; D is [rows, N / 2] with row stride N / 2.
+struct SiluPairsEpilogue {
+  using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
+  using DispatchPolicy = EpilogueSchedule;
+  using ElementOutput = Elem;
+  using ElementAccumulator = float;
+  using ElementCompute = float;
+  using ElementScalar = float;
+  using ElementC = void;
+  using ElementD = Elem;
+  using StrideC = pse::StrideD;
+  using StrideD = pse::StrideD;
+  struct ThreadEpilogueOp {};
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+  struct SharedStorage {};
+  using TensorStorage = SharedStorage;
+  struct Arguments {
+    Elem* ptr_D = nullptr;
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) { return args; }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& args) { return args.ptr_D != nullptr; }
+
+  CUTLASS_HOST_DEVICE SiluPairsEpilogue(Params const& params, SharedStorage const& = SharedStorage()) : params(params) {}
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+  static CUTLASS_DEVICE float silu_times(float gate_acc, float up_acc) {
+    float g = float(Elem(gate_acc));                 // the product's output, rounded
+    float u = float(Elem(up_acc));
+    float s = float(Elem(g / (1.0f + expf(-g))));    // F.silu in float32, rounded
+    return s * u;                                    // the product, rounded by the caller
+  }
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
+            class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK, BlockCoordMNKL blk_coord_mnkl,
+                                 cute::Tensor<FrgEngine, FrgLayout> const& accumulators, TiledMma tiled_mma, ResidueMNK,
+                                 int thread_idx, char*) {
+    static_assert(size<0>(BlockShapeMNK{}) == 128 && size<1>(BlockShapeMNK{}) == 2 * kPairCols, "128 x 128 tiles");
+    // One warp group's wgmma accumulators of a 128 x 128 tile: ((2 columns, 2 row halves, 16 column
+    // groups of 8), 2 row blocks of 64, 1); column group g + 8 is column group g's column + 64.
+    static_assert(cute::is_same_v<cute::remove_cvref_t<decltype(shape(accumulators))>,
+                                  Shape<Shape<_2, _2, _16>, _2, _1>>, "the wgmma accumulator layout assumed below");
+    auto M = get<0>(problem_shape_mnkl);
+    int64_t half = int64_t(get<1>(problem_shape_mnkl)) / 2;
+    auto m_coord = get<0>(blk_coord_mnkl);
+    auto n_coord = get<1>(blk_coord_mnkl);
+    // The tile's output columns twice over (gate half, up half: the same addresses), partitioned as
+    // the accumulators are, so element i's address is its pair's output.
+    Tensor gD = make_tensor(make_gmem_ptr(params.ptr_D + int64_t(m_coord) * 128 * half + int64_t(n_coord) * kPairCols),
+                            make_layout(make_shape(Int<128>{}, make_shape(Int<kPairCols>{}, _2{})),
+                                        make_stride(half, make_stride(_1{}, _0{}))));
+    Tensor cD = make_identity_tensor(make_shape(Int<128>{}, Int<128>{}));
+    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
+    Tensor tCgD = thr_mma.partition_C(gD);
+    Tensor tCcD = thr_mma.partition_C(cD);
+    int rows_left = int(M) - int(m_coord) * 128;
+    CUTLASS_PRAGMA_UNROLL
+    for (int mb = 0; mb < 2; ++mb) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int g = 0; g < 8; ++g) {
+          auto gate0 = make_coord(make_coord(0, r, g), mb, 0);
+          auto gate1 = make_coord(make_coord(1, r, g), mb, 0);
+          auto up0 = make_coord(make_coord(0, r, g + 8), mb, 0);
+          auto up1 = make_coord(make_coord(1, r, g + 8), mb, 0);
+          if (get<0>(tCcD(gate0)) < rows_left) {
+            Elem out0 = Elem(silu_times(accumulators(gate0), accumulators(up0)));
+            Elem out1 = Elem(silu_times(accumulators(gate1), accumulators(up1)));
+            tCgD(gate0) = out0;
+            tCgD(gate1) = out1;
+          }
+        }
+      }
+    }
+  }
+
+ private:
+  Params params;
+};
+
+struct GemmSiluPairs {
+  using Epi = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<SiluPairsEpilogue>;
+  using BuiltMain = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Elem, StrideA, kAlign, Elem, StrideB, kAlign, float, Tile,
+      Cluster, cutlass::gemm::collective::StageCountAutoCarveout<0>, KernelSchedule>::CollectiveOp;
+  using Main = PairedBMainloop<BuiltMain>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Main, Epi, ExpertTiles>;
+  using Adapter = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  static constexpr int kTileM = size<0>(Tile{});
+};
+
 template <class G>
 typename G::Adapter::Arguments arguments(const void* a, const void* b, void* d, const int32_t* tile_expert,
                                          int rows, int k, int n, int experts, int sm_count, int device) {
@@ -192,6 +401,22 @@ typename G::Adapter::Arguments arguments(const void* a, const void* b, void* d, 
       hw};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
+  args.scheduler.tile_expert = tile_expert;
+  return args;
+}
+typename GemmSiluPairs::Adapter::Arguments silu_pairs_arguments(const void* a, const void* b, void* d,
+                                                                const int32_t* tile_expert, int rows, int k, int n,
+                                                                int experts, int sm_count, int device) {
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = device;
+  hw.sm_count = sm_count;
+  typename GemmSiluPairs::Adapter::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {rows, n, k, experts},
+      {static_cast<const Elem*>(a), StrideA{int64_t(k), _1{}, _0{}}, static_cast<const Elem*>(b),
+       StrideB{int64_t(k), _1{}, int64_t(n) * k}},  // flat here; the mainloop reads it as pairs
+      {static_cast<Elem*>(d)},
+      hw};
   args.scheduler.tile_expert = tile_expert;
   return args;
 }
@@ -219,6 +444,34 @@ int pse_expert_mm(const void* a, const void* b, void* d, const int32_t* tile_exp
   using G = pse::Gemm;
   if (rows % G::kTileM != 0) return 1001;
   auto args = pse::arguments<G>(a, b, d, tile_expert, rows, k, n, experts, sm_count, device);
+  if (workspace_bytes < G::Adapter::get_workspace_size(args)) return 1000;
+  G::Adapter gemm;
+  cutlass::Status s = gemm.can_implement(args);
+  if (s != cutlass::Status::kSuccess) return 2000 + int(s);
+  s = gemm.initialize(args, workspace, stream);
+  if (s != cutlass::Status::kSuccess) return 3000 + int(s);
+  s = gemm.run(stream);
+  if (s != cutlass::Status::kSuccess) return 4000 + int(s);
+  cudaError_t launched = cudaGetLastError();
+  return launched == cudaSuccess ? 0 : -int(launched);
+}
+
+size_t pse_expert_mm_silu_workspace_bytes(int rows, int k, int n, int experts, int sm_count, int device) {
+  int32_t dummy = 0;
+  auto* out = reinterpret_cast<pse::Elem*>(&dummy);
+  auto args = pse::silu_pairs_arguments(nullptr, nullptr, out, &dummy, rows, k, n, experts, sm_count, device);
+  return pse::GemmSiluPairs::Adapter::get_workspace_size(args);
+}
+
+// H[rows of tile m, :] = silu(X W_gate^T) * (X W_up^T) for the expert tile_expert[m], where
+// B = [E, n, k] holds every expert's n / 2 gate rows then its n / 2 up rows and H is [rows, n / 2];
+// n a multiple of 128. Status codes as pse_expert_mm's.
+int pse_expert_mm_silu(const void* a, const void* b, void* h, const int32_t* tile_expert, int rows, int k, int n,
+                       int experts, void* workspace, size_t workspace_bytes, int sm_count, int device,
+                       cudaStream_t stream) {
+  using G = pse::GemmSiluPairs;
+  if (rows % G::kTileM != 0) return 1001;
+  auto args = pse::silu_pairs_arguments(a, b, h, tile_expert, rows, k, n, experts, sm_count, device);
   if (workspace_bytes < G::Adapter::get_workspace_size(args)) return 1000;
   G::Adapter gemm;
   cutlass::Status s = gemm.can_implement(args);
