@@ -79,14 +79,10 @@ def expert_tiles_or_skip():
     return expert_gemm
 
 
-@pytest.mark.parametrize("skew", [0.0, 8.0], ids=["router-like", "skewed"])
-@pytest.mark.parametrize("tokens", [1, 300, 16384, 65536], ids=lambda n: f"T{n}")
-def test_expert_mm_equals_grouped_mm(tokens, skew, gpu_record):
-    """packscore's CUTLASS product over the tile-aligned layout against ``torch._grouped_mm`` on the
-    grouped rows, both products of the block, bit for bit: routing from random logits, and skewed
-    so that a few experts take most rows and many take none."""
-    expert_gemm = expert_tiles_or_skip()
-    g = torch.Generator(device="cuda").manual_seed(tokens)
+def routed_layout(expert_gemm, tokens: int, skew: float, g: torch.Generator):
+    """Routing of ``tokens`` tokens from random logits (``skew`` > 0: a few experts take most rows,
+    many none), laid out for the CUTLASS kernel: ``(counts_E, offsets_E, rows, tile_expert_M,
+    dest_S)``, ``dest_S`` the layout row of each grouped row."""
     logits = torch.randn(tokens, E, device="cuda", generator=g) + skew * torch.linspace(0, 1, E, device="cuda")
     counts = torch.bincount(logits.topk(K, dim=-1).indices.reshape(-1), minlength=E)
     offsets = torch.cumsum(counts, 0).to(torch.int32)
@@ -95,6 +91,19 @@ def test_expert_mm_equals_grouped_mm(tokens, skew, gpu_record):
     starts, tile_expert = expert_gemm.expert_layout(counts, tile, rows)
     expert_of_row = torch.repeat_interleave(torch.arange(E, device="cuda"), counts, output_size=S)
     dest = torch.arange(S, device="cuda") - (offsets.long() - counts)[expert_of_row] + starts[expert_of_row]
+    return counts, offsets, rows, tile_expert, dest
+
+
+@pytest.mark.parametrize("skew", [0.0, 8.0], ids=["router-like", "skewed"])
+@pytest.mark.parametrize("tokens", [1, 300, 16384, 65536], ids=lambda n: f"T{n}")
+def test_expert_mm_equals_grouped_mm(tokens, skew, gpu_record):
+    """packscore's CUTLASS product over the tile-aligned layout against ``torch._grouped_mm`` on the
+    grouped rows, both products of the block, bit for bit: routing from random logits, and skewed
+    so that a few experts take most rows and many take none."""
+    expert_gemm = expert_tiles_or_skip()
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    counts, offsets, rows, tile_expert, dest = routed_layout(expert_gemm, tokens, skew, g)
+    S = tokens * K
     results = {}
     for name, n, k in (("gate_up", 2 * I, D), ("down", D, I)):
         w = (torch.randn(E, n, k, device="cuda", generator=g) * 0.02).bfloat16()
@@ -119,14 +128,8 @@ def test_expert_mm_silu_equals_the_product_then_the_silu_pass(tokens, skew, gpu_
 
     expert_gemm = expert_tiles_or_skip()
     g = torch.Generator(device="cuda").manual_seed(tokens + 1)
-    logits = torch.randn(tokens, E, device="cuda", generator=g) + skew * torch.linspace(0, 1, E, device="cuda")
-    counts = torch.bincount(logits.topk(K, dim=-1).indices.reshape(-1), minlength=E)
-    offsets = torch.cumsum(counts, 0).to(torch.int32)
-    S, tile = tokens * K, expert_gemm.cutlass_product().tile_rows
-    rows = expert_gemm.layout_rows(S, E, tile)
-    starts, tile_expert = expert_gemm.expert_layout(counts, tile, rows)
-    expert_of_row = torch.repeat_interleave(torch.arange(E, device="cuda"), counts, output_size=S)
-    dest = torch.arange(S, device="cuda") - (offsets.long() - counts)[expert_of_row] + starts[expert_of_row]
+    counts, offsets, rows, tile_expert, dest = routed_layout(expert_gemm, tokens, skew, g)
+    S = tokens * K
     w = (torch.randn(E, 2 * I, D, device="cuda", generator=g) * 0.02).bfloat16()
     x = torch.randn(S, D, device="cuda", generator=g).bfloat16()
     laid = x.new_zeros((rows, D))

@@ -386,9 +386,12 @@ struct GemmSiluPairs {
   static constexpr int kTileM = size<0>(Tile{});
 };
 
+// G's arguments over the tile-aligned layout: A [rows, k] for every expert, B [experts, n, k] (the
+// pairs kernel's mainloop reads it as pairs itself), the epilogue's own.
 template <class G>
-typename G::Adapter::Arguments arguments(const void* a, const void* b, void* d, const int32_t* tile_expert,
-                                         int rows, int k, int n, int experts, int sm_count, int device) {
+typename G::Adapter::Arguments arguments(const void* a, const void* b, typename G::Kernel::EpilogueArguments epilogue,
+                                         const int32_t* tile_expert, int rows, int k, int n, int experts, int sm_count,
+                                         int device) {
   cutlass::KernelHardwareInfo hw;
   hw.device_id = device;
   hw.sm_count = sm_count;
@@ -397,28 +400,36 @@ typename G::Adapter::Arguments arguments(const void* a, const void* b, void* d, 
       {rows, n, k, experts},
       {static_cast<const Elem*>(a), StrideA{int64_t(k), _1{}, _0{}}, static_cast<const Elem*>(b),
        StrideB{int64_t(k), _1{}, int64_t(n) * k}},
-      {{}, nullptr, StrideD{int64_t(n), _1{}, _0{}}, static_cast<Elem*>(d), StrideD{int64_t(n), _1{}, _0{}}},
+      epilogue,
       hw};
-  args.epilogue.thread.alpha = 1.0f;
-  args.epilogue.thread.beta = 0.0f;
   args.scheduler.tile_expert = tile_expert;
   return args;
 }
-typename GemmSiluPairs::Adapter::Arguments silu_pairs_arguments(const void* a, const void* b, void* d,
-                                                                const int32_t* tile_expert, int rows, int k, int n,
-                                                                int experts, int sm_count, int device) {
-  cutlass::KernelHardwareInfo hw;
-  hw.device_id = device;
-  hw.sm_count = sm_count;
-  typename GemmSiluPairs::Adapter::Arguments args{
-      cutlass::gemm::GemmUniversalMode::kGemm,
-      {rows, n, k, experts},
-      {static_cast<const Elem*>(a), StrideA{int64_t(k), _1{}, _0{}}, static_cast<const Elem*>(b),
-       StrideB{int64_t(k), _1{}, int64_t(n) * k}},  // flat here; the mainloop reads it as pairs
-      {static_cast<Elem*>(d)},
-      hw};
-  args.scheduler.tile_expert = tile_expert;
-  return args;
+
+// D = the product, rounded: alpha 1, no C.
+typename Gemm::Kernel::EpilogueArguments product_epilogue(void* d, int n) {
+  typename Gemm::Kernel::EpilogueArguments e{{}, nullptr, StrideD{int64_t(n), _1{}, _0{}}, static_cast<Elem*>(d),
+                                             StrideD{int64_t(n), _1{}, _0{}}};
+  e.thread.alpha = 1.0f;
+  e.thread.beta = 0.0f;
+  return e;
+}
+// Runs G on `stream`: 0 on success; 1000/1001 for a short workspace / unaligned rows,
+// 2000/3000/4000 + a cutlass::Status from can_implement/initialize/run, or a negated cudaError_t.
+template <class G>
+int run(typename G::Adapter::Arguments const& args, int rows, void* workspace, size_t workspace_bytes,
+        cudaStream_t stream) {
+  if (rows % G::kTileM != 0) return 1001;
+  if (workspace_bytes < G::Adapter::get_workspace_size(args)) return 1000;
+  typename G::Adapter gemm;
+  cutlass::Status s = gemm.can_implement(args);
+  if (s != cutlass::Status::kSuccess) return 2000 + int(s);
+  s = gemm.initialize(args, workspace, stream);
+  if (s != cutlass::Status::kSuccess) return 3000 + int(s);
+  s = gemm.run(stream);
+  if (s != cutlass::Status::kSuccess) return 4000 + int(s);
+  cudaError_t launched = cudaGetLastError();
+  return launched == cudaSuccess ? 0 : -int(launched);
 }
 }  // namespace pse
 
@@ -431,56 +442,36 @@ int pse_tile_rows() { return pse::Gemm::kTileM; }
 
 size_t pse_workspace_bytes(int rows, int k, int n, int experts, int sm_count, int device) {
   int32_t dummy = 0;
-  auto args = pse::arguments<pse::Gemm>(nullptr, nullptr, nullptr, &dummy, rows, k, n, experts, sm_count, device);
+  auto args = pse::arguments<pse::Gemm>(nullptr, nullptr, pse::product_epilogue(nullptr, n), &dummy, rows, k, n,
+                                        experts, sm_count, device);
   return pse::Gemm::Adapter::get_workspace_size(args);
 }
 
 // D[rows of tile m] = A[rows of tile m] x B[tile_expert[m]]^T on `stream`; rows a multiple of
-// pse_tile_rows(). 0 on success; 1000/1001 for a short workspace / unaligned rows, 2000/3000/4000 +
-// a cutlass::Status from can_implement/initialize/run, or a negated cudaError_t.
+// pse_tile_rows(). Status codes: pse::run.
 int pse_expert_mm(const void* a, const void* b, void* d, const int32_t* tile_expert, int rows, int k, int n,
                   int experts, void* workspace, size_t workspace_bytes, int sm_count, int device,
                   cudaStream_t stream) {
-  using G = pse::Gemm;
-  if (rows % G::kTileM != 0) return 1001;
-  auto args = pse::arguments<G>(a, b, d, tile_expert, rows, k, n, experts, sm_count, device);
-  if (workspace_bytes < G::Adapter::get_workspace_size(args)) return 1000;
-  G::Adapter gemm;
-  cutlass::Status s = gemm.can_implement(args);
-  if (s != cutlass::Status::kSuccess) return 2000 + int(s);
-  s = gemm.initialize(args, workspace, stream);
-  if (s != cutlass::Status::kSuccess) return 3000 + int(s);
-  s = gemm.run(stream);
-  if (s != cutlass::Status::kSuccess) return 4000 + int(s);
-  cudaError_t launched = cudaGetLastError();
-  return launched == cudaSuccess ? 0 : -int(launched);
+  auto args = pse::arguments<pse::Gemm>(a, b, pse::product_epilogue(d, n), tile_expert, rows, k, n, experts, sm_count,
+                                        device);
+  return pse::run<pse::Gemm>(args, rows, workspace, workspace_bytes, stream);
 }
 
 size_t pse_expert_mm_silu_workspace_bytes(int rows, int k, int n, int experts, int sm_count, int device) {
   int32_t dummy = 0;
-  auto* out = reinterpret_cast<pse::Elem*>(&dummy);
-  auto args = pse::silu_pairs_arguments(nullptr, nullptr, out, &dummy, rows, k, n, experts, sm_count, device);
+  auto args = pse::arguments<pse::GemmSiluPairs>(nullptr, nullptr, {nullptr}, &dummy, rows, k, n, experts, sm_count,
+                                                 device);
   return pse::GemmSiluPairs::Adapter::get_workspace_size(args);
 }
 
 // H[rows of tile m, :] = silu(X W_gate^T) * (X W_up^T) for the expert tile_expert[m], where
 // B = [E, n, k] holds every expert's n / 2 gate rows then its n / 2 up rows and H is [rows, n / 2];
-// n a multiple of 128. Status codes as pse_expert_mm's.
+// n a multiple of 128. Status codes: pse::run.
 int pse_expert_mm_silu(const void* a, const void* b, void* h, const int32_t* tile_expert, int rows, int k, int n,
                        int experts, void* workspace, size_t workspace_bytes, int sm_count, int device,
                        cudaStream_t stream) {
-  using G = pse::GemmSiluPairs;
-  if (rows % G::kTileM != 0) return 1001;
-  auto args = pse::silu_pairs_arguments(a, b, h, tile_expert, rows, k, n, experts, sm_count, device);
-  if (workspace_bytes < G::Adapter::get_workspace_size(args)) return 1000;
-  G::Adapter gemm;
-  cutlass::Status s = gemm.can_implement(args);
-  if (s != cutlass::Status::kSuccess) return 2000 + int(s);
-  s = gemm.initialize(args, workspace, stream);
-  if (s != cutlass::Status::kSuccess) return 3000 + int(s);
-  s = gemm.run(stream);
-  if (s != cutlass::Status::kSuccess) return 4000 + int(s);
-  cudaError_t launched = cudaGetLastError();
-  return launched == cudaSuccess ? 0 : -int(launched);
+  auto args = pse::arguments<pse::GemmSiluPairs>(a, b, {static_cast<pse::Elem*>(h)}, tile_expert, rows, k, n, experts,
+                                                 sm_count, device);
+  return pse::run<pse::GemmSiluPairs>(args, rows, workspace, workspace_bytes, stream);
 }
 }
