@@ -76,6 +76,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         lib.pse_tile_rows.restype = ctypes.c_int
         lib.pse_workspace_bytes.restype = ctypes.c_size_t
         lib.pse_workspace_bytes.argtypes = [ctypes.c_int] * 6
+        lib.pse_check_silu_layout.restype = ctypes.c_int
         lib.pse_expert_mm_silu_workspace_bytes.restype = ctypes.c_size_t
         lib.pse_expert_mm_silu_workspace_bytes.argtypes = [ctypes.c_int] * 6
         for fn in (lib.pse_expert_mm, lib.pse_expert_mm_silu):
@@ -165,6 +166,17 @@ def expert_mm(x_RK: torch.Tensor, w_ENK: torch.Tensor, tile_expert_M: torch.Tens
     return _run("expert_mm", x_RK, w_ENK, tile_expert_M, w_ENK.shape[1])
 
 
+@functools.cache
+def silu_layout_check() -> int:
+    """The library's host-side check of the layout facts ``expert_mm_silu`` rests on (which
+    accumulator holds which column, which weight row each tile row reads): 0 when they hold, else
+    which failed (csrc/expert_gemm_sm90.cu, ``check_silu_layout``). Needs the library, not a GPU."""
+    lib, reason = _library()
+    if lib is None:
+        raise RuntimeError(f"the expert GEMM library is not loaded: {reason}")
+    return int(lib.pse_check_silu_layout())
+
+
 def expert_mm_silu(x_RK: torch.Tensor, w_E2IK: torch.Tensor, tile_expert_M: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` ``[R, I]`` of the experts' gate/up product, in the product's epilogue:
     ``w_E2IK`` holds every expert's I gate rows then its I up rows (``gate_up_proj`` as it is
@@ -174,6 +186,9 @@ def expert_mm_silu(x_RK: torch.Tensor, w_E2IK: torch.Tensor, tile_expert_M: torc
     of ``expert_mm`` bit for bit (tests/gpu/test_moe_fused.py). I a multiple of 64."""
     if w_E2IK.shape[1] % (2 * SILU_PAIR_COLUMNS):
         raise ValueError(f"expert_mm_silu needs 2I a multiple of {2 * SILU_PAIR_COLUMNS}, got {w_E2IK.shape[1]}")
+    if silu_layout_check() != 0:
+        raise RuntimeError(f"the expert GEMM library's SiLU layout check failed ({silu_layout_check()}): "
+                           "use --kernels moe_experts=expert_tiles")
     return _run("expert_mm_silu", x_RK, w_E2IK, tile_expert_M, w_E2IK.shape[1] // 2)
 
 

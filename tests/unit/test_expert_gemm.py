@@ -88,6 +88,15 @@ def test_the_silu_product_refuses_an_intermediate_size_off_its_pairs():
                                    torch.zeros(1, dtype=torch.int32))
 
 
+def test_the_silu_kernels_layout_facts_hold_where_a_library_is_built():
+    """The library checks on the host, with CUTLASS's own layouts, that every thread's accumulator
+    for up column j sits beside gate column j and that each tile reads the gate and up rows it
+    should (``check_silu_layout``); runs where a library is built (the GPU runs carry one)."""
+    if expert_gemm._library()[0] is None:
+        pytest.skip(f"no expert GEMM library here: {expert_gemm._library()[1]}")
+    assert expert_gemm.silu_layout_check() == 0
+
+
 def test_the_library_declares_the_abi_this_module_wants():
     assert f"kAbiVersion = {expert_gemm.ABI_VERSION};" in expert_gemm.SOURCE.read_text()
 

@@ -414,6 +414,43 @@ typename Gemm::Kernel::EpilogueArguments product_epilogue(void* d, int n) {
   e.thread.beta = 0.0f;
   return e;
 }
+// Host-side checks of the two layout facts the SiLU kernel rests on (no GPU needed): 0 if they hold.
+// 1: for every thread of the warp group, accumulator (v0, v1, g + 8, mb) sits 64 columns right of
+//    (v0, v1, g, mb) on the same row, and the 128 threads cover the 128 x 128 tile once;
+// 2: row n' of N tile t of B's pairs view is weight row 64 t + n' (gate) for n' < 64 and
+//    I + 64 t + n' - 64 (up) after, for every K column.
+inline int check_silu_layout() {
+  using TiledMma = typename GemmSiluPairs::Main::TiledMma;
+  static_assert(size(TiledMma{}) == 128, "one warp group a tile");
+  int seen[128][128] = {};
+  for (int thread = 0; thread < 128; ++thread) {
+    auto tC = TiledMma{}.get_thread_slice(thread).partition_C(make_identity_tensor(make_shape(Int<128>{}, Int<128>{})));
+    for (int i = 0; i < size(tC); ++i) ++seen[get<0>(tC(i))][get<1>(tC(i))];
+    for (int mb = 0; mb < 2; ++mb)
+      for (int r = 0; r < 2; ++r)
+        for (int g = 0; g < 8; ++g)
+          for (int v = 0; v < 2; ++v) {
+            auto gate = tC(make_coord(make_coord(v, r, g), mb, 0));
+            auto up = tC(make_coord(make_coord(v, r, g + 8), mb, 0));
+            if (get<0>(up) != get<0>(gate) || get<1>(up) != get<1>(gate) + kPairCols || get<1>(gate) >= kPairCols) return 1;
+          }
+  }
+  for (auto& row : seen)
+    for (int count : row)
+      if (count != 1) return 2;
+  constexpr int K = 192, I = 256, N = 2 * I;
+  using Main = typename GemmSiluPairs::Main;
+  auto pairs = make_layout(make_shape(Main::pairs_shape(N), K, 1), make_stride(Main::pairs_stride(N, K), _1{}, int64_t(N) * K));
+  Tensor tiles = local_tile(make_tensor(counting_iterator<int64_t>(0), pairs), Tile{}, make_coord(_, _, _), Step<X, _1, _1>{});
+  for (int t = 0; t < N / 128; ++t)
+    for (int row = 0; row < 128; ++row)
+      for (int k = 0; k < K; ++k) {
+        int64_t want = (row < kPairCols ? kPairCols * t + row : I + kPairCols * t + row - kPairCols) * int64_t(K) + k;
+        if (tiles(row, k % 64, t, k / 64, 0) != want) return 3;
+      }
+  return 0;
+}
+
 // Runs G on `stream`: 0 on success; 1000/1001 for a short workspace / unaligned rows,
 // 2000/3000/4000 + a cutlass::Status from can_implement/initialize/run, or a negated cudaError_t.
 template <class G>
@@ -436,6 +473,9 @@ int run(typename G::Adapter::Arguments const& args, int rows, void* workspace, s
 extern "C" {
 
 int pse_abi_version() { return pse::kAbiVersion; }
+
+// The SiLU kernel's layout facts, checked on the host (pse::check_silu_layout): 0 if they hold.
+int pse_check_silu_layout() { return pse::check_silu_layout(); }
 
 // Rows of one tile: every expert's rows start on a multiple of it.
 int pse_tile_rows() { return pse::Gemm::kTileM; }
