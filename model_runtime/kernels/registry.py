@@ -190,6 +190,8 @@ def _unavailable_reason(family: str, name: str) -> str | None:
         reason = expert_gemm.unavailable_reason()
         if reason is not None:
             return reason
+        if name == "expert_tiles_silu" and expert_gemm.silu_layout_check() != 0:
+            return f"the expert GEMM library's SiLU layout check failed ({expert_gemm.silu_layout_check()})"
     if family == "conv1d" and name == "fla":
         modules = ("fla.modules",)
     for module in modules:
