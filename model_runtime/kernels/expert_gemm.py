@@ -133,7 +133,14 @@ def layout_rows(pairs: int, experts: int, tile_rows: int) -> int:
 SILU_PAIR_COLUMNS = 64
 
 
+# Each kernel's C function and the one that sizes its workspace.
+_KERNELS = {"expert_mm": ("pse_expert_mm", "pse_workspace_bytes"),
+            "expert_mm_silu": ("pse_expert_mm_silu", "pse_expert_mm_silu_workspace_bytes")}
+
+
 def _run(name: str, x_RK: torch.Tensor, w_ENK: torch.Tensor, tile_expert_M: torch.Tensor, out_columns: int):
+    """Checks the operands, then runs kernel ``name`` on PyTorch's current stream into a new
+    ``[R, out_columns]`` tensor."""
     lib, reason = _library()
     if lib is None:
         raise RuntimeError(f"the expert GEMM library is not loaded: {reason}")
@@ -150,12 +157,12 @@ def _run(name: str, x_RK: torch.Tensor, w_ENK: torch.Tensor, tile_expert_M: torc
     device = x_RK.device
     index = device.index if device.index is not None else torch.cuda.current_device()
     sm_count = torch.cuda.get_device_properties(index).multi_processor_count
-    size = getattr(lib, "pse_workspace_bytes" if name == "expert_mm" else "pse_expert_mm_silu_workspace_bytes")(
-        R, K, N, E, sm_count, index)
+    kernel, workspace_bytes = (getattr(lib, f) for f in _KERNELS[name])
+    size = workspace_bytes(R, K, N, E, sm_count, index)
     workspace = torch.empty(size, dtype=torch.uint8, device=device) if size else None
-    status = getattr(lib, f"pse_{name}")(x_RK.data_ptr(), w_ENK.data_ptr(), out.data_ptr(), tile_expert_M.data_ptr(),
-                                         R, K, N, E, None if workspace is None else workspace.data_ptr(), size, sm_count,
-                                         index, torch.cuda.current_stream(device).cuda_stream)
+    status = kernel(x_RK.data_ptr(), w_ENK.data_ptr(), out.data_ptr(), tile_expert_M.data_ptr(), R, K, N, E,
+                    None if workspace is None else workspace.data_ptr(), size, sm_count, index,
+                    torch.cuda.current_stream(device).cuda_stream)
     if status != 0:
         raise RuntimeError(f"the {name} kernel failed (status {status}) on x {tuple(x_RK.shape)}, w {tuple(w_ENK.shape)}")
     return out

@@ -52,19 +52,23 @@ def gate_projection_segment(linear: nn.Module, x_TD: torch.Tensor, bounds: Seque
     """
     if len(bounds) <= 1:
         return linear(x_TD)
-    if bounds[0][0] != 0 or bounds[-1][1] != x_TD.shape[0]:
-        raise ValueError(f"segments {bounds[0]}..{bounds[-1]} do not cover the row of {x_TD.shape[0]} tokens")
+    _check_cover(bounds, x_TD.shape[0])
     return torch.cat([linear(x_TD[start:end]) for start, end in bounds])
 
 
+def _check_cover(bounds: Sequence[tuple[int, int]], tokens: int) -> None:
+    if bounds[0][0] != 0 or bounds[-1][1] != tokens:
+        raise ValueError(f"segments {bounds[0]}..{bounds[-1]} do not cover the row of {tokens} tokens")
+
+
 # The linear's attribute holding how many rows one of its products may have and still give every
-# segment in it the rows of its own product (``prepare_runs``); absent or < 2: per segment.
+# segment in it the rows of its own product (``prepare_runs``); absent, 0 or 1: per segment.
 UNIFORM_ROWS = "packscore_uniform_rows"
 
 
 def segment_runs(bounds: Sequence[tuple[int, int]], max_rows: int) -> list[tuple[int, int]]:
     """Consecutive ``bounds`` merged into runs of at most ``max_rows`` rows, in order; a segment
-    longer than that is a run of its own."""
+    longer than that is a run of its own (``max_rows`` below 2: every segment alone)."""
     runs: list[tuple[int, int]] = []
     for start, end in bounds:
         if runs and end - runs[-1][0] <= max_rows and runs[-1][1] == start:
@@ -77,15 +81,9 @@ def segment_runs(bounds: Sequence[tuple[int, int]], max_rows: int) -> list[tuple
 def gate_projection_runs(linear: nn.Module, x_TD: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
     """``gate_projection_segment``'s numbers from one product per run of segments (``segment_runs``)
     where ``linear`` carries a measured ``UNIFORM_ROWS``; per segment where it does not."""
-    limit = getattr(linear, UNIFORM_ROWS, 0)
-    if limit < 2 or len(bounds) <= 1:
-        return gate_projection_segment(linear, x_TD, bounds)
-    if bounds[0][0] != 0 or bounds[-1][1] != x_TD.shape[0]:
-        raise ValueError(f"segments {bounds[0]}..{bounds[-1]} do not cover the row of {x_TD.shape[0]} tokens")
-    runs = segment_runs(bounds, limit)
-    if len(runs) == 1:
-        return linear(x_TD)
-    return torch.cat([linear(x_TD[start:end]) for start, end in runs])
+    if len(bounds) > 1:
+        _check_cover(bounds, x_TD.shape[0])
+    return gate_projection_segment(linear, x_TD, segment_runs(bounds, getattr(linear, UNIFORM_ROWS, 0)))
 
 
 def shard_segments(x_TD: torch.Tensor, packed: PackedBatch, sp) -> tuple[tuple[int, int], ...] | None:

@@ -4,7 +4,8 @@ Families: ``linear_attention`` (gated delta rule), ``conv1d`` (causal depthwise 
 ``attention`` (causal full attention), ``head`` (log-probability and entropy of a chunk of
 logits), ``elementwise`` (norms, gates, rotary, SiLU between the matrix products; its
 registry entries return the whole function set) and ``gate_projection`` (the narrow gate
-decay/beta projections, per row or per segment), ``moe_experts`` (a sparse-MoE block's
+products: GDN decay/beta, MoE router and shared gate; per row, per segment or per run of
+segments), ``moe_experts`` (a sparse-MoE block's
 routed experts, each token's output independent of the row's size) and ``moe_router`` (the
 router's top-k, ``torch.topk``'s answer) and ``moe_shared`` (where the shared expert runs: on the
 current stream, or beside the routed experts on a second one). Every fast backend has an exact PyTorch reference
@@ -190,8 +191,9 @@ def _unavailable_reason(family: str, name: str) -> str | None:
         reason = expert_gemm.unavailable_reason()
         if reason is not None:
             return reason
-        if name == "expert_tiles_silu" and expert_gemm.silu_layout_check() != 0:
-            return f"the expert GEMM library's SiLU layout check failed ({expert_gemm.silu_layout_check()})"
+        failed = expert_gemm.silu_layout_check() if name == "expert_tiles_silu" else 0
+        if failed:
+            return f"the expert GEMM library's SiLU layout check failed ({failed})"
     if family == "conv1d" and name == "fla":
         modules = ("fla.modules",)
     for module in modules:

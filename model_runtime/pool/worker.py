@@ -141,10 +141,9 @@ def _setup(start: msg.Start):
     loaded = _load(start, device)
     costs = cost_coefficients(loaded)  # before sharding: it counts whole parameters
     rounding = _prefix_rounding(start, dims, loaded, device)
-    if device.type == "cuda" and loaded.backends.names.get("gate_projection") == "runs":
-        from model_runtime.scoring.rounding import prepare_runs
+    from model_runtime.scoring.rounding import runs_in_use
 
-        prepare_runs(loaded.model, start.max_batch_tokens, device=device)  # from the shapes, before sharding
+    runs_in_use(loaded, start.max_batch_tokens, device=device)  # from the weights' shapes, before sharding
     parallelize(loaded.model, dims=dims, mesh=mesh)
     if _reads_shards(start):
         from model_runtime.scoring.weights import materialize

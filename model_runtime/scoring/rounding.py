@@ -151,6 +151,16 @@ def prepare_runs(model: torch.nn.Module, max_rows: int, cache_dir: str | os.Path
     return found
 
 
+def runs_in_use(loaded, max_rows: int, device: torch.device | None = None) -> dict[str, int]:
+    """``prepare_runs`` where the loaded model's narrow products run on CUDA with the ``runs``
+    backend (the single-process scorer and every pool worker ask here); ``{}`` elsewhere, where
+    they run per segment and nothing is measured."""
+    on = torch.device(device) if device is not None else loaded.device
+    if on.type != "cuda" or loaded.backends.names.get("gate_projection") != "runs":
+        return {}
+    return prepare_runs(loaded.model, max_rows, device=device)
+
+
 def _shape(w: torch.Tensor, device) -> tuple:
     return (w.shape[1], w.shape[0], w.dtype, torch.device(device) if device is not None else w.device)
 

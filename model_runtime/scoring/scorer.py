@@ -174,11 +174,9 @@ class Scorer:
         span, by module (``rounding.prepare_runs``, measured before the first row); empty
         elsewhere, where every narrow product runs per segment."""
         if self.narrow_runs is None:
-            self.narrow_runs = {}
-            if self.loaded.device.type == "cuda" and self.loaded.backends.names.get("gate_projection") == "runs":
-                from model_runtime.scoring.rounding import prepare_runs
+            from model_runtime.scoring.rounding import runs_in_use
 
-                self.narrow_runs = prepare_runs(self.loaded.model, self.max_batch_tokens)
+            self.narrow_runs = runs_in_use(self.loaded, self.max_batch_tokens)
         return self.narrow_runs
 
     def measure_prefix_rounding(self) -> None:
