@@ -25,13 +25,14 @@ that no step's arithmetic depends on how many tokens an expert received:
   of the rows, the SiLU product, the weighting, the top-k sum and the
   block's ``routed + gate * shared`` run in one pass each (model_runtime/kernels/moe_triton.py)
   instead of the composition's many over ``[S, D]`` and ``[T, D]``.
-- ``expert_tiles`` (CUDA, bfloat16, Hopper; the default where its library is built): the scattered
+- ``expert_tiles`` (CUDA, bfloat16, Hopper; where its library is built): the scattered
   fused path with each expert's rows starting on a multiple of a tile's rows, and both products
   in packscore's CUTLASS kernel over that layout (model_runtime/kernels/expert_gemm.py): the same
   K order, so ``grouped_mm``'s numbers bit for bit, without the grouped kernel's per-expert
   descriptor rewrites.
-- ``expert_tiles_silu`` (the same, opt-in until measured on a GPU): ``silu(gate) * up`` in the
-  gate/up product's epilogue (``expert_gemm.expert_mm_silu``) instead of a pass of its own.
+- ``expert_tiles_silu`` (the same GPUs, the default where the library's SiLU layout check
+  passes): ``silu(gate) * up`` in the gate/up product's epilogue (``expert_gemm.expert_mm_silu``)
+  instead of a pass of its own; the same numbers bit for bit.
 
 Every backend takes ``shared = (gate_T1, shared_TD)``, or a function returning it (called only
 where the backend adds it), and then returns the block's output, ``routed + gate * shared``

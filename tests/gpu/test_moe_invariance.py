@@ -2,7 +2,7 @@
 
 The first 4 layers of the Qwen3.5-35B-A3B shape (random bf16 weights), with the served kernels and
 each grouped experts backend (``grouped_mm``, ``grouped_mm_fused``, ``grouped_mm_fused_scatter``,
-``expert_tiles``: skipped, with the reason, where its library is not built). Lengths span the grouped
+``expert_tiles``, ``expert_tiles_silu``: skipped, with the reason, where the library is not built). Lengths span the grouped
 product's tile configurations a row size would pick without the fixed tail (fewer than 64, 64-128
 and over 128 rows per expert on average).
 """
@@ -17,7 +17,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="MoE invariance on the GPU needs CUDA"),
 ]
-BACKENDS = ("grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter", "expert_tiles")
+BACKENDS = ("grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter", "expert_tiles", "expert_tiles_silu")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
