@@ -136,3 +136,23 @@ def timed(fn):
     value = fn()
     sync()
     return value, time.perf_counter() - t0, peak_allocated() / GiB
+
+
+def compiled_kernels() -> dict[str, str]:
+    """Triton's on-disk cache as ``{entry: kernel name}``: a difference of two snapshots names the
+    kernels compiled between them (each compilation writes one entry with the kernel's cubin)."""
+    import os
+
+    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    if not root.is_dir():
+        return {}
+    return {entry.name: cubin.stem for entry in root.iterdir() if entry.is_dir() for cubin in entry.glob("*.cubin")}
+
+
+def compiled_between(before: dict[str, str], after: dict[str, str]) -> dict[str, int]:
+    """How many times each kernel was compiled between two ``compiled_kernels`` snapshots."""
+    counts: dict[str, int] = {}
+    for entry, name in after.items():
+        if entry not in before:
+            counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))

@@ -18,3 +18,18 @@ def test_dry_run_measures_every_side(tmp_path):
                                    "packscore_attention_sdpa", "packscore_gate_projection_row"}
     assert bench["diff_packscore_rows_read_back_one_by_one_vs_packscore"]["logprob_max"] == 0
     assert bench["speedup_vs_hf"] > 0 and bench["diff_packscore_vs_hf_single"]["logprob_max"] < 1e-3
+    assert isinstance(bench["compiled_during_first_pass"], dict)
+
+
+def test_compiled_between_names_the_new_cache_entries(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    assert suite_harness.compiled_kernels() == {}
+    for entry, name in (("a1", "rms_norm_kernel"), ("b2", "conv_silu_kernel")):
+        (tmp_path / entry).mkdir()
+        (tmp_path / entry / f"{name}.cubin").write_bytes(b"")
+    before = suite_harness.compiled_kernels()
+    for entry in ("c3", "d4"):
+        (tmp_path / entry).mkdir()
+        (tmp_path / entry / "conv_silu_kernel.cubin").write_bytes(b"")
+    (tmp_path / "e5").mkdir()  # a compilation still being written: no cubin yet
+    assert suite_harness.compiled_between(before, suite_harness.compiled_kernels()) == {"conv_silu_kernel": 2}
