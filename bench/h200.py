@@ -30,7 +30,8 @@ With less than ``MIN_PART_S`` (30) left, the remaining parts are skipped. ``SUIT
 ``PROBE_ONLY`` (e.g. ``conv``) limits the probe to the steps whose name contains it;
 ``MOE_SEQUENCES`` (default 24; 256, the whole workload, needs ``MOE_S=400``) and ``MOE_HF``
 (default ``single``; ``none``: packscore's own sides only, about 2 minutes for the whole
-workload) and ``MOE_ALSO`` (kernel overrides timed beside the defaults, ``;``-separated) the MoE
+workload) and ``MOE_ALSO`` (kernel overrides timed beside the defaults, ``;``-separated) and
+``MOE_BLOCK=1`` (the block's backends timed with ``MOE_HF=none`` too, about 30 s) the MoE
 benchmark; ``PREFIX_SHARING_PRESET`` (default the 9B) and
 ``PREFIX_SHARING_ALSO`` (rows of 16384 too; 0: not) the prefix-sharing benchmark.
 
@@ -87,6 +88,7 @@ PARTS = {
         "prefix_sharing"),
     "moe": lambda: Part("moe", ("-m", "bench.moe", "--sequences", os.environ.get("MOE_SEQUENCES", "24"),
                                 "--hf", os.environ.get("MOE_HF", "single"),
+                                *(("--block",) if os.environ.get("MOE_BLOCK") == "1" else ()),
                                 *(a for k in os.environ.get("MOE_ALSO", "").split(";") if k for a in ("--also", k))),
                         300, "moe"),
     "product_steps": lambda: Part("product_steps", ("-m", "bench.product_steps"), 120),

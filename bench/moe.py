@@ -230,7 +230,8 @@ def block_timing(preset: str = PRESET, rows=BLOCK_ROWS, spec=None) -> dict:
     } if cuda else {"default": {}, "composition": {}}
     from model_runtime.kernels import expert_gemm
 
-    if cuda and expert_gemm.unavailable_reason() is None:  # the SiLU product in the gate/up epilogue, opt-in
+    if cuda and expert_gemm.unavailable_reason() is None:  # packscore's CUTLASS products, without and with the SiLU epilogue
+        variants["tiles"] = {"moe_experts": "expert_tiles", "moe_router": "select", "moe_shared": "inline"}
         variants["tiles_silu"] = {"moe_experts": "expert_tiles_silu", "moe_router": "select", "moe_shared": "inline"}
     chosen = {key: select_backends(device, allow_slow=True, overrides=o) for key, o in variants.items()}
     ours = {key: PackedSparseMoe(block, b) for key, b in chosen.items()}
@@ -385,6 +386,8 @@ def main(argv=None):
     parser.add_argument("--also", action="append", default=[], metavar="KERNELS",
                         help="time the benchmark again with these --kernels overrides, beside the defaults "
                              "(e.g. moe_experts=grouped_mm_fused_scatter); repeatable")
+    parser.add_argument("--block", action="store_true",
+                        help="time the MoE block's backends (about 30 s) with --hf none too")
     parser.add_argument("--dry-run-cpu", action="store_true", help="tiny MoE preset, tiny workload, on the CPU")
     args = parser.parse_args(argv)
     args.mode = "moe"
@@ -418,7 +421,7 @@ def main(argv=None):
         # The block timing and the benchmark first: the benchmark's Hugging Face one-at-a-time pass
         # is skipped when less than its time is left, and it carries the numbers.
         full = args.hf != "none"
-        if full:
+        if full or args.block:
             suite.results["block_timing"] = suite.phase(
                 "MoE block: packscore fused vs composition vs Hugging Face, ms per block", lambda: block_timing(
                     preset, (200, 500) if args.dry_run_cpu else BLOCK_ROWS, spec), 30)
