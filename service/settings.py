@@ -55,7 +55,7 @@ class Settings(BaseSettings):
         None, description="directory for compiled Triton and Inductor kernels (sets TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR=DIR/inductor)"
     )
     expert_gemm: Path | None = Field(
-        None, description="the MoE experts' CUTLASS library (expert_tiles, Hopper; default: where "
+        None, description="the MoE experts' CUTLASS library (expert_tiles_silu and expert_tiles, Hopper; default: where "
         "`python -m model_runtime.kernels.expert_gemm` builds it, in $PACKSCORE_CACHE_DIR/kernels)"
     )
 
