@@ -52,7 +52,8 @@ RUN pip download --no-deps --no-binary causal-conv1d --no-build-isolation \
  && python cuda_arch.py check /wheels/causal_conv1d-${CAUSAL_CONV1D_VERSION}-*.whl
 
 # packscore's expert-GEMM library (the MoE experts' default kernel on Hopper,
-# model_runtime/kernels/expert_gemm.py): one CUTLASS kernel, headers only, sm_90a.
+# model_runtime/kernels/expert_gemm.py): two CUTLASS kernels (the product, and the gate/up product
+# with its SiLU epilogue), headers only, sm_90a.
 ARG CUTLASS_VERSION=v4.7.0
 RUN --mount=type=bind,source=.,target=/src \
     git clone --quiet --depth 1 --branch ${CUTLASS_VERSION} https://github.com/NVIDIA/cutlass /build/cutlass \
