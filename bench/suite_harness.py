@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -141,8 +143,6 @@ def timed(fn):
 def compiled_kernels() -> dict[str, str]:
     """Triton's on-disk cache as ``{entry: kernel name}``: a difference of two snapshots names the
     kernels compiled between them (each compilation writes one entry with the kernel's cubin)."""
-    import os
-
     root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
     if not root.is_dir():
         return {}
@@ -151,8 +151,4 @@ def compiled_kernels() -> dict[str, str]:
 
 def compiled_between(before: dict[str, str], after: dict[str, str]) -> dict[str, int]:
     """How many times each kernel was compiled between two ``compiled_kernels`` snapshots."""
-    counts: dict[str, int] = {}
-    for entry, name in after.items():
-        if entry not in before:
-            counts[name] = counts.get(name, 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+    return dict(Counter(name for entry, name in after.items() if entry not in before).most_common())
