@@ -156,7 +156,9 @@ if triton is not None:
             dst = vb_ptr + (offset * HKV + h * padded + pos[:, None]) * D + d[None, :]
             tl.store(dst, x, mask=out_mask)
 
-    @triton.jit
+    # A segment's start and length take any value: specialising on them (a 1, a multiple of 16)
+    # compiled new variants mid-run that the warm-up had not met.
+    @triton.jit(do_not_specialize=["start", "n"])
     def _gate_rows_kernel(
         o_ptr, g_ptr, y_ptr, start, n, so_h, so_t, sg_t, sg_h, sy_t,
         D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, CUDA_MATH: tl.constexpr,
