@@ -117,8 +117,7 @@ _GPU_PREFERENCE = {
     # expert_tiles: the same numbers again, both products in packscore's CUTLASS kernel over a
     # tile-aligned layout (faster than grouped_mm's on an H200, docs/moe.md); where its library is built.
     # expert_tiles_silu: the SiLU product in the gate/up epilogue, one pass over the products'
-    # outputs fewer (the same bits; the whole workload no slower on an H200, its block in question:
-    # docs/moe.md).
+    # outputs fewer (the same bits; the whole workload about 1% faster on an H200, docs/moe.md).
     "moe_experts": ("expert_tiles_silu", "expert_tiles", "grouped_mm_fused_scatter", "grouped_mm_fused", "grouped_mm"),
     # select: torch.topk's answer, its radix select replaced by one Triton pass.
     "moe_router": ("select", "topk"),

@@ -314,7 +314,9 @@ struct SiluPairsEpilogue {
     return cutlass::Status::kSuccess;
   }
   template <class ProblemShape>
-  static bool can_implement(ProblemShape const&, Arguments const& args) { return args.ptr_D != nullptr; }
+  static bool can_implement(ProblemShape const&, Arguments const& args) {
+    return args.ptr_D != nullptr && reinterpret_cast<uintptr_t>(args.ptr_D) % 4 == 0;  // the paired stores
+  }
 
   CUTLASS_HOST_DEVICE SiluPairsEpilogue(Params const& params, SharedStorage const& = SharedStorage()) : params(params) {}
   CUTLASS_DEVICE bool is_source_needed() { return false; }
@@ -363,8 +365,9 @@ struct SiluPairsEpilogue {
           if (get<0>(tCcD(gate0)) < rows_left) {
             Elem out0 = Elem(silu_times(accumulators(gate0), accumulators(up0)));
             Elem out1 = Elem(silu_times(accumulators(gate1), accumulators(up1)));
-            tCgD(gate0) = out0;
-            tCgD(gate1) = out1;
+            // gate1 is gate0's right neighbour at an even column (check_silu_layout): one 32-bit store.
+            uint32_t both = uint32_t(out0.raw()) | (uint32_t(out1.raw()) << 16);
+            *reinterpret_cast<uint32_t*>(&tCgD(gate0)) = both;
           }
         }
       }
@@ -414,9 +417,10 @@ typename Gemm::Kernel::EpilogueArguments product_epilogue(void* d, int n) {
   e.thread.beta = 0.0f;
   return e;
 }
-// Host-side checks of the two layout facts the SiLU kernel rests on (no GPU needed): 0 if they hold.
+// Host-side checks of the layout facts the SiLU kernel rests on (no GPU needed): 0 if they hold.
 // 1: for every thread of the warp group, accumulator (v0, v1, g + 8, mb) sits 64 columns right of
 //    (v0, v1, g, mb) on the same row, and the 128 threads cover the 128 x 128 tile once;
+// 4: (1, v1, g, mb) is (0, v1, g, mb)'s right neighbour, at an even column (one 32-bit store);
 // 2: row n' of N tile t of B's pairs view is weight row 64 t + n' (gate) for n' < 64 and
 //    I + 64 t + n' - 64 (up) after, for every K column.
 inline int check_silu_layout() {
@@ -433,6 +437,9 @@ inline int check_silu_layout() {
             auto gate = tC(make_coord(make_coord(v, r, g), mb, 0));
             auto up = tC(make_coord(make_coord(v, r, g + 8), mb, 0));
             if (get<0>(up) != get<0>(gate) || get<1>(up) != get<1>(gate) + kPairCols || get<1>(gate) >= kPairCols) return 1;
+            auto left = tC(make_coord(make_coord(0, r, g), mb, 0));
+            if (v == 1 && (get<0>(gate) != get<0>(left) || get<1>(gate) != get<1>(left) + 1 || get<1>(left) % 2 != 0))
+              return 4;
           }
   }
   for (auto& row : seen)
