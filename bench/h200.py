@@ -13,7 +13,9 @@ Parts (``MODE``, space- or comma-separated; ``all`` = ``suite`` and then the ext
   picks other paths or test ids).
 - extras, each run only when its module exists: ``http_burst`` (``--mode gpu``),
   ``weights_swap``, ``prefix_sharing``, ``moe``; ``product_steps`` only by name (which row
-  counts compute each dense product's rows alike, bench/product_steps.py); ``narrow_steps`` only
+  counts compute each dense product's rows alike, bench/product_steps.py); ``fla_configs`` only by
+  name (every configuration fla offers for its forward kernels: bits and time, bench/fla_configs.py,
+  about three minutes); ``narrow_steps`` only
   by name (the same for the narrow gate products, up to ``NARROW_MAX_ROWS``, default 32768, and
   what it leaves of prefix sharing, bench/narrow_steps.py); ``hf_divergence``
   only by name (packscore against Hugging Face module by module, ``HF_DIVERGENCE_PRESET``, default the 35B-A3B;
@@ -92,13 +94,14 @@ PARTS = {
                                 *(a for k in os.environ.get("MOE_ALSO", "").split(";") if k for a in ("--also", k))),
                         300, "moe"),
     "product_steps": lambda: Part("product_steps", ("-m", "bench.product_steps"), 120),
+    "fla_configs": lambda: Part("fla_configs", ("-m", "bench.fla_configs"), 300),
     "narrow_steps": lambda: Part("narrow_steps", ("-m", "bench.narrow_steps", "--max-rows", os.environ.get(
         "NARROW_MAX_ROWS", "32768")), 200),
     "hf_divergence": lambda: Part("hf_divergence", ("-m", "bench.hf_divergence", "--preset", os.environ.get(
         "HF_DIVERGENCE_PRESET", "qwen3.5-35b-a3b"), "--layers", os.environ.get("HF_DIVERGENCE_LAYERS", "8"),
         "--lengths", os.environ.get("HF_DIVERGENCE_LENGTHS", "2000")), 90, "hf_divergence"),
 }
-BUDGETED = {"suite", "profile", "moe", "prefix_sharing"}  # parts that take --budget-s and stop starting phases in time
+BUDGETED = {"suite", "profile", "moe", "prefix_sharing", "fla_configs"}  # parts that take --budget-s and stop starting phases in time
 EXTRAS = ("http_burst", "weights_swap", "prefix_sharing", "moe")  # hf_divergence: by name only, a probe
 
 

@@ -98,7 +98,7 @@ def _fla_chunk(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: PackedBatch, initial_
     [N, Hv, K, V] in float32, or None unless ``keep_final``)``."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    _pin_fla_state_kernel()
+    _pin_fla_kernels()
     kwargs = {"cu_seqlens_cpu": packed.cu_seqlens_host_long} if _fla_accepts("cu_seqlens_cpu") else {}
     q_normalised = _l2norm_fixed_key(q_THK)
     if q_normalised is not None:
@@ -181,31 +181,66 @@ def _fla_supports_gva() -> bool:
     return _fla_signature()["gva"]
 
 
-# fla autotunes its state kernel once, on the first call's shape (the warm-up's one long sequence),
-# and keeps that pick for rows of many sequences, where it can be slower; every configuration gives
-# the same bits, so on Hopper the fastest on packed rows is pinned (docs/kernels.md).
-# PACKSCORE_FLA_AUTOTUNE=1 leaves fla's autotuning alone.
-FLA_STATE_KERNEL_PIN = {"BV": 64, "num_warps": 4, "num_stages": 4}
+# fla autotunes each kernel of its forward once per process, by timing, and the configurations of
+# several round differently (a split of the K loop, a reduction's layout): two processes could
+# answer the same request with other bits. On Hopper every forward kernel is pinned to one
+# configuration, the fastest on the 9B's packed rows (bench/fla_configs.py, docs/kernels.md), so
+# every process computes alike and none tunes at start. PACKSCORE_FLA_AUTOTUNE=1 leaves fla's
+# autotuning alone; other GPUs keep it (their fastest configurations were not measured).
+FLA_FORWARD_KERNELS = {
+    # name: (module, kernel)
+    "cumsum": ("fla.ops.utils.cumsum", "chunk_local_cumsum_scalar_kernel"),
+    "kkt_solve": ("fla.ops.gated_delta_rule.chunk_fwd", "chunk_gated_delta_rule_fwd_kkt_solve_kernel"),
+    "w_u": ("fla.ops.gated_delta_rule.wy_fast", "recompute_w_u_fwd_kernel"),
+    "state": ("fla.ops.common.chunk_delta_h", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64"),
+    "output": ("fla.ops.common.chunk_o", "chunk_fwd_kernel_o"),
+    "l2norm": ("fla.modules.norm.l2norm", "l2norm_fwd_kernel"),
+}
+FLA_FORWARD_PINS = {
+    # name: the configuration's meta-parameters, num_warps and num_stages (where it has them);
+    # each is what fla's own tuning picked on the 9B's row, no other one faster beyond the timing's spread
+    "cumsum": {"num_warps": 2},
+    "kkt_solve": {"BK": 64, "num_warps": 1},  # 4 warps: the forward 1.8 ms slower of 4.2
+    "w_u": {"num_warps": 4, "num_stages": 3},
+    "state": {"BV": 64, "num_warps": 4, "num_stages": 4},
+    "output": {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3},
+    "l2norm": {"BT": 8, "num_warps": 4},  # BT 8 with 8 warps, BT 8 or 16 with 16: other bits
+}
+
+
+def fla_tuner(name: str):
+    """fla's autotuner of the forward kernel ``name`` (a key of FLA_FORWARD_KERNELS), or None."""
+    import importlib
+
+    module, kernel = FLA_FORWARD_KERNELS[name]
+    try:
+        tuner = getattr(importlib.import_module(module), kernel, None)
+    except ImportError:
+        return None
+    while tuner is not None and not hasattr(tuner, "configs"):  # under triton.heuristics
+        tuner = getattr(tuner, "fn", None)
+    return tuner
+
+
+def config_matches(config, pin: dict) -> bool:
+    """Whether a ``triton.Config`` has every value of ``pin`` (meta-parameters, num_warps, num_stages)."""
+    fields = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    return all((fields[k] if k in fields else config.kwargs.get(k)) == v for k, v in pin.items())
 
 
 @functools.cache
-def _pin_fla_state_kernel() -> None:
+def _pin_fla_kernels() -> tuple[str, ...]:
+    """Pins fla's forward kernels on Hopper (see above); the names pinned."""
     if os.environ.get("PACKSCORE_FLA_AUTOTUNE") == "1" or not torch.cuda.is_available():
-        return
+        return ()
     if torch.cuda.get_device_capability() != (9, 0):
-        return
-    try:
-        from fla.ops.common import chunk_delta_h
-    except ImportError:
-        return
-    tuner = getattr(chunk_delta_h, "chunk_gated_delta_rule_fwd_kernel_h_blockdim64", None)
-    while tuner is not None and not hasattr(tuner, "configs"):  # under triton.heuristics
-        tuner = getattr(tuner, "fn", None)
-    if tuner is None:
-        return
-    pin = FLA_STATE_KERNEL_PIN
-    chosen = [c for c in tuner.configs if c.kwargs.get("BV") == pin["BV"] and c.num_warps == pin["num_warps"]
-              and c.num_stages == pin["num_stages"]]
-    if chosen:
-        tuner.configs = chosen[:1]
-        tuner.cache.clear()
+        return ()
+    pinned = []
+    for name, pin in FLA_FORWARD_PINS.items():
+        tuner = fla_tuner(name)
+        chosen = [c for c in getattr(tuner, "configs", ()) if config_matches(c, pin)]
+        if chosen:  # a configuration fla no longer offers stays autotuned
+            tuner.configs = chosen[:1]
+            tuner.cache.clear()
+            pinned.append(name)
+    return tuple(pinned)

@@ -6,6 +6,8 @@ between 1e-3 and 1e-2 relative to a float32 reference; the chunked delta rule al
 per-chunk states in bf16, hence its 2e-2.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -425,6 +427,27 @@ def test_l2norm_with_a_fixed_autotuning_key_equals_fla(rows, gpu_record):
     diff = float((ours.reshape(rows, 128).float() - l2norm_fwd(x)[0].float()).abs().max())
     gpu_record("l2norm fixed autotuning key vs fla", rows=rows, max_abs=diff)
     assert diff == 0.0, f"fixed-key l2norm differs from fla's by {diff:.3e} (tolerance 0)"
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+                    reason="fla's configurations are pinned on Hopper only")
+def test_fla_forward_kernels_run_their_pinned_configuration(gpu_record):
+    """After a forward every fla kernel of the Gated DeltaNet has one configuration, the pinned
+    one, so two processes compute alike (autotuning picks by timing, per process)."""
+    from model_runtime.kernels.linear_attention import FLA_FORWARD_PINS, _pin_fla_kernels, config_matches, fla_tuner
+
+    if os.environ.get("PACKSCORE_FLA_AUTOTUNE") == "1":
+        pytest.skip("PACKSCORE_FLA_AUTOTUNE=1 leaves fla's autotuning alone")
+    T, packed = 300, PackedBatch.from_lengths((100, 200), device=DEV)
+    q, k = (torch.randn(T, 2, 64, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    gated_delta_rule_fla(q, k, torch.randn(T, 4, 64, device=DEV, dtype=torch.bfloat16),
+                         -torch.rand(T, 4, device=DEV), torch.rand(T, 4, device=DEV, dtype=torch.bfloat16), packed)
+    runs = {name: [str(c) for c in fla_tuner(name).configs] for name in FLA_FORWARD_PINS}
+    gpu_record("fla pinned configurations", pinned=",".join(_pin_fla_kernels()), **{k: v[0] for k, v in runs.items() if len(v) == 1})
+    assert set(_pin_fla_kernels()) == set(FLA_FORWARD_PINS), f"pinned {_pin_fla_kernels()}, configurations offered {runs}"
+    for name, pin in FLA_FORWARD_PINS.items():
+        configs = fla_tuner(name).configs
+        assert len(configs) == 1 and config_matches(configs[0], pin), f"{name}: runs {runs[name]}, pin {pin}"
 
 
 @pytest.mark.parametrize("length", [1, 7, 301, 779, 2903, 9013])
