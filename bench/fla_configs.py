@@ -1,7 +1,7 @@
 """Which of fla's autotuned forward configurations change the Gated DeltaNet's bits, and which is
 fastest on packed rows: the figures behind ``linear_attention.FLA_FORWARD_PINS``.
 
-    python -m bench.fla_configs --out DIR          # H200, about three minutes
+    python -m bench.fla_configs --out DIR          # H200, about two minutes
 
 For each kernel of ``FLA_FORWARD_KERNELS``, every configuration fla offers runs the whole varlen
 forward (packscore's own call, ``_fla_chunk``) while the other kernels hold their pins: the

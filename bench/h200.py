@@ -15,7 +15,7 @@ Parts (``MODE``, space- or comma-separated; ``all`` = ``suite`` and then the ext
   ``weights_swap``, ``prefix_sharing``, ``moe``; ``product_steps`` only by name (which row
   counts compute each dense product's rows alike, bench/product_steps.py); ``fla_configs`` only by
   name (every configuration fla offers for its forward kernels: bits and time, bench/fla_configs.py,
-  about three minutes); ``narrow_steps`` only
+  about two minutes); ``narrow_steps`` only
   by name (the same for the narrow gate products, up to ``NARROW_MAX_ROWS``, default 32768, and
   what it leaves of prefix sharing, bench/narrow_steps.py); ``hf_divergence``
   only by name (packscore against Hugging Face module by module, ``HF_DIVERGENCE_PRESET``, default the 35B-A3B;
