@@ -181,11 +181,11 @@ def _fla_supports_gva() -> bool:
     return _fla_signature()["gva"]
 
 
-# fla autotunes each kernel of its forward once per process, by timing, and the configurations of
-# several round differently (a split of the K loop, a reduction's layout): two processes could
-# answer the same request with other bits. On Hopper every forward kernel is pinned to one
-# configuration, the fastest on the 9B's packed rows (bench/fla_configs.py, docs/kernels.md), so
-# every process computes alike and none tunes at start. PACKSCORE_FLA_AUTOTUNE=1 leaves fla's
+# fla autotunes each kernel of its forward once per process, by timing, and three configurations
+# of its q/k L2 norm lay the reduction out otherwise and round the 9B's keys otherwise: two
+# processes could answer one request with other bits. On Hopper every forward kernel is pinned to
+# fla's own pick on the 9B's packed row (bench/fla_configs.py, docs/kernels.md), so every process
+# computes alike and none tunes at start. PACKSCORE_FLA_AUTOTUNE=1 leaves fla's
 # autotuning alone; other GPUs keep it (their fastest configurations were not measured).
 FLA_FORWARD_KERNELS = {
     # name: (module, kernel)
