@@ -92,6 +92,7 @@ def run_benchmark(suite: Suite, preset: str, num_sequences: int, *, hf_single: b
     scorer = Scorer(loaded, max_batch_tokens=max_batch_tokens)
     scorer.warm_up()
     bench["warm_up_s"] = scorer.warm_up_seconds
+    bench["kernel_cache_files_at_start"] = suite.results.get("kernel_cache_files_at_start")
     bench["warm_up_steps_s"] = scorer.warm_up_steps
     bench["head_chunk_tokens"] = scorer.head_chunk_tokens
     # rows one narrow product may span (gate_projection=runs), by module name without the layer
@@ -272,6 +273,15 @@ def extra_measurements(suite: Suite, bench: dict, scorer, sequences):
 # ---------------------------------------------------------------- main
 
 
+def kernel_cache_files() -> int | None:
+    """Files in the Triton (and Inductor) cache directories; None where neither is set."""
+    roots = {os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")} - {None, ""}
+    if not roots:
+        return None
+    # a set: the Inductor cache usually lies inside the Triton one
+    return len({os.path.join(d, f) for root in roots if os.path.isdir(root) for d, _, files in os.walk(root) for f in files})
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mode", choices=("ab", "full", "profile", "smoke", "extra"), default="ab")
@@ -287,6 +297,8 @@ def main(argv=None):
     if args.dry_run_cpu:
         return dry_run(suite)
 
+    # before anything compiles: the warm-up's figure means start-up time only from an empty cache
+    suite.results["kernel_cache_files_at_start"] = kernel_cache_files()
     suite.results["environment"] = suite.phase("environment", environment, 5) or {}
     suite.results["ceiling"] = suite.phase("matmul ceiling", matmul_ceiling, 5) or {}
 

@@ -62,7 +62,10 @@ def markdown(results: dict) -> str:
                          f"`mfu_of_measured_peak` = {bench['mfu_of_measured_peak']:.3f}.")
         extra = []
         if "warm_up_s" in bench:
-            extra.append(f"start-up warm-up {bench['warm_up_s']:.0f} s with empty kernel caches")
+            cached = bench.get("kernel_cache_files_at_start")
+            caches = ("with empty kernel caches" if cached == 0 else f"with {cached:,} files in the kernel caches"
+                      if cached else "with the kernel caches as the run found them")
+            extra.append(f"start-up warm-up {bench['warm_up_s']:.0f} s {caches}")
         if "head_64k" in bench:
             h = bench["head_64k"]["fused"]
             extra.append(f"head alone at {h.get('positions', 65536):,} scored positions: +{h['extra_peak_gib']:.2f} GiB "
