@@ -28,8 +28,8 @@ from model_runtime.kernels.linear_attention import (  # noqa: E402
     FLA_FORWARD_KERNELS,
     FLA_FORWARD_PINS,
     _fla_chunk,
-    config_matches,
     fla_tuner,
+    pinned_config,
 )
 from model_runtime.model.packing import PackedBatch  # noqa: E402
 from model_runtime.scoring.presets import PRESETS, build_config  # noqa: E402
@@ -158,10 +158,7 @@ def main(argv=None) -> int:
     missing = [n for n, t in tuners.items() if t is None]
     tuners = {n: t for n, t in tuners.items() if t is not None}
     offered = {name: list(t.configs) for name, t in tuners.items()}
-    pinned = {}
-    for name, t in tuners.items():
-        match = [c for c in offered[name] if config_matches(c, FLA_FORWARD_PINS[name])]
-        pinned[name] = match[0] if match else offered[name][0]
+    pinned = {name: pinned_config(cs, FLA_FORWARD_PINS[name]) or cs[0] for name, cs in offered.items()}
     result = {"device": torch.cuda.get_device_name(), "missing_kernels": missing,
               "offered": {n: [describe(c) for c in cs] for n, cs in offered.items()},
               "pins": {n: describe(c) for n, c in pinned.items()}, "shapes": {}}

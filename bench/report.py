@@ -63,8 +63,12 @@ def markdown(results: dict) -> str:
         extra = []
         if "warm_up_s" in bench:
             cached = bench.get("kernel_cache_files_at_start")
-            caches = ("with empty kernel caches" if cached == 0 else f"with {cached:,} files in the kernel caches"
-                      if cached else "with the kernel caches as the run found them")
+            if cached is None:  # not counted (older results, or no cache directory set)
+                caches = "with the kernel caches as the run found them"
+            elif cached == 0:
+                caches = "with empty kernel caches"
+            else:
+                caches = f"with {cached:,} files in the kernel caches"
             extra.append(f"start-up warm-up {bench['warm_up_s']:.0f} s {caches}")
         if "head_64k" in bench:
             h = bench["head_64k"]["fused"]

@@ -228,6 +228,11 @@ def config_matches(config, pin: dict) -> bool:
     return all((fields[k] if k in fields else config.kwargs.get(k)) == v for k, v in pin.items())
 
 
+def pinned_config(configs, pin: dict):
+    """The first of ``configs`` that matches ``pin``, or None where fla no longer offers it."""
+    return next((c for c in configs if config_matches(c, pin)), None)
+
+
 @functools.cache
 def _pin_fla_kernels() -> tuple[str, ...]:
     """Pins fla's forward kernels on Hopper (see above); the names pinned."""
@@ -238,9 +243,9 @@ def _pin_fla_kernels() -> tuple[str, ...]:
     pinned = []
     for name, pin in FLA_FORWARD_PINS.items():
         tuner = fla_tuner(name)
-        chosen = [c for c in getattr(tuner, "configs", ()) if config_matches(c, pin)]
-        if chosen:  # a configuration fla no longer offers stays autotuned
-            tuner.configs = chosen[:1]
+        chosen = pinned_config(getattr(tuner, "configs", ()), pin)
+        if chosen is not None:  # a configuration fla no longer offers stays autotuned
+            tuner.configs = [chosen]
             tuner.cache.clear()
             pinned.append(name)
     return tuple(pinned)
