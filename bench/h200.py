@@ -33,7 +33,7 @@ With less than ``MIN_PART_S`` (30) left, the remaining parts are skipped. ``SUIT
 ``MOE_SEQUENCES`` (default 24; 256, the whole workload, needs ``MOE_S=400``) and ``MOE_HF``
 (default ``single``; ``none``: packscore's own sides only, about 2 minutes for the whole
 workload) and ``MOE_ALSO`` (kernel overrides timed beside the defaults, ``;``-separated) and
-``MOE_BLOCK=1`` (the block's backends timed with ``MOE_HF=none`` too, about 30 s) the MoE
+``MOE_MAX_BATCH_TOKENS`` (the rows' token budget, default 65536) and ``MOE_BLOCK=1`` (the block's backends timed with ``MOE_HF=none`` too, about 30 s) the MoE
 benchmark; ``PREFIX_SHARING_PRESET`` (default the 9B) and
 ``PREFIX_SHARING_ALSO`` (rows of 16384 too; 0: not) the prefix-sharing benchmark.
 
@@ -90,6 +90,7 @@ PARTS = {
         "prefix_sharing"),
     "moe": lambda: Part("moe", ("-m", "bench.moe", "--sequences", os.environ.get("MOE_SEQUENCES", "24"),
                                 "--hf", os.environ.get("MOE_HF", "single"),
+                                "--max-batch-tokens", os.environ.get("MOE_MAX_BATCH_TOKENS", "65536"),
                                 *(("--block",) if os.environ.get("MOE_BLOCK") == "1" else ()),
                                 *(a for k in os.environ.get("MOE_ALSO", "").split(";") if k for a in ("--also", k))),
                         300, "moe"),

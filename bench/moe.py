@@ -389,6 +389,8 @@ def main(argv=None):
     parser.add_argument("--also", action="append", default=[], metavar="KERNELS",
                         help="time the benchmark again with these --kernels overrides, beside the defaults "
                              "(e.g. moe_experts=grouped_mm_fused_scatter); repeatable")
+    parser.add_argument("--max-batch-tokens", type=int, default=65536,
+                        help="the rows' token budget (the suite's standard 65,536; the server's own default differs)")
     parser.add_argument("--block", action="store_true",
                         help="time the MoE block's backends (about 30 s) with --hf none too")
     parser.add_argument("--dry-run-cpu", action="store_true", help="tiny MoE preset, tiny workload, on the CPU")
@@ -429,7 +431,7 @@ def main(argv=None):
                 "MoE block: packscore fused vs composition vs Hugging Face, ms per block", lambda: block_timing(
                     preset, (200, 500) if args.dry_run_cpu else BLOCK_ROWS, spec), 30)
         suite.phase(f"benchmark {preset} ({args.sequences} sequences)", lambda: run_benchmark(
-            suite, preset, args.sequences, hf_single=full, max_batch_tokens=65536 if not args.dry_run_cpu else 300,
+            suite, preset, args.sequences, hf_single=full, max_batch_tokens=args.max_batch_tokens if not args.dry_run_cpu else 300,
             key=key, extras=full, spec=spec, alternatives=((plain,) if full else ()) + tuple(args.also),
             hf="both" if full else "none"), 60)
         if full:
