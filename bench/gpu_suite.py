@@ -273,15 +273,6 @@ def extra_measurements(suite: Suite, bench: dict, scorer, sequences):
 # ---------------------------------------------------------------- main
 
 
-def kernel_cache_files() -> int | None:
-    """Files in the Triton (and Inductor) cache directories; None where neither is set."""
-    roots = {os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")} - {None, ""}
-    if not roots:
-        return None
-    # a set: the Inductor cache usually lies inside the Triton one
-    return len({os.path.join(d, f) for root in roots if os.path.isdir(root) for d, _, files in os.walk(root) for f in files})
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mode", choices=("ab", "full", "profile", "smoke", "extra"), default="ab")
@@ -297,8 +288,6 @@ def main(argv=None):
     if args.dry_run_cpu:
         return dry_run(suite)
 
-    # before anything compiles: the warm-up's figure means start-up time only from an empty cache
-    suite.results["kernel_cache_files_at_start"] = kernel_cache_files()
     suite.results["environment"] = suite.phase("environment", environment, 5) or {}
     suite.results["ceiling"] = suite.phase("matmul ceiling", matmul_ceiling, 5) or {}
 

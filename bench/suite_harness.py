@@ -25,6 +25,15 @@ GiB = 2**30
 DEVICE = "cuda"
 
 
+def kernel_cache_files() -> int | None:
+    """Files in the Triton (and Inductor) cache directories; None where neither is set."""
+    roots = {os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")} - {None, ""}
+    if not roots:
+        return None
+    # a set: the Inductor cache usually lies inside the Triton one
+    return len({os.path.join(d, f) for root in roots if os.path.isdir(root) for d, _, files in os.walk(root) for f in files})
+
+
 class Suite:
     def __init__(self, args):
         self.args = args
@@ -33,7 +42,9 @@ class Suite:
         self.started = time.perf_counter()
         suffix = "" if args.mode == "full" else f"-{args.mode}"
         self.json_path = self.out / f"h200-{DATE}{suffix}.json"
-        self.results: dict = {"date": DATE, "mode": args.mode, "phases": {}, "errors": {}}
+        self.results: dict = {"date": DATE, "mode": args.mode, "phases": {}, "errors": {},
+                              # before anything compiles: a warm-up time is start-up time only from empty caches
+                              "kernel_cache_files_at_start": kernel_cache_files()}
         self.texts: dict[str, str] = {}
 
     def remaining(self) -> float:
