@@ -33,9 +33,10 @@ With less than ``MIN_PART_S`` (30) left, the remaining parts are skipped. ``SUIT
 ``MOE_SEQUENCES`` (default 24; 256, the whole workload, needs ``MOE_S=400``) and ``MOE_HF``
 (default ``single``; ``none``: packscore's own sides only, about 2 minutes for the whole
 workload) and ``MOE_ALSO`` (kernel overrides timed beside the defaults, ``;``-separated) and
-``MOE_MAX_BATCH_TOKENS`` (the rows' token budget, default 65536) and ``MOE_BLOCK=1`` (the block's backends timed with ``MOE_HF=none`` too, about 30 s) the MoE
-benchmark; ``PREFIX_SHARING_PRESET`` (default the 9B) and
-``PREFIX_SHARING_ALSO`` (rows of 16384 too; 0: not) the prefix-sharing benchmark.
+``MOE_MAX_BATCH_TOKENS`` (the rows' token budget, default 65536) and ``MOE_BLOCK=1`` (the
+block's backends timed with ``MOE_HF=none`` too, about 30 s) the MoE benchmark;
+``PREFIX_SHARING_PRESET`` (default the 9B) and ``PREFIX_SHARING_ALSO`` (rows of 16384 too; 0:
+not) the prefix-sharing benchmark.
 
 Output: at most 8 files in ``OUT`` (default bench/out), none in a folder: each part's results
 JSON (the suite's as ``h200-<date>.json`` with its chart), and ``summary.md``: every part's own

@@ -442,12 +442,12 @@ def test_fla_forward_kernels_run_their_pinned_configuration(gpu_record):
     q, k = (torch.randn(T, 2, 64, device=DEV, dtype=torch.bfloat16) for _ in range(2))
     gated_delta_rule_fla(q, k, torch.randn(T, 4, 64, device=DEV, dtype=torch.bfloat16),
                          -torch.rand(T, 4, device=DEV), torch.rand(T, 4, device=DEV, dtype=torch.bfloat16), packed)
-    runs = {name: [str(c) for c in fla_tuner(name).configs] for name in FLA_FORWARD_PINS}
-    gpu_record("fla pinned configurations", pinned=",".join(_pin_fla_kernels()), **{k: v[0] for k, v in runs.items() if len(v) == 1})
-    assert set(_pin_fla_kernels()) == set(FLA_FORWARD_PINS), f"pinned {_pin_fla_kernels()}, configurations offered {runs}"
+    pinned, configs = _pin_fla_kernels(), {name: fla_tuner(name).configs for name in FLA_FORWARD_PINS}
+    runs = {name: [str(c) for c in cs] for name, cs in configs.items()}
+    gpu_record("fla pinned configurations", pinned=",".join(pinned), **{k: v[0] for k, v in runs.items() if len(v) == 1})
+    assert set(pinned) == set(FLA_FORWARD_PINS), f"pinned {pinned}, configurations offered {runs}"
     for name, pin in FLA_FORWARD_PINS.items():
-        configs = fla_tuner(name).configs
-        assert len(configs) == 1 and config_matches(configs[0], pin), f"{name}: runs {runs[name]}, pin {pin}"
+        assert len(configs[name]) == 1 and config_matches(configs[name][0], pin), f"{name}: runs {runs[name]}, pin {pin}"
 
 
 @pytest.mark.parametrize("length", [1, 7, 301, 779, 2903, 9013])
