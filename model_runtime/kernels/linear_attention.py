@@ -13,11 +13,14 @@ serves ``Hv // Hk`` consecutive value heads (``repeat_interleave``). A segment w
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
 
 from model_runtime.model.packing import PackedBatch
+
+log = logging.getLogger(__name__)
 
 
 def _check(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: PackedBatch) -> None:
@@ -236,9 +239,14 @@ def pinned_config(configs, pin: dict):
 @functools.cache
 def _pin_fla_kernels() -> tuple[str, ...]:
     """Pins fla's forward kernels on Hopper (see above); the names pinned."""
-    if os.environ.get("PACKSCORE_FLA_AUTOTUNE") == "1" or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         return ()
-    if torch.cuda.get_device_capability() != (9, 0):
+    opted_out = os.environ.get("PACKSCORE_FLA_AUTOTUNE") == "1"
+    capability = torch.cuda.get_device_capability()
+    if opted_out or capability != (9, 0):
+        log.warning("fla's forward kernels are tuned by timing in each process (%s): two processes "
+                    "(servers, pool ranks) can score one sequence with other bits (docs/kernels.md)",
+                    "PACKSCORE_FLA_AUTOTUNE=1" if opted_out else f"no pins for sm_{capability[0]}{capability[1]}")
         return ()
     pinned = []
     for name, pin in FLA_FORWARD_PINS.items():

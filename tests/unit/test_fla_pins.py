@@ -67,9 +67,19 @@ def test_a_pin_fla_no_longer_offers_leaves_that_kernel_tuned(tuners, monkeypatch
 
 
 @pytest.mark.parametrize("capability, autotune", [((8, 0), None), ((10, 0), None), ((9, 0), "1")])
-def test_other_gpus_and_the_opt_out_keep_fla_autotuning(tuners, monkeypatch, capability, autotune):
+def test_other_gpus_and_the_opt_out_keep_fla_autotuning(tuners, monkeypatch, caplog, capability, autotune):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
     if autotune:
         monkeypatch.setenv("PACKSCORE_FLA_AUTOTUNE", autotune)
-    assert la._pin_fla_kernels.__wrapped__() == ()
+    with caplog.at_level("WARNING", logger=la.__name__):
+        assert la._pin_fla_kernels.__wrapped__() == ()
     assert all(len(t.configs) == 3 for t in tuners.values())
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "other bits" in said and ("PACKSCORE_FLA_AUTOTUNE=1" if autotune else f"sm_{capability[0]}{capability[1]}") in said, said
+
+
+def test_pinned_hopper_says_nothing(tuners, monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    with caplog.at_level("WARNING", logger=la.__name__):
+        la._pin_fla_kernels.__wrapped__()
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
