@@ -49,3 +49,15 @@ def test_the_suite_part_times_the_headline_against_hugging_face(monkeypatch):
     monkeypatch.setenv("SUITE_HF", "single")
     argv = h200.PARTS["suite"]().argv
     assert argv[:4] == ("-m", "bench.gpu_suite", "--mode", "ab") and argv[-2:] == ("--hf", "single")
+
+
+def test_the_whole_moe_workload_with_hugging_face_gets_the_time_it_needs(monkeypatch):
+    for name in ("MOE_SEQUENCES", "MOE_HF"):
+        monkeypatch.delenv(name, raising=False)
+    assert h200.PARTS["moe"]().budget_s == 300, "24 sequences with Hugging Face fit in 300 s"
+    monkeypatch.setenv("MOE_SEQUENCES", "256")
+    assert h200.PARTS["moe"]().budget_s == 500, "the whole workload with Hugging Face one at a time took 430-485 s"
+    monkeypatch.setenv("MOE_HF", "none")
+    assert h200.PARTS["moe"]().budget_s == 300, "packscore's own sides of the whole workload take about 100 s"
+    monkeypatch.setenv("MOE_S", "123")
+    assert h200.env_budget(h200.PARTS["moe"]()) == 123, "MOE_S overrides the default"
