@@ -37,7 +37,8 @@ workload) and ``MOE_ALSO`` (kernel overrides timed beside the defaults, ``;``-se
 ``MOE_MAX_BATCH_TOKENS`` (the rows' token budget, default 65536) and ``MOE_BLOCK=1`` (the
 block's backends timed with ``MOE_HF=none`` too, about 30 s) the MoE benchmark;
 ``PREFIX_SHARING_PRESET`` (default the 9B) and ``PREFIX_SHARING_ALSO`` (rows of 16384 too; 0:
-not) the prefix-sharing benchmark.
+not) and ``PREFIX_SHARING_PROFILE=1`` (one row profiled unshared, as served and every member
+instead of the timed workloads) the prefix-sharing benchmark.
 
 Output: at most 8 files in ``OUT`` (default bench/out), none in a folder: each part's results
 JSON (the suite's as ``h200-<date>.json`` with its chart), and ``summary.md``: every part's own
@@ -96,7 +97,8 @@ PARTS = {
     "http_burst": lambda: Part("http_burst", ("-m", "bench.http_burst", "--mode", "gpu"), 150, "http_burst"),
     "weights_swap": lambda: Part("weights_swap", ("-m", "bench.weights_swap"), 240, "weights_swap"),
     "prefix_sharing": lambda: Part("prefix_sharing", ("-m", "bench.prefix_sharing", "--preset", os.environ.get(
-        "PREFIX_SHARING_PRESET", "qwen3.5-9b"), "--also-tokens", os.environ.get("PREFIX_SHARING_ALSO", "16384")), 400,
+        "PREFIX_SHARING_PRESET", "qwen3.5-9b"), "--also-tokens", os.environ.get("PREFIX_SHARING_ALSO", "16384"),
+        *(("--profile-row",) if os.environ.get("PREFIX_SHARING_PROFILE") == "1" else ())), 400,
         "prefix_sharing"),
     "moe": lambda: Part("moe", ("-m", "bench.moe", "--sequences", os.environ.get("MOE_SEQUENCES", "24"),
                                 "--hf", os.environ.get("MOE_HF", "single"),

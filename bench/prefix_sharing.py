@@ -3,6 +3,7 @@
     python -m bench.prefix_sharing --out DIR                          # H200: 9B preset, bf16, < 6 min
     python -m bench.prefix_sharing --out DIR --flops-only             # the token and FLOP bounds (CPU, seconds)
     python -m bench.prefix_sharing --out DIR --preset tiny --device cpu   # a dry run in seconds
+    python -m bench.prefix_sharing --out DIR --profile-row            # where one shared row's time goes
 
 Two workloads: the benchmark's RL mix (256 sequences in groups of 8, ``bench.workload``) and a
 16-sample one (groups of 16, 1,000-token prompts, 2,000-token responses). For each: one
@@ -122,7 +123,8 @@ def flops_only(preset: str, budgets, min_tokens: int) -> dict:
     return out
 
 
-def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_tokens: int, budget_s: float) -> dict:
+def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_tokens: int, budget_s: float,
+        profile: bool = False) -> dict:
     started = time.perf_counter()
     dev = torch.device(device)
     dtype = "bfloat16" if dev.type == "cuda" else "float32"
@@ -170,6 +172,11 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
                            for budget, trio in scorers.items() if trio[1].prefix_rounding is not None},
         "workloads": {},
     }
+    if profile:
+        result["row_profile"] = profile_row_three_ways(loaded, scorers[max_batch_tokens], loads["rl_mix_groups_of_8"],
+                                                       max_batch_tokens, min_tokens, flops)
+        result["total_s"] = time.perf_counter() - started
+        return result
     # The RL mix in the main rows and the 16-sample workload always run; the RL mix in smaller rows
     # only if its passes (no longer than the main rows' ones) still fit in --budget-s.
     runs = [(name, name, max_batch_tokens) for name in loads]
@@ -232,7 +239,72 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
     return result
 
 
+def one_row_of_groups(sequences, budget: int, group_size: int = 8) -> list:
+    """The workload's first whole groups that fit one unshared row of ``budget`` tokens."""
+    taken, tokens = [], 0
+    for start in range(0, len(sequences), group_size):
+        group = sequences[start:start + group_size]
+        length = sum(s.length for s in group)
+        if tokens + length > budget:
+            break
+        taken += group
+        tokens += length
+    return taken
+
+
+def profile_row_three_ways(loaded, trio, sequences, budget: int, min_tokens: int, flops: FlopModel) -> dict:
+    """One row of whole groups scored unshared, shared as served and shared among every member:
+    device time per module kind (``bench.breakdown.module_times``) and, on a GPU, the row's
+    kernels by category (``profile_row``), beside the tokens and model FLOPs each side runs, so that a
+    shared row's shortfall from its FLOP bound can be placed."""
+    from bench.breakdown import module_times, profile_row
+
+    row = one_row_of_groups(sequences, budget)
+    total = sum(s.length for s in row)
+    unshared_flops = flops.workload_flops(row)
+    out = {"sequences": len(row), "tokens": total, "sides": {}}
+    for name, scorer in zip(("unshared", "as served", "every member"), trio):
+        saved = 0 if name == "unshared" else tokens_saved(row, min_tokens, scorer.prefix_rounding)
+        scorer.score(row)  # this row's shapes once before measuring
+        modules = module_times(loaded.model.layers, lambda: scorer.score(row))
+        # kernel categories only where there are device kernels (the CPU profiler takes minutes here)
+        kernels = profile_row(lambda: scorer.score(row), top=15) if loaded.device.type == "cuda" else None
+        out["sides"][name] = {
+            "tokens_run": total - saved,
+            "flops": unshared_flops - 2.0 * flops.matmul_params_per_token * saved,
+            "modules": modules,
+            "kernels": kernels,
+        }
+    return out
+
+
+def profile_table(profile: dict) -> str:
+    """The three sides of ``profile_row_three_ways`` as ratios to the unshared row."""
+    base = profile["sides"]["unshared"]
+    kinds = [k for k in ("linear_attn", "self_attn", "mlp") if k in base["modules"]]
+    lines = [
+        f"one row of {profile['sequences']} sequences ({profile['tokens']:,} tokens): ms by module kind (CUDA events), "
+        "and each side's tokens, model FLOPs and time as a fraction of the unshared row's",
+        "",
+        "| side | tokens run | FLOPs | " + " | ".join(f"{k} ms" for k in kinds) + " | other ms | wall ms | GPU idle ms "
+        "| tokens / unshared | FLOPs / unshared | wall / unshared |",
+        "| --- | ---: | ---: | " + " | ".join("---:" for _ in kinds) + " | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, side in profile["sides"].items():
+        m, k = side["modules"], side["kernels"]
+        idle_text = f"{k['categories_ms']['gpu_idle (launch, python, packing, host)']:.1f}" if k else "n/a"
+        lines.append(
+            f"| {name} | {side['tokens_run']:,} | {side['flops'] / 1e12:.2f} T | "
+            + " | ".join(f"{m[kd]['ms']:.1f}" for kd in kinds)
+            + f" | {m['other_ms']:.1f} | {m['wall_ms']:.1f} | {idle_text} | {side['tokens_run'] / base['tokens_run']:.3f} "
+            f"| {side['flops'] / base['flops']:.3f} | {m['wall_ms'] / base['modules']['wall_ms']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def table(result: dict) -> str:
+    if "row_profile" in result:
+        return profile_table(result["row_profile"])
     lines = [
         f"prefix sharing, {result['preset']} on {result['device']} ({result['dtype']}); token bound: workload tokens over "
         "tokens the shared rows run; FLOP bound: model FLOPs unshared over shared (bench/flops.py); "
@@ -265,6 +337,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--budget-s", type=float, default=330.0,
                         help="run the optional comparison (--also-tokens) only if it ends within this many seconds of the start")
     parser.add_argument("--flops-only", action="store_true", help="print the token and FLOP bounds only (no model run)")
+    parser.add_argument("--profile-row", action="store_true",
+                        help="instead of timing the workloads, profile one row of whole groups unshared, as served and "
+                             "every member (ms by module kind and kernel category)")
     args = parser.parse_args(argv)
     if args.flops_only:
         budgets = (args.max_batch_tokens, *([args.also_tokens] if args.also_tokens else []))
@@ -272,7 +347,8 @@ def main(argv=None) -> dict:
         for name, b in bounds.items():
             print(f"{name}: token bound {b['row_token_bound']:.3f}, FLOP bound {b['flop_bound']:.3f}")
         return bounds
-    result = run(args.preset, args.device, args.max_batch_tokens, args.min_tokens, args.also_tokens, args.budget_s)
+    result = run(args.preset, args.device, args.max_batch_tokens, args.min_tokens,
+                 0 if args.profile_row else args.also_tokens, args.budget_s, profile=args.profile_row)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prefix-sharing.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -146,6 +146,25 @@ def test_benchmark_dry_run_on_the_cpu(tmp_path):
     assert (tmp_path / "prefix-sharing.md").read_text().startswith("prefix sharing, tiny")
 
 
+def test_one_row_profiled_three_ways_on_the_cpu(tmp_path):
+    from bench.prefix_sharing import main
+
+    result = main(["--preset", "tiny", "--device", "cpu", "--out", str(tmp_path), "--profile-row"])
+    profile = json.loads((tmp_path / "prefix-sharing.json").read_text())["row_profile"]
+    assert profile == json.loads(json.dumps(result["row_profile"]))
+    assert profile["sequences"] % 8 == 0 and profile["tokens"] <= 65536, "whole groups of one unshared row"
+    sides = profile["sides"]
+    assert list(sides) == ["unshared", "as served", "every member"]
+    assert sides["unshared"]["tokens_run"] == profile["tokens"]
+    assert sides["every member"]["tokens_run"] <= sides["as served"]["tokens_run"] < profile["tokens"]
+    assert sides["every member"]["flops"] < sides["unshared"]["flops"]
+    for name, side in sides.items():
+        assert side["modules"]["linear_attn"]["count"] > 0 and side["modules"]["mlp"]["count"] > 0, name
+        assert side["modules"]["wall_ms"] > 0, name
+    text = (tmp_path / "prefix-sharing.md").read_text()
+    assert text.startswith("one row of") and "| every member |" in text and "n/a" in text
+
+
 def test_flop_bounds_from_the_preset_shape_alone():
     from bench.prefix_sharing import main
 
