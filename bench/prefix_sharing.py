@@ -240,15 +240,15 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
 
 
 def one_row_of_groups(sequences, budget: int, group_size: int = 8) -> list:
-    """The workload's first whole groups that fit one unshared row of ``budget`` tokens."""
+    """Whole groups of the workload, in order, each taken if it still fits one unshared row of
+    ``budget`` tokens (first fit, so one long group does not end the row)."""
     taken, tokens = [], 0
     for start in range(0, len(sequences), group_size):
         group = sequences[start:start + group_size]
         length = sum(s.length for s in group)
-        if tokens + length > budget:
-            break
-        taken += group
-        tokens += length
+        if tokens + length <= budget:
+            taken += group
+            tokens += length
     return taken
 
 
