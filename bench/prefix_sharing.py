@@ -283,7 +283,8 @@ def profile_table(profile: dict) -> str:
     base = profile["sides"]["unshared"]
     kinds = [k for k in ("linear_attn", "self_attn", "mlp") if k in base["modules"]]
     lines = [
-        f"one row of {profile['sequences']} sequences ({profile['tokens']:,} tokens): ms by module kind (CUDA events), "
+        f"one row of {profile['sequences']} sequences ({profile['tokens']:,} tokens): ms by module kind (CUDA events; "
+        "other: what no module's hooks timed, the norms, the head and an MLP whose forward is fused into its layer), "
         "and each side's tokens, model FLOPs and time as a fraction of the unshared row's",
         "",
         "| side | tokens run | FLOPs | " + " | ".join(f"{k} ms" for k in kinds) + " | other ms | wall ms | GPU idle ms "
