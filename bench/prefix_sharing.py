@@ -268,7 +268,7 @@ def profile_row_three_ways(loaded, trio, sequences, budget: int, min_tokens: int
         scorer.score(row)  # this row's shapes once before measuring
         modules = module_times(loaded.model.layers, lambda: scorer.score(row))
         # kernel categories only where there are device kernels (the CPU profiler takes minutes here)
-        kernels = profile_row(lambda: scorer.score(row), top=15) if loaded.device.type == "cuda" else None
+        kernels = profile_row(lambda: scorer.score(row), top=30) if loaded.device.type == "cuda" else None
         out["sides"][name] = {
             "tokens_run": total - saved,
             "flops": unshared_flops - 2.0 * flops.matmul_params_per_token * saved,
