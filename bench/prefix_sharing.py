@@ -84,14 +84,19 @@ def row_token_bound(sequences, budget: int, min_tokens: int, rounding=None) -> f
     return sum(s.length for s in sequences) / run
 
 
+def shared_flops(sequences, saved_tokens: int, flops: FlopModel) -> float:
+    """Model FLOPs of scoring ``sequences`` with ``saved_tokens`` of their prompts run once:
+    sharing saves the body's matmuls on the tokens not run; attention's quadratic term is the
+    same (a continuation attends over its whole prefix) and so, counted as unshared, is the head
+    (prompt positions are rarely scored)."""
+    return flops.workload_flops(sequences) - 2.0 * flops.matmul_params_per_token * saved_tokens
+
+
 def flop_bound(sequences, budget: int, min_tokens: int, flops: FlopModel, rounding=None) -> float:
-    """Model FLOPs of the workload unshared over shared: sharing saves the body's matmuls on the
-    tokens not run; attention's quadratic term is the same (a continuation attends over its whole
-    prefix) and so, counted as unshared, is the head (prompt positions are rarely scored)."""
+    """Model FLOPs of the workload unshared over shared (``shared_flops``), in rows of ``budget``."""
     rows = pack_groups_first_fit(sequences, budget, min_tokens, rounding)
     saved = sum(tokens_saved([sequences[i] for i in r], min_tokens, rounding) for r in rows)
-    unshared = flops.workload_flops(sequences)
-    return unshared / (unshared - 2.0 * flops.matmul_params_per_token * saved)
+    return flops.workload_flops(sequences) / shared_flops(sequences, saved, flops)
 
 
 def preset_flop_model(preset: str) -> FlopModel:
@@ -261,7 +266,6 @@ def profile_row_three_ways(loaded, trio, sequences, budget: int, min_tokens: int
 
     row = one_row_of_groups(sequences, budget)
     total = sum(s.length for s in row)
-    unshared_flops = flops.workload_flops(row)
     out = {"sequences": len(row), "tokens": total, "sides": {}}
     for name, scorer in zip(("unshared", "as served", "every member"), trio):
         saved = 0 if name == "unshared" else tokens_saved(row, min_tokens, scorer.prefix_rounding)
@@ -271,7 +275,7 @@ def profile_row_three_ways(loaded, trio, sequences, budget: int, min_tokens: int
         kernels = profile_row(lambda: scorer.score(row), top=30) if loaded.device.type == "cuda" else None
         out["sides"][name] = {
             "tokens_run": total - saved,
-            "flops": unshared_flops - 2.0 * flops.matmul_params_per_token * saved,
+            "flops": shared_flops(row, saved, flops),
             "modules": modules,
             "kernels": kernels,
         }
