@@ -120,8 +120,8 @@ class Settings(BaseSettings):
     max_sequences_per_request: int = Field(4096, ge=1, description="most sequences in one request; beyond it 413")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long admitted requests may take to finish")
     # Default on where sharing changes no number (a GPU, whole sequences on each rank): there a prompt
-    # is shared only among members whose lengths compute it alike, bit for bit and faster (1.09x on
-    # the 9B's RL mix); off on the CPU (float32 within 1e-5, not bit for bit) and under --sp > 1
+    # is shared only among members whose lengths compute it alike, bit for bit and faster on
+    # the 9B's RL mix; off on the CPU (float32 within 1e-5, not bit for bit) and under --sp > 1
     # (every member shares, about 1e-2 in bf16). docs/prefix-sharing.md.
     prefix_sharing: bool | None = Field(
         None, description="run leading tokens that sequences of one row share (a GRPO group's prompt) once. "
