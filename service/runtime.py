@@ -275,6 +275,11 @@ class Service:
                 await model.scheduler.close("the server is shutting down (drain timeout)")
         self.drained = True
 
+    def forward_running(self) -> bool:
+        """Whether a forward is still under way (one the drain timeout cut off): the process must
+        then exit without finalising the interpreter under it, which aborts in torch's threads."""
+        return any(model.scheduler.forward_running for model in self._scheduled())
+
     async def stop(self) -> None:
         if self._start_task is not None and not self._start_task.done():
             self._start_task.cancel()

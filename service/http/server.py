@@ -66,10 +66,14 @@ class DrainingServer(uvicorn.Server):
 
 def _exit_now() -> None:
     log.warning("drain: still running %.0f s past the drain timeout; exiting", _EXIT_GRACE_S)
+    _hard_exit(0)
+
+
+def _hard_exit(status: int) -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
@@ -95,8 +99,19 @@ def run_server(app: FastAPI, settings: Settings) -> int:
     try:
         DrainingServer(config, service).run()
     except KeyboardInterrupt:  # SIGINT: uvicorn shut down gracefully, then re-raised it
+        _exit_if_forward_running(service, 130)
         return 130
     if service.fatal_error:
         print(f"packscore: error: could not start: {service.fatal_error}", file=sys.stderr)
         return 1
+    _exit_if_forward_running(service, 0)
     return 0
+
+
+def _exit_if_forward_running(service: Service, status: int) -> None:
+    """A forward cut off by the drain timeout still runs in its daemon thread: finalising the
+    interpreter under it ends in std::terminate (status -6) from torch's threads, so the process
+    ends here, its answers already sent and its logs flushed."""
+    if service.forward_running():
+        log.warning("exiting while a forward cut off by the drain timeout still runs")
+        _hard_exit(status)

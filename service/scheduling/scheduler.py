@@ -228,6 +228,11 @@ class Scheduler:
     # ---- admission ---------------------------------------------------------------------------
 
     @property
+    def forward_running(self) -> bool:
+        """Whether a forward is still under way on one of this scheduler's threads."""
+        return any(thread.running for thread in self._threads)
+
+    @property
     def queued_tokens(self) -> int:
         return self._queued_tokens
 
@@ -512,6 +517,7 @@ class _ForwardThread:
 
     def __init__(self, name: str):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.running = False  # a forward is under way on this thread
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -527,10 +533,13 @@ class _ForwardThread:
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
             loop, future, fn, args = job
+            self.running = True
             try:
                 result, error = fn(*args), None
             except BaseException as exc:  # handed to the awaiting runner
                 result, error = None, exc
+            finally:
+                self.running = False
             try:
                 loop.call_soon_threadsafe(_settle, future, result, error)
             except RuntimeError:  # the loop closed while the forward ran

@@ -62,3 +62,31 @@ def test_sigterm_drains_admitted_requests_and_exits_0(tmp_path, tiny_scorer):
     for i in admitted:
         assert_matches(decode(answers[i], 0), batches[i], tiny_scorer)
     assert code == 0, server.log()
+
+
+def test_a_real_forward_cut_off_by_the_drain_timeout_still_exits_0(tmp_path):
+    # One row of 12,000 tokens: several seconds of forward on the CPU, past a 0.5 s drain timeout.
+    # Finalising the interpreter under a running torch forward used to abort (status -6).
+    server = ServerProcess(tmp_path, "--max-batch-tokens", "12000", "--drain-timeout-s", "0.5").wait_ready()
+    rng = np.random.default_rng(11)
+    body = {"sequences": [{"input_ids": rng.integers(0, TINY_VOCAB, 6000).tolist()} for _ in range(2)]}
+    answers: dict[str, httpx.Response] = {}
+    try:
+        sender = threading.Thread(target=lambda: answers.update(cut=post(server.url, body)))
+        sender.start()
+        deadline = time.monotonic() + 60
+        while _queued_sequences(server.url) < 2:  # admitted
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.01)
+        time.sleep(1.0)  # its forward, several seconds long, is under way
+        server.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        code = server.proc.wait(timeout=60)
+        exited_after = time.monotonic() - t0
+        sender.join(timeout=30)
+    finally:
+        server.stop()
+    assert code == 0 and "terminate called" not in server.log(), (code, server.log())
+    assert exited_after < 5, exited_after
+    cut = answers["cut"]
+    assert cut.status_code == 503 and cut.json()["error"]["type"] == "unavailable", cut.text[:300]
