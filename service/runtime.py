@@ -38,6 +38,9 @@ _PROBE_TIMEOUT_S = 60.0
 _PROBE_LENGTH = 8
 
 
+_LOAD_THREAD = "packscore-load"
+
+
 async def _in_daemon_thread(fn: Callable, *args):
     """Runs ``fn`` in a daemon thread: a SIGTERM during a slow load must not wait for the load."""
     loop = asyncio.get_running_loop()
@@ -51,7 +54,7 @@ async def _in_daemon_thread(fn: Callable, *args):
         else:
             loop.call_soon_threadsafe(_settle, future, result, None)
 
-    threading.Thread(target=target, name="packscore-load", daemon=True).start()
+    threading.Thread(target=target, name=_LOAD_THREAD, daemon=True).start()
     return await future
 
 
@@ -275,9 +278,14 @@ class Service:
                 await model.scheduler.close("the server is shutting down (drain timeout)")
         self.drained = True
 
-    def forward_running(self) -> bool:
-        """Whether a forward is still under way (one the drain timeout cut off): the process must
-        then exit without finalising the interpreter under it, which aborts in torch's threads."""
+    def torch_work_running(self) -> bool:
+        """Whether a forward (one the drain timeout cut off), a load or a weights update is still
+        under way in another thread: the process must then exit without finalising the interpreter
+        under it, which aborts in torch's threads."""
+        if any(model.updating for model in self.models.values()):
+            return True
+        if any(t.name == _LOAD_THREAD and t.is_alive() for t in threading.enumerate()):
+            return True
         return any(model.scheduler.forward_running for model in self._scheduled())
 
     async def stop(self) -> None:

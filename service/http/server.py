@@ -99,19 +99,19 @@ def run_server(app: FastAPI, settings: Settings) -> int:
     try:
         DrainingServer(config, service).run()
     except KeyboardInterrupt:  # SIGINT: uvicorn shut down gracefully, then re-raised it
-        _exit_if_forward_running(service, 130)
+        _exit_if_torch_work_running(service, 130)
         return 130
     if service.fatal_error:
         print(f"packscore: error: could not start: {service.fatal_error}", file=sys.stderr)
         return 1
-    _exit_if_forward_running(service, 0)
+    _exit_if_torch_work_running(service, 0)
     return 0
 
 
-def _exit_if_forward_running(service: Service, status: int) -> None:
-    """A forward cut off by the drain timeout still runs in its daemon thread: finalising the
-    interpreter under it ends in std::terminate (status -6) from torch's threads, so the process
-    ends here, its answers already sent and its logs flushed."""
-    if service.forward_running():
-        log.warning("exiting while a forward cut off by the drain timeout still runs")
+def _exit_if_torch_work_running(service: Service, status: int) -> None:
+    """A forward cut off by the drain timeout (or a load, or an update) still runs in another
+    thread: finalising the interpreter under it ends in std::terminate (status -6) from torch's
+    threads, so the process ends here, its answers already sent and its logs flushed."""
+    if service.torch_work_running():
+        log.warning("exiting while a forward, load or weights update still runs in another thread")
         _hard_exit(status)
