@@ -50,20 +50,30 @@ def _on_whole_sequences(kernel):
     return attention
 
 
+# Float32 scores the reference holds at once (256 MiB): a long sequence is taken in blocks of
+# queries, so memory grows with its length, not its square (32k tokens would need tens of GiB).
+REFERENCE_SCORE_ELEMENTS = 1 << 26
+
+
 @_on_whole_sequences
 def causal_attention_reference(q_THD, k_THD, v_THD, packed: PackedBatch, scale: float) -> torch.Tensor:
-    """Exact reference: float32 softmax attention, one segment at a time."""
-    group = q_THD.shape[1] // k_THD.shape[1]
+    """Exact reference: float32 softmax attention, one segment at a time, in blocks of queries
+    that each see the keys up to their last query."""
+    H, group = q_THD.shape[1], q_THD.shape[1] // k_THD.shape[1]
     out = torch.empty_like(q_THD)
     for start, end in packed.segments():
+        n = end - start
         q_HLD = q_THD[start:end].transpose(0, 1).float()
         k_HLD = k_THD[start:end].transpose(0, 1).float().repeat_interleave(group, dim=0)
         v_HLD = v_THD[start:end].transpose(0, 1).float().repeat_interleave(group, dim=0)
-        scores_HLL = (q_HLD @ k_HLD.transpose(1, 2)) * scale
-        n = end - start
-        future = torch.ones(n, n, dtype=torch.bool, device=q_THD.device).triu(1)
-        scores_HLL = scores_HLL.masked_fill(future, float("-inf"))
-        out[start:end] = (scores_HLL.softmax(dim=-1) @ v_HLD).transpose(0, 1).to(q_THD.dtype)
+        block = max(1, REFERENCE_SCORE_ELEMENTS // (H * n))
+        for q0 in range(0, n, block):
+            q1 = min(n, q0 + block)
+            scores_HBK = (q_HLD[:, q0:q1] @ k_HLD[:, :q1].transpose(1, 2)) * scale
+            future = torch.ones(q1 - q0, q1, dtype=torch.bool, device=q_THD.device).triu(q0 + 1)
+            scores_HBK = scores_HBK.masked_fill(future, float("-inf"))
+            o_HBD = scores_HBK.softmax(dim=-1) @ v_HLD[:, :q1]
+            out[start + q0 : start + q1] = o_HBD.transpose(0, 1).to(q_THD.dtype)
     return out
 
 

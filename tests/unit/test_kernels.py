@@ -37,6 +37,20 @@ def test_attention_reference_matches_sdpa(lengths):
     report("attention sdpa vs reference", causal_attention_sdpa(q, k, v, packed, 32**-0.5), ref, 1e-5)
 
 
+def test_attention_reference_in_blocks_of_queries_equals_it_in_one(monkeypatch):
+    """A long sequence's reference attention runs in blocks of queries (memory linear in its
+    length): the same numbers as one block, up to float32 summation order."""
+    import model_runtime.kernels.attention as attention
+
+    g = torch.Generator().manual_seed(7)
+    packed = PackedBatch.from_lengths((300, 1, 77))
+    T = packed.total_tokens
+    q, k, v = torch.randn(T, 4, 16, generator=g), torch.randn(T, 2, 16, generator=g), torch.randn(T, 2, 16, generator=g)
+    whole = causal_attention_reference(q, k, v, packed, 0.25)
+    monkeypatch.setattr(attention, "REFERENCE_SCORE_ELEMENTS", 4 * 300 * 7)  # blocks of 7 queries
+    report("attention reference in blocks vs one block", causal_attention_reference(q, k, v, packed, 0.25), whole, 1e-6)
+
+
 @pytest.mark.parametrize("lengths", LAYOUTS, ids=layout_id)
 def test_gate_projection_per_segment_matches_the_whole_row(lengths):
     """Per segment equals the whole-row product up to summation order, and each segment's rows
