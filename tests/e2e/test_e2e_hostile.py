@@ -80,6 +80,30 @@ def test_protocol_errors_are_answered_with_the_json_error_body(tmp_path):
         assert status == 400 and error["type"] == "malformed_request" and error["param"] is None, data
 
 
+def test_a_client_gone_mid_body_is_counted_as_499_and_logged_as_no_error(tmp_path):
+    server = fake_server(tmp_path).wait_ready()
+    try:
+        with _connect(server) as sock:  # half a body, then the client goes away
+            sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 200\r\n\r\n{\"sequences\": ")
+            time.sleep(0.3)
+        with _connect(server) as sock:  # a chunked body that is not: the protocol answers 400
+            sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\nZZ\r\nabc\r\n0\r\n\r\n")
+            status, _ = _json_error(_read_until_closed(sock, 10)[0])
+        deadline = time.monotonic() + 10
+        while True:
+            metrics = httpx.get(server.url + "/metrics", timeout=10).text
+            if 'packscore_requests_total{route="/score",status="499"} 2.0' in metrics or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    finally:
+        server.stop()
+    assert status == 400
+    assert 'packscore_requests_total{route="/score",status="499"} 2.0' in metrics, metrics
+    assert 'route="/score",status="500"' not in metrics and "unhandled error" not in server.log(), server.log()
+
+
 def test_a_normal_request_is_answered_after_600_half_open_connections_at_512_descriptors(tmp_path):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < 1024:  # this process holds the 600 connections
