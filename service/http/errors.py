@@ -57,13 +57,14 @@ def backend_unavailable(message: str, retry_after_s: int) -> ApiError:
     return ApiError(503, "backend_unavailable", message, headers={"Retry-After": str(retry_after_s)})
 
 
-def param_path(loc: Iterable[str | int]) -> str | None:
+def param_path(loc: Iterable[str | int], *, sourced: bool = True) -> str | None:
     """``("body", "sequences", 3, "input_ids", 17)`` -> ``"sequences[3].input_ids[17]"``.
 
-    FastAPI prefixes where a value came from (body, query, ...); the contract names fields only.
+    FastAPI prefixes where a value came from (body, query, ...; ``sourced``); the contract names
+    fields only. A model's own validation has no prefix: there ``path`` is /v1/weights' field.
     """
     parts = list(loc)
-    if parts and parts[0] in ("body", "query", "path", "header", "cookie"):
+    if sourced and parts and parts[0] in ("body", "query", "path", "header", "cookie"):
         parts = parts[1:]
     out = ""
     for part in parts:
@@ -80,10 +81,11 @@ def validation_reason(error: dict) -> str:
     return error.get("msg", "invalid value").removeprefix("Value error, ").rstrip(".")
 
 
-def from_validation_errors(errors: list[dict]) -> ApiError:
-    """The first pydantic error as a 422 naming its field; the first is the one a client fixes first."""
+def from_validation_errors(errors: list[dict], *, sourced: bool = True) -> ApiError:
+    """The first pydantic error as a 422 naming its field; the first is the one a client fixes first.
+    ``sourced``: FastAPI's errors, whose locations start with the request part (``param_path``)."""
     first = errors[0]
-    param = param_path(first.get("loc", ()))
+    param = param_path(first.get("loc", ()), sourced=sourced)
     kind = first.get("type", "")
     if kind == "missing":
         message = f"{param} is required."

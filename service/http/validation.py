@@ -110,7 +110,7 @@ def parse_score_request(body: Any, limits: Limits | Mapping[str, Limits], served
     try:
         request = ScoreRequest.model_validate(body)
     except ValidationError as exc:
-        raise from_validation_errors(exc.errors(include_url=False)) from None
+        raise from_validation_errors(exc.errors(include_url=False), sourced=False) from None
     model = pick_model(request.model, served)
     limits = served[model]
 

@@ -64,7 +64,7 @@ async def update_weights(service: Service, body: Any, root: Path) -> dict:
     try:
         request = WeightsRequest.model_validate(body)
     except ValidationError as exc:
-        raise from_validation_errors(exc.errors(include_url=False)) from None
+        raise from_validation_errors(exc.errors(include_url=False), sourced=False) from None
     model = service.models[pick_model(request.model, service.models)]
     path = resolve_checkpoint(root, request.path)
     try:
