@@ -300,6 +300,7 @@ def _match(path: Path, stored: dict, needed: dict, aliases: dict) -> dict[str, t
     """Maps checkpoint names onto ``needed``; raises naming what is missing, unused or misshapen."""
     known = needed.keys() | aliases.keys()
     provided: dict[str, tuple[int, ...]] = {}
+    stored_as: dict[str, str] = {}  # model name -> the checkpoint's own name of it
     unexpected: list[str] = []
     mismatched: list[str] = []
     experts: dict[str, dict[str, dict[int, tuple[str, tuple[int, ...]]]]] = {}
@@ -318,10 +319,17 @@ def _match(path: Path, stored: dict, needed: dict, aliases: dict) -> dict[str, t
         if shape != needed[target]:
             mismatched.append(f"{key} {list(shape)} (model: {list(needed[target])})")
         provided[target] = shape
+        stored_as[target] = key
     missing = [n for n in needed if n not in provided and n.rsplit(".", 1)[0] not in experts]
     for base, projections in experts.items():
+        fused = [f"{base}.gate_up_proj", f"{base}.down_proj"]
+        if all(name in stored_as for name in fused):  # the fused layout is whole: one by one is left over
+            unexpected.extend(key for have in projections.values() for key, _ in sorted(have.values()))
+            continue
+        # one by one it is, and a fused tensor beside it would be left unused
+        unexpected.extend(stored_as[name] for name in fused if name in stored_as)
         _fuse_experts(base, projections, needed, provided, missing, unexpected, mismatched)
-    missing = [n for n in missing if n not in provided]
+    missing = [_stored_name(n, stored) for n in missing if n not in provided]
     if missing or unexpected:
         raise CheckpointError("incomplete", _gaps_message(path, missing, unexpected, mismatched))
     if mismatched:
@@ -335,6 +343,14 @@ def _model_name(key: str, known) -> str:
     if key not in known and f"model.{key}" in known:  # a checkpoint of the bare decoder
         key = f"model.{key}"
     return key
+
+
+def _stored_name(name: str, stored) -> str:
+    """A missing model tensor as this checkpoint would name it (a vision checkpoint keeps the
+    decoder under ``model.language_model.``)."""
+    if name.startswith("model.") and any(k.startswith("model.language_model.") for k in stored):
+        return "model.language_model." + name[len("model.") :]
+    return name
 
 
 def _fuse_experts(base, projections, needed, provided, missing, unexpected, mismatched) -> None:

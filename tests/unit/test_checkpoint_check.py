@@ -100,6 +100,37 @@ def test_fused_experts_layout_passes_and_loads_the_same(tmp_path, checkpoint_dir
     np.testing.assert_array_equal(a.logprobs, b.logprobs)
 
 
+@pytest.mark.parametrize("fused", ["gate_up_proj", "down_proj"])
+def test_experts_stored_both_fused_and_one_by_one_are_refused(tmp_path, checkpoint_dir, fused):
+    """Hugging Face would load one layout and drop (or trip over) the other: the check refuses
+    the fused tensor beside a layer's per-expert ones as unused, before anything binds a port."""
+    model = build_hf_model("qwen3_5_moe")
+    key = f"model.layers.2.mlp.experts.{fused}"
+    both = rewrite_checkpoint(checkpoint_dir("qwen3_5_moe"), tmp_path / "ck", lambda t: {**t, key: model.state_dict()[key]})
+    error = refused(both, "incomplete", key, "not used")
+    assert "missing" not in str(error), error
+
+
+def test_a_stray_per_expert_tensor_beside_fused_experts_is_named_as_unused(tmp_path, checkpoint_dir):
+    from safetensors.torch import save_file
+
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    tensors = {k: v.contiguous() for k, v in build_hf_model("qwen3_5_moe").state_dict().items()}
+    stray = "model.layers.2.mlp.experts.0.up_proj.weight"
+    tensors[stray] = torch.zeros(8, 8)
+    save_file(tensors, fused / "model.safetensors", metadata={"format": "pt"})
+    (fused / "config.json").write_text((checkpoint_dir("qwen3_5_moe") / "config.json").read_text())
+    error = refused(fused, "incomplete", stray, "1 tensor in the files is not used")
+    assert "missing" not in str(error), error
+
+
+def test_a_vision_checkpoints_missing_decoder_tensor_is_named_as_its_files_name_it(tmp_path, checkpoint_dir):
+    key = "model.language_model.layers.0.linear_attn.A_log"
+    broken = rewrite_checkpoint(checkpoint_dir("qwen3_5_vl"), tmp_path / "ck", drop(key))
+    refused(broken, "incomplete", f"({key})", "missing")
+
+
 def test_vision_tower_and_mtp_tensors_are_ignored(tmp_path, checkpoint_dir):
     mtp = {"mtp.fc.weight": torch.zeros(64, 128), "mtp.layers.0.mlp.up_proj.weight": torch.zeros(8, 64)}
     with_mtp = rewrite_checkpoint(checkpoint_dir("qwen3_5_vl"), tmp_path / "ck", lambda t: {**t, **mtp})
