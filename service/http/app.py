@@ -170,6 +170,9 @@ class _Gate:
             return self._admin_refusal(scope)
         if key is not None and path not in _OPEN_ROUTES:
             if not _bearer_is(scope, key):
+                if self.service.admin_key is not None and _bearer_is(scope, self.service.admin_key):
+                    # a key the server knows, not allowed here: the contract's 403, as for the scoring key on /v1/weights
+                    return ApiError(403, "forbidden", "The admin key may only update weights; send the scoring key.")
                 return ApiError(
                     401,
                     "unauthorized",

@@ -147,6 +147,8 @@ def test_refused_updates_change_nothing(deployment):
         assert response.status_code == 403 and response.json()["error"]["type"] == "forbidden_path", (path, response.text)
     scoring_key = httpx.post(url + "/v1/weights", json={"model": "policy", "path": "step-0"}, headers=AUTH, timeout=60)
     assert scoring_key.status_code == 403
+    admin_scoring = httpx.post(url + "/score", json={"model": "policy", "sequences": [{"input_ids": [1, 2]}]}, headers=ADMIN)
+    assert admin_scoring.status_code == 403 and admin_scoring.json()["error"]["type"] == "forbidden", admin_scoring.text
     no_path = httpx.post(url + "/v1/weights", json={"model": "policy"}, headers=ADMIN, timeout=60)
     assert no_path.status_code == 422 and no_path.json()["error"] == {
         "type": "invalid_value", "message": "path is required.", "param": "path"}, no_path.text
