@@ -121,7 +121,10 @@ def parse_settings(argv: Sequence[str] | None = None) -> tuple[argparse.Namespac
         settings = Settings(**given)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = "--" + str(first["loc"][0]).replace("_", "-") if first["loc"] else "settings"
+        field = str(first["loc"][0]) if first["loc"] else ""
+        where = "--" + field.replace("_", "-") if field else "settings"
+        if field and field not in given and f"PACKSCORE_{field.upper()}" in os.environ:
+            where += f" (from PACKSCORE_{field.upper()})"  # the value came from the environment
         parser.error(f"{where}: {validation_reason(first)}")
     return args, settings
 

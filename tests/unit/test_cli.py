@@ -104,6 +104,17 @@ def test_bad_options_are_refused_with_the_option_named(argv, message, capsys):
     assert message in err and "Value error" not in err, err
 
 
+def test_a_bad_value_from_the_environment_names_the_variable(monkeypatch, capsys):
+    monkeypatch.setenv("PACKSCORE_MAX_BATCH_TOKENS", "abc")
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse_settings(["serve"])
+    assert exit_.value.code == 2
+    assert "--max-batch-tokens (from PACKSCORE_MAX_BATCH_TOKENS): " in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # given on the command line too: the command line's value is named
+        cli.parse_settings(["serve", "--max-batch-tokens", "0"])
+    assert "PACKSCORE_MAX_BATCH_TOKENS" not in capsys.readouterr().err
+
+
 def test_an_empty_api_key_is_an_error_not_an_open_server(monkeypatch, capsys):
     monkeypatch.setenv("PACKSCORE_API_KEY", "")
     assert cli.main(["serve"]) == 2
