@@ -294,7 +294,7 @@ def test_the_admin_key_guards_updates_and_the_scoring_key_is_refused(tmp_path):
     out = asyncio.run(main())
     assert out["none"].status_code == 401
     assert out["scoring-key"].status_code == 403
-    assert out["admin-on-score"].status_code == 401
+    assert out["admin-on-score"].status_code == 403  # a known key, not allowed for this route
     assert out["admin"].status_code == 200, out["admin"].text
 
     async def without_admin_key():
