@@ -114,6 +114,29 @@ def test_async_client_resplits_on_413_when_its_knobs_exceed_the_server():
     assert limits.max_sequences_per_request == 8
 
 
+@pytest.mark.parametrize("split_by", ["client", "server"])
+def test_an_error_names_the_sequence_by_its_place_in_the_callers_list(split_by):
+    """The client splits a batch into requests (by its limits, or halves after a 413); the server
+    numbers each request's sequences from 0, the error raised numbers the caller's list."""
+    seqs = [{"input_ids": [1, 2, 3]} for _ in range(10)] + [{"input_ids": [1, 30, 2]}]
+
+    async def main():
+        app = create_app(Settings(max_sequences_per_request=8), FakeBackend(vocab_size=10))
+        async with running_app(app):
+            knobs = {"max_sequences_per_request": 100} if split_by == "server" else {}
+            client = AsyncScoreClient(BASE, transport=httpx.ASGITransport(app=app), **knobs)
+            if split_by == "server":
+                client._p.limits_known = True  # the first request is too big for the server: 413, halves
+                client._p.limits = Limits(100, 10_000, 1 << 20)
+            with pytest.raises(ScoreError) as caught:
+                await client.score(seqs)
+            await client.aclose()
+        return caught.value
+
+    error = asyncio.run(main())
+    assert (error.status, error.param) == (422, "sequences[10].input_ids[1]"), error
+
+
 def test_async_client_retries_429_until_admitted():
     async def main():
         gate = threading.Event()

@@ -99,7 +99,7 @@ class ScoreClient(_Base):
         if not self._p.limits_known:
             self._p.learn_from_readyz(self._get("/readyz"))
         parts = self._p.chunks(seqs, self._max_concurrency)
-        futures = [self._pool.submit(self._drive, self._p.exchange([seqs[i] for i in part], opts, give_up))
+        futures = [self._pool.submit(self._drive, self._p.exchange([seqs[i] for i in part], opts, give_up, part))
                    for part in parts]
         return [r for f in futures for r in f.result()]
 
@@ -167,7 +167,7 @@ class AsyncScoreClient(_Base):
 
         async def send(part: list[int]) -> list[ScoredSequence]:
             async with gate:
-                return await self._drive(self._p.exchange([seqs[i] for i in part], opts, give_up))
+                return await self._drive(self._p.exchange([seqs[i] for i in part], opts, give_up, part))
 
         parts = await asyncio.gather(*(send(part) for part in self._p.chunks(seqs, self._max_concurrency)))
         return [r for part in parts for r in part]

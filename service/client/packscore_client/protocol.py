@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import random
+import re
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -248,8 +249,11 @@ class Protocol:
         model, version = body["model"], body["weights_version"]
         return [_result(r, top_k, model, version) for r in body["results"]]
 
-    def exchange(self, seqs: list[Seq], options: dict, give_up: float) -> Generator[bytes | float, Any, list[ScoredSequence]]:
+    def exchange(self, seqs: list[Seq], options: dict, give_up: float,
+                 indices: Sequence[int] | None = None) -> Generator[bytes | float, Any, list[ScoredSequence]]:
         """The results of ``seqs`` in one request, or in halves where the server says it is too large.
+        ``indices``: where each of ``seqs`` stands in the caller's list, which an error names (the
+        server numbers the sequences of the request it got).
 
         Yields a body to POST (and receives the ``httpx.Response``, or the ``httpx.TransportError``
         raised instead) or seconds to sleep (and receives None). 429 and 503 are retried after their
@@ -266,12 +270,12 @@ class Protocol:
                 error = _error(outcome)
                 if outcome.status_code == 413 and error.type in _SPLITTABLE and len(seqs) > 1:
                     self.learn(outcome.headers)
-                    half = len(seqs) // 2
-                    first = yield from self.exchange(seqs[:half], options, give_up)
-                    return first + (yield from self.exchange(seqs[half:], options, give_up))
+                    half, where = len(seqs) // 2, list(indices if indices is not None else range(len(seqs)))
+                    first = yield from self.exchange(seqs[:half], options, give_up, where[:half])
+                    return first + (yield from self.exchange(seqs[half:], options, give_up, where[half:]))
                 wait = retry_after(outcome, attempt)
                 if outcome.status_code not in _RETRY_STATUSES or time.monotonic() + wait > give_up:
-                    raise error
+                    raise _renumbered(error, indices)
             else:
                 now = time.monotonic()
                 unreachable_since = unreachable_since or now
@@ -306,6 +310,23 @@ def _result(r: dict, top_k: int, model: str, version: str) -> ScoredSequence:
         ids = _array(r["top_k_ids"], "<i4").reshape(-1, top_k) if top_k else None
         top = _array(r["top_k_logprobs"], "<f4").reshape(-1, top_k) if top_k else None
     return ScoredSequence(r.get("id"), logprobs, entropy, ids, top, model, version, r.get("mismatch"))
+
+
+_REQUEST_INDEX = re.compile(r"\b(sequences\[|Sequence )(\d+)")
+
+
+def _renumbered(error: ScoreError, indices: Sequence[int] | None) -> ScoreError:
+    """``error`` with the request's sequence numbers (``sequences[3]``, "Sequence 3") turned into
+    the caller's."""
+    if indices is None:
+        return error
+
+    def caller(match: re.Match) -> str:
+        i = int(match.group(2))
+        return f"{match.group(1)}{indices[i] if i < len(indices) else i}"
+
+    param = _REQUEST_INDEX.sub(caller, error.param) if error.param else error.param
+    return ScoreError(error.status, error.type, _REQUEST_INDEX.sub(caller, error.message), param)
 
 
 def _error(response: httpx.Response) -> ScoreError:
