@@ -167,13 +167,16 @@ def read_parameters(
     params: dict[str, torch.Tensor] | None = None,
     threads: int = 4,
     into_model: bool = False,
+    check_first: bool = True,
 ) -> dict[str, torch.Tensor]:
     """New tensors for every parameter of ``model`` (this rank's rows of a sharded one).
 
     Each takes its parameter's device and dtype (bf16 on CUDA, as loaded at start); ``model`` is
     not touched, unless ``into_model``:
     then each tensor is copied into its parameter as it is read (the in-place update when a
-    second copy does not fit; the plan was checked first) and nothing is returned. ``threads`` tensors are
+    second copy does not fit; the plan was checked first) and nothing is returned; a first pass then
+    reads every tensor to refuse NaN or infinity before anything is copied (``check_first``: a model
+    with nothing to keep, being loaded at start, checks afterwards instead). ``threads`` tensors are
     read at a time (reads from the page cache and host-to-device copies release the GIL). On CUDA
     the copies run on a side stream, so a forward on the default stream is not held up; they are
     finished before this returns.
@@ -207,13 +210,48 @@ def read_parameters(
                         return r.param, None
                     return r.param, host.to(device=target.device, dtype=target.dtype).contiguous()
 
+            if into_model and check_first:  # nothing may be copied in before every tensor is known finite
+                def finite(r: ParameterRead) -> tuple[str, bool]:
+                    return r.param, not non_finite([(r.param, _read_rows(r, source, local_rows(params[r.param])))])
+
+                with ThreadPoolExecutor(max(1, threads)) as ex:
+                    bad = [name for name, ok in ex.map(finite, plan.reads) if not ok]
+                _refuse_non_finite(plan, bad)
             with ThreadPoolExecutor(max(1, threads)) as ex:
                 out = dict(ex.map(read, plan.reads))
         if stream is not None:
             stream.synchronize()
     except (SafetensorError, OSError) as error:
-        raise CheckpointError("unsupported", f"{plan.path.name}: reading the weights failed: {error}") from None
+        raise CheckpointError("unreadable", f"{plan.path.name}: reading the weights failed: {error}") from None
+    if not into_model:
+        _refuse_non_finite(plan, non_finite(out.items()))
     return {} if into_model else out
+
+
+def non_finite(named, chunk: int = 1 << 26) -> list[str]:
+    """The names of ``(name, tensor)`` pairs whose values hold NaN or infinity, with one host sync;
+    chunks of ``chunk`` elements bound the temporary mask (an embedding's would be a gigabyte)."""
+    names, flags = [], []
+    for name, t in named:
+        if t is None or not t.is_floating_point() or t.numel() == 0:
+            continue
+        flat = t.reshape(-1)
+        flags.append(torch.stack([torch.isfinite(part).all() for part in flat.split(chunk)]).all())
+        names.append(name)
+    if not flags:
+        return []
+    finite = torch.stack(flags).cpu().tolist()
+    return [name for name, ok in zip(names, finite) if not ok]
+
+
+def _refuse_non_finite(plan: ReadPlan, bad: list[str]) -> None:
+    """Refuses the checkpoint when ``bad`` (parameter names) is not empty, naming its tensors as its files do."""
+    if bad:
+        stored = {r.param: r.parts[0] if r.combine == "copy" else r.param for r in plan.reads}
+        names = [stored.get(name, name) for name in bad]
+        shown = ", ".join(names[:5]) + (f", ... and {len(names) - 5} more" if len(names) > 5 else "")
+        tensors = "1 weight tensor holds" if len(names) == 1 else f"{len(names)} weight tensors hold"
+        raise CheckpointError("non_finite", f"{plan.path.name}: {tensors} NaN or infinite values ({shown}); nothing is served from it")
 
 
 def _read_rows(r: ParameterRead, source: dict, rows: slice | None) -> torch.Tensor:
@@ -305,4 +343,5 @@ def materialize(model: nn.Module, path: Path, device: torch.device) -> None:
     others = [n for n, _ in model.named_buffers() if not n.startswith("rotary_emb.")]
     if others:
         raise ValueError(f"buffers outside the rotary embedding would be left uninitialised: {others[:5]}")
-    read_parameters(model, plan, into_model=True)
+    read_parameters(model, plan, into_model=True, check_first=False)
+    _refuse_non_finite(plan, non_finite((n, local_tensor(p)) for n, p in held_parameters(model).items()))

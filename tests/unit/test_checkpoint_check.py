@@ -131,6 +131,27 @@ def test_a_vision_checkpoints_missing_decoder_tensor_is_named_as_its_files_name_
     refused(broken, "incomplete", f"({key})", "missing")
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("how", ["hugging_face", "meta_then_read"])
+def test_weights_holding_nan_or_infinity_are_refused_at_load(tmp_path, checkpoint_dir, value, how):
+    """Shapes and names are right, the values are not: every token would score NaN. Refused
+    whether Hugging Face loads it or the pool's workers read it into a model built on meta."""
+    from model_runtime.scoring.weights import materialize
+
+    def poison(t):
+        bad = t["model.layers.1.mlp.down_proj.weight"].clone()
+        bad[2, 7] = value
+        return {**t, "model.layers.1.mlp.down_proj.weight": bad}
+
+    broken = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "ck", poison)
+    with pytest.raises(CheckpointError) as caught:
+        if how == "hugging_face":
+            load_model(str(broken), device="cpu")
+        else:
+            materialize(load_model(str(broken), device="cpu", weights_later=True).model, broken, torch.device("cpu"))
+    assert caught.value.kind == "non_finite" and "model.layers.1.mlp.down_proj.weight" in str(caught.value), caught.value
+
+
 def test_vision_tower_and_mtp_tensors_are_ignored(tmp_path, checkpoint_dir):
     mtp = {"mtp.fc.weight": torch.zeros(64, 128), "mtp.layers.0.mlp.up_proj.weight": torch.zeros(8, 64)}
     with_mtp = rewrite_checkpoint(checkpoint_dir("qwen3_5_vl"), tmp_path / "ck", lambda t: {**t, **mtp})

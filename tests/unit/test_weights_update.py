@@ -118,14 +118,23 @@ def _broken_copies(src: Path, root: Path) -> dict[str, tuple[Path, str]]:
     variant("wrong-shape", "incompatible", wider)
     variant("garbage", "unsupported", None, raw=b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
     truncated = weights_file.read_bytes()
-    variant("truncated", "unsupported", None, raw=truncated[: len(truncated) // 2])
+    variant("truncated", "unreadable", None, raw=truncated[: len(truncated) // 2])
+    nan, inf = dict(tensors), dict(tensors)
+    nan["model.embed_tokens.weight"] = nan["model.embed_tokens.weight"].clone()
+    nan["model.embed_tokens.weight"][5, 3] = float("nan")
+    inf["model.layers.3.self_attn.q_proj.weight"] = inf["model.layers.3.self_attn.q_proj.weight"].clone()
+    inf["model.layers.3.self_attn.q_proj.weight"][0, 0] = float("-inf")
+    variant("nan", "non_finite", nan)
+    variant("inf", "non_finite", inf)
     variant("other-model", "unsupported", tensors, config={"model_type": "llama"})
     return out
 
 
-def test_a_failed_update_changes_nothing(served, checkpoint_dir, tmp_path):
+@pytest.mark.parametrize("in_place", [False, True], ids=["beside", "in-place"])
+def test_a_failed_update_changes_nothing(served, checkpoint_dir, tmp_path, in_place):
     old = checkpoint_dir("qwen3_5")
     backend = served()
+    backend.update_in_place = in_place
     work = rows(backend.info.vocab_size, 2, seed=3)
     before = [backend.score_row(r) for r in work]
     version = backend.info.weights_version
