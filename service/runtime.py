@@ -278,6 +278,12 @@ class Service:
                 await model.scheduler.close("the server is shutting down (drain timeout)")
         self.drained = True
 
+    async def abandon(self) -> None:
+        """Stopping without a drain: every admitted request still pending is answered 503 now."""
+        self.begin_drain()
+        for model in self._scheduled():
+            await model.scheduler.close("the server is stopping without a drain")
+
     def torch_work_running(self) -> bool:
         """Whether a forward (one the drain timeout cut off), a load or a weights update is still
         under way in another thread: the process must then exit without finalising the interpreter

@@ -46,6 +46,10 @@ class DrainingServer(uvicorn.Server):
             # Not recorded as a captured signal: a drained SIGTERM ends with status 0.
             self._loop.call_soon_threadsafe(self._begin_drain)
             return
+        if self._loop is not None and not self.should_exit:
+            # No drain (a second SIGTERM, SIGINT): what is still pending gets the contract's 503
+            # now, before uvicorn's graceful shutdown cancels it into a plain-text 500.
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.service.abandon()))
         super().handle_exit(sig, frame)
 
     def _begin_drain(self) -> None:

@@ -90,3 +90,31 @@ def test_a_real_forward_cut_off_by_the_drain_timeout_still_exits_0(tmp_path):
     assert exited_after < 5, exited_after
     cut = answers["cut"]
     assert cut.status_code == 503 and cut.json()["error"]["type"] == "unavailable", cut.text[:300]
+
+
+def test_a_second_sigterm_answers_what_is_pending_with_the_contracts_503(tmp_path):
+    # A second SIGTERM stops without a drain; the request still in its forward gets a JSON 503,
+    # not the plain-text 500 that uvicorn's cancellation would give it.
+    server = ServerProcess(tmp_path, "--max-batch-tokens", "12000", "--drain-timeout-s", "60").wait_ready()
+    rng = np.random.default_rng(12)
+    body = {"sequences": [{"input_ids": rng.integers(0, TINY_VOCAB, 6000).tolist()} for _ in range(2)]}
+    answers: dict[str, httpx.Response] = {}
+    try:
+        sender = threading.Thread(target=lambda: answers.update(cut=post(server.url, body)))
+        sender.start()
+        deadline = time.monotonic() + 60
+        while _queued_sequences(server.url) < 2:
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.01)
+        time.sleep(0.5)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(timeout=60)
+        sender.join(timeout=30)
+    finally:
+        server.stop()
+    cut = answers["cut"]
+    assert cut.status_code == 503 and cut.headers["content-type"] == "application/json", (cut.status_code, cut.text[:300])
+    assert cut.json()["error"]["type"] == "unavailable" and cut.headers["retry-after"].isdigit()
+    assert code != -6 and "terminate called" not in server.log(), (code, server.log()[-2000:])
