@@ -92,15 +92,18 @@ async def _score_lines(settings: Settings, backend, input_path: Path, out: IO[by
 
     async def write_oldest() -> None:
         nonlocal written
-        number, seq_id, ticket = window.popleft()
+        number, seq_id, ticket = window[0]  # taken off only once written: nothing after it is written before it
         try:
             scores = (await ticket.future)[0]
         except ApiError as exc:
             raise InputError(f"{input_path}:{number}: id {seq_id!r} could not be scored: {exc.message}") from None
         record = result_record(seq_id, scores, return_entropy=settings.return_entropy, top_k=settings.top_k)
         out.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE))
+        window.popleft()
         written += 1
         bar.update(1)
+
+    interrupted = False
 
     try:
         for number, obj in _lines(input_path):
@@ -118,9 +121,10 @@ async def _score_lines(settings: Settings, backend, input_path: Path, out: IO[by
             }
             try:
                 job = parse_score_request(body, limits, served_name="")
-            except ApiError as exc:
+            except ApiError as exc:  # named as the line's own fields: a line is one sequence
                 where = (exc.param or "").replace("sequences[0].", "")
-                raise InputError(f"{input_path}:{number}: {where}: {exc.message}") from None
+                message = exc.message.replace("sequences[0].", "").replace("Sequence 0 has", "The sequence has")
+                raise InputError(f"{input_path}:{number}: {where}: {message}") from None
             while True:
                 try:
                     ticket = scheduler.submit(job.sequences)
@@ -130,10 +134,14 @@ async def _score_lines(settings: Settings, backend, input_path: Path, out: IO[by
             window.append((number, seq_id, ticket))
             while window and window[0][2].done:
                 await write_oldest()
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        interrupted = True
+        raise
     finally:
         # Whatever was scored is kept, also when a later line is bad: the next run resumes after it.
+        # Interrupted (Ctrl-C), only what is already scored is written, in order up to the first gap.
         try:
-            while window:
+            while window and (not interrupted or window[0][2].done):
                 await write_oldest()
         finally:
             await scheduler.close("the offline run stopped")
@@ -165,6 +173,10 @@ def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     except InputError as exc:
         print(f"packscore: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"packscore: interrupted; the results written to {output_path} are kept, in input order: "
+              "the same command resumes after them", file=sys.stderr)
+        return 130
     finally:
         backend.close()
     log.info("wrote %d results to %s", written, output_path)

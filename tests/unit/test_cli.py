@@ -2,6 +2,7 @@
 
 import os
 import sys
+import time
 
 import numpy as np
 import orjson
@@ -176,6 +177,40 @@ def test_offline_scoring_is_resumable_and_keeps_input_order(monkeypatch, tmp_pat
     assert cli.main(argv) == 0
     assert [r["id"] for r in _read_jsonl(out)] == [r["id"] for r in first]
     assert sum(len(row) for row in backend.rows) - scored_before == 30
+
+
+_INTERRUPTED_RUN = """
+import sys
+from service import cli
+from service.testing import FakeBackend
+import service.backends
+service.backends.load_backend = lambda settings: FakeBackend(seconds_per_token=0.001)
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_offline_scoring_interrupted_keeps_its_results_in_input_order_and_resumes(tmp_path):
+    """Ctrl-C: what is written is a prefix of the input (a later line finished before an earlier
+    one is not written ahead of it), the exit says how to resume, and the rerun completes it."""
+    import signal
+    import subprocess
+
+    rng = np.random.default_rng(3)
+    rows = [{"id": f"r{i}", "input_ids": rng.integers(0, 1000, rng.integers(2, 60)).tolist()} for i in range(200)]
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, rows)
+    argv = [sys.executable, "-c", _INTERRUPTED_RUN, "score", str(source), "-o", str(out), "--max-batch-tokens", "128"]
+    run = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while (not out.exists() or out.stat().st_size == 0) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 130 and "interrupted" in err and "Traceback" not in err, err[-2000:]
+    kept = [r["id"] for r in _read_jsonl(out)]
+    assert 0 < len(kept) < len(rows) and kept == [r["id"] for r in rows[: len(kept)]], kept[:20]
+    assert subprocess.run(argv, capture_output=True, timeout=120).returncode == 0
+    assert [r["id"] for r in _read_jsonl(out)] == [r["id"] for r in rows]
 
 
 def test_offline_scoring_stops_at_a_bad_line_and_keeps_what_was_scored(monkeypatch, tmp_path, capsys):
