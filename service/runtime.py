@@ -35,6 +35,8 @@ BackendSources = BackendSource | Mapping[str | None, BackendSource]
 
 _READY_MAX_AGE_S = 10.0  # a forward this recent proves the backend scores; older, /readyz runs a probe
 _PROBE_TIMEOUT_S = 60.0
+# How long GET /readyz waits for its scoring pass: an answer within a probe's timeout (Helm's 5 s)
+_READY_WAIT_S = 4.0
 _PROBE_LENGTH = 8
 
 
@@ -151,7 +153,7 @@ class Service:
                 await model.scheduler.run_on_forward_thread(model.backend.warm_up)
                 log.info("warm-up of %s took %.1fs", model.name, time.perf_counter() - started)
             self._advance("probing")
-            await self._run_probe()
+            await self._run_probe(_PROBE_TIMEOUT_S + 1)  # the pass bounds itself
             if not self._probe_ok:
                 raise RuntimeError("the first readiness pass failed")
             self._advance("ready")
@@ -218,16 +220,29 @@ class Service:
             for m in self._scheduled()
         )
         if stale or not self._probe_ok:
-            await self._run_probe()
+            proven = self._probe_ok
+            if not await self._run_probe(_READY_WAIT_S):
+                # The pass waits behind a running forward (a long row), or the backend is stuck.
+                states = [m.scheduler.forward_state() for m in self._scheduled()]
+                if "stalled" in states:
+                    return False, "stalled"
+                if proven and "busy" in states:
+                    return True, "ready"  # busy, as it was when last proven; the pass runs after the row
+                return False, "probe_pending"
         if self.phase != "ready":
             return False, self.phase
         return (True, "ready") if self._probe_ok else (False, "probe_failed")
 
-    async def _run_probe(self) -> None:
+    async def _run_probe(self, wait_s: float) -> bool:
+        """Runs (or joins) the scoring pass; whether it finished within ``wait_s`` (it runs on)."""
         # Concurrent /readyz calls share one pass.
         if self._probe is None or self._probe.done():
             self._probe = asyncio.create_task(self._probe_once())
-        await asyncio.shield(self._probe)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._probe), wait_s)
+        except TimeoutError:
+            return False
+        return True
 
     async def _probe_once(self) -> None:
         # Every served model scores one sequence; they run side by side.

@@ -232,6 +232,22 @@ class Scheduler:
         """Whether a forward is still under way on one of this scheduler's threads."""
         return any(thread.running for thread in self._threads)
 
+    def forward_state(self) -> str:
+        """``"idle"``, ``"busy"`` (a forward runs within what its row should take) or ``"stalled"``
+        (one has run past ``_STALL_FACTOR`` times that, and at least ``_STALL_FLOOR_S``; without a
+        measured rate, past ``_STALL_UNMEASURED_S``): what /readyz reports while its probe waits."""
+        now, state = time.monotonic(), "idle"
+        for thread in self._threads:
+            started = thread.started_at
+            if not thread.running or started is None:
+                continue
+            expected = thread.expected_s
+            bound = _STALL_UNMEASURED_S if expected is None else max(_STALL_FLOOR_S, _STALL_FACTOR * expected)
+            if now - started > bound:
+                return "stalled"
+            state = "busy"
+        return state
+
     @property
     def queued_tokens(self) -> int:
         return self._queued_tokens
@@ -432,6 +448,8 @@ class Scheduler:
             if not item.started:  # a retry after a split is not a second wait
                 item.started = True
                 self.metrics.queue_wait.observe(started - item.enqueued_at)
+        rate = self.admission.rate
+        thread.expected_s = sum(it.tokens for it in row) / rate if rate else None  # for forward_state
         try:
             if self._shared is None:
                 scores = await thread.run(self.backend.score_row, [it.seq for it in row])
@@ -511,6 +529,13 @@ class Scheduler:
             self.metrics.tokens_scored.inc(scored)
 
 
+# A forward counts as stalled (a worker stopped, a GPU hung) once it has run this many times what
+# its row should take at the measured rate, and at least the floor; before any rate, the bound.
+_STALL_FACTOR = 10.0
+_STALL_FLOOR_S = 60.0
+_STALL_UNMEASURED_S = 600.0
+
+
 class _ForwardThread:
     """One runner's forward thread, a daemon: a forward still running when the process must
     exit (the drain timed out) does not hold the exit."""
@@ -518,6 +543,8 @@ class _ForwardThread:
     def __init__(self, name: str):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.running = False  # a forward is under way on this thread
+        self.started_at: float | None = None  # monotonic start of the forward under way
+        self.expected_s: float | None = None  # what that forward should take at the measured rate
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -533,6 +560,7 @@ class _ForwardThread:
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
             loop, future, fn, args = job
+            self.started_at = time.monotonic()
             self.running = True
             try:
                 result, error = fn(*args), None

@@ -2,6 +2,7 @@
 
 import asyncio
 import threading
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -105,6 +106,42 @@ def test_readiness_follows_loading_then_a_real_scoring_pass():
     assert after.json()["limits"]["max_model_len"] == 4096
     # The readiness pass went through the backend: it is a real forward, not a flag.
     assert backend.rows and backend.rows[0] == [8]
+
+
+def test_readyz_answers_within_its_wait_while_a_long_forward_runs_and_reports_a_stall(monkeypatch):
+    """Its scoring pass waits behind a running row: /readyz answers within its wait, ready while
+    the forward is within what it should take (proven before), 503 "stalled" past that."""
+    import service.runtime as runtime
+    import service.scheduling.scheduler as scheduler
+
+    monkeypatch.setattr(runtime, "_READY_MAX_AGE_S", 0.0)  # every /readyz wants a fresh pass
+    monkeypatch.setattr(runtime, "_READY_WAIT_S", 0.3)
+    gate = threading.Event()
+    backend = FakeBackend()
+
+    async def main():
+        app = create_app(Settings(max_wait_ms=0), backend)
+        async with running_app(app) as client:
+            backend.gate = gate  # the next forward holds until set
+            long = asyncio.ensure_future(client.post("/score", json=GOOD))
+            await wait_until(lambda: app.state.service.scheduler.forward_running)
+            t0 = time.monotonic()
+            busy = await client.get("/readyz")
+            busy_s = time.monotonic() - t0
+            monkeypatch.setattr(scheduler, "_STALL_UNMEASURED_S", 0.0)
+            monkeypatch.setattr(scheduler, "_STALL_FLOOR_S", 0.0)
+            monkeypatch.setattr(scheduler, "_STALL_FACTOR", 0.0)
+            stalled = await client.get("/readyz")
+            gate.set()
+            scored = await long
+            await wait_until(lambda: not app.state.service.scheduler.forward_running)
+            after = await client.get("/readyz")
+            return busy, busy_s, stalled, scored, after
+
+    busy, busy_s, stalled, scored, after = asyncio.run(main())
+    assert busy.status_code == 200 and busy_s < 2, (busy.text, busy_s)
+    assert stalled.status_code == 503 and stalled.json()["status"] == "stalled", stalled.text
+    assert scored.status_code == 200 and after.status_code == 200, after.text
 
 
 def test_a_failed_load_is_reported_not_hidden():
