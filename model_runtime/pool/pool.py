@@ -219,7 +219,10 @@ class WorkerPool:
         self._steps.put(None)
         with self._lock:
             world, self._world = self._world, None
-            graceful = world is not None and not world.failed
+            # A worker mid-row (the drain timeout cut it off) reads Shutdown only once the row is
+            # done: it is killed instead, so the exit keeps to the drain timeout.
+            busy = world is not None and any(p.generation == world.generation for p in self._pending.values())
+            graceful = world is not None and not world.failed and not busy
             if world is not None:
                 world.failed = True  # the reader stops watching: exits from here on are not failures
         if world is not None:
