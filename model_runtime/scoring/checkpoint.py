@@ -345,7 +345,8 @@ def _match(path: Path, stored: dict, needed: dict, aliases: dict) -> dict[str, t
         # one by one it is, and a fused tensor beside it would be left unused
         unexpected.extend(stored_as[name] for name in fused if name in stored_as)
         _fuse_experts(base, projections, needed, provided, missing, unexpected, mismatched)
-    missing = [_stored_name(n, stored) for n in missing if n not in provided]
+    multimodal = any(k.startswith("model.language_model.") for k in stored)
+    missing = [_stored_name(n, multimodal) for n in missing if n not in provided]
     if missing or unexpected:
         raise CheckpointError("incomplete", _gaps_message(path, missing, unexpected, mismatched))
     if mismatched:
@@ -361,10 +362,10 @@ def _model_name(key: str, known) -> str:
     return key
 
 
-def _stored_name(name: str, stored) -> str:
-    """A missing model tensor as this checkpoint would name it (a vision checkpoint keeps the
-    decoder under ``model.language_model.``)."""
-    if name.startswith("model.") and any(k.startswith("model.language_model.") for k in stored):
+def _stored_name(name: str, multimodal: bool) -> str:
+    """A missing model tensor as this checkpoint would name it (a ``multimodal`` checkpoint keeps
+    the decoder under ``model.language_model.``)."""
+    if multimodal and name.startswith("model."):
         return "model.language_model." + name[len("model.") :]
     return name
 

@@ -16,9 +16,9 @@ import torch
 from model_runtime.kernels.registry import KernelBackends, select_backends
 from model_runtime.model.architectures import architecture_for
 from model_runtime.model.causal_lm import PackedCausalLM, PatchReport, patch_for_packing
-from model_runtime.scoring.checkpoint import CheckpointError, CheckpointSpec, assert_fully_loaded, build_meta_model, check_checkpoint
+from model_runtime.scoring.checkpoint import CheckpointSpec, assert_fully_loaded, build_meta_model, check_checkpoint
 from model_runtime.scoring.presets import PRESETS, build_config
-from model_runtime.scoring.weights import non_finite
+from model_runtime.scoring.weights import non_finite, non_finite_error
 
 log = logging.getLogger(__name__)
 
@@ -212,9 +212,7 @@ def _load_checkpoint(checked: CheckpointSpec, dtype: torch.dtype, device: torch.
     model = model.to(device)
     bad = non_finite(model.named_parameters())
     if bad:  # it would score NaN for every token: refused like any other broken checkpoint
-        tensors = "1 weight tensor holds" if len(bad) == 1 else f"{len(bad)} weight tensors hold"
-        raise CheckpointError("non_finite", f"checkpoint {checked.path}: {tensors} NaN or infinite values "
-                              f"({', '.join(bad[:5])}); nothing is served from it")
+        raise non_finite_error(f"checkpoint {checked.path}", bad)
     return model
 
 

@@ -244,14 +244,18 @@ def non_finite(named, chunk: int = 1 << 26) -> list[str]:
     return [name for name, ok in zip(names, finite) if not ok]
 
 
+def non_finite_error(where: str, names: list[str]) -> CheckpointError:
+    """The refusal of a checkpoint whose tensors ``names`` hold NaN or infinity."""
+    shown = ", ".join(names[:5]) + (f", ... and {len(names) - 5} more" if len(names) > 5 else "")
+    tensors = "1 weight tensor holds" if len(names) == 1 else f"{len(names)} weight tensors hold"
+    return CheckpointError("non_finite", f"{where}: {tensors} NaN or infinite values ({shown}); nothing is served from it")
+
+
 def _refuse_non_finite(plan: ReadPlan, bad: list[str]) -> None:
     """Refuses the checkpoint when ``bad`` (parameter names) is not empty, naming its tensors as its files do."""
     if bad:
         stored = {r.param: r.parts[0] if r.combine == "copy" else r.param for r in plan.reads}
-        names = [stored.get(name, name) for name in bad]
-        shown = ", ".join(names[:5]) + (f", ... and {len(names) - 5} more" if len(names) > 5 else "")
-        tensors = "1 weight tensor holds" if len(names) == 1 else f"{len(names)} weight tensors hold"
-        raise CheckpointError("non_finite", f"{plan.path.name}: {tensors} NaN or infinite values ({shown}); nothing is served from it")
+        raise non_finite_error(plan.path.name, [stored.get(name, name) for name in bad])
 
 
 def _read_rows(r: ParameterRead, source: dict, rows: slice | None) -> torch.Tensor:

@@ -21,6 +21,7 @@ from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.scorer import Scorer
 from model_runtime.types import SequenceInput
 from service.local_server import LocalServer
+from tests.e2e.helpers import long_forward_body, sigterm_mid_forward
 
 TOL = {"logprobs": 1e-5, "entropy": 1e-4}
 # Entropy gets DESIGN.md's packed-vs-alone bound (float32 CPU) rather than 1e-5: the server packs
@@ -163,24 +164,15 @@ def test_a_drain_timeout_with_a_worker_mid_row_exits_0_on_time_leaving_no_worker
     # to the drain timeout instead of waiting for the row (or for the exit timer 3 s later).
     server = LocalServer(["--device", "cpu", "--world-size", "2", "--max-batch-tokens", "12000", "--drain-timeout-s", "1"],
                          env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
-    rng = np.random.default_rng(13)
-    body = {"sequences": [{"input_ids": rng.integers(0, 4096, 6000).tolist()} for _ in range(2)]}
-    answers: dict[str, httpx.Response] = {}
     try:
         server.wait_ready(timeout=120)
         workers = _worker_pids(server.proc.pid)
-        sender = threading.Thread(target=lambda: answers.update(cut=httpx.post(server.url + "/score", json=body, timeout=120)))
-        sender.start()
-        time.sleep(2.0)  # parsed, admitted, its row seconds into a worker's forward
-        server.proc.send_signal(signal.SIGTERM)
-        t0 = time.monotonic()
-        code = server.proc.wait(timeout=60)
-        exited_after = time.monotonic() - t0
-        sender.join(timeout=30)
-    finally:
+    except BaseException:
         server.stop(timeout=30)
+        raise
+    code, exited_after, cut = sigterm_mid_forward(server, long_forward_body(13), [1.0])  # its row seconds into a forward
     assert code == 0 and exited_after < 1 + 1.8, (code, exited_after, server.log()[-3000:])
-    assert answers["cut"].status_code == 503, answers["cut"].text[:300]
+    assert cut.status_code == 503, cut.text[:300]
     time.sleep(0.5)
     assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()
                 and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"], "a worker outlived the server"

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import signal
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -73,6 +76,52 @@ def post(url, body, *, encoding="json", accept=None, headers=AUTH, timeout=120):
     if accept:
         h["Accept"] = accept
     return httpx.post(url + "/score", content=content, headers=h, timeout=timeout)
+
+
+def long_forward_body(seed: int, sequences: int = 2, length: int = 6000) -> dict:
+    """A request whose row (``sequences`` x ``length`` tokens of the tiny model, one row when the
+    budget holds it) takes several seconds on a CPU: long enough to signal the server mid-forward."""
+    rng = np.random.default_rng(seed)
+    return {"sequences": [{"input_ids": rng.integers(0, TINY_VOCAB, length).tolist()} for _ in range(sequences)]}
+
+
+def post_in_background(url: str, body: dict, **kw) -> tuple[threading.Thread, dict[str, httpx.Response]]:
+    """``post(url, body)`` on a started thread; its answer lands in the dict under ``"answer"``."""
+    answers: dict[str, httpx.Response] = {}
+    sender = threading.Thread(target=lambda: answers.update(answer=post(url, body, **kw)))
+    sender.start()
+    return sender, answers
+
+
+def queued_sequences(url: str) -> float:
+    """The server's ``packscore_queued_sequences`` gauge: admitted, not yet scored."""
+    for line in httpx.get(url + "/metrics", headers=AUTH, timeout=10).text.splitlines():
+        if line.startswith("packscore_queued_sequences "):
+            return float(line.split()[1])
+    raise AssertionError("packscore_queued_sequences missing")
+
+
+def sigterm_mid_forward(server: LocalServer, body: dict, signals: list[float]) -> tuple[int, float, httpx.Response]:
+    """Sends ``body``; once it is admitted and its forward under way, a SIGTERM at each of
+    ``signals`` (seconds after admission). The exit status, seconds from the last signal to the
+    exit, and the request's answer."""
+    sender, answers = post_in_background(server.url, body)
+    try:
+        deadline = time.monotonic() + 60
+        while queued_sequences(server.url) < len(body["sequences"]):  # admitted
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.01)
+        admitted = time.monotonic()
+        for at in signals:
+            time.sleep(max(0.0, admitted + at - time.monotonic()))
+            server.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        code = server.proc.wait(timeout=60)
+        exited_after = time.monotonic() - t0
+        sender.join(timeout=30)
+    finally:
+        server.stop()
+    return code, exited_after, answers["answer"]
 
 
 def assert_matches(got: list[dict], seqs: list[dict], scorer, *, temperature=1.0, top_k=0, return_entropy=True):

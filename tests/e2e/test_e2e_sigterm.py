@@ -10,14 +10,8 @@ import time
 import httpx
 import numpy as np
 
-from tests.e2e.helpers import AUTH, TINY_VOCAB, ServerProcess, assert_matches, decode, post, random_sequences
-
-
-def _queued_sequences(url: str) -> float:
-    for line in httpx.get(url + "/metrics", headers=AUTH, timeout=10).text.splitlines():
-        if line.startswith("packscore_queued_sequences "):
-            return float(line.split()[1])
-    raise AssertionError("packscore_queued_sequences missing")
+from tests.e2e.helpers import (TINY_VOCAB, ServerProcess, assert_matches, decode, long_forward_body, post,
+                               queued_sequences, random_sequences, sigterm_mid_forward)
 
 
 def test_sigterm_drains_admitted_requests_and_exits_0(tmp_path, tiny_scorer):
@@ -36,7 +30,7 @@ def test_sigterm_drains_admitted_requests_and_exits_0(tmp_path, tiny_scorer):
         for t in threads:
             t.start()
         deadline = time.monotonic() + 60
-        while _queued_sequences(server.url) < 48:  # at least three requests admitted and waiting
+        while queued_sequences(server.url) < 48:  # at least three requests admitted and waiting
             assert time.monotonic() < deadline, server.log()
             time.sleep(0.01)
         server.proc.send_signal(signal.SIGTERM)
@@ -68,27 +62,9 @@ def test_a_real_forward_cut_off_by_the_drain_timeout_still_exits_0(tmp_path):
     # One row of 12,000 tokens: several seconds of forward on the CPU, past a 0.5 s drain timeout.
     # Finalising the interpreter under a running torch forward used to abort (status -6).
     server = ServerProcess(tmp_path, "--max-batch-tokens", "12000", "--drain-timeout-s", "0.5").wait_ready()
-    rng = np.random.default_rng(11)
-    body = {"sequences": [{"input_ids": rng.integers(0, TINY_VOCAB, 6000).tolist()} for _ in range(2)]}
-    answers: dict[str, httpx.Response] = {}
-    try:
-        sender = threading.Thread(target=lambda: answers.update(cut=post(server.url, body)))
-        sender.start()
-        deadline = time.monotonic() + 60
-        while _queued_sequences(server.url) < 2:  # admitted
-            assert time.monotonic() < deadline, server.log()
-            time.sleep(0.01)
-        time.sleep(1.0)  # its forward, several seconds long, is under way
-        server.proc.send_signal(signal.SIGTERM)
-        t0 = time.monotonic()
-        code = server.proc.wait(timeout=60)
-        exited_after = time.monotonic() - t0
-        sender.join(timeout=30)
-    finally:
-        server.stop()
+    code, exited_after, cut = sigterm_mid_forward(server, long_forward_body(11), [1.0])
     assert code == 0 and "terminate called" not in server.log(), (code, server.log())
     assert exited_after < 5, exited_after
-    cut = answers["cut"]
     assert cut.status_code == 503 and cut.json()["error"]["type"] == "unavailable", cut.text[:300]
 
 
@@ -96,25 +72,7 @@ def test_a_second_sigterm_answers_what_is_pending_with_the_contracts_503(tmp_pat
     # A second SIGTERM stops without a drain; the request still in its forward gets a JSON 503,
     # not the plain-text 500 that uvicorn's cancellation would give it.
     server = ServerProcess(tmp_path, "--max-batch-tokens", "12000", "--drain-timeout-s", "60").wait_ready()
-    rng = np.random.default_rng(12)
-    body = {"sequences": [{"input_ids": rng.integers(0, TINY_VOCAB, 6000).tolist()} for _ in range(2)]}
-    answers: dict[str, httpx.Response] = {}
-    try:
-        sender = threading.Thread(target=lambda: answers.update(cut=post(server.url, body)))
-        sender.start()
-        deadline = time.monotonic() + 60
-        while _queued_sequences(server.url) < 2:
-            assert time.monotonic() < deadline, server.log()
-            time.sleep(0.01)
-        time.sleep(0.5)
-        server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        server.proc.send_signal(signal.SIGTERM)
-        code = server.proc.wait(timeout=60)
-        sender.join(timeout=30)
-    finally:
-        server.stop()
-    cut = answers["cut"]
+    code, _, cut = sigterm_mid_forward(server, long_forward_body(12), [0.5, 1.0])
     assert cut.status_code == 503 and cut.headers["content-type"] == "application/json", (cut.status_code, cut.text[:300])
     assert cut.json()["error"]["type"] == "unavailable" and cut.headers["retry-after"].isdigit()
     assert code != -6 and "terminate called" not in server.log(), (code, server.log()[-2000:])
