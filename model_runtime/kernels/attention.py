@@ -125,15 +125,18 @@ def causal_attention_sdpa_fused(q_THD, k_THD, v_THD, packed: PackedBatch, scale:
 def sdpa_rope_and_gate(q_THD, k_THD, v_THD, cos_TR, sin_TR, gate_THD, packed: PackedBatch, scale: float):
     """``o_proj``'s input ``[T, H * D]``: ``partial_rope`` on q and k, causal SDPA per segment as
     ``sdpa_causal`` runs it (zero-padded to its bucket), then ``o * sigmoid(gate)``; or None
-    where the fused passes do not take these operands (a shared prefix, a CPU tensor, another
-    dtype or layout), and the layer then runs the steps one by one."""
+    where the fused passes do not take these operands (a CPU tensor, another dtype or layout),
+    and the layer then runs the steps one by one. A row with prefix links runs over its whole
+    sequences as every backend does (``LinkedLayout``): the passes read the row's tokens through
+    ``whole_index_Tw`` and write each token's output from its own rows (``own_index_Tw``)."""
     from model_runtime.kernels import attention_triton as AT
 
-    if packed.links is not None or not q_THD.is_cuda or not AT.supports(q_THD, k_THD, v_THD, cos_TR, sin_TR, gate_THD):
+    if not q_THD.is_cuda or not AT.supports(q_THD, k_THD, v_THD, cos_TR, sin_TR, gate_THD):
         return None
     _check(q_THD, k_THD, v_THD, packed)
-    layout = AT.bucket_layout(packed.lengths, q_THD.device, attention_bucket)
-    if layout.total_padded > FUSED_MAX_PADDING * q_THD.shape[0] + ATTENTION_MIN_BUCKET * 64:
+    whole = packed if packed.links is None else packed.linked.whole
+    layout = AT.bucket_layout(whole.lengths, q_THD.device, attention_bucket)
+    if layout.total_padded > FUSED_MAX_PADDING * whole.total_tokens + ATTENTION_MIN_BUCKET * 64:
         return None  # mostly very short sequences: every one padded at once would not fit
     return bucketed_sdpa_gated(q_THD, k_THD, v_THD, cos_TR, sin_TR, gate_THD, packed, scale, layout)
 
@@ -150,16 +153,21 @@ def bucketed_sdpa_gated(q_THD, k_THD, v_THD, cos_TR, sin_TR, gate_THD, packed: P
 
     T, H, D = q_THD.shape
     Hkv = k_THD.shape[1]
+    if packed.links is None:
+        whole, rows, own = packed, None, None
+    else:
+        linked = packed.linked
+        whole, rows, own = linked.whole, linked.whole_index_Tw, linked.own_index_Tw
     if layout is None:
-        layout = AT.bucket_layout(packed.lengths, q_THD.device, attention_bucket)
-    q_buf, k_buf, v_buf = AT.rope_into_buckets(q_THD, k_THD, v_THD, cos_TR, sin_TR, layout)
+        layout = AT.bucket_layout(whole.lengths, q_THD.device, attention_bucket)
+    q_buf, k_buf, v_buf = AT.rope_into_buckets(q_THD, k_THD, v_THD, cos_TR, sin_TR, layout, rows)
     y_TE = q_THD.new_empty(T, H * D)
     for start, n, padded, offset in zip(layout.starts, layout.lengths, layout.padded, layout.offsets):
         q = q_buf[offset * H * D : (offset + padded) * H * D].view(1, H, padded, D)
         k = k_buf[offset * Hkv * D : (offset + padded) * Hkv * D].view(1, Hkv, padded, D)
         v = v_buf[offset * Hkv * D : (offset + padded) * Hkv * D].view(1, Hkv, padded, D)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=H > Hkv)
-        AT.gate_rows(o, gate_THD, y_TE, start, n)
+        AT.gate_rows(o, gate_THD, y_TE, start, n, own)
     return y_TE
 
 

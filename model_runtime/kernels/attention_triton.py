@@ -14,6 +14,11 @@ back to token order) and its output twice (the copy, then ``o * sigmoid(gate)``)
 - ``gate_rows`` reads a segment's attention output where SDPA left it and writes
   ``o * sigmoid(gate)`` in token order, ready for the output projection.
 
+On a row with prefix links both take an index: the layout is then the row's whole sequences
+(``LinkedLayout.whole``), whose tokens the first pass reads in place through ``whole_index_Tw``
+(a shared prompt once per continuation) and the second writes back through ``own_index_Tw``
+(every token once, from its own rows), so no gathered copy of q, k, v or the gate is made.
+
 Both repeat Hugging Face's arithmetic: ``x_rot * cos + rotate_half(x_rot) * sin`` with each
 product and the sum rounded to the input dtype, and ATen's sigmoid (``1 / (1 + expf(-g))``,
 IEEE division) rounded before the product; tests/gpu/test_kernels.py holds the fused attention
@@ -123,10 +128,10 @@ if triton is not None:
     @triton.jit
     def _rope_into_buckets_kernel(
         q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qb_ptr, kb_ptr, vb_ptr,
-        block_segment_ptr, block_position_ptr, table_ptr, segments,
+        block_segment_ptr, block_position_ptr, table_ptr, segments, rows_ptr,
         sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sc_t,
         H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, INDEXED: tl.constexpr,
     ):
         block = tl.program_id(0)
         j = tl.program_id(1)  # q heads, then k heads, then v heads
@@ -139,6 +144,8 @@ if triton is not None:
         pos = p0 + tl.arange(0, BLOCK_T)
         real = pos < n
         rows_t = start + pos
+        if INDEXED:  # the layout's tokens are rows ``rows[t]`` of the operands
+            rows_t = tl.load(rows_ptr + rows_t, mask=real, other=0)
         d = tl.arange(0, BLOCK_D)
         out_mask = (pos < padded)[:, None] & (d < D)[None, :]
         if j < H:
@@ -160,15 +167,19 @@ if triton is not None:
     # compiled new variants mid-run that the warm-up had not met.
     @triton.jit(do_not_specialize=["start", "n"])
     def _gate_rows_kernel(
-        o_ptr, g_ptr, y_ptr, start, n, so_h, so_t, sg_t, sg_h, sy_t,
-        D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, CUDA_MATH: tl.constexpr,
+        o_ptr, g_ptr, y_ptr, rows_ptr, start, n, so_h, so_t, sg_t, sg_h, sy_t,
+        D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, CUDA_MATH: tl.constexpr, INDEXED: tl.constexpr,
     ):
         h = tl.program_id(1)
         pos = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         d = tl.arange(0, BLOCK_D)
-        mask = (pos < n)[:, None] & (d < D)[None, :]
-        o = tl.load(o_ptr + h * so_h + pos[:, None] * so_t + d[None, :], mask=mask, other=0.0)
         rows_t = start + pos
+        real = pos < n
+        if INDEXED:  # token ``t`` of the layout goes to row ``rows[t]``, or nowhere where that is -1
+            rows_t = tl.load(rows_ptr + rows_t, mask=real, other=-1)
+            real = real & (rows_t >= 0)
+        mask = real[:, None] & (d < D)[None, :]
+        o = tl.load(o_ptr + h * so_h + pos[:, None] * so_t + d[None, :], mask=mask, other=0.0)
         g = tl.load(g_ptr + rows_t[:, None] * sg_t + h * sg_h + d[None, :], mask=mask, other=0.0)
         sig = triton_math.sigmoid(g.to(tl.float32), CUDA_MATH).to(g.dtype)  # torch.sigmoid's output
         y = (o.to(tl.float32) * sig.to(tl.float32)).to(o.dtype)
@@ -191,11 +202,12 @@ def supports(q_THD, k_THD, v_THD, cos_TR, sin_TR, gate_THD) -> bool:
             and cos_TR.stride() == sin_TR.stride() and R % 2 == 0 and 0 < R <= D and H % k_THD.shape[1] == 0)
 
 
-def rope_into_buckets(q_THD, k_THD, v_THD, cos_TR, sin_TR, layout: BucketLayout):
+def rope_into_buckets(q_THD, k_THD, v_THD, cos_TR, sin_TR, layout: BucketLayout, rows: torch.Tensor | None = None):
     """``(q, k, v)`` rotated (q, k) and laid out head-major per segment: flat buffers of
     ``H * P * D`` and ``Hkv * P * D`` elements, segment ``i``'s part starting at
     ``offsets[i] * heads * D`` as a contiguous ``[heads, padded[i], D]`` block, zero after its
-    ``lengths[i]`` rows."""
+    ``lengths[i]`` rows. With ``rows`` (int64, one per token of the layout) the layout's token
+    ``t`` is row ``rows[t]`` of the operands (a linked row's whole sequences, read in place)."""
     T, H, D = q_THD.shape
     Hkv = k_THD.shape[1]
     P = layout.total_padded
@@ -206,19 +218,22 @@ def rope_into_buckets(q_THD, k_THD, v_THD, cos_TR, sin_TR, layout: BucketLayout)
     _rope_into_buckets_kernel[grid](
         q_THD, k_THD, v_THD, cos_TR, sin_TR, qb, kb, vb,
         layout.block_segment, layout.block_position, layout.segment_table, len(layout.lengths),
+        layout.block_segment if rows is None else rows,
         q_THD.stride(0), q_THD.stride(1), k_THD.stride(0), k_THD.stride(1), v_THD.stride(0), v_THD.stride(1), cos_TR.stride(0),
         H=H, HKV=Hkv, D=D, R=cos_TR.shape[-1], BLOCK_T=BLOCK_T, BLOCK_D=triton.next_power_of_2(D),
-        num_warps=4, **triton_math.aten_rounding_options(q_THD.device),
+        INDEXED=rows is not None, num_warps=4, **triton_math.aten_rounding_options(q_THD.device),
     )
     return qb, kb, vb
 
 
-def gate_rows(o_1HPD, gate_THD, y_TE, start: int, n: int) -> None:
-    """``y[start:start + n] = o[0, :, :n]`` (token order, heads side by side) ``* sigmoid(gate)``."""
+def gate_rows(o_1HPD, gate_THD, y_TE, start: int, n: int, rows: torch.Tensor | None = None) -> None:
+    """``y[start:start + n] = o[0, :, :n]`` (token order, heads side by side) ``* sigmoid(gate)``.
+    With ``rows`` (int64, one per token of the layout) token ``start + i`` goes to row
+    ``rows[start + i]`` of ``gate`` and ``y``, and nowhere where that is -1."""
     _, H, _, D = o_1HPD.shape
     grid = (triton.cdiv(n, GATE_BLOCK_T), H)
     _gate_rows_kernel[grid](
-        o_1HPD, gate_THD, y_TE, start, n, o_1HPD.stride(1), o_1HPD.stride(2), gate_THD.stride(0), gate_THD.stride(1),
+        o_1HPD, gate_THD, y_TE, o_1HPD if rows is None else rows, start, n, o_1HPD.stride(1), o_1HPD.stride(2), gate_THD.stride(0), gate_THD.stride(1),
         y_TE.stride(0), D=D, BLOCK_T=GATE_BLOCK_T, BLOCK_D=triton.next_power_of_2(D),
-        CUDA_MATH=o_1HPD.device.type == "cuda", num_warps=4, **triton_math.aten_rounding_options(o_1HPD.device),
+        CUDA_MATH=o_1HPD.device.type == "cuda", INDEXED=rows is not None, num_warps=4, **triton_math.aten_rounding_options(o_1HPD.device),
     )

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Sequence
 
+import numpy as np
 import torch
 
 
@@ -222,6 +223,8 @@ class LinkedLayout:
         own_rows_T: int64 ``[T]``: for every token of the row, its row in ``whole`` (a
             continuation's own tokens are the tail of its sequence; a parent's tokens are the
             head of its first continuation's).
+        own_index_Tw: int64 ``[Tw]``: the inverse, for every row of ``whole`` the token whose own
+            row it is, or -1 (a parent's tokens in its later continuations' sequences).
         local_positions: int64 ``[T]`` tokens since the segment's own start (0 at every segment).
     """
 
@@ -233,6 +236,7 @@ class LinkedLayout:
     whole: PackedBatch
     whole_index_Tw: torch.Tensor
     own_rows_T: torch.Tensor
+    own_index_Tw: torch.Tensor
     local_positions: torch.Tensor
 
     @staticmethod
@@ -243,29 +247,43 @@ class LinkedLayout:
             raise ValueError(f"a linked row needs roots and continuations, got {r} roots of {packed.num_segments}")
         parent_bounds = tuple(bounds[p] if p >= 0 else None for p in links.parents)
         # Every segment that no other continues, as its whole sequence; a parent's own rows are
-        # read from its first continuation's (the call that unshared sequence makes).
-        whole_rows, whole_lengths, own_at, parents = [], [], {}, set(links.parents)
+        # read from its first continuation's (the call that unshared sequence makes). Built with
+        # NumPy and uploaded at once: per-token Python lists cost milliseconds a row, which the
+        # GPU spent idle at the first layer that reads the layout.
+        pieces, whole_lengths, own_at, parents, tw = [], [], {}, set(links.parents), 0
         for i, ((start, end), parent) in enumerate(zip(bounds, parent_bounds)):
             if i in parents:  # its rows appear in its continuations' sequences
                 continue
-            head = list(range(*parent)) if parent is not None else []
-            if parent is not None and links.parents[i] not in own_at:
-                own_at[links.parents[i]] = len(whole_rows)
-            own_at[i] = len(whole_rows) + len(head)
-            whole_rows += head + list(range(start, end))
-            whole_lengths.append(len(head) + end - start)
-        own_rows = [r for i, (start, end) in enumerate(bounds) for r in range(own_at[i], own_at[i] + end - start)]
-        as_index = lambda rows: upload(torch.tensor(rows, dtype=torch.long), device)  # noqa: E731
+            head = 0 if parent is None else parent[1] - parent[0]
+            if parent is not None:
+                own_at.setdefault(links.parents[i], tw)
+                pieces.append(np.arange(*parent))
+            own_at[i] = tw + head
+            pieces.append(np.arange(start, end))
+            whole_lengths.append(head + end - start)
+            tw += head + end - start
+        whole_rows = np.concatenate(pieces)
+        own_rows = np.concatenate([np.arange(own_at[i], own_at[i] + end - start) for i, (start, end) in enumerate(bounds)])
+        own_index = np.full(tw, -1, dtype=np.int64)
+        own_index[own_rows] = np.arange(own_rows.size)
+        state_index = np.array([p if p >= 0 else r for p in links.parents[r:]], dtype=np.int64)
+        local = np.concatenate([np.arange(n) for n in packed.lengths])
+        parts = (whole_rows, own_rows, own_index, state_index, local)
+        table = upload(torch.from_numpy(np.concatenate(parts).astype(np.int64)), device)
+        cuts = np.cumsum([0, *(p.size for p in parts)])
+        whole_index, own_rows_T, own_index_Tw, state_index_t, local_positions = (
+            table[a:b] for a, b in zip(cuts[:-1], cuts[1:]))
         return LinkedLayout(
             root_tokens=packed.cu_seqlens_host[r],
             roots=PackedBatch.from_lengths(packed.lengths[:r], device=device),
             rest=PackedBatch.from_lengths(packed.lengths[r:], device=device),
-            state_index=upload(torch.tensor([p if p >= 0 else r for p in links.parents[r:]], dtype=torch.long), device),
+            state_index=state_index_t,
             parent_bounds=parent_bounds,
             whole=PackedBatch.from_lengths(whole_lengths, device=device),
-            whole_index_Tw=as_index(whole_rows),
-            own_rows_T=as_index(own_rows),
-            local_positions=upload(torch.cat([torch.arange(n, dtype=torch.long) for n in packed.lengths]), device),
+            whole_index_Tw=whole_index,
+            own_rows_T=own_rows_T,
+            own_index_Tw=own_index_Tw,
+            local_positions=local_positions,
         )
 
     def on_whole_sequences(self, fn, *xs_T: torch.Tensor) -> torch.Tensor:

@@ -125,15 +125,38 @@ def test_attention_of_a_continuation_is_the_whole_sequence_tail(case, fn, gpu_re
     assert diff == 0.0, f"{fn.__name__} linked vs whole max |diff| {diff:.3e} (rel {err:.3e}), expected 0"
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"P{c[0]}")
+def test_fused_rope_and_gate_of_a_continuation_is_the_whole_sequence_tail(case, gpu_record):
+    from model_runtime.kernels.attention import sdpa_rope_and_gate
+
+    # The 9B's attention shape: q and the gate cut from one projection (strided), rotary on 64 dims.
+    rows, g = Rows(*case), torch.Generator(device=DEV).manual_seed(6)
+    qg, qg_w = rows.make(g, 16, 512)
+    k, k_w = rows.make(g, 4, 256)
+    v, v_w = rows.make(g, 4, 256)
+    cos, cos_w = rows.make(g, 64)
+    sin, sin_w = rows.make(g, 64)
+    (q, gate), (q_w, gate_w) = qg.chunk(2, dim=-1), qg_w.chunk(2, dim=-1)
+    got = sdpa_rope_and_gate(q, k, v, cos, sin, gate, rows.linked, 256**-0.5)
+    whole = sdpa_rope_and_gate(q_w, k_w, v_w, cos_w, sin_w, gate_w, rows.whole, 256**-0.5)
+    assert got is not None and whole is not None, "the fused passes declined a linked or a whole row"
+    want = rows.whole_of_linked(whole)
+    diff = float((got.float() - want.float()).abs().max())
+    gpu_record("prefix fused rope+sdpa+gate linked vs whole", prefix=case[0], max_abs=diff)
+    # The same passes and SDPA calls on the same whole sequences, read in place: equal, not just close.
+    assert diff == 0.0, f"fused attention linked vs whole max |diff| {diff:.3e}, expected 0"
+
+
 @pytest.mark.parametrize("tails", [pytest.param((700, 700, 700, 700), id="one-length"),
                                    pytest.param((1, 90, 700, 1500), id="varied-lengths")])
-@pytest.mark.parametrize("attention", ["sdpa", "varlen"])
+@pytest.mark.parametrize("attention", ["sdpa_fused", "sdpa", "varlen"])
 def test_tiny_model_shared_equals_unshared_in_bf16(attention, tails, gpu_record):
     from model_runtime.scoring.loading import load_model
     from model_runtime.scoring.scorer import Scorer
     from model_runtime.types import SequenceInput
 
-    # The served kernels (sdpa: the single-process server's attention, varlen: the pool's).
+    # The served kernels (sdpa_fused: the single-process server's attention, varlen: the pool's;
+    # sdpa: the same SDPA calls with the rotary and the gate one step at a time).
     loaded = load_model("tiny", device=DEV, dtype="bfloat16", kernel_overrides={"attention": attention})
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, loaded.vocab_size, 600)

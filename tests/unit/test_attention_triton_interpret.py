@@ -127,3 +127,36 @@ def test_unsupported_operands_are_refused():
         AT.bucket_layout((5,), "cpu", lambda n: n)
     # on the CPU the layer runs the steps one by one
     assert sdpa_rope_and_gate(q, k, v, cos, sin, gate, PackedBatch.from_lengths(LENGTHS), 0.125) is None
+
+
+def test_linked_row_reads_and_writes_through_the_whole_sequences():
+    """A row with prefix links (a prompt, a loose sequence, then three continuations): the passes
+    read the prompt's rows in place for every continuation and write each token once, from its
+    own rows; the same kernel as on the unshared row, so equal to it bit for bit."""
+    from model_runtime.kernels.attention import bucketed_sdpa_gated
+    from model_runtime.model.packing import PackedBatch, PrefixLinks
+
+    prompt, loose, conts = 64, 33, (1, 70, 200)
+    q, k, v, cos, sin, gate = _operands(lengths=(prompt, loose, *conts), seed=5)
+    linked = PackedBatch.from_lengths((prompt, loose, *conts), links=PrefixLinks((-1, -1, 0, 0, 0), 2))
+    got = bucketed_sdpa_gated(q, k, v, cos, sin, gate, linked, 0.125)
+    # The unshared row: each continuation after its own copy of the prompt (rotary positions
+    # following on, as the linked row's cos/sin rows already do), then the loose sequence.
+    starts = (0, prompt, prompt + loose, prompt + loose + conts[0], prompt + loose + conts[0] + conts[1])
+    whole_rows = []
+    for i, n in enumerate(conts):
+        whole_rows += list(range(prompt)) + list(range(starts[2 + i], starts[2 + i] + n))
+    whole_rows += list(range(prompt, prompt + loose))
+    index = torch.tensor(whole_rows)
+    unshared = PackedBatch.from_lengths((*(prompt + n for n in conts), loose))
+    want_whole = bucketed_sdpa_gated(*(x[index] for x in (q, k, v, cos, sin, gate)), unshared, 0.125)
+    # each linked token's output is read from its own rows: the prompt's from the first sequence
+    own = list(range(prompt))
+    own += list(range(sum(prompt + n for n in conts), sum(prompt + n for n in conts) + loose))
+    offset = 0
+    for n in conts:
+        own += list(range(offset + prompt, offset + prompt + n))
+        offset += prompt + n
+    want = want_whole[torch.tensor(own)]
+    diff = float((got.float() - want.float()).abs().max())
+    assert diff == 0.0, f"linked fused attention vs unshared max |diff| {diff:.3e} (tolerance 0: the same kernels)"
