@@ -73,11 +73,16 @@ class PackedSparseMoe(nn.Module):
         self.gate_projection_fn = backends.fn("gate_projection")
         self.top_k_fn = backends.fn("moe_router")
         self.shared_fn = backends.fn("moe_shared")
+        # On a linked row the router and shared gate share one gather of x (``forward``); the shared
+        # gate's output then comes from this stream, so only where the shared expert runs on it too.
+        self.merged_narrow = not self.tiled and backends.moe_shared == "inline"
         self.ops = ModuleOps(backends.fn("elementwise")())
 
-    def route(self, x_TD: torch.Tensor, packed: PackedBatch, sp=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(top_w_TK, top_i_TK)``: routing weights (model dtype) and expert ids, as Hugging Face's router."""
-        logits_TE = self._narrow(self._router_product(), x_TD, packed, sp)
+    def route(self, x_TD: torch.Tensor, packed: PackedBatch, sp=None, logits_TE=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(top_w_TK, top_i_TK)``: routing weights (model dtype) and expert ids, as Hugging Face's router
+        (from ``logits_TE`` where the router's product already ran)."""
+        if logits_TE is None:
+            logits_TE = self._narrow(self._router_product(), x_TD, packed, sp)
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
         top_w_TK, top_i_TK = self.top_k_fn(probs_TE, self.top_k)  # torch.topk's answer, ties included
         if self.normalise_top_k:
@@ -104,17 +109,25 @@ class PackedSparseMoe(nn.Module):
         return narrow_products(self.gate_projection_fn, (linear,), x_TD, packed, shard_segments(x_TD, packed, sp))[0]
 
     def forward(self, x_TD: torch.Tensor, packed: PackedBatch, sp=None) -> torch.Tensor:
-        shared = self.shared_fn(functools.partial(self._shared, x_TD, packed, sp))
-        top_w_TK, top_i_TK = self.route(x_TD, packed, sp)
+        logits_TE = gate_T1 = None
+        if packed.links is not None and sp is None and self.merged_narrow:
+            # A linked row's narrow products run over its whole sequences: one gather of x for both.
+            logits_TE, gate_T1 = narrow_products(
+                self.gate_projection_fn, (self._router_product(), self.shared_expert_gate), x_TD, packed)
+        shared = self.shared_fn(functools.partial(self._shared, x_TD, packed, sp, gate_T1))
+        top_w_TK, top_i_TK = self.route(x_TD, packed, sp, logits_TE)
         # routed + gate * shared, added by the experts' kernel (the fused one in its top-k sum's pass)
         return self.experts_fn(x_TD, top_i_TK, top_w_TK, self.experts.gate_up_proj, self.experts.down_proj,
                                shared=shared)
 
-    def _shared(self, x_TD: torch.Tensor, packed: PackedBatch, sp=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(gate_T1, shared_TD)``: the shared expert's gate and output."""
+    def _shared(self, x_TD: torch.Tensor, packed: PackedBatch, sp=None, gate_T1=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(gate_T1, shared_TD)``: the shared expert's gate and output (the gate from ``gate_T1``,
+        its product's output, where that already ran)."""
         shared_mlp = functools.partial(self.ops.mlp, self.shared_expert)
         shared_TD = in_row_tiles(shared_mlp, x_TD) if self.tiled else shared_mlp(x_TD)
-        return _sigmoid_per_row(self._narrow(self.shared_expert_gate, x_TD, packed, sp)), shared_TD
+        if gate_T1 is None:
+            gate_T1 = self._narrow(self.shared_expert_gate, x_TD, packed, sp)
+        return _sigmoid_per_row(gate_T1), shared_TD
 
 
 def top_k_total(w_TK: torch.Tensor) -> torch.Tensor:

@@ -171,3 +171,30 @@ def test_combine_in_cuda_order_is_four_accumulators_from_zero(k):
     got = combine_top_k(w, T, torch.bfloat16, cuda_order=True)
     differing = int((got.view(torch.int16) != want.view(torch.int16)).sum())
     assert differing == 0, f"{differing} of {T * D} values differ from four accumulators (tolerance: bit for bit)"
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_linked_row_runs_router_and_shared_gate_from_one_gather(kind, monkeypatch):
+    """On a row with prefix links the router's and the shared gate's products run in one
+    ``narrow_products`` call (one gather of x to the whole sequences): the block's output equals
+    the two calls it replaces, bit for bit, and the row gathers x once."""
+    from model_runtime.kernels import gate_projection
+    from model_runtime.model import moe
+    from model_runtime.model.packing import PrefixLinks
+
+    block = hf_block(kind, torch.bfloat16, seed=2)
+    ours = PackedSparseMoe(block, select_backends("cpu"))
+    ours.tiled = False  # the per-segment narrow products a GPU runs (tiled is the CPU's own form)
+    lengths, parents = (64, 5, 30, 1, 90), (-1, -1, 0, 0, 0)
+    packed = PackedBatch.from_lengths(lengths, links=PrefixLinks(parents, 2))
+    x_TD = torch.randn(sum(lengths), block.gate.hidden_dim).to(torch.bfloat16)
+    calls = []
+    real = gate_projection.narrow_products
+    monkeypatch.setattr(moe, "narrow_products", lambda fn, linears, *a, **k: calls.append(len(linears)) or real(fn, linears, *a, **k))
+    with torch.no_grad():
+        ours.merged_narrow = True
+        merged = ours(x_TD, packed)
+        assert calls == [2], f"narrow_products calls (linears each): {calls}, expected one call with both"
+        ours.merged_narrow = False
+        apart = ours(x_TD, packed)
+    report(f"{kind} linked row, router and shared gate in one call vs two", merged, apart, 0.0)
