@@ -72,13 +72,29 @@ def response_encoding(accept: str | None, default: Encoding) -> Encoding:
     return best[2] if best is not None else default
 
 
+class MsgpackExt:
+    """A msgpack extension value (no field of the contract takes one): one opaque value, so that
+    validation names the field that holds it, not an element of a ``(code, data)`` pair."""
+
+    __slots__ = ("code", "size")
+
+    def __init__(self, code: int, data: bytes):
+        self.code, self.size = code, len(data)
+
+    def __repr__(self) -> str:
+        return f"a msgpack extension value (type {self.code}, {self.size} bytes)"
+
+
 def decode_body(raw: bytes, encoding: Encoding) -> Any:
     if encoding == "msgpack":
         try:
-            # strict_map_key keeps maps keyed by strings, as every map of the contract is.
-            return msgpack.unpackb(raw, raw=False, strict_map_key=True)
+            # strict_map_key: maps keyed by strings, as every map of the contract is; other keys
+            # (integers hash predictably) would let a body flood a dict with colliding keys.
+            return msgpack.unpackb(raw, raw=False, strict_map_key=True, ext_hook=MsgpackExt)
         except Exception as exc:  # msgpack raises several unrelated types for bad input
             detail = str(exc).strip() or type(exc).__name__
+            if "map key" in detail:  # valid msgpack, but no request of this API can have it
+                raise ApiError(400, "malformed_body", f"Every map key of the body must be a string ({detail}).") from None
             raise ApiError(400, "malformed_body", f"The body is not valid msgpack ({detail}).") from None
     try:
         return orjson.loads(raw)

@@ -140,6 +140,13 @@ BAD_RAW = [
      "temperature"),
     ("msgpack-float-id", msgpack.packb(seq(input_ids=[1, 2.0])), MSGPACK_H, 422, "invalid_value",
      "sequences[0].input_ids[1]"),
+    # An extension value is one value of the field that holds it, not a (code, data) pair.
+    ("msgpack-ext-ids", msgpack.packb({"sequences": [{"input_ids": msgpack.ExtType(5, b"12345678")}]}), MSGPACK_H,
+     422, "invalid_value", "sequences[0].input_ids"),
+    ("msgpack-ext-sequences", msgpack.packb({"sequences": msgpack.ExtType(1, b"ab")}), MSGPACK_H, 422,
+     "invalid_value", "sequences"),
+    ("msgpack-ext-in-ids", msgpack.packb({"sequences": [{"input_ids": [1, msgpack.ExtType(5, b"1")]}]}), MSGPACK_H,
+     422, "invalid_value", "sequences[0].input_ids[1]"),
 ]
 
 
