@@ -58,7 +58,7 @@ def resolve_model_source(spec: str, revision: str | None) -> str:
     )
 
     cache, rev = constants.HF_HUB_CACHE, revision or constants.DEFAULT_REVISION
-    where = f"{spec}@{rev}"
+    where = f"{spec} (revision {rev})"  # not spec@rev: --model takes no such form
     log.info("resolving %s through the Hugging Face cache %s%s", where, cache,
              " (HF_HUB_OFFLINE: cache only)" if constants.HF_HUB_OFFLINE else "")
     try:

@@ -32,7 +32,7 @@ def test_a_hub_id_is_served_from_the_offline_cache_with_the_numbers_of_its_direc
         response = post(server.url, {"sequences": seqs, "model": REPO, "top_k": 2}, encoding="msgpack")
         assert response.status_code == 200, response.text
         assert_matches(decode(response, 2), seqs, Scorer(load_model(str(path)), max_batch_tokens=4096), top_k=2)
-        assert f"resolving {REPO}@main through the Hugging Face cache {cache}" in server.log()
+        assert f"resolving {REPO} (revision main) through the Hugging Face cache {cache}" in server.log()
     finally:
         assert server.stop() == 0, server.log()
 
