@@ -14,7 +14,7 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import numpy as np
@@ -77,6 +77,13 @@ class ServedModel:
     limits: Limits
     scheduler: Scheduler | None = None
     updating: bool = False  # a POST /v1/weights for it is running
+    swap_holds: int = 0  # requests re-scoring after swaps: no update starts while any holds
+    versions_served: set[str] = field(default_factory=set)  # every version this model served
+
+
+def _set_done(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class Service:
@@ -91,6 +98,7 @@ class Service:
         self.fatal_error: str | None = None  # set when loading failed; the server then exits non-zero
         self.inflight = 0  # /score requests admitted and not yet answered
         self.drained = False  # set once a drain finished: the server may exit
+        self._drain_waiters: set[asyncio.Future] = set()  # when_draining's futures not yet done
         self._probe: asyncio.Task | None = None
         self._probe_ok = False
         self._start_task: asyncio.Task | None = None
@@ -273,10 +281,23 @@ class Service:
         if self.phase != "draining":
             log.info("draining: finishing admitted requests within %.0fs", self.settings.drain_timeout_s)
             self.phase = "draining"
+            for waiter in list(self._drain_waiters):
+                waiter.get_loop().call_soon_threadsafe(_set_done, waiter)
             if self.scheduler is not None:  # not admitted yet: as new as a request arriving now
                 self.scheduler.stop_admitting(ApiError(
                     503, "draining", "The server is shutting down; retry on another replica.",
                     headers={"Retry-After": "1", "Connection": "close"}))
+
+    def when_draining(self) -> asyncio.Future:
+        """A future of the running event loop, done once draining begins (a request body still
+        arriving then is answered 503 at once: it was never admitted). Cancel it when done with it."""
+        waiter = asyncio.get_running_loop().create_future()
+        if self.phase == "draining":
+            waiter.set_result(None)
+        else:
+            self._drain_waiters.add(waiter)
+            waiter.add_done_callback(self._drain_waiters.discard)
+        return waiter
 
     async def drain(self) -> None:
         self.begin_drain()

@@ -43,7 +43,9 @@ _OPEN_ROUTES = frozenset({"/healthz", "/health", "/readyz"})  # no API key: prob
 _SERVED_WHILE_DRAINING = _OPEN_ROUTES | {"/metrics"}
 _ROUTE_LABELS = frozenset({*SCORE_ROUTES, *_OPEN_ROUTES, "/metrics", "/v1/models", WEIGHTS_ROUTE, "/docs", "/redoc",
                            "/openapi.json"})
-_MAX_RESCORES = 4  # weight swaps a request's sequences may straddle before it gets a 503
+# Re-scores of a request that straddled a weight swap before it holds the model's updates off
+# (the last re-score then sees one version): the common single swap costs no update any wait.
+_HOLD_FROM_RESCORE = 2
 _DAY_MS = 86_400_000
 _CLIENT_CLOSED = 499  # nginx's convention for "the client went away before the answer"
 # Bodies larger than this are decoded and validated in a thread, so that the event loop keeps
@@ -320,7 +322,7 @@ def _add_weights_route(app: FastAPI, service: Service, root) -> None:
         if service.phase != "ready":
             raise _not_ready(service)
         encoding = request_encoding(request.headers.get("content-type"))
-        body = decode_body(await _read_body(request, 1 << 20), encoding)
+        body = decode_body(await _read_body(request, 1 << 20, service), encoding)
         answer = await update_weights(service, body, root)
         return Response(encode_json(answer), media_type=JSON)
 
@@ -338,7 +340,7 @@ async def _score(request: Request, service: Service) -> Response:
         raise _not_ready(service)
     in_encoding = request_encoding(request.headers.get("content-type"))
     try:
-        raw = await _read_body(request, limits.max_request_bytes)
+        raw = await _read_body(request, limits.max_request_bytes, service)
         served = {name: m.limits for name, m in service.models.items()}
         if len(raw) > _DECODE_INLINE_BYTES:
             job = await asyncio.to_thread(_parse, raw, in_encoding, served)
@@ -388,36 +390,84 @@ async def _score_with_one_version(request: Request, model: ServedModel, job: Sco
     client went away.
 
     A weight swap between two of its rows leaves a request scored by two versions: its sequences
-    scored by the older one are scored again (a pinned request gets 409 instead), so no request
-    fails because of a swap.
+    scored by another than the one now served (or the pinned one) are scored again, so no request
+    fails because of a swap. Before its second re-score a request holds the model's updates off
+    (``_hold_swaps``) until it has its answer: swaps landing faster than it is scored cannot keep
+    it from ending. A pinned request whose version no longer serves gets 409.
     """
     scheduler = model.scheduler
     assert scheduler is not None
     scores: list[SequenceScores | None] = [None] * len(job.sequences)
     todo = list(range(len(job.sequences)))
-    for attempt in range(_MAX_RESCORES + 1):
-        # A re-score goes first and past the admission bound, as the probe: its tokens were admitted.
-        got = await _admit_and_wait(request, scheduler, [job.sequences[i] for i in todo], deadline, rescore=attempt > 0)
-        if got is None:
-            return None
-        for i, s in zip(todo, got):
-            scores[i] = s
-        served = model.backend.info.weights_version
-        versions = [s.weights_version or served for s in scores]  # type: ignore[union-attr]
-        if job.weights_version is not None:
-            if any(v != job.weights_version for v in versions):
-                raise _version_mismatch(job.weights_version, model)
-            return scores, job.weights_version  # type: ignore[return-value]
-        if len(set(versions)) == 1:
-            return scores, versions[0]  # type: ignore[return-value]
-        todo = [i for i, v in enumerate(versions) if v != served]
-        log.info("%d of %d sequences of a request scored by an older version of %s: scoring them again with %s",
-                 len(todo), len(versions), model.name, served)
+    held = False
+    try:
+        for attempt in range(_HOLD_FROM_RESCORE + 1):
+            if attempt == _HOLD_FROM_RESCORE:
+                held = await _hold_swaps(model, deadline)
+                todo = _rescore_needed(scores, model, job)  # against what serves now, fixed while held
+            # A re-score goes first and past the admission bound, as the probe: its tokens were admitted.
+            got = await _admit_and_wait(request, scheduler, [job.sequences[i] for i in todo], deadline, rescore=attempt > 0)
+            if got is None:
+                return None
+            for i, s in zip(todo, got):
+                scores[i] = s
+            todo = _rescore_needed(scores, model, job)
+            if not todo:
+                return scores, job.weights_version or model.backend.info.weights_version  # type: ignore[return-value]
+            log.info("%d of %d sequences of a request scored by another version of %s than %s: scoring them again",
+                     len(todo), len(scores), model.name, job.weights_version or model.backend.info.weights_version)
+    finally:
+        if held:
+            model.swap_holds -= 1
+    # Not reached while updates start only through update_weights: held, no swap lands during the
+    # last re-score. A backend that swapped on its own would end here rather than loop.
     raise ApiError(503, "unavailable", f"The weights of {model.name!r} changed while the request was scored; retry.",
                    headers={"Retry-After": "1"})
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+def _rescore_needed(scores: list[SequenceScores | None], model: ServedModel, job: ScoreJob) -> list[int]:
+    """The sequences not scored by the version the request must have (the pinned one, else the
+    one now served); raises 409 for a pinned version that no longer serves and is still needed."""
+    served = model.backend.info.weights_version
+    target = job.weights_version or served
+    todo = [i for i, s in enumerate(scores) if s is not None and (s.weights_version or served) != target]
+    if todo and target != served:
+        raise _version_mismatch(target, model)
+    return todo
+
+
+async def _hold_swaps(model: ServedModel, deadline: float | None) -> bool:
+    """Waits for a running update of ``model`` to end, then keeps any other from starting until
+    the caller releases it (``ServedModel.swap_holds``, which ``update_weights`` waits on)."""
+    while model.updating:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise ApiError(504, "deadline_exceeded", "deadline_ms passed before the result was ready.", "deadline_ms")
+        await asyncio.sleep(0.01)
+    model.swap_holds += 1
+    return True
+
+
+async def _read_body(request: Request, limit: int, service: Service) -> bytes:
+    """The request's body, at most ``limit`` bytes. A body still arriving when draining begins
+    gets the drain's 503 at once: it was not admitted, and the exit would otherwise cut it off
+    mid-read (uvicorn then answers a plain-text 500)."""
+    if service.phase == "draining":
+        raise _draining_error()
+    reading = asyncio.ensure_future(_read_all(request, limit))
+    draining = service.when_draining()
+    try:
+        await asyncio.wait({reading, draining}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        draining.cancel()
+        if not reading.done():
+            reading.cancel()
+            await asyncio.wait({reading})
+    if reading.cancelled():
+        raise _draining_error()
+    return reading.result()
+
+
+async def _read_all(request: Request, limit: int) -> bytes:
     # Connection: close, so the rest of an oversized body is not read and thrown away.
     too_large = ApiError(413, "body_too_large", f"The body exceeds {limit} bytes (max_request_bytes); split the request.",
                          headers=dict(_CLOSE))

@@ -58,29 +58,38 @@ def _checkpoint_refused(exc: CheckpointError) -> ApiError:
 
 
 async def update_weights(service: Service, body: Any, root: Path) -> dict:
-    """Runs one update to its end; the answer once the new version serves."""
-    if not isinstance(body, dict):
-        raise ApiError(422, "invalid_value", f"The body must be an object, got {type(body).__name__}.")
+    """Runs one update to its end; the answer once the new version serves. Every outcome is
+    counted, a refusal under its error type (``model=""`` before the model is known)."""
+    name = ""
     try:
-        request = WeightsRequest.model_validate(body)
-    except ValidationError as exc:
-        raise from_validation_errors(exc.errors(include_url=False), sourced=False) from None
-    model = service.models[pick_model(request.model, service.models)]
-    path = resolve_checkpoint(root, request.path)
-    try:
-        answer = await _run(service, model, path, request.version)
+        if not isinstance(body, dict):
+            raise ApiError(422, "invalid_value", f"The body must be an object, got {type(body).__name__}.")
+        try:
+            request = WeightsRequest.model_validate(body)
+        except ValidationError as exc:
+            raise from_validation_errors(exc.errors(include_url=False), sourced=False) from None
+        model = service.models[pick_model(request.model, service.models)]
+        name = model.name
+        answer = await _run(service, model, resolve_checkpoint(root, request.path), request.version)
     except ApiError as exc:
-        service.metrics.weights_updates.labels(model=model.name, outcome=exc.type).inc()
+        service.metrics.weights_updates.labels(model=name, outcome=exc.type).inc()
         raise
-    service.metrics.weights_updates.labels(model=model.name, outcome="ok").inc()
+    service.metrics.weights_updates.labels(model=name, outcome="ok").inc()
     return answer
 
 
 async def _run(service: Service, model: ServedModel, path: Path, version: str | None) -> dict:
     if not callable(getattr(model.backend, "update_weights", None)):
         raise ApiError(409, "update_unsupported", f"The backend of {model.name!r} cannot update its weights.", "model")
+    while model.swap_holds and not model.updating:  # a request re-scoring after swaps must see one version
+        await asyncio.sleep(0.01)
     if model.updating:
         raise ApiError(409, "update_in_progress", f"An update of {model.name!r} is already running; retry once it is done.", "model")
+    served = model.versions_served | {model.backend.info.weights_version}
+    if version is not None and version in served:
+        # A version names one set of weights: a pinned request must never get other numbers under it.
+        raise ApiError(409, "version_in_use", f"version {version!r} already named weights {model.name!r} served; "
+                       "give the new weights a version of their own (or none: their content hash).", "version")
     model.updating = True
     try:
         log.info("weights update of %s from %s (version %s)", model.name, path, version or "content hash")
@@ -99,6 +108,7 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
         raise ApiError(422, "unreadable_checkpoint", f"The checkpoint could not be loaded: {exc}", "path") from None
     finally:
         model.updating = False
+    model.versions_served.update((update.previous_version, update.weights_version))
     metrics = service.metrics
     metrics.weights_load_seconds.labels(model=model.name).observe(update.load_s)
     metrics.weights_swap_seconds.labels(model=model.name).observe(update.swap_ms / 1000.0)

@@ -3,14 +3,16 @@ request is answered correctly, and the process exits 0."""
 
 from __future__ import annotations
 
+import json
 import signal
+import socket
 import threading
 import time
 
 import httpx
 import numpy as np
 
-from tests.e2e.helpers import (TINY_VOCAB, ServerProcess, assert_matches, decode, long_forward_body, post,
+from tests.e2e.helpers import (API_KEY, TINY_VOCAB, ServerProcess, assert_matches, decode, long_forward_body, post,
                                queued_sequences, random_sequences, sigterm_mid_forward)
 
 
@@ -76,3 +78,41 @@ def test_a_second_sigterm_answers_what_is_pending_with_the_contracts_503(tmp_pat
     assert cut.status_code == 503 and cut.headers["content-type"] == "application/json", (cut.status_code, cut.text[:300])
     assert cut.json()["error"]["type"] == "unavailable" and cut.headers["retry-after"].isdigit()
     assert code != -6 and "terminate called" not in server.log(), (code, server.log()[-2000:])
+
+
+def test_a_body_still_arriving_when_draining_begins_gets_the_drains_503(tmp_path):
+    # Headers sent, the body stalled after a few bytes: not admitted, so as new as a request arriving
+    # now. It used to be cut off by the exit, and uvicorn answered a plain-text 500.
+    server = ServerProcess(tmp_path, "--drain-timeout-s", "5", "--request-read-timeout-s", "30").wait_ready()
+    try:
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=20) as conn:
+            conn.sendall((f"POST /score HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                          f"Authorization: Bearer {API_KEY}\r\nContent-Length: 100\r\n\r\n" + '{"seque').encode())
+            time.sleep(0.5)
+            sent = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            reply = b""
+            while b"\r\n\r\n" not in reply or len(reply.split(b"\r\n\r\n", 1)[1]) < _content_length(reply):
+                chunk = conn.recv(65536)
+                if not chunk:
+                    break
+                reply += chunk
+            answered_after = time.monotonic() - sent
+        code = server.proc.wait(timeout=30)
+    finally:
+        server.stop()
+    head, _, body = reply.partition(b"\r\n\r\n")
+    lines = head.decode().lower().split("\r\n")
+    assert lines[0].startswith("http/1.1 503"), reply[:400]
+    assert "content-type: application/json" in lines and "connection: close" in lines, lines
+    assert json.loads(body)["error"]["type"] == "draining", body
+    assert answered_after < 1.0, f"answered {answered_after:.2f} s after SIGTERM"
+    assert code == 0, server.log()
+
+
+def _content_length(reply: bytes) -> int:
+    for line in reply.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":", 1)[1])
+    return 1 << 30

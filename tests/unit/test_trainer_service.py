@@ -360,6 +360,62 @@ def test_a_swap_between_the_rows_of_a_request(tmp_path, pin):
     assert [len(r) for r in backend.rows[1:]] == [1, 1, 1]  # a, b, then a again
 
 
+def test_swaps_landing_faster_than_a_request_is_scored_never_fail_it(tmp_path):
+    """Six one-sequence rows (about 0.25 s a pass) while updates land every 20 ms: each pass
+    straddles swaps. The request still ends with one version (its second re-score holds the next
+    update off), and every update still succeeds."""
+    root = _root(tmp_path)
+    backend = FakeBackend(seconds_per_token=0.01)
+    seqs = [{"id": str(i), "input_ids": [i + 1, i + 2, i + 3, i + 4], "score_from": 1} for i in range(6)]
+    settings = Settings(weights_root=root, max_batch_tokens=4, max_wait_ms=0)
+
+    async def main():
+        async with running_app(create_app(settings, backend)) as client:
+            request = asyncio.create_task(client.post("/score", json={"sequences": seqs}))
+            updates = []
+            while not request.done() and len(updates) < 200:
+                step = "step-1" if len(updates) % 2 else "step-2"
+                updates.append(await client.post("/v1/weights", json={"path": step, "version": f"v{len(updates) + 1}"}))
+                await asyncio.sleep(0.02)
+            return await request, updates
+
+    response, updates = asyncio.run(main())
+    assert response.status_code == 200, response.text
+    assert len(updates) >= 3 and all(u.status_code == 200 for u in updates), [u.text for u in updates if u.status_code != 200]
+    version = response.json()["weights_version"]
+    generation = backend.versions.index(version)
+    for seq, result in zip(seqs, response.json()["results"]):
+        np.testing.assert_allclose(result["logprobs"], _expected(seq, generation), rtol=0, atol=1e-6)
+
+
+def test_a_version_names_one_set_of_weights(tmp_path):
+    """A version the model served (now or before) is refused for new weights: a request pinned to
+    it must never get other numbers under that name. Refusals are counted, path ones included."""
+    root = _root(tmp_path)
+
+    async def main():
+        async with running_app(create_app(Settings(weights_root=root), FakeBackend())) as client:
+            answers = [await client.post("/v1/weights", json=body) for body in (
+                {"path": "step-1", "version": "L"},
+                {"path": "step-2", "version": "L"},  # the name now served
+                {"path": "step-2", "version": FAKE_VERSION},  # the name served before
+                {"path": "step-2", "version": "M"},
+                {"path": "/etc", "version": "N"},
+                {"path": "step-2", "version": 5},
+            )]
+            return answers, await client.post("/score", json=_score({"weights_version": "L"})), await client.get("/metrics")
+
+    answers, pinned, metrics = asyncio.run(main())
+    assert [a.status_code for a in answers] == [200, 409, 409, 200, 403, 422], [a.text for a in answers]
+    for refused in answers[1:3]:
+        error = refused.json()["error"]
+        assert error["type"] == "version_in_use" and error["param"] == "version", error
+    assert pinned.status_code == 409 and pinned.json()["error"]["type"] == "weights_version_mismatch"
+    counted = {s.labels["outcome"]: s.value for f in text_string_to_metric_families(metrics.text)
+               if f.name == "packscore_weights_updates" for s in f.samples if s.name.endswith("_total")}
+    assert counted == {"ok": 2.0, "version_in_use": 2.0, "forbidden_path": 1.0, "invalid_value": 1.0}, counted
+
+
 # ---- rollout mismatch ------------------------------------------------------------------------
 
 
@@ -385,6 +441,22 @@ def test_mismatch_stays_a_number_when_exp_overflows():
     figures = mismatch(np.array([-1.0, -2.0], np.float32), np.array([-3e38, -2.0], np.float32))
     assert all(math.isfinite(v) for v in figures.values()), figures
     assert figures["k3_kl"] == np.finfo(np.float64).max and figures["max_abs_diff"] > 1e38
+
+
+def test_a_huge_mismatch_leaves_the_histograms_sums_finite_and_moving():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from service.http.metrics import Metrics
+
+    metrics = Metrics()
+    huge = mismatch(np.array([-1.0], np.float32), np.array([-3e38], np.float32))
+    for figures in (huge, huge, {"mean_abs_diff": 0.25, "max_abs_diff": 0.25, "k3_kl": 0.25}):
+        metrics.observe_mismatch("m", figures)
+    sums = {s.name: s.value for family in text_string_to_metric_families(metrics.render().decode())
+            for s in family.samples if s.name.startswith("packscore_rollout_") and s.name.endswith("_sum")}
+    assert len(sums) == 3, sums
+    for name, value in sums.items():  # two observations capped at 1,000, then one of 0.25 that still counts
+        assert value == 2000.25, f"{name} = {value}, expected 2000.25"
 
 
 @pytest.mark.parametrize("encoding", ["json", "msgpack"])
