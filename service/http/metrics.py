@@ -199,6 +199,8 @@ class Metrics:
         self.slow_kernel_fallback.labels(model=served_name).set(1 if info.slow_kernels else 0)
         parallel = {k: str(info.parallel.get(k, "")).lower() for k in ("world_size", "dp", "sp", "fsdp")}
         self.parallel_info.labels(model=served_name).info(parallel)
+        for histogram in (self.rollout_mean_abs_diff, self.rollout_max_abs_diff, self.rollout_k3_kl):
+            histogram.labels(model=served_name)  # at zero from the start, so a dashboard finds the series
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -459,6 +459,17 @@ def test_a_huge_mismatch_leaves_the_histograms_sums_finite_and_moving():
         assert value == 2000.25, f"{name} = {value}, expected 2000.25"
 
 
+def test_the_mismatch_series_of_every_model_exist_from_the_start():
+    async def main():
+        async with running_app(create_app(Settings(), _two())) as client:
+            return await client.get("/metrics")
+
+    text = asyncio.run(main()).text
+    for model in ("policy", "ref"):
+        for name in ("mean_abs_diff", "max_abs_diff", "k3_kl"):
+            assert f'packscore_rollout_{name}_count{{model="{model}"}} 0.0' in text, (model, name)
+
+
 @pytest.mark.parametrize("encoding", ["json", "msgpack"])
 def test_rollout_logprobs_give_mismatch_figures(encoding):
     rng = np.random.default_rng(1)
