@@ -405,6 +405,8 @@ async def _score_with_one_version(request: Request, model: ServedModel, job: Sco
             if attempt == _HOLD_FROM_RESCORE:
                 held = await _hold_swaps(model, deadline)
                 todo = _rescore_needed(scores, model, job)  # against what serves now, fixed while held
+                if not todo:  # what served while it waited is the version its sequences have
+                    return scores, job.weights_version or model.backend.info.weights_version  # type: ignore[return-value]
             # A re-score goes first and past the admission bound, as the probe: its tokens were admitted.
             got = await _admit_and_wait(request, scheduler, [job.sequences[i] for i in todo], deadline, rescore=attempt > 0)
             if got is None:
