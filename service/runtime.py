@@ -21,7 +21,7 @@ import numpy as np
 
 from model_runtime.scoring.backend import ScoringBackend
 from model_runtime.types import SequenceInput
-from service.http.errors import ApiError
+from service.http.errors import ApiError, draining_error
 from service.http.metrics import Metrics
 from service.http.validation import Limits, resolve_model_len
 from service.scheduling.scheduler import Scheduler, SharedCapacity
@@ -284,9 +284,7 @@ class Service:
             for waiter in list(self._drain_waiters):
                 waiter.get_loop().call_soon_threadsafe(_set_done, waiter)
             if self.scheduler is not None:  # not admitted yet: as new as a request arriving now
-                self.scheduler.stop_admitting(ApiError(
-                    503, "draining", "The server is shutting down; retry on another replica.",
-                    headers={"Retry-After": "1", "Connection": "close"}))
+                self.scheduler.stop_admitting(draining_error())
 
     def when_draining(self) -> asyncio.Future:
         """A future of the running event loop, done once draining begins (a request body still

@@ -57,6 +57,18 @@ def backend_unavailable(message: str, retry_after_s: int) -> ApiError:
     return ApiError(503, "backend_unavailable", message, headers={"Retry-After": str(retry_after_s)})
 
 
+def draining_error() -> ApiError:
+    """503 ``draining``: SIGTERM came; nothing new is admitted. Connection: close, so that a
+    keep-alive client reconnects (to another replica) instead of meeting a closed socket."""
+    return ApiError(503, "draining", "The server is shutting down; retry on another replica.",
+                    headers={"Retry-After": "1", "Connection": "close"})
+
+
+def deadline_error() -> ApiError:
+    """504 ``deadline_exceeded``: the request's ``deadline_ms`` passed before its result was ready."""
+    return ApiError(504, "deadline_exceeded", "deadline_ms passed before the result was ready.", "deadline_ms")
+
+
 def param_path(loc: Iterable[str | int], *, sourced: bool = True) -> str | None:
     """``("body", "sequences", 3, "input_ids", 17)`` -> ``"sequences[3].input_ids[17]"``.
 

@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 from model_runtime.scoring.backend import BackendUnavailableError, ScoringBackend
 from model_runtime.scoring.prefix import RowTokens, tokens_saved
 from model_runtime.types import InvalidSequenceError, SequenceInput, SequenceScores
-from service.http.errors import ApiError, backend_unavailable
+from service.http.errors import ApiError, backend_unavailable, deadline_error
 from service.http.metrics import Metrics
 from service.scheduling.admission import Admission, QueueFullError
 
@@ -369,7 +369,7 @@ class Scheduler:
             if not head.queued:
                 self._queue.popleft()
             elif head.ticket.deadline is not None and now >= head.ticket.deadline:
-                self.fail(head.ticket, _deadline_error())
+                self.fail(head.ticket, deadline_error())
             else:
                 return
 
@@ -584,10 +584,6 @@ def _settle(future: asyncio.Future, result, error: BaseException | None) -> None
 
 def _queue_full(exc: QueueFullError) -> ApiError:
     return ApiError(429, "queue_full", str(exc), headers={"Retry-After": str(exc.retry_after_s)})
-
-
-def _deadline_error() -> ApiError:
-    return ApiError(504, "deadline_exceeded", "deadline_ms passed before the result was ready.", "deadline_ms")
 
 
 def _short(exc: BaseException) -> str:
