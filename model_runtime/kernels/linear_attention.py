@@ -22,6 +22,8 @@ from model_runtime.model.packing import PackedBatch
 
 log = logging.getLogger(__name__)
 
+FLA_CHUNK = 64  # chunk_gated_delta_rule's chunk_size, which packscore leaves at fla's default
+
 
 def _check(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: PackedBatch) -> None:
     T, Hk, K = q_THK.shape
@@ -103,6 +105,8 @@ def _fla_chunk(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: PackedBatch, initial_
 
     _pin_fla_kernels()
     kwargs = {"cu_seqlens_cpu": packed.cu_seqlens_host_long} if _fla_accepts("cu_seqlens_cpu") else {}
+    if _fla_accepts("chunk_indices"):
+        kwargs["chunk_indices"] = packed.chunk_table(FLA_CHUNK)
     q_normalised = _l2norm_fixed_key(q_THK)
     if q_normalised is not None:
         q_THK, k_THK = q_normalised, _l2norm_fixed_key(k_THK)

@@ -154,6 +154,23 @@ class PackedBatch:
         """int64 ``[N + 1]`` offsets on the host: lets fla plan chunks without a device sync."""
         return torch.tensor(self.cu_seqlens_host, dtype=torch.long)
 
+    def chunk_table(self, size: int) -> torch.Tensor:
+        """int64 ``[chunks, 2]`` on the compute device: ``(segment, chunk within it)`` of every
+        ``size``-token chunk, segment by segment (fla's ``chunk_indices``). fla would build it in
+        each forward with a blocking upload, which waits for every kernel already queued and so
+        stops the next row from being queued behind this one; here it is one asynchronous upload."""
+        cache = self._chunk_tables
+        if size not in cache:
+            counts = -(-np.asarray(self.lengths, dtype=np.int64) // size)
+            segment = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+            within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+            cache[size] = upload(torch.from_numpy(np.stack([segment, within], axis=1)), self.cu_seqlens.device)
+        return cache[size]
+
+    @cached_property
+    def _chunk_tables(self) -> dict[int, torch.Tensor]:
+        return {}
+
     @property
     def num_segments(self) -> int:
         return len(self.lengths)

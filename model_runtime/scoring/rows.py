@@ -8,7 +8,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from model_runtime.model.packing import PackedBatch, PrefixLinks
+from model_runtime.model.packing import PackedBatch, PrefixLinks, upload
 from model_runtime.scoring.head import HeadOutput
 from model_runtime.scoring.prefix import find_groups
 from model_runtime.types import MAX_TOP_K, InvalidSequenceError, SequenceInput, SequenceScores
@@ -72,7 +72,9 @@ class RowPlan:
         """The head's rows in sequence order (one per scored position of every sequence)."""
         if self.expand_N is None:
             return head
-        index = torch.from_numpy(self.expand_N).to(head.logprobs_N.device)
+        # Asynchronous: a blocking upload would wait for this row's kernels, and the next row
+        # could not be queued behind them (``Scorer.score``).
+        index = upload(torch.from_numpy(self.expand_N), head.logprobs_N.device)
         pick = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
         return HeadOutput(pick(head.logprobs_N), pick(head.entropy_N), pick(head.top_k_ids_NK), pick(head.top_k_logprobs_NK))
 

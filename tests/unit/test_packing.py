@@ -39,6 +39,17 @@ def test_padding_is_its_own_segment():
     assert none == 0 and same.lengths == (4,) and same.padding_segments == ()
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=40), st.sampled_from([16, 32, 64]))
+def test_chunk_table_lists_every_chunk_of_every_segment(lengths, size):
+    p = PackedBatch.from_lengths(lengths)
+    want = [(i, j) for i, n in enumerate(lengths) for j in range(-(-n // size))]
+    got = p.chunk_table(size)
+    assert got.dtype == torch.int64 and got.shape == (len(want), 2), (got.dtype, tuple(got.shape), len(want))
+    assert [tuple(r) for r in got.tolist()] == want
+    assert p.chunk_table(size) is got  # built once per forward, shared by every layer
+
+
 @pytest.mark.parametrize("lengths", [[], [0], [3, -1]])
 def test_bad_lengths_are_refused(lengths):
     with pytest.raises(ValueError):
