@@ -57,6 +57,42 @@ def min_row_tokens(device: torch.device | str, shards: int = 1) -> int:
 CPU_PACKED_TOLERANCE = 1e-6
 
 
+def top_k_ranked(logp_RV: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log-probs, ids)`` ``[R, k]`` of each row's k most likely tokens, most likely first and
+    equal log-probs by lowest id first, whatever k, the row count or the device.
+
+    ``torch.topk`` breaks ties by its algorithm, which changes with k (a request ranked beside
+    one asking for more gets other ids for equal values) and with the device. Here every value
+    becomes a unique int64 key, its float32 order in the high half and ``V - 1 - id`` in the low
+    half, so ``topk`` of the keys has no ties; the log-probs are read back by id. A quarter of the
+    rows at a time: the keys and their temporaries (16 bytes a value) then add 4 bytes per value
+    of ``logp_RV``, within the head's ``BYTES_PER_LOGIT``."""
+    R, V = logp_RV.shape
+    ids_RK = torch.empty(R, k, dtype=torch.long, device=logp_RV.device)
+    low = torch.arange(V - 1, -1, -1, dtype=torch.long, device=logp_RV.device)
+    step = max(1, -(-R // 4))
+    for a in range(0, R, step):
+        block = logp_RV[a : a + step].float() + 0.0  # a copy, and -0.0 -> +0.0: one key per value
+        bits = block.view(torch.int32)
+        flip = bits >> 31
+        flip &= 0x7FFFFFFF
+        bits ^= flip  # as signed integers, now in the floats' order (there is no NaN)
+        del flip
+        keys = bits.to(torch.long)
+        del block, bits
+        keys <<= 32
+        keys |= low
+        ids_RK[a : a + step] = (V - 1) - (keys.topk(k, dim=-1).values & 0xFFFFFFFF)
+        del keys
+    return logp_RV.gather(1, ids_RK).float(), ids_RK
+
+
+def top_k_ranked_reference(logp_RV: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain reference of ``top_k_ranked``: a stable sort keeps equal values in id order."""
+    values, ids = torch.sort(logp_RV.float(), dim=-1, descending=True, stable=True)
+    return values[:, :k].contiguous(), ids[:, :k].contiguous()
+
+
 def _pad_rows(x_ND: torch.Tensor, multiple: int) -> torch.Tensor:
     pad = (-x_ND.shape[0]) % multiple
     return x_ND if pad == 0 else torch.cat([x_ND, x_ND.new_zeros(pad, x_ND.shape[1])])
@@ -144,7 +180,7 @@ def score_positions(
                 for a in range(start, end, step):
                     b = min(end, a + step)
                     logp_RV = tempered_log_softmax(z_CV[a - start : b - start], temperature_N[a:b])
-                    top_logp[a:b], top_ids[a:b] = logp_RV.topk(top_k, dim=-1)
+                    top_logp[a:b], top_ids[a:b] = top_k_ranked(logp_RV, top_k)
                     del logp_RV
             # Released before the next chunk's product, or two chunks of logits would coexist.
             del z_CV
@@ -153,7 +189,7 @@ def score_positions(
         del z_CV
         logprobs[start:end] = logp_CV.gather(1, targets_N[start:end, None])[:, 0]
         if top_k:
-            top_logp[start:end], top_ids[start:end] = logp_CV.topk(top_k, dim=-1)
+            top_logp[start:end], top_ids[start:end] = top_k_ranked(logp_CV, top_k)
         entropy[start:end] = entropy_of(logp_CV)
         del logp_CV
     return HeadOutput(logprobs, entropy, top_ids, top_logp)
@@ -172,5 +208,5 @@ def score_positions_reference(hidden_ND, weight_VD, targets_N, temperature_N, *,
         None,
     )
     if top_k:
-        out.top_k_logprobs_NK, out.top_k_ids_NK = logp.topk(top_k, dim=-1)
+        out.top_k_logprobs_NK, out.top_k_ids_NK = top_k_ranked_reference(logp, top_k)
     return out

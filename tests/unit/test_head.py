@@ -147,3 +147,22 @@ def test_float32_temperatures_stay_finite_and_normal():
     assert torch.isfinite(t).all() and (t >= MIN_TEMPERATURE).all(), t.tolist()
     assert t[0] == MIN_TEMPERATURE and t[3] == MAX_TEMPERATURE and t[4] == MAX_TEMPERATURE
     assert abs(float(t[2]) - 0.7) < 1e-7
+
+
+@pytest.mark.parametrize("rows", [1, 3, 50])
+def test_top_k_ranks_ties_by_lowest_id_whatever_k(rows):
+    """Log-probs with many exact ties (few distinct values, -0.0 among them): the ranking equals a
+    stable sort's for every k, so a position's first k ids do not depend on the k its row ranked."""
+    from model_runtime.scoring.head import top_k_ranked, top_k_ranked_reference
+
+    g = torch.Generator().manual_seed(rows)
+    V = 997
+    levels = torch.tensor([0.0, -0.0, -0.5, -1.25, -3.0, -7.0, -1e30, 2.5e-39])  # a denormal too
+    logp = levels[torch.randint(0, len(levels), (rows, V), generator=g)]
+    for k in (1, 3, 20):
+        got_v, got_i = top_k_ranked(logp, k)
+        want_v, want_i = top_k_ranked_reference(logp, k)
+        assert torch.equal(got_i, want_i), f"k={k}: ids {got_i[0].tolist()} != {want_i[0].tolist()}"
+        assert torch.equal(got_v, want_v)
+    first3 = top_k_ranked(logp, 3)[1]
+    assert torch.equal(top_k_ranked(logp, 20)[1][:, :3], first3), "the first 3 ids depend on k"

@@ -28,6 +28,17 @@ def test_issue_example_alone_and_beside_a_neighbour_is_bitwise_equal(tiny_scorer
         np.testing.assert_array_equal(packed.logprobs, alone.logprobs)
 
 
+def test_top_k_ids_of_ties_do_not_depend_on_a_neighbour_asking_more(tiny_scorer):
+    """At an enormous temperature every token ties; the row ranks the largest k any sequence
+    asked for, and a sequence asking 3 still gets the same 3 ids (the lowest) beside one asking 20."""
+    mine = SequenceInput(np.array([5, 6, 7, 8]), score_from=1, temperature=1e30, top_k=3)
+    other = SequenceInput(np.array([9, 10, 11]), score_from=1, temperature=1e30, top_k=20)
+    alone = tiny_scorer.score_row([mine])[0]
+    beside = tiny_scorer.score_row([other, mine])[1]
+    assert np.array_equal(alone.top_k_ids, beside.top_k_ids), f"{alone.top_k_ids[0]} alone, {beside.top_k_ids[0]} beside"
+    assert alone.top_k_ids[0].tolist() == [0, 1, 2]  # every token ties: lowest ids first
+
+
 @pytest.mark.parametrize("vocab", [4096, 4099, 65536], ids=lambda v: f"V{v}")
 @pytest.mark.parametrize("threads", [1, 3], ids=lambda t: f"threads{t}")
 def test_head_numbers_of_a_row_ignore_the_rest_of_the_chunk(vocab, threads):
