@@ -33,8 +33,8 @@ def validate_sequence(seq: SequenceInput, vocab_size: int, index: int = 0) -> No
         raise InvalidSequenceError(f"score_from must be in [1, {ids.size}], got {seq.score_from}", f"{p}.score_from")
     if not (np.isfinite(seq.temperature) and seq.temperature > 0):
         raise InvalidSequenceError(f"temperature must be finite and > 0, got {seq.temperature}", "temperature")
-    if not 0 <= seq.top_k <= MAX_TOP_K:
-        raise InvalidSequenceError(f"top_k must be in [0, {MAX_TOP_K}], got {seq.top_k}", "top_k")
+    if not 0 <= seq.top_k <= min(MAX_TOP_K, vocab_size):
+        raise InvalidSequenceError(f"top_k must be in [0, {min(MAX_TOP_K, vocab_size)}], got {seq.top_k}", "top_k")
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,9 @@ def parse_score_request(body: Any, limits: Limits | Mapping[str, Limits], served
         raise from_validation_errors(exc.errors(include_url=False), sourced=False) from None
     model = pick_model(request.model, served)
     limits = served[model]
+    if request.top_k > limits.vocab_size:
+        raise ApiError(422, "invalid_value", f"top_k must be at most the vocabulary's {limits.vocab_size} tokens, "
+                       f"got {request.top_k}.", "top_k")
 
     out: list[SequenceInput] = []
     rollout: list[np.ndarray | None] = []

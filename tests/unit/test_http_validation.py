@@ -115,6 +115,18 @@ def test_bad_json_requests_get_their_status_and_never_reach_the_model():
     asyncio.run(main())
 
 
+def test_top_k_past_a_small_vocabulary_is_refused_by_field():
+    async def main():
+        backend = FakeBackend(vocab_size=12, max_model_len=4096)
+        async with running_app(create_app(Settings(**LIMITS), backend)) as client:
+            rows_before = len(backend.rows)
+            _check_error(await _post(client, good(top_k=13)), 422, "invalid_value", "top_k")
+            assert len(backend.rows) == rows_before, "a bad request reached the backend"
+            assert (await _post(client, good(top_k=12))).status_code == 200
+
+    asyncio.run(main())
+
+
 BAD_RAW = [
     ("garbage-json", b"{not json", JSON_H, 400, "malformed_body", None),
     ("truncated-json", b'{"sequences": [{"input_ids": [1, 2', JSON_H, 400, "malformed_body", None),
