@@ -287,6 +287,10 @@ class Scheduler:
         try:
             await self.admission.admit(tokens, timeout)
         except QueueFullError as exc:
+            # Its own deadline ended the wait (the event loop's timer may fire a hair early): 504,
+            # not a 429 that a client would retry past its deadline.
+            if deadline is not None and time.monotonic() >= deadline - 0.005:
+                raise deadline_error() from None
             raise _queue_full(exc) from None
         if self._closed:
             self.admission.release(tokens)
