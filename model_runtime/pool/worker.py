@@ -83,6 +83,7 @@ def _load(start: msg.Start, device: torch.device):
             served_name=name,
             worker_pool=True,
             weights_later=True,
+            weights_version=start.weights_version or None,
         )
     # A preset (random weights drawn whole) that does not fit one GPU must not be built whole onto
     # one: with FSDP it is built on the CPU with the GPU's kernels, and fully_shard moves each
@@ -97,6 +98,7 @@ def _load(start: msg.Start, device: torch.device):
         kernel_overrides=overrides,
         served_name=name,
         worker_pool=True,
+        weights_version=start.weights_version or None,
     )
 
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -18,7 +17,7 @@ from model_runtime.model.architectures import architecture_for
 from model_runtime.model.causal_lm import PackedCausalLM, PatchReport, patch_for_packing
 from model_runtime.scoring.checkpoint import CheckpointSpec, assert_fully_loaded, build_meta_model, check_checkpoint
 from model_runtime.scoring.presets import PRESETS, build_config
-from model_runtime.scoring.weights import non_finite, non_finite_error
+from model_runtime.scoring.weights import content_version, non_finite, non_finite_error
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +73,7 @@ def load_model(
     kernel_device: str | torch.device | None = None,
     worker_pool: bool = False,
     weights_later: bool = False,
+    weights_version: str | None = None,
 ) -> LoadedModel:
     """Loads ``spec`` (a preset name or a checkpoint directory) and patches it for packing.
 
@@ -88,6 +88,11 @@ def load_model(
 
     ``moe_implementation`` picks how Hugging Face runs MoE experts: ``grouped_mm`` (one grouped
     matrix product over all experts, the default) or ``eager`` (a Python loop over experts).
+
+    A checkpoint's ``weights_version`` is its content hash (``weights.content_version``, hashed
+    beside the load), as a weight update's default is: the same bytes are the same version on
+    every replica and after a copy. ``weights_version`` names it instead (the worker pool hashes
+    once for all its ranks).
     """
     device = torch.device(device) if device is not None else default_device()
     run_on = torch.device(kernel_device) if kernel_device is not None else device
@@ -110,11 +115,13 @@ def load_model(
         checked = check_checkpoint(path)  # refuses before a byte of weights is read
         model_type, max_model_len = checked.model_type, checked.max_model_len
         hf_kwargs = _hf_kwargs(model_type, moe_implementation)
-        if weights_later:
-            hf_model = _empty_checkpoint_model(path, torch_dtype, hf_kwargs)
-        else:
-            hf_model = _load_checkpoint(checked, torch_dtype, device, hf_kwargs)
-        version, name, source = checkpoint_version(path), path.name, str(path)
+        with ThreadPoolExecutor(1) as hasher:  # hashlib releases the GIL: the hash runs beside the load
+            hashed = hasher.submit(_timed_content_version, path) if weights_version is None else None
+            if weights_later:
+                hf_model = _empty_checkpoint_model(path, torch_dtype, hf_kwargs)
+            else:
+                hf_model = _load_checkpoint(checked, torch_dtype, device, hf_kwargs)
+        version, name, source = weights_version or hashed.result(), path.name, str(path)
     architecture = architecture_for(model_type)
     model, report = patch_for_packing(hf_model, architecture, backends)
     model.eval().requires_grad_(False)
@@ -229,14 +236,8 @@ def _load_fp8(checked: CheckpointSpec, dtype: torch.dtype, hf_kwargs: dict):
     )
 
 
-def checkpoint_version(path: Path) -> str:
-    """``<newest weight mtime, UTC>#<hash of weight names, sizes and mtimes>``: changes on any rewrite."""
-    files = sorted(path.glob("*.safetensors"))
-    digest = hashlib.sha256()
-    newest = 0.0
-    for f in files:
-        st = f.stat()
-        newest = max(newest, st.st_mtime)
-        digest.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    stamp = datetime.fromtimestamp(newest, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return f"{stamp}#{digest.hexdigest()[:6]}"
+def _timed_content_version(path: Path) -> str:
+    started = time.perf_counter()
+    version = content_version(path)
+    log.info("%s: weights version %s (content hash, %.1fs)", path, version, time.perf_counter() - started)
+    return version

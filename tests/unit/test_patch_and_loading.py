@@ -103,12 +103,22 @@ def test_sharded_checkpoint_loads_to_the_same_numbers(tmp_path, checkpoint_dir):
     np.testing.assert_array_equal(sharded, single)
 
 
-def test_weights_version_changes_when_weights_are_rewritten(tmp_path):
-    build_hf_model("qwen3_5").save_pretrained(tmp_path)
-    first = load_model(str(tmp_path), device="cpu").weights_version
-    build_hf_model("qwen3_5", seed=1).save_pretrained(tmp_path)
-    second = load_model(str(tmp_path), device="cpu").weights_version
-    assert first != second and "#" in first
+def test_weights_version_is_the_content_hash(tmp_path):
+    """Other weights, another version; the same bytes copied elsewhere (another replica, newer
+    mtimes), the same version, and the one a weight update without a version would name."""
+    import shutil
+
+    from model_runtime.scoring.weights import content_version
+
+    build_hf_model("qwen3_5").save_pretrained(tmp_path / "a")
+    first = load_model(str(tmp_path / "a"), device="cpu").weights_version
+    shutil.copytree(tmp_path / "a", tmp_path / "copy")
+    (tmp_path / "copy" / "model.safetensors").touch()
+    assert load_model(str(tmp_path / "copy"), device="cpu").weights_version == first == content_version(tmp_path / "a")
+    build_hf_model("qwen3_5", seed=1).save_pretrained(tmp_path / "a")
+    second = load_model(str(tmp_path / "a"), device="cpu").weights_version
+    assert first != second and first.startswith("sha256-"), (first, second)
+    assert load_model(str(tmp_path / "a"), device="cpu", weights_version="step-7").weights_version == "step-7"
 
 
 def test_presets_have_the_advertised_shapes():
