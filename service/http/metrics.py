@@ -130,7 +130,8 @@ class Metrics:
         self.rollout_mean_abs_diff, self.rollout_max_abs_diff, self.rollout_k3_kl = (
             Histogram(
                 f"packscore_rollout_{name}",
-                f"Per sequence sent with rollout_logprobs: {what}, d = packscore's log-prob - the rollout's.",
+                f"Per sequence sent with rollout_logprobs and at least one scored position: {what}, "
+                "d = packscore's log-prob - the rollout's.",
                 ["model"],
                 buckets=_MISMATCH_BUCKETS,
                 registry=r,

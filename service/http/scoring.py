@@ -261,7 +261,8 @@ def _score_body(job: ScoreJob, scores: list[SequenceScores], version: str, servi
     for record, s, rollout in zip(results, scores, job.rollout):
         if rollout is not None:
             record["mismatch"] = figures = mismatch(s.logprobs, rollout)
-            service.metrics.observe_mismatch(job.model, figures)
+            if rollout.size:  # an empty scored range measures nothing: its zeros would pull a dashboard down
+                service.metrics.observe_mismatch(job.model, figures)
     return {
         "model": job.model,
         "weights_version": version,
