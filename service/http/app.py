@@ -240,6 +240,8 @@ def _add_routes(app: FastAPI, service: Service) -> None:
     for path in ("/healthz", "/health"):  # /health: the name vLLM, TGI and SGLang answer on
         app.add_api_route(path, healthz, methods=["GET"], response_model=Health,
                           summary="Liveness: the process serves HTTP", operation_id=f"health{path.replace('/', '_')}")
+        # Some load balancers probe with HEAD: the same answer, without a body (uvicorn drops it).
+        app.add_api_route(path, healthz, methods=["HEAD"], include_in_schema=False)
 
     @app.get(
         "/readyz",
@@ -257,6 +259,8 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         headers = {"Retry-After": "1", **_CLOSE} if status == "draining" else {"Retry-After": "5"}
         return Response(encode_json({"status": status, "error": error}), status_code=503, media_type=JSON,
                         headers=headers)
+
+    app.add_api_route("/readyz", readyz, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response, responses=_errors(401))
     async def metrics() -> Response:

@@ -171,7 +171,8 @@ def _checked_rollout(values: np.ndarray, i: int, n_scored: int) -> np.ndarray:
     bad = np.flatnonzero(~np.isfinite(values))
     if bad.size:
         j = int(bad[0])
-        raise ApiError(422, "invalid_value", f"rollout_logprobs must be finite, got {values[j]}.", f"{param}[{j}]")
+        raise ApiError(422, "invalid_value", "rollout_logprobs must be finite float32 numbers (magnitude below "
+                       f"3.4e38), got {values[j]} as float32.", f"{param}[{j}]")
     return values
 
 

@@ -74,6 +74,9 @@ def test_auth_is_required_except_on_the_probes(tiny_server):
     assert post(tiny_server.url, body).status_code == 200
     assert httpx.get(tiny_server.url + "/healthz").json() == {"status": "ok"}
     assert httpx.get(tiny_server.url + "/readyz").json()["status"] == "ready"
+    for probe in ("/healthz", "/health", "/readyz"):  # load balancers that probe with HEAD
+        head = httpx.head(tiny_server.url + probe)
+        assert head.status_code == 200 and head.content == b"", (probe, head.status_code, head.content)
     assert httpx.get(tiny_server.url + "/metrics").status_code == 401
     assert httpx.get(tiny_server.url + "/v1/models").status_code == 401
 
