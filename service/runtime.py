@@ -79,6 +79,9 @@ class ServedModel:
     updating: bool = False  # a POST /v1/weights for it is running
     swap_holds: int = 0  # requests re-scoring after swaps: no update starts while any holds
     versions_served: set[str] = field(default_factory=set)  # every version this model served
+    # The last update's answer, with the version, directory and files (names, sizes, mtimes) it
+    # loaded: the same request again, files untouched, gets that answer (a retry after a lost one).
+    last_update: tuple[tuple, dict] | None = None
 
 
 def _set_done(waiter: asyncio.Future) -> None:

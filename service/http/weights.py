@@ -85,6 +85,11 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
         await asyncio.sleep(0.01)
     if model.updating:
         raise ApiError(409, "update_in_progress", f"An update of {model.name!r} is already running; retry once it is done.", "model")
+    source = (version, path, _files_of(path))
+    if version is not None and model.last_update is not None and model.last_update[0] == source \
+            and model.backend.info.weights_version == version:
+        log.info("weights update of %s to %s repeated: it already serves these files", model.name, version)
+        return dict(model.last_update[1])
     served = model.versions_served | {model.backend.info.weights_version}
     if version is not None and version in served:
         # A version names one set of weights: a pinned request must never get other numbers under it.
@@ -115,10 +120,18 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
     metrics.describe_model(model.backend.info, model.name)
     log.info("%s now serves %s (was %s): loaded in %.2fs, swapped in %.1fms",
              model.name, update.weights_version, update.previous_version, update.load_s, update.swap_ms)
-    return {
+    answer = {
         "model": model.name,
         "weights_version": update.weights_version,
         "previous_version": update.previous_version,
         "load_s": update.load_s,
         "swap_ms": update.swap_ms,
     }
+    model.last_update = (source, dict(answer))
+    return answer
+
+
+def _files_of(path: Path) -> tuple:
+    """What a repeated request must find unchanged to be the same update: every file's name,
+    size and modification time (a rewrite under the same version name is a new update)."""
+    return tuple(sorted((f.name, st.st_size, st.st_mtime_ns) for f in path.iterdir() if f.is_file() for st in [f.stat()]))

@@ -416,6 +416,30 @@ def test_a_version_names_one_set_of_weights(tmp_path):
     assert counted == {"ok": 2.0, "version_in_use": 2.0, "forbidden_path": 1.0, "invalid_value": 1.0}, counted
 
 
+def test_an_update_repeated_after_a_lost_answer_gets_the_first_answer(tmp_path):
+    """A trainer that lost the answer sends the same update again: while that version still
+    serves the same files it gets the first answer and nothing reloads; files rewritten under the
+    same version name, or the name for another directory, are new weights: 409."""
+    root = _root(tmp_path)
+    backend = FakeBackend()
+
+    async def main():
+        async with running_app(create_app(Settings(weights_root=root), backend)) as client:
+            body = {"path": "step-1", "version": "L"}
+            first, again = [await client.post("/v1/weights", json=body) for _ in range(2)]
+            loads = backend.generation
+            elsewhere = await client.post("/v1/weights", json={"path": "step-2", "version": "L"})
+            (root / "step-1" / "model.safetensors").write_bytes(b"rewritten, and longer")
+            rewritten = await client.post("/v1/weights", json=body)
+            return first, again, loads, elsewhere, rewritten
+
+    first, again, loads, elsewhere, rewritten = asyncio.run(main())
+    assert first.status_code == 200 and again.status_code == 200, again.text
+    assert again.json() == first.json() and loads == 1, (again.json(), first.json(), loads)
+    for refused in (elsewhere, rewritten):
+        assert refused.status_code == 409 and refused.json()["error"]["type"] == "version_in_use", refused.text
+
+
 # ---- rollout mismatch ------------------------------------------------------------------------
 
 
