@@ -18,9 +18,10 @@ from model_runtime.kernels.overrides import FAMILIES, parse_kernel_overrides
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 DEFAULT_QUEUED_TOKENS = 1 << 20  # the hard cap on admitted tokens of a one-GPU server
-# Bytes a request may take per token when it must be admissible (JSON ids of up to 6 digits
-# with separators and spaces, room for per-sequence fields), plus per-sequence and fixed room.
-_BODY_BYTES_PER_TOKEN = 12
+# Bytes a request may take per token when it must be admissible: a JSON id of up to 6 digits and
+# a JSON rollout log-prob (a float64's shortest repr, up to about 22 characters), with separators;
+# plus per-sequence and fixed room.
+_BODY_BYTES_PER_TOKEN = 32
 _BODY_BYTES_PER_SEQUENCE = 256
 _BODY_BYTES_FIXED = 1 << 20
 
@@ -104,7 +105,8 @@ class Settings(BaseSettings):
         None,
         ge=1,
         description="largest request body in bytes; beyond it 413. Default: what the largest admissible request "
-        "needs, 12 bytes per token of --max-queued-tokens + 256 per sequence of --max-sequences-per-request + 1 MiB",
+        "needs, 32 bytes per token of --max-queued-tokens (an id and a rollout log-prob in JSON) + 256 per sequence "
+        "of --max-sequences-per-request + 1 MiB",
     )
     request_read_timeout_s: float = Field(
         30.0, gt=0, description="a request's headers and body must arrive within this many seconds, else the "

@@ -41,7 +41,7 @@ def test_admission_hard_cap_and_body_limit_defaults_follow_the_pool():
     more (the time bound, --queue-seconds, decides below it); the body limit follows the cap."""
     one = cli.parse_settings(["serve"])[1]
     assert one.queued_tokens == 1 << 20 and one.queue_seconds == 4.0 and one.max_admission_wait_s == 30.0
-    assert one.request_bytes == 12 * (1 << 20) + 256 * one.max_sequences_per_request + (1 << 20)
+    assert one.request_bytes == 32 * (1 << 20) + 256 * one.max_sequences_per_request + (1 << 20)
     eight = cli.parse_settings(["serve", "--world-size", "8", "--max-batch-tokens", "65536"])[1]
     assert eight.queued_tokens == 4 * 8 * 65536
     given = cli.parse_settings(["serve", "--world-size", "4", "--max-queued-tokens", "1000",
