@@ -12,6 +12,8 @@ temperature; log 0 is reported as ``LOGP_FLOOR``, see kernels/logprob_head.py),
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +21,8 @@ import torch.nn.functional as F
 
 from model_runtime.kernels.logprob_head import entropy_of, tempered_log_softmax
 from model_runtime.types import MAX_TOP_K
+
+log = logging.getLogger(__name__)
 
 # Bytes per (token, vocab) entry alive at a chunk's peak, measured in tests/unit/test_head.py:
 # float32 log-probs (4), a temporary of logsumexp or top-k (4), float32 probabilities (4), and
@@ -61,12 +65,37 @@ def top_k_ranked(logp_RV: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     """``(log-probs, ids)`` ``[R, k]`` of each row's k most likely tokens, most likely first and
     equal log-probs by lowest id first, whatever k, the row count or the device.
 
-    ``torch.topk`` breaks ties by its algorithm, which changes with k (a request ranked beside
-    one asking for more gets other ids for equal values) and with the device. Here every value
-    becomes a unique int64 key, its float32 order in the high half and ``V - 1 - id`` in the low
-    half, so ``topk`` of the keys has no ties; the log-probs are read back by id. A quarter of the
-    rows at a time: the keys and their temporaries (16 bytes a value) then add 4 bytes per value
-    of ``logp_RV``, within the head's ``BYTES_PER_LOGIT``."""
+    ``torch.topk`` alone breaks ties by its algorithm, which changes with k (a request ranked
+    beside one asking for more got other ids for equal values) and with the device. The work is
+    two steps, so that a head ranking many small blocks of rows orders them all at once:
+    ``top_k_pick`` takes the right k values of each row, ``order_top_k`` puts them in order."""
+    return order_top_k(*top_k_pick(logp_RV, k))
+
+
+def top_k_pick(logp_RV: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k values of ``top_k_ranked``, in an order ``order_top_k`` completes. On CUDA
+    ``torch.topk`` picks every value above the k-th, then the values equal to it in id order:
+    only their order is left to fix. Where that is not what the installed torch does (checked
+    once per device and vocabulary size), and on the CPU, every value is ranked as a unique key
+    (``_top_k_by_keys``, already in order)."""
+    if logp_RV.is_cuda and _cuda_topk_takes_ties_in_id_order(logp_RV.device, logp_RV.shape[1]):
+        values, ids = logp_RV.topk(k, dim=-1)
+        return values.float(), ids
+    return _top_k_by_keys(logp_RV, k)
+
+
+def order_top_k(values_RK: torch.Tensor, ids_RK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Picked values most likely first, equal ones by lowest id: a sort by id, then a stable one by value."""
+    ids_RK, by_id = ids_RK.sort(dim=-1)
+    values_RK, by_value = values_RK.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    return values_RK, ids_RK.gather(1, by_value)
+
+
+def _top_k_by_keys(logp_RV: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every value becomes a unique int64 key, its float32 order in the high half and
+    ``V - 1 - id`` in the low half, so ``topk`` of the keys has no ties; the log-probs are read
+    back by id. A quarter of the rows at a time: the keys and their temporaries (16 bytes a value)
+    then add 4 bytes per value of ``logp_RV``, within the head's ``BYTES_PER_LOGIT``."""
     R, V = logp_RV.shape
     ids_RK = torch.empty(R, k, dtype=torch.long, device=logp_RV.device)
     low = torch.arange(V - 1, -1, -1, dtype=torch.long, device=logp_RV.device)
@@ -85,6 +114,22 @@ def top_k_ranked(logp_RV: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
         ids_RK[a : a + step] = (V - 1) - (keys.topk(k, dim=-1).values & 0xFFFFFFFF)
         del keys
     return logp_RV.gather(1, ids_RK).float(), ids_RK
+
+
+@functools.cache
+def _cuda_topk_takes_ties_in_id_order(device: torch.device, vocab: int) -> bool:
+    """Whether ``torch.topk`` then a stable sort gives ``_top_k_by_keys``' ranking here: rows of
+    few distinct values (ties everywhere), several row counts and k (the kernel changes with them)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    for rows in (1, 7, 64):
+        logp = -torch.randint(0, 6, (rows, vocab), generator=g, device=device).float()
+        for k in (1, 5, 20):
+            fast = order_top_k(*logp.topk(k, dim=-1))
+            if not torch.equal(fast[1], _top_k_by_keys(logp, k)[1]):
+                log.warning("torch.topk on %s does not take tied values in id order (rows %d, k %d): the head "
+                            "ranks top-k by unique keys, which is slower", device, rows, k)
+                return False
+    return True
 
 
 def top_k_ranked_reference(logp_RV: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,7 +225,7 @@ def score_positions(
                 for a in range(start, end, step):
                     b = min(end, a + step)
                     logp_RV = tempered_log_softmax(z_CV[a - start : b - start], temperature_N[a:b])
-                    top_logp[a:b], top_ids[a:b] = top_k_ranked(logp_RV, top_k)
+                    top_logp[a:b], top_ids[a:b] = top_k_pick(logp_RV, top_k)
                     del logp_RV
             # Released before the next chunk's product, or two chunks of logits would coexist.
             del z_CV
@@ -189,9 +234,11 @@ def score_positions(
         del z_CV
         logprobs[start:end] = logp_CV.gather(1, targets_N[start:end, None])[:, 0]
         if top_k:
-            top_logp[start:end], top_ids[start:end] = top_k_ranked(logp_CV, top_k)
+            top_logp[start:end], top_ids[start:end] = top_k_pick(logp_CV, top_k)
         entropy[start:end] = entropy_of(logp_CV)
         del logp_CV
+    if top_k:  # every position's picks put in order at once, not one small sort per block
+        top_logp, top_ids = order_top_k(top_logp, top_ids)
     return HeadOutput(logprobs, entropy, top_ids, top_logp)
 
 

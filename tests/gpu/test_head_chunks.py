@@ -36,3 +36,22 @@ def test_chunk_size_changes_no_number(hidden, gpu_record):
     gpu_record("head_chunks", hidden=hidden, positions=N, differing=differing)
     assert all(n == 0 for n in differing.values()), f"values differing from chunks of {CHUNKS[0]}: {differing}"
 
+
+
+def test_top_k_ranks_ties_by_lowest_id_on_the_gpu(gpu_record):
+    """Log-probs of bf16 logits over the 9B's vocabulary (many exact ties): the ranking equals a
+    stable sort's at every k, so a position's first k ids never depend on the k its row ranked."""
+    from model_runtime.kernels.logprob_head import tempered_log_softmax
+    from model_runtime.scoring.head import top_k_ranked, top_k_ranked_reference
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    z = (torch.randn(37, 248320, device="cuda", generator=g) * 2).bfloat16().round()  # integers: ties everywhere
+    logp = tempered_log_softmax(z, torch.ones(37, device="cuda"))
+    firsts = {}
+    for k in (1, 5, 20):
+        got_v, got_i = top_k_ranked(logp, k)
+        want_v, want_i = top_k_ranked_reference(logp, k)
+        assert torch.equal(got_i, want_i) and torch.equal(got_v, want_v), f"k={k}: {got_i[0].tolist()} vs {want_i[0].tolist()}"
+        firsts[k] = got_i
+    assert torch.equal(firsts[20][:, :5], firsts[5]) and torch.equal(firsts[5][:, :1], firsts[1])
+    gpu_record("top-k ties by lowest id (GPU)", rows=37, vocab=248320)
