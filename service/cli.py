@@ -52,13 +52,16 @@ def _optional_inner(annotation):
     return annotation
 
 
-def _add_options(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
+def _add_options(parser: argparse.ArgumentParser, names: Sequence[str], *, one_model: bool = False) -> None:
     for name in names:
         field = Settings.model_fields[name]
         option = "--" + name.replace("_", "-")
         shown_default = "" if field.default is None else f"; default {field.default}"
+        description = field.description
+        if one_model and name == "model":  # offline scoring runs one model
+            description = description.split("; several models:")[0]
         # argparse formats help with %: a literal one in a description must reach it doubled
-        help_text = f"{field.description} [env PACKSCORE_{name.upper()}{shown_default}]".replace("%", "%%")
+        help_text = f"{description} [env PACKSCORE_{name.upper()}{shown_default}]".replace("%", "%%")
         kind = _optional_inner(field.annotation)
         if kind is bool:
             parser.add_argument(option, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
@@ -106,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     score.add_argument("input", type=Path, metavar="IN.jsonl", help="sequences to score, one JSON object per line")
     score.add_argument("-o", "--output", type=Path, required=True, metavar="OUT.jsonl", help="where results go (appended)")
-    _add_options(score, _SCORE_OPTIONS)
+    _add_options(score, _SCORE_OPTIONS, one_model=True)
     return parser
 
 

@@ -145,6 +145,9 @@ class Settings(BaseSettings):
             raise ValueError("give --api-key or --api-key-file, not both")
         if self.admin_key is not None and self.admin_key_file is not None:
             raise ValueError("give --admin-key or --admin-key-file, not both")
+        if self.world_size % self.sp:  # refused here, before a port is bound or a worker starts
+            raise ValueError(f"--world-size {self.world_size} is not divisible by --sp {self.sp}: "
+                             "a sequence-parallel group needs sp of the world's GPUs")
         specs = self.model_specs()  # raises on a malformed list of models
         if len(specs) > 1 and self.served_model_name is not None:
             raise ValueError("--served-model-name names the only model; with several, name each as --model NAME=PATH")

@@ -94,6 +94,8 @@ def test_every_option_has_help_naming_its_environment_variable(capsys):
         (["serve", "--kernels", "head=torch,head=triton"], "--kernels"),
         (["serve", "--kernels", "atention=sdpa"], "unknown kernel family 'atention'"),
         (["serve", "--api-key", "a", "--api-key-file", "/k"], "not both"),
+        (["serve", "--sp", "2"], "--world-size 1 is not divisible by --sp 2"),
+        (["serve", "--world-size", "2", "--sp", "3"], "--world-size 2 is not divisible by --sp 3"),
         (["score", "in.jsonl", "-o", "out.jsonl", "--top-k", "21"], "--top-k"),
     ],
 )
