@@ -1,6 +1,7 @@
 """The Python client against the app in-process (fake backend): splitting, retries, encodings."""
 
 import asyncio
+import json
 import subprocess
 import sys
 import threading
@@ -285,3 +286,49 @@ def test_the_blocking_client_retries_503_then_scores_through_the_same_exchange()
         (result,) = client.score([[1, 2, 3]], return_entropy=False)
     assert seen == ["/readyz", "/score", "/score"]
     np.testing.assert_array_equal(result.logprobs, np.array([-1.5, -0.25], np.float32))
+
+
+def test_a_weights_update_refused_for_now_is_sent_again_after_retry_after():
+    """503 (the pool restarting, no memory now) changes nothing on the server: the client waits
+    Retry-After and sends the same update again, as it does for /score."""
+    answers = [httpx.Response(503, headers={"Retry-After": "0"}, json={"error": {"type": "unavailable", "message": "x"}}),
+               httpx.Response(200, json={"model": "m", "weights_version": "step-2", "previous_version": "step-1",
+                                         "load_s": 1.0, "swap_ms": 2.0})]
+    bodies = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append((request.url.path, request.content))
+        return answers.pop(0)
+
+    with ScoreClient(BASE, transport=httpx.MockTransport(handler)) as client:
+        update = client.update_weights("m", "step-2", version="step-2")
+    assert update.weights_version == "step-2" and update.previous_version == "step-1"
+    assert [p for p, _ in bodies] == ["/v1/weights"] * 2 and bodies[0][1] == bodies[1][1]
+
+
+def test_a_weights_update_to_no_server_is_a_connection_error():
+    from model_runtime.pool.ports import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with ScoreClient(url, connect_retry_s=0.5) as client, pytest.raises(ScoreError) as failed:
+        client.update_weights(None, "step-1")
+    assert failed.value.status == 0 and failed.value.type == "connection_error", failed.value
+
+
+def test_deadline_ms_bounds_the_whole_call_not_each_retry():
+    """A server answering 429 with Retry-After 1 s: a 500 ms deadline ends the call as 504 at
+    once instead of retrying until retry_timeout_s; each attempt asks for what is left."""
+    sent = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/readyz":
+            return httpx.Response(404)
+        sent.append(json.loads(request.content)["deadline_ms"])
+        return httpx.Response(429, headers={"Retry-After": "1"}, json={"error": {"type": "queue_full", "message": "x"}})
+
+    started = time.monotonic()
+    with ScoreClient(BASE, encoding="json", transport=httpx.MockTransport(handler), retry_timeout_s=30) as client:
+        with pytest.raises(ScoreError) as failed:
+            client.score([[1, 2, 3]], deadline_ms=500)
+    assert failed.value.status == 504 and failed.value.param == "deadline_ms", failed.value
+    assert time.monotonic() - started < 2 and len(sent) == 1 and 0 < sent[0] <= 500, (sent, time.monotonic() - started)

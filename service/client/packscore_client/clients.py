@@ -59,7 +59,10 @@ class _Base:
               weights_version=None):
         seqs = as_seqs(sequences)
         opts = options(temperature, return_entropy, top_k, model, deadline_ms, weights_version)
-        return seqs, opts, time.monotonic() + self._p.retry_timeout_s
+        now = time.monotonic()
+        # deadline_ms bounds the whole call, its retries included
+        deadline = None if deadline_ms is None else now + deadline_ms / 1000.0
+        return seqs, opts, now + self._p.retry_timeout_s, deadline
 
 
 class ScoreClient(_Base):
@@ -94,12 +97,12 @@ class ScoreClient(_Base):
         rollout_logprobs, or unpadded 1-D id lists or arrays); one result per sequence, in order,
         each naming the weights version that scored it. ``weights_version`` pins the version: the
         server answers 409 (raised as ScoreError) when it serves another."""
-        seqs, opts, give_up = self._plan(sequences, temperature=temperature, return_entropy=return_entropy, top_k=top_k,
+        seqs, opts, give_up, deadline = self._plan(sequences, temperature=temperature, return_entropy=return_entropy, top_k=top_k,
                                          model=model, deadline_ms=deadline_ms, weights_version=weights_version)
         if not self._p.limits_known:
             self._p.learn_from_readyz(self._get("/readyz"))
         parts = self._p.chunks(seqs, self._max_concurrency)
-        futures = [self._pool.submit(self._drive, self._p.exchange([seqs[i] for i in part], opts, give_up, part))
+        futures = [self._pool.submit(self._drive, self._p.exchange([seqs[i] for i in part], opts, give_up, part, deadline))
                    for part in parts]
         return [r for f in futures for r in f.result()]
 
@@ -117,8 +120,8 @@ class ScoreClient(_Base):
     def update_weights(self, model: str | None, path: str, version: str | None = None) -> WeightsUpdate:
         """Asks the server to serve the checkpoint at ``path`` (relative to its --weights-root) for
         ``model``; returns once the new version serves. ``version`` defaults to a content hash."""
-        content, headers = self._p.weights_request(model, path, version)
-        return self._p.weights_answer(self._http.post("/v1/weights", content=content, headers=headers))
+        steps = self._p.weights_exchange(model, path, version, time.monotonic() + self._p.retry_timeout_s)
+        return self._drive(steps, "/v1/weights", self._p.weights_headers())
 
     def _get(self, path: str) -> httpx.Response | Exception:
         try:
@@ -126,7 +129,7 @@ class ScoreClient(_Base):
         except httpx.HTTPError as exc:
             return exc
 
-    def _drive(self, steps: Generator) -> list[ScoredSequence]:
+    def _drive(self, steps: Generator, route: str = "/score", headers: dict | None = None) -> Any:
         try:
             step = next(steps)
             while True:
@@ -135,7 +138,7 @@ class ScoreClient(_Base):
                     step = steps.send(None)
                     continue
                 try:
-                    outcome: Any = self._http.post("/score", content=step)
+                    outcome: Any = self._http.post(route, content=step, headers=headers)
                 except httpx.TransportError as exc:
                     outcome = exc
                 step = steps.send(outcome)
@@ -160,14 +163,14 @@ class AsyncScoreClient(_Base):
     async def score(self, sequences: Iterable[Any], **options: Any) -> list[ScoredSequence]:
         """``ScoreClient.score``, awaited: the same keyword arguments (temperature, return_entropy,
         top_k, model, deadline_ms, weights_version) and the same results."""
-        seqs, opts, give_up = self._plan(sequences, **options)
+        seqs, opts, give_up, deadline = self._plan(sequences, **options)
         if not self._p.limits_known:
             self._p.learn_from_readyz(await self._get("/readyz"))
         gate = asyncio.Semaphore(self._max_concurrency)
 
         async def send(part: list[int]) -> list[ScoredSequence]:
             async with gate:
-                return await self._drive(self._p.exchange([seqs[i] for i in part], opts, give_up, part))
+                return await self._drive(self._p.exchange([seqs[i] for i in part], opts, give_up, part, deadline))
 
         parts = await asyncio.gather(*(send(part) for part in self._p.chunks(seqs, self._max_concurrency)))
         return [r for part in parts for r in part]
@@ -182,8 +185,8 @@ class AsyncScoreClient(_Base):
 
     async def update_weights(self, model: str | None, path: str, version: str | None = None) -> WeightsUpdate:
         """As ``ScoreClient.update_weights``."""
-        content, headers = self._p.weights_request(model, path, version)
-        return self._p.weights_answer(await self._http.post("/v1/weights", content=content, headers=headers))
+        steps = self._p.weights_exchange(model, path, version, time.monotonic() + self._p.retry_timeout_s)
+        return await self._drive(steps, "/v1/weights", self._p.weights_headers())
 
     async def _get(self, path: str) -> httpx.Response | Exception:
         try:
@@ -191,7 +194,7 @@ class AsyncScoreClient(_Base):
         except httpx.HTTPError as exc:
             return exc
 
-    async def _drive(self, steps: Generator) -> list[ScoredSequence]:
+    async def _drive(self, steps: Generator, route: str = "/score", headers: dict | None = None) -> Any:
         try:
             step = next(steps)
             while True:
@@ -200,7 +203,7 @@ class AsyncScoreClient(_Base):
                     step = steps.send(None)
                     continue
                 try:
-                    outcome: Any = await self._http.post("/score", content=step)
+                    outcome: Any = await self._http.post(route, content=step, headers=headers)
                 except httpx.TransportError as exc:
                     outcome = exc
                 step = steps.send(outcome)

@@ -229,10 +229,43 @@ class Protocol:
 
     def weights_request(self, model: str | None, path: str, version: str | None) -> tuple[bytes, dict]:
         """The body and headers of POST /v1/weights (JSON; the admin key when one was given)."""
+        return json.dumps({"model": model, "path": str(path), "version": version}).encode(), self.weights_headers()
+
+    def weights_headers(self) -> dict:
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if self.admin_key:
             headers["Authorization"] = f"Bearer {self.admin_key}"
-        return json.dumps({"model": model, "path": str(path), "version": version}).encode(), headers
+        return headers
+
+    def weights_exchange(self, model: str | None, path: str, version: str | None,
+                         give_up: float) -> Generator[bytes | float, Any, WeightsUpdate]:
+        """POST /v1/weights until answered, as ``exchange`` drives /score: 429 and 503 (an update
+        refused for now changes nothing) are retried after their Retry-After until ``give_up``; a
+        server not reached is retried for ``connect_retry_s``. A request that may have reached the
+        server (a read timeout) is not sent again: its update may be running."""
+        body, _ = self.weights_request(model, path, version)
+        attempt, unreachable_since = 0, None
+        while True:
+            outcome = yield body
+            if isinstance(outcome, httpx.Response):
+                if outcome.status_code not in _RETRY_STATUSES:
+                    return self.weights_answer(outcome)
+                wait = retry_after(outcome, attempt)
+                if time.monotonic() + wait > give_up:
+                    raise _error(outcome)
+            else:
+                if not isinstance(outcome, (httpx.ConnectError, httpx.ConnectTimeout)):
+                    raise ScoreError(0, "connection_error", f"POST /v1/weights to {self.base_url} failed after it was "
+                                     f"sent ({_describe(outcome)}); the update may have run: /v1/models names the "
+                                     "version served") from outcome
+                now = time.monotonic()
+                unreachable_since = unreachable_since or now
+                wait = retry_after(None, attempt)
+                if now + wait > min(give_up, unreachable_since + self.connect_retry_s):
+                    raise ScoreError(0, "connection_error", f"could not reach {self.base_url} for "
+                                     f"{now - unreachable_since:.1f}s: {_describe(outcome)}") from outcome
+            yield wait
+            attempt += 1
 
     @staticmethod
     def weights_answer(response: httpx.Response) -> WeightsUpdate:
@@ -249,8 +282,8 @@ class Protocol:
         model, version = body["model"], body["weights_version"]
         return [_result(r, top_k, model, version) for r in body["results"]]
 
-    def exchange(self, seqs: list[Seq], options: dict, give_up: float,
-                 indices: Sequence[int] | None = None) -> Generator[bytes | float, Any, list[ScoredSequence]]:
+    def exchange(self, seqs: list[Seq], options: dict, give_up: float, indices: Sequence[int] | None = None,
+                 deadline: float | None = None) -> Generator[bytes | float, Any, list[ScoredSequence]]:
         """The results of ``seqs`` in one request, or in halves where the server says it is too large.
         ``indices``: where each of ``seqs`` stands in the caller's list, which an error names (the
         server numbers the sequences of the request it got).
@@ -259,9 +292,17 @@ class Protocol:
         raised instead) or seconds to sleep (and receives None). 429 and 503 are retried after their
         Retry-After until ``give_up`` (a ``time.monotonic()``); a server that cannot be reached is
         retried for ``connect_retry_s`` from the first failure in a row, a log line each, then raised.
+        ``deadline`` (a ``time.monotonic()``, from the call's ``deadline_ms``) bounds the retries too:
+        each attempt asks the server for what is left of it, and none is sent once it has passed.
         """
         attempt, unreachable_since = 0, None
         while True:
+            if deadline is not None:
+                left_ms = math.ceil((deadline - time.monotonic()) * 1000.0)
+                if left_ms <= 0:
+                    raise ScoreError(504, "deadline_exceeded", "deadline_ms passed before the result was ready "
+                                     "(the client was retrying).", "deadline_ms")
+                options = {**options, "deadline_ms": left_ms}
             outcome = yield self.body(seqs, options)
             if isinstance(outcome, httpx.Response):
                 unreachable_since = None
@@ -271,11 +312,14 @@ class Protocol:
                 if outcome.status_code == 413 and error.type in _SPLITTABLE and len(seqs) > 1:
                     self.learn(outcome.headers)
                     half, where = len(seqs) // 2, list(indices if indices is not None else range(len(seqs)))
-                    first = yield from self.exchange(seqs[:half], options, give_up, where[:half])
-                    return first + (yield from self.exchange(seqs[half:], options, give_up, where[half:]))
+                    first = yield from self.exchange(seqs[:half], options, give_up, where[:half], deadline)
+                    return first + (yield from self.exchange(seqs[half:], options, give_up, where[half:], deadline))
                 wait = retry_after(outcome, attempt)
                 if outcome.status_code not in _RETRY_STATUSES or time.monotonic() + wait > give_up:
                     raise _renumbered(error, indices)
+                if deadline is not None and time.monotonic() + wait >= deadline:
+                    raise ScoreError(504, "deadline_exceeded", f"deadline_ms would pass before a retry could "
+                                     f"be answered (the server said {outcome.status_code} {error.type}).", "deadline_ms")
             else:
                 now = time.monotonic()
                 unreachable_since = unreachable_since or now
