@@ -305,7 +305,7 @@ def _add_weights_route(app: FastAPI, service: Service, root) -> None:
     async def weights(request: Request) -> Response:
         if service.phase != "ready":
             raise not_ready(service)
-        encoding = request_encoding(request.headers.get("content-type"))
+        encoding = request_encoding(request.headers.get("content-type"), request.headers.get("content-encoding"))
         body = decode_body(await read_body(request, 1 << 20, service), encoding)
         answer = await update_weights(service, body, root)
         return Response(encode_json(answer), media_type=JSON)

@@ -34,8 +34,13 @@ def _media_type(header: str) -> str:
     return header.split(";", 1)[0].strip().lower()
 
 
-def request_encoding(content_type: str | None) -> Encoding:
-    """The body's encoding from ``Content-Type``; 400 for anything but JSON or msgpack."""
+def request_encoding(content_type: str | None, content_encoding: str | None = None) -> Encoding:
+    """The body's encoding from ``Content-Type``; 400 for anything but JSON or msgpack, and for a
+    compressed body (``Content-Encoding``), which would otherwise fail to decode with a puzzling message."""
+    if content_encoding and content_encoding.strip().lower() != "identity":
+        raise ApiError(400, "unsupported_content_encoding",
+                       f"Content-Encoding {content_encoding!r} is not supported; send the body uncompressed.",
+                       "Content-Encoding")
     media = _media_type(content_type or "")
     if media not in _MEDIA_TYPES:
         shown = repr(content_type) if content_type else "none"

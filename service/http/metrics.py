@@ -28,8 +28,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 _KNOWN_REJECTIONS = (
     "queue_full", "draining", "not_ready", "deadline_exceeded", "client_disconnected", "backend_unavailable",
     "sequence_too_large", "sequence_too_long", "request_too_large", "too_many_sequences", "body_too_large",
-    "invalid_value", "malformed_body", "unsupported_content_type", "model_not_found", "unauthorized",
-    "model_required", "weights_version_mismatch",
+    "invalid_value", "malformed_body", "unsupported_content_type", "unsupported_content_encoding", "model_not_found",
+    "unauthorized", "model_required", "weights_version_mismatch",
 )  # fmt: skip
 
 

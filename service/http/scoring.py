@@ -45,7 +45,7 @@ async def score_request(request: Request, service: Service) -> Response:
     limits = service.limits
     if service.phase != "ready" or service.scheduler is None or limits is None:
         raise not_ready(service)
-    in_encoding = request_encoding(request.headers.get("content-type"))
+    in_encoding = request_encoding(request.headers.get("content-type"), request.headers.get("content-encoding"))
     try:
         raw = await read_body(request, limits.max_request_bytes, service)
         served = {name: m.limits for name, m in service.models.items()}

@@ -5,6 +5,7 @@ untouched.
 """
 
 import asyncio
+import gzip
 import json
 
 import msgpack
@@ -137,6 +138,8 @@ BAD_RAW = [
      "Content-Type"),
     ("form", b"a=b", {"Content-Type": "application/x-www-form-urlencoded"}, 400, "unsupported_content_type",
      "Content-Type"),
+    ("gzip", gzip.compress(json.dumps(good()).encode()), {**JSON_H, "Content-Encoding": "gzip"}, 400,
+     "unsupported_content_encoding", "Content-Encoding"),
     ("too-big", json.dumps({"sequences": [{"input_ids": [1] * 10_000}]}).encode(), JSON_H, 413, "body_too_large",
      None),
     ("msgpack-bin-odd-length", msgpack.packb({"sequences": [{"input_ids": b"\x01\x00\x00"}]}), MSGPACK_H, 422,
