@@ -258,12 +258,7 @@ class Protocol:
                     raise ScoreError(0, "connection_error", f"POST /v1/weights to {self.base_url} failed after it was "
                                      f"sent ({_describe(outcome)}); the update may have run: /v1/models names the "
                                      "version served") from outcome
-                now = time.monotonic()
-                unreachable_since = unreachable_since or now
-                wait = retry_after(None, attempt)
-                if now + wait > min(give_up, unreachable_since + self.connect_retry_s):
-                    raise ScoreError(0, "connection_error", f"could not reach {self.base_url} for "
-                                     f"{now - unreachable_since:.1f}s: {_describe(outcome)}") from outcome
+                wait, unreachable_since = self._unreachable(outcome, attempt, unreachable_since, give_up)
             yield wait
             attempt += 1
 
@@ -321,16 +316,23 @@ class Protocol:
                     raise ScoreError(504, "deadline_exceeded", f"deadline_ms would pass before a retry could "
                                      f"be answered (the server said {outcome.status_code} {error.type}).", "deadline_ms")
             else:
-                now = time.monotonic()
-                unreachable_since = unreachable_since or now
-                wait = retry_after(None, attempt)
-                if now + wait > min(give_up, unreachable_since + self.connect_retry_s):
-                    raise ScoreError(0, "connection_error", f"could not reach {self.base_url} for "
-                                     f"{now - unreachable_since:.1f}s: {_describe(outcome)}") from outcome
-                log.warning("packscore: cannot reach %s (%s); retrying in %.1fs (gives up %.0fs after the first "
-                            "failure: connect_retry_s)", self.base_url, _describe(outcome), wait, self.connect_retry_s)
+                wait, unreachable_since = self._unreachable(outcome, attempt, unreachable_since, give_up)
             yield wait
             attempt += 1
+
+    def _unreachable(self, error: Exception, attempt: int, since: float | None, give_up: float) -> tuple[float, float]:
+        """``(seconds to wait, when the failures in a row began)`` before trying a server that was not
+        reached again, with a log line; ScoreError ``connection_error`` once ``connect_retry_s`` from
+        the first failure (or ``give_up``) would pass."""
+        now = time.monotonic()
+        since = since or now
+        wait = retry_after(None, attempt)
+        if now + wait > min(give_up, since + self.connect_retry_s):
+            raise ScoreError(0, "connection_error", f"could not reach {self.base_url} for "
+                             f"{now - since:.1f}s: {_describe(error)}") from error
+        log.warning("packscore: cannot reach %s (%s); retrying in %.1fs (gives up %.0fs after the first "
+                    "failure: connect_retry_s)", self.base_url, _describe(error), wait, self.connect_retry_s)
+        return wait, since
 
 
 def _describe(exc: BaseException) -> str:
