@@ -22,6 +22,7 @@ import numpy as np
 from model_runtime.scoring.backend import BackendUnavailableError, ModelInfo, UpdateInProgressError, WeightsUpdate, begin_update
 from model_runtime.scoring.checkpoint import CheckpointError
 from model_runtime.scoring.rows import validate_sequence
+from model_runtime.scoring.weights import CONTENT_VERSION_PREFIX
 from model_runtime.types import SequenceInput, SequenceScores
 
 
@@ -141,7 +142,7 @@ class FakeBackend:
                 digest = hashlib.sha256()
                 for f in sorted(path.iterdir()):
                     digest.update(f.name.encode() + (f.read_bytes() if f.is_file() else b""))
-                version = f"sha256-{digest.hexdigest()[:12]}"
+                version = f"{CONTENT_VERSION_PREFIX}{digest.hexdigest()[:12]}"
             load_s = time.perf_counter() - started
             with self._lock:  # between rows: a row reads its version once, under this lock
                 previous = self.info.weights_version

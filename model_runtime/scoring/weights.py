@@ -299,6 +299,9 @@ def swap_parameters(model: nn.Module, new: dict[str, torch.Tensor]) -> None:
                 p.data = t
 
 
+CONTENT_VERSION_PREFIX = "sha256-"  # a content hash's version; service/http/weights.py reserves it
+
+
 def content_version(path: Path, *, threads: int = 16, piece: int = 1 << 30) -> str:
     """``sha256-<12 hex>`` over the checkpoint's config and every safetensors byte.
 
@@ -327,7 +330,7 @@ def content_version(path: Path, *, threads: int = 16, piece: int = 1 << 30) -> s
         total.update(config.read_bytes())
     for (file, start), part in zip(pieces, parts):
         total.update(f"{file.name}@{start}:{part}\n".encode())
-    return f"sha256-{total.hexdigest()[:12]}"
+    return f"{CONTENT_VERSION_PREFIX}{total.hexdigest()[:12]}"
 
 
 def materialize(model: nn.Module, path: Path, device: torch.device) -> None:

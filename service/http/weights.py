@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from model_runtime.scoring.backend import BackendUnavailableError, UpdateInProgressError
 from model_runtime.scoring.checkpoint import CheckpointError
+from model_runtime.scoring.weights import CONTENT_VERSION_PREFIX
 from service.http.errors import ApiError, backend_unavailable, from_validation_errors
 from service.http.schemas import WeightsRequest
 from service.http.validation import pick_model
@@ -25,7 +26,6 @@ from service.scheduling.scheduler import is_out_of_memory
 log = logging.getLogger(__name__)
 
 WEIGHTS_ROUTE = "/v1/weights"
-CONTENT_HASH_PREFIX = "sha256-"  # what model_runtime.scoring.weights.content_version names
 
 
 def _forbidden(path: str, why: str) -> ApiError:
@@ -86,9 +86,9 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
         await asyncio.sleep(0.01)
     if model.updating:
         raise ApiError(409, "update_in_progress", f"An update of {model.name!r} is already running; retry once it is done.", "model")
-    if version is not None and version.startswith(CONTENT_HASH_PREFIX):
+    if version is not None and version.startswith(CONTENT_VERSION_PREFIX):
         # Such a name could later be the content hash of other weights, which would then serve under it.
-        raise ApiError(422, "invalid_value", f"versions starting with {CONTENT_HASH_PREFIX!r} name content hashes; "
+        raise ApiError(422, "invalid_value", f"versions starting with {CONTENT_VERSION_PREFIX!r} name content hashes; "
                        "omit version to get the checkpoint's own, or choose another name.", "version")
     source = (version, path, _files_of(path))
     if version is not None and model.last_update is not None and model.last_update[0] == source \
