@@ -3,16 +3,33 @@ the workers (no torch import)."""
 
 from __future__ import annotations
 
-# One boundary per family (model_runtime/kernels/); each has named backends.
-FAMILIES = ("linear_attention", "conv1d", "attention", "head", "elementwise", "gate_projection", "moe_experts",
-            "moe_router", "moe_shared")
+# One boundary per family (model_runtime/kernels/), each with its named backends (the registry
+# maps every name to its function; tests/unit/test_kernels_registry.py holds the two lists equal).
+BACKENDS = {
+    "linear_attention": ("reference", "fla"),
+    "conv1d": ("reference", "fla", "causal_conv1d", "triton"),
+    "attention": ("reference", "sdpa", "sdpa_fused", "varlen", "flash_attn"),
+    "head": ("torch", "triton"),
+    "elementwise": ("eager", "inductor", "inductor_exact", "triton_exact"),
+    "gate_projection": ("row", "segment", "runs"),
+    "moe_experts": ("tiled", "grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter", "expert_tiles",
+                    "expert_tiles_silu"),
+    "moe_router": ("topk", "select"),
+    "moe_shared": ("inline", "stream"),
+}
+FAMILIES = tuple(BACKENDS)
+
+# Backends whose kernels exist only on CUDA.
+CUDA_ONLY = frozenset({"fla", "causal_conv1d", "varlen", "sdpa_fused", "flash_attn", "triton", "inductor_exact", "triton_exact",
+                       "grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter", "expert_tiles", "expert_tiles_silu",
+                       "select", "stream"})
 
 
 def parse_kernel_overrides(text: str) -> dict[str, str]:
     """``"attention=varlen,head=torch"`` -> ``{"attention": "varlen", "head": "torch"}``.
 
-    The syntax and the family names are checked here (so the CLI refuses a misspelt family
-    before any worker starts); the loader names an unknown backend.
+    The syntax and the family and backend names are checked here, so the CLI refuses a misspelt
+    one before anything starts; whether a backend can run on this machine is the loader's check.
     """
     out: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -23,5 +40,7 @@ def parse_kernel_overrides(text: str) -> dict[str, str]:
             raise ValueError(f"{family!r} is given twice")
         if family not in FAMILIES:
             raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
+        if backend not in BACKENDS[family]:
+            raise ValueError(f"unknown {family} backend {backend!r}; known: {', '.join(BACKENDS[family])}")
         out[family] = backend
     return out

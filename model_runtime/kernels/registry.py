@@ -45,7 +45,7 @@ from model_runtime.kernels.moe_experts import (
 )
 from model_runtime.kernels.moe_router import top_k_select, top_k_torch
 from model_runtime.kernels.logprob_head import logprob_entropy_torch, logprob_entropy_triton
-from model_runtime.kernels.overrides import FAMILIES  # one list for the CLI and the registry
+from model_runtime.kernels.overrides import CUDA_ONLY, FAMILIES  # one list for the CLI and the registry
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +83,6 @@ _CPU_DEFAULT = {
     "moe_shared": "inline",
 }
 
-# Backends whose kernels exist only on CUDA.
-CUDA_ONLY = frozenset({"fla", "causal_conv1d", "varlen", "sdpa_fused", "flash_attn", "triton", "inductor_exact", "triton_exact",
-                       "grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter", "expert_tiles", "expert_tiles_silu",
-                       "select", "stream"})
 
 # The fast backends on a GPU, best first. Attention differs by where the model runs (figures in
 # docs/benchmarks.md):

@@ -93,6 +93,7 @@ def test_every_option_has_help_naming_its_environment_variable(capsys):
         (["serve", "--kernels", "attention"], "--kernels"),
         (["serve", "--kernels", "head=torch,head=triton"], "--kernels"),
         (["serve", "--kernels", "atention=sdpa"], "unknown kernel family 'atention'"),
+        (["serve", "--kernels", "attention=magic"], "unknown attention backend 'magic'"),
         (["serve", "--api-key", "a", "--api-key-file", "/k"], "not both"),
         (["serve", "--sp", "2"], "--world-size 1 is not divisible by --sp 2"),
         (["serve", "--world-size", "2", "--sp", "3"], "--world-size 2 is not divisible by --sp 3"),

@@ -247,6 +247,14 @@ def test_unknown_backend_is_refused():
     assert select_backends("cpu", overrides={"attention": "sdpa"}).attention == "sdpa"
 
 
+def test_the_cli_knows_every_backend_the_registry_has():
+    from model_runtime.kernels.overrides import BACKENDS
+    from model_runtime.kernels.registry import REGISTRY
+
+    assert {family: sorted(names) for family, names in BACKENDS.items()} == {
+        family: sorted(fns) for family, fns in REGISTRY.items()}
+
+
 def test_kernels_check_their_inputs():
     packed = PackedBatch.from_lengths([3])
     with pytest.raises(ValueError, match="packed row has 3"):
