@@ -272,6 +272,9 @@ def _add_routes(app: FastAPI, service: Service) -> None:
             raise not_ready(service)
         return Response(encode_json({"data": [_model_card(m) for m in list(service.models.values())]}), media_type=JSON)
 
+    for path, endpoint in (("/metrics", metrics), ("/v1/models", models)):  # HEAD answers as GET does, bodiless
+        app.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
+
     if service.settings.weights_root is not None:
         _add_weights_route(app, service, service.settings.weights_root)
 

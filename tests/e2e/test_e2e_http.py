@@ -77,8 +77,11 @@ def test_auth_is_required_except_on_the_probes(tiny_server):
     for probe in ("/healthz", "/health", "/readyz"):  # load balancers that probe with HEAD
         head = httpx.head(tiny_server.url + probe)
         assert head.status_code == 200 and head.content == b"", (probe, head.status_code, head.content)
-    assert httpx.get(tiny_server.url + "/metrics").status_code == 401
-    assert httpx.get(tiny_server.url + "/v1/models").status_code == 401
+    for path in ("/metrics", "/v1/models"):
+        assert httpx.get(tiny_server.url + path).status_code == 401
+        assert httpx.head(tiny_server.url + path).status_code == 401
+        head = httpx.head(tiny_server.url + path, headers=AUTH)
+        assert head.status_code == 200 and head.content == b"", (path, head.status_code, head.content)
 
 
 def test_metrics_parse_with_the_prometheus_parser(tiny_server):
