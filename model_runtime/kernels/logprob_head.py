@@ -16,10 +16,12 @@ Every sum over the vocabulary in the ``torch`` backend runs in one fixed order
 chunk: BLAS and PyTorch's reductions choose their summation order from the tensor's shape and
 the thread count (a chunk of one row took another path and moved the entropy by 1e-5).
 
-The ``triton`` backend reads each logit once: one program per position streams the row and
-keeps per-lane running (max, sum of exp d, sum of exp d * d), rescaled whenever the max grows
-(the online softmax), with one exp and at most one division per logit. The ``torch`` backend is
-the plain float32 computation it must match.
+The ``triton`` backend reads each logit once: one program per position streams the row in
+blocks of ``LANES`` runs of ``RUN`` adjacent logits. Each lane (one run, held by one thread) keeps
+a running (max, sum of exp d, sum of exp d * d): per block it takes its run's max, rescales its
+two sums once if the max grew (the online softmax), then adds each logit's exp once. Per logit
+that is one exp and, at temperature 1, five float32 operations; the rescale's exp is paid once a
+run. The ``torch`` backend is the plain float32 computation it must match.
 """
 
 from __future__ import annotations
@@ -78,8 +80,10 @@ def logprob_entropy_torch(z_CV: torch.Tensor, targets_C: torch.Tensor, temperatu
     return logp_CV.gather(1, targets_C.long()[:, None])[:, 0], entropy_of(logp_CV)
 
 
-def logprob_entropy_triton(z_CV: torch.Tensor, targets_C: torch.Tensor, temperature_C: torch.Tensor):
-    """Fused single pass over each row of ``z_CV`` (CUDA, Triton)."""
+def logprob_entropy_triton(z_CV: torch.Tensor, targets_C: torch.Tensor, temperature_C: torch.Tensor, *,
+                           tile: tuple[int, int, int] | None = None):
+    """Fused single pass over each row of ``z_CV`` (CUDA, Triton); ``tile`` = ``(lanes, run, warps)``
+    overrides ``head_tile`` (each tile sums in its own order: float32 rounding apart)."""
     _check(z_CV, targets_C, temperature_C)
     if z_CV.stride(1) != 1:
         z_CV = z_CV.contiguous()
@@ -88,9 +92,8 @@ def logprob_entropy_triton(z_CV: torch.Tensor, targets_C: torch.Tensor, temperat
     entropy_C = torch.empty(C, dtype=torch.float32, device=z_CV.device)
     if C == 0:
         return logp_C, entropy_C
-    kernel = _kernel()
-    block = 2048 if V >= 2048 else max(16, 1 << (V - 1).bit_length())
-    kernel[(C,)](
+    lanes, run, warps = tile or head_tile(V)
+    _kernel()[(C,)](
         z_CV,
         z_CV.stride(0),
         targets_C.to(device=z_CV.device, dtype=torch.int64).contiguous(),
@@ -99,10 +102,19 @@ def logprob_entropy_triton(z_CV: torch.Tensor, targets_C: torch.Tensor, temperat
         entropy_C,
         V,
         LOGP_FLOOR=LOGP_FLOOR,
-        BLOCK=block,
-        num_warps=8 if block >= 2048 else 4,
+        LANES=lanes,
+        RUN=run,
+        num_warps=warps,
     )
     return logp_C, entropy_C
+
+
+def head_tile(V: int) -> tuple[int, int, int]:
+    """``(lanes, run, warps)`` for a vocabulary of ``V``: runs of 8 logits (16 bytes of bf16, one
+    load a thread), as many lanes as two per thread of 8 warps, fewer for a small vocabulary."""
+    run = 8
+    lanes = min(512, max(16, 1 << (max(1, -(-V // run)) - 1).bit_length()))
+    return lanes, run, 8 if lanes >= 256 else 4
 
 
 def _check(z_CV, targets_C, temperature_C) -> None:
@@ -123,47 +135,59 @@ except Exception:  # pragma: no cover - absent, or present but broken: the torch
 
 if triton is not None:
     @triton.jit
-    def _scan(z_row, V, temp, m, s, t, lanes, BLOCK: tl.constexpr, DIVIDE: tl.constexpr):
-        """Per lane over the row: m = max raw logit so far, s = sum exp(d), t = sum exp(d) * d with
-        d = (z - m) / temp (``DIVIDE`` False: temp is 1, by which a division is exact)."""
-        z_next = tl.load(z_row + lanes, mask=lanes < V, other=float("-inf"))
-        for start in range(0, V, BLOCK):
-            z = z_next.to(tl.float32)
-            # the next block's load is issued before this one's arithmetic, so that one program
-            # keeps a load in flight while it computes (masked past V: -inf, never added)
-            cols = start + BLOCK + lanes
-            z_next = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
-            # One division and one exp per logit: delta is either the new logit's d (z <= m, -inf
-            # for masked columns) or the shift of the old terms when z is the lane's new max (its
-            # own d is then 0, adding 1 to s and nothing to t).
-            delta = (z - m) / temp if DIVIDE else z - m
-            grows = z > m
-            e = tl.exp(-tl.abs(delta))
-            # Old terms' d move down by the shift; an e of 0 drops them (and avoids 0 * inf).
-            t_grown = tl.where(e > 0, e * (t - s * delta), 0.0)
-            t = tl.where(grows, t_grown, t + tl.where(e > 0, e * delta, 0.0))
-            s = tl.where(grows, s * e + 1.0, s + e)
-            m = tl.maximum(m, z)
+    def _fold(z, m, s, t, temp, DIVIDE: tl.constexpr, GUARD: tl.constexpr):
+        """One block ``z`` [LANES, RUN] (float32) into each lane's running m = max raw logit, s = sum
+        exp(d), t = sum exp(d) * d, with d = (z - m) / temp (``DIVIDE`` False: temp is 1, by which a
+        division is exact). ``GUARD``: some d may be -inf (masked columns, or an overflow at a tiny
+        temperature), whose exp(d) * d must count as 0, not NaN."""
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        shift = (m_new - m) / temp if DIVIDE else m_new - m
+        r = tl.exp(-shift)
+        # The old terms' d move down by the shift; an r of 0 drops them (and avoids 0 * inf). A
+        # shift of 0 leaves both sums exactly as they were.
+        t = tl.where(r > 0, r * (t - s * shift), 0.0)
+        s = s * r
+        d = (z - m_new[:, None]) / temp if DIVIDE else z - m_new[:, None]
+        e = tl.exp(d)
+        ed = tl.where(e > 0, e * d, 0.0) if GUARD else e * d
+        return m_new, s + tl.sum(e, axis=1), t + tl.sum(ed, axis=1)
+
+    @triton.jit
+    def _scan(z_row, V: tl.constexpr, temp, m, s, t, offs, BLOCK: tl.constexpr, DIVIDE: tl.constexpr):
+        """Every block of the row into (m, s, t): the whole blocks unmasked, each one's load issued
+        before the previous block's arithmetic (one load in flight while it computes), then the tail."""
+        FULL: tl.constexpr = V // BLOCK
+        if FULL > 0:
+            z_next = tl.load(z_row + offs)
+            for i in range(1, FULL):
+                z = z_next.to(tl.float32)
+                z_next = tl.load(z_row + i * BLOCK + offs)
+                m, s, t = _fold(z, m, s, t, temp, DIVIDE, DIVIDE)
+            m, s, t = _fold(z_next.to(tl.float32), m, s, t, temp, DIVIDE, DIVIDE)
+        if V % BLOCK:
+            cols = FULL * BLOCK + offs
+            z = tl.load(z_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            m, s, t = _fold(z, m, s, t, temp, DIVIDE, True)
         return m, s, t
 
     @triton.jit
     def logprob_entropy_kernel(
         z_ptr, stride_row, target_ptr, temp_ptr, logp_ptr, entropy_ptr,
-        V: tl.constexpr, LOGP_FLOOR: tl.constexpr, BLOCK: tl.constexpr,
+        V: tl.constexpr, LOGP_FLOOR: tl.constexpr, LANES: tl.constexpr, RUN: tl.constexpr,
     ):
         row = tl.program_id(0)
         z_row = z_ptr + row.to(tl.int64) * stride_row
         temp = tl.load(temp_ptr + row)
-        lanes = tl.arange(0, BLOCK)
+        offs = tl.arange(0, LANES)[:, None] * RUN + tl.arange(0, RUN)[None, :]  # lane l: a run of RUN logits
         # m starts at a finite floor so that lanes which only ever see masked columns
-        # (vocabularies smaller than BLOCK) never compute -inf - -inf.
-        m = tl.full([BLOCK], LOGP_FLOOR, tl.float32)
-        s = tl.zeros([BLOCK], tl.float32)
-        t = tl.zeros([BLOCK], tl.float32)
+        # (vocabularies smaller than a block) never compute -inf - -inf.
+        m = tl.full([LANES], LOGP_FLOOR, tl.float32)
+        s = tl.zeros([LANES], tl.float32)
+        t = tl.zeros([LANES], tl.float32)
         if temp == 1.0:  # the usual temperature: no division at all
-            m, s, t = _scan(z_row, V, temp, m, s, t, lanes, BLOCK, False)
+            m, s, t = _scan(z_row, V, temp, m, s, t, offs, LANES * RUN, False)
         else:
-            m, s, t = _scan(z_row, V, temp, m, s, t, lanes, BLOCK, True)
+            m, s, t = _scan(z_row, V, temp, m, s, t, offs, LANES * RUN, True)
         m_row = tl.max(m, axis=0)
         shift = (m_row - m) / temp
         w = tl.exp(-shift)
