@@ -125,7 +125,7 @@ class WorkerPool:
         self._generation = 0
         self.prefix_rounding = None  # the workers' RowRounding (prefix sharing on a GPU, sp = 1)
         if Path(self._start_fields["model"]).is_dir():  # its content hash, once here instead of once per rank
-            from model_runtime.scoring.weights import content_version
+            from model_runtime.scoring.weights import content_version, files_snapshot, refuse_if_changed
 
             self._start_fields["weights_version"] = content_version(Path(self._start_fields["model"]))
         hellos = self._start_world()
@@ -165,7 +165,7 @@ class WorkerPool:
 
     def update_weights(self, path: Path, version: str | None = None) -> WeightsUpdate:
         """Every rank loads ``path`` beside its weights, then every rank swaps between the same two rows."""
-        from model_runtime.scoring.weights import content_version
+        from model_runtime.scoring.weights import content_version, files_snapshot, refuse_if_changed
 
         if not self._updating.acquire(blocking=False):
             raise UpdateInProgressError(f"an update of {self.info.name} is already running")
@@ -174,15 +174,21 @@ class WorkerPool:
             world = self._world
             if world is None or world.failed or not self._alive:
                 raise BackendUnavailableError("the worker pool is restarting after a worker failure")
+            files = files_snapshot(Path(path))
             with ThreadPoolExecutor(1) as hasher:  # the content hash runs while the ranks read
                 hashed = hasher.submit(content_version, Path(path)) if version is None else None
                 load = self._new_pending(world, ranks=self.dims.world_size, timeout_s=self.start_timeout_s)
                 self._send_all(world, load, msg.LoadWeights(load.request_id, str(path)))
                 failed = [r for r in self._await(load) if not r.ok]
                 new_version = version or hashed.result()
+            try:
+                refuse_if_changed(Path(path), files)
+                changed = None
+            except CheckpointError as error:  # every rank drops what it read
+                changed = error
             load_s = time.perf_counter() - started
             swap = self._new_pending(world, ranks=self.dims.world_size)
-            frame = msg.encode(msg.SwapWeights(swap.request_id, load.request_id, not failed, new_version))
+            frame = msg.encode(msg.SwapWeights(swap.request_id, load.request_id, not failed and changed is None, new_version))
             if self.dims.lockstep:
                 self._steps.put(Swap(frame, swap))  # the stepper sends it between two steps
             else:
@@ -193,6 +199,8 @@ class WorkerPool:
                 if first.kind == "internal":
                     raise RuntimeError(f"worker rank {first.rank} could not load {path}: {first.message}")
                 raise CheckpointError(first.kind, first.message)
+            if changed is not None:
+                raise changed
             refused = [r for r in swapped if not r.ok]
             if refused:
                 self._on_world_failure(world, f"worker rank {refused[0].rank} could not swap: {refused[0].message}")

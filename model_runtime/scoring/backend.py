@@ -153,12 +153,14 @@ class LocalBackend:
             self.scorer.warm_up()
 
     def update_weights(self, path: Path, version: str | None = None) -> WeightsUpdate:
-        from model_runtime.scoring.weights import content_version, plan_reads, read_parameters, swap_parameters
+        from model_runtime.scoring.weights import (content_version, files_snapshot, plan_reads, read_parameters,
+                                                   refuse_if_changed, swap_parameters)
 
         path = Path(path)
         started = begin_update(self._updating, self.info.name)
         try:
             loaded = self.scorer.loaded
+            files = files_snapshot(path)
             plan = plan_reads(loaded.model, path)
             with ThreadPoolExecutor(1) as hasher:
                 hashed = hasher.submit(content_version, path) if version is None else None
@@ -166,6 +168,7 @@ class LocalBackend:
                 if beside:
                     new = read_parameters(loaded.model, plan)
                     new_version = version or hashed.result()
+                    refuse_if_changed(path, files)
                     load_s = time.perf_counter() - started
                     with self._turnstile, self._lock:
                         t0 = time.perf_counter()

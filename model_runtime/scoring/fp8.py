@@ -13,7 +13,6 @@ during the load.
 from __future__ import annotations
 
 from contextlib import ExitStack
-from pathlib import Path
 
 import torch
 
@@ -34,20 +33,20 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
 def read_dequantized(spec: CheckpointSpec, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every tensor of a checked FP8 checkpoint, by its checkpoint name, FP8 weights dequantized
     to ``dtype`` and the rest cast to it (the vision tower and ``mtp.*`` are not read)."""
-    from safetensors import safe_open
+    from model_runtime.scoring.tensor_file import TensorFile
 
     block = fp8_block_size(spec.config)
     out: dict[str, torch.Tensor] = {}
     with ExitStack() as stack:
-        handles = [stack.enter_context(safe_open(Path(f), framework="pt")) for f in spec.files]
+        handles = [stack.enter_context(TensorFile(f)) for f in spec.files]
         where = {key: h for h in handles for key in h.keys()}
         for key, handle in where.items():
             if key.endswith(FP8_SCALE_SUFFIX) or key.startswith(IGNORED_PREFIXES):
                 continue
-            tensor = handle.get_tensor(key)
+            tensor = handle.read(key)
             scale_key = key + FP8_SCALE_SUFFIX
             if scale_key in where:
-                out[key] = dequantize_fp8(tensor, where[scale_key].get_tensor(scale_key), block, dtype)
+                out[key] = dequantize_fp8(tensor, where[scale_key].read(scale_key), block, dtype)
             elif tensor.is_floating_point():
                 out[key] = tensor.to(dtype)
             else:

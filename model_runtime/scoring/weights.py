@@ -12,7 +12,8 @@ parameter each (``experts.gate_up_proj`` ``[E, 2I, D]``: every expert's ``gate_p
 checkpoint tensors it is made of, checks names and shapes before anything is read, and
 ``read_parameters`` reads them, only the rows of dim 0 a rank holds when FSDP sharded it.
 
-Only safetensors are opened (``safe_open``: a header and raw buffers, never a pickle).
+Only safetensors are opened (a header and raw buffers, never a pickle; the tensors are read with
+positioned reads, never mapped: ``tensor_file.TensorFile``).
 
 Example:
     >>> new = read_parameters(model, plan_reads(model, Path("step-120")))
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from model_runtime.scoring.checkpoint import CheckpointError, check_checkpoint, safetensors_files
+from model_runtime.scoring.tensor_file import TensorFile
 
 _EXPERTS = re.compile(r"^(?P<layer>.*\.experts)\.(?P<which>gate_up_proj|down_proj)$")
 
@@ -181,7 +183,7 @@ def read_parameters(
     the copies run on a side stream, so a forward on the default stream is not held up; they are
     finished before this returns.
     """
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
 
     params = held_parameters(model) if params is None else params
     device = next(local_tensor(p) for p in params.values()).device
@@ -190,25 +192,26 @@ def read_parameters(
         stream.wait_stream(torch.cuda.current_stream(device))  # the last forward is done with the old weights
     try:
         with ExitStack() as stack:
-            source: dict[str, object] = {}  # checkpoint tensor name -> the open file holding it
+            source: dict[str, TensorFile] = {}  # checkpoint tensor name -> the open file holding it
             for file in sorted(plan.path.glob("*.safetensors")):
-                f = stack.enter_context(safe_open(file, framework="pt"))
+                f = stack.enter_context(TensorFile(file))  # read, never mapped: a file cut short is an error
                 source.update(dict.fromkeys(f.keys(), f))
 
             def read(r: ParameterRead) -> tuple[str, torch.Tensor]:
                 p = params[r.param]
                 target = local_tensor(p)
-                host = _read_rows(r, source, local_rows(p))
+                host = _read_rows(r, source, local_rows(p), pin=stream is not None)
                 if tuple(host.shape) != tuple(target.shape):
                     raise CheckpointError(
                         "incompatible", f"{r.param}: read {list(host.shape)} for a local tensor of {list(target.shape)}"
                     )
                 with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                    # From pinned memory the copy is one DMA; the host allocator keeps the buffer until it is done.
                     if into_model:
                         with torch.no_grad():
-                            target.copy_(host)
+                            target.copy_(host, non_blocking=True)
                         return r.param, None
-                    return r.param, host.to(device=target.device, dtype=target.dtype).contiguous()
+                    return r.param, host.to(device=target.device, dtype=target.dtype, non_blocking=True).contiguous()
 
             if into_model and check_first:  # nothing may be copied in before every tensor is known finite
                 def finite(r: ParameterRead) -> tuple[str, bool]:
@@ -221,6 +224,9 @@ def read_parameters(
                 out = dict(ex.map(read, plan.reads))
         if stream is not None:
             stream.synchronize()
+            release = getattr(torch._C, "_host_emptyCache", None)  # CUDA builds: the pinned read buffers go back
+            if release is not None:
+                release()
     except (SafetensorError, OSError) as error:
         raise CheckpointError("unreadable", f"{plan.path.name}: reading the weights failed: {error}") from None
     if not into_model:
@@ -258,12 +264,12 @@ def _refuse_non_finite(plan: ReadPlan, bad: list[str]) -> None:
         raise non_finite_error(plan.path.name, [stored.get(name, name) for name in bad])
 
 
-def _read_rows(r: ParameterRead, source: dict, rows: slice | None) -> torch.Tensor:
-    """The parameter's rows ``rows`` of dim 0 (all when None), read from the checkpoint."""
+def _read_rows(r: ParameterRead, source: dict[str, "TensorFile"], rows: slice | None, pin: bool = False) -> torch.Tensor:
+    """The parameter's rows ``rows`` of dim 0 (all when None), read from the checkpoint (``pin``: a
+    tensor stored whole lands in page-locked memory)."""
     if r.combine == "copy":
-        sl = source[r.parts[0]].get_slice(r.parts[0])
-        return sl[:] if rows is None else sl[rows.start : rows.stop]
-    get = lambda name: source[name].get_tensor(name)  # noqa: E731
+        return source[r.parts[0]].read(r.parts[0], rows, pin=pin)
+    get = lambda name: source[name].read(name)  # noqa: E731
     experts = range(r.shape[0]) if rows is None else range(rows.start, rows.stop)
     if r.combine == "stack":
         mats = [get(r.parts[e]) for e in experts]
@@ -299,7 +305,23 @@ def swap_parameters(model: nn.Module, new: dict[str, torch.Tensor]) -> None:
                 p.data = t
 
 
+def files_snapshot(path: Path) -> tuple:
+    """Every file's name, size and modification time in checkpoint ``path``: what must stay
+    unchanged while its tensors are read and hashed, so that the version names what was read."""
+    return tuple(sorted((f.name, st.st_size, st.st_mtime_ns) for f in Path(path).iterdir() if f.is_file()
+                        for st in [f.stat()]))
+
+
+def refuse_if_changed(path: Path, before: tuple) -> None:
+    """Refuses a checkpoint whose files changed since ``before`` (``files_snapshot``): the weights
+    read could mix two versions, and a content hash would name neither."""
+    if files_snapshot(path) != before:
+        raise CheckpointError("unreadable", f"{Path(path).name}: the checkpoint's files changed while they were read "
+                              "(still being written?); nothing was swapped: retry once they are complete")
+
+
 CONTENT_VERSION_PREFIX = "sha256-"  # a content hash's version; service/http/weights.py reserves it
+PRESET_VERSION_PREFIX = "preset:"  # a preset's version (scoring/loading.py); reserved likewise
 
 
 def content_version(path: Path, *, threads: int = 16, piece: int = 1 << 30) -> str:

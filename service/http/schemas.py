@@ -66,7 +66,8 @@ def _float32s(value: Any, handler) -> np.ndarray:
         if len(raw) % 4:
             raise ValueError("a bin of rollout_logprobs must hold whole little-endian float32 values")
         return np.frombuffer(raw, dtype="<f4")
-    return np.asarray(handler(value), dtype=np.float32)
+    with np.errstate(over="ignore"):  # a value past float32's range becomes inf, which validation names
+        return np.asarray(handler(value), dtype=np.float32)
 
 
 Float32s = Annotated[
@@ -168,7 +169,9 @@ class WeightsRequest(BaseModel):
     model: Text | None = Field(None, description="served model name; null means the only served model")
     path: Text = Field(description="checkpoint directory (config.json + *.safetensors) relative to --weights-root")
     version: Text | None = Field(
-        None, min_length=1, max_length=256, description="the new weights_version; default: a hash of the checkpoint's content"
+        None, min_length=1, max_length=256, pattern=r"^[^\s\x00-\x1f\x7f](?:[^\x00-\x1f\x7f]*[^\s\x00-\x1f\x7f])?$",
+        description="the new weights_version: no control characters, no space at either end, not starting with "
+        "'sha256-' or 'preset:' (the names packscore gives); default: a hash of the checkpoint's content",
     )
 
 

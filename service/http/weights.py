@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from model_runtime.scoring.backend import BackendUnavailableError, UpdateInProgressError
 from model_runtime.scoring.checkpoint import CheckpointError
-from model_runtime.scoring.weights import CONTENT_VERSION_PREFIX
+from model_runtime.scoring.weights import CONTENT_VERSION_PREFIX, PRESET_VERSION_PREFIX, files_snapshot
 from service.http.errors import ApiError, backend_unavailable, from_validation_errors
 from service.http.schemas import WeightsRequest
 from service.http.validation import pick_model
@@ -26,6 +26,7 @@ from service.scheduling.scheduler import is_out_of_memory
 log = logging.getLogger(__name__)
 
 WEIGHTS_ROUTE = "/v1/weights"
+_RETRY_SOON = {"Retry-After": "2"}  # an update in progress: a load takes seconds
 
 
 def _forbidden(path: str, why: str) -> ApiError:
@@ -42,16 +43,27 @@ def resolve_checkpoint(root: Path, path: str) -> Path:
         raise _forbidden(path, "is absolute")
     if ".." in pure.parts:
         raise _forbidden(path, "climbs out with '..'")
-    real_root = root.resolve()
-    target = (real_root / pure).resolve()  # follows every symlink on the way, dangling ones too
-    if not target.is_relative_to(real_root):
-        raise _forbidden(path, "leaves --weights-root through a symlink")
-    if not target.is_dir():
-        raise ApiError(422, "invalid_value", f"path {path!r} is not a directory under --weights-root.", "path")
-    for entry in target.iterdir():  # the files the loader will open
-        if entry.is_symlink() and not entry.resolve().is_relative_to(real_root):
-            raise _forbidden(path, f"holds {entry.name}, a symlink that leaves --weights-root")
+    try:
+        real_root = root.resolve()
+        target = (real_root / pure).resolve()  # follows every symlink on the way, dangling ones too
+        if not target.is_relative_to(real_root):
+            raise _forbidden(path, "leaves --weights-root through a symlink")
+        if not target.is_dir():
+            raise ApiError(422, "invalid_value", f"path {path!r} is not a directory under --weights-root.", "path")
+        for entry in target.iterdir():  # the files the loader will open
+            if entry.is_symlink() and not entry.resolve().is_relative_to(real_root):
+                raise _forbidden(path, f"holds {entry.name}, a symlink that leaves --weights-root")
+    except OSError as exc:  # a name too long, a loop of symlinks, a directory it may not list
+        raise ApiError(422, "invalid_value", f"path {path[:200]!r} cannot be used: {exc.strerror or exc}.", "path") from None
     return target
+
+
+def _named_model(model: Any, service: Service) -> str:
+    """The served model a body names (or the only one, when it names none), else ``""``."""
+    try:
+        return pick_model(model, service.models) if model is None or isinstance(model, str) else ""
+    except ApiError:
+        return ""
 
 
 def _checkpoint_refused(exc: CheckpointError) -> ApiError:
@@ -65,6 +77,7 @@ async def update_weights(service: Service, body: Any, root: Path) -> dict:
     try:
         if not isinstance(body, dict):
             raise ApiError(422, "invalid_value", f"The body must be an object, got {type(body).__name__}.")
+        name = _named_model(body.get("model"), service)  # a refused body still counts under its model
         try:
             request = WeightsRequest.model_validate(body)
         except ValidationError as exc:
@@ -85,12 +98,14 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
     while model.swap_holds and not model.updating:  # a request re-scoring after swaps must see one version
         await asyncio.sleep(0.01)
     if model.updating:
-        raise ApiError(409, "update_in_progress", f"An update of {model.name!r} is already running; retry once it is done.", "model")
-    if version is not None and version.startswith(CONTENT_VERSION_PREFIX):
+        raise ApiError(409, "update_in_progress", f"An update of {model.name!r} is already running; retry once it is done.", "model",
+                       headers=_RETRY_SOON)
+    if version is not None and version.lower().startswith((CONTENT_VERSION_PREFIX, PRESET_VERSION_PREFIX)):
         # Such a name could later be the content hash of other weights, which would then serve under it.
-        raise ApiError(422, "invalid_value", f"versions starting with {CONTENT_VERSION_PREFIX!r} name content hashes; "
-                       "omit version to get the checkpoint's own, or choose another name.", "version")
-    source = (version, path, _files_of(path))
+        raise ApiError(422, "invalid_value", f"versions starting with {CONTENT_VERSION_PREFIX!r} or "
+                       f"{PRESET_VERSION_PREFIX!r} are the names packscore gives (content hashes, presets); omit "
+                       "version to get the checkpoint's own, or choose another name.", "version")
+    source = (version, path, files_snapshot(path))
     if version is not None and model.last_update is not None and model.last_update[0] == source \
             and model.backend.info.weights_version == version:
         log.info("weights update of %s to %s repeated: it already serves these files", model.name, version)
@@ -108,7 +123,7 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
         log.warning("weights update of %s refused: %s", model.name, exc)
         raise _checkpoint_refused(exc) from None
     except UpdateInProgressError as exc:
-        raise ApiError(409, "update_in_progress", f"{exc}; retry once it is done.", "model") from None
+        raise ApiError(409, "update_in_progress", f"{exc}; retry once it is done.", "model", headers=_RETRY_SOON) from None
     except BackendUnavailableError as exc:
         raise backend_unavailable(f"The weights of {model.name!r} could not be updated: {exc}.", retry_after_s=5) from None
     except (OSError, RuntimeError) as exc:  # the old version still serves: the update changed nothing
@@ -134,9 +149,3 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
     }
     model.last_update = (source, dict(answer))
     return answer
-
-
-def _files_of(path: Path) -> tuple:
-    """What a repeated request must find unchanged to be the same update: every file's name,
-    size and modification time (a rewrite under the same version name is a new update)."""
-    return tuple(sorted((f.name, st.st_size, st.st_mtime_ns) for f in path.iterdir() if f.is_file() for st in [f.stat()]))

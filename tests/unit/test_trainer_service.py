@@ -99,6 +99,8 @@ def test_a_request_picks_its_model_and_models_never_share_a_row():
     assert out["policy-vocab"].status_code == 200
     assert [m["id"] for m in out["models"].json()["data"]] == ["policy", "ref"]
     assert out["ready"].json()["models"] == ["policy", "ref"]
+    model_limits = out["ready"].json()["model_limits"]
+    assert sorted(model_limits) == ["policy", "ref"] and all("max_model_len" in lim for lim in model_limits.values())
     # every row a backend saw came from requests for it: the policy saw its two, the ref one
     assert sum(len(r) for r in backends["policy"].rows[1:]) == 2  # rows[0] is the readiness pass
     assert sum(len(r) for r in backends["ref"].rows[1:]) == 1
@@ -192,16 +194,19 @@ def test_every_path_escape_is_forbidden(tmp_path):
         app = create_app(Settings(weights_root=root), FakeBackend())
         async with running_app(app) as client:
             refused = {p: await client.post("/v1/weights", json={"path": p}) for p in escapes}
-            missing = await client.post("/v1/weights", json={"path": "step-9"})
+            missing = [await client.post("/v1/weights", json={"path": "step-9"})]
+            # names the file system refuses (a component past 255 bytes): 422 on path, not a 500
+            too_long = [await client.post("/v1/weights", json={"path": p}) for p in ("a" * 300, "step-1/" + "b" * 300)]
             inside = await client.post("/v1/weights", json={"path": "link-in", "version": "v2"})
             unknown = await client.post("/v1/weights", json={"model": "nope", "path": "step-1"})
-            return refused, missing, inside, unknown
+            return refused, missing + too_long, inside, unknown
 
     refused, missing, inside, unknown = asyncio.run(main())
     for path, response in refused.items():
         assert response.status_code == 403, (path, response.text)
         assert response.json()["error"]["type"] == "forbidden_path" and response.json()["error"]["param"] == "path"
-    assert missing.status_code == 422 and missing.json()["error"]["param"] == "path"
+    for response in missing:
+        assert response.status_code == 422 and response.json()["error"]["param"] == "path", response.text
     assert inside.status_code == 200, inside.text  # a symlink that stays inside the root is fine
     assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "model_not_found"
 
@@ -304,6 +309,25 @@ def test_the_admin_key_guards_updates_and_the_scoring_key_is_refused(tmp_path):
     assert none.status_code == 401 and scoring.status_code == 200
 
 
+def test_the_update_route_keeps_the_body_limit_and_is_404_without_a_root(tmp_path):
+    root = _root(tmp_path)
+
+    async def main():
+        limited = create_app(Settings(weights_root=root, max_request_bytes=4096), FakeBackend())
+        async with running_app(limited) as client:
+            big = await client.post("/v1/weights", json={"path": "step-1", "version": "x" * 10_000})
+        # --admin-key without --weights-root: the route does not exist, whoever asks
+        rootless = create_app(Settings(admin_key=ADMIN), FakeBackend())
+        async with running_app(rootless) as client:
+            bare = await client.post("/v1/weights", json={"path": "step-1"})
+            admin = await client.post("/v1/weights", json={"path": "step-1"}, headers={"Authorization": f"Bearer {ADMIN}"})
+        return big, bare, admin
+
+    big, bare, admin = asyncio.run(main())
+    assert big.status_code == 413 and big.json()["error"]["type"] == "body_too_large", big.text
+    assert bare.status_code == 404 and admin.status_code == 404, (bare.text, admin.text)
+
+
 # ---- versions: pins and swaps in the middle of a request ------------------------------------
 
 
@@ -401,12 +425,18 @@ def test_a_version_names_one_set_of_weights(tmp_path):
                 {"path": "/etc", "version": "N"},
                 {"path": "step-2", "version": 5},
                 {"path": "step-2", "version": "sha256-5e12cb26ac1f"},  # could later be other weights' hash
+                {"path": "step-2", "version": "SHA256-5e12cb26ac1f"},
+                {"path": "step-2", "version": "preset:tiny#seed0"},  # a preset's name
+                {"path": "step-2", "version": "\x00\x01"},
+                {"path": "step-2", "version": " v "},
+                {"path": "step-2", "version": "a\nb"},
             )]
             return answers, await client.post("/score", json=_score({"weights_version": "L"})), await client.get("/metrics")
 
     answers, pinned, metrics = asyncio.run(main())
-    assert [a.status_code for a in answers] == [200, 409, 409, 200, 403, 422, 422], [a.text for a in answers]
-    assert answers[-1].json()["error"]["param"] == "version", answers[-1].text
+    assert [a.status_code for a in answers] == [200, 409, 409, 200, 403] + [422] * 7, [a.text for a in answers]
+    for refused in answers[5:]:
+        assert refused.json()["error"]["param"] == "version", refused.text
     for refused in answers[1:3]:
         error = refused.json()["error"]
         assert error["type"] == "version_in_use" and error["param"] == "version", error
@@ -416,7 +446,10 @@ def test_a_version_names_one_set_of_weights(tmp_path):
         for s in f.samples if f.name == "packscore_weights_updates" else ():
             if s.name.endswith("_total"):
                 counted[s.labels["outcome"]] = counted.get(s.labels["outcome"], 0.0) + s.value
-    assert counted == {"ok": 2.0, "version_in_use": 2.0, "forbidden_path": 1.0, "invalid_value": 2.0}, counted
+    assert counted == {"ok": 2.0, "version_in_use": 2.0, "forbidden_path": 1.0, "invalid_value": 7.0}, counted
+    labels = {s.labels["model"] for f in text_string_to_metric_families(metrics.text)
+              for s in (f.samples if f.name == "packscore_weights_updates" else ())}
+    assert labels == {FakeBackend().info.name}, labels  # a refused body counts under the model it names
 
 
 def test_an_update_repeated_after_a_lost_answer_gets_the_first_answer(tmp_path):

@@ -154,6 +154,37 @@ def test_a_failed_update_changes_nothing(served, checkpoint_dir, tmp_path, in_pl
         backend.update_weights(tmp_path / "missing", None)  # the message names the tensor
 
 
+@pytest.mark.parametrize("version", [None, "v-changed"], ids=["content-hash", "named"])
+def test_files_that_change_while_read_are_refused_and_change_nothing(served, second, tmp_path, monkeypatch, version):
+    """A checkpoint rewritten while it loads (a trainer saving into the directory being read) may
+    have given some tensors of each version: refused, nothing swapped, no version named after it."""
+    import shutil
+
+    import model_runtime.scoring.weights as weights
+
+    path = tmp_path / "step"
+    shutil.copytree(second("qwen3_5"), path)
+    backend = served()
+    row = rows(backend.info.vocab_size, 1, seed=6)[0]
+    before, old_version = backend.score_row(row), backend.info.weights_version
+    real = weights.read_parameters
+
+    def read_then_rewrite(*args, **kwargs):
+        out = real(*args, **kwargs)
+        shard = next(path.glob("*.safetensors"))
+        shard.write_bytes(shard.read_bytes())  # the same bytes, written again: a new modification time
+        return out
+
+    monkeypatch.setattr(weights, "read_parameters", read_then_rewrite)
+    with pytest.raises(CheckpointError, match="changed while they were read") as caught:
+        backend.update_weights(path, version)
+    assert caught.value.kind == "unreadable"
+    assert backend.info.weights_version == old_version
+    assert_equal(backend.score_row(row), before, "after the refused update")
+    monkeypatch.setattr(weights, "read_parameters", real)
+    assert backend.update_weights(path, version).weights_version == (version or content_version(path))
+
+
 def test_a_forward_during_the_load_finishes_on_the_old_version(served, reference_new, second, monkeypatch):
     import model_runtime.scoring.weights as weights
 
