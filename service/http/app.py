@@ -89,6 +89,8 @@ def create_app(settings: Settings, backend: BackendSources) -> FastAPI:
     thread by the lifespan hook, so /healthz answers while the model loads), or a mapping of
     served name -> either for several models."""
     service = Service(settings, backend)
+    if service.admin_key is not None and settings.weights_root is None:
+        log.warning("--admin-key has no effect without --weights-root: POST /v1/weights is not served")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -155,8 +157,8 @@ class _Gate:
 
     def _refusal(self, scope: Scope, path: str) -> ApiError | None:
         key = self.service.api_key
-        if path == WEIGHTS_ROUTE and self.service.admin_key is not None:
-            return self._admin_refusal(scope)
+        if path == WEIGHTS_ROUTE and self.service.admin_key is not None and self.service.settings.weights_root is not None:
+            return self._admin_refusal(scope)  # without --weights-root the route does not exist: 404 as any other
         if key is not None and path not in _OPEN_ROUTES:
             if not _bearer_is(scope, key):
                 if self.service.admin_key is not None and _bearer_is(scope, self.service.admin_key):
@@ -252,8 +254,10 @@ def _add_routes(app: FastAPI, service: Service) -> None:
     async def readyz() -> Response:
         ready, status = await service.readiness()
         if ready:
+            # "model" and "limits": the first (or only) model's; "model_limits": every served model's
             body = {"status": "ready", "model": service.served_name, "models": list(service.models),
-                    "limits": service.limits.as_dict()}
+                    "limits": service.limits.as_dict(),
+                    "model_limits": {name: m.limits.as_dict() for name, m in service.models.items()}}
             return Response(encode_json(body), media_type=JSON)
         error = {"type": "not_ready", "message": f"Not ready: {status.replace('_', ' ')}.", "param": None}
         headers = {"Retry-After": "1", **_CLOSE} if status == "draining" else {"Retry-After": "5"}
@@ -309,7 +313,8 @@ def _add_weights_route(app: FastAPI, service: Service, root) -> None:
         if service.phase != "ready":
             raise not_ready(service)
         encoding = request_encoding(request.headers.get("content-type"), request.headers.get("content-encoding"))
-        body = decode_body(await read_body(request, 1 << 20, service), encoding)
+        limit = min(1 << 20, service.limits.max_request_bytes) if service.limits is not None else 1 << 20
+        body = decode_body(await read_body(request, limit, service), encoding)
         answer = await update_weights(service, body, root)
         return Response(encode_json(answer), media_type=JSON)
 

@@ -65,7 +65,7 @@ class Metrics:
         )
         self.tokens_scored = Counter(
             "packscore_tokens_scored_total",
-            "Tokens whose log-probability was returned (positions score_from .. L-1 of scored sequences).",
+            "Tokens whose log-probability was returned to requests (positions score_from .. L-1); the readiness pass is not counted.",
             _MODEL,
             registry=r,
         )

@@ -71,6 +71,7 @@ class Ticket:
         self.future.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.items: list[_Item] = []
         self.quiet = False  # arrived after a quiet spell: its row need not wait to fill
+        self.probe = False  # the readiness pass: scored like a request, not counted as traffic
 
     @property
     def done(self) -> bool:
@@ -303,6 +304,7 @@ class Scheduler:
 
     def _enqueue(self, sequences: Sequence[SequenceInput], deadline: float | None, probe: bool) -> Ticket:
         ticket = Ticket(sequences, deadline, self._loop)
+        ticket.probe = probe
         now = time.monotonic()
         if not probe:
             ticket.quiet = now - self._last_arrival >= _QUIET_S
@@ -526,7 +528,7 @@ class Scheduler:
                     continue
                 ticket.results[item.index] = result
                 ticket.remaining -= 1
-                scored += item.seq.num_scored
+                scored += 0 if ticket.probe else item.seq.num_scored
                 if ticket.remaining == 0:
                     self._pending.discard(ticket)
                     ticket.future.set_result(ticket.results)  # type: ignore[arg-type]
