@@ -12,8 +12,9 @@ parameter each (``experts.gate_up_proj`` ``[E, 2I, D]``: every expert's ``gate_p
 checkpoint tensors it is made of, checks names and shapes before anything is read, and
 ``read_parameters`` reads them, only the rows of dim 0 a rank holds when FSDP sharded it.
 
-Only safetensors are opened (a header and raw buffers, never a pickle; the tensors are read with
-positioned reads, never mapped: ``tensor_file.TensorFile``).
+Only safetensors are opened (a header and raw buffers, never a pickle). An update beside the old
+weights reads them with positioned reads (``tensor_file.TensorFile``), never mapped; a read into
+the model (at start, or an update in place) goes through safetensors' mapping.
 
 Example:
     >>> new = read_parameters(model, plan_reads(model, Path("step-120")))
@@ -192,25 +193,28 @@ def read_parameters(
         stream.wait_stream(torch.cuda.current_stream(device))  # the last forward is done with the old weights
     try:
         with ExitStack() as stack:
-            source: dict[str, TensorFile] = {}  # checkpoint tensor name -> the open file holding it
+            # Beside the old weights: positioned reads (a file cut short is an error, not SIGBUS) into
+            # pinned memory, one DMA each. Into the model (at start, or in place): the mapping.
+            opener = _MappedFile if into_model else TensorFile
+            source: dict[str, TensorFile | _MappedFile] = {}  # checkpoint tensor name -> the open file holding it
             for file in sorted(plan.path.glob("*.safetensors")):
-                f = stack.enter_context(TensorFile(file))  # read, never mapped: a file cut short is an error
+                f = stack.enter_context(opener(file))
                 source.update(dict.fromkeys(f.keys(), f))
 
             def read(r: ParameterRead) -> tuple[str, torch.Tensor]:
                 p = params[r.param]
                 target = local_tensor(p)
-                host = _read_rows(r, source, local_rows(p), pin=stream is not None)
+                host = _read_rows(r, source, local_rows(p), pin=stream is not None and not into_model)
                 if tuple(host.shape) != tuple(target.shape):
                     raise CheckpointError(
                         "incompatible", f"{r.param}: read {list(host.shape)} for a local tensor of {list(target.shape)}"
                     )
                 with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                    # From pinned memory the copy is one DMA; the host allocator keeps the buffer until it is done.
                     if into_model:
                         with torch.no_grad():
-                            target.copy_(host, non_blocking=True)
+                            target.copy_(host)
                         return r.param, None
+                    # From pinned memory one DMA; the host allocator keeps the buffer until it is done.
                     return r.param, host.to(device=target.device, dtype=target.dtype, non_blocking=True).contiguous()
 
             if into_model and check_first:  # nothing may be copied in before every tensor is known finite
@@ -264,7 +268,32 @@ def _refuse_non_finite(plan: ReadPlan, bad: list[str]) -> None:
         raise non_finite_error(plan.path.name, [stored.get(name, name) for name in bad])
 
 
-def _read_rows(r: ParameterRead, source: dict[str, "TensorFile"], rows: slice | None, pin: bool = False) -> torch.Tensor:
+class _MappedFile:
+    """safetensors' own mapped reader behind ``TensorFile``'s ``keys`` and ``read``: a tensor read
+    into the model is a view of the page cache, copied once. Positioned reads were 2-4x slower on
+    that path on an H200 host (docs/weights.md); a file cut short while mapped faults (SIGBUS), so
+    an update beside the old weights, the path a serving process takes, uses ``TensorFile``."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self._file = safe_open(path, framework="pt").__enter__()
+
+    def keys(self) -> list[str]:
+        return list(self._file.keys())
+
+    def read(self, name: str, rows: slice | None = None, *, pin: bool = False) -> torch.Tensor:
+        piece = self._file.get_slice(name)
+        return piece[:] if rows is None else piece[rows.start : rows.stop]
+
+    def __enter__(self) -> "_MappedFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._file.__exit__(*exc)
+
+
+def _read_rows(r: ParameterRead, source: dict, rows: slice | None, pin: bool = False) -> torch.Tensor:
     """The parameter's rows ``rows`` of dim 0 (all when None), read from the checkpoint (``pin``: a
     tensor stored whole lands in page-locked memory)."""
     if r.combine == "copy":
