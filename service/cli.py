@@ -104,8 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="score a JSONL file offline (no HTTP), resumable",
         description="Score IN.jsonl into OUT.jsonl with the same engine as the server, without HTTP. Each input "
         'line is one sequence object as in the API: {"id": "...", "input_ids": [...], "score_from": 1}; a line '
-        "without an id gets line-<number>. Each output line is the API's JSON result for it. Ids already in "
-        "OUT are skipped, so an interrupted run resumes where it stopped.",
+        "without an id (or with a null one) gets line-<number>. Every line is checked before the first is scored: "
+        "a bad one stops the run, naming its line and field, with nothing written. Each output line is the API's "
+        "JSON result for it (with mismatch where the line sends rollout_logprobs). Ids already in OUT are skipped, "
+        "so an interrupted run resumes where it stopped.",
     )
     score.add_argument("input", type=Path, metavar="IN.jsonl", help="sequences to score, one JSON object per line")
     score.add_argument("-o", "--output", type=Path, required=True, metavar="OUT.jsonl", help="where results go (appended)")

@@ -17,7 +17,8 @@ from tqdm import tqdm
 
 from service.http.encoding import result_record
 from service.http.errors import ApiError
-from service.http.validation import Limits, parse_score_request, resolve_model_len
+from service.http.rollout import mismatch
+from service.http.validation import Limits, ScoreJob, parse_score_request, resolve_model_len
 from service.scheduling.scheduler import Scheduler, Ticket
 from service.settings import Settings
 
@@ -70,10 +71,35 @@ def _lines(path: Path) -> Iterator[tuple[int, dict]]:
                 raise InputError(f"{path}:{number}: not valid JSON: {exc}") from None
             if not isinstance(obj, dict):
                 raise InputError(f"{path}:{number}: expected a JSON object with input_ids, got {type(obj).__name__}")
-            obj.setdefault("id", f"line-{number}")
+            if obj.get("id") is None:  # absent or null, the API's default
+                obj["id"] = f"line-{number}"
             if not isinstance(obj["id"], str):
                 raise InputError(f"{path}:{number}: id must be a string, got {obj['id']!r}")
             yield number, obj
+
+
+def _jobs(settings: Settings, input_path: Path, limits: Limits, done: set[str]) -> Iterator[tuple[int, str, ScoreJob]]:
+    """Each line not yet in OUT as a validated one-sequence job; a bad line raises InputError naming it."""
+    seen: set[str] = set()
+    for number, obj in _lines(input_path):
+        seq_id = obj["id"]
+        if seq_id in done:
+            continue
+        if seq_id in seen:
+            raise InputError(f"{input_path}:{number}: id {seq_id!r} appears twice in the input")
+        seen.add(seq_id)
+        body = {
+            "sequences": [obj],
+            "temperature": settings.temperature,
+            "top_k": settings.top_k,
+            "return_entropy": settings.return_entropy,
+        }
+        try:
+            yield number, seq_id, parse_score_request(body, limits, served_name="")
+        except ApiError as exc:  # named as the line's own fields: a line is one sequence
+            where = (exc.param or "").replace("sequences[0].", "")
+            message = exc.message.replace("sequences[0].", "").replace("Sequence 0 has", "The sequence has")
+            raise InputError(f"{input_path}:{number}: {where}: {message}") from None
 
 
 async def _score_lines(settings: Settings, backend, input_path: Path, out: IO[bytes], done: set[str], bar: tqdm) -> int:
@@ -83,21 +109,25 @@ async def _score_lines(settings: Settings, backend, input_path: Path, out: IO[by
     except ValueError as exc:
         raise InputError(str(exc)) from None
     limits = Limits(info.vocab_size, model_len, 1, settings.queued_tokens, 1 << 62)
+    # Every line is checked before the first is scored: a bad line stops the run with nothing written.
+    for _ in _jobs(settings, input_path, limits, done):
+        pass
     scheduler = Scheduler.from_settings(backend, settings)
     await scheduler.start()
     # Tickets in input order; results are written in that order as soon as the oldest is done.
-    window: deque[tuple[int, str, Ticket]] = deque()
-    seen: set[str] = set()
+    window: deque[tuple[int, str, ScoreJob, Ticket]] = deque()
     written = 0
 
     async def write_oldest() -> None:
         nonlocal written
-        number, seq_id, ticket = window[0]  # taken off only once written: nothing after it is written before it
+        number, seq_id, job, ticket = window[0]  # taken off only once written: nothing after it is written before it
         try:
             scores = (await ticket.future)[0]
         except ApiError as exc:
             raise InputError(f"{input_path}:{number}: id {seq_id!r} could not be scored: {exc.message}") from None
         record = result_record(seq_id, scores, return_entropy=settings.return_entropy, top_k=settings.top_k)
+        if job.rollout[0] is not None:  # as the server answers it
+            record["mismatch"] = mismatch(scores.logprobs, job.rollout[0])
         out.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE))
         window.popleft()
         written += 1
@@ -106,33 +136,15 @@ async def _score_lines(settings: Settings, backend, input_path: Path, out: IO[by
     interrupted = False
 
     try:
-        for number, obj in _lines(input_path):
-            seq_id = obj["id"]
-            if seq_id in done:
-                continue
-            if seq_id in seen:
-                raise InputError(f"{input_path}:{number}: id {seq_id!r} appears twice in the input")
-            seen.add(seq_id)
-            body = {
-                "sequences": [obj],
-                "temperature": settings.temperature,
-                "top_k": settings.top_k,
-                "return_entropy": settings.return_entropy,
-            }
-            try:
-                job = parse_score_request(body, limits, served_name="")
-            except ApiError as exc:  # named as the line's own fields: a line is one sequence
-                where = (exc.param or "").replace("sequences[0].", "")
-                message = exc.message.replace("sequences[0].", "").replace("Sequence 0 has", "The sequence has")
-                raise InputError(f"{input_path}:{number}: {where}: {message}") from None
+        for number, seq_id, job in _jobs(settings, input_path, limits, done):
             while True:
                 try:
                     ticket = scheduler.submit(job.sequences)
                     break
                 except ApiError:  # the in-flight window is full: write finished results first
                     await write_oldest()
-            window.append((number, seq_id, ticket))
-            while window and window[0][2].done:
+            window.append((number, seq_id, job, ticket))
+            while window and window[0][3].done:
                 await write_oldest()
     except (asyncio.CancelledError, KeyboardInterrupt):
         interrupted = True
@@ -141,7 +153,7 @@ async def _score_lines(settings: Settings, backend, input_path: Path, out: IO[by
         # Whatever was scored is kept, also when a later line is bad: the next run resumes after it.
         # Interrupted (Ctrl-C), only what is already scored is written, in order up to the first gap.
         try:
-            while window and (not interrupted or window[0][2].done):
+            while window and (not interrupted or window[0][3].done):
                 await write_oldest()
         finally:
             await scheduler.close("the offline run stopped")

@@ -216,13 +216,33 @@ def test_offline_scoring_interrupted_keeps_its_results_in_input_order_and_resume
     assert [r["id"] for r in _read_jsonl(out)] == [r["id"] for r in rows]
 
 
-def test_offline_scoring_stops_at_a_bad_line_and_keeps_what_was_scored(monkeypatch, tmp_path, capsys):
+def test_offline_scoring_checks_every_line_before_scoring_any(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr("service.backends.load_backend", lambda settings: FakeBackend())
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(source, [{"id": "a", "input_ids": [1, 2]}, {"id": "b", "input_ids": [1, 5000]}, {"id": "c", "input_ids": [3]}])
     assert cli.main(["score", str(source), "-o", str(out)]) == 2
     assert f"{source}:2: input_ids[1]" in capsys.readouterr().err
-    assert [r["id"] for r in _read_jsonl(out)] == ["a"]
+    assert _read_jsonl(out) == []  # nothing half-written
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2]}, {"id": "b", "input_ids": [3, 4]}, {"id": "a", "input_ids": [5]}])
+    assert cli.main(["score", str(source), "-o", str(out)]) == 2
+    assert f"{source}:3: id 'a' appears twice" in capsys.readouterr().err
+    assert _read_jsonl(out) == []
+
+
+def test_offline_scoring_takes_a_null_id_and_answers_rollout_mismatch(monkeypatch, tmp_path):
+    """API.md: id is "string or null"; rollout_logprobs "turns on mismatch in the result"."""
+    from service.http.rollout import mismatch
+
+    monkeypatch.setattr("service.backends.load_backend", lambda settings: FakeBackend())
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rollout = [-6.0, -6.5]
+    _write_jsonl(source, [{"id": None, "input_ids": [1, 2, 3, 4], "score_from": 2, "rollout_logprobs": rollout},
+                          {"input_ids": [5, 6, 7]}])
+    assert cli.main(["score", str(source), "-o", str(out)]) == 0
+    first, second = _read_jsonl(out)
+    assert (first["id"], second["id"]) == ("line-1", "line-2") and "mismatch" not in second
+    want = mismatch(expected_scores(SequenceInput(np.array([1, 2, 3, 4]), 2)).logprobs, np.float32(rollout))
+    assert first["mismatch"] == pytest.approx(want), (first["mismatch"], want)
 
 
 def test_offline_scoring_holds_the_servers_sequence_limit(monkeypatch, tmp_path, capsys):
@@ -236,7 +256,7 @@ def test_offline_scoring_holds_the_servers_sequence_limit(monkeypatch, tmp_path,
     assert cli.main(["score", str(source), "-o", str(out), "--max-model-len", "8"]) == 2
     err = capsys.readouterr().err
     assert f"{source}:2:" in err and "(max_model_len)" in err, err
-    assert [r["id"] for r in _read_jsonl(out)] == ["a"]
+    assert _read_jsonl(out) == []
 
 
 @pytest.mark.parametrize("requested,model_limit,queued,want", [
