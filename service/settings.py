@@ -130,7 +130,8 @@ class Settings(BaseSettings):
         "Default: on a GPU with --sp 1, where it shares only among members whose lengths compute the prompt "
         "alike (measured at start-up, kept in $PACKSCORE_CACHE_DIR) and changes no number; off on the CPU and "
         "under --sp > 1. --prefix-sharing forces it there too (under --sp > 1 a result may move by about 1e-2 "
-        "in bf16); --no-prefix-sharing: every sequence runs whole"
+        "in bf16; on the CPU a shared prompt's members by a few 1e-6, the head's rounding of the positions "
+        "scored beside them); --no-prefix-sharing: every sequence runs whole"
     )
     prefix_min_tokens: int = Field(64, ge=1, description="shortest shared prefix worth running once (tokens)")
 
