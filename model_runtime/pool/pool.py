@@ -125,7 +125,7 @@ class WorkerPool:
         self._generation = 0
         self.prefix_rounding = None  # the workers' RowRounding (prefix sharing on a GPU, sp = 1)
         if Path(self._start_fields["model"]).is_dir():  # its content hash, once here instead of once per rank
-            from model_runtime.scoring.weights import content_version, files_snapshot, refuse_if_changed
+            from model_runtime.scoring.weights import content_version
 
             self._start_fields["weights_version"] = content_version(Path(self._start_fields["model"]))
         hellos = self._start_world()
