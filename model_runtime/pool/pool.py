@@ -14,7 +14,7 @@ Scheduling:
   without one. While rows keep coming, a step waits up to ``STEP_GATHER_S`` for a row per group:
   the callers whose rows just finished resubmit a moment after the step ends, and a step that
   left without them would run one group while the others idle (on 2 x H200 that halved FSDP
-  throughput).
+  throughput). The stepper is ``model_runtime.pool.lockstep``.
 A group's row may hold ``sp * max_batch_tokens`` tokens (``max_row_tokens``): a sequence too long
 for one GPU's budget fits a group whose ``sp`` ranks each hold a shard of it.
 
@@ -49,6 +49,7 @@ import torch
 
 from model_runtime.parallel.dims import ParallelDims
 from model_runtime.pool import messages as msg
+from model_runtime.pool.lockstep import Lockstep
 from model_runtime.pool.procs import WorkerWorld
 from model_runtime.pool.replies import Pending, Swap, reply_error, split_reply
 from model_runtime.scoring.backend import BackendUnavailableError, ModelInfo, UpdateInProgressError, WeightsUpdate
@@ -73,14 +74,8 @@ def _device_type(device) -> str:
     return kind
 
 
-class WorkerPool:
+class WorkerPool(Lockstep):
     """``ScoringBackend`` over ``world_size`` worker processes. Build it with ``start_pool``."""
-
-    # Lockstep (FSDP with dp > 1): how long a step waits to fill its other groups while rows keep
-    # coming (a step that ended less than DEMAND_WINDOW_S ago); a lone request after a quiet
-    # spell goes at once. Steps of a full row take seconds on a GPU, so the wait costs well under 1%.
-    STEP_GATHER_S = 0.02
-    DEMAND_WINDOW_S = 1.0
 
     def __init__(self, settings: dict):
         self.dims = ParallelDims.from_world(
@@ -165,7 +160,7 @@ class WorkerPool:
 
     def update_weights(self, path: Path, version: str | None = None) -> WeightsUpdate:
         """Every rank loads ``path`` beside its weights, then every rank swaps between the same two rows."""
-        from model_runtime.scoring.weights import content_version, files_snapshot, refuse_if_changed
+        from model_runtime.scoring.weights import checkpoint_changed, content_version, files_snapshot
 
         if not self._updating.acquire(blocking=False):
             raise UpdateInProgressError(f"an update of {self.info.name} is already running")
@@ -181,11 +176,7 @@ class WorkerPool:
                 self._send_all(world, load, msg.LoadWeights(load.request_id, str(path)))
                 failed = [r for r in self._await(load) if not r.ok]
                 new_version = version or hashed.result()
-            try:
-                refuse_if_changed(Path(path), files)
-                changed = None
-            except CheckpointError as error:  # every rank drops what it read
-                changed = error
+            changed = checkpoint_changed(Path(path), files)  # then every rank drops what it read
             load_s = time.perf_counter() - started
             swap = self._new_pending(world, ranks=self.dims.world_size)
             frame = msg.encode(msg.SwapWeights(swap.request_id, load.request_id, not failed and changed is None, new_version))
@@ -476,104 +467,6 @@ class WorkerPool:
         finally:
             with self._lock:
                 self._lane_cost[group] -= cost
-
-    def _run_in_steps(self, rows: list[Sequence[SequenceInput]]) -> list[list[SequenceScores]]:
-        """Lockstep: hands ``rows`` (at most dp, kept in one step) to the stepper and waits."""
-        tickets = [queue.Queue(maxsize=1) for _ in rows]
-        self._steps.put(list(zip(rows, tickets)))
-        results = []
-        for row, ticket in zip(rows, tickets):
-            outcome = ticket.get()
-            if isinstance(outcome, BaseException):
-                raise outcome
-            results.append(split_reply(row, outcome))
-        return results
-
-    def _step_loop(self) -> None:
-        """FSDP lockstep: every step gives every group a row or a dummy, then waits for all replies.
-
-        Queue items are bundles of ``(row, ticket)`` that must share a step; rows join a step in
-        arrival order until every group has one. This thread alone sends steps, so every rank
-        sees them, and their collectives, in one order.
-        """
-        held = None  # a bundle that did not fit the previous step
-        while not self._closing:
-            bundle = held if held is not None else self._steps.get()
-            held = None
-            if bundle is None:
-                break
-            if isinstance(bundle, Swap):  # between two steps: every rank swaps before the next one
-                world = self._world
-                if world is None or world.failed:
-                    bundle.pending.settle(error=BackendUnavailableError("the worker pool is restarting"))
-                else:
-                    self._send_all(world, bundle.pending, bundle.frame)
-                    try:
-                        self._await(bundle.pending)  # no step starts before every rank has swapped
-                    except BaseException:
-                        pass  # the updating thread sees the same outcome
-                continue
-            batch = list(bundle)
-            busy = time.monotonic() - self._last_step_end < self.DEMAND_WINDOW_S
-            deadline = time.monotonic() + (self.STEP_GATHER_S if busy else 0.0)
-            while len(batch) < self.dims.dp:
-                left = deadline - time.monotonic()
-                try:
-                    extra = self._steps.get(timeout=max(0.0, left))
-                except queue.Empty:
-                    break
-                if extra is None:
-                    self._steps.put(None)  # shutting down: seen once this step is done
-                    break
-                if isinstance(extra, Swap) or len(batch) + len(extra) > self.dims.dp:
-                    held = extra
-                    break
-                batch.extend(extra)
-            self._run_step(batch)
-            self._last_step_end = time.monotonic()
-            self.step_counts["steps"] += 1
-            self.step_counts["rows"] += len(batch)
-        for bundle in [held] + _drain(self._steps):  # fail whatever is still queued at shutdown
-            if isinstance(bundle, Swap):
-                bundle.pending.settle(error=BackendUnavailableError("the worker pool is shutting down"))
-                continue
-            for _, ticket in bundle or ():
-                ticket.put(BackendUnavailableError("the worker pool is shutting down"))
-
-    def _run_step(self, batch: list) -> None:
-        world = self._world
-        if world is None or world.failed:
-            for _, ticket in batch:
-                ticket.put(BackendUnavailableError("the worker pool is restarting after a worker failure"))
-            return
-        pendings = [self._new_pending(world) for _ in range(self.dims.dp)]
-        try:
-            for group, pending in enumerate(pendings):
-                if group < len(batch):
-                    frame = msg.encode(msg.ScoreRow.of(pending.request_id, batch[group][0]))
-                    self._rows_done[group] += 1
-                else:
-                    frame = msg.encode(msg.Idle(pending.request_id))
-                world.send_group(group, frame)
-        except OSError as error:
-            for pending in pendings:
-                pending.settle(error=BackendUnavailableError(f"cannot reach the workers: {error}"))
-        for group, pending in enumerate(pendings):
-            try:
-                outcome = self._await(pending)
-            except BaseException as error:  # delivered to the caller's thread
-                outcome = error
-            if group < len(batch):
-                batch[group][1].put(outcome)
-
-
-def _drain(q: queue.Queue) -> list:
-    items = []
-    while True:
-        try:
-            items.append(q.get_nowait())
-        except queue.Empty:
-            return items
 
 
 def start_pool(settings: dict) -> WorkerPool:

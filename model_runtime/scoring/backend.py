@@ -153,8 +153,8 @@ class LocalBackend:
             self.scorer.warm_up()
 
     def update_weights(self, path: Path, version: str | None = None) -> WeightsUpdate:
-        from model_runtime.scoring.weights import (content_version, files_snapshot, plan_reads, read_parameters,
-                                                   refuse_if_changed, swap_parameters)
+        from model_runtime.scoring.weights import (checkpoint_changed, content_version, files_snapshot, plan_reads,
+                                                   read_parameters, swap_parameters)
 
         path = Path(path)
         started = begin_update(self._updating, self.info.name)
@@ -168,7 +168,8 @@ class LocalBackend:
                 if beside:
                     new = read_parameters(loaded.model, plan)
                     new_version = version or hashed.result()
-                    refuse_if_changed(path, files)
+                    if (changed := checkpoint_changed(path, files)) is not None:
+                        raise changed
                     load_s = time.perf_counter() - started
                     with self._turnstile, self._lock:
                         t0 = time.perf_counter()

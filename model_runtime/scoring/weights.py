@@ -341,12 +341,13 @@ def files_snapshot(path: Path) -> tuple:
                         for st in [f.stat()]))
 
 
-def refuse_if_changed(path: Path, before: tuple) -> None:
-    """Refuses a checkpoint whose files changed since ``before`` (``files_snapshot``): the weights
-    read could mix two versions, and a content hash would name neither."""
-    if files_snapshot(path) != before:
-        raise CheckpointError("unreadable", f"{Path(path).name}: the checkpoint's files changed while they were read "
-                              "(still being written?); nothing was swapped: retry once they are complete")
+def checkpoint_changed(path: Path, before: tuple) -> CheckpointError | None:
+    """The refusal of a checkpoint whose files changed since ``before`` (``files_snapshot``), or
+    None: the weights read could mix two versions, and a content hash would name neither."""
+    if files_snapshot(path) == before:
+        return None
+    return CheckpointError("unreadable", f"{Path(path).name}: the checkpoint's files changed while they were read "
+                           "(still being written?); nothing was swapped: retry once they are complete")
 
 
 CONTENT_VERSION_PREFIX = "sha256-"  # a content hash's version; service/http/weights.py reserves it
