@@ -4,7 +4,7 @@ the workers (no torch import)."""
 from __future__ import annotations
 
 # One boundary per family (model_runtime/kernels/), each with its named backends (the registry
-# maps every name to its function; tests/unit/test_kernels_registry.py holds the two lists equal).
+# maps every name to its function; tests/unit/test_kernels.py holds the two lists equal).
 BACKENDS = {
     "linear_attention": ("reference", "fla"),
     "conv1d": ("reference", "fla", "causal_conv1d", "triton"),

@@ -215,22 +215,13 @@ def _read_headers(path: Path, files: list[Path]) -> tuple[dict[str, tuple[int, .
         except CheckpointError:
             raise
         except Exception as exc:  # safetensors raises its own error type for a corrupt header
-            if _has_safetensors_header(file):  # a safetensors file cut short or damaged
+            from model_runtime.scoring.tensor_file import has_header  # torch: imported only when needed
+
+            if has_header(file):  # a safetensors file cut short or damaged
                 raise CheckpointError("unreadable", f"{file} is a safetensors file that fails to read: {exc}") from None
             raise CheckpointError("unsupported", f"{file} is not a readable safetensors file: {exc}") from None
     return shapes, dtypes
 
-
-def _has_safetensors_header(file: Path) -> bool:
-    """Whether ``file`` starts as safetensors does: a little-endian u64 length, then that many bytes of JSON."""
-    try:
-        with open(file, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            if not 2 <= size <= min(100 << 20, file.stat().st_size - 8):
-                return False
-            return isinstance(json.loads(f.read(size)), dict)
-    except (OSError, ValueError):
-        return False
 
 
 def _refuse_float8(path: Path, dtypes: dict[str, str]) -> None:

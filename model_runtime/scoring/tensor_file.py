@@ -33,6 +33,38 @@ class TensorFileError(OSError):
     """The file is not the safetensors file its header describes (cut short, damaged)."""
 
 
+def read_header(fd: int, size: int, path: Path) -> tuple[dict, int]:
+    """The JSON header of the safetensors file open as ``fd`` (``size`` bytes) and where its data
+    starts; TensorFileError when the file does not start as safetensors does."""
+    length = int.from_bytes(_pread(fd, 8, 0, path), "little")
+    if not 2 <= length <= min(_MAX_HEADER, size - 8):
+        raise TensorFileError(f"{path}: a header of {length} bytes in a file of {size}")
+    try:
+        header = json.loads(_pread(fd, length, 8, path))
+    except ValueError as err:
+        raise TensorFileError(f"{path}: the header is not JSON: {err}") from None
+    if not isinstance(header, dict):
+        raise TensorFileError(f"{path}: the header is not a JSON object")
+    return header, 8 + length
+
+
+def has_header(path: Path) -> bool:
+    """Whether ``path`` starts as a safetensors file does (its tensors are not checked)."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            read_header(f.fileno(), os.fstat(f.fileno()).st_size, Path(path))
+        return True
+    except OSError:  # TensorFileError included
+        return False
+
+
+def _pread(fd: int, count: int, offset: int, path: Path) -> bytes:
+    data = os.pread(fd, count, offset)
+    if len(data) != count:
+        raise TensorFileError(f"{path}: {count} bytes at {offset} asked, {len(data)} read (the file is shorter)")
+    return data
+
+
 class TensorFile:
     """One open safetensors file: ``keys()``, ``shape(name)`` and ``read(name, rows)``; a context
     manager that closes it.
@@ -51,17 +83,8 @@ class TensorFile:
 
     def _parse_header(self) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...], int, int]], int]:
         size = os.fstat(self._file.fileno()).st_size
-        head = self._pread(8, 0)
-        length = int.from_bytes(head, "little")
-        if not 2 <= length <= min(_MAX_HEADER, size - 8):
-            raise TensorFileError(f"{self.path}: a header of {length} bytes in a file of {size}")
-        try:
-            header = json.loads(self._pread(length, 8))
-        except ValueError as err:
-            raise TensorFileError(f"{self.path}: the header is not JSON: {err}") from None
-        if not isinstance(header, dict):
-            raise TensorFileError(f"{self.path}: the header is not a JSON object")
-        data_start, data_size = 8 + length, size - 8 - length
+        header, data_start = read_header(self._file.fileno(), size, self.path)
+        data_size = size - data_start
         entries = {}
         for name, info in header.items():
             if name == "__metadata__":
@@ -98,12 +121,6 @@ class TensorFile:
         buffer = torch.empty(end - begin, dtype=torch.uint8, pin_memory=pin)
         self._pread_into(buffer, self._data_start + begin)
         return buffer.view(dtype).reshape(shape)
-
-    def _pread(self, count: int, offset: int) -> bytes:
-        data = os.pread(self._file.fileno(), count, offset)
-        if len(data) != count:
-            raise TensorFileError(f"{self.path}: {count} bytes at {offset} asked, {len(data)} read (the file is shorter)")
-        return data
 
     def _pread_into(self, buffer: torch.Tensor, offset: int) -> None:
         view, done = memoryview(buffer.numpy()), 0
