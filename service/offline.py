@@ -110,6 +110,7 @@ async def _score_lines(settings: Settings, backend, input_path: Path, out: IO[by
         raise InputError(str(exc)) from None
     limits = Limits(info.vocab_size, model_len, 1, settings.queued_tokens, 1 << 62)
     # Every line is checked before the first is scored: a bad line stops the run with nothing written.
+    # The file is read twice, so that it is never held whole in memory.
     for _ in _jobs(settings, input_path, limits, done):
         pass
     scheduler = Scheduler.from_settings(backend, settings)
