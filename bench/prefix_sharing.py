@@ -129,7 +129,7 @@ def flops_only(preset: str, budgets, min_tokens: int) -> dict:
 
 
 def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_tokens: int, budget_s: float,
-        profile: bool = False) -> dict:
+        profile: bool = False, only: tuple[str, ...] = (), passes: int = 2) -> dict:
     started = time.perf_counter()
     dev = torch.device(device)
     dtype = "bfloat16" if dev.type == "cuda" else "float32"
@@ -153,6 +153,10 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
         trio[2].prefix_rounding = RowRounding.exact(budget)  # every member of a group alike
         scorers[budget] = trio
     loads = workloads(loaded.vocab_size, tiny=preset == "tiny")
+    unknown = sorted(set(only) - set(loads))
+    if unknown:
+        raise SystemExit(f"--workloads: unknown {unknown}; known: {', '.join(loads)}")
+    timed_loads = [name for name in loads if not only or name in only]
     # The shared path's own kernel variants (initial and final states, gathered keys): a small row
     # of groups through each scorer before timing.
     first = loads["rl_mix_groups_of_8"][: 4 if preset == "tiny" else 16]
@@ -171,6 +175,7 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
         "load_s": load_s,
         "warm_up_s": warm_s,
         "rounding_measure_s": result_rounding_s,
+        "timed_pass": "second" if passes == 2 else "only",
         # the narrow products' kinds of row count (model_runtime/scoring/rounding.py) the rows follow
         "rounding_kinds": {budget: {"kinds": trio[1].prefix_rounding.kind_count, "ranges": len(trio[1].prefix_rounding.runs),
                                     "max_rows": trio[1].prefix_rounding.max_rows}
@@ -184,12 +189,12 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
         return result
     # The RL mix in the main rows and the 16-sample workload always run; the RL mix in smaller rows
     # only if its passes (no longer than the main rows' ones) still fit in --budget-s.
-    runs = [(name, name, max_batch_tokens) for name in loads]
-    if also_tokens and also_tokens != max_batch_tokens:
+    runs = [(name, name, max_batch_tokens) for name in timed_loads]
+    if also_tokens and also_tokens != max_batch_tokens and "rl_mix_groups_of_8" in timed_loads:
         runs.append((f"rl_mix_groups_of_8_rows_of_{also_tokens}", "rl_mix_groups_of_8", also_tokens))
     for i, (key, name, budget) in enumerate(runs):
         elapsed, main_passes = time.perf_counter() - started, result.get("rl_mix_passes_s", 0.0)
-        if i >= len(loads) and elapsed + main_passes > budget_s:
+        if i >= len(timed_loads) and elapsed + main_passes > budget_s:
             print(f"{key}: skipped, {elapsed:.0f} s + {main_passes:.0f} s past --budget-s {budget_s:.0f}", flush=True)
             continue
         pass_started = time.perf_counter()
@@ -198,9 +203,10 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
         rounding = shared.prefix_rounding
         work = describe(sequences)
         saved = tokens_saved(sequences, min_tokens, rounding)  # as if the whole workload were one row
-        first_plain_out, first_plain_s = timed(plain, sequences)
-        first_shared_out, first_shared_s = timed(shared, sequences)
-        timed(by_prompt, sequences)
+        if passes == 2:
+            first_plain_out, first_plain_s = timed(plain, sequences)
+            first_shared_out, first_shared_s = timed(shared, sequences)
+            timed(by_prompt, sequences)
         plain_out, plain_s = timed(plain, sequences)
         shared_out, shared_s = timed(shared, sequences)
         prompt_out, prompt_s = timed(by_prompt, sequences)
@@ -211,17 +217,12 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
             "unique_token_bound": work["tokens"] / (work["tokens"] - saved),
             "row_token_bound": row_token_bound(sequences, budget, min_tokens, rounding),
             "flop_bound": flop_bound(sequences, budget, min_tokens, flops, rounding),
-            "first_pass_unshared_s": first_plain_s,
-            "first_pass_shared_s": first_shared_s,
-            "first_pass_speedup": first_plain_s / first_shared_s,
             "unshared_s": plain_s,
             "shared_s": shared_s,
             "unshared_tokens_per_s": work["tokens"] / plain_s,
             "shared_tokens_per_s": work["tokens"] / shared_s,
             "speedup": plain_s / shared_s,
             **compare(shared_out, plain_out),
-            # Each side's passes agree with each other (deterministic kernels), first to second.
-            "first_pass_logprob_max_diff": compare(first_shared_out, first_plain_out)["logprob_max_diff"],
             # every member of a group sharing its prompt, whatever its length's rounding
             "by_prompt": {
                 "row_token_bound": row_token_bound(sequences, budget, min_tokens),
@@ -231,13 +232,22 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
                 **compare(prompt_out, plain_out),
             },
         }
+        if passes == 2:
+            entry.update({
+                "first_pass_unshared_s": first_plain_s,
+                "first_pass_shared_s": first_shared_s,
+                "first_pass_speedup": first_plain_s / first_shared_s,
+                # Each side's passes agree with each other (deterministic kernels), first to second.
+                "first_pass_logprob_max_diff": compare(first_shared_out, first_plain_out)["logprob_max_diff"],
+            })
         result["workloads"][key] = entry
         if key == "rl_mix_groups_of_8":
             result["rl_mix_passes_s"] = time.perf_counter() - pass_started
-        print(f"{key}: speedup {entry['speedup']:.3f} (first pass {entry['first_pass_speedup']:.3f}; token bound {entry['row_token_bound']:.3f}, FLOP bound {entry['flop_bound']:.3f} in rows of {budget}), "
+        first = f"first pass {entry['first_pass_speedup']:.3f}; " if passes == 2 else ""
+        print(f"{key}: speedup {entry['speedup']:.3f} ({first}token bound {entry['row_token_bound']:.3f}, FLOP bound {entry['flop_bound']:.3f} in rows of {budget}), "
               f"mean |dlogp| {entry['logprob_mean_diff']:.2e}; every member: speedup {entry['by_prompt']['speedup']:.3f}, "
               f"mean |dlogp| {entry['by_prompt']['logprob_mean_diff']:.2e}", flush=True)
-    main_entry = result["workloads"]["rl_mix_groups_of_8"]
+    main_entry = result["workloads"][timed_loads[0]]
     result["speedup"] = main_entry["speedup"]
     result["logprob_mean_diff"] = main_entry["logprob_mean_diff"]
     result["total_s"] = time.perf_counter() - started
@@ -313,7 +323,7 @@ def table(result: dict) -> str:
     lines = [
         f"prefix sharing, {result['preset']} on {result['device']} ({result['dtype']}); token bound: workload tokens over "
         "tokens the shared rows run; FLOP bound: model FLOPs unshared over shared (bench/flops.py); "
-        "timed: the second pass of each side",
+        f"timed: the {result.get('timed_pass', 'second')} pass of each side",
         "",
         "| workload | sharing | rows of | tokens | unshared tok/s | shared tok/s | speedup | token bound "
         "| FLOP bound | mean abs dlogp | max abs dlogp |",
@@ -345,7 +355,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--profile-row", action="store_true",
                         help="instead of timing the workloads, profile one row of whole groups unshared, as served and "
                              "every member (ms by module kind and kernel category)")
+    parser.add_argument("--workloads", default="",
+                        help="comma-separated workloads to time (default all: rl_mix_groups_of_8, "
+                             "groups_of_16_1k_prompt_2k_response)")
+    parser.add_argument("--passes", type=int, choices=(1, 2), default=2,
+                        help="timed passes a side: 2 times the second (the first kept as first_pass_*); 1 for a "
+                             "large preset whose passes would not fit the device call")
     args = parser.parse_args(argv)
+    only = tuple(name for name in args.workloads.split(",") if name)
     if args.flops_only:
         budgets = (args.max_batch_tokens, *([args.also_tokens] if args.also_tokens else []))
         bounds = flops_only(args.preset, budgets, args.min_tokens)
@@ -353,7 +370,8 @@ def main(argv=None) -> dict:
             print(f"{name}: token bound {b['row_token_bound']:.3f}, FLOP bound {b['flop_bound']:.3f}")
         return bounds
     result = run(args.preset, args.device, args.max_batch_tokens, args.min_tokens,
-                 0 if args.profile_row else args.also_tokens, args.budget_s, profile=args.profile_row)
+                 0 if args.profile_row else args.also_tokens, args.budget_s, profile=args.profile_row,
+                 only=only, passes=args.passes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prefix-sharing.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -146,6 +146,20 @@ def test_benchmark_dry_run_on_the_cpu(tmp_path):
     assert (tmp_path / "prefix-sharing.md").read_text().startswith("prefix sharing, tiny")
 
 
+def test_benchmark_one_workload_one_pass(tmp_path):
+    from bench.prefix_sharing import main
+
+    main(["--preset", "tiny", "--device", "cpu", "--out", str(tmp_path), "--also-tokens", "16384",
+          "--workloads", "rl_mix_groups_of_8", "--passes", "1"])
+    saved = json.loads((tmp_path / "prefix-sharing.json").read_text())
+    # the smaller rows are the RL mix's too, so they still run
+    assert set(saved["workloads"]) == {"rl_mix_groups_of_8", "rl_mix_groups_of_8_rows_of_16384"}
+    assert saved["timed_pass"] == "only" and all("first_pass_speedup" not in e for e in saved["workloads"].values())
+    assert "timed: the only pass" in (tmp_path / "prefix-sharing.md").read_text()
+    with pytest.raises(SystemExit, match="unknown"):
+        main(["--preset", "tiny", "--device", "cpu", "--out", str(tmp_path), "--workloads", "rl_mix"])
+
+
 def test_one_row_profiled_three_ways_on_the_cpu(tmp_path):
     from bench.prefix_sharing import main
 
