@@ -93,6 +93,12 @@ async def update_weights(service: Service, body: Any, root: Path) -> dict:
 
 
 async def _run(service: Service, model: ServedModel, path: Path, version: str | None) -> dict:
+    # the body's own faults first: a bad version is 422 whatever an update in progress
+    if version is not None and version.lower().startswith((CONTENT_VERSION_PREFIX, PRESET_VERSION_PREFIX)):
+        # Such a name could later be the content hash of other weights, which would then serve under it.
+        raise ApiError(422, "invalid_value", f"versions starting with {CONTENT_VERSION_PREFIX!r} or "
+                       f"{PRESET_VERSION_PREFIX!r} are the names packscore gives (content hashes, presets); omit "
+                       "version to get the checkpoint's own, or choose another name.", "version")
     if not callable(getattr(model.backend, "update_weights", None)):
         raise ApiError(409, "update_unsupported", f"The backend of {model.name!r} cannot update its weights.", "model")
     while model.swap_holds and not model.updating:  # a request re-scoring after swaps must see one version
@@ -100,11 +106,6 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
     if model.updating:
         raise ApiError(409, "update_in_progress", f"An update of {model.name!r} is already running; retry once it is done.", "model",
                        headers=_RETRY_SOON)
-    if version is not None and version.lower().startswith((CONTENT_VERSION_PREFIX, PRESET_VERSION_PREFIX)):
-        # Such a name could later be the content hash of other weights, which would then serve under it.
-        raise ApiError(422, "invalid_value", f"versions starting with {CONTENT_VERSION_PREFIX!r} or "
-                       f"{PRESET_VERSION_PREFIX!r} are the names packscore gives (content hashes, presets); omit "
-                       "version to get the checkpoint's own, or choose another name.", "version")
     source = (version, path, files_snapshot(path))
     if version is not None and model.last_update is not None and model.last_update[0] == source \
             and model.backend.info.weights_version == version:

@@ -267,13 +267,16 @@ def test_a_second_update_of_the_same_model_is_409_and_readiness_holds_during_a_l
             first = asyncio.create_task(client.post("/v1/weights", json={"model": "policy", "path": "step-1"}))
             await wait_until(lambda: backends["policy"]._updating.locked())
             second = await client.post("/v1/weights", json={"model": "policy", "path": "step-2"})
+            # a body wrong in itself is 422 whatever the model's state
+            reserved = await client.post("/v1/weights", json={"model": "policy", "path": "step-2", "version": "sha256-0"})
             ready = await client.get("/readyz")
             served = await client.post("/score", json=_score({"model": "policy"}))
             load_gate.set()
-            return second, ready, served, await first
+            return second, reserved, ready, served, await first
 
-    second, ready, served, first = asyncio.run(main())
+    second, reserved, ready, served, first = asyncio.run(main())
     assert second.status_code == 409 and second.json()["error"]["type"] == "update_in_progress"
+    assert reserved.status_code == 422 and reserved.json()["error"]["param"] == "version", reserved.text
     assert ready.status_code == 200
     assert served.status_code == 200 and served.json()["weights_version"] == FAKE_VERSION
     assert first.status_code == 200
