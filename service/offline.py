@@ -15,7 +15,7 @@ from typing import IO, Iterator
 import orjson
 from tqdm import tqdm
 
-from service.http.encoding import result_record
+from service.http.encoding import non_finite_score, result_record
 from service.http.errors import ApiError
 from service.http.rollout import mismatch
 from service.http.validation import Limits, ScoreJob, parse_score_request, resolve_model_len
@@ -126,6 +126,9 @@ async def _score_lines(settings: Settings, backend, input_path: Path, out: IO[by
             scores = (await ticket.future)[0]
         except ApiError as exc:
             raise InputError(f"{input_path}:{number}: id {seq_id!r} could not be scored: {exc.message}") from None
+        if (where := non_finite_score(scores)) is not None:
+            raise InputError(f"{input_path}:{number}: id {seq_id!r} could not be scored: its scores are not finite at "
+                             f"{where} (the model's logits overflow float32 or are NaN)")
         record = result_record(seq_id, scores, return_entropy=settings.return_entropy, top_k=settings.top_k)
         if job.rollout[0] is not None:  # as the server answers it
             record["mismatch"] = mismatch(scores.logprobs, job.rollout[0])

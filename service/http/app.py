@@ -108,6 +108,7 @@ def create_app(settings: Settings, backend: BackendSources) -> FastAPI:
         description="Per-token log-probabilities and entropy of token sequences under the served model. "
         "Requests and answers in JSON or msgpack (Content-Type / Accept: application/msgpack).",
         lifespan=lifespan,
+        redirect_slashes=False,  # /score/ is a JSON 404 naming /score, not a 307 with an empty body
         swagger_ui_parameters={"validatorUrl": None},  # no badge fetched from validator.swagger.io
     )
     app.state.service = service
@@ -157,9 +158,11 @@ class _Gate:
 
     def _refusal(self, scope: Scope, path: str) -> ApiError | None:
         key = self.service.api_key
-        if path == WEIGHTS_ROUTE and self.service.admin_key is not None and self.service.settings.weights_root is not None:
-            return self._admin_refusal(scope)  # without --weights-root the route does not exist: 404 as any other
-        if key is not None and path not in _OPEN_ROUTES:
+        # Without --weights-root the weights route does not exist: 404 whatever key is sent (API.md).
+        weights_off = path == WEIGHTS_ROUTE and self.service.settings.weights_root is None
+        if path == WEIGHTS_ROUTE and self.service.admin_key is not None and not weights_off:
+            return self._admin_refusal(scope)
+        if key is not None and path not in _OPEN_ROUTES and not weights_off:
             if not _bearer_is(scope, key):
                 if self.service.admin_key is not None and _bearer_is(scope, self.service.admin_key):
                     # a key the server knows, not allowed here: the contract's 403, as for the scoring key on /v1/weights
@@ -204,9 +207,16 @@ def _install_error_handlers(app: FastAPI, service: Service) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         kinds = {404: "not_found", 405: "method_not_allowed"}
-        message = {404: f"No route {request.url.path}.", 405: f"{request.method} is not allowed on {request.url.path}."}
+        path = request.url.path
+        # no redirect for a trailing slash (a client that does not follow it would see a bare 307)
+        hint = f" (did you mean {path.rstrip('/')}?)" if path.endswith("/") and path.rstrip("/") in _ROUTE_LABELS else ""
+        message = {404: f"No route {path}{hint}.", 405: f"{request.method} is not allowed on {path}."}
+        headers = dict(exc.headers or {})
+        allow = [m.strip() for m in headers.get("Allow", "").split(",") if m.strip()]
+        if "GET" in allow and "HEAD" not in allow:  # every GET route answers HEAD too
+            headers["Allow"] = ", ".join([*allow, "HEAD"])
         error = ApiError(exc.status_code, kinds.get(exc.status_code, "http_error"),
-                         message.get(exc.status_code, str(exc.detail)), headers=dict(exc.headers or {}))
+                         message.get(exc.status_code, str(exc.detail)), headers=headers)
         return error_response(error, metrics)
 
     @app.exception_handler(Exception)

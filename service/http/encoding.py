@@ -132,6 +132,21 @@ def result_record(seq_id, scores, *, return_entropy: bool, top_k: int) -> dict:
     return record
 
 
+def non_finite_score(scores) -> str | None:
+    """Where a sequence's scores hold NaN or infinity (the model's logits overflowed float32 or
+    were NaN), as ``logprobs[3]``; None where every number is finite. Log 0 is reported as
+    float32's lowest value, so a finite model never lands here."""
+    for name in ("logprobs", "entropy", "top_k_logprobs"):
+        values = getattr(scores, name)
+        if values is None or values.size == 0:
+            continue
+        bad = np.flatnonzero(~np.isfinite(values))
+        if bad.size:
+            index = np.unravel_index(bad[0], values.shape)
+            return name + "".join(f"[{int(i)}]" for i in index)
+    return None
+
+
 def encode_json(obj: Any) -> bytes:
     return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
 

@@ -134,3 +134,11 @@ ERROR_RESPONSES = {
     503: {"model": ErrorResponse, "description": "not ready or draining; retry after Retry-After seconds"},
     504: {"model": ErrorResponse, "description": "deadline_ms passed before the result was ready"},
 }
+
+
+def non_finite_error(index: int, where: str) -> ApiError:
+    """422 ``non_finite_scores``: the served weights give this sequence NaN or infinite scores,
+    which JSON cannot carry and a trainer must not average in."""
+    return ApiError(422, "non_finite_scores", f"The model's scores of sequences[{index}] are not finite at {where}: its "
+                    "logits overflow float32 or are NaN, so the served weights cannot score this sequence.",
+                    f"sequences[{index}]")

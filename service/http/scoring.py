@@ -13,8 +13,8 @@ from starlette.responses import Response
 
 from model_runtime.types import SequenceInput, SequenceScores
 from service.http.encoding import CONTENT_TYPE, decode_body, encode_score_response, request_encoding, response_encoding
-from service.http.encoding import result_record
-from service.http.errors import ApiError, backend_unavailable, deadline_error, draining_error
+from service.http.encoding import non_finite_score, result_record
+from service.http.errors import ApiError, backend_unavailable, deadline_error, draining_error, non_finite_error
 from service.http.rollout import mismatch
 from service.http.validation import ScoreJob, parse_score_request
 from service.runtime import ServedModel, Service
@@ -255,6 +255,10 @@ async def _until_disconnect(request: Request) -> None:
 
 
 def _score_body(job: ScoreJob, scores: list[SequenceScores], version: str, service: Service) -> dict:
+    for i, s in enumerate(scores):
+        if (where := non_finite_score(s)) is not None:
+            log.warning("%s scored sequences[%d] of a request with non-finite numbers at %s", job.model, i, where)
+            raise non_finite_error(i, where)
     results = [
         result_record(seq_id, s, return_entropy=job.return_entropy, top_k=job.top_k) for seq_id, s in zip(job.ids, scores)
     ]

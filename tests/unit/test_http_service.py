@@ -343,3 +343,59 @@ def test_extreme_temperatures_answer_numbers_not_nulls():
         numbers = result["logprobs"] + result["entropy"] + [x for row in result["top_k_logprobs"] for x in row]
         assert all(isinstance(x, float) and math.isfinite(x) for x in numbers), f"T={t}: {result}"
         assert all(x >= LOGP_FLOOR for x in result["logprobs"]) and all(h >= 0 for h in result["entropy"])
+
+
+def test_a_trailing_slash_is_a_json_404_naming_the_route_and_405_allows_head():
+    async def main():
+        async with running_app(create_app(Settings(), FakeBackend())) as client:
+            return (await client.post("/score/", json=GOOD), await client.get("/healthz/"),
+                    await client.post("/healthz"), await client.delete("/metrics"))
+
+    slash, health_slash, post_health, delete_metrics = asyncio.run(main())
+    for answer, route in ((slash, "/score"), (health_slash, "/healthz")):
+        assert answer.status_code == 404, answer.text  # not a redirect a client may not follow
+        assert f"did you mean {route}?" in answer.json()["error"]["message"], answer.text
+    for answer in (post_health, delete_metrics):
+        assert answer.status_code == 405 and answer.json()["error"]["type"] == "method_not_allowed", answer.text
+        assert {m.strip() for m in answer.headers["allow"].split(",")} == {"GET", "HEAD"}, answer.headers
+
+
+def _overflow(loaded) -> None:
+    """Finite head weights whose logits overflow float32: NaN log-probs (the start-up readiness
+    pass refuses such weights, so they are set once the server is ready)."""
+    import torch
+
+    with torch.no_grad():
+        loaded.model.lm_head.weight.copy_(torch.sign(loaded.model.lm_head.weight) * 3e38)
+
+
+def test_non_finite_scores_are_a_422_naming_the_sequence_not_nulls(monkeypatch, tmp_path, capsys):
+    """JSON cannot carry NaN (orjson writes null) and a trainer must not average it in."""
+    import orjson
+
+    from service import cli
+
+    from model_runtime.scoring.backend import LocalBackend
+    from model_runtime.scoring.loading import load_model
+    from model_runtime.scoring.scorer import Scorer
+
+    loaded = load_model("tiny", device="cpu")
+    backend = LocalBackend(Scorer(loaded))
+
+    async def main():
+        async with running_app(create_app(Settings(), backend)) as client:
+            _overflow(loaded)
+            return [await client.post("/score", json={"sequences": [{"input_ids": [1, 5, 2]}]}, headers=headers)
+                    for headers in ({}, {"Accept": "application/msgpack"})]
+
+    for answer in asyncio.run(main()):
+        assert answer.status_code == 422, answer.text
+        error = answer.json()["error"]
+        assert error["type"] == "non_finite_scores" and error["param"] == "sequences[0]", error
+        assert "logprobs[0]" in error["message"], error
+    monkeypatch.setattr("service.backends.load_backend", lambda settings: backend)  # no readiness pass offline
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(orjson.dumps({"id": "a", "input_ids": [1, 5, 2]}) + b"\n")
+    assert cli.main(["score", str(source), "-o", str(out)]) == 2
+    assert "id 'a' could not be scored: its scores are not finite at logprobs[0]" in capsys.readouterr().err
+    assert out.read_bytes() == b""

@@ -320,15 +320,16 @@ def test_the_update_route_keeps_the_body_limit_and_is_404_without_a_root(tmp_pat
         async with running_app(limited) as client:
             big = await client.post("/v1/weights", json={"path": "step-1", "version": "x" * 10_000})
         # --admin-key without --weights-root: the route does not exist, whoever asks
-        rootless = create_app(Settings(admin_key=ADMIN), FakeBackend())
+        # ... with an API key too: 404 with no key, the scoring key or the admin key
+        rootless = create_app(Settings(admin_key=ADMIN, api_key=KEY), FakeBackend())
         async with running_app(rootless) as client:
-            bare = await client.post("/v1/weights", json={"path": "step-1"})
-            admin = await client.post("/v1/weights", json={"path": "step-1"}, headers={"Authorization": f"Bearer {ADMIN}"})
-        return big, bare, admin
+            answers = [await client.post("/v1/weights", json={"path": "step-1"}, headers=headers)
+                       for headers in ({}, {"Authorization": f"Bearer {ADMIN}"}, {"Authorization": f"Bearer {KEY}"})]
+        return big, answers
 
-    big, bare, admin = asyncio.run(main())
+    big, answers = asyncio.run(main())
     assert big.status_code == 413 and big.json()["error"]["type"] == "body_too_large", big.text
-    assert bare.status_code == 404 and admin.status_code == 404, (bare.text, admin.text)
+    assert [a.status_code for a in answers] == [404] * 3, [a.text for a in answers]
 
 
 # ---- versions: pins and swaps in the middle of a request ------------------------------------
