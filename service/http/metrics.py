@@ -19,7 +19,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _TOKEN_BUCKETS = tuple(2**i for i in range(6, 20))  # 64 .. 512k tokens
 _MISMATCH_BUCKETS = (1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1, 3, 10)
 # A mismatch figure is observed at most this large: past the top bucket it counts the same, and
-# a huge one (k3_kl reaches float64's largest) would make the histogram's _sum infinite, or too
+# a huge one (k3_kl reaches float32's largest) would make the histogram's _sum infinite, or too
 # large for later observations to move it, for the rest of the process.
 _MISMATCH_OBSERVED_MAX = 1e3
 _FILL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0, 2.0, 8.0)  # > 1: an oversize sequence

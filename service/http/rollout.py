@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
-_LARGEST = float(np.finfo(np.float64).max)
+_LARGEST = float(np.finfo(np.float32).max)
 _ZERO = {"mean_abs_diff": 0.0, "max_abs_diff": 0.0, "k3_kl": 0.0}
 
 
 def mismatch(logprobs: np.ndarray, rollout: np.ndarray) -> dict[str, float]:
     """``d = logprobs - rollout`` in float64 (both float32 ``[n_scored]``): mean and max ``|d|`` and
     ``k3_kl = mean(exp(d) - 1 - d)``, the k3 estimate of KL(rollout || served model) from the
-    rollout's own samples. All zero for an empty scored range.
+    rollout's own samples, each rounded to float32 as every number of the answer is (API.md). All
+    zero for an empty scored range.
 
     >>> mismatch(np.array([-1.0], np.float32), np.array([-1.5], np.float32))["max_abs_diff"]
     0.5
@@ -24,7 +25,7 @@ def mismatch(logprobs: np.ndarray, rollout: np.ndarray) -> dict[str, float]:
     abs_d = np.abs(d)
     with np.errstate(over="ignore"):
         k3 = np.mean(np.expm1(d) - d)  # expm1: exact near d = 0, where exp(d) - 1 loses the digits
-    # d past ~709 (a rollout log-prob far below the model's) overflows: JSON has no infinity, so the
-    # answer carries float64's largest value instead.
-    k3 = min(float(k3), _LARGEST)
-    return {"mean_abs_diff": float(abs_d.mean()), "max_abs_diff": float(abs_d.max()), "k3_kl": k3}
+    # A rollout log-prob far below the model's overflows exp(d): JSON has no infinity, so a figure
+    # past float32's range is its largest value, as log 0 is its lowest.
+    figures = {"mean_abs_diff": abs_d.mean(), "max_abs_diff": abs_d.max(), "k3_kl": k3}
+    return {name: float(np.float32(min(float(value), _LARGEST))) for name, value in figures.items()}
