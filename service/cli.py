@@ -17,7 +17,7 @@ import typing
 from pathlib import Path
 from typing import Sequence
 
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from service.http.errors import validation_reason
 from service.settings import Settings
@@ -154,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # read where the experts' backend is chosen, in this process and in the pool's workers
         os.environ["PACKSCORE_EXPERT_GEMM"] = str(settings.expert_gemm)
     try:
-        _check_model_and_key(settings)
+        settings = _check_model_and_key(settings)
         settings = _resolve_hub_model(settings)  # may download: after the cheap checks
         _check_checkpoint(settings)
     except (ValueError, OSError, ImportError) as exc:
@@ -197,10 +197,11 @@ def _check_checkpoint(settings: Settings) -> None:
             check_checkpoint(Path(spec))
 
 
-def _check_model_and_key(settings: Settings) -> None:
-    """Fails before anything slow for mistakes that loading would only find minutes later."""
-    settings.resolved_api_key()  # an unreadable or empty key file
-    settings.resolved_admin_key()
+def _check_model_and_key(settings: Settings) -> Settings:
+    """Fails before anything slow for mistakes that loading would only find minutes later; the
+    settings with each key file read once (it may be a pipe a secret injector writes once)."""
+    api_key = settings.resolved_api_key()  # an unreadable or empty key file
+    admin_key = settings.resolved_admin_key()
     if settings.weights_root is not None and not settings.weights_root.is_dir():
         raise ValueError(f"--weights-root {str(settings.weights_root)!r} is not a directory")
     if settings.uses_worker_pool:
@@ -211,6 +212,10 @@ def _check_model_and_key(settings: Settings) -> None:
                 f"--world-size {settings.world_size} / --sp {settings.sp} / --fsdp need the worker pool "
                 f"(model_runtime.pool.pool.start_pool), which is not available in this build: {exc}"
             ) from None
+    return settings.model_copy(update={
+        "api_key": None if api_key is None else SecretStr(api_key), "api_key_file": None,
+        "admin_key": None if admin_key is None else SecretStr(admin_key), "admin_key_file": None,
+    })
 
 
 def serve(settings: Settings) -> int:

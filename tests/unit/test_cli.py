@@ -313,3 +313,19 @@ def test_resume_refuses_a_corrupt_middle_line_and_keeps_the_lines_after_it(monke
     assert f"{out}:3: not a result line" in err and "Traceback" not in err, err
     assert out.read_bytes() == corrupt, "OUT must be left as it was"
     assert sum(len(row) for row in backend.rows) == scored_before
+
+
+def test_a_key_file_is_read_once_and_its_value_kept(tmp_path):
+    """A secret injector may hand the key through a pipe that can be read once: the start-up
+    check reads each key file and the rest of the run uses the value."""
+    from service.cli import _check_model_and_key
+
+    api, admin = tmp_path / "api", tmp_path / "admin"
+    api.write_text("k1\n")
+    admin.write_text("k2\n")
+    checked = _check_model_and_key(Settings(api_key_file=api, admin_key_file=admin))
+    api.unlink()
+    admin.unlink()
+    assert checked.api_key_file is None and checked.admin_key_file is None
+    assert (checked.resolved_api_key(), checked.resolved_admin_key()) == ("k1", "k2")
+    assert _check_model_and_key(Settings()).resolved_api_key() is None
