@@ -332,3 +332,35 @@ def test_deadline_ms_bounds_the_whole_call_not_each_retry():
             client.score([[1, 2, 3]], deadline_ms=500)
     assert failed.value.status == 504 and failed.value.param == "deadline_ms", failed.value
     assert time.monotonic() - started < 2 and len(sent) == 1 and 0 < sent[0] <= 500, (sent, time.monotonic() - started)
+
+
+def test_a_read_timeout_is_not_sent_again():
+    """A server that took the request and has not answered within timeout_s is still scoring it:
+    sending it again would score it twice on a server already too slow."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    accepted = []
+
+    def accept_and_never_answer():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(conn)  # read nothing back, answer nothing
+
+    threading.Thread(target=accept_and_never_answer, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with ScoreClient(url, timeout_s=0.5, connect_retry_s=10) as client, pytest.raises(ScoreError) as failed:
+            client.score([[1, 2, 3]])
+        assert failed.value.status == 0 and failed.value.type == "read_timeout", failed.value
+        # /readyz (the limits) and /score: one connection each at most, the score never resent
+        assert len(accepted) <= 2, f"{len(accepted)} connections"
+    finally:
+        listener.close()
+        for conn in accepted:
+            conn.close()

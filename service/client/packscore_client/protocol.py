@@ -286,7 +286,8 @@ class Protocol:
         Yields a body to POST (and receives the ``httpx.Response``, or the ``httpx.TransportError``
         raised instead) or seconds to sleep (and receives None). 429 and 503 are retried after their
         Retry-After until ``give_up`` (a ``time.monotonic()``); a server that cannot be reached is
-        retried for ``connect_retry_s`` from the first failure in a row, a log line each, then raised.
+        retried for ``connect_retry_s`` from the first failure in a row, a log line each, then raised;
+        a read timeout (the server has the request) raises ``read_timeout`` at once.
         ``deadline`` (a ``time.monotonic()``, from the call's ``deadline_ms``) bounds the retries too:
         each attempt asks the server for what is left of it, and none is sent once it has passed.
         """
@@ -315,6 +316,11 @@ class Protocol:
                 if deadline is not None and time.monotonic() + wait >= deadline:
                     raise ScoreError(504, "deadline_exceeded", f"deadline_ms would pass before a retry could "
                                      f"be answered (the server said {outcome.status_code} {error.type}).", "deadline_ms")
+            elif isinstance(outcome, httpx.ReadTimeout):
+                # The server has the request and is still scoring it: sent again, it would be scored twice
+                # on a server already too slow, and the answer would come no sooner.
+                raise ScoreError(0, "read_timeout", f"{self.base_url} sent no answer within timeout_s; the request "
+                                 "was not sent again (raise timeout_s, or send less per call)") from outcome
             else:
                 wait, unreachable_since = self._unreachable(outcome, attempt, unreachable_since, give_up)
             yield wait
