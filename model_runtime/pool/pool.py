@@ -114,6 +114,7 @@ class WorkerPool(Lockstep):
         self._last_step_end = float("-inf")
         self.step_counts = {"steps": 0, "rows": 0}  # lockstep occupancy (rows per step), for benchmarks
         self._world: WorkerWorld | None = None
+        self._starting: WorkerWorld | None = None  # a world whose workers are loading (close() kills them)
         self._alive = False
         self._closing = False
         self._restarts = 0
@@ -228,6 +229,11 @@ class WorkerPool(Lockstep):
             graceful = world is not None and not world.failed and not busy
             if world is not None:
                 world.failed = True  # the reader stops watching: exits from here on are not failures
+            starting = self._starting
+        if starting is not None:
+            # A restart still loading (a worker failed during the drain): its workers must not outlive
+            # the server; the starting thread sees them exit and cleans up.
+            starting.kill()
         if world is not None:
             self._fail_pending(world.generation, "the worker pool is shutting down")
             world.stop(graceful=graceful)
@@ -262,6 +268,11 @@ class WorkerPool(Lockstep):
     def _start_world(self) -> list[msg.Hello]:
         self._generation += 1
         world = WorkerWorld(self._generation, self.dims, self._start_fields)
+        with self._lock:
+            self._starting = world
+            closing = self._closing
+        if closing:  # close() ran while the processes were launched: it did not see them
+            world.kill()
         hellos: dict[int, msg.Hello] = {}
         deadline = time.monotonic() + self.start_timeout_s
         try:
@@ -290,6 +301,9 @@ class WorkerPool(Lockstep):
             world.failed = True
             world.stop(graceful=False)
             raise
+        finally:
+            with self._lock:
+                self._starting = None
         threading.Thread(target=self._read_loop, args=(world,), name=f"pool-reader-{world.generation}", daemon=True).start()
         log.info("worker pool generation %d up: pids %s, layout %s", world.generation, world.pids, self.dims.as_info())
         ordered = [hellos[r] for r in range(self.dims.world_size)]

@@ -95,6 +95,12 @@ class WorkerWorld:
     def all_running(self) -> bool:
         return all(p.poll() is None for p in self.procs)
 
+    def kill(self) -> None:
+        """SIGKILL to every process still running (their pipes stay open for whoever owns them)."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()  # our own child, by its Popen handle
+
     def stop(self, graceful: bool) -> None:
         """Shuts the processes down (politely first when ``graceful``) and closes the pipes."""
         if graceful:
@@ -109,9 +115,7 @@ class WorkerWorld:
                     p.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()  # our own child, by its Popen handle
+        self.kill()
         for p in self.procs:
             try:
                 p.wait(timeout=10.0)

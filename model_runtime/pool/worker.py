@@ -337,8 +337,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--send-fd", type=int, required=True, help="inherited descriptor of the reply pipe")
     parser.add_argument("--parent-pid", type=int, default=None, help="the pool's process id (default: the parent now)")
     args = parser.parse_args(argv)
-    # Ctrl-C in a terminal reaches the whole process group; the pool decides when workers stop.
+    # Ctrl-C in a terminal, and a SIGTERM sent to the whole process group (systemd's control group,
+    # `kill -TERM -PGID`, supervisors' stopasgroup), reach every worker too: the pool decides when
+    # workers stop (Shutdown, or SIGKILL past the drain), so the server can drain what it admitted.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _watch_parent(args.parent_pid or os.getppid())
     commands = Connection(args.recv_fd, writable=False)
     replies = _Replies(Connection(args.send_fd, readable=False))

@@ -21,7 +21,7 @@ from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.scorer import Scorer
 from model_runtime.types import SequenceInput
 from service.local_server import LocalServer
-from tests.e2e.helpers import long_forward_body, sigterm_mid_forward
+from tests.e2e.helpers import long_forward_body, post_in_background, queued_sequences, sigterm_mid_forward
 
 TOL = {"logprobs": 1e-5, "entropy": 1e-4}
 # Entropy gets DESIGN.md's packed-vs-alone bound (float32 CPU) rather than 1e-5: the server packs
@@ -48,8 +48,11 @@ def _worker_pids(server_pid: int) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == server_pid and b"model_runtime.pool.worker" in cmdline:
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] == "Z" or b"model_runtime.pool.worker" not in cmdline:
+            continue
+        # started by the server: its child, or an orphan that names it (the server gone)
+        if int(fields[1]) == server_pid or f"--parent-pid {server_pid} ".encode() in cmdline + b" ":
             pids.append(int(entry.name))
     return sorted(pids)
 
@@ -176,3 +179,63 @@ def test_a_drain_timeout_with_a_worker_mid_row_exits_0_on_time_leaving_no_worker
     time.sleep(0.5)
     assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()
                 and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"], "a worker outlived the server"
+
+
+def test_a_sigterm_to_the_whole_process_group_still_drains(tmp_path):
+    """systemd (KillMode=control-group), `kill -TERM -PGID` and supervisors signal every process:
+    the workers must keep scoring what the server admitted until the pool stops them."""
+    server = LocalServer(["--device", "cpu", "--world-size", "2", "--max-batch-tokens", "12000", "--drain-timeout-s", "60"],
+                         env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
+    try:
+        server.wait_ready(timeout=120)
+        workers = _worker_pids(server.proc.pid)
+        body = long_forward_body(13)
+        sender, answers = post_in_background(server.url, body)
+        deadline = time.monotonic() + 60
+        while queued_sequences(server.url) < len(body["sequences"]):  # admitted
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.01)
+        time.sleep(0.5)  # its forward under way
+        for pid in (*workers, server.proc.pid):
+            os.kill(pid, signal.SIGTERM)
+        code = server.proc.wait(timeout=90)
+        sender.join(timeout=30)
+    finally:
+        server.stop(timeout=30)
+    answer = answers["answer"]
+    assert answer.status_code == 200, (answer.text[:300], server.log()[-3000:])
+    assert code == 0, server.log()[-3000:]
+    time.sleep(0.5)
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()
+                and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"], "a worker outlived the server"
+
+
+def test_a_worker_lost_during_the_drain_leaves_no_restarted_worker_behind(tmp_path):
+    """A worker that dies while the server drains makes the pool start a new world; the server's
+    exit must take those loading workers down with it, not leave them to notice on their own."""
+    server = LocalServer(["--device", "cpu", "--world-size", "2", "--max-batch-tokens", "12000", "--drain-timeout-s", "30"],
+                         env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
+    try:
+        server.wait_ready(timeout=120)
+        first = _worker_pids(server.proc.pid)
+        body = long_forward_body(13)
+        sender, answers = post_in_background(server.url, body)
+        deadline = time.monotonic() + 60
+        while queued_sequences(server.url) < len(body["sequences"]):
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.01)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        os.kill(first[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30  # the restart has launched its workers
+        while not set(_worker_pids(server.proc.pid)) - set(first) and server.proc.poll() is None:
+            assert time.monotonic() < deadline, server.log()[-3000:]
+            time.sleep(0.05)
+        code = server.proc.wait(timeout=60)
+        sender.join(timeout=30)
+        left = _worker_pids(server.proc.pid)
+    finally:
+        server.stop(timeout=30)
+    assert answers["answer"].status_code == 503, answers["answer"].text[:300]  # its world failed: a JSON 503
+    assert code == 0, server.log()[-3000:]
+    assert left == [], f"workers {left} outlived the server"
