@@ -224,6 +224,10 @@ class Service:
         if not self._all_alive():
             self._probe_ok = False  # a worker came back: it must score again before we are ready
             return False, "worker_down"
+        if any(m.scheduler.forward_state() == "stalled" for m in self._scheduled()):
+            # One replica stuck (a stopped worker, a hung GPU) while others keep succeeding: the
+            # successes alone would keep the proof fresh and hide it.
+            return False, "stalled"
         now = time.monotonic()
         stale = any(
             m.scheduler.last_success_at is None or now - m.scheduler.last_success_at > _READY_MAX_AGE_S

@@ -144,6 +144,35 @@ def test_readyz_answers_within_its_wait_while_a_long_forward_runs_and_reports_a_
     assert scored.status_code == 200 and after.status_code == 200, after.text
 
 
+def test_readyz_reports_a_stalled_forward_even_while_the_last_proof_is_fresh(monkeypatch):
+    """One data-parallel replica stuck while another keeps succeeding: the fresh successes must
+    not hide the stall (no new pass would run to find it)."""
+    import service.scheduling.scheduler as scheduler
+
+    gate = threading.Event()
+    backend = FakeBackend()
+
+    async def main():
+        app = create_app(Settings(max_wait_ms=0), backend)
+        async with running_app(app) as client:
+            backend.gate = gate
+            long = asyncio.ensure_future(client.post("/score", json=GOOD))
+            await wait_until(lambda: app.state.service.scheduler.forward_running)
+            monkeypatch.setattr(scheduler, "_STALL_UNMEASURED_S", 0.0)
+            monkeypatch.setattr(scheduler, "_STALL_FLOOR_S", 0.0)
+            monkeypatch.setattr(scheduler, "_STALL_FACTOR", 0.0)
+            t0 = time.monotonic()
+            stalled = await client.get("/readyz")
+            stalled_s = time.monotonic() - t0
+            gate.set()
+            await long
+            return stalled, stalled_s
+
+    stalled, stalled_s = asyncio.run(main())
+    assert stalled.status_code == 503 and stalled.json()["status"] == "stalled", stalled.text
+    assert stalled_s < 1.0, f"{stalled_s:.2f} s"
+
+
 def test_a_failed_load_is_reported_not_hidden():
     def load():
         raise FileNotFoundError("no such checkpoint")
