@@ -165,8 +165,7 @@ def test_a_killed_worker_fails_fast_then_the_server_recovers(server, reference):
 def test_a_drain_timeout_with_a_worker_mid_row_exits_0_on_time_leaving_no_worker(tmp_path):
     # A worker reads Shutdown only between rows: one cut off mid-row is killed, so the exit keeps
     # to the drain timeout instead of waiting for the row (or for the exit timer 3 s later).
-    server = LocalServer(["--device", "cpu", "--world-size", "2", "--max-batch-tokens", "12000", "--drain-timeout-s", "1"],
-                         env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
+    server = _pool_server(tmp_path, drain_s=1)
     try:
         server.wait_ready(timeout=120)
         workers = _worker_pids(server.proc.pid)
@@ -181,20 +180,31 @@ def test_a_drain_timeout_with_a_worker_mid_row_exits_0_on_time_leaving_no_worker
                 and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"], "a worker outlived the server"
 
 
+def _pool_server(tmp_path, drain_s: int) -> LocalServer:
+    """Two data-parallel CPU workers, rows large enough for a forward of seconds."""
+    return LocalServer(["--device", "cpu", "--world-size", "2", "--max-batch-tokens", "12000", "--drain-timeout-s", str(drain_s)],
+                       env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
+
+
+def _long_row_admitted(server: LocalServer):
+    """Posts a row of seconds of work in the background; returns once the server admitted it."""
+    body = long_forward_body(13)
+    sender, answers = post_in_background(server.url, body)
+    deadline = time.monotonic() + 60
+    while queued_sequences(server.url) < len(body["sequences"]):
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.01)
+    return sender, answers
+
+
 def test_a_sigterm_to_the_whole_process_group_still_drains(tmp_path):
     """systemd (KillMode=control-group), `kill -TERM -PGID` and supervisors signal every process:
     the workers must keep scoring what the server admitted until the pool stops them."""
-    server = LocalServer(["--device", "cpu", "--world-size", "2", "--max-batch-tokens", "12000", "--drain-timeout-s", "60"],
-                         env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
+    server = _pool_server(tmp_path, drain_s=60)
     try:
         server.wait_ready(timeout=120)
         workers = _worker_pids(server.proc.pid)
-        body = long_forward_body(13)
-        sender, answers = post_in_background(server.url, body)
-        deadline = time.monotonic() + 60
-        while queued_sequences(server.url) < len(body["sequences"]):  # admitted
-            assert time.monotonic() < deadline, server.log()
-            time.sleep(0.01)
+        sender, answers = _long_row_admitted(server)
         time.sleep(0.5)  # its forward under way
         for pid in (*workers, server.proc.pid):
             os.kill(pid, signal.SIGTERM)
@@ -206,24 +216,17 @@ def test_a_sigterm_to_the_whole_process_group_still_drains(tmp_path):
     assert answer.status_code == 200, (answer.text[:300], server.log()[-3000:])
     assert code == 0, server.log()[-3000:]
     time.sleep(0.5)
-    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()
-                and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"], "a worker outlived the server"
+    assert _worker_pids(server.proc.pid) == [], "a worker outlived the server"
 
 
 def test_a_worker_lost_during_the_drain_leaves_no_restarted_worker_behind(tmp_path):
     """A worker that dies while the server drains makes the pool start a new world; the server's
     exit must take those loading workers down with it, not leave them to notice on their own."""
-    server = LocalServer(["--device", "cpu", "--world-size", "2", "--max-batch-tokens", "12000", "--drain-timeout-s", "30"],
-                         env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
+    server = _pool_server(tmp_path, drain_s=30)
     try:
         server.wait_ready(timeout=120)
         first = _worker_pids(server.proc.pid)
-        body = long_forward_body(13)
-        sender, answers = post_in_background(server.url, body)
-        deadline = time.monotonic() + 60
-        while queued_sequences(server.url) < len(body["sequences"]):
-            assert time.monotonic() < deadline, server.log()
-            time.sleep(0.01)
+        sender, answers = _long_row_admitted(server)
         server.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         os.kill(first[0], signal.SIGKILL)
