@@ -123,7 +123,9 @@ def test_segment_alone_equals_segment_in_the_row():
 def test_every_tile_gives_the_same_numbers():
     """Tiles only cut the row differently (a split narrower than the channel block gets a
     narrower block; rows past T are masked): every candidate bench/elementwise_probe.py may pick
-    gives the default tile's outputs bit for bit, on a row several token blocks long."""
+    gives the default tile's outputs bit for bit, on a row several token blocks long. The
+    interpreter runs a program as one block of NumPy operations, so tiles that differ only in their
+    warps compute alike here: one tile of each block shape is run."""
     from model_runtime.kernels.conv_triton import DEFAULT_TILE, conv_splits, tile_candidates
 
     lengths = (1, 70, 3, 150, 76)  # T = 300: segments across block edges of 32 to 256 tokens
@@ -132,7 +134,8 @@ def test_every_tile_gives_the_same_numbers():
     splits = (8, 8, 24)
     want = conv_splits(x, w, packed, splits, silu=True, tile=DEFAULT_TILE)
     assert DEFAULT_TILE in tile_candidates()
-    for tile in tile_candidates():
+    one_per_block = {(bt, bc): (bt, bc, warps) for bt, bc, warps in tile_candidates()}
+    for tile in one_per_block.values():
         for got, ref in zip(conv_splits(x, w, packed, splits, silu=True, tile=tile), want):
             assert torch.equal(got, ref), f"tile {tile}: {int((got != ref).sum())} of {ref.numel()} values differ"
 
