@@ -103,6 +103,46 @@ def check_checkpoint(path: Path, *, expected: dict[str, tuple[int, ...]] | None 
     )
 
 
+# Config fields that never change a scored number: names, token ids, output switches, storage
+# dtype, training-only settings, and the context length (which only bounds what is admitted).
+_FORWARD_NEUTRAL_FIELDS = frozenset({
+    "_name_or_path", "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
+    "bos_token_id", "eos_token_id", "pad_token_id", "id2label", "label2id", "problem_type", "return_dict",
+    "output_attentions", "output_hidden_states", "output_router_logits", "use_cache", "is_encoder_decoder",
+    "chunk_size_feed_forward", "initializer_range", "router_aux_loss_coef", "max_position_embeddings",
+    "quantization_config",
+})
+
+
+def forward_settings(config) -> dict:
+    """The text model's settings that shape its forward (a Hugging Face config object or a
+    config.json dict), normalised by transformers' own config class so that defaults compare."""
+    if isinstance(config, dict):
+        from transformers import AutoConfig
+
+        plain = {k: v for k, v in config.items() if k != "quantization_config"}
+        config = AutoConfig.for_model(plain.pop("model_type"), **plain)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return {k: v for k, v in text.to_dict().items() if k not in _FORWARD_NEUTRAL_FIELDS}
+
+
+def refuse_other_forward(path: Path, served_config, new_config: dict) -> None:
+    """A weight update keeps the served model's code and config: refuses (``incompatible``) a
+    checkpoint whose config.json would compute otherwise (a norm's epsilon, rope, activation,
+    routing), whose weights would then be scored under the old settings."""
+    if served_config is None:
+        return
+    try:
+        new = forward_settings(new_config)
+    except Exception as exc:  # a config transformers cannot read
+        raise CheckpointError("incompatible", f"{path}: config.json does not describe a buildable model: {exc}") from None
+    served = forward_settings(served_config)
+    differ = [f"{k} {served.get(k)!r} -> {new.get(k)!r}" for k in sorted(served.keys() | new.keys()) if served.get(k) != new.get(k)]
+    if differ:
+        raise CheckpointError("incompatible", f"{path}: config.json computes otherwise than the served model's ({_names(differ)}); "
+                              "an update swaps weights only: serve a changed config by restarting with it")
+
+
 def read_config(path: Path) -> dict:
     if not path.is_dir():
         raise CheckpointError("unsupported", f"{path} is not a directory; expected a Hugging Face checkpoint directory")
@@ -146,7 +186,12 @@ def safetensors_files(path: Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (ValueError, KeyError, TypeError, OSError) as exc:
             raise CheckpointError("unsupported", f"{index} is not a safetensors index: {exc}") from None
-        files = [path / name for name in sorted(set(weight_map.values()))]
+        names = sorted(set(weight_map.values()), key=str)
+        # A shard is a file of this directory, as Hugging Face writes them: never a path elsewhere.
+        odd = [n for n in names if not isinstance(n, str) or Path(n).name != n or n in (".", "..")]
+        if odd:
+            raise CheckpointError("unsupported", f"{index} names shards that are not files of {path}: {_names(odd)}")
+        files = [path / name for name in names]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
             raise CheckpointError("incomplete", f"{path}: shards listed in {index.name} are missing: {_names(absent)}")

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model_runtime.scoring.checkpoint import CheckpointError, check_checkpoint, safetensors_files
+from model_runtime.scoring.checkpoint import CheckpointError, check_checkpoint, refuse_other_forward, safetensors_files
 from model_runtime.scoring.tensor_file import TensorFile
 
 _EXPERTS = re.compile(r"^(?P<layer>.*\.experts)\.(?P<which>gate_up_proj|down_proj)$")
@@ -118,13 +118,15 @@ def plan_reads(model: nn.Module, path: Path, params: dict[str, torch.Tensor] | N
 
     ``check_checkpoint`` (the check made at start) compares it with the served model's tensors,
     raising ``CheckpointError``: ``unsupported``, ``incomplete`` (naming the first missing or
-    left-over tensors) or ``incompatible`` (naming the shapes that differ). Reads the config and
-    the safetensors headers only.
+    left-over tensors) or ``incompatible`` (naming the shapes that differ, or the config's
+    settings that would compute otherwise than the served model's). Reads the config and the
+    safetensors headers only.
     """
     path = Path(path)
     params = held_parameters(model) if params is None else params
     served = {_checkpoint_name(param, "model."): tuple(p.shape) for param, p in params.items()}
     spec = check_checkpoint(path, expected=served)
+    refuse_other_forward(path, getattr(model, "config", None), spec.config)
     if spec.quantization is not None:
         raise CheckpointError("unsupported", f"{path}: weight updates read unquantized checkpoints; this one is {spec.quantization}")
     names = _header_names(path)

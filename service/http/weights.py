@@ -8,6 +8,7 @@ forwards (``ScoringBackend.update_weights``). A failed update changes nothing.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -53,9 +54,25 @@ def resolve_checkpoint(root: Path, path: str) -> Path:
         for entry in target.iterdir():  # the files the loader will open
             if entry.is_symlink() and not entry.resolve().is_relative_to(real_root):
                 raise _forbidden(path, f"holds {entry.name}, a symlink that leaves --weights-root")
+        for shard in _index_shards(target):  # and those its index names
+            if not (target / shard).resolve().is_relative_to(real_root):
+                raise _forbidden(path, f"has an index naming {shard[:200]!r}, a file outside --weights-root")
     except OSError as exc:  # a name too long, a loop of symlinks, a directory it may not list
         raise ApiError(422, "invalid_value", f"path {path[:200]!r} cannot be used: {exc.strerror or exc}.", "path") from None
     return target
+
+
+def _index_shards(target: Path) -> list[str]:
+    """The shard names ``model.safetensors.index.json`` lists (none where it is absent or not an
+    index: the loader refuses that with 422)."""
+    index = target / "model.safetensors.index.json"
+    if not index.is_file():
+        return []
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [name for name in set(weight_map.values()) if isinstance(name, str) and "\x00" not in name]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return []
 
 
 def _named_model(model: Any, service: Service) -> str:

@@ -185,6 +185,18 @@ def test_a_shard_missing_from_the_index_is_named(tmp_path):
     refused(tmp_path, "incomplete", shards[1].name)
 
 
+def test_an_index_naming_shards_outside_its_directory_is_refused(tmp_path):
+    """Hugging Face writes shards as file names beside the index: a path in their place would read
+    files from elsewhere, which is refused before any is opened."""
+    build_hf_model("qwen3_5").save_pretrained(tmp_path, max_shard_size="100KB")
+    index = tmp_path / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    first = next(iter(data["weight_map"]))
+    for elsewhere in ("../other/model.safetensors", "/tmp/model.safetensors", "sub/model.safetensors", ".."):
+        index.write_text(json.dumps({**data, "weight_map": {**data["weight_map"], first: elsewhere}}))
+        refused(tmp_path, "unsupported", "not files of", elsewhere)
+
+
 def test_expected_shapes_must_match(checkpoint_dir):
     served = check_checkpoint(checkpoint_dir("qwen3_5")).tensors
     with pytest.raises(CheckpointError) as caught:

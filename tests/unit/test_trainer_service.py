@@ -3,6 +3,7 @@
 test_rollout_mismatch.py."""
 
 import asyncio
+import json
 import math
 import os
 import threading
@@ -187,8 +188,12 @@ def test_every_path_escape_is_forbidden(tmp_path):
     (root / "files-out").mkdir()
     (root / "files-out" / "model.safetensors").symlink_to(outside / "model.safetensors")
     (root / "link-in").symlink_to(root / "step-1", target_is_directory=True)
+    for name, shard in (("index-up", "../../outside/model.safetensors"), ("index-abs", str(outside / "model.safetensors"))):
+        (root / name).mkdir()  # a directory inside the root whose index names shards outside it
+        (root / name / "config.json").write_text("{}")
+        (root / name / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": shard}}))
     escapes = [str(outside), "../outside", "step-1/../../outside", "link-out", "link-out/", "files-out",
-               "..", "step-1/..", "C:\\outside", "\\\\host\\share"]
+               "..", "step-1/..", "C:\\outside", "\\\\host\\share", "index-up", "index-abs"]
 
     async def main():
         app = create_app(Settings(weights_root=root), FakeBackend())

@@ -127,6 +127,13 @@ def _broken_copies(src: Path, root: Path) -> dict[str, tuple[Path, str]]:
     variant("nan", "non_finite", nan)
     variant("inf", "non_finite", inf)
     variant("other-model", "unsupported", tensors, config={"model_type": "llama"})
+    # The same tensors under a config that computes otherwise: the update would score them with
+    # the served settings, so it is refused rather than named after weights it does not serve.
+    cfg = json.loads((src / "config.json").read_text())
+    for field, value in (("rms_norm_eps", 0.1), ("hidden_act", "gelu")):
+        variant(f"config-{field}", "incompatible", tensors, config={**cfg, field: value})
+    variant("config-rope", "incompatible", tensors,
+            config={**cfg, "rope_parameters": {**cfg["rope_parameters"], "rope_theta": 1234.0}})
     return out
 
 
@@ -152,6 +159,34 @@ def test_a_failed_update_changes_nothing(served, checkpoint_dir, tmp_path, in_pl
         assert_equal(got, before[i], f"row {i} after the failed updates")
     with pytest.raises(CheckpointError, match=r"model\.layers\.3\.self_attn\.q_proj\.weight"):
         backend.update_weights(tmp_path / "missing", None)  # the message names the tensor
+
+
+def test_an_update_whose_config_differs_only_where_no_number_changes_is_served(served, checkpoint_dir, tmp_path):
+    """Names, token ids, storage dtype, initialisation and context length leave every number as it
+    was: such a checkpoint is taken; a changed setting of the forward is refused naming it."""
+    src = checkpoint_dir("qwen3_5")
+    backend = served()
+    work = rows(backend.info.vocab_size, 2, seed=4)
+    before = [backend.score_row(r) for r in work]
+    cfg = json.loads((src / "config.json").read_text())
+    neutral = {**cfg, "dtype": "float16", "initializer_range": 0.5, "eos_token_id": 7, "_name_or_path": "elsewhere",
+               "max_position_embeddings": cfg["max_position_embeddings"] * 2, "transformers_version": "5.0.0"}
+    same = tmp_path / "neutral"
+    same.mkdir()
+    (same / "config.json").write_text(json.dumps(neutral))
+    for f in src.glob("*.safetensors"):
+        (same / f.name).write_bytes(f.read_bytes())
+    backend.update_weights(same, "neutral")
+    for i, row in enumerate(work):
+        assert_equal(backend.score_row(row), before[i], f"row {i} after a neutral config change")
+    eps = tmp_path / "eps"
+    eps.mkdir()
+    (eps / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 0.1}))
+    for f in src.glob("*.safetensors"):
+        (eps / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(CheckpointError, match=r"rms_norm_eps 1e-06 -> 0\.1"):
+        backend.update_weights(eps, "eps")
+    assert backend.info.weights_version == "neutral"
 
 
 @pytest.mark.parametrize("version", [None, "v-changed"], ids=["content-hash", "named"])
