@@ -357,20 +357,35 @@ PRESET_VERSION_PREFIX = "preset:"  # a preset's version (scoring/loading.py); re
 
 
 def content_version(path: Path, *, threads: int = 16, piece: int = 1 << 30) -> str:
-    """``sha256-<12 hex>`` over the checkpoint's config and every safetensors byte.
+    """``sha256-<12 hex>`` over the checkpoint's config and every tensor: name, dtype, shape and
+    bytes, in name order, so the same tensors give the same version however they are split into
+    files (one file, shards, another shard size).
 
-    Files are hashed in pieces of ``piece`` bytes side by side (hashlib releases the GIL), so a
-    large checkpoint in the page cache hashes at several GB/s, beside a running forward.
+    Tensors are hashed in pieces of at most ``piece`` bytes side by side (hashlib releases the
+    GIL), so a large checkpoint in the page cache hashes at several GB/s, beside a running forward.
     """
-    files = sorted(path.glob("*.safetensors"))
-    pieces = [(f, start) for f in files for start in range(0, max(1, f.stat().st_size), piece)]
+    import json
+    import os
+
+    from model_runtime.scoring.tensor_file import read_header
+
+    entries: dict[str, tuple[str, list, Path, int, int]] = {}  # name -> dtype, shape, file, begin, end
+    for file in safetensors_files(path):
+        with open(file, "rb", buffering=0) as f:
+            header, data_start = read_header(f.fileno(), os.fstat(f.fileno()).st_size, file)
+        for name, info in header.items():
+            if name != "__metadata__":
+                begin, end = (int(x) for x in info["data_offsets"])
+                entries[name] = (str(info["dtype"]), list(info["shape"]), file, data_start + begin, data_start + end)
+    pieces = [(name, start, min(end, start + piece)) for name, (_, _, _, begin, end) in sorted(entries.items())
+              for start in range(begin, max(begin + 1, end), piece)]
 
     def digest(item) -> str:
-        file, start = item
+        name, start, stop = item
         h = hashlib.sha256()
-        with open(file, "rb", buffering=0) as f:
+        with open(entries[name][2], "rb", buffering=0) as f:
             f.seek(start)
-            left = piece
+            left = stop - start
             while left > 0 and (chunk := f.read(min(left, 16 << 20))):
                 h.update(chunk)
                 left -= len(chunk)
@@ -378,12 +393,16 @@ def content_version(path: Path, *, threads: int = 16, piece: int = 1 << 30) -> s
 
     with ThreadPoolExecutor(max(1, min(threads, len(pieces)))) as ex:
         parts = list(ex.map(digest, pieces))
+    per_tensor: dict[str, list[str]] = {}
+    for (name, _, _), part in zip(pieces, parts):
+        per_tensor.setdefault(name, []).append(part)
     total = hashlib.sha256()
     config = path / "config.json"
-    if config.is_file():
-        total.update(config.read_bytes())
-    for (file, start), part in zip(pieces, parts):
-        total.update(f"{file.name}@{start}:{part}\n".encode())
+    if config.is_file():  # the settings as parsed: key order and layout of the file do not count
+        total.update(json.dumps(json.loads(config.read_text()), sort_keys=True, separators=(",", ":")).encode())
+    for name in sorted(entries):
+        dtype, shape, *_ = entries[name]
+        total.update(f"{name}|{dtype}|{shape}|{','.join(per_tensor.get(name, ()))}\n".encode())
     return f"{CONTENT_VERSION_PREFIX}{total.hexdigest()[:12]}"
 
 

@@ -121,6 +121,31 @@ def test_weights_version_is_the_content_hash(tmp_path):
     assert load_model(str(tmp_path / "a"), device="cpu", weights_version="step-7").weights_version == "step-7"
 
 
+def test_the_content_hash_names_the_tensors_not_their_files(tmp_path):
+    """The same tensors in one file or in shards of another size, with config.json written in
+    another key order, are one version; one changed value, or one changed setting, is another."""
+    import json
+
+    from model_runtime.scoring.weights import content_version
+
+    model = build_hf_model("qwen3_5")
+    model.save_pretrained(tmp_path / "one")
+    model.save_pretrained(tmp_path / "shards", max_shard_size="100KB")
+    model.save_pretrained(tmp_path / "other-shards", max_shard_size="300KB")
+    assert len(list((tmp_path / "shards").glob("*.safetensors"))) > len(list((tmp_path / "other-shards").glob("*.safetensors"))) > 1
+    reordered = tmp_path / "other-shards" / "config.json"
+    reordered.write_text(json.dumps(dict(reversed(json.loads(reordered.read_text()).items())), indent=4))
+    versions = {name: content_version(tmp_path / name) for name in ("one", "shards", "other-shards")}
+    assert len(set(versions.values())) == 1, versions
+    config = json.loads((tmp_path / "one" / "config.json").read_text())
+    (tmp_path / "one" / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
+    assert content_version(tmp_path / "one") != versions["one"]
+    with torch.no_grad():
+        model.model.norm.weight[0] += 1
+    model.save_pretrained(tmp_path / "shards", max_shard_size="100KB")
+    assert content_version(tmp_path / "shards") != versions["shards"]
+
+
 def test_presets_have_the_advertised_shapes():
     from model_runtime.scoring.presets import build_config
 
