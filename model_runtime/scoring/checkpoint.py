@@ -118,10 +118,7 @@ def forward_settings(config) -> dict:
     """The text model's settings that shape its forward (a Hugging Face config object or a
     config.json dict), normalised by transformers' own config class so that defaults compare."""
     if isinstance(config, dict):
-        from transformers import AutoConfig
-
-        plain = {k: v for k, v in config.items() if k != "quantization_config"}
-        config = AutoConfig.for_model(plain.pop("model_type"), **plain)
+        config = hf_config(config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return {k: v for k, v in text.to_dict().items() if k not in _FORWARD_NEUTRAL_FIELDS}
 
@@ -129,13 +126,11 @@ def forward_settings(config) -> dict:
 def refuse_other_forward(path: Path, served_config, new_config: dict) -> None:
     """A weight update keeps the served model's code and config: refuses (``incompatible``) a
     checkpoint whose config.json would compute otherwise (a norm's epsilon, rope, activation,
-    routing), whose weights would then be scored under the old settings."""
+    routing), whose weights would then be scored under the old settings. ``new_config`` has
+    passed ``check_checkpoint``, which built a model from it."""
     if served_config is None:
         return
-    try:
-        new = forward_settings(new_config)
-    except Exception as exc:  # a config transformers cannot read
-        raise CheckpointError("incompatible", f"{path}: config.json does not describe a buildable model: {exc}") from None
+    new = forward_settings(new_config)
     served = forward_settings(served_config)
     differ = [f"{k} {served.get(k)!r} -> {new.get(k)!r}" for k in sorted(served.keys() | new.keys()) if served.get(k) != new.get(k)]
     if differ:
@@ -177,16 +172,28 @@ def context_length(config: dict) -> int:
     return max(base, int(factor * original))
 
 
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def index_shards(path: Path) -> list | None:
+    """The shard names ``model.safetensors.index.json`` lists, as written (not yet checked to be
+    file names), sorted; None where the directory has no index. A file that is no index raises."""
+    index = path / INDEX_NAME
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return sorted(set(weight_map.values()), key=str)
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
+        raise CheckpointError("unsupported", f"{index} is not a safetensors index: {exc}") from None
+
+
 def safetensors_files(path: Path) -> list[Path]:
     """The weight files Hugging Face would read: those of ``model.safetensors.index.json`` when
     there is one, else every ``*.safetensors`` of the directory."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError, OSError) as exc:
-            raise CheckpointError("unsupported", f"{index} is not a safetensors index: {exc}") from None
-        names = sorted(set(weight_map.values()), key=str)
+    names = index_shards(path)
+    if names is not None:
+        index = path / INDEX_NAME
         # A shard is a file of this directory, as Hugging Face writes them: never a path elsewhere.
         odd = [n for n in names if not isinstance(n, str) or Path(n).name != n or n in (".", "..")]
         if odd:
@@ -317,17 +324,24 @@ def fp8_scale_shape(weight_shape: tuple[int, ...], block: tuple[int, int] | None
 # Matching against the model.
 
 
-def build_meta_model(config: dict):
-    """The Hugging Face causal LM the config describes, on the meta device (no memory, no data)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+def hf_config(config: dict):
+    """transformers' config object for a config.json dict, its quantization left out (FP8 weights
+    are dequantized at load: the model is the unquantized one)."""
+    from transformers import AutoConfig
 
     plain = {k: v for k, v in config.items() if k != "quantization_config"}
     if isinstance(plain.get("text_config"), dict):
         plain["text_config"] = {k: v for k, v in plain["text_config"].items() if k != "quantization_config"}
-    hf_config = AutoConfig.for_model(plain.pop("model_type"), **plain)
+    return AutoConfig.for_model(plain.pop("model_type"), **plain)
+
+
+def build_meta_model(config: dict):
+    """The Hugging Face causal LM the config describes, on the meta device (no memory, no data)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config)
+        return AutoModelForCausalLM.from_config(hf_config(config))
 
 
 def _model_tensors(path: Path, config: dict) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:

@@ -24,7 +24,9 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import json
 import math
+import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, nullcontext
@@ -35,7 +37,7 @@ import torch
 from torch import nn
 
 from model_runtime.scoring.checkpoint import CheckpointError, check_checkpoint, refuse_other_forward, safetensors_files
-from model_runtime.scoring.tensor_file import TensorFile
+from model_runtime.scoring.tensor_file import TensorFile, read_header
 
 _EXPERTS = re.compile(r"^(?P<layer>.*\.experts)\.(?P<which>gate_up_proj|down_proj)$")
 
@@ -364,11 +366,6 @@ def content_version(path: Path, *, threads: int = 16, piece: int = 1 << 30) -> s
     Tensors are hashed in pieces of at most ``piece`` bytes side by side (hashlib releases the
     GIL), so a large checkpoint in the page cache hashes at several GB/s, beside a running forward.
     """
-    import json
-    import os
-
-    from model_runtime.scoring.tensor_file import read_header
-
     entries: dict[str, tuple[str, list, Path, int, int]] = {}  # name -> dtype, shape, file, begin, end
     for file in safetensors_files(path):
         with open(file, "rb", buffering=0) as f:

@@ -8,7 +8,6 @@ forwards (``ScoringBackend.update_weights``). A failed update changes nothing.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from model_runtime.scoring.backend import BackendUnavailableError, UpdateInProgressError
-from model_runtime.scoring.checkpoint import CheckpointError
+from model_runtime.scoring.checkpoint import CheckpointError, index_shards
 from model_runtime.scoring.weights import CONTENT_VERSION_PREFIX, PRESET_VERSION_PREFIX, files_snapshot
 from service.http.errors import ApiError, backend_unavailable, from_validation_errors
 from service.http.schemas import WeightsRequest
@@ -55,7 +54,7 @@ def resolve_checkpoint(root: Path, path: str) -> Path:
             if entry.is_symlink() and not entry.resolve().is_relative_to(real_root):
                 raise _forbidden(path, f"holds {entry.name}, a symlink that leaves --weights-root")
         for shard in _index_shards(target):  # and those its index names
-            if not (target / shard).resolve().is_relative_to(real_root):
+            if "\x00" not in shard and not (target / shard).resolve().is_relative_to(real_root):
                 raise _forbidden(path, f"has an index naming {shard[:200]!r}, a file outside --weights-root")
     except OSError as exc:  # a name too long, a loop of symlinks, a directory it may not list
         raise ApiError(422, "invalid_value", f"path {path[:200]!r} cannot be used: {exc.strerror or exc}.", "path") from None
@@ -63,15 +62,11 @@ def resolve_checkpoint(root: Path, path: str) -> Path:
 
 
 def _index_shards(target: Path) -> list[str]:
-    """The shard names ``model.safetensors.index.json`` lists (none where it is absent or not an
+    """The shard names the checkpoint's index lists (none where it has none, or where it is no
     index: the loader refuses that with 422)."""
-    index = target / "model.safetensors.index.json"
-    if not index.is_file():
-        return []
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [name for name in set(weight_map.values()) if isinstance(name, str) and "\x00" not in name]
-    except (ValueError, KeyError, TypeError, AttributeError):
+        return [name for name in index_shards(target) or () if isinstance(name, str)]
+    except CheckpointError:
         return []
 
 
