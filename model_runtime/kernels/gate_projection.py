@@ -18,10 +18,20 @@ add up, and a sequence packed with others would part from the same sequence alon
   not to depend on the row count or on a row's place (``uniform_rows``, set on the linear by
   ``scoring.rounding.prepare_runs``), consecutive segments go through one product of at most that
   many rows; elsewhere, and before any measurement, one product per segment.
+- ``tiles``: one product over the whole row whose every row is computed alike whatever the row
+  count (``gate_projection_triton``, fixed tiles; on the CPU the row in zero-padded tiles of a
+  fixed size). A segment then gets its own product's rows from a product of any rows, so a shared
+  prompt rounds alike for every member of a group and every member may share it
+  (docs/prefix-sharing.md); but the rounding is the kernel's, not cuBLAS's (Hugging Face's), so
+  a sequence moves about as far from Hugging Face one at a time as Hugging Face's own padded
+  batches are. Opt-in.
 
 On a row with prefix links (a shared prompt run once) ``narrow_products`` runs them over the
 row's unshared sequences (``LinkedLayout.on_whole_sequences``), so a prompt's and a
 continuation's rows get the rounding of the sequence scored whole.
+
+``tiles`` needs no layout (``ROW_INVARIANT``): a linked row's or a shard's products run over its
+own tokens.
 
 ``segment`` costs two small launches per segment and GDN layer: nothing measurable on rows of
 a few dozen long sequences, more on rows of hundreds of short ones (figures in
@@ -54,6 +64,40 @@ def gate_projection_segment(linear: nn.Module, x_TD: torch.Tensor, bounds: Seque
         return linear(x_TD)
     _check_cover(bounds, x_TD.shape[0])
     return torch.cat([linear(x_TD[start:end]) for start, end in bounds])
+
+
+# A backend function carrying this attribute (True) computes a row alike in a product of any rows,
+# so ``narrow_products`` runs it once over the row as it is, links and shard cuts ignored.
+ROW_INVARIANT = "packscore_row_invariant"
+
+
+def _weight_and_bias(linear) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A narrow product's weight and bias: an ``nn.Linear``, or ``functools.partial(F.linear, weight=...)``."""
+    if isinstance(linear, nn.Linear):
+        return linear.weight, linear.bias
+    keywords = getattr(linear, "keywords", {})
+    return keywords.get("weight"), keywords.get("bias")
+
+
+def gate_projection_tiles(linear, x_TD: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """``linear(x_TD)`` with every row computed alike whatever the row count (``bounds`` unused):
+    the Triton kernel of fixed tiles on CUDA, zero-padded tiles of ``TILE_ROWS`` rows elsewhere."""
+    from model_runtime.kernels import gate_projection_triton
+
+    weight, bias = _weight_and_bias(linear)
+    if x_TD.is_cuda and weight is not None and gate_projection_triton.supports(x_TD, weight):
+        return gate_projection_triton.narrow_tiles(x_TD, weight, bias)
+    from model_runtime.kernels.moe_experts import in_row_tiles
+
+    return in_row_tiles(linear, x_TD)
+
+
+setattr(gate_projection_tiles, ROW_INVARIANT, True)
+
+
+def row_invariant(fn) -> bool:
+    """Whether a gate-projection backend computes a row alike in a product of any rows (``tiles``)."""
+    return bool(getattr(fn, ROW_INVARIANT, False))
 
 
 def _check_cover(bounds: Sequence[tuple[int, int]], tokens: int) -> None:
@@ -99,7 +143,10 @@ def narrow_products(fn, linears: Sequence, x_TD: torch.Tensor, packed: PackedBat
     """``fn(linear, x_TD, bounds)`` for every linear of ``linears``, ``bounds`` the row's segments,
     or ``local_bounds`` (a sequence-parallel shard's: its segments are cut, so a row with prefix
     links keeps them as they are there). On a whole row with prefix links, every product runs
-    over the row's unshared sequences and is read back at the row's own tokens."""
+    over the row's unshared sequences and is read back at the row's own tokens. A row-invariant
+    ``fn`` (``tiles``) runs once over ``x_TD`` as it is."""
+    if row_invariant(fn):
+        return tuple(fn(linear, x_TD, ()) for linear in linears)
     if local_bounds is not None:
         return tuple(fn(linear, x_TD, local_bounds) for linear in linears)
     if packed.links is None:
@@ -132,19 +179,21 @@ def order_sensitive_operands(in_features: int, out_features: int, dtype: torch.d
     return x.to(dtype), w.to(dtype)
 
 
-def first_changed_rows(operands: Sequence[tuple[torch.Tensor, torch.Tensor]], max_rows: int) -> np.ndarray:
+def first_changed_rows(operands: Sequence[tuple[torch.Tensor, torch.Tensor]], max_rows: int, product=None) -> np.ndarray:
     """``changed[M]`` for ``M`` up to ``max_rows``: the first row of a ``[M, in] x [in, out]``
-    product that differs from the same row of the product over ``M - 1`` rows (``M`` when none
-    does; entries 0 and 1 are ``max_rows + 1``), the least over ``operands`` (pairs ``(x, w)`` of
-    at least ``max_rows`` rows). Every row count in one pass, with one host sync at the end.
+    product (``product(x, w)``, default cuBLAS's) that differs from the same row of the product
+    over ``M - 1`` rows (``M`` when none does; entries 0 and 1 are ``max_rows + 1``), the least over
+    ``operands`` (pairs ``(x, w)`` of at least ``max_rows`` rows). Every row count in one pass, with
+    one host sync at the end.
     """
+    product = product or F.linear  # looked up at the call (tests stand in for cuBLAS there)
     device = operands[0][0].device
     changed = torch.full((max_rows + 1,), max_rows + 1, dtype=torch.int64, device=device)
-    previous = [F.linear(x[:1], w) for x, w in operands]
+    previous = [product(x[:1], w) for x, w in operands]
     for m in range(2, max_rows + 1):
         differs = None
         for j, (x, w) in enumerate(operands):
-            y = F.linear(x[:m], w)
+            y = product(x[:m], w)
             d = (y[: m - 1] != previous[j]).any(dim=1)
             differs = d if differs is None else differs | d
             previous[j] = y

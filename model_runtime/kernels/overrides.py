@@ -11,7 +11,7 @@ BACKENDS = {
     "attention": ("reference", "sdpa", "sdpa_fused", "varlen", "flash_attn"),
     "head": ("torch", "triton"),
     "elementwise": ("eager", "inductor", "inductor_exact", "triton_exact"),
-    "gate_projection": ("row", "segment", "runs"),
+    "gate_projection": ("row", "segment", "runs", "tiles"),
     "moe_experts": ("tiled", "grouped_mm", "grouped_mm_fused", "grouped_mm_fused_scatter", "expert_tiles",
                     "expert_tiles_silu"),
     "moe_router": ("topk", "select"),

@@ -5,7 +5,7 @@ Families: ``linear_attention`` (gated delta rule), ``conv1d`` (causal depthwise 
 logits), ``elementwise`` (norms, gates, rotary, SiLU between the matrix products; its
 registry entries return the whole function set) and ``gate_projection`` (the narrow gate
 products: GDN decay/beta, MoE router and shared gate; per row, per segment or per run of
-segments), ``moe_experts`` (a sparse-MoE block's
+segments, or in fixed tiles), ``moe_experts`` (a sparse-MoE block's
 routed experts, each token's output independent of the row's size) and ``moe_router`` (the
 router's top-k, ``torch.topk``'s answer) and ``moe_shared`` (where the shared expert runs: on the
 current stream, or beside the routed experts on a second one). Every fast backend has an exact PyTorch reference
@@ -31,7 +31,12 @@ from model_runtime.kernels.attention import (
 from model_runtime.kernels import elementwise
 from model_runtime.kernels.conv import causal_conv1d_fla, causal_conv1d_reference, causal_conv1d_tridao
 from model_runtime.kernels.conv_triton import causal_conv1d_silu_triton
-from model_runtime.kernels.gate_projection import gate_projection_row, gate_projection_runs, gate_projection_segment
+from model_runtime.kernels.gate_projection import (
+    gate_projection_row,
+    gate_projection_runs,
+    gate_projection_segment,
+    gate_projection_tiles,
+)
 from model_runtime.kernels.linear_attention import gated_delta_rule_fla, gated_delta_rule_reference
 from model_runtime.kernels.moe_experts import (
     experts_grouped_mm,
@@ -63,7 +68,8 @@ REGISTRY: dict[str, dict[str, Callable]] = {
     "head": {"torch": logprob_entropy_torch, "triton": logprob_entropy_triton},
     "elementwise": {"eager": elementwise.eager, "inductor": elementwise.inductor,
                     "inductor_exact": elementwise.inductor_exact, "triton_exact": elementwise.triton_exact},
-    "gate_projection": {"row": gate_projection_row, "segment": gate_projection_segment, "runs": gate_projection_runs},
+    "gate_projection": {"row": gate_projection_row, "segment": gate_projection_segment, "runs": gate_projection_runs,
+                        "tiles": gate_projection_tiles},
     "moe_experts": {"tiled": experts_tiled, "grouped_mm": experts_grouped_mm, "grouped_mm_fused": experts_grouped_mm_fused,
                     "grouped_mm_fused_scatter": experts_grouped_mm_fused_scatter, "expert_tiles": experts_expert_tiles,
                     "expert_tiles_silu": experts_expert_tiles_silu},
@@ -106,6 +112,7 @@ _GPU_PREFERENCE = {
     "elementwise": ("triton_exact",),
     # runs: segment's numbers bit for bit, consecutive segments in one product where the product was
     # measured at start not to round by row count or place (the 35B-A3B's router and decay/beta).
+    # tiles (every member of a group shares its prompt, not Hugging Face's rounding): by --kernels only.
     "gate_projection": ("runs", "segment"),
     # grouped_mm_fused(_scatter): grouped_mm's arithmetic bit for bit, CUTLASS's products with the
     # steps around them in Triton; scatter writes the products' rows from the tokens' side. The

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from model_runtime.kernels.elementwise import EAGER, Elementwise
-from model_runtime.kernels.gate_projection import narrow_products, shard_segments
+from model_runtime.kernels.gate_projection import narrow_products, row_invariant, shard_segments
 from model_runtime.kernels.registry import KernelBackends
 from model_runtime.kernels.elementwise import _rotate_half as rotate_half  # noqa: F401 (public name)
 from model_runtime.kernels.elementwise import partial_rope as apply_partial_rope
@@ -115,7 +115,9 @@ class PackedGatedDeltaNet(nn.Module):
 
     def narrow_weights(self) -> tuple[torch.Tensor, ...]:
         """The weights of the narrow gate products, whose rounding follows the sequence's length
-        (``model_runtime.scoring.rounding``)."""
+        (``model_runtime.scoring.rounding``); none with a row-invariant backend (``tiles``)."""
+        if row_invariant(self.gate_projection_fn):
+            return ()
         return (self.in_proj_ba.weight,) if self.fused_projections else (self.in_proj_a.weight, self.in_proj_b.weight)
 
     def _gate_products(self, linears, x_TD: torch.Tensor, packed: PackedBatch, sp) -> tuple[torch.Tensor, ...]:

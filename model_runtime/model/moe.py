@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_runtime.kernels.gate_projection import UNIFORM_ROWS, narrow_products, shard_segments
+from model_runtime.kernels.gate_projection import UNIFORM_ROWS, narrow_products, row_invariant, shard_segments
 from model_runtime.kernels.moe_experts import in_row_tiles
 from model_runtime.kernels.registry import KernelBackends
 from model_runtime.model.layers import ModuleOps, _is_silu
@@ -98,8 +98,9 @@ class PackedSparseMoe(nn.Module):
 
     def narrow_weights(self) -> tuple[torch.Tensor, ...]:
         """The router's and shared gate's weights where they run per segment, whose rounding then
-        follows the sequence's length (``model_runtime.scoring.rounding``); none in tiles."""
-        return () if self.tiled else (self.gate.weight, self.shared_expert_gate.weight)
+        follows the sequence's length (``model_runtime.scoring.rounding``); none in tiles or with a
+        row-invariant gate-projection backend (``tiles``)."""
+        return () if self.tiled or row_invariant(self.gate_projection_fn) else (self.gate.weight, self.shared_expert_gate.weight)
 
     def _narrow(self, linear, x_TD: torch.Tensor, packed: PackedBatch, sp=None) -> torch.Tensor:
         """A narrow product (router, shared gate): in tiles, or by the ``gate_projection`` kernel

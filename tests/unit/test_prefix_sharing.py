@@ -255,16 +255,22 @@ def compare_results(name, got, want):
             report(f"{name}: sequence {i} top-k log-probs", a.top_k_logprobs, b.top_k_logprobs)
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_shared_row_equals_unshared(arch, loaded_models, capsys):
-    loaded = loaded_models(arch)
-    seqs = group_row(loaded.vocab_size, seed=1)
+def shared_equals_unshared(name, loaded, seqs, capsys):
+    """Scores ``seqs`` in one row unshared and shared, prints the worst difference and compares;
+    returns the unshared results."""
     plain = Scorer(loaded).score_row(seqs)
     shared = Scorer(loaded, prefix_min_tokens=64).score_row(seqs)
     worst = max(float(np.abs(a.logprobs - b.logprobs).max(initial=0.0)) for a, b in zip(shared, plain))
     with capsys.disabled():
-        print(f"\n[prefix sharing {arch}] max |dlogp| shared vs unshared {worst:.2e} (tol {TOL:.0e})")
-    compare_results(arch, shared, plain)
+        print(f"\n[prefix sharing {name}] max |dlogp| shared vs unshared {worst:.2e} (tol {TOL:.0e})")
+    compare_results(name, shared, plain)
+    return plain
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_shared_row_equals_unshared(arch, loaded_models, capsys):
+    loaded = loaded_models(arch)
+    shared_equals_unshared(arch, loaded, group_row(loaded.vocab_size, seed=1), capsys)
 
 
 def test_a_member_scored_alone_or_with_its_group_agrees(loaded_models):
@@ -285,3 +291,35 @@ def test_scorer_score_with_small_rows_equals_unshared(loaded_models):
     plain = Scorer(loaded, max_batch_tokens=100_000).score(seqs)
     shared = Scorer(loaded, max_batch_tokens=300, prefix_min_tokens=64).score(seqs)
     compare_results("rows of 300 tokens, shared", shared, plain)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_tiles_backend_shares_among_every_member_and_equals_unshared(arch, checkpoint_dir, capsys):
+    """``--kernels gate_projection=tiles``: the narrow products compute a row alike in a product of
+    any rows, so the model reports none whose rounding follows the length (every member shares),
+    a linked row runs them over its own tokens, and shared scoring equals unshared scoring."""
+    from model_runtime.scoring.rounding import measure, narrow_weights
+
+    loaded = load_model(str(checkpoint_dir(arch)), device="cpu", kernel_overrides={"gate_projection": "tiles"})
+    assert loaded.backends.names["gate_projection"] == "tiles"
+    assert narrow_weights(loaded.model) == [], "a row-invariant backend leaves no product to measure"
+    assert measure(loaded.model, 4096).kind_count == 1
+    seqs = group_row(loaded.vocab_size, seed=4)
+    plain = shared_equals_unshared(f"{arch}, gate_projection=tiles", loaded, seqs, capsys)
+    default = load_model(str(checkpoint_dir(arch)), device="cpu")
+    compare_results(f"{arch} tiles vs segment, unshared", plain, Scorer(default).score_row(seqs))
+
+
+def test_tiles_narrow_products_ignore_links_and_cuts():
+    from model_runtime.kernels.gate_projection import gate_projection_tiles, row_invariant
+    from model_runtime.kernels.moe_experts import in_row_tiles
+
+    rows, g = Rows(*CASES[0]), torch.Generator().manual_seed(6)
+    x, _ = rows.make(g, 64)
+    linear = torch.nn.Linear(64, 8, bias=False)
+    assert row_invariant(gate_projection_tiles) and not row_invariant(gate_projection_segment)
+    want = in_row_tiles(linear, x)
+    (linked,) = narrow_products(gate_projection_tiles, (linear,), x, rows.linked)
+    (cut,) = narrow_products(gate_projection_tiles, (linear,), x, rows.linked, local_bounds=((0, 5), (5, x.shape[0])))
+    report("tiles on a linked row", linked, want, tol=0.0)
+    report("tiles on a shard's cut segments", cut, want, tol=0.0)
