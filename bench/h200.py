@@ -39,7 +39,9 @@ block's backends timed with ``MOE_HF=none`` too, about 30 s) the MoE benchmark;
 ``PREFIX_SHARING_PRESET`` (default the 9B) and ``PREFIX_SHARING_ALSO`` (rows of 16384 too; 0:
 not) and ``PREFIX_SHARING_PROFILE=1`` (one row profiled unshared, as served and every member
 instead of the timed workloads) and ``PREFIX_SHARING_WORKLOADS`` (comma-separated, default all) and
-``PREFIX_SHARING_PASSES`` (1: one timed pass a side, for the 27B) the prefix-sharing benchmark.
+``PREFIX_SHARING_PASSES`` (1: one timed pass a side, for the 27B) and ``PREFIX_SHARING_KERNELS``
+(``--kernels`` for every side, e.g. ``gate_projection=tiles``) and ``PREFIX_SHARING_HF`` (N: each side's
+distance to Hugging Face one at a time on the RL mix's first N sequences) the prefix-sharing benchmark.
 
 Output: at most 8 files in ``OUT`` (default bench/out), none in a folder: each part's results
 JSON (the suite's as ``h200-<date>.json`` with its chart), and ``summary.md``: every part's own
@@ -100,6 +102,7 @@ PARTS = {
     "prefix_sharing": lambda: Part("prefix_sharing", ("-m", "bench.prefix_sharing", "--preset", os.environ.get(
         "PREFIX_SHARING_PRESET", "qwen3.5-9b"), "--also-tokens", os.environ.get("PREFIX_SHARING_ALSO", "16384"),
         "--workloads", os.environ.get("PREFIX_SHARING_WORKLOADS", ""), "--passes", os.environ.get("PREFIX_SHARING_PASSES", "2"),
+        "--kernels", os.environ.get("PREFIX_SHARING_KERNELS", ""), "--hf-sequences", os.environ.get("PREFIX_SHARING_HF", "0"),
         *(("--profile-row",) if os.environ.get("PREFIX_SHARING_PROFILE") == "1" else ())), 400,
         "prefix_sharing"),
     "moe": lambda: Part("moe", ("-m", "bench.moe", "--sequences", os.environ.get("MOE_SEQUENCES", "24"),

@@ -4,6 +4,8 @@
     python -m bench.prefix_sharing --out DIR --flops-only             # the token and FLOP bounds (CPU, seconds)
     python -m bench.prefix_sharing --out DIR --preset tiny --device cpu   # a dry run in seconds
     python -m bench.prefix_sharing --out DIR --profile-row            # where one shared row's time goes
+    python -m bench.prefix_sharing --out DIR --kernels gate_projection=tiles --hf-sequences 24
+                                     # every member shares bit for bit; each side's distance to Hugging Face
 
 Two workloads: the benchmark's RL mix (256 sequences in groups of 8, ``bench.workload``) and a
 16-sample one (groups of 16, 1,000-token prompts, 2,000-token responses). For each: one
@@ -31,6 +33,7 @@ import torch
 
 from bench.flops import FlopModel, flop_model
 from bench.workload import WorkloadSpec, describe, grpo_workload
+from model_runtime.kernels.overrides import parse_kernel_overrides
 from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.prefix import pack_groups_first_fit, tokens_saved
 from model_runtime.scoring.rounding import RowRounding
@@ -129,11 +132,19 @@ def flops_only(preset: str, budgets, min_tokens: int) -> dict:
 
 
 def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_tokens: int, budget_s: float,
-        profile: bool = False, only: tuple[str, ...] = (), passes: int = 2) -> dict:
+        profile: bool = False, only: tuple[str, ...] = (), passes: int = 2, kernels: dict[str, str] | None = None,
+        hf_sequences: int = 0) -> dict:
     started = time.perf_counter()
     dev = torch.device(device)
     dtype = "bfloat16" if dev.type == "cuda" else "float32"
-    loaded = load_model(preset, device=dev, dtype=dtype)
+    twin = None
+    if hf_sequences:  # a Hugging Face model on the same weights, for the distance to its forward
+        from bench.hf_reference import build_twin
+
+        twin = build_twin(preset, device=dev, dtype=getattr(torch, dtype), kernel_overrides=kernels)
+        loaded = twin.loaded
+    else:
+        loaded = load_model(preset, device=dev, dtype=dtype, kernel_overrides=kernels)
     flops = flop_model(loaded.model.layers, loaded.model.config)
     load_s = time.perf_counter() - started
     t0 = time.perf_counter()
@@ -201,15 +212,19 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
         sequences = loads[name]
         plain, shared, by_prompt = scorers[budget]
         rounding = shared.prefix_rounding
+        # As served shares among every member where the narrow products round alike at every length
+        # (one kind, e.g. --kernels gate_projection=tiles): the same rows, so timed once.
+        one_kind = rounding is not None and rounding.kind_count == 1 and max(s.length for s in sequences) <= rounding.max_rows
         work = describe(sequences)
         saved = tokens_saved(sequences, min_tokens, rounding)  # as if the whole workload were one row
         if passes == 2:
             first_plain_out, first_plain_s = timed(plain, sequences)
             first_shared_out, first_shared_s = timed(shared, sequences)
-            timed(by_prompt, sequences)
+            if not one_kind:
+                timed(by_prompt, sequences)
         plain_out, plain_s = timed(plain, sequences)
         shared_out, shared_s = timed(shared, sequences)
-        prompt_out, prompt_s = timed(by_prompt, sequences)
+        prompt_out, prompt_s = (shared_out, shared_s) if one_kind else timed(by_prompt, sequences)
         entry = {
             "workload": work,
             "max_batch_tokens": budget,
@@ -230,6 +245,7 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
                 "shared_s": prompt_s,
                 "speedup": plain_s / prompt_s,
                 **compare(prompt_out, plain_out),
+                "same_rows_as_served": one_kind,
             },
         }
         if passes == 2:
@@ -247,11 +263,33 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
         print(f"{key}: speedup {entry['speedup']:.3f} ({first}token bound {entry['row_token_bound']:.3f}, FLOP bound {entry['flop_bound']:.3f} in rows of {budget}), "
               f"mean |dlogp| {entry['logprob_mean_diff']:.2e}; every member: speedup {entry['by_prompt']['speedup']:.3f}, "
               f"mean |dlogp| {entry['by_prompt']['logprob_mean_diff']:.2e}", flush=True)
+    if twin is not None:
+        result["hugging_face"] = hf_distances(twin, scorers[max_batch_tokens], loads["rl_mix_groups_of_8"][:hf_sequences])
+        print("Hugging Face: " + json.dumps(result["hugging_face"]), flush=True)
     main_entry = result["workloads"][timed_loads[0]]
     result["speedup"] = main_entry["speedup"]
     result["logprob_mean_diff"] = main_entry["logprob_mean_diff"]
     result["total_s"] = time.perf_counter() - started
     return result
+
+
+def hf_distances(twin, trio, sequences) -> dict:
+    """Mean and max |difference| of log-probs and entropies to Hugging Face one sequence at a time
+    (the issue's yardstick): packscore unshared, shared as served and every member, and Hugging
+    Face's own padded batches, on ``sequences`` (whole groups of the RL mix)."""
+    from bench.hf_reference import diff_stats, score_padded_fitting, score_single, to_numpy
+
+    dev = twin.loaded.device
+    with torch.inference_mode(), twin.hf() as hf_model:
+        single = to_numpy(score_single(hf_model, sequences, dev))
+        padded, padded_budget = score_padded_fitting(hf_model, sequences, dev)
+        padded = to_numpy(padded)
+    out = {"sequences": len(sequences), "tokens": sum(s.length for s in sequences), "padded_budget": padded_budget,
+           "diff_hf_padded_vs_hf_single": diff_stats(padded, single)}
+    for name, scorer in zip(("unshared", "as_served", "every_member"), trio):
+        ours = [(r.logprobs, r.entropy) for r in scorer.score(sequences)]
+        out[f"diff_{name}_vs_hf_single"] = diff_stats(ours, single)
+    return out
 
 
 def one_row_of_groups(sequences, budget: int, group_size: int = 8) -> list:
@@ -337,6 +375,14 @@ def table(result: dict) -> str:
                 f"{e['workload']['tokens'] / shared_s:.0f} | {speedup:.3f} | {row['row_token_bound']:.3f} | {row['flop_bound']:.3f} | "
                 f"{row['logprob_mean_diff']:.2e} | {row['logprob_max_diff']:.2e} |"
             )
+    hf = result.get("hugging_face")
+    if hf:
+        lines += ["", f"distance to Hugging Face one sequence at a time, the RL mix's first {hf['sequences']} sequences "
+                      f"({hf['tokens']:,} tokens): mean / max abs dlogp", ""]
+        for key, label in (("diff_unshared_vs_hf_single", "packscore unshared"), ("diff_as_served_vs_hf_single", "packscore shared as served"),
+                           ("diff_every_member_vs_hf_single", "packscore shared, every member"),
+                           ("diff_hf_padded_vs_hf_single", "Hugging Face padded batches")):
+            lines.append(f"- {label}: {hf[key]['logprob_mean']:.2e} / {hf[key]['logprob_max']:.2e}")
     return "\n".join(lines) + "\n"
 
 
@@ -361,6 +407,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--passes", type=int, choices=(1, 2), default=2,
                         help="timed passes a side: 2 times the second (the first kept as first_pass_*); 1 for a "
                              "large preset whose passes would not fit the device call")
+    parser.add_argument("--kernels", default="", metavar="FAMILY=BACKEND[,...]",
+                        help="kernel backends for every side, as `packscore serve --kernels` (e.g. gate_projection=tiles: "
+                             "every member of a group shares its prompt, bit for bit)")
+    parser.add_argument("--hf-sequences", type=int, default=0, metavar="N",
+                        help="also the distance of each side, and of Hugging Face's padded batches, to Hugging Face one "
+                             "sequence at a time on the RL mix's first N sequences (0: no)")
     args = parser.parse_args(argv)
     only = tuple(name for name in args.workloads.split(",") if name)
     if args.flops_only:
@@ -371,7 +423,8 @@ def main(argv=None) -> dict:
         return bounds
     result = run(args.preset, args.device, args.max_batch_tokens, args.min_tokens,
                  0 if args.profile_row else args.also_tokens, args.budget_s, profile=args.profile_row,
-                 only=only, passes=args.passes)
+                 only=only, passes=args.passes, kernels=parse_kernel_overrides(args.kernels),
+                 hf_sequences=args.hf_sequences)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prefix-sharing.json").write_text(json.dumps(result, indent=2) + "\n")
