@@ -10,8 +10,10 @@ values, then its own. Every backend computes that as it computes the unshared se
 kernel over the whole sequence (the parent's queries, keys and values, then the segment's own,
 causal from position 0), keeping the segment's own last rows (``_on_whole_sequences``). The
 parent's queries are computed again inside attention only; in exchange a continuation's numbers
-are those of the unshared sequence bit for bit, which a bottom-right causal mask over the
-parent's keys does not give (its kernels tile and reduce differently).
+are those of the unshared sequence bit for bit, which SDPA with a bottom-right causal mask over
+the parent's keys does not give (another kernel: half the outputs differ by a bf16 step on the
+H200). ``varlen`` (flash attention) does give them, so it runs each query once
+(``LinkedLayout.on_own_queries``).
 """
 
 from __future__ import annotations
@@ -199,7 +201,6 @@ def attention_buckets(max_length: int) -> list[int]:
     return out
 
 
-@_on_whole_sequences
 def causal_attention_varlen(q_THD, k_THD, v_THD, packed: PackedBatch, scale: float) -> torch.Tensor:
     """``torch.nn.attention.varlen.varlen_attn`` over the whole row.
 
@@ -207,7 +208,22 @@ def causal_attention_varlen(q_THD, k_THD, v_THD, packed: PackedBatch, scale: flo
     (tests/gpu/test_kernels.py compares it with per-segment causal attention).
     Versions with ``enable_gqa`` read the shared key/value heads in place; older ones get
     repeated keys and values.
+
+    On a row with prefix links every token's query runs once, against its whole sequence's keys
+    (``LinkedLayout.on_own_queries``): a continuation's queries alone, the causal window aligned
+    to the keys' end. Flash attention walks each query row's key blocks alike however the queries
+    are tiled, so those rows equal the whole sequence's bit for bit (on the H200,
+    tests/gpu/test_prefix_sharing_gpu.py), and a shared prompt's queries are not run again.
     """
+    _check(q_THD, k_THD, v_THD, packed)
+    if packed.links is not None:
+        return packed.linked.on_own_queries(
+            lambda q, k, v, queries, whole: _varlen(q, k, v, queries, whole, scale), q_THD, k_THD, v_THD)
+    return _varlen(q_THD, k_THD, v_THD, packed, packed, scale)
+
+
+def _varlen(q_THD, k_THD, v_THD, queries: PackedBatch, keys: PackedBatch, scale: float) -> torch.Tensor:
+    """Causal ``varlen_attn`` of each query segment (a suffix of its key segment) over its key segment."""
     from torch.nn.attention.varlen import varlen_attn
 
     group = q_THD.shape[1] // k_THD.shape[1]
@@ -218,8 +234,8 @@ def causal_attention_varlen(q_THD, k_THD, v_THD, packed: PackedBatch, scale: flo
         else:
             k_THD = k_THD.repeat_interleave(group, dim=1)
             v_THD = v_THD.repeat_interleave(group, dim=1)
-    cu, n = packed.cu_seqlens, packed.max_seqlen
-    return varlen_attn(q_THD, k_THD, v_THD, cu, cu, n, n, scale=scale, window_size=(-1, 0), **extra)
+    return varlen_attn(q_THD, k_THD, v_THD, queries.cu_seqlens, keys.cu_seqlens, queries.max_seqlen, keys.max_seqlen,
+                       scale=scale, window_size=(-1, 0), **extra)
 
 
 _VARLEN_GQA: bool | None = None

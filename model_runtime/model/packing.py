@@ -243,6 +243,12 @@ class LinkedLayout:
         own_index_Tw: int64 ``[Tw]``: the inverse, for every row of ``whole`` the token whose own
             row it is, or -1 (a parent's tokens in its later continuations' sequences).
         local_positions: int64 ``[T]`` tokens since the segment's own start (0 at every segment).
+        queries: per sequence of ``whole``, the rows that are some token's own row (``own_index_Tw``
+            not -1), a suffix of it: all of it for a parent's first continuation and for a sequence
+            of no group, a continuation's own tokens for the others. Every row token is in exactly
+            one (``on_own_queries``).
+        query_tokens_T: int64 ``[T]``: the token of every query row, in ``queries``' order.
+        token_queries_T: int64 ``[T]``: the inverse, every token's row among the queries.
     """
 
     root_tokens: int
@@ -255,6 +261,9 @@ class LinkedLayout:
     own_rows_T: torch.Tensor
     own_index_Tw: torch.Tensor
     local_positions: torch.Tensor
+    queries: PackedBatch
+    query_tokens_T: torch.Tensor
+    token_queries_T: torch.Tensor
 
     @staticmethod
     def of(packed: PackedBatch) -> "LinkedLayout":
@@ -285,10 +294,16 @@ class LinkedLayout:
         own_index[own_rows] = np.arange(own_rows.size)
         state_index = np.array([p if p >= 0 else r for p in links.parents[r:]], dtype=np.int64)
         local = np.concatenate([np.arange(n) for n in packed.lengths])
-        parts = (whole_rows, own_rows, own_index, state_index, local)
+        is_query = own_index >= 0
+        query_tokens = own_index[is_query]
+        token_queries = np.empty_like(query_tokens)
+        token_queries[query_tokens] = np.arange(query_tokens.size)
+        whole_starts = np.cumsum([0, *whole_lengths])
+        query_lengths = [int(is_query[a:b].sum()) for a, b in zip(whole_starts[:-1], whole_starts[1:])]
+        parts = (whole_rows, own_rows, own_index, state_index, local, query_tokens, token_queries)
         table = upload(torch.from_numpy(np.concatenate(parts).astype(np.int64)), device)
         cuts = np.cumsum([0, *(p.size for p in parts)])
-        whole_index, own_rows_T, own_index_Tw, state_index_t, local_positions = (
+        whole_index, own_rows_T, own_index_Tw, state_index_t, local_positions, query_tokens_T, token_queries_T = (
             table[a:b] for a, b in zip(cuts[:-1], cuts[1:]))
         return LinkedLayout(
             root_tokens=packed.cu_seqlens_host[r],
@@ -301,6 +316,9 @@ class LinkedLayout:
             own_rows_T=own_rows_T,
             own_index_Tw=own_index_Tw,
             local_positions=local_positions,
+            queries=PackedBatch.from_lengths(query_lengths, device=device),
+            query_tokens_T=query_tokens_T,
+            token_queries_T=token_queries_T,
         )
 
     def on_whole_sequences(self, fn, *xs_T: torch.Tensor) -> torch.Tensor:
@@ -312,6 +330,15 @@ class LinkedLayout:
         if isinstance(out, tuple):
             return tuple(o.index_select(0, self.own_rows_T) for o in out)
         return out.index_select(0, self.own_rows_T)
+
+    def on_own_queries(self, fn, q_T: torch.Tensor, k_T: torch.Tensor, v_T: torch.Tensor) -> torch.Tensor:
+        """``fn(q_Tq, k_Tw, v_Tw, queries, whole)``: every token's query once, as the suffix of its
+        sequence of ``whole`` (``queries``), against that whole sequence's keys and values (a
+        bottom-right causal kernel), read back in the row's order. Unlike ``on_whole_sequences``
+        a parent's queries run once, not once per continuation."""
+        k_Tw, v_Tw = (x.index_select(0, self.whole_index_Tw) for x in (k_T, v_T))
+        out = fn(q_T.index_select(0, self.query_tokens_T), k_Tw, v_Tw, self.queries, self.whole)
+        return out.index_select(0, self.token_queries_T)
 
     def conv_windows(self, width: int) -> "ConvWindows":
         """How to recompute the first ``width - 1`` conv outputs of every continuation from its

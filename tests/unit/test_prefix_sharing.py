@@ -122,6 +122,33 @@ def test_attention_reads_the_parent_keys(case, fn):
     report(f"attention {fn.__name__} linked vs whole", got, rows.whole_of_linked(want))
 
 
+def _bottom_right_reference(q_Tq, k_Tw, v_Tw, queries, whole, scale=0.25):
+    """Float32 attention of each query segment, the suffix of its key segment, causal to the keys' end."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    heads = lambda t: t.transpose(0, 1)[None].float()  # noqa: E731
+    out = [torch.nn.functional.scaled_dot_product_attention(
+        heads(q_Tq[qs:qe]), heads(k_Tw[ks:ke]), heads(v_Tw[ks:ke]), attn_mask=causal_lower_right(qe - qs, ke - ks),
+        scale=scale, enable_gqa=True)[0].transpose(0, 1) for (qs, qe), (ks, ke) in zip(queries.segments(), whole.segments())]
+    return torch.cat(out).to(q_Tq.dtype)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_own_queries_once_against_whole_keys_are_the_whole_sequence_rows(case):
+    """``LinkedLayout.on_own_queries`` (the varlen backend's linked rows): every token's query once,
+    a suffix of its whole sequence, with that sequence's keys; the prompt's queries are not repeated."""
+    rows, g = Rows(*case), torch.Generator().manual_seed(8)
+    q, q_w = rows.make(g, 4, 16)
+    k, k_w = rows.make(g, 2, 16)
+    v, v_w = rows.make(g, 2, 16)
+    layout = rows.linked.linked
+    assert sorted(layout.query_tokens_T.tolist()) == list(range(rows.linked.total_tokens)), "every token queries once"
+    assert layout.queries.total_tokens == rows.linked.total_tokens < layout.whole.total_tokens
+    got = layout.on_own_queries(_bottom_right_reference, q, k, v)
+    want = rows.whole_of_linked(causal_attention_reference(q_w, k_w, v_w, rows.whole, 0.25))
+    report("own queries against whole keys vs whole attention", got, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 @pytest.mark.parametrize("fn", [causal_attention_reference, causal_attention_sdpa], ids=["reference", "sdpa"])
