@@ -7,8 +7,9 @@
     python -m bench.prefix_sharing --out DIR --kernels gate_projection=tiles --hf-sequences 24
                                      # every member shares bit for bit; each side's distance to Hugging Face
 
-Two workloads: the benchmark's RL mix (256 sequences in groups of 8, ``bench.workload``) and a
-16-sample one (groups of 16, 1,000-token prompts, 2,000-token responses). For each: one
+Three workloads: the benchmark's RL mix (256 sequences in groups of 8, ``bench.workload``), a
+16-sample one (groups of 16, 1,000-token prompts, 2,000-token responses) and a prompt-heavy one
+(64 sequences in groups of 8, prompts of about 8,000 tokens, responses of about 1,000). For each: one
 ``Scorer`` with prefix sharing and one without, on the same loaded model and row budget
 (``--max-batch-tokens``, and the RL mix again in rows of ``--also-tokens``); after warm-up, the
 passes unshared, shared, unshared, shared, timing the second of each (a first pass over new row
@@ -35,7 +36,7 @@ from bench.flops import FlopModel, flop_model
 from bench.workload import WorkloadSpec, describe, grpo_workload
 from model_runtime.kernels.overrides import parse_kernel_overrides
 from model_runtime.scoring.loading import load_model
-from model_runtime.scoring.prefix import pack_groups_first_fit, tokens_saved
+from model_runtime.scoring.prefix import find_groups, pack_groups_first_fit, tokens_saved
 from model_runtime.scoring.rounding import RowRounding
 from model_runtime.scoring.scorer import Scorer
 
@@ -48,10 +49,15 @@ def workloads(vocab: int, tiny: bool) -> dict[str, list]:
             num_sequences=16, prompt_median=90, prompt_clip=(64, 150), response_median=8, response_clip=(1, 30)
         )
         sixteen = WorkloadSpec(num_sequences=16, group_size=16, prompt_median=70, response_median=8, sigma=0.0)
+        long_prompts = WorkloadSpec(num_sequences=16, prompt_median=400, prompt_clip=(64, 1024), response_median=50, sigma=0.25)
     else:
         mix = WorkloadSpec()
         sixteen = WorkloadSpec(num_sequences=64, group_size=16, prompt_median=1000, response_median=2000, sigma=0.0)
-    return {"rl_mix_groups_of_8": grpo_workload(vocab, mix), "groups_of_16_1k_prompt_2k_response": grpo_workload(vocab, sixteen)}
+        # DESIGN.md's prompt-heavy case: 8k-token prompts, 8 responses of about 1k each
+        long_prompts = WorkloadSpec(num_sequences=64, prompt_median=8000, prompt_clip=(64, 16384), response_median=1000,
+                                    sigma=0.25)
+    return {"rl_mix_groups_of_8": grpo_workload(vocab, mix), "groups_of_16_1k_prompt_2k_response": grpo_workload(vocab, sixteen),
+            "groups_of_8_8k_prompt_1k_response": grpo_workload(vocab, long_prompts)}
 
 
 def _sync(device: torch.device) -> None:
@@ -87,19 +93,29 @@ def row_token_bound(sequences, budget: int, min_tokens: int, rounding=None) -> f
     return sum(s.length for s in sequences) / run
 
 
-def shared_flops(sequences, saved_tokens: int, flops: FlopModel) -> float:
+def shared_flops(sequences, saved_tokens: int, flops: FlopModel, saved_query_pairs: float = 0.0) -> float:
     """Model FLOPs of scoring ``sequences`` with ``saved_tokens`` of their prompts run once:
     sharing saves the body's matmuls on the tokens not run; attention's quadratic term is the
-    same (a continuation attends over its whole prefix) and so, counted as unshared, is the head
-    (prompt positions are rarely scored)."""
-    return flops.workload_flops(sequences) - 2.0 * flops.matmul_params_per_token * saved_tokens
+    same (a continuation attends over its whole prefix) but for ``saved_query_pairs``, the
+    causal (query, key) pairs of prompt queries not run again (an attention backend that runs each
+    query once, ``varlen``), and so, counted as unshared, is the head (prompt positions are rarely
+    scored)."""
+    attention = flops.attention_layers * 4.0 * flops.attention_width * saved_query_pairs
+    return flops.workload_flops(sequences) - 2.0 * flops.matmul_params_per_token * saved_tokens - attention
 
 
-def flop_bound(sequences, budget: int, min_tokens: int, flops: FlopModel, rounding=None) -> float:
-    """Model FLOPs of the workload unshared over shared (``shared_flops``), in rows of ``budget``."""
+def flop_bound(sequences, budget: int, min_tokens: int, flops: FlopModel, rounding=None,
+               prompt_queries_once: bool = False) -> float:
+    """Model FLOPs of the workload unshared over shared (``shared_flops``), in rows of ``budget``;
+    ``prompt_queries_once``: attention does not run a shared prompt's queries again."""
     rows = pack_groups_first_fit(sequences, budget, min_tokens, rounding)
-    saved = sum(tokens_saved([sequences[i] for i in r], min_tokens, rounding) for r in rows)
-    return flops.workload_flops(sequences) / shared_flops(sequences, saved, flops)
+    saved = pairs = 0
+    for r in rows:
+        for group in find_groups([sequences[i] for i in r], min_tokens, rounding):
+            saved += group.tokens_saved
+            # sequence_flops counts L (L + 1) / 2 causal pairs per sequence, as here per prompt
+            pairs += (len(group.members) - 1) * group.shared * (group.shared + 1) / 2 if prompt_queries_once else 0
+    return flops.workload_flops(sequences) / shared_flops(sequences, saved, flops, pairs)
 
 
 def preset_flop_model(preset: str) -> FlopModel:
@@ -127,6 +143,7 @@ def flops_only(preset: str, budgets, min_tokens: int) -> dict:
             out[f"{name} rows of {budget}"] = {
                 "row_token_bound": row_token_bound(sequences, budget, min_tokens),
                 "flop_bound": flop_bound(sequences, budget, min_tokens, flops),
+                "flop_bound_prompt_queries_once": flop_bound(sequences, budget, min_tokens, flops, prompt_queries_once=True),
             }
     return out
 
@@ -164,6 +181,7 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
         trio[2].prefix_rounding = RowRounding.exact(budget)  # every member of a group alike
         scorers[budget] = trio
     loads = workloads(loaded.vocab_size, tiny=preset == "tiny")
+    queries_once = loaded.backends.names["attention"] == "varlen"  # a shared prompt's queries run once (LinkedLayout.on_own_queries)
     unknown = sorted(set(only) - set(loads))
     if unknown:
         raise SystemExit(f"--workloads: unknown {unknown}; known: {', '.join(loads)}")
@@ -231,7 +249,7 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
             "tokens_saved_in_one_row": saved,
             "unique_token_bound": work["tokens"] / (work["tokens"] - saved),
             "row_token_bound": row_token_bound(sequences, budget, min_tokens, rounding),
-            "flop_bound": flop_bound(sequences, budget, min_tokens, flops, rounding),
+            "flop_bound": flop_bound(sequences, budget, min_tokens, flops, rounding, queries_once),
             "unshared_s": plain_s,
             "shared_s": shared_s,
             "unshared_tokens_per_s": work["tokens"] / plain_s,
@@ -241,7 +259,7 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
             # every member of a group sharing its prompt, whatever its length's rounding
             "by_prompt": {
                 "row_token_bound": row_token_bound(sequences, budget, min_tokens),
-                "flop_bound": flop_bound(sequences, budget, min_tokens, flops),
+                "flop_bound": flop_bound(sequences, budget, min_tokens, flops, prompt_queries_once=queries_once),
                 "shared_s": prompt_s,
                 "speedup": plain_s / prompt_s,
                 **compare(prompt_out, plain_out),
@@ -403,7 +421,7 @@ def main(argv=None) -> dict:
                              "every member (ms by module kind and kernel category)")
     parser.add_argument("--workloads", default="",
                         help="comma-separated workloads to time (default all: rl_mix_groups_of_8, "
-                             "groups_of_16_1k_prompt_2k_response)")
+                             "groups_of_16_1k_prompt_2k_response, groups_of_8_8k_prompt_1k_response)")
     parser.add_argument("--passes", type=int, choices=(1, 2), default=2,
                         help="timed passes a side: 2 times the second (the first kept as first_pass_*); 1 for a "
                              "large preset whose passes would not fit the device call")
@@ -419,7 +437,8 @@ def main(argv=None) -> dict:
         budgets = (args.max_batch_tokens, *([args.also_tokens] if args.also_tokens else []))
         bounds = flops_only(args.preset, budgets, args.min_tokens)
         for name, b in bounds.items():
-            print(f"{name}: token bound {b['row_token_bound']:.3f}, FLOP bound {b['flop_bound']:.3f}")
+            print(f"{name}: token bound {b['row_token_bound']:.3f}, FLOP bound {b['flop_bound']:.3f} "
+                  f"({b['flop_bound_prompt_queries_once']:.3f} where attention runs a prompt's queries once)")
         return bounds
     result = run(args.preset, args.device, args.max_batch_tokens, args.min_tokens,
                  0 if args.profile_row else args.also_tokens, args.budget_s, profile=args.profile_row,

@@ -134,7 +134,7 @@ def test_benchmark_dry_run_on_the_cpu(tmp_path):
 
     result = main(["--preset", "tiny", "--device", "cpu", "--out", str(tmp_path), "--also-tokens", "0"])
     saved = json.loads((tmp_path / "prefix-sharing.json").read_text())
-    assert set(saved["workloads"]) == {"rl_mix_groups_of_8", "groups_of_16_1k_prompt_2k_response"}
+    assert set(saved["workloads"]) == {"rl_mix_groups_of_8", "groups_of_16_1k_prompt_2k_response", "groups_of_8_8k_prompt_1k_response"}
     for name, entry in saved["workloads"].items():
         assert entry["tokens_saved_in_one_row"] > 0 and entry["row_token_bound"] > 1, name
         # The head and attention are not saved: the FLOP bound is above 1 and below the token one.
