@@ -1,5 +1,6 @@
 """A real server process with the tiny model: answers equal the in-process scorer (tiny preset and a
-saved checkpoint, JSON and msgpack), 32 concurrent clients, auth, metrics, /v1/models."""
+saved checkpoint, JSON and msgpack; a MoE checkpoint sharing a group's prompt with
+``gate_projection=tiles``), 32 concurrent clients, auth, metrics, /v1/models."""
 
 from __future__ import annotations
 
@@ -46,6 +47,36 @@ def test_saved_checkpoint_answers_equal_the_in_process_scorer(checkpoint_dir, tm
             assert_matches(decode(response, 3), seqs, scorer, top_k=3)
         models = httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"][0]
         assert (models["id"], models["architecture"], models["vocab_size"]) == ("ckpt", "qwen3_5", 512)
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def test_every_member_shares_with_tiles_and_answers_as_unshared(checkpoint_dir, tmp_path):
+    """``--kernels gate_projection=tiles --prefix-sharing`` on a MoE checkpoint (the router and shared
+    gate go through the kernel too): a GRPO group of varied lengths shares its prompt, counted in the
+    metrics, and the answers are the in-process unshared scorer's with the default kernels."""
+    from model_runtime.scoring.loading import load_model
+    from model_runtime.scoring.scorer import Scorer
+
+    path = checkpoint_dir("qwen3_5_moe")
+    server = ServerProcess(tmp_path, "--model", str(path), "--kernels", "gate_projection=tiles", "--prefix-sharing",
+                           "--max-batch-tokens", "4096")
+    try:
+        server.wait_ready()
+        rng = np.random.default_rng(11)
+        prompt = rng.integers(0, 512, 150).tolist()
+        seqs = [{"id": f"m{i}", "input_ids": prompt + rng.integers(0, 512, n).tolist(), "score_from": 140}
+                for i, n in enumerate((1, 9, 40, 77, 200))]
+        seqs.append({"id": "other", "input_ids": rng.integers(0, 512, 90).tolist()})
+        response = post(server.url, {"sequences": seqs, "top_k": 2})
+        assert response.status_code == 200, response.text
+        assert_matches(decode(response, 2), seqs, Scorer(load_model(str(path)), max_batch_tokens=4096), top_k=2)
+        kernels = httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"][0]["kernels"]
+        assert kernels["gate_projection"] == "tiles", kernels
+        metrics = httpx.get(server.url + "/metrics", headers=AUTH).text
+        saved = [float(line.split()[-1]) for line in metrics.splitlines()
+                 if line.startswith("packscore_prefix_tokens_saved_total{")]
+        assert saved and saved[0] == 4 * 128, f"prompt tokens not run: {saved}, expected 4 members x 128"
     finally:
         assert server.stop() == 0, server.log()
 
