@@ -49,7 +49,7 @@ def workloads(vocab: int, tiny: bool) -> dict[str, list]:
             num_sequences=16, prompt_median=90, prompt_clip=(64, 150), response_median=8, response_clip=(1, 30)
         )
         sixteen = WorkloadSpec(num_sequences=16, group_size=16, prompt_median=70, response_median=8, sigma=0.0)
-        long_prompts = WorkloadSpec(num_sequences=16, prompt_median=400, prompt_clip=(64, 1024), response_median=50, sigma=0.25)
+        long_prompts = WorkloadSpec(num_sequences=8, prompt_median=256, prompt_clip=(64, 512), response_median=30, sigma=0.25)
     else:
         mix = WorkloadSpec()
         sixteen = WorkloadSpec(num_sequences=64, group_size=16, prompt_median=1000, response_median=2000, sigma=0.0)
