@@ -47,6 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_runtime.kernels import gate_projection_triton
+from model_runtime.kernels.moe_experts import in_row_tiles
 from model_runtime.model.packing import PackedBatch
 
 
@@ -82,13 +84,9 @@ def _weight_and_bias(linear) -> tuple[torch.Tensor | None, torch.Tensor | None]:
 def gate_projection_tiles(linear, x_TD: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
     """``linear(x_TD)`` with every row computed alike whatever the row count (``bounds`` unused):
     the Triton kernel of fixed tiles on CUDA, zero-padded tiles of ``TILE_ROWS`` rows elsewhere."""
-    from model_runtime.kernels import gate_projection_triton
-
     weight, bias = _weight_and_bias(linear)
     if x_TD.is_cuda and weight is not None and gate_projection_triton.supports(x_TD, weight):
         return gate_projection_triton.narrow_tiles(x_TD, weight, bias)
-    from model_runtime.kernels.moe_experts import in_row_tiles
-
     return in_row_tiles(linear, x_TD)
 
 

@@ -298,8 +298,7 @@ class LinkedLayout:
         query_tokens = own_index[is_query]
         token_queries = np.empty_like(query_tokens)
         token_queries[query_tokens] = np.arange(query_tokens.size)
-        whole_starts = np.cumsum([0, *whole_lengths])
-        query_lengths = [int(is_query[a:b].sum()) for a, b in zip(whole_starts[:-1], whole_starts[1:])]
+        query_lengths = np.add.reduceat(is_query.astype(np.int64), np.cumsum([0, *whole_lengths[:-1]])).tolist()
         parts = (whole_rows, own_rows, own_index, state_index, local, query_tokens, token_queries)
         table = upload(torch.from_numpy(np.concatenate(parts).astype(np.int64)), device)
         cuts = np.cumsum([0, *(p.size for p in parts)])
