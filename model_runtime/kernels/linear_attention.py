@@ -78,8 +78,8 @@ def gated_delta_rule_fla(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: PackedBatch
 
     fla >= 0.5 maps value head ``h`` to key head ``h // (Hv // Hk)`` itself (grouped value
     attention), which is exactly ``repeat_interleave``; older versions get repeated q and k.
-    With prefix links it runs twice: over the root segments (which come first in the row),
-    keeping their final states, then over the others, each from its parent's state.
+    With prefix links it runs over the root segments (which come first in the row), keeping
+    their states, then over the others, each from its parent's (``chunked_on_linked_row``).
     """
     _check(q_THK, k_THK, v_THV, g_TH, beta_TH, packed)
     group = v_THV.shape[1] // q_THK.shape[1]
@@ -89,13 +89,32 @@ def gated_delta_rule_fla(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: PackedBatch
     g_TH = g_TH.float()
     if packed.links is None:
         return _fla_chunk(q_THK, k_THK, v_THV, g_TH, beta_TH, packed, None, keep_final=False)[0]
+    return chunked_on_linked_row(_fla_chunk, q_THK, k_THK, v_THV, g_TH, beta_TH, packed)
+
+
+def chunked_on_linked_row(chunk, q_THK, k_THK, v_THV, g_TH, beta_TH, packed: PackedBatch) -> torch.Tensor:
+    """A row with prefix links through ``chunk`` (``_fla_chunk``'s signature: a varlen call
+    from given initial states, computed in ``FLA_CHUNK``-token chunks from every segment's start),
+    as its unshared sequences would be (``StateChunks``): the roots first, keeping their states
+    at their last chunk boundary; then, where a parent ends off a boundary, the chunk that
+    straddles its end, once per continuation; then the rest of every other segment."""
     layout = packed.linked
-    r = layout.root_tokens
-    o_roots, final_NHKV = _fla_chunk(q_THK[:r], k_THK[:r], v_THV[:r], g_TH[:r], beta_TH[:r], layout.roots, None, keep_final=True)
-    # One zero state past the roots' for the segments that continue nothing (the padding).
-    initial = torch.cat([final_NHKV, final_NHKV.new_zeros(1, *final_NHKV.shape[1:])]).index_select(0, layout.state_index)
-    o_rest, _ = _fla_chunk(q_THK[r:], k_THK[r:], v_THV[r:], g_TH[r:], beta_TH[r:], layout.rest, initial, keep_final=False)
-    return torch.cat([o_roots, o_rest])
+    split = layout.state_chunks(FLA_CHUNK)
+    r, xs = layout.root_tokens, (q_THK, k_THK, v_THV, g_TH, beta_TH)
+    o_roots, final_NHKV = chunk(*(x[:r] for x in xs), split.roots, None, keep_final=True)
+    zero = final_NHKV.new_zeros(1, *final_NHKV.shape[1:])
+    if split.heads is None:
+        states = torch.cat([final_NHKV, zero])
+    else:
+        at_boundary = torch.cat([final_NHKV, zero]).index_select(0, split.root_states)
+        initial = torch.cat([at_boundary, zero]).index_select(0, split.head_states)
+        o_heads, head_final = chunk(*(x.index_select(0, split.head_rows) for x in xs), split.heads, initial, keep_final=True)
+        states = torch.cat([at_boundary, head_final, zero])
+    o_rest, _ = chunk(*(x[r:] for x in xs), split.rest, states.index_select(0, split.rest_states), keep_final=False)
+    o_THV = torch.cat([o_roots, o_rest])
+    if split.heads is not None:
+        o_THV.index_copy_(0, split.out_rows, o_heads.index_select(0, split.in_rows))
+    return o_THV
 
 
 def _fla_chunk(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: PackedBatch, initial_NHKV, *, keep_final: bool):

@@ -233,6 +233,7 @@ class LinkedLayout:
         roots: the root segments as a row of their own; ``rest``: the other segments.
         state_index: int64 ``[N - roots]``: for every non-root segment, the row of the roots'
             final states it starts from; ``roots`` (one past them) for a zero state.
+        parents: per segment, the root it continues, or -1 (``PrefixLinks.parents``).
         parent_bounds: per segment, ``(start, end)`` of its parent, or None.
         whole: the row's sequences as they are unshared, a row of its own without links: every
             segment that no other continues, a continuation as its parent's tokens then its own.
@@ -255,6 +256,7 @@ class LinkedLayout:
     roots: PackedBatch
     rest: PackedBatch
     state_index: torch.Tensor
+    parents: tuple[int, ...]
     parent_bounds: tuple[tuple[int, int] | None, ...]
     whole: PackedBatch
     whole_index_Tw: torch.Tensor
@@ -309,6 +311,7 @@ class LinkedLayout:
             roots=PackedBatch.from_lengths(packed.lengths[:r], device=device),
             rest=PackedBatch.from_lengths(packed.lengths[r:], device=device),
             state_index=state_index_t,
+            parents=links.parents,
             parent_bounds=parent_bounds,
             whole=PackedBatch.from_lengths(whole_lengths, device=device),
             whole_index_Tw=whole_index,
@@ -367,6 +370,116 @@ class LinkedLayout:
     @cached_property
     def _conv_cache(self) -> dict:
         return {}
+
+    def state_chunks(self, size: int) -> "StateChunks":
+        """How a recurrence computed in chunks of ``size`` tokens from each segment's start runs
+        this row as its unshared sequences would (cached per size; ``StateChunks``)."""
+        cache = self._chunk_cache
+        if size not in cache:
+            cache[size] = StateChunks.of(self, size)
+        return cache[size]
+
+    @cached_property
+    def _chunk_cache(self) -> dict:
+        return {}
+
+
+@dataclass(frozen=True)
+class StateChunks:
+    """A linked row for a chunked recurrence (fla's delta rule), whose arithmetic follows where
+    its ``size``-token chunks fall: an unshared sequence's chunks start at multiples of ``size``,
+    so a parent that ends off a chunk boundary (its tail, ``length % size`` tokens) cannot hand
+    its final state on as it is. Each root runs cut at its last chunk boundary, and the chunk that
+    straddles the parent's end runs per continuation (its head: the parent's tail, then the
+    continuation's first ``size - tail`` tokens) from the state at that boundary. The rest of
+    the continuation starts from the head's final state, on a chunk boundary again. A
+    continuation's head outputs come from its head; the parent's tail outputs from its first
+    continuation's (a chunk's row depends only on the rows before it, so every continuation
+    computes the tail alike: tests/gpu/test_prefix_sharing_gpu.py).
+
+    Attributes:
+        roots: the root segments, each cut as ``[aligned part, tail]`` (the tail where there is one).
+        root_states: int64 ``[roots]``: per root, the row of ``roots``' final states at its last
+            chunk boundary; one past them (a zero state) for a root shorter than a chunk.
+        heads: the heads as a row of their own, or None where every parent ends on a boundary
+            (then the other fields are the plain linked layout's).
+        head_rows: int64 ``[Th]``: the row's tokens that make up ``heads``.
+        head_states: int64 ``[heads]``: the root whose boundary state each head starts from.
+        rest: the non-root segments, a continuation with a head cut after it (that first piece's
+            outputs are replaced by the head's).
+        rest_states: int64 ``[segments of rest]``: each one's initial state among the roots' boundary
+            states, then the heads' final states, then a zero state.
+        out_rows, in_rows: int64: copy the heads' output rows ``in_rows`` onto row tokens ``out_rows``.
+    """
+
+    roots: PackedBatch
+    root_states: torch.Tensor
+    heads: PackedBatch | None
+    head_rows: torch.Tensor | None
+    head_states: torch.Tensor | None
+    rest: PackedBatch
+    rest_states: torch.Tensor
+    out_rows: torch.Tensor | None
+    in_rows: torch.Tensor | None
+
+    @staticmethod
+    def of(layout: "LinkedLayout", size: int) -> "StateChunks":
+        root_lengths = layout.roots.lengths
+        r, device = len(root_lengths), layout.state_index.device
+        continued = layout.parents[r:]
+        parents = set(continued)
+        tails = [n % size if i in parents else 0 for i, n in enumerate(root_lengths)]  # a loose sequence runs whole
+        if not any(tails):
+            return StateChunks(layout.roots, upload(torch.arange(r), device), None, None, None,
+                               layout.rest, layout.state_index, None, None)
+        cut, root_states = [], []
+        for n, tail in zip(root_lengths, tails):
+            root_states.append(len(cut) if n - tail else -1)
+            cut += [m for m in (n - tail, tail) if m]
+        root_states = [len(cut) if s < 0 else s for s in root_states]  # -1: the zero state past them
+        rest_offsets = layout.rest.cu_seqlens_host
+        root_offsets = layout.roots.cu_seqlens_host
+        head_rows, head_states, head_lengths, rest_lengths, rest_states = [], [], [], [], []
+        out_rows, in_rows, tail_done = [], [], set()
+        zero = r + sum(1 for p in continued if p >= 0 and tails[p])  # one past the heads' final states
+        heads = 0
+        for i, p in enumerate(continued):
+            n = layout.rest.lengths[i]
+            if p < 0 or not tails[p]:
+                rest_lengths.append(n)
+                rest_states.append(p if p >= 0 else zero)
+                continue
+            tail, start = tails[p], layout.root_tokens + rest_offsets[i]
+            own = min(size - tail, n)
+            base = len(head_rows)
+            head_rows += range(root_offsets[p + 1] - tail, root_offsets[p + 1])
+            head_rows += range(start, start + own)
+            head_lengths.append(tail + own)
+            head_states.append(p)
+            out_rows += range(start, start + own)
+            in_rows += range(base + tail, base + tail + own)
+            if p not in tail_done:  # the parent's tail outputs, from its first continuation's head
+                tail_done.add(p)
+                out_rows += range(root_offsets[p + 1] - tail, root_offsets[p + 1])
+                in_rows += range(base, base + tail)
+            rest_lengths.append(own)
+            rest_states.append(zero)  # replaced by the head's outputs
+            if n > own:
+                rest_lengths.append(n - own)
+                rest_states.append(r + heads)
+            heads += 1
+        as_index = lambda rows: upload(torch.tensor(rows, dtype=torch.long), device)  # noqa: E731
+        return StateChunks(
+            roots=PackedBatch.from_lengths(cut, device=device),
+            root_states=as_index(root_states),
+            heads=PackedBatch.from_lengths(head_lengths, device=device),
+            head_rows=as_index(head_rows),
+            head_states=as_index(head_states),
+            rest=PackedBatch.from_lengths(rest_lengths, device=device),
+            rest_states=as_index(rest_states),
+            out_rows=as_index(out_rows),
+            in_rows=as_index(in_rows),
+        )
 
 
 def pack_first_fit_decreasing(lengths: Sequence[int], budget: int) -> list[list[int]]:

@@ -13,6 +13,8 @@ A group's shared segment is its longest common prefix less one token, rounded do
 - rounded down: the delta rule's chunked kernels work in chunks of 64 tokens from a segment's
   start; a continuation that starts on a chunk boundary of the unshared sequence is cut into the
   same chunks, so sharing changes no chunk's arithmetic.
+  (The kernels also run a parent that ends off a boundary exactly, ``StateChunks``; sharing those
+  last tokens measured no faster, docs/prefix-sharing.md.)
 
 With a ``RowRounding`` (measured on the GPU, ``model_runtime.scoring.rounding``), a group is also
 cut where its members' lengths would round the prompt's rows of a narrow product differently

@@ -24,9 +24,8 @@ pytestmark = [
 ]
 
 DEV = "cuda"
-# A prefix of whole 64-token chunks (what plan_row makes) and one that is not (never planned).
-CASES = [(128, (1, 70, 300), (50,)), (100, (5, 64), ())]
-
+# Prefixes on a 64-token chunk boundary and off one (a tail of 36, of 6, a parent shorter than a chunk).
+CASES = [(128, (1, 70, 300), (50,)), (100, (5, 64), ()), (70, (1, 57, 58, 59, 130), (3,)), (9, (5, 1, 60), ())]
 
 def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
@@ -68,13 +67,33 @@ def test_fla_delta_rule_continues_the_parent_state(case, gpu_record):
     whole = gated_delta_rule_fla(q_w, k_w, v_w, -torch.nn.functional.softplus(a_w), b_w.sigmoid(), rows.whole)
     want = rows.whole_of_linked(whole)
     err, diff = rel(got, want), float((got.float() - want.float()).abs().max())
-    gpu_record("prefix gdn fla linked vs whole", prefix=case[0], rel=err, max_abs=diff)
-    if case[0] % 64 == 0:
-        # The continuation starts on a chunk boundary: the same chunks from the float32 state.
-        assert diff == 0.0, f"fla GDN linked vs whole max |diff| {diff:.3e} (rel {err:.3e}), expected 0"
-    else:
-        # Not chunk-aligned, so other chunks: only close (the planner never makes such a prefix).
-        assert err <= 1e-2, f"fla GDN linked vs whole rel {err:.3e} > 1e-2 (max |diff| {diff:.3e})"
+    # fla's chunk rows depend only on the rows before them: every member computes the prompt alike.
+    offsets = rows.whole.cu_seqlens_host
+    prompts = [whole[offsets[j] : offsets[j] + rows.prefix] for j in range(len(rows.conts))]
+    prompt_diff = max(float((p.float() - prompts[0].float()).abs().max()) for p in prompts)
+    gpu_record("prefix gdn fla linked vs whole", prefix=case[0], rel=err, max_abs=diff, members_prompt_max_abs=prompt_diff)
+    assert prompt_diff == 0.0, f"fla GDN: members' prompt rows differ by {prompt_diff:.3e} (expected 0)"
+    # A continuation's chunks are its unshared sequence's (StateChunks), from the float32 states.
+    assert diff == 0.0, f"fla GDN linked vs whole max |diff| {diff:.3e} (rel {err:.3e}), expected 0"
+
+
+def test_fla_delta_rule_with_several_parents_and_padding(gpu_record):
+    """Parents on and off a chunk boundary, a loose sequence and a padding segment in one row."""
+    lengths = (70, 128, 9, 5, 1, 200, 3, 60, 64, 7, 11)
+    parents = (-1, -1, -1, -1, 0, 1, 0, 2, 0, 1, -1)
+    packed = PackedBatch.from_lengths(lengths, device=DEV, links=PrefixLinks(parents, 4), padding_segments=(10,))
+    g = torch.Generator(device=DEV).manual_seed(3)
+    T, layout = packed.total_tokens, packed.linked
+    q, k = (torch.randn(T, 16, 128, generator=g, device=DEV).bfloat16() for _ in range(2))
+    v = torch.randn(T, 32, 128, generator=g, device=DEV).bfloat16()
+    gate = -torch.nn.functional.softplus(torch.randn(T, 32, generator=g, device=DEV))
+    beta = torch.rand(T, 32, generator=g, device=DEV).bfloat16()
+    got = gated_delta_rule_fla(q, k, v, gate, beta, packed)
+    whole = [x.index_select(0, layout.whole_index_Tw) for x in (q, k, v, gate, beta)]
+    want = gated_delta_rule_fla(*whole, layout.whole).index_select(0, layout.own_rows_T)
+    diff = float((got.float() - want.float()).abs().max())
+    gpu_record("prefix gdn fla several parents", max_abs=diff)
+    assert diff == 0.0, f"fla GDN linked vs whole max |diff| {diff:.3e}, expected 0"
 
 
 def _backends(always: dict, optional_module: str, optional) -> list:

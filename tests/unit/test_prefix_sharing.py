@@ -14,7 +14,7 @@ import torch
 from model_runtime.kernels.attention import causal_attention_reference, causal_attention_sdpa
 from model_runtime.kernels.conv import causal_conv1d_reference, continue_windows
 from model_runtime.kernels.gate_projection import gate_projection_segment, narrow_products
-from model_runtime.kernels.linear_attention import gated_delta_rule_reference
+from model_runtime.kernels.linear_attention import FLA_CHUNK, chunked_on_linked_row, gated_delta_rule_reference
 from model_runtime.model.packing import PackedBatch, PrefixLinks
 from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.prefix import ALIGN, find_groups, pack_groups_first_fit, tokens_saved
@@ -90,6 +90,68 @@ def test_delta_rule_reference_continues_the_parent_state(case):
     got = gated_delta_rule_reference(q, k, v, gate, beta, rows.linked)
     want = gated_delta_rule_reference(q_w, k_w, v_w, gate_w, beta_w, rows.whole)
     report("delta rule linked vs whole", got, rows.whole_of_linked(want))
+
+
+def chunk_rounded_recurrence(q, k, v, g, beta, packed, initial, *, keep_final):
+    """``_fla_chunk``'s contract with numbers that follow where chunks fall: the float32
+    recurrence, its state rounded to bf16 at the start of every ``FLA_CHUNK``-token chunk but a
+    segment's first one from zeros (as fla's outputs read a chunk's starting state in bf16)."""
+    o, finals = torch.empty_like(v), []
+    for i, (start, end) in enumerate(packed.segments()):
+        state = torch.zeros(v.shape[1], k.shape[-1], v.shape[-1]) if initial is None else initial[i].clone()
+        for t in range(start, end):
+            if (t - start) % FLA_CHUNK == 0 and (t > start or initial is not None):
+                state = state.to(torch.bfloat16).float()
+            state = state * g[t].exp()[:, None, None]
+            delta = (v[t] - torch.einsum("hk,hkv->hv", k[t], state)) * beta[t][:, None]
+            state = state + k[t][:, :, None] * delta[:, None, :]
+            o[t] = torch.einsum("hk,hkv->hv", q[t], state)
+        finals.append(state)
+    return o, (torch.stack(finals) if keep_final else None)
+
+
+@pytest.mark.parametrize("case", [
+    (70, (1, 57, 58, 59, 130), (3,)),  # a tail of 6: heads of 1, 57, 58 and 58 + a body
+    (9, (5, 1, 60), ()),  # a parent shorter than a chunk
+    (128, (1, 64, 65), (12,)),  # on a boundary: no heads
+    (200, (3,), (70,)),
+], ids=case_id)
+def test_chunked_delta_rule_on_a_linked_row_cuts_chunks_as_the_unshared_sequences(case):
+    """Bit for bit against the whole sequences, with numbers that change where a chunk starts."""
+    rows, g = Rows(*case), torch.Generator().manual_seed(2)
+    # Inputs made on the whole row and read at the linked row's tokens: the CPU's vectorised
+    # pointwise ops round a row's last elements otherwise.
+    whole = [rows.make(g, *shape)[1] for shape in ((2, 8), (2, 8), (2, 6), (2,), (2,))]
+    whole[1] = torch.nn.functional.normalize(whole[1], dim=-1)
+    whole[3], whole[4] = -torch.nn.functional.softplus(whole[3]), whole[4].sigmoid()
+    linked = [rows.whole_of_linked(x) for x in whole]
+    got = chunked_on_linked_row(chunk_rounded_recurrence, *linked, rows.linked)
+    want = rows.whole_of_linked(chunk_rounded_recurrence(*whole, rows.whole, None, keep_final=False)[0])
+    assert torch.equal(got, want), f"max |diff| {(got - want).abs().max().item():.3e}, want 0"
+    if rows.prefix % FLA_CHUNK:  # a continuation run from its parent's end would not be
+        state = chunk_rounded_recurrence(*(x[: rows.prefix] for x in linked), PackedBatch.from_lengths([rows.prefix]),
+                                         None, keep_final=True)[1]
+        n = len(rows.loose)
+        first = rows.linked.cu_seqlens_host[1 + n]
+        naive = chunk_rounded_recurrence(*(x[first:] for x in linked), PackedBatch.from_lengths(rows.conts),
+                                         state.expand(len(rows.conts), -1, -1, -1), keep_final=False)[0]
+        assert not torch.equal(naive, want[first:])
+
+
+def test_chunked_delta_rule_with_several_parents_and_padding():
+    """Parents with and without a tail, a loose sequence and a padding segment in one row."""
+    lengths = (70, 128, 9, 5, 1, 200, 3, 60, 64, 7, 11)
+    parents = (-1, -1, -1, -1, 0, 1, 0, 2, 0, 1, -1)
+    packed = PackedBatch.from_lengths(lengths, links=PrefixLinks(parents, 4), padding_segments=(10,))
+    g = torch.Generator().manual_seed(3)
+    T, layout = packed.total_tokens, packed.linked
+    q, k, v = (torch.randn(T, 2, d, generator=g) for d in (8, 8, 6))
+    k = torch.nn.functional.normalize(k, dim=-1)
+    gate, beta = -torch.nn.functional.softplus(torch.randn(T, 2, generator=g)), torch.rand(T, 2, generator=g)
+    got = chunked_on_linked_row(chunk_rounded_recurrence, q, k, v, gate, beta, packed)
+    whole = [x.index_select(0, layout.whole_index_Tw) for x in (q, k, v, gate, beta)]
+    want = chunk_rounded_recurrence(*whole, layout.whole, None, keep_final=False)[0].index_select(0, layout.own_rows_T)
+    assert torch.equal(got, want), f"max |diff| {(got - want).abs().max().item():.3e}, want 0"
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
