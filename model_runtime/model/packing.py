@@ -402,7 +402,8 @@ class StateChunks:
         root_states: int64 ``[roots]``: per root, the row of ``roots``' final states at its last
             chunk boundary; one past them (a zero state) for a root shorter than a chunk.
         heads: the heads as a row of their own, or None where every parent ends on a boundary
-            (then the other fields are the plain linked layout's).
+            (then ``roots``, ``rest`` and ``rest_states`` are the plain linked layout's, and the
+            fields about heads and ``root_states`` are None).
         head_rows: int64 ``[Th]``: the row's tokens that make up ``heads``.
         head_states: int64 ``[heads]``: the root whose boundary state each head starts from.
         rest: the non-root segments, a continuation with a head cut after it (that first piece's
@@ -413,7 +414,7 @@ class StateChunks:
     """
 
     roots: PackedBatch
-    root_states: torch.Tensor
+    root_states: torch.Tensor | None
     heads: PackedBatch | None
     head_rows: torch.Tensor | None
     head_states: torch.Tensor | None
@@ -430,8 +431,7 @@ class StateChunks:
         parents = set(continued)
         tails = [n % size if i in parents else 0 for i, n in enumerate(root_lengths)]  # a loose sequence runs whole
         if not any(tails):
-            return StateChunks(layout.roots, upload(torch.arange(r), device), None, None, None,
-                               layout.rest, layout.state_index, None, None)
+            return StateChunks(layout.roots, None, None, None, None, layout.rest, layout.state_index, None, None)
         cut, root_states = [], []
         for n, tail in zip(root_lengths, tails):
             root_states.append(len(cut) if n - tail else -1)
@@ -442,7 +442,6 @@ class StateChunks:
         head_rows, head_states, head_lengths, rest_lengths, rest_states = [], [], [], [], []
         out_rows, in_rows, tail_done = [], [], set()
         zero = r + sum(1 for p in continued if p >= 0 and tails[p])  # one past the heads' final states
-        heads = 0
         for i, p in enumerate(continued):
             n = layout.rest.lengths[i]
             if p < 0 or not tails[p]:
@@ -466,8 +465,7 @@ class StateChunks:
             rest_states.append(zero)  # replaced by the head's outputs
             if n > own:
                 rest_lengths.append(n - own)
-                rest_states.append(r + heads)
-            heads += 1
+                rest_states.append(r + len(head_lengths) - 1)  # this head's final state
         as_index = lambda rows: upload(torch.tensor(rows, dtype=torch.long), device)  # noqa: E731
         return StateChunks(
             roots=PackedBatch.from_lengths(cut, device=device),
