@@ -1,6 +1,7 @@
 """packscore's service: the HTTP server and the offline scorer around a ``ScoringBackend``.
 
-- ``cli``: ``packscore serve`` / ``packscore score``; ``settings``: the one typed config;
+- ``cli``: ``packscore serve`` / ``packscore score`` (``entrypoint``: the console script, which
+  exits 0 on a SIGTERM that comes before the server runs); ``settings``: the one typed config;
   ``hub``: a Hugging Face hub id ``--model`` resolved to a local snapshot directory.
 - ``backends``: ``load_backend(settings)``, the worker pool or the scorer in this process.
 - ``http/``: the FastAPI app, schemas, encodings, errors, metrics, validation, the server.

@@ -19,6 +19,7 @@ from typing import Sequence
 
 from pydantic import SecretStr, ValidationError
 
+from service.entrypoint import exit_on_sigterm_until_serving
 from service.http.errors import validation_reason
 from service.settings import Settings
 
@@ -135,6 +136,8 @@ def parse_settings(argv: Sequence[str] | None = None) -> tuple[argparse.Namespac
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # a process of its own (`python -m service.cli serve`), not a caller's
+        exit_on_sigterm_until_serving(sys.argv[1:])
     args, settings = parse_settings(argv)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr

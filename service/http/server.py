@@ -100,6 +100,9 @@ def run_server(app: FastAPI, settings: Settings) -> int:
     """Serves until SIGTERM (drained) or SIGINT; returns the process's exit status."""
     service: Service = app.state.service
     config = uvicorn_config(app, settings)
+    # uvicorn restores this handler at exit and re-raises a SIGTERM it caught without draining
+    # (the second): that one keeps the default's status, not service.entrypoint's early exit 0.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         DrainingServer(config, service).run()
     except KeyboardInterrupt:  # SIGINT: uvicorn shut down gracefully, then re-raised it

@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -116,3 +119,21 @@ def _content_length(reply: bytes) -> int:
         if line.lower().startswith(b"content-length:"):
             return int(line.split(b":", 1)[1])
     return 1 << 30
+
+
+def test_a_sigterm_before_the_server_runs_exits_0(tmp_path):
+    # A pod deleted while torch still imports: nothing was admitted, so the exit is the drain's 0,
+    # not the default handler's 143. The console script catches it from its first line;
+    # `python -m service.cli` from main(), after its own imports.
+    script = Path(sys.executable).with_name("packscore")
+    runs = [([sys.executable, "-m", "service.cli"], 1.0)]
+    if script.exists():
+        runs += [([str(script)], 0.3), ([str(script)], 1.0)]
+    for i, (command, delay) in enumerate(runs):
+        log = tmp_path / f"early-{i}.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen([*command, "serve", "--port", "0"], stdout=out, stderr=subprocess.STDOUT)
+            time.sleep(delay)
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=60)
+        assert code == 0, (command, delay, code, log.read_text()[-2000:])
