@@ -41,7 +41,8 @@ not) and ``PREFIX_SHARING_PROFILE=1`` (one row profiled unshared, as served and 
 instead of the timed workloads) and ``PREFIX_SHARING_WORKLOADS`` (comma-separated, default all) and
 ``PREFIX_SHARING_PASSES`` (1: one timed pass a side, for the 27B) and ``PREFIX_SHARING_KERNELS``
 (``--kernels`` for every side, e.g. ``gate_projection=tiles``) and ``PREFIX_SHARING_HF`` (N: each side's
-distance to Hugging Face one at a time on the RL mix's first N sequences) the prefix-sharing benchmark.
+distance to Hugging Face one at a time on the RL mix's first N sequences) and ``PREFIX_SHARING_SEEDS``
+(``1,2,...``: the RL mix drawn with other seeds too, while the part's time lasts) the prefix-sharing benchmark.
 
 Output: at most 8 files in ``OUT`` (default bench/out), none in a folder: each part's results
 JSON (the suite's as ``h200-<date>.json`` with its chart), and ``summary.md``: every part's own
@@ -103,6 +104,7 @@ PARTS = {
         "PREFIX_SHARING_PRESET", "qwen3.5-9b"), "--also-tokens", os.environ.get("PREFIX_SHARING_ALSO", "16384"),
         "--workloads", os.environ.get("PREFIX_SHARING_WORKLOADS", ""), "--passes", os.environ.get("PREFIX_SHARING_PASSES", "2"),
         "--kernels", os.environ.get("PREFIX_SHARING_KERNELS", ""), "--hf-sequences", os.environ.get("PREFIX_SHARING_HF", "0"),
+        "--seeds", os.environ.get("PREFIX_SHARING_SEEDS", ""),
         *(("--profile-row",) if os.environ.get("PREFIX_SHARING_PROFILE") == "1" else ())), 400,
         "prefix_sharing"),
     "moe": lambda: Part("moe", ("-m", "bench.moe", "--sequences", os.environ.get("MOE_SEQUENCES", "24"),

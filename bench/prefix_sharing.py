@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +44,10 @@ from model_runtime.scoring.scorer import Scorer
 MIN_TOKENS = 64
 
 
-def workloads(vocab: int, tiny: bool) -> dict[str, list]:
+def workloads(vocab: int, tiny: bool, seeds: tuple[int, ...] = ()) -> dict[str, list]:
+    """The three workloads, then the RL mix drawn again with each of ``seeds``
+    (``rl_mix_groups_of_8_seed_K``): its 32 prompt lengths are a small sample, so the share of
+    repeated prompt tokens moves from draw to draw (seed 0, the benchmark's, is a low one)."""
     if tiny:
         mix = WorkloadSpec(
             num_sequences=16, prompt_median=90, prompt_clip=(64, 150), response_median=8, response_clip=(1, 30)
@@ -56,8 +60,38 @@ def workloads(vocab: int, tiny: bool) -> dict[str, list]:
         # DESIGN.md's prompt-heavy case: 8k-token prompts, 8 responses of about 1k each
         long_prompts = WorkloadSpec(num_sequences=64, prompt_median=8000, prompt_clip=(64, 16384), response_median=1000,
                                     sigma=0.25)
-    return {"rl_mix_groups_of_8": grpo_workload(vocab, mix), "groups_of_16_1k_prompt_2k_response": grpo_workload(vocab, sixteen),
-            "groups_of_8_8k_prompt_1k_response": grpo_workload(vocab, long_prompts)}
+    loads = {"rl_mix_groups_of_8": grpo_workload(vocab, mix), "groups_of_16_1k_prompt_2k_response": grpo_workload(vocab, sixteen),
+             "groups_of_8_8k_prompt_1k_response": grpo_workload(vocab, long_prompts)}
+    for seed in seeds:
+        if seed != mix.seed:
+            loads[f"rl_mix_groups_of_8_seed_{seed}"] = grpo_workload(vocab, replace(mix, seed=seed))
+    return loads
+
+
+def seed_of(name: str) -> int | None:
+    """The RL mix's seed behind a workload's name (0 for the benchmark's own), else None."""
+    if name == "rl_mix_groups_of_8":
+        return WorkloadSpec().seed
+    prefix = "rl_mix_groups_of_8_seed_"
+    return int(name.removeprefix(prefix)) if name.startswith(prefix) else None
+
+
+def over_seeds(result_workloads: dict) -> dict | None:
+    """The RL mix's draws side by side (every member's sharing, the issue's figure), with their mean."""
+    rows = {seed_of(k): e for k, e in result_workloads.items() if seed_of(k) is not None and "rows_of" not in k}
+    if len(rows) < 2:
+        return None
+    seeds = sorted(rows)
+    pick = {"repeated_prompt_fraction": lambda e: e["workload"]["repeated_prompt_fraction"],
+            "speedup": lambda e: e["by_prompt"]["speedup"], "flop_bound": lambda e: e["by_prompt"]["flop_bound"],
+            "row_token_bound": lambda e: e["by_prompt"]["row_token_bound"],
+            "logprob_mean_diff": lambda e: e["by_prompt"]["logprob_mean_diff"]}
+    out = {"seeds": seeds, **{key: [f(rows[s]) for s in seeds] for key, f in pick.items()}}
+    for key in ("repeated_prompt_fraction", "speedup", "flop_bound"):
+        out[f"mean_{key}"] = float(np.mean(out[key]))
+        out[f"median_{key}"] = float(np.median(out[key]))
+    out["mean_of_flop_bound"] = float(np.mean(np.array(out["speedup"]) / np.array(out["flop_bound"])))
+    return out
 
 
 def _sync(device: torch.device) -> None:
@@ -131,16 +165,17 @@ def preset_flop_model(preset: str) -> FlopModel:
     return flop_model(model.model.layers, model.config)
 
 
-def flops_only(preset: str, budgets, min_tokens: int) -> dict:
+def flops_only(preset: str, budgets, min_tokens: int, seeds: tuple[int, ...] = ()) -> dict:
     """The token and FLOP bounds of every workload, from the preset's shape alone (CPU, seconds)."""
     from model_runtime.scoring.presets import PRESETS, build_config
 
     flops = preset_flop_model(preset)
-    loads = workloads(build_config(PRESETS[preset]).vocab_size, tiny=preset == "tiny")
+    loads = workloads(build_config(PRESETS[preset]).vocab_size, tiny=preset == "tiny", seeds=seeds)
     out = {}
     for name, sequences in loads.items():
         for budget in budgets if name == "rl_mix_groups_of_8" else budgets[:1]:
             out[f"{name} rows of {budget}"] = {
+                "repeated_prompt_fraction": describe(sequences)["repeated_prompt_fraction"],
                 "row_token_bound": row_token_bound(sequences, budget, min_tokens),
                 "flop_bound": flop_bound(sequences, budget, min_tokens, flops),
                 "flop_bound_prompt_queries_once": flop_bound(sequences, budget, min_tokens, flops, prompt_queries_once=True),
@@ -150,7 +185,7 @@ def flops_only(preset: str, budgets, min_tokens: int) -> dict:
 
 def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_tokens: int, budget_s: float,
         profile: bool = False, only: tuple[str, ...] = (), passes: int = 2, kernels: dict[str, str] | None = None,
-        hf_sequences: int = 0) -> dict:
+        hf_sequences: int = 0, seeds: tuple[int, ...] = ()) -> dict:
     started = time.perf_counter()
     dev = torch.device(device)
     dtype = "bfloat16" if dev.type == "cuda" else "float32"
@@ -180,7 +215,7 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
         result_rounding_s = time.perf_counter() - t_round
         trio[2].prefix_rounding = RowRounding.exact(budget)  # every member of a group alike
         scorers[budget] = trio
-    loads = workloads(loaded.vocab_size, tiny=preset == "tiny")
+    loads = workloads(loaded.vocab_size, tiny=preset == "tiny", seeds=seeds)
     queries_once = loaded.backends.names["attention"] == "varlen"  # a shared prompt's queries run once (LinkedLayout.on_own_queries)
     unknown = sorted(set(only) - set(loads))
     if unknown:
@@ -223,7 +258,9 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
         runs.append((f"rl_mix_groups_of_8_rows_of_{also_tokens}", "rl_mix_groups_of_8", also_tokens))
     for i, (key, name, budget) in enumerate(runs):
         elapsed, main_passes = time.perf_counter() - started, result.get("rl_mix_passes_s", 0.0)
-        if i >= len(timed_loads) and elapsed + main_passes > budget_s:
+        # the optional runs (smaller rows, the RL mix's other draws) only while one more fits --budget-s
+        optional = i >= len(timed_loads) or (seed_of(key) not in (None, WorkloadSpec().seed))
+        if optional and elapsed + main_passes > budget_s:
             print(f"{key}: skipped, {elapsed:.0f} s + {main_passes:.0f} s past --budget-s {budget_s:.0f}", flush=True)
             continue
         pass_started = time.perf_counter()
@@ -275,8 +312,8 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
                 "first_pass_logprob_max_diff": compare(first_shared_out, first_plain_out)["logprob_max_diff"],
             })
         result["workloads"][key] = entry
-        if key == "rl_mix_groups_of_8":
-            result["rl_mix_passes_s"] = time.perf_counter() - pass_started
+        if seed_of(key) is not None:  # the longest of the RL mix's draws so far
+            result["rl_mix_passes_s"] = max(result.get("rl_mix_passes_s", 0.0), time.perf_counter() - pass_started)
         first = f"first pass {entry['first_pass_speedup']:.3f}; " if passes == 2 else ""
         print(f"{key}: speedup {entry['speedup']:.3f} ({first}token bound {entry['row_token_bound']:.3f}, FLOP bound {entry['flop_bound']:.3f} in rows of {budget}), "
               f"mean |dlogp| {entry['logprob_mean_diff']:.2e}; every member: speedup {entry['by_prompt']['speedup']:.3f}, "
@@ -284,6 +321,9 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
     if twin is not None:
         result["hugging_face"] = hf_distances(twin, scorers[max_batch_tokens], loads["rl_mix_groups_of_8"][:hf_sequences])
         print("Hugging Face: " + json.dumps(result["hugging_face"]), flush=True)
+    seeds_summary = over_seeds(result["workloads"])
+    if seeds_summary:
+        result["rl_mix_over_seeds"] = seeds_summary
     main_entry = result["workloads"][timed_loads[0]]
     result["speedup"] = main_entry["speedup"]
     result["logprob_mean_diff"] = main_entry["logprob_mean_diff"]
@@ -393,6 +433,17 @@ def table(result: dict) -> str:
                 f"{e['workload']['tokens'] / shared_s:.0f} | {speedup:.3f} | {row['row_token_bound']:.3f} | {row['flop_bound']:.3f} | "
                 f"{row['logprob_mean_diff']:.2e} | {row['logprob_max_diff']:.2e} |"
             )
+    draws = result.get("rl_mix_over_seeds")
+    if draws:
+        lines += ["", "the RL mix drawn with other seeds, every member sharing:", "",
+                  "| seed | repeated prompt tokens | speedup | FLOP bound | of the bound | mean abs dlogp |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for i, seed in enumerate(draws["seeds"]):
+            lines.append(f"| {seed} | {draws['repeated_prompt_fraction'][i]:.1%} | {draws['speedup'][i]:.3f} | "
+                         f"{draws['flop_bound'][i]:.3f} | {draws['speedup'][i] / draws['flop_bound'][i]:.3f} | "
+                         f"{draws['logprob_mean_diff'][i]:.2e} |")
+        lines.append(f"| mean | {draws['mean_repeated_prompt_fraction']:.1%} | {draws['mean_speedup']:.3f} | "
+                     f"{draws['mean_flop_bound']:.3f} | {draws['mean_of_flop_bound']:.3f} | |")
     hf = result.get("hugging_face")
     if hf:
         lines += ["", f"distance to Hugging Face one sequence at a time, the RL mix's first {hf['sequences']} sequences "
@@ -431,19 +482,23 @@ def main(argv=None) -> dict:
     parser.add_argument("--hf-sequences", type=int, default=0, metavar="N",
                         help="also the distance of each side, and of Hugging Face's padded batches, to Hugging Face one "
                              "sequence at a time on the RL mix's first N sequences (0: no)")
+    parser.add_argument("--seeds", default="", metavar="K[,K...]",
+                        help="also the RL mix drawn with these seeds (workloads rl_mix_groups_of_8_seed_K; seed 0 is "
+                             "the benchmark's own), timed while --budget-s lasts, with their mean in rl_mix_over_seeds")
     args = parser.parse_args(argv)
     only = tuple(name for name in args.workloads.split(",") if name)
+    seeds = tuple(int(k) for k in args.seeds.split(",") if k)
     if args.flops_only:
         budgets = (args.max_batch_tokens, *([args.also_tokens] if args.also_tokens else []))
-        bounds = flops_only(args.preset, budgets, args.min_tokens)
+        bounds = flops_only(args.preset, budgets, args.min_tokens, seeds)
         for name, b in bounds.items():
-            print(f"{name}: token bound {b['row_token_bound']:.3f}, FLOP bound {b['flop_bound']:.3f} "
+            print(f"{name}: {b['repeated_prompt_fraction']:.1%} repeated prompt tokens, token bound {b['row_token_bound']:.3f}, FLOP bound {b['flop_bound']:.3f} "
                   f"({b['flop_bound_prompt_queries_once']:.3f} where attention runs a prompt's queries once)")
         return bounds
     result = run(args.preset, args.device, args.max_batch_tokens, args.min_tokens,
                  0 if args.profile_row else args.also_tokens, args.budget_s, profile=args.profile_row,
                  only=only, passes=args.passes, kernels=parse_kernel_overrides(args.kernels),
-                 hf_sequences=args.hf_sequences)
+                 hf_sequences=args.hf_sequences, seeds=seeds)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "prefix-sharing.json").write_text(json.dumps(result, indent=2) + "\n")

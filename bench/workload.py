@@ -53,8 +53,15 @@ def grpo_workload(vocab_size: int, spec: WorkloadSpec = WorkloadSpec()) -> list[
 def describe(sequences: list[SequenceInput]) -> dict:
     lengths = np.array([s.length for s in sequences])
     scored = np.array([s.num_scored for s in sequences])
+    # a group's members follow each other and start scoring at the prompt's end (grpo_workload)
+    prompts = np.array([s.score_from for s in sequences])
+    firsts = np.ones(len(sequences), bool)
+    firsts[1:] = [a.input_ids[: a.score_from].tobytes() != b.input_ids[: b.score_from].tobytes()
+                  for a, b in zip(sequences, sequences[1:])]
     return {
         "sequences": int(len(sequences)),
+        # prompt tokens a group's later members repeat: what sharing whole prompts would not run
+        "repeated_prompt_fraction": float(prompts[~firsts].sum() / lengths.sum()),
         "tokens": int(lengths.sum()),
         "scored_tokens": int(scored.sum()),
         "mean_length": float(lengths.mean()),
