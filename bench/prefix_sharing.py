@@ -6,6 +6,9 @@
     python -m bench.prefix_sharing --out DIR --profile-row            # where one shared row's time goes
     python -m bench.prefix_sharing --out DIR --kernels gate_projection=tiles --hf-sequences 24
                                      # every member shares bit for bit; each side's distance to Hugging Face
+    python -m bench.prefix_sharing --out DIR --kernels gate_projection=tiles --passes 1 --also-tokens 0 \
+        --seeds 1,2,3 --workloads rl_mix_groups_of_8,rl_mix_groups_of_8_seed_1,rl_mix_groups_of_8_seed_2,rl_mix_groups_of_8_seed_3
+                                     # the RL mix drawn with other seeds too (rl_mix_over_seeds)
 
 Three workloads: the benchmark's RL mix (256 sequences in groups of 8, ``bench.workload``), a
 16-sample one (groups of 16, 1,000-token prompts, 2,000-token responses) and a prompt-heavy one
