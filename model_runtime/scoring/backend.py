@@ -46,7 +46,7 @@ class ModelInfo:
             dtype=loaded.dtype_name,
             device=loaded.device.type,
             weights_version=loaded.weights_version,
-            kernels=loaded.backends.names,
+            kernels=loaded.kernel_names,
             parallel=parallel or {"world_size": 1, "dp": 1, "sp": 1, "fsdp": False},
             slow_kernels=loaded.backends.fallbacks,
         )

@@ -45,6 +45,15 @@ class LoadedModel:
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
 
+    @property
+    def kernel_names(self) -> dict[str, str]:
+        """The backend of each kernel family this model runs, as /v1/models and the metrics name
+        them: a dense model runs no ``moe_*`` family."""
+        names = self.backends.names
+        if self.architecture in MOE_ARCHITECTURES:
+            return names
+        return {family: name for family, name in names.items() if not family.startswith("moe_")}
+
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -42,6 +42,15 @@ def test_every_mixer_is_switched(kind, checkpoint_dir):
     assert not any(n.endswith(("GatedDeltaNet", "Attention")) and not n.startswith("Packed") for n in names), names
 
 
+def test_the_model_card_names_the_kernel_families_the_model_runs(kind, checkpoint_dir):
+    from model_runtime.scoring.backend import ModelInfo
+
+    kernels = ModelInfo.of(load_model(str(checkpoint_dir(kind)), device="cpu")).kernels
+    moe = {family for family in kernels if family.startswith("moe_")}
+    assert moe == ({"moe_experts", "moe_router", "moe_shared"} if FAMILY[kind] != "qwen3_5" else set()), kernels
+    assert {"linear_attention", "conv1d", "attention", "head", "gate_projection"} <= set(kernels), kernels
+
+
 def test_vision_tower_is_never_allocated(checkpoint_dir):
     loaded = load_model(str(checkpoint_dir("qwen3_5_vl")), device="cpu")
     assert not any("Vision" in type(m).__name__ for m in loaded.model.modules())
