@@ -81,7 +81,7 @@ def seed_of(name: str) -> int | None:
 
 def over_seeds(result_workloads: dict) -> dict | None:
     """The RL mix's draws side by side (every member's sharing, the issue's figure), with their mean."""
-    rows = {seed_of(k): e for k, e in result_workloads.items() if seed_of(k) is not None and "rows_of" not in k}
+    rows = {seed_of(k): e for k, e in result_workloads.items() if seed_of(k) is not None}
     if len(rows) < 2:
         return None
     seeds = sorted(rows)
