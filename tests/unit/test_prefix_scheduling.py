@@ -160,6 +160,23 @@ def test_benchmark_one_workload_one_pass(tmp_path):
         main(["--preset", "tiny", "--device", "cpu", "--out", str(tmp_path), "--workloads", "rl_mix"])
 
 
+def test_benchmark_other_draws_of_the_rl_mix(tmp_path):
+    from bench.prefix_sharing import main
+
+    main(["--preset", "tiny", "--device", "cpu", "--out", str(tmp_path), "--also-tokens", "0", "--passes", "1",
+          "--seeds", "0,3", "--workloads", "rl_mix_groups_of_8,rl_mix_groups_of_8_seed_3"])
+    saved = json.loads((tmp_path / "prefix-sharing.json").read_text())
+    assert set(saved["workloads"]) == {"rl_mix_groups_of_8", "rl_mix_groups_of_8_seed_3"}  # seed 0 is the mix itself
+    draws = saved["rl_mix_over_seeds"]
+    assert draws["seeds"] == [0, 3]
+    for i, name in enumerate(("rl_mix_groups_of_8", "rl_mix_groups_of_8_seed_3")):
+        entry = saved["workloads"][name]
+        assert draws["speedup"][i] == entry["by_prompt"]["speedup"] and 0 < draws["repeated_prompt_fraction"][i] < 1
+    assert saved["workloads"]["rl_mix_groups_of_8"]["workload"] != saved["workloads"]["rl_mix_groups_of_8_seed_3"]["workload"]
+    assert draws["mean_speedup"] == pytest.approx(sum(draws["speedup"]) / 2)
+    assert "| mean |" in (tmp_path / "prefix-sharing.md").read_text()
+
+
 def test_one_row_profiled_three_ways_on_the_cpu(tmp_path):
     from bench.prefix_sharing import main
 
