@@ -82,8 +82,6 @@ class ServedModel:
     # The last update's answer, with the version, directory and files (names, sizes, mtimes) it
     # loaded: the same request again, files untouched, gets that answer (a retry after a lost one).
     last_update: tuple[tuple, dict] | None = None
-    # Each version named in an update, with the directory and files it was loaded from
-    version_sources: dict[str, tuple] = field(default_factory=dict)
 
 
 def _set_done(waiter: asyncio.Future) -> None:

@@ -43,7 +43,7 @@ class CheckpointError(ValueError):
     - ``"unsupported"``: a model_type, quantization or file format packscore does not load;
     - ``"incomplete"``: a tensor the model needs is missing, or a tensor in the files is unused;
     - ``"incompatible"``: a shape (or, against ``expected``, the architecture) differs;
-    - ``"unreadable"``: a file that fails to read (truncated, corrupt);
+    - ``"unreadable"``: a file that fails to read (truncated, corrupt, a config.json that is no JSON);
     - ``"non_finite"``: a weight holds NaN or infinity (it would score NaN for every token).
     """
 
@@ -147,7 +147,8 @@ def read_config(path: Path) -> dict:
     try:
         config = json.loads(config_file.read_text())
     except (ValueError, OSError) as exc:
-        raise CheckpointError("unsupported", f"{config_file} is not readable JSON: {exc}") from None
+        # a config cut short is often one still being written: the retryable kind
+        raise CheckpointError("unreadable", f"{config_file} is not readable JSON: {exc}") from None
     if not isinstance(config, dict):
         raise CheckpointError("unsupported", f"{config_file} must hold a JSON object, got {type(config).__name__}")
     return config

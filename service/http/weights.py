@@ -127,9 +127,7 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
         log.info("weights update of %s to %s repeated: it already serves these files", model.name, version)
         return dict(model.last_update[1])
     served = model.versions_served | {model.backend.info.weights_version}
-    # A version served before may come back from the directory and files it was loaded from (a
-    # rollback): the same weights under the same name.
-    if version is not None and version in served and model.version_sources.get(version) != source[1:]:
+    if version is not None and version in served:
         # A version names one set of weights: a pinned request must never get other numbers under it.
         raise ApiError(409, "version_in_use", f"version {version!r} already named weights {model.name!r} served; "
                        "give the new weights a version of their own (or none: their content hash).", "version")
@@ -166,6 +164,4 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
         "swap_ms": update.swap_ms,
     }
     model.last_update = (source, dict(answer))
-    if version is not None:
-        model.version_sources[version] = source[1:]
     return answer

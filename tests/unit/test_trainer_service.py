@@ -485,31 +485,6 @@ def test_an_update_repeated_after_a_lost_answer_gets_the_first_answer(tmp_path):
         assert refused.status_code == 409 and refused.json()["error"]["type"] == "version_in_use", refused.text
 
 
-def test_a_rollback_may_bring_a_version_back_from_its_own_files(tmp_path):
-    """A version served before comes back under its name from the directory and files it was
-    loaded from (a trainer rolling back); other files under that name stay refused."""
-    root = _root(tmp_path)
-    backend = FakeBackend()
-
-    async def main():
-        async with running_app(create_app(Settings(weights_root=root), backend)) as client:
-            answers = [await client.post("/v1/weights", json=body) for body in (
-                {"path": "step-1", "version": "step-1"},
-                {"path": "step-2", "version": "step-2"},
-                {"path": "step-1", "version": "step-1"},  # back to step-1, its files untouched
-                {"path": "step-2", "version": "step-1"},  # other weights under that name
-            )]
-            (root / "step-2" / "model.safetensors").write_bytes(b"saved again")
-            answers.append(await client.post("/v1/weights", json={"path": "step-2", "version": "step-2"}))
-            return answers, backend.generation, await client.post("/score", json=_score({"weights_version": "step-1"}))
-
-    answers, loads, pinned = asyncio.run(main())
-    assert [a.status_code for a in answers] == [200, 200, 200, 409, 409], [a.text for a in answers]
-    back = answers[2].json()
-    assert (back["weights_version"], back["previous_version"], loads) == ("step-1", "step-2", 3), (back, loads)
-    assert pinned.status_code == 200 and pinned.json()["weights_version"] == "step-1", pinned.text
-
-
 def test_a_checkpoint_packscore_cannot_load_is_incompatible(tmp_path):
     """API.md names two refusals of a checkpoint's content: another model_type, a quantization or
     no safetensors at all is not the served model's checkpoint: 422 incompatible_checkpoint."""
