@@ -4,6 +4,7 @@ guard of protocol.py (read timeout, connection cap, JSON protocol errors)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -13,6 +14,7 @@ import threading
 import uvicorn
 from fastapi import FastAPI
 
+from service.entrypoint import hand_sigterm_back
 from service.http.protocol import default_max_connections, guarded_protocol
 from service.runtime import Service
 from service.settings import Settings
@@ -36,6 +38,14 @@ class DrainingServer(uvicorn.Server):
         self.service = service
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Future | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # uvicorn restores the handlers it found at exit and re-raises a SIGTERM it caught without
+        # draining (the second): that one keeps the default's status, not the early exit's 0.
+        hand_sigterm_back()
+        with super().capture_signals():
+            yield
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -100,9 +110,6 @@ def run_server(app: FastAPI, settings: Settings) -> int:
     """Serves until SIGTERM (drained) or SIGINT; returns the process's exit status."""
     service: Service = app.state.service
     config = uvicorn_config(app, settings)
-    # uvicorn restores this handler at exit and re-raises a SIGTERM it caught without draining
-    # (the second): that one keeps the default's status, not service.entrypoint's early exit 0.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         DrainingServer(config, service).run()
     except KeyboardInterrupt:  # SIGINT: uvicorn shut down gracefully, then re-raised it

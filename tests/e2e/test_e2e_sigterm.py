@@ -123,17 +123,28 @@ def _content_length(reply: bytes) -> int:
 
 def test_a_sigterm_before_the_server_runs_exits_0(tmp_path):
     # A pod deleted while torch still imports: nothing was admitted, so the exit is the drain's 0,
-    # not the default handler's 143. The console script catches it from its first line;
-    # `python -m service.cli` from main(), after its own imports.
-    script = Path(sys.executable).with_name("packscore")
-    runs = [([sys.executable, "-m", "service.cli"], 1.0)]
-    if script.exists():
-        runs += [([str(script)], 0.3), ([str(script)], 1.0)]
-    for i, (command, delay) in enumerate(runs):
+    # not the default handler's 143. The console script (service.entrypoint) catches it from its
+    # first line, `python -m service.cli` from main(), after its own imports. The signal goes as
+    # soon as the process catches SIGTERM, well before torch and the app are imported.
+    entrypoint = "import sys; from service.entrypoint import main; sys.exit(main())"
+    for i, command in enumerate(([sys.executable, "-c", entrypoint], [sys.executable, "-m", "service.cli"])):
         log = tmp_path / f"early-{i}.log"
         with log.open("wb") as out:
             proc = subprocess.Popen([*command, "serve", "--port", "0"], stdout=out, stderr=subprocess.STDOUT)
-            time.sleep(delay)
+            deadline = time.monotonic() + 30
+            while not _catches_sigterm(proc.pid) and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.005)
             proc.send_signal(signal.SIGTERM)
             code = proc.wait(timeout=60)
-        assert code == 0, (command, delay, code, log.read_text()[-2000:])
+        text = log.read_text()
+        assert code == 0 and "SIGTERM before the server started" in text, (command, code, text[-2000:])
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """Whether the process has a handler for SIGTERM (SigCgt in /proc/PID/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(caught & (1 << (signal.SIGTERM - 1)))

@@ -329,3 +329,26 @@ def test_a_key_file_is_read_once_and_its_value_kept(tmp_path):
     assert checked.api_key_file is None and checked.admin_key_file is None
     assert (checked.resolved_api_key(), checked.resolved_admin_key()) == ("k1", "k2")
     assert _check_model_and_key(Settings()).resolved_api_key() is None
+
+
+def test_only_serve_exits_early_on_sigterm_and_gives_it_back_to_the_server():
+    import signal
+
+    from service.entrypoint import _exit_before_serving, exit_on_sigterm_until_serving, hand_sigterm_back
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        exit_on_sigterm_until_serving(["score", "in.jsonl", "-o", "out.jsonl"])  # resumable: the default stays
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        exit_on_sigterm_until_serving(["serve", "--port", "0"])
+        assert signal.getsignal(signal.SIGTERM) is _exit_before_serving
+        hand_sigterm_back()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        mine = lambda signum, frame: None  # noqa: E731
+        signal.signal(signal.SIGTERM, mine)  # a handler of someone else's is never replaced nor taken back
+        exit_on_sigterm_until_serving(["serve"])
+        hand_sigterm_back()
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
