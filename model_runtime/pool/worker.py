@@ -156,7 +156,7 @@ def _setup(start: msg.Start):
         prefix_min_tokens=start.prefix_min_tokens, prefix_rounding=rounding,
     )
     info = replace(ModelInfo.of(loaded), device=device.type, weights_version=start.weights_version or loaded.weights_version,
-                   kernels=loaded.kernel_names, slow_kernels=list(loaded.backends.fallbacks))
+                   kernels=loaded.kernel_names, slow_kernels=list(loaded.slow_kernels))
     hello = msg.Hello(
         rank=start.rank,
         generation=start.generation,

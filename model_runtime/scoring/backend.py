@@ -48,7 +48,7 @@ class ModelInfo:
             weights_version=loaded.weights_version,
             kernels=loaded.kernel_names,
             parallel=parallel or {"world_size": 1, "dp": 1, "sp": 1, "fsdp": False},
-            slow_kernels=loaded.backends.fallbacks,
+            slow_kernels=loaded.slow_kernels,
         )
 
     @staticmethod

@@ -45,14 +45,19 @@ class LoadedModel:
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
 
+    def runs_family(self, family: str) -> bool:
+        """Whether this model calls the kernel family: a dense model runs no ``moe_*`` family."""
+        return self.architecture in MOE_ARCHITECTURES or not family.startswith("moe_")
+
     @property
     def kernel_names(self) -> dict[str, str]:
-        """The backend of each kernel family this model runs, as /v1/models and the metrics name
-        them: a dense model runs no ``moe_*`` family."""
-        names = self.backends.names
-        if self.architecture in MOE_ARCHITECTURES:
-            return names
-        return {family: name for family, name in names.items() if not family.startswith("moe_")}
+        """The backend of each kernel family this model runs, as /v1/models and the metrics name them."""
+        return {family: name for family, name in self.backends.names.items() if self.runs_family(family)}
+
+    @property
+    def slow_kernels(self) -> tuple[str, ...]:
+        """The families this model runs on a slow reference (``--allow-slow-kernels``)."""
+        return tuple(family for family in self.backends.fallbacks if self.runs_family(family))
 
 
 def default_device() -> torch.device:

@@ -45,10 +45,17 @@ def test_every_mixer_is_switched(kind, checkpoint_dir):
 def test_the_model_card_names_the_kernel_families_the_model_runs(kind, checkpoint_dir):
     from model_runtime.scoring.backend import ModelInfo
 
-    kernels = ModelInfo.of(load_model(str(checkpoint_dir(kind)), device="cpu")).kernels
+    from dataclasses import replace
+
+    loaded = load_model(str(checkpoint_dir(kind)), device="cpu")
+    kernels = ModelInfo.of(loaded).kernels
     moe = {family for family in kernels if family.startswith("moe_")}
     assert moe == ({"moe_experts", "moe_router", "moe_shared"} if FAMILY[kind] != "qwen3_5" else set()), kernels
     assert {"linear_attention", "conv1d", "attention", "head", "gate_projection"} <= set(kernels), kernels
+    # a slow fallback counts only in a family the model runs (--allow-slow-kernels on a GPU)
+    slow = replace(loaded, backends=replace(loaded.backends, fallbacks=("head", "moe_experts")))
+    expected = ("head", "moe_experts") if FAMILY[kind] != "qwen3_5" else ("head",)
+    assert ModelInfo.of(slow).slow_kernels == expected, ModelInfo.of(slow).slow_kernels
 
 
 def test_vision_tower_is_never_allocated(checkpoint_dir):
