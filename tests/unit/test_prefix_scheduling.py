@@ -174,7 +174,14 @@ def test_benchmark_other_draws_of_the_rl_mix(tmp_path):
         assert draws["speedup"][i] == entry["by_prompt"]["speedup"] and 0 < draws["repeated_prompt_fraction"][i] < 1
     assert saved["workloads"]["rl_mix_groups_of_8"]["workload"] != saved["workloads"]["rl_mix_groups_of_8_seed_3"]["workload"]
     assert draws["mean_speedup"] == pytest.approx(sum(draws["speedup"]) / 2)
+    assert draws["as_served_speedup"][0] == saved["workloads"]["rl_mix_groups_of_8"]["speedup"] == saved["speedup"]
     assert "| mean |" in (tmp_path / "prefix-sharing.md").read_text()
+    # a draw asked for first runs whatever the time left: it is the headline then
+    main(["--preset", "tiny", "--device", "cpu", "--out", str(tmp_path), "--also-tokens", "0", "--passes", "1",
+          "--seeds", "3", "--workloads", "rl_mix_groups_of_8_seed_3", "--budget-s", "0"])
+    alone = json.loads((tmp_path / "prefix-sharing.json").read_text())
+    assert set(alone["workloads"]) == {"rl_mix_groups_of_8_seed_3"}
+    assert alone["speedup"] == alone["workloads"]["rl_mix_groups_of_8_seed_3"]["speedup"]
 
 
 def test_one_row_profiled_three_ways_on_the_cpu(tmp_path):
