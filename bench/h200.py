@@ -42,7 +42,8 @@ instead of the timed workloads) and ``PREFIX_SHARING_WORKLOADS`` (comma-separate
 ``PREFIX_SHARING_PASSES`` (1: one timed pass a side, for the 27B) and ``PREFIX_SHARING_KERNELS``
 (``--kernels`` for every side, e.g. ``gate_projection=tiles``) and ``PREFIX_SHARING_HF`` (N: each side's
 distance to Hugging Face one at a time on the RL mix's first N sequences) and ``PREFIX_SHARING_SEEDS``
-(``1,2,...``: the RL mix drawn with other seeds too, while the part's time lasts) the prefix-sharing benchmark.
+(``1,2,...``: the RL mix drawn with other seeds too, beside ``PREFIX_SHARING_WORKLOADS``, while the part's
+time lasts) the prefix-sharing benchmark.
 
 Output: at most 8 files in ``OUT`` (default bench/out), none in a folder: each part's results
 JSON (the suite's as ``h200-<date>.json`` with its chart), and ``summary.md``: every part's own

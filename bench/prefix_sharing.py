@@ -7,8 +7,7 @@
     python -m bench.prefix_sharing --out DIR --kernels gate_projection=tiles --hf-sequences 24
                                      # every member shares bit for bit; each side's distance to Hugging Face
     python -m bench.prefix_sharing --out DIR --kernels gate_projection=tiles --passes 1 --also-tokens 0 \
-        --seeds 1,2,3 --workloads rl_mix_groups_of_8,rl_mix_groups_of_8_seed_1,rl_mix_groups_of_8_seed_2,rl_mix_groups_of_8_seed_3
-                                     # the RL mix drawn with other seeds too (rl_mix_over_seeds)
+        --workloads rl_mix_groups_of_8 --seeds 1,2,3   # the RL mix drawn with other seeds too (rl_mix_over_seeds)
 
 Three workloads: the benchmark's RL mix (256 sequences in groups of 8, ``bench.workload``), a
 16-sample one (groups of 16, 1,000-token prompts, 2,000-token responses) and a prompt-heavy one
@@ -77,6 +76,11 @@ def seed_of(name: str) -> int | None:
         return WorkloadSpec().seed
     prefix = "rl_mix_groups_of_8_seed_"
     return int(name.removeprefix(prefix)) if name.startswith(prefix) else None
+
+
+def is_other_draw(name: str) -> bool:
+    """One of the RL mix's draws asked for by ``--seeds`` (not the benchmark's own)."""
+    return seed_of(name) not in (None, WorkloadSpec().seed)
 
 
 def over_seeds(result_workloads: dict) -> dict | None:
@@ -224,7 +228,7 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
     unknown = sorted(set(only) - set(loads))
     if unknown:
         raise SystemExit(f"--workloads: unknown {unknown}; known: {', '.join(loads)}")
-    timed_loads = [name for name in loads if not only or name in only]
+    timed_loads = [name for name in loads if not only or name in only or is_other_draw(name)]  # --seeds: timed too
     # The shared path's own kernel variants (initial and final states, gathered keys): a small row
     # of groups through each scorer before timing.
     first = loads["rl_mix_groups_of_8"][: 4 if preset == "tiny" else 16]
@@ -263,7 +267,7 @@ def run(preset: str, device: str, max_batch_tokens: int, min_tokens: int, also_t
     for i, (key, name, budget) in enumerate(runs):
         elapsed, main_passes = time.perf_counter() - started, result.get("rl_mix_passes_s", 0.0)
         # the optional runs (smaller rows, the RL mix's other draws) only while one more fits --budget-s
-        optional = i >= len(timed_loads) or (i > 0 and seed_of(key) not in (None, WorkloadSpec().seed))
+        optional = i >= len(timed_loads) or (i > 0 and is_other_draw(key))
         if optional and elapsed + main_passes > budget_s:
             print(f"{key}: skipped, {elapsed:.0f} s + {main_passes:.0f} s past --budget-s {budget_s:.0f}", flush=True)
             continue
@@ -488,8 +492,9 @@ def main(argv=None) -> dict:
                         help="also the distance of each side, and of Hugging Face's padded batches, to Hugging Face one "
                              "sequence at a time on the RL mix's first N sequences (0: no)")
     parser.add_argument("--seeds", default="", metavar="K[,K...]",
-                        help="also the RL mix drawn with these seeds (workloads rl_mix_groups_of_8_seed_K; seed 0 is "
-                             "the benchmark's own), timed while --budget-s lasts, with their mean in rl_mix_over_seeds")
+                        help="also the RL mix drawn with these seeds (workloads rl_mix_groups_of_8_seed_K, timed whatever "
+                             "--workloads says; seed 0 is the benchmark's own), while --budget-s lasts, with their mean in "
+                             "rl_mix_over_seeds")
     args = parser.parse_args(argv)
     only = tuple(name for name in args.workloads.split(",") if name)
     seeds = tuple(int(k) for k in args.seeds.split(",") if k)

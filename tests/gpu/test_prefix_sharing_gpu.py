@@ -27,6 +27,7 @@ DEV = "cuda"
 # Prefixes on a 64-token chunk boundary and off one (a tail of 36, of 6, a parent shorter than a chunk).
 CASES = [(128, (1, 70, 300), (50,)), (100, (5, 64), ()), (70, (1, 57, 58, 59, 130), (3,)), (9, (5, 1, 60), ())]
 
+
 def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 

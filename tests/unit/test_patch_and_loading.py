@@ -1,6 +1,7 @@
 """The patch covers every token mixer of every architecture; loading fails loudly on what it cannot serve."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -44,8 +45,6 @@ def test_every_mixer_is_switched(kind, checkpoint_dir):
 
 def test_the_model_card_names_the_kernel_families_the_model_runs(kind, checkpoint_dir):
     from model_runtime.scoring.backend import ModelInfo
-
-    from dataclasses import replace
 
     loaded = load_model(str(checkpoint_dir(kind)), device="cpu")
     kernels = ModelInfo.of(loaded).kernels
