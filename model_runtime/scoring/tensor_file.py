@@ -16,6 +16,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -107,9 +110,9 @@ class TensorFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entries[name][1]
 
-    def read(self, name: str, rows: slice | None = None, *, pin: bool = False) -> torch.Tensor:
-        """Tensor ``name`` (its rows ``rows`` of dim 0 when given, a step of 1) as a new CPU tensor;
-        ``pin``: in page-locked memory, which a non-blocking copy sends to a GPU directly."""
+    def locate(self, name: str, rows: slice | None = None) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+        """Tensor ``name``'s dtype and shape (its rows ``rows`` of dim 0 when given, a step of 1), and
+        where those bytes lie in the file: their offset and their length."""
         dtype, shape, begin, end = self._entries[name]
         if rows is not None and shape:
             start, stop, step = rows.indices(shape[0])
@@ -118,9 +121,33 @@ class TensorFile:
             row_bytes = math.prod(shape[1:]) * dtype.itemsize
             stop = max(start, stop)
             begin, end, shape = begin + start * row_bytes, begin + stop * row_bytes, (stop - start, *shape[1:])
-        buffer = torch.empty(end - begin, dtype=torch.uint8, pin_memory=pin)
-        self._pread_into(buffer, self._data_start + begin)
+        return dtype, shape, self._data_start + begin, end - begin
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        """Tensor ``name`` (its rows ``rows`` of dim 0 when given, a step of 1) as a new CPU tensor."""
+        dtype, shape, offset, length = self.locate(name, rows)
+        buffer = torch.empty(length, dtype=torch.uint8)
+        self._pread_into(buffer, offset)
         return buffer.view(dtype).reshape(shape)
+
+    def read_into(self, dest: torch.Tensor, name: str, rows: slice | None = None, staging: "Staging | None" = None) -> None:
+        """Copies the bytes of tensor ``name`` (its rows ``rows``) into ``dest``, a uint8 tensor of
+        their length: without ``staging`` read straight into it (host memory); with it, through its
+        buffers, the copies queued on the current stream (synchronise it before reading ``dest``)."""
+        _, _, offset, length = self.locate(name, rows)
+        if dest.numel() != length:
+            raise ValueError(f"{name}: {length} bytes to read into a buffer of {dest.numel()}")
+        if staging is None:
+            self._pread_into(dest, offset)
+            return
+        done = 0
+        while done < length:
+            with staging.slot() as (buffer, copied):
+                n = min(buffer.numel(), length - done)
+                self._pread_into(buffer[:n], offset + done)
+                dest[done:done + n].copy_(buffer[:n], non_blocking=True)
+                copied.record()
+            done += n
 
     def _pread_into(self, buffer: torch.Tensor, offset: int) -> None:
         view, done = memoryview(buffer.numpy()), 0
@@ -139,3 +166,54 @@ class TensorFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class Staging:
+    """Page-locked host buffers through which tensors travel to a GPU: ``count`` slots of ``size``
+    bytes, allocated once and reused by every read (``staging_for`` keeps one set per device).
+
+    Allocating or freeing page-locked memory holds up every CUDA call of the process, a running
+    forward's launches included, for as long as it takes; a buffer per tensor would stall the
+    forwards of a model serving beside the update for seconds (docs/weights-loading.md). Each slot
+    carries the event of its last copy, waited for before the slot is filled again.
+    """
+
+    def __init__(self, count: int = 16, size: int = 16 << 20, *, pinned: bool = True):
+        # pinned=False: plain host buffers and no events, for copies within host memory (tests)
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(count):
+            event = torch.cuda.Event() if pinned else _Done()
+            self._free.put((torch.empty(size, dtype=torch.uint8, pin_memory=pinned), event))
+
+    @contextmanager
+    def slot(self):
+        """A free slot, ``(buffer, event)``, once its last copy is done; the caller records ``event``
+        after queueing the copy out of ``buffer``."""
+        buffer, copied = self._free.get()
+        try:
+            copied.synchronize()
+            yield buffer, copied
+        finally:
+            self._free.put((buffer, copied))
+
+
+class _Done:
+    """The event of a copy that is finished when queued (host to host)."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+_staging: dict[torch.device, Staging] = {}
+_staging_lock = threading.Lock()
+
+
+def staging_for(device: torch.device) -> Staging:
+    """The process's staging buffers for ``device`` (a CUDA device), made at the first call."""
+    with _staging_lock:
+        if device not in _staging:
+            _staging[device] = Staging()
+        return _staging[device]

@@ -28,6 +28,8 @@ import json
 import math
 import os
 import re
+import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
@@ -37,7 +39,25 @@ import torch
 from torch import nn
 
 from model_runtime.scoring.checkpoint import CheckpointError, check_checkpoint, refuse_other_forward, safetensors_files
-from model_runtime.scoring.tensor_file import TensorFile, read_header
+from model_runtime.scoring.tensor_file import Staging, TensorFile, read_header, staging_for
+
+# The nice value of the threads that read and hash a checkpoint (Linux: each thread has its own):
+# where the host's cores are busy, the threads of the forwards serving beside them go first.
+BACKGROUND_NICE = 10
+HASH_THREADS = 8
+
+
+def background_thread() -> None:
+    """Lowers the calling thread's CPU priority to ``BACKGROUND_NICE`` (never raises it): an
+    executor's ``initializer`` for work that runs beside serving forwards."""
+    if not BACKGROUND_NICE or not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), BACKGROUND_NICE))
+    except OSError:
+        pass
+
 
 _EXPERTS = re.compile(r"^(?P<layer>.*\.experts)\.(?P<which>gate_up_proj|down_proj)$")
 
@@ -172,7 +192,7 @@ def read_parameters(
     plan: ReadPlan,
     *,
     params: dict[str, torch.Tensor] | None = None,
-    threads: int = 4,
+    threads: int = 8,
     into_model: bool = False,
     check_first: bool = True,
 ) -> dict[str, torch.Tensor]:
@@ -197,44 +217,45 @@ def read_parameters(
         stream.wait_stream(torch.cuda.current_stream(device))  # the last forward is done with the old weights
     try:
         with ExitStack() as stack:
-            # Beside the old weights: positioned reads (a file cut short is an error, not SIGBUS) into
-            # pinned memory, one DMA each. Into the model (at start, or in place): the mapping.
+            # Beside the old weights: positioned reads (a file cut short is an error, not SIGBUS),
+            # on CUDA through the process's page-locked staging buffers. Into the model (at start,
+            # or in place): the mapping.
             opener = _MappedFile if into_model else TensorFile
             source: dict[str, TensorFile | _MappedFile] = {}  # checkpoint tensor name -> the open file holding it
             for file in sorted(plan.path.glob("*.safetensors")):
                 f = stack.enter_context(opener(file))
                 source.update(dict.fromkeys(f.keys(), f))
+            staging = staging_for(device) if stream is not None and not into_model else None
 
             def read(r: ParameterRead) -> tuple[str, torch.Tensor]:
                 p = params[r.param]
                 target = local_tensor(p)
-                host = _read_rows(r, source, local_rows(p), pin=stream is not None and not into_model)
-                if tuple(host.shape) != tuple(target.shape):
-                    raise CheckpointError(
-                        "incompatible", f"{r.param}: read {list(host.shape)} for a local tensor of {list(target.shape)}"
-                    )
                 with torch.cuda.stream(stream) if stream is not None else nullcontext():
                     if into_model:
+                        got = _read_rows(r, source, local_rows(p))
+                    else:
+                        got = _read_positioned(r, source, local_rows(p), target.device, staging)
+                    if tuple(got.shape) != tuple(target.shape):
+                        raise CheckpointError(
+                            "incompatible", f"{r.param}: read {list(got.shape)} for a local tensor of {list(target.shape)}"
+                        )
+                    if into_model:
                         with torch.no_grad():
-                            target.copy_(host)
+                            target.copy_(got)
                         return r.param, None
-                    # From pinned memory one DMA; the host allocator keeps the buffer until it is done.
-                    return r.param, host.to(device=target.device, dtype=target.dtype, non_blocking=True).contiguous()
+                    return r.param, got.to(dtype=target.dtype).contiguous()
 
             if into_model and check_first:  # nothing may be copied in before every tensor is known finite
                 def finite(r: ParameterRead) -> tuple[str, bool]:
                     return r.param, not non_finite([(r.param, _read_rows(r, source, local_rows(params[r.param])))])
 
-                with ThreadPoolExecutor(max(1, threads)) as ex:
+                with ThreadPoolExecutor(max(1, threads), initializer=background_thread) as ex:
                     bad = [name for name, ok in ex.map(finite, plan.reads) if not ok]
                 _refuse_non_finite(plan, bad)
-            with ThreadPoolExecutor(max(1, threads)) as ex:
+            with ThreadPoolExecutor(max(1, threads), initializer=background_thread) as ex:
                 out = dict(ex.map(read, plan.reads))
         if stream is not None:
             stream.synchronize()
-            release = getattr(torch._C, "_host_emptyCache", None)  # CUDA builds: the pinned read buffers go back
-            if release is not None:
-                release()
     except (SafetensorError, OSError) as error:
         raise CheckpointError("unreadable", f"{plan.path.name}: reading the weights failed: {error}") from None
     if not into_model:
@@ -286,7 +307,7 @@ class _MappedFile:
     def keys(self) -> list[str]:
         return list(self._file.keys())
 
-    def read(self, name: str, rows: slice | None = None, *, pin: bool = False) -> torch.Tensor:
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
         piece = self._file.get_slice(name)
         return piece[:] if rows is None else piece[rows.start : rows.stop]
 
@@ -297,11 +318,10 @@ class _MappedFile:
         self._file.__exit__(*exc)
 
 
-def _read_rows(r: ParameterRead, source: dict, rows: slice | None, pin: bool = False) -> torch.Tensor:
-    """The parameter's rows ``rows`` of dim 0 (all when None), read from the checkpoint (``pin``: a
-    tensor stored whole lands in page-locked memory)."""
+def _read_rows(r: ParameterRead, source: dict, rows: slice | None) -> torch.Tensor:
+    """The parameter's rows ``rows`` of dim 0 (all when None), read from the checkpoint's mapping."""
     if r.combine == "copy":
-        return source[r.parts[0]].read(r.parts[0], rows, pin=pin)
+        return source[r.parts[0]].read(r.parts[0], rows)
     get = lambda name: source[name].read(name)  # noqa: E731
     experts = range(r.shape[0]) if rows is None else range(rows.start, rows.stop)
     if r.combine == "stack":
@@ -311,6 +331,40 @@ def _read_rows(r: ParameterRead, source: dict, rows: slice | None, pin: bool = F
     if not mats:
         return torch.empty((0, *r.shape[1:]))
     return torch.stack(mats)
+
+
+def _read_positioned(r: ParameterRead, source: dict[str, TensorFile], rows: slice | None, device: torch.device,
+                     staging: Staging | None) -> torch.Tensor:
+    """What ``_read_rows`` reads, in the checkpoint's dtype, as one new tensor on ``device``, with
+    positioned reads (through ``staging`` to a GPU, the copies queued on the current stream).
+
+    A parameter's bytes are its parts' bytes one after another: a stacked expert tensor is each
+    expert's tensor in turn, and gate then up rows concatenated are the gate's bytes then the up's.
+    """
+    if r.combine == "copy":
+        pieces = [(r.parts[0], rows)]
+    else:
+        experts = range(r.shape[0]) if rows is None else range(rows.start, rows.stop)
+        per = 1 if r.combine == "stack" else 2
+        pieces = [(r.parts[per * e + k], None) for e in experts for k in range(per)]
+    if not pieces:
+        return torch.empty((0, *r.shape[1:]), device=device)
+    located = [source[name].locate(name, part_rows) for name, part_rows in pieces]
+    dtype, shape = located[0][0], located[0][1]
+    if r.combine != "copy":
+        per = 1 if r.combine == "stack" else 2
+        first = [loc[:2] for loc in located[:per]]
+        alike = all(loc[:2] == first[i % per] for i, loc in enumerate(located))
+        if not alike or len({d for d, _ in first}) > 1 or len({s[1:] for _, s in first}) > 1 or not shape:
+            raise CheckpointError("incompatible", f"{r.param}: its experts' tensors differ in dtype or shape")
+        rows_of_one = sum(s[0] for _, s in first)  # gate rows + up rows
+        shape = (len(located) // per, rows_of_one, *shape[1:])
+    out = torch.empty(sum(loc[3] for loc in located), dtype=torch.uint8, device=device)
+    at = 0
+    for (name, part_rows), loc in zip(pieces, located):
+        source[name].read_into(out[at:at + loc[3]], name, part_rows, staging)
+        at += loc[3]
+    return out.view(dtype).reshape(shape)
 
 
 def swap_parameters(model: nn.Module, new: dict[str, torch.Tensor]) -> None:
@@ -358,7 +412,7 @@ CONTENT_VERSION_PREFIX = "sha256-"  # a content hash's version; service/http/wei
 PRESET_VERSION_PREFIX = "preset:"  # a preset's version (scoring/loading.py); reserved likewise
 
 
-def content_version(path: Path, *, threads: int = 16, piece: int = 1 << 30) -> str:
+def content_version(path: Path, *, threads: int | None = None, piece: int = 1 << 30) -> str:
     """``sha256-<12 hex>`` over the checkpoint's config and every tensor: name, dtype, shape and
     bytes, in name order, so the same tensors give the same version however they are split into
     files (one file, shards, another shard size).
@@ -377,18 +431,24 @@ def content_version(path: Path, *, threads: int = 16, piece: int = 1 << 30) -> s
     pieces = [(name, start, min(end, start + piece)) for name, (_, _, _, begin, end) in sorted(entries.items())
               for start in range(begin, max(begin + 1, end), piece)]
 
+    buffers = threading.local()  # one reused buffer a thread: no mapping and unmapping per read
+
     def digest(item) -> str:
         name, start, stop = item
         h = hashlib.sha256()
+        if not hasattr(buffers, "view"):
+            buffers.view = memoryview(bytearray(16 << 20))
+        view = buffers.view
         with open(entries[name][2], "rb", buffering=0) as f:
             f.seek(start)
             left = stop - start
-            while left > 0 and (chunk := f.read(min(left, 16 << 20))):
-                h.update(chunk)
-                left -= len(chunk)
+            while left > 0 and (n := f.readinto(view[: min(left, len(view))])):
+                h.update(view[:n])
+                left -= n
         return h.hexdigest()
 
-    with ThreadPoolExecutor(max(1, min(threads, len(pieces)))) as ex:
+    threads = HASH_THREADS if threads is None else threads
+    with ThreadPoolExecutor(max(1, min(threads, len(pieces))), initializer=background_thread) as ex:
         parts = list(ex.map(digest, pieces))
     per_tensor: dict[str, list[str]] = {}
     for (name, _, _), part in zip(pieces, parts):

@@ -32,3 +32,23 @@ def test_an_update_on_cuda_equals_a_fresh_load(kind, in_place, tmp_path):
         assert a.weights_version == "v2"
         assert diff == 0.0, f"{kind} sequence {j}: max |diff| {diff:.3e} against a fresh load, want bit for bit"
     assert update.weights_version == "v2" and backend.info.weights_version == "v2"
+
+
+def test_an_update_beside_allocates_no_page_locked_memory_once_staging_exists(tmp_path):
+    """Allocating page-locked memory holds up every CUDA call of the process, a serving loop's
+    too: updates beside the old weights stream through the process's staging slots, made once."""
+    old = save_checkpoint("qwen3_5_moe", tmp_path / "old", seed=0)
+    new = save_checkpoint("qwen3_5_moe", tmp_path / "new", seed=1)
+    backend = LocalBackend(Scorer(load_model(str(old), device="cuda")))
+    backend.update_in_place = False
+    backend.update_weights(new, "v2")  # the first update may make the staging slots
+    torch.cuda.synchronize()
+    before = torch.cuda.host_memory_stats()["num_host_alloc"]
+    backend.update_weights(old, "v3")
+    backend.update_weights(new, "v4")
+    torch.cuda.synchronize()
+    grown = torch.cuda.host_memory_stats()["num_host_alloc"] - before
+    assert grown == 0, f"{grown} page-locked allocations during two updates, want none"
+    fresh = dict(load_model(str(new), device="cuda").model.named_parameters())
+    differ = [n for n, p in backend.scorer.loaded.model.named_parameters() if not torch.equal(p, fresh[n])]
+    assert not differ, f"{len(differ)} parameters differ from a fresh load: {differ[:5]}"

@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from model_runtime.scoring.tensor_file import TensorFile, TensorFileError
+from model_runtime.scoring.tensor_file import Staging, TensorFile, TensorFileError
 
 
 def _tensors():
@@ -40,6 +40,24 @@ def test_reads_what_safetensors_reads_whole_and_by_rows(tmp_path):
         assert f.read("bf16", slice(4, 4)).shape == (0, 5)
 
 
+@pytest.mark.parametrize("slot_bytes", [7, 64, 1 << 20])
+def test_reading_through_staging_slots_gives_the_same_bytes(tmp_path, slot_bytes):
+    """``read_into`` with staging (a GPU's path, here host buffers) cuts a tensor into slot-sized
+    pieces; every piece lands where a whole read puts it, the last one shorter included."""
+    file = tmp_path / "t.safetensors"
+    save_file(_tensors(), str(file))
+    staging = Staging(count=3, size=slot_bytes, pinned=False)
+    with TensorFile(file) as f:
+        for name, rows in [*((n, None) for n in f.keys()), ("bf16", slice(2, 5)), ("f32", slice(1, 3)), ("bf16", slice(4, 4))]:
+            want = f.read(name, rows).reshape(-1).view(torch.uint8)
+            for through in (staging, None):
+                got = torch.full((want.numel(),), 0xAB, dtype=torch.uint8)
+                f.read_into(got, name, rows, through)
+                assert torch.equal(got, want), f"{name} rows {rows} (slots of {slot_bytes} bytes: {through is not None})"
+        with pytest.raises(ValueError, match="bytes"):
+            f.read_into(torch.empty(3, dtype=torch.uint8), "f32")
+
+
 def test_a_file_cut_short_while_open_is_an_error(tmp_path):
     file = tmp_path / "t.safetensors"
     save_file({"w": torch.randn(256, 256)}, str(file))
@@ -47,6 +65,8 @@ def test_a_file_cut_short_while_open_is_an_error(tmp_path):
         os.truncate(file, file.stat().st_size // 2)  # a re-save begins with a truncation
         with pytest.raises(TensorFileError, match="short"):
             f.read("w")
+        with pytest.raises(TensorFileError, match="short"):
+            f.read_into(torch.empty(256 * 256 * 4, dtype=torch.uint8), "w", staging=Staging(2, 4096, pinned=False))
 
 
 @pytest.mark.parametrize("cut", [4, 20, -100])

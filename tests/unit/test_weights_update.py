@@ -72,6 +72,35 @@ def test_every_kind_reads_the_parameters_from_pretrained_builds(kind, checkpoint
     assert not differ, f"{len(differ)} parameters differ from a fresh load: {differ[:5]}"
 
 
+@pytest.mark.parametrize("rank", [None, (0, 2), (1, 2), (2, 3)])
+def test_positioned_reads_equal_the_mapped_reads(kind, second, rank):
+    """The path of an update beside the old weights (``_read_positioned``, through staging slots as
+    on a GPU) reads every parameter, a rank's rows of it included, as the mapping does: whole
+    tensors, row slices, stacked experts and gate/up pairs."""
+    from model_runtime.scoring.tensor_file import Staging, TensorFile
+    from model_runtime.scoring.weights import _MappedFile, _read_positioned, _read_rows, held_parameters
+
+    path = second(kind)
+    served = load_model(str(path), device="cpu")
+    plan = plan_reads(served.model, path)
+    (file,) = path.glob("*.safetensors")
+    staging = Staging(count=2, size=4099, pinned=False)
+    with TensorFile(file) as positioned, _MappedFile(file) as mapped:
+        for r in plan.reads:
+            if rank is None:
+                rows = None
+            else:
+                per = -(-r.shape[0] // rank[1])
+                rows = slice(min(rank[0] * per, r.shape[0]), min((rank[0] + 1) * per, r.shape[0]))
+            want = _read_rows(r, dict.fromkeys(mapped.keys(), mapped), rows)
+            for through in (staging, None):
+                got = _read_positioned(r, dict.fromkeys(positioned.keys(), positioned), rows, torch.device("cpu"), through)
+                assert got.dtype == want.dtype or want.numel() == 0, f"{r.param}: {got.dtype}, mapped {want.dtype}"
+                assert got.shape == want.shape and torch.equal(got.to(want.dtype), want), (
+                    f"{r.param} ({r.combine}) rows {rows}: positioned {list(got.shape)} differs from mapped {list(want.shape)}")
+    assert set(held_parameters(served.model)) == {r.param for r in plan.reads}
+
+
 def test_an_update_serves_what_a_fresh_scorer_of_the_new_checkpoint_serves(served, reference_new, checkpoint_dir, second):
     old, new = checkpoint_dir("qwen3_5"), second("qwen3_5")
     backend, reference = served(), reference_new
