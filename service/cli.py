@@ -190,14 +190,19 @@ def _resolve_hub_model(settings: Settings) -> Settings:
 
 
 def _check_checkpoint(settings: Settings) -> None:
-    """config.json and the safetensors headers against the model, before the port is bound."""
+    """config.json and the safetensors headers against the model, and --max-model-len against
+    its context, before the port is bound."""
     from model_runtime.scoring.presets import PRESETS
 
     from model_runtime.scoring.checkpoint import check_checkpoint
+    from service.http.validation import resolve_model_len
 
     for spec in settings.model_specs().values():  # every served model, each refused on its own
-        if spec not in PRESETS:
-            check_checkpoint(Path(spec))
+        if spec in PRESETS:
+            context = PRESETS[spec].config.get("max_position_embeddings")
+        else:
+            context = check_checkpoint(Path(spec)).max_model_len
+        resolve_model_len(settings.max_model_len, context, settings.queued_tokens)
 
 
 def _check_model_and_key(settings: Settings) -> Settings:

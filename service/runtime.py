@@ -99,6 +99,7 @@ class Service:
         self.phase = "loading"
         self.models: dict[str, ServedModel] = {}  # in --model order; the first is the default
         self.fatal_error: str | None = None  # set when loading failed; the server then exits non-zero
+        self.fatal_status = 1  # 2 when the checkpoint was refused (the CLI's status for a refusal)
         self.inflight = 0  # /score requests admitted and not yet answered
         self.drained = False  # set once a drain finished: the server may exit
         self._drain_waiters: set[asyncio.Future] = set()  # when_draining's futures not yet done
@@ -170,8 +171,14 @@ class Service:
             self._advance("ready")
             log.info("ready: serving %s", ", ".join(f"{m.name!r} on {m.backend.info.device}" for m in self.models.values()))
         except Exception as exc:
-            log.exception("startup failed")
-            self.fatal_error = f"{type(exc).__name__}: {exc}"
+            from model_runtime.scoring.checkpoint import CheckpointError
+
+            if isinstance(exc, CheckpointError):  # a refused checkpoint names its problem: no traceback
+                log.error("startup failed: %s", exc)
+                self.fatal_error, self.fatal_status = str(exc), 2
+            else:
+                log.exception("startup failed")
+                self.fatal_error = f"{type(exc).__name__}: {exc}"
             if self.phase != "draining":
                 self.phase = "failed"
 

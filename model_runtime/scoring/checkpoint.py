@@ -60,7 +60,7 @@ class CheckpointSpec:
     model_type: str  # config.json's model_type (qwen3_5, qwen3_5_text, ...)
     architecture: str  # the family, as /v1/models names it (qwen3_5, qwen3_5_moe, qwen3_next)
     tensors: dict[str, tuple[int, ...]]  # model tensor name -> shape, as loaded (fused experts, FP8 dequantized)
-    config: dict  # config.json as read
+    config: dict  # config.json as read (a multimodal config's head tie as its top level says)
     max_model_len: int  # the context the config allows (yarn rope scaling raises it)
     quantization: str | None = None  # "fp8" when weights are dequantized at load, else None
     files: tuple[Path, ...] = field(default=())  # the safetensors files read, in order
@@ -151,7 +151,20 @@ def read_config(path: Path) -> dict:
         raise CheckpointError("unreadable", f"{config_file} is not readable JSON: {exc}") from None
     if not isinstance(config, dict):
         raise CheckpointError("unsupported", f"{config_file} must hold a JSON object, got {type(config).__name__}")
-    return config
+    return _tie_as_multimodal(config)
+
+
+def _tie_as_multimodal(config: dict) -> dict:
+    """A multimodal config with ``text_config`` ties the language model's head to its embedding as
+    its top level says (false when absent), whatever ``text_config`` says: Hugging Face's
+    multimodal class reads the top level, and its ``save_pretrained`` writes the tie only there."""
+    inner = config.get("text_config")
+    if not isinstance(inner, dict):
+        return config
+    tie = config.get("tie_word_embeddings", False) is True
+    if inner.get("tie_word_embeddings", False) is tie:
+        return config
+    return {**config, "text_config": {**inner, "tie_word_embeddings": tie}}
 
 
 def text_config(config: dict) -> dict:

@@ -15,7 +15,8 @@ import torch
 from model_runtime.kernels.registry import KernelBackends, select_backends
 from model_runtime.model.architectures import architecture_for
 from model_runtime.model.causal_lm import PackedCausalLM, PatchReport, patch_for_packing
-from model_runtime.scoring.checkpoint import CheckpointSpec, assert_fully_loaded, build_meta_model, check_checkpoint
+from model_runtime.scoring.checkpoint import (CheckpointSpec, assert_fully_loaded, build_meta_model, check_checkpoint,
+                                              hf_config)
 from model_runtime.scoring.presets import PRESETS, build_config
 from model_runtime.scoring.weights import content_version, non_finite, non_finite_error
 
@@ -132,7 +133,7 @@ def load_model(
         with ThreadPoolExecutor(1) as hasher:  # hashlib releases the GIL: the hash runs beside the load
             hashed = hasher.submit(_timed_content_version, path) if weights_version is None else None
             if weights_later:
-                hf_model = _empty_checkpoint_model(path, torch_dtype, hf_kwargs)
+                hf_model = _empty_checkpoint_model(checked, torch_dtype, hf_kwargs)
             else:
                 hf_model = _load_checkpoint(checked, torch_dtype, device, hf_kwargs)
         version, name, source = weights_version or hashed.result(), path.name, str(path)
@@ -206,12 +207,11 @@ def _build_preset(name: str, dtype: torch.dtype, device: torch.device, hf_kwargs
     return model, preset.model_type, f"preset:{name}#seed{preset.seed}", name
 
 
-def _empty_checkpoint_model(path: Path, dtype: torch.dtype, hf_kwargs: dict):
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _empty_checkpoint_model(checked: CheckpointSpec, dtype: torch.dtype, hf_kwargs: dict):
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, **hf_kwargs)
+        return AutoModelForCausalLM.from_config(hf_config(checked.config), dtype=dtype, **hf_kwargs)
 
 
 def _load_checkpoint(checked: CheckpointSpec, dtype: torch.dtype, device: torch.device, hf_kwargs: dict):
@@ -226,8 +226,9 @@ def _load_checkpoint(checked: CheckpointSpec, dtype: torch.dtype, device: torch.
     else:
         if device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
             kwargs["device_map"] = str(device)  # stream shards straight to the GPU
-        model, info = AutoModelForCausalLM.from_pretrained(
-            checked.path, dtype=dtype, use_safetensors=True, output_loading_info=True, **kwargs
+        model, info = AutoModelForCausalLM.from_pretrained(  # the config as checked: its head tie included
+            checked.path, config=hf_config(checked.config), dtype=dtype, use_safetensors=True, output_loading_info=True,
+            **kwargs,
         )
     assert_fully_loaded(checked.path, info)
     model = model.to(device)

@@ -463,6 +463,17 @@ def content_version(path: Path, *, threads: int | None = None, piece: int = 1 <<
     return f"{CONTENT_VERSION_PREFIX}{total.hexdigest()[:12]}"
 
 
+def _tied_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The (module, name) slots of each parameter that more than one slot holds (a head tied to
+    the embedding)."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), []).append((module, name))
+    return [s for s in slots.values() if len(s) > 1]
+
+
 def materialize(model: nn.Module, path: Path, device: torch.device) -> None:
     """Gives a model built on the meta device (and FSDP-sharded, or not) its weights from ``path``.
 
@@ -471,7 +482,12 @@ def materialize(model: nn.Module, path: Path, device: torch.device) -> None:
     one is refused.
     """
     plan = plan_reads(model, path)  # checked before any memory is taken
+    ties = _tied_slots(model)
     model.to_empty(device=device)
+    for (owner, name), *others in ties:  # to_empty gives each module of a tie its own new tensor
+        for module, other in others:
+            if getattr(module, other) is not getattr(owner, name):
+                setattr(module, other, getattr(owner, name))
     rotary = model.rotary_emb
     with torch.device(device):
         fresh = type(rotary)(rotary.config)

@@ -117,7 +117,7 @@ def run_server(app: FastAPI, settings: Settings) -> int:
         return 130
     if service.fatal_error:
         print(f"packscore: error: could not start: {service.fatal_error}", file=sys.stderr)
-        return 1
+        return service.fatal_status
     _exit_if_torch_work_running(service, 0)
     return 0
 

@@ -83,6 +83,28 @@ def test_serve_refuses_before_binding_the_port(name, broken):
         assert needle in errors[0], f"{needle!r} not in {errors[0]!r}"
 
 
+def test_a_max_model_len_past_the_models_context_is_refused_before_binding(checkpoint_dir):
+    port = free_port()
+    command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+               "--model", str(checkpoint_dir("qwen3_5")), "--max-model-len", "10000"]
+    code, output, connected = _run_watching_port(command, port)
+    assert code == 2 and not connected, f"exit status {code} (want 2), port bound: {connected}:\n{output}"
+    errors = [line for line in output.splitlines() if line.startswith("packscore: error:")]
+    assert "Traceback" not in output and len(errors) == 1 and "--max-model-len 10000" in errors[0], output
+
+
+def test_nan_weights_end_the_server_with_one_line(checkpoint_dir, tmp_path):
+    """NaN is found once the weights are read, after the port is bound (/healthz answers while a
+    model loads): the server never turns ready and ends with status 2 and one line naming it."""
+    nan = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "nan", lambda t: {**t, Q_PROJ: t[Q_PROJ] * float("nan")})
+    command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(free_port()),
+               "--model", str(nan)]
+    code, output, _ = _run_watching_port(command, None)
+    assert code == 2, f"exit status {code}, expected 2:\n{output}"
+    errors = [line for line in output.splitlines() if line.startswith("packscore: error:")]
+    assert "Traceback" not in output and len(errors) == 1 and Q_PROJ in errors[0], output
+
+
 def test_score_refuses_before_reading_the_input(broken, tmp_path):
     source = tmp_path / "in.jsonl"
     source.write_text(json.dumps({"id": "a", "input_ids": [1, 2, 3]}) + "\n")

@@ -65,6 +65,40 @@ def test_vision_tower_is_never_allocated(checkpoint_dir):
     assert count(loaded.model) == count(text_only.model)
 
 
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("top, text", [(True, False), (False, True), (True, True)])
+def test_a_multimodal_checkpoint_ties_its_head_as_its_top_level_says(tmp_path, moe, top, text):
+    """Hugging Face's multimodal class ties the head to the embedding as the config's top level
+    says, and its save writes the tie only there: such a checkpoint serves, scoring as that class
+    does (the head stored when untied, the embedding when tied), at start and read shard by shard."""
+    import transformers as tf
+
+    from model_runtime.scoring.weights import materialize
+    from tests.checkpoints import _COMMON, _MOE, _ROPE
+
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4)
+    text_config = dict(_COMMON, rope_parameters=_ROPE, tie_word_embeddings=text)
+    if moe:
+        text_config = {**{k: v for k, v in text_config.items() if k != "intermediate_size"}, **_MOE}
+    config_class, model_class = ((tf.Qwen3_5MoeConfig, tf.Qwen3_5MoeForConditionalGeneration) if moe
+                                 else (tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration))
+    torch.manual_seed(0)
+    hf = model_class(config_class(text_config=text_config, vision_config=vision, tie_word_embeddings=top)).eval()
+    hf.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved.get("tie_word_embeddings", False) is top and saved["text_config"].get("tie_word_embeddings", False) is text
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = torch.log_softmax(hf(input_ids=ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])[:, 0].numpy()
+    loaded = load_model(str(tmp_path), device="cpu")
+    later = load_model(str(tmp_path), device="cpu", weights_later=True)
+    materialize(later.model, tmp_path, torch.device("cpu"))
+    for how, model in (("at start", loaded), ("shard by shard", later)):
+        (got,) = Scorer(model).score_row([SequenceInput(ids[0].numpy(), score_from=1)])
+        diff = float(np.abs(got.logprobs - want).max())
+        assert diff <= 1e-5, f"top {top}, text {text}, {how}: max |diff| {diff:.2e} against Hugging Face's multimodal class, tolerance 1e-5"
+
+
 def test_unknown_layer_kind_fails():
     model = causal_lm("qwen3_5")
     model.config.layer_types = list(model.config.layer_types)
