@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Protocol, Sequence
@@ -153,8 +152,8 @@ class LocalBackend:
             self.scorer.warm_up()
 
     def update_weights(self, path: Path, version: str | None = None) -> WeightsUpdate:
-        from model_runtime.scoring.weights import (checkpoint_changed, content_version, files_snapshot, plan_reads,
-                                                   read_parameters, swap_parameters)
+        from model_runtime.scoring.weights import (ReadDigests, checkpoint_changed, content_version, files_snapshot,
+                                                   plan_reads, read_parameters, swap_parameters)
 
         path = Path(path)
         started = begin_update(self._updating, self.info.name)
@@ -162,28 +161,28 @@ class LocalBackend:
             loaded = self.scorer.loaded
             files = files_snapshot(path)
             plan = plan_reads(loaded.model, path)
-            with ThreadPoolExecutor(1) as hasher:
-                hashed = hasher.submit(content_version, path) if version is None else None
-                beside = self._fits_beside() if self.update_in_place is None else not self.update_in_place
-                if beside:
-                    new = read_parameters(loaded.model, plan)
-                    new_version = version or hashed.result()
-                    if (changed := checkpoint_changed(path, files)) is not None:
-                        raise changed
+            beside = self._fits_beside() if self.update_in_place is None else not self.update_in_place
+            if beside:
+                # no version: the content hash, of the bytes read (the tensors not read, after)
+                digests = ReadDigests() if version is None else None
+                new = read_parameters(loaded.model, plan, digests=digests)
+                new_version = version or content_version(path, read=digests)
+                if (changed := checkpoint_changed(path, files)) is not None:
+                    raise changed
+                load_s = time.perf_counter() - started
+                with self._turnstile, self._lock:
+                    t0 = time.perf_counter()
+                    swap_parameters(loaded.model, new)
+                    previous = self._set_version(new_version)
+                    swap_ms = 1e3 * (time.perf_counter() - t0)
+            else:
+                new_version = version or content_version(path)
+                with self._turnstile, self._lock:  # forwards wait while the weights are copied into place
+                    t0 = time.perf_counter()
+                    read_parameters(loaded.model, plan, into_model=True)
+                    previous = self._set_version(new_version)
+                    swap_ms = 1e3 * (time.perf_counter() - t0)
                     load_s = time.perf_counter() - started
-                    with self._turnstile, self._lock:
-                        t0 = time.perf_counter()
-                        swap_parameters(loaded.model, new)
-                        previous = self._set_version(new_version)
-                        swap_ms = 1e3 * (time.perf_counter() - t0)
-                else:
-                    new_version = version or hashed.result()
-                    with self._turnstile, self._lock:  # forwards wait while the weights are copied into place
-                        t0 = time.perf_counter()
-                        read_parameters(loaded.model, plan, into_model=True)
-                        previous = self._set_version(new_version)
-                        swap_ms = 1e3 * (time.perf_counter() - t0)
-                        load_s = time.perf_counter() - started
             return WeightsUpdate(new_version, previous, load_s, swap_ms)
         finally:
             self._updating.release()

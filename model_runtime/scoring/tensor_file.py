@@ -13,6 +13,7 @@ data. Only these bytes are interpreted; nothing is unpickled.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -130,15 +131,19 @@ class TensorFile:
         self._pread_into(buffer, offset)
         return buffer.view(dtype).reshape(shape)
 
-    def read_into(self, dest: torch.Tensor, name: str, rows: slice | None = None, staging: "Staging | None" = None) -> None:
+    def read_into(self, dest: torch.Tensor, name: str, rows: slice | None = None, staging: "Staging | None" = None,
+                  digest: "PieceDigest | None" = None) -> None:
         """Copies the bytes of tensor ``name`` (its rows ``rows``) into ``dest``, a uint8 tensor of
         their length: without ``staging`` read straight into it (host memory); with it, through its
-        buffers, the copies queued on the current stream (synchronise it before reading ``dest``)."""
+        buffers, the copies queued on the current stream (synchronise it before reading ``dest``).
+        ``digest`` is fed the bytes as they are read."""
         _, _, offset, length = self.locate(name, rows)
         if dest.numel() != length:
             raise ValueError(f"{name}: {length} bytes to read into a buffer of {dest.numel()}")
         if staging is None:
             self._pread_into(dest, offset)
+            if digest is not None:
+                digest.update(memoryview(dest.numpy()))
             return
         done = 0
         while done < length:
@@ -147,6 +152,8 @@ class TensorFile:
                 self._pread_into(buffer[:n], offset + done)
                 dest[done:done + n].copy_(buffer[:n], non_blocking=True)
                 copied.record()
+                if digest is not None:  # beside the copy, which only reads the buffer too
+                    digest.update(memoryview(buffer[:n].numpy()))
             done += n
 
     def _pread_into(self, buffer: torch.Tensor, offset: int) -> None:
@@ -166,6 +173,31 @@ class TensorFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class PieceDigest:
+    """sha256 of a stream of bytes in pieces of ``piece`` bytes from its start, fed in any cuts:
+    a tensor's part of a content version (``weights.content_version``)."""
+
+    def __init__(self, piece: int):
+        self.piece = piece
+        self._done: list[str] = []
+        self._hash, self._fed = hashlib.sha256(), 0
+
+    def update(self, data: memoryview) -> None:
+        data = data.cast("B")
+        while len(data):
+            take = min(len(data), self.piece - self._fed)
+            self._hash.update(data[:take])
+            self._fed += take
+            data = data[take:]
+            if self._fed == self.piece:
+                self._done.append(self._hash.hexdigest())
+                self._hash, self._fed = hashlib.sha256(), 0
+
+    def hexdigests(self) -> list[str]:
+        """One per piece; an empty stream is one piece of no bytes."""
+        return self._done + ([self._hash.hexdigest()] if self._fed or not self._done else [])
 
 
 class Staging:

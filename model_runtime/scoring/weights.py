@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from model_runtime.scoring.checkpoint import CheckpointError, check_checkpoint, refuse_other_forward, safetensors_files
-from model_runtime.scoring.tensor_file import Staging, TensorFile, read_header, staging_for
+from model_runtime.scoring.tensor_file import PieceDigest, Staging, TensorFile, read_header, staging_for
 
 # The nice value of the threads that read and hash a checkpoint (Linux: each thread has its own):
 # where the host's cores are busy, the threads of the forwards serving beside them go first.
@@ -195,6 +195,7 @@ def read_parameters(
     threads: int = 8,
     into_model: bool = False,
     check_first: bool = True,
+    digests: ReadDigests | None = None,
 ) -> dict[str, torch.Tensor]:
     """New tensors for every parameter of ``model`` (this rank's rows of a sharded one).
 
@@ -206,11 +207,14 @@ def read_parameters(
     with nothing to keep, being loaded at start, checks afterwards instead). ``threads`` tensors are
     read at a time (reads from the page cache and host-to-device copies release the GIL). On CUDA
     the copies run on a side stream, so a forward on the default stream is not held up; they are
-    finished before this returns.
+    finished before this returns. ``digests`` (beside the old weights, whole tensors) collects the
+    content hash's pieces of every tensor read, from the bytes read (``content_version(read=...)``).
     """
     from safetensors import SafetensorError
 
     params = held_parameters(model) if params is None else params
+    if digests is not None and (into_model or any(local_rows(p) is not None for p in params.values())):
+        raise ValueError("digests need whole tensors read beside the model")
     device = next(local_tensor(p) for p in params.values()).device
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     if stream is not None and into_model:
@@ -234,7 +238,7 @@ def read_parameters(
                     if into_model:
                         got = _read_rows(r, source, local_rows(p))
                     else:
-                        got = _read_positioned(r, source, local_rows(p), target.device, staging)
+                        got = _read_positioned(r, source, local_rows(p), target.device, staging, digests)
                     if tuple(got.shape) != tuple(target.shape):
                         raise CheckpointError(
                             "incompatible", f"{r.param}: read {list(got.shape)} for a local tensor of {list(target.shape)}"
@@ -334,7 +338,7 @@ def _read_rows(r: ParameterRead, source: dict, rows: slice | None) -> torch.Tens
 
 
 def _read_positioned(r: ParameterRead, source: dict[str, TensorFile], rows: slice | None, device: torch.device,
-                     staging: Staging | None) -> torch.Tensor:
+                     staging: Staging | None, digests: ReadDigests | None = None) -> torch.Tensor:
     """What ``_read_rows`` reads, in the checkpoint's dtype, as one new tensor on ``device``, with
     positioned reads (through ``staging`` to a GPU, the copies queued on the current stream).
 
@@ -362,7 +366,8 @@ def _read_positioned(r: ParameterRead, source: dict[str, TensorFile], rows: slic
     out = torch.empty(sum(loc[3] for loc in located), dtype=torch.uint8, device=device)
     at = 0
     for (name, part_rows), loc in zip(pieces, located):
-        source[name].read_into(out[at:at + loc[3]], name, part_rows, staging)
+        digest = None if digests is None else digests.of(name)
+        source[name].read_into(out[at:at + loc[3]], name, part_rows, staging, digest)
         at += loc[3]
     return out.view(dtype).reshape(shape)
 
@@ -412,14 +417,35 @@ CONTENT_VERSION_PREFIX = "sha256-"  # a content hash's version; service/http/wei
 PRESET_VERSION_PREFIX = "preset:"  # a preset's version (scoring/loading.py); reserved likewise
 
 
-def content_version(path: Path, *, threads: int | None = None, piece: int = 1 << 30) -> str:
+CONTENT_PIECE = 1 << 30  # a content version hashes each tensor in pieces of this many bytes
+
+
+class ReadDigests:
+    """The pieces of ``content_version`` of the tensors a read goes through, by checkpoint name,
+    taken from the bytes as they are read: a second read of the checkpoint is not needed."""
+
+    def __init__(self, piece: int = CONTENT_PIECE):
+        self.piece = piece
+        self.tensors: dict[str, PieceDigest] = {}
+
+    def of(self, name: str) -> PieceDigest:
+        return self.tensors.setdefault(name, PieceDigest(self.piece))
+
+
+def content_version(path: Path, *, threads: int | None = None, piece: int = CONTENT_PIECE,
+                    read: ReadDigests | None = None) -> str:
     """``sha256-<12 hex>`` over the checkpoint's config and every tensor: name, dtype, shape and
     bytes, in name order, so the same tensors give the same version however they are split into
     files (one file, shards, another shard size).
 
     Tensors are hashed in pieces of at most ``piece`` bytes side by side (hashlib releases the
     GIL), so a large checkpoint in the page cache hashes at several GB/s, beside a running forward.
+    ``read``: the digests of the tensors an update read (in pieces of ``piece``), so that only the
+    others (a vision tower, ``mtp.*``) are read here.
     """
+    if read is not None and read.piece != piece:
+        raise ValueError(f"digests in pieces of {read.piece} bytes for a version in pieces of {piece}")
+    known = {} if read is None else {name: d.hexdigests() for name, d in read.tensors.items()}
     entries: dict[str, tuple[str, list, Path, int, int]] = {}  # name -> dtype, shape, file, begin, end
     for file in safetensors_files(path):
         with open(file, "rb", buffering=0) as f:
@@ -429,7 +455,7 @@ def content_version(path: Path, *, threads: int | None = None, piece: int = 1 <<
                 begin, end = (int(x) for x in info["data_offsets"])
                 entries[name] = (str(info["dtype"]), list(info["shape"]), file, data_start + begin, data_start + end)
     pieces = [(name, start, min(end, start + piece)) for name, (_, _, _, begin, end) in sorted(entries.items())
-              for start in range(begin, max(begin + 1, end), piece)]
+              if name not in known for start in range(begin, max(begin + 1, end), piece)]
 
     buffers = threading.local()  # one reused buffer a thread: no mapping and unmapping per read
 
@@ -448,9 +474,9 @@ def content_version(path: Path, *, threads: int | None = None, piece: int = 1 <<
         return h.hexdigest()
 
     threads = HASH_THREADS if threads is None else threads
-    with ThreadPoolExecutor(max(1, min(threads, len(pieces))), initializer=background_thread) as ex:
+    with ThreadPoolExecutor(max(1, min(threads, len(pieces) or 1)), initializer=background_thread) as ex:
         parts = list(ex.map(digest, pieces))
-    per_tensor: dict[str, list[str]] = {}
+    per_tensor: dict[str, list[str]] = dict(known)
     for (name, _, _), part in zip(pieces, parts):
         per_tensor.setdefault(name, []).append(part)
     total = hashlib.sha256()

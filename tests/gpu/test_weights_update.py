@@ -7,6 +7,7 @@ import torch
 from model_runtime.scoring.backend import LocalBackend
 from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.scorer import Scorer
+from model_runtime.scoring.weights import content_version
 from model_runtime.types import SequenceInput
 from tests.checkpoints import save_checkpoint
 
@@ -45,10 +46,11 @@ def test_an_update_beside_allocates_no_page_locked_memory_once_staging_exists(tm
     torch.cuda.synchronize()
     before = torch.cuda.host_memory_stats()["num_host_alloc"]
     backend.update_weights(old, "v3")
-    backend.update_weights(new, "v4")
+    hashed = backend.update_weights(new, None)  # the content hash, of the bytes the slots carried
     torch.cuda.synchronize()
     grown = torch.cuda.host_memory_stats()["num_host_alloc"] - before
     assert grown == 0, f"{grown} page-locked allocations during two updates, want none"
+    assert hashed.weights_version == content_version(new), (hashed.weights_version, content_version(new))
     fresh = dict(load_model(str(new), device="cuda").model.named_parameters())
     differ = [n for n, p in backend.scorer.loaded.model.named_parameters() if not torch.equal(p, fresh[n])]
     assert not differ, f"{len(differ)} parameters differ from a fresh load: {differ[:5]}"

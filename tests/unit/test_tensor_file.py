@@ -1,14 +1,16 @@
 """TensorFile (model_runtime/scoring/tensor_file.py): the tensors safetensors itself reads, by
 positioned reads; a file cut short while open is an error, not a fault that kills the process."""
 
+import hashlib
 import os
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from model_runtime.scoring.tensor_file import Staging, TensorFile, TensorFileError
+from model_runtime.scoring.tensor_file import PieceDigest, Staging, TensorFile, TensorFileError
 
 
 def _tensors():
@@ -76,3 +78,17 @@ def test_a_damaged_file_is_refused_at_open(tmp_path, cut):
     os.truncate(file, cut if cut > 0 else file.stat().st_size + cut)
     with pytest.raises(TensorFileError):
         TensorFile(file)
+
+
+@pytest.mark.parametrize("size", [0, 1, 99, 100, 101, 300, 1234])
+def test_a_piece_digest_fed_in_any_cuts_hashes_each_piece(size):
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    want = [hashlib.sha256(data[i:i + 100]).hexdigest() for i in range(0, max(size, 1), 100)]
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        digest, at = PieceDigest(100), 0
+        while at < size:
+            n = int(rng.integers(1, 250))
+            digest.update(memoryview(data[at:at + n]))
+            at += n
+        assert digest.hexdigests() == want, f"{size} bytes"

@@ -101,6 +101,33 @@ def test_positioned_reads_equal_the_mapped_reads(kind, second, rank):
     assert set(held_parameters(served.model)) == {r.param for r in plan.reads}
 
 
+@pytest.mark.parametrize("piece, slot", [(None, None), (1000, 333), (4096, 4096)])
+def test_the_content_hash_of_the_bytes_read_is_the_content_version(kind, second, tmp_path, piece, slot):
+    """An update with no version hashes the tensors as it reads them (in any cuts: whole, or
+    through staging slots that do not divide the hash's pieces) and reads only the rest (a vision
+    tower, ``mtp.*``) again: the version is the one ``content_version`` gives on its own."""
+    from model_runtime.scoring.tensor_file import Staging, TensorFile
+    from model_runtime.scoring.weights import CONTENT_PIECE, ReadDigests, _read_positioned
+    from tests.checkpoints import rewrite_checkpoint
+
+    path = rewrite_checkpoint(second(kind), tmp_path / "ck", lambda t: {**t, "mtp.fc.weight": torch.ones(3, 5)})
+    served = load_model(str(path), device="cpu")
+    plan = plan_reads(served.model, path)
+    piece = piece or CONTENT_PIECE
+    digests = ReadDigests(piece)
+    if slot is None:
+        read_parameters(served.model, plan, digests=digests)
+    else:
+        (file,) = path.glob("*.safetensors")
+        with TensorFile(file) as f:
+            for r in plan.reads:
+                _read_positioned(r, dict.fromkeys(f.keys(), f), None, torch.device("cpu"), Staging(2, slot, pinned=False), digests)
+    assert "mtp.fc.weight" not in digests.tensors and digests.tensors
+    want = content_version(path, piece=piece)
+    assert content_version(path, piece=piece, read=digests) == want
+    assert content_version(path, piece=piece, read=ReadDigests(piece)) == want  # nothing read: all hashed here
+
+
 def test_an_update_serves_what_a_fresh_scorer_of_the_new_checkpoint_serves(served, reference_new, checkpoint_dir, second):
     old, new = checkpoint_dir("qwen3_5"), second("qwen3_5")
     backend, reference = served(), reference_new
