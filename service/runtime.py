@@ -220,6 +220,13 @@ class Service:
     def _all_alive(self) -> bool:
         return bool(self.models) and all(m.backend.is_alive() for m in self.models.values())
 
+    def restart_error(self) -> str | None:
+        """Why a served model's workers could not restart, while they are down (the worker pool)."""
+        for m in self.models.values():
+            if not m.backend.is_alive() and (error := getattr(m.backend, "restart_error", None)):
+                return f"{m.name}: {error}"
+        return None
+
     def is_ready(self) -> bool:
         """The last known readiness, without running anything (for the metric)."""
         return self.phase == "ready" and self._probe_ok and self._all_alive()
@@ -230,7 +237,7 @@ class Service:
             return False, self.phase
         if not self._all_alive():
             self._probe_ok = False  # a worker came back: it must score again before we are ready
-            return False, "worker_down"
+            return False, "restart_failed" if self.restart_error() else "worker_down"
         if any(m.scheduler.forward_state() == "stalled" for m in self._scheduled()):
             # One replica stuck (a stopped worker, a hung GPU) while others keep succeeding: the
             # successes alone would keep the proof fresh and hide it.

@@ -119,11 +119,16 @@ class WorkerPool(Lockstep):
         self._closing = False
         self._restarts = 0
         self._generation = 0
+        self.restart_error: str | None = None  # why the last restart failed, while the pool is down
         self.prefix_rounding = None  # the workers' RowRounding (prefix sharing on a GPU, sp = 1)
+        # The content hash of the checkpoint the workers load: a restart reloads from its directory,
+        # and must not serve other files under the version that names these.
+        self._loaded_hash: str | None = None
         if Path(self._start_fields["model"]).is_dir():  # its content hash, once here instead of once per rank
             from model_runtime.scoring.weights import content_version
 
-            self._start_fields["weights_version"] = content_version(Path(self._start_fields["model"]))
+            self._loaded_hash = content_version(Path(self._start_fields["model"]))
+            self._start_fields["weights_version"] = self._loaded_hash
         hellos = self._start_world()
         first = hellos[0]
         self._vocab_size = first.vocab_size
@@ -172,11 +177,12 @@ class WorkerPool(Lockstep):
                 raise BackendUnavailableError("the worker pool is restarting after a worker failure")
             files = files_snapshot(Path(path))
             with ThreadPoolExecutor(1) as hasher:  # the content hash runs while the ranks read
-                hashed = hasher.submit(content_version, Path(path)) if version is None else None
+                hashed = hasher.submit(content_version, Path(path))  # a named version too: restarts check it
                 load = self._new_pending(world, ranks=self.dims.world_size, timeout_s=self.start_timeout_s)
                 self._send_all(world, load, msg.LoadWeights(load.request_id, str(path)))
                 failed = [r for r in self._await(load) if not r.ok]
-                new_version = version or hashed.result()
+                loaded_hash = hashed.result()
+                new_version = version or loaded_hash
             changed = checkpoint_changed(Path(path), files)  # then every rank drops what it read
             load_s = time.perf_counter() - started
             swap = self._new_pending(world, ranks=self.dims.world_size)
@@ -201,6 +207,7 @@ class WorkerPool(Lockstep):
             self.info = replace(self.info, weights_version=new_version)
             # A restarted world loads what serves now.
             self._start_fields.update(model=str(path), weights_version=new_version, served_model_name=self.info.name)
+            self._loaded_hash = loaded_hash
             swap_ms = 1e3 * max(r.seconds for r in swapped)
             return WeightsUpdate(new_version, previous, load_s, swap_ms)
         finally:
@@ -310,18 +317,38 @@ class WorkerPool(Lockstep):
         self.prefix_rounding = _prefix_rounding(ordered)
         return ordered
 
+    def _check_checkpoint_unchanged(self) -> None:
+        """Refuses to restart from a checkpoint directory whose content is no longer what the
+        version serving names (a trainer saved over it): those weights would serve under it."""
+        if self._loaded_hash is None:
+            return
+        from model_runtime.scoring.weights import content_version
+
+        path = Path(self._start_fields["model"])
+        now = content_version(path) if path.is_dir() else "missing"
+        if now != self._loaded_hash:
+            raise CheckpointError("unreadable", f"{path} no longer holds the weights of version "
+                                  f"{self._start_fields['weights_version']!r} (content {self._loaded_hash}, now {now}): "
+                                  "restore it, or restart packscore to serve what it holds now")
+
     def _restart_loop(self) -> None:
         delay = 1.0
         while not self._closing:
             try:
+                self._check_checkpoint_unchanged()
                 self._start_world()
                 self.warm_up()
                 self._alive = True
                 self._restarts += 1
+                self.restart_error = None
                 log.info("worker pool restarted; a scoring pass succeeded")
                 return
-            except Exception:
-                log.exception("worker pool restart failed; retrying in %.0fs", delay)
+            except Exception as error:
+                self.restart_error = f"{error} (next attempt in {delay:.0f}s)"
+                if isinstance(error, CheckpointError):
+                    log.error("worker pool restart refused: %s; retrying in %.0fs", error, delay)
+                else:
+                    log.exception("worker pool restart failed; retrying in %.0fs", delay)
                 with self._lock:
                     world, self._world = self._world, None
                     if world is not None:

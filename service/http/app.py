@@ -269,7 +269,10 @@ def _add_routes(app: FastAPI, service: Service) -> None:
                     "limits": service.limits.as_dict(),
                     "model_limits": {name: m.limits.as_dict() for name, m in service.models.items()}}
             return Response(encode_json(body), media_type=JSON)
-        error = {"type": "not_ready", "message": f"Not ready: {status.replace('_', ' ')}.", "param": None}
+        message = f"Not ready: {status.replace('_', ' ')}."
+        if status == "restart_failed" and (why := service.restart_error()):
+            message = f"Not ready: the scoring workers could not restart ({why})."
+        error = {"type": "not_ready", "message": message, "param": None}
         headers = {"Retry-After": "1", **_CLOSE} if status == "draining" else {"Retry-After": "5"}
         return Response(encode_json({"status": status, "error": error}), status_code=503, media_type=JSON,
                         headers=headers)

@@ -237,4 +237,4 @@ class Health(BaseModel):
 class Readiness(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    status: str = Field(description="ready, or why not: loading, warming_up, worker_down, draining, probe_failed, ...")
+    status: str = Field(description="ready, or why not: loading, warming_up, worker_down, restart_failed, stalled, draining, probe_failed, ...")

@@ -64,6 +64,9 @@ async def score_request(request: Request, service: Service) -> Response:
     if job.weights_version is not None and job.weights_version != model.backend.info.weights_version:
         raise _version_mismatch(job.weights_version, model)
     if not model.backend.is_alive():  # a worker died: answer now instead of failing in the queue
+        failed = getattr(model.backend, "restart_error", None)
+        if failed:  # the restart itself fails: say why, and retry no sooner than the pool does
+            raise backend_unavailable(f"The scoring workers are down and could not restart: {failed}", retry_after_s=30)
         raise backend_unavailable("A scoring worker is down; retry shortly.", retry_after_s=5)
     # Capped at a day: an unbounded integer must not overflow the clock arithmetic.
     deadline = time.monotonic() + min(job.deadline_ms, _DAY_MS) / 1000.0 if job.deadline_ms is not None else None

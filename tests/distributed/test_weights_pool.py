@@ -94,3 +94,40 @@ def test_every_rank_swaps_at_the_same_row_and_failures_change_nothing(fsdp, chec
         assert {"step-1", content_version(old)} <= set(versions), f"versions seen: {versions}"
     finally:
         pool.close()
+
+
+def test_a_restart_refuses_a_checkpoint_directory_saved_over_since_it_was_loaded(checkpoints, tmp_path):
+    """A restarted world reloads from the directory that serves: if another save replaced its
+    files, those weights would serve under the old version (a pinned request included). The
+    restart is refused, naming why, until the files are back; then the pool serves them again."""
+    import os
+    import shutil
+    import signal
+
+    old, new, _ = checkpoints
+    served = tmp_path / "step"
+    shutil.copytree(new, served)
+    (weights,) = served.glob("*.safetensors")
+    original = weights.read_bytes()
+    pool = start_pool({**BASE, "model": str(old), "fsdp": False})
+    try:
+        row = make_rows(pool.info.vocab_size, 1)[0]
+        pool.update_weights(served, "step-1")  # a named version: the restart checks the content too
+        want = pool.score_row(row)
+        weights.write_bytes(next(old.glob("*.safetensors")).read_bytes())  # a trainer saves over it
+        os.kill(pool.worker_pids()[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while pool.restart_error is None:
+            assert time.monotonic() < deadline, "no restart was refused within 60s"
+            time.sleep(0.1)
+        assert not pool.is_alive() and "no longer holds the weights of version 'step-1'" in pool.restart_error, pool.restart_error
+        weights.write_bytes(original)
+        deadline = time.monotonic() + 90
+        while not pool.is_alive():
+            assert time.monotonic() < deadline, f"the pool did not come back within 90s: {pool.restart_error}"
+            time.sleep(0.2)
+        assert pool.restart_error is None and pool.info.weights_version == "step-1"
+        for a, b in zip(pool.score_row(row), want):
+            assert np.array_equal(a.logprobs, b.logprobs), "after the restart, other numbers under step-1"
+    finally:
+        pool.close()

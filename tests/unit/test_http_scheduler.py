@@ -138,11 +138,18 @@ def test_backend_unavailable_answers_503_with_retry_after_and_readiness_drops():
             backend.alive = False
             worker_down = await client.get("/readyz")
             refused = await client.post("/score", json={"sequences": [{"input_ids": [1, 2, 3]}]})
-            backend.unavailable, backend.alive = False, True
+            backend.restart_error = "the checkpoint changed (next attempt in 8s)"  # as the worker pool says
+            restart_failed = await client.get("/readyz"), await client.post("/score", json={"sequences": [{"input_ids": [1]}]})
+            backend.unavailable, backend.alive, backend.restart_error = False, True, None
             ready_again = await client.get("/readyz")
-            return response, elapsed, not_ready, worker_down, ready_again, refused
+            return response, elapsed, not_ready, worker_down, ready_again, refused, restart_failed
 
-    response, elapsed, not_ready, worker_down, ready_again, refused = asyncio.run(main())
+    response, elapsed, not_ready, worker_down, ready_again, refused, restart_failed = asyncio.run(main())
+    ready_failed, score_failed = restart_failed
+    assert ready_failed.status_code == 503 and ready_failed.json()["status"] == "restart_failed", ready_failed.text
+    assert "the checkpoint changed" in ready_failed.json()["error"]["message"], ready_failed.text
+    assert score_failed.status_code == 503 and "the checkpoint changed" in score_failed.json()["error"]["message"]
+    assert score_failed.headers["retry-after"] == "30"
     assert refused.status_code == 503 and refused.json()["error"]["type"] == "backend_unavailable"
     assert response.status_code == 503 and elapsed < 5
     assert response.json()["error"]["type"] == "backend_unavailable"
