@@ -85,6 +85,7 @@ class WorkerPool(Lockstep):
         self.max_row_tokens = self.dims.row_token_budget(self.max_batch_tokens)
         self.concurrency = self.dims.dp
         self.request_timeout_s = float(settings.get("worker_timeout_s", 600.0))
+        self.stall_floor_s = float(settings.get("worker_stall_floor_s", STALL_FLOOR_S))
         self.start_timeout_s = float(settings.get("worker_start_timeout_s", 1800.0))
         device = _device_type(settings.get("device"))
         if device == "cuda" and torch.cuda.device_count() < self.dims.world_size:
@@ -109,6 +110,7 @@ class WorkerPool(Lockstep):
         self._ids = itertools.count(1)
         self._pending: dict[int, Pending] = {}
         self._lane_cost = [0.0] * self.dims.dp  # estimated cost of the rows each group has in flight
+        self._seconds_per_cost: float | None = None  # measured on rows sent to an idle group
         self._rows_done = [0] * self.dims.dp  # rows sent to each group (balance, for tests and logs)
         self._steps: queue.Queue = queue.Queue()
         self._last_step_end = float("-inf")
@@ -495,19 +497,42 @@ class WorkerPool(Lockstep):
         with self._lock:
             if group is None:
                 group = min(range(self.dims.dp), key=lambda g: self._lane_cost[g])
+            alone = self._lane_cost[group] == 0
             self._lane_cost[group] += cost
             self._rows_done[group] += 1
+            timeout_s = self._row_timeout_s(self._lane_cost[group])
         try:
-            pending = self._new_pending(world)
+            started = time.monotonic()
+            pending = self._new_pending(world, timeout_s=timeout_s)
             try:
                 if not pending.done.is_set():
                     world.send_group(group, msg.encode(msg.ScoreRow.of(pending.request_id, sequences)))
             except OSError as error:
                 pending.settle(error=BackendUnavailableError(f"cannot reach group {group}: {error}"))
-            return self._await(pending)
+            reply = self._await(pending)
+            if alone and cost > 0:  # a row that waited behind none measures the group's rate
+                rate = (time.monotonic() - started) / cost
+                with self._lock:
+                    self._seconds_per_cost = rate if self._seconds_per_cost is None else 0.7 * self._seconds_per_cost + 0.3 * rate
+            return reply
         finally:
             with self._lock:
                 self._lane_cost[group] -= cost
+
+    def _row_timeout_s(self, cost_ahead: float) -> float:
+        """How long a row may take before its world counts as stuck (a stopped worker, a hung GPU)
+        and is restarted, failing its rows with 503: ``STALL_FACTOR`` times what the group's rows
+        ahead of it and its own should take at the measured rate, at least ``stall_floor_s``;
+        ``worker_timeout_s`` before any rate is measured. Call under ``_lock``."""
+        if self._seconds_per_cost is None:
+            return self.request_timeout_s
+        return min(self.request_timeout_s, max(self.stall_floor_s, STALL_FACTOR * cost_ahead * self._seconds_per_cost))
+
+
+# A row that runs this many times what it should, and at least this long, means a stuck world
+# (as the scheduler's stall for /readyz: service/scheduling/scheduler.py).
+STALL_FACTOR = 10.0
+STALL_FLOOR_S = 60.0
 
 
 def start_pool(settings: dict) -> WorkerPool:
@@ -515,7 +540,7 @@ def start_pool(settings: dict) -> WorkerPool:
 
     ``settings`` is the service's ``Settings.model_dump()``; the keys read are model, device, dtype,
     world_size, sp, fsdp, max_batch_tokens, allow_slow_kernels, kernels, served_model_name (and optionally
-    worker_timeout_s, worker_start_timeout_s, and prefix_min_tokens: the shortest shared prefix run once,
+    worker_timeout_s, worker_stall_floor_s, worker_start_timeout_s, and prefix_min_tokens: the shortest shared prefix run once,
     0 or absent for none, i.e. ``Settings.prefix_min_tokens_in_use``); other keys are ignored.
     """
     return WorkerPool(settings)

@@ -123,3 +123,35 @@ def test_lockstep_fsdp_groups_survive_a_killed_worker(local):
         assert_same(pool.score_row(work[2]), local.score_row(work[2]), "after restart")
     finally:
         pool.close()
+
+
+def test_a_stopped_worker_fails_its_rows_once_they_outrun_the_measured_rate(local):
+    """A worker that hangs (SIGSTOP here, a hung GPU in practice) without exiting: once a row has
+    run ten times what the group's measured rate says, at least the floor (60 s by default, 3 s
+    here), the world is restarted and the row fails with 503, not after ``worker_timeout_s``."""
+    pool = start_pool({**BASE, "world_size": 2, "sp": 1, "fsdp": False, "worker_stall_floor_s": 3.0})
+    stopped = None
+    try:
+        pool.warm_up()  # measures the rate
+        work = rows(pool.info.vocab_size, 2, seed=4)
+        assert pool.request_timeout_s >= 600 and pool._seconds_per_cost is not None
+        stopped = pool.worker_pids()
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(BackendUnavailableError):
+            pool.score_row(work[0])
+        waited = time.monotonic() - started
+        assert 2.5 < waited < 20, f"the row failed after {waited:.1f}s; the floor is 3 s"
+        deadline = time.monotonic() + 90
+        while not pool.is_alive():
+            assert time.monotonic() < deadline, "the pool did not come back within 90s"
+            time.sleep(0.2)
+        assert_same(pool.score_row(work[1]), local.score_row(work[1]), "after the restart")
+    finally:
+        for pid in stopped or []:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        pool.close()
