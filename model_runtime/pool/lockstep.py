@@ -4,7 +4,8 @@ With FSDP every rank takes part in every layer's all-gather, so the groups must 
 step. One thread alone sends steps, so every rank sees them, and their collectives, in one order;
 a weight swap is sent between two steps (``replies.Swap``). ``Lockstep`` is a part of
 ``pool.WorkerPool``: it uses the pool's ``dims``, ``_steps`` queue, ``_world``, ``_closing``,
-``_rows_done``, ``_last_step_end``, ``step_counts``, ``_send_all``, ``_new_pending`` and ``_await``.
+``_rows_done``, ``_last_step_end``, ``step_counts``, ``_lock``, ``row_cost``, ``_row_timeout_s``,
+``_measure_rate``, ``_send_all``, ``_new_pending`` and ``_await``.
 """
 
 from __future__ import annotations
@@ -97,7 +98,11 @@ class Lockstep:
             for _, ticket in batch:
                 ticket.put(BackendUnavailableError("the worker pool is restarting after a worker failure"))
             return
-        pendings = [self._new_pending(world) for _ in range(self.dims.dp)]
+        step_cost = max((self.row_cost([s.length for s in rows]) for rows, _ in batch), default=0.0)
+        with self._lock:
+            timeout_s = self._row_timeout_s(step_cost)  # the step's rows run side by side
+        started = time.monotonic()
+        pendings = [self._new_pending(world, timeout_s=timeout_s) for _ in range(self.dims.dp)]
         try:
             for group, pending in enumerate(pendings):
                 if group < len(batch):
@@ -109,13 +114,16 @@ class Lockstep:
         except OSError as error:
             for pending in pendings:
                 pending.settle(error=BackendUnavailableError(f"cannot reach the workers: {error}"))
+        failed = False
         for group, pending in enumerate(pendings):
             try:
                 outcome = self._await(pending)
             except BaseException as error:  # delivered to the caller's thread
-                outcome = error
+                outcome, failed = error, True
             if group < len(batch):
                 batch[group][1].put(outcome)
+        if not failed:
+            self._measure_rate(step_cost, time.monotonic() - started)
 
 
 def _drain(q: queue.Queue) -> list:

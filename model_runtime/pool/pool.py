@@ -510,14 +510,20 @@ class WorkerPool(Lockstep):
             except OSError as error:
                 pending.settle(error=BackendUnavailableError(f"cannot reach group {group}: {error}"))
             reply = self._await(pending)
-            if alone and cost > 0:  # a row that waited behind none measures the group's rate
-                rate = (time.monotonic() - started) / cost
-                with self._lock:
-                    self._seconds_per_cost = rate if self._seconds_per_cost is None else 0.7 * self._seconds_per_cost + 0.3 * rate
+            if alone:  # a row that waited behind none measures the group's rate
+                self._measure_rate(cost, time.monotonic() - started)
             return reply
         finally:
             with self._lock:
                 self._lane_cost[group] -= cost
+
+    def _measure_rate(self, cost: float, seconds: float) -> None:
+        """Folds a row's (or a step's) time into the seconds per unit of estimated cost."""
+        if cost <= 0:
+            return
+        with self._lock:
+            rate = seconds / cost
+            self._seconds_per_cost = rate if self._seconds_per_cost is None else 0.7 * self._seconds_per_cost + 0.3 * rate
 
     def _row_timeout_s(self, cost_ahead: float) -> float:
         """How long a row may take before its world counts as stuck (a stopped worker, a hung GPU)

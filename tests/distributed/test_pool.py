@@ -125,11 +125,12 @@ def test_lockstep_fsdp_groups_survive_a_killed_worker(local):
         pool.close()
 
 
-def test_a_stopped_worker_fails_its_rows_once_they_outrun_the_measured_rate(local):
+@pytest.mark.parametrize("fsdp", [False, True], ids=["groups", "lockstep"])
+def test_a_stopped_worker_fails_its_rows_once_they_outrun_the_measured_rate(local, fsdp):
     """A worker that hangs (SIGSTOP here, a hung GPU in practice) without exiting: once a row has
     run ten times what the group's measured rate says, at least the floor (60 s by default, 3 s
     here), the world is restarted and the row fails with 503, not after ``worker_timeout_s``."""
-    pool = start_pool({**BASE, "world_size": 2, "sp": 1, "fsdp": False, "worker_stall_floor_s": 3.0})
+    pool = start_pool({**BASE, "world_size": 2, "sp": 1, "fsdp": fsdp, "worker_stall_floor_s": 3.0})
     stopped = None
     try:
         pool.warm_up()  # measures the rate
