@@ -24,8 +24,9 @@ while rows keep running, then every rank swaps between the same two rows of its 
 each swaps its own shards). Each row's result names the version that scored it. A failure on any
 rank drops what every rank loaded: nothing changes.
 
-Failure: a worker that exits (its reply pipe closes) or a row that outlives ``worker_timeout_s``
-fails every in-flight row with ``BackendUnavailableError``; ``is_alive()`` turns False, the whole
+Failure: a worker that exits (its reply pipe closes) or a row that runs past its bound (ten times
+what its group's measured rate says, at least 60 s; ``worker_timeout_s`` before any rate) fails
+every in-flight row with ``BackendUnavailableError``; ``is_alive()`` turns False, the whole
 world is killed and started again in the background, and ``is_alive()`` returns to True once a
 scoring pass through the new world has succeeded.
 """
@@ -52,7 +53,8 @@ from model_runtime.pool import messages as msg
 from model_runtime.pool.lockstep import Lockstep
 from model_runtime.pool.procs import WorkerWorld
 from model_runtime.pool.replies import Pending, Swap, reply_error, split_reply
-from model_runtime.scoring.backend import BackendUnavailableError, ModelInfo, UpdateInProgressError, WeightsUpdate
+from model_runtime.scoring.backend import (STALL_FACTOR, STALL_FLOOR_S, STALL_UNMEASURED_S, BackendUnavailableError, ModelInfo,
+                                          UpdateInProgressError, WeightsUpdate)
 from model_runtime.scoring.checkpoint import CheckpointError
 from model_runtime.scoring.rows import validate_sequence
 from model_runtime.scoring.scorer import shared_prefix_row
@@ -84,7 +86,7 @@ class WorkerPool(Lockstep):
         self.max_batch_tokens = int(settings.get("max_batch_tokens", 16384))
         self.max_row_tokens = self.dims.row_token_budget(self.max_batch_tokens)
         self.concurrency = self.dims.dp
-        self.request_timeout_s = float(settings.get("worker_timeout_s", 600.0))
+        self.request_timeout_s = float(settings.get("worker_timeout_s", STALL_UNMEASURED_S))
         self.stall_floor_s = float(settings.get("worker_stall_floor_s", STALL_FLOOR_S))
         self.start_timeout_s = float(settings.get("worker_start_timeout_s", 1800.0))
         device = _device_type(settings.get("device"))
@@ -123,14 +125,17 @@ class WorkerPool(Lockstep):
         self._generation = 0
         self.restart_error: str | None = None  # why the last restart failed, while the pool is down
         self.prefix_rounding = None  # the workers' RowRounding (prefix sharing on a GPU, sp = 1)
-        # The content hash of the checkpoint the workers load: a restart reloads from its directory,
-        # and must not serve other files under the version that names these.
-        self._loaded_hash: str | None = None
+        # What the workers loaded (its files' sizes and times, and its content hash): a restart
+        # reloads from that directory and must not serve other files under the version naming these.
+        self._loaded: _LoadedFiles | None = None
+        self._restarting = False  # one restart loop at a time
         if Path(self._start_fields["model"]).is_dir():  # its content hash, once here instead of once per rank
-            from model_runtime.scoring.weights import content_version
+            from model_runtime.scoring.weights import START_HASH_THREADS, content_version, files_snapshot
 
-            self._loaded_hash = content_version(Path(self._start_fields["model"]))
-            self._start_fields["weights_version"] = self._loaded_hash
+            path = Path(self._start_fields["model"])
+            snapshot = files_snapshot(path)
+            self._start_fields["weights_version"] = content_version(path, threads=START_HASH_THREADS)
+            self._loaded = _LoadedFiles(path, snapshot, self._start_fields["weights_version"])
         hellos = self._start_world()
         first = hellos[0]
         self._vocab_size = first.vocab_size
@@ -179,12 +184,11 @@ class WorkerPool(Lockstep):
                 raise BackendUnavailableError("the worker pool is restarting after a worker failure")
             files = files_snapshot(Path(path))
             with ThreadPoolExecutor(1) as hasher:  # the content hash runs while the ranks read
-                hashed = hasher.submit(content_version, Path(path))  # a named version too: restarts check it
+                hashed = hasher.submit(content_version, Path(path)) if version is None else None
                 load = self._new_pending(world, ranks=self.dims.world_size, timeout_s=self.start_timeout_s)
                 self._send_all(world, load, msg.LoadWeights(load.request_id, str(path)))
                 failed = [r for r in self._await(load) if not r.ok]
-                loaded_hash = hashed.result()
-                new_version = version or loaded_hash
+                new_version = version or hashed.result()
             changed = checkpoint_changed(Path(path), files)  # then every rank drops what it read
             load_s = time.perf_counter() - started
             swap = self._new_pending(world, ranks=self.dims.world_size)
@@ -207,9 +211,14 @@ class WorkerPool(Lockstep):
                 raise BackendUnavailableError(f"the weight swap failed on rank {refused[0].rank}; the pool is restarting")
             previous = self.info.weights_version
             self.info = replace(self.info, weights_version=new_version)
-            # A restarted world loads what serves now.
-            self._start_fields.update(model=str(path), weights_version=new_version, served_model_name=self.info.name)
-            self._loaded_hash = loaded_hash
+            # A restarted world loads what serves now; a named version's content is hashed after the
+            # swap, for the restarts to check against.
+            loaded = _LoadedFiles(Path(path), files, None if version is not None else new_version)
+            with self._lock:
+                self._start_fields.update(model=str(path), weights_version=new_version, served_model_name=self.info.name)
+                self._loaded = loaded
+            if loaded.content is None:
+                threading.Thread(target=loaded.hash, name="pool-content-hash", daemon=True).start()
             swap_ms = 1e3 * max(r.seconds for r in swapped)
             return WeightsUpdate(new_version, previous, load_s, swap_ms)
         finally:
@@ -294,6 +303,8 @@ class WorkerPool(Lockstep):
                     except (EOFError, OSError):
                         raise BackendUnavailableError(f"worker rank {rank} exited while starting") from None
                     if isinstance(reply, msg.Failure):
+                        if reply.kind.startswith("checkpoint:"):  # refused once its weights were read (NaN)
+                            raise CheckpointError(reply.kind.removeprefix("checkpoint:"), reply.message)
                         # A layout the model cannot take (heads vs sp) is a configuration error.
                         kind = ValueError if reply.kind == "invalid" else BackendUnavailableError
                         raise kind(f"worker rank {rank} failed to start: {reply.message}")
@@ -321,23 +332,30 @@ class WorkerPool(Lockstep):
 
     def _check_checkpoint_unchanged(self) -> None:
         """Refuses to restart from a checkpoint directory whose content is no longer what the
-        version serving names (a trainer saved over it): those weights would serve under it."""
-        if self._loaded_hash is None:
+        version serving names (a trainer saved over it): those weights would serve under it.
+        Files of the same sizes and times pass at once; others are hashed."""
+        with self._lock:
+            loaded, version = self._loaded, self._start_fields["weights_version"]
+        if loaded is None:
             return
-        from model_runtime.scoring.weights import content_version
-
-        path = Path(self._start_fields["model"])
-        now = content_version(path) if path.is_dir() else "missing"
-        if now != self._loaded_hash:
-            raise CheckpointError("unreadable", f"{path} no longer holds the weights of version "
-                                  f"{self._start_fields['weights_version']!r} (content {self._loaded_hash}, now {now}): "
-                                  "restore it, or restart packscore to serve what it holds now")
+        problem = loaded.changed()
+        if problem is not None:
+            raise CheckpointError("unreadable", f"{loaded.path} {problem} since version {version!r} was loaded from it: "
+                                  "restore its files, or restart packscore to serve what it holds now")
 
     def _restart_loop(self) -> None:
+        try:
+            self._restart_until_up()
+        finally:
+            with self._lock:
+                self._restarting = False
+
+    def _restart_until_up(self) -> None:
         delay = 1.0
         while not self._closing:
             try:
                 self._check_checkpoint_unchanged()
+                self._seconds_per_cost = None  # fresh processes: the warm-up compiles, and measures again
                 self._start_world()
                 self.warm_up()
                 self._alive = True
@@ -367,10 +385,13 @@ class WorkerPool(Lockstep):
                 return
             world.failed = True
             self._alive = False
+            # A world failing while a restart loop warms it up: that loop starts another
+            restart = not self._closing and not self._restarting
+            self._restarting = self._restarting or restart
         log.error("worker pool generation %d failed: %s; restarting", world.generation, reason)
         self._fail_pending(world.generation, f"a worker failed ({reason}); the pool is restarting")
         world.stop(graceful=False)
-        if not self._closing:
+        if restart:
             threading.Thread(target=self._restart_loop, name="pool-restart", daemon=True).start()
 
     def _fail_pending(self, generation: int, reason: str) -> None:
@@ -411,7 +432,8 @@ class WorkerPool(Lockstep):
             with self._lock:
                 late = [p.request_id for p in self._pending.values() if p.generation == world.generation and now > p.deadline]
             if late:
-                self._on_world_failure(world, f"rows {late} took longer than {self.request_timeout_s:.0f}s")
+                self._on_world_failure(world, f"rows {late} ran past their time bound ({STALL_FACTOR:.0f}x what "
+                                       "the measured rate says, at least the floor): a worker is stuck")
                 return
 
     def _deliver(self, world: WorkerWorld, rank: int, reply) -> None:
@@ -535,10 +557,40 @@ class WorkerPool(Lockstep):
         return min(self.request_timeout_s, max(self.stall_floor_s, STALL_FACTOR * cost_ahead * self._seconds_per_cost))
 
 
-# A row that runs this many times what it should, and at least this long, means a stuck world
-# (as the scheduler's stall for /readyz: service/scheduling/scheduler.py).
-STALL_FACTOR = 10.0
-STALL_FLOOR_S = 60.0
+
+class _LoadedFiles:
+    """A checkpoint directory as the workers loaded it: its files' names, sizes and modification
+    times, and its content hash (None until taken)."""
+
+    def __init__(self, path: Path, snapshot: tuple, content: str | None):
+        self.path, self.snapshot, self.content = path, snapshot, content
+
+    def hash(self) -> None:
+        """Takes the content hash, if the files are still those loaded."""
+        from model_runtime.scoring.weights import content_version, files_snapshot
+
+        try:
+            content = content_version(self.path)
+            if files_snapshot(self.path) == self.snapshot:
+                self.content = content
+        except (OSError, ValueError) as error:
+            log.warning("hashing %s for restarts failed: %s", self.path, error)
+
+    def changed(self) -> str | None:
+        """Why the directory no longer holds what was loaded, or None."""
+        from model_runtime.scoring.weights import content_version, files_snapshot
+
+        if not self.path.is_dir():
+            return "is gone"
+        now = files_snapshot(self.path)
+        if now == self.snapshot:
+            return None
+        if self.content is None:
+            return "changed before its content was hashed"
+        if content_version(self.path) != self.content:
+            return "holds other weights"
+        self.snapshot = now  # the same content written again: no hash next time
+        return None
 
 
 def start_pool(settings: dict) -> WorkerPool:

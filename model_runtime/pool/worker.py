@@ -281,8 +281,15 @@ def serve(commands: Connection, replies: _Replies) -> int:
     try:
         dims, runner, hello = _setup(start)
     except Exception as error:
-        log.exception("rank %d failed to start", start.rank)
-        replies.send(msg.Failure(request_id=-1, kind=_failure_kind(error), message=f"{type(error).__name__}: {error}", fatal=True))
+        from model_runtime.scoring.checkpoint import CheckpointError
+
+        if isinstance(error, CheckpointError):  # the server refuses it as it would in one process
+            log.error("rank %d refused the checkpoint: %s", start.rank, error)
+            kind, message = f"checkpoint:{error.kind}", str(error)
+        else:
+            log.exception("rank %d failed to start", start.rank)
+            kind, message = _failure_kind(error), f"{type(error).__name__}: {error}"
+        replies.send(msg.Failure(request_id=-1, kind=kind, message=message, fatal=True))
         return 1
     replies.send(hello)
     updates = _WeightUpdates(runner.loaded.model, start.rank, replies, hello.weights_version)

@@ -68,6 +68,14 @@ class WeightsUpdate:
     swap_ms: float  # the pause between two forwards while the weights are swapped
 
 
+# A forward counts as stalled (a worker stopped, a GPU hung) once it has run this many times what
+# its row should take at the measured rate, and at least the floor; before any rate, the bound.
+# The scheduler reports it in /readyz; the worker pool restarts its world on it.
+STALL_FACTOR = 10.0
+STALL_FLOOR_S = 60.0
+STALL_UNMEASURED_S = 600.0
+
+
 class BackendUnavailableError(RuntimeError):
     """The backend cannot score right now (a worker died, or it is restarting)."""
 

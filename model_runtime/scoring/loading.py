@@ -18,7 +18,7 @@ from model_runtime.model.causal_lm import PackedCausalLM, PatchReport, patch_for
 from model_runtime.scoring.checkpoint import (CheckpointSpec, assert_fully_loaded, build_meta_model, check_checkpoint,
                                               hf_config)
 from model_runtime.scoring.presets import PRESETS, build_config
-from model_runtime.scoring.weights import content_version, non_finite, non_finite_error
+from model_runtime.scoring.weights import START_HASH_THREADS, content_version, non_finite, non_finite_error
 
 log = logging.getLogger(__name__)
 
@@ -253,6 +253,6 @@ def _load_fp8(checked: CheckpointSpec, dtype: torch.dtype, hf_kwargs: dict):
 
 def _timed_content_version(path: Path) -> str:
     started = time.perf_counter()
-    version = content_version(path)
+    version = content_version(path, threads=START_HASH_THREADS)
     log.info("%s: weights version %s (content hash, %.1fs)", path, version, time.perf_counter() - started)
     return version

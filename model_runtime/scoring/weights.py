@@ -44,7 +44,8 @@ from model_runtime.scoring.tensor_file import PieceDigest, Staging, TensorFile, 
 # The nice value of the threads that read and hash a checkpoint (Linux: each thread has its own):
 # where the host's cores are busy, the threads of the forwards serving beside them go first.
 BACKGROUND_NICE = 10
-HASH_THREADS = 8
+HASH_THREADS = 8  # beside serving forwards
+START_HASH_THREADS = 16  # at start, where nothing serves yet
 
 
 def background_thread() -> None:

@@ -33,7 +33,8 @@ import time
 from collections import deque
 from typing import Callable, Sequence
 
-from model_runtime.scoring.backend import BackendUnavailableError, ScoringBackend
+from model_runtime.scoring.backend import (STALL_FACTOR, STALL_FLOOR_S, STALL_UNMEASURED_S, BackendUnavailableError,
+                                          ScoringBackend)
 from model_runtime.scoring.prefix import RowTokens, tokens_saved
 from model_runtime.types import InvalidSequenceError, SequenceInput, SequenceScores
 from service.http.errors import ApiError, backend_unavailable, deadline_error
@@ -235,15 +236,15 @@ class Scheduler:
 
     def forward_state(self) -> str:
         """``"idle"``, ``"busy"`` (a forward runs within what its row should take) or ``"stalled"``
-        (one has run past ``_STALL_FACTOR`` times that, and at least ``_STALL_FLOOR_S``; without a
-        measured rate, past ``_STALL_UNMEASURED_S``): what /readyz reports while its probe waits."""
+        (one has run past ``STALL_FACTOR`` times that, and at least ``STALL_FLOOR_S``; without a
+        measured rate, past ``STALL_UNMEASURED_S``): what /readyz reports while its probe waits."""
         now, state = time.monotonic(), "idle"
         for thread in self._threads:
             started = thread.started_at
             if not thread.running or started is None:
                 continue
             expected = thread.expected_s
-            bound = _STALL_UNMEASURED_S if expected is None else max(_STALL_FLOOR_S, _STALL_FACTOR * expected)
+            bound = STALL_UNMEASURED_S if expected is None else max(STALL_FLOOR_S, STALL_FACTOR * expected)
             if now - started > bound:
                 return "stalled"
             state = "busy"
@@ -534,12 +535,6 @@ class Scheduler:
                     ticket.future.set_result(ticket.results)  # type: ignore[arg-type]
             self.metrics.tokens_scored.inc(scored)
 
-
-# A forward counts as stalled (a worker stopped, a GPU hung) once it has run this many times what
-# its row should take at the measured rate, and at least the floor; before any rate, the bound.
-_STALL_FACTOR = 10.0
-_STALL_FLOOR_S = 60.0
-_STALL_UNMEASURED_S = 600.0
 
 
 class _ForwardThread:

@@ -93,12 +93,14 @@ def test_a_max_model_len_past_the_models_context_is_refused_before_binding(check
     assert "Traceback" not in output and len(errors) == 1 and "--max-model-len 10000" in errors[0], output
 
 
-def test_nan_weights_end_the_server_with_one_line(checkpoint_dir, tmp_path):
+@pytest.mark.parametrize("layout", [(), ("--device", "cpu", "--world-size", "2", "--fsdp")], ids=["one-process", "pool"])
+def test_nan_weights_end_the_server_with_one_line(checkpoint_dir, tmp_path, layout):
     """NaN is found once the weights are read, after the port is bound (/healthz answers while a
-    model loads): the server never turns ready and ends with status 2 and one line naming it."""
+    model loads): the server never turns ready and ends with status 2 and one line naming it,
+    in one process and from the worker pool's shard-by-shard reader alike."""
     nan = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "nan", lambda t: {**t, Q_PROJ: t[Q_PROJ] * float("nan")})
     command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(free_port()),
-               "--model", str(nan)]
+               "--model", str(nan), *layout]
     code, output, _ = _run_watching_port(command, None)
     assert code == 2, f"exit status {code}, expected 2:\n{output}"
     errors = [line for line in output.splitlines() if line.startswith("packscore: error:")]

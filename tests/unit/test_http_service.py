@@ -128,9 +128,9 @@ def test_readyz_answers_within_its_wait_while_a_long_forward_runs_and_reports_a_
             t0 = time.monotonic()
             busy = await client.get("/readyz")
             busy_s = time.monotonic() - t0
-            monkeypatch.setattr(scheduler, "_STALL_UNMEASURED_S", 0.0)
-            monkeypatch.setattr(scheduler, "_STALL_FLOOR_S", 0.0)
-            monkeypatch.setattr(scheduler, "_STALL_FACTOR", 0.0)
+            monkeypatch.setattr(scheduler, "STALL_UNMEASURED_S", 0.0)
+            monkeypatch.setattr(scheduler, "STALL_FLOOR_S", 0.0)
+            monkeypatch.setattr(scheduler, "STALL_FACTOR", 0.0)
             stalled = await client.get("/readyz")
             gate.set()
             scored = await long
@@ -158,9 +158,9 @@ def test_readyz_reports_a_stalled_forward_even_while_the_last_proof_is_fresh(mon
             backend.gate = gate
             long = asyncio.ensure_future(client.post("/score", json=GOOD))
             await wait_until(lambda: app.state.service.scheduler.forward_running)
-            monkeypatch.setattr(scheduler, "_STALL_UNMEASURED_S", 0.0)
-            monkeypatch.setattr(scheduler, "_STALL_FLOOR_S", 0.0)
-            monkeypatch.setattr(scheduler, "_STALL_FACTOR", 0.0)
+            monkeypatch.setattr(scheduler, "STALL_UNMEASURED_S", 0.0)
+            monkeypatch.setattr(scheduler, "STALL_FLOOR_S", 0.0)
+            monkeypatch.setattr(scheduler, "STALL_FACTOR", 0.0)
             t0 = time.monotonic()
             stalled = await client.get("/readyz")
             stalled_s = time.monotonic() - t0
