@@ -134,3 +134,35 @@ def save_fp8_checkpoint(kind: str, directory: Path, block: tuple[int, int] = (12
 
     source = save_checkpoint(kind, directory / "source", seed=seed)
     return rewrite_checkpoint(source, directory / "fp8", quantize, fp8_config)
+
+
+class HostStaging:
+    """``tensor_file.Staging``'s slots in plain host memory, with events that are done when
+    recorded: the slot-by-slot path of ``TensorFile.read_into`` on a machine without CUDA."""
+
+    class _Done:
+        def record(self) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+    def __init__(self, count: int, size: int):
+        import queue
+
+        self._free = queue.SimpleQueue()
+        for _ in range(count):
+            self._free.put((torch.empty(size, dtype=torch.uint8), self._Done()))
+
+    def slot(self):
+        from contextlib import contextmanager
+
+        @contextmanager
+        def take():
+            item = self._free.get()
+            try:
+                yield item
+            finally:
+                self._free.put(item)
+
+        return take()

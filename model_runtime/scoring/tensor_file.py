@@ -201,21 +201,19 @@ class PieceDigest:
 
 
 class Staging:
-    """Page-locked host buffers through which tensors travel to a GPU: ``count`` slots of ``size``
-    bytes, allocated once and reused by every read (``staging_for`` keeps one set per device).
-
-    Allocating or freeing page-locked memory holds up every CUDA call of the process, a running
-    forward's launches included, for as long as it takes; a buffer per tensor would stall the
-    forwards of a model serving beside the update for seconds (docs/weights-loading.md). Each slot
-    carries the event of its last copy, waited for before the slot is filled again.
+    """Page-locked host buffers through which tensors travel to a GPU, ``count`` slots of ``size``
+    bytes, and the side stream that copies them; made once per device (``staging_for``) and
+    reused by every read, since allocating or freeing page-locked memory stops every CUDA call of
+    the process while it runs (docs/weights-loading.md). Each slot carries the event of its last
+    copy, waited for before the slot is filled again; one stream lets the caching allocator reuse
+    an update's blocks in the next.
     """
 
-    def __init__(self, count: int = 16, size: int = 16 << 20, *, pinned: bool = True):
-        # pinned=False: plain host buffers and no events, for copies within host memory (tests)
+    def __init__(self, device: torch.device, count: int = 16, size: int = 16 << 20):
+        self.stream = torch.cuda.Stream(device)
         self._free: queue.SimpleQueue = queue.SimpleQueue()
-        for _ in range(count):
-            event = torch.cuda.Event() if pinned else _Done()
-            self._free.put((torch.empty(size, dtype=torch.uint8, pin_memory=pinned), event))
+        for _ in range(count):  # blocking events: a thread waiting for a slot sleeps instead of spinning
+            self._free.put((torch.empty(size, dtype=torch.uint8, pin_memory=True), torch.cuda.Event(blocking=True)))
 
     @contextmanager
     def slot(self):
@@ -229,23 +227,14 @@ class Staging:
             self._free.put((buffer, copied))
 
 
-class _Done:
-    """The event of a copy that is finished when queued (host to host)."""
-
-    def record(self) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
 _staging: dict[torch.device, Staging] = {}
 _staging_lock = threading.Lock()
 
 
 def staging_for(device: torch.device) -> Staging:
-    """The process's staging buffers for ``device`` (a CUDA device), made at the first call."""
+    """The process's staging buffers and side stream for ``device`` (a CUDA device), made at the
+    first call."""
     with _staging_lock:
         if device not in _staging:
-            _staging[device] = Staging()
+            _staging[device] = Staging(device)
         return _staging[device]

@@ -193,7 +193,7 @@ def read_parameters(
     plan: ReadPlan,
     *,
     params: dict[str, torch.Tensor] | None = None,
-    threads: int = 8,
+    threads: int | None = None,
     into_model: bool = False,
     check_first: bool = True,
     digests: ReadDigests | None = None,
@@ -206,7 +206,8 @@ def read_parameters(
     second copy does not fit; the plan was checked first) and nothing is returned; a first pass then
     reads every tensor to refuse NaN or infinity before anything is copied (``check_first``: a model
     with nothing to keep, being loaded at start, checks afterwards instead). ``threads`` tensors are
-    read at a time (reads from the page cache and host-to-device copies release the GIL). On CUDA
+    read at a time (default 8 beside the model, 4 into it; reads from the page cache and
+    host-to-device copies release the GIL). On CUDA
     the copies run on a side stream, so a forward on the default stream is not held up; they are
     finished before this returns. ``digests`` (beside the old weights, whole tensors) collects the
     content hash's pieces of every tensor read, from the bytes read (``content_version(read=...)``).
@@ -214,10 +215,15 @@ def read_parameters(
     from safetensors import SafetensorError
 
     params = held_parameters(model) if params is None else params
+    threads = threads or (4 if into_model else 8)
     if digests is not None and (into_model or any(local_rows(p) is not None for p in params.values())):
         raise ValueError("digests need whole tensors read beside the model")
     device = next(local_tensor(p) for p in params.values()).device
-    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    staging = staging_for(device) if device.type == "cuda" and not into_model else None
+    if staging is not None:
+        stream = staging.stream
+    else:
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     if stream is not None and into_model:
         stream.wait_stream(torch.cuda.current_stream(device))  # the last forward is done with the old weights
     try:
@@ -230,7 +236,6 @@ def read_parameters(
             for file in sorted(plan.path.glob("*.safetensors")):
                 f = stack.enter_context(opener(file))
                 source.update(dict.fromkeys(f.keys(), f))
-            staging = staging_for(device) if stream is not None and not into_model else None
 
             def read(r: ParameterRead) -> tuple[str, torch.Tensor]:
                 p = params[r.param]
@@ -430,7 +435,10 @@ class ReadDigests:
         self.tensors: dict[str, PieceDigest] = {}
 
     def of(self, name: str) -> PieceDigest:
-        return self.tensors.setdefault(name, PieceDigest(self.piece))
+        if name in self.tensors:  # fed twice, its pieces would hash other bytes
+            raise ValueError(f"{name} is read twice")
+        self.tensors[name] = PieceDigest(self.piece)
+        return self.tensors[name]
 
 
 def content_version(path: Path, *, threads: int | None = None, piece: int = CONTENT_PIECE,

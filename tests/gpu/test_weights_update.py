@@ -54,3 +54,23 @@ def test_an_update_beside_allocates_no_page_locked_memory_once_staging_exists(tm
     fresh = dict(load_model(str(new), device="cuda").model.named_parameters())
     differ = [n for n, p in backend.scorer.loaded.model.named_parameters() if not torch.equal(p, fresh[n])]
     assert not differ, f"{len(differ)} parameters differ from a fresh load: {differ[:5]}"
+
+
+def test_a_staging_slot_is_filled_again_only_once_its_copy_is_done(tmp_path):
+    """One slot of 4 KiB, and the side stream held up by a sleeping kernel before the first copy:
+    a tensor of hundreds of slots arrives whole only if each refill waited for the copy out of
+    the slot, the reference being the tensor itself."""
+    from safetensors.torch import save_file
+
+    from model_runtime.scoring.tensor_file import Staging, TensorFile
+
+    t = torch.randn(1000, 257, generator=torch.Generator().manual_seed(0))
+    save_file({"w": t}, str(tmp_path / "w.safetensors"))
+    staging = Staging(torch.device("cuda"), count=1, size=4096)
+    out = torch.zeros(t.numel() * 4, dtype=torch.uint8, device="cuda")
+    with TensorFile(tmp_path / "w.safetensors") as f, torch.cuda.stream(staging.stream):
+        torch.cuda._sleep(200_000_000)  # tens of milliseconds of the side stream busy
+        f.read_into(out, "w", staging=staging)
+    staging.stream.synchronize()
+    got = out.view(torch.float32).view(1000, 257).cpu()
+    assert torch.equal(got, t), f"{int((got != t).sum())} of {t.numel()} values differ: a slot was refilled under its copy"

@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from model_runtime.scoring.tensor_file import PieceDigest, Staging, TensorFile, TensorFileError
+from model_runtime.scoring.tensor_file import PieceDigest, TensorFile, TensorFileError
+from tests.checkpoints import HostStaging
 
 
 def _tensors():
@@ -48,7 +49,7 @@ def test_reading_through_staging_slots_gives_the_same_bytes(tmp_path, slot_bytes
     pieces; every piece lands where a whole read puts it, the last one shorter included."""
     file = tmp_path / "t.safetensors"
     save_file(_tensors(), str(file))
-    staging = Staging(count=3, size=slot_bytes, pinned=False)
+    staging = HostStaging(3, slot_bytes)
     with TensorFile(file) as f:
         for name, rows in [*((n, None) for n in f.keys()), ("bf16", slice(2, 5)), ("f32", slice(1, 3)), ("bf16", slice(4, 4))]:
             want = f.read(name, rows).reshape(-1).view(torch.uint8)
@@ -68,7 +69,7 @@ def test_a_file_cut_short_while_open_is_an_error(tmp_path):
         with pytest.raises(TensorFileError, match="short"):
             f.read("w")
         with pytest.raises(TensorFileError, match="short"):
-            f.read_into(torch.empty(256 * 256 * 4, dtype=torch.uint8), "w", staging=Staging(2, 4096, pinned=False))
+            f.read_into(torch.empty(256 * 256 * 4, dtype=torch.uint8), "w", staging=HostStaging(2, 4096))
 
 
 @pytest.mark.parametrize("cut", [4, 20, -100])

@@ -17,7 +17,7 @@ from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.scorer import Scorer
 from model_runtime.scoring.weights import content_version, plan_reads, read_parameters, swap_parameters
 from model_runtime.types import SequenceInput
-from tests.checkpoints import save_checkpoint
+from tests.checkpoints import HostStaging, save_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -77,14 +77,14 @@ def test_positioned_reads_equal_the_mapped_reads(kind, second, rank):
     """The path of an update beside the old weights (``_read_positioned``, through staging slots as
     on a GPU) reads every parameter, a rank's rows of it included, as the mapping does: whole
     tensors, row slices, stacked experts and gate/up pairs."""
-    from model_runtime.scoring.tensor_file import Staging, TensorFile
+    from model_runtime.scoring.tensor_file import TensorFile
     from model_runtime.scoring.weights import _MappedFile, _read_positioned, _read_rows, held_parameters
 
     path = second(kind)
     served = load_model(str(path), device="cpu")
     plan = plan_reads(served.model, path)
     (file,) = path.glob("*.safetensors")
-    staging = Staging(count=2, size=4099, pinned=False)
+    staging = HostStaging(2, 4099)
     with TensorFile(file) as positioned, _MappedFile(file) as mapped:
         for r in plan.reads:
             if rank is None:
@@ -106,7 +106,7 @@ def test_the_content_hash_of_the_bytes_read_is_the_content_version(kind, second,
     """An update with no version hashes the tensors as it reads them (in any cuts: whole, or
     through staging slots that do not divide the hash's pieces) and reads only the rest (a vision
     tower, ``mtp.*``) again: the version is the one ``content_version`` gives on its own."""
-    from model_runtime.scoring.tensor_file import Staging, TensorFile
+    from model_runtime.scoring.tensor_file import TensorFile
     from model_runtime.scoring.weights import CONTENT_PIECE, ReadDigests, _read_positioned
     from tests.checkpoints import rewrite_checkpoint
 
@@ -121,7 +121,7 @@ def test_the_content_hash_of_the_bytes_read_is_the_content_version(kind, second,
         (file,) = path.glob("*.safetensors")
         with TensorFile(file) as f:
             for r in plan.reads:
-                _read_positioned(r, dict.fromkeys(f.keys(), f), None, torch.device("cpu"), Staging(2, slot, pinned=False), digests)
+                _read_positioned(r, dict.fromkeys(f.keys(), f), None, torch.device("cpu"), HostStaging(2, slot), digests)
     assert "mtp.fc.weight" not in digests.tensors and digests.tensors
     want = content_version(path, piece=piece)
     assert content_version(path, piece=piece, read=digests) == want
