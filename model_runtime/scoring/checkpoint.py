@@ -350,12 +350,17 @@ def hf_config(config: dict):
 
 
 def build_meta_model(config: dict):
-    """The Hugging Face causal LM the config describes, on the meta device (no memory, no data)."""
+    """The Hugging Face causal LM the config describes, on the meta device (no memory, no data).
+
+    Built in the default dtype: given the config's, transformers would set torch's default dtype
+    for the whole process meanwhile, under a model serving in another thread (a weight update
+    checks its checkpoint with this), whose new tensors and compiled functions would see it.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config(config))
+        return AutoModelForCausalLM.from_config(hf_config(config), dtype=None)
 
 
 def _model_tensors(path: Path, config: dict) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:

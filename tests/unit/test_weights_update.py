@@ -352,3 +352,17 @@ def test_an_update_in_place_serves_the_same_numbers(served, reference_new, secon
     assert {id(p) for p in backend.scorer.loaded.model.parameters()} == set(before)
     row = rows(backend.info.vocab_size, 1, seed=9)[0]
     assert_equal(backend.score_row(row), reference_new.score_row(row), "after an update in place")
+
+
+def test_checking_a_checkpoint_leaves_the_process_default_dtype_alone(kind, checkpoint_dir, monkeypatch, tmp_path):
+    """An update checks its checkpoint (a model built on the meta device) while another thread
+    serves: torch's default dtype is process-wide, and a bf16 default there would reach that
+    thread's new tensors and the guards of its compiled functions."""
+    from tests.checkpoints import rewrite_checkpoint
+
+    path = rewrite_checkpoint(checkpoint_dir(kind), tmp_path / "bf16", edit_config=lambda c: {**c, "dtype": "bfloat16"})
+    served = load_model(str(checkpoint_dir(kind)), device="cpu")
+    calls = []
+    monkeypatch.setattr(torch, "set_default_dtype", lambda d: calls.append(d))
+    plan_reads(served.model, path)
+    assert not calls, f"checking a checkpoint set the default dtype: {calls}"
