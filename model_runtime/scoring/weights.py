@@ -233,7 +233,7 @@ def read_parameters(
             # or in place): the mapping.
             opener = _MappedFile if into_model else TensorFile
             source: dict[str, TensorFile | _MappedFile] = {}  # checkpoint tensor name -> the open file holding it
-            for file in sorted(plan.path.glob("*.safetensors")):
+            for file in safetensors_files(plan.path):  # with an index, its shards only (as Hugging Face reads)
                 f = stack.enter_context(opener(file))
                 source.update(dict.fromkeys(f.keys(), f))
 

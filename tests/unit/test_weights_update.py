@@ -366,3 +366,24 @@ def test_checking_a_checkpoint_leaves_the_process_default_dtype_alone(kind, chec
     monkeypatch.setattr(torch, "set_default_dtype", lambda d: calls.append(d))
     plan_reads(served.model, path)
     assert not calls, f"checking a checkpoint set the default dtype: {calls}"
+
+
+def test_with_an_index_a_stale_file_beside_its_shards_is_never_read(second, checkpoint_dir, tmp_path):
+    """A sharded save into a directory that still holds an older single-file save: Hugging Face
+    reads the index's shards only, and so must an update and the shard-by-shard reader."""
+    import shutil
+
+    from model_runtime.scoring.weights import materialize
+
+    path = tmp_path / "resaved"
+    save_checkpoint("qwen3_5", path, seed=1, max_shard_size="200KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    shutil.copy(next(checkpoint_dir("qwen3_5").glob("*.safetensors")), path / "model.safetensors")  # the older save
+    want = dict(load_model(str(second("qwen3_5")), device="cpu").model.named_parameters())
+    served = load_model(str(checkpoint_dir("qwen3_5")), device="cpu")
+    new = read_parameters(served.model, plan_reads(served.model, path))
+    later = load_model(str(path), device="cpu", weights_later=True)
+    materialize(later.model, path, torch.device("cpu"))
+    for how, got in (("update", new), ("shard by shard", dict(later.model.named_parameters()))):
+        differ = [n for n, t in got.items() if not torch.equal(t, want[n])]
+        assert not differ, f"{how}: {len(differ)} parameters read from the stale file: {differ[:3]}"
