@@ -41,8 +41,9 @@ from torch import nn
 from model_runtime.scoring.checkpoint import CheckpointError, check_checkpoint, refuse_other_forward, safetensors_files
 from model_runtime.scoring.tensor_file import PieceDigest, Staging, TensorFile, read_header, staging_for
 
-# The nice value of the threads that read and hash a checkpoint (Linux: each thread has its own):
-# where the host's cores are busy, the threads of the forwards serving beside them go first.
+# The nice value of the threads that hash a checkpoint (Linux: each thread has its own): where the
+# host's cores are busy, the threads of the forwards serving beside them go first. Only threads
+# that run no torch op: a thread pool torch creates from one would inherit its priority.
 BACKGROUND_NICE = 10
 HASH_THREADS = 8  # beside serving forwards
 START_HASH_THREADS = 16  # at start, where nothing serves yet
@@ -259,10 +260,10 @@ def read_parameters(
                 def finite(r: ParameterRead) -> tuple[str, bool]:
                     return r.param, not non_finite([(r.param, _read_rows(r, source, local_rows(params[r.param])))])
 
-                with ThreadPoolExecutor(max(1, threads), initializer=background_thread) as ex:
+                with ThreadPoolExecutor(max(1, threads)) as ex:
                     bad = [name for name, ok in ex.map(finite, plan.reads) if not ok]
                 _refuse_non_finite(plan, bad)
-            with ThreadPoolExecutor(max(1, threads), initializer=background_thread) as ex:
+            with ThreadPoolExecutor(max(1, threads)) as ex:
                 out = dict(ex.map(read, plan.reads))
         if stream is not None:
             stream.synchronize()
