@@ -208,9 +208,8 @@ def read_parameters(
     reads every tensor to refuse NaN or infinity before anything is copied (``check_first``: a model
     with nothing to keep, being loaded at start, checks afterwards instead). ``threads`` tensors are
     read at a time (default 8 beside the model, 4 into it; reads from the page cache and
-    host-to-device copies release the GIL). On CUDA
-    the copies run on a side stream, so a forward on the default stream is not held up; they are
-    finished before this returns. ``digests`` (beside the old weights, whole tensors) collects the
+    host-to-device copies release the GIL). On CUDA the copies run on a side stream, so a forward
+    on the default stream is not held up; they are finished before this returns. ``digests`` (beside the old weights, whole tensors) collects the
     content hash's pieces of every tensor read, from the bytes read (``content_version(read=...)``).
     """
     from safetensors import SafetensorError
