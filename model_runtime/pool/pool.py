@@ -50,6 +50,7 @@ import torch
 
 from model_runtime.parallel.dims import ParallelDims
 from model_runtime.pool import messages as msg
+from model_runtime.pool.loaded_files import LoadedFiles
 from model_runtime.pool.lockstep import Lockstep
 from model_runtime.pool.procs import WorkerWorld
 from model_runtime.pool.replies import Pending, Swap, reply_error, split_reply
@@ -127,7 +128,7 @@ class WorkerPool(Lockstep):
         self.prefix_rounding = None  # the workers' RowRounding (prefix sharing on a GPU, sp = 1)
         # What the workers loaded (its files' sizes and times, and its content hash): a restart
         # reloads from that directory and must not serve other files under the version naming these.
-        self._loaded: _LoadedFiles | None = None
+        self._loaded: LoadedFiles | None = None
         self._restarting = False  # one restart loop at a time
         if Path(self._start_fields["model"]).is_dir():  # its content hash, once here instead of once per rank
             from model_runtime.scoring.weights import START_HASH_THREADS, content_version, files_snapshot
@@ -135,7 +136,7 @@ class WorkerPool(Lockstep):
             path = Path(self._start_fields["model"])
             snapshot = files_snapshot(path)
             self._start_fields["weights_version"] = content_version(path, threads=START_HASH_THREADS)
-            self._loaded = _LoadedFiles(path, snapshot, self._start_fields["weights_version"])
+            self._loaded = LoadedFiles(path, snapshot, self._start_fields["weights_version"])
         hellos = self._start_world()
         first = hellos[0]
         self._vocab_size = first.vocab_size
@@ -213,7 +214,7 @@ class WorkerPool(Lockstep):
             self.info = replace(self.info, weights_version=new_version)
             # A restarted world loads what serves now; a named version's content is hashed after the
             # swap, for the restarts to check against.
-            loaded = _LoadedFiles(Path(path), files, None if version is not None else new_version)
+            loaded = LoadedFiles(Path(path), files, None if version is not None else new_version)
             with self._lock:
                 self._start_fields.update(model=str(path), weights_version=new_version, served_model_name=self.info.name)
                 self._loaded = loaded
@@ -556,41 +557,6 @@ class WorkerPool(Lockstep):
             return self.request_timeout_s
         return min(self.request_timeout_s, max(self.stall_floor_s, STALL_FACTOR * cost_ahead * self._seconds_per_cost))
 
-
-
-class _LoadedFiles:
-    """A checkpoint directory as the workers loaded it: its files' names, sizes and modification
-    times, and its content hash (None until taken)."""
-
-    def __init__(self, path: Path, snapshot: tuple, content: str | None):
-        self.path, self.snapshot, self.content = path, snapshot, content
-
-    def hash(self) -> None:
-        """Takes the content hash, if the files are still those loaded."""
-        from model_runtime.scoring.weights import content_version, files_snapshot
-
-        try:
-            content = content_version(self.path)
-            if files_snapshot(self.path) == self.snapshot:
-                self.content = content
-        except (OSError, ValueError) as error:
-            log.warning("hashing %s for restarts failed: %s", self.path, error)
-
-    def changed(self) -> str | None:
-        """Why the directory no longer holds what was loaded, or None."""
-        from model_runtime.scoring.weights import content_version, files_snapshot
-
-        if not self.path.is_dir():
-            return "is gone"
-        now = files_snapshot(self.path)
-        if now == self.snapshot:
-            return None
-        if self.content is None:
-            return "changed before its content was hashed"
-        if content_version(self.path) != self.content:
-            return "holds other weights"
-        self.snapshot = now  # the same content written again: no hash next time
-        return None
 
 
 def start_pool(settings: dict) -> WorkerPool:

@@ -328,19 +328,27 @@ class _MappedFile:
         self._file.__exit__(*exc)
 
 
+def _parts(r: ParameterRead, rows: slice | None) -> list[tuple[str, slice | None]]:
+    """The checkpoint tensors holding the parameter's rows ``rows`` of dim 0 (all when None), in
+    the order they are combined, each with its own rows: a copied tensor's rows, or each expert's
+    whole tensors (its gate then its up rows for a gate/up pair)."""
+    if r.combine == "copy":
+        return [(r.parts[0], rows)]
+    experts = range(r.shape[0]) if rows is None else range(rows.start, rows.stop)
+    per = 1 if r.combine == "stack" else 2
+    return [(r.parts[per * e + k], None) for e in experts for k in range(per)]
+
+
 def _read_rows(r: ParameterRead, source: dict, rows: slice | None) -> torch.Tensor:
     """The parameter's rows ``rows`` of dim 0 (all when None), read from the checkpoint's mapping."""
+    parts = [source[name].read(name, part_rows) for name, part_rows in _parts(r, rows)]
     if r.combine == "copy":
-        return source[r.parts[0]].read(r.parts[0], rows)
-    get = lambda name: source[name].read(name)  # noqa: E731
-    experts = range(r.shape[0]) if rows is None else range(rows.start, rows.stop)
-    if r.combine == "stack":
-        mats = [get(r.parts[e]) for e in experts]
-    else:  # each expert's gate rows then its up rows, as Hugging Face fuses them
-        mats = [torch.cat([get(r.parts[2 * e]), get(r.parts[2 * e + 1])]) for e in experts]
-    if not mats:
+        return parts[0]
+    if not parts:
         return torch.empty((0, *r.shape[1:]))
-    return torch.stack(mats)
+    if r.combine == "stack":
+        return torch.stack(parts)
+    return torch.stack([torch.cat(parts[i:i + 2]) for i in range(0, len(parts), 2)])  # gate rows, then up rows
 
 
 def _read_positioned(r: ParameterRead, source: dict[str, TensorFile], rows: slice | None, device: torch.device,
@@ -351,12 +359,7 @@ def _read_positioned(r: ParameterRead, source: dict[str, TensorFile], rows: slic
     A parameter's bytes are its parts' bytes one after another: a stacked expert tensor is each
     expert's tensor in turn, and gate then up rows concatenated are the gate's bytes then the up's.
     """
-    if r.combine == "copy":
-        pieces = [(r.parts[0], rows)]
-    else:
-        experts = range(r.shape[0]) if rows is None else range(rows.start, rows.stop)
-        per = 1 if r.combine == "stack" else 2
-        pieces = [(r.parts[per * e + k], None) for e in experts for k in range(per)]
+    pieces = _parts(r, rows)
     if not pieces:
         return torch.empty((0, *r.shape[1:]), device=device)
     located = [source[name].locate(name, part_rows) for name, part_rows in pieces]
