@@ -31,4 +31,4 @@ def load_backend(settings: Settings):
         served_name=settings.served_model_name,
     )
     scorer = Scorer(loaded, max_batch_tokens=settings.max_batch_tokens, prefix_min_tokens=settings.prefix_min_tokens_in_use)
-    return LocalBackend(scorer)
+    return LocalBackend(scorer, updates=settings.weights_root is not None)

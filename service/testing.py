@@ -8,7 +8,6 @@ records every row it was given, so a test can check how the scheduler packed the
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -18,8 +17,9 @@ from typing import AsyncIterator, Callable, Sequence
 
 import httpx
 import numpy as np
+import xxhash
 
-from model_runtime.scoring.backend import BackendUnavailableError, ModelInfo, UpdateInProgressError, WeightsUpdate, begin_update
+from model_runtime.scoring.backend import BackendUnavailableError, ModelInfo, WeightsUpdate, begin_update
 from model_runtime.scoring.checkpoint import CheckpointError
 from model_runtime.scoring.rows import validate_sequence
 from model_runtime.scoring.weights import CONTENT_VERSION_PREFIX
@@ -139,7 +139,7 @@ class FakeBackend:
             if self.load_gate is not None:
                 self.load_gate.wait(timeout=30)
             if version is None:  # a content hash, as the real backends compute
-                digest = hashlib.sha256()
+                digest = xxhash.xxh3_128()
                 for f in sorted(path.iterdir()):
                     digest.update(f.name.encode() + (f.read_bytes() if f.is_file() else b""))
                 version = f"{CONTENT_VERSION_PREFIX}{digest.hexdigest()[:12]}"

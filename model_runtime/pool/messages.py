@@ -60,6 +60,7 @@ class Start:
     timeout_s: float  # collective timeout: a stuck collective raises instead of hanging
     prefix_min_tokens: int = 0  # shortest shared prefix run once (0: prefix sharing off)
     weights_version: str = ""  # version of the weights at ``model`` after an update ("": the model's own)
+    updates: bool = False  # weight updates may come (--weights-root): their staging buffers are made at start
 
 
 @dataclass(frozen=True)

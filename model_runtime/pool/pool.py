@@ -107,6 +107,7 @@ class WorkerPool(Lockstep):
             timeout_s=self.request_timeout_s,
             prefix_min_tokens=int(settings.get("prefix_min_tokens", 0)),  # 0: prefix sharing off
             weights_version="",
+            updates=settings.get("weights_root") is not None,
         )
         self._lock = threading.Lock()
         self._updating = threading.Lock()  # one weight update at a time

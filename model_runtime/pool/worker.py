@@ -151,6 +151,10 @@ def _setup(start: msg.Start):
         from model_runtime.scoring.weights import materialize
 
         materialize(loaded.model, Path(start.model), device)
+    if start.updates and device.type == "cuda":  # made now, not in the first update beside the forwards
+        from model_runtime.scoring.tensor_file import staging_for
+
+        staging_for(device)
     runner = ParallelScorer(
         loaded, dims=dims, mesh=mesh, rank=start.rank, max_batch_tokens=start.max_batch_tokens,
         prefix_min_tokens=start.prefix_min_tokens, prefix_rounding=rounding,

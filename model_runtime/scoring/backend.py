@@ -127,7 +127,9 @@ class LocalBackend:
     # copies the new weights into place between forwards instead.
     BESIDE_FRACTION = 0.9
 
-    def __init__(self, scorer: Scorer):
+    def __init__(self, scorer: Scorer, *, updates: bool = False):
+        """``updates``: weight updates may come; their page-locked staging buffers are made here,
+        since making them in the first update would stop the forwards beside it (tensor_file.Staging)."""
         self.scorer = scorer
         self.info = ModelInfo.of(scorer.loaded)
         self.max_row_tokens = scorer.max_batch_tokens
@@ -139,6 +141,10 @@ class LocalBackend:
         self.update_in_place: bool | None = None  # None: beside the old weights when a second copy fits
         # The scheduler costs rows with it from the first request on, warm-up or not (``packscore score``)
         self.scorer.rounding_in_use()
+        if updates and scorer.loaded.device.type == "cuda":
+            from model_runtime.scoring.tensor_file import staging_for
+
+            staging_for(scorer.loaded.device)
 
     @property
     def prefix_rounding(self):
@@ -161,7 +167,8 @@ class LocalBackend:
 
     def update_weights(self, path: Path, version: str | None = None) -> WeightsUpdate:
         from model_runtime.scoring.weights import (ReadDigests, checkpoint_changed, content_version, files_snapshot,
-                                                   plan_reads, read_parameters, swap_parameters)
+                                                   plan_reads, read_parameters, refuse_non_finite_reads,
+                                                   swap_parameters)
 
         path = Path(path)
         started = begin_update(self._updating, self.info.name)
@@ -185,8 +192,11 @@ class LocalBackend:
                     swap_ms = 1e3 * (time.perf_counter() - t0)
             else:
                 new_version = version or content_version(path)
+                refuse_non_finite_reads(loaded.model, plan)  # while the old weights serve
                 with self._turnstile, self._lock:  # forwards wait while the weights are copied into place
                     t0 = time.perf_counter()
+                    if (changed := checkpoint_changed(path, files)) is not None:  # since checked: nothing copied
+                        raise changed
                     read_parameters(loaded.model, plan, into_model=True)
                     previous = self._set_version(new_version)
                     swap_ms = 1e3 * (time.perf_counter() - t0)

@@ -26,6 +26,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 from model_runtime.model.architectures import UnsupportedModelError, architecture_for
@@ -366,9 +367,17 @@ def build_meta_model(config: dict):
 def _model_tensors(path: Path, config: dict) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     """The model's tensor names -> shapes, one name per tensor, and its tied aliases -> that name."""
     try:
-        model = build_meta_model(config)
+        needed, aliases = _tensors_of_config(json.dumps(config, sort_keys=True))
     except Exception as exc:  # a config transformers cannot build a model from
         raise CheckpointError("incompatible", f"{path}: config.json does not describe a buildable model: {exc}") from None
+    return dict(needed), dict(aliases)
+
+
+# Kept per config: a weight update's checkpoint usually has the served one's config, and building
+# the 9B on the meta device holds the GIL for about 0.4 s, in which the forwards beside it stop.
+@lru_cache(maxsize=16)
+def _tensors_of_config(config_json: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    model = build_meta_model(json.loads(config_json))
     needed: dict[str, tuple[int, ...]] = {}
     aliases: dict[str, str] = {}
     first_name: dict[int, str] = {}

@@ -13,7 +13,6 @@ data. Only these bytes are interpreted; nothing is unpickled.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -23,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import xxhash
 
 _DTYPES = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
@@ -176,13 +176,13 @@ class TensorFile:
 
 
 class PieceDigest:
-    """sha256 of a stream of bytes in pieces of ``piece`` bytes from its start, fed in any cuts:
+    """XXH3-128 of a stream of bytes in pieces of ``piece`` bytes from its start, fed in any cuts:
     a tensor's part of a content version (``weights.content_version``)."""
 
     def __init__(self, piece: int):
         self.piece = piece
         self._done: list[str] = []
-        self._hash, self._fed = hashlib.sha256(), 0
+        self._hash, self._fed = xxhash.xxh3_128(), 0
 
     def update(self, data: memoryview) -> None:
         data = data.cast("B")
@@ -193,7 +193,7 @@ class PieceDigest:
             data = data[take:]
             if self._fed == self.piece:
                 self._done.append(self._hash.hexdigest())
-                self._hash, self._fed = hashlib.sha256(), 0
+                self._hash, self._fed = xxhash.xxh3_128(), 0
 
     def hexdigests(self) -> list[str]:
         """One per piece; an empty stream is one piece of no bytes."""
@@ -234,6 +234,8 @@ _staging_lock = threading.Lock()
 def staging_for(device: torch.device) -> Staging:
     """The process's staging buffers and side stream for ``device`` (a CUDA device), made at the
     first call."""
+    if device.index is None:  # "cuda" and "cuda:0" are one device, and must share one Staging
+        device = torch.device(device.type, torch.cuda.current_device())
     with _staging_lock:
         if device not in _staging:
             _staging[device] = Staging(device)

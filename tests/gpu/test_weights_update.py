@@ -56,6 +56,25 @@ def test_an_update_beside_allocates_no_page_locked_memory_once_staging_exists(tm
     assert not differ, f"{len(differ)} parameters differ from a fresh load: {differ[:5]}"
 
 
+def test_a_backend_that_may_update_makes_its_staging_slots_before_the_first_update(tmp_path):
+    """With --weights-root the slots are made with the backend, so that even a process's first
+    update allocates no page-locked memory beside the forwards."""
+    from model_runtime.scoring import tensor_file
+
+    old = save_checkpoint("qwen3_5", tmp_path / "old", seed=0)
+    new = save_checkpoint("qwen3_5", tmp_path / "new", seed=1)
+    with tensor_file._staging_lock:
+        tensor_file._staging.clear()  # as in a fresh process
+    backend = LocalBackend(Scorer(load_model(str(old), device="cuda")), updates=True)
+    backend.update_in_place = False
+    torch.cuda.synchronize()
+    before = torch.cuda.host_memory_stats()["num_host_alloc"]
+    backend.update_weights(new, "v2")
+    torch.cuda.synchronize()
+    grown = torch.cuda.host_memory_stats()["num_host_alloc"] - before
+    assert grown == 0, f"{grown} page-locked allocations in the first update, want none"
+
+
 def test_a_staging_slot_is_filled_again_only_once_its_copy_is_done(tmp_path):
     """One slot of 4 KiB, and the side stream held up by a sleeping kernel before the first copy:
     a tensor of hundreds of slots arrives whole only if each refill waited for the copy out of

@@ -207,6 +207,27 @@ def test_expected_shapes_must_match(checkpoint_dir):
         check_checkpoint(checkpoint_dir("qwen3_5"), expected=narrower)
 
 
+def test_a_config_checked_again_builds_no_model_and_gives_the_same_tensors(kind, checkpoint_dir, tmp_path, monkeypatch):
+    """A weight update checks a checkpoint whose config is usually the served one's: the model
+    built from it on the meta device is not built again (it holds the GIL beside the forwards),
+    and what the check returns is still each call's own; another config is built."""
+    from model_runtime.scoring import checkpoint
+
+    checkpoint._tensors_of_config.cache_clear()
+    first = check_checkpoint(checkpoint_dir(kind))
+    first.tensors.clear()  # a caller's change reaches no later check
+    built = []
+    real = checkpoint.build_meta_model
+    monkeypatch.setattr(checkpoint, "build_meta_model", lambda config: built.append(config) or real(config))
+    again = check_checkpoint(checkpoint_dir(kind))
+    assert not built, "the same config was built again"
+    fresh = check_checkpoint(checkpoint_dir(kind))
+    assert again.tensors == fresh.tensors and again.tensors, "a cached check returned other tensors"
+    other = rewrite_checkpoint(checkpoint_dir(kind), tmp_path / "other", edit_config=lambda c: {**c, "rms_norm_eps": 1e-5})
+    check_checkpoint(other)
+    assert len(built) == 1, f"a changed config was not built: {len(built)} builds"
+
+
 @pytest.mark.parametrize(
     "rope, want",
     [

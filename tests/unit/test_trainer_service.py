@@ -170,7 +170,7 @@ def test_an_update_swaps_the_version_and_the_numbers(tmp_path):
     np.testing.assert_allclose(after.json()["results"][0]["logprobs"], _expected(SEQ, 1), rtol=0, atol=1e-6)
     assert ref.json()["weights_version"] == FAKE_VERSION  # the other model is untouched
     np.testing.assert_allclose(ref.json()["results"][0]["logprobs"], _expected(SEQ, 0), rtol=0, atol=1e-6)
-    assert hashed.status_code == 200 and hashed.json()["weights_version"].startswith("sha256-")
+    assert hashed.status_code == 200 and hashed.json()["weights_version"].startswith("xxh3-")
     versions = {m["id"]: m["weights_version"] for m in models.json()["data"]}
     assert versions == {"policy": hashed.json()["weights_version"], "ref": FAKE_VERSION}
     info = {s.labels["model"]: s.labels["weights_version"] for f in text_string_to_metric_families(metrics.text)
@@ -273,7 +273,7 @@ def test_a_second_update_of_the_same_model_is_409_and_readiness_holds_during_a_l
             await wait_until(lambda: backends["policy"]._updating.locked())
             second = await client.post("/v1/weights", json={"model": "policy", "path": "step-2"})
             # a body wrong in itself is 422 whatever the model's state
-            reserved = await client.post("/v1/weights", json={"model": "policy", "path": "step-2", "version": "sha256-0"})
+            reserved = await client.post("/v1/weights", json={"model": "policy", "path": "step-2", "version": "xxh3-0"})
             ready = await client.get("/readyz")
             served = await client.post("/score", json=_score({"model": "policy"}))
             load_gate.set()
@@ -433,8 +433,8 @@ def test_a_version_names_one_set_of_weights(tmp_path):
                 {"path": "step-2", "version": "M"},
                 {"path": "/etc", "version": "N"},
                 {"path": "step-2", "version": 5},
-                {"path": "step-2", "version": "sha256-5e12cb26ac1f"},  # could later be other weights' hash
-                {"path": "step-2", "version": "SHA256-5e12cb26ac1f"},
+                {"path": "step-2", "version": "xxh3-5e12cb26ac1f"},  # could later be other weights' hash
+                {"path": "step-2", "version": "XXH3-5e12cb26ac1f"},
                 {"path": "step-2", "version": "preset:tiny#seed0"},  # a preset's name
                 {"path": "step-2", "version": "\x00\x01"},
                 {"path": "step-2", "version": " v "},

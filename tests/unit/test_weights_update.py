@@ -358,10 +358,12 @@ def test_checking_a_checkpoint_leaves_the_process_default_dtype_alone(kind, chec
     """An update checks its checkpoint (a model built on the meta device) while another thread
     serves: torch's default dtype is process-wide, and a bf16 default there would reach that
     thread's new tensors and the guards of its compiled functions."""
+    from model_runtime.scoring.checkpoint import _tensors_of_config
     from tests.checkpoints import rewrite_checkpoint
 
     path = rewrite_checkpoint(checkpoint_dir(kind), tmp_path / "bf16", edit_config=lambda c: {**c, "dtype": "bfloat16"})
     served = load_model(str(checkpoint_dir(kind)), device="cpu")
+    _tensors_of_config.cache_clear()  # built here, not taken from an earlier check
     calls = []
     monkeypatch.setattr(torch, "set_default_dtype", lambda d: calls.append(d))
     plan_reads(served.model, path)
@@ -387,3 +389,36 @@ def test_with_an_index_a_stale_file_beside_its_shards_is_never_read(second, chec
     for how, got in (("update", new), ("shard by shard", dict(later.model.named_parameters()))):
         differ = [n for n, t in got.items() if not torch.equal(t, want[n])]
         assert not differ, f"{how}: {len(differ)} parameters read from the stale file: {differ[:3]}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_the_host_finiteness_check_by_bits_equals_torch_isfinite(dtype):
+    """``non_finite`` checks host tensors by their exponent bits; every special value and chunk
+    edge must be judged as ``torch.isfinite`` judges it."""
+    from model_runtime.scoring.weights import non_finite
+
+    info = torch.finfo(dtype)
+    specials = [float("nan"), float("inf"), -float("inf"), info.max, -info.max, info.tiny, info.tiny / 4, -0.0]
+    rng = np.random.default_rng(0)
+    for special in specials:
+        for at in (0, 999, 1000, 1001, 4095):
+            t = torch.from_numpy(rng.standard_normal(4096)).to(dtype)
+            t[at] = special
+            want = [] if bool(torch.isfinite(t).all()) else ["t"]
+            got = non_finite([("t", t)], chunk=1000)
+            assert got == want, f"{dtype}, {special} at {at}: got {got}, torch.isfinite says {want}"
+
+
+def test_an_update_in_place_checks_for_nan_while_the_old_weights_still_serve(served, second, monkeypatch):
+    """The NaN pass of an update in place reads the whole checkpoint: forwards must not wait for
+    it, only for the copy into place."""
+    from model_runtime.scoring import weights
+
+    backend = served()
+    backend.update_in_place = True
+    held = []
+    real = weights.refuse_non_finite_reads
+    monkeypatch.setattr(weights, "refuse_non_finite_reads",
+                        lambda *a, **k: held.append(backend._lock.locked()) or real(*a, **k))
+    backend.update_weights(second("qwen3_5"), "in-place")
+    assert held == [False], f"the NaN pass ran {len(held)} times, under the forward lock: {held}"
