@@ -14,7 +14,10 @@
    swap times, the loop's longest gap between two rows against its median row time, host peak
    RSS and GPU peak memory during the update. Then back to A with no version (the content hash),
    checking A's numbers come back bit for bit, and once more in place (as when a second copy
-   does not fit), whose swap pauses the loop for the whole load.
+   does not fit), whose swap pauses the loop for the whole load. Each update with a version and
+   with the content hash runs twice, since a process's first update pauses the loop longer.
+   For each update, ``StackSampler`` says where the updating and the scoring threads were during
+   the loop's longest gap, and the allocator's counters say how many device allocations it made.
 Writes ``weights-swap.json`` and ``weights-swap.md`` under ``--out`` and prints the table last.
 """
 
@@ -25,7 +28,9 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import threading
+from collections import Counter
 import time
 from pathlib import Path
 
@@ -105,6 +110,7 @@ class ScoringLoop:
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
+        self.thread_ident = self._thread.ident
 
     def _run(self) -> None:
         try:
@@ -124,6 +130,66 @@ class ScoringLoop:
         ends = [e for _, e, _ in self.ends]
         inside = [b - a for a, b in zip(ends, ends[1:]) if b >= lo and a <= hi]
         return max(inside, default=float("nan")), statistics.median(e - s for s, e, _ in self.ends)
+
+    def longest_gap_end(self, lo: float, hi: float) -> float | None:
+        ends = [e for _, e, _ in self.ends]
+        inside = [(b - a, b) for a, b in zip(ends, ends[1:]) if b >= lo and a <= hi]
+        return max(inside)[1] if inside else None
+
+
+class StackSampler:
+    """Samples the stacks of every thread every ``period_s``: where the scoring loop's thread and
+    all the others (the update and its readers) spent a window of time, by innermost frame and the
+    innermost of packscore's own; threads waiting idle are left out. A sample needs the GIL, so a
+    long gap between samples is a native call that held it."""
+
+    IDLE = ("threading.py:", "queue.py:", "thread.py:_worker", "selectors.py:")
+
+    def __init__(self, loop_ident: int, ignore: tuple[int, ...] = (), period_s: float = 0.005):
+        self.loop_ident, self.ignore, self.period_s = loop_ident, ignore, period_s
+        self.samples: list[tuple[float, str, str]] = []  # (time, "loop" or "others", place)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _place(frame) -> str:
+        inner, own = None, None
+        while frame is not None and own is None:
+            name = f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}"
+            inner = inner or name
+            if any(part in frame.f_code.co_filename for part in ("model_runtime", "/bench/")):
+                own = name
+            frame = frame.f_back
+        return inner if own in (None, inner) else f"{own} > {inner}"
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        while not self._stop.wait(self.period_s):
+            frames, now = sys._current_frames(), time.perf_counter()
+            for ident, frame in frames.items():
+                if ident != me and ident not in self.ignore:
+                    place = self._place(frame)
+                    idle = place.split(" > ")[-1].startswith(self.IDLE) or place == "weights_swap.py:run"  # its sleeps
+                    if ident == self.loop_ident or not idle:
+                        self.samples.append((now, "loop" if ident == self.loop_ident else "others", place))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def where(self, lo: float, hi: float, top: int = 4) -> dict:
+        """The loop's and the other threads' most frequent places within [lo, hi] with their sample
+        counts, and the sampler's own longest gap there (a native call holding the GIL) with the
+        places sampled just before it."""
+        inside = [x for x in self.samples if lo <= x[0] <= hi]
+        out: dict = {who: Counter(p for _, w, p in inside if w == who).most_common(top) for who in ("others", "loop")}
+        times = sorted({t for t, _, _ in inside})
+        if len(times) > 1:
+            gap, at = max((b - a, a) for a, b in zip(times, times[1:]))
+            out["longest_sample_gap_s"] = gap
+            out["before_it"] = sorted({p for t, _, p in inside if t == at})
+        return out
 
 
 def _sync(device: torch.device) -> None:
@@ -148,7 +214,8 @@ def run(args) -> dict:
 
     # Start: Hugging Face's from_pretrained, as the single-process server loads.
     started = time.perf_counter()
-    backend = LocalBackend(Scorer(load_model(str(a), device=device), max_batch_tokens=args.loop_seqs * args.loop_len))
+    backend = LocalBackend(Scorer(load_model(str(a), device=device), max_batch_tokens=args.loop_seqs * args.loop_len),
+                           updates=True)  # as served with --weights-root
     _sync(device)
     out["start_load_s"] = time.perf_counter() - started
     out["start_host_peak_rss"] = mem.peak_rss
@@ -178,9 +245,13 @@ def run(args) -> dict:
     for label, path, version, in_place in (
         ("A -> B, beside", b, "B", False),
         ("B -> A, beside, content hash", a, None, False),
+        ("A -> B, beside, again", b, "B3", False),
+        ("B -> A, beside, content hash, again", a, None, False),
         ("A -> B, in place", b, "B2", True),
     ):
         loop = ScoringLoop(backend, row)
+        sampler = StackSampler(loop.thread_ident, ignore=(mem._thread.ident,))
+        allocs = torch.cuda.memory_stats(device).get("num_device_alloc", 0) if device.type == "cuda" else 0
         time.sleep(args.idle_s)  # the loop's own rhythm before the request
         backend.update_in_place = in_place
         if device.type == "cuda":
@@ -194,7 +265,9 @@ def run(args) -> dict:
         loop.stop()
         if loop.error is not None:
             raise loop.error
+        sampler.stop()
         gap, median = loop.gaps(requested, served + args.idle_s)
+        gap_end = loop.longest_gap_end(requested, served + args.idle_s)
         result = backend.score_row(row)
         after = [v for s, _, v in loop.ends if s > served] + [result[0].weights_version]
         updates.append({
@@ -209,16 +282,57 @@ def run(args) -> dict:
             "host_peak_rss": mem.peak_rss,
             "gpu_peak_bytes": gpu_peak,
             "max_diff_vs_A": max_diff(result, reference_a),
+            "device_allocations": (torch.cuda.memory_stats(device).get("num_device_alloc", 0) - allocs
+                                   if device.type == "cuda" else 0),
+            "in_longest_gap": sampler.where(gap_end - gap, gap_end) if gap_end is not None else {},
         })
         print(json.dumps(updates[-1]), flush=True)
     out["updates"] = updates
+    if device.type == "cuda":
+        out["device_memory_alone"] = device_memory_alone(backend, row, args.idle_s)
     out["B_differs_from_A"] = updates[0]["max_diff_vs_A"] > 0
-    out["A_restored_exactly"] = updates[1]["max_diff_vs_A"] == 0.0
+    out["A_restored_exactly"] = updates[1]["max_diff_vs_A"] == 0.0 and updates[3]["max_diff_vs_A"] == 0.0
     out["gpu_weights_bytes"] = sum(p.numel() * p.element_size() for p in backend.scorer.loaded.model.parameters())
     mem.stop()
     if not args.keep:
         shutil.rmtree(args.work, ignore_errors=True)
     return out
+
+
+def device_memory_alone(backend: LocalBackend, row: list[SequenceInput], idle_s: float) -> list[dict]:
+    """The loop's longest gap while, beside it, a second copy of the weights is allocated on the
+    update's side stream from an empty cache (cudaMalloc), then while the cache is emptied (cudaFree)."""
+    from model_runtime.scoring.tensor_file import staging_for
+
+    model = backend.scorer.loaded.model
+    device = backend.scorer.loaded.device
+    stream = staging_for(device).stream
+    torch.cuda.empty_cache()
+    steps, copy = [], []
+
+    def allocate() -> None:
+        with torch.cuda.stream(stream):
+            copy.extend(torch.empty_like(p) for p in model.parameters())
+        stream.synchronize()
+
+    def release() -> None:
+        copy.clear()
+        torch.cuda.empty_cache()
+
+    for label, step in (("allocate a second copy (cudaMalloc)", allocate), ("free it, empty the cache (cudaFree)", release)):
+        loop = ScoringLoop(backend, row)
+        time.sleep(idle_s)
+        before = torch.cuda.memory_stats(device).get("num_device_alloc", 0)
+        t0 = time.perf_counter()
+        step()
+        took = time.perf_counter() - t0
+        time.sleep(idle_s)
+        loop.stop()
+        gap, median = loop.gaps(t0, t0 + took)
+        steps.append({"step": label, "s": took, "loop_max_gap_s": gap, "loop_median_row_s": median,
+                      "device_allocations": torch.cuda.memory_stats(device).get("num_device_alloc", 0) - before})
+        print(json.dumps(steps[-1]), flush=True)
+    return steps
 
 
 def table(r: dict) -> str:
@@ -231,15 +345,26 @@ def table(r: dict) -> str:
         f"B differs from A: {r['B_differs_from_A']}; A restored bit for bit: {r['A_restored_exactly']}",
         "",
         "| update | request to serving s | load s | swap ms | loop max gap s | loop median row s | rows during | "
-        "rows after name new | host peak RSS GiB | GPU peak GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "rows after name new | host peak RSS GiB | GPU peak GiB | device allocations |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for u in r["updates"]:
         lines.append(
             f"| {u['update']} | {u['request_to_serving_s']:.2f} | {u['load_s']:.2f} | {u['swap_ms']:.1f} | "
             f"{u['loop_max_gap_s']:.2f} | {u['loop_median_row_s']:.3f} | {u['rows_during_update']} | "
-            f"{u['rows_after_named_new']} | {gib(u['host_peak_rss'])} | {gib(u['gpu_peak_bytes'])} |"
+            f"{u['rows_after_named_new']} | {gib(u['host_peak_rss'])} | {gib(u['gpu_peak_bytes'])} | "
+            f"{u['device_allocations']} |"
         )
+    if r.get("device_memory_alone"):
+        lines += ["", "| beside the loop, alone | s | loop max gap s | loop median row s | device allocations |", "|---|---|---|---|---|"]
+        lines += [f"| {x['step']} | {x['s']:.2f} | {x['loop_max_gap_s']:.2f} | {x['loop_median_row_s']:.3f} | "
+                  f"{x['device_allocations']} |" for x in r["device_memory_alone"]]
+    lines += ["", "Where the threads were during each update's longest gap of the loop (samples every 5 ms):", ""]
+    for u in r["updates"]:
+        w = u["in_longest_gap"]
+        places = "; ".join(f"{who}: " + ", ".join(f"{p} ({n})" for p, n in w.get(who, [])) for who in ("others", "loop"))
+        lines.append(f"- {u['update']}: {places}; longest gap between samples {w.get('longest_sample_gap_s', 0):.3f} s "
+                     f"after {', '.join(w.get('before_it', []))}")
     return "\n".join(lines)
 
 
