@@ -14,8 +14,9 @@
    swap times, the loop's longest gap between two rows against its median row time, host peak
    RSS and GPU peak memory during the update. Then back to A with no version (the content hash),
    checking A's numbers come back bit for bit, and once more in place (as when a second copy
-   does not fit), whose swap pauses the loop for the whole load. Each update with a version and
-   with the content hash runs twice, since a process's first update pauses the loop longer.
+   does not fit), whose copy pauses the loop. Each update with a version and with the content
+   hash runs twice: a process's first update may differ from later ones (it allocates the new
+   weights' device memory; later ones reuse it).
    For each update, ``StackSampler`` says where the updating and the scoring threads were during
    the loop's longest gap, and the allocator's counters say how many device allocations it made.
 Writes ``weights-swap.json`` and ``weights-swap.md`` under ``--out`` and prints the table last.
@@ -30,8 +31,8 @@ import shutil
 import statistics
 import sys
 import threading
-from collections import Counter
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -263,9 +264,9 @@ def run(args) -> dict:
         gpu_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         time.sleep(args.idle_s)
         loop.stop()
+        sampler.stop()
         if loop.error is not None:
             raise loop.error
-        sampler.stop()
         gap, median = loop.gaps(requested, served + args.idle_s)
         gap_end = loop.longest_gap_end(requested, served + args.idle_s)
         result = backend.score_row(row)

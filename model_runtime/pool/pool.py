@@ -565,7 +565,8 @@ def start_pool(settings: dict) -> WorkerPool:
 
     ``settings`` is the service's ``Settings.model_dump()``; the keys read are model, device, dtype,
     world_size, sp, fsdp, max_batch_tokens, allow_slow_kernels, kernels, served_model_name (and optionally
-    worker_timeout_s, worker_stall_floor_s, worker_start_timeout_s, and prefix_min_tokens: the shortest shared prefix run once,
+    worker_timeout_s, worker_stall_floor_s, worker_start_timeout_s, weights_root (set: updates may come, so the workers
+    make their staging buffers at start), and prefix_min_tokens: the shortest shared prefix run once,
     0 or absent for none, i.e. ``Settings.prefix_min_tokens_in_use``); other keys are ignored.
     """
     return WorkerPool(settings)

@@ -144,7 +144,7 @@ class LocalBackend:
         if updates and scorer.loaded.device.type == "cuda":
             from model_runtime.scoring.tensor_file import staging_for
 
-            staging_for(scorer.loaded.device)
+            staging_for(next(scorer.loaded.model.parameters()).device)  # the device the update reads for
 
     @property
     def prefix_rounding(self):
@@ -166,9 +166,10 @@ class LocalBackend:
             self.scorer.warm_up()
 
     def update_weights(self, path: Path, version: str | None = None) -> WeightsUpdate:
+        from model_runtime.scoring.checkpoint import CheckpointError
         from model_runtime.scoring.weights import (ReadDigests, checkpoint_changed, content_version, files_snapshot,
-                                                   plan_reads, read_parameters, refuse_non_finite_reads,
-                                                   swap_parameters)
+                                                   mixed_version, plan_reads, read_parameters,
+                                                   refuse_non_finite_reads, swap_parameters)
 
         path = Path(path)
         started = begin_update(self._updating, self.info.name)
@@ -197,7 +198,18 @@ class LocalBackend:
                     t0 = time.perf_counter()
                     if (changed := checkpoint_changed(path, files)) is not None:  # since checked: nothing copied
                         raise changed
-                    read_parameters(loaded.model, plan, into_model=True)
+                    try:
+                        read_parameters(loaded.model, plan, into_model=True)
+                        changed = checkpoint_changed(path, files)
+                    except BaseException:  # part copied: the weights are neither version
+                        self._set_version(mixed_version())
+                        raise
+                    if changed is not None:
+                        mixed = mixed_version()
+                        self._set_version(mixed)
+                        raise CheckpointError("unreadable", f"{path.name}: the checkpoint's files changed while they "
+                                              f"were copied in place; the weights served now are a mix, named {mixed}, "
+                                              "which no pinned request matches: update again once the files are complete")
                     previous = self._set_version(new_version)
                     swap_ms = 1e3 * (time.perf_counter() - t0)
                     load_s = time.perf_counter() - started

@@ -367,14 +367,24 @@ def build_meta_model(config: dict):
 def _model_tensors(path: Path, config: dict) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     """The model's tensor names -> shapes, one name per tensor, and its tied aliases -> that name."""
     try:
-        needed, aliases = _tensors_of_config(json.dumps(config, sort_keys=True))
+        needed, aliases = _tensors_of_config(json.dumps(_without(config, _BUILD_NEUTRAL_FIELDS), sort_keys=True))
     except Exception as exc:  # a config transformers cannot build a model from
         raise CheckpointError("incompatible", f"{path}: config.json does not describe a buildable model: {exc}") from None
     return dict(needed), dict(aliases)
 
 
+# Fields that never change the model built (it is built in the default dtype): left out of the key.
+_BUILD_NEUTRAL_FIELDS = frozenset({"dtype", "torch_dtype", "transformers_version", "_name_or_path"})
+
+
+def _without(config: dict, fields: frozenset) -> dict:
+    """``config`` without ``fields``, at its top level and in its sub-models' configs (``text_config``...)."""
+    return {k: _without(v, fields) if isinstance(v, dict) and k.endswith("_config") and k != "quantization_config" else v
+            for k, v in config.items() if k not in fields}
+
+
 # Kept per config: a weight update's checkpoint usually has the served one's config, and building
-# the 9B on the meta device holds the GIL for about 0.4 s, in which the forwards beside it stop.
+# a model holds the GIL for the whole build, in which the forwards beside it stop.
 @lru_cache(maxsize=16)
 def _tensors_of_config(config_json: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     model = build_meta_model(json.loads(config_json))

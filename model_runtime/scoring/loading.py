@@ -130,7 +130,7 @@ def load_model(
         checked = check_checkpoint(path)  # refuses before a byte of weights is read
         model_type, max_model_len = checked.model_type, checked.max_model_len
         hf_kwargs = _hf_kwargs(model_type, moe_implementation)
-        with ThreadPoolExecutor(1) as hasher:  # hashlib releases the GIL: the hash runs beside the load
+        with ThreadPoolExecutor(1) as hasher:  # xxhash releases the GIL: the hash runs beside the load
             hashed = hasher.submit(_timed_content_version, path) if weights_version is None else None
             if weights_later:
                 hf_model = _empty_checkpoint_model(checked, torch_dtype, hf_kwargs)

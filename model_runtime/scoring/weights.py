@@ -29,6 +29,7 @@ import os
 import re
 import sys
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
@@ -266,7 +267,7 @@ def read_parameters(
 
 
 def refuse_non_finite_reads(model: nn.Module, plan: ReadPlan, *, params: dict[str, torch.Tensor] | None = None,
-                            threads: int = 8) -> None:
+                            threads: int = 4) -> None:
     """Reads every tensor ``read_parameters`` would read (on the host, through the mapping) and
     refuses the checkpoint if one holds NaN or infinity: the pass before an update in place, which
     may copy nothing in before every tensor is known finite. It touches no model, so it runs
@@ -299,8 +300,8 @@ def non_finite(named, chunk: int = 1 << 26) -> list[str]:
         if t is None or not t.is_floating_point() or t.numel() == 0:
             continue
         flat = t.reshape(-1)
-        if flat.device.type == "cpu":
-            flags.append(all(_finite_on_host(part) for part in flat.split(chunk)))
+        if flat.device.type == "cpu":  # small pieces: NumPy's temporary is as wide as the values
+            flags.append(all(_finite_on_host(part) for part in flat.split(min(chunk, HOST_CHECK_CHUNK))))
         else:
             flags.append(torch.stack([torch.isfinite(part).all() for part in flat.split(chunk)]).all())
         names.append(name)
@@ -311,8 +312,10 @@ def non_finite(named, chunk: int = 1 << 26) -> list[str]:
     return [name for name, ok in zip(names, flags) if not ok]
 
 
-# dtype -> (integer view, mask of the magnitude bits, the magnitude of infinity): a value is NaN or
-# infinite exactly when its exponent bits are all ones, i.e. its magnitude bits reach infinity's.
+HOST_CHECK_CHUNK = 1 << 22  # elements a host tensor is checked in at a time
+
+# dtype -> (integer view, mask of the magnitude bits, the magnitude of infinity): in these IEEE
+# formats a value is NaN or infinite exactly when its magnitude bits reach infinity's.
 _FLOAT_BITS = {
     torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
     torch.float16: (torch.int16, 0x7FFF, 0x7C00),
@@ -322,11 +325,11 @@ _FLOAT_BITS = {
 
 
 def _finite_on_host(flat: torch.Tensor) -> bool:
-    """Whether a 1-D CPU tensor is all finite, by its bits: 5x as fast as ``torch.isfinite`` on
-    bf16 (which widens every value), and NumPy releases the GIL, so reading threads check side by side."""
+    """Whether a 1-D CPU tensor is all finite, by its bits: ``torch.isfinite`` widens every bf16
+    value first, and NumPy releases the GIL, so reading threads check side by side."""
     spec = _FLOAT_BITS.get(flat.dtype)
-    if spec is None:
-        return bool(torch.isfinite(flat).all())
+    if spec is None:  # float8 and other formats: widened (the CPU has no isfinite for float8)
+        return bool(torch.isfinite(flat.float()).all())
     view, magnitude, infinity = spec
     return int(np.bitwise_and(flat.view(view).numpy(), magnitude).max()) < infinity
 
@@ -466,6 +469,16 @@ def checkpoint_changed(path: Path, before: tuple) -> CheckpointError | None:
 
 CONTENT_VERSION_PREFIX = "xxh3-"  # a content hash's version; service/http/weights.py reserves it
 PRESET_VERSION_PREFIX = "preset:"  # a preset's version (scoring/loading.py); reserved likewise
+# Weights copied in place from files that changed meanwhile: no pinned request may match them.
+MIXED_VERSION_PREFIX = "mixed:"
+# The names packscore gives, which a version given may not take: earlier builds named content
+# hashes "sha256-", which replicas not yet upgraded still report.
+RESERVED_VERSION_PREFIXES = (CONTENT_VERSION_PREFIX, "sha256-", PRESET_VERSION_PREFIX, MIXED_VERSION_PREFIX)
+
+
+def mixed_version() -> str:
+    """A new name for weights that are no checkpoint's (an update in place cut short)."""
+    return f"{MIXED_VERSION_PREFIX}{uuid.uuid4().hex[:12]}"
 
 
 CONTENT_PIECE = 1 << 30  # a content version hashes each tensor in pieces of this many bytes
@@ -492,10 +505,10 @@ def content_version(path: Path, *, threads: int | None = None, piece: int = CONT
     bytes, in name order, so the same tensors give the same version however they are split into
     files (one file, shards, another shard size).
 
-    XXH3-128 hashes about ten times as fast as SHA-256 on one core, so hashing costs an update
-    little beside reading; a version needs no resistance to forgery (whoever writes the checkpoint
-    chooses the weights anyway), and 12 hex digits would not give it. Tensors are hashed in pieces
-    of at most ``piece`` bytes side by side (xxhash releases the GIL).
+    XXH3-128, not a cryptographic hash, so that hashing costs an update little beside reading
+    (docs/weights-loading.md): a version needs no resistance to forgery (whoever writes the
+    checkpoint chooses the weights anyway), and 12 hex digits would not give it. Tensors are
+    hashed in pieces of at most ``piece`` bytes side by side (xxhash releases the GIL).
     ``read``: the digests of the tensors an update read (in pieces of ``piece``), so that only the
     others (a vision tower, ``mtp.*``) are read here.
     """

@@ -171,7 +171,7 @@ class WeightsRequest(BaseModel):
     version: Text | None = Field(
         None, min_length=1, max_length=256, pattern=r"^[^\s\x00-\x1f\x7f](?:[^\x00-\x1f\x7f]*[^\s\x00-\x1f\x7f])?$",
         description="the new weights_version: no control characters, no space at either end, not starting with "
-        "'xxh3-' or 'preset:' (the names packscore gives); default: a hash of the checkpoint's content",
+        "'xxh3-', 'sha256-', 'preset:' or 'mixed:' (the names packscore gives); default: a hash of the checkpoint's content",
     )
 
 

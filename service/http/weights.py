@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from model_runtime.scoring.backend import BackendUnavailableError, UpdateInProgressError
 from model_runtime.scoring.checkpoint import CheckpointError, index_shards
-from model_runtime.scoring.weights import CONTENT_VERSION_PREFIX, PRESET_VERSION_PREFIX, files_snapshot
+from model_runtime.scoring.weights import RESERVED_VERSION_PREFIXES, files_snapshot
 from service.http.errors import ApiError, backend_unavailable, from_validation_errors
 from service.http.schemas import WeightsRequest
 from service.http.validation import pick_model
@@ -109,10 +109,10 @@ async def update_weights(service: Service, body: Any, root: Path) -> dict:
 
 async def _run(service: Service, model: ServedModel, path: Path, version: str | None) -> dict:
     # the body's own faults first: a bad version is 422 whatever an update in progress
-    if version is not None and version.lower().startswith((CONTENT_VERSION_PREFIX, PRESET_VERSION_PREFIX)):
+    if version is not None and version.lower().startswith(RESERVED_VERSION_PREFIXES):
         # Such a name could later be the content hash of other weights, which would then serve under it.
-        raise ApiError(422, "invalid_value", f"versions starting with {CONTENT_VERSION_PREFIX!r} or "
-                       f"{PRESET_VERSION_PREFIX!r} are the names packscore gives (content hashes, presets); omit "
+        raise ApiError(422, "invalid_value", f"versions starting with {', '.join(map(repr, RESERVED_VERSION_PREFIXES))} "
+                       "are the names packscore gives (content hashes, presets, mixed weights); omit "
                        "version to get the checkpoint's own, or choose another name.", "version")
     if not callable(getattr(model.backend, "update_weights", None)):
         raise ApiError(409, "update_unsupported", f"The backend of {model.name!r} cannot update its weights.", "model")
@@ -132,6 +132,7 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
         raise ApiError(409, "version_in_use", f"version {version!r} already named weights {model.name!r} served; "
                        "give the new weights a version of their own (or none: their content hash).", "version")
     model.updating = True
+    before = model.backend.info.weights_version
     try:
         log.info("weights update of %s from %s (version %s)", model.name, path, version or "content hash")
         update = await asyncio.to_thread(model.backend.update_weights, path, version)
@@ -149,6 +150,9 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
         raise ApiError(422, "unreadable_checkpoint", f"The checkpoint could not be loaded: {exc}", "path") from None
     finally:
         model.updating = False
+        if model.backend.info.weights_version != before:  # a failed update in place left other weights
+            model.versions_served.add(before)
+            service.metrics.describe_model(model.backend.info, model.name)
     model.versions_served.update((update.previous_version, update.weights_version))
     metrics = service.metrics
     metrics.weights_load_seconds.labels(model=model.name).observe(update.load_s)

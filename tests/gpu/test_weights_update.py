@@ -67,12 +67,15 @@ def test_a_backend_that_may_update_makes_its_staging_slots_before_the_first_upda
         tensor_file._staging.clear()  # as in a fresh process
     backend = LocalBackend(Scorer(load_model(str(old), device="cuda")), updates=True)
     backend.update_in_place = False
+    made = dict(tensor_file._staging)
+    assert len(made) == 1, f"staging made with the backend: {list(made)}"
     torch.cuda.synchronize()
     before = torch.cuda.host_memory_stats()["num_host_alloc"]
     backend.update_weights(new, "v2")
     torch.cuda.synchronize()
     grown = torch.cuda.host_memory_stats()["num_host_alloc"] - before
     assert grown == 0, f"{grown} page-locked allocations in the first update, want none"
+    assert tensor_file._staging == made, f"the update made its own staging: {list(tensor_file._staging)}"
 
 
 def test_a_staging_slot_is_filled_again_only_once_its_copy_is_done(tmp_path):

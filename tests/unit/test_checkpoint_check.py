@@ -223,6 +223,10 @@ def test_a_config_checked_again_builds_no_model_and_gives_the_same_tensors(kind,
     assert not built, "the same config was built again"
     fresh = check_checkpoint(checkpoint_dir(kind))
     assert again.tensors == fresh.tensors and again.tensors, "a cached check returned other tensors"
+    saved_elsewise = rewrite_checkpoint(checkpoint_dir(kind), tmp_path / "saved", edit_config=lambda c: {
+        **c, "dtype": "bfloat16", "transformers_version": "5.99.0", "_name_or_path": "elsewhere"})
+    check_checkpoint(saved_elsewise)
+    assert not built, "a config differing only in how it was saved was built again"
     other = rewrite_checkpoint(checkpoint_dir(kind), tmp_path / "other", edit_config=lambda c: {**c, "rms_norm_eps": 1e-5})
     check_checkpoint(other)
     assert len(built) == 1, f"a changed config was not built: {len(built)} builds"

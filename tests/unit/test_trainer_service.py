@@ -435,6 +435,8 @@ def test_a_version_names_one_set_of_weights(tmp_path):
                 {"path": "step-2", "version": 5},
                 {"path": "step-2", "version": "xxh3-5e12cb26ac1f"},  # could later be other weights' hash
                 {"path": "step-2", "version": "XXH3-5e12cb26ac1f"},
+                {"path": "step-2", "version": "SHA256-5e12cb26ac1f"},  # what replicas of earlier builds call theirs
+                {"path": "step-2", "version": "mixed:0"},
                 {"path": "step-2", "version": "preset:tiny#seed0"},  # a preset's name
                 {"path": "step-2", "version": "\x00\x01"},
                 {"path": "step-2", "version": " v "},
@@ -443,7 +445,7 @@ def test_a_version_names_one_set_of_weights(tmp_path):
             return answers, await client.post("/score", json=_score({"weights_version": "L"})), await client.get("/metrics")
 
     answers, pinned, metrics = asyncio.run(main())
-    assert [a.status_code for a in answers] == [200, 409, 409, 200, 403] + [422] * 7, [a.text for a in answers]
+    assert [a.status_code for a in answers] == [200, 409, 409, 200, 403] + [422] * 9, [a.text for a in answers]
     for refused in answers[5:]:
         assert refused.json()["error"]["param"] == "version", refused.text
     for refused in answers[1:3]:
@@ -455,7 +457,7 @@ def test_a_version_names_one_set_of_weights(tmp_path):
         for s in f.samples if f.name == "packscore_weights_updates" else ():
             if s.name.endswith("_total"):
                 counted[s.labels["outcome"]] = counted.get(s.labels["outcome"], 0.0) + s.value
-    assert counted == {"ok": 2.0, "version_in_use": 2.0, "forbidden_path": 1.0, "invalid_value": 7.0}, counted
+    assert counted == {"ok": 2.0, "version_in_use": 2.0, "forbidden_path": 1.0, "invalid_value": 9.0}, counted
     labels = {s.labels["model"] for f in text_string_to_metric_families(metrics.text)
               for s in (f.samples if f.name == "packscore_weights_updates" else ())}
     assert labels == {FakeBackend().info.name}, labels  # a refused body counts under the model it names

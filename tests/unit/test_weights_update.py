@@ -422,3 +422,40 @@ def test_an_update_in_place_checks_for_nan_while_the_old_weights_still_serve(ser
                         lambda *a, **k: held.append(backend._lock.locked()) or real(*a, **k))
     backend.update_weights(second("qwen3_5"), "in-place")
     assert held == [False], f"the NaN pass ran {len(held)} times, under the forward lock: {held}"
+
+
+@pytest.mark.parametrize("when", ["after the NaN pass", "during the copy"])
+def test_files_that_change_during_an_update_in_place_are_never_served_under_a_version(served, second, tmp_path,
+                                                                                     monkeypatch, when):
+    """In place there is no second copy to fall back on: files changed after the NaN pass are
+    refused before anything is copied; changed during the copy, the weights served are named
+    as a mix that no pinned request (nor a later version given) matches."""
+    import shutil
+
+    import model_runtime.scoring.weights as weights
+
+    path = tmp_path / "step"
+    shutil.copytree(second("qwen3_5"), path)
+    backend = served()
+    backend.update_in_place = True
+    row = rows(backend.info.vocab_size, 1, seed=6)[0]
+    before, old_version = backend.score_row(row), backend.info.weights_version
+    hooked = weights.refuse_non_finite_reads if when == "after the NaN pass" else weights.read_parameters
+
+    def then_rewrite(*args, **kwargs):
+        out = hooked(*args, **kwargs)
+        shard = next(path.glob("*.safetensors"))
+        shard.write_bytes(shard.read_bytes())  # the same bytes, written again: a new modification time
+        return out
+
+    monkeypatch.setattr(weights, hooked.__name__, then_rewrite)
+    with pytest.raises(CheckpointError) as caught:
+        backend.update_weights(path, None)
+    assert caught.value.kind == "unreadable", caught.value
+    if when == "after the NaN pass":
+        assert backend.info.weights_version == old_version
+        assert_equal(backend.score_row(row), before, "after the refused update")
+    else:
+        served_now = backend.info.weights_version
+        assert served_now.startswith(weights.MIXED_VERSION_PREFIX) and served_now in str(caught.value), caught.value
+        assert all(s.weights_version == served_now for s in backend.score_row(row))
