@@ -117,7 +117,10 @@ def from_validation_errors(errors: list[dict], *, sourced: bool = True) -> ApiEr
 def _short_repr(value) -> str:
     if isinstance(value, (bytes, bytearray)):
         return f"{len(value)} bytes"
-    text = repr(value)
+    try:
+        text = repr(value)
+    except RecursionError:  # a value nested deeper than Python's stack: still a 422 naming the field
+        return f"a {type(value).__name__} nested too deep to show"
     return text if len(text) <= 60 else text[:57] + "..."
 
 

@@ -112,7 +112,8 @@ class ScoreRequest(BaseModel):
     temperature: float = Field(1.0, strict=True, gt=0, allow_inf_nan=False, description="logits are divided by it")
     return_entropy: StrictBool = Field(True, description="whether entropy is returned")
     top_k: StrictInt = Field(0, ge=0, le=MAX_TOP_K, description="when > 0 also return the k most likely tokens")
-    deadline_ms: StrictInt | None = Field(None, ge=1, description="give up (504) when not done after this many ms")
+    deadline_ms: StrictInt | None = Field(None, ge=0, description="give up (504) when not done after this many ms "
+                                          "(0: at once, as a deadline already passed)")
     weights_version: Text | None = Field(
         None, description="score only with exactly this version of the model's weights, else 409 weights_version_mismatch"
     )

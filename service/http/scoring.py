@@ -54,8 +54,8 @@ async def score_request(request: Request, service: Service) -> Response:
         else:
             job = _parse(raw, in_encoding, served)
     except ApiError as exc:
-        if exc.status == 413:  # tell the client the limits it must split under
-            exc.headers.update(limits.headers())
+        if exc.status == 413:  # tell the client the limits it must split under (its model's, where known)
+            exc.headers = {**limits.headers(), **exc.headers}
         raise
     model = service.models[job.model]
     limits = model.limits
@@ -68,6 +68,8 @@ async def score_request(request: Request, service: Service) -> Response:
         if failed:  # the restart itself fails: say why, and retry no sooner than the pool does
             raise backend_unavailable(f"The scoring workers are down and could not restart: {failed}", retry_after_s=30)
         raise backend_unavailable("A scoring worker is down; retry shortly.", retry_after_s=5)
+    if job.deadline_ms == 0:  # no result is ready after 0 ms: a trainer out of time gets what a late one gets
+        raise deadline_error()
     # Capped at a day: an unbounded integer must not overflow the clock arithmetic.
     deadline = time.monotonic() + min(job.deadline_ms, _DAY_MS) / 1000.0 if job.deadline_ms is not None else None
     service.inflight += 1

@@ -148,6 +148,7 @@ def parse_score_request(body: Any, limits: Limits | Mapping[str, Limits], served
             f"The request holds {input_tokens} tokens; at most {limits.max_request_tokens} are accepted per request. "
             "Split it.",
             "sequences",
+            headers=limits.headers(),
         )
     return ScoreJob(
         ids=[s.id for s in request.sequences],
@@ -186,6 +187,7 @@ def _checked_ids(ids: np.ndarray, i: int, limits: Limits) -> np.ndarray:
             "sequence_too_long",
             f"Sequence {i} has {ids.size} tokens; the longest accepted is {limits.max_model_len} (max_model_len).",
             param,
+            headers=limits.headers(),  # the limits of the model named, which the service's default may not be
         )
     vocab = limits.vocab_size
     if ids.dtype == object or ids.min() < 0 or ids.max() >= vocab:

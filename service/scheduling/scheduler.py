@@ -389,6 +389,8 @@ class Scheduler:
                 full = self._waiting_tokens >= self.max_batch_tokens or head.tokens >= self.max_batch_tokens
                 now = time.monotonic()
                 due = head.enqueued_at + (0.0 if head.ticket.quiet else self.max_wait_s)
+                if not full and now < due:
+                    due = min(due, self._deadline_due())
                 if full and self._outstanding_rows < 2 * self.concurrency:
                     return self._take_row()
                 if not full and now >= due and self._outstanding_rows < self.concurrency:
@@ -401,6 +403,12 @@ class Scheduler:
                 await asyncio.wait_for(self._wake.wait(), timeout)
             except TimeoutError:
                 pass
+
+    def _deadline_due(self) -> float:
+        """When a row must start for the queued sequences' deadlines: batching may spend at most
+        half of what a sequence had left when queued (a partial row waits up to ``max_wait_s``)."""
+        return min((it.enqueued_at + (it.ticket.deadline - it.enqueued_at) / 2 for it in self._queue
+                    if it.queued and it.ticket.deadline is not None), default=float("inf"))
 
     def _take_row(self) -> list[_Item]:
         """The next row: the oldest queued sequence, then the largest that still fit among those

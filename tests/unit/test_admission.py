@@ -212,3 +212,25 @@ def test_newer_sequences_beyond_the_age_window_do_not_overtake(monkeypatch):
         return backend.rows[1:]
 
     assert asyncio.run(main()) == [[100], [40], [70], [60]]
+
+
+def test_a_partial_row_waits_for_more_sequences_no_longer_than_a_deadline_allows():
+    """--max-wait-ms holds a partial row for more sequences; one whose deadline is nearer must
+    still be scored in time rather than answered 504 by an idle server."""
+
+    async def main():
+        backend = FakeBackend()
+        scheduler = Scheduler(backend, max_batch_tokens=100, max_wait_ms=3000, max_queued_tokens=10_000)
+        await scheduler.start()
+        first = scheduler.submit(_seqs(10))  # after a quiet spell: runs at once
+        await wait_until(lambda: len(backend.rows) == 1)
+        started = time.monotonic()
+        second = scheduler.submit(_seqs(10), deadline=started + 0.6)  # would wait 3 s for company
+        got = await asyncio.wait_for(second.future, 2.0)
+        took = time.monotonic() - started
+        await first.future
+        await scheduler.close()
+        return got, took
+
+    got, took = asyncio.run(main())
+    assert len(got) == 1 and took < 0.6, f"scored after {took:.2f} s against a 0.6 s deadline"

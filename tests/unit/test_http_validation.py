@@ -74,7 +74,8 @@ BAD_JSON = [
     ("top-k-21", good(top_k=MAX_TOP_K + 1), 422, "invalid_value", "top_k"),
     ("top-k-float", good(top_k=1.5), 422, "invalid_value", "top_k"),
     ("entropy-string", good(return_entropy="yes"), 422, "invalid_value", "return_entropy"),
-    ("deadline-0", good(deadline_ms=0), 422, "invalid_value", "deadline_ms"),
+    ("deadline-0", good(deadline_ms=0), 504, "deadline_exceeded", "deadline_ms"),  # no result is ready after 0 ms
+    ("deadline-negative", good(deadline_ms=-1), 422, "invalid_value", "deadline_ms"),
     ("model-not-string", good(model=3), 422, "invalid_value", "model"),
     ("second-sequence-bad", {"sequences": [{"input_ids": [1, 2]}, {"input_ids": [3, 4, 5, 6, 1e9]}]}, 422,
      "invalid_value", "sequences[1].input_ids[4]"),
@@ -340,3 +341,28 @@ def test_a_64_bit_deadline_is_still_an_integer():
             assert (await client.post("/score", content=raw, headers=JSON_H)).status_code == 200
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("depth", [950, 990, 1100, 5000])
+def test_a_deeply_nested_value_is_a_4xx_naming_its_field(depth):
+    """A value nested deeper than Python's own stack where a string is expected: never a 500."""
+    import msgpack
+
+    nested = "[" * depth + "1" + "]" * depth
+
+    async def main():
+        app, backend = make_app()
+        async with running_app(app) as client:
+            as_json = await client.post("/score", content=f'{{"sequences":[{{"input_ids":[1,2]}}],"model":{nested}}}',
+                                        headers=JSON_H)
+            value: object = 1
+            for _ in range(min(depth, 500)):  # msgpack's own packer stops at 512 levels
+                value = [value]
+            as_msgpack = await client.post("/score", content=msgpack.packb({"sequences": [{"input_ids": [1, 2], "id": value}]}),
+                                           headers=MSGPACK_H)
+            return as_json, as_msgpack
+
+    as_json, as_msgpack = asyncio.run(main())
+    assert as_json.status_code in (400, 422), as_json.text
+    assert as_json.json()["error"]["param"] in ("model", None), as_json.text
+    _check_error(as_msgpack, 422, "invalid_value", "sequences[0].id")

@@ -561,3 +561,19 @@ def test_client_updates_weights_pins_versions_and_sends_rollouts(tmp_path, encod
     assert (stale.status, stale.type) == (409, "weights_version_mismatch")
     assert (escape.status, escape.type) == (403, "forbidden_path")
     assert no_admin.status == 403
+
+
+def test_a_sequence_too_long_for_the_model_named_gets_that_models_limits():
+    """413 tells a client the limits to split under: those of the model it named, not the first's."""
+    backends = {"policy": FakeBackend(name="policy-ckpt", max_model_len=64), "ref": FakeBackend(name="ref-ckpt", max_model_len=128)}
+
+    async def main():
+        async with running_app(create_app(Settings(), backends)) as client:
+            return {name: await client.post("/score", json={"model": name, "sequences": [{"input_ids": [1] * 200}]})
+                    for name in backends}
+
+    for name, answer in asyncio.run(main()).items():
+        want = str(backends[name].info.max_model_len)
+        assert answer.status_code == 413 and answer.headers["X-Packscore-Max-Model-Len"] == want, \
+            f"{name}: {answer.status_code} {dict(answer.headers)}, want X-Packscore-Max-Model-Len {want}"
+        assert want in answer.json()["error"]["message"], answer.text
