@@ -364,3 +364,108 @@ def test_a_read_timeout_is_not_sent_again():
         listener.close()
         for conn in accepted:
             conn.close()
+
+
+def test_an_unreachable_server_is_retried_for_the_whole_connect_window():
+    from model_runtime.pool.ports import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    with ScoreClient(url, connect_retry_s=1.5) as client, pytest.raises(ScoreError):
+        client.score([[1, 2, 3]])
+    elapsed = time.monotonic() - started
+    assert 1.4 <= elapsed < 1.5 + 2, f"gave up after {elapsed:.2f} s of a 1.5 s connect_retry_s"
+
+
+@pytest.mark.parametrize("failure", [httpx.RemoteProtocolError, httpx.ReadError])
+def test_a_request_the_server_may_have_is_not_sent_again(failure):
+    """A connection lost after the request was sent whole: the server may be scoring it."""
+    sent = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/readyz":
+            return httpx.Response(404)
+        sent.append(request.url.path)
+        raise failure("the server closed the connection", request=request)
+
+    with ScoreClient(BASE, transport=httpx.MockTransport(handler), connect_retry_s=5) as client:
+        with pytest.raises(ScoreError) as failed:
+            client.score([[1, 2, 3]])
+    assert failed.value.type == "connection_error" and "not sent again" in failed.value.message, failed.value
+    assert sent == ["/score"], sent
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_a_failed_call_sends_none_of_its_other_parts_afterwards(blocking):
+    """The first part refused (422): the call raises, and no part is sent after that."""
+    sent, raised_at = [], []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/readyz":
+            return httpx.Response(404)
+        sent.append(time.monotonic())
+        body = json.loads(request.content)
+        if any(max(s["input_ids"]) >= 900 for s in body["sequences"]):
+            return httpx.Response(422, json={"error": {"type": "invalid_value", "message": "x", "param": "sequences[0]"}})
+        time.sleep(0.05)
+        return httpx.Response(200, json={"model": "m", "weights_version": "v", "results": [
+            {"id": None, "logprobs": [0.0] * (len(s["input_ids"]) - 1)} for s in body["sequences"]]})
+
+    batch = [[1, 2, 999]] + [[1, 2, 3]] * 40
+    knobs = dict(encoding="json", max_sequences_per_request=1, max_concurrency=1)
+    if blocking:
+        with ScoreClient(BASE, transport=httpx.MockTransport(handler), **knobs) as client:
+            with pytest.raises(ScoreError):
+                client.score(batch, return_entropy=False)
+            raised_at.append(time.monotonic())
+            time.sleep(0.3)
+    else:
+        async def main():
+            async with AsyncScoreClient(BASE, transport=httpx.MockTransport(handler), **knobs) as client:
+                with pytest.raises(ScoreError):
+                    await client.score(batch, return_entropy=False)
+                raised_at.append(time.monotonic())
+                await asyncio.sleep(0.3)
+
+        asyncio.run(main())
+    assert not [t for t in sent if t > raised_at[0]], f"{len([t for t in sent if t > raised_at[0]])} parts sent after the call raised"
+
+
+def test_a_padded_batch_split_across_a_weight_update_is_scored_by_one_version(tmp_path):
+    """A padded batch split into parts, an update landing between them: the client scores the
+    rows of the old version again with the new one, so PaddedScores.weights_version is true of
+    every row; weights_version= pins it."""
+    backend = FakeBackend()
+    app = create_app(Settings(max_sequences_per_request=2), backend)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 900, (8, 12))
+    attn, resp = np.ones((8, 12), np.int64), np.ones((8, 4), np.int64)
+    step = tmp_path / "step-2"
+    step.mkdir()
+
+    class UpdateAfterSecondPart(httpx.ASGITransport):
+        parts = 0
+
+        async def handle_async_request(self, request):
+            response = await super().handle_async_request(request)
+            if request.url.path == "/score":
+                UpdateAfterSecondPart.parts += 1
+                if UpdateAfterSecondPart.parts == 2:
+                    await asyncio.to_thread(backend.update_weights, step, "v2")
+            return response
+
+    async def scenario():
+        async with running_app(app):
+            transport = UpdateAfterSecondPart(app=app)
+            async with AsyncScoreClient(BASE, transport=transport, encoding="json", max_concurrency=1) as client:
+                scores = await client.score_padded(ids, attn, resp)
+                with pytest.raises(ScoreError) as pinned:
+                    await client.score_padded(ids, attn, resp, weights_version="v1-gone")
+                alone = [await client.score([{"input_ids": row, "score_from": 8}]) for row in ids]
+            return scores, pinned.value, alone
+
+    scores, pinned, alone = asyncio.run(scenario())
+    assert scores.weights_version == "v2", scores.weights_version
+    assert pinned.status == 409 and pinned.type == "weights_version_mismatch", pinned
+    for b, (result,) in enumerate(alone):  # every row holds the new version's numbers
+        np.testing.assert_array_equal(scores.logprobs[b], result.logprobs, err_msg=f"row {b}")

@@ -4,6 +4,7 @@ and results; each only drives ``Protocol.exchange`` with its own kind of I/O."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generator, Iterable
@@ -11,9 +12,30 @@ from typing import Any, Generator, Iterable
 import httpx
 
 from packscore_client.padded import PaddedBatch, PaddedScores
-from packscore_client.protocol import Limits, Protocol, ScoredSequence, WeightsUpdate, as_seqs, options
+from packscore_client.protocol import (Limits, Protocol, ScoredSequence, ScoreError, WeightsUpdate, _error, as_seqs,
+                                       options)
 
 _DISCOVERY_TIMEOUT_S = 5.0
+_VERSION_TRIES = 3  # rescorings of a padded batch whose weights changed while it was scored
+
+
+def _one_version(results: list[ScoredSequence]) -> bool:
+    return len({r.weights_version for r in results}) <= 1
+
+
+def _to_rescore(results: list[ScoredSequence], models: list[dict]) -> tuple[str, list[int]]:
+    """The version served now and the results to score again with it (a split batch whose parts
+    met a weight update)."""
+    name = results[0].model
+    served = [m["weights_version"] for m in models if m.get("id") == name] or [m["weights_version"] for m in models][:1]
+    if len(served) != 1:
+        raise ScoreError(0, "unknown_model", f"/v1/models does not list {name!r}", "model")
+    return served[0], [i for i, r in enumerate(results) if r.weights_version != served[0]]
+
+
+def _mixed(model: str | None) -> ScoreError:
+    return ScoreError(409, "weights_version_mismatch", f"the weights of {model!r} changed {_VERSION_TRIES} times while "
+                      "one padded batch was scored; pin weights_version= to score it by one version", "weights_version")
 
 
 class _Base:
@@ -60,8 +82,9 @@ class _Base:
         seqs = as_seqs(sequences)
         opts = options(temperature, return_entropy, top_k, model, deadline_ms, weights_version)
         now = time.monotonic()
-        # deadline_ms bounds the whole call, its retries included
-        deadline = None if deadline_ms is None else now + deadline_ms / 1000.0
+        # deadline_ms bounds the whole call, its retries included; 0 or less goes to the server as
+        # given, which answers 504 (0: no result is ready after 0 ms) or 422 (negative)
+        deadline = None if deadline_ms is None or deadline_ms <= 0 else now + deadline_ms / 1000.0
         return seqs, opts, now + self._p.retry_timeout_s, deadline
 
 
@@ -102,20 +125,51 @@ class ScoreClient(_Base):
         if not self._p.limits_known:
             self._p.learn_from_readyz(self._get("/readyz"))
         parts = self._p.chunks(seqs, self._max_concurrency)
-        futures = [self._pool.submit(self._drive, self._p.exchange([seqs[i] for i in part], opts, give_up, part, deadline))
-                   for part in parts]
-        return [r for f in futures for r in f.result()]
+        stop = threading.Event()  # set once the call has failed: its other parts send nothing more
+        futures = [self._pool.submit(self._drive, self._p.exchange([seqs[i] for i in part], opts, give_up, part, deadline),
+                                     stop=stop) for part in parts]
+        try:
+            return [r for f in futures for r in f.result()]
+        except BaseException:
+            stop.set()
+            for f in futures:
+                f.cancel()
+            raise
 
     def score_padded(self, input_ids: Any, attention_mask: Any, response_mask: Any, *, temperature: float = 1.0,
                      return_entropy: bool = True, model: str | None = None,
-                     deadline_ms: int | None = None) -> PaddedScores:
+                     deadline_ms: int | None = None, weights_version: str | None = None) -> PaddedScores:
         """A trainer's padded batch ([B, T] ids and attention mask, [B, R] response mask over the last R
         columns) -> [B, R] float32 log-probs and entropy aligned with the response mask; pads are
-        never sent. See ``packscore_client.padded``."""
+        never sent. See ``packscore_client.padded``. Every row is scored by one weights version:
+        ``weights_version`` pins it (ScoreError 409 when another serves); without it, rows whose
+        part met a weight update are scored again by the version served after it."""
         batch = PaddedBatch.from_arrays(input_ids, attention_mask, response_mask)
-        results = self.score(batch.sequences, temperature=temperature, return_entropy=return_entropy, model=model,
-                             deadline_ms=deadline_ms) if batch.sequences else []
+        kw = dict(temperature=temperature, return_entropy=return_entropy, model=model, deadline_ms=deadline_ms)
+        results = self.score(batch.sequences, weights_version=weights_version, **kw) if batch.sequences else []
+        for _ in range(_VERSION_TRIES):
+            if _one_version(results):
+                break
+            served, rows = _to_rescore(results, self.models())
+            try:
+                again = self.score([batch.sequences[i] for i in rows], weights_version=served, **kw)
+            except ScoreError as exc:
+                if exc.type != "weights_version_mismatch":  # changed again meanwhile: the next try
+                    raise
+                continue
+            for i, r in zip(rows, again):
+                results[i] = r
+        else:
+            if not _one_version(results):
+                raise _mixed(model)
         return batch.scores(results, return_entropy)
+
+    def models(self) -> list[dict]:
+        """GET /v1/models: the served models, each with its ``weights_version`` (API.md)."""
+        response = self._http.get("/v1/models", timeout=_DISCOVERY_TIMEOUT_S)
+        if response.status_code != 200:
+            raise _error(response)
+        return response.json()["data"]
 
     def update_weights(self, model: str | None, path: str, version: str | None = None) -> WeightsUpdate:
         """Asks the server to serve the checkpoint at ``path`` (relative to its --weights-root) for
@@ -129,12 +183,19 @@ class ScoreClient(_Base):
         except httpx.HTTPError as exc:
             return exc
 
-    def _drive(self, steps: Generator, route: str = "/score", headers: dict | None = None) -> Any:
+    def _drive(self, steps: Generator, route: str = "/score", headers: dict | None = None,
+               stop: threading.Event | None = None) -> Any:
         try:
             step = next(steps)
             while True:
+                if stop is not None and stop.is_set():  # the call failed elsewhere: nothing more is sent
+                    steps.close()
+                    return None
                 if isinstance(step, float):
-                    time.sleep(step)
+                    if stop is not None:
+                        stop.wait(step)
+                    else:
+                        time.sleep(step)
                     step = steps.send(None)
                     continue
                 try:
@@ -172,16 +233,45 @@ class AsyncScoreClient(_Base):
             async with gate:
                 return await self._drive(self._p.exchange([seqs[i] for i in part], opts, give_up, part, deadline))
 
-        parts = await asyncio.gather(*(send(part) for part in self._p.chunks(seqs, self._max_concurrency)))
+        tasks = [asyncio.ensure_future(send(part)) for part in self._p.chunks(seqs, self._max_concurrency)]
+        try:
+            parts = await asyncio.gather(*tasks)
+        except BaseException:  # the call failed: its other parts send nothing more
+            for task in tasks:
+                task.cancel()
+            raise
         return [r for part in parts for r in part]
 
     async def score_padded(self, input_ids: Any, attention_mask: Any, response_mask: Any, *, temperature: float = 1.0,
                            return_entropy: bool = True, model: str | None = None,
-                           deadline_ms: int | None = None) -> PaddedScores:
+                           deadline_ms: int | None = None, weights_version: str | None = None) -> PaddedScores:
+        """As ``ScoreClient.score_padded``."""
         batch = PaddedBatch.from_arrays(input_ids, attention_mask, response_mask)
-        results = await self.score(batch.sequences, temperature=temperature, return_entropy=return_entropy,
-                                   model=model, deadline_ms=deadline_ms) if batch.sequences else []
+        kw = dict(temperature=temperature, return_entropy=return_entropy, model=model, deadline_ms=deadline_ms)
+        results = await self.score(batch.sequences, weights_version=weights_version, **kw) if batch.sequences else []
+        for _ in range(_VERSION_TRIES):
+            if _one_version(results):
+                break
+            served, rows = _to_rescore(results, await self.models())
+            try:
+                again = await self.score([batch.sequences[i] for i in rows], weights_version=served, **kw)
+            except ScoreError as exc:
+                if exc.type != "weights_version_mismatch":
+                    raise
+                continue
+            for i, r in zip(rows, again):
+                results[i] = r
+        else:
+            if not _one_version(results):
+                raise _mixed(model)
         return batch.scores(results, return_entropy)
+
+    async def models(self) -> list[dict]:
+        """As ``ScoreClient.models``."""
+        response = await self._http.get("/v1/models", timeout=_DISCOVERY_TIMEOUT_S)
+        if response.status_code != 200:
+            raise _error(response)
+        return response.json()["data"]
 
     async def update_weights(self, model: str | None, path: str, version: str | None = None) -> WeightsUpdate:
         """As ``ScoreClient.update_weights``."""

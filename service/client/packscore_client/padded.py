@@ -55,6 +55,8 @@ class PaddedBatch:
             scored = np.flatnonzero(resp[b]) + offset
             if scored.size == 0:
                 continue  # nothing to score in this row: its answer stays 0
+            if real.size == 0:
+                raise ValueError(f"row {b}: response_mask marks tokens but attention_mask marks none as real")
             if real.size != real[-1] - real[0] + 1:
                 raise ValueError(f"row {b}: attention_mask is not one contiguous run of 1s (left or right padding "
                                  "only); interleaved padding would be scored as tokens")

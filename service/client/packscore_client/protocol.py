@@ -102,7 +102,8 @@ def as_seq(item: Any) -> Seq:
     arr = arr.astype(np.int64, copy=False)
     if arr.size and (arr.min() < 0 or arr.max() > _INT32_MAX):
         # msgpack sends int32; a silent wrap-around could turn a bad id into a valid one.
-        raise ValueError(f"token ids must be in [0, 2**31), got {int(arr.min())} .. {int(arr.max())}")
+        j = int(np.flatnonzero((arr < 0) | (arr > _INT32_MAX))[0])
+        raise ValueError(f"token ids must be in [0, 2**31), got {int(arr[j])} at input_ids[{j}]")
     if rollout is not None and rollout.size != arr.size - int(score_from):
         raise ValueError(f"rollout_logprobs must hold len(input_ids) - score_from = {arr.size - int(score_from)} "
                          f"values, got {rollout.size}")
@@ -202,7 +203,9 @@ class Protocol:
         current: list[int] = []
         tokens = size = 0
         for i, s in enumerate(seqs):
-            n, b = s.ids.size, s.ids.size * per_token + 96
+            # rollout log-probs: 4 bytes each in msgpack, up to about 20 as JSON text
+            n = s.ids.size
+            b = n * per_token + (0 if s.rollout is None else s.rollout.size * (4 if per_token == 4 else 24)) + 96
             if current and (len(current) >= lim.max_sequences_per_request or tokens + n > token_budget
                             or size + b > byte_budget):
                 out.append(current)
@@ -321,7 +324,12 @@ class Protocol:
                 # on a server already too slow, and the answer would come no sooner.
                 raise ScoreError(0, "read_timeout", f"{self.base_url} sent no answer within timeout_s; the request "
                                  "was not sent again (raise timeout_s, or send less per call)") from outcome
-            else:
+            elif not isinstance(outcome, (httpx.ConnectError, httpx.ConnectTimeout, httpx.WriteError)):
+                # The request was sent whole and the connection failed before the answer: the server
+                # may have it, as after a read timeout.
+                raise ScoreError(0, "connection_error", f"{self.base_url} closed the connection after the request "
+                                 f"was sent ({_describe(outcome)}); it was not sent again") from outcome
+            else:  # not reached, or not sent whole: the server cannot have scored it
                 wait, unreachable_since = self._unreachable(outcome, attempt, unreachable_since, give_up)
             yield wait
             attempt += 1
@@ -332,10 +340,11 @@ class Protocol:
         the first failure (or ``give_up``) would pass."""
         now = time.monotonic()
         since = since or now
-        wait = retry_after(None, attempt)
-        if now + wait > min(give_up, since + self.connect_retry_s):
+        bound = min(give_up, since + self.connect_retry_s)
+        if now >= bound:
             raise ScoreError(0, "connection_error", f"could not reach {self.base_url} for "
                              f"{now - since:.1f}s: {_describe(error)}") from error
+        wait = min(retry_after(None, attempt), bound - now)  # the last try at the bound itself
         log.warning("packscore: cannot reach %s (%s); retrying in %.1fs (gives up %.0fs after the first "
                     "failure: connect_retry_s)", self.base_url, _describe(error), wait, self.connect_retry_s)
         return wait, since
