@@ -469,3 +469,24 @@ def test_a_padded_batch_split_across_a_weight_update_is_scored_by_one_version(tm
     assert pinned.status == 409 and pinned.type == "weights_version_mismatch", pinned
     for b, (result,) in enumerate(alone):  # every row holds the new version's numbers
         np.testing.assert_array_equal(scores.logprobs[b], result.logprobs, err_msg=f"row {b}")
+
+
+def test_a_padded_batch_error_names_the_place_in_the_callers_arrays():
+    """The server names the sent row's field; the caller holds [B, T] arrays: row 2, column 7."""
+    ids = np.full((4, 10), 5)
+    ids[2, 7] = 10**6  # outside the vocabulary
+    attn = np.ones((4, 10), np.int64)
+    attn[2, :3] = 0  # left padding: the sent row starts at column 3
+    resp = np.zeros((4, 4), np.int64)
+    resp[[0, 2, 3], :] = 1  # row 1 has no response: not sent, so row 2 is the second sent
+
+    async def main():
+        app = create_app(Settings(), FakeBackend())
+        async with running_app(app) as http:
+            async with AsyncScoreClient(BASE, transport=http._transport, encoding="json") as client:
+                with pytest.raises(ScoreError) as failed:
+                    await client.score_padded(ids, attn, resp)
+        return failed.value
+
+    error = asyncio.run(main())
+    assert error.status == 422 and error.param == "input_ids[2, 7]", error

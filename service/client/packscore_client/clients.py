@@ -119,7 +119,8 @@ class ScoreClient(_Base):
         """Scores ``sequences`` (dicts with input_ids / score_from / id and optionally
         rollout_logprobs, or unpadded 1-D id lists or arrays); one result per sequence, in order,
         each naming the weights version that scored it. ``weights_version`` pins the version: the
-        server answers 409 (raised as ScoreError) when it serves another."""
+        server answers 409 (raised as ScoreError) when it serves another. No sequences: [] with no
+        request sent."""
         seqs, opts, give_up, deadline = self._plan(sequences, temperature=temperature, return_entropy=return_entropy, top_k=top_k,
                                          model=model, deadline_ms=deadline_ms, weights_version=weights_version)
         if not self._p.limits_known:
@@ -146,7 +147,10 @@ class ScoreClient(_Base):
         part met a weight update are scored again by the version served after it."""
         batch = PaddedBatch.from_arrays(input_ids, attention_mask, response_mask)
         kw = dict(temperature=temperature, return_entropy=return_entropy, model=model, deadline_ms=deadline_ms)
-        results = self.score(batch.sequences, weights_version=weights_version, **kw) if batch.sequences else []
+        try:
+            results = self.score(batch.sequences, weights_version=weights_version, **kw) if batch.sequences else []
+        except ScoreError as error:
+            raise batch.named_by_place(error) from None
         for _ in range(_VERSION_TRIES):
             if _one_version(results):
                 break
@@ -248,7 +252,10 @@ class AsyncScoreClient(_Base):
         """As ``ScoreClient.score_padded``."""
         batch = PaddedBatch.from_arrays(input_ids, attention_mask, response_mask)
         kw = dict(temperature=temperature, return_entropy=return_entropy, model=model, deadline_ms=deadline_ms)
-        results = await self.score(batch.sequences, weights_version=weights_version, **kw) if batch.sequences else []
+        try:
+            results = await self.score(batch.sequences, weights_version=weights_version, **kw) if batch.sequences else []
+        except ScoreError as error:
+            raise batch.named_by_place(error) from None
         for _ in range(_VERSION_TRIES):
             if _one_version(results):
                 break

@@ -10,12 +10,13 @@ aligned with ``response_mask``, 0 wherever it is 0.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from packscore_client.protocol import ScoredSequence
+from packscore_client.protocol import ScoredSequence, ScoreError
 
 
 @dataclass
@@ -72,6 +73,20 @@ class PaddedBatch:
                               "score_from": int(scored[0] - real[0])})
         return cls(resp, offset, rows, starts, sequences)
 
+    def named_by_place(self, error: ScoreError) -> ScoreError:
+        """``error`` with the sent rows' fields (``sequences[k].input_ids[j]``) named by their place
+        in the caller's arrays (``input_ids[b, t]``)."""
+        def place(match: re.Match) -> str:
+            k = int(match.group(1))
+            if k >= len(self.rows):
+                return match.group(0)
+            first = self.starts[k] - self.sequences[k]["score_from"]  # the row's first real column
+            b = self.rows[k]
+            return f"input_ids[{b}, {first + int(match.group(2))}]" if match.group(2) else f"input_ids[{b}]"
+
+        param = _SENT.sub(place, error.param) if error.param else error.param
+        return ScoreError(error.status, error.type, _SENT.sub(place, error.message), param)
+
     def scores(self, results: list[ScoredSequence], return_entropy: bool) -> PaddedScores:
         """The answers to ``sequences``, in order, placed as [B, R] arrays."""
         logprobs = np.zeros(self.response_mask.shape, np.float32)
@@ -86,6 +101,9 @@ class PaddedBatch:
             entropy[~self.response_mask] = 0.0
         first = results[0] if results else None
         return PaddedScores(logprobs, entropy, first and first.model, first and first.weights_version)
+
+
+_SENT = re.compile(r"sequences\[(\d+)\](?:\.input_ids\[(\d+)\])?")
 
 
 def _numpy(x: Any) -> np.ndarray:
