@@ -99,11 +99,17 @@ def test_async_client_splits_a_huge_batch_under_the_server_limits(encoding):
 def test_async_client_resplits_on_413_when_its_knobs_exceed_the_server():
     seqs = [{"input_ids": [1, 2, 3]} for _ in range(40)]
 
+    sent = []
+
+    class Counted(httpx.ASGITransport):
+        async def handle_async_request(self, request):
+            sent.append(request.url.path)
+            return await super().handle_async_request(request)
+
     async def main():
         app = create_app(Settings(max_sequences_per_request=8), FakeBackend())
         async with running_app(app):
-            transport = httpx.ASGITransport(app=app)
-            client = AsyncScoreClient(BASE, transport=transport, max_sequences_per_request=100)
+            client = AsyncScoreClient(BASE, transport=Counted(app=app), max_sequences_per_request=100)
             client._p.limits_known = True  # skip discovery: the first request is too big for the server
             client._p.limits = Limits(100, 10_000, 1 << 20)
             out = await client.score(seqs, return_entropy=False)
@@ -113,6 +119,7 @@ def test_async_client_resplits_on_413_when_its_knobs_exceed_the_server():
     out, limits = asyncio.run(main())
     assert len(out) == 40 and all(r.entropy is None for r in out)
     assert limits.max_sequences_per_request == 8
+    assert sent.count("/score") == 1 + 5, f"{sent.count('/score')} requests: the 413, then 40 / 8 parts"
 
 
 @pytest.mark.parametrize("split_by", ["client", "server"])

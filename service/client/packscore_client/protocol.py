@@ -282,7 +282,7 @@ class Protocol:
 
     def exchange(self, seqs: list[Seq], options: dict, give_up: float, indices: Sequence[int] | None = None,
                  deadline: float | None = None) -> Generator[bytes | float, Any, list[ScoredSequence]]:
-        """The results of ``seqs`` in one request, or in halves where the server says it is too large.
+        """The results of ``seqs`` in one request, or split under the limits a 413 names (else in halves).
         ``indices``: where each of ``seqs`` stands in the caller's list, which an error names (the
         server numbers the sequences of the request it got).
 
@@ -310,9 +310,15 @@ class Protocol:
                 error = _error(outcome)
                 if outcome.status_code == 413 and error.type in _SPLITTABLE and len(seqs) > 1:
                     self.learn(outcome.headers)
-                    half, where = len(seqs) // 2, list(indices if indices is not None else range(len(seqs)))
-                    first = yield from self.exchange(seqs[:half], options, give_up, where[:half], deadline)
-                    return first + (yield from self.exchange(seqs[half:], options, give_up, where[half:], deadline))
+                    where = list(indices if indices is not None else range(len(seqs)))
+                    parts = self.chunks(seqs, 1)  # under the limits just learned
+                    if len(parts) < 2:  # they did not say how: halves
+                        parts = [list(range(len(seqs) // 2)), list(range(len(seqs) // 2, len(seqs)))]
+                    out: list[ScoredSequence] = []
+                    for part in parts:
+                        out += yield from self.exchange([seqs[i] for i in part], options, give_up,
+                                                        [where[i] for i in part], deadline)
+                    return out
                 wait = retry_after(outcome, attempt)
                 if outcome.status_code not in _RETRY_STATUSES or time.monotonic() + wait > give_up:
                     raise _renumbered(error, indices)
