@@ -4,9 +4,10 @@ and results; each only drives ``Protocol.exchange`` with its own kind of I/O."""
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, Generator, Iterable
 
 import httpx
@@ -27,15 +28,27 @@ def _to_rescore(results: list[ScoredSequence], models: list[dict]) -> tuple[str,
     """The version served now and the results to score again with it (a split batch whose parts
     met a weight update)."""
     name = results[0].model
-    served = [m["weights_version"] for m in models if m.get("id") == name] or [m["weights_version"] for m in models][:1]
+    served = [m["weights_version"] for m in models if m.get("id") == name]
     if len(served) != 1:
-        raise ScoreError(0, "unknown_model", f"/v1/models does not list {name!r}", "model")
+        raise ScoreError(404, "model_not_found", f"/v1/models does not list {name!r}, which scored the batch", "model")
     return served[0], [i for i, r in enumerate(results) if r.weights_version != served[0]]
 
 
-def _mixed(model: str | None) -> ScoreError:
-    return ScoreError(409, "weights_version_mismatch", f"the weights of {model!r} changed {_VERSION_TRIES} times while "
-                      "one padded batch was scored; pin weights_version= to score it by one version", "weights_version")
+def _mixed(results: list[ScoredSequence]) -> ScoreError:
+    return ScoreError(409, "weights_version_mismatch", f"the weights of {results[0].model!r} changed {_VERSION_TRIES} "
+                      "times while one padded batch was scored; pin weights_version= to score it by one version",
+                      "weights_version")
+
+
+def _left_ms(end: float | None) -> int | None:
+    """What is left of a call's deadline for another request, or ScoreError 504 once it passed."""
+    if end is None:
+        return None
+    left = math.ceil((end - time.monotonic()) * 1000.0)
+    if left <= 0:
+        raise ScoreError(504, "deadline_exceeded", "deadline_ms passed while the batch was scored again by one "
+                         "weights version.", "deadline_ms")
+    return left
 
 
 class _Base:
@@ -84,7 +97,9 @@ class _Base:
         now = time.monotonic()
         # deadline_ms bounds the whole call, its retries included; 0 or less goes to the server as
         # given, which answers 504 (0: no result is ready after 0 ms) or 422 (negative)
-        deadline = None if deadline_ms is None or deadline_ms <= 0 else now + deadline_ms / 1000.0
+        if deadline_ms is not None and deadline_ms <= 0:
+            return seqs, opts, now, None  # one attempt: no time is left for a retry
+        deadline = None if deadline_ms is None else now + deadline_ms / 1000.0
         return seqs, opts, now + self._p.retry_timeout_s, deadline
 
 
@@ -120,16 +135,20 @@ class ScoreClient(_Base):
         rollout_logprobs, or unpadded 1-D id lists or arrays); one result per sequence, in order,
         each naming the weights version that scored it. ``weights_version`` pins the version: the
         server answers 409 (raised as ScoreError) when it serves another. No sequences: [] with no
-        request sent."""
+        request scored."""
         seqs, opts, give_up, deadline = self._plan(sequences, temperature=temperature, return_entropy=return_entropy, top_k=top_k,
                                          model=model, deadline_ms=deadline_ms, weights_version=weights_version)
         if not self._p.limits_known:
             self._p.learn_from_readyz(self._get("/readyz"))
         parts = self._p.chunks(seqs, self._max_concurrency)
         stop = threading.Event()  # set once the call has failed: its other parts send nothing more
-        futures = [self._pool.submit(self._drive, self._p.exchange([seqs[i] for i in part], opts, give_up, part, deadline),
-                                     stop=stop) for part in parts]
+        futures = [self._pool.submit(self._drive, self._p.exchange([seqs[i] for i in part], opts, give_up, part,
+                                                                   deadline), stop=stop) for part in parts]
         try:
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)  # the first failure in time, not in order
+            failed = next((f for f in futures if f in done and f.exception() is not None), None)
+            if failed is not None:
+                raise failed.exception()
             return [r for f in futures for r in f.result()]
         except BaseException:
             stop.set()
@@ -146,17 +165,20 @@ class ScoreClient(_Base):
         ``weights_version`` pins it (ScoreError 409 when another serves); without it, rows whose
         part met a weight update are scored again by the version served after it."""
         batch = PaddedBatch.from_arrays(input_ids, attention_mask, response_mask)
-        kw = dict(temperature=temperature, return_entropy=return_entropy, model=model, deadline_ms=deadline_ms)
+        kw = dict(temperature=temperature, return_entropy=return_entropy, model=model)
+        end = time.monotonic() + deadline_ms / 1000.0 if deadline_ms is not None and deadline_ms > 0 else None
         try:
-            results = self.score(batch.sequences, weights_version=weights_version, **kw) if batch.sequences else []
+            results = (self.score(batch.sequences, weights_version=weights_version, deadline_ms=deadline_ms, **kw)
+                       if batch.sequences else [])
         except ScoreError as error:
-            raise batch.named_by_place(error) from None
+            raise batch.named_by_place(error) from error
         for _ in range(_VERSION_TRIES):
             if _one_version(results):
                 break
             served, rows = _to_rescore(results, self.models())
             try:
-                again = self.score([batch.sequences[i] for i in rows], weights_version=served, **kw)
+                again = self.score([batch.sequences[i] for i in rows], weights_version=served,
+                                     deadline_ms=_left_ms(end), **kw)
             except ScoreError as exc:
                 if exc.type != "weights_version_mismatch":  # changed again meanwhile: the next try
                     raise
@@ -165,12 +187,15 @@ class ScoreClient(_Base):
                 results[i] = r
         else:
             if not _one_version(results):
-                raise _mixed(model)
+                raise _mixed(results)
         return batch.scores(results, return_entropy)
 
     def models(self) -> list[dict]:
         """GET /v1/models: the served models, each with its ``weights_version`` (API.md)."""
-        response = self._http.get("/v1/models", timeout=_DISCOVERY_TIMEOUT_S)
+        try:
+            response = self._http.get("/v1/models", timeout=_DISCOVERY_TIMEOUT_S)
+        except httpx.TransportError as error:
+            raise ScoreError(0, "connection_error", f"GET /v1/models failed: {error!r}") from error
         if response.status_code != 200:
             raise _error(response)
         return response.json()["data"]
@@ -251,17 +276,20 @@ class AsyncScoreClient(_Base):
                            deadline_ms: int | None = None, weights_version: str | None = None) -> PaddedScores:
         """As ``ScoreClient.score_padded``."""
         batch = PaddedBatch.from_arrays(input_ids, attention_mask, response_mask)
-        kw = dict(temperature=temperature, return_entropy=return_entropy, model=model, deadline_ms=deadline_ms)
+        kw = dict(temperature=temperature, return_entropy=return_entropy, model=model)
+        end = time.monotonic() + deadline_ms / 1000.0 if deadline_ms is not None and deadline_ms > 0 else None
         try:
-            results = await self.score(batch.sequences, weights_version=weights_version, **kw) if batch.sequences else []
+            results = (await self.score(batch.sequences, weights_version=weights_version, deadline_ms=deadline_ms, **kw)
+                       if batch.sequences else [])
         except ScoreError as error:
-            raise batch.named_by_place(error) from None
+            raise batch.named_by_place(error) from error
         for _ in range(_VERSION_TRIES):
             if _one_version(results):
                 break
             served, rows = _to_rescore(results, await self.models())
             try:
-                again = await self.score([batch.sequences[i] for i in rows], weights_version=served, **kw)
+                again = await self.score([batch.sequences[i] for i in rows], weights_version=served,
+                                     deadline_ms=_left_ms(end), **kw)
             except ScoreError as exc:
                 if exc.type != "weights_version_mismatch":
                     raise
@@ -270,12 +298,15 @@ class AsyncScoreClient(_Base):
                 results[i] = r
         else:
             if not _one_version(results):
-                raise _mixed(model)
+                raise _mixed(results)
         return batch.scores(results, return_entropy)
 
     async def models(self) -> list[dict]:
         """As ``ScoreClient.models``."""
-        response = await self._http.get("/v1/models", timeout=_DISCOVERY_TIMEOUT_S)
+        try:
+            response = await self._http.get("/v1/models", timeout=_DISCOVERY_TIMEOUT_S)
+        except httpx.TransportError as error:
+            raise ScoreError(0, "connection_error", f"GET /v1/models failed: {error!r}") from error
         if response.status_code != 200:
             raise _error(response)
         return response.json()["data"]

@@ -64,6 +64,10 @@ class PaddedBatch:
             if scored[0] < real[0] or scored[-1] > real[-1]:
                 raise ValueError(f"row {b}: response_mask marks column {int(scored[0] if scored[0] < real[0] else scored[-1])}"
                                  f" of input_ids, which attention_mask says is padding")
+            bad = np.flatnonzero((ids[b, real] < 0) | (ids[b, real] >= 2**31))
+            if bad.size:  # msgpack sends int32: a wrapped id could pass as a valid one
+                t = int(real[bad[0]])
+                raise ValueError(f"input_ids[{b}, {t}]: token ids must be in [0, 2**31), got {int(ids[b, t])}")
             if scored[0] == real[0]:
                 raise ValueError(f"row {b}: its first real token is marked as response; a token needs at least one "
                                  "before it to be predicted from")
@@ -84,8 +88,12 @@ class PaddedBatch:
             b = self.rows[k]
             return f"input_ids[{b}, {first + int(match.group(2))}]" if match.group(2) else f"input_ids[{b}]"
 
+        def row(match: re.Match) -> str:
+            k = int(match.group(1))
+            return f"Row {self.rows[k]}" if k < len(self.rows) else match.group(0)
+
         param = _SENT.sub(place, error.param) if error.param else error.param
-        return ScoreError(error.status, error.type, _SENT.sub(place, error.message), param)
+        return ScoreError(error.status, error.type, _SEQUENCE.sub(row, _SENT.sub(place, error.message)), param)
 
     def scores(self, results: list[ScoredSequence], return_entropy: bool) -> PaddedScores:
         """The answers to ``sequences``, in order, placed as [B, R] arrays."""
@@ -103,7 +111,9 @@ class PaddedBatch:
         return PaddedScores(logprobs, entropy, first and first.model, first and first.weights_version)
 
 
-_SENT = re.compile(r"sequences\[(\d+)\](?:\.input_ids\[(\d+)\])?")
+# A sent row's field as the server names it, and the row in its messages ("Sequence 3 has ...").
+_SENT = re.compile(r"sequences\[(\d+)\](?:\.input_ids(?:\[(\d+)\])?)?")
+_SEQUENCE = re.compile(r"\bSequence (\d+)")
 
 
 def _numpy(x: Any) -> np.ndarray:

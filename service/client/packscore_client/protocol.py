@@ -330,13 +330,16 @@ class Protocol:
                 # on a server already too slow, and the answer would come no sooner.
                 raise ScoreError(0, "read_timeout", f"{self.base_url} sent no answer within timeout_s; the request "
                                  "was not sent again (raise timeout_s, or send less per call)") from outcome
-            elif not isinstance(outcome, (httpx.ConnectError, httpx.ConnectTimeout, httpx.WriteError)):
-                # The request was sent whole and the connection failed before the answer: the server
-                # may have it, as after a read timeout.
+            elif isinstance(outcome, _NOT_SENT_WHOLE):  # the server cannot have scored it
+                wait, unreachable_since = self._unreachable(outcome, attempt, unreachable_since, give_up)
+            elif isinstance(outcome, (httpx.RemoteProtocolError, httpx.ReadError)):
+                # Sent whole, the connection lost before the answer: the server may have it, as after a
+                # read timeout.
                 raise ScoreError(0, "connection_error", f"{self.base_url} closed the connection after the request "
                                  f"was sent ({_describe(outcome)}); it was not sent again") from outcome
-            else:  # not reached, or not sent whole: the server cannot have scored it
-                wait, unreachable_since = self._unreachable(outcome, attempt, unreachable_since, give_up)
+            else:
+                raise ScoreError(0, "connection_error", f"the request to {self.base_url} failed "
+                                 f"({_describe(outcome)})") from outcome
             yield wait
             attempt += 1
 
@@ -354,6 +357,10 @@ class Protocol:
         log.warning("packscore: cannot reach %s (%s); retrying in %.1fs (gives up %.0fs after the first "
                     "failure: connect_retry_s)", self.base_url, _describe(error), wait, self.connect_retry_s)
         return wait, since
+
+
+# Failures before the request reached the server whole: sending it again cannot score it twice.
+_NOT_SENT_WHOLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.WriteError, httpx.WriteTimeout, httpx.PoolTimeout)
 
 
 def _describe(exc: BaseException) -> str:
