@@ -13,8 +13,8 @@ from typing import Any, Generator, Iterable
 import httpx
 
 from packscore_client.padded import PaddedBatch, PaddedScores
-from packscore_client.protocol import (Limits, Protocol, ScoredSequence, ScoreError, WeightsUpdate, _error, as_seqs,
-                                       options)
+from packscore_client.protocol import (Limits, Protocol, ScoredSequence, ScoreError, WeightsUpdate, as_seqs,
+                                       models_answer, options)
 
 _DISCOVERY_TIMEOUT_S = 5.0
 _VERSION_TRIES = 3  # rescorings of a padded batch whose weights changed while it was scored
@@ -34,12 +34,6 @@ def _to_rescore(results: list[ScoredSequence], models: list[dict]) -> tuple[str,
     return served[0], [i for i, r in enumerate(results) if r.weights_version != served[0]]
 
 
-def _mixed(results: list[ScoredSequence]) -> ScoreError:
-    return ScoreError(409, "weights_version_mismatch", f"the weights of {results[0].model!r} changed {_VERSION_TRIES} "
-                      "times while one padded batch was scored; pin weights_version= to score it by one version",
-                      "weights_version")
-
-
 def _left_ms(end: float | None) -> int | None:
     """What is left of a call's deadline for another request, or ScoreError 504 once it passed."""
     if end is None:
@@ -49,6 +43,29 @@ def _left_ms(end: float | None) -> int | None:
         raise ScoreError(504, "deadline_exceeded", "deadline_ms passed while the batch was scored again by one "
                          "weights version.", "deadline_ms")
     return left
+
+
+def _by_one_version(results: list[ScoredSequence], sequences: list, end: float | None) -> Generator[tuple, Any, list]:
+    """``results`` of a padded batch, those of a version other than the one served after an update
+    scored again with it (``score_padded``). Yields ``("models",)`` (and receives ``/v1/models``'
+    list) or ``("score", sequences, weights_version, deadline_ms)`` (and receives the results, or
+    the ScoreError raised instead), as ``Protocol.exchange`` drives its I/O through each client."""
+    for _ in range(_VERSION_TRIES):
+        if _one_version(results):
+            return results
+        served, rows = _to_rescore(results, (yield ("models",)))
+        again = yield ("score", [sequences[i] for i in rows], served, _left_ms(end))
+        if isinstance(again, ScoreError):
+            if again.type != "weights_version_mismatch":  # changed again meanwhile: the next try
+                raise again
+            continue
+        for i, r in zip(rows, again):
+            results[i] = r
+    if not _one_version(results):
+        raise ScoreError(409, "weights_version_mismatch", f"the weights of {results[0].model!r} changed "
+                         f"{_VERSION_TRIES} times while one padded batch was scored; pin weights_version= to score "
+                         "it by one version", "weights_version")
+    return results
 
 
 class _Base:
@@ -172,33 +189,24 @@ class ScoreClient(_Base):
                        if batch.sequences else [])
         except ScoreError as error:
             raise batch.named_by_place(error) from error
-        for _ in range(_VERSION_TRIES):
-            if _one_version(results):
-                break
-            served, rows = _to_rescore(results, self.models())
-            try:
-                again = self.score([batch.sequences[i] for i in rows], weights_version=served,
-                                     deadline_ms=_left_ms(end), **kw)
-            except ScoreError as exc:
-                if exc.type != "weights_version_mismatch":  # changed again meanwhile: the next try
-                    raise
-                continue
-            for i, r in zip(rows, again):
-                results[i] = r
-        else:
-            if not _one_version(results):
-                raise _mixed(results)
-        return batch.scores(results, return_entropy)
+        steps = _by_one_version(results, batch.sequences, end)
+        try:
+            ask = next(steps)
+            while True:
+                if ask[0] == "models":
+                    ask = steps.send(self.models())
+                    continue
+                try:
+                    got = self.score(ask[1], weights_version=ask[2], deadline_ms=ask[3], **kw)
+                except ScoreError as error:
+                    got = error
+                ask = steps.send(got)
+        except StopIteration as done:
+            return batch.scores(done.value, return_entropy)
 
     def models(self) -> list[dict]:
         """GET /v1/models: the served models, each with its ``weights_version`` (API.md)."""
-        try:
-            response = self._http.get("/v1/models", timeout=_DISCOVERY_TIMEOUT_S)
-        except httpx.TransportError as error:
-            raise ScoreError(0, "connection_error", f"GET /v1/models failed: {error!r}") from error
-        if response.status_code != 200:
-            raise _error(response)
-        return response.json()["data"]
+        return models_answer(self._get("/v1/models"))
 
     def update_weights(self, model: str | None, path: str, version: str | None = None) -> WeightsUpdate:
         """Asks the server to serve the checkpoint at ``path`` (relative to its --weights-root) for
@@ -283,33 +291,24 @@ class AsyncScoreClient(_Base):
                        if batch.sequences else [])
         except ScoreError as error:
             raise batch.named_by_place(error) from error
-        for _ in range(_VERSION_TRIES):
-            if _one_version(results):
-                break
-            served, rows = _to_rescore(results, await self.models())
-            try:
-                again = await self.score([batch.sequences[i] for i in rows], weights_version=served,
-                                     deadline_ms=_left_ms(end), **kw)
-            except ScoreError as exc:
-                if exc.type != "weights_version_mismatch":
-                    raise
-                continue
-            for i, r in zip(rows, again):
-                results[i] = r
-        else:
-            if not _one_version(results):
-                raise _mixed(results)
-        return batch.scores(results, return_entropy)
+        steps = _by_one_version(results, batch.sequences, end)
+        try:
+            ask = next(steps)
+            while True:
+                if ask[0] == "models":
+                    ask = steps.send(await self.models())
+                    continue
+                try:
+                    got = await self.score(ask[1], weights_version=ask[2], deadline_ms=ask[3], **kw)
+                except ScoreError as error:
+                    got = error
+                ask = steps.send(got)
+        except StopIteration as done:
+            return batch.scores(done.value, return_entropy)
 
     async def models(self) -> list[dict]:
         """As ``ScoreClient.models``."""
-        try:
-            response = await self._http.get("/v1/models", timeout=_DISCOVERY_TIMEOUT_S)
-        except httpx.TransportError as error:
-            raise ScoreError(0, "connection_error", f"GET /v1/models failed: {error!r}") from error
-        if response.status_code != 200:
-            raise _error(response)
-        return response.json()["data"]
+        return models_answer(await self._get("/v1/models"))
 
     async def update_weights(self, model: str | None, path: str, version: str | None = None) -> WeightsUpdate:
         """As ``ScoreClient.update_weights``."""

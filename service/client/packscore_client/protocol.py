@@ -363,6 +363,15 @@ class Protocol:
 _NOT_SENT_WHOLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.WriteError, httpx.WriteTimeout, httpx.PoolTimeout)
 
 
+def models_answer(outcome: httpx.Response | Exception) -> list[dict]:
+    """``GET /v1/models``' list of served models, from its response or the error that replaced it."""
+    if isinstance(outcome, Exception):
+        raise ScoreError(0, "connection_error", f"GET /v1/models failed: {_describe(outcome)}") from outcome
+    if outcome.status_code != 200:
+        raise _error(outcome)
+    return outcome.json()["data"]
+
+
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
