@@ -198,18 +198,17 @@ class LocalBackend:
                     t0 = time.perf_counter()
                     if (changed := checkpoint_changed(path, files)) is not None:  # since checked: nothing copied
                         raise changed
+                    mixed = mixed_version()
                     try:
                         read_parameters(loaded.model, plan, into_model=True)
-                        changed = checkpoint_changed(path, files)
-                    except BaseException:  # part copied: the weights are neither version
-                        self._set_version(mixed_version())
-                        raise
-                    if changed is not None:
-                        mixed = mixed_version()
+                        if checkpoint_changed(path, files) is not None:
+                            raise CheckpointError("unreadable", f"{path.name}: the checkpoint's files changed while "
+                                                  f"they were copied in place; the weights served now are a mix, named "
+                                                  f"{mixed}, which no pinned request matches: update again once the "
+                                                  "files are complete")
+                    except BaseException:  # part copied, or copied from changing files: neither version's weights
                         self._set_version(mixed)
-                        raise CheckpointError("unreadable", f"{path.name}: the checkpoint's files changed while they "
-                                              f"were copied in place; the weights served now are a mix, named {mixed}, "
-                                              "which no pinned request matches: update again once the files are complete")
+                        raise
                     previous = self._set_version(new_version)
                     swap_ms = 1e3 * (time.perf_counter() - t0)
                     load_s = time.perf_counter() - started
