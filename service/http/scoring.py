@@ -16,7 +16,7 @@ from service.http.encoding import CONTENT_TYPE, decode_body, encode_score_respon
 from service.http.encoding import non_finite_score, result_record
 from service.http.errors import ApiError, backend_unavailable, deadline_error, draining_error, non_finite_error
 from service.http.rollout import mismatch
-from service.http.validation import ScoreJob, parse_score_request
+from service.http.validation import Limits, ScoreJob, parse_score_request
 from service.runtime import ServedModel, Service
 from service.scheduling.scheduler import Scheduler, Ticket
 
@@ -54,8 +54,7 @@ async def score_request(request: Request, service: Service) -> Response:
         else:
             job = _parse(raw, in_encoding, served)
     except ApiError as exc:
-        if exc.status == 413:  # tell the client the limits it must split under (its model's, where known)
-            exc.headers = {**limits.headers(), **exc.headers}
+        _add_limits(exc, limits)
         raise
     model = service.models[job.model]
     limits = model.limits
@@ -74,7 +73,11 @@ async def score_request(request: Request, service: Service) -> Response:
     deadline = time.monotonic() + min(job.deadline_ms, _DAY_MS) / 1000.0 if job.deadline_ms is not None else None
     service.inflight += 1
     try:
-        scored = await _score_with_one_version(request, model, job, deadline)
+        try:
+            scored = await _score_with_one_version(request, model, job, deadline)
+        except ApiError as exc:  # a sequence found too large for memory in the queue
+            _add_limits(exc, limits)
+            raise
         if scored is None:
             service.metrics.rejections.labels(reason="client_disconnected").inc()
             return Response(status_code=_CLIENT_CLOSED)
@@ -84,6 +87,12 @@ async def score_request(request: Request, service: Service) -> Response:
                         headers=limits.headers())
     finally:
         service.inflight -= 1
+
+
+def _add_limits(exc: ApiError, limits: Limits) -> None:
+    """Every 413 tells the client the limits it must split under (its model's, where known)."""
+    if exc.status == 413:
+        exc.headers = {**limits.headers(), **exc.headers}
 
 
 def _parse(raw: bytes, encoding, served) -> ScoreJob:

@@ -109,6 +109,8 @@ def test_out_of_memory_is_retried_in_halves_and_only_the_oversized_request_fails
         "message": responses[1].json()["error"]["message"],
         "param": "sequences[1].input_ids",
     }
+    # Like every 413, it names the limits to split under (here only max_model_len would not help).
+    assert int(responses[1].headers["X-Packscore-Max-Model-Len"]) > 0, dict(responses[1].headers)
     assert any(sum(row) > 60 for row in rows), "the first row should have been too large"
     assert [80] in rows, "the oversized sequence must have been tried alone"
     assert after.status_code == 200 and ready.status_code == 200
