@@ -584,3 +584,41 @@ def test_the_blocking_client_scores_a_padded_batch_by_one_version_too():
         scores = client.score_padded(ids, attn, resp, return_entropy=False)
     assert scores.weights_version == "v2" and (scores.logprobs == 2.0).all(), scores
     assert [b.get("weights_version") for b in bodies] == [None, None, "v2"], bodies
+
+
+def test_wait_ready_polls_readyz_until_the_first_scoring_pass_succeeds(monkeypatch):
+    from packscore_client import clients
+
+    monkeypatch.setattr(clients, "_READY_POLL_S", 0.02)
+    gate = threading.Event()  # holds the server's readiness probe, so /readyz answers 503 until set
+
+    async def main():
+        app = create_app(Settings(max_queued_tokens=400), FakeBackend(gate=gate))
+        async with running_app(app, ready=False):
+            async with AsyncScoreClient(BASE, transport=httpx.ASGITransport(app=app)) as client:
+                waiting = await client.ready()
+                with pytest.raises(ScoreError) as late:
+                    await client.wait_ready(timeout_s=0.2)
+                waiter = asyncio.ensure_future(client.wait_ready(timeout_s=10))
+                await asyncio.sleep(0.1)
+                assert not waiter.done()
+                gate.set()
+                return waiting, late.value, await waiter, client.limits
+
+    waiting, late, ready, limits = asyncio.run(main())
+    assert waiting["status"] != "ready" and waiting["error"]["type"] == "not_ready", waiting
+    assert late.status == 503 and late.type == "not_ready" and "(last: probing)" in str(late), late
+    assert ready["status"] == "ready" and ready["limits"]["max_request_tokens"] == 400, ready
+    assert limits.max_request_tokens == 400  # learned from the ready answer, as before a first score
+
+
+def test_wait_ready_counts_an_unreachable_server_as_not_ready():
+    from model_runtime.pool.ports import free_port
+
+    with ScoreClient(f"http://127.0.0.1:{free_port()}", connect_retry_s=0.2) as client:
+        with pytest.raises(ScoreError) as unreachable:
+            client.ready()
+        with pytest.raises(ScoreError) as late:
+            client.wait_ready(timeout_s=0.3)
+    assert unreachable.value.type == "connection_error" and unreachable.value.status == 0
+    assert late.value.status == 503 and "connection_error" in str(late.value), late.value

@@ -14,9 +14,10 @@ import httpx
 
 from packscore_client.padded import PaddedBatch, PaddedScores
 from packscore_client.protocol import (Limits, Protocol, ScoredSequence, ScoreError, WeightsUpdate, as_seqs,
-                                       models_answer, options)
+                                       models_answer, not_ready_in_time, options, readiness_answer)
 
 _DISCOVERY_TIMEOUT_S = 5.0
+_READY_POLL_S = 1.0
 _VERSION_TRIES = 3  # rescorings of a padded batch whose weights changed while it was scored
 
 
@@ -208,6 +209,31 @@ class ScoreClient(_Base):
         """GET /v1/models: the served models, each with its ``weights_version`` (API.md)."""
         return models_answer(self._get("/v1/models"))
 
+    def ready(self) -> dict:
+        """GET /readyz's body: ``status`` is ``"ready"`` (with the served models and their limits) or
+        the reason the server is not (``loading``, ``draining``, ...). Unreachable: ``connection_error``."""
+        answer = readiness_answer(outcome := self._get("/readyz"))
+        self._p.learn_from_readyz(outcome)
+        return answer
+
+    def wait_ready(self, timeout_s: float = 600.0) -> dict:
+        """Polls /readyz (unreachable counts as not ready) until it is ready, then returns its body;
+        ``ScoreError`` 503 ``not_ready`` naming the last status once ``timeout_s`` has passed."""
+        start = time.monotonic()
+        while True:
+            try:
+                last: dict | ScoreError = self.ready()
+                if last.get("status") == "ready":
+                    return last  # type: ignore[return-value]
+            except ScoreError as error:
+                if error.status != 0:
+                    raise
+                last = error
+            waited = time.monotonic() - start
+            if waited >= timeout_s:
+                raise not_ready_in_time(self._p.base_url, waited, last)
+            time.sleep(min(_READY_POLL_S, timeout_s - waited))
+
     def update_weights(self, model: str | None, path: str, version: str | None = None) -> WeightsUpdate:
         """Asks the server to serve the checkpoint at ``path`` (relative to its --weights-root) for
         ``model``; returns once the new version serves. ``version`` defaults to a content hash."""
@@ -309,6 +335,29 @@ class AsyncScoreClient(_Base):
     async def models(self) -> list[dict]:
         """As ``ScoreClient.models``."""
         return models_answer(await self._get("/v1/models"))
+
+    async def ready(self) -> dict:
+        """As ``ScoreClient.ready``."""
+        answer = readiness_answer(outcome := await self._get("/readyz"))
+        self._p.learn_from_readyz(outcome)
+        return answer
+
+    async def wait_ready(self, timeout_s: float = 600.0) -> dict:
+        """As ``ScoreClient.wait_ready``."""
+        start = time.monotonic()
+        while True:
+            try:
+                last: dict | ScoreError = await self.ready()
+                if last.get("status") == "ready":
+                    return last  # type: ignore[return-value]
+            except ScoreError as error:
+                if error.status != 0:
+                    raise
+                last = error
+            waited = time.monotonic() - start
+            if waited >= timeout_s:
+                raise not_ready_in_time(self._p.base_url, waited, last)
+            await asyncio.sleep(min(_READY_POLL_S, timeout_s - waited))
 
     async def update_weights(self, model: str | None, path: str, version: str | None = None) -> WeightsUpdate:
         """As ``ScoreClient.update_weights``."""

@@ -372,6 +372,20 @@ def models_answer(outcome: httpx.Response | Exception) -> list[dict]:
     return outcome.json()["data"]
 
 
+def readiness_answer(outcome: httpx.Response | Exception) -> dict:
+    """``GET /readyz``'s body, 200 or 503 alike: ``status`` is ``"ready"`` or the reason it is not."""
+    if isinstance(outcome, Exception):
+        raise ScoreError(0, "connection_error", f"GET /readyz failed: {_describe(outcome)}") from outcome
+    if outcome.status_code not in (200, 503):
+        raise _error(outcome)
+    return outcome.json()
+
+
+def not_ready_in_time(base_url: str, waited_s: float, last: dict | ScoreError) -> ScoreError:
+    why = last.get("status") if isinstance(last, dict) else f"{last.type}: {last}"
+    return ScoreError(503, "not_ready", f"{base_url} was not ready after {waited_s:.1f}s (last: {why})")
+
+
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
