@@ -92,6 +92,77 @@ def matmul_ceiling() -> dict:
     return result
 
 
+class GpuClocks:
+    """SM clock (MHz) and board power (W) sampled by ``nvidia-smi`` every 200 ms while the block
+    runs; ``summary()`` gives their medians and extremes (empty where nvidia-smi is missing)."""
+
+    def __enter__(self) -> "GpuClocks":
+        self.lines: list[str] = []
+        try:
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "-i", "0", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                 "-lms", "200"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self._proc = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            out, _ = self._proc.communicate(timeout=10)
+            self.lines = [line for line in out.splitlines() if line.strip()]
+
+    def summary(self) -> dict:
+        samples = []
+        for line in self.lines:
+            try:
+                sm, watts = (float(v) for v in line.split(","))
+            except ValueError:
+                continue
+            samples.append((sm, watts))
+        if not samples:
+            return {}
+        sm, watts = np.array(samples).T
+        return {"samples": len(samples), "sm_mhz_median": float(np.median(sm)), "sm_mhz_min": float(sm.min()),
+                "sm_mhz_max": float(sm.max()), "power_w_median": float(np.median(watts)),
+                "power_w_max": float(watts.max())}
+
+
+def matmul_sustained(seconds_each: float = 6.0,
+                     shapes: tuple[tuple[int, int, int], ...] = ((8192, 8192, 8192), (65536, 4096, 12288))) -> dict:
+    """bf16 products of each ``(M, K, N)`` back to back for ``seconds_each``: the rate a long
+    forward can hold, clocks and power beside it. ``matmul_ceiling`` times ten products on an idle
+    GPU; run after a timed pass, this says what the same GPU gives once hot. The rate is the median
+    of windows of about 0.1 s after the first second."""
+    out = {}
+    for m, k, n in shapes:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()  # x @ W.T, as a Linear computes it
+        flop = 2.0 * m * k * n
+        a @ b
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        torch.cuda.synchronize()
+        per_window = max(1, int(0.1 / max(time.perf_counter() - t0, 1e-4)))
+        rates, start = [], time.perf_counter()
+        with GpuClocks() as clocks:
+            while time.perf_counter() - start < seconds_each:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                for _ in range(per_window):
+                    a @ b
+                end.record()
+                end.synchronize()
+                rates.append((time.perf_counter() - start, flop * per_window / (begin.elapsed_time(end) / 1e3) / 1e12))
+        settled = [r for t, r in rates if t > 1.0] or [r for _, r in rates]
+        out[f"{m}x{k}x{n}"] = {"tflops_median": float(np.median(settled)), "tflops_min": float(np.min(settled)),
+                              "tflops_first_window": rates[0][1], "windows": len(rates), **clocks.summary()}
+        del a, b
+    log(f"sustained bf16 matmul rates: {out}")
+    return out
+
+
 def moe_experts(num_layers: int | None, row_tokens: int, spec=None) -> dict:
     """One packed row through the 35B-A3B layers with packscore's MoE block, then with Hugging
     Face's block in its place (its experts as ``grouped_mm``, then ``eager``): time and hidden-state

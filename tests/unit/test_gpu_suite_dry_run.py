@@ -33,3 +33,16 @@ def test_compiled_between_names_the_new_cache_entries(tmp_path, monkeypatch):
         (tmp_path / entry / "conv_silu_kernel.cubin").write_bytes(b"")
     (tmp_path / "e5").mkdir()  # a compilation still being written: no cubin yet
     assert suite_harness.compiled_between(before, suite_harness.compiled_kernels()) == {"conv_silu_kernel": 2}
+
+
+def test_gpu_clocks_summarise_nvidia_smi_samples_and_nothing_without_it(monkeypatch, tmp_path):
+    from bench.gpu_probes import GpuClocks
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi here: an empty summary, no error
+    with GpuClocks() as clocks:
+        pass
+    assert clocks.summary() == {}
+    clocks.lines = ["1980, 512.3", "1755, 699.1", "[N/A], 12.0", "1830, 650.0"]  # a sample nvidia-smi could not read is skipped
+    summary = clocks.summary()
+    assert summary["samples"] == 3 and summary["sm_mhz_min"] == 1755 and summary["sm_mhz_median"] == 1830, summary
+    assert summary["power_w_max"] == 699.1, summary
