@@ -57,6 +57,7 @@ from bench.workload import WorkloadSpec, describe, grpo_workload  # noqa: E402
 VOCAB = 248_320
 REQUESTS, PER_REQUEST = 8, 32
 IDLE_LENGTH, IDLE_REPEATS = 512, 20
+IDLE_GAP_S = 0.2  # between idle requests, on both sides: the same idle GPU and host before each
 GPU_COUNTS = (1, 2, 4, 8)
 
 # The cost model (see the module docstring).
@@ -152,7 +153,7 @@ async def idle_latency_http(url: str, seq) -> dict:
         await client.score(_payload([seq]))
         before = {name: _metric(url, name) for name in _SERVER_TIMES}
         for _ in range(IDLE_REPEATS):
-            await asyncio.sleep(0.2)  # the server goes idle between requests
+            await asyncio.sleep(IDLE_GAP_S)  # the server goes idle between requests
             t0 = time.perf_counter()
             await client.score(_payload([seq]))
             out.append(time.perf_counter() - t0)
@@ -167,7 +168,7 @@ _SERVER_TIMES = {"packscore_forward_seconds_sum": "forward_s", "packscore_queue_
 def idle_latency_in_process(score, seq) -> list[float]:
     out = []
     for _ in range(IDLE_REPEATS):
-        time.sleep(0.05)
+        time.sleep(IDLE_GAP_S)
         t0 = time.perf_counter()
         score([seq])
         out.append(time.perf_counter() - t0)

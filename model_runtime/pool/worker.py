@@ -354,6 +354,9 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _watch_parent(args.parent_pid or os.getppid())
+    from model_runtime.scoring.backend import favour_forward_threads
+
+    favour_forward_threads()  # a weight update reads beside the forwards
     commands = Connection(args.recv_fd, writable=False)
     replies = _Replies(Connection(args.send_fd, readable=False))
     code = serve(commands, replies)

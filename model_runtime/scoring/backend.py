@@ -7,6 +7,7 @@ data-parallel groups. The service never touches torch directly.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass, field, fields, replace
@@ -111,6 +112,18 @@ class ScoringBackend(Protocol):
     def close(self) -> None: ...
 
 
+# Every op of a forward gives the GIL up and must take it back. Beside a thread running Python
+# (HTTP decoding, an update's readers), each take can wait out that thread's whole switch
+# interval, and a forward of short rows launches thousands of ops.
+FORWARD_SWITCH_INTERVAL_S = 0.0005
+
+
+def favour_forward_threads() -> None:
+    """Shortens the interpreter's GIL switch interval (never lengthens it) in a process whose
+    forwards run beside other Python threads: the serving process and every pool worker."""
+    sys.setswitchinterval(min(sys.getswitchinterval(), FORWARD_SWITCH_INTERVAL_S))
+
+
 def begin_update(lock: threading.Lock, name: str) -> float:
     """Takes ``lock`` for one weight update (the caller releases it) and returns its start time;
     a second update of the same model is refused, not queued."""
@@ -130,6 +143,7 @@ class LocalBackend:
     def __init__(self, scorer: Scorer, *, updates: bool = False):
         """``updates``: weight updates may come; their page-locked staging buffers are made here,
         since making them in the first update would stop the forwards beside it (tensor_file.Staging)."""
+        favour_forward_threads()
         self.scorer = scorer
         self.info = ModelInfo.of(scorer.loaded)
         self.max_row_tokens = scorer.max_batch_tokens
