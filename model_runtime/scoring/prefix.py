@@ -183,7 +183,14 @@ class RowTokens:
         saved = sum(g.tokens_saved for g in share(members, lengths + [ids.size], common, self.min_tokens, self.rounding))
         return common, saved
 
-    def _group_of(self, ids: np.ndarray):
+    def group_key(self, input_ids) -> bytes | None:
+        """What sequences that may share a prefix in a row have in common (their first tokens);
+        None for a sequence too short to share, or with sharing off."""
+        ids = np.asarray(input_ids)
         if self.min_tokens < 1 or ids.size < self.need:
             return None
-        return self._groups.setdefault(ids[: self.need].astype(np.int64).tobytes(), [None, [], 0, 0])
+        return ids[: self.need].astype(np.int64).tobytes()
+
+    def _group_of(self, ids: np.ndarray):
+        key = self.group_key(ids)
+        return None if key is None else self._groups.setdefault(key, [None, [], 0, 0])

@@ -9,7 +9,8 @@ Pipeline (asyncio tasks joined by bounded hand-offs, forwards in a thread pool):
   over that waits here for room (up to its deadline or ``--max-admission-wait-s``) before 429.
 - Rows: every row starts with the oldest queued sequence, so a big request is never starved;
   the rest of the row is filled largest-first from the queued sequences that arrived within
-  ``_LOOKAHEAD_AGE_S`` of that oldest one (whole bursts pack as tightly as offline scoring).
+  ``_LOOKAHEAD_AGE_S`` of that oldest one (whole bursts pack as tightly as offline scoring),
+  a group's members (a shared prompt) one after another.
 - A row holds at most ``max_batch_tokens`` tokens, except a longer sequence, which gets a row of
   its own; with prefix sharing, a prefix that sequences of the row share counts once.
 - A full row is formed as soon as there are enough tokens, even while every runner is busy, so
@@ -412,7 +413,8 @@ class Scheduler:
 
     def _take_row(self) -> list[_Item]:
         """The next row: the oldest queued sequence, then the largest that still fit among those
-        queued within ``_LOOKAHEAD_AGE_S`` of it (first-fit decreasing on a bounded window)."""
+        queued within ``_LOOKAHEAD_AGE_S`` of it (first-fit decreasing on a bounded window), a
+        group's members one after another (``_largest_first_by_group``)."""
         budget = self.max_batch_tokens
         head = self._queue.popleft()
         row, run = [head], RowTokens(self.prefix_min_tokens, self.prefix_rounding)  # the tokens the row's forward runs
@@ -424,7 +426,7 @@ class Scheduler:
                 break
             if item.queued:
                 window.append(item)
-        for item in sorted(window, key=lambda it: -it.tokens):  # stable: equal lengths keep arrival order
+        for item in _largest_first_by_group(window, run, head):
             if run.total >= budget:
                 break
             if run.cost_with(item.seq.input_ids) <= budget:
@@ -543,6 +545,30 @@ class Scheduler:
                     ticket.future.set_result(ticket.results)  # type: ignore[arg-type]
             self.metrics.tokens_scored.inc(scored)
 
+
+
+def _largest_first_by_group(window: list[_Item], run: RowTokens, head: _Item) -> list[_Item]:
+    """``window`` largest first, except that a sequence sharing its first tokens with others
+    (a GRPO group's prompt) is followed at once by the rest of them, the head's own group
+    leading: a row that takes one member then takes its mates while they fit, each costing only
+    its own tokens, as offline packing keeps groups whole (``pack_groups_first_fit``). Without
+    prefix sharing, plain largest first. Stable: equal lengths keep arrival order."""
+    ordered = sorted(window, key=lambda it: -it.tokens)
+    if not run.min_tokens:
+        return ordered
+    units: list[list[_Item]] = []
+    by_key: dict[bytes, list[_Item]] = {}
+    for item in ordered:
+        key = run.group_key(item.seq.input_ids)
+        if key is None:
+            units.append([item])
+        elif key in by_key:
+            by_key[key].append(item)
+        else:
+            by_key[key] = [item]
+            units.append(by_key[key])
+    lead = by_key.pop(run.group_key(head.seq.input_ids), None) if by_key else None
+    return [*(lead or ()), *(item for unit in units if unit is not lead for item in unit)]
 
 
 class _ForwardThread:

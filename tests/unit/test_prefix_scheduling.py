@@ -209,3 +209,23 @@ def test_flop_bounds_from_the_preset_shape_alone():
     bounds = main(["--preset", "tiny", "--flops-only", "--out", "unused"])
     for name, b in bounds.items():
         assert 1 < b["flop_bound"] < b["row_token_bound"], (name, b)
+
+
+def test_a_row_takes_a_groups_members_together_not_largest_first_across_groups():
+    rng = np.random.default_rng(3)
+    # two groups whose members alternate by length: 700, 650, 600, ... tokens
+    request = group(rng, 300, [400, 300, 200, 100]) + group(rng, 300, [350, 250, 150, 50])
+    # each group runs 256 shared + its members' own tokens: 1,432 and 1,232, one row each; largest
+    # first across the groups took three rows (1,494 + 1,488 + 450 tokens)
+    rows, saved = schedule_once(request, max_batch_tokens=1500, prefix_min_tokens=64)
+    assert rows == [[700, 600, 500, 400], [650, 550, 450, 350]], rows
+    assert saved == 6 * 256, saved
+
+
+def test_the_scheduler_packs_a_trainers_burst_nearly_as_tightly_as_offline_scoring():
+    from bench.burst_packing import measure
+
+    rows = measure([16384])["rows"]["16384"]
+    # tokens the rows run, shared prompts counted once: offline packing keeps each group whole
+    assert rows["scheduler"]["of_offline"] <= 1.03, rows
+    assert rows["scheduler"]["run_tokens"] < rows["scheduler_largest_first"]["run_tokens"], rows
