@@ -64,6 +64,21 @@ def test_a_half_sent_request_is_closed_within_the_read_timeout(tmp_path, sent):
     assert status == 408 and error["type"] == "request_timeout", data
 
 
+def test_a_request_answered_before_its_body_arrived_gets_no_second_answer_at_the_read_timeout(tmp_path):
+    server = fake_server(tmp_path, "--request-read-timeout-s", "1", "--api-key", "sk").wait_ready()
+    try:
+        with _connect(server) as sock:  # no key: 401 at once, while 28 bytes of the body never come
+            sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 38\r\n\r\n{\"sequenc")
+            data, closed_after = _read_until_closed(sock, 1 + 5)
+    finally:
+        server.stop()
+    assert closed_after < 1 + 5, f"still open after {closed_after:.1f} s"
+    assert data.count(b"HTTP/1.1 ") == 1, data
+    status, error = _json_error(data)
+    assert status == 401, data
+
+
 def test_protocol_errors_are_answered_with_the_json_error_body(tmp_path):
     server = fake_server(tmp_path).wait_ready()
     try:
