@@ -162,7 +162,9 @@ class _Gate:
         weights_off = path == WEIGHTS_ROUTE and self.service.settings.weights_root is None
         if path == WEIGHTS_ROUTE and self.service.admin_key is not None and not weights_off:
             return self._admin_refusal(scope)
-        if key is not None and path not in _OPEN_ROUTES and not weights_off:
+        # API.md opens GET /healthz, /health and /readyz (HEAD: GET without the body, for probes)
+        opened = path in _OPEN_ROUTES and scope.get("method") in ("GET", "HEAD")
+        if key is not None and not opened and not weights_off:
             if not _bearer_is(scope, key):
                 if self.service.admin_key is not None and _bearer_is(scope, self.service.admin_key):
                     # a key the server knows, not allowed here: the contract's 403, as for the scoring key on /v1/weights

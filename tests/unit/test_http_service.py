@@ -47,11 +47,15 @@ def test_api_key_guards_every_route_but_the_probes(tmp_path):
                 "openapi": await client.get("/openapi.json"),
                 "metrics-key": await client.get("/metrics", headers=bearer),
                 "unknown-route": await client.get("/nope"),
+                "post-healthz": await client.post("/healthz"),  # only GET (and HEAD) is open
+                "post-healthz-key": await client.post("/healthz", headers=bearer),
+                "head-readyz": await client.head("/readyz"),
             }
             return out
 
     out = asyncio.run(main())
-    for name in ("no-key", "wrong-key", "wrong-scheme", "metrics", "models", "openapi", "unknown-route"):
+    assert out["post-healthz-key"].status_code == 405 and out["head-readyz"].status_code == 200
+    for name in ("no-key", "wrong-key", "wrong-scheme", "metrics", "models", "openapi", "unknown-route", "post-healthz"):
         assert out[name].status_code == 401, name
         assert out[name].json()["error"]["type"] == "unauthorized"
         assert out[name].headers["www-authenticate"] == "Bearer"
