@@ -182,22 +182,11 @@ class Settings(BaseSettings):
 
     def resolved_admin_key(self) -> str | None:
         """The key POST /v1/weights requires, read from ``admin_key_file`` when given; None: the API key rules."""
-        return _read_key(self.admin_key, self.admin_key_file, "--admin-key / PACKSCORE_ADMIN_KEY")
+        return _read_key(self.admin_key, self.admin_key_file, "admin key", "admin-key")
 
     def resolved_api_key(self) -> str | None:
         """The configured key, read from ``api_key_file`` when given; None means no authentication."""
-        if self.api_key_file is not None:
-            key = self.api_key_file.read_text().strip()
-            if not key:
-                raise ValueError(f"--api-key-file {self.api_key_file} is empty")
-            return key
-        if self.api_key is not None:
-            key = self.api_key.get_secret_value().strip()
-            if not key:
-                # An empty secret (a mount or variable gone wrong) must not silently turn auth off.
-                raise ValueError("the API key (--api-key / PACKSCORE_API_KEY) is empty; unset it to serve without one")
-            return key
-        return None
+        return _read_key(self.api_key, self.api_key_file, "API key", "api-key")
 
     @property
     def queued_tokens(self) -> int:
@@ -236,16 +225,22 @@ class Settings(BaseSettings):
         return self.world_size > 1 or self.sp > 1 or self.fsdp
 
 
-def _read_key(value: SecretStr | None, file: Path | None, option: str) -> str | None:
+def _read_key(value: SecretStr | None, file: Path | None, what: str, option: str) -> str | None:
+    # An empty secret (a mount or variable gone wrong) must not silently turn authentication off.
+    env = "PACKSCORE_" + option.upper().replace("-", "_")
     if file is not None:
-        key = file.read_text().strip()
+        try:
+            key = file.read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"the {what} file (--{option}-file / {env}_FILE) {file} cannot be read: "
+                             f"{exc.strerror or exc}") from None
         if not key:
-            raise ValueError(f"{option} file {file} is empty")
+            raise ValueError(f"the {what} file (--{option}-file / {env}_FILE) {file} is empty")
         return key
     if value is not None:
         key = value.get_secret_value().strip()
         if not key:
-            raise ValueError(f"the key ({option}) is empty; unset it instead")
+            raise ValueError(f"the {what} (--{option} / {env}) is empty; unset it to serve without one")
         return key
     return None
 

@@ -352,3 +352,18 @@ def test_only_serve_exits_early_on_sigterm_and_gives_it_back_to_the_server():
         assert signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_key_on_the_command_line_wins_over_the_other_form_in_the_environment(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("PACKSCORE_API_KEY_FILE", str(tmp_path / "absent"))
+    monkeypatch.setenv("PACKSCORE_ADMIN_KEY", "from-env")
+    admin_file = tmp_path / "admin"
+    admin_file.write_text("from-file\n")
+    _, settings = cli.parse_settings(["serve", "--api-key", "given", "--admin-key-file", str(admin_file)])
+    assert settings.resolved_api_key() == "given" and settings.resolved_admin_key() == "from-file"
+    monkeypatch.delenv("PACKSCORE_ADMIN_KEY")
+    _, settings = cli.parse_settings(["serve"])  # the environment's file alone: read, and named when it fails
+    with pytest.raises(ValueError, match=r"API key file \(--api-key-file / PACKSCORE_API_KEY_FILE\) .*absent cannot be read"):
+        settings.resolved_api_key()
+    assert cli.main(["serve"]) == 2
+    assert "--api-key-file" in capsys.readouterr().err
