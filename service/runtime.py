@@ -238,6 +238,8 @@ class Service:
         if not self._all_alive():
             self._probe_ok = False  # a worker came back: it must score again before we are ready
             return False, "restart_failed" if self.restart_error() else "worker_down"
+        if any(getattr(m.backend, "copying_in_place", False) for m in self.models.values()):
+            return False, "updating_weights"  # an update in place: nothing scores until the copy ends
         if any(m.scheduler.forward_state() == "stalled" for m in self._scheduled()):
             # One replica stuck (a stopped worker, a hung GPU) while others keep succeeding: the
             # successes alone would keep the proof fresh and hide it.

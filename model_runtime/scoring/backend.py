@@ -153,6 +153,7 @@ class LocalBackend:
         self._turnstile = threading.Lock()
         self._updating = threading.Lock()  # one update at a time
         self.update_in_place: bool | None = None  # None: beside the old weights when a second copy fits
+        self.copying_in_place = False  # an update copies into the served weights: nothing scores meanwhile
         # The scheduler costs rows with it from the first request on, warm-up or not (``packscore score``)
         self.scorer.rounding_in_use()
         if updates and scorer.loaded.device.type == "cuda":
@@ -213,6 +214,7 @@ class LocalBackend:
                     if (changed := checkpoint_changed(path, files)) is not None:  # since checked: nothing copied
                         raise changed
                     mixed = mixed_version()
+                    self.copying_in_place = True
                     try:
                         read_parameters(loaded.model, plan, into_model=True)
                         if checkpoint_changed(path, files) is not None:
@@ -223,6 +225,8 @@ class LocalBackend:
                     except BaseException:  # part copied, or copied from changing files: neither version's weights
                         self._set_version(mixed)
                         raise
+                    finally:
+                        self.copying_in_place = False
                     previous = self._set_version(new_version)
                     swap_ms = 1e3 * (time.perf_counter() - t0)
                     load_s = time.perf_counter() - started

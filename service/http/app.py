@@ -275,7 +275,8 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         if status == "restart_failed":  # why (paths, hashes) is in the log and in /score's answer, behind the key
             message = "Not ready: the scoring workers could not restart; /score's 503 and the log say why."
         error = {"type": "not_ready", "message": message, "param": None}
-        headers = {"Retry-After": "1", **_CLOSE} if status == "draining" else {"Retry-After": "5"}
+        headers = ({"Retry-After": "1", **_CLOSE} if status == "draining"
+                   else {"Retry-After": "2"} if status == "updating_weights" else {"Retry-After": "5"})
         return Response(encode_json({"status": status, "error": error}), status_code=503, media_type=JSON,
                         headers=headers)
 

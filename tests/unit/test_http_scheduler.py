@@ -318,3 +318,19 @@ def test_a_huge_deadline_is_just_a_long_one():
             return await client.post("/score", json={"sequences": [{"input_ids": [1, 2]}], "deadline_ms": 10**15})
 
     assert asyncio.run(main()).status_code == 200
+
+
+def test_readyz_says_updating_weights_while_an_update_copies_in_place():
+    async def main():
+        backend = FakeBackend()
+        app = create_app(Settings(), backend)
+        async with running_app(app) as client:
+            backend.copying_in_place = True  # as LocalBackend during an update in place: nothing scores
+            during = await client.get("/readyz")
+            backend.copying_in_place = False
+            return during, await client.get("/readyz")
+
+    during, after = asyncio.run(main())
+    assert during.status_code == 503 and during.json()["status"] == "updating_weights", during.text
+    assert during.headers["retry-after"] == "2"
+    assert after.status_code == 200, after.text

@@ -424,6 +424,21 @@ def test_an_update_in_place_checks_for_nan_while_the_old_weights_still_serve(ser
     assert held == [False], f"the NaN pass ran {len(held)} times, under the forward lock: {held}"
 
 
+def test_an_update_in_place_says_so_while_it_copies_and_only_then(served, second, monkeypatch):
+    from model_runtime.scoring import weights
+
+    backend = served()
+    backend.update_in_place = True
+    seen = []
+    for name in ("refuse_non_finite_reads", "read_parameters"):
+        real = getattr(weights, name)
+        monkeypatch.setattr(weights, name, lambda *a, _real=real, _name=name, **k:
+                            seen.append((_name, backend.copying_in_place)) or _real(*a, **k))
+    backend.update_weights(second("qwen3_5"), "in-place")
+    assert seen == [("refuse_non_finite_reads", False), ("read_parameters", True)], seen
+    assert not backend.copying_in_place
+
+
 @pytest.mark.parametrize("when", ["after the NaN pass", "during the copy"])
 def test_files_that_change_during_an_update_in_place_are_never_served_under_a_version(served, second, tmp_path,
                                                                                      monkeypatch, when):
