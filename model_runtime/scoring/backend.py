@@ -7,6 +7,7 @@ data-parallel groups. The service never touches torch directly.
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
@@ -19,6 +20,8 @@ import torch
 from model_runtime.scoring.loading import LoadedModel
 from model_runtime.scoring.scorer import Scorer
 from model_runtime.types import SequenceInput, SequenceScores
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,9 @@ class LocalBackend:
         self._updating = threading.Lock()  # one update at a time
         self.update_in_place: bool | None = None  # None: beside the old weights when a second copy fits
         self.copying_in_place = False  # an update copies into the served weights: nothing scores meanwhile
+        # The served weights' checkpoint and its files as read, to copy back from should an update
+        # in place fail part way; None for a preset's weights.
+        self._served_from = _checkpoint_of(scorer.loaded.source)
         # The scheduler costs rows with it from the first request on, warm-up or not (``packscore score``)
         self.scorer.rounding_in_use()
         if updates and scorer.loaded.device.type == "cuda":
@@ -206,6 +212,7 @@ class LocalBackend:
                     swap_parameters(loaded.model, new)
                     previous = self._set_version(new_version)
                     swap_ms = 1e3 * (time.perf_counter() - t0)
+                self._served_from = (path, files)
             else:
                 new_version = version or content_version(path)
                 refuse_non_finite_reads(loaded.model, plan)  # while the old weights serve
@@ -213,26 +220,55 @@ class LocalBackend:
                     t0 = time.perf_counter()
                     if (changed := checkpoint_changed(path, files)) is not None:  # since checked: nothing copied
                         raise changed
-                    mixed = mixed_version()
                     self.copying_in_place = True
                     try:
                         read_parameters(loaded.model, plan, into_model=True)
                         if checkpoint_changed(path, files) is not None:
                             raise CheckpointError("unreadable", f"{path.name}: the checkpoint's files changed while "
-                                                  f"they were copied in place; the weights served now are a mix, named "
-                                                  f"{mixed}, which no pinned request matches: update again once the "
-                                                  "files are complete")
-                    except BaseException:  # part copied, or copied from changing files: neither version's weights
-                        self._set_version(mixed)
+                                                  "they were copied in place")
+                    except Exception as failure:  # part copied, or copied from changing files
+                        raise self._copy_back(failure) from failure
+                    except BaseException:
+                        self._set_version(mixed_version())
                         raise
                     finally:
                         self.copying_in_place = False
                     previous = self._set_version(new_version)
+                    self._served_from = (path, files)
                     swap_ms = 1e3 * (time.perf_counter() - t0)
                     load_s = time.perf_counter() - started
             return WeightsUpdate(new_version, previous, load_s, swap_ms)
         finally:
             self._updating.release()
+
+    def _copy_back(self, failure: Exception) -> Exception:
+        """After an update in place failed part way (under the forward lock): the served version's
+        weights copied back from its checkpoint, when its files are as they were read, and the
+        error to raise. Else the weights, of neither version, are named ``mixed:<hex>``, which no
+        pinned request matches."""
+        from model_runtime.scoring.checkpoint import CheckpointError
+        from model_runtime.scoring.weights import checkpoint_changed, mixed_version, plan_reads, read_parameters
+
+        served = self.scorer.loaded.weights_version
+        why = f"{failure}"
+        if self._served_from is not None:
+            source, files = self._served_from
+            try:
+                if checkpoint_changed(source, files) is None:
+                    read_parameters(self.scorer.loaded.model, plan_reads(self.scorer.loaded.model, source), into_model=True)
+                    if checkpoint_changed(source, files) is None:
+                        log.warning("update in place failed part way (%s); %s copied back from %s", failure, served, source)
+                        return CheckpointError(getattr(failure, "kind", "unreadable"),
+                                               f"{why}; {served} was copied back and serves as before")
+                why += f"; {source} changed since {served} was read from it"
+            except Exception as exc:
+                why += f"; copying {served} back from {source} failed too: {exc}"
+        else:
+            why += f"; {served} has no checkpoint to copy back from"
+        mixed = mixed_version()
+        self._set_version(mixed)
+        return CheckpointError("unreadable", f"{why}. The weights served now are a mix, named {mixed}, which no "
+                               "pinned request matches: update again once the files are complete")
 
     def _set_version(self, version: str) -> str:
         previous = self.scorer.loaded.weights_version
@@ -254,6 +290,13 @@ class LocalBackend:
 
     def close(self) -> None:
         pass
+
+
+def _checkpoint_of(source: str) -> tuple[Path, tuple] | None:
+    from model_runtime.scoring.weights import files_snapshot
+
+    path = Path(source)
+    return (path, files_snapshot(path)) if path.is_dir() else None
 
 
 class UpdateInProgressError(RuntimeError):

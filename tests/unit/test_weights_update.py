@@ -439,12 +439,13 @@ def test_an_update_in_place_says_so_while_it_copies_and_only_then(served, second
     assert not backend.copying_in_place
 
 
-@pytest.mark.parametrize("when", ["after the NaN pass", "during the copy"])
+@pytest.mark.parametrize("when", ["after the NaN pass", "during the copy", "during the copy, nothing to copy back"])
 def test_files_that_change_during_an_update_in_place_are_never_served_under_a_version(served, second, tmp_path,
                                                                                      monkeypatch, when):
     """In place there is no second copy to fall back on: files changed after the NaN pass are
-    refused before anything is copied; changed during the copy, the weights served are named
-    as a mix that no pinned request (nor a later version given) matches."""
+    refused before anything is copied; changed during the copy, the served version is copied back
+    from its own checkpoint, and where it cannot be, the weights served are named as a mix that no
+    pinned request (nor a later version given) matches."""
     import shutil
 
     import model_runtime.scoring.weights as weights
@@ -456,6 +457,8 @@ def test_files_that_change_during_an_update_in_place_are_never_served_under_a_ve
     row = rows(backend.info.vocab_size, 1, seed=6)[0]
     before, old_version = backend.score_row(row), backend.info.weights_version
     hooked = weights.refuse_non_finite_reads if when == "after the NaN pass" else weights.read_parameters
+    if when.endswith("nothing to copy back"):
+        backend._served_from = None  # as for a preset's weights
 
     def then_rewrite(*args, **kwargs):
         out = hooked(*args, **kwargs)
@@ -470,7 +473,34 @@ def test_files_that_change_during_an_update_in_place_are_never_served_under_a_ve
     if when == "after the NaN pass":
         assert backend.info.weights_version == old_version
         assert_equal(backend.score_row(row), before, "after the refused update")
+    elif when == "during the copy":  # a failed update changes nothing (API.md)
+        assert backend.info.weights_version == old_version and "copied back" in str(caught.value), caught.value
+        assert_equal(backend.score_row(row), before, "after the update copied back")
     else:
         served_now = backend.info.weights_version
         assert served_now.startswith(weights.MIXED_VERSION_PREFIX) and served_now in str(caught.value), caught.value
         assert all(s.weights_version == served_now for s in backend.score_row(row))
+
+
+def test_an_update_in_place_whose_copy_fails_copies_the_served_weights_back(served, second, monkeypatch):
+    import model_runtime.scoring.weights as weights
+
+    backend = served()
+    backend.update_in_place = True
+    row = rows(backend.info.vocab_size, 1, seed=7)[0]
+    before, old_version = backend.score_row(row), backend.info.weights_version
+    real, calls = weights.read_parameters, []
+
+    def fails_once_copied(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(args[1])
+        if len(calls) == 1:  # the new weights are in place, then the read fails: a disk gone, say
+            raise OSError("input/output error")
+        return out
+
+    monkeypatch.setattr(weights, "read_parameters", fails_once_copied)
+    with pytest.raises(CheckpointError) as caught:
+        backend.update_weights(second("qwen3_5"), "step-2")
+    assert len(calls) == 2 and "input/output error" in str(caught.value) and "copied back" in str(caught.value)
+    assert backend.info.weights_version == old_version and not backend.copying_in_place
+    assert_equal(backend.score_row(row), before, "after the failed update in place")
