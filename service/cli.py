@@ -123,11 +123,11 @@ def parse_settings(argv: Sequence[str] | None = None) -> tuple[argparse.Namespac
     if "model" in given:  # the repeated option as one value: itself, or a JSON list of several
         models = given["model"]
         given["model"] = models[0] if len(models) == 1 else json.dumps(models)
-    for pair in (("api_key", "api_key_file"), ("admin_key", "admin_key_file")):
-        # a key given on the command line wins over the other form of it in the environment
-        for mine, other in (pair, pair[::-1]):
-            if given.get(mine) is not None and other not in given:
-                given[other] = None
+    # a key given on the command line wins over the other form of it in the environment
+    for key, other in (("api_key", "api_key_file"), ("admin_key", "admin_key_file"),
+                       ("api_key_file", "api_key"), ("admin_key_file", "admin_key")):
+        if given.get(key) is not None:
+            given.setdefault(other, None)
     try:
         settings = Settings(**given)
     except ValidationError as exc:

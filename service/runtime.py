@@ -229,7 +229,12 @@ class Service:
 
     def is_ready(self) -> bool:
         """The last known readiness, without running anything (for the metric)."""
-        return self.phase == "ready" and self._probe_ok and self._all_alive()
+        return self.phase == "ready" and self._probe_ok and self._all_alive() and not self._copying_in_place()
+
+    def _copying_in_place(self) -> bool:
+        """An update copies into some model's served weights (``LocalBackend.copying_in_place``):
+        that model scores nothing until the copy ends, so the deployment is not ready."""
+        return any(getattr(m.backend, "copying_in_place", False) for m in self.models.values())
 
     async def readiness(self) -> tuple[bool, str]:
         """(ready, status) for GET /readyz; runs a scoring pass when the last proof is stale."""
@@ -238,8 +243,8 @@ class Service:
         if not self._all_alive():
             self._probe_ok = False  # a worker came back: it must score again before we are ready
             return False, "restart_failed" if self.restart_error() else "worker_down"
-        if any(getattr(m.backend, "copying_in_place", False) for m in self.models.values()):
-            return False, "updating_weights"  # an update in place: nothing scores until the copy ends
+        if self._copying_in_place():
+            return False, "updating_weights"
         if any(m.scheduler.forward_state() == "stalled" for m in self._scheduled()):
             # One replica stuck (a stopped worker, a hung GPU) while others keep succeeding: the
             # successes alone would keep the proof fresh and hide it.

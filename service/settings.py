@@ -182,11 +182,12 @@ class Settings(BaseSettings):
 
     def resolved_admin_key(self) -> str | None:
         """The key POST /v1/weights requires, read from ``admin_key_file`` when given; None: the API key rules."""
-        return _read_key(self.admin_key, self.admin_key_file, "admin key", "admin-key")
+        return _read_key(self.admin_key, self.admin_key_file, "admin key", "admin-key",
+                         "unset it to let the API key rule /v1/weights")
 
     def resolved_api_key(self) -> str | None:
         """The configured key, read from ``api_key_file`` when given; None means no authentication."""
-        return _read_key(self.api_key, self.api_key_file, "API key", "api-key")
+        return _read_key(self.api_key, self.api_key_file, "API key", "api-key", "unset it to serve without one")
 
     @property
     def queued_tokens(self) -> int:
@@ -225,12 +226,14 @@ class Settings(BaseSettings):
         return self.world_size > 1 or self.sp > 1 or self.fsdp
 
 
-def _read_key(value: SecretStr | None, file: Path | None, what: str, option: str) -> str | None:
+def _read_key(value: SecretStr | None, file: Path | None, what: str, option: str, unset: str) -> str | None:
     # An empty secret (a mount or variable gone wrong) must not silently turn authentication off.
     env = "PACKSCORE_" + option.upper().replace("-", "_")
     if file is not None:
         try:
             key = file.read_text().strip()
+        except UnicodeDecodeError:
+            raise ValueError(f"the {what} file (--{option}-file / {env}_FILE) {file} is not UTF-8 text") from None
         except OSError as exc:
             raise ValueError(f"the {what} file (--{option}-file / {env}_FILE) {file} cannot be read: "
                              f"{exc.strerror or exc}") from None
@@ -240,7 +243,7 @@ def _read_key(value: SecretStr | None, file: Path | None, what: str, option: str
     if value is not None:
         key = value.get_secret_value().strip()
         if not key:
-            raise ValueError(f"the {what} (--{option} / {env}) is empty; unset it to serve without one")
+            raise ValueError(f"the {what} (--{option} / {env}) is empty; {unset}")
         return key
     return None
 

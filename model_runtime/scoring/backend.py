@@ -85,6 +85,10 @@ class BackendUnavailableError(RuntimeError):
 
 
 class ScoringBackend(Protocol):
+    """What the service drives. Optional attributes it reads where present: ``prefix_rounding``,
+    ``restart_error``, ``workers_alive``, ``copying_in_place`` (an update copies into the served
+    weights: nothing scores meanwhile, /readyz says ``updating_weights``)."""
+
     info: ModelInfo
     concurrency: int  # how many score_row calls may run at the same time
     max_row_tokens: int  # token budget of one row (sp x the per-GPU budget in a sequence-parallel group)

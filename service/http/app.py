@@ -39,6 +39,8 @@ _SERVED_WHILE_DRAINING = _OPEN_ROUTES | {"/metrics"}
 _ROUTE_LABELS = frozenset({*SCORE_ROUTES, *_OPEN_ROUTES, "/metrics", "/v1/models", WEIGHTS_ROUTE, "/docs", "/redoc",
                            "/openapi.json"})
 _CLOSE = {"Connection": "close"}
+# /readyz's 503 by status: a drain closes the connection; an update in place lasts seconds
+_NOT_READY_HEADERS = {"draining": {"Retry-After": "1", **_CLOSE}, "updating_weights": {"Retry-After": "2"}}
 
 _BIN = {"type": "string", "format": "binary"}
 _MSGPACK_SCORE_RESPONSE = {
@@ -275,8 +277,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         if status == "restart_failed":  # why (paths, hashes) is in the log and in /score's answer, behind the key
             message = "Not ready: the scoring workers could not restart; /score's 503 and the log say why."
         error = {"type": "not_ready", "message": message, "param": None}
-        headers = ({"Retry-After": "1", **_CLOSE} if status == "draining"
-                   else {"Retry-After": "2"} if status == "updating_weights" else {"Retry-After": "5"})
+        headers = _NOT_READY_HEADERS.get(status, {"Retry-After": "5"})
         return Response(encode_json({"status": status, "error": error}), status_code=503, media_type=JSON,
                         headers=headers)
 

@@ -122,9 +122,12 @@ class GuardedH11Protocol(H11Protocol):
         if self.transport.is_closing():
             return
         self.registry.timed_out += 1
-        # The rest of a body already answered (a 401 or 404 sent before reading it) gets no second answer.
-        answered = self.cycle is not None and self.cycle.response_complete and self.conn.their_state is h11.SEND_BODY
-        if not answered and (self.cycle is None or self.cycle.response_complete or not self.cycle.response_started):
+        cycle = self.cycle
+        # 408 for a request not yet answered (or the next one's headers), never for the rest of a
+        # body already answered (a 401 or 404 sent before it was read)
+        send_408 = (cycle is None or not cycle.response_started
+                    or (cycle.response_complete and self.conn.their_state is not h11.SEND_BODY))
+        if send_408:
             message = f"The request did not arrive within {self.registry.read_timeout_s:g} s (request_read_timeout_s)."
             self.transport.write(error_bytes(408, "Request Timeout", "request_timeout", message))
         self._close()

@@ -367,3 +367,8 @@ def test_a_key_on_the_command_line_wins_over_the_other_form_in_the_environment(m
         settings.resolved_api_key()
     assert cli.main(["serve"]) == 2
     assert "--api-key-file" in capsys.readouterr().err
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"\xff\xfe\x00key")
+    monkeypatch.setenv("PACKSCORE_API_KEY_FILE", str(binary))
+    with pytest.raises(ValueError, match="is not UTF-8 text"):
+        cli.parse_settings(["serve"])[1].resolved_api_key()
