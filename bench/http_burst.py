@@ -257,13 +257,14 @@ def _ms(values) -> float:
 def gpu_mode(args) -> dict:
     import torch
 
-    from model_runtime.scoring.backend import LocalBackend
+    from model_runtime.scoring.backend import LocalBackend, favour_forward_threads
     from model_runtime.scoring.loading import load_model
     from model_runtime.scoring.scorer import Scorer
     from model_runtime.pool.ports import free_port
     from service.http.app import create_app
     from service.settings import Settings
 
+    favour_forward_threads()  # as packscore serve does, for both sides
     loaded = load_model(args.model)
     sequences = workload(args.sequences, loaded.vocab_size)
     tokens = sum(s.length for s in sequences)

@@ -130,10 +130,11 @@ def measure(args) -> dict:
     out: dict = {"ranks": ranks}
     started = time.perf_counter()
     if ranks == 0:
-        from model_runtime.scoring.backend import LocalBackend
+        from model_runtime.scoring.backend import LocalBackend, favour_forward_threads
         from model_runtime.scoring.loading import load_model
         from model_runtime.scoring.scorer import Scorer
 
+        favour_forward_threads()  # as packscore serve does
         backend = LocalBackend(Scorer(load_model(args.checkpoint, device="cpu")))
     else:
         from model_runtime.pool.pool import start_pool

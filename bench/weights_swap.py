@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from bench.weights_cpu import TreeMemory
-from model_runtime.scoring.backend import LocalBackend
+from model_runtime.scoring.backend import LocalBackend, favour_forward_threads
 from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.presets import PRESETS, build_config
 from model_runtime.scoring.scorer import Scorer
@@ -215,6 +215,7 @@ def run(args) -> dict:
 
     # Start: Hugging Face's from_pretrained, as the single-process server loads.
     started = time.perf_counter()
+    favour_forward_threads()  # as packscore serve does
     backend = LocalBackend(Scorer(load_model(str(a), device=device), max_batch_tokens=args.loop_seqs * args.loop_len),
                            updates=True)  # as served with --weights-root
     _sync(device)

@@ -18,9 +18,11 @@ def load_backend(settings: Settings):
 
         # The pool reads the prefix length in use (0: sharing off), as the scorer below does.
         return start_pool({**settings.model_dump(), "prefix_min_tokens": settings.prefix_min_tokens_in_use})
-    from model_runtime.scoring.backend import LocalBackend
+    from model_runtime.scoring.backend import LocalBackend, favour_forward_threads
     from model_runtime.scoring.loading import load_model
     from model_runtime.scoring.scorer import Scorer
+
+    favour_forward_threads()  # the forwards run beside the HTTP threads (or the reader's)
 
     loaded = load_model(
         settings.model,

@@ -126,8 +126,9 @@ FORWARD_SWITCH_INTERVAL_S = 0.0005
 
 
 def favour_forward_threads() -> None:
-    """Shortens the interpreter's GIL switch interval (never lengthens it) in a process whose
-    forwards run beside other Python threads: the serving process and every pool worker."""
+    """Shortens the interpreter's GIL switch interval (never lengthens it) for the whole process:
+    called where forwards will run beside other Python threads (``packscore serve`` and ``score``
+    with the scorer in the process, every pool worker), not by a library user's ``LocalBackend``."""
     sys.setswitchinterval(min(sys.getswitchinterval(), FORWARD_SWITCH_INTERVAL_S))
 
 
@@ -150,7 +151,6 @@ class LocalBackend:
     def __init__(self, scorer: Scorer, *, updates: bool = False):
         """``updates``: weight updates may come; their page-locked staging buffers are made here,
         since making them in the first update would stop the forwards beside it (tensor_file.Staging)."""
-        favour_forward_threads()
         self.scorer = scorer
         self.info = ModelInfo.of(scorer.loaded)
         self.max_row_tokens = scorer.max_batch_tokens
