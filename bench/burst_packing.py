@@ -65,7 +65,7 @@ def scheduler_rows(sequences, budget: int) -> list[list]:
     return asyncio.run(main())
 
 
-def largest_first(window, run, head):
+def largest_first(window, head):
     return sorted(window, key=lambda it: -it.tokens)
 
 

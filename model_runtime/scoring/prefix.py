@@ -70,6 +70,18 @@ def share(members: Sequence[int], lengths: Sequence[int], common: int, min_token
     return [PrefixGroup(tuple(sorted(members[j] for j in part)), shared) for part in rounding.split(lengths)]
 
 
+def head_key(input_ids, min_tokens: int) -> bytes | None:
+    """What the sequences that may share a prefix have in common: their first
+    ``max(min_tokens, ALIGN) + 1`` tokens (a shared segment of at least ``min_tokens`` and
+    ``ALIGN`` tokens, plus one token of each member's own); None for a shorter sequence, or with
+    sharing off."""
+    need = max(min_tokens, ALIGN) + 1
+    ids = np.asarray(input_ids)
+    if min_tokens < 1 or ids.size < need:
+        return None
+    return ids[:need].astype(np.int64).tobytes()
+
+
 def find_groups(sequences: Sequence[SequenceInput], min_tokens: int, rounding=None) -> list[PrefixGroup]:
     """Groups of at least two sequences whose shared segment has ``>= min_tokens`` tokens.
 
@@ -80,12 +92,11 @@ def find_groups(sequences: Sequence[SequenceInput], min_tokens: int, rounding=No
     """
     if min_tokens < 1:
         return []
-    need = max(min_tokens, ALIGN) + 1  # a shared segment of >= min_tokens and >= ALIGN, plus one own token
     by_head: dict[bytes, list[int]] = {}
     ids = [np.asarray(s.input_ids, dtype=np.int64) for s in sequences]
     for i, x in enumerate(ids):
-        if x.size >= need:
-            by_head.setdefault(x[:need].tobytes(), []).append(i)
+        if (key := head_key(x, min_tokens)) is not None:
+            by_head.setdefault(key, []).append(i)
     groups = []
     for members in by_head.values():
         if len(members) < 2:
@@ -150,7 +161,6 @@ class RowTokens:
     def __init__(self, min_tokens: int, rounding=None):
         self.min_tokens = int(min_tokens)
         self.rounding = rounding
-        self.need = max(self.min_tokens, ALIGN) + 1
         self.total = 0
         # first tokens -> [first member's ids, members' lengths, shortest common prefix with the first, tokens saved]
         self._groups: dict[bytes, list] = {}
@@ -183,14 +193,6 @@ class RowTokens:
         saved = sum(g.tokens_saved for g in share(members, lengths + [ids.size], common, self.min_tokens, self.rounding))
         return common, saved
 
-    def group_key(self, input_ids) -> bytes | None:
-        """What sequences that may share a prefix in a row have in common (their first tokens);
-        None for a sequence too short to share, or with sharing off."""
-        ids = np.asarray(input_ids)
-        if self.min_tokens < 1 or ids.size < self.need:
-            return None
-        return ids[: self.need].astype(np.int64).tobytes()
-
     def _group_of(self, ids: np.ndarray):
-        key = self.group_key(ids)
+        key = head_key(ids, self.min_tokens)
         return None if key is None else self._groups.setdefault(key, [None, [], 0, 0])

@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 
 from model_runtime.scoring.backend import (STALL_FACTOR, STALL_FLOOR_S, STALL_UNMEASURED_S, BackendUnavailableError,
                                           ScoringBackend)
-from model_runtime.scoring.prefix import RowTokens, tokens_saved
+from model_runtime.scoring.prefix import RowTokens, head_key, tokens_saved
 from model_runtime.types import InvalidSequenceError, SequenceInput, SequenceScores
 from service.http.errors import ApiError, backend_unavailable, deadline_error
 from service.http.metrics import Metrics
@@ -83,13 +83,14 @@ class Ticket:
 class _Item:
     """One queued sequence of a ticket."""
 
-    __slots__ = ("ticket", "index", "seq", "tokens", "enqueued_at", "queued", "started", "released")
+    __slots__ = ("ticket", "index", "seq", "tokens", "group", "enqueued_at", "queued", "started", "released")
 
-    def __init__(self, ticket: Ticket, index: int, seq: SequenceInput, now: float):
+    def __init__(self, ticket: Ticket, index: int, seq: SequenceInput, now: float, prefix_min_tokens: int = 0):
         self.ticket = ticket
         self.index = index
         self.seq = seq
         self.tokens = seq.length
+        self.group = head_key(seq.input_ids, prefix_min_tokens)  # sequences that may share a prefix have one
         self.enqueued_at = now
         self.queued = True  # False once taken into a row or dropped with its ticket
         self.started = False  # True once its forward began
@@ -311,7 +312,7 @@ class Scheduler:
         if not probe:
             ticket.quiet = now - self._last_arrival >= _QUIET_S
             self._last_arrival = now
-        ticket.items = [_Item(ticket, i, seq, now) for i, seq in enumerate(ticket.sequences)]
+        ticket.items = [_Item(ticket, i, seq, now, self.prefix_min_tokens) for i, seq in enumerate(ticket.sequences)]
         if probe:
             self._queue.extendleft(reversed(ticket.items))
         else:
@@ -426,7 +427,7 @@ class Scheduler:
                 break
             if item.queued:
                 window.append(item)
-        for item in _largest_first_by_group(window, run, head):
+        for item in _largest_first_by_group(window, head):
             if run.total >= budget:
                 break
             if run.cost_with(item.seq.input_ids) <= budget:
@@ -547,27 +548,26 @@ class Scheduler:
 
 
 
-def _largest_first_by_group(window: list[_Item], run: RowTokens, head: _Item) -> list[_Item]:
+def _largest_first_by_group(window: list[_Item], head: _Item) -> list[_Item]:
     """``window`` largest first, except that a sequence sharing its first tokens with others
-    (a GRPO group's prompt) is followed at once by the rest of them, the head's own group
-    leading: a row that takes one member then takes its mates while they fit, each costing only
-    its own tokens, as offline packing keeps groups whole (``pack_groups_first_fit``). Without
-    prefix sharing, plain largest first. Stable: equal lengths keep arrival order."""
+    (a GRPO group's prompt; ``_Item.group``) is followed at once by the rest of them, the head's
+    own group leading: a row that takes one member then takes its mates while they fit, each
+    costing only its own tokens, as offline packing keeps groups whole (``pack_groups_first_fit``).
+    Without prefix sharing (no groups), plain largest first. Stable: equal lengths keep arrival order."""
     ordered = sorted(window, key=lambda it: -it.tokens)
-    if not run.min_tokens:
-        return ordered
     units: list[list[_Item]] = []
-    by_key: dict[bytes, list[_Item]] = {}
+    by_group: dict[bytes, list[_Item]] = {}
     for item in ordered:
-        key = run.group_key(item.seq.input_ids)
-        if key is None:
+        if item.group is None:
             units.append([item])
-        elif key in by_key:
-            by_key[key].append(item)
+        elif item.group in by_group:
+            by_group[item.group].append(item)
         else:
-            by_key[key] = [item]
-            units.append(by_key[key])
-    lead = by_key.pop(run.group_key(head.seq.input_ids), None) if by_key else None
+            by_group[item.group] = [item]
+            units.append(by_group[item.group])
+    if not by_group:
+        return ordered
+    lead = by_group.get(head.group) if head.group is not None else None
     return [*(lead or ()), *(item for unit in units if unit is not lead for item in unit)]
 
 
