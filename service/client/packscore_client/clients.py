@@ -14,10 +14,9 @@ import httpx
 
 from packscore_client.padded import PaddedBatch, PaddedScores
 from packscore_client.protocol import (Limits, Protocol, ScoredSequence, ScoreError, WeightsUpdate, as_seqs,
-                                       models_answer, not_ready_in_time, options, readiness_answer)
+                                       models_answer, options, readiness_answer)
 
 _DISCOVERY_TIMEOUT_S = 5.0
-_READY_POLL_S = 1.0
 _VERSION_TRIES = 3  # rescorings of a padded batch whose weights changed while it was scored
 
 
@@ -217,22 +216,20 @@ class ScoreClient(_Base):
         return answer
 
     def wait_ready(self, timeout_s: float = 600.0) -> dict:
-        """Polls /readyz (unreachable counts as not ready) until it is ready, then returns its body;
-        ``ScoreError`` 503 ``not_ready`` naming the last status once ``timeout_s`` has passed."""
-        start = time.monotonic()
-        while True:
-            try:
-                last: dict | ScoreError = self.ready()
-                if last.get("status") == "ready":
-                    return last  # type: ignore[return-value]
-            except ScoreError as error:
-                if error.status != 0:
-                    raise
-                last = error
-            waited = time.monotonic() - start
-            if waited >= timeout_s:
-                raise not_ready_in_time(self._p.base_url, waited, last)
-            time.sleep(min(_READY_POLL_S, timeout_s - waited))
+        """Polls /readyz once a second until the server is ready, and returns its body. No server
+        yet, a 503 or a gateway's 502/504 is not ready yet; ``failed`` or ``restart_failed`` raises
+        ``ScoreError`` 503 at once; after ``timeout_s``, ``ScoreError`` 0 ``not_ready``."""
+        steps = self._p.readiness_wait(timeout_s, _DISCOVERY_TIMEOUT_S)
+        try:
+            step = next(steps)
+            while True:
+                if isinstance(step, float):
+                    time.sleep(step)
+                    step = steps.send(None)
+                else:
+                    step = steps.send(self._get(step[0], step[1]))
+        except StopIteration as done:
+            return done.value
 
     def update_weights(self, model: str | None, path: str, version: str | None = None) -> WeightsUpdate:
         """Asks the server to serve the checkpoint at ``path`` (relative to its --weights-root) for
@@ -240,9 +237,9 @@ class ScoreClient(_Base):
         steps = self._p.weights_exchange(model, path, version, time.monotonic() + self._p.retry_timeout_s)
         return self._drive(steps, "/v1/weights", self._p.weights_headers())
 
-    def _get(self, path: str) -> httpx.Response | Exception:
+    def _get(self, path: str, timeout_s: float = _DISCOVERY_TIMEOUT_S) -> httpx.Response | Exception:
         try:
-            return self._http.get(path, timeout=_DISCOVERY_TIMEOUT_S)
+            return self._http.get(path, timeout=timeout_s)
         except httpx.HTTPError as exc:
             return exc
 
@@ -344,29 +341,26 @@ class AsyncScoreClient(_Base):
 
     async def wait_ready(self, timeout_s: float = 600.0) -> dict:
         """As ``ScoreClient.wait_ready``."""
-        start = time.monotonic()
-        while True:
-            try:
-                last: dict | ScoreError = await self.ready()
-                if last.get("status") == "ready":
-                    return last  # type: ignore[return-value]
-            except ScoreError as error:
-                if error.status != 0:
-                    raise
-                last = error
-            waited = time.monotonic() - start
-            if waited >= timeout_s:
-                raise not_ready_in_time(self._p.base_url, waited, last)
-            await asyncio.sleep(min(_READY_POLL_S, timeout_s - waited))
+        steps = self._p.readiness_wait(timeout_s, _DISCOVERY_TIMEOUT_S)
+        try:
+            step = next(steps)
+            while True:
+                if isinstance(step, float):
+                    await asyncio.sleep(step)
+                    step = steps.send(None)
+                else:
+                    step = steps.send(await self._get(step[0], step[1]))
+        except StopIteration as done:
+            return done.value
 
     async def update_weights(self, model: str | None, path: str, version: str | None = None) -> WeightsUpdate:
         """As ``ScoreClient.update_weights``."""
         steps = self._p.weights_exchange(model, path, version, time.monotonic() + self._p.retry_timeout_s)
         return await self._drive(steps, "/v1/weights", self._p.weights_headers())
 
-    async def _get(self, path: str) -> httpx.Response | Exception:
+    async def _get(self, path: str, timeout_s: float = _DISCOVERY_TIMEOUT_S) -> httpx.Response | Exception:
         try:
-            return await self._http.get(path, timeout=_DISCOVERY_TIMEOUT_S)
+            return await self._http.get(path, timeout=timeout_s)
         except httpx.HTTPError as exc:
             return exc
 

@@ -265,6 +265,31 @@ class Protocol:
             yield wait
             attempt += 1
 
+    def readiness_wait(self, timeout_s: float, request_timeout_s: float) -> Generator[tuple[str, float] | float, Any, dict]:
+        """GET /readyz until ready, as ``exchange`` drives /score: yields ``("/readyz", timeout)``
+        for a GET (send back its response, or the exception that replaced it) and a float to sleep,
+        once a second. Not ready yet: no server, a 503, a gateway's 502 or 504. A status the server
+        does not leave by itself (``failed``, ``restart_failed``) raises ScoreError 503 at once;
+        ``timeout_s`` passed, ScoreError 0 ``not_ready`` naming the last status. Returns the
+        ready body, whose limits the protocol learns."""
+        end = time.monotonic() + timeout_s
+        while True:
+            outcome = yield ("/readyz", max(0.1, min(request_timeout_s, end - time.monotonic())))
+            if isinstance(outcome, Exception):
+                last = _describe(outcome)
+            else:
+                body = readiness_answer(outcome)
+                if body["status"] == "ready":
+                    self.learn_from_readyz(outcome)
+                    return body
+                last = str(body["status"])
+                if last in _GIVEN_UP:
+                    raise ScoreError(503, "not_ready", f"{self.base_url} is not ready and will not be by itself: {last}")
+            left = end - time.monotonic()
+            if left <= 0:
+                raise ScoreError(0, "not_ready", f"{self.base_url} was not ready after {timeout_s:g}s (last: {last})")
+            yield min(READY_POLL_S, left)
+
     @staticmethod
     def weights_answer(response: httpx.Response) -> WeightsUpdate:
         if response.status_code != 200:
@@ -372,18 +397,25 @@ def models_answer(outcome: httpx.Response | Exception) -> list[dict]:
     return outcome.json()["data"]
 
 
+# /readyz answers of a server on its way up (503), or of a gateway in front of one not up yet
+_NOT_READY_STATUSES = (502, 503, 504)
+# Readiness the server does not leave by itself: waiting longer cannot help
+_GIVEN_UP = ("failed", "restart_failed")
+READY_POLL_S = 1.0
+
+
 def readiness_answer(outcome: httpx.Response | Exception) -> dict:
-    """``GET /readyz``'s body, 200 or 503 alike: ``status`` is ``"ready"`` or the reason it is not."""
+    """``GET /readyz``'s body, ready or not: ``status`` is ``"ready"`` or the reason it is not
+    (``http_<code>`` for an answer that is not the server's JSON, a proxy's page, say)."""
     if isinstance(outcome, Exception):
         raise ScoreError(0, "connection_error", f"GET /readyz failed: {_describe(outcome)}") from outcome
-    if outcome.status_code not in (200, 503):
+    if outcome.status_code != 200 and outcome.status_code not in _NOT_READY_STATUSES:
         raise _error(outcome)
-    return outcome.json()
-
-
-def not_ready_in_time(base_url: str, waited_s: float, last: dict | ScoreError) -> ScoreError:
-    why = last.get("status") if isinstance(last, dict) else f"{last.type}: {last}"
-    return ScoreError(503, "not_ready", f"{base_url} was not ready after {waited_s:.1f}s (last: {why})")
+    try:
+        body = outcome.json()
+    except ValueError:
+        body = None
+    return body if isinstance(body, dict) and "status" in body else {"status": f"http_{outcome.status_code}"}
 
 
 def _describe(exc: BaseException) -> str:
