@@ -17,6 +17,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from model_runtime.scoring.checkpoint import CheckpointError
 from model_runtime.scoring.loading import LoadedModel
 from model_runtime.scoring.scorer import Scorer
 from model_runtime.types import SequenceInput, SequenceScores
@@ -163,7 +164,8 @@ class LocalBackend:
         self.copying_in_place = False  # an update copies into the served weights: nothing scores meanwhile
         # The served weights' checkpoint and its files as read, to copy back from should an update
         # in place fail part way; None for a preset's weights.
-        self._served_from = _checkpoint_of(scorer.loaded.source)
+        loaded = scorer.loaded
+        self._served_from = (Path(loaded.source), loaded.source_files) if loaded.source_files is not None else None
         # The scheduler costs rows with it from the first request on, warm-up or not (``packscore score``)
         self.scorer.rounding_in_use()
         if updates and scorer.loaded.device.type == "cuda":
@@ -191,7 +193,6 @@ class LocalBackend:
             self.scorer.warm_up()
 
     def update_weights(self, path: Path, version: str | None = None) -> WeightsUpdate:
-        from model_runtime.scoring.checkpoint import CheckpointError
         from model_runtime.scoring.weights import (ReadDigests, checkpoint_changed, content_version, files_snapshot,
                                                    mixed_version, plan_reads, read_parameters,
                                                    refuse_non_finite_reads, swap_parameters)
@@ -231,7 +232,10 @@ class LocalBackend:
                             raise CheckpointError("unreadable", f"{path.name}: the checkpoint's files changed while "
                                                   "they were copied in place")
                     except Exception as failure:  # part copied, or copied from changing files
-                        raise self._copy_back(failure) from failure
+                        restored, error = self._copy_back(failure)
+                        if restored and not isinstance(failure, (CheckpointError, OSError)):
+                            raise  # the server's own fault (CUDA, memory) as it is; the served weights are back
+                        raise error from failure
                     except BaseException:
                         self._set_version(mixed_version())
                         raise
@@ -245,12 +249,11 @@ class LocalBackend:
         finally:
             self._updating.release()
 
-    def _copy_back(self, failure: Exception) -> Exception:
+    def _copy_back(self, failure: Exception) -> tuple[bool, CheckpointError]:
         """After an update in place failed part way (under the forward lock): the served version's
-        weights copied back from its checkpoint, when its files are as they were read, and the
-        error to raise. Else the weights, of neither version, are named ``mixed:<hex>``, which no
-        pinned request matches."""
-        from model_runtime.scoring.checkpoint import CheckpointError
+        weights copied back from its checkpoint, when its files are as they were read; whether
+        they were, and the error that says so. Else the weights, of neither version, are named
+        ``mixed:<hex>``, which no pinned request matches."""
         from model_runtime.scoring.weights import checkpoint_changed, mixed_version, plan_reads, read_parameters
 
         served = self.scorer.loaded.weights_version
@@ -262,8 +265,8 @@ class LocalBackend:
                     read_parameters(self.scorer.loaded.model, plan_reads(self.scorer.loaded.model, source), into_model=True)
                     if checkpoint_changed(source, files) is None:
                         log.warning("update in place failed part way (%s); %s copied back from %s", failure, served, source)
-                        return CheckpointError(getattr(failure, "kind", "unreadable"),
-                                               f"{why}; {served} was copied back and serves as before")
+                        return True, CheckpointError(getattr(failure, "kind", "unreadable"),
+                                                     f"{why}; {served} was copied back and serves as before")
                 why += f"; {source} changed since {served} was read from it"
             except Exception as exc:
                 why += f"; copying {served} back from {source} failed too: {exc}"
@@ -271,8 +274,8 @@ class LocalBackend:
             why += f"; {served} has no checkpoint to copy back from"
         mixed = mixed_version()
         self._set_version(mixed)
-        return CheckpointError("unreadable", f"{why}. The weights served now are a mix, named {mixed}, which no "
-                               "pinned request matches: update again once the files are complete")
+        return False, CheckpointError("unreadable", f"{why}. The weights served now are a mix, named {mixed}, which "
+                                      "no pinned request matches: update again once the files are complete")
 
     def _set_version(self, version: str) -> str:
         previous = self.scorer.loaded.weights_version
@@ -294,13 +297,6 @@ class LocalBackend:
 
     def close(self) -> None:
         pass
-
-
-def _checkpoint_of(source: str) -> tuple[Path, tuple] | None:
-    from model_runtime.scoring.weights import files_snapshot
-
-    path = Path(source)
-    return (path, files_snapshot(path)) if path.is_dir() else None
 
 
 class UpdateInProgressError(RuntimeError):

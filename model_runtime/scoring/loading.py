@@ -18,7 +18,7 @@ from model_runtime.model.causal_lm import PackedCausalLM, PatchReport, patch_for
 from model_runtime.scoring.checkpoint import (CheckpointSpec, assert_fully_loaded, build_meta_model, check_checkpoint,
                                               hf_config)
 from model_runtime.scoring.presets import PRESETS, build_config
-from model_runtime.scoring.weights import START_HASH_THREADS, content_version, non_finite, non_finite_error
+from model_runtime.scoring.weights import START_HASH_THREADS, content_version, files_snapshot, non_finite, non_finite_error
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ class LoadedModel:
     backends: KernelBackends
     patch_report: PatchReport
     source: str  # the checkpoint path or "preset:<name>"
+    source_files: tuple | None = None  # the checkpoint's files as its weights were read (``files_snapshot``)
 
     @property
     def dtype_name(self) -> str:
@@ -120,7 +121,7 @@ def load_model(
     if spec in PRESETS:
         hf_kwargs = _hf_kwargs(PRESETS[spec].model_type, moe_implementation)
         hf_model, model_type, version, name = _build_preset(spec, torch_dtype, device, hf_kwargs)
-        source = f"preset:{spec}"
+        source, source_files = f"preset:{spec}", None
         max_model_len = int(getattr(hf_model.config, "max_position_embeddings", 0) or 0)
     else:
         path = Path(spec)
@@ -128,6 +129,7 @@ def load_model(
             known = ", ".join(sorted(PRESETS))
             raise FileNotFoundError(f"--model {str(path)!r} is neither a checkpoint directory nor a preset ({known})")
         checked = check_checkpoint(path)  # refuses before a byte of weights is read
+        source_files = files_snapshot(path)
         model_type, max_model_len = checked.model_type, checked.max_model_len
         hf_kwargs = _hf_kwargs(model_type, moe_implementation)
         with ThreadPoolExecutor(1) as hasher:  # xxhash releases the GIL: the hash runs beside the load
@@ -152,6 +154,7 @@ def load_model(
         backends=backends,
         patch_report=report,
         source=source,
+        source_files=source_files,
     )
     log.info(
         "loaded %s (%s, %s on %s) in %.1fs: %s; kernels %s",

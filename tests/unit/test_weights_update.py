@@ -504,3 +504,37 @@ def test_an_update_in_place_whose_copy_fails_copies_the_served_weights_back(serv
     assert len(calls) == 2 and "input/output error" in str(caught.value) and "copied back" in str(caught.value)
     assert backend.info.weights_version == old_version and not backend.copying_in_place
     assert_equal(backend.score_row(row), before, "after the failed update in place")
+
+
+def test_a_server_fault_during_an_update_in_place_is_raised_as_it_is_once_the_weights_are_back(served, second,
+                                                                                              monkeypatch):
+    import model_runtime.scoring.weights as weights
+
+    backend = served()
+    backend.update_in_place = True
+    row = rows(backend.info.vocab_size, 1, seed=8)[0]
+    before, old_version = backend.score_row(row), backend.info.weights_version
+    real, calls = weights.read_parameters, []
+
+    def faults_once_copied(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return out
+
+    monkeypatch.setattr(weights, "read_parameters", faults_once_copied)
+    with pytest.raises(RuntimeError, match="illegal memory access") as caught:
+        backend.update_weights(second("qwen3_5"), "step-3")
+    assert not isinstance(caught.value, CheckpointError)  # not the checkpoint's fault: no 422
+    assert backend.info.weights_version == old_version
+    assert_equal(backend.score_row(row), before, "after the fault, the served weights copied back")
+
+
+def test_the_served_checkpoint_is_remembered_as_its_files_were_when_read(checkpoint_dir):
+    from model_runtime.scoring.weights import files_snapshot
+
+    path = checkpoint_dir("qwen3_5")
+    loaded = load_model(str(path), device="cpu")
+    assert loaded.source_files == files_snapshot(path)
+    assert load_model("tiny", device="cpu").source_files is None  # a preset: nothing to copy back from
