@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -100,32 +101,51 @@ class GpuClocks:
         self.lines: list[str] = []
         try:
             self._proc = subprocess.Popen(
-                ["nvidia-smi", "-i", "0", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
-                 "-lms", "200"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                ["nvidia-smi", f"--id={_gpu_id()}", "--query-gpu=timestamp,clocks.sm,power.draw",
+                 "--format=csv,noheader,nounits", "-lms", "200"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError:
             self._proc = None
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._proc is not None:
-            self._proc.terminate()
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        try:
             out, _ = self._proc.communicate(timeout=10)
-            self.lines = [line for line in out.splitlines() if line.strip()]
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            out, _ = self._proc.communicate()
+        self.lines = [line for line in out.splitlines() if line.strip()]
 
-    def summary(self) -> dict:
-        samples = []
+    def summary(self, skip_s: float = 0.0) -> dict:
+        """Medians and extremes of the samples taken ``skip_s`` or more after the block began."""
+        samples, first = [], None
         for line in self.lines:
             try:
-                sm, watts = (float(v) for v in line.split(","))
+                stamp, sm, watts = line.split(",")
+                at = datetime.strptime(stamp.strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                sample = (float(sm), float(watts))
             except ValueError:
                 continue
-            samples.append((sm, watts))
+            first = at if first is None else first
+            if at - first >= skip_s:
+                samples.append(sample)
         if not samples:
             return {}
         sm, watts = np.array(samples).T
         return {"samples": len(samples), "sm_mhz_median": float(np.median(sm)), "sm_mhz_min": float(sm.min()),
                 "sm_mhz_max": float(sm.max()), "power_w_median": float(np.median(watts)),
                 "power_w_max": float(watts.max())}
+
+
+def _gpu_id() -> str:
+    """nvidia-smi's name of torch's current GPU (CUDA_VISIBLE_DEVICES renumbers them)."""
+    try:
+        return f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
+    except Exception:  # no GPU here: nvidia-smi is absent too, and the samples stay empty
+        return "0"
 
 
 def matmul_sustained(seconds_each: float = 6.0,
@@ -157,8 +177,9 @@ def matmul_sustained(seconds_each: float = 6.0,
                 rates.append((time.perf_counter() - start, flop * per_window / (begin.elapsed_time(end) / 1e3) / 1e12))
         settled = [r for t, r in rates if t > 1.0] or [r for _, r in rates]
         out[f"{m}x{k}x{n}"] = {"tflops_median": float(np.median(settled)), "tflops_min": float(np.min(settled)),
-                              "tflops_first_window": rates[0][1], "windows": len(rates), **clocks.summary()}
+                              "tflops_first_window": rates[0][1], "windows": len(rates), **clocks.summary(skip_s=1.0)}
         del a, b
+        torch.cuda.empty_cache()
     log(f"sustained bf16 matmul rates: {out}")
     return out
 

@@ -42,7 +42,11 @@ def test_gpu_clocks_summarise_nvidia_smi_samples_and_nothing_without_it(monkeypa
     with GpuClocks() as clocks:
         pass
     assert clocks.summary() == {}
-    clocks.lines = ["1980, 512.3", "1755, 699.1", "[N/A], 12.0", "1830, 650.0"]  # a sample nvidia-smi could not read is skipped
+    clocks.lines = ["2026/12/04 21:00:00.000, 1980, 512.3", "2026/12/04 21:00:00.600, 1755, 699.1",
+                    "2026/12/04 21:00:00.800, [N/A], 12.0",  # a sample nvidia-smi could not read is skipped
+                    "2026/12/04 21:00:01.200, 1830, 650.0"]
     summary = clocks.summary()
     assert summary["samples"] == 3 and summary["sm_mhz_min"] == 1755 and summary["sm_mhz_median"] == 1830, summary
     assert summary["power_w_max"] == 699.1, summary
+    later = clocks.summary(skip_s=0.5)  # the samples of the first half second left out
+    assert later["samples"] == 2 and later["sm_mhz_max"] == 1830, later
