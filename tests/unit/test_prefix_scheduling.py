@@ -216,7 +216,7 @@ def test_a_row_takes_a_groups_members_together_not_largest_first_across_groups()
     # two groups whose members alternate by length: 700, 650, 600, ... tokens
     request = group(rng, 300, [400, 300, 200, 100]) + group(rng, 300, [350, 250, 150, 50])
     # each group runs 256 shared + its members' own tokens: 1,432 and 1,232, one row each; largest
-    # first across the groups took three rows (1,494 + 1,488 + 450 tokens)
+    # first across the groups would take three rows (1,494 + 1,488 + 450 tokens)
     rows, saved = schedule_once(request, max_batch_tokens=1500, prefix_min_tokens=64)
     assert rows == [[700, 600, 500, 400], [650, 550, 450, 350]], rows
     assert saved == 6 * 256, saved
