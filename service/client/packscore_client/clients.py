@@ -219,17 +219,7 @@ class ScoreClient(_Base):
         """Polls /readyz once a second until the server is ready, and returns its body. No server
         yet, a 503 or a gateway's 502/504 is not ready yet; ``failed`` or ``restart_failed`` raises
         ``ScoreError`` 503 at once; after ``timeout_s``, ``ScoreError`` 0 ``not_ready``."""
-        steps = self._p.readiness_wait(timeout_s, _DISCOVERY_TIMEOUT_S)
-        try:
-            step = next(steps)
-            while True:
-                if isinstance(step, float):
-                    time.sleep(step)
-                    step = steps.send(None)
-                else:
-                    step = steps.send(self._get(step[0], step[1]))
-        except StopIteration as done:
-            return done.value
+        return self._drive(self._p.readiness_wait(timeout_s, _DISCOVERY_TIMEOUT_S))
 
     def update_weights(self, model: str | None, path: str, version: str | None = None) -> WeightsUpdate:
         """Asks the server to serve the checkpoint at ``path`` (relative to its --weights-root) for
@@ -257,6 +247,9 @@ class ScoreClient(_Base):
                     else:
                         time.sleep(step)
                     step = steps.send(None)
+                    continue
+                if isinstance(step, tuple):  # (path, timeout): a GET
+                    step = steps.send(self._get(*step))
                     continue
                 try:
                     outcome: Any = self._http.post(route, content=step, headers=headers)
@@ -341,17 +334,7 @@ class AsyncScoreClient(_Base):
 
     async def wait_ready(self, timeout_s: float = 600.0) -> dict:
         """As ``ScoreClient.wait_ready``."""
-        steps = self._p.readiness_wait(timeout_s, _DISCOVERY_TIMEOUT_S)
-        try:
-            step = next(steps)
-            while True:
-                if isinstance(step, float):
-                    await asyncio.sleep(step)
-                    step = steps.send(None)
-                else:
-                    step = steps.send(await self._get(step[0], step[1]))
-        except StopIteration as done:
-            return done.value
+        return await self._drive(self._p.readiness_wait(timeout_s, _DISCOVERY_TIMEOUT_S))
 
     async def update_weights(self, model: str | None, path: str, version: str | None = None) -> WeightsUpdate:
         """As ``ScoreClient.update_weights``."""
@@ -371,6 +354,9 @@ class AsyncScoreClient(_Base):
                 if isinstance(step, float):
                     await asyncio.sleep(step)
                     step = steps.send(None)
+                    continue
+                if isinstance(step, tuple):  # (path, timeout): a GET
+                    step = steps.send(await self._get(*step))
                     continue
                 try:
                     outcome: Any = await self._http.post(route, content=step, headers=headers)
