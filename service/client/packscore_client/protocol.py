@@ -1,8 +1,8 @@
 """What the blocking and the asyncio clients share, with no I/O: request bodies, splitting a batch
 under the server's limits, answers, errors, and the retry and split decisions of one exchange.
 
-``exchange`` is a generator that yields what it needs done (a body to POST, seconds to sleep) and
-receives the outcome; each client drives it with its own kind of I/O, so the retry logic exists once.
+``exchange`` is a generator that yields what it needs done (a body to POST, a ``(path, timeout)``
+to GET, seconds to sleep) and receives the outcome; each client drives it with its own kind of I/O, so the retry logic exists once.
 """
 
 from __future__ import annotations
