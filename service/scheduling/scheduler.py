@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 import time
 from collections import deque
 from typing import Callable, Sequence
@@ -41,6 +39,7 @@ from model_runtime.types import InvalidSequenceError, SequenceInput, SequenceSco
 from service.http.errors import ApiError, backend_unavailable, deadline_error
 from service.http.metrics import Metrics
 from service.scheduling.admission import Admission, QueueFullError
+from service.scheduling.forward_thread import ForwardThread
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +160,7 @@ class Scheduler:
         self._pending: set[Ticket] = set()
         self._outstanding_rows = 0  # formed rows not yet finished (waiting for a runner or running)
         self._tasks: list[asyncio.Task] = []
-        self._threads: list[_ForwardThread] = []
+        self._threads: list[ForwardThread] = []
         self.last_success_at: float | None = None  # monotonic time of the last successful forward
         self.last_failure: str | None = None  # why the last forward failed for backend reasons
         self._closed = False
@@ -200,7 +199,7 @@ class Scheduler:
         self._results: asyncio.Queue[tuple[list[_Item], list[SequenceScores]]] = asyncio.Queue(
             maxsize=2 * self.concurrency
         )
-        self._threads = [_ForwardThread(f"packscore-forward-{i}") for i in range(self.concurrency)]
+        self._threads = [ForwardThread(f"packscore-forward-{i}") for i in range(self.concurrency)]
         self._tasks = [asyncio.create_task(self._pack_loop(), name="packscore-packer")]
         self._tasks += [asyncio.create_task(self._run_loop(thread), name=f"packscore-runner-{i}")
                         for i, thread in enumerate(self._threads)]
@@ -442,7 +441,7 @@ class Scheduler:
 
     # ---- runners -----------------------------------------------------------------------------
 
-    async def _run_loop(self, thread: "_ForwardThread") -> None:
+    async def _run_loop(self, thread: "ForwardThread") -> None:
         while True:
             row = await self._rows.get()
             try:
@@ -457,7 +456,7 @@ class Scheduler:
                 self._outstanding_rows -= 1
                 self._wake.set()
 
-    async def _forward(self, row: list[_Item], thread: "_ForwardThread") -> None:
+    async def _forward(self, row: list[_Item], thread: "ForwardThread") -> None:
         row = [item for item in row if not item.ticket.done]
         if not row:
             return
@@ -492,7 +491,7 @@ class Scheduler:
         self._observe_forward(tokens, elapsed)
         await self._results.put((row, scores))
 
-    async def _retry_split(self, row: list[_Item], exc: Exception, thread: "_ForwardThread") -> None:
+    async def _retry_split(self, row: list[_Item], exc: Exception, thread: "ForwardThread") -> None:
         if len(row) > 1:
             # Split by tokens so each half roughly halves the memory the forward needed.
             half, acc, mid = sum(it.tokens for it in row) / 2, 0, 1
@@ -569,52 +568,6 @@ def _largest_first_by_group(window: list[_Item], head: _Item) -> list[_Item]:
         return ordered
     lead = by_group.get(head.group) if head.group is not None else None
     return [*(lead or ()), *(item for unit in units if unit is not lead for item in unit)]
-
-
-class _ForwardThread:
-    """One runner's forward thread, a daemon: a forward still running when the process must
-    exit (the drain timed out) does not hold the exit."""
-
-    def __init__(self, name: str):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.running = False  # a forward is under way on this thread
-        self.started_at: float | None = None  # monotonic start of the forward under way
-        self.expected_s: float | None = None  # what that forward should take at the measured rate
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
-
-    async def run(self, fn: Callable, *args):
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._jobs.put((loop, future, fn, args))
-        return await future
-
-    def stop(self) -> None:
-        self._jobs.put(None)
-
-    def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            loop, future, fn, args = job
-            self.started_at = time.monotonic()
-            self.running = True
-            try:
-                result, error = fn(*args), None
-            except BaseException as exc:  # handed to the awaiting runner
-                result, error = None, exc
-            finally:
-                self.running = False
-            try:
-                loop.call_soon_threadsafe(_settle, future, result, error)
-            except RuntimeError:  # the loop closed while the forward ran
-                return
-
-
-def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
-    if not future.done():  # the runner may have been cancelled meanwhile
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
 
 
 def _queue_full(exc: QueueFullError) -> ApiError:

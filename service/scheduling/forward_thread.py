@@ -1,0 +1,56 @@
+"""The thread a scheduler's runner hands each forward to: the event loop awaits the forward's
+result without running it, and a forward still running when the process must exit holds nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from typing import Callable
+
+
+class ForwardThread:
+    """One runner's forward thread, a daemon: a forward still running when the process must
+    exit (the drain timed out) does not hold the exit."""
+
+    def __init__(self, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.running = False  # a forward is under way on this thread
+        self.started_at: float | None = None  # monotonic start of the forward under way
+        self.expected_s: float | None = None  # what that forward should take at the measured rate
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    async def run(self, fn: Callable, *args):
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._jobs.put((loop, future, fn, args))
+        return await future
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            loop, future, fn, args = job
+            self.started_at = time.monotonic()
+            self.running = True
+            try:
+                result, error = fn(*args), None
+            except BaseException as exc:  # handed to the awaiting runner
+                result, error = None, exc
+            finally:
+                self.running = False
+            try:
+                loop.call_soon_threadsafe(_settle, future, result, error)
+            except RuntimeError:  # the loop closed while the forward ran
+                return
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if not future.done():  # the runner may have been cancelled meanwhile
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)

@@ -1,0 +1,80 @@
+"""The client's readiness calls, ready() and wait_ready(), against the app in-process and
+against answers a proxy in front of a starting server gives."""
+
+import asyncio
+import threading
+
+import httpx
+import pytest
+
+from packscore_client import AsyncScoreClient, ScoreClient, ScoreError
+from service.http.app import create_app
+from service.settings import Settings
+from service.testing import FakeBackend, running_app
+
+BASE = "http://packscore.test"
+
+
+def test_wait_ready_polls_readyz_until_the_first_scoring_pass_succeeds(monkeypatch):
+    from packscore_client import protocol
+
+    monkeypatch.setattr(protocol, "READY_POLL_S", 0.02)
+    gate = threading.Event()  # holds the server's readiness probe, so /readyz answers 503 until set
+
+    async def main():
+        app = create_app(Settings(max_queued_tokens=400), FakeBackend(gate=gate))
+        async with running_app(app, ready=False):
+            async with AsyncScoreClient(BASE, transport=httpx.ASGITransport(app=app)) as client:
+                waiting = await client.ready()
+                with pytest.raises(ScoreError) as late:
+                    await client.wait_ready(timeout_s=0.2)
+                waiter = asyncio.ensure_future(client.wait_ready(timeout_s=10))
+                await asyncio.sleep(0.1)
+                assert not waiter.done()
+                gate.set()
+                return waiting, late.value, await waiter, client.limits
+
+    waiting, late, ready, limits = asyncio.run(main())
+    assert waiting["status"] != "ready" and waiting["error"]["type"] == "not_ready", waiting
+    # the client gave up, not the server: status 0, the last status named
+    assert late.status == 0 and late.type == "not_ready" and "(last: probing)" in str(late), late
+    assert ready["status"] == "ready" and ready["limits"]["max_request_tokens"] == 400, ready
+    assert limits.max_request_tokens == 400  # learned from the ready answer, as before a first score
+
+
+def test_wait_ready_waits_through_no_server_and_a_proxys_pages_and_stops_at_a_lasting_failure(monkeypatch):
+    from packscore_client import protocol
+
+    monkeypatch.setattr(protocol, "READY_POLL_S", 0.01)
+    answers = [httpx.ConnectError("refused"), httpx.Response(502, text="<html>bad gateway</html>"),
+               httpx.Response(503, text="<html>starting</html>"),
+               httpx.Response(503, json={"status": "loading", "error": {"type": "not_ready", "message": "x"}}),
+               httpx.Response(200, json={"status": "ready", "limits": {"max_request_tokens": 77}})]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    with ScoreClient(BASE, transport=httpx.MockTransport(handler)) as client:
+        assert client.wait_ready(timeout_s=10)["status"] == "ready" and not answers
+        assert client.limits.max_request_tokens == 77
+        answers[:] = [httpx.Response(503, text="<html>down</html>")]
+        assert client.ready() == {"status": "http_503"}  # a page that is not the server's JSON
+        answers[:] = [httpx.Response(503, json={"status": "restart_failed"})]
+        with pytest.raises(ScoreError) as lasting:
+            client.wait_ready(timeout_s=10)
+    assert lasting.value.status == 503 and "restart_failed" in str(lasting.value), lasting.value
+
+
+def test_wait_ready_counts_an_unreachable_server_as_not_ready():
+    from model_runtime.pool.ports import free_port
+
+    with ScoreClient(f"http://127.0.0.1:{free_port()}", connect_retry_s=0.2) as client:
+        with pytest.raises(ScoreError) as unreachable:
+            client.ready()
+        with pytest.raises(ScoreError) as late:
+            client.wait_ready(timeout_s=0.3)
+    assert unreachable.value.type == "connection_error" and unreachable.value.status == 0
+    assert late.value.status == 0 and late.value.type == "not_ready" and "ConnectError" in str(late.value), late.value
