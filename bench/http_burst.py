@@ -57,6 +57,7 @@ from bench.workload import WorkloadSpec, describe, grpo_workload  # noqa: E402
 VOCAB = 248_320
 REQUESTS, PER_REQUEST = 8, 32
 IDLE_LENGTH, IDLE_REPEATS = 512, 20
+PREFIX_MIN_TOKENS = 64  # the served default
 IDLE_GAP_S = 0.2  # between idle requests, on both sides: the same idle GPU and host before each
 GPU_COUNTS = (1, 2, 4, 8)
 
@@ -64,15 +65,24 @@ GPU_COUNTS = (1, 2, 4, 8)
 FLOOR_S, FIXED_S, TOKENS_PER_S, ATTENTION_S_PER_L2 = 0.060, 0.0075, 37_900.0, 1.12e-10
 
 
-def forward_seconds(lengths) -> float:
-    lengths = np.asarray(lengths, dtype=np.float64)
-    return max(FLOOR_S, FIXED_S + lengths.sum() / TOKENS_PER_S + ATTENTION_S_PER_L2 * float(np.square(lengths).sum()))
+def forward_seconds(sequences, prefix_min_tokens: int = 0) -> float:
+    """The cost model's time for one row; with prefix sharing the body runs a shared prompt once
+    (every member of a group sharing it), attention still over whole sequences."""
+    from model_runtime.scoring.prefix import RowTokens
+
+    lengths = np.asarray([s.length for s in sequences], dtype=np.float64)
+    run = RowTokens(prefix_min_tokens)
+    for s in sequences:
+        run.add(s.input_ids)
+    return max(FLOOR_S, FIXED_S + run.total / TOKENS_PER_S + ATTENTION_S_PER_L2 * float(np.square(lengths).sum()))
 
 
 class SimulatedH200Backend:
     """A ScoringBackend whose forwards take as long as the 9B's on ``gpus`` H200s (sleeping)."""
 
-    def __init__(self, gpus: int, row_tokens: int, time_scale: float = 1.0):
+    prefix_rounding = None  # every member of a group shares its prompt
+
+    def __init__(self, gpus: int, row_tokens: int, time_scale: float = 1.0, prefix_min_tokens: int = 0):
         from model_runtime.scoring.backend import ModelInfo
 
         self.info = ModelInfo(
@@ -84,13 +94,14 @@ class SimulatedH200Backend:
         self.concurrency = gpus
         self.max_row_tokens = row_tokens
         self.time_scale = time_scale
+        self.prefix_min_tokens = prefix_min_tokens
 
     def score_row(self, sequences):
         from service.testing import expected_scores
 
         started = time.perf_counter()
-        out = [expected_scores(s) for s in sequences]
-        rest = forward_seconds([s.length for s in sequences]) * self.time_scale - (time.perf_counter() - started)
+        out = [expected_scores(s, 0, self.info.weights_version) for s in sequences]  # named by the version served
+        rest = forward_seconds(sequences, self.prefix_min_tokens) * self.time_scale - (time.perf_counter() - started)
         if rest > 0:
             time.sleep(rest)
         return out
@@ -204,7 +215,8 @@ def serve_sim_main(args, server_flags: list[str]) -> int:
     from service.http.server import run_server
 
     _, settings = parse_settings(server_flags)  # "serve" and its options, as LocalServer passes them
-    backend = SimulatedH200Backend(args.gpus, settings.max_batch_tokens, args.time_scale)
+    backend = SimulatedH200Backend(args.gpus, settings.max_batch_tokens, args.time_scale,
+                                   settings.prefix_min_tokens_in_use)  # --prefix-sharing: rows cost what they run
     return run_server(create_app(settings, backend), settings)
 
 
@@ -321,26 +333,29 @@ class _Warmed:
         self._backend.close()
 
 
-def in_process_pool(sequences, gpus: int, rows: int, time_scale: float) -> float:
-    """Tokens/s of the first-fit-decreasing rows run by ``gpus`` simulated GPUs, each taking the next row."""
-    from model_runtime.model.packing import pack_first_fit_decreasing
+def in_process_pool(sequences, gpus: int, rows: int, time_scale: float, prefix_min_tokens: int = 0) -> float:
+    """Tokens/s of the first-fit-decreasing rows (``Scorer.score``'s) run by ``gpus`` simulated
+    GPUs, each taking the next row."""
+    from model_runtime.scoring.prefix import pack_groups_first_fit
 
-    backend = SimulatedH200Backend(gpus, rows, time_scale)
-    plan = pack_first_fit_decreasing([s.length for s in sequences], rows)
+    backend = SimulatedH200Backend(gpus, rows, time_scale, prefix_min_tokens)
+    plan = pack_groups_first_fit(sequences, rows, prefix_min_tokens)  # plain first-fit decreasing without sharing
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=gpus) as pool:
         list(pool.map(lambda row: backend.score_row([sequences[i] for i in row]), plan))
     return sum(s.length for s in sequences) / (time.perf_counter() - t0)
 
 
-def in_process_scheduler(sequences, gpus: int, rows: int, time_scale: float) -> float:
+def in_process_scheduler(sequences, gpus: int, rows: int, time_scale: float, prefix_min_tokens: int = 0) -> float:
     """Tokens/s of the server's own scheduler in this process, given the burst's 8 requests at once (no HTTP)."""
     from service.scheduling.scheduler import Scheduler
     from service.settings import Settings
 
     async def run() -> float:
-        backend = SimulatedH200Backend(gpus, rows, time_scale)
-        scheduler = Scheduler.from_settings(backend, Settings(max_batch_tokens=rows))
+        backend = SimulatedH200Backend(gpus, rows, time_scale, prefix_min_tokens)
+        settings = Settings(max_batch_tokens=rows, prefix_sharing=bool(prefix_min_tokens),
+                            prefix_min_tokens=prefix_min_tokens or Settings().prefix_min_tokens)
+        scheduler = Scheduler.from_settings(backend, settings)
         await scheduler.start()
         parts = [sequences[i : i + PER_REQUEST] for i in range(0, len(sequences), PER_REQUEST)]
         t0 = time.perf_counter()
@@ -455,19 +470,22 @@ def simulated_mode(args) -> dict:
     seq = idle_sequence()
     out: dict = {"cost_model": f"max({FLOOR_S}, {FIXED_S} + tokens / {TOKENS_PER_S:.0f} + {ATTENTION_S_PER_L2} * sum(L^2)) s",
                  "time_scale": args.time_scale, "rows": rows}
+    sharing = PREFIX_MIN_TOKENS if args.prefix_sharing else 0
+    flags = ("--prefix-sharing", "--prefix-min-tokens", str(PREFIX_MIN_TOKENS)) if sharing else ()
+    out["prefix_sharing"] = bool(sharing)
     for gpus in args.gpus:
         # In process, the better of two: first-fit-decreasing rows handed to the GPUs in turn,
         # and the server's scheduler without HTTP (it balances the tail across GPUs better).
-        ffd = max(in_process_pool(sequences, gpus, rows, args.time_scale) for _ in range(args.repeats))
-        scheduled = max(in_process_scheduler(sequences, gpus, rows, args.time_scale) for _ in range(args.repeats))
+        ffd = max(in_process_pool(sequences, gpus, rows, args.time_scale, sharing) for _ in range(args.repeats))
+        scheduled = max(in_process_scheduler(sequences, gpus, rows, args.time_scale, sharing) for _ in range(args.repeats))
         local = max(ffd, scheduled)
         entry = {"in_process_tokens_per_s": local, "in_process_ffd_tokens_per_s": ffd,
                  "in_process_scheduler_tokens_per_s": scheduled}
         if gpus == 1:
-            backend = SimulatedH200Backend(1, rows, args.time_scale)
+            backend = SimulatedH200Backend(1, rows, args.time_scale, sharing)
             entry["idle_in_process_ms"] = _ms(idle_latency_in_process(backend.score_row, seq))
         for name, tree in trees.items():
-            server = simulated_server(tree, gpus, rows, args.time_scale)
+            server = simulated_server(tree, gpus, rows, args.time_scale, flags)
             try:
                 runs = [asyncio.run(trainer_burst(server.url, sequences)) for _ in range(args.repeats)]
                 burst = max(runs, key=lambda r: r["tokens_per_s"])
@@ -505,16 +523,19 @@ def table(result: dict) -> str:
                              f"**{r['ratio']:.3f}** | {r['http_429']} | {r['idle_in_process_ms']:.1f} ms | "
                              f"{r['idle_http_ms']:.1f} ms | {r['idle_ratio']:.2f} |")
         lines.append("")
-    sim = result.get("simulated_detail")
-    if sim:
+    for key, what in (("simulated_detail", "default flags"),
+                      ("simulated_prefix_sharing_detail", "`--prefix-sharing` on both sides, rows costing the tokens they run")):
+        sim = result.get(key)
+        if not sim:
+            continue
         before = any("ratio_before" in v for k, v in sim.items() if k.startswith("gpus_"))
-        lines += [f"Simulated H200 pool (cost model {sim['cost_model']}, time scale {sim['time_scale']}), "
-                  f"{sim['rows']}-token rows, default flags:", "",
+        lines += ([""] if lines and lines[-1] else []) + [f"Simulated H200 pool (cost model {sim['cost_model']}, time scale {sim['time_scale']}), "
+                  f"{sim['rows']}-token rows, {what}:", "",
                   "| GPUs | in process tokens/s | HTTP tokens/s | ratio | 429s |" + (" before: ratio | before: 429s |" if before else ""),
                   "| --- | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if before else "")]
-        for key, r in sim.items():
-            if key.startswith("gpus_"):
-                line = (f"| {key[5:]} | {r['in_process_tokens_per_s']:,.0f} | {r['http_tokens_per_s']:,.0f} | "
+        for gpus, r in sim.items():
+            if gpus.startswith("gpus_"):
+                line = (f"| {gpus[5:]} | {r['in_process_tokens_per_s']:,.0f} | {r['http_tokens_per_s']:,.0f} | "
                         f"**{r['ratio']:.3f}** | {r['http_429']} |")
                 if before:
                     line += f" {r.get('ratio_before', float('nan')):.3f} | {r.get('http_429_before', '')} |"
@@ -525,6 +546,7 @@ def table(result: dict) -> str:
                       f"{one['idle_in_process_ms']:.1f} ms, HTTP {one['idle_http_ms_after']:.1f} ms "
                       f"({one['idle_http_ms_after'] / one['idle_in_process_ms']:.2f}x)"
                       + (f"; before: HTTP {one['idle_http_ms_before']:.1f} ms" if "idle_http_ms_before" in one else "") + "."]
+    sim = result.get("simulated_detail")
     cpu = (sim or {}).get("idle_breakdown_cpu")
     if cpu:
         lines += ["", f"Idle latency of one {IDLE_LENGTH}-token sequence on this CPU (medians):", "",
@@ -564,6 +586,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-breakdown", action="store_true", help="simulated mode: skip the CPU idle-latency breakdown")
     parser.add_argument("--repeats", type=int, default=2, help="simulated mode: runs of each measurement; the best counts")
     parser.add_argument("--before-tree", default=None, help="simulated mode: also serve from this source tree")
+    parser.add_argument("--prefix-sharing", action="store_true",
+                        help="simulated mode: both sides share a group's prompt and rows cost the tokens they run")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "http-burst.json"
@@ -573,8 +597,9 @@ def main(argv=None) -> None:
         result["gpu"] = gpu
     else:
         sim = simulated_mode(args)
-        result["simulated"] = {k: v["ratio"] for k, v in sim.items() if k.startswith("gpus_")}
-        result["simulated_detail"] = sim
+        key = "simulated_prefix_sharing" if args.prefix_sharing else "simulated"
+        result[key] = {k: v["ratio"] for k, v in sim.items() if k.startswith("gpus_")}
+        result[f"{key}_detail"] = sim
     path.write_text(json.dumps(result, indent=2) + "\n")
     text = table(result)
     (args.out / "http-burst.md").write_text(text + "\n")
