@@ -482,23 +482,30 @@ def test_files_that_change_during_an_update_in_place_are_never_served_under_a_ve
         assert all(s.weights_version == served_now for s in backend.score_row(row))
 
 
-def test_an_update_in_place_whose_copy_fails_copies_the_served_weights_back(served, second, monkeypatch):
+def fail_once_copied(monkeypatch, failure: Exception) -> list:
+    """``read_parameters`` copies the new weights in place, then raises ``failure`` once (a disk
+    gone, a CUDA fault); later reads, the copy back, work. Returns the list of calls made."""
     import model_runtime.scoring.weights as weights
 
+    real, calls = weights.read_parameters, []
+
+    def hooked(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(args[1])
+        if len(calls) == 1:
+            raise failure
+        return out
+
+    monkeypatch.setattr(weights, "read_parameters", hooked)
+    return calls
+
+
+def test_an_update_in_place_whose_copy_fails_copies_the_served_weights_back(served, second, monkeypatch):
     backend = served()
     backend.update_in_place = True
     row = rows(backend.info.vocab_size, 1, seed=7)[0]
     before, old_version = backend.score_row(row), backend.info.weights_version
-    real, calls = weights.read_parameters, []
-
-    def fails_once_copied(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls.append(args[1])
-        if len(calls) == 1:  # the new weights are in place, then the read fails: a disk gone, say
-            raise OSError("input/output error")
-        return out
-
-    monkeypatch.setattr(weights, "read_parameters", fails_once_copied)
+    calls = fail_once_copied(monkeypatch, OSError("input/output error"))
     with pytest.raises(CheckpointError) as caught:
         backend.update_weights(second("qwen3_5"), "step-2")
     assert len(calls) == 2 and "input/output error" in str(caught.value) and "copied back" in str(caught.value)
@@ -508,22 +515,11 @@ def test_an_update_in_place_whose_copy_fails_copies_the_served_weights_back(serv
 
 def test_a_server_fault_during_an_update_in_place_is_raised_as_it_is_once_the_weights_are_back(served, second,
                                                                                               monkeypatch):
-    import model_runtime.scoring.weights as weights
-
     backend = served()
     backend.update_in_place = True
     row = rows(backend.info.vocab_size, 1, seed=8)[0]
     before, old_version = backend.score_row(row), backend.info.weights_version
-    real, calls = weights.read_parameters, []
-
-    def faults_once_copied(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return out
-
-    monkeypatch.setattr(weights, "read_parameters", faults_once_copied)
+    fail_once_copied(monkeypatch, RuntimeError("CUDA error: an illegal memory access was encountered"))
     with pytest.raises(RuntimeError, match="illegal memory access") as caught:
         backend.update_weights(second("qwen3_5"), "step-3")
     assert not isinstance(caught.value, CheckpointError)  # not the checkpoint's fault: no 422
