@@ -95,7 +95,10 @@ def decode_body(raw: bytes, encoding: Encoding) -> Any:
         try:
             # strict_map_key: maps keyed by strings, as every map of the contract is; other keys
             # (integers hash predictably) would let a body flood a dict with colliding keys.
-            return msgpack.unpackb(raw, raw=False, strict_map_key=True, ext_hook=MsgpackExt)
+            return msgpack.unpackb(raw, raw=False, strict_map_key=True, ext_hook=MsgpackExt,
+                                   object_pairs_hook=_string_keyed)
+        except ApiError:
+            raise
         except Exception as exc:  # msgpack raises several unrelated types for bad input
             detail = str(exc).strip() or type(exc).__name__
             if "map key" in detail:  # valid msgpack, but no request of this API can have it
@@ -114,6 +117,16 @@ def decode_body(raw: bytes, encoding: Encoding) -> Any:
         return json.loads(raw, parse_int=_parse_int)
     except (ValueError, RecursionError):
         raise ApiError(400, "malformed_body", f"The body is not valid JSON: {fast_error}.") from None
+
+
+def _string_keyed(pairs: list[tuple[Any, Any]]) -> dict:
+    """A msgpack map as a dict, refusing bin keys, which strict_map_key lets through: a field sent
+    under a bin key would otherwise be reported missing, or named as ``b'...'``."""
+    for key, _ in pairs:
+        if type(key) is not str:
+            raise ApiError(400, "malformed_body", f"Every map key of the body must be a msgpack str, got the bin {key!r}; "
+                           "pack keys as str, not bytes.")
+    return dict(pairs)
 
 
 def _parse_int(literal: str) -> int | OversizedInt:

@@ -89,7 +89,10 @@ def param_path(loc: Iterable[str | int], *, sourced: bool = True) -> str | None:
 
 def validation_reason(error: dict) -> str:
     """A pydantic error's message for people: without the "Value error, " pydantic puts before a
-    validator's own ValueError, and without a closing full stop."""
+    validator's own ValueError, and without a closing full stop. An object expected is named as
+    the wire has it, not as pydantic's "dictionary or instance of <our class>"."""
+    if error.get("type") == "model_type":
+        return "Input should be an object (a JSON object or msgpack map)"
     return error.get("msg", "invalid value").removeprefix("Value error, ").rstrip(".")
 
 

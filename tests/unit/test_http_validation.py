@@ -135,6 +135,13 @@ BAD_RAW = [
     ("garbage-msgpack", b"\xc1\xc1\xc1", MSGPACK_H, 400, "malformed_body", None),
     ("truncated-msgpack", msgpack.packb(good())[:-3], MSGPACK_H, 400, "malformed_body", None),
     ("msgpack-int-keys", msgpack.packb({1: 2}), MSGPACK_H, 400, "malformed_body", None),
+    # bin keys: a field under one would be reported missing (input_ids) or named b'...' (extra)
+    ("msgpack-bin-key", msgpack.packb({b"sequences": [{"input_ids": [1, 2]}]}), MSGPACK_H, 400, "malformed_body",
+     None),
+    ("msgpack-bin-key-in-sequence", msgpack.packb({"sequences": [{b"input_ids": [1, 2]}]}), MSGPACK_H, 400,
+     "malformed_body", None),
+    ("msgpack-bin-extra-key", msgpack.packb({"sequences": [{"input_ids": [1, 2]}], b"foo": 1}), MSGPACK_H, 400,
+     "malformed_body", None),
     ("text-plain", json.dumps(good()).encode(), {"Content-Type": "text/plain"}, 400, "unsupported_content_type",
      "Content-Type"),
     ("form", b"a=b", {"Content-Type": "application/x-www-form-urlencoded"}, 400, "unsupported_content_type",
@@ -182,6 +189,22 @@ def test_malformed_bodies_get_400_413_422_with_the_contract_body():
             assert len(backend.rows) == rows_before
 
     asyncio.run(main())
+
+
+def test_a_bin_map_key_is_named_and_an_object_expected_is_called_one():
+    async def main():
+        app, _ = make_app()
+        async with running_app(app) as client:
+            bin_key = await client.post("/score", content=msgpack.packb({"sequences": [{b"input_ids": [1, 2]}]}),
+                                        headers=MSGPACK_H)
+            not_object = await _post(client, {"sequences": [[1, 2]]})
+            return bin_key, not_object
+
+    bin_key, not_object = asyncio.run(main())
+    assert "b'input_ids'" in bin_key.json()["error"]["message"], bin_key.text
+    _check_error(not_object, 422, "invalid_value", "sequences[0]")
+    message = not_object.json()["error"]["message"]
+    assert "an object" in message and "SequenceIn" not in message, message
 
 
 def _decode_bins(result, k):
