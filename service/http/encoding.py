@@ -15,7 +15,7 @@ import msgpack
 import numpy as np
 import orjson
 
-from service.http.errors import ApiError, OversizedInt
+from service.http.errors import ApiError, OversizedInt, short_repr
 
 Encoding = Literal["json", "msgpack"]
 
@@ -124,7 +124,8 @@ def _string_keyed(pairs: list[tuple[Any, Any]]) -> dict:
     under a bin key would otherwise be reported missing, or named as ``b'...'``."""
     for key, _ in pairs:
         if type(key) is not str:
-            raise ApiError(400, "malformed_body", f"Every map key of the body must be a msgpack str, got the bin {key!r}; "
+            raise ApiError(400, "malformed_body", f"Every map key of the body must be a msgpack str, got a bin key, "
+                           f"{short_repr(bytes(key).decode('utf-8', 'replace'))}; "
                            "pack keys as str, not bytes.")
     return dict(pairs)
 

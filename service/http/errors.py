@@ -111,13 +111,14 @@ def from_validation_errors(errors: list[dict], *, sourced: bool = True) -> ApiEr
     elif past_64_bits(first.get("input")):
         message = f"{param or 'the body'}: {validation_reason(first)}, got an integer past 64 bits."
     else:
-        shown = _short_repr(first.get("input"))
+        shown = short_repr(first.get("input"))
         reason = validation_reason(first)
         message = f"{param or 'the body'}: {reason}, got {shown}."
     return ApiError(422, "invalid_value", message, param)
 
 
-def _short_repr(value) -> str:
+def short_repr(value) -> str:
+    """A value as a message shows it: at most 60 characters (a client's 2 MB string is not echoed back)."""
     if isinstance(value, (bytes, bytearray)):
         return f"{len(value)} bytes"
     try:

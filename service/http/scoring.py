@@ -15,6 +15,7 @@ from model_runtime.types import SequenceInput, SequenceScores
 from service.http.encoding import CONTENT_TYPE, decode_body, encode_score_response, request_encoding, response_encoding
 from service.http.encoding import non_finite_score, result_record
 from service.http.errors import ApiError, backend_unavailable, deadline_error, draining_error, non_finite_error
+from service.http.errors import short_repr
 from service.http.rollout import mismatch
 from service.http.validation import Limits, ScoreJob, parse_score_request
 from service.runtime import ServedModel, Service
@@ -102,7 +103,7 @@ def _parse(raw: bytes, encoding, served) -> ScoreJob:
 def _version_mismatch(pinned: str, model: ServedModel) -> ApiError:
     served = model.backend.info.weights_version
     return ApiError(409, "weights_version_mismatch",
-                    f"weights_version {pinned!r} is not served; {model.name!r} now serves {served!r}.", "weights_version")
+                    f"weights_version {short_repr(pinned)} is not served; {model.name!r} now serves {served!r}.", "weights_version")
 
 
 async def _score_with_one_version(request: Request, model: ServedModel, job: ScoreJob,

@@ -14,7 +14,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from model_runtime.types import SequenceInput
-from service.http.errors import ApiError, from_validation_errors
+from service.http.errors import ApiError, from_validation_errors, short_repr
 from service.http.schemas import ScoreRequest
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def pick_model(requested: Any, served: Mapping[str, Any]) -> str:
             raise ApiError(422, "model_required", f"Several models are served ({', '.join(served)}); name one in 'model'.", "model")
         return next(iter(served))
     if requested not in served:
-        raise ApiError(404, "model_not_found", f"Model {requested!r} is not served here; this server serves "
+        raise ApiError(404, "model_not_found", f"Model {short_repr(requested)} is not served here; this server serves "
                        f"{', '.join(repr(n) for n in served)}.", "model")
     return requested
 

@@ -201,10 +201,23 @@ def test_a_bin_map_key_is_named_and_an_object_expected_is_called_one():
             return bin_key, not_object
 
     bin_key, not_object = asyncio.run(main())
-    assert "b'input_ids'" in bin_key.json()["error"]["message"], bin_key.text
+    assert "bin key, 'input_ids'" in bin_key.json()["error"]["message"], bin_key.text
     _check_error(not_object, 422, "invalid_value", "sequences[0]")
     message = not_object.json()["error"]["message"]
     assert "an object" in message and "SequenceIn" not in message, message
+
+
+def test_a_long_model_name_or_version_is_not_echoed_whole():
+    async def main():
+        app, _ = make_app()
+        async with running_app(app) as client:
+            return await _post(client, good(model="m" * 10_000)), await _post(client, good(weights_version="v" * 10_000))
+
+    unknown, mismatch = asyncio.run(main())
+    _check_error(unknown, 404, "model_not_found", "model")
+    _check_error(mismatch, 409, "weights_version_mismatch", "weights_version")
+    for response in (unknown, mismatch):
+        assert len(response.json()["error"]["message"]) < 200, response.text[:300]
 
 
 def _decode_bins(result, k):
