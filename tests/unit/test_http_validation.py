@@ -64,6 +64,7 @@ BAD_JSON = [
     ("id-not-string", seq(id=5), 422, "invalid_value", "sequences[0].id"),
     ("unknown-sequence-field", seq(labels=[1]), 422, "invalid_value", "sequences[0].labels"),
     ("unknown-field", good(temprature=0.5), 422, "invalid_value", "temprature"),
+    ("empty-key", good(**{"": 1}), 422, "invalid_value", None),
     ("temperature-0", good(temperature=0), 422, "invalid_value", "temperature"),
     ("temperature-negative", good(temperature=-1.0), 422, "invalid_value", "temperature"),
     ("temperature-nan", good(temperature=float("nan")), 422, "invalid_value", "temperature"),
@@ -205,6 +206,17 @@ def test_a_bin_map_key_is_named_and_an_object_expected_is_called_one():
     _check_error(not_object, 422, "invalid_value", "sequences[0]")
     message = not_object.json()["error"]["message"]
     assert "an object" in message and "SequenceIn" not in message, message
+
+
+def test_an_empty_key_is_named_as_one():
+    async def main():
+        app, _ = make_app()
+        async with running_app(app) as client:
+            return await _post(client, good(**{"": 1})), await _post(client, seq(**{"": 1}))
+
+    top, nested = asyncio.run(main())
+    assert top.json()["error"]["message"] == "An empty key is not a field of this request.", top.text
+    assert nested.json()["error"]["message"] == "An empty key is not a field of sequences[0].", nested.text
 
 
 def test_a_long_model_name_or_version_is_not_echoed_whole():
