@@ -104,8 +104,9 @@ def from_validation_errors(errors: list[dict], *, sourced: bool = True) -> ApiEr
     kind = first.get("type", "")
     if kind == "missing":
         message = f"{param} is required."
-    elif kind == "extra_forbidden" and tuple(first.get("loc", ()))[-1:] == ("",):  # else shown as "None" or "x."
-        message = f"An empty key is not a field of {param_path(first['loc'][:-1], sourced=sourced) or 'this request'}."
+    elif kind == "extra_forbidden" and tuple(first.get("loc", ()))[-1:] == ("",):  # else named "None" or "x."
+        param = param_path(first["loc"][:-1], sourced=sourced)  # the object that holds it
+        message = f"An empty key is not a field of {param or 'this request'}."
     elif kind == "extra_forbidden":
         message = f"{param} is not a field of this request."
     elif past_64_bits(first.get("input")) and kind.startswith("int"):

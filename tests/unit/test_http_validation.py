@@ -216,6 +216,7 @@ def test_an_empty_key_is_named_as_one():
 
     top, nested = asyncio.run(main())
     assert top.json()["error"]["message"] == "An empty key is not a field of this request.", top.text
+    _check_error(nested, 422, "invalid_value", "sequences[0]")
     assert nested.json()["error"]["message"] == "An empty key is not a field of sequences[0].", nested.text
 
 
