@@ -84,6 +84,14 @@ def test_every_option_has_help_naming_its_environment_variable(capsys):
         assert "PACKSCORE_" + option[2:].upper().replace("-", "_") in text
 
 
+def test_score_help_describes_its_options_without_a_server(capsys):
+    # the model options are shared with serve: their help must be true of offline scoring too
+    with pytest.raises(SystemExit):
+        cli.main(["score", "--help"])
+    options = capsys.readouterr().out.split("options:", 1)[1]
+    assert "server" not in options, options
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
