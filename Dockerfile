@@ -90,7 +90,7 @@ RUN apt-get update \
  && if id -u ubuntu >/dev/null 2>&1; then userdel --remove ubuntu; fi \
  && groupadd --gid 1000 packscore \
  && useradd --uid 1000 --gid 1000 --create-home --home-dir /home/packscore --shell /usr/sbin/nologin packscore \
- && mkdir -p /cache/triton /cache/inductor /cache/xdg /models \
+ && mkdir -p /cache/triton /cache/xdg /models \
  && chown -R 1000:1000 /cache
 
 # Same install steps as the README: the CUDA build of torch first, then the project
@@ -114,7 +114,6 @@ ENV HOME=/home/packscore \
     TRITON_HOME=/cache \
     TRITON_CACHE_DIR=/cache/triton \
     PACKSCORE_TRITON_CACHE_DIR=/cache/triton \
-    TORCHINDUCTOR_CACHE_DIR=/cache/inductor \
     XDG_CACHE_HOME=/cache/xdg \
     HF_HUB_OFFLINE=1 \
     PACKSCORE_EXPERT_GEMM=/opt/packscore/lib/libpackscore_expert_gemm.so \

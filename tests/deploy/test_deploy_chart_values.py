@@ -186,7 +186,7 @@ def test_every_path_the_server_writes_is_on_a_writable_volume(name):
     (c,) = spec["containers"]
     writable = [m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")]
     env = {e["name"]: e.get("value") for e in c["env"]}
-    paths = [env[k] for k in ["TRITON_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME", "TMPDIR"]]
+    paths = [env[k] for k in ["TRITON_HOME", "TRITON_CACHE_DIR", "XDG_CACHE_HOME", "TMPDIR"]]
     paths.append(arg_value(c["args"], "--triton-cache-dir"))
     for path in paths:
         assert any(path == m or path.startswith(m.rstrip("/") + "/") for m in writable), (path, writable)
