@@ -242,10 +242,11 @@ def measure_in_place(args) -> dict:
                 update = backend.update_weights(target, None if how == "content hash" else f"v{len(runs)}-{at}")
                 wall = time.perf_counter() - t0
                 after = _io()
+                positioned = after["rchar"] - before["rchar"]
                 runs.setdefault(f"{how}, {cache}", []).append(dict(
-                    wall_s=wall, swap_ms=update.swap_ms, unlocked_s=wall - update.swap_ms / 1e3, disk_bytes=after["read_bytes"] - before["read_bytes"],
-                    reads=(after["rchar"] - before["rchar"] + mapped[0]) / tensor_bytes,
-                    positioned_reads=(after["rchar"] - before["rchar"]) / tensor_bytes, mapped_reads=mapped[0] / tensor_bytes))
+                    wall_s=wall, swap_ms=update.swap_ms, unlocked_s=wall - update.swap_ms / 1e3,
+                    disk_bytes=after["read_bytes"] - before["read_bytes"], reads=(positioned + mapped[0]) / tensor_bytes,
+                    positioned_reads=positioned / tensor_bytes, mapped_reads=mapped[0] / tensor_bytes))
                 at = 1 - at
     summary = {key: {"median_wall_s": statistics.median(r["wall_s"] for r in rs),
                      "median_unlocked_s": statistics.median(r["unlocked_s"] for r in rs),
