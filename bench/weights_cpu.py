@@ -1,6 +1,7 @@
 """Host memory and time of loading and swapping weights on CPU: one process and the FSDP pool.
 
     python -m bench.weights_cpu --out bench/results [--baseline-tree DIR] [--ranks 2 4]
+    python -m bench.weights_cpu --in-place --out bench/results [--baseline-tree DIR] [--repeats 3]
 
 Builds two random qwen3_5 checkpoints of a few hundred MB (bf16, save_pretrained; served in
 float32, so every loader makes real copies rather than mapping the files), then for
@@ -12,11 +13,19 @@ checkpoint (where the tree has ``update_weights``). RSS counts a page shared by 
 twice; PSS (``/proc/PID/smaps_rollup``) splits it, so both are reported. The single process
 (``LocalBackend``) is measured the same way. Each measurement runs in a fresh process.
 Writes ``weights-cpu.json`` and ``weights-cpu.md`` under ``--out`` and prints the table.
+
+``--in-place``: a larger pair (``IN_PLACE_CONFIG``, 2.0 GB bf16 each, in 5 shards) and
+``LocalBackend`` updates in place (``update_in_place``), with the content hash and with a named
+version, each with the files in the page cache and dropped from it first (``posix_fadvise``
+``DONTNEED``): the update's wall time and the checkpoint's bytes it read, positioned reads
+(``/proc/self/io`` ``rchar``) and mapped ones (``_MappedFile.read``), in checkpoints. The trees run
+in turn, ``--rounds`` fresh processes each. Writes ``weights-cpu-in-place.json`` and ``.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -44,7 +53,11 @@ CONFIG = dict(
 )
 
 
-def build_checkpoints(root: Path) -> tuple[Path, Path]:
+# --in-place: twice the hidden size, 20 layers: 2.0 GB bf16
+IN_PLACE_CONFIG = {**CONFIG, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 20}
+
+
+def build_checkpoints(root: Path, config: dict = CONFIG, tag: str = "ckpt", shard: str = "200MB") -> tuple[Path, Path]:
     import torch
     import transformers as tf
 
@@ -52,11 +65,11 @@ def build_checkpoints(root: Path) -> tuple[Path, Path]:
 
     out = []
     for seed in (0, 1):
-        path = root / f"ckpt-seed{seed}"
+        path = root / f"{tag}-seed{seed}"
         if not (path / "config.json").exists():
             torch.manual_seed(seed)
-            model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**CONFIG, rope_parameters=dict(_ROPE_QWEN35)))
-            model.to(torch.bfloat16).save_pretrained(path, max_shard_size="200MB")
+            model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**config, rope_parameters=dict(_ROPE_QWEN35)))
+            model.to(torch.bfloat16).save_pretrained(path, max_shard_size=shard)
             del model
         out.append(path)
     return out[0], out[1]
@@ -162,6 +175,139 @@ def measure(args) -> dict:
     return out
 
 
+def _drop_from_cache(path: Path) -> None:
+    """Drops the checkpoint's files from the page cache (pages nothing maps)."""
+    for file in path.iterdir():
+        with open(file, "rb") as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _warm(path: Path) -> None:
+    for file in path.iterdir():
+        with open(file, "rb", buffering=0) as f:
+            while f.read(16 << 20):
+                pass
+
+
+def _io() -> dict[str, int]:
+    return {k: int(v) for k, v in (ln.split(": ") for ln in Path("/proc/self/io").read_text().splitlines())}
+
+
+def measure_in_place(args) -> dict:
+    """Updates in place back and forth between the two checkpoints (``--in-place --measure``)."""
+    import statistics
+
+    import torch
+
+    import model_runtime
+    from model_runtime.scoring import weights
+    from model_runtime.scoring.backend import LocalBackend
+    from model_runtime.scoring.loading import load_model
+    from model_runtime.scoring.scorer import Scorer
+
+    torch.set_num_threads(1)
+    if args.nice is not None:  # where the tree keeps it: the background threads' priority
+        for module in ("model_runtime.scoring.content_hash", "model_runtime.scoring.weights"):
+            try:
+                setattr(importlib.import_module(module), "BACKGROUND_NICE", args.nice)
+            except ImportError:
+                pass
+    mapped = [0]
+    real = weights._MappedFile.read
+
+    def counted(self, name, rows=None):
+        out = real(self, name, rows)
+        mapped[0] += out.numel() * out.element_size()
+        return out
+
+    weights._MappedFile.read = counted  # the copy into place (and, before, the NaN pass) reads the mapping
+    paths = [Path(args.checkpoint), Path(args.update)]
+    tensor_bytes = _model_bytes(paths[1]) // 2  # float32's bytes: the checkpoint holds bf16
+    backend = LocalBackend(Scorer(load_model(str(paths[0]), device="cpu")))
+    backend.update_in_place = True
+    runs: dict[str, list[dict]] = {}
+    at = 0
+    for repeat in range(args.repeats):
+        at = 1 - at  # four updates a round: each kind goes to either checkpoint in turn
+        for cache in ("page cache", "cold"):
+            for how in ("content hash", "named version")[::1 if repeat % 2 else -1]:  # each first in turn
+                target = paths[1 - at]
+                for path in paths:
+                    if cache == "cold":
+                        _drop_from_cache(path)
+                    else:
+                        _warm(path)
+                before, mapped[0] = _io(), 0
+                t0 = time.perf_counter()
+                update = backend.update_weights(target, None if how == "content hash" else f"v{len(runs)}-{at}")
+                wall = time.perf_counter() - t0
+                after = _io()
+                positioned = after["rchar"] - before["rchar"]
+                runs.setdefault(f"{how}, {cache}", []).append(dict(
+                    wall_s=wall, swap_ms=update.swap_ms, unlocked_s=wall - update.swap_ms / 1e3,
+                    disk_bytes=after["read_bytes"] - before["read_bytes"], reads=(positioned + mapped[0]) / tensor_bytes,
+                    positioned_reads=positioned / tensor_bytes, mapped_reads=mapped[0] / tensor_bytes))
+                at = 1 - at
+    summary = {key: {"median_wall_s": statistics.median(r["wall_s"] for r in rs),
+                     "median_unlocked_s": statistics.median(r["unlocked_s"] for r in rs),
+                     "median_swap_ms": statistics.median(r["swap_ms"] for r in rs),
+                     "reads": statistics.median(r["reads"] for r in rs),
+                     "positioned_reads": statistics.median(r["positioned_reads"] for r in rs),
+                     "mapped_reads": statistics.median(r["mapped_reads"] for r in rs),
+                     "disk_gb": statistics.median(r["disk_bytes"] for r in rs) / 1e9, "runs": rs}
+               for key, rs in runs.items()}
+    return {"model_runtime": model_runtime.__file__, "tensor_bytes": tensor_bytes, "served": backend.info.dtype,
+            "results": summary}
+
+
+def main_in_place(args) -> None:
+    old, new = build_checkpoints(args.work, IN_PLACE_CONFIG, "in-place", "500MB")
+    trees = [("after", TREE)] + ([("before", args.baseline_tree.resolve())] if args.baseline_tree else [])
+    results: dict[str, list[dict]] = {}
+    for _ in range(args.rounds):
+        for label, tree in trees:
+            env = {**os.environ, "PYTHONPATH": str(tree), "TOKENIZERS_PARALLELISM": "false"}
+            cmd = [sys.executable, str(HERE), "--in-place", "--measure", "--repeats", str(args.repeats),
+                   "--checkpoint", str(old), "--update", str(new)] + ([] if args.nice is None else ["--nice", str(args.nice)])
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tree)
+            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode != 0 or not line:
+                raise RuntimeError(f"{label} failed:\n{proc.stderr[-3000:]}")
+            results.setdefault(label, []).append(json.loads(line[0][len("RESULT "):]))
+            print(label, {k: round(v["median_wall_s"], 2) for k, v in results[label][-1]["results"].items()}, flush=True)
+    report = {"config": IN_PLACE_CONFIG, "checkpoint_gb": results["after"][0]["tensor_bytes"] / 1e9,
+              "shards": len(list(new.glob("*.safetensors"))), "served": results["after"][0]["served"],
+              "device": "cpu", "cpus": os.cpu_count(), "nice": args.nice, "trees": results}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "weights-cpu-in-place.json").write_text(json.dumps(report, indent=2) + "\n")
+    table = _in_place_table(report)
+    (args.out / "weights-cpu-in-place.md").write_text(table + "\n")
+    print(table)
+
+
+def _in_place_table(report: dict) -> str:
+    import statistics
+
+    lines = [f"`LocalBackend` updates in place on CPU ({report['cpus']} cores): a {report['checkpoint_gb']:.2f} GB bf16 "
+             f"checkpoint ({report['shards']} shards), served in {report['served']}. Median over every update of every "
+             "process; reads in whole checkpoints, positioned + mapped; cold: the files dropped from the page cache "
+             "before each update.",
+             *([] if report["nice"] is None else ["", f"The background threads at nice {report['nice']}."]),
+             "", "| code | update | cache | updates | request to serving s | of which the old weights serve s | copy "
+             "(forwards paused) s | checkpoint reads (positioned + mapped) | read from disk GB |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for label, procs in report["trees"].items():
+        for key in procs[0]["results"]:
+            runs = [r for p in procs for r in p["results"][key]["runs"]]
+            med = lambda k: statistics.median(r[k] for r in runs)  # noqa: E731
+            how, cache = key.split(", ")
+            lines.append(f"| {label} | {how} | {cache} | {len(runs)} | {med('wall_s'):.2f} | {med('unlocked_s'):.2f} | "
+                         f"{med('swap_ms') / 1e3:.2f} | "
+                         f"{med('reads'):.2f} ({med('positioned_reads'):.2f} + {med('mapped_reads'):.2f}) | "
+                         f"{med('disk_bytes') / 1e9:.2f} |")
+    return "\n".join(lines)
+
+
 def _model_bytes(path: Path) -> int:
     from safetensors import safe_open
 
@@ -183,13 +329,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/packscore-weights-cpu"))
     parser.add_argument("--baseline-tree", type=Path, default=None, help="an older checkout, for the 'before' figures")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--in-place", action="store_true", help="time updates in place (see above)")
+    parser.add_argument("--repeats", type=int, default=3, help="--in-place: updates of each kind a process")
+    parser.add_argument("--rounds", type=int, default=2, help="--in-place: processes a tree, in turn")
+    parser.add_argument("--nice", type=int, default=None, help="--in-place: the background threads' nice value")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--update", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.measure:
-        print("RESULT " + json.dumps(measure(args)), flush=True)
+        print("RESULT " + json.dumps(measure_in_place(args) if args.in_place else measure(args)), flush=True)
         return
+    if args.in_place:
+        args.work.mkdir(parents=True, exist_ok=True)
+        return main_in_place(args)
     args.work.mkdir(parents=True, exist_ok=True)
     old, new = build_checkpoints(args.work)
     model_bytes = _model_bytes(old)

@@ -219,8 +219,9 @@ class LocalBackend:
                     swap_ms = 1e3 * (time.perf_counter() - t0)
                 self._served_from = (path, files)
             else:
-                new_version = version or content_version(path)
-                refuse_non_finite_reads(loaded.model, plan)  # while the old weights serve
+                # one read while the old weights serve: NaN refused, and no version given, the content hash
+                hashed = refuse_non_finite_reads(loaded.model, plan, content=version is None)
+                new_version = version or hashed
                 with self._turnstile, self._lock:  # forwards wait while the weights are copied into place
                     t0 = time.perf_counter()
                     if (changed := checkpoint_changed(path, files)) is not None:  # since checked: nothing copied

@@ -14,7 +14,8 @@ checkpoint tensors it is made of, checks names and shapes before anything is rea
 
 Only safetensors are opened (a header and raw buffers, never a pickle). An update beside the old
 weights reads them with positioned reads (``tensor_file.TensorFile``), never mapped; a read into
-the model (at start, or an update in place) goes through safetensors' mapping.
+the model (at start, or an update in place) goes through safetensors' mapping, after, in place, a
+positioned pass that checks the values and takes the content hash (``refuse_non_finite_reads``).
 
 Example:
     >>> new = read_parameters(model, plan_reads(model, Path("step-120")))
@@ -23,45 +24,23 @@ Example:
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
-import sys
-import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-import xxhash
 from torch import nn
 
 from model_runtime.scoring.checkpoint import CheckpointError, check_checkpoint, refuse_other_forward, safetensors_files
-from model_runtime.scoring.tensor_file import PieceDigest, Staging, TensorFile, read_header, staging_for
-
-# The nice value of the threads that hash a checkpoint (Linux: each thread has its own): where the
-# host's cores are busy, the threads of the forwards serving beside them go first. Only threads
-# that run no torch op: a thread pool torch creates from one would inherit its priority.
-BACKGROUND_NICE = 10
-HASH_THREADS = 8  # beside serving forwards
-START_HASH_THREADS = 16  # at start, where nothing serves yet
-
-
-def background_thread() -> None:
-    """Lowers the calling thread's CPU priority to ``BACKGROUND_NICE`` (never raises it): an
-    executor's ``initializer`` for work that runs beside serving forwards."""
-    if not BACKGROUND_NICE or not sys.platform.startswith("linux"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), BACKGROUND_NICE))
-    except OSError:
-        pass
-
+from model_runtime.scoring.content_hash import (CONTENT_VERSION_PREFIX, FLOAT_BITS, ReadDigests, finite_bits,
+                                                scan_tensors)
+# imported from here by the loaders and tests
+from model_runtime.scoring.content_hash import CONTENT_PIECE, START_HASH_THREADS, content_version  # noqa: F401
+from model_runtime.scoring.tensor_file import Staging, TensorFile, staging_for
 
 _EXPERTS = re.compile(r"^(?P<layer>.*\.experts)\.(?P<which>gate_up_proj|down_proj)$")
 
@@ -266,30 +245,22 @@ def read_parameters(
     return {} if into_model else out
 
 
-def refuse_non_finite_reads(model: nn.Module, plan: ReadPlan, *, params: dict[str, torch.Tensor] | None = None,
-                            threads: int = 4) -> None:
-    """Reads every tensor ``read_parameters`` would read (on the host, through the mapping) and
-    refuses the checkpoint if one holds NaN or infinity: the pass before an update in place, which
-    may copy nothing in before every tensor is known finite. It touches no model, so it runs
-    while the old weights still serve."""
-    from safetensors import SafetensorError
-
-    params = held_parameters(model) if params is None else params
+def refuse_non_finite_reads(model: nn.Module, plan: ReadPlan, *, content: bool = False, threads: int = 4) -> str | None:
+    """The pass before an update in place, which may copy nothing in before every tensor is known
+    finite: reads every checkpoint tensor ``read_parameters`` would read once (whole, with
+    positioned reads, ``scan_tensors``; ``threads`` at a time, at nice ``BACKGROUND_NICE``: on 2
+    cores 8 threads took 1.4x as long as 4) and refuses the checkpoint, naming them, if any holds NaN
+    or infinity. With ``content`` it returns the content version, hashed from the same bytes (and
+    the tensors the model does not read): ``content_version(plan.path)``, without a read of its
+    own; else None. It touches no model, so it runs while the old weights still serve."""
     try:
-        with ExitStack() as stack:
-            source: dict[str, _MappedFile] = {}
-            for file in safetensors_files(plan.path):
-                f = stack.enter_context(_MappedFile(file))
-                source.update(dict.fromkeys(f.keys(), f))
-
-            def finite(r: ParameterRead) -> tuple[str, bool]:
-                return r.param, not non_finite([(r.param, _read_rows(r, source, local_rows(params[r.param])))])
-
-            with ThreadPoolExecutor(max(1, threads)) as ex:
-                bad = [name for name, ok in ex.map(finite, plan.reads) if not ok]
-    except (SafetensorError, OSError) as error:
+        version, bad = scan_tensors(plan.path, content=content, finite={n for r in plan.reads for n in r.parts},
+                                    threads=threads)
+    except OSError as error:
         raise CheckpointError("unreadable", f"{plan.path.name}: reading the weights failed: {error}") from None
-    _refuse_non_finite(plan, bad)
+    if bad:
+        raise non_finite_error(plan.path.name, bad)
+    return version
 
 
 def non_finite(named, chunk: int = 1 << 26) -> list[str]:
@@ -314,24 +285,12 @@ def non_finite(named, chunk: int = 1 << 26) -> list[str]:
 
 HOST_CHECK_CHUNK = 1 << 22  # elements a host tensor is checked in at a time
 
-# dtype -> (integer view, mask of the magnitude bits, the magnitude of infinity): in these IEEE
-# formats a value is NaN or infinite exactly when its magnitude bits reach infinity's.
-_FLOAT_BITS = {
-    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
-    torch.float16: (torch.int16, 0x7FFF, 0x7C00),
-    torch.float32: (torch.int32, 0x7FFF_FFFF, 0x7F80_0000),
-    torch.float64: (torch.int64, 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000),
-}
-
-
 def _finite_on_host(flat: torch.Tensor) -> bool:
     """Whether a 1-D CPU tensor is all finite, by its bits: ``torch.isfinite`` widens every bf16
     value first, and NumPy releases the GIL, so reading threads check side by side."""
-    spec = _FLOAT_BITS.get(flat.dtype)
-    if spec is None:  # float8 and other formats: widened (the CPU has no isfinite for float8)
+    if flat.dtype not in FLOAT_BITS:  # other formats: widened
         return bool(torch.isfinite(flat.float()).all())
-    view, magnitude, infinity = spec
-    return int(np.bitwise_and(flat.view(view).numpy(), magnitude).max()) < infinity
+    return finite_bits(flat.view(torch.uint8).numpy(), flat.dtype)
 
 
 def non_finite_error(where: str, names: list[str]) -> CheckpointError:
@@ -467,7 +426,6 @@ def checkpoint_changed(path: Path, before: tuple) -> CheckpointError | None:
                            "(still being written?); nothing was swapped: retry once they are complete")
 
 
-CONTENT_VERSION_PREFIX = "xxh3-"  # a content hash's version; service/http/weights.py reserves it
 PRESET_VERSION_PREFIX = "preset:"  # a preset's version (scoring/loading.py); reserved likewise
 # Weights copied in place from files that changed meanwhile: no pinned request may match them.
 MIXED_VERSION_PREFIX = "mixed:"
@@ -479,83 +437,6 @@ RESERVED_VERSION_PREFIXES = (CONTENT_VERSION_PREFIX, "sha256-", PRESET_VERSION_P
 def mixed_version() -> str:
     """A new name for weights that are no checkpoint's (an update in place cut short)."""
     return f"{MIXED_VERSION_PREFIX}{uuid.uuid4().hex[:12]}"
-
-
-CONTENT_PIECE = 1 << 30  # a content version hashes each tensor in pieces of this many bytes
-
-
-class ReadDigests:
-    """The pieces of ``content_version`` of the tensors a read goes through, by checkpoint name,
-    taken from the bytes as they are read: a second read of the checkpoint is not needed."""
-
-    def __init__(self, piece: int = CONTENT_PIECE):
-        self.piece = piece
-        self.tensors: dict[str, PieceDigest] = {}
-
-    def of(self, name: str) -> PieceDigest:
-        if name in self.tensors:  # fed twice, its pieces would hash other bytes
-            raise ValueError(f"{name} is read twice")
-        self.tensors[name] = PieceDigest(self.piece)
-        return self.tensors[name]
-
-
-def content_version(path: Path, *, threads: int | None = None, piece: int = CONTENT_PIECE,
-                    read: ReadDigests | None = None) -> str:
-    """``xxh3-<12 hex>`` over the checkpoint's config and every tensor: name, dtype, shape and
-    bytes, in name order, so the same tensors give the same version however they are split into
-    files (one file, shards, another shard size).
-
-    XXH3-128, not a cryptographic hash, so that hashing costs an update little beside reading
-    (docs/weights-loading.md): a version needs no resistance to forgery (whoever writes the
-    checkpoint chooses the weights anyway), and 12 hex digits would not give it. Tensors are
-    hashed in pieces of at most ``piece`` bytes side by side (xxhash releases the GIL).
-    ``read``: the digests of the tensors an update read (in pieces of ``piece``), so that only the
-    others (a vision tower, ``mtp.*``) are read here.
-    """
-    if read is not None and read.piece != piece:
-        raise ValueError(f"digests in pieces of {read.piece} bytes for a version in pieces of {piece}")
-    known = {} if read is None else {name: d.hexdigests() for name, d in read.tensors.items()}
-    entries: dict[str, tuple[str, list, Path, int, int]] = {}  # name -> dtype, shape, file, begin, end
-    for file in safetensors_files(path):
-        with open(file, "rb", buffering=0) as f:
-            header, data_start = read_header(f.fileno(), os.fstat(f.fileno()).st_size, file)
-        for name, info in header.items():
-            if name != "__metadata__":
-                begin, end = (int(x) for x in info["data_offsets"])
-                entries[name] = (str(info["dtype"]), list(info["shape"]), file, data_start + begin, data_start + end)
-    pieces = [(name, start, min(end, start + piece)) for name, (_, _, _, begin, end) in sorted(entries.items())
-              if name not in known for start in range(begin, max(begin + 1, end), piece)]
-
-    buffers = threading.local()  # one reused buffer a thread: no mapping and unmapping per read
-
-    def digest(item) -> str:
-        name, start, stop = item
-        h = xxhash.xxh3_128()
-        if not hasattr(buffers, "view"):
-            buffers.view = memoryview(bytearray(16 << 20))
-        view = buffers.view
-        with open(entries[name][2], "rb", buffering=0) as f:
-            f.seek(start)
-            left = stop - start
-            while left > 0 and (n := f.readinto(view[: min(left, len(view))])):
-                h.update(view[:n])
-                left -= n
-        return h.hexdigest()
-
-    threads = HASH_THREADS if threads is None else threads
-    with ThreadPoolExecutor(max(1, min(threads, len(pieces) or 1)), initializer=background_thread) as ex:
-        parts = list(ex.map(digest, pieces))
-    per_tensor: dict[str, list[str]] = dict(known)
-    for (name, _, _), part in zip(pieces, parts):
-        per_tensor.setdefault(name, []).append(part)
-    total = xxhash.xxh3_128()
-    config = path / "config.json"
-    if config.is_file():  # the settings as parsed: key order and layout of the file do not count
-        total.update(json.dumps(json.loads(config.read_text()), sort_keys=True, separators=(",", ":")).encode())
-    for name in sorted(entries):
-        dtype, shape, *_ = entries[name]
-        total.update(f"{name}|{dtype}|{shape}|{','.join(per_tensor.get(name, ()))}\n".encode())
-    return f"{CONTENT_VERSION_PREFIX}{total.hexdigest()[:12]}"
 
 
 def _tied_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
