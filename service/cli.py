@@ -8,6 +8,7 @@ also reads ``PACKSCORE_<OPTION>``; the command line wins over the environment. N
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -219,7 +220,7 @@ def _check_model_and_key(settings: Settings) -> Settings:
         raise ValueError(f"--weights-root {str(settings.weights_root)!r} is not a directory")
     if settings.uses_worker_pool:
         try:
-            from model_runtime.pool.pool import start_pool  # noqa: F401
+            importlib.import_module("model_runtime.pool.pool")  # imported now to fail before loading
         except ImportError as exc:
             raise ImportError(
                 f"--world-size {settings.world_size} / --sp {settings.sp} / --fsdp need the worker pool "

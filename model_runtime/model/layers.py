@@ -17,8 +17,6 @@ from torch import nn
 from model_runtime.kernels.elementwise import EAGER, Elementwise
 from model_runtime.kernels.gate_projection import narrow_products, row_invariant, shard_segments
 from model_runtime.kernels.registry import KernelBackends
-from model_runtime.kernels.elementwise import _rotate_half as rotate_half  # noqa: F401 (public name)
-from model_runtime.kernels.elementwise import partial_rope as apply_partial_rope
 from model_runtime.model.packing import PackedBatch
 
 # Hugging Face classes whose arithmetic the fused elementwise functions reproduce. Anything

@@ -20,7 +20,8 @@ class LoadedFiles:
 
     def hash(self) -> None:
         """Takes the content hash, if the files are still those loaded."""
-        from model_runtime.scoring.weights import content_version, files_snapshot
+        from model_runtime.scoring.content_hash import content_version
+        from model_runtime.scoring.weights import files_snapshot
 
         try:
             content = content_version(self.path)
@@ -31,7 +32,8 @@ class LoadedFiles:
 
     def changed(self) -> str | None:
         """Why the directory no longer holds what was loaded, or None."""
-        from model_runtime.scoring.weights import content_version, files_snapshot
+        from model_runtime.scoring.content_hash import content_version
+        from model_runtime.scoring.weights import files_snapshot
 
         if not self.path.is_dir():
             return "is gone"

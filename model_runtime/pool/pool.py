@@ -132,7 +132,8 @@ class WorkerPool(Lockstep):
         self._loaded: LoadedFiles | None = None
         self._restarting = False  # one restart loop at a time
         if Path(self._start_fields["model"]).is_dir():  # its content hash, once here instead of once per rank
-            from model_runtime.scoring.weights import START_HASH_THREADS, content_version, files_snapshot
+            from model_runtime.scoring.content_hash import START_HASH_THREADS, content_version
+            from model_runtime.scoring.weights import files_snapshot
 
             path = Path(self._start_fields["model"])
             snapshot = files_snapshot(path)
@@ -175,7 +176,8 @@ class WorkerPool(Lockstep):
 
     def update_weights(self, path: Path, version: str | None = None) -> WeightsUpdate:
         """Every rank loads ``path`` beside its weights, then every rank swaps between the same two rows."""
-        from model_runtime.scoring.weights import checkpoint_changed, content_version, files_snapshot
+        from model_runtime.scoring.content_hash import content_version
+        from model_runtime.scoring.weights import checkpoint_changed, files_snapshot
 
         if not self._updating.acquire(blocking=False):
             raise UpdateInProgressError(f"an update of {self.info.name} is already running")

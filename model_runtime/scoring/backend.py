@@ -193,9 +193,10 @@ class LocalBackend:
             self.scorer.warm_up()
 
     def update_weights(self, path: Path, version: str | None = None) -> WeightsUpdate:
-        from model_runtime.scoring.weights import (ReadDigests, checkpoint_changed, content_version, files_snapshot,
-                                                   mixed_version, plan_reads, read_parameters,
-                                                   refuse_non_finite_reads, swap_parameters)
+        from model_runtime.scoring.content_hash import content_version
+        from model_runtime.scoring.weights import (ReadDigests, checkpoint_changed, files_snapshot, mixed_version,
+                                                   plan_reads, read_parameters, refuse_non_finite_reads,
+                                                   swap_parameters)
 
         path = Path(path)
         started = begin_update(self._updating, self.info.name)

@@ -18,7 +18,8 @@ from model_runtime.model.causal_lm import PackedCausalLM, PatchReport, patch_for
 from model_runtime.scoring.checkpoint import (CheckpointSpec, assert_fully_loaded, build_meta_model, check_checkpoint,
                                               hf_config)
 from model_runtime.scoring.presets import PRESETS, build_config
-from model_runtime.scoring.weights import START_HASH_THREADS, content_version, files_snapshot, non_finite, non_finite_error
+from model_runtime.scoring.content_hash import START_HASH_THREADS, content_version
+from model_runtime.scoring.weights import files_snapshot, non_finite, non_finite_error
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def load_model(
     ``moe_implementation`` picks how Hugging Face runs MoE experts: ``grouped_mm`` (one grouped
     matrix product over all experts, the default) or ``eager`` (a Python loop over experts).
 
-    A checkpoint's ``weights_version`` is its content hash (``weights.content_version``, hashed
+    A checkpoint's ``weights_version`` is its content hash (``content_hash.content_version``, hashed
     beside the load), as a weight update's default is: the same bytes are the same version on
     every replica and after a copy. ``weights_version`` names it instead (the worker pool hashes
     once for all its ranks).

@@ -177,7 +177,7 @@ class TensorFile:
 
 class PieceDigest:
     """XXH3-128 of a stream of bytes in pieces of ``piece`` bytes from its start, fed in any cuts:
-    a tensor's part of a content version (``weights.content_version``)."""
+    a tensor's part of a content version (``content_hash.content_version``)."""
 
     def __init__(self, piece: int):
         self.piece = piece

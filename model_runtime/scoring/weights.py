@@ -38,8 +38,6 @@ from torch import nn
 from model_runtime.scoring.checkpoint import CheckpointError, check_checkpoint, refuse_other_forward, safetensors_files
 from model_runtime.scoring.content_hash import (CONTENT_VERSION_PREFIX, FLOAT_BITS, ReadDigests, finite_bits,
                                                 scan_tensors)
-# imported from here by the loaders and tests
-from model_runtime.scoring.content_hash import CONTENT_PIECE, START_HASH_THREADS, content_version  # noqa: F401
 from model_runtime.scoring.tensor_file import Staging, TensorFile, staging_for
 
 _EXPERTS = re.compile(r"^(?P<layer>.*\.experts)\.(?P<which>gate_up_proj|down_proj)$")

@@ -10,7 +10,7 @@ from model_runtime.pool.pool import start_pool
 from model_runtime.scoring.checkpoint import CheckpointError
 from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.scorer import Scorer
-from model_runtime.scoring.weights import content_version
+from model_runtime.scoring.content_hash import content_version
 from model_runtime.types import SequenceInput
 from tests.checkpoints import save_checkpoint
 

@@ -7,7 +7,7 @@ import torch
 from model_runtime.scoring.backend import LocalBackend
 from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.scorer import Scorer
-from model_runtime.scoring.weights import content_version
+from model_runtime.scoring.content_hash import content_version
 from model_runtime.types import SequenceInput
 from tests.checkpoints import save_checkpoint
 

@@ -157,7 +157,7 @@ def test_weights_version_is_the_content_hash(tmp_path):
     mtimes), the same version, and the one a weight update without a version would name."""
     import shutil
 
-    from model_runtime.scoring.weights import content_version
+    from model_runtime.scoring.content_hash import content_version
 
     build_hf_model("qwen3_5").save_pretrained(tmp_path / "a")
     first = load_model(str(tmp_path / "a"), device="cpu").weights_version
@@ -175,7 +175,7 @@ def test_the_content_hash_names_the_tensors_not_their_files(tmp_path):
     another key order, are one version; one changed value, or one changed setting, is another."""
     import json
 
-    from model_runtime.scoring.weights import content_version
+    from model_runtime.scoring.content_hash import content_version
 
     model = build_hf_model("qwen3_5")
     model.save_pretrained(tmp_path / "one")

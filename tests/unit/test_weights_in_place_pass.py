@@ -15,7 +15,8 @@ from model_runtime.scoring.backend import LocalBackend
 from model_runtime.scoring.checkpoint import CheckpointError
 from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.scorer import Scorer
-from model_runtime.scoring.weights import content_version, plan_reads, refuse_non_finite_reads
+from model_runtime.scoring.content_hash import content_version
+from model_runtime.scoring.weights import plan_reads, refuse_non_finite_reads
 from tests.checkpoints import rewrite_checkpoint, save_checkpoint
 
 UNREAD = {"mtp.fc.weight": torch.ones(3, 5), "mtp.layers.0.mlp.up_proj.weight": torch.full((4, 2), float("nan"))}
@@ -124,7 +125,7 @@ def test_an_update_in_place_reads_the_checkpoint_once_before_the_copy(served, ch
 
     monkeypatch.setattr(content_hash, "_read_at", read_at)
     monkeypatch.setattr(weights._MappedFile, "read", mapped)
-    monkeypatch.setattr(weights, "content_version", lambda *a, **k: pytest.fail("a hash pass of its own"))
+    monkeypatch.setattr(content_hash, "content_version", lambda *a, **k: pytest.fail("a hash pass of its own"))
     backend = served()
     plan = plan_reads(backend.scorer.loaded.model, path)
     sizes = {}

@@ -15,7 +15,8 @@ from model_runtime.scoring.backend import LocalBackend
 from model_runtime.scoring.checkpoint import CheckpointError
 from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.scorer import Scorer
-from model_runtime.scoring.weights import content_version, plan_reads, read_parameters, swap_parameters
+from model_runtime.scoring.content_hash import content_version
+from model_runtime.scoring.weights import plan_reads, read_parameters, swap_parameters
 from model_runtime.types import SequenceInput
 from tests.checkpoints import HostStaging, save_checkpoint
 
@@ -107,7 +108,8 @@ def test_the_content_hash_of_the_bytes_read_is_the_content_version(kind, second,
     through staging slots that do not divide the hash's pieces) and reads only the rest (a vision
     tower, ``mtp.*``) again: the version is the one ``content_version`` gives on its own."""
     from model_runtime.scoring.tensor_file import TensorFile
-    from model_runtime.scoring.weights import CONTENT_PIECE, ReadDigests, _read_positioned
+    from model_runtime.scoring.content_hash import CONTENT_PIECE
+    from model_runtime.scoring.weights import ReadDigests, _read_positioned
     from tests.checkpoints import rewrite_checkpoint
 
     path = rewrite_checkpoint(second(kind), tmp_path / "ck", lambda t: {**t, "mtp.fc.weight": torch.ones(3, 5)})
