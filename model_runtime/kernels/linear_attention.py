@@ -155,15 +155,17 @@ _L2NORM_KERNEL: object | None = None
 
 def _l2norm_fixed_key(x_THK: torch.Tensor) -> torch.Tensor | None:
     """``x`` L2-normalised over its last dim by fla's own kernel with its autotuning key fixed,
-    or None where that kernel is not there (then fla normalises inside, as before)."""
+    or None where that kernel is not there (then fla normalises inside the delta rule)."""
     global _L2NORM_KERNEL
     if _L2NORM_KERNEL is None:
         try:
             from fla.modules.norm.l2norm import l2norm_fwd_kernel
 
             _L2NORM_KERNEL = l2norm_fwd_kernel
-        except ImportError:
+        except ImportError as err:
             _L2NORM_KERNEL = False
+            log.warning("fla has no l2norm_fwd_kernel (%s): fla normalises q and k inside the delta rule, "
+                        "autotuning again for every new row size (seconds of compilation mid-request)", err)
     if _L2NORM_KERNEL is False or not x_THK.is_cuda or x_THK.shape[-1] > 512:
         return None
     import triton
@@ -271,12 +273,18 @@ def _pin_fla_kernels() -> tuple[str, ...]:
                     "(servers, pool ranks) can score one sequence with other bits (docs/kernels.md)",
                     "PACKSCORE_FLA_AUTOTUNE=1" if opted_out else f"no pins for sm_{capability[0]}{capability[1]}")
         return ()
-    pinned = []
+    pinned, unpinned = [], []
     for name, pin in FLA_FORWARD_PINS.items():
         tuner = fla_tuner(name)
         chosen = pinned_config(getattr(tuner, "configs", ()), pin)
-        if chosen is not None:  # a configuration fla no longer offers stays autotuned
-            tuner.configs = [chosen]
-            tuner.cache.clear()
-            pinned.append(name)
+        if chosen is None:  # a kernel or configuration fla no longer offers stays autotuned
+            unpinned.append(name)
+            continue
+        tuner.configs = [chosen]
+        tuner.cache.clear()
+        pinned.append(name)
+    if unpinned:
+        log.warning("fla's %s kernels are tuned by timing in each process (this fla does not offer their pinned "
+                    "configurations): two processes can score one sequence with other bits (docs/kernels.md)",
+                    ", ".join(unpinned))
     return tuple(pinned)

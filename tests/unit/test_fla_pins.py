@@ -2,6 +2,7 @@
 stand-in autotuners: on an sm_90 GPU each tuner keeps exactly its pinned configuration, a tuner
 that no longer offers it keeps its own list, and elsewhere nothing changes."""
 
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -57,13 +58,25 @@ def test_on_hopper_every_tuner_keeps_its_pin_alone(tuners, monkeypatch):
         assert tuner.cache == {}, f"{name}: an earlier pick stayed in the tuner's cache"
 
 
-def test_a_pin_fla_no_longer_offers_leaves_that_kernel_tuned(tuners, monkeypatch):
+def test_a_pin_fla_no_longer_offers_leaves_that_kernel_tuned_and_says_so(tuners, monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     tuners["kkt_solve"].configs = [c for c in tuners["kkt_solve"].configs
                                    if not la.config_matches(c, la.FLA_FORWARD_PINS["kkt_solve"])]
     before = list(tuners["kkt_solve"].configs)
-    assert "kkt_solve" not in la._pin_fla_kernels.__wrapped__()
+    with caplog.at_level("WARNING", logger=la.__name__):
+        assert "kkt_solve" not in la._pin_fla_kernels.__wrapped__()
     assert tuners["kkt_solve"].configs == before
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "kkt_solve" in said and "other bits" in said, said
+
+
+def test_without_fla_l2norm_kernel_the_fallback_is_logged(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "fla.modules.norm.l2norm", None)  # an fla without the kernel
+    monkeypatch.setattr(la, "_L2NORM_KERNEL", None)
+    with caplog.at_level("WARNING", logger=la.__name__):
+        assert la._l2norm_fixed_key(torch.ones(4, 2, 8)) is None
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "l2norm_fwd_kernel" in said and "inside the delta rule" in said, said
 
 
 @pytest.mark.parametrize("capability, autotune", [((8, 0), None), ((10, 0), None), ((9, 0), "1")])
