@@ -9,6 +9,8 @@ past the end, and sums ``K`` in ``BLOCK_K`` steps in order into a float32 accumu
 rounds once. A row's output is then one function of that row alone: packed, alone, or split
 across a shared prompt and its continuation, it gets the same bits. It is not Hugging Face's
 rounding (that follows cuBLAS's kernel), so it is opt-in (``--kernels gate_projection=tiles``).
+
+Legend: T = rows (tokens), D = input features (``K`` of the product), N = output features.
 """
 
 from __future__ import annotations

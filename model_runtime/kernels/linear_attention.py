@@ -228,7 +228,7 @@ FLA_FORWARD_PINS = {
     # name: the configuration's meta-parameters, num_warps and num_stages (where it has them);
     # each is what fla's own tuning picked on the 9B's row, no other one faster beyond the timing's spread
     "cumsum": {"num_warps": 2},
-    "kkt_solve": {"BK": 64, "num_warps": 1},  # 4 warps: the forward 1.8 ms slower of 4.2
+    "kkt_solve": {"BK": 64, "num_warps": 1},  # not 4 warps: a much slower forward (docs/kernels.md)
     "w_u": {"num_warps": 4, "num_stages": 3},
     "state": {"BV": 64, "num_warps": 4, "num_stages": 4},
     "output": {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3},

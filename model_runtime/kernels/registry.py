@@ -115,17 +115,16 @@ _GPU_PREFERENCE = {
     # tiles (every member of a group shares its prompt, not Hugging Face's rounding): by --kernels only.
     "gate_projection": ("runs", "segment"),
     # grouped_mm_fused(_scatter): grouped_mm's arithmetic bit for bit, CUTLASS's products with the
-    # steps around them in Triton; scatter writes the products' rows from the tokens' side. The
-    # products themselves in Triton gave the same numbers but a slower block on an H200 (docs/moe.md).
+    # steps around them in Triton; scatter writes the products' rows from the tokens' side. CUTLASS
+    # keeps the products: Triton's give the same numbers in a slower block (docs/moe.md).
     # expert_tiles: the same numbers again, both products in packscore's CUTLASS kernel over a
     # tile-aligned layout (faster than grouped_mm's on an H200, docs/moe.md); where its library is built.
     # expert_tiles_silu: the SiLU product in the gate/up epilogue, one pass over the products'
-    # outputs fewer (the same bits; the whole workload about 1% faster on an H200, docs/moe.md).
+    # outputs fewer (the same bits, and faster: docs/moe.md).
     "moe_experts": ("expert_tiles_silu", "expert_tiles", "grouped_mm_fused_scatter", "grouped_mm_fused", "grouped_mm"),
     # select: torch.topk's answer, its radix select replaced by one Triton pass.
     "moe_router": ("select", "topk"),
-    # inline: on an H200 the second stream (--kernels moe_shared=stream) made a 64k-token block slower
-    # (9.93 against 9.23 ms, docs/moe.md).
+    # inline: a second stream (--kernels moe_shared=stream) makes the block slower, not faster (docs/moe.md).
     "moe_shared": ("inline",),
 }
 _POOL_GPU_PREFERENCE = {**_GPU_PREFERENCE, "attention": ("flash_attn", "varlen", "sdpa")}

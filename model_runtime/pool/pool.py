@@ -13,8 +13,8 @@ Scheduling:
   up to ``dp`` queued rows at a time, one per group, and a dummy ``Idle`` row to groups left
   without one. While rows keep coming, a step waits up to ``STEP_GATHER_S`` for a row per group:
   the callers whose rows just finished resubmit a moment after the step ends, and a step that
-  left without them would run one group while the others idle (on 2 x H200 that halved FSDP
-  throughput). The stepper is ``model_runtime.pool.lockstep``.
+  left without them would run one group while the others idle.
+  The stepper is ``model_runtime.pool.lockstep``.
 A group's row may hold ``sp * max_batch_tokens`` tokens (``max_row_tokens``): a sequence too long
 for one GPU's budget fits a group whose ``sp`` ranks each hold a shard of it.
 

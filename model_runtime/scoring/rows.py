@@ -1,4 +1,7 @@
-"""Host-side layout of one packed row: validating sequences, planning the row, splitting results."""
+"""Host-side layout of one packed row: validating sequences, planning the row, splitting results.
+
+Legend: T = tokens in the packed row, N = scored positions (the head's rows).
+"""
 
 from __future__ import annotations
 

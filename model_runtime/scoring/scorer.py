@@ -7,6 +7,8 @@ forward per row; a sequence's numbers never depend on which others share its row
 With ``prefix_min_tokens`` > 0, sequences of a row that share at least that many leading tokens
 (a GRPO group's prompt) run them once (``model_runtime.scoring.prefix``), and ``score`` keeps a
 group in one row where the budget allows.
+
+Legend: T = tokens in the packed row, D = hidden size, N = scored positions (the head's rows).
 """
 
 from __future__ import annotations

@@ -307,9 +307,9 @@ def _refuse_non_finite(plan: ReadPlan, bad: list[str]) -> None:
 
 class _MappedFile:
     """safetensors' own mapped reader behind ``TensorFile``'s ``keys`` and ``read``: a tensor read
-    into the model is a view of the page cache, copied once. Positioned reads were 2-4x slower on
-    that path on an H200 host (docs/weights.md); a file cut short while mapped faults (SIGBUS), so
-    an update beside the old weights, the path a serving process takes, uses ``TensorFile``."""
+    into the model is a view of the page cache, copied once, faster there than positioned reads
+    (docs/weights.md); a file cut short while mapped faults (SIGBUS), so an update beside the old
+    weights, the path a serving process takes, uses ``TensorFile``."""
 
     def __init__(self, path: Path):
         from safetensors import safe_open
