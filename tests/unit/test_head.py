@@ -55,8 +55,11 @@ def test_a_top_k_ranking_pass_leaves_log_probs_and_entropy_alone(ranking_rows):
     run = lambda k, fn: score_positions(hidden, weight, targets, temperature, top_k=k, chunk_tokens=64,  # noqa: E731
                                         top_k_rows=ranking_rows, logprob_fn=fn)
     plain, ranked, plain_ranked = run(0, logprob_entropy_torch), run(4, logprob_entropy_torch), run(4, None)
-    assert torch.equal(ranked.logprobs_N, plain.logprobs_N) and torch.equal(ranked.entropy_N, plain.entropy_N)
-    assert torch.equal(ranked.top_k_ids_NK, plain_ranked.top_k_ids_NK)
+    for field in ("logprobs_N", "entropy_N"):
+        got, want = getattr(ranked, field), getattr(plain, field)
+        assert torch.equal(got, want), f"{field} with top-k off without by {(got - want).abs().max():.3e} (tol 0)"
+    differ = int((ranked.top_k_ids_NK != plain_ranked.top_k_ids_NK).sum())
+    assert differ == 0, f"{differ} top-k ids differ between the two logprob functions"
     diff = (ranked.top_k_logprobs_NK - plain_ranked.top_k_logprobs_NK).abs().max().item()
     assert diff == 0, f"ranking pass top-k log-probs differ from the plain path's by {diff:.3e} (tolerance 0)"
 
@@ -163,6 +166,6 @@ def test_top_k_ranks_ties_by_lowest_id_whatever_k(rows):
         got_v, got_i = top_k_ranked(logp, k)
         want_v, want_i = top_k_ranked_reference(logp, k)
         assert torch.equal(got_i, want_i), f"k={k}: ids {got_i[0].tolist()} != {want_i[0].tolist()}"
-        assert torch.equal(got_v, want_v)
+        assert torch.equal(got_v, want_v), f"k={k}: values off by {(got_v - want_v).abs().max():.3e} (tol 0)"
     first3 = top_k_ranked(logp, 3)[1]
     assert torch.equal(top_k_ranked(logp, 20)[1][:, :3], first3), "the first 3 ids depend on k"

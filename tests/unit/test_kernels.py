@@ -203,8 +203,9 @@ def test_delta_rule_state_resets_at_boundaries():
     packed = gated_delta_rule_reference(q, k, v, decay, beta, PackedBatch.from_lengths([12, 8]))
     alone = gated_delta_rule_reference(q[12:], k[12:], v[12:], decay[12:], beta[12:], PackedBatch.from_lengths([8]))
     joined = gated_delta_rule_reference(q, k, v, decay, beta, PackedBatch.from_lengths([20]))
-    assert torch.equal(packed[12:], alone)
-    assert (joined[12:] - alone).abs().max() > 1e-3
+    assert torch.equal(packed[12:], alone), f"packed off alone by {(packed[12:] - alone).abs().max():.3e} (tol 0)"
+    apart = float((joined[12:] - alone).abs().max())
+    assert apart > 1e-3, f"one joined segment only {apart:.3e} from two (want > 1e-3): the state was not carried"
 
 
 def test_cpu_uses_references_and_cuda_refuses_missing_fast_kernels(monkeypatch):
@@ -274,10 +275,14 @@ def test_exact_norms_decompose_into_atens_mean_and_the_rest():
     gate = torch.randn(37, 64, generator=g).to(torch.bfloat16)
     w = (torch.randn(64, generator=g) * 0.1).to(torch.bfloat16)
     ms = E._mean_square(x)
-    assert torch.equal(E._rms_norm_from_ms(x, ms, w, 1e-6), E.rms_norm(x, w, 1e-6))
-    assert torch.equal(E._gated_rms_norm_from_ms(x, ms, gate, w, 1e-6), E.gated_rms_norm(x, gate, w, 1e-6))
     q = (torch.randn(5, 4, 2, 32, generator=g) * 3).to(torch.bfloat16)[:, :, 0]  # a strided view, as q heads are
-    assert torch.equal(E._rms_norm_from_ms(q, E._mean_square(q), w[:32], 1e-6), E.rms_norm(q, w[:32], 1e-6))
+    pairs = {
+        "rms_norm": (E._rms_norm_from_ms(x, ms, w, 1e-6), E.rms_norm(x, w, 1e-6)),
+        "gated_rms_norm": (E._gated_rms_norm_from_ms(x, ms, gate, w, 1e-6), E.gated_rms_norm(x, gate, w, 1e-6)),
+        "rms_norm of a strided view": (E._rms_norm_from_ms(q, E._mean_square(q), w[:32], 1e-6), E.rms_norm(q, w[:32], 1e-6)),
+    }
+    for what, (got, want) in pairs.items():
+        assert torch.equal(got, want), f"{what} from the mean square off by {(got.float() - want.float()).abs().max():.3e} (tol 0)"
 
 
 def test_triton_kernels_refuse_tiles_and_operands_they_do_not_take():

@@ -76,7 +76,8 @@ def test_head_numbers_of_a_row_ignore_the_rest_of_the_chunk(vocab, threads):
 
 def test_fixed_order_sum_is_a_pairwise_sum():
     x = torch.arange(1, 12, dtype=torch.float32).repeat(3, 1)
-    assert torch.equal(fixed_order_row_sum_(x.clone()), torch.full((3,), 66.0))
+    sums = fixed_order_row_sum_(x.clone())
+    assert torch.equal(sums, torch.full((3,), 66.0)), f"sums {sums.tolist()}, want 66.0 each (tol 0)"
     one = torch.tensor([[2.5]])
     assert fixed_order_row_sum_(one).item() == 2.5
     # A floored log p (p = 0) adds nothing to the entropy.
