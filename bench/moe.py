@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import time
-from pathlib import Path
 
 import torch
 
@@ -418,7 +417,6 @@ def main(argv=None):
         key = preset
     else:
         suite.results["ceiling"] = suite.phase("matmul ceiling", matmul_ceiling, 5) or {}
-    from model_runtime.kernels.registry import select_backends
 
     # the whole-model benchmark also runs with the plain MoE kernels: its speed, and equal bit for bit
     plain = ",".join(f"{f}={b}" for f, b in PLAIN.items()) if H.DEVICE == "cuda" else "default"

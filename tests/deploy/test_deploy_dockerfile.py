@@ -9,7 +9,6 @@ import json
 import re
 import subprocess
 import tomllib
-from pathlib import Path
 
 import pytest
 import yaml

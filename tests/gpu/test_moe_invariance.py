@@ -7,7 +7,6 @@ product's tile configurations a row size would pick without the fixed tail (fewe
 and over 128 rows per expert on average).
 """
 
-import numpy as np
 import pytest
 import torch
 

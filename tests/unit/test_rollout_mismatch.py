@@ -42,8 +42,6 @@ def test_mismatch_stays_a_number_when_exp_overflows():
 
 
 def test_a_huge_mismatch_leaves_the_histograms_sums_finite_and_moving():
-    from prometheus_client.parser import text_string_to_metric_families
-
     from service.http.metrics import Metrics
 
     metrics = Metrics()
