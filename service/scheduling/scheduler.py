@@ -10,7 +10,10 @@ Pipeline (asyncio tasks joined by bounded hand-offs, forwards in a thread pool):
 - Rows: every row starts with the oldest queued sequence, so a big request is never starved;
   the rest of the row is filled largest-first from the queued sequences that arrived within
   ``_LOOKAHEAD_AGE_S`` of that oldest one (whole bursts pack as tightly as offline scoring),
-  a group's members (a shared prompt) one after another.
+  a group's members (a shared prompt) one after another. With several GPUs, every other row
+  may be led by the window's longest sequence that cannot sit beside the oldest (it would
+  otherwise end a burst alone on one GPU), and once nothing more is coming and less than a full
+  row per GPU is queued, the last rows are sized so that every GPU ends together.
 - A row holds at most ``max_batch_tokens`` tokens, except a longer sequence, which gets a row of
   its own; with prefix sharing, a prefix that sequences of the row share counts once.
 - A full row is formed as soon as there are enough tokens, even while every runner is busy, so
@@ -40,6 +43,7 @@ from service.http.errors import ApiError, backend_unavailable, deadline_error
 from service.http.metrics import Metrics
 from service.scheduling.admission import Admission, QueueFullError
 from service.scheduling.forward_thread import ForwardThread
+from service.scheduling.rows import largest_first_by_group as _largest_first_by_group, water_level
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +163,7 @@ class Scheduler:
         self._queued_sequences = 0
         self._pending: set[Ticket] = set()
         self._outstanding_rows = 0  # formed rows not yet finished (waiting for a runner or running)
+        self._long_turn = False  # the next row may be led by a long sequence (_long_lead)
         self._tasks: list[asyncio.Task] = []
         self._threads: list[ForwardThread] = []
         self.last_success_at: float | None = None  # monotonic time of the last successful forward
@@ -392,11 +397,15 @@ class Scheduler:
                 due = head.enqueued_at + (0.0 if head.ticket.quiet else self.max_wait_s)
                 if not full and now < due:
                     due = min(due, self._deadline_due())
-                if full and self._outstanding_rows < 2 * self.concurrency:
+                tail = self._tail_row_tokens(now)
+                if tail is not None:  # the last of the work: a row for each idle GPU, sized to end together
+                    if self._outstanding_rows < self.concurrency:
+                        return self._take_row(tail)
+                elif full and self._outstanding_rows < 2 * self.concurrency:
                     return self._take_row()
                 if not full and now >= due and self._outstanding_rows < self.concurrency:
                     return self._take_row()
-                if not full and now < due:
+                if tail is None and not full and now < due:
                     timeout = due - now
             # Woken by a new request, a cancellation or a runner that finished a row.
             self._wake.clear()
@@ -411,14 +420,34 @@ class Scheduler:
         return min((it.enqueued_at + (it.ticket.deadline - it.enqueued_at) / 2 for it in self._queue
                     if it.queued and it.ticket.deadline is not None), default=float("inf"))
 
-    def _take_row(self) -> list[_Item]:
-        """The next row: the oldest queued sequence, then the largest that still fit among those
-        queued within ``_LOOKAHEAD_AGE_S`` of it (first-fit decreasing on a bounded window), a
-        group's members one after another (``_largest_first_by_group``)."""
-        budget = self.max_batch_tokens
-        head = self._queue.popleft()
-        row, run = [head], RowTokens(self.prefix_min_tokens, self.prefix_rounding)  # the tokens the row's forward runs
-        run.add(head.seq.input_ids)
+    def _tail_row_tokens(self, now: float) -> int | None:
+        """The next row's size when the queue is the last of the work (no request for ``_QUIET_S``,
+        none waiting for room, less than a full row per GPU), else None: a row for an idle GPU,
+        sized so that every GPU ends together (water-filling over what the running forwards have
+        left at the measured rate), at least a quarter of the budget (less is mostly fixed cost).
+        None on one GPU, in a pool shared by several models, or before a rate was measured."""
+        rate = self.admission.rate
+        if (self.concurrency == 1 or self._shared is not None or not rate or self.admission.waiting
+                or now - self._last_arrival < _QUIET_S):
+            return None
+        budget, waiting = self.max_batch_tokens, self._waiting_tokens
+        if waiting >= self.concurrency * budget:
+            return None
+        left = []  # tokens each GPU's running forward still has to go, at the measured rate
+        for thread in self._threads:
+            started, expected = thread.started_at, thread.expected_s
+            busy = thread.running and started is not None and expected is not None
+            left.append(max(0.0, started + expected - now) * rate if busy else 0.0)
+        level = water_level(waiting, left)
+        return min(budget, max(int(level), budget // 4))
+
+    def _take_row(self, budget: int | None = None) -> list[_Item]:
+        """The next row (of ``budget`` tokens, default the full budget): led by the oldest queued
+        sequence, or every other row by a long one (``_long_lead``), then the largest that still
+        fit among those queued within ``_LOOKAHEAD_AGE_S`` of the oldest (first-fit decreasing on
+        a bounded window), a group's members one after another (``_largest_first_by_group``)."""
+        budget = budget or self.max_batch_tokens
+        head = self._queue[0]
         horizon = head.enqueued_at + _LOOKAHEAD_AGE_S
         window: list[_Item] = []
         for item in self._queue:
@@ -426,7 +455,13 @@ class Scheduler:
                 break
             if item.queued:
                 window.append(item)
-        for item in _largest_first_by_group(window, head):
+        lead = head
+        if self._long_turn:
+            lead = self._long_lead(head, window)
+        self._long_turn = self.concurrency > 1 and lead is head  # a long lead never follows a long lead
+        row, run = [lead], RowTokens(self.prefix_min_tokens, self.prefix_rounding)  # the tokens the row's forward runs
+        run.add(lead.seq.input_ids)
+        for item in _largest_first_by_group([it for it in window if it is not lead], lead):
             if run.total >= budget:
                 break
             if run.cost_with(item.seq.input_ids) <= budget:
@@ -435,9 +470,23 @@ class Scheduler:
         for item in row:
             item.queued = False  # the packer's queue drops them lazily (see _drop_stale_head)
             self._waiting_tokens -= item.tokens
-        if len(row) > 1:
+        if row == [head]:
+            self._queue.popleft()
+        else:
             self._queue = deque(item for item in self._queue if item.queued)
         return row
+
+    def _long_lead(self, head: _Item, window: list[_Item]) -> _Item:
+        """The longest sequence of ``window``, longer than ``head`` and too long to sit beside it
+        in a row (in arrival order it would end a burst alone on one GPU), else ``head``; always
+        ``head`` when its request is a probe or has a deadline. The oldest waits one row at most."""
+        if head.ticket.probe or head.ticket.deadline is not None:
+            return head
+        run = RowTokens(self.prefix_min_tokens, self.prefix_rounding)
+        run.add(head.seq.input_ids)
+        too_long = [it for it in window  # longer than the oldest: shorter work never jumps ahead
+                    if it.tokens > head.tokens and run.cost_with(it.seq.input_ids) > self.max_batch_tokens]
+        return max(too_long, key=lambda it: it.tokens, default=head)  # ties: the older
 
     # ---- runners -----------------------------------------------------------------------------
 
@@ -544,30 +593,6 @@ class Scheduler:
                     self._pending.discard(ticket)
                     ticket.future.set_result(ticket.results)  # type: ignore[arg-type]
             self.metrics.tokens_scored.inc(scored)
-
-
-
-def _largest_first_by_group(window: list[_Item], head: _Item) -> list[_Item]:
-    """``window`` largest first, except that a sequence sharing its first tokens with others
-    (a GRPO group's prompt; ``_Item.group``) is followed at once by the rest of them, the head's
-    own group leading: a row that takes one member then takes its mates while they fit, each
-    costing only its own tokens, as offline packing keeps groups whole (``pack_groups_first_fit``).
-    Without prefix sharing (no groups), plain largest first. Stable: equal lengths keep arrival order."""
-    ordered = sorted(window, key=lambda it: -it.tokens)
-    units: list[list[_Item]] = []
-    by_group: dict[bytes, list[_Item]] = {}
-    for item in ordered:
-        if item.group is None:
-            units.append([item])
-        elif item.group in by_group:
-            by_group[item.group].append(item)
-        else:
-            by_group[item.group] = [item]
-            units.append(by_group[item.group])
-    if not by_group:
-        return ordered
-    lead = by_group.get(head.group) if head.group is not None else None
-    return [*(lead or ()), *(item for unit in units if unit is not lead for item in unit)]
 
 
 def _queue_full(exc: QueueFullError) -> ApiError:

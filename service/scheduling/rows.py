@@ -1,0 +1,40 @@
+"""Pure helpers of the scheduler's row building: the order a row is filled in, and how the last
+of a burst's work is shared out across GPUs."""
+
+from __future__ import annotations
+
+
+def water_level(amount: float, loads: list[float]) -> float:
+    """The level ``h`` at which ``sum(max(0, h - load))`` over ``loads`` is ``amount``: what the
+    least loaded bin takes so that pouring ``amount`` into all of them levels them."""
+    below = 0.0
+    ordered = sorted(loads)
+    for k, load in enumerate(ordered, start=1):
+        below += load
+        level = (amount + below) / k
+        if k == len(ordered) or level <= ordered[k]:
+            return level - ordered[0]
+    return amount
+
+
+def largest_first_by_group(window: list, head) -> list:
+    """``window`` (the scheduler's queued items) largest first, except that a sequence sharing its
+    first tokens with others (a GRPO group's prompt; ``_Item.group``) is followed at once by the
+    rest of them, the head's own group leading: a row that takes one member then takes its mates while they fit, each
+    costing only its own tokens, as offline packing keeps groups whole (``pack_groups_first_fit``).
+    Without prefix sharing (no groups), plain largest first. Stable: equal lengths keep arrival order."""
+    ordered = sorted(window, key=lambda it: -it.tokens)
+    units: list[list] = []
+    by_group: dict[bytes, list] = {}
+    for item in ordered:
+        if item.group is None:
+            units.append([item])
+        elif item.group in by_group:
+            by_group[item.group].append(item)
+        else:
+            by_group[item.group] = [item]
+            units.append(by_group[item.group])
+    if not by_group:
+        return ordered
+    lead = by_group.get(head.group) if head.group is not None else None
+    return [*(lead or ()), *(item for unit in units if unit is not lead for item in unit)]

@@ -1,0 +1,83 @@
+"""The end of a burst on several GPUs: long sequences do not wait to be the oldest, and the last
+rows are shared out across idle GPUs instead of one GPU taking a full row while others idle."""
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from model_runtime.types import SequenceInput
+from service.scheduling.rows import water_level
+from service.scheduling.scheduler import Scheduler
+from service.testing import FakeBackend
+
+
+def seqs_of(*lengths, start=1):
+    return [SequenceInput(np.arange(start, start + n) % 900) for n in lengths]
+
+
+async def started(backend, **kwargs):
+    options = dict(max_batch_tokens=100, max_wait_ms=0, max_queued_tokens=10_000)
+    scheduler = Scheduler(backend, **{**options, **kwargs})
+    await scheduler.start()
+    return scheduler
+
+
+@pytest.mark.parametrize("amount, loads, want", [
+    (10, [0, 0], 5), (10, [0, 4], 7), (2, [0, 4], 2), (12, [1, 1, 1], 4), (3, [2, 5, 9], 3), (0, [0, 3], 0),
+])
+def test_water_level_is_what_the_least_loaded_takes_to_level_them(amount, loads, want):
+    got = water_level(amount, loads)
+    assert abs(got - want) < 1e-9, f"water_level({amount}, {loads}) = {got}, want {want}"
+
+
+def rows_of(concurrency, deadline_s=None):
+    """The rows of a request of four 50-token sequences followed by one holding a 150 and a 120
+    (neither fits beside a 50 in a row of 100), all queued while the GPUs are held."""
+
+    async def main():
+        gate = threading.Event()
+        backend = FakeBackend(gate=gate, concurrency=concurrency)
+        scheduler = await started(backend)
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        tickets = [scheduler.submit(seqs_of(50, 50, 50, 50), deadline=deadline), scheduler.submit(seqs_of(150, 120, 60, start=7))]
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.gather(*(t.future for t in tickets))
+        await scheduler.close()
+        return backend.rows
+
+    return asyncio.run(main())
+
+
+def test_a_long_sequence_leads_every_other_row_on_several_gpus():
+    rows = rows_of(2)
+    # Pairs started together (either order): the oldest's row, then the longest it could not take.
+    assert sorted(rows[:2]) == [[50, 50], [150]] and sorted(rows[2:4]) == [[50, 50], [120]], rows
+    assert rows[4:] == [[60]], rows
+
+
+def test_one_gpu_and_a_deadline_keep_strict_arrival_order():
+    fifo = [[50, 50], [50, 50], [150], [120], [60]]
+    assert rows_of(1) == fifo  # one GPU: the order cannot shorten a burst
+    assert sorted(rows_of(2, deadline_s=30)[:2]) == [[50, 50], [50, 50]]  # the oldest has a deadline
+
+
+def test_the_last_rows_are_shared_out_across_idle_gpus():
+    async def main():
+        backend = FakeBackend(concurrency=4, seconds_per_token=0.001)  # a row of 100 tokens: 0.1 s
+        scheduler = await started(backend)
+        # Two waves of full rows on 4 GPUs, then 100 tokens left: one row's worth.
+        ticket = scheduler.submit(seqs_of(*[50] * 16, *[10] * 10))
+        await ticket.future
+        await scheduler.close()
+        return backend.rows
+
+    rows = asyncio.run(main())
+    full, tail = rows[:8], rows[8:]
+    assert all(row == [50, 50] for row in full), rows
+    # Not one row of 100 on one GPU while three idle: each idle GPU takes a share (at least a
+    # quarter of the budget, so rows of two or three 10s).
+    assert sum(map(sum, tail)) == 100 and len(tail) >= 3 and all(sum(row) <= 30 for row in tail), rows
