@@ -152,3 +152,10 @@ def non_finite_error(index: int, where: str) -> ApiError:
     return ApiError(422, "non_finite_scores", f"The model's scores of sequences[{index}] are not finite at {where}: its "
                     "logits overflow float32 or are NaN, so the served weights cannot score this sequence.",
                     f"sequences[{index}]")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch.OutOfMemoryError (CUDA or not), or a RuntimeError naming memory; no torch import needed."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()

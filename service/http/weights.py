@@ -17,11 +17,10 @@ from pydantic import ValidationError
 from model_runtime.scoring.backend import BackendUnavailableError, UpdateInProgressError
 from model_runtime.scoring.checkpoint import CheckpointError, index_shards
 from model_runtime.scoring.weights import RESERVED_VERSION_PREFIXES, files_snapshot
-from service.http.errors import ApiError, backend_unavailable, from_validation_errors
+from service.http.errors import ApiError, backend_unavailable, from_validation_errors, is_out_of_memory
 from service.http.schemas import WeightsRequest
 from service.http.validation import pick_model
 from service.runtime import ServedModel, Service
-from service.scheduling.scheduler import is_out_of_memory
 
 log = logging.getLogger(__name__)
 

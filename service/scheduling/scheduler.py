@@ -39,7 +39,7 @@ from model_runtime.scoring.backend import (STALL_FACTOR, STALL_FLOOR_S, STALL_UN
                                           ScoringBackend)
 from model_runtime.scoring.prefix import RowTokens, head_key, tokens_saved
 from model_runtime.types import InvalidSequenceError, SequenceInput, SequenceScores
-from service.http.errors import ApiError, backend_unavailable, deadline_error
+from service.http.errors import ApiError, backend_unavailable, deadline_error, is_out_of_memory
 from service.http.metrics import Metrics
 from service.scheduling.admission import Admission, QueueFullError
 from service.scheduling.forward_thread import ForwardThread
@@ -53,13 +53,6 @@ _LOOKAHEAD = 4096
 _LOOKAHEAD_AGE_S = 2.0
 _QUIET_S = 0.05  # a request after this long without another one starts at once
 _FLOOR_ROWS = 3.0  # the admission bound never holds fewer full rows per GPU (running, prefetched, filling)
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """torch.OutOfMemoryError (CUDA or not), or a RuntimeError naming memory; no torch import needed."""
-    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
-        return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
 class Ticket:

@@ -11,7 +11,8 @@ import orjson
 
 from model_runtime.types import SequenceInput
 from service.http.app import create_app
-from service.scheduling.scheduler import Scheduler, is_out_of_memory
+from service.http.errors import is_out_of_memory
+from service.scheduling.scheduler import Scheduler
 from service.settings import Settings
 from service.testing import FakeBackend, expected_scores, running_app, wait_until
 
