@@ -144,6 +144,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:  # a process of its own (`python -m service.cli serve`), not a caller's
         exit_on_sigterm_until_serving(sys.argv[1:])
     args, settings = parse_settings(argv)
+    try:
+        return _run(args, settings)
+    except KeyboardInterrupt:
+        if args.command != "score":
+            raise
+        # before scoring began (imports, the checks, loading the model): a line, not a traceback
+        print(f"packscore: interrupted before scoring began; {args.output} is as it was", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace, settings: Settings) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
