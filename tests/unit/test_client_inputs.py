@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from packscore_client import AsyncScoreClient, ScoreClient, ScoreError
+from packscore_client.protocol import retry_after
 from service.http.app import create_app
 from service.settings import Settings
 from service.testing import FakeBackend, running_app
@@ -72,3 +73,24 @@ def test_a_sequence_too_large_for_one_request_is_named_by_its_place_after_the_sp
     plain, padded = asyncio.run(main())
     assert (plain.status, plain.type, plain.param) == (413, "body_too_large", "sequences[7]"), plain
     assert (padded.status, padded.param) == (413, "input_ids[1]"), padded
+
+
+def test_a_retry_after_of_zero_does_not_make_a_hot_loop():
+    """A proxy's 'Retry-After: 0' was obeyed to the letter: ten thousand requests a second to a
+    server refusing them, for retry_timeout_s."""
+    sent = []
+
+    def busy(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/readyz":
+            return httpx.Response(404)
+        sent.append(request.url.path)
+        return httpx.Response(429, headers={"Retry-After": "0"},
+                              json={"error": {"type": "queue_full", "message": "busy", "param": None}})
+
+    with ScoreClient(BASE, encoding="json", retry_timeout_s=1.0, transport=httpx.MockTransport(busy)) as client:
+        with pytest.raises(ScoreError) as caught:
+            client.score([[1, 2, 3]])
+    assert (caught.value.status, caught.value.type) == (429, "queue_full")
+    assert 2 <= len(sent) <= 12, f"{len(sent)} requests in the 1 s of retry_timeout_s"
+    assert retry_after(httpx.Response(429, headers={"Retry-After": "3"}), attempt=9) == 3.0
+    assert retry_after(httpx.Response(429, headers={"Retry-After": "nan"}), attempt=0) <= 10

@@ -481,11 +481,15 @@ def _error(response: httpx.Response) -> ScoreError:
 
 
 def retry_after(response: httpx.Response | None, attempt: int) -> float:
-    """Seconds to wait: the server's Retry-After, else exponential back-off with jitter."""
+    """Seconds to wait: the server's Retry-After, else exponential back-off with jitter. A
+    Retry-After of 0 (a proxy's) is floored by a back-off from 50 ms to 1 s, else the client would
+    send thousands of requests a second to a server that is already refusing them."""
     if response is not None:
         value = response.headers.get("retry-after", "")
         try:
-            return max(0.0, float(value))
-        except ValueError:
-            pass
+            seconds = float(value)
+        except ValueError:  # absent, or an HTTP date
+            seconds = math.nan
+        if not math.isnan(seconds):
+            return max(seconds, min(1.0, 0.05 * 2**attempt))
     return min(10.0, 0.25 * 2**attempt) * (0.5 + random.random() / 2)
