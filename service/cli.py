@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
         "without an id (or with a null one) gets line-<number>. Every line is checked before the first is scored: "
         "a bad one stops the run, naming its line and field, with nothing written. Each output line is the API's "
         "JSON result for it (with mismatch where the line sends rollout_logprobs). Ids already in OUT are skipped, "
-        "so an interrupted run resumes where it stopped.",
+        "so an interrupted run resumes where it stopped; an id whose result in OUT came from another input or other "
+        "options is refused. IN must be a regular file (it is read twice: not stdin or a pipe).",
     )
     score.add_argument("input", type=Path, metavar="IN.jsonl", help="sequences to score, one JSON object per line")
     score.add_argument("-o", "--output", type=Path, required=True, metavar="OUT.jsonl", help="where results go (appended)")
@@ -145,6 +146,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:  # a process of its own (`python -m service.cli serve`), not a caller's
         exit_on_sigterm_until_serving(sys.argv[1:])
     args, settings = parse_settings(argv)
+    try:
+        return _run(args, settings)
+    except KeyboardInterrupt:
+        if args.command != "score":
+            raise
+        # before scoring began (imports, the checks, loading the model): a line, not a traceback
+        print(f"packscore: interrupted before scoring began; {args.output} is as it was", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace, settings: Settings) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )

@@ -8,9 +8,10 @@ import asyncio
 import logging
 import os
 import sys
+import time
 from collections import deque
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Iterator, NamedTuple
 
 import orjson
 from tqdm import tqdm
@@ -29,29 +30,40 @@ class InputError(ValueError):
     """A line of IN that cannot be scored; the message names the line."""
 
 
-def finished_ids(output: Path) -> set[str]:
-    """Ids of the result lines of ``output``. A torn last line (no newline: the run was killed
+class Done(NamedTuple):
+    """A result line of OUT, as much of it as shows which input and options scored it."""
+
+    line: int
+    scored: int  # len(logprobs): len(input_ids) - score_from of the line that was scored
+    entropy: bool
+    top_k: bool
+
+
+def finished_ids(output: Path) -> dict[str, Done]:
+    """The result lines of ``output`` by id. A torn last line (no newline: the run was killed
     while writing it) is cut off; any other line that is not a result stops the run with its line
     number, since the good lines after it must be neither dropped nor scored again."""
     if not output.exists():
-        return set()
-    done: set[str] = set()
+        return {}
+    done: dict[str, Done] = {}
     good_end = 0
     with output.open("rb") as f:
         for number, line in enumerate(f, start=1):
             if not line.endswith(b"\n"):
                 break  # only the last line can lack its newline
             try:
-                seq_id = orjson.loads(line)["id"]
+                record = orjson.loads(line)
+                seq_id = record["id"]
                 if not isinstance(seq_id, str):
                     raise TypeError(f"id must be a string, got {seq_id!r}")
+                scored = len(record["logprobs"])
             except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
-                reason = f"no id: {exc}" if isinstance(exc, KeyError) else str(exc)
+                reason = f"no {exc} field" if isinstance(exc, KeyError) else str(exc)
                 raise InputError(
                     f"{output}:{number}: not a result line ({reason}); remove or repair it, then run again "
                     "(the lines after it are kept)"
                 ) from None
-            done.add(seq_id)
+            done[seq_id] = Done(number, scored, "entropy" in record, "top_k_ids" in record)
             good_end += len(line)
     if good_end != output.stat().st_size:
         log.warning("%s: dropping an incomplete last line (the previous run stopped while writing it)", output)
@@ -78,14 +90,15 @@ def _lines(path: Path) -> Iterator[tuple[int, dict]]:
             yield number, obj
 
 
-def _jobs(settings: Settings, input_path: Path, limits: Limits, done: set[str]) -> Iterator[tuple[int, str, ScoreJob]]:
-    """Each line not yet in OUT as a validated one-sequence job; a bad line raises InputError naming it."""
-    seen: set[str] = set()
+def _jobs(settings: Settings, input_path: Path, limits: Limits, done: dict[str, Done],
+          seen: set[str] | None = None) -> Iterator[tuple[int, str, ScoreJob]]:
+    """Each line not yet in OUT as a validated one-sequence job; a bad line raises InputError naming
+    it, as does a line whose result in OUT was scored from another input or with other options.
+    ``seen`` collects every id of IN."""
+    seen = set() if seen is None else seen
     for number, obj in _lines(input_path):
         seq_id = obj["id"]
-        if seq_id in done:
-            continue
-        if seq_id in seen:
+        if seq_id in seen:  # checked before the skip of done ids: a rerun refuses what a first run does
             raise InputError(f"{input_path}:{number}: id {seq_id!r} appears twice in the input")
         seen.add(seq_id)
         body = {
@@ -95,24 +108,70 @@ def _jobs(settings: Settings, input_path: Path, limits: Limits, done: set[str]) 
             "return_entropy": settings.return_entropy,
         }
         try:
-            yield number, seq_id, parse_score_request(body, limits, served_name="")
+            job = parse_score_request(body, limits, served_name="")
         except ApiError as exc:  # named as the line's own fields: a line is one sequence
             where = (exc.param or "").replace("sequences[0].", "")
             message = exc.message.replace("sequences[0].", "").replace("Sequence 0 has", "The sequence has")
-            raise InputError(f"{input_path}:{number}: {where}: {message}") from None
+            if where and not message.startswith(f"{where}:"):  # pydantic's messages name the field already
+                message = f"{where}: {message}"
+            raise InputError(f"{input_path}:{number}: {message}") from None
+        if seq_id in done:
+            _check_resumed(input_path, number, obj, job, done[seq_id], settings)
+            continue
+        yield number, seq_id, job
 
 
-async def _score_lines(settings: Settings, backend, input_path: Path, out: IO[bytes], done: set[str], bar: tqdm) -> int:
-    info = backend.info
-    try:
-        model_len = resolve_model_len(settings.max_model_len, info.max_model_len, settings.queued_tokens)
-    except ValueError as exc:
-        raise InputError(str(exc)) from None
-    limits = Limits(info.vocab_size, model_len, 1, settings.queued_tokens, 1 << 62)
-    # Every line is checked before the first is scored: a bad line stops the run with nothing written.
-    # The file is read twice, so that it is never held whole in memory.
-    for _ in _jobs(settings, input_path, limits, done):
-        pass
+def _check_resumed(input_path: Path, number: int, obj: dict, job: ScoreJob, result: Done, settings: Settings) -> None:
+    """OUT's result for this line must be of this line and these options, else OUT mixes two runs."""
+    seq = job.sequences[0]
+    scored = len(obj["input_ids"]) - seq.score_from
+    found = {"scored positions": result.scored, "entropy": result.entropy, "top_k": result.top_k}
+    want = {"scored positions": scored, "entropy": settings.return_entropy, "top_k": settings.top_k > 0}
+    if found != want:
+        what = ", ".join(f"{k} {found[k]} (this run: {want[k]})" for k in found if found[k] != want[k])
+        raise InputError(f"{input_path}:{number}: id {obj['id']!r} already has a result in OUT line {result.line} "
+                         f"that another input or other options made: {what}; give another -o, or remove that line")
+
+
+def _progress(total: int, initial: int):
+    """A bar on a terminal; elsewhere (a log file, a pipe) one log line a minute, not a bar's redraws."""
+    if sys.stderr.isatty():
+        return tqdm(total=total, initial=initial, unit="seq")
+    return _LoggedProgress(total, initial)
+
+
+class _LoggedProgress:
+    """tqdm's ``update``/``close`` as a log line every ``every_s`` seconds, with the rate and what is left."""
+
+    def __init__(self, total: int, initial: int, every_s: float = 60.0):
+        self.total, self.count, self.every_s = total, initial, every_s
+        self._start = self._last = time.monotonic()
+        self._initial = initial
+
+    def update(self, n: int = 1) -> None:
+        self.count += n
+        now = time.monotonic()
+        if now - self._last >= self.every_s:
+            self._last = now
+            self._report(now)
+
+    def _report(self, now: float) -> None:
+        rate = (self.count - self._initial) / max(now - self._start, 1e-9)
+        left = f", about {(self.total - self.count) / rate:.0f}s left" if rate > 0 else ""
+        log.info("scored %d/%d sequences (%.1f/s%s)", self.count, self.total, rate, left)
+
+    def close(self) -> None:
+        self._report(time.monotonic())
+
+    def __enter__(self) -> "_LoggedProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+async def _score_lines(settings: Settings, backend, input_path: Path, limits: Limits, out: IO[bytes],
+                       done: dict[str, Done], bar) -> int:
     scheduler = Scheduler.from_settings(backend, settings)
     await scheduler.start()
     # Tickets in input order; results are written in that order as soon as the oldest is done.
@@ -161,28 +220,69 @@ async def _score_lines(settings: Settings, backend, input_path: Path, out: IO[by
                 await write_oldest()
         finally:
             await scheduler.close("the offline run stopped")
+            # A forward still running on its daemon thread at exit aborts the process in torch's
+            # C++ teardown (SIGABRT, not 130): let it finish; it is one row, seconds at most.
+            while scheduler.forward_running:
+                await asyncio.sleep(0.02)
     return written
+
+
+def _path_problem(input_path: Path, output_path: Path) -> str | None:
+    """What keeps these paths from a run, found before the model loads (minutes for a large one)."""
+    if str(input_path) != "-" and not input_path.exists():
+        return f"{input_path} does not exist"
+    if not input_path.is_file():  # read once to check every line and again to score: a pipe cannot be
+        return (f"{input_path} is not a regular file (IN is read twice, to check every line before scoring, "
+                "so stdin or a pipe cannot be IN: write it to a file first)")
+    if output_path.exists() and output_path.samefile(input_path):
+        return f"-o {output_path} is IN itself; give the results a file of their own"
+    if output_path.is_dir():
+        return f"-o {output_path} is a directory; give a file"
+    try:
+        output_path.open("ab").close()  # created now, empty: a missing folder or no permission shows here
+    except OSError as exc:
+        return f"-o {output_path}: cannot write it: {exc.strerror or exc}"
+    return None
 
 
 def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     """Scores every line of ``input_path`` not yet in ``output_path``; returns the exit status."""
     from service.backends import load_backend
 
-    if not input_path.is_file():
-        print(f"packscore: error: {input_path} does not exist", file=sys.stderr)
+    if (problem := _path_problem(input_path, output_path)) is not None:
+        print(f"packscore: error: {problem}", file=sys.stderr)
         return 2
+    seen: set[str] = set()
     try:
         done = finished_ids(output_path)
+        # Every line is checked but for the model's own limits (vocabulary, context) before it loads.
+        loose = Limits(2**31, 2**62, 1, settings.queued_tokens, 1 << 62)
+        todo = sum(1 for _ in _jobs(settings, input_path, loose, done, seen))
     except InputError as exc:
         print(f"packscore: error: {exc}", file=sys.stderr)
         return 2
-    total = sum(1 for line in input_path.open("rb") if line.strip())
-    log.info("%d sequences in %s, %d already scored in %s", total, input_path, len(done), output_path)
+    total, resumed = len(seen), len(seen) - todo
+    if foreign := len(done.keys() - seen):
+        log.warning("%s holds %d results whose ids are not in %s (kept as they are)", output_path, foreign, input_path)
+    log.info("%d sequences in %s, %d already scored in %s", total, input_path, resumed, output_path)
+    if todo == 0:
+        log.info("nothing left to score")
+        return 0
     backend = load_backend(settings)
     try:
-        with output_path.open("ab") as out, tqdm(total=total, initial=min(len(done), total), unit="seq") as bar:
+        info = backend.info
+        try:
+            model_len = resolve_model_len(settings.max_model_len, info.max_model_len, settings.queued_tokens)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+        limits = Limits(info.vocab_size, model_len, 1, settings.queued_tokens, 1 << 62)
+        # The model's limits, before the first line is scored: a bad line stops the run with nothing written.
+        # The file is read again, so that it is never held whole in memory.
+        for _ in _jobs(settings, input_path, limits, done):
+            pass
+        with output_path.open("ab") as out, _progress(total, resumed) as bar:
             try:
-                written = asyncio.run(_score_lines(settings, backend, input_path, out, done, bar))
+                written = asyncio.run(_score_lines(settings, backend, input_path, limits, out, done, bar))
             finally:
                 out.flush()
                 os.fsync(out.fileno())

@@ -87,6 +87,8 @@ def as_seq(item: Any) -> Seq:
     sequence of ids, checked."""
     rollout = None
     if isinstance(item, dict):
+        if "input_ids" not in item:
+            raise ValueError(f"a sequence given as a dict needs input_ids; got the keys {sorted(item)}")
         ids, score_from, seq_id = item["input_ids"], item.get("score_from", 1), item.get("id")
         if item.get("rollout_logprobs") is not None:
             rollout = np.asarray(item["rollout_logprobs"], dtype=np.float32)
@@ -97,13 +99,16 @@ def as_seq(item: Any) -> Seq:
     if isinstance(ids, (bytes, bytearray)):
         raise TypeError("input_ids must be a sequence of ints or a numpy array, not bytes")
     arr = np.asarray(ids)
+    if arr.ndim == 0 and np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"got the single token id {arr.item()}, not a sequence: score() takes a list of sequences "
+                        "(to score one, pass [ids])")
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
         raise TypeError(f"input_ids must be a 1-D sequence of ints, got dtype {arr.dtype} and shape {arr.shape}")
-    arr = arr.astype(np.int64, copy=False)
-    if arr.size and (arr.min() < 0 or arr.max() > _INT32_MAX):
+    if arr.size and (arr.min() < 0 or arr.max() > _INT32_MAX):  # before the cast: uint64 would wrap in it
         # msgpack sends int32; a silent wrap-around could turn a bad id into a valid one.
         j = int(np.flatnonzero((arr < 0) | (arr > _INT32_MAX))[0])
         raise ValueError(f"token ids must be in [0, 2**31), got {int(arr[j])} at input_ids[{j}]")
+    arr = arr.astype(np.int64, copy=False)
     if rollout is not None and rollout.size != arr.size - int(score_from):
         raise ValueError(f"rollout_logprobs must hold len(input_ids) - score_from = {arr.size - int(score_from)} "
                          f"values, got {rollout.size}")
@@ -118,7 +123,13 @@ def as_seqs(sequences: Any) -> list[Seq]:
             "pad tokens. Pass a padded batch to score_padded(input_ids, attention_mask, response_mask), or a "
             "list of unpadded 1-D sequences"
         )
-    return [as_seq(s) for s in sequences]
+    out = []
+    for i, item in enumerate(sequences):
+        try:
+            out.append(as_seq(item))
+        except (TypeError, ValueError) as exc:  # named by its place in the caller's list, as the server's errors are
+            raise type(exc)(f"sequences[{i}]: {exc}") from None
+    return out
 
 
 def options(temperature, return_entropy, top_k, model, deadline_ms, weights_version=None) -> dict:
@@ -325,7 +336,7 @@ class Protocol:
                 left_ms = math.ceil((deadline - time.monotonic()) * 1000.0)
                 if left_ms <= 0:
                     raise ScoreError(504, "deadline_exceeded", "deadline_ms passed before the result was ready "
-                                     "(the client was retrying).", "deadline_ms")
+                                     "(before this part of the call was sent, or while it was retried).", "deadline_ms")
                 options = {**options, "deadline_ms": left_ms}
             outcome = yield self.body(seqs, options)
             if isinstance(outcome, httpx.Response):
@@ -346,6 +357,9 @@ class Protocol:
                     return out
                 wait = retry_after(outcome, attempt)
                 if outcome.status_code not in _RETRY_STATUSES or time.monotonic() + wait > give_up:
+                    if error.param is None and outcome.status_code == 413 and len(seqs) == 1:
+                        # split down to one sequence still too large: the caller learns which one
+                        error = ScoreError(error.status, error.type, error.message, "sequences[0]")
                     raise _renumbered(error, indices)
                 if deadline is not None and time.monotonic() + wait >= deadline:
                     raise ScoreError(504, "deadline_exceeded", f"deadline_ms would pass before a retry could "
@@ -467,11 +481,15 @@ def _error(response: httpx.Response) -> ScoreError:
 
 
 def retry_after(response: httpx.Response | None, attempt: int) -> float:
-    """Seconds to wait: the server's Retry-After, else exponential back-off with jitter."""
+    """Seconds to wait: the server's Retry-After, else exponential back-off with jitter. A
+    Retry-After of 0 (a proxy's) is floored by a back-off from 50 ms to 1 s, else the client would
+    send thousands of requests a second to a server that is already refusing them."""
     if response is not None:
         value = response.headers.get("retry-after", "")
         try:
-            return max(0.0, float(value))
-        except ValueError:
-            pass
+            seconds = float(value)
+        except ValueError:  # absent, or an HTTP date
+            seconds = math.nan
+        if not math.isnan(seconds):
+            return max(seconds, min(1.0, 0.05 * 2**attempt))
     return min(10.0, 0.25 * 2**attempt) * (0.5 + random.random() / 2)

@@ -1,0 +1,96 @@
+"""The client names a bad sequence by its place in the caller's list, whether the client refuses it
+before sending or the server refuses it after the batch was split."""
+
+import asyncio
+
+import httpx
+import numpy as np
+import pytest
+
+from packscore_client import AsyncScoreClient, ScoreClient, ScoreError
+from packscore_client.protocol import retry_after
+from service.http.app import create_app
+from service.settings import Settings
+from service.testing import FakeBackend, running_app
+
+BASE = "http://packscore.test"
+
+
+def _nothing_sent(request: httpx.Request) -> httpx.Response:
+    raise AssertionError(f"{request.url.path} was sent, though the input was refused before sending")
+
+
+@pytest.mark.parametrize("bad,error,named", [
+    (np.array([1, 2**40], np.int64), ValueError, r"sequences\[1\]: token ids must be in \[0, 2\*\*31\), got 1099511627776 at input_ids\[1\]"),
+    (np.array([1, 2**63 + 5], np.uint64), ValueError, r"sequences\[1\]: .* got 9223372036854775813 at input_ids\[1\]"),
+    ({"ids": [1, 2]}, ValueError, r"sequences\[1\]: a sequence given as a dict needs input_ids; got the keys \['ids'\]"),
+    (7, TypeError, r"sequences\[1\]: got the single token id 7, not a sequence: .*pass \[ids\]"),
+    ([1.5, 2.0], TypeError, r"sequences\[1\]: input_ids must be a 1-D sequence of ints"),
+], ids=["int64-past-int32", "uint64-past-int64", "dict-without-input_ids", "flat-list", "floats"])
+def test_a_sequence_refused_before_sending_is_named_by_its_place(bad, error, named):
+    """A batch of thousands: 'token ids must be in [0, 2**31)' without the sequence is no help."""
+    seqs = [[1, 2, 3], bad, [4, 5]]
+    with ScoreClient(BASE, transport=httpx.MockTransport(_nothing_sent)) as client:
+        with pytest.raises(error, match=named):
+            client.score(seqs)
+
+    async def main():
+        async with AsyncScoreClient(BASE, transport=httpx.MockTransport(_nothing_sent)) as client:
+            with pytest.raises(error, match=named):
+                await client.score(seqs)
+
+    asyncio.run(main())
+
+
+def test_a_flat_list_of_ids_says_score_takes_a_list_of_sequences():
+    with ScoreClient(BASE, transport=httpx.MockTransport(_nothing_sent)) as client:
+        for flat in ([5, 6, 7], np.array([5, 6, 7])):
+            with pytest.raises(TypeError, match=r"sequences\[0\]: got the single token id 5, not a sequence"):
+                client.score(flat)
+
+
+def test_a_sequence_too_large_for_one_request_is_named_by_its_place_after_the_split():
+    """The server's 413 for a body of one sequence names no field: the client, which split the
+    batch down to it, names the caller's sequence (and score_padded the caller's row)."""
+    seqs = [[1, 2, 3]] * 7 + [list(range(3, 3003))] + [[4, 5]] * 5
+
+    async def main():
+        app = create_app(Settings(max_request_bytes=4000), FakeBackend(vocab_size=4096))
+        async with running_app(app):
+            # one part at a time: a part cancelled inside the in-process app would hold its shutdown
+            async with AsyncScoreClient(BASE, transport=httpx.ASGITransport(app=app), max_concurrency=1) as client:
+                with pytest.raises(ScoreError) as plain:
+                    await client.score(seqs)
+                ids = np.zeros((3, 3100), np.int64)
+                ids[:, :3], ids[1, :3000] = 1, 1
+                attention = (ids != 0).astype(np.int64)
+                response = attention.copy()
+                response[:, 0] = 0
+                with pytest.raises(ScoreError) as padded:
+                    await client.score_padded(ids, attention, response)
+        return plain.value, padded.value
+
+    plain, padded = asyncio.run(main())
+    assert (plain.status, plain.type, plain.param) == (413, "body_too_large", "sequences[7]"), plain
+    assert (padded.status, padded.param) == (413, "input_ids[1]"), padded
+
+
+def test_a_retry_after_of_zero_does_not_make_a_hot_loop():
+    """A proxy's 'Retry-After: 0' was obeyed to the letter: ten thousand requests a second to a
+    server refusing them, for retry_timeout_s."""
+    sent = []
+
+    def busy(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/readyz":
+            return httpx.Response(404)
+        sent.append(request.url.path)
+        return httpx.Response(429, headers={"Retry-After": "0"},
+                              json={"error": {"type": "queue_full", "message": "busy", "param": None}})
+
+    with ScoreClient(BASE, encoding="json", retry_timeout_s=1.0, transport=httpx.MockTransport(busy)) as client:
+        with pytest.raises(ScoreError) as caught:
+            client.score([[1, 2, 3]])
+    assert (caught.value.status, caught.value.type) == (429, "queue_full")
+    assert 2 <= len(sent) <= 12, f"{len(sent)} requests in the 1 s of retry_timeout_s"
+    assert retry_after(httpx.Response(429, headers={"Retry-After": "3"}), attempt=9) == 3.0
+    assert retry_after(httpx.Response(429, headers={"Retry-After": "nan"}), attempt=0) <= 10

@@ -1,0 +1,201 @@
+"""``packscore score``: what a batch job meets besides a clean run (test_cli.py has the clean runs):
+signals with the real model, reruns into an OUT of another input, paths that cannot work, and
+checks that come before the model loads."""
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import orjson
+import pytest
+
+from service import cli
+import service.offline
+from service.testing import FakeBackend
+
+
+def _write_jsonl(path, rows):
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+
+
+def _read_jsonl(path):
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+def _no_model(monkeypatch):
+    """Fails the test if the model is loaded."""
+
+    def refuse(settings):
+        raise AssertionError("the model was loaded, though nothing needed it")
+
+    monkeypatch.setattr("service.backends.load_backend", refuse)
+
+
+def _fake_model(monkeypatch):
+    backend = FakeBackend()
+    monkeypatch.setattr("service.backends.load_backend", lambda settings: backend)
+    return backend
+
+
+def _run_until(argv, out, lines, sig):
+    """Starts ``argv``, sends ``sig`` once OUT holds ``lines`` lines; its exit status and stderr."""
+    run = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and run.poll() is None:
+        if out.exists() and out.read_bytes().count(b"\n") >= lines:
+            break
+        time.sleep(0.02)
+    run.send_signal(sig)
+    _, err = run.communicate(timeout=120)
+    return run.returncode, err
+
+
+def test_killed_and_interrupted_runs_of_the_real_model_resume_to_the_uninterrupted_result(tmp_path):
+    """SIGKILL and then SIGINT part way through, with the tiny model's torch forwards (not a fake's
+    sleep): Ctrl-C exits 130 (it aborted in torch's teardown, -6, while a forward still ran on its
+    thread), and the reruns give what one uninterrupted run gives, no id lost or written twice."""
+    rng = np.random.default_rng(5)
+    rows = [{"id": f"r{i}", "input_ids": rng.integers(0, 4096, int(rng.integers(20, 200))).tolist(), "score_from": 2}
+            for i in range(80)]
+    source, out, ref = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "ref.jsonl"
+    _write_jsonl(source, rows)
+    argv = [sys.executable, "-m", "service.cli", "score", str(source), "-o", str(out), "--max-batch-tokens", "512",
+            "--log-level", "warning"]
+    assert cli.main(["score", str(source), "-o", str(ref), "--max-batch-tokens", "4096", "--log-level", "warning"]) == 0
+
+    code, err = _run_until(argv, out, 1, signal.SIGKILL)
+    assert code == -signal.SIGKILL, err[-2000:]
+    code, err = _run_until(argv, out, out.read_bytes().count(b"\n") + 1, signal.SIGINT)
+    assert code == 130, f"exit {code} after Ctrl-C, not 130: {err[-2000:]}"
+    assert "interrupted" in err and "Traceback" not in err, err[-2000:]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    got, want = _read_jsonl(out), _read_jsonl(ref)
+    assert [r["id"] for r in got] == [r["id"] for r in rows]
+    for g, w in zip(got, want):
+        diff = np.abs(np.float32(g["logprobs"]) - np.float32(w["logprobs"])).max(initial=0)
+        assert diff <= 1e-4, f"{g['id']}: resumed vs uninterrupted max diff {diff} > 1e-4 (DESIGN.md float32 CPU)"
+
+
+def test_ctrl_c_while_the_model_loads_is_130_with_a_line_not_a_traceback(monkeypatch, tmp_path, capsys):
+    def interrupted(settings):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("service.backends.load_backend", interrupted)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}])
+    try:
+        code = cli.main(["score", str(source), "-o", str(out)])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C while the model loaded escaped as a traceback")
+    assert code == 130
+    assert "interrupted before scoring began" in capsys.readouterr().err
+
+
+def test_a_rerun_refuses_a_duplicated_id_as_the_first_run_does(monkeypatch, tmp_path, capsys):
+    """The duplicate's first line already scored must not let the second pass unscored (it was)."""
+    _fake_model(monkeypatch)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}])
+    assert cli.main(["score", str(source), "-o", str(out)]) == 0
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}, {"id": "b", "input_ids": [4, 5]},
+                          {"id": "a", "input_ids": [7, 8, 9, 10]}])
+    before = out.read_bytes()
+    assert cli.main(["score", str(source), "-o", str(out)]) == 2
+    assert f"{source}:3: id 'a' appears twice" in capsys.readouterr().err
+    assert out.read_bytes() == before
+
+
+@pytest.mark.parametrize("change,named", [
+    ({"rows": [{"id": "a", "input_ids": [1, 2, 3, 4, 5]}]}, "scored positions 2 (this run: 4)"),
+    ({"argv": ["--top-k", "2"]}, "top_k False (this run: True)"),
+    ({"argv": ["--no-return-entropy"]}, "entropy True (this run: False)"),
+], ids=["other-input", "top-k", "no-entropy"])
+def test_a_rerun_into_an_out_of_another_input_or_options_is_refused(monkeypatch, tmp_path, capsys, change, named):
+    """Skipping such an id would leave OUT a mix of two runs, with exit 0."""
+    _fake_model(monkeypatch)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}])
+    assert cli.main(["score", str(source), "-o", str(out)]) == 0
+    before = out.read_bytes()
+    _write_jsonl(source, change.get("rows", [{"id": "a", "input_ids": [1, 2, 3]}]) + [{"id": "b", "input_ids": [1, 2]}])
+    assert cli.main(["score", str(source), "-o", str(out), *change.get("argv", [])]) == 2
+    err = capsys.readouterr().err
+    assert f"{source}:1: id 'a' already has a result in OUT line 1" in err and named in err, err
+    assert out.read_bytes() == before
+
+
+def test_results_in_out_for_ids_not_in_in_are_named_in_a_warning(monkeypatch, tmp_path, caplog):
+    _fake_model(monkeypatch)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": "old", "input_ids": [1, 2, 3]}])
+    assert cli.main(["score", str(source), "-o", str(out)]) == 0
+    _write_jsonl(source, [{"id": "new", "input_ids": [1, 2, 3]}])
+    with caplog.at_level(logging.WARNING, logger="service.offline"):
+        assert cli.main(["score", str(source), "-o", str(out)]) == 0
+    assert "holds 1 results whose ids are not in" in caplog.text
+    assert [r["id"] for r in _read_jsonl(out)] == ["old", "new"]
+
+
+def test_paths_that_cannot_work_are_refused_before_the_model_loads(monkeypatch, tmp_path, capsys):
+    _no_model(monkeypatch)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}])
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    cases = [
+        ([str(tmp_path), "-o", str(out)], "is not a regular file"),
+        (["-", "-o", str(out)], "stdin or a pipe cannot be IN"),
+        ([str(fifo), "-o", str(out)], "stdin or a pipe cannot be IN"),
+        ([str(source), "-o", str(tmp_path)], "is a directory"),
+        ([str(source), "-o", str(tmp_path / "no" / "out.jsonl")], "cannot write it: No such file or directory"),
+        ([str(source), "-o", str(source)], "is IN itself"),
+    ]
+    for argv, named in cases:
+        assert cli.main(["score", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert named in err and "Traceback" not in err, (argv, err)
+
+
+def test_a_bad_line_is_refused_before_the_model_loads_and_names_its_field_once(monkeypatch, tmp_path, capsys):
+    """A large model loads for minutes: a typo on line 2 is found first."""
+    _no_model(monkeypatch)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}, {"id": "b", "input_ids": [1, "x"]}, {"id": "c", "input_ids": [3]}])
+    assert cli.main(["score", str(source), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{source}:2: input_ids[1]: Input should be a valid integer" in err and err.count("input_ids[1]") == 1, err
+    assert out.read_bytes() == b""
+
+
+def test_nothing_left_to_score_loads_no_model(monkeypatch, tmp_path):
+    backend = _fake_model(monkeypatch)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}, {"id": "b", "input_ids": [4, 5]}])
+    assert cli.main(["score", str(source), "-o", str(out)]) == 0
+    scored = out.read_bytes()
+    _no_model(monkeypatch)
+    assert cli.main(["score", str(source), "-o", str(out)]) == 0
+    (tmp_path / "empty.jsonl").write_bytes(b"\n\n")
+    assert cli.main(["score", str(tmp_path / "empty.jsonl"), "-o", str(tmp_path / "none.jsonl")]) == 0
+    assert out.read_bytes() == scored and len(backend.rows) > 0
+
+
+def test_progress_off_a_terminal_is_log_lines_not_a_bar(monkeypatch, tmp_path, capsys, caplog):
+    """A bar's redraws ('\\r' ten times a second) fill a job's log file with one endless line."""
+    _fake_model(monkeypatch)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": f"r{i}", "input_ids": [1, 2, 3 + i]} for i in range(20)])
+    with caplog.at_level(logging.INFO, logger="service.offline"):
+        assert cli.main(["score", str(source), "-o", str(out)]) == 0
+    assert "\r" not in capsys.readouterr().err
+    assert "scored 20/20 sequences" in caplog.text
+    progress = service.offline._LoggedProgress(total=10, initial=4, every_s=0.0)
+    with caplog.at_level(logging.INFO, logger="service.offline"):
+        progress.update(3)
+    assert "scored 7/10 sequences" in caplog.text and "s left" in caplog.text
