@@ -114,6 +114,10 @@ class Settings(BaseSettings):
         30.0, gt=0, description="a request's headers and body must arrive within this many seconds, else the "
         "connection is closed (408 when possible)"
     )
+    keep_alive_timeout_s: float = Field(
+        75.0, gt=0, description="how long an idle kept-alive connection stays open; above the idle timeout of a "
+        "proxy in front (ingress-nginx and AWS ALB: 60 s), so that the proxy, not the server, closes it"
+    )
     max_connections: int | None = Field(
         None,
         ge=1,

@@ -98,6 +98,9 @@ def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
         host=settings.host,
         port=settings.port,
         http=guarded_protocol(settings.request_read_timeout_s, max_connections),
+        # A proxy or client reusing a connection the server closes at that moment gets no answer
+        # (a proxy's 502): idle connections outlive the proxies' own idle timeouts.
+        timeout_keep_alive=settings.keep_alive_timeout_s,
         log_level=settings.log_level,
         access_log=settings.log_level == "debug",  # one line per request costs CPU under load
         # After a drain every admitted request has its answer: connections still open then are

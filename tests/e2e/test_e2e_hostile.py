@@ -221,3 +221,30 @@ def test_sigterm_during_a_long_forward_exits_0_at_the_drain_timeout(tmp_path):
     assert late.json()["error"]["type"] == "draining"
     cut = answers["long"]  # admitted, cut off by the drain timeout
     assert cut.status_code == 503 and cut.headers.get("connection") == "close", cut.headers
+
+
+def test_an_idle_kept_alive_connection_closes_at_the_keep_alive_timeout_not_before(tmp_path):
+    server = fake_server(tmp_path, "--keep-alive-timeout-s", "1.5").wait_ready()
+    try:
+        with _connect(server) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            data, closed_after = _read_until_closed(sock, 1.5 + 5)
+    finally:
+        server.stop()
+    assert data.startswith(b"HTTP/1.1 200"), data[:200]
+    assert 1.0 <= closed_after < 1.5 + 5, f"the idle connection closed after {closed_after:.1f} s, not about 1.5 s"
+
+
+def test_idle_connections_outlive_a_proxys_idle_timeout_by_default():
+    """A proxy (ingress-nginx, AWS ALB: 60 s) reusing a connection the server closes at that moment
+    returns 502 to the trainer: the server must keep idle connections longer than the proxy does."""
+    from service.http.app import create_app
+    from service.http.server import uvicorn_config
+    from service.settings import Settings
+    from service.testing import FakeBackend
+
+    settings = Settings()
+    assert settings.keep_alive_timeout_s > 60, settings.keep_alive_timeout_s
+    shorter = settings.model_copy(update={"keep_alive_timeout_s": 12.5})
+    config = uvicorn_config(create_app(shorter, {"tiny": FakeBackend()}), shorter)
+    assert config.timeout_keep_alive == 12.5, config.timeout_keep_alive
