@@ -384,22 +384,41 @@ def test_an_unreachable_server_is_retried_for_the_whole_connect_window():
     assert 1.48 <= elapsed < 1.5 + 2, f"gave up after {elapsed:.2f} s of a 1.5 s connect_retry_s"
 
 
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
 @pytest.mark.parametrize("failure", [httpx.RemoteProtocolError, httpx.ReadError])
-def test_a_request_the_server_may_have_is_not_sent_again(failure):
-    """A connection lost after the request was sent whole: the server may be scoring it."""
-    sent = []
+def test_a_request_lost_with_its_connection_is_sent_once_more(failure, blocking):
+    """A kept-alive connection the server closed as the request left (idle, or restarting): the
+    request is sent once more and answered; lost twice in a row, the call raises."""
+    sent, losses = [], {"in_a_row": 1}
 
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/readyz":
             return httpx.Response(404)
         sent.append(request.url.path)
-        raise failure("the server closed the connection", request=request)
+        if len(sent) <= losses["in_a_row"]:
+            raise failure("Server disconnected without sending a response.", request=request)
+        return httpx.Response(200, json={"model": "m", "weights_version": "v", "results": [
+            {"id": None, "logprobs": [-0.5, -0.25]}], "usage": {"input_tokens": 3, "scored_tokens": 2}})
 
-    with ScoreClient(BASE, transport=httpx.MockTransport(handler), connect_retry_s=5) as client:
+    ids = [[1, 2, 3]]
+    if blocking:
+        with ScoreClient(BASE, encoding="json", transport=httpx.MockTransport(handler)) as client:
+            (result,) = client.score(ids, return_entropy=False)
+    else:
+        async def call():
+            async with AsyncScoreClient(BASE, encoding="json", transport=httpx.MockTransport(handler)) as client:
+                return await client.score(ids, return_entropy=False)
+        (result,) = asyncio.run(call())
+    assert sent == ["/score", "/score"], sent
+    assert result.logprobs.tolist() == [-0.5, -0.25], result
+
+    sent.clear()
+    losses["in_a_row"] = 2
+    with ScoreClient(BASE, encoding="json", transport=httpx.MockTransport(handler)) as client:
         with pytest.raises(ScoreError) as failed:
-            client.score([[1, 2, 3]])
-    assert failed.value.type == "connection_error" and "not sent again" in failed.value.message, failed.value
-    assert sent == ["/score"], sent
+            client.score(ids, return_entropy=False)
+    assert failed.value.type == "connection_error" and "twice in a row" in failed.value.message, failed.value
+    assert sent == ["/score", "/score"], sent
 
 
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])

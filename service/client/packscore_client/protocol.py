@@ -326,11 +326,12 @@ class Protocol:
         raised instead) or seconds to sleep (and receives None). 429 and 503 are retried after their
         Retry-After until ``give_up`` (a ``time.monotonic()``); a server that cannot be reached is
         retried for ``connect_retry_s`` from the first failure in a row, a log line each, then raised;
-        a read timeout (the server has the request) raises ``read_timeout`` at once.
+        a read timeout (the server has the request) raises ``read_timeout`` at once; a connection
+        lost before any answer came is sent once more.
         ``deadline`` (a ``time.monotonic()``, from the call's ``deadline_ms``) bounds the retries too:
         each attempt asks the server for what is left of it, and none is sent once it has passed.
         """
-        attempt, unreachable_since = 0, None
+        attempt, unreachable_since, resent = 0, None, False
         while True:
             if deadline is not None:
                 left_ms = math.ceil((deadline - time.monotonic()) * 1000.0)
@@ -372,10 +373,16 @@ class Protocol:
             elif isinstance(outcome, _NOT_SENT_WHOLE):  # the server cannot have scored it
                 wait, unreachable_since = self._unreachable(outcome, attempt, unreachable_since, give_up)
             elif isinstance(outcome, (httpx.RemoteProtocolError, httpx.ReadError)):
-                # Sent whole, the connection lost before the answer: the server may have it, as after a
-                # read timeout.
-                raise ScoreError(0, "connection_error", f"{self.base_url} closed the connection after the request "
-                                 f"was sent ({_describe(outcome)}); it was not sent again") from outcome
+                # The connection lost before any answer: most often a kept-alive one the server closed
+                # (idle, or restarting) as the request left, which it never read. Scoring has no side
+                # effects, so one more try is safe; a second loss in a row is a server going down.
+                if resent:
+                    raise ScoreError(0, "connection_error", f"{self.base_url} closed the connection after the "
+                                     f"request was sent, twice in a row ({_describe(outcome)}); it was not sent "
+                                     "a third time") from outcome
+                resent, wait = True, 0.0
+                log.warning("packscore: %s closed the connection before answering (%s); sending the request once "
+                            "more", self.base_url, _describe(outcome))
             else:
                 raise ScoreError(0, "connection_error", f"the request to {self.base_url} failed "
                                  f"({_describe(outcome)})") from outcome
