@@ -278,11 +278,7 @@ def main_in_place(args) -> None:
     report = {"config": IN_PLACE_CONFIG, "checkpoint_gb": results["after"][0]["tensor_bytes"] / 1e9,
               "shards": len(list(new.glob("*.safetensors"))), "served": results["after"][0]["served"],
               "device": "cpu", "cpus": os.cpu_count(), "nice": args.nice, "trees": results}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "weights-cpu-in-place.json").write_text(json.dumps(report, indent=2) + "\n")
-    table = _in_place_table(report)
-    (args.out / "weights-cpu-in-place.md").write_text(table + "\n")
-    print(table)
+    _write(args.out, "weights-cpu-in-place", report, _in_place_table(report))
 
 
 def _in_place_table(report: dict) -> str:
@@ -363,10 +359,14 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(result)
         print(f"{label} ranks={ranks}: {result}", flush=True)
     report = {"model_bytes": model_bytes, "config": CONFIG, "dtype": "float32", "device": "cpu", "results": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "weights-cpu.json").write_text(json.dumps(report, indent=2) + "\n")
-    table = _table(report)
-    (args.out / "weights-cpu.md").write_text(table + "\n")
+    _write(args.out, "weights-cpu", report, _table(report))
+
+
+def _write(out: Path, stem: str, report: dict, table: str) -> None:
+    """``report`` as ``out/stem.json`` and its ``table`` as ``out/stem.md``, the table printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(table + "\n")
     print(table)
 
 

@@ -5,24 +5,11 @@ import asyncio
 import threading
 import time
 
-import numpy as np
 import pytest
 
-from model_runtime.types import SequenceInput
 from service.scheduling.rows import water_level
-from service.scheduling.scheduler import Scheduler
 from service.testing import FakeBackend
-
-
-def seqs_of(*lengths, start=1):
-    return [SequenceInput(np.arange(start, start + n) % 900) for n in lengths]
-
-
-async def started(backend, **kwargs):
-    options = dict(max_batch_tokens=100, max_wait_ms=0, max_queued_tokens=10_000)
-    scheduler = Scheduler(backend, **{**options, **kwargs})
-    await scheduler.start()
-    return scheduler
+from tests.unit.test_http_scheduler import seqs_of, started
 
 
 @pytest.mark.parametrize("amount, loads, want", [
