@@ -17,6 +17,17 @@ def water_level(amount: float, loads: list[float]) -> float:
     return amount
 
 
+def gpu_loads(taken: list, unstarted, rate: float, now: float) -> list[float]:
+    """Tokens each GPU has still to run at ``rate`` tokens/s: ``taken`` holds, by GPU, its row's
+    ``(monotonic time taken, tokens)`` or None when idle; each of the ``unstarted`` rows (tokens,
+    in the order runners take them) goes to the GPU that frees up first."""
+    left = [0.0 if row is None else max(0.0, row[1] - (now - row[0]) * rate) for row in taken]
+    for tokens in unstarted:
+        least = left.index(min(left))
+        left[least] += tokens
+    return left
+
+
 def largest_first_by_group(window: list, head) -> list:
     """``window`` (the scheduler's queued items) largest first, except that a sequence sharing its
     first tokens with others (a GRPO group's prompt; ``_Item.group``) is followed at once by the

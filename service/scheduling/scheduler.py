@@ -43,7 +43,7 @@ from service.http.errors import ApiError, backend_unavailable, deadline_error, i
 from service.http.metrics import Metrics
 from service.scheduling.admission import Admission, QueueFullError
 from service.scheduling.forward_thread import ForwardThread
-from service.scheduling.rows import largest_first_by_group as _largest_first_by_group, water_level
+from service.scheduling.rows import gpu_loads, largest_first_by_group as _largest_first_by_group, water_level
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +156,8 @@ class Scheduler:
         self._queued_sequences = 0
         self._pending: set[Ticket] = set()
         self._outstanding_rows = 0  # formed rows not yet finished (waiting for a runner or running)
+        self._unstarted: deque[int] = deque()  # tokens of the formed rows no runner has taken yet, in order
+        self._taken: dict[ForwardThread, tuple[float, int]] = {}  # a runner's row: when taken, its tokens
         self._long_turn = False  # the next row may be led by a long sequence (_long_lead)
         self._tasks: list[asyncio.Task] = []
         self._threads: list[ForwardThread] = []
@@ -366,6 +368,7 @@ class Scheduler:
         while True:
             row = await self._next_row()
             self._outstanding_rows += 1
+            self._unstarted.append(sum(it.tokens for it in row))
             self._rows.put_nowait(row)
 
     def _drop_stale_head(self) -> None:
@@ -426,11 +429,9 @@ class Scheduler:
         budget, waiting = self.max_batch_tokens, self._waiting_tokens
         if waiting >= self.concurrency * budget:
             return None
-        left = []  # tokens each GPU's running forward still has to go, at the measured rate
-        for thread in self._threads:
-            started, expected = thread.started_at, thread.expected_s
-            busy = thread.running and started is not None and expected is not None
-            left.append(max(0.0, started + expected - now) * rate if busy else 0.0)
+        # Counted here, not from the forward threads: rows formed back to back, or taken by a runner
+        # whose thread has not started them yet, are the GPUs' load too (else each row came out smaller).
+        left = gpu_loads([self._taken.get(thread) for thread in self._threads], self._unstarted, rate, now)
         level = water_level(waiting, left)
         return min(budget, max(int(level), budget // 4))
 
@@ -486,6 +487,7 @@ class Scheduler:
     async def _run_loop(self, thread: "ForwardThread") -> None:
         while True:
             row = await self._rows.get()
+            self._taken[thread] = (time.monotonic(), self._unstarted.popleft())
             try:
                 await self._forward(row, thread)
             except Exception:  # never let one row stop a runner; its requests get a 500
@@ -496,6 +498,7 @@ class Scheduler:
                 for item in row:
                     self._release(item)
                 self._outstanding_rows -= 1
+                del self._taken[thread]
                 self._wake.set()
 
     async def _forward(self, row: list[_Item], thread: "ForwardThread") -> None:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from service.scheduling.rows import water_level
+from service.scheduling.rows import gpu_loads, water_level
 from service.testing import FakeBackend
 from tests.unit.test_http_scheduler import seqs_of, started
 
@@ -68,3 +68,34 @@ def test_the_last_rows_are_shared_out_across_idle_gpus():
     # Not one row of 100 on one GPU while three idle: each idle GPU takes a share (at least a
     # quarter of the budget, so rows of two or three 10s).
     assert sum(map(sum, tail)) == 100 and len(tail) >= 3 and all(sum(row) <= 30 for row in tail), rows
+
+
+def test_gpu_loads_count_rows_formed_but_not_started():
+    # GPU 0 took 100 tokens 0.02 s ago at 1000 tokens/s (80 left), GPU 1 is idle; of the two rows
+    # formed and not taken, the first goes to GPU 1 (idle), the next to the least loaded then.
+    got = gpu_loads([(9.98, 100), None], [30, 40], rate=1000.0, now=10.0)
+    assert [round(x, 6) for x in got] == [80.0, 70.0], got
+
+
+def test_tail_rows_formed_back_to_back_are_the_same_size():
+    """Several GPUs idle at once: each tail row is sized counting the rows formed just before it,
+    not as if they were not there (rows of 50, 30, 30, 30 then a second wave of 20s)."""
+
+    async def main():
+        backend = FakeBackend(concurrency=4, seconds_per_token=0.002)
+        scheduler = await started(backend)
+        await scheduler.submit(seqs_of(100)).future  # a measured rate
+        backend.rows.clear()
+        gate = threading.Event()
+        backend.gate = gate
+        # 8 rows of two 50s (4 running, 4 waiting for a runner), then 200 tokens of 10s: the tail.
+        ticket = scheduler.submit(seqs_of(*[50] * 16, *[10] * 20))
+        await asyncio.sleep(0.1)
+        gate.set()
+        await ticket.future
+        await scheduler.close()
+        return backend.rows
+
+    rows = asyncio.run(main())
+    tail = [sum(row) for row in rows[8:12]]
+    assert sum(tail) >= 180 and max(tail) - min(tail) <= 10, rows
