@@ -26,7 +26,8 @@ def rows_of(concurrency, deadline_s=None):
 
     async def main():
         gate = threading.Event()
-        backend = FakeBackend(gate=gate, concurrency=concurrency)
+        # rows take 1 ms a token, so the second pair starts 50 ms apart, in a fixed order
+        backend = FakeBackend(gate=gate, concurrency=concurrency, seconds_per_token=0.001)
         scheduler = await started(backend)
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
         tickets = [scheduler.submit(seqs_of(50, 50, 50, 50), deadline=deadline), scheduler.submit(seqs_of(150, 120, 60, start=7))]
