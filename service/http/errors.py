@@ -104,9 +104,11 @@ def from_validation_errors(errors: list[dict], *, sourced: bool = True) -> ApiEr
     kind = first.get("type", "")
     if kind == "missing":
         message = f"{param} is required."
-    elif kind == "extra_forbidden" and tuple(first.get("loc", ()))[-1:] == ("",):  # else named "None" or "x."
+    elif kind == "extra_forbidden" and _unfit_for_a_path(first.get("loc", ())):
         param = param_path(first["loc"][:-1], sourced=sourced)  # the object that holds it
-        message = f"An empty key is not a field of {param or 'this request'}."
+        key = first["loc"][-1]
+        what = "An empty key" if key == "" else f"The key {short_repr(key)} ({len(key)} characters)"
+        message = f"{what} is not a field of {param or 'this request'}."
     elif kind == "extra_forbidden":
         message = f"{param} is not a field of this request."
     elif past_64_bits(first.get("input")) and kind.startswith("int"):
@@ -118,6 +120,16 @@ def from_validation_errors(errors: list[dict], *, sourced: bool = True) -> ApiEr
         reason = validation_reason(first)
         message = f"{param or 'the body'}: {reason}, got {shown}."
     return ApiError(422, "invalid_value", message, param)
+
+
+_LONGEST_KEY_IN_A_PATH = 60
+
+
+def _unfit_for_a_path(loc) -> bool:
+    """Whether an unknown key would make a poor ``param``: empty (named "None" or "x."), or long
+    (a client's 2 MB key is not echoed back)."""
+    key = tuple(loc)[-1:]
+    return bool(key) and isinstance(key[0], str) and (key[0] == "" or len(key[0]) > _LONGEST_KEY_IN_A_PATH)
 
 
 def short_repr(value) -> str:

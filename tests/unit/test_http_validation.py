@@ -220,6 +220,17 @@ def test_an_empty_key_is_named_as_one():
     assert nested.json()["error"]["message"] == "An empty key is not a field of sequences[0].", nested.text
 
 
+def test_a_long_unknown_key_is_not_echoed_whole():
+    async def main():
+        app, _ = make_app()
+        async with running_app(app) as client:
+            return await _post(client, good(**{"k" * 10_000: 1})), await _post(client, seq(**{"k" * 61: 1}))
+
+    for answer, holder in zip(asyncio.run(main()), [None, "sequences[0]"]):
+        _check_error(answer, 422, "invalid_value", holder)
+        assert len(answer.text) < 400 and "characters) is not a field of" in answer.text, answer.text[:400]
+
+
 def test_a_long_model_name_or_version_is_not_echoed_whole():
     async def main():
         app, _ = make_app()
