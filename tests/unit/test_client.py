@@ -421,6 +421,26 @@ def test_a_request_lost_with_its_connection_is_sent_once_more(failure, blocking)
     assert sent == ["/score", "/score"], sent
 
 
+def test_losses_with_an_answer_between_them_are_not_twice_in_a_row():
+    outcomes = iter(["lost", 429, "lost", 200])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/readyz":
+            return httpx.Response(404)
+        outcome = next(outcomes)
+        if outcome == "lost":
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+        if outcome == 429:
+            return httpx.Response(429, headers={"Retry-After": "0"}, json={"error": {
+                "type": "queue_full", "message": "full", "param": None}})
+        return httpx.Response(200, json={"model": "m", "weights_version": "v", "results": [
+            {"id": None, "logprobs": [-0.5, -0.25]}], "usage": {"input_tokens": 3, "scored_tokens": 2}})
+
+    with ScoreClient(BASE, encoding="json", transport=httpx.MockTransport(handler)) as client:
+        (result,) = client.score([[1, 2, 3]], return_entropy=False)
+    assert result.logprobs.tolist() == [-0.5, -0.25], result
+
+
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
 def test_a_failed_call_sends_none_of_its_other_parts_afterwards(blocking):
     """The first part refused (422): the call raises, and no part is sent after that."""

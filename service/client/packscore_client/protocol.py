@@ -341,7 +341,7 @@ class Protocol:
                 options = {**options, "deadline_ms": left_ms}
             outcome = yield self.body(seqs, options)
             if isinstance(outcome, httpx.Response):
-                unreachable_since = None
+                unreachable_since, resent = None, False  # a loss after an answer is a first one again
                 if outcome.status_code == 200:
                     return self.parse(outcome, options["top_k"])
                 error = _error(outcome)
