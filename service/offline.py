@@ -36,7 +36,7 @@ class Done(NamedTuple):
     line: int
     scored: int  # len(logprobs): len(input_ids) - score_from of the line that was scored
     entropy: bool
-    top_k: bool
+    top_k: int | None  # k, 0 without top-k ids, None where no position was scored (k not shown)
 
 
 def finished_ids(output: Path) -> dict[str, Done]:
@@ -63,7 +63,9 @@ def finished_ids(output: Path) -> dict[str, Done]:
                     f"{output}:{number}: not a result line ({reason}); remove or repair it, then run again "
                     "(the lines after it are kept)"
                 ) from None
-            done[seq_id] = Done(number, scored, "entropy" in record, "top_k_ids" in record)
+            top_k = record.get("top_k_ids")
+            k = 0 if top_k is None else (len(top_k[0]) if top_k else None)
+            done[seq_id] = Done(number, scored, "entropy" in record, k)
             good_end += len(line)
     if good_end != output.stat().st_size:
         log.warning("%s: dropping an incomplete last line (the previous run stopped while writing it)", output)
@@ -125,8 +127,9 @@ def _check_resumed(input_path: Path, number: int, obj: dict, job: ScoreJob, resu
     """OUT's result for this line must be of this line and these options, else OUT mixes two runs."""
     seq = job.sequences[0]
     scored = len(obj["input_ids"]) - seq.score_from
+    k = settings.top_k if result.top_k is not None else result.top_k  # no position scored: any k fits
     found = {"scored positions": result.scored, "entropy": result.entropy, "top_k": result.top_k}
-    want = {"scored positions": scored, "entropy": settings.return_entropy, "top_k": settings.top_k > 0}
+    want = {"scored positions": scored, "entropy": settings.return_entropy, "top_k": k}
     if found != want:
         what = ", ".join(f"{k} {found[k]} (this run: {want[k]})" for k in found if found[k] != want[k])
         raise InputError(f"{input_path}:{number}: id {obj['id']!r} already has a result in OUT line {result.line} "

@@ -113,15 +113,16 @@ def test_a_rerun_refuses_a_duplicated_id_as_the_first_run_does(monkeypatch, tmp_
 
 @pytest.mark.parametrize("change,named", [
     ({"rows": [{"id": "a", "input_ids": [1, 2, 3, 4, 5]}]}, "scored positions 2 (this run: 4)"),
-    ({"argv": ["--top-k", "2"]}, "top_k False (this run: True)"),
+    ({"argv": ["--top-k", "2"]}, "top_k 0 (this run: 2)"),
+    ({"first_argv": ["--top-k", "2"], "argv": ["--top-k", "3"]}, "top_k 2 (this run: 3)"),
     ({"argv": ["--no-return-entropy"]}, "entropy True (this run: False)"),
-], ids=["other-input", "top-k", "no-entropy"])
+], ids=["other-input", "top-k", "other-k", "no-entropy"])
 def test_a_rerun_into_an_out_of_another_input_or_options_is_refused(monkeypatch, tmp_path, capsys, change, named):
     """Skipping such an id would leave OUT a mix of two runs, with exit 0."""
     _fake_model(monkeypatch)
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}])
-    assert cli.main(["score", str(source), "-o", str(out)]) == 0
+    assert cli.main(["score", str(source), "-o", str(out), *change.get("first_argv", [])]) == 0
     before = out.read_bytes()
     _write_jsonl(source, change.get("rows", [{"id": "a", "input_ids": [1, 2, 3]}]) + [{"id": "b", "input_ids": [1, 2]}])
     assert cli.main(["score", str(source), "-o", str(out), *change.get("argv", [])]) == 2
