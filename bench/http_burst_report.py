@@ -45,8 +45,9 @@ def table(result: dict) -> str:
                       f"{one['idle_in_process_ms']:.1f} ms, HTTP {one['idle_http_ms_after']:.1f} ms "
                       f"({one['idle_http_ms_after'] / one['idle_in_process_ms']:.2f}x)"
                       + (f"; before: HTTP {one['idle_http_ms_before']:.1f} ms" if "idle_http_ms_before" in one else "") + "."]
-    sim = result.get("simulated_detail")
-    cpu = (sim or {}).get("idle_breakdown_cpu")
+    # one sequence alone: either simulated run measures the same breakdown (--no-breakdown skips it)
+    details = (result.get(k) or {} for k in ("simulated_detail", "simulated_prefix_sharing_detail"))
+    cpu = next((d["idle_breakdown_cpu"] for d in details if d.get("idle_breakdown_cpu")), None)
     if cpu:
         lines += ["", f"Idle latency of one {IDLE_LENGTH}-token sequence on this CPU (medians):", "",
                   "| what | ms |", "| --- | ---: |",
