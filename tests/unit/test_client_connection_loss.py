@@ -1,0 +1,113 @@
+"""The client when the connection fails: a read timeout, a server not reached, a request lost with
+its connection (sent once more: scoring has no side effects)."""
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from packscore_client import AsyncScoreClient, ScoreClient, ScoreError
+
+BASE = "http://packscore.test"
+
+
+def test_a_read_timeout_is_not_sent_again():
+    """A server that took the request and has not answered within timeout_s is still scoring it:
+    sending it again would score it twice on a server already too slow."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    accepted = []
+
+    def accept_and_never_answer():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(conn)  # read nothing back, answer nothing
+
+    threading.Thread(target=accept_and_never_answer, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with ScoreClient(url, timeout_s=0.5, connect_retry_s=10) as client, pytest.raises(ScoreError) as failed:
+            client.score([[1, 2, 3]])
+        assert failed.value.status == 0 and failed.value.type == "read_timeout", failed.value
+        # /readyz (the limits) and /score: one connection each at most, the score never resent
+        assert len(accepted) <= 2, f"{len(accepted)} connections"
+    finally:
+        listener.close()
+        for conn in accepted:
+            conn.close()
+
+
+def test_an_unreachable_server_is_retried_for_the_whole_connect_window():
+    from model_runtime.pool.ports import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    with ScoreClient(url, connect_retry_s=1.5) as client, pytest.raises(ScoreError):
+        client.score([[1, 2, 3]])
+    elapsed = time.monotonic() - started
+    assert 1.48 <= elapsed < 1.5 + 2, f"gave up after {elapsed:.2f} s of a 1.5 s connect_retry_s"
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+@pytest.mark.parametrize("failure", [httpx.RemoteProtocolError, httpx.ReadError])
+def test_a_request_lost_with_its_connection_is_sent_once_more(failure, blocking):
+    """A kept-alive connection the server closed as the request left (idle, or restarting): the
+    request is sent once more and answered; lost twice in a row, the call raises."""
+    sent, losses = [], {"in_a_row": 1}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/readyz":
+            return httpx.Response(404)
+        sent.append(request.url.path)
+        if len(sent) <= losses["in_a_row"]:
+            raise failure("Server disconnected without sending a response.", request=request)
+        return httpx.Response(200, json={"model": "m", "weights_version": "v", "results": [
+            {"id": None, "logprobs": [-0.5, -0.25]}], "usage": {"input_tokens": 3, "scored_tokens": 2}})
+
+    ids = [[1, 2, 3]]
+    if blocking:
+        with ScoreClient(BASE, encoding="json", transport=httpx.MockTransport(handler)) as client:
+            (result,) = client.score(ids, return_entropy=False)
+    else:
+        async def call():
+            async with AsyncScoreClient(BASE, encoding="json", transport=httpx.MockTransport(handler)) as client:
+                return await client.score(ids, return_entropy=False)
+        (result,) = asyncio.run(call())
+    assert sent == ["/score", "/score"], sent
+    assert result.logprobs.tolist() == [-0.5, -0.25], result
+
+    sent.clear()
+    losses["in_a_row"] = 2
+    with ScoreClient(BASE, encoding="json", transport=httpx.MockTransport(handler)) as client:
+        with pytest.raises(ScoreError) as failed:
+            client.score(ids, return_entropy=False)
+    assert failed.value.type == "connection_error" and "twice in a row" in failed.value.message, failed.value
+    assert sent == ["/score", "/score"], sent
+
+
+def test_losses_with_an_answer_between_them_are_not_twice_in_a_row():
+    outcomes = iter(["lost", 429, "lost", 200])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/readyz":
+            return httpx.Response(404)
+        outcome = next(outcomes)
+        if outcome == "lost":
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+        if outcome == 429:
+            return httpx.Response(429, headers={"Retry-After": "0"}, json={"error": {
+                "type": "queue_full", "message": "full", "param": None}})
+        return httpx.Response(200, json={"model": "m", "weights_version": "v", "results": [
+            {"id": None, "logprobs": [-0.5, -0.25]}], "usage": {"input_tokens": 3, "scored_tokens": 2}})
+
+    with ScoreClient(BASE, encoding="json", transport=httpx.MockTransport(handler)) as client:
+        (result,) = client.score([[1, 2, 3]], return_entropy=False)
+    assert result.logprobs.tolist() == [-0.5, -0.25], result
