@@ -111,3 +111,28 @@ def test_losses_with_an_answer_between_them_are_not_twice_in_a_row():
     with ScoreClient(BASE, encoding="json", transport=httpx.MockTransport(handler)) as client:
         (result,) = client.score([[1, 2, 3]], return_entropy=False)
     assert result.logprobs.tolist() == [-0.5, -0.25], result
+
+
+def test_a_proxys_502_or_504_page_is_waited_out_as_an_unreachable_server():
+    """A gateway's own answer (an HTML page, not the server's JSON) while the server behind it
+    restarts: retried for connect_retry_s, like a refused connection, then raised."""
+    answers = iter([502, 504, 200])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/readyz":
+            return httpx.Response(404)
+        status = next(answers, 502)
+        if status != 200:
+            return httpx.Response(status, html="<html><body>Bad Gateway</body></html>")
+        return httpx.Response(200, json={"model": "m", "weights_version": "v", "results": [
+            {"id": None, "logprobs": [-0.5, -0.25]}], "usage": {"input_tokens": 3, "scored_tokens": 2}})
+
+    with ScoreClient(BASE, encoding="json", transport=httpx.MockTransport(handler), connect_retry_s=10) as client:
+        (result,) = client.score([[1, 2, 3]], return_entropy=False)
+    assert result.logprobs.tolist() == [-0.5, -0.25], result
+    started = time.monotonic()
+    with ScoreClient(BASE, encoding="json", transport=httpx.MockTransport(handler), connect_retry_s=0.5) as client:
+        with pytest.raises(ScoreError) as failed:
+            client.score([[1, 2, 3]], return_entropy=False)
+    assert failed.value.type == "connection_error" and "502" in failed.value.message, failed.value
+    assert time.monotonic() - started < 0.5 + 2, time.monotonic() - started

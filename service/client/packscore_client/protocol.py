@@ -340,7 +340,11 @@ class Protocol:
                                      "(before this part of the call was sent, or while it was retried).", "deadline_ms")
                 options = {**options, "deadline_ms": left_ms}
             outcome = yield self.body(seqs, options)
-            if isinstance(outcome, httpx.Response):
+            if isinstance(outcome, httpx.Response) and _gateway_page(outcome):
+                # a proxy's own 502/504 (a restart, a pod not ready behind it): the server was not
+                # reached, and is waited for as one that refuses connections
+                wait, unreachable_since = self._unreachable(_error(outcome), attempt, unreachable_since, give_up)
+            elif isinstance(outcome, httpx.Response):
                 unreachable_since, resent = None, False  # a loss after an answer is a first one again
                 if outcome.status_code == 200:
                     return self.parse(outcome, options["top_k"])
@@ -477,6 +481,11 @@ def _renumbered(error: ScoreError, indices: Sequence[int] | None) -> ScoreError:
 
     param = _REQUEST_INDEX.sub(caller, error.param) if error.param else error.param
     return ScoreError(error.status, error.type, _REQUEST_INDEX.sub(caller, error.message), param)
+
+
+def _gateway_page(response: httpx.Response) -> bool:
+    """A 502 or 504 that is not the server's JSON error (the server's own 504 is ``deadline_exceeded``)."""
+    return response.status_code in (502, 504) and _error(response).type == "http_error"
 
 
 def _error(response: httpx.Response) -> ScoreError:
