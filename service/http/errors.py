@@ -99,6 +99,13 @@ def validation_reason(error: dict) -> str:
 def from_validation_errors(errors: list[dict], *, sourced: bool = True) -> ApiError:
     """The first pydantic error as a 422 naming its field; the first is the one a client fixes first.
     ``sourced``: FastAPI's errors, whose locations start with the request part (``param_path``)."""
+    # A msgpack map keyed by bin, not str: the body's encoding is wrong, whatever else is (a field
+    # under such a key would otherwise be reported missing). Found here, so decoding pays nothing.
+    bin_key = next((e["input"] for e in errors if e.get("type") == "invalid_key" and isinstance(e.get("input"), bytes)),
+                   None)
+    if bin_key is not None:
+        return ApiError(400, "malformed_body", f"Every map key of the body must be a msgpack str, got a bin key, "
+                        f"{short_repr(bin_key.decode('utf-8', 'replace'))}; pack keys as str, not bytes.")
     first = errors[0]
     param = param_path(first.get("loc", ()), sourced=sourced)
     kind = first.get("type", "")
