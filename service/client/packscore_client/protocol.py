@@ -340,10 +340,10 @@ class Protocol:
                                      "(before this part of the call was sent, or while it was retried).", "deadline_ms")
                 options = {**options, "deadline_ms": left_ms}
             outcome = yield self.body(seqs, options)
-            if isinstance(outcome, httpx.Response) and _gateway_page(outcome):
+            if isinstance(outcome, httpx.Response) and (gateway := _gateway_error(outcome)) is not None:
                 # a proxy's own 502/504 (a restart, a pod not ready behind it): the server was not
                 # reached, and is waited for as one that refuses connections
-                wait, unreachable_since = self._unreachable(_error(outcome), attempt, unreachable_since, give_up)
+                wait, unreachable_since = self._unreachable(gateway, attempt, unreachable_since, give_up)
             elif isinstance(outcome, httpx.Response):
                 unreachable_since, resent = None, False  # a loss after an answer is a first one again
                 if outcome.status_code == 200:
@@ -422,8 +422,10 @@ def models_answer(outcome: httpx.Response | Exception) -> list[dict]:
     return outcome.json()["data"]
 
 
+# A gateway's answers for a server behind it that it could not reach or that did not answer
+_GATEWAY_STATUSES = (502, 504)
 # /readyz answers of a server on its way up (503), or of a gateway in front of one not up yet
-_NOT_READY_STATUSES = (502, 503, 504)
+_NOT_READY_STATUSES = (503, *_GATEWAY_STATUSES)
 # Readiness the server does not leave by itself: waiting longer cannot help
 _GIVEN_UP = ("failed", "restart_failed")
 READY_POLL_S = 1.0
@@ -483,9 +485,13 @@ def _renumbered(error: ScoreError, indices: Sequence[int] | None) -> ScoreError:
     return ScoreError(error.status, error.type, _REQUEST_INDEX.sub(caller, error.message), param)
 
 
-def _gateway_page(response: httpx.Response) -> bool:
-    """A 502 or 504 that is not the server's JSON error (the server's own 504 is ``deadline_exceeded``)."""
-    return response.status_code in (502, 504) and _error(response).type == "http_error"
+def _gateway_error(response: httpx.Response) -> ScoreError | None:
+    """The error of a 502 or 504 that is not the server's JSON (the server's own 504 is
+    ``deadline_exceeded``): a gateway's page; else None."""
+    if response.status_code not in _GATEWAY_STATUSES:
+        return None
+    error = _error(response)
+    return error if error.type == "http_error" else None
 
 
 def _error(response: httpx.Response) -> ScoreError:
