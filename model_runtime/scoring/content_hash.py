@@ -77,9 +77,9 @@ FLOAT_BITS = {
     torch.float8_e5m2: (np.int8, 0x7F, 0x7C),
 }
 # Bytes a thread reads at a time, into one buffer it reuses: hashed and checked while still in the
-# core's cache (the check pass 1.4x as fast as with 16 MiB on the CPU machine).
+# core's cache (sizes timed in docs/weights-loading.md).
 READ_BUFFER = 4 << 20
-BITS_CHUNK = 1 << 20  # bytes masked at a time: the temporary stays in the core's cache (4x as fast as 16 MiB)
+BITS_CHUNK = 1 << 20  # bytes masked at a time: the temporary stays in the core's cache
 
 
 def finite_bits(data: np.ndarray, dtype: torch.dtype) -> bool:

@@ -246,8 +246,8 @@ def read_parameters(
 def refuse_non_finite_reads(model: nn.Module, plan: ReadPlan, *, content: bool = False, threads: int = 4) -> str | None:
     """The pass before an update in place, which may copy nothing in before every tensor is known
     finite: reads every checkpoint tensor ``read_parameters`` would read once (whole, with
-    positioned reads, ``scan_tensors``; ``threads`` at a time, at nice ``BACKGROUND_NICE``: on 2
-    cores 8 threads took 1.4x as long as 4) and refuses the checkpoint, naming them, if any holds NaN
+    positioned reads, ``scan_tensors``; ``threads`` at a time, at nice ``BACKGROUND_NICE``: more
+    threads than cores only contend) and refuses the checkpoint, naming them, if any holds NaN
     or infinity. With ``content`` it returns the content version, hashed from the same bytes (and
     the tensors the model does not read): ``content_version(plan.path)``, without a read of its
     own; else None. It touches no model, so it runs while the old weights still serve."""
