@@ -168,22 +168,26 @@ class RowTokens:
     def cost_with(self, input_ids) -> int:
         """``total`` once ``input_ids`` has joined."""
         ids = np.asarray(input_ids)
-        group = self._group_of(ids)
-        if group is None or group[0] is None:
+        key = head_key(ids, self.min_tokens)
+        group = None if key is None else self._groups.get(key)  # a question, so no group is made for it
+        if group is None:
             return self.total + ids.size
         return self.total + ids.size - (self._joined(group, ids)[1] - group[3])
 
     def add(self, input_ids) -> None:
         ids = np.asarray(input_ids)
-        self.total = self.cost_with(ids)
-        group = self._group_of(ids)
+        self.total += ids.size
+        key = head_key(ids, self.min_tokens)
+        if key is None:
+            return
+        group = self._groups.get(key)
         if group is None:
+            self._groups[key] = [ids, [ids.size], ids.size, 0]
             return
-        if group[0] is None:
-            group[0], group[1], group[2] = ids, [ids.size], ids.size
-            return
-        group[2], group[3] = self._joined(group, ids)
+        common, saved = self._joined(group, ids)
+        self.total -= saved - group[3]
         group[1].append(ids.size)
+        group[2], group[3] = common, saved
 
     def _joined(self, group, ids: np.ndarray) -> tuple[int, int]:
         """``(common, saved)`` of ``group`` with ``ids`` in it."""
@@ -192,7 +196,3 @@ class RowTokens:
         members = list(range(len(lengths) + 1))
         saved = sum(g.tokens_saved for g in share(members, lengths + [ids.size], common, self.min_tokens, self.rounding))
         return common, saved
-
-    def _group_of(self, ids: np.ndarray):
-        key = head_key(ids, self.min_tokens)
-        return None if key is None else self._groups.setdefault(key, [None, [], 0, 0])
