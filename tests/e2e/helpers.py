@@ -12,7 +12,7 @@ import httpx
 import msgpack
 import numpy as np
 
-from model_runtime.types import SequenceInput
+from model_runtime.types import SequenceInput, SequenceScores
 from service.local_server import LocalServer
 
 API_KEY = "e2e-secret"
@@ -146,3 +146,30 @@ def assert_matches(got: list[dict], seqs: list[dict], scorer, *, temperature=1.0
             tied[..., :-1] |= gaps <= TOL
             tied[..., 1:] |= gaps <= TOL
             assert not np.any((g["top_k_ids"] != w.top_k_ids) & ~tied), f"sequence {i}: top-k ids differ away from ties"
+
+
+class HuggingFaceReference:
+    """Hugging Face transformers' own forward of a checkpoint, float32 on the CPU, one sequence at a
+    time, and API.md's formulas written out: what an acceptance client checks answers against.
+    ``score`` stands in for ``Scorer.score`` in ``assert_matches``."""
+
+    def __init__(self, path):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def score(self, seqs: list[SequenceInput]) -> list[SequenceScores]:
+        import torch
+
+        out = []
+        for s in seqs:
+            with torch.no_grad():
+                logits = self.model(torch.as_tensor(s.input_ids)[None]).logits[0].float()
+            logp = torch.log_softmax(logits / s.temperature, dim=-1)[s.score_from - 1 : s.length - 1]
+            targets = torch.as_tensor(s.input_ids[s.score_from :], dtype=torch.long)
+            top_logp, top_ids = logp.topk(s.top_k, dim=-1)
+            entropy = -(logp.exp() * logp).sum(-1)
+            out.append(SequenceScores(logp.gather(1, targets[:, None])[:, 0].numpy(), entropy.numpy(),
+                                      top_ids.numpy().astype(np.int32), top_logp.numpy()))
+        return out

@@ -1,18 +1,21 @@
 """A real server process with the tiny model: answers equal the in-process scorer (tiny preset and a
 saved checkpoint, JSON and msgpack; a MoE checkpoint sharing a group's prompt with
-``gate_projection=tiles``), 32 concurrent clients, auth, metrics, /v1/models."""
+``gate_projection=tiles``) and Hugging Face's own forward (a checkpoint of each architecture),
+32 concurrent clients, auth, metrics, /v1/models."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import msgpack
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from packscore_client import ScoreClient
-from tests.e2e.helpers import API_KEY, AUTH, TINY_VOCAB, ServerProcess, assert_matches, decode, post, random_sequences
+from tests.e2e.helpers import (API_KEY, AUTH, TINY_VOCAB, HuggingFaceReference, ServerProcess, assert_matches, decode,
+                               post, random_sequences)
 
 
 @pytest.mark.parametrize("encoding", ["json", "msgpack"])
@@ -47,6 +50,37 @@ def test_saved_checkpoint_answers_equal_the_in_process_scorer(checkpoint_dir, tm
             assert_matches(decode(response, 3), seqs, scorer, top_k=3)
         models = httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"][0]
         assert (models["id"], models["architecture"], models["vocab_size"]) == ("ckpt", "qwen3_5", 512)
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def test_every_architecture_answers_as_hugging_faces_own_forward(checkpoint_dir, tmp_path):
+    """API.md's semantics as an acceptance client checks them: one server holding a checkpoint of
+    each architecture, each answer against transformers' float32 forward of that checkpoint (not
+    packscore's own scorer) at temperature 0.7, top_k 5, score_from anywhere (L included), in JSON
+    and msgpack; usage counts every token; a sequence sent alone gets the same bits."""
+    paths = {kind: checkpoint_dir(kind) for kind in ("qwen3_5", "qwen3_5_moe", "qwen3_next")}
+    models = [arg for kind, path in paths.items() for arg in ("--model", f"{kind}={path}")]
+    # a budget of 128 tokens: the longest sequences get rows of their own
+    server = ServerProcess(tmp_path, *models, "--max-batch-tokens", "128")
+    try:
+        server.wait_ready()
+        seqs = random_sequences(np.random.default_rng(21), 6, 512, lengths=(2, 150)) + [{"id": "one", "input_ids": [7]}]
+        usage = {"input_tokens": sum(len(s["input_ids"]) for s in seqs),
+                 "scored_tokens": sum(len(s["input_ids"]) - s.get("score_from", 1) for s in seqs)}
+        body = {"sequences": seqs, "temperature": 0.7, "top_k": 5}
+        for kind, path in paths.items():
+            reference = HuggingFaceReference(path)
+            for encoding in ("json", "msgpack"):
+                response = post(server.url, {**body, "model": kind}, encoding=encoding)
+                assert response.status_code == 200, response.text
+                answer = msgpack.unpackb(response.content) if encoding == "msgpack" else response.json()
+                assert (answer["model"], answer["usage"]) == (kind, usage), (answer["model"], answer["usage"])
+                together = decode(response, 5)
+                assert_matches(together, seqs, reference, temperature=0.7, top_k=5)
+            alone = decode(post(server.url, {**body, "model": kind, "sequences": seqs[3:4]}), 5)[0]
+            for field, value in alone.items():
+                np.testing.assert_array_equal(value, together[3][field], err_msg=f"{kind} {field} alone")
     finally:
         assert server.stop() == 0, server.log()
 
