@@ -1,5 +1,9 @@
 """``packscore score IN.jsonl -o OUT.jsonl``: the server's engine (validation, scheduler, backend)
 without HTTP, for batch jobs. Resumable: ids already in OUT are skipped.
+
+Each result line records what made it (model, weights_version, temperature, dtype) beside the
+API's result, so that a rerun with another model or temperature is refused instead of appending
+results of two runs to one file; a line without them (an earlier packscore's) is kept unchecked.
 """
 
 from __future__ import annotations
@@ -37,6 +41,12 @@ class Done(NamedTuple):
     scored: int  # len(logprobs): len(input_ids) - score_from of the line that was scored
     entropy: bool
     top_k: int | None  # k, 0 without top-k ids, None where no position was scored (k not shown)
+    run: tuple  # its _RUN_FIELDS, None for each it lacks (a line an earlier packscore wrote)
+
+
+# What a result line records of the run that made it, and a rerun checks: the weights by their
+# content (a copied checkpoint resumes, another one at the same path does not), not the model's name.
+_RUN_FIELDS = ("temperature", "weights_version", "dtype")
 
 
 def finished_ids(output: Path) -> dict[str, Done]:
@@ -46,6 +56,7 @@ def finished_ids(output: Path) -> dict[str, Done]:
     if not output.exists():
         return {}
     done: dict[str, Done] = {}
+    runs: dict[tuple, tuple] = {}  # one tuple shared by every line of a run: OUT may hold millions
     good_end = 0
     with output.open("rb") as f:
         for number, line in enumerate(f, start=1):
@@ -65,7 +76,8 @@ def finished_ids(output: Path) -> dict[str, Done]:
                 ) from None
             top_k = record.get("top_k_ids")
             k = 0 if top_k is None else (len(top_k[0]) if top_k else None)
-            done[seq_id] = Done(number, scored, "entropy" in record, k)
+            run = tuple(record.get(name) for name in _RUN_FIELDS)
+            done[seq_id] = Done(number, scored, "entropy" in record, k, runs.setdefault(run, run))
             good_end += len(line)
     if good_end != output.stat().st_size:
         log.warning("%s: dropping an incomplete last line (the previous run stopped while writing it)", output)
@@ -92,10 +104,11 @@ def _lines(path: Path) -> Iterator[tuple[int, dict]]:
             yield number, obj
 
 
-def _jobs(settings: Settings, input_path: Path, limits: Limits, done: dict[str, Done],
+def _jobs(settings: Settings, input_path: Path, limits: Limits, done: dict[str, Done], run: dict,
           seen: set[str] | None = None) -> Iterator[tuple[int, str, ScoreJob]]:
     """Each line not yet in OUT as a validated one-sequence job; a bad line raises InputError naming
     it, as does a line whose result in OUT was scored from another input or with other options.
+    ``run`` is what is known of this run's _RUN_FIELDS (the weights only once the model loaded).
     ``seen`` collects every id of IN."""
     seen = set() if seen is None else seen
     for number, obj in _lines(input_path):
@@ -118,22 +131,26 @@ def _jobs(settings: Settings, input_path: Path, limits: Limits, done: dict[str, 
                 message = f"{where}: {message}"
             raise InputError(f"{input_path}:{number}: {message}") from None
         if seq_id in done:
-            _check_resumed(input_path, number, obj, job, done[seq_id], settings)
+            _check_resumed(input_path, number, obj, job, done[seq_id], settings, run)
             continue
         yield number, seq_id, job
 
 
-def _check_resumed(input_path: Path, number: int, obj: dict, job: ScoreJob, result: Done, settings: Settings) -> None:
-    """OUT's result for this line must be of this line and these options, else OUT mixes two runs."""
+def _check_resumed(input_path: Path, number: int, obj: dict, job: ScoreJob, result: Done, settings: Settings,
+                   run: dict) -> None:
+    """OUT's result for this line must be of this line, this model and these options, else OUT mixes two runs."""
     seq = job.sequences[0]
     scored = len(obj["input_ids"]) - seq.score_from
     k = settings.top_k if result.top_k is not None else result.top_k  # no position scored: any k fits
     found = {"scored positions": result.scored, "entropy": result.entropy, "top_k": result.top_k}
     want = {"scored positions": scored, "entropy": settings.return_entropy, "top_k": k}
+    for name, recorded in zip(_RUN_FIELDS, result.run):
+        if name in run and recorded is not None:  # not recorded: an earlier packscore's line, kept unchecked
+            found[name], want[name] = recorded, run[name]
     if found != want:
         what = ", ".join(f"{k} {found[k]} (this run: {want[k]})" for k in found if found[k] != want[k])
         raise InputError(f"{input_path}:{number}: id {obj['id']!r} already has a result in OUT line {result.line} "
-                         f"that another input or other options made: {what}; give another -o, or remove that line")
+                         f"that another input, model or options made: {what}; give another -o, or remove that line")
 
 
 def _progress(total: int, initial: int):
@@ -174,7 +191,7 @@ class _LoggedProgress:
 
 
 async def _score_lines(settings: Settings, backend, input_path: Path, limits: Limits, out: IO[bytes],
-                       done: dict[str, Done], bar) -> int:
+                       done: dict[str, Done], run: dict, bar) -> int:
     scheduler = Scheduler.from_settings(backend, settings)
     await scheduler.start()
     # Tickets in input order; results are written in that order as soon as the oldest is done.
@@ -191,7 +208,8 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
         if (where := non_finite_score(scores)) is not None:
             raise InputError(f"{input_path}:{number}: id {seq_id!r} could not be scored: its scores are not finite at "
                              f"{where} (the model's logits overflow float32 or are NaN)")
-        record = result_record(seq_id, scores, return_entropy=settings.return_entropy, top_k=settings.top_k)
+        record = {"id": seq_id, "model": backend.info.name, **run}  # what made it first, then the API's result
+        record.update(result_record(seq_id, scores, return_entropy=settings.return_entropy, top_k=settings.top_k))
         if job.rollout[0] is not None:  # as the server answers it
             record["mismatch"] = mismatch(scores.logprobs, job.rollout[0])
         out.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE))
@@ -202,7 +220,7 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
     interrupted = False
 
     try:
-        for number, seq_id, job in _jobs(settings, input_path, limits, done):
+        for number, seq_id, job in _jobs(settings, input_path, limits, done, run):
             while True:
                 try:
                     ticket = scheduler.submit(job.sequences)
@@ -260,7 +278,7 @@ def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
         done = finished_ids(output_path)
         # Every line is checked but for the model's own limits (vocabulary, context) before it loads.
         loose = Limits(2**31, 2**62, 1, settings.queued_tokens, 1 << 62)
-        todo = sum(1 for _ in _jobs(settings, input_path, loose, done, seen))
+        todo = sum(1 for _ in _jobs(settings, input_path, loose, done, {"temperature": settings.temperature}, seen))
     except InputError as exc:
         print(f"packscore: error: {exc}", file=sys.stderr)
         return 2
@@ -271,6 +289,10 @@ def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     if todo == 0:
         log.info("nothing left to score")
         return 0
+    if unrecorded := sum(1 for result in done.values() if None in result.run):
+        log.warning("%s: %d results do not record the temperature, weights_version and dtype that made them (an "
+                    "earlier packscore wrote them): they are kept unchecked, so give the --temperature, --model and "
+                    "--dtype they were scored with", output_path, unrecorded)
     backend = load_backend(settings)
     try:
         info = backend.info
@@ -279,13 +301,14 @@ def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
         except ValueError as exc:
             raise InputError(str(exc)) from None
         limits = Limits(info.vocab_size, model_len, 1, settings.queued_tokens, 1 << 62)
-        # The model's limits, before the first line is scored: a bad line stops the run with nothing written.
-        # The file is read again, so that it is never held whole in memory.
-        for _ in _jobs(settings, input_path, limits, done):
+        run = {"temperature": settings.temperature, "weights_version": info.weights_version, "dtype": info.dtype}
+        # The model's limits and weights, before the first line is scored: a bad line stops the run with
+        # nothing written. The file is read again, so that it is never held whole in memory.
+        for _ in _jobs(settings, input_path, limits, done, run):
             pass
         with output_path.open("ab") as out, _progress(total, resumed) as bar:
             try:
-                written = asyncio.run(_score_lines(settings, backend, input_path, limits, out, done, bar))
+                written = asyncio.run(_score_lines(settings, backend, input_path, limits, out, done, run, bar))
             finally:
                 out.flush()
                 os.fsync(out.fileno())

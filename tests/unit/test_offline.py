@@ -2,6 +2,7 @@
 signals with the real model, reruns into an OUT of another input, paths that cannot work, and
 checks that come before the model loads."""
 
+import dataclasses
 import logging
 import os
 import signal
@@ -15,7 +16,7 @@ import pytest
 
 from service import cli
 import service.offline
-from service.testing import FakeBackend
+from service.testing import FAKE_VERSION, FakeBackend
 
 
 def _write_jsonl(path, rows):
@@ -200,3 +201,55 @@ def test_progress_off_a_terminal_is_log_lines_not_a_bar(monkeypatch, tmp_path, c
     with caplog.at_level(logging.INFO, logger="service.offline"):
         progress.update(3)
     assert "scored 7/10 sequences" in caplog.text and "s left" in caplog.text
+
+
+def test_each_result_line_records_the_model_weights_temperature_and_dtype_that_made_it(monkeypatch, tmp_path):
+    _fake_model(monkeypatch)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}])
+    assert cli.main(["score", str(source), "-o", str(out), "--temperature", "0.7"]) == 0
+    (line,) = _read_jsonl(out)
+    made = {k: line[k] for k in ("model", "weights_version", "temperature", "dtype")}
+    assert made == {"model": "fake-model", "weights_version": FAKE_VERSION, "temperature": 0.7, "dtype": "float32"}
+    assert list(line)[:2] == ["id", "model"] and "logprobs" in line
+
+
+@pytest.mark.parametrize("change,named", [
+    ({"argv": ["--temperature", "0.5"]}, "temperature 1.0 (this run: 0.5)"),
+    ({"info": {"weights_version": "xxh3-0123456789ab"}}, f"weights_version {FAKE_VERSION} (this run: xxh3-0123456789ab)"),
+    ({"info": {"dtype": "bfloat16"}}, "dtype float32 (this run: bfloat16)"),
+], ids=["temperature", "other-weights", "dtype"])
+def test_a_rerun_with_another_temperature_model_or_dtype_is_refused(monkeypatch, tmp_path, capsys, change, named):
+    """OUT would otherwise mix results of two temperatures or two models, with exit 0; the
+    temperature is refused before the model loads (minutes for a large one)."""
+    backend = _fake_model(monkeypatch)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}])
+    assert cli.main(["score", str(source), "-o", str(out)]) == 0
+    before = out.read_bytes()
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}, {"id": "b", "input_ids": [1, 2]}])
+    if "info" in change:
+        backend.info = dataclasses.replace(backend.info, **change["info"])
+    else:
+        _no_model(monkeypatch)
+    assert cli.main(["score", str(source), "-o", str(out), *change.get("argv", [])]) == 2
+    err = capsys.readouterr().err
+    assert f"{source}:1: id 'a' already has a result in OUT line 1" in err and named in err, err
+    assert out.read_bytes() == before
+
+
+def test_an_out_written_before_results_recorded_their_run_is_resumed_with_a_warning(monkeypatch, tmp_path, caplog):
+    """Refusing it would throw away hours of scoring; its lines cannot be checked, and the warning says
+    what the rerun must repeat. The lines added record their run, so the next rerun checks those."""
+    _fake_model(monkeypatch)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}])
+    assert cli.main(["score", str(source), "-o", str(out)]) == 0
+    old = {k: v for k, v in _read_jsonl(out)[0].items() if k not in ("model", "weights_version", "temperature", "dtype")}
+    _write_jsonl(out, [old])
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}, {"id": "b", "input_ids": [1, 2]}])
+    with caplog.at_level(logging.WARNING, logger="service.offline"):
+        assert cli.main(["score", str(source), "-o", str(out), "--temperature", "0.5"]) == 0
+    assert "1 results do not record the temperature, weights_version and dtype" in caplog.text
+    first, second = _read_jsonl(out)
+    assert first == old and second["temperature"] == 0.5
