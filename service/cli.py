@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         "IN must be a regular file (it is read twice: not stdin or a pipe).",
     )
     score.add_argument("input", type=Path, metavar="IN.jsonl", help="sequences to score, one JSON object per line")
-    score.add_argument("-o", "--output", type=Path, required=True, metavar="OUT.jsonl", help="where results go (appended)")
+    score.add_argument("-o", "--output", type=Path, required=True, metavar="OUT.jsonl", help="where results go (appended); a regular file, read back to resume: not - (stdout) or a pipe")
     _add_options(score, _SCORE_OPTIONS, one_model=True)
     return parser
 

@@ -259,6 +259,10 @@ def _path_problem(input_path: Path, output_path: Path) -> str | None:
         return f"-o {output_path} is IN itself; give the results a file of their own"
     if output_path.is_dir():
         return f"-o {output_path} is a directory; give a file"
+    if str(output_path) == "-" or (output_path.exists() and not output_path.is_file()):
+        shown = "stdout" if str(output_path) == "-" else f"{output_path}, not a regular file,"
+        return (f"-o {output_path}: {shown} cannot be OUT (a rerun reads OUT back to resume after the results it "
+                "holds): write to a file, then read or compress it from there")
     try:
         output_path.open("ab").close()  # created now, empty: a missing folder or no permission shows here
     except OSError as exc:

@@ -157,11 +157,15 @@ def test_paths_that_cannot_work_are_refused_before_the_model_loads(monkeypatch, 
         ([str(source), "-o", str(tmp_path)], "is a directory"),
         ([str(source), "-o", str(tmp_path / "no" / "out.jsonl")], "cannot write it: No such file or directory"),
         ([str(source), "-o", str(source)], "is IN itself"),
+        ([str(source), "-o", "-"], "-o -: stdout cannot be OUT (a rerun reads OUT back to resume"),
+        ([str(source), "-o", str(fifo)], "not a regular file, cannot be OUT"),
     ]
+    monkeypatch.chdir(tmp_path)  # where -o - would have made a file named "-"
     for argv, named in cases:
         assert cli.main(["score", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert named in err and "Traceback" not in err, (argv, err)
+    assert not (tmp_path / "-").exists()
 
 
 def test_a_bad_line_is_refused_before_the_model_loads_and_names_its_field_once(monkeypatch, tmp_path, capsys):
