@@ -34,6 +34,10 @@ class InputError(ValueError):
     """A line of IN that cannot be scored; the message names the line."""
 
 
+class OutputError(OSError):
+    """OUT could not be written (disk full, a quota, an I/O error); what was written before is kept."""
+
+
 class Done(NamedTuple):
     """A result line of OUT, as much of it as shows which input and options scored it."""
 
@@ -197,9 +201,10 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
     # Tickets in input order; results are written in that order as soon as the oldest is done.
     window: deque[tuple[int, str, ScoreJob, Ticket]] = deque()
     written = 0
+    write_failed = False
 
     async def write_oldest() -> None:
-        nonlocal written
+        nonlocal written, write_failed
         number, seq_id, job, ticket = window[0]  # taken off only once written: nothing after it is written before it
         try:
             scores = (await ticket.future)[0]
@@ -212,7 +217,11 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
         record.update(result_record(seq_id, scores, return_entropy=settings.return_entropy, top_k=settings.top_k))
         if job.rollout[0] is not None:  # as the server answers it
             record["mismatch"] = mismatch(scores.logprobs, job.rollout[0])
-        out.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE))
+        try:
+            out.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE))
+        except OSError as exc:
+            write_failed = True
+            raise OutputError(exc.errno, exc.strerror or str(exc)) from None
         window.popleft()
         written += 1
         bar.update(1)
@@ -237,7 +246,7 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
         # Whatever was scored is kept, also when a later line is bad: the next run resumes after it.
         # Interrupted (Ctrl-C), only what is already scored is written, in order up to the first gap.
         try:
-            while window and (not interrupted or window[0][3].done):
+            while window and not write_failed and (not interrupted or window[0][3].done):
                 await write_oldest()
         finally:
             await scheduler.close("the offline run stopped")
@@ -268,6 +277,18 @@ def _path_problem(input_path: Path, output_path: Path) -> str | None:
     except OSError as exc:
         return f"-o {output_path}: cannot write it: {exc.strerror or exc}"
     return None
+
+
+def _close_output(out: IO[bytes]) -> None:
+    """Flushed to the disk and closed; a failure (the disk filled) as OutputError."""
+    try:
+        try:
+            out.flush()
+            os.fsync(out.fileno())
+        finally:
+            out.close()  # closes the file also where its flush fails
+    except OSError as exc:
+        raise OutputError(exc.errno, exc.strerror or str(exc)) from None
 
 
 def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
@@ -310,15 +331,19 @@ def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
         # nothing written. The file is read again, so that it is never held whole in memory.
         for _ in _jobs(settings, input_path, limits, done, run):
             pass
-        with output_path.open("ab") as out, _progress(total, resumed) as bar:
-            try:
+        out = output_path.open("ab")
+        try:
+            with _progress(total, resumed) as bar:
                 written = asyncio.run(_score_lines(settings, backend, input_path, limits, out, done, run, bar))
-            finally:
-                out.flush()
-                os.fsync(out.fileno())
+        finally:
+            _close_output(out)
     except InputError as exc:
         print(f"packscore: error: {exc}", file=sys.stderr)
         return 2
+    except OutputError as exc:
+        print(f"packscore: error: cannot write {output_path}: {exc.strerror}; the results written before are "
+              "kept: make room, then run the same command to resume after them", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"packscore: interrupted; the results written to {output_path} are kept, in input order: "
               "the same command resumes after them", file=sys.stderr)

@@ -5,6 +5,7 @@ checks that come before the model loads."""
 import dataclasses
 import logging
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -257,3 +258,23 @@ def test_an_out_written_before_results_recorded_their_run_is_resumed_with_a_warn
     assert "1 results do not record the temperature, weights_version and dtype" in caplog.text
     first, second = _read_jsonl(out)
     assert first == old and second["temperature"] == 0.5
+
+
+def test_a_full_disk_stops_the_run_with_one_line_and_the_rerun_resumes(monkeypatch, tmp_path, capsys):
+    """A file size limit fails OUT's writes part way through a line, as a full disk does: one error
+    line, not a traceback (nor a hang while the scheduler closed), and the rerun completes OUT."""
+    _fake_model(monkeypatch)
+    rows = [{"id": f"r{i}", "input_ids": list(range(1, 200))} for i in range(60)]
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, rows)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))  # Python ignores SIGXFSZ: writes fail with EFBIG
+    try:
+        code = cli.main(["score", str(source), "-o", str(out)])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    err = capsys.readouterr().err
+    assert code == 1 and f"cannot write {out}: File too large" in err and "Traceback" not in err, err
+    assert 0 < out.stat().st_size <= 20_000
+    assert cli.main(["score", str(source), "-o", str(out)]) == 0
+    assert [r["id"] for r in _read_jsonl(out)] == [r["id"] for r in rows]
