@@ -9,6 +9,7 @@ results of two runs to one file; a line without them (an earlier packscore's) is
 from __future__ import annotations
 
 import asyncio
+import codecs
 import logging
 import os
 import sys
@@ -93,6 +94,8 @@ def finished_ids(output: Path) -> dict[str, Done]:
 def _lines(path: Path) -> Iterator[tuple[int, dict]]:
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):
+            if number == 1 and raw.startswith(codecs.BOM_UTF8):  # as Windows tools write UTF-8; orjson refuses it
+                raw = raw[len(codecs.BOM_UTF8):]
             if not raw.strip():
                 continue
             try:

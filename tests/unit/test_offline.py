@@ -278,3 +278,16 @@ def test_a_full_disk_stops_the_run_with_one_line_and_the_rerun_resumes(monkeypat
     assert 0 < out.stat().st_size <= 20_000
     assert cli.main(["score", str(source), "-o", str(out)]) == 0
     assert [r["id"] for r in _read_jsonl(out)] == [r["id"] for r in rows]
+
+
+def test_a_file_saved_on_windows_scores_as_the_same_lines_do(monkeypatch, tmp_path):
+    """A UTF-8 byte order mark (Notepad, PowerShell) and CRLF endings: orjson refuses the mark, so
+    line 1 failed as 'not valid JSON'."""
+    _fake_model(monkeypatch)
+    rows = [{"id": "a", "input_ids": [1, 2, 3]}, {"id": "b", "input_ids": [4, 5]}]
+    unix, windows = tmp_path / "unix.jsonl", tmp_path / "windows.jsonl"
+    _write_jsonl(unix, rows)
+    windows.write_bytes(b"\xef\xbb\xbf" + unix.read_bytes().replace(b"\n", b"\r\n") + b"\r\n")
+    assert cli.main(["score", str(unix), "-o", str(tmp_path / "unix.out")]) == 0
+    assert cli.main(["score", str(windows), "-o", str(tmp_path / "windows.out")]) == 0
+    assert (tmp_path / "windows.out").read_bytes() == (tmp_path / "unix.out").read_bytes()
