@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import fcntl
 import logging
 import os
 import sys
@@ -296,11 +297,22 @@ def _close_output(out: IO[bytes]) -> None:
 
 def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     """Scores every line of ``input_path`` not yet in ``output_path``; returns the exit status."""
-    from service.backends import load_backend
-
     if (problem := _path_problem(input_path, output_path)) is not None:
         print(f"packscore: error: {problem}", file=sys.stderr)
         return 2
+    with output_path.open("ab") as lock:
+        try:  # two runs appending to one OUT (a job retried while the first still runs) would interleave
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"packscore: error: -o {output_path}: another packscore score is writing it; wait for it to end "
+                  "or give another -o", file=sys.stderr)
+            return 2
+        return _score_file(settings, input_path, output_path)
+
+
+def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
+    from service.backends import load_backend
+
     seen: set[str] = set()
     try:
         done = finished_ids(output_path)

@@ -291,3 +291,17 @@ def test_a_file_saved_on_windows_scores_as_the_same_lines_do(monkeypatch, tmp_pa
     assert cli.main(["score", str(unix), "-o", str(tmp_path / "unix.out")]) == 0
     assert cli.main(["score", str(windows), "-o", str(tmp_path / "windows.out")]) == 0
     assert (tmp_path / "windows.out").read_bytes() == (tmp_path / "unix.out").read_bytes()
+
+
+def test_a_second_run_into_an_out_being_written_is_refused(monkeypatch, tmp_path, capsys):
+    """A job retried while the first still runs: both appended to OUT, interleaving their results."""
+    import fcntl
+
+    _no_model(monkeypatch)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}])
+    with out.open("ab") as first_run:
+        fcntl.flock(first_run, fcntl.LOCK_EX)
+        assert cli.main(["score", str(source), "-o", str(out)]) == 2
+    assert "another packscore score is writing it" in capsys.readouterr().err
+    assert out.read_bytes() == b""
