@@ -62,6 +62,8 @@ def _add_options(parser: argparse.ArgumentParser, names: Sequence[str], *, one_m
         description = field.description
         if one_model and name == "model":  # offline scoring runs one model
             description = description.split("; several models:")[0]
+        if one_model and name == "served_model_name":  # offline, no client: the name goes into OUT
+            description = "name written in each result line's model field (default: the model's)"
         # argparse formats help with %: a literal one in a description must reach it doubled
         help_text = f"{description} [env PACKSCORE_{name.upper()}{shown_default}]".replace("%", "%%")
         kind = _optional_inner(field.annotation)
@@ -108,12 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
         'line is one sequence object as in the API: {"id": "...", "input_ids": [...], "score_from": 1}; a line '
         "without an id (or with a null one) gets line-<number>. Every line is checked before the first is scored: "
         "a bad one stops the run, naming its line and field, with nothing written. Each output line is the API's "
-        "JSON result for it (with mismatch where the line sends rollout_logprobs). Ids already in OUT are skipped, "
-        "so an interrupted run resumes where it stopped; an id whose result in OUT came from another input or other "
-        "options is refused. IN must be a regular file (it is read twice: not stdin or a pipe).",
+        "JSON result for it (with mismatch where the line sends rollout_logprobs) and what made it: model, "
+        "weights_version, temperature and dtype. Ids already in OUT are skipped, so an interrupted run resumes where "
+        "it stopped; an id whose result in OUT came from another input, other weights or other options is refused. "
+        "IN must be a regular file (it is read more than once: not stdin or a pipe).",
     )
     score.add_argument("input", type=Path, metavar="IN.jsonl", help="sequences to score, one JSON object per line")
-    score.add_argument("-o", "--output", type=Path, required=True, metavar="OUT.jsonl", help="where results go (appended)")
+    score.add_argument("-o", "--output", type=Path, required=True, metavar="OUT.jsonl", help="where results go (appended); a regular file, read back to resume: not - (stdout) or a pipe")
     _add_options(score, _SCORE_OPTIONS, one_model=True)
     return parser
 

@@ -1,10 +1,16 @@
 """``packscore score IN.jsonl -o OUT.jsonl``: the server's engine (validation, scheduler, backend)
 without HTTP, for batch jobs. Resumable: ids already in OUT are skipped.
+
+Each result line records what made it (model, weights_version, temperature, dtype) beside the
+API's result, so that a rerun with another model or temperature is refused instead of appending
+results of two runs to one file; a line without them (an earlier packscore's) is kept unchecked.
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
+import fcntl
 import logging
 import os
 import sys
@@ -30,6 +36,10 @@ class InputError(ValueError):
     """A line of IN that cannot be scored; the message names the line."""
 
 
+class OutputError(OSError):
+    """OUT could not be written (disk full, a quota, an I/O error); what was written before is kept."""
+
+
 class Done(NamedTuple):
     """A result line of OUT, as much of it as shows which input and options scored it."""
 
@@ -37,6 +47,12 @@ class Done(NamedTuple):
     scored: int  # len(logprobs): len(input_ids) - score_from of the line that was scored
     entropy: bool
     top_k: int | None  # k, 0 without top-k ids, None where no position was scored (k not shown)
+    run: tuple  # its _RUN_FIELDS, None for each it lacks (a line an earlier packscore wrote)
+
+
+# What a result line records of the run that made it, and a rerun checks: the weights by their
+# content (a copied checkpoint resumes, another one at the same path does not), not the model's name.
+_RUN_FIELDS = ("temperature", "weights_version", "dtype")
 
 
 def finished_ids(output: Path) -> dict[str, Done]:
@@ -46,6 +62,7 @@ def finished_ids(output: Path) -> dict[str, Done]:
     if not output.exists():
         return {}
     done: dict[str, Done] = {}
+    runs: dict[tuple, tuple] = {}  # one tuple shared by every line of a run: OUT may hold millions
     good_end = 0
     with output.open("rb") as f:
         for number, line in enumerate(f, start=1):
@@ -65,7 +82,8 @@ def finished_ids(output: Path) -> dict[str, Done]:
                 ) from None
             top_k = record.get("top_k_ids")
             k = 0 if top_k is None else (len(top_k[0]) if top_k else None)
-            done[seq_id] = Done(number, scored, "entropy" in record, k)
+            run = tuple(record.get(name) for name in _RUN_FIELDS)
+            done[seq_id] = Done(number, scored, "entropy" in record, k, runs.setdefault(run, run))
             good_end += len(line)
     if good_end != output.stat().st_size:
         log.warning("%s: dropping an incomplete last line (the previous run stopped while writing it)", output)
@@ -77,6 +95,8 @@ def finished_ids(output: Path) -> dict[str, Done]:
 def _lines(path: Path) -> Iterator[tuple[int, dict]]:
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):
+            if number == 1 and raw.startswith(codecs.BOM_UTF8):  # as Windows tools write UTF-8; orjson refuses it
+                raw = raw[len(codecs.BOM_UTF8):]
             if not raw.strip():
                 continue
             try:
@@ -92,10 +112,11 @@ def _lines(path: Path) -> Iterator[tuple[int, dict]]:
             yield number, obj
 
 
-def _jobs(settings: Settings, input_path: Path, limits: Limits, done: dict[str, Done],
+def _jobs(settings: Settings, input_path: Path, limits: Limits, done: dict[str, Done], run: dict,
           seen: set[str] | None = None) -> Iterator[tuple[int, str, ScoreJob]]:
     """Each line not yet in OUT as a validated one-sequence job; a bad line raises InputError naming
     it, as does a line whose result in OUT was scored from another input or with other options.
+    ``run`` is what is known of this run's _RUN_FIELDS (the weights only once the model loaded).
     ``seen`` collects every id of IN."""
     seen = set() if seen is None else seen
     for number, obj in _lines(input_path):
@@ -118,22 +139,26 @@ def _jobs(settings: Settings, input_path: Path, limits: Limits, done: dict[str, 
                 message = f"{where}: {message}"
             raise InputError(f"{input_path}:{number}: {message}") from None
         if seq_id in done:
-            _check_resumed(input_path, number, obj, job, done[seq_id], settings)
+            _check_resumed(input_path, number, obj, job, done[seq_id], settings, run)
             continue
         yield number, seq_id, job
 
 
-def _check_resumed(input_path: Path, number: int, obj: dict, job: ScoreJob, result: Done, settings: Settings) -> None:
-    """OUT's result for this line must be of this line and these options, else OUT mixes two runs."""
+def _check_resumed(input_path: Path, number: int, obj: dict, job: ScoreJob, result: Done, settings: Settings,
+                   run: dict) -> None:
+    """OUT's result for this line must be of this line, this model and these options, else OUT mixes two runs."""
     seq = job.sequences[0]
     scored = len(obj["input_ids"]) - seq.score_from
     k = settings.top_k if result.top_k is not None else result.top_k  # no position scored: any k fits
     found = {"scored positions": result.scored, "entropy": result.entropy, "top_k": result.top_k}
     want = {"scored positions": scored, "entropy": settings.return_entropy, "top_k": k}
+    for name, recorded in zip(_RUN_FIELDS, result.run):
+        if name in run and recorded is not None:  # not recorded: an earlier packscore's line, kept unchecked
+            found[name], want[name] = recorded, run[name]
     if found != want:
         what = ", ".join(f"{k} {found[k]} (this run: {want[k]})" for k in found if found[k] != want[k])
         raise InputError(f"{input_path}:{number}: id {obj['id']!r} already has a result in OUT line {result.line} "
-                         f"that another input or other options made: {what}; give another -o, or remove that line")
+                         f"that another input, model or options made: {what}; give another -o, or remove that line")
 
 
 def _progress(total: int, initial: int):
@@ -174,15 +199,16 @@ class _LoggedProgress:
 
 
 async def _score_lines(settings: Settings, backend, input_path: Path, limits: Limits, out: IO[bytes],
-                       done: dict[str, Done], bar) -> int:
+                       done: dict[str, Done], run: dict, bar) -> int:
     scheduler = Scheduler.from_settings(backend, settings)
     await scheduler.start()
     # Tickets in input order; results are written in that order as soon as the oldest is done.
     window: deque[tuple[int, str, ScoreJob, Ticket]] = deque()
     written = 0
+    write_failed = False
 
     async def write_oldest() -> None:
-        nonlocal written
+        nonlocal written, write_failed
         number, seq_id, job, ticket = window[0]  # taken off only once written: nothing after it is written before it
         try:
             scores = (await ticket.future)[0]
@@ -191,10 +217,15 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
         if (where := non_finite_score(scores)) is not None:
             raise InputError(f"{input_path}:{number}: id {seq_id!r} could not be scored: its scores are not finite at "
                              f"{where} (the model's logits overflow float32 or are NaN)")
-        record = result_record(seq_id, scores, return_entropy=settings.return_entropy, top_k=settings.top_k)
+        record = {"id": seq_id, "model": backend.info.name, **run}  # what made it first, then the API's result
+        record.update(result_record(seq_id, scores, return_entropy=settings.return_entropy, top_k=settings.top_k))
         if job.rollout[0] is not None:  # as the server answers it
             record["mismatch"] = mismatch(scores.logprobs, job.rollout[0])
-        out.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE))
+        try:
+            out.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE))
+        except OSError as exc:
+            write_failed = True
+            raise OutputError(exc.errno, exc.strerror or str(exc)) from None
         window.popleft()
         written += 1
         bar.update(1)
@@ -202,7 +233,7 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
     interrupted = False
 
     try:
-        for number, seq_id, job in _jobs(settings, input_path, limits, done):
+        for number, seq_id, job in _jobs(settings, input_path, limits, done, run):
             while True:
                 try:
                     ticket = scheduler.submit(job.sequences)
@@ -219,7 +250,7 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
         # Whatever was scored is kept, also when a later line is bad: the next run resumes after it.
         # Interrupted (Ctrl-C), only what is already scored is written, in order up to the first gap.
         try:
-            while window and (not interrupted or window[0][3].done):
+            while window and not write_failed and (not interrupted or window[0][3].done):
                 await write_oldest()
         finally:
             await scheduler.close("the offline run stopped")
@@ -241,6 +272,10 @@ def _path_problem(input_path: Path, output_path: Path) -> str | None:
         return f"-o {output_path} is IN itself; give the results a file of their own"
     if output_path.is_dir():
         return f"-o {output_path} is a directory; give a file"
+    if str(output_path) == "-" or (output_path.exists() and not output_path.is_file()):
+        shown = "stdout" if str(output_path) == "-" else f"{output_path}, not a regular file,"
+        return (f"-o {output_path}: {shown} cannot be OUT (a rerun reads OUT back to resume after the results it "
+                "holds): write to a file, then read or compress it from there")
     try:
         output_path.open("ab").close()  # created now, empty: a missing folder or no permission shows here
     except OSError as exc:
@@ -248,19 +283,42 @@ def _path_problem(input_path: Path, output_path: Path) -> str | None:
     return None
 
 
+def _close_output(out: IO[bytes]) -> None:
+    """Flushed to the disk and closed; a failure (the disk filled) as OutputError."""
+    try:
+        try:
+            out.flush()
+            os.fsync(out.fileno())
+        finally:
+            out.close()  # closes the file also where its flush fails
+    except OSError as exc:
+        raise OutputError(exc.errno, exc.strerror or str(exc)) from None
+
+
 def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     """Scores every line of ``input_path`` not yet in ``output_path``; returns the exit status."""
-    from service.backends import load_backend
-
     if (problem := _path_problem(input_path, output_path)) is not None:
         print(f"packscore: error: {problem}", file=sys.stderr)
         return 2
+    with output_path.open("ab") as lock:
+        try:  # two runs appending to one OUT (a job retried while the first still runs) would interleave
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"packscore: error: -o {output_path}: another packscore score is writing it; wait for it to end "
+                  "or give another -o", file=sys.stderr)
+            return 2
+        return _score_file(settings, input_path, output_path)
+
+
+def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
+    from service.backends import load_backend
+
     seen: set[str] = set()
     try:
         done = finished_ids(output_path)
         # Every line is checked but for the model's own limits (vocabulary, context) before it loads.
         loose = Limits(2**31, 2**62, 1, settings.queued_tokens, 1 << 62)
-        todo = sum(1 for _ in _jobs(settings, input_path, loose, done, seen))
+        todo = sum(1 for _ in _jobs(settings, input_path, loose, done, {"temperature": settings.temperature}, seen))
     except InputError as exc:
         print(f"packscore: error: {exc}", file=sys.stderr)
         return 2
@@ -271,6 +329,10 @@ def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     if todo == 0:
         log.info("nothing left to score")
         return 0
+    if unrecorded := sum(1 for result in done.values() if None in result.run):
+        log.warning("%s: %d results do not record the temperature, weights_version and dtype that made them (an "
+                    "earlier packscore wrote them): they are kept unchecked, so give the --temperature, --model and "
+                    "--dtype they were scored with", output_path, unrecorded)
     backend = load_backend(settings)
     try:
         info = backend.info
@@ -279,19 +341,24 @@ def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
         except ValueError as exc:
             raise InputError(str(exc)) from None
         limits = Limits(info.vocab_size, model_len, 1, settings.queued_tokens, 1 << 62)
-        # The model's limits, before the first line is scored: a bad line stops the run with nothing written.
-        # The file is read again, so that it is never held whole in memory.
-        for _ in _jobs(settings, input_path, limits, done):
+        run = {"temperature": settings.temperature, "weights_version": info.weights_version, "dtype": info.dtype}
+        # The model's limits and weights, before the first line is scored: a bad line stops the run with
+        # nothing written. The file is read again, so that it is never held whole in memory.
+        for _ in _jobs(settings, input_path, limits, done, run):
             pass
-        with output_path.open("ab") as out, _progress(total, resumed) as bar:
-            try:
-                written = asyncio.run(_score_lines(settings, backend, input_path, limits, out, done, bar))
-            finally:
-                out.flush()
-                os.fsync(out.fileno())
+        out = output_path.open("ab")
+        try:
+            with _progress(total, resumed) as bar:
+                written = asyncio.run(_score_lines(settings, backend, input_path, limits, out, done, run, bar))
+        finally:
+            _close_output(out)
     except InputError as exc:
         print(f"packscore: error: {exc}", file=sys.stderr)
         return 2
+    except OutputError as exc:
+        print(f"packscore: error: cannot write {output_path}: {exc.strerror}; the results written before are "
+              "kept: make room, then run the same command to resume after them", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"packscore: interrupted; the results written to {output_path} are kept, in input order: "
               "the same command resumes after them", file=sys.stderr)

@@ -409,6 +409,8 @@ class Scheduler:
                 await asyncio.wait_for(self._wake.wait(), timeout)
             except TimeoutError:
                 pass
+            if self._closed:  # Python 3.11's wait_for drops a cancel that lands as the wake is set: close() hung
+                raise asyncio.CancelledError
 
     def _deadline_due(self) -> float:
         """When a row must start for the queued sequences' deadlines: batching may spend at most

@@ -335,3 +335,25 @@ def test_readyz_says_updating_weights_while_an_update_copies_in_place():
     assert during.status_code == 503 and during.json()["status"] == "updating_weights", during.text
     assert during.headers["retry-after"] == "2"
     assert after.status_code == 200, after.text
+
+
+
+def test_close_returns_when_the_packer_was_woken_just_before():
+    """close() cancels the packer while its timed wait for a row to fill has just been woken (a row
+    finished): Python 3.11's wait_for returned the wake and dropped the cancel, and close() waited on
+    the packer forever (packscore score hung so when writing OUT failed)."""
+    async def main():
+        gate = threading.Event()
+        scheduler = await started(FakeBackend(gate=gate), max_batch_tokens=50, max_wait_ms=10_000)
+        tickets = [scheduler.submit(seqs_of(40)) for _ in range(2)]  # one row runs (held), one waits to fill
+        await asyncio.sleep(0.05)
+        scheduler._wake.set()  # as a runner does when a row ends; no await between it and close()
+        try:
+            await asyncio.wait_for(scheduler.close("closing"), 5)
+        except TimeoutError:
+            return "close() still waiting after 5 s"
+        finally:
+            gate.set()
+        return [t.done for t in tickets]
+
+    assert asyncio.run(main()) == [True, True]

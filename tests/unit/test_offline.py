@@ -2,8 +2,10 @@
 signals with the real model, reruns into an OUT of another input, paths that cannot work, and
 checks that come before the model loads."""
 
+import dataclasses
 import logging
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -15,7 +17,7 @@ import pytest
 
 from service import cli
 import service.offline
-from service.testing import FakeBackend
+from service.testing import FAKE_VERSION, FakeBackend
 
 
 def _write_jsonl(path, rows):
@@ -156,11 +158,15 @@ def test_paths_that_cannot_work_are_refused_before_the_model_loads(monkeypatch, 
         ([str(source), "-o", str(tmp_path)], "is a directory"),
         ([str(source), "-o", str(tmp_path / "no" / "out.jsonl")], "cannot write it: No such file or directory"),
         ([str(source), "-o", str(source)], "is IN itself"),
+        ([str(source), "-o", "-"], "-o -: stdout cannot be OUT (a rerun reads OUT back to resume"),
+        ([str(source), "-o", str(fifo)], "not a regular file, cannot be OUT"),
     ]
+    monkeypatch.chdir(tmp_path)  # where -o - would have made a file named "-"
     for argv, named in cases:
         assert cli.main(["score", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert named in err and "Traceback" not in err, (argv, err)
+    assert not (tmp_path / "-").exists()
 
 
 def test_a_bad_line_is_refused_before_the_model_loads_and_names_its_field_once(monkeypatch, tmp_path, capsys):
@@ -200,3 +206,102 @@ def test_progress_off_a_terminal_is_log_lines_not_a_bar(monkeypatch, tmp_path, c
     with caplog.at_level(logging.INFO, logger="service.offline"):
         progress.update(3)
     assert "scored 7/10 sequences" in caplog.text and "s left" in caplog.text
+
+
+def test_each_result_line_records_the_model_weights_temperature_and_dtype_that_made_it(monkeypatch, tmp_path):
+    _fake_model(monkeypatch)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}])
+    assert cli.main(["score", str(source), "-o", str(out), "--temperature", "0.7"]) == 0
+    (line,) = _read_jsonl(out)
+    made = {k: line[k] for k in ("model", "weights_version", "temperature", "dtype")}
+    assert made == {"model": "fake-model", "weights_version": FAKE_VERSION, "temperature": 0.7, "dtype": "float32"}
+    assert list(line)[:2] == ["id", "model"] and "logprobs" in line
+
+
+@pytest.mark.parametrize("change,named", [
+    ({"argv": ["--temperature", "0.5"]}, "temperature 1.0 (this run: 0.5)"),
+    ({"info": {"weights_version": "xxh3-0123456789ab"}}, f"weights_version {FAKE_VERSION} (this run: xxh3-0123456789ab)"),
+    ({"info": {"dtype": "bfloat16"}}, "dtype float32 (this run: bfloat16)"),
+], ids=["temperature", "other-weights", "dtype"])
+def test_a_rerun_with_another_temperature_model_or_dtype_is_refused(monkeypatch, tmp_path, capsys, change, named):
+    """OUT would otherwise mix results of two temperatures or two models, with exit 0; the
+    temperature is refused before the model loads (minutes for a large one)."""
+    backend = _fake_model(monkeypatch)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}])
+    assert cli.main(["score", str(source), "-o", str(out)]) == 0
+    before = out.read_bytes()
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}, {"id": "b", "input_ids": [1, 2]}])
+    if "info" in change:
+        backend.info = dataclasses.replace(backend.info, **change["info"])
+    else:
+        _no_model(monkeypatch)
+    assert cli.main(["score", str(source), "-o", str(out), *change.get("argv", [])]) == 2
+    err = capsys.readouterr().err
+    assert f"{source}:1: id 'a' already has a result in OUT line 1" in err and named in err, err
+    assert out.read_bytes() == before
+
+
+def test_an_out_written_before_results_recorded_their_run_is_resumed_with_a_warning(monkeypatch, tmp_path, caplog):
+    """Refusing it would throw away hours of scoring; its lines cannot be checked, and the warning says
+    what the rerun must repeat. The lines added record their run, so the next rerun checks those."""
+    _fake_model(monkeypatch)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}])
+    assert cli.main(["score", str(source), "-o", str(out)]) == 0
+    old = {k: v for k, v in _read_jsonl(out)[0].items() if k not in ("model", "weights_version", "temperature", "dtype")}
+    _write_jsonl(out, [old])
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}, {"id": "b", "input_ids": [1, 2]}])
+    with caplog.at_level(logging.WARNING, logger="service.offline"):
+        assert cli.main(["score", str(source), "-o", str(out), "--temperature", "0.5"]) == 0
+    assert "1 results do not record the temperature, weights_version and dtype" in caplog.text
+    first, second = _read_jsonl(out)
+    assert first == old and second["temperature"] == 0.5
+
+
+def test_a_full_disk_stops_the_run_with_one_line_and_the_rerun_resumes(monkeypatch, tmp_path, capsys):
+    """A file size limit fails OUT's writes part way through a line, as a full disk does: one error
+    line, not a traceback (nor a hang while the scheduler closed), and the rerun completes OUT."""
+    _fake_model(monkeypatch)
+    rows = [{"id": f"r{i}", "input_ids": list(range(1, 200))} for i in range(60)]
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, rows)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))  # Python ignores SIGXFSZ: writes fail with EFBIG
+    try:
+        code = cli.main(["score", str(source), "-o", str(out)])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    err = capsys.readouterr().err
+    assert code == 1 and f"cannot write {out}: File too large" in err and "Traceback" not in err, err
+    assert 0 < out.stat().st_size <= 20_000
+    assert cli.main(["score", str(source), "-o", str(out)]) == 0
+    assert [r["id"] for r in _read_jsonl(out)] == [r["id"] for r in rows]
+
+
+def test_a_file_saved_on_windows_scores_as_the_same_lines_do(monkeypatch, tmp_path):
+    """A UTF-8 byte order mark (Notepad, PowerShell) and CRLF endings: orjson refuses the mark, so
+    line 1 failed as 'not valid JSON'."""
+    _fake_model(monkeypatch)
+    rows = [{"id": "a", "input_ids": [1, 2, 3]}, {"id": "b", "input_ids": [4, 5]}]
+    unix, windows = tmp_path / "unix.jsonl", tmp_path / "windows.jsonl"
+    _write_jsonl(unix, rows)
+    windows.write_bytes(b"\xef\xbb\xbf" + unix.read_bytes().replace(b"\n", b"\r\n") + b"\r\n")
+    assert cli.main(["score", str(unix), "-o", str(tmp_path / "unix.out")]) == 0
+    assert cli.main(["score", str(windows), "-o", str(tmp_path / "windows.out")]) == 0
+    assert (tmp_path / "windows.out").read_bytes() == (tmp_path / "unix.out").read_bytes()
+
+
+def test_a_second_run_into_an_out_being_written_is_refused(monkeypatch, tmp_path, capsys):
+    """A job retried while the first still runs: both appended to OUT, interleaving their results."""
+    import fcntl
+
+    _no_model(monkeypatch)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}])
+    with out.open("ab") as first_run:
+        fcntl.flock(first_run, fcntl.LOCK_EX)
+        assert cli.main(["score", str(source), "-o", str(out)]) == 2
+    assert "another packscore score is writing it" in capsys.readouterr().err
+    assert out.read_bytes() == b""
