@@ -30,6 +30,7 @@ Pipeline (asyncio tasks joined by bounded hand-offs, forwards in a thread pool):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -196,9 +197,7 @@ class Scheduler:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._rows: asyncio.Queue[list[_Item]] = asyncio.Queue()  # bounded by _outstanding_rows
-        self._results: asyncio.Queue[tuple[list[_Item], list[SequenceScores]]] = asyncio.Queue(
-            maxsize=2 * self.concurrency
-        )
+        self._results: asyncio.Queue[tuple[list[_Item], list[SequenceScores]]] = asyncio.Queue(2 * self.concurrency)
         self._threads = [ForwardThread(f"packscore-forward-{i}") for i in range(self.concurrency)]
         self._tasks = [asyncio.create_task(self._pack_loop(), name="packscore-packer")]
         self._tasks += [asyncio.create_task(self._run_loop(thread), name=f"packscore-runner-{i}")
@@ -405,10 +404,8 @@ class Scheduler:
                     timeout = due - now
             # Woken by a new request, a cancellation or a runner that finished a row.
             self._wake.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
-            except TimeoutError:
-                pass
             if self._closed:  # Python 3.11's wait_for drops a cancel that lands as the wake is set: close() hung
                 raise asyncio.CancelledError
 
