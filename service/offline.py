@@ -333,6 +333,9 @@ def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
         log.warning("%s: %d results do not record the temperature, weights_version and dtype that made them (an "
                     "earlier packscore wrote them): they are kept unchecked, so give the --temperature, --model and "
                     "--dtype they were scored with", output_path, unrecorded)
+    if settings.model == "tiny":  # the default, so that a first try runs anywhere; its scores mean nothing
+        log.warning("scoring with the built-in tiny preset (random weights, for trying packscore out): give --model "
+                    "for the scores of a real model")
     backend = load_backend(settings)
     try:
         info = backend.info

@@ -145,6 +145,18 @@ def test_results_in_out_for_ids_not_in_in_are_named_in_a_warning(monkeypatch, tm
     assert [r["id"] for r in _read_jsonl(out)] == ["old", "new"]
 
 
+def test_the_default_tiny_preset_is_named_in_a_warning(monkeypatch, tmp_path, caplog):
+    """A forgotten --model scores with random weights: said, not silent."""
+    _fake_model(monkeypatch)
+    source = tmp_path / "in.jsonl"
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}])
+    for argv, warned in (([], True), (["--model", "qwen3.5-9b"], False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="service.offline"):
+            assert cli.main(["score", str(source), "-o", str(tmp_path / f"out{len(argv)}.jsonl"), *argv]) == 0
+        assert ("built-in tiny preset" in caplog.text) == warned, (argv, caplog.text)
+
+
 def test_paths_that_cannot_work_are_refused_before_the_model_loads(monkeypatch, tmp_path, capsys):
     _no_model(monkeypatch)
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
