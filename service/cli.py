@@ -111,8 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
         "without an id (or with a null one) gets line-<number>. Every line is checked before the first is scored: "
         "a bad one stops the run, naming its line and field, with nothing written. Each output line is the API's "
         "JSON result for it (with mismatch where the line sends rollout_logprobs) and what made it: model, "
-        "weights_version, temperature and dtype. Ids already in OUT are skipped, so an interrupted run resumes where "
-        "it stopped; an id whose result in OUT came from another input, other weights or other options is refused. "
+        "weights_version, temperature, dtype and input_hash (of its ids, score_from and rollout_logprobs). Ids "
+        "already in OUT are skipped, so an interrupted run resumes where it stopped; an id whose result in OUT came "
+        "from another input, other weights or other options is refused. "
         "IN must be a regular file (it is read more than once: not stdin or a pipe).",
     )
     score.add_argument("input", type=Path, metavar="IN.jsonl", help="sequences to score, one JSON object per line")

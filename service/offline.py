@@ -19,7 +19,9 @@ from collections import deque
 from pathlib import Path
 from typing import IO, Iterator, NamedTuple
 
+import numpy as np
 import orjson
+import xxhash
 from tqdm import tqdm
 
 from service.http.encoding import non_finite_score, result_record
@@ -48,11 +50,24 @@ class Done(NamedTuple):
     entropy: bool
     top_k: int | None  # k, 0 without top-k ids, None where no position was scored (k not shown)
     run: tuple  # its _RUN_FIELDS, None for each it lacks (a line an earlier packscore wrote)
+    input_hash: int | None  # input_digest of the line scored, None where not recorded
 
 
 # What a result line records of the run that made it, and a rerun checks: the weights by their
 # content (a copied checkpoint resumes, another one at the same path does not), not the model's name.
 _RUN_FIELDS = ("temperature", "weights_version", "dtype")
+
+
+def input_digest(job: ScoreJob) -> int:
+    """XXH3-64 of what a line asks to score (its ids, score_from and rollout log-probs), recorded
+    as ``input_hash`` in its result: a rerun knows a line's result by its input, not by id and
+    length alone (ids given as ``line-<number>`` move when lines are inserted)."""
+    seq = job.sequences[0]
+    h = xxhash.xxh3_64(np.asarray(seq.score_from, dtype="<i8").tobytes())
+    h.update(np.ascontiguousarray(seq.input_ids, dtype="<i4").tobytes())
+    if job.rollout[0] is not None:
+        h.update(np.ascontiguousarray(job.rollout[0], dtype="<f4").tobytes())
+    return h.intdigest()
 
 
 def finished_ids(output: Path) -> dict[str, Done]:
@@ -74,7 +89,8 @@ def finished_ids(output: Path) -> dict[str, Done]:
                 if not isinstance(seq_id, str):
                     raise TypeError(f"id must be a string, got {seq_id!r}")
                 scored = len(record["logprobs"])
-            except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+                input_hash = None if record.get("input_hash") is None else int(record["input_hash"], 16)
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
                 reason = f"no {exc} field" if isinstance(exc, KeyError) else str(exc)
                 raise InputError(
                     f"{output}:{number}: not a result line ({reason}); remove or repair it, then run again "
@@ -83,7 +99,7 @@ def finished_ids(output: Path) -> dict[str, Done]:
             top_k = record.get("top_k_ids")
             k = 0 if top_k is None else (len(top_k[0]) if top_k else None)
             run = tuple(record.get(name) for name in _RUN_FIELDS)
-            done[seq_id] = Done(number, scored, "entropy" in record, k, runs.setdefault(run, run))
+            done[seq_id] = Done(number, scored, "entropy" in record, k, runs.setdefault(run, run), input_hash)
             good_end += len(line)
     if good_end != output.stat().st_size:
         log.warning("%s: dropping an incomplete last line (the previous run stopped while writing it)", output)
@@ -155,6 +171,8 @@ def _check_resumed(input_path: Path, number: int, obj: dict, job: ScoreJob, resu
     for name, recorded in zip(_RUN_FIELDS, result.run):
         if name in run and recorded is not None:  # not recorded: an earlier packscore's line, kept unchecked
             found[name], want[name] = recorded, run[name]
+    if result.input_hash is not None:  # its ids, score_from and rollout log-probs
+        found["input_hash"], want["input_hash"] = f"{result.input_hash:016x}", f"{input_digest(job):016x}"
     if found != want:
         what = ", ".join(f"{k} {found[k]} (this run: {want[k]})" for k in found if found[k] != want[k])
         raise InputError(f"{input_path}:{number}: id {obj['id']!r} already has a result in OUT line {result.line} "
@@ -217,7 +235,8 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
         if (where := non_finite_score(scores)) is not None:
             raise InputError(f"{input_path}:{number}: id {seq_id!r} could not be scored: its scores are not finite at "
                              f"{where} (the model's logits overflow float32 or are NaN)")
-        record = {"id": seq_id, "model": backend.info.name, **run}  # what made it first, then the API's result
+        # what made it first, then the API's result
+        record = {"id": seq_id, "model": backend.info.name, **run, "input_hash": f"{input_digest(job):016x}"}
         record.update(result_record(seq_id, scores, return_entropy=settings.return_entropy, top_k=settings.top_k))
         if job.rollout[0] is not None:  # as the server answers it
             record["mismatch"] = mismatch(scores.logprobs, job.rollout[0])

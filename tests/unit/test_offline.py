@@ -118,7 +118,9 @@ def test_a_rerun_refuses_a_duplicated_id_as_the_first_run_does(monkeypatch, tmp_
     ({"argv": ["--top-k", "2"]}, "top_k 0 (this run: 2)"),
     ({"first_argv": ["--top-k", "2"], "argv": ["--top-k", "3"]}, "top_k 2 (this run: 3)"),
     ({"argv": ["--no-return-entropy"]}, "entropy True (this run: False)"),
-], ids=["other-input", "top-k", "other-k", "no-entropy"])
+    ({"rows": [{"id": "a", "input_ids": [1, 9, 3]}]}, "input_hash "),  # as long, other ids: line-N ids moved
+    ({"rows": [{"id": "a", "input_ids": [1, 2, 3], "rollout_logprobs": [-1.0, -2.0]}]}, "input_hash "),
+], ids=["other-input", "top-k", "other-k", "no-entropy", "same-length-other-ids", "rollout-sent"])
 def test_a_rerun_into_an_out_of_another_input_or_options_is_refused(monkeypatch, tmp_path, capsys, change, named):
     """Skipping such an id would leave OUT a mix of two runs, with exit 0."""
     _fake_model(monkeypatch)
@@ -262,7 +264,7 @@ def test_an_out_written_before_results_recorded_their_run_is_resumed_with_a_warn
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}])
     assert cli.main(["score", str(source), "-o", str(out)]) == 0
-    old = {k: v for k, v in _read_jsonl(out)[0].items() if k not in ("model", "weights_version", "temperature", "dtype")}
+    old = {k: v for k, v in _read_jsonl(out)[0].items() if k not in ("model", "weights_version", "temperature", "dtype", "input_hash")}
     _write_jsonl(out, [old])
     _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}, {"id": "b", "input_ids": [1, 2]}])
     with caplog.at_level(logging.WARNING, logger="service.offline"):
