@@ -78,7 +78,7 @@ def finished_ids(output: Path) -> dict[str, Done]:
         return {}
     done: dict[str, Done] = {}
     runs: dict[tuple, tuple] = {}  # one tuple shared by every line of a run: OUT may hold millions
-    good_end = 0
+    good_end = twice = 0
     with output.open("rb") as f:
         for number, line in enumerate(f, start=1):
             if not line.endswith(b"\n"):
@@ -99,8 +99,11 @@ def finished_ids(output: Path) -> dict[str, Done]:
             top_k = record.get("top_k_ids")
             k = 0 if top_k is None else (len(top_k[0]) if top_k else None)
             run = tuple(record.get(name) for name in _RUN_FIELDS)
+            twice += seq_id in done
             done[seq_id] = Done(number, scored, "entropy" in record, k, runs.setdefault(run, run), input_hash)
             good_end += len(line)
+    if twice:  # files joined with cat, or written by two runs at once before OUT was locked
+        log.warning("%s holds %d ids more than once: the last result of each is the one checked and kept", output, twice)
     if good_end != output.stat().st_size:
         log.warning("%s: dropping an incomplete last line (the previous run stopped while writing it)", output)
         with output.open("r+b") as f:
@@ -285,7 +288,7 @@ def _path_problem(input_path: Path, output_path: Path) -> str | None:
     if str(input_path) != "-" and not input_path.exists():
         return f"{input_path} does not exist"
     if not input_path.is_file():  # read once to check every line and again to score: a pipe cannot be
-        return (f"{input_path} is not a regular file (IN is read twice, to check every line before scoring, "
+        return (f"{input_path} is not a regular file (IN is read more than once, to check every line before scoring, "
                 "so stdin or a pipe cannot be IN: write it to a file first)")
     if output_path.exists() and output_path.samefile(input_path):
         return f"-o {output_path} is IN itself; give the results a file of their own"
@@ -316,6 +319,7 @@ def _close_output(out: IO[bytes]) -> None:
 
 def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     """Scores every line of ``input_path`` not yet in ``output_path``; returns the exit status."""
+    created = not output_path.exists()
     if (problem := _path_problem(input_path, output_path)) is not None:
         print(f"packscore: error: {problem}", file=sys.stderr)
         return 2
@@ -326,7 +330,10 @@ def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
             print(f"packscore: error: -o {output_path}: another packscore score is writing it; wait for it to end "
                   "or give another -o", file=sys.stderr)
             return 2
-        return _score_file(settings, input_path, output_path)
+        code = _score_file(settings, input_path, output_path)
+        if code == 2 and created and output_path.stat().st_size == 0:  # a refused first run leaves no empty OUT
+            output_path.unlink()
+        return code
 
 
 def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:

@@ -145,6 +145,11 @@ def test_results_in_out_for_ids_not_in_in_are_named_in_a_warning(monkeypatch, tm
         assert cli.main(["score", str(source), "-o", str(out)]) == 0
     assert "holds 1 results whose ids are not in" in caplog.text
     assert [r["id"] for r in _read_jsonl(out)] == ["old", "new"]
+    out.write_bytes(out.read_bytes() * 2)  # two OUTs joined with cat
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="service.offline"):
+        assert cli.main(["score", str(source), "-o", str(out)]) == 0
+    assert "holds 2 ids more than once" in caplog.text, caplog.text
 
 
 def test_the_default_tiny_preset_is_named_in_a_warning(monkeypatch, tmp_path, caplog):
@@ -191,7 +196,9 @@ def test_a_bad_line_is_refused_before_the_model_loads_and_names_its_field_once(m
     assert cli.main(["score", str(source), "-o", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"{source}:2: input_ids[1]: Input should be a valid integer" in err and err.count("input_ids[1]") == 1, err
-    assert out.read_bytes() == b""
+    assert not out.exists()  # a refused first run leaves no empty OUT behind
+    out.write_bytes(b"")  # an OUT that was there stays
+    assert cli.main(["score", str(source), "-o", str(out)]) == 2 and out.read_bytes() == b""
 
 
 def test_nothing_left_to_score_loads_no_model(monkeypatch, tmp_path):
