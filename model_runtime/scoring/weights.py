@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -243,17 +244,24 @@ def read_parameters(
     return {} if into_model else out
 
 
-def refuse_non_finite_reads(model: nn.Module, plan: ReadPlan, *, content: bool = False, threads: int = 4) -> str | None:
+def check_threads() -> int:
+    """Threads of the in-place check pass: half the host's cores, 2 to 8; fewer leave a large host's
+    memory bandwidth unused, more only contend (timings in docs/weights-loading.md)."""
+    return max(2, min(8, (os.cpu_count() or 2) // 2))
+
+
+def refuse_non_finite_reads(model: nn.Module, plan: ReadPlan, *, content: bool = False,
+                            threads: int | None = None) -> str | None:
     """The pass before an update in place, which may copy nothing in before every tensor is known
     finite: reads every checkpoint tensor ``read_parameters`` would read once (whole, with
-    positioned reads, ``scan_tensors``; ``threads`` at a time, at nice ``BACKGROUND_NICE``: more
-    threads than cores only contend) and refuses the checkpoint, naming them, if any holds NaN
+    positioned reads, ``scan_tensors``; ``threads`` at a time, ``check_threads()`` by default, at
+    nice ``BACKGROUND_NICE``) and refuses the checkpoint, naming them, if any holds NaN
     or infinity. With ``content`` it returns the content version, hashed from the same bytes (and
     the tensors the model does not read): ``content_version(plan.path)``, without a read of its
     own; else None. It touches no model, so it runs while the old weights still serve."""
     try:
         version, bad = scan_tensors(plan.path, content=content, finite={n for r in plan.reads for n in r.parts},
-                                    threads=threads)
+                                    threads=check_threads() if threads is None else threads)
     except OSError as error:
         raise CheckpointError("unreadable", f"{plan.path.name}: reading the weights failed: {error}") from None
     if bad:
