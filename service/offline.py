@@ -317,19 +317,40 @@ def _close_output(out: IO[bytes]) -> None:
         raise OutputError(exc.errno, exc.strerror or str(exc)) from None
 
 
+def _lock_output(output_path: Path) -> IO[bytes] | None:
+    """OUT opened and locked (two runs appending to one OUT, a job retried while the first still
+    runs, would interleave); None where another run holds the lock."""
+    while True:
+        lock = output_path.open("ab")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            return None
+        except OSError as exc:  # ENOLCK, EOPNOTSUPP: NFS without its lock daemon, Lustre without -o flock
+            log.warning("-o %s: cannot lock it (%s): a second packscore score into it is not refused on this "
+                        "filesystem", output_path, exc.strerror or exc)
+            return lock
+        try:
+            here = os.path.samestat(os.fstat(lock.fileno()), os.stat(output_path))
+        except FileNotFoundError:
+            here = False
+        if here:
+            return lock
+        lock.close()  # a refused first run removed the file between our open and lock: lock the one there now
+
+
 def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     """Scores every line of ``input_path`` not yet in ``output_path``; returns the exit status."""
     created = not output_path.exists()
     if (problem := _path_problem(input_path, output_path)) is not None:
         print(f"packscore: error: {problem}", file=sys.stderr)
         return 2
-    with output_path.open("ab") as lock:
-        try:  # two runs appending to one OUT (a job retried while the first still runs) would interleave
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"packscore: error: -o {output_path}: another packscore score is writing it; wait for it to end "
-                  "or give another -o", file=sys.stderr)
-            return 2
+    if (lock := _lock_output(output_path)) is None:
+        print(f"packscore: error: -o {output_path}: another packscore score is writing it; wait for it to end "
+              "or give another -o", file=sys.stderr)
+        return 2
+    with lock:
         code = _score_file(settings, input_path, output_path)
         if code == 2 and created and output_path.stat().st_size == 0:  # a refused first run leaves no empty OUT
             output_path.unlink()
