@@ -55,7 +55,7 @@ class Done(NamedTuple):
 
 # What a result line records of the run that made it, and a rerun checks: the weights by their
 # content (a copied checkpoint resumes, another one at the same path does not), not the model's name.
-_RUN_FIELDS = ("temperature", "weights_version", "dtype")
+_RUN_FIELDS = ("weights_version", "temperature", "dtype")  # in the order written
 
 
 def input_digest(job: ScoreJob) -> int:
@@ -239,7 +239,8 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
             raise InputError(f"{input_path}:{number}: id {seq_id!r} could not be scored: its scores are not finite at "
                              f"{where} (the model's logits overflow float32 or are NaN)")
         # what made it first, then the API's result
-        record = {"id": seq_id, "model": backend.info.name, **run, "input_hash": f"{input_digest(job):016x}"}
+        record = {"id": seq_id, "model": backend.info.name, **{name: run[name] for name in _RUN_FIELDS},
+                  "input_hash": f"{input_digest(job):016x}"}
         record.update(result_record(seq_id, scores, return_entropy=settings.return_entropy, top_k=settings.top_k))
         if job.rollout[0] is not None:  # as the server answers it
             record["mismatch"] = mismatch(scores.logprobs, job.rollout[0])
@@ -391,7 +392,7 @@ def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
         except ValueError as exc:
             raise InputError(str(exc)) from None
         limits = Limits(info.vocab_size, model_len, 1, settings.queued_tokens, 1 << 62)
-        run = {"temperature": settings.temperature, "weights_version": info.weights_version, "dtype": info.dtype}
+        run = {"weights_version": info.weights_version, "temperature": settings.temperature, "dtype": info.dtype}
         # The model's limits and weights, before the first line is scored: a bad line stops the run with
         # nothing written. The file is read again, so that it is never held whole in memory.
         for _ in _jobs(settings, input_path, limits, done, run):

@@ -237,7 +237,8 @@ def test_each_result_line_records_the_model_weights_temperature_and_dtype_that_m
     (line,) = _read_jsonl(out)
     made = {k: line[k] for k in ("model", "weights_version", "temperature", "dtype")}
     assert made == {"model": "fake-model", "weights_version": FAKE_VERSION, "temperature": 0.7, "dtype": "float32"}
-    assert list(line)[:2] == ["id", "model"] and "logprobs" in line
+    # in the order docs/cli.md and the help give them
+    assert list(line)[:7] == ["id", "model", "weights_version", "temperature", "dtype", "input_hash", "logprobs"], list(line)
 
 
 @pytest.mark.parametrize("change,named", [
