@@ -78,7 +78,8 @@ def finished_ids(output: Path) -> dict[str, Done]:
         return {}
     done: dict[str, Done] = {}
     runs: dict[tuple, tuple] = {}  # one tuple shared by every line of a run: OUT may hold millions
-    good_end = twice = 0
+    good_end = 0
+    repeated: set[str] = set()  # ids found again: counted once each, however often they repeat
     with output.open("rb") as f:
         for number, line in enumerate(f, start=1):
             if not line.endswith(b"\n"):
@@ -99,11 +100,13 @@ def finished_ids(output: Path) -> dict[str, Done]:
             top_k = record.get("top_k_ids")
             k = 0 if top_k is None else (len(top_k[0]) if top_k else None)
             run = tuple(record.get(name) for name in _RUN_FIELDS)
-            twice += seq_id in done
+            if seq_id in done:
+                repeated.add(seq_id)
             done[seq_id] = Done(number, scored, "entropy" in record, k, runs.setdefault(run, run), input_hash)
             good_end += len(line)
-    if twice:  # files joined with cat, or written by two runs at once before OUT was locked
-        log.warning("%s holds %d ids more than once: the last result of each is the one checked and kept", output, twice)
+    if repeated:  # files joined with cat, or written by two runs at once before OUT was locked
+        log.warning("%s holds %d ids more than once: the last result of each is the one checked (every line stays "
+                    "in OUT)", output, len(repeated))
     if good_end != output.stat().st_size:
         log.warning("%s: dropping an incomplete last line (the previous run stopped while writing it)", output)
         with output.open("r+b") as f:

@@ -150,6 +150,11 @@ def test_results_in_out_for_ids_not_in_in_are_named_in_a_warning(monkeypatch, tm
     with caplog.at_level(logging.WARNING, logger="service.offline"):
         assert cli.main(["score", str(source), "-o", str(out)]) == 0
     assert "holds 2 ids more than once" in caplog.text, caplog.text
+    out.write_bytes(out.read_bytes() + out.read_bytes().splitlines(keepends=True)[0])  # "old" three times
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="service.offline"):
+        assert cli.main(["score", str(source), "-o", str(out)]) == 0
+    assert "holds 2 ids more than once" in caplog.text, caplog.text  # ids, not the lines that repeat one
 
 
 def test_the_default_tiny_preset_is_named_in_a_warning(monkeypatch, tmp_path, caplog):
