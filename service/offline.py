@@ -55,7 +55,7 @@ class Done(NamedTuple):
 
 # What a result line records of the run that made it, and a rerun checks: the weights by their
 # content (a copied checkpoint resumes, another one at the same path does not), not the model's name.
-_RUN_FIELDS = ("temperature", "weights_version", "dtype")
+_RUN_FIELDS = ("weights_version", "temperature", "dtype")  # in the order written
 
 
 def input_digest(job: ScoreJob) -> int:
@@ -78,7 +78,8 @@ def finished_ids(output: Path) -> dict[str, Done]:
         return {}
     done: dict[str, Done] = {}
     runs: dict[tuple, tuple] = {}  # one tuple shared by every line of a run: OUT may hold millions
-    good_end = twice = 0
+    good_end = 0
+    repeated: set[str] = set()  # ids found again: counted once each, however often they repeat
     with output.open("rb") as f:
         for number, line in enumerate(f, start=1):
             if not line.endswith(b"\n"):
@@ -99,11 +100,13 @@ def finished_ids(output: Path) -> dict[str, Done]:
             top_k = record.get("top_k_ids")
             k = 0 if top_k is None else (len(top_k[0]) if top_k else None)
             run = tuple(record.get(name) for name in _RUN_FIELDS)
-            twice += seq_id in done
+            if seq_id in done:
+                repeated.add(seq_id)
             done[seq_id] = Done(number, scored, "entropy" in record, k, runs.setdefault(run, run), input_hash)
             good_end += len(line)
-    if twice:  # files joined with cat, or written by two runs at once before OUT was locked
-        log.warning("%s holds %d ids more than once: the last result of each is the one checked and kept", output, twice)
+    if repeated:  # files joined with cat, or written by two runs at once before OUT was locked
+        log.warning("%s holds %d ids more than once: the last result of each is the one checked (every line stays "
+                    "in OUT)", output, len(repeated))
     if good_end != output.stat().st_size:
         log.warning("%s: dropping an incomplete last line (the previous run stopped while writing it)", output)
         with output.open("r+b") as f:
@@ -239,7 +242,8 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
             raise InputError(f"{input_path}:{number}: id {seq_id!r} could not be scored: its scores are not finite at "
                              f"{where} (the model's logits overflow float32 or are NaN)")
         # what made it first, then the API's result
-        record = {"id": seq_id, "model": backend.info.name, **run, "input_hash": f"{input_digest(job):016x}"}
+        record = {"id": seq_id, "model": backend.info.name, **{name: run[name] for name in _RUN_FIELDS},
+                  "input_hash": f"{input_digest(job):016x}"}
         record.update(result_record(seq_id, scores, return_entropy=settings.return_entropy, top_k=settings.top_k))
         if job.rollout[0] is not None:  # as the server answers it
             record["mismatch"] = mismatch(scores.logprobs, job.rollout[0])
@@ -317,19 +321,40 @@ def _close_output(out: IO[bytes]) -> None:
         raise OutputError(exc.errno, exc.strerror or str(exc)) from None
 
 
+def _lock_output(output_path: Path) -> IO[bytes] | None:
+    """OUT opened and locked (two runs appending to one OUT, a job retried while the first still
+    runs, would interleave); None where another run holds the lock."""
+    while True:
+        lock = output_path.open("ab")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            return None
+        except OSError as exc:  # ENOLCK, EOPNOTSUPP: NFS without its lock daemon, Lustre without -o flock
+            log.warning("-o %s: cannot lock it (%s): a second packscore score into it is not refused on this "
+                        "filesystem", output_path, exc.strerror or exc)
+            return lock
+        try:
+            here = os.path.samestat(os.fstat(lock.fileno()), os.stat(output_path))
+        except FileNotFoundError:
+            here = False
+        if here:
+            return lock
+        lock.close()  # a refused first run removed the file between our open and lock: lock the one there now
+
+
 def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     """Scores every line of ``input_path`` not yet in ``output_path``; returns the exit status."""
     created = not output_path.exists()
     if (problem := _path_problem(input_path, output_path)) is not None:
         print(f"packscore: error: {problem}", file=sys.stderr)
         return 2
-    with output_path.open("ab") as lock:
-        try:  # two runs appending to one OUT (a job retried while the first still runs) would interleave
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"packscore: error: -o {output_path}: another packscore score is writing it; wait for it to end "
-                  "or give another -o", file=sys.stderr)
-            return 2
+    if (lock := _lock_output(output_path)) is None:
+        print(f"packscore: error: -o {output_path}: another packscore score is writing it; wait for it to end "
+              "or give another -o", file=sys.stderr)
+        return 2
+    with lock:
         code = _score_file(settings, input_path, output_path)
         if code == 2 and created and output_path.stat().st_size == 0:  # a refused first run leaves no empty OUT
             output_path.unlink()
@@ -370,7 +395,7 @@ def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
         except ValueError as exc:
             raise InputError(str(exc)) from None
         limits = Limits(info.vocab_size, model_len, 1, settings.queued_tokens, 1 << 62)
-        run = {"temperature": settings.temperature, "weights_version": info.weights_version, "dtype": info.dtype}
+        run = {"weights_version": info.weights_version, "temperature": settings.temperature, "dtype": info.dtype}
         # The model's limits and weights, before the first line is scored: a bad line stops the run with
         # nothing written. The file is read again, so that it is never held whole in memory.
         for _ in _jobs(settings, input_path, limits, done, run):

@@ -230,11 +230,11 @@ def test_offline_scoring_checks_every_line_before_scoring_any(monkeypatch, tmp_p
     _write_jsonl(source, [{"id": "a", "input_ids": [1, 2]}, {"id": "b", "input_ids": [1, 5000]}, {"id": "c", "input_ids": [3]}])
     assert cli.main(["score", str(source), "-o", str(out)]) == 2
     assert f"{source}:2: input_ids[1]" in capsys.readouterr().err
-    assert _read_jsonl(out) == []  # nothing half-written
+    assert not out.exists()  # nothing half-written, and no empty OUT left by a refused first run
     _write_jsonl(source, [{"id": "a", "input_ids": [1, 2]}, {"id": "b", "input_ids": [3, 4]}, {"id": "a", "input_ids": [5]}])
     assert cli.main(["score", str(source), "-o", str(out)]) == 2
     assert f"{source}:3: id 'a' appears twice" in capsys.readouterr().err
-    assert _read_jsonl(out) == []
+    assert not out.exists()
 
 
 def test_offline_scoring_takes_a_null_id_and_answers_rollout_mismatch(monkeypatch, tmp_path):
@@ -264,7 +264,7 @@ def test_offline_scoring_holds_the_servers_sequence_limit(monkeypatch, tmp_path,
     assert cli.main(["score", str(source), "-o", str(out), "--max-model-len", "8"]) == 2
     err = capsys.readouterr().err
     assert f"{source}:2:" in err and "(max_model_len)" in err, err
-    assert _read_jsonl(out) == []
+    assert not out.exists()  # refused once the model loaded: still nothing written
 
 
 @pytest.mark.parametrize("requested,model_limit,queued,want", [

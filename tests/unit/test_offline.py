@@ -150,6 +150,11 @@ def test_results_in_out_for_ids_not_in_in_are_named_in_a_warning(monkeypatch, tm
     with caplog.at_level(logging.WARNING, logger="service.offline"):
         assert cli.main(["score", str(source), "-o", str(out)]) == 0
     assert "holds 2 ids more than once" in caplog.text, caplog.text
+    out.write_bytes(out.read_bytes() + out.read_bytes().splitlines(keepends=True)[0])  # "old" three times
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="service.offline"):
+        assert cli.main(["score", str(source), "-o", str(out)]) == 0
+    assert "holds 2 ids more than once" in caplog.text, caplog.text  # ids, not the lines that repeat one
 
 
 def test_the_default_tiny_preset_is_named_in_a_warning(monkeypatch, tmp_path, caplog):
@@ -237,7 +242,8 @@ def test_each_result_line_records_the_model_weights_temperature_and_dtype_that_m
     (line,) = _read_jsonl(out)
     made = {k: line[k] for k in ("model", "weights_version", "temperature", "dtype")}
     assert made == {"model": "fake-model", "weights_version": FAKE_VERSION, "temperature": 0.7, "dtype": "float32"}
-    assert list(line)[:2] == ["id", "model"] and "logprobs" in line
+    # in the order docs/cli.md and the help give them
+    assert list(line)[:7] == ["id", "model", "weights_version", "temperature", "dtype", "input_hash", "logprobs"], list(line)
 
 
 @pytest.mark.parametrize("change,named", [
@@ -326,3 +332,55 @@ def test_a_second_run_into_an_out_being_written_is_refused(monkeypatch, tmp_path
         assert cli.main(["score", str(source), "-o", str(out)]) == 2
     assert "another packscore score is writing it" in capsys.readouterr().err
     assert out.read_bytes() == b""
+
+
+def test_an_out_that_cannot_be_locked_is_scored_with_a_warning(monkeypatch, tmp_path, caplog):
+    """NFS without its lock daemon (ENOLCK), Lustre without -o flock: the run went down with a traceback."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    _fake_model(monkeypatch)
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}])
+    with caplog.at_level(logging.WARNING, logger="service.offline"):
+        assert cli.main(["score", str(source), "-o", str(out)]) == 0
+    assert "cannot lock it (No locks available)" in caplog.text, caplog.text
+    assert [r["id"] for r in _read_jsonl(out)] == ["a"]
+
+
+def test_the_lock_is_on_the_out_that_is_written_when_a_refused_run_removed_it_meanwhile(monkeypatch, tmp_path):
+    """A refused first run removes the OUT it created; a second run that had opened that file before
+    locked the removed file, and wrote a new OUT that a third run could lock beside it."""
+    import fcntl
+
+    real_flock, removed, locked_while_scoring = fcntl.flock, [], []
+
+    def removed_before_the_lock(fd, operation):
+        if not removed:  # as the refused run's unlink lands between this run's open and flock
+            removed.append(out)
+            out.unlink()
+        return real_flock(fd, operation)
+
+    real_score_file = service.offline._score_file
+
+    def score_file(settings, input_path, output_path):
+        with output_path.open("ab") as third_run:
+            try:
+                real_flock(third_run, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked_while_scoring.append(False)
+            except BlockingIOError:
+                locked_while_scoring.append(True)
+        return real_score_file(settings, input_path, output_path)
+
+    _fake_model(monkeypatch)
+    monkeypatch.setattr(fcntl, "flock", removed_before_the_lock)
+    monkeypatch.setattr(service.offline, "_score_file", score_file)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}])
+    assert cli.main(["score", str(source), "-o", str(out)]) == 0
+    assert removed and locked_while_scoring == [True], "OUT was not locked while the run wrote it"
+    assert [r["id"] for r in _read_jsonl(out)] == ["a"]
