@@ -119,6 +119,9 @@ def _lines(path: Path) -> Iterator[tuple[int, dict]]:
         for number, raw in enumerate(f, start=1):
             if number == 1 and raw.startswith(codecs.BOM_UTF8):  # as Windows tools write UTF-8; orjson refuses it
                 raw = raw[len(codecs.BOM_UTF8):]
+            if number == 1 and raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # PowerShell 5's >
+                raise InputError(f"{path}: the file is UTF-16, JSON lines are UTF-8: save it as UTF-8 (in PowerShell: "
+                                 "Out-File -Encoding utf8) and run again")
             if not raw.strip():
                 continue
             try:

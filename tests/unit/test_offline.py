@@ -320,6 +320,15 @@ def test_a_file_saved_on_windows_scores_as_the_same_lines_do(monkeypatch, tmp_pa
     assert (tmp_path / "windows.out").read_bytes() == (tmp_path / "unix.out").read_bytes()
 
 
+def test_a_utf16_file_is_named_as_one(monkeypatch, tmp_path, capsys):
+    """PowerShell 5's > writes UTF-16: line 1 was refused as 'not valid JSON', with no hint why."""
+    _no_model(monkeypatch)
+    source = tmp_path / "in.jsonl"
+    source.write_bytes('{"id": "a", "input_ids": [1, 2, 3]}\r\n'.encode("utf-16"))
+    assert cli.main(["score", str(source), "-o", str(tmp_path / "out.jsonl")]) == 2
+    assert "the file is UTF-16" in capsys.readouterr().err
+
+
 def test_a_second_run_into_an_out_being_written_is_refused(monkeypatch, tmp_path, capsys):
     """A job retried while the first still runs: both appended to OUT, interleaving their results."""
     import fcntl
