@@ -1,9 +1,10 @@
 """``packscore score IN.jsonl -o OUT.jsonl``: the server's engine (validation, scheduler, backend)
 without HTTP, for batch jobs. Resumable: ids already in OUT are skipped.
 
-Each result line records what made it (model, weights_version, temperature, dtype) beside the
-API's result, so that a rerun with another model or temperature is refused instead of appending
-results of two runs to one file; a line without them (an earlier packscore's) is kept unchecked.
+Each result line records what made it (model, weights_version, temperature, dtype, and input_hash
+of the line's input) beside the API's result, so that a rerun with other weights, another
+temperature or another input under the same id is refused instead of appending results of two
+runs to one file; a line without them (an earlier packscore's) is kept unchecked.
 """
 
 from __future__ import annotations
