@@ -153,7 +153,8 @@ class RowTokens:
 
     >>> row = RowTokens(min_tokens=64)
     >>> prompt = np.arange(100)
-    >>> row.add(np.concatenate([prompt, [1, 2]])); row.add(np.concatenate([prompt, [3]]))
+    >>> row.add(np.concatenate([prompt, [1, 2]])), row.add(np.concatenate([prompt, [3]]))
+    (True, True)
     >>> row.total  # 102 + 101 - 64 shared
     139
     """
@@ -167,27 +168,34 @@ class RowTokens:
 
     def cost_with(self, input_ids) -> int:
         """``total`` once ``input_ids`` has joined."""
-        ids = np.asarray(input_ids)
-        key = head_key(ids, self.min_tokens)
-        group = None if key is None else self._groups.get(key)  # a question, so no group is made for it
-        if group is None:
-            return self.total + ids.size
-        return self.total + ids.size - (self._joined(group, ids)[1] - group[3])
+        return self._cost(np.asarray(input_ids))[0]
 
-    def add(self, input_ids) -> None:
+    def add(self, input_ids, budget: int | None = None) -> bool:
+        """Joins ``input_ids`` to the row, unless ``total`` would then pass ``budget``; whether it
+        joined (what it saves is worked out once, for the test and the join alike)."""
         ids = np.asarray(input_ids)
-        self.total += ids.size
-        key = head_key(ids, self.min_tokens)
+        total, key, group, joined = self._cost(ids)
+        if budget is not None and total > budget:
+            return False
+        self.total = total
         if key is None:
-            return
-        group = self._groups.get(key)
+            return True
         if group is None:
             self._groups[key] = [ids, [ids.size], ids.size, 0]
-            return
-        common, saved = self._joined(group, ids)
-        self.total -= saved - group[3]
-        group[1].append(ids.size)
-        group[2], group[3] = common, saved
+        else:
+            group[1].append(ids.size)
+            group[2], group[3] = joined
+        return True
+
+    def _cost(self, ids: np.ndarray):
+        """``(total with ids, its group's key, the group, (common, saved) with ids in it)``; a
+        question: no group is made for it."""
+        key = head_key(ids, self.min_tokens)
+        group = None if key is None else self._groups.get(key)
+        if group is None:
+            return self.total + ids.size, key, None, None
+        joined = self._joined(group, ids)
+        return self.total + ids.size - (joined[1] - group[3]), key, group, joined
 
     def _joined(self, group, ids: np.ndarray) -> tuple[int, int]:
         """``(common, saved)`` of ``group`` with ``ids`` in it."""

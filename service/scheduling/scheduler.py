@@ -44,7 +44,7 @@ from service.http.errors import ApiError, backend_unavailable, deadline_error, i
 from service.http.metrics import Metrics
 from service.scheduling.admission import Admission, QueueFullError
 from service.scheduling.forward_thread import ForwardThread
-from service.scheduling.rows import gpu_loads, largest_first_by_group as _largest_first_by_group, water_level
+from service.scheduling.rows import gpu_loads, largest_first_by_group, water_level
 
 log = logging.getLogger(__name__)
 
@@ -438,7 +438,7 @@ class Scheduler:
         """The next row (of ``budget`` tokens, default the full budget): led by the oldest queued
         sequence, or every other row by a long one (``_long_lead``), then the largest that still
         fit among those queued within ``_LOOKAHEAD_AGE_S`` of the oldest (first-fit decreasing on
-        a bounded window), a group's members one after another (``_largest_first_by_group``)."""
+        a bounded window), a group's members one after another (``largest_first_by_group``)."""
         budget = budget or self.max_batch_tokens
         head = self._queue[0]
         horizon = head.enqueued_at + _LOOKAHEAD_AGE_S
@@ -454,12 +454,11 @@ class Scheduler:
         self._long_turn = self.concurrency > 1 and lead is head  # a long lead never follows a long lead
         row, run = [lead], RowTokens(self.prefix_min_tokens, self.prefix_rounding)  # the tokens the row's forward runs
         run.add(lead.seq.input_ids)
-        for item in _largest_first_by_group([it for it in window if it is not lead], lead):
+        for item in largest_first_by_group([it for it in window if it is not lead], lead):
             if run.total >= budget:
                 break
-            if run.cost_with(item.seq.input_ids) <= budget:
+            if run.add(item.seq.input_ids, budget):
                 row.append(item)
-                run.add(item.seq.input_ids)
         for item in row:
             item.queued = False  # the packer's queue drops them lazily (see _drop_stale_head)
             self._waiting_tokens -= item.tokens

@@ -45,7 +45,9 @@ def test_row_tokens_match_the_row_plan_for_random_rows(with_rounding):
         row = RowTokens(min_tokens, rounding)
         for i, s in enumerate(seqs):
             cost = row.cost_with(s.input_ids)
-            row.add(s.input_ids)
+            before = row.total
+            assert not row.add(s.input_ids, budget=cost - 1) and row.total == before  # refused: nothing joined
+            assert row.add(s.input_ids, budget=cost)
             want = sum(x.length for x in seqs[: i + 1]) - tokens_saved(seqs[: i + 1], min_tokens, rounding)
             assert cost == row.total == want, f"trial {trial}, sequence {i}: {cost}, {row.total} != {want}"
         assert sum(plan_row(seqs, min_tokens, rounding).lengths) == row.total  # the row runs what was counted
