@@ -160,16 +160,10 @@ class HuggingFaceReference:
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
     def score(self, seqs: list[SequenceInput]) -> list[SequenceScores]:
-        import torch
+        from tests.checkpoints import hf_scores
 
         out = []
         for s in seqs:
-            with torch.no_grad():
-                logits = self.model(torch.as_tensor(s.input_ids)[None]).logits[0].float()
-            logp = torch.log_softmax(logits / s.temperature, dim=-1)[s.score_from - 1 : s.length - 1]
-            targets = torch.as_tensor(s.input_ids[s.score_from :], dtype=torch.long)
-            top_logp, top_ids = logp.topk(s.top_k, dim=-1)
-            entropy = -(logp.exp() * logp).sum(-1)
-            out.append(SequenceScores(logp.gather(1, targets[:, None])[:, 0].numpy(), entropy.numpy(),
-                                      top_ids.numpy().astype(np.int32), top_logp.numpy()))
+            logprobs, entropy, top_ids, top_logprobs = hf_scores(self.model, s, s.top_k)
+            out.append(SequenceScores(logprobs, entropy, top_ids.astype(np.int32), top_logprobs))
         return out

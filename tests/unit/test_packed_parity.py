@@ -9,6 +9,7 @@ from model_runtime.scoring.head import CPU_PACKED_TOLERANCE
 from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.scorer import Scorer
 from model_runtime.types import SequenceInput
+from tests.checkpoints import hf_scores
 
 LENGTHS = (1, 2, 3, 4, 5, 63, 64, 65, 127, 128, 129, 300)
 TOL = 1e-4  # float32 CPU target from DESIGN.md
@@ -28,17 +29,7 @@ def make_batch(vocab: int, seed: int = 1):
 
 def hf_reference(hf_model, seq: SequenceInput):
     """Unpatched Hugging Face forward on the sequence alone, then float32 log_softmax."""
-    with torch.no_grad():
-        logits = hf_model(torch.as_tensor(seq.input_ids)[None]).logits[0].float()
-    logp = torch.log_softmax(logits / seq.temperature, dim=-1)[seq.score_from - 1 : seq.length - 1]
-    targets = torch.as_tensor(seq.input_ids[seq.score_from :], dtype=torch.long)
-    top_logp, top_ids = logp.topk(TOP_K, dim=-1)
-    return (
-        logp.gather(1, targets[:, None])[:, 0].numpy(),
-        (-(logp.exp() * logp).sum(-1)).numpy(),
-        top_ids.numpy(),
-        top_logp.numpy(),
-    )
+    return hf_scores(hf_model, seq, TOP_K)
 
 
 def max_abs(a, b):
