@@ -391,7 +391,13 @@ def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     if settings.model == "tiny":  # the default, so that a first try runs anywhere; its scores mean nothing
         log.warning("scoring with the built-in tiny preset (random weights, for trying packscore out): give --model "
                     "for the scores of a real model")
-    backend = load_backend(settings)
+    from model_runtime.scoring.checkpoint import CheckpointError
+
+    try:
+        backend = load_backend(settings)
+    except CheckpointError as exc:  # refused once loaded (NaN weights, the loading report): one line, as serve
+        print(f"packscore: error: {exc}", file=sys.stderr)
+        return 2
     try:
         info = backend.info
         try:

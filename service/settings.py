@@ -65,7 +65,7 @@ class Settings(BaseSettings):
     # Parallelism (world_size > 1, sp > 1 or fsdp start the multi-process worker pool).
     world_size: int = Field(1, ge=1, description="GPUs (worker processes) the model runs on")
     sp: int = Field(1, ge=1, description="sequence-parallel degree inside a data-parallel group")
-    fsdp: bool = Field(False, description="shard parameters across the ranks of a group (FSDP2)")
+    fsdp: bool = Field(False, description="shard parameters over every rank of the world, all groups together (FSDP2)")
 
     # HTTP.
     host: str = Field("127.0.0.1", description="address to listen on")

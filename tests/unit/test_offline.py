@@ -393,3 +393,18 @@ def test_the_lock_is_on_the_out_that_is_written_when_a_refused_run_removed_it_me
     assert cli.main(["score", str(source), "-o", str(out)]) == 0
     assert removed and locked_while_scoring == [True], "OUT was not locked while the run wrote it"
     assert [r["id"] for r in _read_jsonl(out)] == ["a"]
+
+
+def test_a_checkpoint_refused_once_loaded_stops_the_run_with_one_line_and_no_out(monkeypatch, tmp_path, capsys):
+    from model_runtime.scoring.checkpoint import CheckpointError
+
+    def refuse(settings):  # what loading.py raises for a weight holding NaN, after the pre-check passed
+        raise CheckpointError("non_finite", "checkpoint /ckpt: 1 weight tensor holds NaN or infinite values (w)")
+
+    monkeypatch.setattr("service.backends.load_backend", refuse)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}])
+    assert cli.main(["score", str(source), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "packscore: error: checkpoint /ckpt: 1 weight tensor holds NaN" in err and "Traceback" not in err, err
+    assert not out.exists()  # a refused first run leaves no empty OUT
