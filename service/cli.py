@@ -182,6 +182,7 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
         settings = _check_model_and_key(settings)
         settings = _resolve_hub_model(settings)  # may download: after the cheap checks
         _check_checkpoint(settings)
+        _check_kernels(settings)
     except (ValueError, OSError, ImportError) as exc:
         print(f"packscore: error: {exc}", file=sys.stderr)
         return 2
@@ -225,6 +226,15 @@ def _check_checkpoint(settings: Settings) -> None:
         else:
             context = check_checkpoint(Path(spec)).max_model_len
         resolve_model_len(settings.max_model_len, context, settings.queued_tokens)
+
+
+def _check_kernels(settings: Settings) -> None:
+    """A ``--kernels`` pin this device cannot run is refused before the model loads or the port is bound."""
+    overrides = settings.kernel_overrides()
+    if overrides:
+        from model_runtime.kernels.registry import check_overrides
+
+        check_overrides(settings.device_type, overrides)
 
 
 def _check_model_and_key(settings: Settings) -> Settings:

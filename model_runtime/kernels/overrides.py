@@ -29,7 +29,8 @@ def parse_kernel_overrides(text: str) -> dict[str, str]:
     """``"attention=varlen,head=torch"`` -> ``{"attention": "varlen", "head": "torch"}``.
 
     The syntax and the family and backend names are checked here, so the CLI refuses a misspelt
-    one before anything starts; whether a backend can run on this machine is the loader's check.
+    one before anything starts; whether a backend can run on this machine is
+    ``registry.check_overrides``'s (the CLI asks it before loading).
     """
     out: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):

@@ -209,6 +209,23 @@ def _unavailable_reason(family: str, name: str) -> str | None:
     return None
 
 
+def check_overrides(device: torch.device | str, overrides: dict[str, str]) -> None:
+    """Raises ``ValueError`` naming the first ``--kernels`` pin that cannot run on ``device`` here (a
+    CUDA-only backend elsewhere, a missing or broken module); the CLI asks before loading or binding."""
+    device = torch.device(device)
+    unknown = set(overrides) - set(FAMILIES)
+    if unknown:
+        raise ValueError(f"unknown kernel families {sorted(unknown)}; known: {list(FAMILIES)}")
+    for family, name in overrides.items():
+        if device.type != "cuda" and name in CUDA_ONLY:
+            raise ValueError(f"the {family} backend {name!r} needs CUDA; on {device.type} use one of "
+                             f"{sorted(set(REGISTRY[family]) - CUDA_ONLY)}")
+        if name in REGISTRY[family]:  # an unknown name is refused with the known ones by KernelBackends
+            reason = _unavailable_reason(family, name)
+            if reason is not None:
+                raise ValueError(f"the {family} backend {name!r} cannot run here: {reason}")
+
+
 def select_backends(
     device: torch.device | str,
     *,
@@ -227,21 +244,12 @@ def select_backends(
     preference = _POOL_GPU_PREFERENCE if worker_pool else _GPU_PREFERENCE
     device = torch.device(device)
     overrides = dict(overrides or {})
-    unknown = set(overrides) - set(FAMILIES)
-    if unknown:
-        raise ValueError(f"unknown kernel families {sorted(unknown)}; known: {list(FAMILIES)}")
+    check_overrides(device, overrides)
     chosen: dict[str, str] = {}
     fallbacks: list[str] = []
     for family in FAMILIES:
         if family in overrides:
-            name = overrides[family]  # an unknown name is refused by KernelBackends below
-            if device.type != "cuda" and name in CUDA_ONLY:
-                raise ValueError(f"the {family} backend {name!r} needs CUDA; on {device.type} use one of "
-                                 f"{sorted(set(REGISTRY[family]) - CUDA_ONLY)}")
-            reason = _unavailable_reason(family, name)
-            if reason is not None:
-                raise ValueError(f"the {family} backend {name!r} cannot run here: {reason}")
-            chosen[family] = name
+            chosen[family] = overrides[family]  # an unknown name is refused by KernelBackends below
             continue
         if device.type != "cuda":
             chosen[family] = _CPU_DEFAULT[family]

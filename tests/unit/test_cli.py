@@ -146,6 +146,21 @@ def test_the_expert_gemm_library_is_checked_and_handed_to_the_kernels(monkeypatc
         os.environ.pop("PACKSCORE_EXPERT_GEMM", None)
 
 
+def test_a_kernel_pin_this_device_cannot_run_stops_both_commands_before_loading(monkeypatch, tmp_path, capsys):
+    def no_loading(settings):
+        raise AssertionError("the model was loaded before the --kernels pin was checked")
+
+    monkeypatch.setattr("service.backends.load_backend", no_loading)
+    monkeypatch.setattr(cli, "serve", lambda settings: no_loading(settings))  # nor the port bound
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(b'{"id": "a", "input_ids": [1, 2, 3]}\n')
+    for argv in (["score", str(source), "-o", str(out)], ["serve"]):
+        assert cli.main([*argv, "--device", "cpu", "--kernels", "attention=varlen"]) == 2
+        err = capsys.readouterr().err
+        assert "the attention backend 'varlen' needs CUDA" in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
 def test_a_missing_model_or_worker_pool_fails_fast_with_a_clear_error(monkeypatch, tmp_path, capsys):
     assert cli.main(["serve", "--model", str(tmp_path / "nope"), "--triton-cache-dir", str(tmp_path)]) == 2
     assert "neither a checkpoint directory, a preset" in capsys.readouterr().err
