@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from model_runtime.kernels.elementwise import EAGER, Elementwise
-from model_runtime.kernels.gate_projection import narrow_products, row_invariant, shard_segments
+from model_runtime.kernels.gate_projection import RunLimits, narrow_products, row_invariant, shard_segments, with_run_limits
 from model_runtime.kernels.registry import KernelBackends
 from model_runtime.model.packing import PackedBatch
 
@@ -108,7 +108,7 @@ class PackedGatedDeltaNet(nn.Module):
         _adopt(self, source, "conv1d", "A_log", "dt_bias", "norm", "out_proj")
         self.conv_fn = backends.fn("conv1d")
         self.delta_rule_fn = backends.fn("linear_attention")
-        self.gate_projection_fn = backends.fn("gate_projection")
+        self.gate_projection_fn = backends.fn("gate_projection")  # per segment until ``use_run_limits``
         self.ops = ModuleOps(backends.fn("elementwise")())
 
     def narrow_weights(self) -> tuple[torch.Tensor, ...]:
@@ -117,6 +117,10 @@ class PackedGatedDeltaNet(nn.Module):
         if row_invariant(self.gate_projection_fn):
             return ()
         return (self.in_proj_ba.weight,) if self.fused_projections else (self.in_proj_a.weight, self.in_proj_b.weight)
+
+    def use_run_limits(self, limits: RunLimits) -> None:
+        """The rows one narrow product may span under the ``runs`` backend (``rounding.prepare_runs``)."""
+        self.gate_projection_fn = with_run_limits(self.gate_projection_fn, limits)
 
     def _gate_products(self, linears, x_TD: torch.Tensor, packed: PackedBatch, sp) -> tuple[torch.Tensor, ...]:
         """The narrow gate products of ``linears`` per segment (``narrow_products``); under ``sp``

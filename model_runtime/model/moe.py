@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_runtime.kernels.gate_projection import UNIFORM_ROWS, narrow_products, row_invariant, shard_segments
+from model_runtime.kernels.gate_projection import RunLimits, narrow_products, row_invariant, shard_segments, with_run_limits
 from model_runtime.kernels.moe_experts import in_row_tiles
 from model_runtime.kernels.registry import KernelBackends
 from model_runtime.model.layers import ModuleOps, _is_silu
@@ -70,7 +70,7 @@ class PackedSparseMoe(nn.Module):
         # row tiles too: a CPU BLAS rounds a product of a few rows differently, and tiles keep a
         # token's numbers fixed under sequence parallelism as well, where segments are cut.
         self.tiled = backends.moe_experts == "tiled"
-        self.gate_projection_fn = backends.fn("gate_projection")
+        self.gate_projection_fn = backends.fn("gate_projection")  # per segment until ``use_run_limits``
         self.top_k_fn = backends.fn("moe_router")
         self.shared_fn = backends.fn("moe_shared")
         # On a linked row the router and shared gate share one gather of x (``forward``); the shared
@@ -90,17 +90,18 @@ class PackedSparseMoe(nn.Module):
         return top_w_TK.to(logits_TE.dtype), top_i_TK
 
     def _router_product(self):
-        """The router's logits product, carrying the run limit measured for the router
-        (``gate_projection.UNIFORM_ROWS``, set on ``self.gate``)."""
-        product = functools.partial(F.linear, weight=self.gate.weight)
-        setattr(product, UNIFORM_ROWS, getattr(self.gate, UNIFORM_ROWS, 0))
-        return product
+        """The router's logits product (its ``weight`` keyword is what ``RunLimits`` reads)."""
+        return functools.partial(F.linear, weight=self.gate.weight)
 
     def narrow_weights(self) -> tuple[torch.Tensor, ...]:
         """The router's and shared gate's weights where they run per segment, whose rounding then
         follows the sequence's length (``model_runtime.scoring.rounding``); none in tiles or with a
         row-invariant gate-projection backend (``tiles``)."""
         return () if self.tiled or row_invariant(self.gate_projection_fn) else (self.gate.weight, self.shared_expert_gate.weight)
+
+    def use_run_limits(self, limits: RunLimits) -> None:
+        """The rows one narrow product may span under the ``runs`` backend (``rounding.prepare_runs``)."""
+        self.gate_projection_fn = with_run_limits(self.gate_projection_fn, limits)
 
     def _narrow(self, linear, x_TD: torch.Tensor, packed: PackedBatch, sp=None) -> torch.Tensor:
         """A narrow product (router, shared gate): in tiles, or by the ``gate_projection`` kernel
