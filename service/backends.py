@@ -31,6 +31,7 @@ def load_backend(settings: Settings):
         allow_slow_kernels=settings.allow_slow_kernels,
         kernel_overrides=settings.kernel_overrides(),
         served_name=settings.served_model_name,
+        expert_gemm=settings.expert_gemm,
     )
     scorer = Scorer(loaded, max_batch_tokens=settings.max_batch_tokens, prefix_min_tokens=settings.prefix_min_tokens_in_use)
     return LocalBackend(scorer, updates=settings.weights_root is not None)

@@ -61,6 +61,7 @@ class Start:
     prefix_min_tokens: int = 0  # shortest shared prefix run once (0: prefix sharing off)
     weights_version: str = ""  # version of the weights at ``model`` after an update ("": the model's own)
     updates: bool = False  # weight updates may come (--weights-root): their staging buffers are made at start
+    expert_gemm: str = ""  # the experts' CUTLASS library (--expert-gemm; "": expert_gemm.library_path()'s default)
 
 
 @dataclass(frozen=True)

@@ -234,7 +234,7 @@ def test_cpu_uses_references_and_cuda_refuses_missing_fast_kernels(monkeypatch):
     assert cpu["head"] == "torch" and cpu["elementwise"] == "eager"
     import model_runtime.kernels.registry as kernels
 
-    monkeypatch.setattr(kernels, "_unavailable_reason", lambda family, name: "not installed (test)")
+    monkeypatch.setattr(kernels, "_unavailable_reason", lambda family, name, library=None: "not installed (test)")
     with pytest.raises(SlowKernelError, match="--allow-slow-kernels"):
         select_backends("cuda")
     slow = select_backends("cuda", allow_slow=True)
