@@ -228,7 +228,7 @@ def _check_checkpoint(settings: Settings) -> None:
 
 def _check_kernels(settings: Settings) -> None:
     """A ``--kernels`` pin this device cannot run is refused before the model loads or the port is bound."""
-    overrides = settings.kernel_overrides()
+    overrides = settings.kernels
     if overrides:
         from model_runtime.kernels.registry import check_overrides
 

@@ -68,11 +68,10 @@ def _reads_shards(start: msg.Start) -> bool:
 
 
 def _load(start: msg.Start, device: torch.device):
-    from model_runtime.kernels.overrides import parse_kernel_overrides
     from model_runtime.scoring.loading import load_model
 
     name = start.served_model_name or None
-    overrides = parse_kernel_overrides(start.kernels)
+    overrides = start.kernels  # checked where --kernels was parsed; select_backends checks it can run here
     if _reads_shards(start):
         return load_model(
             start.model,

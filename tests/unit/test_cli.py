@@ -7,6 +7,7 @@ import time
 import numpy as np
 import orjson
 import pytest
+from pydantic import ValidationError
 
 from model_runtime.types import SequenceInput
 from service import cli
@@ -55,10 +56,23 @@ def test_hostile_client_options_parse():
     assert (s.request_read_timeout_s, s.max_connections, s.queue_seconds, s.max_admission_wait_s) == (2.5, 100, 2.0, 0.0)
 
 
-def test_kernels_option_pins_backends():
+def test_kernels_option_pins_backends(monkeypatch, capsys):
+    """``--kernels`` (or PACKSCORE_KERNELS, the same text) is parsed once, into the family ->
+    backend mapping the loader and the pool take; a mapping given in Python is checked alike."""
     settings = cli.parse_settings(["serve", "--kernels", "attention=sdpa, head=torch"])[1]
-    assert settings.kernel_overrides() == {"attention": "sdpa", "head": "torch"}
-    assert cli.parse_settings(["serve"])[1].kernel_overrides() == {}
+    assert settings.kernels == {"attention": "sdpa", "head": "torch"}
+    assert cli.parse_settings(["serve"])[1].kernels == {}
+    monkeypatch.setenv("PACKSCORE_KERNELS", "attention=varlen,moe_router=select")
+    assert cli.parse_settings(["serve"])[1].kernels == {"attention": "varlen", "moe_router": "select"}
+    assert cli.parse_settings(["serve", "--kernels", "head=triton"])[1].kernels == {"head": "triton"}  # the option wins
+    assert Settings(kernels={"head": "torch"}).kernels == {"head": "torch"}
+    with pytest.raises(ValidationError, match="unknown head backend 'fast'"):
+        Settings(kernels={"head": "fast"})
+    monkeypatch.setenv("PACKSCORE_KERNELS", "attention")
+    with pytest.raises(SystemExit):
+        cli.parse_settings(["serve"])
+    err = capsys.readouterr().err
+    assert "--kernels (from PACKSCORE_KERNELS)" in err and "expected FAMILY=BACKEND" in err, err
 
 
 def test_command_line_wins_over_environment_which_wins_over_defaults(monkeypatch):

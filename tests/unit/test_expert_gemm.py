@@ -158,7 +158,8 @@ def test_the_backend_choice_probes_and_binds_the_named_library(monkeypatch, tmp_
 
 def test_expert_gemm_reaches_a_pool_workers_backend_choice(monkeypatch, tmp_path):
     """``--expert-gemm`` travels from the settings through the pool's Start message to the
-    worker's ``load_model`` and its ``select_backends``, with no environment variable set."""
+    worker's ``load_model`` and its ``select_backends``, with no environment variable set; so
+    does ``--kernels``, as the mapping the settings parsed."""
     from model_runtime.pool import messages as msg
     from model_runtime.pool import pool, worker
     from model_runtime.scoring import loading
@@ -174,13 +175,14 @@ def test_expert_gemm_reaches_a_pool_workers_backend_choice(monkeypatch, tmp_path
 
     monkeypatch.setattr(pool.WorkerPool, "_start_world", no_world)
     with pytest.raises(RuntimeError, match="no workers"):
-        pool.start_pool(Settings(expert_gemm=lib, world_size=2, device="cpu").model_dump())
+        pool.start_pool(Settings(expert_gemm=lib, kernels="moe_router=topk", world_size=2, device="cpu").model_dump())
     start = msg.decode(msg.encode(msg.Start(rank=0, generation=0, master_port=0, **fields)))
     chosen = []
     real = loading.select_backends
-    monkeypatch.setattr(loading, "select_backends", lambda *a, **k: chosen.append(k["expert_gemm"]) or real(*a, **k))
+    monkeypatch.setattr(loading, "select_backends",
+                        lambda *a, **k: chosen.append((k["expert_gemm"], k["overrides"])) or real(*a, **k))
     worker._load(start, torch.device("cpu"))
-    assert chosen == [str(lib)]
+    assert chosen == [(str(lib), {"moe_router": "topk"})]
 
 
 def test_expert_gemm_reaches_the_scorers_backend_choice(monkeypatch, tmp_path):
