@@ -148,12 +148,6 @@ def gate_projection_runs(linear: nn.Module, x_TD: torch.Tensor, bounds: Sequence
     return gate_projection_segment(linear, x_TD, segment_runs(bounds, limits.of(linear)))
 
 
-def with_run_limits(fn, limits: RunLimits):
-    """The gate-projection backend ``fn`` reading ``limits`` where it is ``runs`` (bound anew where
-    it already reads some); any other backend as it is."""
-    if getattr(fn, "func", fn) is gate_projection_runs:
-        return functools.partial(gate_projection_runs, limits=limits)
-    return fn
 
 
 def shard_segments(x_TD: torch.Tensor, packed: PackedBatch, sp) -> tuple[tuple[int, int], ...] | None:
@@ -165,14 +159,17 @@ def shard_segments(x_TD: torch.Tensor, packed: PackedBatch, sp) -> tuple[tuple[i
     return packed.segments_within(sp.rank * T, (sp.rank + 1) * T)
 
 
-def narrow_products(fn, linears: Sequence, x_TD: torch.Tensor, packed: PackedBatch, local_bounds=None) -> tuple:
+def narrow_products(fn, linears: Sequence, x_TD: torch.Tensor, packed: PackedBatch, local_bounds=None,
+                    limits: RunLimits = NO_RUNS) -> tuple:
     """``fn(linear, x_TD, bounds)`` for every linear of ``linears``, ``bounds`` the row's segments,
     or ``local_bounds`` (a sequence-parallel shard's: its segments are cut, so a row with prefix
     links keeps them as they are there). On a whole row with prefix links, every product runs
     over the row's unshared sequences and is read back at the row's own tokens. A row-invariant
-    ``fn`` (``tiles``) runs once over ``x_TD`` as it is."""
+    ``fn`` (``tiles``) runs once over ``x_TD`` as it is; ``runs`` reads ``limits``."""
     if row_invariant(fn):
         return tuple(fn(linear, x_TD, ()) for linear in linears)
+    if fn is gate_projection_runs:
+        fn = functools.partial(gate_projection_runs, limits=limits)
     if local_bounds is not None:
         return tuple(fn(linear, x_TD, local_bounds) for linear in linears)
     if packed.links is None:

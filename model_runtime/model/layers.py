@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from model_runtime.kernels.elementwise import EAGER, Elementwise
-from model_runtime.kernels.gate_projection import RunLimits, narrow_products, row_invariant, shard_segments, with_run_limits
+from model_runtime.kernels.gate_projection import NO_RUNS, RunLimits, narrow_products, row_invariant, shard_segments
 from model_runtime.kernels.registry import KernelBackends
 from model_runtime.model.packing import PackedBatch
 
@@ -108,7 +108,8 @@ class PackedGatedDeltaNet(nn.Module):
         _adopt(self, source, "conv1d", "A_log", "dt_bias", "norm", "out_proj")
         self.conv_fn = backends.fn("conv1d")
         self.delta_rule_fn = backends.fn("linear_attention")
-        self.gate_projection_fn = backends.fn("gate_projection")  # per segment until ``use_run_limits``
+        self.gate_projection_fn = backends.fn("gate_projection")
+        self.run_limits = NO_RUNS  # rows a narrow product may span under ``runs``: ``use_run_limits``
         self.ops = ModuleOps(backends.fn("elementwise")())
 
     def narrow_weights(self) -> tuple[torch.Tensor, ...]:
@@ -120,12 +121,13 @@ class PackedGatedDeltaNet(nn.Module):
 
     def use_run_limits(self, limits: RunLimits) -> None:
         """The rows one narrow product may span under the ``runs`` backend (``rounding.prepare_runs``)."""
-        self.gate_projection_fn = with_run_limits(self.gate_projection_fn, limits)
+        self.run_limits = limits
 
     def _gate_products(self, linears, x_TD: torch.Tensor, packed: PackedBatch, sp) -> tuple[torch.Tensor, ...]:
         """The narrow gate products of ``linears`` per segment (``narrow_products``); under ``sp``
         over the segments within this rank's tokens."""
-        return narrow_products(self.gate_projection_fn, linears, x_TD, packed, shard_segments(x_TD, packed, sp))
+        return narrow_products(self.gate_projection_fn, linears, x_TD, packed, shard_segments(x_TD, packed, sp),
+                               self.run_limits)
 
     def _project(self, x_TD: torch.Tensor, packed: PackedBatch, sp):
         """Returns pre-conv ``q_THK, k_THK, v_THV``, gate ``z_THV`` and ``b_TH, a_TH``."""

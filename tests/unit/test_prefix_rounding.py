@@ -236,10 +236,9 @@ def test_prepare_runs_hands_each_narrow_layer_its_measured_limits(tmp_path, monk
 
 def test_run_limits_reach_the_layers_runs_backend(monkeypatch):
     """The limits ``use_run_limits`` hands over are what the layers' ``runs`` backend reads: the
-    router's and shared gate's products (MoE) and the decay/beta products (GDN) run over runs of
-    segments of up to that many rows, with ``segment``'s numbers; other backends are left as they are."""
+    router's product runs over runs of segments of up to that many rows; other backends read none."""
     from model_runtime.kernels import gate_projection as G
-    from model_runtime.kernels.registry import KernelBackends, select_backends
+    from model_runtime.kernels.registry import KernelBackends
     from model_runtime.model.moe import PackedSparseMoe
     from model_runtime.model.packing import PackedBatch
     from tests.unit.test_moe import hf_block
@@ -250,7 +249,7 @@ def test_run_limits_reach_the_layers_runs_backend(monkeypatch):
     assert block.gate_projection_fn is G.gate_projection_runs and len(block.narrow_weights()) == 2
     limits = G.RunLimits({G.RunLimits.shape(w): 9 for w in block.narrow_weights()})
     R.use_run_limits(torch.nn.Sequential(block), limits)
-    assert block.gate_projection_fn.keywords["limits"] is limits
+    assert block.run_limits is limits
     seen = []
     real = G.segment_runs
     monkeypatch.setattr(G, "segment_runs", lambda bounds, max_rows: seen.append(max_rows) or real(bounds, max_rows))
@@ -261,12 +260,11 @@ def test_run_limits_reach_the_layers_runs_backend(monkeypatch):
         want = torch.cat([x[a:b] @ block.gate.weight.T for a, b in real(packed.segment_bounds, 9)])
     assert seen == [9], f"run limits read: {seen}, expected [9]"
     assert torch.equal(got, want), f"router logits off the runs' products by {(got - want).abs().max():.3e} (tol 0)"
-    R.use_run_limits(torch.nn.Sequential(block), G.RunLimits({G.RunLimits.shape(w): 2 for w in block.narrow_weights()}))
-    assert block.gate_projection_fn.keywords["limits"].of(block.shared_expert_gate) == 2  # bound anew
-
-    tiles = PackedSparseMoe(hf_block("qwen3_5_moe"), select_backends("cpu", overrides={"gate_projection": "tiles"}))
-    tiles.use_run_limits(limits)
-    assert tiles.gate_projection_fn is G.gate_projection_tiles
+    seen.clear()
+    block.gate_projection_fn = G.gate_projection_segment  # another backend reads no limits
+    with torch.no_grad():
+        block._narrow(block.shared_expert_gate, x, packed)
+    assert seen == []
 
 
 def test_run_limits_reach_the_decay_and_beta_products(monkeypatch):
