@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from model_runtime.kernels.attention import ROPE_AND_GATE
 from model_runtime.kernels.elementwise import EAGER, Elementwise
 from model_runtime.kernels.gate_projection import NO_RUNS, RunLimits, narrow_products, row_invariant, shard_segments
 from model_runtime.kernels.registry import KernelBackends
@@ -235,7 +236,7 @@ class PackedAttention(nn.Module):
         v = self.v_proj(x_TD).view(T, self.num_kv_heads, self.head_dim)
         # A backend that also takes the rotary embedding and the output gate (one pass each side
         # of attention) returns o_proj's input, or None for operands it does not take.
-        rope_and_gate = getattr(self.attention_fn, "rope_and_gate", None) if sp is None else None
+        rope_and_gate = ROPE_AND_GATE.get(self.attention_fn) if sp is None else None
         if rope_and_gate is not None:
             gated = rope_and_gate(q, k, v, *rope, gate, packed, self.scaling)
             if gated is not None:
