@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.workload import WorkloadSpec, describe, grpo_workload  # noqa: E402
+from model_runtime.kernels.overrides import parse_kernel_overrides  # noqa: E402
 from model_runtime.model.packing import pack_first_fit_decreasing  # noqa: E402
 from model_runtime.types import SequenceInput  # noqa: E402
 
@@ -71,7 +72,7 @@ class GpuMemorySampler:
 def pool_settings(args, model: str, world: int, sp: int, fsdp: bool, budget: int) -> dict:
     return {"model": model, "device": args.device, "dtype": "auto", "world_size": world, "sp": sp, "fsdp": fsdp,
             "max_batch_tokens": budget, "allow_slow_kernels": args.device == "cpu", "served_model_name": None,
-            "kernels": args.kernels}
+            "kernels": parse_kernel_overrides(args.kernels or "")}
 
 
 def run_rows(pool, sequences: list[SequenceInput], budget: int, row_seconds: list | None = None) -> float:

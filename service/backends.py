@@ -29,8 +29,9 @@ def load_backend(settings: Settings):
         dtype=settings.dtype,
         device=None if settings.device == "auto" else settings.device,
         allow_slow_kernels=settings.allow_slow_kernels,
-        kernel_overrides=settings.kernel_overrides(),
+        kernel_overrides=settings.kernels,
         served_name=settings.served_model_name,
+        expert_gemm=settings.expert_gemm,
     )
     scorer = Scorer(loaded, max_batch_tokens=settings.max_batch_tokens, prefix_min_tokens=settings.prefix_min_tokens_in_use)
     return LocalBackend(scorer, updates=settings.weights_root is not None)

@@ -176,8 +176,6 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
         if not settings.expert_gemm.is_file():
             print(f"packscore: error: --expert-gemm {settings.expert_gemm}: no such file", file=sys.stderr)
             return 2
-        # read where the experts' backend is chosen, in this process and in the pool's workers
-        os.environ["PACKSCORE_EXPERT_GEMM"] = str(settings.expert_gemm)
     try:
         settings = _check_model_and_key(settings)
         settings = _resolve_hub_model(settings)  # may download: after the cheap checks
@@ -230,11 +228,11 @@ def _check_checkpoint(settings: Settings) -> None:
 
 def _check_kernels(settings: Settings) -> None:
     """A ``--kernels`` pin this device cannot run is refused before the model loads or the port is bound."""
-    overrides = settings.kernel_overrides()
+    overrides = settings.kernels
     if overrides:
         from model_runtime.kernels.registry import check_overrides
 
-        check_overrides(settings.device_type, overrides)
+        check_overrides(settings.device_type, overrides, settings.expert_gemm)
 
 
 def _check_model_and_key(settings: Settings) -> Settings:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from model_runtime.kernels.overrides import FAMILIES, parse_kernel_overrides
+from model_runtime.kernels.overrides import FAMILIES, check_kernel_overrides, parse_kernel_overrides
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 DEFAULT_QUEUED_TOKENS = 1 << 20  # the hard cap on admitted tokens of a one-GPU server
@@ -46,7 +46,8 @@ class Settings(BaseSettings):
     allow_slow_kernels: bool = Field(
         False, description="allow per-sequence reference kernels on a GPU instead of refusing to start"
     )
-    kernels: str | None = Field(
+    # Parsed once, here: FAMILY=BACKEND text (the option, the environment) becomes family -> backend.
+    kernels: Annotated[dict[str, str], NoDecode] = Field(
         None,
         description="pin kernel backends, FAMILY=BACKEND[,...], e.g. attention=varlen (families: "
         f"{', '.join(FAMILIES)}); default: the fastest installed that keeps Hugging Face's arithmetic "
@@ -173,16 +174,14 @@ class Settings(BaseSettings):
         """These settings for one served model: its path and its served name."""
         return self.model_copy(update={"model": spec, "served_model_name": name or self.served_model_name})
 
-    @field_validator("kernels")
+    @field_validator("kernels", mode="before")
     @classmethod
-    def _kernels_syntax(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_kernel_overrides(value)
-        return value
-
-    def kernel_overrides(self) -> dict[str, str]:
-        """``--kernels`` as the family -> backend mapping the loader takes."""
-        return parse_kernel_overrides(self.kernels or "")
+    def _parse_kernels(cls, value) -> dict[str, str]:
+        """``--kernels`` text as the family -> backend mapping the loader takes; a mapping (settings
+        built in Python) is checked by the same rules."""
+        if value is None or isinstance(value, str):
+            return parse_kernel_overrides(value or "")
+        return check_kernel_overrides(value)
 
     def resolved_admin_key(self) -> str | None:
         """The key POST /v1/weights requires, read from ``admin_key_file`` when given; None: the API key rules."""

@@ -119,7 +119,7 @@ def sdpa_causal(q_1HLD, k_1HLD, v_1HLD, scale: float, group: int) -> torch.Tenso
 
 def causal_attention_sdpa_fused(q_THD, k_THD, v_THD, packed: PackedBatch, scale: float) -> torch.Tensor:
     """``causal_attention_sdpa``, whose layer may instead hand over the rotary embedding and the
-    output gate too (``rope_and_gate``): the same SDPA calls on the same padded operands, with
+    output gate too (``ROPE_AND_GATE``): the same SDPA calls on the same padded operands, with
     the memory-bound steps around them in two Triton passes (``attention_triton``)."""
     return causal_attention_sdpa(q_THD, k_THD, v_THD, packed, scale)
 
@@ -173,7 +173,9 @@ def bucketed_sdpa_gated(q_THD, k_THD, v_THD, cos_TR, sin_TR, gate_THD, packed: P
     return y_TE
 
 
-causal_attention_sdpa_fused.rope_and_gate = sdpa_rope_and_gate
+# Attention backends whose layer may hand over the rotary embedding and the output gate too, and
+# the function that takes them (``PackedAttention.forward`` looks its ``attention_fn`` up here).
+ROPE_AND_GATE = {causal_attention_sdpa_fused: sdpa_rope_and_gate}
 
 
 ATTENTION_MIN_BUCKET = 256

@@ -18,9 +18,11 @@ run on PyTorch's current stream:
     python -m model_runtime.kernels.expert_gemm --cutlass /path/to/cutlass   # about a minute
 
 writes ``$PACKSCORE_CACHE_DIR/kernels/libpackscore_expert_gemm-<source hash>.so`` (the Docker
-image builds it, see the Dockerfile); ``$PACKSCORE_EXPERT_GEMM`` names another file. Where no
-library matching this source loads, or the GPU is not an sm_90 one, ``unavailable_reason()``
-says why and the ``expert_tiles`` backend is skipped for ``grouped_mm_fused_scatter``.
+image builds it, see the Dockerfile); ``--expert-gemm`` names another file, passed down to the
+backend choice (``select_backends(expert_gemm=...)``, bound into the ``expert_tiles`` backends),
+or, where none is passed, ``$PACKSCORE_EXPERT_GEMM`` (``library_path``). Where no library
+matching this source loads, or the GPU is not an sm_90 one, ``unavailable_reason()`` says why
+and the ``expert_tiles`` backend is skipped for ``grouped_mm_fused_scatter``.
 """
 
 from __future__ import annotations
@@ -55,18 +57,24 @@ def default_library_path() -> Path:
     return packscore_cache_dir() / "kernels" / f"libpackscore_expert_gemm-{source_hash()}.so"
 
 
-def library_path() -> Path:
-    named = os.environ.get("PACKSCORE_EXPERT_GEMM")
+def library_path(named: str | os.PathLike | None = None) -> Path:
+    """``named`` (``--expert-gemm``); without it ``$PACKSCORE_EXPERT_GEMM`` (read here only, for
+    callers that pass none), else ``default_library_path()``."""
+    named = named or os.environ.get("PACKSCORE_EXPERT_GEMM")
     return Path(named) if named else default_library_path()
 
 
+def _library(named: str | os.PathLike | None = None) -> tuple[ctypes.CDLL | None, str | None]:
+    """The library at ``library_path(named)``, or None and why not."""
+    return _load(library_path(named))
+
+
 @functools.cache
-def _library() -> tuple[ctypes.CDLL | None, str | None]:
-    """The loaded library, or None and why not (cached: one load per process)."""
-    path = library_path()
+def _load(path: Path) -> tuple[ctypes.CDLL | None, str | None]:
+    """The loaded library, or None and why not (cached: one load per file and process)."""
     if not path.is_file():
         return None, (f"no library at {path} (build it: python -m model_runtime.kernels.expert_gemm --cutlass DIR, "
-                      "or name one with PACKSCORE_EXPERT_GEMM)")
+                      "or name one with --expert-gemm or PACKSCORE_EXPERT_GEMM)")
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as err:
@@ -90,13 +98,14 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
     return lib, None
 
 
-def unavailable_reason() -> str | None:
-    """None when the kernel can run on the current CUDA device, else why not."""
+def unavailable_reason(library: str | os.PathLike | None = None) -> str | None:
+    """None when the kernel of ``library`` (``library_path``) can run on the current CUDA device,
+    else why not."""
     if not torch.cuda.is_available():
         return "no CUDA device"
     if torch.cuda.get_device_capability() != (9, 0):
         return f"built for sm_90a (H100, H200), this GPU is sm_{''.join(map(str, torch.cuda.get_device_capability()))}"
-    return _library()[1]
+    return _library(library)[1]
 
 
 @dataclass(frozen=True)
@@ -138,10 +147,11 @@ _KERNELS = {"expert_mm": ("pse_expert_mm", "pse_workspace_bytes"),
             "expert_mm_silu": ("pse_expert_mm_silu", "pse_expert_mm_silu_workspace_bytes")}
 
 
-def _run(name: str, x_RK: torch.Tensor, w_ENK: torch.Tensor, tile_expert_M: torch.Tensor, out_columns: int):
-    """Checks the operands, then runs kernel ``name`` on PyTorch's current stream into a new
-    ``[R, out_columns]`` tensor."""
-    lib, reason = _library()
+def _run(name: str, x_RK: torch.Tensor, w_ENK: torch.Tensor, tile_expert_M: torch.Tensor, out_columns: int,
+         library: str | os.PathLike | None = None):
+    """Checks the operands, then runs kernel ``name`` of ``library`` (``library_path``) on
+    PyTorch's current stream into a new ``[R, out_columns]`` tensor."""
+    lib, reason = _library(library)
     if lib is None:
         raise RuntimeError(f"the expert GEMM library is not loaded: {reason}")
     if x_RK.dtype != torch.bfloat16 or w_ENK.dtype != torch.bfloat16:
@@ -168,23 +178,29 @@ def _run(name: str, x_RK: torch.Tensor, w_ENK: torch.Tensor, tile_expert_M: torc
     return out
 
 
-def expert_mm(x_RK: torch.Tensor, w_ENK: torch.Tensor, tile_expert_M: torch.Tensor) -> torch.Tensor:
+def expert_mm(x_RK: torch.Tensor, w_ENK: torch.Tensor, tile_expert_M: torch.Tensor,
+              library: str | os.PathLike | None = None) -> torch.Tensor:
     """The CUTLASS kernel (see the module docstring); bf16, contiguous, on the current stream."""
-    return _run("expert_mm", x_RK, w_ENK, tile_expert_M, w_ENK.shape[1])
+    return _run("expert_mm", x_RK, w_ENK, tile_expert_M, w_ENK.shape[1], library)
 
 
-@functools.cache
-def silu_layout_check() -> int:
+def silu_layout_check(library: str | os.PathLike | None = None) -> int:
     """The library's host-side check of the layout facts ``expert_mm_silu`` rests on (which
     accumulator holds which column, which weight row each tile row reads): 0 when they hold, else
     which failed (csrc/expert_gemm_sm90.cu, ``check_silu_layout``). Needs the library, not a GPU."""
-    lib, reason = _library()
+    return _silu_layout_check(library_path(library))
+
+
+@functools.cache
+def _silu_layout_check(path: Path) -> int:
+    lib, reason = _load(path)
     if lib is None:
         raise RuntimeError(f"the expert GEMM library is not loaded: {reason}")
     return int(lib.pse_check_silu_layout())
 
 
-def expert_mm_silu(x_RK: torch.Tensor, w_E2IK: torch.Tensor, tile_expert_M: torch.Tensor) -> torch.Tensor:
+def expert_mm_silu(x_RK: torch.Tensor, w_E2IK: torch.Tensor, tile_expert_M: torch.Tensor,
+                   library: str | os.PathLike | None = None) -> torch.Tensor:
     """``silu(gate) * up`` ``[R, I]`` of the experts' gate/up product, in the product's epilogue:
     ``w_E2IK`` holds every expert's I gate rows then its I up rows (``gate_up_proj`` as it is
     stored); the kernel reads tile t's gate rows ``[64t, 64t + 64)`` and the up rows beside them
@@ -193,10 +209,11 @@ def expert_mm_silu(x_RK: torch.Tensor, w_E2IK: torch.Tensor, tile_expert_M: torc
     of ``expert_mm`` bit for bit (tests/gpu/test_moe_fused.py). I a multiple of 64."""
     if w_E2IK.shape[1] % (2 * SILU_PAIR_COLUMNS):
         raise ValueError(f"expert_mm_silu needs 2I a multiple of {2 * SILU_PAIR_COLUMNS}, got {w_E2IK.shape[1]}")
-    if silu_layout_check() != 0:
-        raise RuntimeError(f"the expert GEMM library's SiLU layout check failed ({silu_layout_check()}): "
+    failed = silu_layout_check(library)
+    if failed != 0:
+        raise RuntimeError(f"the expert GEMM library's SiLU layout check failed ({failed}): "
                            "use --kernels moe_experts=expert_tiles")
-    return _run("expert_mm_silu", x_RK, w_E2IK, tile_expert_M, w_E2IK.shape[1] // 2)
+    return _run("expert_mm_silu", x_RK, w_E2IK, tile_expert_M, w_E2IK.shape[1] // 2, library)
 
 
 def expert_mm_reference(x_RK: torch.Tensor, w_ENK: torch.Tensor, tile_expert_M: torch.Tensor,
@@ -220,12 +237,14 @@ def expert_mm_silu_reference(x_RK: torch.Tensor, w_E2IK: torch.Tensor, tile_expe
     return torch.nn.functional.silu(gate_up[:, :half]) * gate_up[:, half:]
 
 
-def cutlass_product(silu: bool = False) -> TiledProduct:
-    """The CUTLASS kernel's products; with ``silu`` also its gate/up product with the SiLU in the epilogue."""
-    lib, reason = _library()
+def cutlass_product(silu: bool = False, library: str | os.PathLike | None = None) -> TiledProduct:
+    """The CUTLASS kernel's products of ``library`` (``library_path``); with ``silu`` also its
+    gate/up product with the SiLU in the epilogue."""
+    lib, reason = _library(library)
     if lib is None:
         raise RuntimeError(f"the expert GEMM library is not loaded: {reason}")
-    return TiledProduct(lib.pse_tile_rows(), expert_mm, expert_mm_silu if silu else None)
+    return TiledProduct(lib.pse_tile_rows(), functools.partial(expert_mm, library=library),
+                        functools.partial(expert_mm_silu, library=library) if silu else None)
 
 
 def reference_product(tile_rows: int = 128, silu: bool = False) -> TiledProduct:

@@ -15,9 +15,10 @@ add up, and a sequence packed with others would part from the same sequence alon
 - ``segment``: one product per segment, the call a sequence scored alone makes (and Hugging
   Face's for one sequence), so a segment's numbers do not depend on its neighbours.
 - ``runs``: ``segment``'s numbers with fewer products. Where a product's rounding was measured
-  not to depend on the row count or on a row's place (``uniform_rows``, set on the linear by
-  ``scoring.rounding.prepare_runs``), consecutive segments go through one product of at most that
-  many rows; elsewhere, and before any measurement, one product per segment.
+  not to depend on the row count or on a row's place (``uniform_rows``, kept by weight shape in
+  the ``RunLimits`` that ``scoring.rounding.prepare_runs`` hands to the layers), consecutive
+  segments go through one product of at most that many rows; elsewhere, and before any
+  measurement, one product per segment.
 - ``tiles``: one product over the whole row whose every row is computed alike whatever the row
   count (``gate_projection_triton``, fixed tiles; on the CPU the row in zero-padded tiles of a
   fixed size). A segment then gets its own product's rows from a product of any rows, so a shared
@@ -30,7 +31,7 @@ On a row with prefix links (a shared prompt run once) ``narrow_products`` runs t
 row's unshared sequences (``LinkedLayout.on_whole_sequences``), so a prompt's and a
 continuation's rows get the rounding of the sequence scored whole.
 
-``tiles`` needs no layout (``ROW_INVARIANT``): a linked row's or a shard's products run over its
+``tiles`` needs no layout (``row_invariant``): a linked row's or a shard's products run over its
 own tokens.
 
 ``segment`` costs two small launches per segment and GDN layer: nothing measurable on rows of
@@ -40,7 +41,10 @@ docs/benchmarks.md).
 
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -68,11 +72,6 @@ def gate_projection_segment(linear: nn.Module, x_TD: torch.Tensor, bounds: Seque
     return torch.cat([linear(x_TD[start:end]) for start, end in bounds])
 
 
-# A backend function carrying this attribute (True) computes a row alike in a product of any rows,
-# so ``narrow_products`` runs it once over the row as it is, links and shard cuts ignored.
-ROW_INVARIANT = "packscore_row_invariant"
-
-
 def _weight_and_bias(linear) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """A narrow product's weight and bias: an ``nn.Linear``, or ``functools.partial(F.linear, weight=...)``."""
     if isinstance(linear, nn.Linear):
@@ -90,12 +89,10 @@ def gate_projection_tiles(linear, x_TD: torch.Tensor, bounds: Sequence[tuple[int
     return in_row_tiles(linear, x_TD)
 
 
-setattr(gate_projection_tiles, ROW_INVARIANT, True)
-
-
 def row_invariant(fn) -> bool:
-    """Whether a gate-projection backend computes a row alike in a product of any rows (``tiles``)."""
-    return bool(getattr(fn, ROW_INVARIANT, False))
+    """Whether a gate-projection backend computes a row alike in a product of any rows (``tiles``):
+    ``narrow_products`` then runs it once over the row as it is, links and shard cuts ignored."""
+    return fn is gate_projection_tiles
 
 
 def _check_cover(bounds: Sequence[tuple[int, int]], tokens: int) -> None:
@@ -103,9 +100,31 @@ def _check_cover(bounds: Sequence[tuple[int, int]], tokens: int) -> None:
         raise ValueError(f"segments {bounds[0]}..{bounds[-1]} do not cover the row of {tokens} tokens")
 
 
-# The linear's attribute holding how many rows one of its products may have and still give every
-# segment in it the rows of its own product (``prepare_runs``); absent, 0 or 1: per segment.
-UNIFORM_ROWS = "packscore_uniform_rows"
+@dataclass(frozen=True)
+class RunLimits:
+    """How many rows one product of a narrow weight may have and still give every segment in it
+    the rows of that segment's own product, by the weight's ``(in_features, out_features, dtype)``
+    (``scoring.rounding.prepare_runs`` measures it); a shape not here, 0 or 1: one product per segment."""
+
+    rows: Mapping[tuple[int, int, torch.dtype], int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        object.__setattr__(self, "rows", MappingProxyType(dict(self.rows)))
+
+    @staticmethod
+    def shape(weight: torch.Tensor) -> tuple[int, int, torch.dtype]:
+        return (weight.shape[1], weight.shape[0], weight.dtype)
+
+    def of(self, linear) -> int:
+        """The limit for ``linear`` (an ``nn.Linear``, a module with a ``weight``, or
+        ``functools.partial(F.linear, weight=...)``)."""
+        weight = getattr(linear, "weight", None)
+        if weight is None:
+            weight = _weight_and_bias(linear)[0]
+        return 0 if weight is None else self.rows.get(self.shape(weight), 0)
+
+
+NO_RUNS = RunLimits()  # nothing measured: every segment its own product
 
 
 def segment_runs(bounds: Sequence[tuple[int, int]], max_rows: int) -> list[tuple[int, int]]:
@@ -120,12 +139,15 @@ def segment_runs(bounds: Sequence[tuple[int, int]], max_rows: int) -> list[tuple
     return runs
 
 
-def gate_projection_runs(linear: nn.Module, x_TD: torch.Tensor, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
+def gate_projection_runs(linear: nn.Module, x_TD: torch.Tensor, bounds: Sequence[tuple[int, int]],
+                         limits: RunLimits = NO_RUNS) -> torch.Tensor:
     """``gate_projection_segment``'s numbers from one product per run of segments (``segment_runs``)
-    where ``linear`` carries a measured ``UNIFORM_ROWS``; per segment where it does not."""
+    where ``limits`` has a measured limit for ``linear``'s shape; per segment where it has none."""
     if len(bounds) > 1:
         _check_cover(bounds, x_TD.shape[0])
-    return gate_projection_segment(linear, x_TD, segment_runs(bounds, getattr(linear, UNIFORM_ROWS, 0)))
+    return gate_projection_segment(linear, x_TD, segment_runs(bounds, limits.of(linear)))
+
+
 
 
 def shard_segments(x_TD: torch.Tensor, packed: PackedBatch, sp) -> tuple[tuple[int, int], ...] | None:
@@ -137,14 +159,17 @@ def shard_segments(x_TD: torch.Tensor, packed: PackedBatch, sp) -> tuple[tuple[i
     return packed.segments_within(sp.rank * T, (sp.rank + 1) * T)
 
 
-def narrow_products(fn, linears: Sequence, x_TD: torch.Tensor, packed: PackedBatch, local_bounds=None) -> tuple:
+def narrow_products(fn, linears: Sequence, x_TD: torch.Tensor, packed: PackedBatch, local_bounds=None,
+                    limits: RunLimits = NO_RUNS) -> tuple:
     """``fn(linear, x_TD, bounds)`` for every linear of ``linears``, ``bounds`` the row's segments,
     or ``local_bounds`` (a sequence-parallel shard's: its segments are cut, so a row with prefix
     links keeps them as they are there). On a whole row with prefix links, every product runs
     over the row's unshared sequences and is read back at the row's own tokens. A row-invariant
-    ``fn`` (``tiles``) runs once over ``x_TD`` as it is."""
+    ``fn`` (``tiles``) runs once over ``x_TD`` as it is; ``runs`` reads ``limits``."""
     if row_invariant(fn):
         return tuple(fn(linear, x_TD, ()) for linear in linears)
+    if fn is gate_projection_runs:
+        fn = functools.partial(gate_projection_runs, limits=limits)
     if local_bounds is not None:
         return tuple(fn(linear, x_TD, local_bounds) for linear in linears)
     if packed.links is None:

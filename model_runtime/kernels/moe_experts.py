@@ -204,19 +204,20 @@ experts_grouped_mm_fused = functools.partial(experts_grouped_mm, fused=True)
 experts_grouped_mm_fused_scatter = functools.partial(experts_grouped_mm, fused=True, scatter=True)
 
 
-def experts_expert_tiles(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared=None) -> torch.Tensor:
+def experts_expert_tiles(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared=None, library=None) -> torch.Tensor:
     """``grouped_mm_fused_scatter``'s numbers bit for bit, its two products in packscore's CUTLASS
-    kernel over a tile-aligned expert layout (``expert_gemm``)."""
+    kernel over a tile-aligned expert layout (``expert_gemm``; ``library``: the file the backend
+    choice bound, ``KernelBackends.expert_gemm``)."""
     from model_runtime.kernels import expert_gemm
 
     if x_TD.device.type != "cuda" or x_TD.dtype != torch.bfloat16:
         raise ValueError(f"the expert_tiles experts need bfloat16 on CUDA, got {x_TD.dtype} on {x_TD.device.type}; "
                          "use --kernels moe_experts=tiled")
     return grouped_experts(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared, fused=True, scatter=True,
-                           tiled=expert_gemm.cutlass_product())
+                           tiled=expert_gemm.cutlass_product(library=library))
 
 
-def experts_expert_tiles_silu(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared=None) -> torch.Tensor:
+def experts_expert_tiles_silu(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared=None, library=None) -> torch.Tensor:
     """``expert_tiles`` with ``silu(gate) * up`` computed in the gate/up product's epilogue
     (``expert_gemm.expert_mm_silu``): the same numbers, one pass over the gate/up outputs fewer.
     I must be a multiple of 64 (``expert_tiles`` otherwise)."""
@@ -227,7 +228,7 @@ def experts_expert_tiles_silu(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, 
                          "use --kernels moe_experts=tiled")
     silu = down_EDI.shape[2] % expert_gemm.SILU_PAIR_COLUMNS == 0
     return grouped_experts(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared, fused=True, scatter=True,
-                           tiled=expert_gemm.cutlass_product(silu=silu))
+                           tiled=expert_gemm.cutlass_product(silu=silu, library=library))
 
 
 def add_shared(routed_TD: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:

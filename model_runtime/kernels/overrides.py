@@ -39,9 +39,22 @@ def parse_kernel_overrides(text: str) -> dict[str, str]:
             raise ValueError(f"expected FAMILY=BACKEND[,FAMILY=BACKEND...], got {item!r}")
         if family in out:
             raise ValueError(f"{family!r} is given twice")
-        if family not in FAMILIES:
-            raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
-        if backend not in BACKENDS[family]:
-            raise ValueError(f"unknown {family} backend {backend!r}; known: {', '.join(BACKENDS[family])}")
+        _check(family, backend)
         out[family] = backend
     return out
+
+
+def check_kernel_overrides(overrides) -> dict[str, str]:
+    """A family -> backend mapping given as one (not as text), checked as ``parse_kernel_overrides`` checks."""
+    if not hasattr(overrides, "items"):
+        raise ValueError(f"expected FAMILY=BACKEND[,FAMILY=BACKEND...] or a mapping, got {type(overrides).__name__}")
+    for family, backend in overrides.items():
+        _check(family, backend)
+    return dict(overrides)
+
+
+def _check(family, backend) -> None:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
+    if backend not in BACKENDS[family]:
+        raise ValueError(f"unknown {family} backend {backend!r}; known: {', '.join(BACKENDS[family])}")

@@ -14,9 +14,11 @@ beside it; tests compare them on fresh random inputs.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -130,6 +132,10 @@ _GPU_PREFERENCE = {
 _POOL_GPU_PREFERENCE = {**_GPU_PREFERENCE, "attention": ("flash_attn", "varlen", "sdpa")}
 
 
+# The experts backends that run packscore's CUTLASS library (``expert_gemm``).
+EXPERT_GEMM_BACKENDS = frozenset({"expert_tiles", "expert_tiles_silu"})
+
+
 class SlowKernelError(RuntimeError):
     """A GPU run would have to use a per-segment reference kernel."""
 
@@ -148,6 +154,9 @@ class KernelBackends:
     moe_router: str = "topk"
     moe_shared: str = "inline"
     fallbacks: tuple[str, ...] = field(default=())
+    # The library file the ``expert_tiles`` experts load (``expert_gemm.library_path``), bound into
+    # their function by ``fn``; None: resolved where they run.
+    expert_gemm: Path | None = None
 
     def __post_init__(self):
         for family in FAMILIES:
@@ -160,7 +169,10 @@ class KernelBackends:
         return {family: getattr(self, family) for family in FAMILIES}
 
     def fn(self, family: str) -> Callable:
-        return REGISTRY[family][getattr(self, family)]
+        fn = REGISTRY[family][getattr(self, family)]
+        if family == "moe_experts" and self.moe_experts in EXPERT_GEMM_BACKENDS and self.expert_gemm is not None:
+            return functools.partial(fn, library=self.expert_gemm)
+        return fn
 
 
 # The module each optional backend is imported from; importing it (not only finding it) is
@@ -183,18 +195,19 @@ _BACKEND_MODULES = {
 }
 
 
-def _unavailable_reason(family: str, name: str) -> str | None:
-    """``None`` when backend ``name`` of ``family`` can run here, else why not."""
+def _unavailable_reason(family: str, name: str, expert_gemm_library: Path | None = None) -> str | None:
+    """``None`` when backend ``name`` of ``family`` can run here (the ``expert_tiles`` experts with
+    ``expert_gemm_library``, ``expert_gemm.library_path``), else why not."""
     modules = _BACKEND_MODULES.get(name, ())
     if family == "moe_experts" and name.startswith("grouped_mm") and not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no grouped matrix product"
-    if family == "moe_experts" and name in ("expert_tiles", "expert_tiles_silu"):
+    if family == "moe_experts" and name in EXPERT_GEMM_BACKENDS:
         from model_runtime.kernels import expert_gemm
 
-        reason = expert_gemm.unavailable_reason()
+        reason = expert_gemm.unavailable_reason(expert_gemm_library)
         if reason is not None:
             return reason
-        failed = expert_gemm.silu_layout_check() if name == "expert_tiles_silu" else 0
+        failed = expert_gemm.silu_layout_check(expert_gemm_library) if name == "expert_tiles_silu" else 0
         if failed:
             return f"the expert GEMM library's SiLU layout check failed ({failed})"
     if family == "conv1d" and name == "fla":
@@ -209,9 +222,10 @@ def _unavailable_reason(family: str, name: str) -> str | None:
     return None
 
 
-def check_overrides(device: torch.device | str, overrides: dict[str, str]) -> None:
+def check_overrides(device: torch.device | str, overrides: dict[str, str], expert_gemm: str | Path | None = None) -> None:
     """Raises ``ValueError`` naming the first ``--kernels`` pin that cannot run on ``device`` here (a
-    CUDA-only backend elsewhere, a missing or broken module); the CLI asks before loading or binding."""
+    CUDA-only backend elsewhere, a missing or broken module; ``expert_tiles`` with the library
+    ``expert_gemm``, ``--expert-gemm``); the CLI asks before loading or binding."""
     device = torch.device(device)
     unknown = set(overrides) - set(FAMILIES)
     if unknown:
@@ -221,7 +235,7 @@ def check_overrides(device: torch.device | str, overrides: dict[str, str]) -> No
             raise ValueError(f"the {family} backend {name!r} needs CUDA; on {device.type} use one of "
                              f"{sorted(set(REGISTRY[family]) - CUDA_ONLY)}")
         if name in REGISTRY[family]:  # an unknown name is refused with the known ones by KernelBackends
-            reason = _unavailable_reason(family, name)
+            reason = _unavailable_reason(family, name, expert_gemm)
             if reason is not None:
                 raise ValueError(f"the {family} backend {name!r} cannot run here: {reason}")
 
@@ -232,6 +246,7 @@ def select_backends(
     allow_slow: bool = False,
     overrides: dict[str, str] | None = None,
     worker_pool: bool = False,
+    expert_gemm: str | Path | None = None,
 ) -> KernelBackends:
     """Chooses the kernels for ``device``.
 
@@ -239,12 +254,18 @@ def select_backends(
     taken (``worker_pool``: the fastest in a worker pool's process); if a family has none, this
     raises ``SlowKernelError`` unless ``allow_slow``, in which case the reference is used,
     logged as a warning and recorded in ``fallbacks``. ``overrides`` pins a family to a named
-    backend (``--kernels``, tests and benchmarks).
+    backend (``--kernels``, tests and benchmarks). ``expert_gemm`` names the experts' CUTLASS
+    library (``--expert-gemm``; None: ``expert_gemm.library_path()``'s default).
     """
     preference = _POOL_GPU_PREFERENCE if worker_pool else _GPU_PREFERENCE
     device = torch.device(device)
+    library = None  # the experts' CUTLASS library, resolved once where it may run: the backend loads this file
+    if device.type == "cuda":
+        from model_runtime.kernels.expert_gemm import library_path
+
+        library = library_path(expert_gemm)
     overrides = dict(overrides or {})
-    check_overrides(device, overrides)
+    check_overrides(device, overrides, library)
     chosen: dict[str, str] = {}
     fallbacks: list[str] = []
     for family in FAMILIES:
@@ -256,7 +277,7 @@ def select_backends(
             continue
         reasons = []
         for name in preference[family]:
-            reason = _unavailable_reason(family, name)
+            reason = _unavailable_reason(family, name, library)
             if reason is None:
                 chosen[family] = name
                 if reasons:  # a faster backend was skipped: say why, once, at start
@@ -274,4 +295,5 @@ def select_backends(
             log.warning("%s; using the slow reference kernel", message)
             chosen[family] = _CPU_DEFAULT[family]
             fallbacks.append(family)
-    return KernelBackends(**chosen, fallbacks=tuple(fallbacks))
+    experts_library = library if chosen["moe_experts"] in EXPERT_GEMM_BACKENDS else None
+    return KernelBackends(**chosen, fallbacks=tuple(fallbacks), expert_gemm=experts_library)

@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from model_runtime.kernels.attention import ROPE_AND_GATE
 from model_runtime.kernels.elementwise import EAGER, Elementwise
-from model_runtime.kernels.gate_projection import narrow_products, row_invariant, shard_segments
+from model_runtime.kernels.gate_projection import NO_RUNS, RunLimits, narrow_products, row_invariant, shard_segments
 from model_runtime.kernels.registry import KernelBackends
 from model_runtime.model.packing import PackedBatch
 
@@ -109,6 +110,7 @@ class PackedGatedDeltaNet(nn.Module):
         self.conv_fn = backends.fn("conv1d")
         self.delta_rule_fn = backends.fn("linear_attention")
         self.gate_projection_fn = backends.fn("gate_projection")
+        self.run_limits = NO_RUNS  # rows a narrow product may span under ``runs``: ``use_run_limits``
         self.ops = ModuleOps(backends.fn("elementwise")())
 
     def narrow_weights(self) -> tuple[torch.Tensor, ...]:
@@ -118,10 +120,15 @@ class PackedGatedDeltaNet(nn.Module):
             return ()
         return (self.in_proj_ba.weight,) if self.fused_projections else (self.in_proj_a.weight, self.in_proj_b.weight)
 
+    def use_run_limits(self, limits: RunLimits) -> None:
+        """The rows one narrow product may span under the ``runs`` backend (``rounding.prepare_runs``)."""
+        self.run_limits = limits
+
     def _gate_products(self, linears, x_TD: torch.Tensor, packed: PackedBatch, sp) -> tuple[torch.Tensor, ...]:
         """The narrow gate products of ``linears`` per segment (``narrow_products``); under ``sp``
         over the segments within this rank's tokens."""
-        return narrow_products(self.gate_projection_fn, linears, x_TD, packed, shard_segments(x_TD, packed, sp))
+        return narrow_products(self.gate_projection_fn, linears, x_TD, packed, shard_segments(x_TD, packed, sp),
+                               self.run_limits)
 
     def _project(self, x_TD: torch.Tensor, packed: PackedBatch, sp):
         """Returns pre-conv ``q_THK, k_THK, v_THV``, gate ``z_THV`` and ``b_TH, a_TH``."""
@@ -229,7 +236,7 @@ class PackedAttention(nn.Module):
         v = self.v_proj(x_TD).view(T, self.num_kv_heads, self.head_dim)
         # A backend that also takes the rotary embedding and the output gate (one pass each side
         # of attention) returns o_proj's input, or None for operands it does not take.
-        rope_and_gate = getattr(self.attention_fn, "rope_and_gate", None) if sp is None else None
+        rope_and_gate = ROPE_AND_GATE.get(self.attention_fn) if sp is None else None
         if rope_and_gate is not None:
             gated = rope_and_gate(q, k, v, *rope, gate, packed, self.scaling)
             if gated is not None:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_runtime.kernels.gate_projection import UNIFORM_ROWS, narrow_products, row_invariant, shard_segments
+from model_runtime.kernels.gate_projection import NO_RUNS, RunLimits, narrow_products, row_invariant, shard_segments
 from model_runtime.kernels.moe_experts import in_row_tiles
 from model_runtime.kernels.registry import KernelBackends
 from model_runtime.model.layers import ModuleOps, _is_silu
@@ -71,6 +71,7 @@ class PackedSparseMoe(nn.Module):
         # token's numbers fixed under sequence parallelism as well, where segments are cut.
         self.tiled = backends.moe_experts == "tiled"
         self.gate_projection_fn = backends.fn("gate_projection")
+        self.run_limits = NO_RUNS  # rows a narrow product may span under ``runs``: ``use_run_limits``
         self.top_k_fn = backends.fn("moe_router")
         self.shared_fn = backends.fn("moe_shared")
         # On a linked row the router and shared gate share one gather of x (``forward``); the shared
@@ -90,11 +91,8 @@ class PackedSparseMoe(nn.Module):
         return top_w_TK.to(logits_TE.dtype), top_i_TK
 
     def _router_product(self):
-        """The router's logits product, carrying the run limit measured for the router
-        (``gate_projection.UNIFORM_ROWS``, set on ``self.gate``)."""
-        product = functools.partial(F.linear, weight=self.gate.weight)
-        setattr(product, UNIFORM_ROWS, getattr(self.gate, UNIFORM_ROWS, 0))
-        return product
+        """The router's logits product (its ``weight`` keyword is what ``RunLimits`` reads)."""
+        return functools.partial(F.linear, weight=self.gate.weight)
 
     def narrow_weights(self) -> tuple[torch.Tensor, ...]:
         """The router's and shared gate's weights where they run per segment, whose rounding then
@@ -102,19 +100,25 @@ class PackedSparseMoe(nn.Module):
         row-invariant gate-projection backend (``tiles``)."""
         return () if self.tiled or row_invariant(self.gate_projection_fn) else (self.gate.weight, self.shared_expert_gate.weight)
 
+    def use_run_limits(self, limits: RunLimits) -> None:
+        """The rows one narrow product may span under the ``runs`` backend (``rounding.prepare_runs``)."""
+        self.run_limits = limits
+
     def _narrow(self, linear, x_TD: torch.Tensor, packed: PackedBatch, sp=None) -> torch.Tensor:
         """A narrow product (router, shared gate): in tiles, or by the ``gate_projection`` kernel
         per segment (``narrow_products``: a row's prefix links followed, a shard's segments cut)."""
         if self.tiled:
             return in_row_tiles(linear, x_TD)
-        return narrow_products(self.gate_projection_fn, (linear,), x_TD, packed, shard_segments(x_TD, packed, sp))[0]
+        return narrow_products(self.gate_projection_fn, (linear,), x_TD, packed, shard_segments(x_TD, packed, sp),
+                               self.run_limits)[0]
 
     def forward(self, x_TD: torch.Tensor, packed: PackedBatch, sp=None) -> torch.Tensor:
         logits_TE = gate_T1 = None
         if packed.links is not None and sp is None and self.merged_narrow:
             # A linked row's narrow products run over its whole sequences: one gather of x for both.
             logits_TE, gate_T1 = narrow_products(
-                self.gate_projection_fn, (self._router_product(), self.shared_expert_gate), x_TD, packed)
+                self.gate_projection_fn, (self._router_product(), self.shared_expert_gate), x_TD, packed,
+                limits=self.run_limits)
         shared = self.shared_fn(functools.partial(self._shared, x_TD, packed, sp, gate_T1))
         top_w_TK, top_i_TK = self.route(x_TD, packed, sp, logits_TE)
         # routed + gate * shared, added by the experts' kernel (the fused one in its top-k sum's pass)

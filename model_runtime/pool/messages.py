@@ -55,12 +55,13 @@ class Start:
     dtype: str  # "auto", "float32", "bfloat16" or "float16"
     max_batch_tokens: int  # per-rank token budget of one forward (warm-up shapes)
     allow_slow_kernels: bool  # allow reference kernels on a GPU
-    kernels: str  # pinned kernel backends, "family=backend,..." ("" for the defaults)
+    kernels: dict  # pinned kernel backends, family -> backend, as Settings parsed --kernels ({}: the defaults)
     served_model_name: str  # name shown in /v1/models ("" for the model's own)
     timeout_s: float  # collective timeout: a stuck collective raises instead of hanging
     prefix_min_tokens: int = 0  # shortest shared prefix run once (0: prefix sharing off)
     weights_version: str = ""  # version of the weights at ``model`` after an update ("": the model's own)
     updates: bool = False  # weight updates may come (--weights-root): their staging buffers are made at start
+    expert_gemm: str = ""  # the experts' CUTLASS library (--expert-gemm; "": expert_gemm.library_path()'s default)
 
 
 @dataclass(frozen=True)

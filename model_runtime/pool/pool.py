@@ -102,12 +102,13 @@ class WorkerPool(Lockstep):
             dtype=str(settings.get("dtype") or "auto"),
             max_batch_tokens=self.max_batch_tokens,
             allow_slow_kernels=bool(settings.get("allow_slow_kernels", False)),
-            kernels=str(settings.get("kernels") or ""),
+            kernels=dict(settings.get("kernels") or {}),  # family -> backend: Settings parsed --kernels
             served_model_name=str(settings.get("served_model_name") or ""),
             timeout_s=self.request_timeout_s,
             prefix_min_tokens=int(settings.get("prefix_min_tokens", 0)),  # 0: prefix sharing off
             weights_version="",
             updates=settings.get("weights_root") is not None,
+            expert_gemm=str(settings.get("expert_gemm") or ""),
         )
         self._lock = threading.Lock()
         self._updating = threading.Lock()  # one weight update at a time
@@ -566,8 +567,8 @@ def start_pool(settings: dict) -> WorkerPool:
     """Starts ``settings["world_size"]`` workers and returns once every one has loaded the model.
 
     ``settings`` is the service's ``Settings.model_dump()``; the keys read are model, device, dtype,
-    world_size, sp, fsdp, max_batch_tokens, allow_slow_kernels, kernels, served_model_name (and optionally
-    worker_timeout_s, worker_stall_floor_s, worker_start_timeout_s, weights_root (set: updates may come, so the workers
+    world_size, sp, fsdp, max_batch_tokens, allow_slow_kernels, kernels (family -> backend), served_model_name (and optionally
+    expert_gemm, worker_timeout_s, worker_stall_floor_s, worker_start_timeout_s, weights_root (set: updates may come, so the workers
     make their staging buffers at start), and prefix_min_tokens: the shortest shared prefix run once,
     0 or absent for none, i.e. ``Settings.prefix_min_tokens_in_use``); other keys are ignored.
     """

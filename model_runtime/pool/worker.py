@@ -68,11 +68,10 @@ def _reads_shards(start: msg.Start) -> bool:
 
 
 def _load(start: msg.Start, device: torch.device):
-    from model_runtime.kernels.overrides import parse_kernel_overrides
     from model_runtime.scoring.loading import load_model
 
     name = start.served_model_name or None
-    overrides = parse_kernel_overrides(start.kernels)
+    overrides = start.kernels  # checked where --kernels was parsed; select_backends checks it can run here
     if _reads_shards(start):
         return load_model(
             start.model,
@@ -80,6 +79,7 @@ def _load(start: msg.Start, device: torch.device):
             device=device,
             allow_slow_kernels=start.allow_slow_kernels,
             kernel_overrides=overrides,
+        expert_gemm=start.expert_gemm or None,
             served_name=name,
             worker_pool=True,
             weights_later=True,
@@ -96,6 +96,7 @@ def _load(start: msg.Start, device: torch.device):
         kernel_device=device,
         allow_slow_kernels=start.allow_slow_kernels,
         kernel_overrides=overrides,
+        expert_gemm=start.expert_gemm or None,
         served_name=name,
         worker_pool=True,
         weights_version=start.weights_version or None,

@@ -91,13 +91,15 @@ def load_model(
     worker_pool: bool = False,
     weights_later: bool = False,
     weights_version: str | None = None,
+    expert_gemm: str | Path | None = None,
 ) -> LoadedModel:
     """Loads ``spec`` (a preset name or a checkpoint directory) and patches it for packing.
 
     ``kernel_device`` is where the model will run when that is not where it is loaded (FSDP
     loads a large model on the CPU and shards it onto the GPUs): kernels are chosen for it, and
     the result's ``device`` is it. ``worker_pool`` chooses the kernels that are fastest in a
-    worker pool's process (``select_backends``).
+    worker pool's process (``select_backends``), ``expert_gemm`` names the experts' CUTLASS library
+    (``--expert-gemm``; None: ``expert_gemm.library_path()``'s default).
 
     ``weights_later`` (a checkpoint only) builds the model on the meta device, without reading a
     weight: FSDP shards it first, then each rank reads only its own shards' bytes
@@ -117,7 +119,8 @@ def load_model(
         # Triton kernels (the head, the conv, the norms) launch on the current GPU: make it this one
         torch.cuda.set_device(run_on)
     torch_dtype = resolve_dtype(dtype, run_on)
-    backends = select_backends(run_on, allow_slow=allow_slow_kernels, overrides=kernel_overrides, worker_pool=worker_pool)
+    backends = select_backends(run_on, allow_slow=allow_slow_kernels, overrides=kernel_overrides, worker_pool=worker_pool,
+                               expert_gemm=expert_gemm)
     started = time.perf_counter()
     if spec in PRESETS:
         hf_kwargs = _hf_kwargs(PRESETS[spec].model_type, moe_implementation)

@@ -24,12 +24,15 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
 
 from model_runtime.kernels.cache import packscore_cache_dir
+
+if TYPE_CHECKING:  # imported where used: the pool's HTTP process reads RowRounding without the kernels
+    from model_runtime.kernels.gate_projection import RunLimits
 
 log = logging.getLogger(__name__)
 
@@ -117,38 +120,57 @@ def measure(model: torch.nn.Module, max_rows: int, cache_dir: str | os.PathLike 
 
 def prepare_runs(model: torch.nn.Module, max_rows: int, cache_dir: str | os.PathLike | None = None,
                  device: torch.device | None = None) -> dict[str, int]:
-    """Sets on every module that owns a narrow weight how many rows one of its products may have
-    and still give each segment in it the rows of that segment's own product
-    (``gate_projection.UNIFORM_ROWS``, read by the ``runs`` backend): the row counts up to which
-    the product is of one kind (``uniform_rows``), where a slice's product also equals its rows of
-    a longer one (``rows_keep_their_place``) and it sums at least ``MIN_RUN_IN_FEATURES``
-    inputs; 0 elsewhere. Returns it by module name. Only the
-    weights' shapes and dtypes are read; a shape's kinds come from the same disk cache as
-    ``measure``'s."""
-    from model_runtime.kernels.gate_projection import UNIFORM_ROWS, rows_keep_their_place, uniform_rows
+    """Measures ``run_limits`` and hands them to the model's layers (``use_run_limits``); returns
+    the limit of every module that owns a narrow weight, by module name (for logs and benchmarks)."""
+    from model_runtime.kernels.gate_projection import RunLimits
+
+    limits = run_limits(model, max_rows, cache_dir, device)
+    use_run_limits(model, limits)
+    narrow = {id(w) for w in narrow_weights(model)}
+    return {name: limits.rows[RunLimits.shape(module.weight)] for name, module in model.named_modules()
+            if isinstance(getattr(module, "weight", None), torch.Tensor) and id(module.weight) in narrow}
+
+
+def run_limits(model: torch.nn.Module, max_rows: int, cache_dir: str | os.PathLike | None = None,
+               device: torch.device | None = None) -> RunLimits:
+    """How many rows one product of each narrow weight shape of ``model`` may have and still give
+    each segment in it the rows of that segment's own product (read by the ``runs`` backend): the
+    row counts up to which the product is of one kind (``uniform_rows``), where a slice's product
+    also equals its rows of a longer one (``rows_keep_their_place``) and it sums at least
+    ``MIN_RUN_IN_FEATURES`` inputs; 0 elsewhere. Only the weights' shapes and dtypes are read; a
+    shape's kinds come from the same disk cache as ``measure``'s."""
+    from model_runtime.kernels.gate_projection import RunLimits, rows_keep_their_place, uniform_rows
 
     max_rows = min(int(max_rows), MAX_PROBED_ROWS)
-    narrow = {id(w) for w in narrow_weights(model)}
     limits: dict[tuple, int] = {}
-    found: dict[str, int] = {}
-    for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if not isinstance(weight, torch.Tensor) or id(weight) not in narrow:
+    for weight in narrow_weights(model):
+        key = RunLimits.shape(weight)
+        if key in limits:
             continue
         shape = _shape(weight, device)
-        if shape not in limits:
-            rows = uniform_rows(_shape_kinds(shape, max_rows, cache_dir)) if shape[0] >= MIN_RUN_IN_FEATURES else 0
-            if rows >= 2 and not rows_keep_their_place(shape[0], shape[1], shape[2], shape[3], rows):
-                log.warning("a [rows, %d] x [%d, %d] product rounds a row by its place: one product per segment",
-                            shape[0], shape[0], shape[1])
-                rows = 0
-            limits[shape] = rows
-        setattr(module, UNIFORM_ROWS, limits[shape])
-        found[name] = limits[shape]
+        rows = uniform_rows(_shape_kinds(shape, max_rows, cache_dir)) if shape[0] >= MIN_RUN_IN_FEATURES else 0
+        if rows >= 2 and not rows_keep_their_place(shape[0], shape[1], shape[2], shape[3], rows):
+            log.warning("a [rows, %d] x [%d, %d] product rounds a row by its place: one product per segment",
+                        shape[0], shape[0], shape[1])
+            rows = 0
+        limits[key] = rows
     if limits:
         log.info("narrow products over runs of segments up to %s rows",
                  ", ".join(f"[{k[0]} -> {k[1]}]: {v}" for k, v in sorted(limits.items(), key=str)))
-    return found
+    return RunLimits(limits)
+
+
+def use_run_limits(model: torch.nn.Module, limits: RunLimits) -> None:
+    """Hands ``limits`` to every layer with narrow products (``use_run_limits``), after checking
+    that they name every narrow weight's shape: a shape left out would run per segment unseen."""
+    from model_runtime.kernels.gate_projection import RunLimits
+
+    missing = {RunLimits.shape(w) for w in narrow_weights(model)} - set(limits.rows)
+    if missing:
+        raise ValueError(f"no run limit for the narrow products of shape (in, out, dtype) {sorted(missing, key=str)}")
+    for module in model.modules():
+        if hasattr(module, "narrow_weights"):
+            module.use_run_limits(limits)
 
 
 def runs_in_use(loaded, max_rows: int, device: torch.device | None = None) -> dict[str, int]:

@@ -43,7 +43,7 @@ def assert_same(got, want, where: str) -> None:
 
 def test_independent_groups_match_one_process_and_share_the_work(local):
     # --kernels reaches the workers: SDPA (math on CPU) instead of the reference attention.
-    pool = start_pool({**BASE, "world_size": 2, "sp": 1, "fsdp": False, "kernels": "attention=sdpa",
+    pool = start_pool({**BASE, "world_size": 2, "sp": 1, "fsdp": False, "kernels": {"attention": "sdpa"},
                        "extra_service_key": object()})
     try:
         assert pool.info.parallel == {"world_size": 2, "dp": 2, "sp": 1, "fsdp": False}

@@ -17,8 +17,8 @@ pytestmark = [
 def without_fla(monkeypatch):
     real = kernels._unavailable_reason
 
-    def reason(family, name):
-        return "fla is not installed (hidden by the test)" if name == "fla" else real(family, name)
+    def reason(family, name, library=None):
+        return "fla is not installed (hidden by the test)" if name == "fla" else real(family, name, library)
 
     monkeypatch.setattr(kernels, "_unavailable_reason", reason)
 

@@ -237,7 +237,7 @@ def test_gate_projection_runs_equal_per_segment(in_features, outputs, gpu_record
     to U rows gives every segment its own product's values bit for bit: random rows of segments
     of 1 to 3,000 tokens, on the probe's order-sensitive operands and on random ones."""
     from model_runtime.kernels.gate_projection import (
-        UNIFORM_ROWS, gate_projection_runs, order_sensitive_operands, row_kinds, rows_keep_their_place,
+        RunLimits, gate_projection_runs, order_sensitive_operands, row_kinds, rows_keep_their_place,
         segment_runs, uniform_rows,
     )
 
@@ -250,7 +250,7 @@ def test_gate_projection_runs_equal_per_segment(in_features, outputs, gpu_record
         pytest.skip(f"[{in_features} -> {outputs}] rounds by row count from {limit + 1} rows: runs keep per segment")
     rng = torch.Generator().manual_seed(outputs)
     linear = torch.nn.Linear(in_features, outputs, bias=False, device=DEV, dtype=torch.bfloat16)
-    setattr(linear, UNIFORM_ROWS, limit)
+    limits = RunLimits({RunLimits.shape(linear.weight): limit})
     unequal, runs_seen = 0, 0
     for trial in range(6):
         lengths = [int(n) for n in torch.randint(1, 3000, (int(torch.randint(2, 24, (1,), generator=rng)),), generator=rng)]
@@ -263,7 +263,7 @@ def test_gate_projection_runs_equal_per_segment(in_features, outputs, gpu_record
             w = (torch.randn(outputs, in_features, device=DEV) * in_features ** -0.5).to(torch.bfloat16)
         with torch.no_grad():
             linear.weight.copy_(w)
-            got = gate_projection_runs(linear, x, bounds)
+            got = gate_projection_runs(linear, x, bounds, limits)
             want = torch.cat([linear(x[a:b]) for a, b in bounds])
         unequal += int((got.view(torch.int16) != want.view(torch.int16)).sum())
         runs_seen += len(segment_runs(bounds, limit))

@@ -7,6 +7,7 @@ import time
 import numpy as np
 import orjson
 import pytest
+from pydantic import ValidationError
 
 from model_runtime.types import SequenceInput
 from service import cli
@@ -55,10 +56,23 @@ def test_hostile_client_options_parse():
     assert (s.request_read_timeout_s, s.max_connections, s.queue_seconds, s.max_admission_wait_s) == (2.5, 100, 2.0, 0.0)
 
 
-def test_kernels_option_pins_backends():
+def test_kernels_option_pins_backends(monkeypatch, capsys):
+    """``--kernels`` (or PACKSCORE_KERNELS, the same text) is parsed once, into the family ->
+    backend mapping the loader and the pool take; a mapping given in Python is checked alike."""
     settings = cli.parse_settings(["serve", "--kernels", "attention=sdpa, head=torch"])[1]
-    assert settings.kernel_overrides() == {"attention": "sdpa", "head": "torch"}
-    assert cli.parse_settings(["serve"])[1].kernel_overrides() == {}
+    assert settings.kernels == {"attention": "sdpa", "head": "torch"}
+    assert cli.parse_settings(["serve"])[1].kernels == {}
+    monkeypatch.setenv("PACKSCORE_KERNELS", "attention=varlen,moe_router=select")
+    assert cli.parse_settings(["serve"])[1].kernels == {"attention": "varlen", "moe_router": "select"}
+    assert cli.parse_settings(["serve", "--kernels", "head=triton"])[1].kernels == {"head": "triton"}  # the option wins
+    assert Settings(kernels={"head": "torch"}).kernels == {"head": "torch"}
+    with pytest.raises(ValidationError, match="unknown head backend 'fast'"):
+        Settings(kernels={"head": "fast"})
+    monkeypatch.setenv("PACKSCORE_KERNELS", "attention")
+    with pytest.raises(SystemExit):
+        cli.parse_settings(["serve"])
+    err = capsys.readouterr().err
+    assert "--kernels (from PACKSCORE_KERNELS)" in err and "expected FAMILY=BACKEND" in err, err
 
 
 def test_command_line_wins_over_environment_which_wins_over_defaults(monkeypatch):
@@ -133,17 +147,32 @@ def test_an_empty_api_key_is_an_error_not_an_open_server(monkeypatch, capsys):
     assert "API key" in capsys.readouterr().err
 
 
-def test_the_expert_gemm_library_is_checked_and_handed_to_the_kernels(monkeypatch, tmp_path, capsys):
+def test_the_expert_gemm_library_is_checked_and_left_out_of_the_environment(monkeypatch, tmp_path, capsys):
+    """A missing file is refused before anything loads; a present one travels in the settings
+    (tests/unit/test_expert_gemm.py follows it to the backend choice), not through os.environ."""
     monkeypatch.delenv("PACKSCORE_EXPERT_GEMM", raising=False)
-    try:
-        assert cli.main(["serve", "--expert-gemm", str(tmp_path / "absent.so")]) == 2
-        assert "--expert-gemm" in capsys.readouterr().err and "PACKSCORE_EXPERT_GEMM" not in os.environ
-        lib = tmp_path / "lib.so"
-        lib.write_bytes(b"")
-        assert cli.main(["serve", "--expert-gemm", str(lib), "--model", str(tmp_path / "nope")]) == 2
-        assert os.environ["PACKSCORE_EXPERT_GEMM"] == str(lib)  # the pool's workers inherit it
-    finally:
-        os.environ.pop("PACKSCORE_EXPERT_GEMM", None)
+    assert cli.main(["serve", "--expert-gemm", str(tmp_path / "absent.so")]) == 2
+    assert "--expert-gemm" in capsys.readouterr().err
+    lib = tmp_path / "lib.so"
+    lib.write_bytes(b"")
+    assert cli.main(["serve", "--expert-gemm", str(lib), "--model", str(tmp_path / "nope")]) == 2
+    assert "PACKSCORE_EXPERT_GEMM" not in os.environ
+
+
+def test_the_early_kernel_check_probes_the_named_expert_gemm_library(monkeypatch, tmp_path, capsys):
+    """``--kernels moe_experts=expert_tiles`` is checked before loading against ``--expert-gemm``'s file."""
+    import model_runtime.kernels.registry as registry
+
+    monkeypatch.delenv("PACKSCORE_EXPERT_GEMM", raising=False)
+    lib = tmp_path / "lib.so"
+    lib.write_bytes(b"")
+
+    def check(device, overrides, expert_gemm=None):
+        raise ValueError(f"checked {overrides} with {expert_gemm}")
+
+    monkeypatch.setattr(registry, "check_overrides", check)
+    assert cli.main(["serve", "--kernels", "moe_experts=expert_tiles", "--expert-gemm", str(lib)]) == 2
+    assert f"checked {{'moe_experts': 'expert_tiles'}} with {lib}" in capsys.readouterr().err
 
 
 def test_a_kernel_pin_this_device_cannot_run_stops_both_commands_before_loading(monkeypatch, tmp_path, capsys):

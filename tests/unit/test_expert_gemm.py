@@ -13,10 +13,10 @@ from model_runtime.kernels import expert_gemm
 
 @pytest.fixture
 def fresh_library(monkeypatch):
-    """``_library`` caches one load per process: clear it around a test that points elsewhere."""
-    expert_gemm._library.cache_clear()
+    """``_load`` caches one load per file and process: clear it around a test that points elsewhere."""
+    expert_gemm._load.cache_clear()
     yield monkeypatch
-    expert_gemm._library.cache_clear()
+    expert_gemm._load.cache_clear()
 
 
 @pytest.mark.parametrize("counts", [[5, 0, 300, 128, 1], [0, 0, 0, 7], [128] * 6, [0] * 3 + [1000]],
@@ -122,6 +122,81 @@ def test_the_default_library_path_follows_the_cache_dir_and_the_source(fresh_lib
     fresh_library.setenv("PACKSCORE_CACHE_DIR", str(tmp_path))
     path = expert_gemm.library_path()
     assert path.parent == tmp_path / "kernels" and expert_gemm.source_hash() in path.name
+
+
+def test_a_named_library_wins_over_the_environment(fresh_library, tmp_path):
+    fresh_library.setenv("PACKSCORE_EXPERT_GEMM", str(tmp_path / "from-env.so"))
+    assert expert_gemm.library_path() == tmp_path / "from-env.so"
+    assert expert_gemm.library_path(tmp_path / "named.so") == tmp_path / "named.so"
+    lib, reason = expert_gemm._library(tmp_path / "named.so")
+    assert lib is None and "named.so" in reason
+
+
+def test_the_backend_choice_probes_and_binds_the_named_library(monkeypatch, tmp_path):
+    """``select_backends(expert_gemm=...)`` checks that file (``--expert-gemm``) and binds it into
+    the experts' function, with no environment variable set."""
+    from model_runtime.kernels import registry
+
+    monkeypatch.delenv("PACKSCORE_EXPERT_GEMM", raising=False)
+    lib = tmp_path / "named.so"
+    probed = []
+    monkeypatch.setattr(expert_gemm, "unavailable_reason", lambda library=None: probed.append(library))
+    monkeypatch.setattr(expert_gemm, "silu_layout_check", lambda library=None: probed.append(library) or 0)
+    registry._unavailable_reason("moe_experts", "expert_tiles_silu", lib)  # then Triton's import, where it is installed
+    assert probed == [lib, lib]
+
+    asked = []
+    monkeypatch.setattr(registry, "_unavailable_reason",
+                        lambda family, name, library=None: asked.append(library) if family == "moe_experts" else None)
+    backends = registry.select_backends("cuda", expert_gemm=str(lib))
+    assert backends.moe_experts == "expert_tiles_silu" and backends.expert_gemm == lib and set(asked) == {lib}
+    fn = backends.fn("moe_experts")
+    assert fn.func is registry.REGISTRY["moe_experts"]["expert_tiles_silu"] and fn.keywords == {"library": lib}
+    other = registry.select_backends("cuda", overrides={"moe_experts": "grouped_mm"}, expert_gemm=lib)
+    assert other.expert_gemm is None and other.fn("moe_experts") is registry.REGISTRY["moe_experts"]["grouped_mm"]
+
+
+def test_expert_gemm_reaches_a_pool_workers_backend_choice(monkeypatch, tmp_path):
+    """``--expert-gemm`` travels from the settings through the pool's Start message to the
+    worker's ``load_model`` and its ``select_backends``, with no environment variable set; so
+    does ``--kernels``, as the mapping the settings parsed."""
+    from model_runtime.pool import messages as msg
+    from model_runtime.pool import pool, worker
+    from model_runtime.scoring import loading
+    from service.settings import Settings
+
+    monkeypatch.delenv("PACKSCORE_EXPERT_GEMM", raising=False)
+    lib = tmp_path / "named.so"
+    fields = {}
+
+    def no_world(self):
+        fields.update(self._start_fields)
+        raise RuntimeError("no workers in this test")
+
+    monkeypatch.setattr(pool.WorkerPool, "_start_world", no_world)
+    with pytest.raises(RuntimeError, match="no workers"):
+        pool.start_pool(Settings(expert_gemm=lib, kernels="moe_router=topk", world_size=2, device="cpu").model_dump())
+    start = msg.decode(msg.encode(msg.Start(rank=0, generation=0, master_port=0, **fields)))
+    chosen = []
+    real = loading.select_backends
+    monkeypatch.setattr(loading, "select_backends",
+                        lambda *a, **k: chosen.append((k["expert_gemm"], k["overrides"])) or real(*a, **k))
+    worker._load(start, torch.device("cpu"))
+    assert chosen == [(str(lib), {"moe_router": "topk"})]
+
+
+def test_expert_gemm_reaches_the_scorers_backend_choice(monkeypatch, tmp_path):
+    """In one process ``--expert-gemm`` goes from the settings to ``load_model``'s ``select_backends``."""
+    from model_runtime.scoring import loading
+    from service.backends import load_backend
+    from service.settings import Settings
+
+    monkeypatch.delenv("PACKSCORE_EXPERT_GEMM", raising=False)
+    chosen = []
+    real = loading.select_backends
+    monkeypatch.setattr(loading, "select_backends", lambda *a, **k: chosen.append(k["expert_gemm"]) or real(*a, **k))
+    load_backend(Settings(expert_gemm=tmp_path / "named.so", device="cpu")).close()
+    assert chosen == [tmp_path / "named.so"]
 
 
 def test_without_cuda_the_backend_is_unavailable_and_the_cpu_refuses_it():

@@ -90,19 +90,19 @@ def test_gate_projection_runs_give_every_segment_its_own_product(lengths, limit)
     """``runs`` against ``segment`` on operands whose every sum is exact (small integers), so
     that any product equals any other bit for bit: a difference is a wrong row, not rounding.
     Without a measured limit (0, 1) it is ``segment`` itself."""
-    from model_runtime.kernels.gate_projection import UNIFORM_ROWS, gate_projection_runs, segment_runs
+    from model_runtime.kernels.gate_projection import RunLimits, gate_projection_runs, segment_runs
 
     g = torch.Generator().manual_seed(len(lengths) + limit)
     packed = PackedBatch.from_lengths(lengths)
     linear = torch.nn.Linear(48, 6, bias=False)
     calls = []
     linear.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
-    setattr(linear, UNIFORM_ROWS, limit)
+    limits = RunLimits({RunLimits.shape(linear.weight): limit})
     with torch.no_grad():
         linear.weight.copy_(torch.randint(-4, 5, (6, 48), generator=g).float())
         x = torch.randint(-4, 5, (packed.total_tokens, 48), generator=g).float()
         bounds = tuple(packed.segments())
-        got = gate_projection_runs(linear, x, bounds)
+        got = gate_projection_runs(linear, x, bounds, limits)
         want = gate_projection_segment(linear, x, bounds)
     assert torch.equal(got, want), f"runs differ from per-segment products by {(got - want).abs().max():.3e}"
     runs = segment_runs(bounds, limit) if limit >= 2 else bounds
@@ -110,12 +110,30 @@ def test_gate_projection_runs_give_every_segment_its_own_product(lengths, limit)
 
 
 def test_gate_projection_runs_refuse_bounds_that_do_not_cover_the_row():
-    from model_runtime.kernels.gate_projection import UNIFORM_ROWS, gate_projection_runs
+    from model_runtime.kernels.gate_projection import RunLimits, gate_projection_runs
 
     linear = torch.nn.Linear(8, 2, bias=False)
-    setattr(linear, UNIFORM_ROWS, 64)
     with pytest.raises(ValueError, match="do not cover the row of 10 tokens"):
-        gate_projection_runs(linear, torch.zeros(10, 8), ((0, 4), (4, 9)))
+        gate_projection_runs(linear, torch.zeros(10, 8), ((0, 4), (4, 9)), RunLimits({RunLimits.shape(linear.weight): 64}))
+
+
+def test_run_limits_are_read_by_weight_shape_and_dtype():
+    """A limit applies to every product of its weight's ``(in, out, dtype)``: an ``nn.Linear``, a
+    router's ``partial(F.linear, weight=...)``, a module with a weight; 0 for any other shape or
+    dtype, and for a product with no weight to read. The mapping cannot be changed after measuring."""
+    import functools
+
+    from model_runtime.kernels.gate_projection import NO_RUNS, RunLimits
+
+    linear = torch.nn.Linear(8, 2, bias=False)
+    limits = RunLimits({RunLimits.shape(linear.weight): 64})
+    router = torch.nn.Module()
+    router.weight = torch.nn.Parameter(torch.zeros(2, 8))
+    assert limits.of(linear) == limits.of(router) == limits.of(functools.partial(F.linear, weight=router.weight)) == 64
+    assert limits.of(torch.nn.Linear(8, 3)) == 0 and limits.of(linear.to(torch.bfloat16)) == 0
+    assert limits.of(torch.nn.ReLU()) == 0 and NO_RUNS.of(linear) == 0
+    with pytest.raises(TypeError):
+        limits.rows[(8, 2, torch.float32)] = 1
 
 
 def test_uniform_rows_end_at_the_first_change_of_kind():
@@ -216,7 +234,7 @@ def test_cpu_uses_references_and_cuda_refuses_missing_fast_kernels(monkeypatch):
     assert cpu["head"] == "torch" and cpu["elementwise"] == "eager"
     import model_runtime.kernels.registry as kernels
 
-    monkeypatch.setattr(kernels, "_unavailable_reason", lambda family, name: "not installed (test)")
+    monkeypatch.setattr(kernels, "_unavailable_reason", lambda family, name, library=None: "not installed (test)")
     with pytest.raises(SlowKernelError, match="--allow-slow-kernels"):
         select_backends("cuda")
     slow = select_backends("cuda", allow_slow=True)

@@ -191,10 +191,10 @@ def test_a_cuda_scorer_measures_its_table_before_its_first_shared_row(monkeypatc
     assert Scorer(loaded).rounding_in_use() is None
 
 
-def test_prepare_runs_sets_each_narrow_module_its_measured_limit(tmp_path, monkeypatch):
-    """``prepare_runs`` gives every module owning a narrow weight the rows its product may span:
-    the row counts of one kind, 0 where a slice's rows move with their place; one measurement per
-    shape, kept in the same cache as ``measure``'s table."""
+def test_prepare_runs_hands_each_narrow_layer_its_measured_limits(tmp_path, monkeypatch):
+    """``prepare_runs`` hands every layer with narrow products one ``RunLimits``: per weight
+    shape, the row counts of one kind, 0 where a slice's rows move with their place; one
+    measurement per shape, kept in the same cache as ``measure``'s table."""
     from model_runtime.kernels import gate_projection as G
 
     class Gates(torch.nn.Module):
@@ -204,9 +204,13 @@ def test_prepare_runs_sets_each_narrow_module_its_measured_limit(tmp_path, monke
             self.router = torch.nn.Module()
             self.router.weight = torch.nn.Parameter(torch.zeros(6, 32))  # a router: a weight, no Linear
             self.wide = torch.nn.Linear(32, 64, bias=False)  # not narrow: left alone
+            self.limits = []
 
         def narrow_weights(self):
             return (self.a.weight, self.b.weight, self.router.weight)
+
+        def use_run_limits(self, limits):
+            self.limits.append(limits)
 
     kinds = {4: np.array([0] * 41), 6: np.array([0] * 20 + [1] * 21)}  # [32 -> 6] changes kernel at 20 rows
     measured = []
@@ -219,28 +223,69 @@ def test_prepare_runs_sets_each_narrow_module_its_measured_limit(tmp_path, monke
     got = R.prepare_runs(model, 40, cache_dir=tmp_path)
     assert got == {"0.a": 40, "0.b": 40, "0.router": 19}
     assert sorted(measured) == [4, 6]  # one measurement per shape
-    assert getattr(model[0].a, G.UNIFORM_ROWS) == 40 and not hasattr(model[0].wide, G.UNIFORM_ROWS)
+    handed = model[0].limits[-1]
+    assert dict(handed.rows) == {(32, 4, torch.float32): 40, (32, 6, torch.float32): 19}
+    assert handed.of(model[0].a) == 40 and handed.of(model[0].router) == 19 and handed.of(model[0].wide) == 0
     measured.clear()
     monkeypatch.setattr(G, "rows_keep_their_place", lambda *args: False)
     assert R.prepare_runs(model, 40, cache_dir=tmp_path) == {"0.a": 0, "0.b": 0, "0.router": 0}
     assert measured == []  # read back from the cache
     assert R.measure(model, 40, cache_dir=tmp_path).alike(5, 19) and not R.measure(model, 40, cache_dir=tmp_path).alike(5, 25)
+    assert not any(hasattr(m, "packscore_uniform_rows") for m in model.modules())  # nothing stuck onto the modules
 
 
-def test_the_router_product_carries_the_routers_limit():
-    from model_runtime.kernels.gate_projection import UNIFORM_ROWS
-    from tests.unit.test_moe import hf_block
-    from model_runtime.kernels.registry import select_backends
+def test_run_limits_reach_the_layers_runs_backend(monkeypatch):
+    """The limits ``use_run_limits`` hands over are what the layers' ``runs`` backend reads: the
+    router's product runs over runs of segments of up to that many rows; other backends read none."""
+    from model_runtime.kernels import gate_projection as G
+    from model_runtime.kernels.registry import KernelBackends
     from model_runtime.model.moe import PackedSparseMoe
+    from model_runtime.model.packing import PackedBatch
+    from tests.unit.test_moe import hf_block
 
-    ours = PackedSparseMoe(hf_block("qwen3_5_moe"), select_backends("cpu"))
-    assert getattr(ours._router_product(), UNIFORM_ROWS) == 0
-    setattr(ours.gate, UNIFORM_ROWS, 512)
-    product = ours._router_product()
-    x = torch.randn(3, ours.gate.weight.shape[1])
-    assert getattr(product, UNIFORM_ROWS) == 512
-    got, want = product(x), x @ ours.gate.weight.T
-    assert torch.equal(got, want), f"router product off F.linear by {(got - want).abs().max():.3e} (tol 0)"
+    # the GPU's experts (never run here): the router and shared gate go through the gate-projection backend
+    block = PackedSparseMoe(hf_block("qwen3_5_moe", dtype=torch.bfloat16),
+                            KernelBackends(moe_experts="grouped_mm", gate_projection="runs"))
+    assert block.gate_projection_fn is G.gate_projection_runs and len(block.narrow_weights()) == 2
+    limits = G.RunLimits({G.RunLimits.shape(w): 9 for w in block.narrow_weights()})
+    R.use_run_limits(torch.nn.Sequential(block), limits)
+    assert block.run_limits is limits
+    seen = []
+    real = G.segment_runs
+    monkeypatch.setattr(G, "segment_runs", lambda bounds, max_rows: seen.append(max_rows) or real(bounds, max_rows))
+    packed = PackedBatch.from_lengths([3, 4, 5])
+    x = torch.randn(packed.total_tokens, block.gate.weight.shape[1]).to(torch.bfloat16)
+    with torch.no_grad():
+        got = block._narrow(block._router_product(), x, packed)
+        want = torch.cat([x[a:b] @ block.gate.weight.T for a, b in real(packed.segment_bounds, 9)])
+    assert seen == [9], f"run limits read: {seen}, expected [9]"
+    assert torch.equal(got, want), f"router logits off the runs' products by {(got - want).abs().max():.3e} (tol 0)"
+    seen.clear()
+    block.gate_projection_fn = G.gate_projection_segment  # another backend reads no limits
+    with torch.no_grad():
+        block._narrow(block.shared_expert_gate, x, packed)
+    assert seen == []
+
+
+def test_run_limits_reach_the_decay_and_beta_products(monkeypatch):
+    """The GDN layers' decay/beta products read the limits handed to the model; limits that miss
+    a narrow product's shape are refused (it would run per segment unseen)."""
+    from model_runtime.kernels import gate_projection as G
+    from model_runtime.model.packing import PackedBatch
+    from model_runtime.scoring.loading import load_model
+
+    loaded = load_model("tiny", device="cpu", kernel_overrides={"gate_projection": "runs"})
+    with pytest.raises(ValueError, match="no run limit"):
+        R.use_run_limits(loaded.model, G.RunLimits())
+    R.use_run_limits(loaded.model, G.RunLimits({G.RunLimits.shape(w): 7 for w in R.narrow_weights(loaded.model)}))
+    gdn = next(m for m in loaded.model.modules() if type(m).__name__ == "PackedGatedDeltaNet")
+    seen = []
+    real = G.segment_runs
+    monkeypatch.setattr(G, "segment_runs", lambda bounds, max_rows: seen.append(max_rows) or real(bounds, max_rows))
+    packed = PackedBatch.from_lengths([3, 4, 5])
+    with torch.no_grad():
+        gdn._gate_products((gdn.in_proj_a, gdn.in_proj_b), torch.randn(12, gdn.in_proj_a.weight.shape[1]), packed, None)
+    assert seen == [7, 7], f"run limits read: {seen}, expected [7, 7]"
 
 
 def test_a_cpu_scorer_measures_no_runs():
