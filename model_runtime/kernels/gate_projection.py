@@ -148,8 +148,6 @@ def gate_projection_runs(linear: nn.Module, x_TD: torch.Tensor, bounds: Sequence
     return gate_projection_segment(linear, x_TD, segment_runs(bounds, limits.of(linear)))
 
 
-
-
 def shard_segments(x_TD: torch.Tensor, packed: PackedBatch, sp) -> tuple[tuple[int, int], ...] | None:
     """Under sequence parallelism ``sp``, the row's segments within this rank's ``x_TD`` tokens;
     None for a whole row (``narrow_products`` then uses the row's own segments and links)."""
