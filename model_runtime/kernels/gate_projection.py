@@ -111,6 +111,9 @@ class RunLimits:
     def __post_init__(self):
         object.__setattr__(self, "rows", MappingProxyType(dict(self.rows)))
 
+    def __deepcopy__(self, memo) -> "RunLimits":
+        return self  # immutable: a copied model (an update beside the served one) shares its limits
+
     @staticmethod
     def shape(weight: torch.Tensor) -> tuple[int, int, torch.dtype]:
         return (weight.shape[1], weight.shape[0], weight.dtype)

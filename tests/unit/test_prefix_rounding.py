@@ -4,6 +4,8 @@ The table a GPU measures is replaced here by made-up ones; the grouping, the row
 table's measurement and cache run as in the service.
 """
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -286,6 +288,8 @@ def test_run_limits_reach_the_decay_and_beta_products(monkeypatch):
     with torch.no_grad():
         gdn._gate_products((gdn.in_proj_a, gdn.in_proj_b), torch.randn(12, gdn.in_proj_a.weight.shape[1]), packed, None)
     assert seen == [7, 7], f"run limits read: {seen}, expected [7, 7]"
+    copied = copy.deepcopy(loaded.model)  # what an update beside the served weights does
+    assert next(m for m in copied.modules() if type(m).__name__ == "PackedGatedDeltaNet").run_limits is gdn.run_limits
 
 
 def test_a_cpu_scorer_measures_no_runs():
