@@ -341,6 +341,39 @@ def test_deadline_ms_bounds_the_whole_call_not_each_retry():
     assert time.monotonic() - started < 2 and len(sent) == 1 and 0 < sent[0] <= 500, (sent, time.monotonic() - started)
 
 
+def test_a_failed_part_stops_the_others_before_the_caller_wakes(monkeypatch):
+    """The part that fails stops the rest itself: a caller's thread slow to wake and raise (a busy
+    host) leaves no window in which a free worker sends the next part."""
+    from packscore_client import clients
+
+    sent = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/readyz":
+            return httpx.Response(404)
+        body = json.loads(request.content)
+        sent.append(body["sequences"][0]["input_ids"])
+        if max(body["sequences"][0]["input_ids"]) >= 900:
+            return httpx.Response(422, json={"error": {"type": "invalid_value", "message": "x", "param": "sequences[0]"}})
+        return httpx.Response(200, json={"model": "m", "weights_version": "v", "results": [
+            {"id": None, "logprobs": [0.0] * (len(s["input_ids"]) - 1)} for s in body["sequences"]]})
+
+    real_wait = clients.wait
+
+    def slow_to_wake(*args, **kwargs):
+        out = real_wait(*args, **kwargs)
+        time.sleep(0.3)  # the caller's thread descheduled after the failure
+        return out
+
+    monkeypatch.setattr(clients, "wait", slow_to_wake)
+    batch = [[1, 2, 999]] + [[1, 2, 3]] * 6
+    with ScoreClient(BASE, transport=httpx.MockTransport(handler), encoding="json", max_sequences_per_request=1,
+                     max_concurrency=1) as client:
+        with pytest.raises(ScoreError):
+            client.score(batch, return_entropy=False)
+    assert sent == [[1, 2, 999]], f"parts sent after the first one failed: {sent[1:]}"
+
+
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
 def test_a_failed_call_sends_none_of_its_other_parts_afterwards(blocking):
     """The first part refused (422): the call raises, and no part is sent after that."""

@@ -258,6 +258,10 @@ class ScoreClient(_Base):
                 step = steps.send(outcome)
         except StopIteration as done:
             return done.value
+        except BaseException:
+            if stop is not None:  # the other parts stop now, not once the caller's thread wakes to raise
+                stop.set()
+            raise
 
 
 class AsyncScoreClient(_Base):
