@@ -79,7 +79,7 @@ def _load(start: msg.Start, device: torch.device):
             device=device,
             allow_slow_kernels=start.allow_slow_kernels,
             kernel_overrides=overrides,
-        expert_gemm=start.expert_gemm or None,
+            expert_gemm=start.expert_gemm or None,
             served_name=name,
             worker_pool=True,
             weights_later=True,
