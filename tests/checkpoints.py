@@ -181,7 +181,8 @@ def hf_scores(hf_model, seq, top_k: int):
     """Hugging Face's own forward of ``seq`` (a ``SequenceInput``) alone, then API.md's formulas in
     float32: ``(logprobs, entropy, top_k_ids, top_k_logprobs)`` of its scored positions, as NumPy."""
     with torch.no_grad():
-        logits = hf_model(torch.as_tensor(seq.input_ids)[None]).logits[0].float()
+        # no cache: one forward needs none, and Hugging Face's fails to build one without a full-attention layer
+        logits = hf_model(torch.as_tensor(seq.input_ids)[None], use_cache=False).logits[0].float()
     logp = torch.log_softmax(logits / seq.temperature, dim=-1)[seq.score_from - 1 : seq.length - 1]
     targets = torch.as_tensor(seq.input_ids[seq.score_from :], dtype=torch.long)
     top_logp, top_ids = logp.topk(top_k, dim=-1)
