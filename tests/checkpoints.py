@@ -26,24 +26,33 @@ _ROPE = tiny_config()["rope_parameters"]
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
 
-def build_hf_model(kind: str, seed: int = 0):
-    """An unpatched, randomly initialised Hugging Face model of ``kind``."""
+def build_hf_model(kind: str, seed: int = 0, text: dict | None = None, top: dict | None = None):
+    """An unpatched, randomly initialised Hugging Face model of ``kind``; ``text`` overrides fields
+    of its text config (``rope_parameters`` merged into the default's), ``top`` of a multimodal
+    config's top level."""
     import transformers as tf
 
+    text = dict(text or {})
+    rope = {**_ROPE, **text.pop("rope_parameters", {})}
     torch.manual_seed(seed)
     if kind == "qwen3_5":
-        return tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**_COMMON, rope_parameters=_ROPE))
-    if kind == "qwen3_5_vl":
+        return tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**{**_COMMON, "rope_parameters": rope, **text}))
+    if kind in ("qwen3_5_vl", "qwen3_5_moe_vl"):
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4)
-        config = tf.Qwen3_5Config(text_config=dict(_COMMON, rope_parameters=_ROPE), vision_config=vision)
-        return tf.Qwen3_5ForConditionalGeneration(config)
+        inner = dict(_COMMON, rope_parameters=rope, **text) if kind == "qwen3_5_vl" else {**_moe_common(), "rope_parameters": rope, **text}
+        config_class, model_class = ((tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration) if kind == "qwen3_5_vl"
+                                     else (tf.Qwen3_5MoeConfig, tf.Qwen3_5MoeForConditionalGeneration))
+        return model_class(config_class(text_config=inner, vision_config=vision, **(top or {})))
     if kind == "qwen3_5_moe":
-        common = {k: v for k, v in _COMMON.items() if k != "intermediate_size"}
-        return tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**common, **_MOE, rope_parameters=_ROPE))
+        return tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**{**_moe_common(), "rope_parameters": rope, **text}))
     if kind == "qwen3_next":
-        rope = {k: _ROPE[k] for k in ("rope_type", "rope_theta", "partial_rotary_factor")}
-        return tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**_COMMON, **_MOE, rope_parameters=rope))
-    raise ValueError(f"unknown checkpoint kind {kind!r}; known: {KINDS}")
+        rope = {k: v for k, v in rope.items() if k not in ("mrope_section", "mrope_interleaved")}
+        return tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**{**_COMMON, **_MOE, "rope_parameters": rope, **text}))
+    raise ValueError(f"unknown checkpoint kind {kind!r}; known: {KINDS} and qwen3_5_moe_vl")
+
+
+def _moe_common() -> dict:
+    return {**{k: v for k, v in _COMMON.items() if k != "intermediate_size"}, **_MOE}
 
 
 def save_checkpoint(kind: str, directory: Path, seed: int = 0, max_shard_size: str | None = None) -> Path:
@@ -172,7 +181,8 @@ def hf_scores(hf_model, seq, top_k: int):
     """Hugging Face's own forward of ``seq`` (a ``SequenceInput``) alone, then API.md's formulas in
     float32: ``(logprobs, entropy, top_k_ids, top_k_logprobs)`` of its scored positions, as NumPy."""
     with torch.no_grad():
-        logits = hf_model(torch.as_tensor(seq.input_ids)[None]).logits[0].float()
+        # no cache: one forward needs none, and Hugging Face's fails to build one without a full-attention layer
+        logits = hf_model(torch.as_tensor(seq.input_ids)[None], use_cache=False).logits[0].float()
     logp = torch.log_softmax(logits / seq.temperature, dim=-1)[seq.score_from - 1 : seq.length - 1]
     targets = torch.as_tensor(seq.input_ids[seq.score_from :], dtype=torch.long)
     top_logp, top_ids = logp.topk(top_k, dim=-1)

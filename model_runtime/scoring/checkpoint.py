@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from model_runtime.model.architectures import UnsupportedModelError, architecture_for
+from model_runtime.model.architectures import LAYER_KINDS, UnsupportedModelError, architecture_for
 
 IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.")  # never loaded: the vision tower, multi-token prediction
 FP8_SCALE_SUFFIX = "_scale_inv"  # "<name>.weight_scale_inv" scales "<name>.weight" block by block
@@ -89,6 +89,7 @@ def check_checkpoint(path: Path, *, expected: dict[str, tuple[int, ...]] | None 
     else:
         _refuse_float8(path, dtypes)
     needed, aliases = _model_tensors(path, config)
+    _refuse_other_forward_settings(path, config)
     tensors = _match(path, stored, needed, aliases)
     if expected is not None:
         _compare(path, tensors, expected)
@@ -334,6 +335,36 @@ def fp8_scale_shape(weight_shape: tuple[int, ...], block: tuple[int, int] | None
         return ()
     *lead, rows, cols = weight_shape
     return (*lead, -(-rows // block[0]), -(-cols // block[1]))
+
+
+# Settings packscore's forward does not compute as Hugging Face's: refused, never scored otherwise.
+
+SILU_ACTIVATIONS = ("silu", "swish")  # what the packed delta-rule conv and the MoE experts compute
+PER_SEQUENCE_ROPE = ("longrope",)  # Hugging Face picks their frequencies by each sequence's own length
+
+
+def _refuse_other_forward_settings(path: Path, config: dict) -> None:
+    """Refuses (``unsupported``), naming the field, a config whose forward packscore would not
+    compute as Hugging Face's does; runs on a config that ``_model_tensors`` has built a model from."""
+    text = hf_config(config)
+    text = text.get_text_config() if hasattr(text, "get_text_config") else text
+    kinds = list(text.layer_types or ())
+    unknown = sorted({str(k) for k in kinds if k not in LAYER_KINDS})
+    if unknown:
+        raise CheckpointError("unsupported", f"{path}: layer_types holds {_names(repr(k) for k in unknown)}; "
+                              f"packscore runs {' and '.join(LAYER_KINDS)} layers only")
+    act = getattr(text, "hidden_act", "silu")
+    # A dense MLP runs Hugging Face's own module, any activation; the delta-rule conv and the experts are SiLU only.
+    if act not in SILU_ACTIVATIONS and ("linear_attention" in kinds or (getattr(text, "num_experts", 0) or 0) > 0):
+        raise CheckpointError("unsupported", f"{path}: hidden_act {act!r} is not supported: packscore's linear-attention "
+                              f"convolution and MoE experts compute SiLU, as Hugging Face does for hidden_act 'silu'")
+    rope = text.rope_parameters if isinstance(getattr(text, "rope_parameters", None), dict) else {}
+    per_kind = [v for v in rope.values() if isinstance(v, dict)] or [rope]  # rope_parameters may be keyed by layer type
+    for params in per_kind:
+        if params.get("rope_type") in PER_SEQUENCE_ROPE:
+            raise CheckpointError("unsupported", f"{path}: rope_parameters rope_type {params['rope_type']!r} is not "
+                                  "supported: Hugging Face picks its frequencies by each sequence's length, which a "
+                                  "packed row or a shared prefix does not have")
 
 
 # Matching against the model.
