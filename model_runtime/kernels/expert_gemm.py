@@ -49,7 +49,9 @@ ABI_VERSION = 2  # csrc/expert_gemm_sm90.cu's kAbiVersion
 CUTLASS_VERSION = "v4.7.0"  # the headers the source is written against
 
 
+@functools.cache
 def source_hash() -> str:
+    """The source's hash, read once: an experts' call without a bound library resolves the default path each time."""
     return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
 
 

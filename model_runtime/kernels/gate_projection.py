@@ -112,7 +112,7 @@ class RunLimits:
         object.__setattr__(self, "rows", MappingProxyType(dict(self.rows)))
 
     def __deepcopy__(self, memo) -> "RunLimits":
-        return self  # immutable: a copied model (an update beside the served one) shares its limits
+        return self  # immutable: a copied model (the weight-update tests copy a loaded one) shares its limits
 
     @staticmethod
     def shape(weight: torch.Tensor) -> tuple[int, int, torch.dtype]:

@@ -124,6 +124,20 @@ def test_the_default_library_path_follows_the_cache_dir_and_the_source(fresh_lib
     assert path.parent == tmp_path / "kernels" and expert_gemm.source_hash() in path.name
 
 
+def test_resolving_the_default_library_hashes_the_source_once(monkeypatch):
+    """An experts' call without a bound library (``kernel_backend``'s swap, a direct call) resolves
+    ``library_path()`` several times per MoE layer and forward: the source is not read and hashed each time."""
+    from pathlib import Path
+
+    monkeypatch.delenv("PACKSCORE_EXPERT_GEMM", raising=False)
+    getattr(expert_gemm.source_hash, "cache_clear", lambda: None)()
+    reads = []
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: reads.append(self) or real(self))
+    paths = {expert_gemm.library_path() for _ in range(5)}
+    assert len(paths) == 1 and reads.count(expert_gemm.SOURCE) == 1, f"the source was read {reads.count(expert_gemm.SOURCE)} times"
+
+
 def test_a_named_library_wins_over_the_environment(fresh_library, tmp_path):
     fresh_library.setenv("PACKSCORE_EXPERT_GEMM", str(tmp_path / "from-env.so"))
     assert expert_gemm.library_path() == tmp_path / "from-env.so"

@@ -288,7 +288,7 @@ def test_run_limits_reach_the_decay_and_beta_products(monkeypatch):
     with torch.no_grad():
         gdn._gate_products((gdn.in_proj_a, gdn.in_proj_b), torch.randn(12, gdn.in_proj_a.weight.shape[1]), packed, None)
     assert seen == [7, 7], f"run limits read: {seen}, expected [7, 7]"
-    copied = copy.deepcopy(loaded.model)  # what an update beside the served weights does
+    copied = copy.deepcopy(loaded.model)  # as tests/unit/test_weights_update.py copies a loaded model per backend
     assert next(m for m in copied.modules() if type(m).__name__ == "PackedGatedDeltaNet").run_limits is gdn.run_limits
 
 
