@@ -89,7 +89,8 @@ def check_checkpoint(path: Path, *, expected: dict[str, tuple[int, ...]] | None 
     else:
         _refuse_float8(path, dtypes)
     needed, aliases = _model_tensors(path, config)
-    _refuse_other_forward_settings(path, config)
+    # against a served model (an update) such a config is one the served model does not share
+    _refuse_other_forward_settings(path, config, "unsupported" if expected is None else "incompatible")
     tensors = _match(path, stored, needed, aliases)
     if expected is not None:
         _compare(path, tensors, expected)
@@ -343,26 +344,26 @@ SILU_ACTIVATIONS = ("silu", "swish")  # what the packed delta-rule conv and the 
 PER_SEQUENCE_ROPE = ("longrope",)  # Hugging Face picks their frequencies by each sequence's own length
 
 
-def _refuse_other_forward_settings(path: Path, config: dict) -> None:
-    """Refuses (``unsupported``), naming the field, a config whose forward packscore would not
+def _refuse_other_forward_settings(path: Path, config: dict, kind: str = "unsupported") -> None:
+    """Refuses (``kind``), naming the field, a config whose forward packscore would not
     compute as Hugging Face's does; runs on a config that ``_model_tensors`` has built a model from."""
     text = hf_config(config)
     text = text.get_text_config() if hasattr(text, "get_text_config") else text
     kinds = list(text.layer_types or ())
     unknown = sorted({str(k) for k in kinds if k not in LAYER_KINDS})
     if unknown:
-        raise CheckpointError("unsupported", f"{path}: layer_types holds {_names(repr(k) for k in unknown)}; "
+        raise CheckpointError(kind, f"{path}: layer_types holds {_names(repr(k) for k in unknown)}; "
                               f"packscore runs {' and '.join(LAYER_KINDS)} layers only")
     act = getattr(text, "hidden_act", "silu")
     # A dense MLP runs Hugging Face's own module, any activation; the delta-rule conv and the experts are SiLU only.
     if act not in SILU_ACTIVATIONS and ("linear_attention" in kinds or (getattr(text, "num_experts", 0) or 0) > 0):
-        raise CheckpointError("unsupported", f"{path}: hidden_act {act!r} is not supported: packscore's linear-attention "
+        raise CheckpointError(kind, f"{path}: hidden_act {act!r} is not supported: packscore's linear-attention "
                               f"convolution and MoE experts compute SiLU, as Hugging Face does for hidden_act 'silu'")
     rope = text.rope_parameters if isinstance(getattr(text, "rope_parameters", None), dict) else {}
     per_kind = [v for v in rope.values() if isinstance(v, dict)] or [rope]  # rope_parameters may be keyed by layer type
     for params in per_kind:
         if params.get("rope_type") in PER_SEQUENCE_ROPE:
-            raise CheckpointError("unsupported", f"{path}: rope_parameters rope_type {params['rope_type']!r} is not "
+            raise CheckpointError(kind, f"{path}: rope_parameters rope_type {params['rope_type']!r} is not "
                                   "supported: Hugging Face picks its frequencies by each sequence's length, which a "
                                   "packed row or a shared prefix does not have")
 
