@@ -3,8 +3,8 @@
 uvicorn bounds only the idle time between keep-alive requests. This subclass adds:
 
 - a read timeout: a request's headers and body must arrive within ``read_timeout_s`` of its
-  first byte (of the connection, for the first request); else it is answered 408 (when no
-  answer has started) and the connection is closed;
+  first byte (of the connection, for the first request; for a pipelined one, of the answer
+  before it); else it is answered 408 (when no answer has started) and the connection is closed;
 - a cap on open connections, below the process's descriptor limit: a new connection over the
   cap evicts the connection whose request has been arriving the longest, else an idle
   keep-alive one; when every connection is busy answering, the new one gets 503 and is
@@ -92,6 +92,14 @@ class GuardedH11Protocol(H11Protocol):
         super().data_received(data)
         if self.conn.their_state in _DONE_STATES:
             self._stop_reading()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # A pipelined request that came in behind this one is read only now (h11 held its bytes, and
+        # data_received saw the connection done): time it from here, as one arriving now would be.
+        if (self._read_timer is None and not self.transport.is_closing() and self.conn.their_state not in _DONE_STATES
+                and (self.conn.their_state is not h11.IDLE or self.conn.trailing_data[0])):
+            self._start_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_reading()

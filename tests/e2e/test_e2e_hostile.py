@@ -64,6 +64,26 @@ def test_a_half_sent_request_is_closed_within_the_read_timeout(tmp_path, sent):
     assert status == 408 and error["type"] == "request_timeout", data
 
 
+@pytest.mark.parametrize("second", [b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Ty",
+                                    b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                    b"Content-Length: 1000\r\n\r\n{\"sequences\": ["], ids=["half-headers", "half-body"])
+def test_a_half_sent_pipelined_request_is_closed_within_the_read_timeout(tmp_path, second):
+    # Bytes that came in behind a request are read only once its answer is out: they are timed too.
+    first = b'{"sequences": [{"input_ids": [1, 2, 3]}]}'
+    server = fake_server(tmp_path, "--request-read-timeout-s", "1").wait_ready()
+    try:
+        with _connect(server) as sock:
+            sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s%s" % (len(first), first, second))
+            data, closed_after = _read_until_closed(sock, 1 + 5)
+    finally:
+        server.stop()
+    assert closed_after < 1 + 5, f"still open after {closed_after:.1f} s"
+    assert data.startswith(b"HTTP/1.1 200 "), data[:300]
+    status, error = _json_error(data[data.index(b"HTTP/1.1 ", 1):])
+    assert status == 408 and error["type"] == "request_timeout", data
+
+
 def test_a_request_answered_before_its_body_arrived_gets_no_second_answer_at_the_read_timeout(tmp_path):
     server = fake_server(tmp_path, "--request-read-timeout-s", "1", "--api-key", "sk").wait_ready()
     try:
