@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 _DESCRIPTOR_RESERVE = 64  # for model files, logs, worker pipes and the event loop itself
 _DONE_STATES = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR)
+# Set in a request's ASGI scope when the read timeout cut its body off: its handler counts the 408 sent, not a 499.
+READ_TIMED_OUT = "packscore.read_timed_out"
 
 
 def error_bytes(status: int, reason: str, type: str, message: str, extra_headers: str = "") -> bytes:
@@ -138,6 +140,8 @@ class GuardedH11Protocol(H11Protocol):
         if send_408:
             message = f"The request did not arrive within {self.registry.read_timeout_s:g} s (request_read_timeout_s)."
             self.transport.write(error_bytes(408, "Request Timeout", "request_timeout", message))
+            if cycle is not None and not cycle.response_complete:
+                cycle.scope[READ_TIMED_OUT] = True  # type: ignore[literal-required]
         self._close()
 
     def _close(self) -> None:

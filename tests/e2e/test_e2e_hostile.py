@@ -57,11 +57,25 @@ def test_a_half_sent_request_is_closed_within_the_read_timeout(tmp_path, sent):
         with _connect(server) as sock:
             sock.sendall(sent)
             data, closed_after = _read_until_closed(sock, 1 + 5)
+        # the metrics say what the client was told: 408, not 499 (a client that went away itself)
+        counted = 'packscore_requests_total{route="/score",status="408"} 1.0' if b"Content-Length" in sent else None
+        metrics = _metrics_once(server, counted)
     finally:
         server.stop()
     assert closed_after < 1 + 5, f"still open after {closed_after:.1f} s"
     status, error = _json_error(data)
     assert status == 408 and error["type"] == "request_timeout", data
+    assert 'status="499"' not in metrics and (counted is None or counted in metrics), metrics
+
+
+def _metrics_once(server: LocalServer, line: str | None, limit_s: float = 5.0) -> str:
+    """/metrics once it holds ``line`` (a handler counts its request as it ends), or after ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        if line is None or line in metrics or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("second", [b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Ty",
