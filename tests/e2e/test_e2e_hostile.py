@@ -282,3 +282,35 @@ def test_idle_connections_outlive_a_proxys_idle_timeout_by_default():
     shorter = settings.model_copy(update={"keep_alive_timeout_s": 12.5})
     config = uvicorn_config(create_app(shorter, {"tiny": FakeBackend()}), shorter)
     assert config.timeout_keep_alive == 12.5, config.timeout_keep_alive
+
+
+def test_an_answer_still_being_read_when_draining_begins_arrives_whole(tmp_path):
+    # About 10 MiB of msgpack, read at 2 MB/s: the drain must not exit under a reader slower than loopback.
+    server = fake_server(tmp_path, "--drain-timeout-s", "30").wait_ready()
+    body = orjson.dumps({"sequences": [{"input_ids": [i % 1000 for i in range(4000)]} for _ in range(16)], "top_k": 20})
+    try:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+            sock.settimeout(30)
+            sock.connect(("127.0.0.1", server.port))
+            sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Accept: application/msgpack\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += sock.recv(65536)
+            head, _, answer = data.partition(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.lower().split(b"\r\n") if line.startswith(b"content-length")))
+            server.proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            while len(answer) < length:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                answer += chunk
+                time.sleep(max(0.0, len(answer) / 2e6 - (time.monotonic() - t0)))
+        code = server.proc.wait(timeout=30)
+    finally:
+        server.stop()
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    assert len(answer) == length, f"{len(answer)} of {length} bytes arrived before the server exited"
+    assert code == 0, server.log()
