@@ -3,8 +3,8 @@
 uvicorn bounds only the idle time between keep-alive requests. This subclass adds:
 
 - a read timeout: a request's headers and body must arrive within ``read_timeout_s`` of its
-  first byte (of the connection, for the first request); else it is answered 408 (when no
-  answer has started) and the connection is closed;
+  first byte (of the connection, for the first request; for a pipelined one, of the answer
+  before it); else it is answered 408 (when no answer has started) and the connection is closed;
 - a cap on open connections, below the process's descriptor limit: a new connection over the
   cap evicts the connection whose request has been arriving the longest, else an idle
   keep-alive one; when every connection is busy answering, the new one gets 503 and is
@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 _DESCRIPTOR_RESERVE = 64  # for model files, logs, worker pipes and the event loop itself
 _DONE_STATES = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR)
+# Set in a request's ASGI scope when the read timeout cut its body off: its handler counts the 408 sent, not a 499.
+READ_TIMED_OUT = "packscore.read_timed_out"
 
 
 def error_bytes(status: int, reason: str, type: str, message: str, extra_headers: str = "") -> bytes:
@@ -93,6 +95,14 @@ class GuardedH11Protocol(H11Protocol):
         if self.conn.their_state in _DONE_STATES:
             self._stop_reading()
 
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # A pipelined request that came in behind this one is read only now (h11 held its bytes, and
+        # data_received saw the connection done): time it from here, as one arriving now would be.
+        if (self._read_timer is None and not self.transport.is_closing() and self.conn.their_state not in _DONE_STATES
+                and (self.conn.their_state is not h11.IDLE or self.conn.trailing_data[0])):
+            self._start_reading()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_reading()
         super().connection_lost(exc)
@@ -130,6 +140,8 @@ class GuardedH11Protocol(H11Protocol):
         if send_408:
             message = f"The request did not arrive within {self.registry.read_timeout_s:g} s (request_read_timeout_s)."
             self.transport.write(error_bytes(408, "Request Timeout", "request_timeout", message))
+            if cycle is not None and not cycle.response_complete:
+                cycle.scope[READ_TIMED_OUT] = True  # type: ignore[literal-required]
         self._close()
 
     def _close(self) -> None:

@@ -16,6 +16,7 @@ from service.http.encoding import CONTENT_TYPE, decode_body, encode_score_respon
 from service.http.encoding import non_finite_score, result_record
 from service.http.errors import ApiError, backend_unavailable, deadline_error, draining_error, non_finite_error
 from service.http.errors import short_repr
+from service.http.protocol import READ_TIMED_OUT
 from service.http.rollout import mismatch
 from service.http.validation import Limits, ScoreJob, parse_score_request
 from service.runtime import ServedModel, Service
@@ -206,7 +207,10 @@ async def _read_all(request: Request, limit: int) -> bytes:
             if size > limit:
                 raise too_large
             chunks.append(chunk)
-    except ClientDisconnect:  # nobody to answer: counted as nginx's 499, not as a server error
+    except ClientDisconnect:
+        if request.scope.get(READ_TIMED_OUT):  # the protocol answered 408 and closed: counted as what was sent
+            raise ApiError(408, "request_timeout", "The body did not arrive within request_read_timeout_s.") from None
+        # nobody to answer: counted as nginx's 499, not as a server error
         raise ApiError(499, "client_closed_request", "The client closed the connection before its body arrived.") from None
     return b"".join(chunks)
 

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import uvicorn
 from fastapi import FastAPI
@@ -38,6 +39,7 @@ class DrainingServer(uvicorn.Server):
         self.service = service
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Future | None = None
+        self._drain_deadline = 0.0
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -64,6 +66,7 @@ class DrainingServer(uvicorn.Server):
 
     def _begin_drain(self) -> None:
         if self._drain is None:
+            self._drain_deadline = time.monotonic() + self.service.settings.drain_timeout_s
             self._drain = asyncio.ensure_future(self.service.drain())
             # The drain itself ends at its timeout; this catches whatever could still hold the
             # exit after it (a handler that ignores cancellation, a non-daemon thread).
@@ -73,9 +76,25 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         # Checked every 0.1 s by uvicorn's main loop: exit once drained or when startup failed.
-        if self.service.fatal_error is not None or self.service.drained:
+        if self.service.fatal_error is not None:
             return True
+        if self.service.drained:
+            # An answer still being written to a slow reader is part of finishing what was admitted:
+            # the exit (uvicorn then waits 1 s at most) would cut it off mid-body.
+            return not (self._sending() and time.monotonic() < self._drain_deadline)
         return await super().on_tick(counter)
+
+    def _sending(self) -> bool:
+        """Whether any connection still has an answer started and not yet handed to the kernel."""
+        for connection in self.server_state.connections:
+            transport, cycle = getattr(connection, "transport", None), getattr(connection, "cycle", None)
+            if transport is None:
+                continue
+            if transport.get_write_buffer_size():  # closing or not: a closing transport flushes first
+                return True
+            if not transport.is_closing() and cycle is not None and cycle.response_started and not cycle.response_complete:
+                return True
+        return False
 
 
 def _exit_now() -> None:
@@ -103,8 +122,8 @@ def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
         timeout_keep_alive=settings.keep_alive_timeout_s,
         log_level=settings.log_level,
         access_log=settings.log_level == "debug",  # one line per request costs CPU under load
-        # After a drain every admitted request has its answer: connections still open then are
-        # idle or stuck, and the drain timeout is the contract's bound on the exit.
+        # After a drain every admitted request has its answer, written out (on_tick): connections
+        # still open then are idle or stuck, and the drain timeout is the contract's bound on the exit.
         timeout_graceful_shutdown=1,
     )
 

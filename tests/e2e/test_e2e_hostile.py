@@ -57,10 +57,44 @@ def test_a_half_sent_request_is_closed_within_the_read_timeout(tmp_path, sent):
         with _connect(server) as sock:
             sock.sendall(sent)
             data, closed_after = _read_until_closed(sock, 1 + 5)
+        # the metrics say what the client was told: 408, not 499 (a client that went away itself)
+        counted = 'packscore_requests_total{route="/score",status="408"} 1.0' if b"Content-Length" in sent else None
+        metrics = _metrics_once(server, counted)
     finally:
         server.stop()
     assert closed_after < 1 + 5, f"still open after {closed_after:.1f} s"
     status, error = _json_error(data)
+    assert status == 408 and error["type"] == "request_timeout", data
+    assert 'status="499"' not in metrics and (counted is None or counted in metrics), metrics
+
+
+def _metrics_once(server: LocalServer, line: str | None, limit_s: float = 5.0) -> str:
+    """/metrics once it holds ``line`` (a handler counts its request as it ends), or after ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        if line is None or line in metrics or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("second", [b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Ty",
+                                    b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                    b"Content-Length: 1000\r\n\r\n{\"sequences\": ["], ids=["half-headers", "half-body"])
+def test_a_half_sent_pipelined_request_is_closed_within_the_read_timeout(tmp_path, second):
+    # Bytes that came in behind a request are read only once its answer is out: they are timed too.
+    first = b'{"sequences": [{"input_ids": [1, 2, 3]}]}'
+    server = fake_server(tmp_path, "--request-read-timeout-s", "1").wait_ready()
+    try:
+        with _connect(server) as sock:
+            sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s%s" % (len(first), first, second))
+            data, closed_after = _read_until_closed(sock, 1 + 5)
+    finally:
+        server.stop()
+    assert closed_after < 1 + 5, f"still open after {closed_after:.1f} s"
+    assert data.startswith(b"HTTP/1.1 200 "), data[:300]
+    status, error = _json_error(data[data.index(b"HTTP/1.1 ", 1):])
     assert status == 408 and error["type"] == "request_timeout", data
 
 
@@ -248,3 +282,35 @@ def test_idle_connections_outlive_a_proxys_idle_timeout_by_default():
     shorter = settings.model_copy(update={"keep_alive_timeout_s": 12.5})
     config = uvicorn_config(create_app(shorter, {"tiny": FakeBackend()}), shorter)
     assert config.timeout_keep_alive == 12.5, config.timeout_keep_alive
+
+
+def test_an_answer_still_being_read_when_draining_begins_arrives_whole(tmp_path):
+    # About 10 MiB of msgpack, read at 2 MB/s: the drain must not exit under a reader slower than loopback.
+    server = fake_server(tmp_path, "--drain-timeout-s", "30").wait_ready()
+    body = orjson.dumps({"sequences": [{"input_ids": [i % 1000 for i in range(4000)]} for _ in range(16)], "top_k": 20})
+    try:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+            sock.settimeout(30)
+            sock.connect(("127.0.0.1", server.port))
+            sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Accept: application/msgpack\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += sock.recv(65536)
+            head, _, answer = data.partition(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.lower().split(b"\r\n") if line.startswith(b"content-length")))
+            server.proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            while len(answer) < length:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                answer += chunk
+                time.sleep(max(0.0, len(answer) / 2e6 - (time.monotonic() - t0)))
+        code = server.proc.wait(timeout=30)
+    finally:
+        server.stop()
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    assert len(answer) == length, f"{len(answer)} of {length} bytes arrived before the server exited"
+    assert code == 0, server.log()
