@@ -24,7 +24,8 @@ from model_runtime.types import SequenceInput
 from service.http.errors import ApiError, draining_error
 from service.http.metrics import Metrics
 from service.http.validation import Limits, resolve_model_len
-from service.scheduling.scheduler import Scheduler, SharedCapacity
+from service.scheduling.admission import SharedCapacity
+from service.scheduling.scheduler import Scheduler
 from service.settings import Settings
 
 log = logging.getLogger(__name__)

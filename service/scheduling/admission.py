@@ -23,6 +23,10 @@ import asyncio
 import math
 import time
 from collections import deque
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from service.scheduling.scheduler import Scheduler
 
 _RATE_HALF_LIFE_S = 10.0  # memory of the rate estimate
 _MEASURED_ROW_FRACTION = 0.25  # rows smaller than this fraction of the budget say little about the rate
@@ -184,3 +188,23 @@ class Admission:
             f"{self.waiting} waiting); retry in {retry} s.",
             retry,
         )
+
+
+class SharedCapacity:
+    """What the schedulers of several served models share: the admission bound and the forward slots.
+
+    Each served model has its own scheduler (rows never mix models); they share one ``Admission``
+    (the first scheduler's: one time-measured bound within ``--max-queued-tokens`` for the whole
+    deployment) and run at most ``concurrency`` forwards at once across models, so two models on
+    one GPU never hold two rows' activations together.
+    """
+
+    def __init__(self, max_queued_tokens: int, concurrency: int):
+        self.max_queued_tokens = int(max_queued_tokens)
+        self.slots = asyncio.Semaphore(max(1, int(concurrency)))
+        self.schedulers: list[Scheduler] = []
+        self.admission: Admission | None = None  # set by the first scheduler
+
+    @property
+    def queued_tokens(self) -> int:
+        return sum(s.queued_tokens for s in self.schedulers)

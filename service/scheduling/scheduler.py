@@ -42,7 +42,7 @@ from model_runtime.scoring.prefix import RowTokens, head_key, tokens_saved
 from model_runtime.types import InvalidSequenceError, SequenceInput, SequenceScores
 from service.http.errors import ApiError, backend_unavailable, deadline_error, is_out_of_memory
 from service.http.metrics import Metrics
-from service.scheduling.admission import Admission, QueueFullError
+from service.scheduling.admission import Admission, QueueFullError, SharedCapacity
 from service.scheduling.forward_thread import ForwardThread
 from service.scheduling.rows import gpu_loads, largest_first_by_group, water_level
 
@@ -92,26 +92,6 @@ class _Item:
         self.queued = True  # False once taken into a row or dropped with its ticket
         self.started = False  # True once its forward began
         self.released = False  # True once it no longer counts against admission (done or dropped)
-
-
-class SharedCapacity:
-    """What the schedulers of several served models share: the admission bound and the forward slots.
-
-    Each served model has its own scheduler (rows never mix models); they share one ``Admission``
-    (the first scheduler's: one time-measured bound within ``--max-queued-tokens`` for the whole
-    deployment) and run at most ``concurrency`` forwards at once across models, so two models on
-    one GPU never hold two rows' activations together.
-    """
-
-    def __init__(self, max_queued_tokens: int, concurrency: int):
-        self.max_queued_tokens = int(max_queued_tokens)
-        self.slots = asyncio.Semaphore(max(1, int(concurrency)))
-        self.schedulers: list[Scheduler] = []
-        self.admission: Admission | None = None  # set by the first scheduler
-
-    @property
-    def queued_tokens(self) -> int:
-        return sum(s._queued_tokens for s in self.schedulers)
 
 
 class Scheduler:
@@ -165,6 +145,7 @@ class Scheduler:
         self.last_success_at: float | None = None  # monotonic time of the last successful forward
         self.last_failure: str | None = None  # why the last forward failed for backend reasons
         self._closed = False
+        self._closed_reason = "the server is shutting down"
 
     @property
     def prefix_rounding(self):
@@ -216,8 +197,8 @@ class Scheduler:
     async def close(self, reason: str = "the server is shutting down") -> None:
         """Fails whatever is still pending with 503 and stops the pipeline."""
         self._closed = True
-        error = ApiError(503, "unavailable", f"{reason[0].upper()}{reason[1:]}; retry.",
-                         headers={"Retry-After": "1", "Connection": "close"})
+        self._closed_reason = reason
+        error = _closed_error(reason)
         self.admission.close(error)
         for ticket in list(self._pending):
             self.fail(ticket, error)
@@ -301,7 +282,7 @@ class Scheduler:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ApiError(503, "unavailable", "The server is shutting down; retry.", headers={"Retry-After": "1"})
+            raise _closed_error(self._closed_reason)
 
     def _enqueue(self, sequences: Sequence[SequenceInput], deadline: float | None, probe: bool) -> Ticket:
         ticket = Ticket(sequences, deadline, self._loop)
@@ -587,6 +568,12 @@ class Scheduler:
                     self._pending.discard(ticket)
                     ticket.future.set_result(ticket.results)  # type: ignore[arg-type]
             self.metrics.tokens_scored.inc(scored)
+
+
+def _closed_error(reason: str) -> ApiError:
+    # API.md: a 503 while draining carries Connection: close, so a keep-alive client reconnects elsewhere.
+    return ApiError(503, "unavailable", f"{reason[0].upper()}{reason[1:]}; retry.",
+                    headers={"Retry-After": "1", "Connection": "close"})
 
 
 def _queue_full(exc: QueueFullError) -> ApiError:

@@ -357,3 +357,29 @@ def test_close_returns_when_the_packer_was_woken_just_before():
         return [t.done for t in tickets]
 
     assert asyncio.run(main()) == [True, True]
+
+
+def test_a_request_after_close_gets_a_closing_503_with_the_reason():
+    """API.md: a 503 while draining carries Connection: close. A request reaching a closed scheduler
+    (after the drain timeout) got a 503 without it, and without the reason close() was given."""
+    from service.http.errors import ApiError
+
+    async def main():
+        scheduler = await started(FakeBackend())
+        await scheduler.close("the server is shutting down (drain timeout)")
+        refused = []
+        try:
+            scheduler.submit(seqs_of(5))
+        except ApiError as error:
+            refused.append(error)
+        try:
+            await scheduler.submit_when_room(seqs_of(5))
+        except ApiError as error:
+            refused.append(error)
+        return refused
+
+    refused = asyncio.run(main())
+    assert len(refused) == 2, refused
+    for error in refused:
+        assert error.status == 503 and error.headers.get("Connection") == "close", (error.status, error.headers)
+        assert "drain timeout" in error.message, error.message
