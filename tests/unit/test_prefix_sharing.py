@@ -412,3 +412,47 @@ def test_tiles_narrow_products_ignore_links_and_cuts():
     (cut,) = narrow_products(gate_projection_tiles, (linear,), x, rows.linked, local_bounds=((0, 5), (5, x.shape[0])))
     report("tiles on a linked row", linked, want, tol=0.0)
     report("tiles on a shard's cut segments", cut, want, tol=0.0)
+
+
+def boundary_row(vocab: int, seed: int = 5):
+    """Members one token past the shared segment (strict prefixes of their mates, 65 and 129
+    tokens) or a chunk past it (192), duplicates of them, score_from at 1, inside the shared
+    segment and at the length."""
+    rng = np.random.default_rng(seed)
+    p, q, r = rng.integers(0, vocab, 200), rng.integers(0, vocab, 100), rng.integers(0, vocab, 250)
+    return [
+        SequenceInput(p[:129].copy(), score_from=1),
+        SequenceInput(p[:129].copy(), score_from=128),  # a duplicate, scored from inside the shared segment
+        SequenceInput(p.copy(), score_from=129, top_k=3),  # the others are strict prefixes of it
+        SequenceInput(p[:129].copy(), score_from=129),  # nothing scored
+        SequenceInput(q[:65].copy(), score_from=65),
+        SequenceInput(q[:65].copy(), score_from=2, temperature=0.7),
+        SequenceInput(q.copy(), score_from=64),
+        SequenceInput(q[:1].copy(), score_from=1),
+        SequenceInput(q[:2].copy(), score_from=1),
+        SequenceInput(r[:192].copy(), score_from=120),  # a multiple of 64 long: shares 128, not 192
+        SequenceInput(r.copy(), score_from=191),
+    ]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_strict_prefixes_and_duplicates_shared_equal_unshared_and_hugging_face(arch, loaded_models, checkpoint_dir, capsys):
+    """A member one token longer than the shared segment, its duplicates and its longer mates:
+    shared equals unshared (1e-5) and Hugging Face one sequence at a time (1e-4, test_packed_parity)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.checkpoints import hf_scores
+
+    loaded = loaded_models(arch)
+    seqs = boundary_row(loaded.vocab_size)
+    assert [(g.members, g.shared) for g in find_groups(seqs, 64)] == [((0, 1, 2, 3), 128), ((4, 5, 6), 64), ((9, 10), 128)]
+    shared = Scorer(loaded, prefix_min_tokens=64).score_row(seqs)
+    shared_equals_unshared(f"{arch} strict prefixes", loaded, seqs, capsys)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint_dir(arch), dtype=torch.float32).eval()
+    for i, (seq, got) in enumerate(zip(seqs, shared)):
+        logprobs, entropy, _, _ = hf_scores(hf, seq, 1)
+        assert got.logprobs.shape == (seq.length - seq.score_from,), f"sequence {i}: {got.logprobs.shape}"
+        if not seq.num_scored:
+            continue
+        report(f"{arch} sequence {i} log-probs vs Hugging Face", got.logprobs, logprobs, tol=1e-4)
+        report(f"{arch} sequence {i} entropy vs Hugging Face", got.entropy, entropy, tol=1e-4)
