@@ -34,7 +34,8 @@ _MODEL_OPTIONS = (
 _SERVE_OPTIONS = _MODEL_OPTIONS + (
     "host", "port", "api_key", "api_key_file", "max_wait_ms", "max_queued_tokens", "max_request_bytes",
     "max_sequences_per_request", "drain_timeout_s", "queue_seconds", "max_admission_wait_s",
-    "request_read_timeout_s", "keep_alive_timeout_s", "max_connections", "weights_root", "admin_key", "admin_key_file",
+    "request_read_timeout_s", "send_timeout_s", "keep_alive_timeout_s", "max_connections", "weights_root", "admin_key",
+    "admin_key_file",
 )  # fmt: skip
 _SCORE_OPTIONS = _MODEL_OPTIONS + ("temperature", "top_k", "return_entropy")
 _METAVARS = {
@@ -42,7 +43,7 @@ _METAVARS = {
     "expert_gemm": "FILE",
     "host": "HOST", "port": "PORT", "api_key": "KEY", "api_key_file": "FILE", "max_wait_ms": "MS",
     "drain_timeout_s": "SECONDS", "queue_seconds": "SECONDS", "max_admission_wait_s": "SECONDS",
-    "request_read_timeout_s": "SECONDS", "keep_alive_timeout_s": "SECONDS", "temperature": "T", "top_k": "K", "kernels": "FAMILY=BACKEND",
+    "request_read_timeout_s": "SECONDS", "send_timeout_s": "SECONDS", "keep_alive_timeout_s": "SECONDS", "temperature": "T", "top_k": "K", "kernels": "FAMILY=BACKEND",
     "weights_root": "DIR", "admin_key": "KEY", "admin_key_file": "FILE",
 }  # fmt: skip; every other option takes a count, shown as N
 

@@ -115,6 +115,10 @@ class Settings(BaseSettings):
         30.0, gt=0, description="a request's headers and body must arrive within this many seconds, else the "
         "connection is closed (408 when possible)"
     )
+    send_timeout_s: float = Field(
+        60.0, gt=0, description="an answer the client stops reading (none of it drains for this many seconds) is "
+        "dropped and its connection closed; a slow but steady reader is never cut off"
+    )
     keep_alive_timeout_s: float = Field(
         75.0, gt=0, description="how long an idle kept-alive connection stays open; above the idle timeout of a "
         "proxy in front (ingress-nginx and AWS ALB: 60 s), so that the proxy, not the server, closes it"

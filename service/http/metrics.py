@@ -63,6 +63,12 @@ class Metrics:
         self.requests = Counter(
             "packscore_requests_total", "HTTP requests answered, by route and status code.", ["route", "status"], registry=r
         )
+        # Not a status of packscore_requests_total: such a request was answered (200) and counted there.
+        self.send_timeouts = Counter(
+            "packscore_send_timeouts_total",
+            "Connections closed because the client stopped reading an answer (nothing drained for --send-timeout-s).",
+            registry=r,
+        )
         self.tokens_scored = Counter(
             "packscore_tokens_scored_total",
             "Tokens whose log-probability was returned to requests (positions score_from .. L-1); the readiness pass is not counted.",

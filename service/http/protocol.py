@@ -9,16 +9,24 @@ uvicorn bounds only the idle time between keep-alive requests. This subclass add
   cap evicts the connection whose request has been arriving the longest, else an idle
   keep-alive one; when every connection is busy answering, the new one gets 503 and is
   closed. The server so never runs out of descriptors to accept with;
+- a send timeout: an answer whose bytes stop draining (the client reads none of what is left,
+  in this process's buffer or the kernel's) for ``send_timeout_s`` is dropped and its
+  connection reset, as nginx's ``send_timeout`` does; progress of any size restarts the clock;
 - the contract's JSON error body on the protocol errors uvicorn answers itself (a garbage
   request line, a bad Content-Length, oversized headers), instead of plain text.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import resource
+import socket
+import struct
+import termios
 import time
+from typing import Callable
 
 import h11
 import orjson
@@ -55,20 +63,28 @@ def default_max_connections() -> int:
 
 
 class _Registry:
-    """The connections of one server whose request is still arriving, oldest first."""
+    """One server's guard: its limits and counts, and its connections whose request is still arriving."""
 
-    def __init__(self, read_timeout_s: float, max_connections: int):
+    def __init__(self, read_timeout_s: float, max_connections: int, send_timeout_s: float,
+                 on_send_timeout: Callable[[], None] | None):
         self.read_timeout_s = read_timeout_s
         self.max_connections = max_connections
+        self.send_timeout_s = send_timeout_s
+        # How often a stalled answer is looked at: it is dropped at most a quarter (1 s) past the timeout.
+        self.send_poll_s = min(send_timeout_s / 4, 1.0)
+        self.on_send_timeout = on_send_timeout or (lambda: None)
         self.reading: dict["GuardedH11Protocol", float] = {}  # insertion order is arrival order
         self.evicted = 0
         self.timed_out = 0
         self.refused = 0
+        self.send_timed_out = 0
 
 
-def guarded_protocol(read_timeout_s: float, max_connections: int) -> type[H11Protocol]:
-    """The protocol class for one server (uvicorn.Config(http=...))."""
-    registry = _Registry(read_timeout_s, max_connections)
+def guarded_protocol(read_timeout_s: float, max_connections: int, send_timeout_s: float = 60.0,
+                     on_send_timeout: Callable[[], None] | None = None) -> type[H11Protocol]:
+    """The protocol class for one server (uvicorn.Config(http=...)); ``on_send_timeout`` counts a
+    connection closed by the send timeout."""
+    registry = _Registry(read_timeout_s, max_connections, send_timeout_s, on_send_timeout)
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {"registry": registry})
 
 
@@ -76,6 +92,9 @@ class GuardedH11Protocol(H11Protocol):
     registry: _Registry  # set per server by guarded_protocol()
 
     _read_timer = None
+    _send_timer = None
+    _send_left = 0  # bytes of answers not yet acknowledged by the client, at the last look
+    _send_progress_at = 0.0
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -96,6 +115,8 @@ class GuardedH11Protocol(H11Protocol):
             self._stop_reading()
 
     def on_response_complete(self) -> None:
+        # An answer under the high-water mark never pauses the transport: what is left of it is watched here.
+        self._watch_sending()
         super().on_response_complete()
         # A pipelined request that came in behind this one is read only now (h11 held its bytes, and
         # data_received saw the connection done): time it from here, as one arriving now would be.
@@ -105,7 +126,12 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_reading()
+        self._stop_sending()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._watch_sending()
 
     def send_400_response(self, msg: str) -> None:
         # h11 refused the bytes (request line, headers, Content-Length): answer in the contract's shape.
@@ -149,6 +175,61 @@ class GuardedH11Protocol(H11Protocol):
             self.cycle.disconnected = True
             self.cycle.message_event.set()  # a handler reading the body sees the disconnect
         self.transport.close()
+        self._watch_sending()  # close() waits for the buffer to drain: a client reading none of it would hold it
+
+    # ---- the send timeout -------------------------------------------------------------------
+
+    def _watch_sending(self) -> None:
+        if self._send_timer is None and self.transport is not None and self.transport.get_write_buffer_size():
+            self._send_left = self._unsent()
+            self._send_progress_at = self.loop.time()
+            self._send_timer = self.loop.call_later(self.registry.send_poll_s, self._check_sending)
+
+    def _stop_sending(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _check_sending(self) -> None:
+        self._send_timer = None
+        if not self.transport.get_write_buffer_size() and not self.flow.write_paused:
+            return  # all handed to the kernel: this process holds nothing (an idle connection is keep-alive's)
+        left, now = self._unsent(), self.loop.time()
+        if left != self._send_left:  # the client acknowledged some, or the answer grew (written while not paused)
+            self._send_left, self._send_progress_at = left, now
+        elif now - self._send_progress_at >= self.registry.send_timeout_s:
+            self._send_timed_out(left)
+            return
+        self._send_timer = self.loop.call_later(self.registry.send_poll_s, self._check_sending)
+
+    def _unsent(self) -> int:
+        """Bytes written and not yet acknowledged: this process's buffer and the kernel's send queue."""
+        left = self.transport.get_write_buffer_size()
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            # The kernel refills from our buffer only once a third of its own has drained (up to 4 MiB
+            # by default): without its queue, a slow but steady reader would look stalled for seconds.
+            try:
+                left += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(4)))[0]
+            except (OSError, AttributeError, ValueError):  # not Linux (no TIOCOUTQ on sockets): our buffer alone
+                pass
+        return left
+
+    def _send_timed_out(self, left: int) -> None:
+        self.registry.send_timed_out += 1
+        self.registry.on_send_timeout()
+        log.warning("send timeout: closed a connection whose answer did not drain for %g s (send_timeout_s), "
+                    "%d bytes left undelivered", self.registry.send_timeout_s, left)
+        self._stop_reading()
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+        sock = self.transport.get_extra_info("socket")
+        try:  # a reset, not a FIN behind unread bytes: the kernel drops its copy too (nginx: reset_timedout_connection)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except (OSError, AttributeError):
+            pass
+        self.transport.abort()  # close() would wait for the buffer to drain: drop it
 
     # ---- the connection cap ------------------------------------------------------------------
 

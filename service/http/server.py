@@ -1,5 +1,5 @@
 """Runs the app under uvicorn, with SIGTERM meaning "drain, then exit 0", and the connection
-guard of protocol.py (read timeout, connection cap, JSON protocol errors)."""
+guard of protocol.py (read and send timeouts, connection cap, JSON protocol errors)."""
 
 from __future__ import annotations
 
@@ -116,7 +116,8 @@ def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
         app,
         host=settings.host,
         port=settings.port,
-        http=guarded_protocol(settings.request_read_timeout_s, max_connections),
+        http=guarded_protocol(settings.request_read_timeout_s, max_connections, settings.send_timeout_s,
+                              app.state.service.metrics.send_timeouts.inc),
         # A proxy or client reusing a connection the server closes at that moment gets no answer
         # (a proxy's 502): idle connections outlive the proxies' own idle timeouts.
         timeout_keep_alive=settings.keep_alive_timeout_s,

@@ -314,3 +314,112 @@ def test_an_answer_still_being_read_when_draining_begins_arrives_whole(tmp_path)
     assert head.startswith(b"HTTP/1.1 200 "), head
     assert len(answer) == length, f"{len(answer)} of {length} bytes arrived before the server exited"
     assert code == 0, server.log()
+
+
+def _score_request(sequences: int, length: int = 4000) -> bytes:
+    """A /score request of ``sequences`` x ``length`` tokens, top_k 20: about 170 bytes of msgpack answer a token."""
+    body = orjson.dumps({"sequences": [{"input_ids": [i % 1000 for i in range(length)]} for _ in range(sequences)],
+                         "top_k": 20})
+    return (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAccept: application/msgpack\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+
+def _read_head(sock: socket.socket) -> tuple[bytes, bytes, int]:
+    """An answer's head, the body bytes that came with it, and its Content-Length."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.lower().split(b"\r\n")
+    return head, body, int(next(line.split(b":")[1] for line in lines if line.startswith(b"content-length")))
+
+
+def _stall(server: LocalServer, sequences: int) -> tuple[socket.socket, int]:
+    """A connection that asks for a large answer, reads its head and then nothing: (socket, answer length)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    sock.settimeout(30)
+    sock.connect(("127.0.0.1", server.port))
+    sock.sendall(_score_request(sequences))
+    head, _, length = _read_head(sock)
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    return sock, length
+
+
+def test_an_answer_the_client_stops_reading_is_dropped_at_the_send_timeout(tmp_path):
+    # About 10 MiB of answer that the client never reads: it held the server's memory and a
+    # connection (counted against --max-connections) until the client closed.
+    server = fake_server(tmp_path, "--send-timeout-s", "1").wait_ready()
+    try:
+        sock, length = _stall(server, 16)
+        with sock:
+            t0 = time.monotonic()
+            metrics = _metrics_once(server, "packscore_send_timeouts_total 1.0", limit_s=1 + 5)
+            dropped_after = time.monotonic() - t0
+            sock.settimeout(10)
+            got = 0
+            try:  # the server reset the connection: what the kernel still held is gone too
+                while chunk := sock.recv(1 << 20):
+                    got += len(chunk)
+            except (ConnectionResetError, TimeoutError):
+                pass
+        t1 = time.monotonic()
+        next_one = httpx.post(server.url + "/score", json={"sequences": [{"input_ids": [1, 2, 3]}]}, timeout=10)
+        next_after = time.monotonic() - t1
+    finally:
+        server.stop()
+    assert "packscore_send_timeouts_total 1.0" in metrics, metrics
+    assert dropped_after < 1 + 2, f"dropped {dropped_after:.1f} s after the client stopped reading"
+    assert got < length, f"all {length} bytes arrived: nothing was dropped"
+    assert next_one.status_code == 200 and next_after < 2, (next_one.status_code, next_after)
+    assert server.log().count("send timeout: closed a connection") == 1, server.log()
+    assert 'packscore_requests_total{route="/score",status="200"} 1.0' in metrics, metrics  # counted as answered
+
+
+def test_a_slow_but_steady_reader_gets_its_whole_answer_while_a_stalled_one_is_dropped(tmp_path):
+    # About 10 MiB read at 200 KB/s for 4 s: the kernel takes more of it from the server only once a
+    # third of its send buffer (MiBs on loopback) has drained, seconds apart at that pace, so the
+    # server's own buffer alone looks stalled. Forwards of 1.3 s, longer than the send timeout: an
+    # answer still being computed is not stalled; nor is the connection idle afterwards.
+    server = fake_server(tmp_path, "--send-timeout-s", "1", env={"FAKE_SECONDS_PER_TOKEN": "0.00002"}).wait_ready()
+    results: dict[str, object] = {}
+
+    def stalled() -> None:
+        sock, _ = _stall(server, 16)
+        results["stalled"] = sock
+
+    try:
+        staller = threading.Thread(target=stalled)
+        staller.start()
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+            sock.settimeout(30)
+            sock.connect(("127.0.0.1", server.port))
+            request = _score_request(16)
+            sock.sendall(request)
+            head, answer, length = _read_head(sock)
+            t0, start = time.monotonic(), len(answer)
+            while len(answer) < length:
+                chunk = sock.recv(min(16384, length - len(answer)))
+                if not chunk:
+                    break
+                answer += chunk
+                if time.monotonic() - t0 < 4:  # then as fast as it comes, to keep the test short
+                    time.sleep(max(0.0, (len(answer) - start) / 200e3 - (time.monotonic() - t0)))
+            read_for = time.monotonic() - t0
+            time.sleep(1.5)  # idle on a kept-alive connection past the send timeout, then a second request
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            again = sock.recv(65536)
+        staller.join(timeout=30)
+        metrics = _metrics_once(server, "packscore_send_timeouts_total 1.0", limit_s=5)
+        whole = httpx.post(server.url + "/score", content=request.partition(b"\r\n\r\n")[2], timeout=30,
+                           headers={"Content-Type": "application/json", "Accept": "application/msgpack"})
+    finally:
+        if isinstance(results.get("stalled"), socket.socket):
+            results["stalled"].close()
+        server.stop()
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    assert len(answer) == length and read_for > 4, (len(answer), length, read_for, server.log())
+    assert answer == whole.content, "the slowly read answer differs from the same answer read at once"
+    assert again.startswith(b"HTTP/1.1 200 "), again[:200]
+    assert "packscore_send_timeouts_total 1.0" in metrics, (metrics, server.log())  # the stalled one, only

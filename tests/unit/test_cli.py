@@ -52,8 +52,9 @@ def test_admission_hard_cap_and_body_limit_defaults_follow_the_pool():
 
 def test_hostile_client_options_parse():
     s = cli.parse_settings(["serve", "--request-read-timeout-s", "2.5", "--max-connections", "100",
-                            "--queue-seconds", "2", "--max-admission-wait-s", "0"])[1]
+                            "--queue-seconds", "2", "--max-admission-wait-s", "0", "--send-timeout-s", "7.5"])[1]
     assert (s.request_read_timeout_s, s.max_connections, s.queue_seconds, s.max_admission_wait_s) == (2.5, 100, 2.0, 0.0)
+    assert s.send_timeout_s == 7.5 and cli.parse_settings(["serve"])[1].send_timeout_s == 60.0
 
 
 def test_kernels_option_pins_backends(monkeypatch, capsys):
@@ -111,6 +112,7 @@ def test_score_help_describes_its_options_without_a_server(capsys):
     [
         (["serve", "--port", "http"], "--port"),
         (["serve", "--max-batch-tokens", "0"], "--max-batch-tokens"),
+        (["serve", "--send-timeout-s", "0"], "--send-timeout-s"),
         (["serve", "--dtype", "int8"], "--dtype"),
         (["serve", "--kernels", "attention"], "--kernels"),
         (["serve", "--kernels", "head=torch,head=triton"], "--kernels"),
