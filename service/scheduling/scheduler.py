@@ -484,20 +484,17 @@ class Scheduler:
         row = [item for item in row if not item.ticket.done]
         if not row:
             return
-        started = time.monotonic()
-        for item in row:
-            if not item.started:  # a retry after a split is not a second wait
-                item.started = True
-                self.metrics.queue_wait.observe(started - item.enqueued_at)
+        fresh = [item for item in row if not item.started]  # a retry after a split is not a second wait
+        for item in fresh:
+            item.started = True
         rate = self.admission.rate
         thread.expected_s = sum(it.tokens for it in row) / rate if rate else None  # for forward_state
         try:
-            if self._shared is None:
+            async with self._shared.slots if self._shared is not None else contextlib.nullcontext():
+                started = time.monotonic()  # after any wait for another model's forward: queue wait, not forward time
+                for item in fresh:
+                    self.metrics.queue_wait.observe(started - item.enqueued_at)
                 scores = await thread.run(self.backend.score_row, [it.seq for it in row])
-            else:
-                async with self._shared.slots:
-                    started = time.monotonic()  # the forward's time, not the wait for another model's
-                    scores = await thread.run(self.backend.score_row, [it.seq for it in row])
         except BackendUnavailableError as exc:
             self.last_failure = str(exc) or "backend unavailable"
             log.error("backend unavailable for a row of %d sequences: %s", len(row), exc)
