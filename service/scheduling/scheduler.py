@@ -481,19 +481,19 @@ class Scheduler:
                 self._wake.set()
 
     async def _forward(self, row: list[_Item], thread: "ForwardThread") -> None:
-        row = [item for item in row if not item.ticket.done]
-        if not row:
-            return
-        fresh = [item for item in row if not item.started]  # a retry after a split is not a second wait
-        for item in fresh:
-            item.started = True
-        rate = self.admission.rate
-        thread.expected_s = sum(it.tokens for it in row) / rate if rate else None  # for forward_state
         try:
             async with self._shared.slots if self._shared is not None else contextlib.nullcontext():
-                started = time.monotonic()  # after any wait for another model's forward: queue wait, not forward time
-                for item in fresh:
-                    self.metrics.queue_wait.observe(started - item.enqueued_at)
+                # Not started until another model's forward leaves the slot: a request that ended meanwhile never runs.
+                row = [item for item in row if not item.ticket.done]
+                if not row:
+                    return
+                started = time.monotonic()
+                for item in row:
+                    if not item.started:  # a retry after a split is not a second wait
+                        item.started = True
+                        self.metrics.queue_wait.observe(started - item.enqueued_at)
+                rate = self.admission.rate
+                thread.expected_s = sum(it.tokens for it in row) / rate if rate else None  # for forward_state
                 scores = await thread.run(self.backend.score_row, [it.seq for it in row])
         except BackendUnavailableError as exc:
             self.last_failure = str(exc) or "backend unavailable"

@@ -162,6 +162,34 @@ def test_the_queue_wait_of_a_model_counts_its_wait_for_anothers_forward():
     assert waited >= held, f"the ref's queue wait {waited:.3f} s leaves out its {held:.3f} s wait for a forward slot"
 
 
+def test_a_request_that_ends_while_its_row_waits_for_anothers_forward_never_runs():
+    # A deadline (504) or a disconnect drops the sequences whose forward has not started; with
+    # several models a row may wait for another model's forward: it must not run for nobody.
+    policy_gate = threading.Event()
+    backends = {"policy": FakeBackend(gate=policy_gate), "ref": FakeBackend()}
+
+    async def main():
+        policy_gate.set()
+        app = create_app(Settings(max_wait_ms=0), backends)
+        async with running_app(app) as client:
+            policy_gate.clear()
+            policy = asyncio.create_task(client.post("/score", json=_score({"model": "policy"})))
+            await wait_until(lambda: backends["policy"].running == 1)
+            late = await client.post("/score", json=_score({"model": "ref", "deadline_ms": 100}))
+            ref_queue = app.state.service.models["ref"].scheduler.queued_tokens
+            policy_gate.set()
+            assert (await policy).status_code == 200
+            after = await client.post("/score", json=_score({"model": "ref"}))
+            return late, ref_queue, after
+
+    late, ref_queue, after = asyncio.run(main())
+    assert late.status_code == 504, late.text
+    assert ref_queue == 0, "the tokens of the request that timed out still count against admission"
+    assert after.status_code == 200
+    ref_rows = backends["ref"].rows[1:]  # rows[0] is the readiness pass
+    assert ref_rows == [[4]], f"the ref ran rows {ref_rows}: the timed-out request's row ran after it was answered 504"
+
+
 # ---- POST /v1/weights ------------------------------------------------------------------------
 
 
