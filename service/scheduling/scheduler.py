@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
@@ -120,6 +121,7 @@ class Scheduler:
         self.metrics = (metrics or Metrics()).for_model(model or backend.info.name)
         self.prefix_min_tokens = int(prefix_min_tokens)  # rows count a shared prefix once (0: off)
         self.concurrency = max(1, int(getattr(backend, "concurrency", 1)))
+        self._pins_groups = bool(getattr(backend, "pins_groups", False))  # score_row(..., group=) runs on that group
         if shared is not None and shared.admission is not None:
             self.admission = shared.admission  # one bound for every served model
         else:
@@ -482,7 +484,7 @@ class Scheduler:
 
     async def _forward(self, row: list[_Item], thread: "ForwardThread") -> None:
         try:
-            async with self._shared.slots if self._shared is not None else contextlib.nullcontext():
+            async with self._shared.lane() if self._shared is not None else contextlib.nullcontext() as lane:
                 # Not started until another model's forward leaves the slot: a request that ended meanwhile never runs.
                 row = [item for item in row if not item.ticket.done]
                 if not row:
@@ -494,7 +496,10 @@ class Scheduler:
                         self.metrics.queue_wait.observe(started - item.enqueued_at)
                 rate = self.admission.rate
                 thread.expected_s = sum(it.tokens for it in row) / rate if rate else None  # for forward_state
-                scores = await thread.run(self.backend.score_row, [it.seq for it in row])
+                # With several models, on the group (GPUs) of its lane, not the backend's own first idle one
+                score = functools.partial(self.backend.score_row, group=lane) if lane is not None and self._pins_groups \
+                    else self.backend.score_row
+                scores = await thread.run(score, [it.seq for it in row])
         except BackendUnavailableError as exc:
             self.last_failure = str(exc) or "backend unavailable"
             log.error("backend unavailable for a row of %d sequences: %s", len(row), exc)

@@ -82,3 +82,68 @@ def test_a_request_that_ends_while_its_row_waits_for_anothers_forward_never_runs
     assert after.status_code == 200
     ref_rows = backends["ref"].rows[1:]  # rows[0] is the readiness pass
     assert ref_rows == [[4]], f"the ref ran rows {ref_rows}: the timed-out request's row ran after it was answered 504"
+
+
+def test_a_model_runs_on_a_group_no_other_models_forward_holds():
+    # Two pools of two data-parallel groups each on the same two GPUs: the ref's row must go to
+    # the GPUs the policy's forward leaves free, not to its own pool's first idle group (GPU 0,
+    # where the policy runs): two rows' activations on one GPU, the other GPU idle.
+    gate = threading.Event()
+    backends = {"policy": FakeBackend(gate=gate, concurrency=2), "ref": FakeBackend(concurrency=2)}
+
+    async def main():
+        gate.set()
+        async with running_app(create_app(Settings(max_wait_ms=0), backends)) as client:
+            gate.clear()
+            policy = asyncio.create_task(client.post("/score", json=_score({"model": "policy"})))
+            await wait_until(lambda: backends["policy"].running == 1)
+            ref = await client.post("/score", json=_score({"model": "ref"}))
+            gate.set()
+            return await policy, ref
+
+    policy, ref = asyncio.run(main())
+    assert policy.status_code == 200 and ref.status_code == 200
+    policy_group, ref_group = backends["policy"].groups[-1], backends["ref"].groups[-1]
+    assert (policy_group, ref_group) == (0, 1), f"policy on group {policy_group}, ref on group {ref_group}"
+
+
+class _RecordingWorld:
+    """A worker world that records the group each row is sent to, then fails the send."""
+
+    generation, failed = 1, False
+
+    def __init__(self):
+        self.sent: list[int] = []
+
+    def send_group(self, group: int, frame: bytes) -> None:
+        self.sent.append(group)
+        raise OSError("test: nothing behind the pipe")
+
+
+def test_the_pool_sends_a_row_to_the_group_named():
+    import numpy as np
+
+    from model_runtime.parallel.dims import ParallelDims
+    from model_runtime.scoring.backend import BackendUnavailableError
+    from model_runtime.types import SequenceInput
+    from tests.unit.test_pool_failure_race import bare_pool
+
+    pool = bare_pool()
+    pool.dims = ParallelDims.from_world(2, 1, False)
+    pool._lane_cost, pool._rows_done, pool._vocab_size = [0.0, 0.0], [0, 0], 100
+    pool._world = world = _RecordingWorld()
+    assert pool.pins_groups
+    for group in (1, None):
+        with pytest.raises(BackendUnavailableError):
+            pool.score_row([SequenceInput(np.array([1, 2, 3]))], group=group)
+    assert world.sent == [1, 0], "a named group, then the idle group of least cost"
+    assert not _lockstep_pool().pins_groups, "with FSDP every rank takes every step: no group to name"
+
+
+def _lockstep_pool():
+    from model_runtime.parallel.dims import ParallelDims
+    from tests.unit.test_pool_failure_race import bare_pool
+
+    pool = bare_pool()
+    pool.dims = ParallelDims.from_world(2, 1, True)  # FSDP: every rank takes every step
+    return pool
