@@ -96,6 +96,8 @@ class FakeBackend:
         self.unavailable = False
         self.alive = True
         self.rows: list[list[int]] = []  # lengths of the sequences of every row attempted
+        self.groups: list[int | None] = []  # the data-parallel group each row was sent to (None: the backend's choice)
+        self.pins_groups = concurrency > 1  # as WorkerPool: score_row takes the group to run on
         self.running = 0
         self.max_running = 0
         self._lock = threading.Lock()
@@ -105,11 +107,12 @@ class FakeBackend:
         self.versions = [FAKE_VERSION]  # every version served, by generation
         self._updating = threading.Lock()
 
-    def score_row(self, sequences: Sequence[SequenceInput]) -> list[SequenceScores]:
+    def score_row(self, sequences: Sequence[SequenceInput], group: int | None = None) -> list[SequenceScores]:
         for i, seq in enumerate(sequences):
             validate_sequence(seq, self.info.vocab_size, i)
         with self._lock:
             self.rows.append([s.length for s in sequences])
+            self.groups.append(group)
             generation, version = self.generation, self.info.weights_version  # the row's version, read once
             self.running += 1
             self.max_running = max(self.max_running, self.running)

@@ -8,7 +8,8 @@ themselves are launched and stopped by ``model_runtime.pool.procs``.
 
 Scheduling:
 - without FSDP the groups are independent: ``score_row`` sends the row to the group with the
-  least outstanding estimated cost (``per_token * T + per_token_squared * sum(L_i ** 2)``);
+  least outstanding estimated cost (``per_token * T + per_token_squared * sum(L_i ** 2)``), or to
+  the group it is given (several served models: the GPUs no other model's forward holds);
 - with FSDP every rank takes part in every layer's all-gather, so a stepper thread sends steps:
   up to ``dp`` queued rows at a time, one per group, and a dummy ``Idle`` row to groups left
   without one. While rows keep coming, a step waits up to ``STEP_GATHER_S`` for a row per group:
@@ -151,14 +152,21 @@ class WorkerPool(Lockstep):
 
     # ScoringBackend.
 
-    def score_row(self, sequences: Sequence[SequenceInput]) -> list[SequenceScores]:
+    @property
+    def pins_groups(self) -> bool:
+        """Whether ``score_row`` runs a row on the group it names (not with FSDP: every rank takes every step)."""
+        return not self.dims.lockstep
+
+    def score_row(self, sequences: Sequence[SequenceInput], group: int | None = None) -> list[SequenceScores]:
+        """``group``: the data-parallel group to run on (the GPUs another served model's forward
+        leaves free), else the one with the least outstanding cost."""
         for i, seq in enumerate(sequences):
             validate_sequence(seq, self._vocab_size, i)
         if not sequences:
             raise InvalidSequenceError("a row needs at least one sequence", "sequences")
         if not self._alive:
             raise BackendUnavailableError("the worker pool is restarting after a worker failure")
-        return self._run(sequences)
+        return self._run(sequences, group)
 
     def warm_up(self) -> None:
         """One warm-up pass per group: the budget's shapes on CUDA, one short row on CPU."""
@@ -489,10 +497,10 @@ class WorkerPool(Lockstep):
             raise pending.error
         return pending.reply
 
-    def _run(self, sequences: Sequence[SequenceInput]) -> list[SequenceScores]:
+    def _run(self, sequences: Sequence[SequenceInput], group: int | None = None) -> list[SequenceScores]:
         if self.dims.lockstep:
             return self._run_in_steps([sequences])[0]
-        return split_reply(sequences, self._run_on_group(sequences, None))
+        return split_reply(sequences, self._run_on_group(sequences, group))
 
     def _run_on_every_group(self, sequences: Sequence[SequenceInput]) -> None:
         """Scores ``sequences`` once on each group (warm-up and the pass after a restart)."""

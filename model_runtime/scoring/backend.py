@@ -88,7 +88,8 @@ class BackendUnavailableError(RuntimeError):
 class ScoringBackend(Protocol):
     """What the service drives. Optional attributes it reads where present: ``prefix_rounding``,
     ``restart_error``, ``workers_alive``, ``copying_in_place`` (an update copies into the served
-    weights: nothing scores meanwhile, /readyz says ``updating_weights``)."""
+    weights: nothing scores meanwhile, /readyz says ``updating_weights``), ``pins_groups``
+    (``score_row(sequences, group=g)`` runs on data-parallel group ``g``: several served models)."""
 
     info: ModelInfo
     concurrency: int  # how many score_row calls may run at the same time

@@ -20,10 +20,11 @@ is back before they run dry.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, AsyncIterator
 
 if TYPE_CHECKING:
     from service.scheduling.scheduler import Scheduler
@@ -195,15 +196,28 @@ class SharedCapacity:
 
     Each served model has its own scheduler (rows never mix models); they share one ``Admission``
     (the first scheduler's: one time-measured bound within ``--max-queued-tokens`` for the whole
-    deployment) and run at most ``concurrency`` forwards at once across models, so two models on
-    one GPU never hold two rows' activations together.
+    deployment) and run at most ``concurrency`` forwards at once across models, each on its own
+    lane: the data-parallel group (GPUs) it runs on, which every model's pool numbers alike. So two
+    models on one GPU never hold two rows' activations together, and no GPU idles meanwhile.
     """
 
     def __init__(self, max_queued_tokens: int, concurrency: int):
         self.max_queued_tokens = int(max_queued_tokens)
-        self.slots = asyncio.Semaphore(max(1, int(concurrency)))
+        self.slots = asyncio.Semaphore(max(1, int(concurrency)))  # first come first served
+        self._free_lanes = set(range(max(1, int(concurrency))))
         self.schedulers: list[Scheduler] = []
         self.admission: Admission | None = None  # set by the first scheduler
+
+    @contextlib.asynccontextmanager
+    async def lane(self) -> AsyncIterator[int]:
+        """A forward slot, in turn: the lowest lane no forward of any model runs on."""
+        async with self.slots:
+            lane = min(self._free_lanes)
+            self._free_lanes.remove(lane)
+            try:
+                yield lane
+            finally:
+                self._free_lanes.add(lane)
 
     @property
     def queued_tokens(self) -> int:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
@@ -120,6 +121,7 @@ class Scheduler:
         self.metrics = (metrics or Metrics()).for_model(model or backend.info.name)
         self.prefix_min_tokens = int(prefix_min_tokens)  # rows count a shared prefix once (0: off)
         self.concurrency = max(1, int(getattr(backend, "concurrency", 1)))
+        self._pins_groups = bool(getattr(backend, "pins_groups", False))  # score_row(..., group=) runs on that group
         if shared is not None and shared.admission is not None:
             self.admission = shared.admission  # one bound for every served model
         else:
@@ -481,23 +483,23 @@ class Scheduler:
                 self._wake.set()
 
     async def _forward(self, row: list[_Item], thread: "ForwardThread") -> None:
-        row = [item for item in row if not item.ticket.done]
-        if not row:
-            return
-        started = time.monotonic()
-        for item in row:
-            if not item.started:  # a retry after a split is not a second wait
-                item.started = True
-                self.metrics.queue_wait.observe(started - item.enqueued_at)
-        rate = self.admission.rate
-        thread.expected_s = sum(it.tokens for it in row) / rate if rate else None  # for forward_state
         try:
-            if self._shared is None:
-                scores = await thread.run(self.backend.score_row, [it.seq for it in row])
-            else:
-                async with self._shared.slots:
-                    started = time.monotonic()  # the forward's time, not the wait for another model's
-                    scores = await thread.run(self.backend.score_row, [it.seq for it in row])
+            async with self._shared.lane() if self._shared is not None else contextlib.nullcontext() as lane:
+                # Not started until another model's forward leaves the slot: a request that ended meanwhile never runs.
+                row = [item for item in row if not item.ticket.done]
+                if not row:
+                    return
+                started = time.monotonic()
+                for item in row:
+                    if not item.started:  # a retry after a split is not a second wait
+                        item.started = True
+                        self.metrics.queue_wait.observe(started - item.enqueued_at)
+                rate = self.admission.rate
+                thread.expected_s = sum(it.tokens for it in row) / rate if rate else None  # for forward_state
+                # With several models, on the group (GPUs) of its lane, not the backend's own first idle one
+                score = functools.partial(self.backend.score_row, group=lane) if lane is not None and self._pins_groups \
+                    else self.backend.score_row
+                scores = await thread.run(score, [it.seq for it in row])
         except BackendUnavailableError as exc:
             self.last_failure = str(exc) or "backend unavailable"
             log.error("backend unavailable for a row of %d sequences: %s", len(row), exc)

@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 from model_runtime.types import SequenceInput
 from service.client import ScoreClient, ScoreError
 from tests.checkpoints import save_checkpoint
-from tests.e2e.helpers import API_KEY, AUTH, TOL, ServerProcess, assert_matches, decode, post, random_sequences
+from tests.e2e.helpers import (API_KEY, AUTH, TOL, ServerProcess, assert_matches, decode, long_forward_body, post,
+                               post_in_background, queued_sequences, random_sequences)
 
 from model_runtime.scoring.backend import LocalBackend  # noqa: E402
 
@@ -186,6 +187,38 @@ def test_mismatch_figures_and_the_client(deployment):
             assert stale.value.status == 409
     metrics = httpx.get(server.url + "/metrics", headers=AUTH).text
     assert 'packscore_rollout_k3_kl_count{model="ref"}' in metrics
+
+
+def _forwards(url: str, model: str) -> float:
+    for line in httpx.get(url + "/metrics", headers=AUTH, timeout=10).text.splitlines():
+        if line.startswith(f'packscore_forward_seconds_count{{model="{model}"}}'):
+            return float(line.split()[1])
+    raise AssertionError(f"no forward count for {model}")
+
+
+def test_a_reference_request_past_its_deadline_behind_a_policy_forward_never_runs(tmp_path):
+    # One forward at a time across the two models: the ref's row waits for the policy's long
+    # forward; answered 504 meanwhile, it must not run after it (a forward for nobody). The
+    # budget's 3-row floor (12,288 tokens) admits both requests whatever the measured rate.
+    server = ServerProcess(tmp_path, "--model", "policy=tiny", "--model", "ref=tiny", "--max-batch-tokens", "4096",
+                           "--max-wait-ms", "2")
+    try:
+        url = server.wait_ready(timeout=240).url
+        ref_forwards = _forwards(url, "ref")
+        sender, answers = post_in_background(url, {"model": "policy", **long_forward_body(0, sequences=1)})
+        deadline = time.monotonic() + 60
+        while queued_sequences(url) < 1:  # admitted; its row starts at once
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.01)
+        time.sleep(0.2)
+        late = post(url, {"model": "ref", "sequences": [{"input_ids": [1, 2, 3]}], "deadline_ms": 300})
+        sender.join(timeout=120)
+        ref_after = _forwards(url, "ref")
+    finally:
+        assert server.stop() == 0, server.log()
+    assert late.status_code == 504, late.text
+    assert answers["answer"].status_code == 200, answers["answer"].text
+    assert ref_after == ref_forwards, f"the ref ran {ref_after - ref_forwards:.0f} forward(s) for the request answered 504"
 
 
 def test_no_weights_route_without_a_weights_root(tiny_server):
