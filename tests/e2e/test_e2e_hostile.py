@@ -6,6 +6,7 @@ from __future__ import annotations
 import resource
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -423,3 +424,26 @@ def test_a_slow_but_steady_reader_gets_its_whole_answer_while_a_stalled_one_is_d
     assert answer == whole.content, "the slowly read answer differs from the same answer read at once"
     assert again.startswith(b"HTTP/1.1 200 "), again[:200]
     assert "packscore_send_timeouts_total 1.0" in metrics, (metrics, server.log())  # the stalled one, only
+
+
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_second_signal_ends_the_wait_for_an_answer_still_being_written(tmp_path, second):
+    # After the drain the server waits for answers still being written, up to the drain timeout; a
+    # second SIGTERM (or SIGINT) stops without a drain, as before that wait: it used to be ignored.
+    server = fake_server(tmp_path, "--drain-timeout-s", "30").wait_ready()
+    try:
+        sock, _ = _stall(server, 16)
+        with sock:
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(1.0)
+            assert server.proc.poll() is None, "exited under an answer still being written: " + server.log()
+            t0 = time.monotonic()
+            server.proc.send_signal(second)
+            try:
+                server.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            exited_after = time.monotonic() - t0
+    finally:
+        server.stop()
+    assert exited_after < 10, f"still running {exited_after:.1f} s after a second signal: {server.log()[-2000:]}"
