@@ -114,6 +114,38 @@ def test_a_request_answered_before_its_body_arrived_gets_no_second_answer_at_the
     assert status == 401, data
 
 
+def test_a_body_completed_after_its_early_answer_leaves_an_idle_kept_alive_connection(tmp_path):
+    # The read timer of a request answered before its body arrived (a 401) ran on once the rest of
+    # the body came: an idle kept-alive connection got an unasked-for 408 at the read timeout, and
+    # uvicorn's keep-alive timer, cancelled by those bytes, was never armed again.
+    server = fake_server(tmp_path, "--request-read-timeout-s", "1", "--keep-alive-timeout-s", "3",
+                         "--api-key", "sk").wait_ready()
+    head = b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 38\r\n\r\n"
+    body = b'{"sequences": [{"input_ids": [1, 2]}]}'
+    try:
+        answers, idle = [], []
+        for then_ask in (True, False):
+            with _connect(server) as sock:
+                sock.sendall(head + body[:9])
+                early, rest, length = _read_head(sock)
+                while len(rest) < length:
+                    rest += sock.recv(65536)
+                sock.sendall(body[9:])
+                if then_ask:  # past the read timeout, the connection is still there for the next request
+                    time.sleep(1.5)
+                    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                    answers.append((early, sock.recv(65536)))
+                else:  # and an idle one closes at the keep-alive timeout, with nothing sent
+                    idle.append(_read_until_closed(sock, 3 + 5))
+    finally:
+        server.stop()
+    early, again = answers[0]
+    assert early.startswith(b"HTTP/1.1 401 "), early
+    assert again.startswith(b"HTTP/1.1 200 "), again[:300]
+    data, closed_after = idle[0]
+    assert data == b"" and closed_after < 3 + 5, (data[:300], closed_after)
+
+
 def test_protocol_errors_are_answered_with_the_json_error_body(tmp_path):
     server = fake_server(tmp_path).wait_ready()
     try:
