@@ -113,6 +113,17 @@ class GuardedH11Protocol(H11Protocol):
         super().data_received(data)
         if self.conn.their_state in _DONE_STATES:
             self._stop_reading()
+        elif self._between_requests():
+            # The rest of a body answered early (a 401) came: the connection is idle, not reading.
+            # uvicorn cancelled its keep-alive timer on these bytes and arms it only as an answer ends.
+            self._stop_reading()
+            self._unset_keepalive_if_required()
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    def _between_requests(self) -> bool:
+        """Whether the connection waits for a next request of which no byte has come."""
+        return (not self.transport.is_closing() and self.conn.our_state is h11.IDLE
+                and self.conn.their_state is h11.IDLE and not self.conn.trailing_data[0])
 
     def on_response_complete(self) -> None:
         # An answer under the high-water mark never pauses the transport: what is left of it is watched here.

@@ -80,8 +80,9 @@ class DrainingServer(uvicorn.Server):
             return True
         if self.service.drained:
             # An answer still being written to a slow reader is part of finishing what was admitted:
-            # the exit (uvicorn then waits 1 s at most) would cut it off mid-body.
-            return not (self._sending() and time.monotonic() < self._drain_deadline)
+            # the exit (uvicorn then waits 1 s at most) would cut it off mid-body. A second SIGTERM
+            # or a SIGINT (should_exit) stops without a drain, this wait included.
+            return self.should_exit or not (self._sending() and time.monotonic() < self._drain_deadline)
         return await super().on_tick(counter)
 
     def _sending(self) -> bool:

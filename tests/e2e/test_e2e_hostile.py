@@ -6,6 +6,7 @@ from __future__ import annotations
 import resource
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -111,6 +112,38 @@ def test_a_request_answered_before_its_body_arrived_gets_no_second_answer_at_the
     assert data.count(b"HTTP/1.1 ") == 1, data
     status, error = _json_error(data)
     assert status == 401, data
+
+
+def test_a_body_completed_after_its_early_answer_leaves_an_idle_kept_alive_connection(tmp_path):
+    # The read timer of a request answered before its body arrived (a 401) ran on once the rest of
+    # the body came: an idle kept-alive connection got an unasked-for 408 at the read timeout, and
+    # uvicorn's keep-alive timer, cancelled by those bytes, was never armed again.
+    server = fake_server(tmp_path, "--request-read-timeout-s", "1", "--keep-alive-timeout-s", "3",
+                         "--api-key", "sk").wait_ready()
+    head = b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 38\r\n\r\n"
+    body = b'{"sequences": [{"input_ids": [1, 2]}]}'
+    try:
+        answers, idle = [], []
+        for then_ask in (True, False):
+            with _connect(server) as sock:
+                sock.sendall(head + body[:9])
+                early, rest, length = _read_head(sock)
+                while len(rest) < length:
+                    rest += sock.recv(65536)
+                sock.sendall(body[9:])
+                if then_ask:  # past the read timeout, the connection is still there for the next request
+                    time.sleep(1.5)
+                    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                    answers.append((early, sock.recv(65536)))
+                else:  # and an idle one closes at the keep-alive timeout, with nothing sent
+                    idle.append(_read_until_closed(sock, 3 + 5))
+    finally:
+        server.stop()
+    early, again = answers[0]
+    assert early.startswith(b"HTTP/1.1 401 "), early
+    assert again.startswith(b"HTTP/1.1 200 "), again[:300]
+    data, closed_after = idle[0]
+    assert data == b"" and closed_after < 3 + 5, (data[:300], closed_after)
 
 
 def test_protocol_errors_are_answered_with_the_json_error_body(tmp_path):
@@ -423,3 +456,26 @@ def test_a_slow_but_steady_reader_gets_its_whole_answer_while_a_stalled_one_is_d
     assert answer == whole.content, "the slowly read answer differs from the same answer read at once"
     assert again.startswith(b"HTTP/1.1 200 "), again[:200]
     assert "packscore_send_timeouts_total 1.0" in metrics, (metrics, server.log())  # the stalled one, only
+
+
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_second_signal_ends_the_wait_for_an_answer_still_being_written(tmp_path, second):
+    # After the drain the server waits for answers still being written, up to the drain timeout; a
+    # second SIGTERM (or SIGINT) stops without a drain, as before that wait: it used to be ignored.
+    server = fake_server(tmp_path, "--drain-timeout-s", "30").wait_ready()
+    try:
+        sock, _ = _stall(server, 16)
+        with sock:
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(1.0)
+            assert server.proc.poll() is None, "exited under an answer still being written: " + server.log()
+            t0 = time.monotonic()
+            server.proc.send_signal(second)
+            try:
+                server.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            exited_after = time.monotonic() - t0
+    finally:
+        server.stop()
+    assert exited_after < 10, f"still running {exited_after:.1f} s after a second signal: {server.log()[-2000:]}"
