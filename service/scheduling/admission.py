@@ -198,7 +198,8 @@ class SharedCapacity:
     (the first scheduler's: one time-measured bound within ``--max-queued-tokens`` for the whole
     deployment) and run at most ``concurrency`` forwards at once across models, each on its own
     lane: the data-parallel group (GPUs) it runs on, which every model's pool numbers alike. So two
-    models on one GPU never hold two rows' activations together, and no GPU idles meanwhile.
+    models on one GPU never hold two rows' activations together, and no GPU idles meanwhile (not
+    under FSDP, whose stepper places rows itself: there ``pins_groups`` is off).
     """
 
     def __init__(self, max_queued_tokens: int, concurrency: int):
