@@ -129,8 +129,9 @@ def _documented_options() -> dict[str, str]:
 def _parser_options(command: str) -> dict[str, object]:
     sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
     strings = {s for action in sub._actions for s in action.option_strings if s not in ("-h", "--help")}
-    return {s: Settings.model_fields[s[2:].replace("-", "_")].default if s[2:].replace("-", "_") in Settings.model_fields
-            else None for s in strings if not (s.startswith("--no-") and "--" + s[5:] in strings)}
+    positive = [s for s in strings if not (s.startswith("--no-") and "--" + s[5:] in strings)]
+    fields = Settings.model_fields
+    return {s: fields[s[2:].replace("-", "_")].default if s[2:].replace("-", "_") in fields else None for s in positive}
 
 
 def test_every_option_is_in_the_docs_tables_with_its_default():
