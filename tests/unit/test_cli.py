@@ -1,8 +1,11 @@
 """Command line: options and their environment variables, help, offline scoring (resumable)."""
 
+import argparse
 import os
+import re
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import orjson
@@ -105,6 +108,48 @@ def test_score_help_describes_its_options_without_a_server(capsys):
         cli.main(["score", "--help"])
     options = capsys.readouterr().out.split("options:", 1)[1]
     assert "server" not in options and "clients" not in options, options
+
+
+def _documented_options() -> dict[str, str]:
+    """docs/cli.md's option tables: each option (positive form) -> its default cell, split where a row
+    names several options with as many defaults (`--host`, `--port` | `127.0.0.1`, `8000`)."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    documented = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith("`-"):
+            continue
+        names = [n for n in re.findall(r"`(-[-a-z]+)`", cells[0]) if not n.startswith("--no-")]
+        defaults = [d.strip().strip("`") for d in cells[1].split(",")]
+        for i, name in enumerate(names):
+            documented[name] = defaults[i] if len(defaults) == len(names) else cells[1].strip("`")
+    return documented
+
+
+def _parser_options(command: str) -> dict[str, object]:
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    strings = {s for action in sub._actions for s in action.option_strings if s not in ("-h", "--help")}
+    positive = [s for s in strings if not (s.startswith("--no-") and "--" + s[5:] in strings)]
+    fields = Settings.model_fields
+    return {s: fields[s[2:].replace("-", "_")].default if s[2:].replace("-", "_") in fields else None for s in positive}
+
+
+def test_every_option_is_in_the_docs_tables_with_its_default():
+    documented = _documented_options()
+    options = _parser_options("serve") | _parser_options("score")
+    wrong = [f"{option}: in docs/cli.md, not an option" for option in documented if option not in options]
+    for option, default in options.items():
+        if option not in documented:
+            wrong.append(f"{option}: not in docs/cli.md's tables")
+        elif isinstance(default, bool):
+            if documented[option] != ("on" if default else "off"):
+                wrong.append(f"{option}: docs say {documented[option]!r}, default {default}")
+        elif isinstance(default, (int, float)):
+            if float(documented[option].replace(",", "")) != default:
+                wrong.append(f"{option}: docs say {documented[option]!r}, default {default}")
+        elif isinstance(default, str) and documented[option] != default:
+            wrong.append(f"{option}: docs say {documented[option]!r}, default {default!r}")
+    assert not wrong, wrong
 
 
 @pytest.mark.parametrize(

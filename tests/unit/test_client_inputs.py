@@ -2,12 +2,16 @@
 before sending or the server refuses it after the batch was split."""
 
 import asyncio
+import inspect
+import re
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
 from packscore_client import AsyncScoreClient, ScoreClient, ScoreError
+from packscore_client.clients import _Base
 from packscore_client.protocol import retry_after
 from service.http.app import create_app
 from service.settings import Settings
@@ -94,3 +98,22 @@ def test_a_retry_after_of_zero_does_not_make_a_hot_loop():
     assert 2 <= len(sent) <= 12, f"{len(sent)} requests in the 1 s of retry_timeout_s"
     assert retry_after(httpx.Response(429, headers={"Retry-After": "3"}), attempt=9) == 3.0
     assert retry_after(httpx.Response(429, headers={"Retry-After": "nan"}), attempt=0) <= 10
+
+
+def test_the_knobs_and_options_docs_client_md_names_are_where_it_says():
+    """docs/client.md lists the constructor's knobs and each call's options apart: a name in the wrong
+    list is a TypeError for whoever copies it."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "client.md").read_text()
+
+    def names(heading: str) -> set[str]:
+        block = re.search(re.escape(heading) + r".*?\n- ", text, re.S).group(0)
+        return {name for name in re.findall(r"`([a-z_]+)", block)} - {"score", "score_padded", "deadline_exceeded"}
+
+    knobs, options = names("- The client's knobs, given once to"), names("- Each call's options, given to")
+    # ScoreClient and AsyncScoreClient pass their knobs on to one constructor, _Base's
+    init = set(inspect.signature(_Base.__init__).parameters)
+    assert knobs - {"url"} <= init, knobs - init
+    for method in (ScoreClient.score, ScoreClient.score_padded, AsyncScoreClient.score_padded):
+        params = set(inspect.signature(method).parameters)
+        wanted = options - {"top_k"} if method.__name__ == "score_padded" else options
+        assert wanted <= params, (method.__qualname__, wanted - params)
