@@ -15,7 +15,8 @@ no transformers, none of the server's packages (``pip install ./service/client``
   ``ScoreError(0, "connection_error", ...)``.
 - A batch larger than the server accepts in one request is split under its limits (read from the
   ``X-Packscore-Max-*`` headers of every answer, from /readyz before the first call, or given as
-  knobs); the parts are sent concurrently and the results come back in input order.
+  knobs); the parts are sent concurrently and the results come back in input order. A body the
+  server's read timeout cut off (408, a slow link) is sent again in halves.
 - Every result names the weights version that scored it (parts of a split batch may differ unless
   ``weights_version=`` pins one); a sequence sent with ``rollout_logprobs`` gets ``mismatch``.
   ``update_weights(model, path)`` asks the server to serve a new checkpoint (docs/weights.md).
