@@ -3,6 +3,7 @@ one deployment"), with the fake backend: what a row of one model waiting for ano
 does, and on which data-parallel group it runs."""
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -27,6 +28,18 @@ def _score(body: dict, **extra) -> dict:
     return {"sequences": [SEQ], **extra, **body}
 
 
+@contextlib.asynccontextmanager
+async def _policy_forward_held(backends: dict, gate: threading.Event):
+    """A served app whose policy forward is running and held at ``gate``: (app, client, the policy's request)."""
+    gate.set()  # the readiness passes run
+    app = create_app(Settings(max_wait_ms=0), backends)
+    async with running_app(app) as client:
+        gate.clear()
+        policy = asyncio.create_task(client.post("/score", json=_score({"model": "policy"})))
+        await wait_until(lambda: backends["policy"].running == 1)
+        yield app, client, policy
+
+
 def test_the_queue_wait_of_a_model_counts_its_wait_for_anothers_forward():
     # packscore_queue_wait_seconds: "between admission and the start of its forward"; the ref's
     # forward starts only once the policy's ends (one set of forward slots).
@@ -35,12 +48,7 @@ def test_the_queue_wait_of_a_model_counts_its_wait_for_anothers_forward():
     held_s = 0.3
 
     async def main():
-        policy_gate.set()
-        app = create_app(Settings(max_wait_ms=0), backends)
-        async with running_app(app) as client:
-            policy_gate.clear()
-            policy = asyncio.create_task(client.post("/score", json=_score({"model": "policy"})))
-            await wait_until(lambda: backends["policy"].running == 1)
+        async with _policy_forward_held(backends, policy_gate) as (app, client, policy):
             ref = asyncio.create_task(client.post("/score", json=_score({"model": "ref"})))
             await wait_until(lambda: app.state.service.models["ref"].scheduler.queued_sequences == 1)
             queued = time.monotonic()
@@ -63,12 +71,7 @@ def test_a_request_that_ends_while_its_row_waits_for_anothers_forward_never_runs
     backends = {"policy": FakeBackend(gate=policy_gate), "ref": FakeBackend()}
 
     async def main():
-        policy_gate.set()
-        app = create_app(Settings(max_wait_ms=0), backends)
-        async with running_app(app) as client:
-            policy_gate.clear()
-            policy = asyncio.create_task(client.post("/score", json=_score({"model": "policy"})))
-            await wait_until(lambda: backends["policy"].running == 1)
+        async with _policy_forward_held(backends, policy_gate) as (app, client, policy):
             late = await client.post("/score", json=_score({"model": "ref", "deadline_ms": 100}))
             ref_queue = app.state.service.models["ref"].scheduler.queued_tokens
             policy_gate.set()
@@ -92,11 +95,7 @@ def test_a_model_runs_on_a_group_no_other_models_forward_holds():
     backends = {"policy": FakeBackend(gate=gate, concurrency=2), "ref": FakeBackend(concurrency=2)}
 
     async def main():
-        gate.set()
-        async with running_app(create_app(Settings(max_wait_ms=0), backends)) as client:
-            gate.clear()
-            policy = asyncio.create_task(client.post("/score", json=_score({"model": "policy"})))
-            await wait_until(lambda: backends["policy"].running == 1)
+        async with _policy_forward_held(backends, gate) as (_, client, policy):
             ref = await client.post("/score", json=_score({"model": "ref"}))
             gate.set()
             return await policy, ref
