@@ -350,19 +350,19 @@ class Protocol:
                     return self.parse(outcome, options["top_k"])
                 error = _error(outcome)
                 parts = None
+                halves = [list(range(len(seqs) // 2)), list(range(len(seqs) // 2, len(seqs)))]
                 if outcome.status_code == 413 and error.type in _SPLITTABLE and len(seqs) > 1:
                     self.learn(outcome.headers)
                     parts = self.chunks(seqs, 1)  # under the limits just learned
+                    parts = parts if len(parts) > 1 else halves  # they did not say how
                 elif outcome.status_code == 408 and error.type == "request_timeout" and len(seqs) > 1:
                     # The body did not reach the server within its read timeout (a slow link): nothing
                     # was scored, and half the body arrives in half the time.
                     log.warning("packscore: %s did not receive a request of %d sequences within its read "
                                 "timeout (408); sending it in halves", self.base_url, len(seqs))
-                    parts = []
+                    parts = halves
                 if parts is not None:
                     where = list(indices if indices is not None else range(len(seqs)))
-                    if len(parts) < 2:  # not said how: halves
-                        parts = [list(range(len(seqs) // 2)), list(range(len(seqs) // 2, len(seqs)))]
                     out: list[ScoredSequence] = []
                     for part in parts:
                         out += yield from self.exchange([seqs[i] for i in part], options, give_up,
