@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -19,6 +20,13 @@ API_KEY = "e2e-secret"
 TINY_VOCAB = 4096
 TOL = 1e-4  # DESIGN.md: packed vs alone, float32 CPU
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+FAKE = [sys.executable, "-m", "tests.e2e.fake_server"]  # the real app and protocol over FakeBackend
+
+
+def fake_server(tmp_path, *args: str, env: dict | None = None, program: list[str] | None = None) -> LocalServer:
+    """``packscore serve`` over FakeBackend (tests/e2e/fake_server.py), no API key; not started until ``wait_ready``."""
+    return LocalServer(["--log-level", "warning", *args], env={"OMP_NUM_THREADS": "1", **(env or {})},
+                       log_dir=tmp_path, program=program or FAKE)
 
 
 class ServerProcess(LocalServer):

@@ -5,16 +5,14 @@ arrives in time; one sequence that cannot arrive in time raises the 408."""
 from __future__ import annotations
 
 import logging
-import sys
 import time
 
 import httpx
 import pytest
 
 from packscore_client import ScoreClient, ScoreError
-from service.local_server import LocalServer
+from tests.e2e.helpers import fake_server
 
-FAKE = [sys.executable, "-m", "tests.e2e.fake_server"]
 RATE = 60_000  # bytes/s the upload is held to
 READ_TIMEOUT_S = 1
 
@@ -43,8 +41,7 @@ class SlowUpload(httpx.HTTPTransport):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    server = LocalServer(["--log-level", "warning", "--request-read-timeout-s", str(READ_TIMEOUT_S)],
-                         env={"OMP_NUM_THREADS": "1"}, log_dir=tmp_path_factory.mktemp("slow-link"), program=FAKE)
+    server = fake_server(tmp_path_factory.mktemp("slow-link"), "--request-read-timeout-s", str(READ_TIMEOUT_S))
     try:
         yield server.wait_ready()
     finally:

@@ -7,7 +7,6 @@ import resource
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -16,13 +15,7 @@ import orjson
 import pytest
 
 from service.local_server import LocalServer
-
-FAKE = [sys.executable, "-m", "tests.e2e.fake_server"]
-
-
-def fake_server(tmp_path, *args: str, env: dict | None = None, program: list[str] | None = None) -> LocalServer:
-    return LocalServer(["--log-level", "warning", *args], env={"OMP_NUM_THREADS": "1", **(env or {})},
-                       log_dir=tmp_path, program=program or FAKE)
+from tests.e2e.helpers import FAKE, fake_server
 
 
 def _connect(server: LocalServer) -> socket.socket:
