@@ -3,6 +3,7 @@ huge bodies, protocol garbage, and a drain that must end on time (docs/admission
 
 from __future__ import annotations
 
+import email.utils
 import resource
 import signal
 import socket
@@ -501,3 +502,21 @@ def test_a_connection_still_writing_its_answer_is_not_evicted_as_idle(tmp_path):
     assert refused.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in refused, refused[:300]
     assert len(answer) == length, f"{len(answer)} of {length} bytes of the answer being written arrived"
     assert served.startswith(b"HTTP/1.1 200 "), served[:300]
+
+
+def test_answers_while_the_drain_waits_for_a_slow_reader_carry_the_current_date(tmp_path):
+    # uvicorn refreshes its Date header in the main loop's tick, which the wait after the drain
+    # replaced: /healthz and /readyz answered meanwhile carried the time the drain ended.
+    server = fake_server(tmp_path, "--drain-timeout-s", "30").wait_ready()
+    try:
+        sock, _ = _stall(server, 16)
+        with sock:
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(4.0)
+            assert server.proc.poll() is None, "exited under an answer still being written: " + server.log()
+            answer = httpx.get(server.url + "/healthz", timeout=10)
+            now = time.time()
+    finally:
+        server.stop()
+    dated = email.utils.parsedate_to_datetime(answer.headers["date"]).timestamp()
+    assert answer.status_code == 200 and now - dated < 2.5, f"Date {answer.headers['date']} is {now - dated:.1f} s old"
