@@ -245,8 +245,9 @@ class GuardedH11Protocol(H11Protocol):
     # ---- the connection cap ------------------------------------------------------------------
 
     def _evict_one(self) -> bool:
-        """Closes the connection whose request has been arriving the longest, else an idle one."""
-        victim = next((c for c in self.registry.reading if c is not self), None)
+        """Closes the connection whose request has been arriving the longest, else an idle one; never
+        one still writing an answer (its descriptor would stay until the client read it)."""
+        victim = next((c for c in self.registry.reading if c is not self and not c._writing()), None)
         if victim is None:
             victim = next((c for c in self.connections
                            if c is not self and isinstance(c, GuardedH11Protocol) and c._idle()), None)
@@ -263,6 +264,9 @@ class GuardedH11Protocol(H11Protocol):
     def _idle(self) -> bool:
         if self.transport is None or self.transport.is_closing():
             return False
-        # An answer still in our buffer is being written: closing it waits for the buffer, so the descriptor stays
         return (self not in self.registry.reading and (self.cycle is None or self.cycle.response_complete)
-                and not self.transport.get_write_buffer_size())
+                and not self._writing())
+
+    def _writing(self) -> bool:
+        """Whether an answer is still in this process's buffer: closing waits for it, the descriptor stays."""
+        return self.transport is not None and bool(self.transport.get_write_buffer_size())

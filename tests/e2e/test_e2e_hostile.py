@@ -520,3 +520,27 @@ def test_answers_while_the_drain_waits_for_a_slow_reader_carry_the_current_date(
         server.stop()
     dated = email.utils.parsedate_to_datetime(answer.headers["date"]).timestamp()
     assert answer.status_code == 200 and now - dated < 2.5, f"Date {answer.headers['date']} is {now - dated:.1f} s old"
+
+
+def test_a_connection_still_writing_its_answer_is_not_evicted_while_its_next_request_arrives(tmp_path):
+    # The same answer with the start of a pipelined request behind it: the connection counts as
+    # reading too, and the oldest reading one was evicted whatever it still had to write.
+    server = fake_server(tmp_path, "--max-connections", "1", "--request-read-timeout-s", "60").wait_ready()
+    try:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+            sock.settimeout(30)
+            sock.connect(("127.0.0.1", server.port))
+            sock.sendall(_score_request(16) + b"GET /healthz HTTP/1.1\r\nHo")
+            head, answer, length = _read_head(sock)
+            time.sleep(0.5)
+            with _connect(server) as second:
+                second.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                refused, _ = _read_until_closed(second, 5)
+            while len(answer) < length and (chunk := sock.recv(1 << 20)):
+                answer += chunk
+    finally:
+        server.stop()
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    assert refused.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in refused, refused[:300]
+    assert len(answer) == length, f"{len(answer)} of {length} bytes of the answer being written arrived"
