@@ -63,6 +63,37 @@ def test_a_half_sent_request_is_closed_within_the_read_timeout(tmp_path, sent):
     assert 'status="499"' not in metrics and (counted is None or counted in metrics), metrics
 
 
+
+@pytest.mark.parametrize("line, status, route", [(b"POST /v1/weights", 408, "/v1/weights"), (b"POST /nowhere", 404, "other"),
+                                                 (b"GET /score", 405, "/score")], ids=["weights", "unknown-route", "wrong-method"])
+def test_a_trickled_body_is_cut_off_at_the_read_timeout_on_every_route(tmp_path, line, status, route):
+    # A byte every 0.2 s never finishes the body: closed at the read timeout, counted as answered
+    # (a route that answers without reading the body has answered at once, and gets no second answer).
+    server = fake_server(tmp_path, "--request-read-timeout-s", "1", "--weights-root", str(tmp_path)).wait_ready()
+    try:
+        with _connect(server) as sock:
+            sock.sendall(line + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+            sock.settimeout(0.2)
+            t0, data = time.monotonic(), b""
+            while time.monotonic() - t0 < 6:
+                try:
+                    if not (chunk := sock.recv(65536)):
+                        break
+                    data += chunk
+                except TimeoutError:
+                    sock.sendall(b" ")
+                except ConnectionResetError:
+                    break
+            closed_after = time.monotonic() - t0
+        counted = f'packscore_requests_total{{route="{route}",status="{status}"}} 1.0'
+        metrics = _metrics_once(server, counted)
+    finally:
+        server.stop()
+    assert closed_after < 1 + 1, f"still open after {closed_after:.1f} s"
+    assert data.count(b"HTTP/1.1 ") == 1 and _json_error(data)[0] == status, data
+    assert counted in metrics, [m for m in metrics.splitlines() if m.startswith("packscore_requests_total")]
+
+
 def _metrics_once(server: LocalServer, line: str | None, limit_s: float = 5.0) -> str:
     """/metrics once it holds ``line`` (a handler counts its request as it ends), or after ``limit_s``."""
     deadline = time.monotonic() + limit_s
