@@ -110,6 +110,8 @@ class FakeBackend:
     def score_row(self, sequences: Sequence[SequenceInput], group: int | None = None) -> list[SequenceScores]:
         for i, seq in enumerate(sequences):
             validate_sequence(seq, self.info.vocab_size, i)
+        if group is not None and not 0 <= group < self.concurrency:  # as WorkerPool: its groups only
+            raise ValueError(f"group {group} is not one of this backend's {self.concurrency} data-parallel groups")
         with self._lock:
             self.rows.append([s.length for s in sequences])
             self.groups.append(group)

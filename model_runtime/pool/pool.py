@@ -54,7 +54,7 @@ from model_runtime.pool import messages as msg
 from model_runtime.pool.loaded_files import LoadedFiles
 from model_runtime.pool.lockstep import Lockstep
 from model_runtime.pool.procs import WorkerWorld
-from model_runtime.pool.replies import Pending, Swap, reply_error, split_reply
+from model_runtime.pool.replies import Pending, Swap, agreed_rounding, reply_error, split_reply
 from model_runtime.scoring.backend import (STALL_FACTOR, STALL_FLOOR_S, STALL_UNMEASURED_S, BackendUnavailableError, ModelInfo,
                                           UpdateInProgressError, WeightsUpdate)
 from model_runtime.scoring.checkpoint import CheckpointError
@@ -164,6 +164,8 @@ class WorkerPool(Lockstep):
             validate_sequence(seq, self._vocab_size, i)
         if not sequences:
             raise InvalidSequenceError("a row needs at least one sequence", "sequences")
+        if group is not None and not 0 <= group < self.dims.dp:  # -1 would count as the last and never be sent
+            raise ValueError(f"group {group} is not one of this pool's {self.dims.dp} data-parallel groups")
         if not self._alive:
             raise BackendUnavailableError("the worker pool is restarting after a worker failure")
         return self._run(sequences, group)
@@ -340,7 +342,7 @@ class WorkerPool(Lockstep):
         threading.Thread(target=self._read_loop, args=(world,), name=f"pool-reader-{world.generation}", daemon=True).start()
         log.info("worker pool generation %d up: pids %s, layout %s", world.generation, world.pids, self.dims.as_info())
         ordered = [hellos[r] for r in range(self.dims.world_size)]
-        self.prefix_rounding = _prefix_rounding(ordered)
+        self.prefix_rounding = agreed_rounding(ordered)
         return ordered
 
     def _check_checkpoint_unchanged(self) -> None:
@@ -581,17 +583,3 @@ def start_pool(settings: dict) -> WorkerPool:
     0 or absent for none, i.e. ``Settings.prefix_min_tokens_in_use``); other keys are ignored.
     """
     return WorkerPool(settings)
-
-
-def _prefix_rounding(hellos: list[msg.Hello]):
-    """The ``RowRounding`` every worker measured, which the scheduler's row costing follows; None
-    where none was measured. Ranks that measured different tables would cut groups differently
-    from the scheduler's costing, so they refuse to serve."""
-    from model_runtime.scoring.rounding import RowRounding
-
-    tables = {(h.prefix_max_rows, tuple(tuple(r) for r in h.prefix_runs)) for h in hellos}
-    if len(tables) > 1:
-        raise RuntimeError("the workers measured different narrow-product rounding tables (GPUs of several kinds?); "
-                           "serve them without --prefix-sharing")
-    max_rows, runs = tables.pop()
-    return RowRounding.from_runs(runs, max_rows) if max_rows else None

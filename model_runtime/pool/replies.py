@@ -1,7 +1,8 @@
 """What the pool waits for from its workers, and how their replies become results or errors.
 
 ``Pending`` is one row (or idle step, or weights command) awaiting its reply; ``reply_error``
-classifies a worker's ``Failure``; ``split_reply`` cuts a ``RowResult`` into per-sequence scores.
+classifies a worker's ``Failure``; ``split_reply`` cuts a ``RowResult`` into per-sequence scores;
+``agreed_rounding`` is the row rounding every worker's ``Hello`` measured.
 """
 
 from __future__ import annotations
@@ -76,3 +77,17 @@ def split_reply(sequences: Sequence[SequenceInput], reply: msg.RowResult) -> lis
     for r in results:
         r.weights_version = reply.weights_version
     return results
+
+
+def agreed_rounding(hellos: list[msg.Hello]):
+    """The ``RowRounding`` every worker measured, which the scheduler's row costing follows; None
+    where none was measured. Ranks that measured different tables would cut groups differently
+    from the scheduler's costing, so they refuse to serve."""
+    from model_runtime.scoring.rounding import RowRounding
+
+    tables = {(h.prefix_max_rows, tuple(tuple(r) for r in h.prefix_runs)) for h in hellos}
+    if len(tables) > 1:
+        raise RuntimeError("the workers measured different narrow-product rounding tables (GPUs of several kinds?); "
+                           "serve them without --prefix-sharing")
+    max_rows, runs = tables.pop()
+    return RowRounding.from_runs(runs, max_rows) if max_rows else None

@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.http import metrics as metrics_module
 from service.http.encoding import JSON, MSGPACK, decode_body, encode_json, request_encoding
 from service.http.errors import ERROR_RESPONSES, ApiError, draining_error, from_validation_errors
+from service.http.protocol import READ_TIMED_OUT
 from service.http.schemas import ErrorResponse, Health, ModelList, Readiness, ScoreRequest, ScoreResponse, Usage
 from service.http.schemas import WeightsRequest, WeightsResponse
 from service.http.scoring import not_ready, read_body, score_request
@@ -155,6 +156,8 @@ class _Gate:
             else:
                 await self.app(scope, receive, send_observed)
         finally:
+            if scope.get(READ_TIMED_OUT):  # the protocol answered 408 and closed: what the handler sent went nowhere
+                status = 408
             metrics.requests.labels(route=route, status=str(status)).inc()
             metrics.request_latency.labels(route=route).observe(time.perf_counter() - started)
 

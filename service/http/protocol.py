@@ -7,8 +7,8 @@ uvicorn bounds only the idle time between keep-alive requests. This subclass add
   before it); else it is answered 408 (when no answer has started) and the connection is closed;
 - a cap on open connections, below the process's descriptor limit: a new connection over the
   cap evicts the connection whose request has been arriving the longest, else an idle
-  keep-alive one; when every connection is busy answering, the new one gets 503 and is
-  closed. The server so never runs out of descriptors to accept with;
+  keep-alive one; when every connection is busy answering (an answer still being written
+  included), the new one gets 503 and is closed. The server so never runs out of descriptors to accept with;
 - a send timeout: an answer whose bytes stop draining (the client reads none of what is left,
   in this process's buffer or the kernel's) for ``send_timeout_s`` is dropped and its
   connection reset, as nginx's ``send_timeout`` does; progress of any size restarts the clock;
@@ -245,8 +245,9 @@ class GuardedH11Protocol(H11Protocol):
     # ---- the connection cap ------------------------------------------------------------------
 
     def _evict_one(self) -> bool:
-        """Closes the connection whose request has been arriving the longest, else an idle one."""
-        victim = next((c for c in self.registry.reading if c is not self), None)
+        """Closes the connection whose request has been arriving the longest, else an idle one; never
+        one still writing an answer (its descriptor would stay until the client read it)."""
+        victim = next((c for c in self.registry.reading if c is not self and not c._writing()), None)
         if victim is None:
             victim = next((c for c in self.connections
                            if c is not self and isinstance(c, GuardedH11Protocol) and c._idle()), None)
@@ -263,4 +264,9 @@ class GuardedH11Protocol(H11Protocol):
     def _idle(self) -> bool:
         if self.transport is None or self.transport.is_closing():
             return False
-        return self not in self.registry.reading and (self.cycle is None or self.cycle.response_complete)
+        return (self not in self.registry.reading and (self.cycle is None or self.cycle.response_complete)
+                and not self._writing())
+
+    def _writing(self) -> bool:
+        """Whether an answer is still in this process's buffer: closing waits for it, the descriptor stays."""
+        return self.transport is not None and bool(self.transport.get_write_buffer_size())

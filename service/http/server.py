@@ -79,6 +79,7 @@ class DrainingServer(uvicorn.Server):
         if self.service.fatal_error is not None:
             return True
         if self.service.drained:
+            await super().on_tick(counter)  # the Date header uvicorn refreshes here: answers still go out meanwhile
             # An answer still being written to a slow reader is part of finishing what was admitted:
             # the exit (uvicorn then waits 1 s at most) would cut it off mid-body. A second SIGTERM
             # or a SIGINT (should_exit) stops without a drain, this wait included.

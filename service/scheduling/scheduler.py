@@ -496,9 +496,10 @@ class Scheduler:
                         self.metrics.queue_wait.observe(started - item.enqueued_at)
                 rate = self.admission.rate
                 thread.expected_s = sum(it.tokens for it in row) / rate if rate else None  # for forward_state
-                # With several models, on the group (GPUs) of its lane, not the backend's own first idle one
-                score = functools.partial(self.backend.score_row, group=lane) if lane is not None and self._pins_groups \
-                    else self.backend.score_row
+                # With several models, on the group (GPUs) of its lane, not the backend's own first idle one;
+                # a lane past a smaller pool's groups is none of its GPUs: that pool picks
+                pinned = lane is not None and self._pins_groups and lane < self.concurrency
+                score = functools.partial(self.backend.score_row, group=lane) if pinned else self.backend.score_row
                 scores = await thread.run(score, [it.seq for it in row])
         except BackendUnavailableError as exc:
             self.last_failure = str(exc) or "backend unavailable"

@@ -3,6 +3,7 @@ huge bodies, protocol garbage, and a drain that must end on time (docs/admission
 
 from __future__ import annotations
 
+import email.utils
 import resource
 import signal
 import socket
@@ -60,6 +61,37 @@ def test_a_half_sent_request_is_closed_within_the_read_timeout(tmp_path, sent):
     status, error = _json_error(data)
     assert status == 408 and error["type"] == "request_timeout", data
     assert 'status="499"' not in metrics and (counted is None or counted in metrics), metrics
+
+
+
+@pytest.mark.parametrize("line, status, route", [(b"POST /v1/weights", 408, "/v1/weights"), (b"POST /nowhere", 404, "other"),
+                                                 (b"GET /score", 405, "/score")], ids=["weights", "unknown-route", "wrong-method"])
+def test_a_trickled_body_is_cut_off_at_the_read_timeout_on_every_route(tmp_path, line, status, route):
+    # A byte every 0.2 s never finishes the body: closed at the read timeout, counted as answered
+    # (a route that answers without reading the body has answered at once, and gets no second answer).
+    server = fake_server(tmp_path, "--request-read-timeout-s", "1", "--weights-root", str(tmp_path)).wait_ready()
+    try:
+        with _connect(server) as sock:
+            sock.sendall(line + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+            sock.settimeout(0.2)
+            t0, data = time.monotonic(), b""
+            while time.monotonic() - t0 < 6:
+                try:
+                    if not (chunk := sock.recv(65536)):
+                        break
+                    data += chunk
+                except TimeoutError:
+                    sock.sendall(b" ")
+                except ConnectionResetError:
+                    break
+            closed_after = time.monotonic() - t0
+        counted = f'packscore_requests_total{{route="{route}",status="{status}"}} 1.0'
+        metrics = _metrics_once(server, counted)
+    finally:
+        server.stop()
+    assert closed_after < 1 + 1, f"still open after {closed_after:.1f} s"
+    assert data.count(b"HTTP/1.1 ") == 1 and _json_error(data)[0] == status, data
+    assert counted in metrics, [m for m in metrics.splitlines() if m.startswith("packscore_requests_total")]
 
 
 def _metrics_once(server: LocalServer, line: str | None, limit_s: float = 5.0) -> str:
@@ -472,3 +504,74 @@ def test_a_second_signal_ends_the_wait_for_an_answer_still_being_written(tmp_pat
     finally:
         server.stop()
     assert exited_after < 10, f"still running {exited_after:.1f} s after a second signal: {server.log()[-2000:]}"
+
+
+def test_a_connection_still_writing_its_answer_is_not_evicted_as_idle(tmp_path):
+    # An answer written out whole but still in the server's buffer (a slow reader) made its
+    # connection look idle: a new one over the cap "evicted" it, which closes only once the buffer
+    # drains, so the cap was exceeded meanwhile (by one descriptor per such answer).
+    server = fake_server(tmp_path, "--max-connections", "1").wait_ready()
+    try:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+            sock.settimeout(30)
+            sock.connect(("127.0.0.1", server.port))
+            sock.sendall(_score_request(16))
+            head, answer, length = _read_head(sock)
+            time.sleep(0.5)  # the answer is complete, most of it still in the server's buffer
+            with _connect(server) as second:
+                second.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                refused, _ = _read_until_closed(second, 5)
+            while len(answer) < length and (chunk := sock.recv(1 << 20)):
+                answer += chunk
+            with _connect(server) as third:  # the first is idle now: evicted for this one
+                third.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                served = third.recv(65536)
+    finally:
+        server.stop()
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    assert refused.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in refused, refused[:300]
+    assert len(answer) == length, f"{len(answer)} of {length} bytes of the answer being written arrived"
+    assert served.startswith(b"HTTP/1.1 200 "), served[:300]
+
+
+def test_answers_while_the_drain_waits_for_a_slow_reader_carry_the_current_date(tmp_path):
+    # uvicorn refreshes its Date header in the main loop's tick, which the wait after the drain
+    # replaced: /healthz and /readyz answered meanwhile carried the time the drain ended.
+    server = fake_server(tmp_path, "--drain-timeout-s", "30").wait_ready()
+    try:
+        sock, _ = _stall(server, 16)
+        with sock:
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(4.0)
+            assert server.proc.poll() is None, "exited under an answer still being written: " + server.log()
+            answer = httpx.get(server.url + "/healthz", timeout=10)
+            now = time.time()
+    finally:
+        server.stop()
+    dated = email.utils.parsedate_to_datetime(answer.headers["date"]).timestamp()
+    assert answer.status_code == 200 and now - dated < 2.5, f"Date {answer.headers['date']} is {now - dated:.1f} s old"
+
+
+def test_a_connection_still_writing_its_answer_is_not_evicted_while_its_next_request_arrives(tmp_path):
+    # The same answer with the start of a pipelined request behind it: the connection counts as
+    # reading too, and the oldest reading one was evicted whatever it still had to write.
+    server = fake_server(tmp_path, "--max-connections", "1", "--request-read-timeout-s", "60").wait_ready()
+    try:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+            sock.settimeout(30)
+            sock.connect(("127.0.0.1", server.port))
+            sock.sendall(_score_request(16) + b"GET /healthz HTTP/1.1\r\nHo")
+            head, answer, length = _read_head(sock)
+            time.sleep(0.5)
+            with _connect(server) as second:
+                second.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                refused, _ = _read_until_closed(second, 5)
+            while len(answer) < length and (chunk := sock.recv(1 << 20)):
+                answer += chunk
+    finally:
+        server.stop()
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    assert refused.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in refused, refused[:300]
+    assert len(answer) == length, f"{len(answer)} of {length} bytes of the answer being written arrived"

@@ -432,3 +432,29 @@ def test_non_finite_scores_are_a_422_naming_the_sequence_not_nulls(monkeypatch, 
     assert cli.main(["score", str(source), "-o", str(out)]) == 2
     assert "id 'a' could not be scored: its scores are not finite at logprobs[0]" in capsys.readouterr().err
     assert not out.exists()  # nothing written: the refused first run removed the OUT it created
+
+
+def test_a_request_the_read_timeout_answered_408_is_counted_408_whatever_its_handler_answers_later():
+    # A route that answers without reading its body (GET /readyz waiting up to 4 s for a probe) and
+    # whose declared body stalls: the protocol sends 408 and closes at the read timeout, the
+    # handler's later 200 goes nowhere, and was what packscore_requests_total counted.
+    from service.http.app import _Gate
+    from service.http.protocol import READ_TIMED_OUT
+
+    service = create_app(Settings(), FakeBackend()).state.service
+
+    async def handler(scope, receive, send):
+        scope[READ_TIMED_OUT] = True  # as GuardedH11Protocol sets it when it answered 408
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        pass
+
+    scope = {"type": "http", "path": "/readyz", "method": "GET", "headers": []}
+    asyncio.run(_Gate(handler, service)(scope, receive, send))
+    counted = service.metrics.registry.get_sample_value("packscore_requests_total", {"route": "/readyz", "status": "408"})
+    assert counted == 1.0, [line for line in service.metrics.render().decode().splitlines() if "requests_total{" in line]

@@ -116,7 +116,7 @@ def test_the_probe_operands_make_a_change_of_summation_order_visible():
 
 def test_the_pool_hands_the_table_over_as_runs():
     from model_runtime.pool import messages as msg
-    from model_runtime.pool.pool import _prefix_rounding
+    from model_runtime.pool.replies import agreed_rounding
 
     rng = np.random.default_rng(4)
     r = table(3000, {int(m): int(rng.integers(0, 4)) for m in rng.integers(2, 3000, 40)})
@@ -131,12 +131,12 @@ def test_the_pool_hands_the_table_over_as_runs():
                       prefix_max_rows=rounding.max_rows if rounding else 0, prefix_runs=rounding.runs if rounding else [])
         return msg.decode(msg.encode(h))  # as it crosses the pipe (msgpack, no pickle)
 
-    got = _prefix_rounding([hello(0, r), hello(1, r)])
+    got = agreed_rounding([hello(0, r), hello(1, r)])
     assert got.runs == r.runs and got.max_rows == r.max_rows and np.array_equal(got.kinds, r.kinds)
-    assert _prefix_rounding([hello(0, None), hello(1, None)]) is None
+    assert agreed_rounding([hello(0, None), hello(1, None)]) is None
     other = R.RowRounding.from_runs(r.runs[:-1], r.max_rows)  # the last run joins the one before
     with pytest.raises(RuntimeError, match="different narrow-product rounding"):
-        _prefix_rounding([hello(0, r), hello(1, other)])
+        agreed_rounding([hello(0, r), hello(1, other)])
 
 
 def test_row_kinds_join_the_ranges_where_a_kernel_returns(monkeypatch):

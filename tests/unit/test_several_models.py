@@ -146,3 +146,41 @@ def _lockstep_pool():
     pool = bare_pool()
     pool.dims = ParallelDims.from_world(2, 1, True)  # FSDP: every rank takes every step
     return pool
+
+
+@pytest.mark.parametrize("group", [2, -1])
+def test_the_pool_refuses_a_group_it_does_not_have(group):
+    # group=2 of two raised IndexError; -1 ran as the last group's row in the books, then failed to
+    # send and left its row registered: past its time bound the reader restarted every worker.
+    import numpy as np
+
+    from model_runtime.parallel.dims import ParallelDims
+    from model_runtime.types import SequenceInput
+    from tests.unit.test_pool_failure_race import bare_pool
+
+    pool = bare_pool()
+    pool.dims = ParallelDims.from_world(2, 1, False)
+    pool._lane_cost, pool._rows_done, pool._vocab_size = [0.0, 0.0], [0, 0], 100
+    pool._world = world = _RecordingWorld()
+    with pytest.raises(ValueError, match=r"group .* of this pool's 2"):
+        pool.score_row([SequenceInput(np.array([1, 2, 3]))], group=group)
+    assert (world.sent, pool._pending, pool._rows_done) == ([], {}, [0, 0])
+
+
+def test_a_model_with_fewer_groups_than_the_forward_slots_runs_on_its_own():
+    # The slots are the largest pool's groups: a lane past a smaller pool's groups is none of its
+    # GPUs, and naming it failed the row (IndexError in WorkerPool) instead of running it.
+    gate = threading.Event()
+    backends = {"policy": FakeBackend(gate=gate, concurrency=3), "ref": FakeBackend(concurrency=2)}
+
+    async def main():
+        async with _policy_forward_held(backends, gate) as (_, client, policy):
+            second = asyncio.create_task(client.post("/score", json=_score({"model": "policy"})))
+            await wait_until(lambda: backends["policy"].running == 2)  # lanes 0 and 1 held: the ref gets lane 2
+            ref = await client.post("/score", json=_score({"model": "ref"}))
+            gate.set()
+            return await policy, await second, ref
+
+    policy, second, ref = asyncio.run(main())
+    assert [r.status_code for r in (policy, second, ref)] == [200, 200, 200], ref.text
+    assert backends["ref"].groups[-1] is None, f"the ref's row was sent to group {backends['ref'].groups[-1]}, not left to its pool"
