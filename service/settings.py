@@ -178,6 +178,15 @@ class Settings(BaseSettings):
         """These settings for one served model: its path and its served name."""
         return self.model_copy(update={"model": spec, "served_model_name": name or self.served_model_name})
 
+    @field_validator("host")
+    @classmethod
+    def _host_given(cls, value: str) -> str:
+        # An empty address binds every interface: a variable gone wrong must not open the server to the network.
+        if not value.strip():
+            raise ValueError("is empty, which would listen on every interface; give 0.0.0.0 for that, "
+                             "or unset it for 127.0.0.1")
+        return value
+
     @field_validator("kernels", mode="before")
     @classmethod
     def _parse_kernels(cls, value) -> dict[str, str]:

@@ -54,8 +54,10 @@ def request_encoding(content_type: str | None, content_encoding: str | None = No
 
 
 def response_encoding(accept: str | None, default: Encoding) -> Encoding:
-    """The encoding ``Accept`` prefers (highest q, then the first listed); ``default`` when it names neither."""
+    """The encoding ``Accept`` prefers (highest q, then the first listed); ``default`` when it names
+    neither, the other one when it refuses ``default`` alone (q=0)."""
     best: tuple[float, int, Encoding] | None = None
+    refused: set[Encoding] = set()
     for position, part in enumerate((accept or "").split(",")):
         fields = part.split(";")
         media = fields[0].strip().lower()
@@ -70,11 +72,15 @@ def response_encoding(accept: str | None, default: Encoding) -> Encoding:
                 except ValueError:
                     q = 0.0
         if q <= 0 or not math.isfinite(q):
+            refused.add(_MEDIA_TYPES[media])
             continue
         candidate = (-q, position, _MEDIA_TYPES[media])
         if best is None or candidate < best:
             best = candidate
-    return best[2] if best is not None else default
+    if best is not None:
+        return best[2]
+    other: Encoding = "msgpack" if default == "json" else "json"
+    return other if default in refused and other not in refused else default
 
 
 class MsgpackExt:

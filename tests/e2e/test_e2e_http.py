@@ -32,6 +32,9 @@ def test_tiny_preset_answers_equal_the_in_process_scorer(tiny_server, tiny_score
     response = post(tiny_server.url, {**body, "top_k": 0, "return_entropy": False}, encoding=encoding, accept=other)
     assert response.headers["content-type"] == other
     assert_matches(decode(response, 0), seqs, tiny_scorer, temperature=0.7, return_entropy=False)
+    # An Accept that refuses the request's encoding (q=0) gets the other one.
+    response = post(tiny_server.url, {**body, "top_k": 0}, encoding=encoding, accept=f"application/{encoding};q=0")
+    assert response.status_code == 200 and response.headers["content-type"] == other, response.headers
 
 
 def test_saved_checkpoint_answers_equal_the_in_process_scorer(checkpoint_dir, tmp_path):

@@ -194,6 +194,18 @@ def test_an_empty_api_key_is_an_error_not_an_open_server(monkeypatch, capsys):
     assert "API key" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where", ["option", "environment"])
+def test_an_empty_host_is_an_error_not_every_interface(monkeypatch, capsys, where):
+    """An empty address (a templated variable left empty) would bind 0.0.0.0 and [::]."""
+    argv = ["serve", "--host", " "] if where == "option" else ["serve"]
+    monkeypatch.setenv("PACKSCORE_HOST", "")
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse_settings(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--host" in err and "every interface" in err and "Value error" not in err, err
+
+
 def test_the_expert_gemm_library_is_checked_and_left_out_of_the_environment(monkeypatch, tmp_path, capsys):
     """A missing file is refused before anything loads; a present one travels in the settings
     (tests/unit/test_expert_gemm.py follows it to the backend choice), not through os.environ."""

@@ -339,6 +339,21 @@ def test_accept_negotiation(accept, expected):
     assert response_encoding(accept, "json") == expected
 
 
+@pytest.mark.parametrize(
+    "accept, default, expected",
+    [
+        ("application/msgpack;q=0", "msgpack", "json"),  # the request's encoding refused: the other one
+        ("application/x-msgpack; q=0.0", "msgpack", "json"),
+        ("application/json;q=0, */*", "json", "msgpack"),
+        ("application/json;q=0, application/msgpack;q=0", "json", "json"),  # both refused: no 406 in the contract
+        ("application/json;q=0", "msgpack", "msgpack"),
+        ("*/*", "msgpack", "msgpack"),
+    ],
+)
+def test_accept_that_refuses_the_request_encoding_gets_the_other(accept, default, expected):
+    assert response_encoding(accept, default) == expected
+
+
 def test_param_path_uses_the_contract_notation():
     assert param_path(("body", "sequences", 3, "input_ids", 17)) == "sequences[3].input_ids[17]"
     assert param_path(("query", "limit")) == "limit"
