@@ -250,6 +250,30 @@ def test_an_update_whose_config_differs_only_where_no_number_changes_is_served(s
     assert backend.info.weights_version == "neutral"
 
 
+def test_a_config_rewritten_after_the_check_is_unreadable_not_a_server_error(served, second, tmp_path, monkeypatch):
+    """config.json being rewritten (no JSON for a moment) after the check passed: the content hash
+    reads it again, and the update is refused as retryable, not failed as the server's own bug."""
+    import shutil
+
+    import model_runtime.scoring.weights as weights
+
+    path = tmp_path / "step"
+    shutil.copytree(second("qwen3_5"), path)
+    backend = served()
+    old_version, real = backend.info.weights_version, weights.read_parameters
+
+    def read_then_cut_config(*args, **kwargs):
+        out = real(*args, **kwargs)
+        (path / "config.json").write_text((path / "config.json").read_text()[:50])
+        return out
+
+    monkeypatch.setattr(weights, "read_parameters", read_then_cut_config)
+    with pytest.raises(CheckpointError) as caught:
+        backend.update_weights(path, None)
+    assert caught.value.kind == "unreadable" and "config.json" in str(caught.value), caught.value
+    assert backend.info.weights_version == old_version
+
+
 @pytest.mark.parametrize("version", [None, "v-changed"], ids=["content-hash", "named"])
 def test_files_that_change_while_read_are_refused_and_change_nothing(served, second, tmp_path, monkeypatch, version):
     """A checkpoint rewritten while it loads (a trainer saving into the directory being read) may
