@@ -298,11 +298,32 @@ def test_files_that_change_while_read_are_refused_and_change_nothing(served, sec
     monkeypatch.setattr(weights, "read_parameters", read_then_rewrite)
     with pytest.raises(CheckpointError, match="changed while they were read") as caught:
         backend.update_weights(path, version)
-    assert caught.value.kind == "unreadable"
+    assert caught.value.kind == "unreadable" and ".safetensors" in str(caught.value), caught.value  # names the file
     assert backend.info.weights_version == old_version
     assert_equal(backend.score_row(row), before, "after the refused update")
     monkeypatch.setattr(weights, "read_parameters", real)
     assert backend.update_weights(path, version).weights_version == (version or content_version(path))
+
+
+def test_files_the_update_never_reads_may_change_while_it_reads(served, second, tmp_path, monkeypatch):
+    """A trainer saving its optimizer state beside the weights (or a tmp file) while the update reads:
+    nothing the update reads changed, so it serves (before, it was refused, again and again)."""
+    import shutil
+
+    import model_runtime.scoring.weights as weights
+
+    path = tmp_path / "step"
+    shutil.copytree(second("qwen3_5"), path)
+    backend, real = served(), weights.read_parameters
+
+    def read_while_the_trainer_saves_more(*args, **kwargs):
+        out = real(*args, **kwargs)
+        for name in ("optimizer.pt", "model.safetensors.tmp", "trainer_state.json"):
+            (path / name).write_bytes(b"x" * 64)
+        return out
+
+    monkeypatch.setattr(weights, "read_parameters", read_while_the_trainer_saves_more)
+    assert backend.update_weights(path, "v-optimizer").weights_version == "v-optimizer"
 
 
 def test_a_forward_during_the_load_finishes_on_the_old_version(served, reference_new, second, monkeypatch):
