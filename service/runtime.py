@@ -332,8 +332,9 @@ class Service:
         finished = True
         for model in self._scheduled():
             finished &= await model.scheduler.wait_idle(max(0.0, deadline - time.monotonic()))
-        while self.inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)  # answers being encoded and sent
+        # answers being encoded and sent, and weight updates under way (a trainer waits on their answer)
+        while (self.inflight or any(m.updating for m in self.models.values())) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         if not finished:
             for model in self._scheduled():
                 if model.scheduler.pending_requests:

@@ -203,11 +203,15 @@ class WorkerPool(Lockstep):
                 load = self._new_pending(world, ranks=self.dims.world_size, timeout_s=self.start_timeout_s)
                 self._send_all(world, load, msg.LoadWeights(load.request_id, str(path)))
                 failed = [r for r in self._await(load) if not r.ok]
-                new_version = version or hashed.result()
+                try:
+                    new_version, hash_error = version or hashed.result(), None
+                except Exception as error:  # the ranks must still drop what they read
+                    new_version, hash_error = "", error
             changed = checkpoint_changed(Path(path), files)  # then every rank drops what it read
             load_s = time.perf_counter() - started
             swap = self._new_pending(world, ranks=self.dims.world_size)
-            frame = msg.encode(msg.SwapWeights(swap.request_id, load.request_id, not failed and changed is None, new_version))
+            commit = not failed and changed is None and hash_error is None
+            frame = msg.encode(msg.SwapWeights(swap.request_id, load.request_id, commit, new_version))
             if self.dims.lockstep:
                 self._steps.put(Swap(frame, swap))  # the stepper sends it between two steps
             else:
@@ -218,6 +222,8 @@ class WorkerPool(Lockstep):
                 if first.kind == "internal":
                     raise RuntimeError(f"worker rank {first.rank} could not load {path}: {first.message}")
                 raise CheckpointError(first.kind, first.message)
+            if hash_error is not None:
+                raise hash_error
             if changed is not None:
                 raise changed
             refused = [r for r in swapped if not r.ok]

@@ -284,9 +284,9 @@ def _read_headers(path: Path, files: list[Path]) -> tuple[dict[str, tuple[int, .
         except CheckpointError:
             raise
         except Exception as exc:  # safetensors raises its own error type for a corrupt header
-            from model_runtime.scoring.tensor_file import has_header  # torch: imported only when needed
+            from model_runtime.scoring.tensor_file import cut_in_header, has_header  # torch: imported only when needed
 
-            if has_header(file):  # a safetensors file cut short or damaged
+            if has_header(file) or cut_in_header(file):  # a safetensors file cut short (being written?) or damaged
                 raise CheckpointError("unreadable", f"{file} is a safetensors file that fails to read: {exc}") from None
             raise CheckpointError("unsupported", f"{file} is not a readable safetensors file: {exc}") from None
     return shapes, dtypes

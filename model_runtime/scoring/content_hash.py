@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import xxhash
 
-from model_runtime.scoring.checkpoint import safetensors_files
+from model_runtime.scoring.checkpoint import CheckpointError, safetensors_files
 from model_runtime.scoring.tensor_file import _DTYPES, PieceDigest, TensorFileError, read_header
 
 # The nice value of the threads that hash a checkpoint (Linux: each thread has its own): where the
@@ -189,7 +189,11 @@ def scan_tensors(path: Path, *, content: bool = True, finite: Collection[str] = 
     total = xxhash.xxh3_128()
     config = Path(path) / "config.json"
     if config.is_file():  # the settings as parsed: key order and layout of the file do not count
-        total.update(json.dumps(json.loads(config.read_text()), sort_keys=True, separators=(",", ":")).encode())
+        try:
+            settings = json.loads(config.read_text())
+        except ValueError as exc:  # rewritten since it was checked (a trainer saving again): retryable
+            raise CheckpointError("unreadable", f"{config} is not readable JSON: {exc}") from None
+        total.update(json.dumps(settings, sort_keys=True, separators=(",", ":")).encode())
     for name in sorted(entries):
         dtype, shape, *_ = entries[name]
         total.update(f"{name}|{dtype}|{shape}|{','.join(per_tensor.get(name, ()))}\n".encode())

@@ -62,6 +62,22 @@ def has_header(path: Path) -> bool:
         return False
 
 
+def cut_in_header(path: Path) -> bool:
+    """Whether ``path`` is a safetensors file cut before its header ends, as one still being
+    written is: empty, shorter than the length word, or shorter than the JSON header it announces."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            start = os.pread(f.fileno(), 9, 0)
+    except OSError:
+        return False
+    if size < 8:
+        return True
+    length = int.from_bytes(start[:8], "little")
+    # a pickle or other file renamed *.safetensors announces no such header
+    return 2 <= length <= _MAX_HEADER and length > size - 8 and start[8:9] in (b"", b"{")
+
+
 def _pread(fd: int, count: int, offset: int, path: Path) -> bytes:
     data = os.pread(fd, count, offset)
     if len(data) != count:

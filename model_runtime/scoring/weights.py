@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model_runtime.scoring.checkpoint import CheckpointError, check_checkpoint, refuse_other_forward, safetensors_files
+from model_runtime.scoring.checkpoint import (INDEX_NAME, CheckpointError, check_checkpoint, index_shards,
+                                             refuse_other_forward, safetensors_files)
 from model_runtime.scoring.content_hash import (CONTENT_VERSION_PREFIX, FLOAT_BITS, ReadDigests, finite_bits,
                                                 scan_tensors)
 from model_runtime.scoring.tensor_file import Staging, TensorFile, staging_for
@@ -417,19 +418,30 @@ def swap_parameters(model: nn.Module, new: dict[str, torch.Tensor]) -> None:
 
 
 def files_snapshot(path: Path) -> tuple:
-    """Every file's name, size and modification time in checkpoint ``path``: what must stay
-    unchanged while its tensors are read and hashed, so that the version names what was read."""
-    return tuple(sorted((f.name, st.st_size, st.st_mtime_ns) for f in Path(path).iterdir() if f.is_file()
-                        for st in [f.stat()]))
+    """The name, size and modification time of every file of checkpoint ``path`` its weights are
+    read from (config.json, the index, the ``*.safetensors`` and any shard the index names): what
+    must stay unchanged while its tensors are read and hashed, so that the version names what was
+    read. Other files (optimizer state a trainer saves beside, a pickle, a tmp file) are never read
+    and may change meanwhile."""
+    try:
+        shards = set(index_shards(Path(path)) or ())
+    except CheckpointError:  # an index being rewritten: its own entry below still shows the change
+        shards = set()
+    return tuple(sorted((f.name, st.st_size, st.st_mtime_ns) for f in Path(path).iterdir()
+                        if (f.name in ("config.json", INDEX_NAME) or f.name.endswith(".safetensors") or f.name in shards)
+                        and f.is_file() for st in [f.stat()]))
 
 
 def checkpoint_changed(path: Path, before: tuple) -> CheckpointError | None:
-    """The refusal of a checkpoint whose files changed since ``before`` (``files_snapshot``), or
-    None: the weights read could mix two versions, and a content hash would name neither."""
-    if files_snapshot(path) == before:
+    """The refusal of a checkpoint whose files changed since ``before`` (``files_snapshot``), naming
+    them, or None: the weights read could mix two versions, and a content hash would name neither."""
+    now = files_snapshot(path)
+    if now == before:
         return None
+    changed = sorted({entry[0] for entry in set(now) ^ set(before)})
     return CheckpointError("unreadable", f"{Path(path).name}: the checkpoint's files changed while they were read "
-                           "(still being written?); nothing was swapped: retry once they are complete")
+                           f"({', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''}; still being written?); "
+                           "nothing was swapped: retry once they are complete")
 
 
 PRESET_VERSION_PREFIX = "preset:"  # a preset's version (scoring/loading.py); reserved likewise

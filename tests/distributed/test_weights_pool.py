@@ -135,3 +135,37 @@ def test_a_restart_refuses_a_checkpoint_directory_saved_over_since_it_was_loaded
             assert np.array_equal(a.logprobs, b.logprobs), "after the restart, other numbers under step-1"
     finally:
         pool.close()
+
+
+def test_a_content_hash_that_fails_has_every_rank_drop_what_it_read(checkpoints, monkeypatch):
+    """The ranks read while the server process hashes: when the hash fails (a file cut meanwhile),
+    every rank is told to drop its copy (else each holds a second copy of the weights until the
+    next update), and the old version keeps serving."""
+    import model_runtime.pool.messages as msg
+    import model_runtime.scoring.content_hash as content_hash
+
+    old, new, _ = checkpoints
+    pool = start_pool({**BASE, "model": str(old), "fsdp": False})
+    try:
+        row = make_rows(pool.info.vocab_size, 1)[0]
+        first, before = pool.info.weights_version, pool.score_row(row)
+        sent, real_send = [], pool._send_all
+
+        def record(world, pending, message):
+            sent.append(msg.decode(message) if isinstance(message, bytes) else message)
+            return real_send(world, pending, message)
+
+        def cut(path, **kw):
+            raise CheckpointError("unreadable", f"{path.name}: a file was cut while it was hashed")
+
+        monkeypatch.setattr(pool, "_send_all", record)
+        monkeypatch.setattr(content_hash, "content_version", cut)
+        with pytest.raises(CheckpointError, match="cut while it was hashed"):
+            pool.update_weights(new, None)
+        swaps = [m for m in sent if isinstance(m, msg.SwapWeights)]
+        assert [m.commit for m in swaps] == [False], f"swap messages after the failed hash: {swaps}"
+        assert pool.info.weights_version == first
+        for a, b in zip(pool.score_row(row), before):
+            assert a.weights_version == first and np.array_equal(a.logprobs, b.logprobs), "the old version changed"
+    finally:
+        pool.close()

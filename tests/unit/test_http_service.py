@@ -242,6 +242,32 @@ def test_drain_timeout_answers_what_is_left_with_503():
     assert all(r.status_code == 503 and "retry-after" in r.headers for r in results)
 
 
+
+def test_drain_finishes_a_weight_update_in_progress(tmp_path):
+    """An update in progress at SIGTERM is admitted work: the drain waits for it and its answer
+    (else the exit cuts it off into uvicorn's plain-text 500, the trainer not knowing what serves)."""
+    (tmp_path / "step-1").mkdir()
+
+    async def main():
+        gate = threading.Event()
+        backend = FakeBackend()
+        backend.load_gate = gate
+        app = create_app(Settings(weights_root=tmp_path, drain_timeout_s=10), backend)
+        service = app.state.service
+        async with running_app(app) as client:
+            update = asyncio.ensure_future(client.post("/v1/weights", json={"path": "step-1", "version": "v1"}))
+            await wait_until(lambda: service.default.updating)
+            drain = asyncio.ensure_future(service.drain())
+            await asyncio.sleep(0.2)
+            waited = not drain.done()
+            gate.set()
+            await drain
+            return waited, await update
+
+    waited, update = asyncio.run(main())
+    assert waited, "the drain ended while the update was still running"
+    assert update.status_code == 200 and update.json()["weights_version"] == "v1", update.text
+
 REQUIRED = {
     "packscore_requests_total": {"route", "status"},
     "packscore_tokens_scored_total": {"model"},

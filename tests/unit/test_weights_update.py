@@ -177,6 +177,9 @@ def _broken_copies(src: Path, root: Path) -> dict[str, tuple[Path, str]]:
     variant("garbage", "unsupported", None, raw=b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
     truncated = weights_file.read_bytes()
     variant("truncated", "unreadable", None, raw=truncated[: len(truncated) // 2])
+    # a file still being written: just created, or cut inside its header (retryable, as any file cut short)
+    variant("empty", "unreadable", None, raw=b"")
+    variant("cut-in-header", "unreadable", None, raw=truncated[:100])
     nan, inf = dict(tensors), dict(tensors)
     nan["model.embed_tokens.weight"] = nan["model.embed_tokens.weight"].clone()
     nan["model.embed_tokens.weight"][5, 3] = float("nan")
@@ -247,6 +250,30 @@ def test_an_update_whose_config_differs_only_where_no_number_changes_is_served(s
     assert backend.info.weights_version == "neutral"
 
 
+def test_a_config_rewritten_after_the_check_is_unreadable_not_a_server_error(served, second, tmp_path, monkeypatch):
+    """config.json being rewritten (no JSON for a moment) after the check passed: the content hash
+    reads it again, and the update is refused as retryable, not failed as the server's own bug."""
+    import shutil
+
+    import model_runtime.scoring.weights as weights
+
+    path = tmp_path / "step"
+    shutil.copytree(second("qwen3_5"), path)
+    backend = served()
+    old_version, real = backend.info.weights_version, weights.read_parameters
+
+    def read_then_cut_config(*args, **kwargs):
+        out = real(*args, **kwargs)
+        (path / "config.json").write_text((path / "config.json").read_text()[:50])
+        return out
+
+    monkeypatch.setattr(weights, "read_parameters", read_then_cut_config)
+    with pytest.raises(CheckpointError) as caught:
+        backend.update_weights(path, None)
+    assert caught.value.kind == "unreadable" and "config.json" in str(caught.value), caught.value
+    assert backend.info.weights_version == old_version
+
+
 @pytest.mark.parametrize("version", [None, "v-changed"], ids=["content-hash", "named"])
 def test_files_that_change_while_read_are_refused_and_change_nothing(served, second, tmp_path, monkeypatch, version):
     """A checkpoint rewritten while it loads (a trainer saving into the directory being read) may
@@ -271,11 +298,32 @@ def test_files_that_change_while_read_are_refused_and_change_nothing(served, sec
     monkeypatch.setattr(weights, "read_parameters", read_then_rewrite)
     with pytest.raises(CheckpointError, match="changed while they were read") as caught:
         backend.update_weights(path, version)
-    assert caught.value.kind == "unreadable"
+    assert caught.value.kind == "unreadable" and ".safetensors" in str(caught.value), caught.value  # names the file
     assert backend.info.weights_version == old_version
     assert_equal(backend.score_row(row), before, "after the refused update")
     monkeypatch.setattr(weights, "read_parameters", real)
     assert backend.update_weights(path, version).weights_version == (version or content_version(path))
+
+
+def test_files_the_update_never_reads_may_change_while_it_reads(served, second, tmp_path, monkeypatch):
+    """A trainer saving its optimizer state beside the weights (or a tmp file) while the update reads:
+    nothing the update reads changed, so it serves (before, it was refused, again and again)."""
+    import shutil
+
+    import model_runtime.scoring.weights as weights
+
+    path = tmp_path / "step"
+    shutil.copytree(second("qwen3_5"), path)
+    backend, real = served(), weights.read_parameters
+
+    def read_while_the_trainer_saves_more(*args, **kwargs):
+        out = real(*args, **kwargs)
+        for name in ("optimizer.pt", "model.safetensors.tmp", "trainer_state.json"):
+            (path / name).write_bytes(b"x" * 64)
+        return out
+
+    monkeypatch.setattr(weights, "read_parameters", read_while_the_trainer_saves_more)
+    assert backend.update_weights(path, "v-optimizer").weights_version == "v-optimizer"
 
 
 def test_a_forward_during_the_load_finishes_on_the_old_version(served, reference_new, second, monkeypatch):
