@@ -14,7 +14,7 @@ import httpx
 
 from packscore_client.padded import PaddedBatch, PaddedScores
 from packscore_client.protocol import (Limits, Protocol, ScoredSequence, ScoreError, WeightsUpdate, as_seqs,
-                                       models_answer, options, readiness_answer)
+                                       bearer_key, models_answer, options, readiness_answer)
 
 _DISCOVERY_TIMEOUT_S = 5.0
 _VERSION_TRIES = 3  # rescorings of a padded batch whose weights changed while it was scored
@@ -96,7 +96,7 @@ class _Base:
     ):
         self._p = Protocol(base_url, api_key, encoding, retry_timeout_s, max_sequences_per_request,
                            max_request_tokens, max_request_bytes, connect_retry_s)
-        self._p.admin_key = admin_key  # POST /v1/weights sends it instead of the API key
+        self._p.admin_key = bearer_key(admin_key, "admin_key")  # POST /v1/weights sends it instead of the API key
         self._max_concurrency = max(1, max_concurrency)
         # A host that never answers must fail within the connect budget, not after timeout_s.
         timeout = httpx.Timeout(timeout_s, connect=max(1.0, min(timeout_s, connect_retry_s)))

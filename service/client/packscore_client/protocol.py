@@ -132,6 +132,18 @@ def as_seqs(sequences: Any) -> list[Seq]:
     return out
 
 
+def bearer_key(key: str | None, what: str) -> str | None:
+    """``key`` as the server reads its own, surrounding whitespace stripped (a key read from a file
+    keeps its newline, which no header may hold); a control character inside is refused here, since
+    the HTTP library's refusal would quote the key in the error."""
+    if key is None:
+        return None
+    key = key.strip()
+    if any(ord(c) < 32 or ord(c) == 127 for c in key):
+        raise ValueError(f"{what} holds a control character (the key is not shown)")
+    return key or None
+
+
 def options(temperature, return_entropy, top_k, model, deadline_ms, weights_version=None) -> dict:
     """The request fields every part of one ``score`` call shares."""
     if not (math.isfinite(temperature) and temperature > 0):
@@ -163,6 +175,7 @@ class Protocol:
         self.encoding = encoding
         self.retry_timeout_s = retry_timeout_s
         self.connect_retry_s = connect_retry_s
+        api_key = bearer_key(api_key, "api_key")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.admin_key: str | None = None  # POST /v1/weights: the admin key, when the server has one
         media = "application/msgpack" if encoding == "msgpack" else "application/json"
