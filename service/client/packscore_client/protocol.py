@@ -82,6 +82,9 @@ class Seq:
     rollout: np.ndarray | None = None  # float32 [L - score_from], the rollout engine's log-probs
 
 
+_SEQUENCE_KEYS = frozenset({"id", "input_ids", "score_from", "rollout_logprobs"})
+
+
 def as_seq(item: Any) -> Seq:
     """A dict with input_ids / score_from / id (and optionally rollout_logprobs), or a plain 1-D
     sequence of ids, checked."""
@@ -89,6 +92,10 @@ def as_seq(item: Any) -> Seq:
     if isinstance(item, dict):
         if "input_ids" not in item:
             raise ValueError(f"a sequence given as a dict needs input_ids; got the keys {sorted(item)}")
+        # dropped, a misspelt score_from would score from 1 silently; the server refuses such fields too
+        if unknown := sorted(map(str, item.keys() - _SEQUENCE_KEYS)):
+            raise ValueError(f"{unknown[0]!r} is not a field of a sequence (it takes "
+                             f"{', '.join(sorted(_SEQUENCE_KEYS))})")
         ids, score_from, seq_id = item["input_ids"], item.get("score_from", 1), item.get("id")
         if item.get("rollout_logprobs") is not None:
             rollout = np.asarray(item["rollout_logprobs"], dtype=np.float32)
