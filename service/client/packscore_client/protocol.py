@@ -412,7 +412,7 @@ class Protocol:
                     raise ScoreError(0, "connection_error", f"{self.base_url} closed the connection after the "
                                      f"request was sent, twice in a row ({_describe(outcome)}); it was not sent "
                                      "a third time") from outcome
-                resent, wait = True, 0.0
+                resent, wait = True, _RESEND_WAIT_S
                 log.warning("packscore: %s closed the connection before answering (%s); sending the request once "
                             "more", self.base_url, _describe(outcome))
             else:
@@ -436,6 +436,10 @@ class Protocol:
                     "failure: connect_retry_s)", self.base_url, _describe(error), wait, self.connect_retry_s)
         return wait, since
 
+
+# Before the one resend after a lost connection: a server that died closed its other kept-alive
+# connections too, and a resend at once could take one of them before its close is seen.
+_RESEND_WAIT_S = 0.2
 
 # Failures before the request reached the server whole: sending it again cannot score it twice.
 _NOT_SENT_WHOLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.WriteError, httpx.WriteTimeout, httpx.PoolTimeout)
