@@ -3,10 +3,13 @@ from files, a failed call's leftovers, dict keys the contract does not name."""
 
 from __future__ import annotations
 
+import logging
+
+import numpy as np
 import pytest
 
-from packscore_client import ScoreClient
-from tests.e2e.helpers import API_KEY
+from packscore_client import ScoreClient, ScoreError
+from tests.e2e.helpers import API_KEY, TINY_VOCAB
 
 
 def test_a_key_read_from_a_file_with_its_newline_scores_and_a_bad_key_is_never_quoted(tiny_server):
@@ -29,3 +32,16 @@ def test_a_sequence_key_the_contract_does_not_name_is_refused_not_dropped(tiny_s
         (result,) = client.score([{"id": "a", "input_ids": [1, 2, 3, 4], "score_from": 3, "rollout_logprobs": [-1.0]}])
         assert (result.id, result.logprobs.shape, sorted(result.mismatch)) == ("a", (1,), ["k3_kl", "max_abs_diff",
                                                                                     "mean_abs_diff"])
+
+
+def test_closing_the_client_after_a_failed_call_blames_no_server(tiny_server, caplog):
+    # the call's other parts are still in flight when the with-block closes the client under them
+    bad = {"input_ids": [1, 2, TINY_VOCAB]}
+    long = np.arange(1, 6001) % TINY_VOCAB
+    with caplog.at_level(logging.WARNING, logger="packscore_client"):
+        with pytest.raises(ScoreError) as failed:
+            with ScoreClient(tiny_server.url, API_KEY, max_sequences_per_request=1, max_concurrency=3) as client:
+                client.score([bad, long, long])
+        client._pool.shutdown(wait=True)
+    assert (failed.value.status, failed.value.param) == (422, "sequences[0].input_ids[2]"), failed.value
+    assert not caplog.records, [r.getMessage() for r in caplog.records]

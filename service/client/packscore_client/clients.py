@@ -255,6 +255,9 @@ class ScoreClient(_Base):
                     outcome: Any = self._http.post(route, content=step, headers=headers)
                 except httpx.TransportError as exc:
                     outcome = exc
+                if stop is not None and stop.is_set():  # a client closed under it is no lost link
+                    steps.close()
+                    return None
                 step = steps.send(outcome)
         except StopIteration as done:
             return done.value
