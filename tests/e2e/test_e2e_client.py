@@ -45,3 +45,12 @@ def test_closing_the_client_after_a_failed_call_blames_no_server(tiny_server, ca
         client._pool.shutdown(wait=True)
     assert (failed.value.status, failed.value.param) == (422, "sequences[0].input_ids[2]"), failed.value
     assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("score_from", [2.5, 2.0, "2", True, None])
+def test_a_score_from_the_server_would_refuse_is_refused_not_rounded(tiny_server, score_from):
+    with ScoreClient(tiny_server.url, API_KEY) as client:
+        with pytest.raises(TypeError, match=r"sequences\[0\]: score_from must be an int"):
+            client.score([{"input_ids": [1, 2, 3, 4], "score_from": score_from}])
+        (result,) = client.score([{"input_ids": [1, 2, 3, 4], "score_from": np.int64(2)}])
+        assert result.logprobs.shape == (2,)

@@ -97,6 +97,9 @@ def as_seq(item: Any) -> Seq:
             raise ValueError(f"{unknown[0]!r} is not a field of a sequence (it takes "
                              f"{', '.join(sorted(_SEQUENCE_KEYS))})")
         ids, score_from, seq_id = item["input_ids"], item.get("score_from", 1), item.get("id")
+        # int() would pass 2.5 as 2 and True as 1, which the server refuses (422)
+        if isinstance(score_from, (bool, np.bool_)) or not isinstance(score_from, (int, np.integer)):
+            raise TypeError(f"score_from must be an int, got {score_from!r}")
         if item.get("rollout_logprobs") is not None:
             rollout = np.asarray(item["rollout_logprobs"], dtype=np.float32)
             if rollout.ndim != 1:
