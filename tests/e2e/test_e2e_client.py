@@ -3,12 +3,13 @@ from files, a failed call's leftovers, dict keys the contract does not name."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import numpy as np
 import pytest
 
-from packscore_client import ScoreClient, ScoreError
+from packscore_client import AsyncScoreClient, ScoreClient, ScoreError
 from tests.e2e.helpers import API_KEY, TINY_VOCAB
 
 
@@ -54,3 +55,11 @@ def test_a_score_from_the_server_would_refuse_is_refused_not_rounded(tiny_server
             client.score([{"input_ids": [1, 2, 3, 4], "score_from": score_from}])
         (result,) = client.score([{"input_ids": [1, 2, 3, 4], "score_from": np.int64(2)}])
         assert result.logprobs.shape == (2,)
+
+
+def test_an_async_client_serves_one_asyncio_run_per_call(tiny_server):
+    # a synchronous trainer loop that runs each call in its own event loop
+    client = AsyncScoreClient(tiny_server.url, API_KEY)
+    got = [asyncio.run(client.score([[1, 2, 3]]))[0].logprobs for _ in range(3)]
+    asyncio.run(client.aclose())
+    assert all(np.array_equal(g, got[0]) for g in got), got

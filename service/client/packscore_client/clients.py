@@ -100,8 +100,8 @@ class _Base:
         self._max_concurrency = max(1, max_concurrency)
         # A host that never answers must fail within the connect budget, not after timeout_s.
         timeout = httpx.Timeout(timeout_s, connect=max(1.0, min(timeout_s, connect_retry_s)))
-        self._http = self._http_class(base_url=self._p.base_url, timeout=timeout, headers=self._p.headers,
-                                      transport=transport)
+        self._http_kw = dict(base_url=self._p.base_url, timeout=timeout, headers=self._p.headers, transport=transport)
+        self._http = self._http_class(**self._http_kw)
 
     @property
     def limits(self) -> Limits:
@@ -278,8 +278,20 @@ class AsyncScoreClient(_Base):
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
 
+    _loop: asyncio.AbstractEventLoop | None = None
+
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self._client().aclose()
+
+    def _client(self) -> httpx.AsyncClient:
+        """The HTTP client, a new one once the loop it was used on has closed (one ``asyncio.run`` per
+        call): its kept-alive connections belong to that loop and fail on this one."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            if self._loop is not None and self._loop.is_closed():
+                self._http = self._http_class(**self._http_kw)
+            self._loop = loop
+        return self._http
 
     async def score(self, sequences: Iterable[Any], **options: Any) -> list[ScoredSequence]:
         """``ScoreClient.score``, awaited: the same keyword arguments (temperature, return_entropy,
@@ -350,7 +362,7 @@ class AsyncScoreClient(_Base):
 
     async def _get(self, path: str, timeout_s: float = _DISCOVERY_TIMEOUT_S) -> httpx.Response | Exception:
         try:
-            return await self._http.get(path, timeout=timeout_s)
+            return await self._client().get(path, timeout=timeout_s)
         except httpx.HTTPError as exc:
             return exc
 
@@ -366,7 +378,7 @@ class AsyncScoreClient(_Base):
                     step = steps.send(await self._get(*step))
                     continue
                 try:
-                    outcome: Any = await self._http.post(route, content=step, headers=headers)
+                    outcome: Any = await self._client().post(route, content=step, headers=headers)
                 except httpx.TransportError as exc:
                     outcome = exc
                 step = steps.send(outcome)
