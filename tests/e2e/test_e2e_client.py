@@ -1,5 +1,6 @@
 """The bundled client against a real server process, where a trainer meets it: keys as they are read
-from files, a failed call's leftovers, dict keys the contract does not name."""
+from files, a failed call's leftovers, dict keys and score_from values the server would refuse, an
+async client run by one asyncio.run per call."""
 
 from __future__ import annotations
 
