@@ -136,3 +136,33 @@ def test_a_proxys_502_or_504_page_is_waited_out_as_an_unreachable_server():
             client.score([[1, 2, 3]], return_entropy=False)
     assert failed.value.type == "connection_error" and "502" in failed.value.message, failed.value
     assert time.monotonic() - started < 0.5 + 2, time.monotonic() - started
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_a_server_that_died_mid_request_is_waited_out_not_lost_twice_at_once(blocking):
+    """A server killed mid-request closes its other kept-alive connections too; a resend at once can
+    take one before its close is seen and be lost again, raising "twice in a row" instead of
+    waiting out the restart for connect_retry_s."""
+    sent: list[float] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/readyz":
+            return httpx.Response(404)
+        sent.append(time.monotonic())
+        if len(sent) == 1:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+        if sent[-1] - sent[0] < 0.1:  # a pooled connection of the dead server, its close not yet seen
+            raise httpx.ReadError("[Errno 104] Connection reset by peer", request=request)
+        return httpx.Response(200, json={"model": "m", "weights_version": "v", "results": [
+            {"id": None, "logprobs": [-0.5, -0.25]}], "usage": {"input_tokens": 3, "scored_tokens": 2}})
+
+    kw = dict(encoding="json", transport=httpx.MockTransport(handler), connect_retry_s=30)
+    if blocking:
+        with ScoreClient(BASE, **kw) as client:
+            (result,) = client.score([[1, 2, 3]], return_entropy=False)
+    else:
+        async def call():
+            async with AsyncScoreClient(BASE, **kw) as client:
+                return await client.score([[1, 2, 3]], return_entropy=False)
+        (result,) = asyncio.run(call())
+    assert len(sent) == 2 and result.logprobs.tolist() == [-0.5, -0.25], (sent, result)

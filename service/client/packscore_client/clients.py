@@ -14,7 +14,7 @@ import httpx
 
 from packscore_client.padded import PaddedBatch, PaddedScores
 from packscore_client.protocol import (Limits, Protocol, ScoredSequence, ScoreError, WeightsUpdate, as_seqs,
-                                       models_answer, options, readiness_answer)
+                                       bearer_key, models_answer, options, readiness_answer)
 
 _DISCOVERY_TIMEOUT_S = 5.0
 _VERSION_TRIES = 3  # rescorings of a padded batch whose weights changed while it was scored
@@ -96,12 +96,12 @@ class _Base:
     ):
         self._p = Protocol(base_url, api_key, encoding, retry_timeout_s, max_sequences_per_request,
                            max_request_tokens, max_request_bytes, connect_retry_s)
-        self._p.admin_key = admin_key  # POST /v1/weights sends it instead of the API key
+        self._p.admin_key = bearer_key(admin_key, "admin_key")  # POST /v1/weights sends it instead of the API key
         self._max_concurrency = max(1, max_concurrency)
         # A host that never answers must fail within the connect budget, not after timeout_s.
         timeout = httpx.Timeout(timeout_s, connect=max(1.0, min(timeout_s, connect_retry_s)))
-        self._http = self._http_class(base_url=self._p.base_url, timeout=timeout, headers=self._p.headers,
-                                      transport=transport)
+        self._http_kw = dict(base_url=self._p.base_url, timeout=timeout, headers=self._p.headers, transport=transport)
+        self._http = self._http_class(**self._http_kw)
 
     @property
     def limits(self) -> Limits:
@@ -255,6 +255,9 @@ class ScoreClient(_Base):
                     outcome: Any = self._http.post(route, content=step, headers=headers)
                 except httpx.TransportError as exc:
                     outcome = exc
+                if stop is not None and stop.is_set():  # a client closed under it is no lost link
+                    steps.close()
+                    return None
                 step = steps.send(outcome)
         except StopIteration as done:
             return done.value
@@ -275,8 +278,20 @@ class AsyncScoreClient(_Base):
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
 
+    _loop: asyncio.AbstractEventLoop | None = None
+
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self._client().aclose()
+
+    def _client(self) -> httpx.AsyncClient:
+        """The HTTP client, a new one once the loop it was used on has closed (one ``asyncio.run`` per
+        call): its kept-alive connections belong to that loop and fail on this one."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            if self._loop is not None and self._loop.is_closed():
+                self._http = self._http_class(**self._http_kw)
+            self._loop = loop
+        return self._http
 
     async def score(self, sequences: Iterable[Any], **options: Any) -> list[ScoredSequence]:
         """``ScoreClient.score``, awaited: the same keyword arguments (temperature, return_entropy,
@@ -347,7 +362,7 @@ class AsyncScoreClient(_Base):
 
     async def _get(self, path: str, timeout_s: float = _DISCOVERY_TIMEOUT_S) -> httpx.Response | Exception:
         try:
-            return await self._http.get(path, timeout=timeout_s)
+            return await self._client().get(path, timeout=timeout_s)
         except httpx.HTTPError as exc:
             return exc
 
@@ -363,7 +378,7 @@ class AsyncScoreClient(_Base):
                     step = steps.send(await self._get(*step))
                     continue
                 try:
-                    outcome: Any = await self._http.post(route, content=step, headers=headers)
+                    outcome: Any = await self._client().post(route, content=step, headers=headers)
                 except httpx.TransportError as exc:
                     outcome = exc
                 step = steps.send(outcome)

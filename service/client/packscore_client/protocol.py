@@ -82,6 +82,9 @@ class Seq:
     rollout: np.ndarray | None = None  # float32 [L - score_from], the rollout engine's log-probs
 
 
+_SEQUENCE_KEYS = frozenset({"id", "input_ids", "score_from", "rollout_logprobs"})
+
+
 def as_seq(item: Any) -> Seq:
     """A dict with input_ids / score_from / id (and optionally rollout_logprobs), or a plain 1-D
     sequence of ids, checked."""
@@ -89,7 +92,14 @@ def as_seq(item: Any) -> Seq:
     if isinstance(item, dict):
         if "input_ids" not in item:
             raise ValueError(f"a sequence given as a dict needs input_ids; got the keys {sorted(item)}")
+        # dropped, a misspelt score_from would score from 1 silently; the server refuses such fields too
+        if unknown := sorted(map(str, item.keys() - _SEQUENCE_KEYS)):
+            raise ValueError(f"{unknown[0]!r} is not a field of a sequence (it takes "
+                             f"{', '.join(sorted(_SEQUENCE_KEYS))})")
         ids, score_from, seq_id = item["input_ids"], item.get("score_from", 1), item.get("id")
+        # int() would pass 2.5 as 2 and True as 1, which the server refuses (422)
+        if isinstance(score_from, (bool, np.bool_)) or not isinstance(score_from, (int, np.integer)):
+            raise TypeError(f"score_from must be an int, got {score_from!r}")
         if item.get("rollout_logprobs") is not None:
             rollout = np.asarray(item["rollout_logprobs"], dtype=np.float32)
             if rollout.ndim != 1:
@@ -132,6 +142,18 @@ def as_seqs(sequences: Any) -> list[Seq]:
     return out
 
 
+def bearer_key(key: str | None, what: str) -> str | None:
+    """``key`` as the server reads its own, surrounding whitespace stripped (a key read from a file
+    keeps its newline, which no header may hold); a control character inside is refused here, since
+    the HTTP library's refusal would quote the key in the error."""
+    if key is None:
+        return None
+    key = key.strip()
+    if any(ord(c) < 32 or ord(c) == 127 for c in key):
+        raise ValueError(f"{what} holds a control character (the key is not shown)")
+    return key or None
+
+
 def options(temperature, return_entropy, top_k, model, deadline_ms, weights_version=None) -> dict:
     """The request fields every part of one ``score`` call shares."""
     if not (math.isfinite(temperature) and temperature > 0):
@@ -163,6 +185,7 @@ class Protocol:
         self.encoding = encoding
         self.retry_timeout_s = retry_timeout_s
         self.connect_retry_s = connect_retry_s
+        api_key = bearer_key(api_key, "api_key")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.admin_key: str | None = None  # POST /v1/weights: the admin key, when the server has one
         media = "application/msgpack" if encoding == "msgpack" else "application/json"
@@ -392,7 +415,7 @@ class Protocol:
                     raise ScoreError(0, "connection_error", f"{self.base_url} closed the connection after the "
                                      f"request was sent, twice in a row ({_describe(outcome)}); it was not sent "
                                      "a third time") from outcome
-                resent, wait = True, 0.0
+                resent, wait = True, _RESEND_WAIT_S
                 log.warning("packscore: %s closed the connection before answering (%s); sending the request once "
                             "more", self.base_url, _describe(outcome))
             else:
@@ -416,6 +439,10 @@ class Protocol:
                     "failure: connect_retry_s)", self.base_url, _describe(error), wait, self.connect_retry_s)
         return wait, since
 
+
+# Before the one resend after a lost connection: a server that died closed its other kept-alive
+# connections too, and a resend at once could take one of them before its close is seen.
+_RESEND_WAIT_S = 0.2
 
 # Failures before the request reached the server whole: sending it again cannot score it twice.
 _NOT_SENT_WHOLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.WriteError, httpx.WriteTimeout, httpx.PoolTimeout)

@@ -1,0 +1,66 @@
+"""The bundled client against a real server process, where a trainer meets it: keys as they are read
+from files, a failed call's leftovers, dict keys and score_from values the server would refuse, an
+async client run by one asyncio.run per call."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+import pytest
+
+from packscore_client import AsyncScoreClient, ScoreClient, ScoreError
+from tests.e2e.helpers import API_KEY, TINY_VOCAB
+
+
+def test_a_key_read_from_a_file_with_its_newline_scores_and_a_bad_key_is_never_quoted(tiny_server):
+    # open(path).read() keeps the newline; the server strips its own key file the same way
+    with ScoreClient(tiny_server.url, API_KEY + "\n", admin_key=" admin\n") as client:
+        (result,) = client.score([[1, 2, 3]])
+        assert result.logprobs.shape == (2,)
+        assert client.models()[0]["id"] == "tiny"
+    for where in ("api_key", "admin_key"):
+        with pytest.raises(ValueError, match=where) as refused:
+            ScoreClient(tiny_server.url, **{where: "sec\nret"})
+        assert "sec" not in str(refused.value)
+
+
+def test_a_sequence_key_the_contract_does_not_name_is_refused_not_dropped(tiny_server):
+    with ScoreClient(tiny_server.url, API_KEY) as client:
+        with pytest.raises(ValueError, match=r"sequences\[1\]: 'scorefrom' is not a field"):
+            client.score([[1, 2, 3], {"input_ids": [1, 2, 3, 4], "scorefrom": 3}])
+        # the four it takes, all at once
+        (result,) = client.score([{"id": "a", "input_ids": [1, 2, 3, 4], "score_from": 3, "rollout_logprobs": [-1.0]}])
+        assert (result.id, result.logprobs.shape, sorted(result.mismatch)) == ("a", (1,), ["k3_kl", "max_abs_diff",
+                                                                                    "mean_abs_diff"])
+
+
+def test_closing_the_client_after_a_failed_call_blames_no_server(tiny_server, caplog):
+    # the call's other parts are still in flight when the with-block closes the client under them
+    bad = {"input_ids": [1, 2, TINY_VOCAB]}
+    long = np.arange(1, 6001) % TINY_VOCAB
+    with caplog.at_level(logging.WARNING, logger="packscore_client"):
+        with pytest.raises(ScoreError) as failed:
+            with ScoreClient(tiny_server.url, API_KEY, max_sequences_per_request=1, max_concurrency=3) as client:
+                client.score([bad, long, long])
+        client._pool.shutdown(wait=True)
+    assert (failed.value.status, failed.value.param) == (422, "sequences[0].input_ids[2]"), failed.value
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("score_from", [2.5, 2.0, "2", True, None])
+def test_a_score_from_the_server_would_refuse_is_refused_not_rounded(tiny_server, score_from):
+    with ScoreClient(tiny_server.url, API_KEY) as client:
+        with pytest.raises(TypeError, match=r"sequences\[0\]: score_from must be an int"):
+            client.score([{"input_ids": [1, 2, 3, 4], "score_from": score_from}])
+        (result,) = client.score([{"input_ids": [1, 2, 3, 4], "score_from": np.int64(2)}])
+        assert result.logprobs.shape == (2,)
+
+
+def test_an_async_client_serves_one_asyncio_run_per_call(tiny_server):
+    # a synchronous trainer loop that runs each call in its own event loop
+    client = AsyncScoreClient(tiny_server.url, API_KEY)
+    got = [asyncio.run(client.score([[1, 2, 3]]))[0].logprobs for _ in range(3)]
+    asyncio.run(client.aclose())
+    assert all(np.array_equal(g, got[0]) for g in got), got
