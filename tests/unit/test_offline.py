@@ -469,3 +469,16 @@ def test_a_second_ctrl_c_stops_at_once_without_the_forward_under_way(tmp_path):
     assert code == 130 and "Traceback" not in err, err[-2000:]
     assert took < 10, f"the second Ctrl-C took {took:.1f}s to stop, the forward is 30s"
     assert kept == [] and "stopped at once" in err, err[-2000:]
+
+
+@pytest.mark.parametrize("bad,said", [(-1, "Token id -1 is negative; token ids are >= 0"),
+                                      (2**31, "Token id 2147483648 is outside any vocabulary; token ids are below 2**31")])
+def test_an_id_refused_before_the_model_loads_is_not_said_to_be_outside_a_made_up_vocabulary(monkeypatch, tmp_path,
+                                                                                              capsys, bad, said):
+    """The vocabulary is not known yet: the message used to name [0, 2147483648), a placeholder."""
+    _no_model(monkeypatch)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2]}, {"id": "b", "input_ids": [1, bad]}])
+    assert cli.main(["score", str(source), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{source}:2: input_ids[1]: {said}." in err and "vocabulary [0," not in err, err
