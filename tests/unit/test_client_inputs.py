@@ -123,3 +123,24 @@ def test_the_knobs_and_options_docs_client_md_names_are_where_it_says():
         wanted = options - {"top_k"} if method.__name__ == "score_padded" else options
         assert wanted <= params, (method.__qualname__, wanted - params)
 
+
+@pytest.mark.parametrize("call", [
+    lambda c: c.score([[1, 2]]), lambda c: c.score_padded([[1, 2]], [[1, 1]], [[1]]), lambda c: c.models(),
+    lambda c: c.ready(), lambda c: c.wait_ready(1), lambda c: c.update_weights(None, "ckpt"),
+], ids=["score", "score_padded", "models", "ready", "wait_ready", "update_weights"])
+def test_a_closed_client_says_it_is_closed(call):
+    """Not a thread pool's 'cannot schedule new futures after shutdown' or httpx's message."""
+    client = ScoreClient(BASE, transport=httpx.MockTransport(_nothing_sent))
+    client.close()
+    with pytest.raises(RuntimeError, match=r"^this ScoreClient is closed: create a new one"):
+        call(client)
+    client.close()  # closing again is harmless
+
+    async def main():
+        client = AsyncScoreClient(BASE, transport=httpx.MockTransport(_nothing_sent))
+        await client.aclose()
+        with pytest.raises(RuntimeError, match=r"^this AsyncScoreClient is closed: create a new one"):
+            await call(client)
+        await client.aclose()
+
+    asyncio.run(main())
