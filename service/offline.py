@@ -277,7 +277,10 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
         elif not abandon.done():
             abandon.set_result(None)
 
-    loop.add_signal_handler(signal.SIGINT, on_sigint)
+    try:
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+    except (ValueError, RuntimeError):  # not the main thread: Ctrl-C is not this run's to handle
+        pass
     finished = False
     try:
         for number, seq_id, job in _jobs(settings, input_path, limits, done, run):
@@ -289,6 +292,8 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
                     break
                 except ApiError:  # the in-flight window is full: write finished results first
                     await write_oldest()
+                    if stop.done():  # Ctrl-C while it waited: this line is not taken
+                        raise _Stopped
             window.append((number, seq_id, job, ticket))
             while window and window[0][3].done:
                 await write_oldest()
