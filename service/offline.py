@@ -277,10 +277,11 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
         elif not abandon.done():
             abandon.set_result(None)
 
-    try:
-        loop.add_signal_handler(signal.SIGINT, on_sigint)
-    except (ValueError, RuntimeError):  # not the main thread: Ctrl-C is not this run's to handle
-        pass
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # ignored (a script's `cmd &`): it stays so
+        try:
+            loop.add_signal_handler(signal.SIGINT, on_sigint)
+        except (ValueError, RuntimeError):  # not the main thread: Ctrl-C is not this run's to handle
+            pass
     finished = False
     try:
         for number, seq_id, job in _jobs(settings, input_path, limits, done, run):

@@ -482,3 +482,20 @@ def test_an_id_refused_before_the_model_loads_is_not_said_to_be_outside_a_made_u
     assert cli.main(["score", str(source), "-o", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"{source}:2: input_ids[1]: {said}." in err and "vocabulary [0," not in err, err
+
+
+def test_an_ignored_sigint_stays_ignored(tmp_path):
+    """As a script's `packscore score ... &` starts it: the run is not this terminal's Ctrl-C to stop."""
+    rows = [{"id": f"r{i}", "input_ids": [1 + i % 50] * 30} for i in range(4)]
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, rows)
+    argv = [sys.executable, "-c", _SLOW_FORWARD_RUN, "1.0", "score", str(source), "--max-batch-tokens", "120",
+            "--log-level", "warning", "-o", str(out)]
+    run = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "out.jsonl.started").exists() and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 0 and [r["id"] for r in _read_jsonl(out)] == [r["id"] for r in rows], err[-2000:]
