@@ -486,10 +486,10 @@ def test_an_id_refused_before_the_model_loads_is_not_said_to_be_outside_a_made_u
 
 def test_an_ignored_sigint_stays_ignored(tmp_path):
     """As a script's `packscore score ... &` starts it: the run is not this terminal's Ctrl-C to stop."""
-    rows = [{"id": f"r{i}", "input_ids": [1 + i % 50] * 30} for i in range(4)]
+    rows = [{"id": f"r{i}", "input_ids": [1 + i % 50] * 30} for i in range(8)]  # two forwards
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(source, rows)
-    argv = [sys.executable, "-c", _SLOW_FORWARD_RUN, "1.0", "score", str(source), "--max-batch-tokens", "120",
+    argv = [sys.executable, "-c", _SLOW_FORWARD_RUN, "0.5", "score", str(source), "--max-batch-tokens", "120",
             "--log-level", "warning", "-o", str(out)]
     run = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True,
                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
