@@ -14,6 +14,7 @@ import codecs
 import fcntl
 import logging
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -234,12 +235,20 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
     window: deque[tuple[int, str, ScoreJob, Ticket]] = deque()
     written = 0
     write_failed = False
+    loop = asyncio.get_running_loop()
+    stop, abandon = loop.create_future(), loop.create_future()  # set by a first and a second Ctrl-C
 
     async def write_oldest() -> None:
         nonlocal written, write_failed
         number, seq_id, job, ticket = window[0]  # taken off only once written: nothing after it is written before it
+        if not ticket.done:
+            await asyncio.wait((ticket.future, stop), return_when=asyncio.FIRST_COMPLETED)
+        if stop.done():  # Ctrl-C: the forwards under way finish and are written, the rest never start
+            await _finish_started(scheduler, [entry[3] for entry in window], abandon)
+            if not ticket.done or ticket.future.cancelled() or ticket.future.exception() is not None:
+                raise _Stopped
         try:
-            scores = (await ticket.future)[0]
+            scores = ticket.future.result()[0]
         except ApiError as exc:
             raise InputError(f"{input_path}:{number}: id {seq_id!r} could not be scored: {exc.message}") from None
         if (where := non_finite_score(scores)) is not None:
@@ -260,35 +269,83 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
         written += 1
         bar.update(1)
 
-    interrupted = False
+    def on_sigint() -> None:  # run by the loop, so never in the middle of a write
+        if not stop.done():
+            print("packscore: interrupted: writing what the forwards under way score (Ctrl-C again to stop at "
+                  "once without it)", file=sys.stderr)
+            stop.set_result(None)
+        elif not abandon.done():
+            abandon.set_result(None)
 
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # ignored (a script's `cmd &`): it stays so
+        try:
+            loop.add_signal_handler(signal.SIGINT, on_sigint)
+        except (ValueError, RuntimeError):  # not the main thread: Ctrl-C is not this run's to handle
+            pass
+    finished = False
     try:
         for number, seq_id, job in _jobs(settings, input_path, limits, done, run):
+            if stop.done():
+                break
             while True:
                 try:
                     ticket = scheduler.submit(job.sequences)
                     break
                 except ApiError:  # the in-flight window is full: write finished results first
                     await write_oldest()
+                    if stop.done():  # Ctrl-C while it waited: this line is not taken
+                        raise _Stopped
             window.append((number, seq_id, job, ticket))
             while window and window[0][3].done:
                 await write_oldest()
-    except (asyncio.CancelledError, KeyboardInterrupt):
-        interrupted = True
-        raise
+        else:
+            while window:
+                await write_oldest()
+            finished = True
+    except _Stopped:
+        pass
     finally:
         # Whatever was scored is kept, also when a later line is bad: the next run resumes after it.
-        # Interrupted (Ctrl-C), only what is already scored is written, in order up to the first gap.
+        # Interrupted (Ctrl-C), what is scored is written, in order up to the first line left unscored.
         try:
-            while window and not write_failed and (not interrupted or window[0][3].done):
+            while window and not write_failed:
                 await write_oldest()
+        except _Stopped:
+            pass
         finally:
             await scheduler.close("the offline run stopped")
             # A forward still running on its daemon thread at exit aborts the process in torch's
-            # C++ teardown (SIGABRT, not 130): let it finish; it is one row, seconds at most.
-            while scheduler.forward_running:
+            # C++ teardown (SIGABRT, not 130): let it finish, unless a second Ctrl-C said not to.
+            while scheduler.forward_running and not abandon.done():
                 await asyncio.sleep(0.02)
+            loop.remove_signal_handler(signal.SIGINT)
+    if stop.done() and not finished:
+        raise Interrupted(abandoned=abandon.done(), forward_running=scheduler.forward_running)
     return written
+
+
+class _Stopped(Exception):
+    """Ctrl-C came before the oldest line's result, which will not come."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C stopped the run; ``abandoned``: a second one did not wait for the forwards under way."""
+
+    def __init__(self, *, abandoned: bool, forward_running: bool):
+        super().__init__("interrupted")
+        self.abandoned, self.forward_running = abandoned, forward_running
+
+
+async def _finish_started(scheduler: Scheduler, tickets: list[Ticket], abandon: asyncio.Future) -> None:
+    """Drops the tickets whose forward has not begun and waits for the others' results, or for ``abandon``."""
+    error = ApiError(503, "unavailable", "Interrupted before its forward began.")
+    for ticket in tickets:
+        if not all(item.started for item in ticket.items):
+            scheduler.fail(ticket, error)
+    running = [ticket.future for ticket in tickets if not ticket.done]
+    while running and not abandon.done():
+        await asyncio.wait((*running, abandon), return_when=asyncio.FIRST_COMPLETED)
+        running = [future for future in running if not future.done()]
 
 
 def _path_problem(input_path: Path, output_path: Path) -> str | None:
@@ -372,7 +429,7 @@ def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     try:
         done = finished_ids(output_path)
         # Every line is checked but for the model's own limits (vocabulary, context) before it loads.
-        loose = Limits(2**31, 2**62, 1, settings.queued_tokens, 1 << 62)
+        loose = Limits(None, 2**62, 1, settings.queued_tokens, 1 << 62)
         todo = sum(1 for _ in _jobs(settings, input_path, loose, done, {"temperature": settings.temperature}, seen))
     except InputError as exc:
         print(f"packscore: error: {exc}", file=sys.stderr)
@@ -423,11 +480,22 @@ def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
         print(f"packscore: error: cannot write {output_path}: {exc.strerror}; the results written before are "
               "kept: make room, then run the same command to resume after them", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"packscore: interrupted; the results written to {output_path} are kept, in input order: "
+    except (KeyboardInterrupt, Interrupted) as exc:
+        how = "stopped at once, without the forward under way" if getattr(exc, "abandoned", False) else "interrupted"
+        print(f"packscore: {how}; the results written to {output_path} are kept, in input order: "
               "the same command resumes after them", file=sys.stderr)
+        if getattr(exc, "forward_running", False):  # torch's teardown under a running forward aborts (SIGABRT)
+            _hard_exit(130)
         return 130
     finally:
         backend.close()
     log.info("wrote %d results to %s", written, output_path)
     return 0
+
+
+def _hard_exit(status: int) -> None:
+    """Ends the process now, OUT already closed: a forward still runs on its thread."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

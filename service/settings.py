@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from model_runtime.kernels.overrides import FAMILIES, check_kernel_overrides, parse_kernel_overrides
@@ -185,6 +185,16 @@ class Settings(BaseSettings):
         if not value.strip():
             raise ValueError("is empty, which would listen on every interface; give 0.0.0.0 for that, "
                              "or unset it for 127.0.0.1")
+        return value
+
+    @field_validator("model", "triton_cache_dir", "expert_gemm", "api_key_file", "weights_root", "admin_key_file",
+                     mode="before")
+    @classmethod
+    def _path_given(cls, value, info: ValidationInfo):
+        # Path("") is ".": an empty value (a variable gone wrong) must not become the working directory.
+        if isinstance(value, str) and not value.strip():
+            wanted = "a preset, a checkpoint directory or a hub id" if info.field_name == "model" else "a path"
+            raise ValueError(f"is empty; give {wanted}, or unset it")
         return value
 
     @field_validator("kernels", mode="before")

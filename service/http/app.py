@@ -334,7 +334,8 @@ def _add_weights_route(app: FastAPI, service: Service, root) -> None:
             raise not_ready(service)
         encoding = request_encoding(request.headers.get("content-type"), request.headers.get("content-encoding"))
         limit = min(1 << 20, service.limits.max_request_bytes) if service.limits is not None else 1 << 20
-        body = decode_body(await read_body(request, limit, service), encoding)
+        body = decode_body(await read_body(request, limit, service, "the lower of 1 MiB and max_request_bytes",
+                                           "a weights request holds a model, a path and a version"), encoding)
         answer = await update_weights(service, body, root)
         return Response(encode_json(answer), media_type=JSON)
 

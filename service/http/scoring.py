@@ -173,13 +173,14 @@ async def _hold_swaps(model: ServedModel, deadline: float | None) -> None:
     model.swap_holds += 1
 
 
-async def read_body(request: Request, limit: int, service: Service) -> bytes:
-    """The request's body, at most ``limit`` bytes. A body still arriving when draining begins
-    gets the drain's 503 at once: it was not admitted, and the exit would otherwise cut it off
-    mid-read (uvicorn then answers a plain-text 500)."""
+async def read_body(request: Request, limit: int, service: Service, named: str = "max_request_bytes",
+                    hint: str = "split the request") -> bytes:
+    """The request's body, at most ``limit`` bytes (else 413, naming the limit as ``named``, then
+    ``hint``). A body still arriving when draining begins gets the drain's 503 at once: it was not
+    admitted, and the exit would otherwise cut it off mid-read (uvicorn then answers a plain-text 500)."""
     if service.phase == "draining":
         raise draining_error()
-    reading = asyncio.ensure_future(_read_all(request, limit))
+    reading = asyncio.ensure_future(_read_all(request, limit, named, hint))
     draining = service.when_draining()
     try:
         await asyncio.wait({reading, draining}, return_when=asyncio.FIRST_COMPLETED)
@@ -193,9 +194,9 @@ async def read_body(request: Request, limit: int, service: Service) -> bytes:
     return reading.result()
 
 
-async def _read_all(request: Request, limit: int) -> bytes:
+async def _read_all(request: Request, limit: int, named: str, hint: str) -> bytes:
     # Connection: close, so the rest of an oversized body is not read and thrown away.
-    too_large = ApiError(413, "body_too_large", f"The body exceeds {limit} bytes (max_request_bytes); split the request.",
+    too_large = ApiError(413, "body_too_large", f"The body exceeds {limit} bytes ({named}); {hint}.",
                          headers={"Connection": "close"})
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:

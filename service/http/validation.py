@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 class Limits:
     """What one request may hold; the service reports these in /readyz and response headers."""
 
-    vocab_size: int
+    vocab_size: int | None  # None: not known yet (offline, before the model loads)
     max_model_len: int
     max_sequences_per_request: int
     max_request_tokens: int  # a request larger than the admission bound could never be admitted
@@ -113,7 +113,7 @@ def parse_score_request(body: Any, limits: Limits | Mapping[str, Limits], served
         raise from_validation_errors(exc.errors(include_url=False), sourced=False) from None
     model = pick_model(request.model, served)
     limits = served[model]
-    if request.top_k > limits.vocab_size:
+    if limits.vocab_size is not None and request.top_k > limits.vocab_size:
         raise ApiError(422, "invalid_value", f"top_k must be at most the vocabulary's {limits.vocab_size} tokens, "
                        f"got {request.top_k}.", "top_k")
 
@@ -190,9 +190,14 @@ def _checked_ids(ids: np.ndarray, i: int, limits: Limits) -> np.ndarray:
             headers=limits.headers(),  # the limits of the model named, which the service's default may not be
         )
     vocab = limits.vocab_size
-    if ids.dtype == object or ids.min() < 0 or ids.max() >= vocab:
-        j = int(np.flatnonzero((ids < 0) | (ids >= vocab))[0])
-        raise ApiError(
-            422, "invalid_value", f"Token id {ids[j]} is outside the vocabulary [0, {vocab}).", f"{param}[{j}]"
-        )
+    top = 1 << 31 if vocab is None else vocab  # no vocabulary reaches 2**31 (the backends hold ids as int32)
+    if ids.dtype == object or ids.min() < 0 or ids.max() >= top:
+        j = int(np.flatnonzero((ids < 0) | (ids >= top))[0])
+        if vocab is not None:
+            message = f"Token id {ids[j]} is outside the vocabulary [0, {vocab})."
+        elif ids[j] < 0:
+            message = f"Token id {ids[j]} is negative; token ids are >= 0."
+        else:
+            message = f"Token id {ids[j]} is outside any vocabulary; token ids are below 2**31."
+        raise ApiError(422, "invalid_value", message, f"{param}[{j}]")
     return ids.astype(np.int64, copy=False)

@@ -206,6 +206,25 @@ def test_an_empty_host_is_an_error_not_every_interface(monkeypatch, capsys, wher
     assert "--host" in err and "every interface" in err and "Value error" not in err, err
 
 
+
+@pytest.mark.parametrize("name", ["model", "triton_cache_dir", "expert_gemm", "api_key_file", "weights_root",
+                                  "admin_key_file"])
+@pytest.mark.parametrize("where", ["option", "environment"])
+def test_an_empty_path_is_an_error_not_the_working_directory(monkeypatch, capsys, name, where):
+    """Path("") is "." (an empty --model read ". has no config.json"); none of these means off when empty."""
+    option, env = "--" + name.replace("_", "-"), "PACKSCORE_" + name.upper()
+    monkeypatch.delenv(env, raising=False)
+    if where == "option":
+        argv = ["score", "in.jsonl", "-o", "out.jsonl", option, ""] if name == "triton_cache_dir" else ["serve", option, ""]
+    else:
+        argv = ["serve"]
+        monkeypatch.setenv(env, "")
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse_settings(argv)
+    assert exit_.value.code == 2
+    named = f"{option} (from {env}): is empty; give " if where == "environment" else f"{option}: is empty; give "
+    assert named in capsys.readouterr().err
+
 def test_the_expert_gemm_library_is_checked_and_left_out_of_the_environment(monkeypatch, tmp_path, capsys):
     """A missing file is refused before anything loads; a present one travels in the settings
     (tests/unit/test_expert_gemm.py follows it to the backend choice), not through os.environ."""

@@ -30,7 +30,12 @@ def _nothing_sent(request: httpx.Request) -> httpx.Response:
     ({"ids": [1, 2]}, ValueError, r"sequences\[1\]: a sequence given as a dict needs input_ids; got the keys \['ids'\]"),
     (7, TypeError, r"sequences\[1\]: got the single token id 7, not a sequence: .*pass \[ids\]"),
     ([1.5, 2.0], TypeError, r"sequences\[1\]: input_ids must be a 1-D sequence of ints"),
-], ids=["int64-past-int32", "uint64-past-int64", "dict-without-input_ids", "flat-list", "floats"])
+    ({"input_ids": [1, 2, 3], "score_from": 1, "rollout_logprobs": ["-1.5", "-2"]}, TypeError,
+     r"sequences\[1\]: rollout_logprobs must be numbers, got '-1\.5' at rollout_logprobs\[0\]"),
+    ({"input_ids": [1, 2, 3], "score_from": 1, "rollout_logprobs": [-1.5, True]}, TypeError,
+     r"sequences\[1\]: rollout_logprobs must be numbers, got True at rollout_logprobs\[1\]"),
+], ids=["int64-past-int32", "uint64-past-int64", "dict-without-input_ids", "flat-list", "floats", "rollout-strings",
+        "rollout-bool"])
 def test_a_sequence_refused_before_sending_is_named_by_its_place(bad, error, named):
     """A batch of thousands: 'token ids must be in [0, 2**31)' without the sequence is no help."""
     seqs = [[1, 2, 3], bad, [4, 5]]
@@ -117,3 +122,25 @@ def test_the_knobs_and_options_docs_client_md_names_are_where_it_says():
         params = set(inspect.signature(method).parameters)
         wanted = options - {"top_k"} if method.__name__ == "score_padded" else options
         assert wanted <= params, (method.__qualname__, wanted - params)
+
+
+@pytest.mark.parametrize("call", [
+    lambda c: c.score([[1, 2]]), lambda c: c.score_padded([[1, 2]], [[1, 1]], [[1]]), lambda c: c.models(),
+    lambda c: c.ready(), lambda c: c.wait_ready(1), lambda c: c.update_weights(None, "ckpt"),
+], ids=["score", "score_padded", "models", "ready", "wait_ready", "update_weights"])
+def test_a_closed_client_says_it_is_closed(call):
+    """Not a thread pool's 'cannot schedule new futures after shutdown' or httpx's message."""
+    client = ScoreClient(BASE, transport=httpx.MockTransport(_nothing_sent))
+    client.close()
+    with pytest.raises(RuntimeError, match=r"^this ScoreClient is closed: create a new one"):
+        call(client)
+    client.close()  # closing again is harmless
+
+    async def main():
+        client = AsyncScoreClient(BASE, transport=httpx.MockTransport(_nothing_sent))
+        await client.aclose()
+        with pytest.raises(RuntimeError, match=r"^this AsyncScoreClient is closed: create a new one"):
+            await call(client)
+        await client.aclose()
+
+    asyncio.run(main())

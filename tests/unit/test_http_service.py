@@ -484,3 +484,19 @@ def test_a_request_the_read_timeout_answered_408_is_counted_408_whatever_its_han
     asyncio.run(_Gate(handler, service)(scope, receive, send))
     counted = service.metrics.registry.get_sample_value("packscore_requests_total", {"route": "/readyz", "status": "408"})
     assert counted == 1.0, [line for line in service.metrics.render().decode().splitlines() if "requests_total{" in line]
+
+
+@pytest.mark.parametrize("max_request_bytes,limit", [(None, 1 << 20), (4096, 4096)])
+def test_the_weights_route_s_413_names_its_own_limit(tmp_path, max_request_bytes, limit):
+    """The lower of 1 MiB and --max-request-bytes, not max_request_bytes alone (34 MiB by default)."""
+
+    async def main():
+        app = create_app(Settings(weights_root=tmp_path, max_request_bytes=max_request_bytes), FakeBackend())
+        async with running_app(app) as client:
+            return await client.post("/v1/weights", json={"path": "x" * (limit + 10)})
+
+    answer = asyncio.run(main())
+    assert answer.status_code == 413, answer.text
+    assert answer.json()["error"]["message"] == (f"The body exceeds {limit} bytes (the lower of 1 MiB and "
+                                                 "max_request_bytes); a weights request holds a model, a path and "
+                                                 "a version."), answer.text

@@ -408,3 +408,94 @@ def test_a_checkpoint_refused_once_loaded_stops_the_run_with_one_line_and_no_out
     err = capsys.readouterr().err
     assert "packscore: error: checkpoint /ckpt: 1 weight tensor holds NaN" in err and "Traceback" not in err, err
     assert not out.exists()  # a refused first run leaves no empty OUT
+
+
+_SLOW_FORWARD_RUN = """
+import pathlib, sys, time
+from service import cli
+from service.testing import FakeBackend
+import service.backends
+
+class Slow(FakeBackend):
+    def score_row(self, sequences, group=None):
+        marker = pathlib.Path(sys.argv[-1] + ".started")
+        if not marker.exists():  # the first forward: says how many sequences it holds, then takes its time
+            marker.write_text(str(len(sequences)))
+        time.sleep(float(sys.argv[1]))
+        return super().score_row(sequences, group)
+
+service.backends.load_backend = lambda settings: Slow()
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+def _interrupt_during_first_forward(tmp_path, forward_s, signals):
+    """Runs score with forwards of ``forward_s`` seconds, sends SIGINT ``signals`` times once the
+    first forward began; the exit status, stderr, seconds from the first signal to the exit, the
+    ids written and how many sequences the first forward held."""
+    rows = [{"id": f"r{i}", "input_ids": [1 + i % 50] * 30} for i in range(12)]
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, rows)
+    argv = [sys.executable, "-c", _SLOW_FORWARD_RUN, str(forward_s), "score", str(source), "--max-batch-tokens",
+            "120", "--log-level", "warning", "-o", str(out)]
+    run = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    marker = tmp_path / "out.jsonl.started"
+    deadline = time.monotonic() + 60
+    while not marker.exists() and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # the forward is under way on its thread
+    sent = time.monotonic()
+    for i in range(signals):
+        run.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+    _, err = run.communicate(timeout=60)
+    took = time.monotonic() - sent
+    return run.returncode, err, took, [r["id"] for r in _read_jsonl(out)], int(marker.read_text()), argv
+
+
+def test_ctrl_c_during_a_forward_writes_its_results_then_exits_130(tmp_path):
+    """The forward under way finishes and its results are written (they used to be thrown away,
+    after waiting for them), whole lines in input order; the rerun scores only the rest."""
+    code, err, _, kept, first_row, argv = _interrupt_during_first_forward(tmp_path, 1.0, 1)
+    assert code == 130 and "interrupted" in err and "Traceback" not in err, err[-2000:]
+    assert kept == [f"r{i}" for i in range(first_row)], f"written {kept}, the first forward held {first_row}"
+    assert subprocess.run(argv, capture_output=True, timeout=120).returncode == 0
+    assert [r["id"] for r in _read_jsonl(tmp_path / "out.jsonl")] == [f"r{i}" for i in range(12)]
+
+
+def test_a_second_ctrl_c_stops_at_once_without_the_forward_under_way(tmp_path):
+    """The forward (30 s here) is not waited for: exit 130 at once, OUT as it was (nothing torn)."""
+    code, err, took, kept, _, _ = _interrupt_during_first_forward(tmp_path, 30, 2)
+    assert code == 130 and "Traceback" not in err, err[-2000:]
+    assert took < 10, f"the second Ctrl-C took {took:.1f}s to stop, the forward is 30s"
+    assert kept == [] and "stopped at once" in err, err[-2000:]
+
+
+@pytest.mark.parametrize("bad,said", [(-1, "Token id -1 is negative; token ids are >= 0"),
+                                      (2**31, "Token id 2147483648 is outside any vocabulary; token ids are below 2**31")])
+def test_an_id_refused_before_the_model_loads_is_not_said_to_be_outside_a_made_up_vocabulary(monkeypatch, tmp_path,
+                                                                                              capsys, bad, said):
+    """The vocabulary is not known yet: the message used to name [0, 2147483648), a placeholder."""
+    _no_model(monkeypatch)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": "a", "input_ids": [1, 2]}, {"id": "b", "input_ids": [1, bad]}])
+    assert cli.main(["score", str(source), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{source}:2: input_ids[1]: {said}." in err and "vocabulary [0," not in err, err
+
+
+def test_an_ignored_sigint_stays_ignored(tmp_path):
+    """As a script's `packscore score ... &` starts it: the run is not this terminal's Ctrl-C to stop."""
+    rows = [{"id": f"r{i}", "input_ids": [1 + i % 50] * 30} for i in range(8)]  # two forwards
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, rows)
+    argv = [sys.executable, "-c", _SLOW_FORWARD_RUN, "0.5", "score", str(source), "--max-batch-tokens", "120",
+            "--log-level", "warning", "-o", str(out)]
+    run = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "out.jsonl.started").exists() and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 0 and [r["id"] for r in _read_jsonl(out)] == [r["id"] for r in rows], err[-2000:]

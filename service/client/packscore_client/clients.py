@@ -103,12 +103,19 @@ class _Base:
         self._http_kw = dict(base_url=self._p.base_url, timeout=timeout, headers=self._p.headers, transport=transport)
         self._http = self._http_class(**self._http_kw)
 
+    _closed = False
+
     @property
     def limits(self) -> Limits:
         return self._p.limits
 
+    def _check_open(self) -> None:
+        if self._closed:  # else a thread pool's or httpx's RuntimeError, which does not say why
+            raise RuntimeError(f"this {type(self).__name__} is closed: create a new one to send requests")
+
     def _plan(self, sequences, *, temperature=1.0, return_entropy=True, top_k=0, model=None, deadline_ms=None,
               weights_version=None):
+        self._check_open()
         seqs = as_seqs(sequences)
         opts = options(temperature, return_entropy, top_k, model, deadline_ms, weights_version)
         now = time.monotonic()
@@ -134,6 +141,7 @@ class ScoreClient(_Base):
         self.close()
 
     def close(self) -> None:
+        self._closed = True
         self._pool.shutdown(wait=False)
         self._http.close()
 
@@ -228,6 +236,7 @@ class ScoreClient(_Base):
         return self._drive(steps, "/v1/weights", self._p.weights_headers())
 
     def _get(self, path: str, timeout_s: float = _DISCOVERY_TIMEOUT_S) -> httpx.Response | Exception:
+        self._check_open()
         try:
             return self._http.get(path, timeout=timeout_s)
         except httpx.HTTPError as exc:
@@ -235,6 +244,7 @@ class ScoreClient(_Base):
 
     def _drive(self, steps: Generator, route: str = "/score", headers: dict | None = None,
                stop: threading.Event | None = None) -> Any:
+        self._check_open()
         try:
             step = next(steps)
             while True:
@@ -281,11 +291,15 @@ class AsyncScoreClient(_Base):
     _loop: asyncio.AbstractEventLoop | None = None
 
     async def aclose(self) -> None:
-        await self._client().aclose()
+        if not self._closed:
+            http = self._client()
+            self._closed = True
+            await http.aclose()
 
     def _client(self) -> httpx.AsyncClient:
         """The HTTP client, a new one once the loop it was used on has closed (one ``asyncio.run`` per
         call): its kept-alive connections belong to that loop and fail on this one."""
+        self._check_open()
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             if self._loop is not None and self._loop.is_closed():
@@ -367,6 +381,7 @@ class AsyncScoreClient(_Base):
             return exc
 
     async def _drive(self, steps: Generator, route: str = "/score", headers: dict | None = None) -> Any:
+        self._check_open()
         try:
             step = next(steps)
             while True:

@@ -101,7 +101,15 @@ def as_seq(item: Any) -> Seq:
         if isinstance(score_from, (bool, np.bool_)) or not isinstance(score_from, (int, np.integer)):
             raise TypeError(f"score_from must be an int, got {score_from!r}")
         if item.get("rollout_logprobs") is not None:
-            rollout = np.asarray(item["rollout_logprobs"], dtype=np.float32)
+            values = item["rollout_logprobs"]
+            rollout = np.asarray(values)
+            # a cast would pass "1" and True as 1.0, which the server refuses (422): numbers only
+            if rollout.ndim == 1 and (isinstance(values, (list, tuple)) or rollout.dtype.kind not in "fiu"):
+                listed = values if isinstance(values, (list, tuple)) else rollout.tolist()
+                if bad := next(((j, v) for j, v in enumerate(listed) if isinstance(v, (bool, np.bool_))
+                                or not isinstance(v, (int, float, np.number))), None):
+                    raise TypeError(f"rollout_logprobs must be numbers, got {bad[1]!r} at rollout_logprobs[{bad[0]}]")
+            rollout = rollout.astype(np.float32)
             if rollout.ndim != 1:
                 raise TypeError(f"rollout_logprobs must be 1-D, got shape {rollout.shape}")
     else:
