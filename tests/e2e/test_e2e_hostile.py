@@ -3,6 +3,7 @@ huge bodies, protocol garbage, and a drain that must end on time (docs/admission
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import resource
 import signal
@@ -483,26 +484,34 @@ def test_a_slow_but_steady_reader_gets_its_whole_answer_while_a_stalled_one_is_d
     assert "packscore_send_timeouts_total 1.0" in metrics, (metrics, server.log())  # the stalled one, only
 
 
-@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
-def test_a_second_signal_ends_the_wait_for_an_answer_still_being_written(tmp_path, second):
-    # After the drain the server waits for answers still being written, up to the drain timeout; a
-    # second SIGTERM (or SIGINT) stops without a drain, as before that wait: it used to be ignored.
+@contextlib.contextmanager
+def _draining_behind_a_stalled_answer(tmp_path, settle_s: float):
+    """A server SIGTERMed while an answer waits on a reader that reads nothing, ``settle_s`` later:
+    drained, and still up, waiting for that answer."""
     server = fake_server(tmp_path, "--drain-timeout-s", "30").wait_ready()
     try:
         sock, _ = _stall(server, 16)
         with sock:
             server.proc.send_signal(signal.SIGTERM)
-            time.sleep(1.0)
+            time.sleep(settle_s)
             assert server.proc.poll() is None, "exited under an answer still being written: " + server.log()
-            t0 = time.monotonic()
-            server.proc.send_signal(second)
-            try:
-                server.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-            exited_after = time.monotonic() - t0
+            yield server
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_second_signal_ends_the_wait_for_an_answer_still_being_written(tmp_path, second):
+    # After the drain the server waits for answers still being written, up to the drain timeout; a
+    # second SIGTERM (or SIGINT) stops without a drain, as before that wait: it used to be ignored.
+    with _draining_behind_a_stalled_answer(tmp_path, 1.0) as server:
+        t0 = time.monotonic()
+        server.proc.send_signal(second)
+        try:
+            server.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        exited_after = time.monotonic() - t0
     assert exited_after < 10, f"still running {exited_after:.1f} s after a second signal: {server.log()[-2000:]}"
 
 
@@ -542,16 +551,8 @@ def test_a_connection_still_writing_its_answer_is_not_evicted(tmp_path, behind):
 def test_answers_while_the_drain_waits_for_a_slow_reader_carry_the_current_date(tmp_path):
     # uvicorn refreshes its Date header in the main loop's tick, which the wait after the drain
     # replaced: /healthz and /readyz answered meanwhile carried the time the drain ended.
-    server = fake_server(tmp_path, "--drain-timeout-s", "30").wait_ready()
-    try:
-        sock, _ = _stall(server, 16)
-        with sock:
-            server.proc.send_signal(signal.SIGTERM)
-            time.sleep(4.0)
-            assert server.proc.poll() is None, "exited under an answer still being written: " + server.log()
-            answer = httpx.get(server.url + "/healthz", timeout=10)
-            now = time.time()
-    finally:
-        server.stop()
+    with _draining_behind_a_stalled_answer(tmp_path, 4.0) as server:
+        answer = httpx.get(server.url + "/healthz", timeout=10)
+        now = time.time()
     dated = email.utils.parsedate_to_datetime(answer.headers["date"]).timestamp()
     assert answer.status_code == 200 and now - dated < 2.5, f"Date {answer.headers['date']} is {now - dated:.1f} s old"
