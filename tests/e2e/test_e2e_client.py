@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 
 import numpy as np
 import pytest
 
 from packscore_client import AsyncScoreClient, ScoreClient, ScoreError
-from tests.e2e.helpers import API_KEY, TINY_VOCAB
+from tests.e2e.helpers import API_KEY, TINY_VOCAB, queued_sequences
 
 
 def test_a_key_read_from_a_file_with_its_newline_scores_and_a_bad_key_is_never_quoted(tiny_server):
@@ -47,6 +49,34 @@ def test_closing_the_client_after_a_failed_call_blames_no_server(tiny_server, ca
         client._pool.shutdown(wait=True)
     assert (failed.value.status, failed.value.param) == (422, "sequences[0].input_ids[2]"), failed.value
     assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
+def test_a_close_while_a_request_is_on_the_wire_lets_it_end_with_its_answer(tiny_server):
+    # closing its socket under the waiting thread failed the call, or, once another connection took
+    # the descriptor, left the thread waiting out timeout_s
+    client = ScoreClient(tiny_server.url, API_KEY, max_sequences_per_request=4)
+    client.ready()  # the limits known: the call sends its one /score at once
+    long = np.arange(1, 6001) % TINY_VOCAB
+    outcome: dict = {}
+
+    def call():
+        try:
+            outcome["results"] = client.score([long] * 4)
+        except Exception as exc:  # reported by the assertion below
+            outcome["error"] = exc
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    end = time.monotonic() + 60
+    while queued_sequences(tiny_server.url) == 0 and time.monotonic() < end:
+        time.sleep(0.02)
+    client.close()
+    caller.join(120)
+    assert not caller.is_alive() and "error" not in outcome, outcome
+    assert [r.logprobs.shape for r in outcome["results"]] == [(5999,)] * 4
+    assert client._http.is_closed  # once the last request on the wire ended
+    with pytest.raises(RuntimeError, match="closed"):
+        client.score([[1, 2, 3]])
 
 
 @pytest.mark.parametrize("score_from", [2.5, 2.0, "2", True, None])

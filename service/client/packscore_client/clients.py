@@ -7,6 +7,7 @@ import asyncio
 import math
 import threading
 import time
+from contextlib import contextmanager
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, Generator, Iterable
 
@@ -133,6 +134,8 @@ class ScoreClient(_Base):
     def __init__(self, base_url: str, api_key: str | None = None, **knobs: Any):
         super().__init__(base_url, api_key, **knobs)
         self._pool = ThreadPoolExecutor(max_workers=self._max_concurrency, thread_name_prefix="packscore-client")
+        self._in_use_lock = threading.Lock()
+        self._in_use = 0  # requests on the wire: the connection pool closes once none is
 
     def __enter__(self) -> "ScoreClient":
         return self
@@ -141,9 +144,30 @@ class ScoreClient(_Base):
         self.close()
 
     def close(self) -> None:
-        self._closed = True
-        self._pool.shutdown(wait=False)
-        self._http.close()
+        """No new request is sent. A request already on the wire (a failed call's other parts, or
+        a call on another thread) ends with its answer, and the connections close after the last:
+        a socket closed under a thread waiting on it can be reused by another connection's
+        descriptor, and that thread then waits out ``timeout_s`` or reads another's answer."""
+        with self._in_use_lock:
+            self._closed = True
+            idle = self._in_use == 0
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if idle:
+            self._http.close()
+
+    @contextmanager
+    def _http_in_use(self):
+        with self._in_use_lock:
+            self._check_open()
+            self._in_use += 1
+        try:
+            yield self._http
+        finally:
+            with self._in_use_lock:
+                self._in_use -= 1
+                last = self._closed and self._in_use == 0
+            if last:
+                self._http.close()
 
     def score(
         self,
@@ -236,9 +260,9 @@ class ScoreClient(_Base):
         return self._drive(steps, "/v1/weights", self._p.weights_headers())
 
     def _get(self, path: str, timeout_s: float = _DISCOVERY_TIMEOUT_S) -> httpx.Response | Exception:
-        self._check_open()
         try:
-            return self._http.get(path, timeout=timeout_s)
+            with self._http_in_use() as http:
+                return http.get(path, timeout=timeout_s)
         except httpx.HTTPError as exc:
             return exc
 
@@ -262,7 +286,8 @@ class ScoreClient(_Base):
                     step = steps.send(self._get(*step))
                     continue
                 try:
-                    outcome: Any = self._http.post(route, content=step, headers=headers)
+                    with self._http_in_use() as http:
+                        outcome: Any = http.post(route, content=step, headers=headers)
                 except httpx.TransportError as exc:
                     outcome = exc
                 if stop is not None and stop.is_set():  # a client closed under it is no lost link
