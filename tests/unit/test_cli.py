@@ -206,7 +206,6 @@ def test_an_empty_host_is_an_error_not_every_interface(monkeypatch, capsys, wher
     assert "--host" in err and "every interface" in err and "Value error" not in err, err
 
 
-
 @pytest.mark.parametrize("name", ["model", "triton_cache_dir", "expert_gemm", "api_key_file", "weights_root",
                                   "admin_key_file"])
 @pytest.mark.parametrize("where", ["option", "environment"])
@@ -224,6 +223,7 @@ def test_an_empty_path_is_an_error_not_the_working_directory(monkeypatch, capsys
     assert exit_.value.code == 2
     named = f"{option} (from {env}): is empty; give " if where == "environment" else f"{option}: is empty; give "
     assert named in capsys.readouterr().err
+
 
 def test_the_expert_gemm_library_is_checked_and_left_out_of_the_environment(monkeypatch, tmp_path, capsys):
     """A missing file is refused before anything loads; a present one travels in the settings

@@ -290,7 +290,7 @@ class ScoreClient(_Base):
                         outcome: Any = http.post(route, content=step, headers=headers)
                 except httpx.TransportError as exc:
                     outcome = exc
-                if stop is not None and stop.is_set():  # a client closed under it is no lost link
+                if stop is not None and stop.is_set():  # the call failed elsewhere: this answer is dropped unjudged
                     steps.close()
                     return None
                 step = steps.send(outcome)
