@@ -172,7 +172,8 @@ def test_a_drain_timeout_with_a_worker_mid_row_exits_0_on_time_leaving_no_worker
         server.stop(timeout=30)
         raise
     code, exited_after, cut = sigterm_mid_forward(server, long_forward_body(13), [1.0])  # its row seconds into a forward
-    assert code == 0 and exited_after < 1 + 1.8, (code, exited_after, server.log()[-3000:])
+    # Under the exit timer's 1 + 3 s with room for a loaded machine's slower teardown.
+    assert code == 0 and exited_after < 1 + 2.6, (code, exited_after, server.log()[-3000:])
     assert cut.status_code == 503, cut.text[:300]
     time.sleep(0.5)
     assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()
