@@ -1,5 +1,5 @@
 """The bundled client against a real server process, where a trainer meets it: keys as they are read
-from files, a failed call's leftovers, dict keys and score_from values the server would refuse, an
+from files, a failed call's leftovers, a close while a call is on the wire, dict keys and score_from values the server would refuse, an
 async client run by one asyncio.run per call."""
 
 from __future__ import annotations
@@ -77,6 +77,31 @@ def test_a_close_while_a_request_is_on_the_wire_lets_it_end_with_its_answer(tiny
     assert client._http.is_closed  # once the last request on the wire ended
     with pytest.raises(RuntimeError, match="closed"):
         client.score([[1, 2, 3]])
+
+
+def test_an_aclose_from_another_task_lets_the_call_on_the_wire_end_with_its_answer(tiny_server, caplog):
+    # closing the connections under the awaiting task failed its call after a false "server closed
+    # the connection" warning
+    long = np.arange(1, 3001) % TINY_VOCAB  # a forward of seconds: still running at the close
+
+    async def main():
+        client = AsyncScoreClient(tiny_server.url, API_KEY)
+        await client.ready()  # the limits known: the call sends its one /score at once
+        call = asyncio.ensure_future(client.score([long]))
+        end = time.monotonic() + 60
+        while await asyncio.to_thread(queued_sequences, tiny_server.url) == 0 and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        await client.aclose()
+        results = await call
+        with pytest.raises(RuntimeError, match="closed"):
+            await client.score([[1, 2, 3]])
+        return client, results
+
+    with caplog.at_level(logging.WARNING, logger="packscore_client"):
+        client, results = asyncio.run(main())
+    assert [r.logprobs.shape for r in results] == [(2999,)]
+    assert client._http.is_closed  # once the last request on the wire ended
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
 
 
 @pytest.mark.parametrize("score_from", [2.5, 2.0, "2", True, None])

@@ -7,7 +7,7 @@ import asyncio
 import math
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, Generator, Iterable
 
@@ -314,12 +314,27 @@ class AsyncScoreClient(_Base):
         await self.aclose()
 
     _loop: asyncio.AbstractEventLoop | None = None
+    _in_use = 0  # requests on the wire: the connections close once none is
 
     async def aclose(self) -> None:
+        """As ``ScoreClient.close()``: nothing new is sent, a request on the wire (a call in another
+        task) ends with its answer, and the connections close after the last one."""
         if not self._closed:
             http = self._client()
             self._closed = True
-            await http.aclose()
+            if self._in_use == 0:
+                await http.aclose()
+
+    @asynccontextmanager
+    async def _http_in_use(self):
+        http = self._client()
+        self._in_use += 1
+        try:
+            yield http
+        finally:
+            self._in_use -= 1
+            if self._closed and self._in_use == 0:
+                await http.aclose()
 
     def _client(self) -> httpx.AsyncClient:
         """The HTTP client, a new one once the loop it was used on has closed (one ``asyncio.run`` per
@@ -401,7 +416,8 @@ class AsyncScoreClient(_Base):
 
     async def _get(self, path: str, timeout_s: float = _DISCOVERY_TIMEOUT_S) -> httpx.Response | Exception:
         try:
-            return await self._client().get(path, timeout=timeout_s)
+            async with self._http_in_use() as http:
+                return await http.get(path, timeout=timeout_s)
         except httpx.HTTPError as exc:
             return exc
 
@@ -418,7 +434,8 @@ class AsyncScoreClient(_Base):
                     step = steps.send(await self._get(*step))
                     continue
                 try:
-                    outcome: Any = await self._client().post(route, content=step, headers=headers)
+                    async with self._http_in_use() as http:
+                        outcome: Any = await http.post(route, content=step, headers=headers)
                 except httpx.TransportError as exc:
                     outcome = exc
                 step = steps.send(outcome)
