@@ -54,15 +54,14 @@ def request_encoding(content_type: str | None, content_encoding: str | None = No
 
 
 def response_encoding(accept: str | None, default: Encoding) -> Encoding:
-    """The encoding ``Accept`` prefers (highest q, then the first listed); ``default`` when it names
-    neither, the other one when it refuses ``default`` alone (q=0)."""
-    best: tuple[float, int, Encoding] | None = None
-    refused: set[Encoding] = set()
+    """The encoding ``Accept`` prefers, as RFC 9110 ranks it: each encoding takes the q of the most
+    specific range that matches it (its own media type, then ``application/*``, then ``*/*``); the
+    higher q wins, then the one named by its own type, then the first named, then ``default``. When
+    neither is acceptable: ``default``, or the other one when ``default`` alone is refused (q=0)."""
+    ranges = []  # (specificity, q, position, media)
     for position, part in enumerate((accept or "").split(",")):
         fields = part.split(";")
         media = fields[0].strip().lower()
-        if media not in _MEDIA_TYPES:
-            continue
         q = 1.0
         for param in fields[1:]:
             name, _, value = param.partition("=")
@@ -71,14 +70,27 @@ def response_encoding(accept: str | None, default: Encoding) -> Encoding:
                     q = float(value)
                 except ValueError:
                     q = 0.0
-        if q <= 0 or not math.isfinite(q):
-            refused.add(_MEDIA_TYPES[media])
+        if not math.isfinite(q):
+            q = 0.0
+        if media in _MEDIA_TYPES:
+            ranges.append((2, q, position, _MEDIA_TYPES[media]))
+        elif media in ("application/*", "*/*"):
+            ranges.append((1 if media == "application/*" else 0, q, position, None))
+    ranked: dict[Encoding, tuple[float, int, int]] = {}
+    refused: set[Encoding] = set()
+    for encoding in ("json", "msgpack"):
+        matching = [r for r in ranges if r[3] in (encoding, None)]
+        if not matching:
             continue
-        candidate = (-q, position, _MEDIA_TYPES[media])
-        if best is None or candidate < best:
-            best = candidate
-    if best is not None:
-        return best[2]
+        specificity = max(r[0] for r in matching)
+        most_specific = [r for r in matching if r[0] == specificity]  # aliases of one type: the best of them
+        q = max(r[1] for r in most_specific)
+        if q <= 0:
+            refused.add(encoding)
+            continue
+        ranked[encoding] = (-q, -specificity, min(r[2] for r in most_specific if r[1] == q))
+    if ranked:
+        return min(ranked, key=lambda e: (*ranked[e], e != default))
     other: Encoding = "msgpack" if default == "json" else "json"
     return other if default in refused and other not in refused else default
 

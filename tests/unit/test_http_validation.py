@@ -354,6 +354,37 @@ def test_accept_that_refuses_the_request_encoding_gets_the_other(accept, default
     assert response_encoding(accept, default) == expected
 
 
+@pytest.mark.parametrize(
+    "accept, default, expected",
+    [
+        # each encoding takes the q of the most specific range matching it (RFC 9110 section 12.5.1)
+        ("application/json;q=0.5, */*;q=0.9", "json", "msgpack"),
+        ("application/json;q=0.5, */*;q=0.9", "msgpack", "msgpack"),
+        ("application/msgpack;q=0.5, */*", "json", "json"),
+        ("application/msgpack;q=0.5, */*", "msgpack", "json"),
+        ("application/*;q=0.5, application/json;q=0.1", "json", "msgpack"),
+        ("application/*;q=0.1, */*;q=0.9", "msgpack", "msgpack"),  # application/* ranks both: the request's
+        # equal q: the one named by its own type, then the first named
+        ("application/msgpack, */*", "json", "msgpack"),
+        ("application/json, application/msgpack", "msgpack", "json"),
+        ("application/x-msgpack;q=0.2, application/msgpack;q=0.8, application/json;q=0.5", "json", "msgpack"),
+    ],
+)
+def test_accept_wildcards_rank_below_the_types_they_cover(accept, default, expected):
+    assert response_encoding(accept, default) == expected
+
+
+def test_an_accept_preferring_anything_to_json_gets_msgpack_over_http():
+    async def main():
+        app, _ = make_app()
+        async with running_app(app) as client:
+            return await client.post("/score", json=good(), headers={"Accept": "application/json;q=0.5, */*;q=0.9"})
+
+    response = asyncio.run(main())
+    assert response.status_code == 200 and response.headers["content-type"] == "application/msgpack", response.headers
+    assert msgpack.unpackb(response.content)["results"][0]["id"] == "a"
+
+
 def test_param_path_uses_the_contract_notation():
     assert param_path(("body", "sequences", 3, "input_ids", 17)) == "sequences[3].input_ids[17]"
     assert param_path(("query", "limit")) == "limit"
