@@ -83,7 +83,8 @@ async def score_request(request: Request, service: Service) -> Response:
         if scored is None:
             service.metrics.rejections.labels(reason="client_disconnected").inc()
             return Response(status_code=_CLIENT_CLOSED)
-        out_encoding = response_encoding(request.headers.get("accept"), in_encoding)
+        # Several Accept lines are one list (RFC 9110 section 5.3), as a proxy may have split it
+        out_encoding = response_encoding(", ".join(request.headers.getlist("accept")), in_encoding)
         body = _score_body(job, *scored, service)
         return Response(encode_score_response(body, out_encoding), media_type=CONTENT_TYPE[out_encoding],
                         headers=limits.headers())

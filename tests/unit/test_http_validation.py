@@ -385,6 +385,18 @@ def test_an_accept_preferring_anything_to_json_gets_msgpack_over_http():
     assert msgpack.unpackb(response.content)["results"][0]["id"] == "a"
 
 
+def test_several_accept_lines_are_read_as_one_list():
+    async def main():
+        app, _ = make_app()
+        async with running_app(app) as client:
+            return await client.post("/score", content=json.dumps(good()).encode(),
+                                     headers=[("Content-Type", "application/json"), ("Accept", "text/html"),
+                                              ("Accept", "application/msgpack")])
+
+    response = asyncio.run(main())
+    assert response.status_code == 200 and response.headers["content-type"] == "application/msgpack", response.headers
+
+
 def test_param_path_uses_the_contract_notation():
     assert param_path(("body", "sequences", 3, "input_ids", 17)) == "sequences[3].input_ids[17]"
     assert param_path(("query", "limit")) == "limit"
