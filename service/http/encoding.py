@@ -58,7 +58,7 @@ def response_encoding(accept: str | None, default: Encoding) -> Encoding:
     specific range that matches it (its own media type, then ``application/*``, then ``*/*``); the
     higher q wins, then the one named by its own type, then the first named, then ``default``. When
     neither is acceptable: ``default``, or the other one when ``default`` alone is refused (q=0)."""
-    ranges = []  # (specificity, q, position, media)
+    ranges = []  # (specificity, q, position, encoding or None for a wildcard)
     for position, part in enumerate((accept or "").split(",")):
         fields = part.split(";")
         media = fields[0].strip().lower()
