@@ -52,10 +52,20 @@ def resolve_model_source(spec: str, revision: str | None) -> str:
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
+        HFValidationError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
+    from huggingface_hub.utils import validate_repo_id
+
+    try:  # a mistyped local path such as runs/qwen--sft is no hub id either: say both
+        validate_repo_id(spec)
+    except HFValidationError as exc:
+        raise ModelSourceError(
+            f"--model {spec!r} is neither a checkpoint directory, a preset ({', '.join(sorted(PRESETS))}) "
+            f"nor a valid Hugging Face hub id ({_first_line(exc)})"
+        ) from None
 
     cache, rev = constants.HF_HUB_CACHE, revision or constants.DEFAULT_REVISION
     where = f"{spec} (revision {rev})"  # not spec@rev: --model takes no such form

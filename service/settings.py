@@ -279,6 +279,9 @@ def parse_model_specs(text: str) -> dict[str | None, str]:
     text = text.strip()
     if Path(text).is_dir():  # a directory whose name holds "," or "=" is still one checkpoint
         return {None: text}
+    name, sep, spec = text.partition("=")
+    if sep and name.strip() and "," in spec and Path(spec.strip()).is_dir():  # so is one named NAME=DIR
+        return {name.strip(): spec.strip()}
     if text.startswith("{"):
         try:
             mapping = json.loads(text)

@@ -50,6 +50,10 @@ def test_an_uncached_hub_id_offline_is_one_clear_line_and_exit_2(hub_cache, tmp_
         assert str(cache) in errors[0] and model in errors[0] and "HF_HUB_OFFLINE" in errors[0], errors[0]
     out = _run(cli, cache, "serve", "--model", "not a model")
     assert out.returncode == 2 and "hub id (ORG/NAME)" in out.stderr, out.stderr
+    # ORG/NAME in form, but a name the hub never gives (a local path mistyped): not a directory either
+    out = _run(cli, cache, "serve", "--model", "runs/qwen--sft")
+    assert out.returncode == 2 and "neither a checkpoint directory" in out.stderr, out.stderr
+    assert "valid Hugging Face hub id (Cannot have -- or .." in out.stderr, out.stderr
 
 
 def test_the_served_name_of_a_hub_id_is_the_hub_id(hub_cache):

@@ -62,6 +62,23 @@ def test_model_specs_forms():
             parse_model_specs(bad)
 
 
+def test_a_named_checkpoint_directory_holding_a_comma_is_one_model(tmp_path, monkeypatch):
+    """``--model NAME=DIR`` names one model when DIR (a sweep's run directory, say) holds "," and
+    "=": it is not split into a second model named by the text after the comma."""
+    from service import cli
+
+    run = tmp_path / "lr=1e-5,bs=64"
+    run.mkdir()
+    assert parse_model_specs(f"policy={run}") == {"policy": str(run)}
+    assert cli.parse_settings(["serve", "--model", f"policy={run}"])[1].model_specs() == {"policy": str(run)}
+    monkeypatch.setenv("PACKSCORE_MODEL", f"policy={run}")
+    assert cli.parse_settings(["serve"])[1].model_specs() == {"policy": str(run)}
+    # several, one of them such a directory: the repeated option, or JSON in the environment
+    both = {"policy": str(run), "ref": "tiny"}
+    assert cli.parse_settings(["serve", "--model", f"policy={run}", "--model", "ref=tiny"])[1].model_specs() == both
+    assert parse_model_specs(json.dumps(both)) == both
+
+
 def test_repeated_model_option_and_environment(monkeypatch):
     from service import cli
 
