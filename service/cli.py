@@ -241,6 +241,10 @@ def _check_model_and_key(settings: Settings) -> Settings:
     settings with each key file read once (it may be a pipe a secret injector writes once)."""
     api_key = settings.resolved_api_key()  # an unreadable or empty key file
     admin_key = settings.resolved_admin_key()
+    if admin_key is not None and admin_key == api_key:  # /v1/weights refuses the scoring key: not if they are one
+        raise ValueError("the admin key (--admin-key / --admin-key-file) is the API key: the scoring key would also "
+                         "update weights; give the admin key a value of its own, or leave it unset to let the API "
+                         "key rule /v1/weights")
     if settings.weights_root is not None and not settings.weights_root.is_dir():
         raise ValueError(f"--weights-root {str(settings.weights_root)!r} is not a directory")
     if settings.uses_worker_pool:

@@ -163,6 +163,10 @@ class Settings(BaseSettings):
         specs = self.model_specs()  # raises on a malformed list of models
         if len(specs) > 1 and self.served_model_name is not None:
             raise ValueError("--served-model-name names the only model; with several, name each as --model NAME=PATH")
+        if self.served_model_name is not None and None not in specs:  # else one of the two names is silently dropped
+            (name,) = specs
+            raise ValueError(f"--served-model-name {self.served_model_name!r} and --model {name}=... both name the "
+                             "model: give one of them")
         return self
 
     def model_specs(self) -> dict[str | None, str]:
@@ -265,13 +269,21 @@ def _read_key(value: SecretStr | None, file: Path | None, what: str, option: str
                              f"{exc.strerror or exc}") from None
         if not key:
             raise ValueError(f"the {what} file (--{option}-file / {env}_FILE) {file} is empty")
-        return key
+        return _header_safe(key, f"the {what} file (--{option}-file / {env}_FILE) {file}")
     if value is not None:
         key = value.get_secret_value().strip()
         if not key:
             raise ValueError(f"the {what} (--{option} / {env}) is empty; {unset}")
-        return key
+        return _header_safe(key, f"the {what} (--{option} / {env})")
     return None
+
+
+def _header_safe(key: str, where: str) -> str:
+    # A line break or other control character inside cannot travel in a header: every request would get 401.
+    if any(ord(c) < 32 or ord(c) == 127 for c in key):
+        raise ValueError(f"{where} holds a control character inside the key (a line break?), which no HTTP header "
+                         "can carry (the key is not shown)")
+    return key
 
 
 def parse_model_specs(text: str) -> dict[str | None, str]:

@@ -461,6 +461,32 @@ def test_a_key_file_is_read_once_and_its_value_kept(tmp_path):
     assert _check_model_and_key(Settings()).resolved_api_key() is None
 
 
+def test_keys_no_header_can_carry_or_one_key_for_both_routes_are_refused_at_start(tmp_path, capsys):
+    """A key file with a line break inside would leave every request 401; an admin key equal to the
+    API key would let the scoring key update weights, which /v1/weights must refuse."""
+    split = tmp_path / "split"
+    split.write_text("first-half\nsecond-half\n")
+    same = tmp_path / "same"
+    same.write_text("one-key\n")
+    for argv, message in [
+        (["serve", "--api-key-file", str(split)], f"the API key file (--api-key-file / PACKSCORE_API_KEY_FILE) {split} "
+                                                  "holds a control character"),
+        (["serve", "--admin-key-file", str(split)], "the admin key file"),
+        (["serve", "--api-key", "one-key", "--admin-key-file", str(same)], "the admin key (--admin-key / "
+                                                                          "--admin-key-file) is the API key"),
+    ]:
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "half" not in err and "one-key" not in err, err
+
+
+def test_a_served_model_name_beside_a_named_model_is_refused_not_dropped(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse_settings(["serve", "--model", "policy=tiny", "--served-model-name", "other"])
+    assert exit_.value.code == 2
+    assert "--served-model-name 'other' and --model policy=... both name the model" in capsys.readouterr().err
+
+
 def test_only_serve_exits_early_on_sigterm_and_gives_it_back_to_the_server():
     import signal
 
