@@ -7,6 +7,8 @@ import re
 import yaml
 
 from deploy_helpers import CHART, CLI_OPTIONS, REPO, arg_value, container, manifests
+from service.http.server import _EXIT_GRACE_S
+from service.settings import Settings
 
 DEPLOY_README = (REPO / "deploy" / "README.md").read_text()
 CHART_README = (CHART / "README.md").read_text()
@@ -33,6 +35,18 @@ def test_docker_run_options_are_packscore_serve_options():
                 after_image = line.split(" IMAGE", 1)[1].split()
                 flags = {a for a in after_image if a.startswith("--")}
                 assert flags <= CLI_OPTIONS, flags - CLI_OPTIONS
+
+
+def test_docker_stop_gets_the_time_a_drain_takes():
+    # docker stop sends SIGKILL 10 s after SIGTERM unless told otherwise: that cuts the default drain short.
+    drain_ends = Settings.model_fields["drain_timeout_s"].default + _EXIT_GRACE_S
+    assert drain_ends > 10
+    text = DEPLOY_README.replace("\\\n", " ")
+    timeouts = [int(t) for t in re.findall(r"--stop-timeout (\d+)", text) + re.findall(r"docker stop -t (\d+)", text)]
+    assert len(timeouts) >= 2, "the README tells how to give docker stop the drain's time"
+    assert all(t > drain_ends for t in timeouts), (timeouts, drain_ends)
+    full = [line for line in text.splitlines() if "docker run" in line and "--read-only" in line]
+    assert full and all("--stop-timeout" in line for line in full), full
 
 
 # Sections whose keys are the chart's own (the others pass Kubernetes fields through).
