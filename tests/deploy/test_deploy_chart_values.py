@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import math
+import typing
+
 import helm_python as helm
 import pytest
 import yaml
@@ -10,6 +14,8 @@ from deploy_helpers import (
     CHART, CLI_OPTIONS, NAMESPACE, RELEASE, VALUE_SETS, arg_value, by_kind, container, manifests, one, pod_spec,
     render_chart,
 )
+from service.http.server import _EXIT_GRACE_S
+from service.settings import Settings
 
 FULLNAME = f"{RELEASE}-packscore"
 
@@ -142,7 +148,7 @@ def test_startup_probe_allows_thirty_minutes_to_load_a_checkpoint():
     assert live["periodSeconds"] * live["failureThreshold"] >= 60
 
 
-@pytest.mark.parametrize(("drain", "pre_stop", "margin"), [(60, 0, 30), (300, 5, 30), (0, 0, 1)])
+@pytest.mark.parametrize(("drain", "pre_stop", "margin"), [(60, 0, 30), (300, 5, 30), (0, 0, 5)])
 def test_termination_grace_outlasts_the_drain(drain, pre_stop, margin):
     values = {"server": {"drainTimeoutS": drain}, "preStopSleepS": pre_stop, "terminationGraceMarginS": margin}
     spec = pod_spec(values)
@@ -154,6 +160,15 @@ def test_termination_grace_outlasts_the_drain(drain, pre_stop, margin):
         assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(pre_stop)]
     else:
         assert "lifecycle" not in c
+
+
+@pytest.mark.parametrize("margin", [1, math.ceil(_EXIT_GRACE_S), math.ceil(_EXIT_GRACE_S) + 1])
+def test_termination_grace_margin_outlasts_the_servers_own_exit_timer(margin):
+    # A drain that times out ends with the server's exit 0 up to _EXIT_GRACE_S later, plus the exit itself;
+    # a margin within that lets Kubernetes SIGKILL the pod first (137, not the contract's clean exit).
+    with pytest.raises(helm.HelmValuesError) as err:
+        render_chart({"terminationGraceMarginS": margin})
+    assert "/terminationGraceMarginS" in str(err.value)
 
 
 def test_dev_shm_is_a_size_limited_memory_emptydir():
@@ -272,6 +287,8 @@ def test_incomplete_model_sources_are_rejected_by_the_schema(source, where):
                      "additional properties 'drainTimeout'", id="typo-nested"),
         pytest.param({"parallel": {"worldSize": 8, "sp": 0, "fsdp": False}}, "/parallel/sp", id="sp-zero"),
         pytest.param({"shm": {"sizeLimit": "lots"}}, "/shm/sizeLimit", id="bad-quantity"),
+        pytest.param({"server": {"port": 8000, "drainTimeoutS": 60, "dtype": "bf16"}}, "/server/dtype",
+                     id="dtype-packscore-serve-refuses"),
         pytest.param({"probes": {"startup": {"path": "readyz", "periodSeconds": 10, "failureThreshold": 1,
                                              "timeoutSeconds": 1}}}, "/probes/startup/path", id="relative-probe-path"),
     ],
@@ -280,6 +297,16 @@ def test_schema_rejects_bad_values(values, where):
     with pytest.raises(helm.HelmValuesError) as err:
         render_chart(values)
     assert where in str(err.value)
+
+
+def test_schema_dtypes_are_the_ones_packscore_serve_accepts():
+    # A dtype the server refuses renders fine but crash-loops the pod: the schema must refuse it first.
+    accepted = set(typing.get_args(Settings.model_fields["dtype"].annotation))
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert set(schema["properties"]["server"]["properties"]["dtype"]["enum"]) == accepted | {None}
+    for dtype in sorted(accepted):
+        assert arg_value(container({"server": {"port": 8000, "drainTimeoutS": 60, "dtype": dtype}})["args"],
+                         "--dtype") == dtype
 
 
 OPTIONAL = [

@@ -7,6 +7,9 @@ import re
 import yaml
 
 from deploy_helpers import CHART, CLI_OPTIONS, REPO, arg_value, container, manifests
+from service.cli import parse_settings
+from service.http.server import _EXIT_GRACE_S
+from service.settings import Settings
 
 DEPLOY_README = (REPO / "deploy" / "README.md").read_text()
 CHART_README = (CHART / "README.md").read_text()
@@ -33,6 +36,18 @@ def test_docker_run_options_are_packscore_serve_options():
                 after_image = line.split(" IMAGE", 1)[1].split()
                 flags = {a for a in after_image if a.startswith("--")}
                 assert flags <= CLI_OPTIONS, flags - CLI_OPTIONS
+
+
+def test_docker_stop_gets_the_time_a_drain_takes():
+    # docker stop sends SIGKILL 10 s after SIGTERM unless told otherwise: that cuts the default drain short.
+    drain_ends = Settings.model_fields["drain_timeout_s"].default + _EXIT_GRACE_S
+    assert drain_ends > 10
+    text = DEPLOY_README.replace("\\\n", " ")
+    timeouts = [int(t) for t in re.findall(r"--stop-timeout (\d+)", text) + re.findall(r"docker stop -t (\d+)", text)]
+    assert len(timeouts) >= 2, "the README tells how to give docker stop the drain's time"
+    assert all(t > drain_ends for t in timeouts), (timeouts, drain_ends)
+    full = [line for line in text.splitlines() if "docker run" in line and "--read-only" in line]
+    assert full and all("--stop-timeout" in line for line in full), full
 
 
 # Sections whose keys are the chart's own (the others pass Kubernetes fields through).
@@ -73,3 +88,32 @@ def test_install_command_in_the_deploy_readme_uses_real_values():
     c = container(values)
     assert c["image"] == "registry.example.com/ml/packscore:0.1.0"
     assert arg_value(c["args"], "--model") == "/models/Qwen3.5-9B"
+
+
+def test_hub_id_docs_mount_a_cache_because_the_image_is_offline():
+    # The image sets HF_HUB_OFFLINE=1 and starts with an empty cache: a hub id works only from a mounted one.
+    assert "HF_HUB_OFFLINE=1" in (REPO / "Dockerfile").read_text()
+    for readme in [DEPLOY_README, CHART_README]:
+        assert "HF_HUB_OFFLINE=1" in readme
+    (run,) = [line for line in DEPLOY_README.splitlines() if line.startswith("docker run") and "--model Qwen/" in line]
+    docker_opts, image_args = run.split(" IMAGE ", 1)
+    _, s = parse_settings(["serve", *image_args.split()])
+    assert s.model == "Qwen/Qwen3.5-9B"
+    (hf_home,) = re.findall(r"-e HF_HOME=(\S+)", docker_opts)
+    assert any(m.split(":")[1] == hf_home for m in re.findall(r"-v (\S+)", docker_opts)), docker_opts
+    (values,) = [e for e in (yaml.safe_load(b) for b in code_blocks(CHART_README, "yaml"))
+                 if e.get("model", {}).get("path") == "Qwen/Qwen3.5-9B"]
+    c = container(values)
+    _, s = parse_settings(["serve", *c["args"]])
+    assert s.model == "Qwen/Qwen3.5-9B"
+    (cache,) = [e["value"] for e in c["env"] if e["name"] in ("HF_HUB_CACHE", "HF_HOME")]
+    assert any(cache.startswith(m["mountPath"] + "/") for m in c["volumeMounts"] if m["name"] == "model"), cache
+
+
+def test_several_models_example_serves_each_by_name():
+    (values,) = [e for e in (yaml.safe_load(b) for b in code_blocks(CHART_README, "yaml"))
+                 if "=" in e.get("model", {}).get("path", "")]
+    _, s = parse_settings(["serve", *container(values)["args"]])
+    specs = s.model_specs()
+    assert len(specs) == 2 and None not in specs, specs
+    assert all(path.startswith(VALUES["model"]["mountPath"] + "/") for path in specs.values()), specs
