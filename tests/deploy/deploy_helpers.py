@@ -6,6 +6,7 @@ A missing tool is an error, never a skip: the imports below fail the run.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import importlib.util
 import os
@@ -18,18 +19,22 @@ from typing import Any
 import helm_python as helm  # Helm v4's Go SDK, bundled as a native library
 import yaml
 
+from service.cli import build_parser
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "deploy" / "helm" / "packscore"
 RELEASE = "ps"
 NAMESPACE = "rl"
 
-# `packscore serve` options as documented in docs/api.md and issue 6.
-CLI_OPTIONS = {
-    "--model", "--host", "--port", "--max-batch-tokens", "--max-wait-ms", "--max-queued-tokens",
-    "--max-request-bytes", "--max-model-len", "--drain-timeout-s", "--api-key", "--api-key-file",
-    "--dtype", "--device", "--world-size", "--sp", "--fsdp", "--triton-cache-dir", "--allow-slow-kernels",
-    "--kernels",
-}
+
+def _serve_options() -> frozenset[str]:
+    """Every option string the real `packscore serve` parser accepts (--help excluded)."""
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return frozenset(o for o in sub.choices["serve"]._option_string_actions if o.startswith("--") and o != "--help")
+
+
+# From service/cli.py itself, so a value set using any real option (--weights-root) passes.
+CLI_OPTIONS = _serve_options()
 
 
 def load_module(path: Path) -> ModuleType:

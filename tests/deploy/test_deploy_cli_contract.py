@@ -7,9 +7,19 @@ from pathlib import Path
 
 import pytest
 
-from deploy_helpers import REPO, VALUE_SETS, container
-from service.cli import parse_settings
+from deploy_helpers import CLI_OPTIONS, REPO, VALUE_SETS, container
+from service.cli import build_parser, parse_settings
 from service.settings import Settings
+
+
+def test_cli_options_are_every_option_packscore_serve_documents(capsys, monkeypatch):
+    # A hand-kept subset refused real options (--weights-root) in value sets; `serve --help` is the truth.
+    monkeypatch.setenv("COLUMNS", "10000")  # no line wrapped inside an option name
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    documented = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", capsys.readouterr().out)) - {"--help"}
+    assert CLI_OPTIONS == documented, (CLI_OPTIONS ^ documented)
+    assert {"--weights-root", "--admin-key-file", "--api-key-file"} <= CLI_OPTIONS
 
 
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
