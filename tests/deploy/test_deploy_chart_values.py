@@ -162,6 +162,15 @@ def test_termination_grace_outlasts_the_drain(drain, pre_stop, margin):
         assert "lifecycle" not in c
 
 
+def test_default_pre_stop_sleep_lets_endpoints_drop_before_the_drain_starts():
+    # SIGTERM at once would answer 503 to requests still routed to the pod until its endpoints are removed.
+    spec = pod_spec()
+    (c,) = spec["containers"]
+    assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    drain = int(arg_value(c["args"], "--drain-timeout-s"))
+    assert spec["terminationGracePeriodSeconds"] == 5 + drain + 30
+
+
 @pytest.mark.parametrize("margin", [1, math.ceil(_EXIT_GRACE_S), math.ceil(_EXIT_GRACE_S) + 1])
 def test_termination_grace_margin_outlasts_the_servers_own_exit_timer(margin):
     # A drain that times out ends with the server's exit 0 up to _EXIT_GRACE_S later, plus the exit itself;
