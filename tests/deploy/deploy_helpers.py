@@ -144,4 +144,12 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                   "source": {"type": "nfs", "nfs": {"server": "nfs.storage.svc", "path": "/export/models"}}},
         "service": {"type": "NodePort", "port": 8000},
     },
+    "weights-updates-1gpu": {
+        "gpus": 1,
+        "model": {"path": "/ckpt/step-000000", "source": {"type": "none"}},
+        "apiKey": {"secretName": "packscore-api-key", "secretKey": "api-key"},
+        "weights": {"enabled": True, "mountPath": "/ckpt",
+                    "source": {"type": "pvc", "pvc": {"claimName": "rl-checkpoints", "subPath": "run-42"}},
+                    "adminKey": {"secretName": "packscore-admin-key", "secretKey": "admin-key"}},
+    },
 }

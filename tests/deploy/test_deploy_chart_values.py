@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import typing
+from pathlib import Path
 
 import helm_python as helm
 import pytest
@@ -14,6 +15,7 @@ from deploy_helpers import (
     CHART, CLI_OPTIONS, NAMESPACE, RELEASE, VALUE_SETS, arg_value, by_kind, container, manifests, one, pod_spec,
     render_chart,
 )
+from service.cli import parse_settings
 from service.http.server import _EXIT_GRACE_S
 from service.settings import Settings
 
@@ -412,3 +414,90 @@ def test_extra_env_passes_through():
                    "envFrom": [{"secretRef": {"name": "extra"}}]})
     assert {"name": "NCCL_DEBUG", "value": "WARN"} in c["env"]
     assert c["envFrom"] == [{"secretRef": {"name": "extra"}}]
+
+
+WEIGHT_SOURCES = [
+    pytest.param({"type": "pvc", "pvc": {"claimName": "rl-checkpoints"}},
+                 {"persistentVolumeClaim": {"claimName": "rl-checkpoints", "readOnly": True}}, id="pvc"),
+    pytest.param({"type": "hostPath", "hostPath": {"path": "/mnt/ckpt", "type": "Directory"}},
+                 {"hostPath": {"path": "/mnt/ckpt", "type": "Directory"}}, id="hostPath"),
+    pytest.param({"type": "nfs", "nfs": {"server": "10.0.0.5", "path": "/export/ckpt"}},
+                 {"nfs": {"server": "10.0.0.5", "path": "/export/ckpt", "readOnly": True}}, id="nfs"),
+]
+
+
+def test_weight_updates_are_off_by_default():
+    spec = pod_spec()
+    (c,) = spec["containers"]
+    assert not {"--weights-root", "--admin-key", "--admin-key-file"} & set(c["args"])
+    assert not {"weights", "admin-key"} & {v["name"] for v in spec["volumes"]}
+    assert parse_settings(["serve", *c["args"]])[1].weights_root is None
+
+
+@pytest.mark.parametrize(("source", "volume_source"), WEIGHT_SOURCES)
+def test_weights_volume_is_mounted_read_only_as_the_weights_root(source, volume_source):
+    spec = pod_spec({"weights": {"enabled": True, "mountPath": "/ckpt", "source": source}})
+    (c,) = spec["containers"]
+    assert arg_value(c["args"], "--weights-root") == "/ckpt"
+    assert parse_settings(["serve", *c["args"]])[1].weights_root == Path("/ckpt")
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "weights"]
+    assert mount == {"name": "weights", "mountPath": "/ckpt", "readOnly": True}
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "weights"]
+    assert volume == {"name": "weights", **volume_source}
+    assert "--admin-key-file" not in c["args"]  # no admin key: the API key rules /v1/weights
+
+
+def test_weights_pvc_sub_path_is_mounted():
+    spec = pod_spec({"weights": {"enabled": True, "source": {"type": "pvc", "pvc": {"claimName": "c", "subPath": "run7"}}}})
+    (mount,) = [m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "weights"]
+    assert mount == {"name": "weights", "mountPath": "/weights", "readOnly": True, "subPath": "run7"}
+
+
+def test_admin_key_is_a_mounted_secret_file_passed_as_admin_key_file():
+    spec = pod_spec({"weights": {"enabled": True, "source": WEIGHT_SOURCES[0].values[0],
+                                 "adminKey": {"secretName": "ps-admin", "secretKey": "token"}}})
+    (c,) = spec["containers"]
+    key_file = arg_value(c["args"], "--admin-key-file")
+    assert "--admin-key" not in c["args"]  # never the key itself on the command line
+    assert all("ADMIN" not in e["name"] for e in c["env"])
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "admin-key"]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "admin-key"]
+    (item,) = volume["secret"]["items"]
+    assert volume["secret"]["secretName"] == "ps-admin" and item["key"] == "token"
+    assert key_file == f"{mount['mountPath']}/{item['path']}"
+    assert volume["secret"]["defaultMode"] & 0o040  # group read: the fsGroup the server runs with
+    assert spec["securityContext"]["fsGroup"] == c["securityContext"]["runAsGroup"]
+    assert parse_settings(["serve", *c["args"]])[1].admin_key_file == Path(key_file)
+
+
+@pytest.mark.parametrize(
+    ("weights", "where"),
+    [
+        pytest.param({"enabled": True, "source": {"type": "pvc"}}, "/weights/source", id="pvc-without-claim"),
+        pytest.param({"enabled": True, "source": {"type": "hostPath", "hostPath": {"path": "ckpt"}}},
+                     "/weights/source/hostPath/path", id="hostPath-relative"),
+        pytest.param({"enabled": True, "source": {"type": "nfs", "nfs": {"server": "", "path": "/x"}}},
+                     "/weights/source/nfs/server", id="nfs-without-server"),
+        pytest.param({"enabled": True, "source": {"type": "none"}}, "/weights/source/type", id="no-volume"),
+        pytest.param({"enabled": True, "mountPath": "weights"}, "/weights/mountPath", id="relative-mount"),
+        pytest.param({"adminKey": {"secretName": "k", "secretKey": ""}}, "/weights/adminKey/secretKey",
+                     id="empty-secret-key"),
+        pytest.param({"root": "/weights"}, "additional properties 'root'", id="typo"),
+    ],
+)
+def test_incomplete_weights_values_are_rejected_by_the_schema(weights, where):
+    with pytest.raises(helm.HelmValuesError) as err:
+        render_chart({"weights": weights})
+    assert where in str(err.value)
+
+
+@pytest.mark.parametrize("mount_path", ["/models", "/cache", "/tmp", "/run/secrets/packscore-admin"])
+def test_weights_mount_path_must_be_its_own(mount_path):
+    values = {"model": {"path": "/models/x", "mountPath": "/models",
+                        "source": {"type": "pvc", "pvc": {"claimName": "models"}}},
+              "weights": {"enabled": True, "mountPath": mount_path,
+                          "source": {"type": "hostPath", "hostPath": {"path": "/mnt/ckpt"}}}}
+    with pytest.raises(helm.HelmError) as err:
+        render_chart(values)
+    assert f"weights.mountPath({mount_path}) is already a mount of the pod" in str(err.value)

@@ -52,7 +52,8 @@ def test_docker_stop_gets_the_time_a_drain_takes():
 
 # Sections whose keys are the chart's own (the others pass Kubernetes fields through).
 OWN_SECTIONS = {"image", "model", "parallel", "server", "apiKey", "shm", "tmp", "cache", "serviceAccount",
-                "probes", "service", "podDisruptionBudget", "serviceMonitor", "autoscaling", "networkPolicy"}
+                "probes", "service", "podDisruptionBudget", "serviceMonitor", "autoscaling", "networkPolicy",
+                "weights"}
 
 
 def test_chart_readme_mentions_every_value():
@@ -117,3 +118,14 @@ def test_several_models_example_serves_each_by_name():
     specs = s.model_specs()
     assert len(specs) == 2 and None not in specs, specs
     assert all(path.startswith(VALUES["model"]["mountPath"] + "/") for path in specs.values()), specs
+
+
+def test_weight_updates_example_serves_post_v1_weights_from_the_mounted_root():
+    (values,) = [e for e in (yaml.safe_load(b) for b in code_blocks(CHART_README, "yaml")) if "weights" in e]
+    c = container(values)
+    _, s = parse_settings(["serve", *c["args"]])
+    assert s.weights_root is not None and s.admin_key_file is not None
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "weights"]
+    assert mount["mountPath"] == str(s.weights_root) and mount["readOnly"] is True
+    assert any(str(s.admin_key_file).startswith(m["mountPath"] + "/") for m in c["volumeMounts"]
+               if m["name"] == "admin-key")

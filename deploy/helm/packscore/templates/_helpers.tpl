@@ -81,9 +81,30 @@ app.kubernetes.io/component: scoring
 {{- if and (eq $src.type "nfs") (or (not $src.nfs.server) (not $src.nfs.path)) }}
 {{- fail "model.source.type is nfs but model.source.nfs.server or model.source.nfs.path is empty" }}
 {{- end }}
+{{- $wts := .Values.weights }}
+{{- if $wts.enabled }}
+{{- $taken := list "/dev/shm" "/tmp" "/cache" (include "packscore.adminKeyDir" .) }}
+{{- if ne $src.type "none" }}{{ $taken = append $taken .Values.model.mountPath }}{{ end }}
+{{- if has (trimSuffix "/" $wts.mountPath) $taken }}
+{{- fail (printf "weights.mountPath(%s) is already a mount of the pod (%s): give the checkpoints a path of their own" $wts.mountPath (join ", " $taken)) }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* Seconds from SIGTERM to SIGKILL: preStop sleep + drain + margin. */}}
 {{- define "packscore.terminationGracePeriod" -}}
 {{- add (int .Values.preStopSleepS) (int .Values.server.drainTimeoutS) (int .Values.terminationGraceMarginS) }}
+{{- end }}
+
+{{/* The admin key Secret's mount (a directory of its own) and the file --admin-key-file reads. */}}
+{{- define "packscore.adminKeyDir" -}}
+/run/secrets/packscore-admin
+{{- end }}
+
+{{- define "packscore.adminKeyFileName" -}}
+admin-key
+{{- end }}
+
+{{- define "packscore.adminKeyFile" -}}
+{{- printf "%s/%s" (include "packscore.adminKeyDir" .) (include "packscore.adminKeyFileName" .) }}
 {{- end }}
