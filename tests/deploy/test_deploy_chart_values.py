@@ -407,6 +407,17 @@ def test_notes_tell_how_to_reach_the_service():
     assert f"http://{FULLNAME}.{NAMESPACE}.svc:8000/score" in notes
     assert "Authorization: Bearer" in notes
     assert "No API key" in render_chart()["packscore/templates/NOTES.txt"]
+    assert "/v1/weights" not in notes  # weight updates are off by default
+
+
+def test_notes_tell_where_weight_updates_go_and_that_each_pod_takes_its_own():
+    weights = {"enabled": True, "mountPath": "/ckpt", "source": {"type": "pvc", "pvc": {"claimName": "rl"}},
+               "adminKey": {"secretName": "ps-admin"}}
+    notes = render_chart({"weights": weights})["packscore/templates/NOTES.txt"]
+    assert "POST /v1/weights with a path relative to /ckpt, authorised by the admin key in Secret ps-admin." in notes
+    assert "send it to each pod" in notes
+    del weights["adminKey"]
+    assert "authorised by the API key." in render_chart({"weights": weights})["packscore/templates/NOTES.txt"]
 
 
 def test_extra_env_passes_through():
