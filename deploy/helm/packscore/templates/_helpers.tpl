@@ -108,3 +108,21 @@ admin-key
 {{- define "packscore.adminKeyFile" -}}
 {{- printf "%s/%s" (include "packscore.adminKeyDir" .) (include "packscore.adminKeyFileName" .) }}
 {{- end }}
+
+{{/* The read-only volume source of model.source or weights.source: pvc, hostPath or nfs. */}}
+{{- define "packscore.readOnlyVolumeSource" -}}
+{{- if eq .type "pvc" -}}
+persistentVolumeClaim:
+  claimName: {{ .pvc.claimName }}
+  readOnly: true
+{{- else if eq .type "hostPath" -}}
+hostPath:
+  path: {{ .hostPath.path }}
+  type: {{ .hostPath.type }}
+{{- else if eq .type "nfs" -}}
+nfs:
+  server: {{ .nfs.server }}
+  path: {{ .nfs.path }}
+  readOnly: true
+{{- end }}
+{{- end }}
