@@ -16,6 +16,7 @@ from model_runtime.types import SequenceInput
 from service import cli
 from service.settings import Settings
 from service.testing import FakeBackend, expected_scores
+from tests.signals import default_sigint
 
 SERVE_OPTIONS = (
     "--model", "--host", "--port", "--max-batch-tokens", "--max-wait-ms", "--max-queued-tokens",
@@ -333,7 +334,7 @@ def test_offline_scoring_interrupted_keeps_its_results_in_input_order_and_resume
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(source, rows)
     argv = [sys.executable, "-c", _INTERRUPTED_RUN, "score", str(source), "-o", str(out), "--max-batch-tokens", "128"]
-    run = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    run = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     deadline = time.monotonic() + 60
     while (not out.exists() or out.stat().st_size == 0) and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -18,6 +18,7 @@ import pytest
 from service import cli
 import service.offline
 from service.testing import FAKE_VERSION, FakeBackend
+from tests.signals import default_sigint
 
 
 def _write_jsonl(path, rows):
@@ -45,7 +46,8 @@ def _fake_model(monkeypatch):
 
 def _run_until(argv, out, lines, sig):
     """Starts ``argv``, sends ``sig`` once OUT holds ``lines`` lines; its exit status and stderr."""
-    run = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                           preexec_fn=default_sigint)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and run.poll() is None:
         if out.exists() and out.read_bytes().count(b"\n") >= lines:
@@ -438,7 +440,7 @@ def _interrupt_during_first_forward(tmp_path, forward_s, signals):
     _write_jsonl(source, rows)
     argv = [sys.executable, "-c", _SLOW_FORWARD_RUN, str(forward_s), "score", str(source), "--max-batch-tokens",
             "120", "--log-level", "warning", "-o", str(out)]
-    run = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    run = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     marker = tmp_path / "out.jsonl.started"
     deadline = time.monotonic() + 60
     while not marker.exists() and run.poll() is None and time.monotonic() < deadline:
