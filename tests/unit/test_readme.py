@@ -1,5 +1,6 @@
-"""The README's quick start stays true: CI runs exactly its test command."""
+"""The README stays true: CI runs its test command, and its figures are those of the files it names."""
 
+import json
 import re
 from pathlib import Path
 
@@ -52,3 +53,12 @@ def test_headline_figures_come_from_the_results_files_their_row_names():
                    + re.findall(r"padded batches: (\d\.\d+)", figure))
         wrong += [f"{what}: {f} is in none of {[p.name for p in files]}" for f in figures if not _shown(f, values)]
     assert not wrong, wrong
+
+
+def test_status_range_of_the_9b_peak_fraction_spans_the_headline_runs():
+    text = (ROOT / "README.md").read_text()
+    low, high = re.search(r"measured matmul peak on the 9B \((0\.\d{3})-(0\.\d{3})", text).groups()
+    row = next(line for line in text.split("## Headline numbers", 1)[1].splitlines() if line.startswith("| 9B, default |"))
+    suites = [ROOT / "bench" / "results" / name for name in re.findall(r"`([^`]+-suite\.json)`", row)]
+    fractions = [json.loads(path.read_text())["qwen3.5-9b"]["mfu_of_measured_peak"] for path in suites]
+    assert (low, high) == (f"{min(fractions):.3f}", f"{max(fractions):.3f}"), (low, high, fractions)
