@@ -230,7 +230,12 @@ class Service:
 
     def is_ready(self) -> bool:
         """The last known readiness, without running anything (for the metric)."""
-        return self.phase == "ready" and self._probe_ok and self._all_alive() and not self._copying_in_place()
+        return (self.phase == "ready" and self._probe_ok and self._all_alive() and not self._copying_in_place()
+                and not self._stalled())
+
+    def _stalled(self) -> bool:
+        """A forward has run far past what its row should take (a stopped worker, a hung GPU)."""
+        return any(m.scheduler.forward_state() == "stalled" for m in self._scheduled())
 
     def _copying_in_place(self) -> bool:
         """An update copies into some model's served weights (``LocalBackend.copying_in_place``):
@@ -246,7 +251,7 @@ class Service:
             return False, "restart_failed" if self.restart_error() else "worker_down"
         if self._copying_in_place():
             return False, "updating_weights"
-        if any(m.scheduler.forward_state() == "stalled" for m in self._scheduled()):
+        if self._stalled():
             # One replica stuck (a stopped worker, a hung GPU) while others keep succeeding: the
             # successes alone would keep the proof fresh and hide it.
             return False, "stalled"

@@ -168,13 +168,21 @@ def test_readyz_reports_a_stalled_forward_even_while_the_last_proof_is_fresh(mon
             t0 = time.monotonic()
             stalled = await client.get("/readyz")
             stalled_s = time.monotonic() - t0
+            gauge_stalled = _ready_gauge((await client.get("/metrics")).text)
             gate.set()
             await long
-            return stalled, stalled_s
+            await wait_until(lambda: not app.state.service.scheduler.forward_running)
+            return stalled, stalled_s, gauge_stalled, _ready_gauge((await client.get("/metrics")).text)
 
-    stalled, stalled_s = asyncio.run(main())
+    stalled, stalled_s, gauge_stalled, gauge_after = asyncio.run(main())
     assert stalled.status_code == 503 and stalled.json()["status"] == "stalled", stalled.text
     assert stalled_s < 1.0, f"{stalled_s:.2f} s"
+    # packscore_ready says what /readyz would answer (alerts read it): 0 while stalled, 1 once the forward ends
+    assert (gauge_stalled, gauge_after) == (0.0, 1.0), (gauge_stalled, gauge_after)
+
+
+def _ready_gauge(metrics: str) -> float:
+    return float(next(line.split()[1] for line in metrics.splitlines() if line.startswith("packscore_ready ")))
 
 
 def test_a_failed_load_is_reported_not_hidden():
