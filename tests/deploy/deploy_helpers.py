@@ -144,6 +144,10 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "service": {"type": "ClusterIP", "port": 8000, "annotations": {"example.com/lb": "internal"}},
         "podDisruptionBudget": {"enabled": True, "minAvailable": 1},
         "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+        "prometheusRule": {"enabled": True, "labels": {"release": "kube-prometheus-stack"},
+                           "alertLabels": {"team": "rl"}, "alerts": {"queueWaitHigh": {"seconds": 10}},
+                           "extraRules": [{"record": "packscore:tokens_scored:rate5m",
+                                           "expr": "sum by (model) (rate(packscore_tokens_scored_total[5m]))"}]},
         "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6, "targetQueuedTokens": 2_000_000},
         "networkPolicy": {"enabled": True, "from": [
             {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "trainers"}}},
