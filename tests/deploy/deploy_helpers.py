@@ -37,6 +37,25 @@ def _serve_options() -> frozenset[str]:
 CLI_OPTIONS = _serve_options()
 
 
+def exported_series() -> dict[str, tuple[str, frozenset[str]]]:
+    """Every series name GET /metrics can carry, with its family's type and the labels the
+    service puts on it, read from service/http/metrics.py itself: no server is started."""
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from service.http.metrics import Metrics
+
+    metrics = Metrics()
+    # prometheus_client keeps a metric's label names on the metric object only.
+    labels = {m._name: frozenset(m._labelnames) for m in vars(metrics).values() if isinstance(m, MetricWrapperBase)}
+    suffixes = {"counter": ["_total"], "gauge": [""], "info": ["_info"], "histogram": ["_bucket", "_sum", "_count"]}
+    series = {}
+    for family in metrics.registry.collect():
+        for suffix in suffixes[family.type]:
+            le = {"le"} if suffix == "_bucket" else set()
+            series[family.name + suffix] = (family.type, labels.get(family.name, frozenset()) | le)
+    return series
+
+
 def load_module(path: Path) -> ModuleType:
     """Import a script that is not part of an installed package."""
     spec = importlib.util.spec_from_file_location(f"deploycheck_{path.stem}", path)
@@ -125,6 +144,10 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "service": {"type": "ClusterIP", "port": 8000, "annotations": {"example.com/lb": "internal"}},
         "podDisruptionBudget": {"enabled": True, "minAvailable": 1},
         "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+        "prometheusRule": {"enabled": True, "labels": {"release": "kube-prometheus-stack"},
+                           "alertLabels": {"team": "rl"}, "alerts": {"queueWaitHigh": {"seconds": 10}},
+                           "extraRules": [{"record": "packscore:tokens_scored:rate5m",
+                                           "expr": "sum by (model) (rate(packscore_tokens_scored_total[5m]))"}]},
         "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6, "targetQueuedTokens": 2_000_000},
         "networkPolicy": {"enabled": True, "from": [
             {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "trainers"}}},

@@ -19,6 +19,9 @@ from deploy_helpers import CHART, VALUE_SETS, manifests
 MIN_KUBE = "1.26.0"
 KUBE_VERSIONS = [MIN_KUBE, kv_utils.latest_version()]
 SERVICE_MONITOR_SCHEMA = json.loads((Path(__file__).with_name("servicemonitor.schema.json")).read_text())
+PROMETHEUS_RULE_SCHEMA = json.loads((Path(__file__).with_name("prometheusrule.schema.json")).read_text())
+# Prometheus Operator kinds: no schema in kubernetes-validate, so each has one written here.
+CRD_SCHEMAS = {"ServiceMonitor": SERVICE_MONITOR_SCHEMA, "PrometheusRule": PROMETHEUS_RULE_SCHEMA}
 WARNING = 2  # helm lint severities: 1 info, 2 warning, 3 error
 
 
@@ -36,7 +39,7 @@ def test_rendered_manifests_match_the_kubernetes_schemas(name, kube):
     for doc in docs:
         where = f"{name}: {doc['kind']}/{doc['metadata']['name']} on Kubernetes {kube}"
         if doc["apiVersion"] == "monitoring.coreos.com/v1":
-            jsonschema.validate(doc, SERVICE_MONITOR_SCHEMA)
+            jsonschema.validate(doc, CRD_SCHEMAS[doc["kind"]])
             continue
         try:
             kubernetes_validate.validate(doc, kube, strict=True)
@@ -47,7 +50,7 @@ def test_rendered_manifests_match_the_kubernetes_schemas(name, kube):
 def test_all_value_sets_cover_every_template():
     kinds = {d["kind"] for values in VALUE_SETS.values() for d in manifests(values)}
     assert kinds == {"Deployment", "Service", "ServiceAccount", "PodDisruptionBudget", "ServiceMonitor",
-                     "HorizontalPodAutoscaler", "NetworkPolicy"}
+                     "PrometheusRule", "HorizontalPodAutoscaler", "NetworkPolicy"}
     templates = sorted(p.name for p in (CHART / "templates").glob("*.yaml"))
     assert len(templates) == len(kinds), templates  # one object kind per template file
 
@@ -67,6 +70,10 @@ def test_the_validators_catch_broken_manifests():
     sm["spec"]["endpoints"][0]["intervall"] = "15s"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(sm, SERVICE_MONITOR_SCHEMA)
+    rule = next(d for d in manifests({"prometheusRule": {"enabled": True}}) if d["kind"] == "PrometheusRule")
+    rule["spec"]["groups"][0]["rules"][0]["anotations"] = {}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(rule, PROMETHEUS_RULE_SCHEMA)
 
 
 def _lint_findings(report: dict) -> list[str]:

@@ -322,6 +322,7 @@ def test_schema_dtypes_are_the_ones_packscore_serve_accepts():
 
 OPTIONAL = [
     pytest.param("serviceMonitor", "ServiceMonitor", False, id="ServiceMonitor"),
+    pytest.param("prometheusRule", "PrometheusRule", False, id="PrometheusRule"),
     pytest.param("autoscaling", "HorizontalPodAutoscaler", False, id="HPA"),
     pytest.param("networkPolicy", "NetworkPolicy", False, id="NetworkPolicy"),
     pytest.param("podDisruptionBudget", "PodDisruptionBudget", True, id="PodDisruptionBudget"),

@@ -52,7 +52,8 @@ def test_docker_stop_gets_the_time_a_drain_takes():
 
 # Sections whose keys are the chart's own (the others pass Kubernetes fields through).
 OWN_SECTIONS = {"image", "model", "parallel", "server", "apiKey", "shm", "tmp", "cache", "serviceAccount",
-                "probes", "service", "podDisruptionBudget", "serviceMonitor", "autoscaling", "networkPolicy",
+                "probes", "service", "podDisruptionBudget", "serviceMonitor", "prometheusRule", "autoscaling",
+                "networkPolicy",
                 "weights"}
 
 

@@ -8,7 +8,7 @@ import re
 import promql_parser
 import pytest
 
-from deploy_helpers import REPO, load_module
+from deploy_helpers import REPO, exported_series, load_module
 
 DASHBOARD = REPO / "deploy" / "grafana" / "packscore-dashboard.json"
 builder = load_module(REPO / "deploy" / "grafana" / "build_dashboard.py")
@@ -90,13 +90,7 @@ def test_only_documented_metrics_and_every_one_of_them(dashboard):
 
 def test_every_metric_used_is_exported_by_the_service_with_its_type(dashboard):
     """Ties the dashboard (and the HPA metric) to service/http/metrics.py, not only to the issue's list."""
-    from service.http.metrics import Metrics
-
-    suffixes = {"counter": ["_total"], "gauge": [""], "info": ["_info"], "histogram": ["_bucket", "_sum", "_count"]}
-    exported = {}
-    for family in Metrics().registry.collect():
-        for suffix in suffixes[family.type]:
-            exported[family.name + suffix] = family.type
+    exported = {name: kind for name, (kind, _) in exported_series().items()}
     used = {s.name for _, expr in queries(dashboard) for s in selectors(expr)}
     assert used <= set(exported), used - set(exported)
     assert exported["packscore_queued_tokens"] == "gauge"  # what the chart's HPA averages per pod
