@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = commands.add_parser(
         "serve",
-        help="serve the HTTP API (POST /score, /health, /healthz, /readyz, /metrics, /v1/models, /docs)",
+        help="serve the HTTP API (POST /score and /v1/score, POST /v1/weights, /health, /healthz, /readyz, /metrics, "
+        "/v1/models, /docs)",
         description="Serve the HTTP API of docs/api.md. With no --model it serves the built-in tiny preset on "
         "127.0.0.1:8000. SIGTERM drains: readiness turns 503, new requests get 503, admitted requests "
         "finish within --drain-timeout-s, then the process exits 0.",
