@@ -56,6 +56,20 @@ def exported_series() -> dict[str, tuple[str, frozenset[str]]]:
     return series
 
 
+def vector_selectors(parsed: Any) -> list[Any]:
+    """Every series selector (``promql_parser.VectorSelector``) of a parsed PromQL expression."""
+    import promql_parser
+
+    found = []
+
+    def visit(node, *_):
+        if isinstance(node, promql_parser.VectorSelector):
+            found.append(node)
+
+    promql_parser.walk(parsed, visit)
+    return found
+
+
 def load_module(path: Path) -> ModuleType:
     """Import a script that is not part of an installed package."""
     spec = importlib.util.spec_from_file_location(f"deploycheck_{path.stem}", path)

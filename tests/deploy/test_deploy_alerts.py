@@ -14,7 +14,7 @@ import promql_parser
 import pytest
 import yaml
 
-from deploy_helpers import CHART, NAMESPACE, exported_series, manifests, one, render_chart
+from deploy_helpers import CHART, NAMESPACE, exported_series, manifests, one, render_chart, vector_selectors
 from service.http.app import SCORE_ROUTES
 
 RULE_SCHEMA = json.loads(Path(__file__).with_name("prometheusrule.schema.json").read_text())
@@ -51,14 +51,7 @@ def with_alert(key: str, **fields: Any) -> dict[str, Any]:
 
 
 def selectors(expr: str) -> list[promql_parser.VectorSelector]:
-    found = []
-
-    def visit(node, *_):
-        if isinstance(node, promql_parser.VectorSelector):
-            found.append(node)
-
-    promql_parser.walk(promql_parser.parse(expr), visit)
-    return found
+    return vector_selectors(promql_parser.parse(expr))
 
 
 def matchers(s: promql_parser.VectorSelector) -> dict[str, str]:

@@ -53,8 +53,7 @@ def test_docker_stop_gets_the_time_a_drain_takes():
 # Sections whose keys are the chart's own (the others pass Kubernetes fields through).
 OWN_SECTIONS = {"image", "model", "parallel", "server", "apiKey", "shm", "tmp", "cache", "serviceAccount",
                 "probes", "service", "podDisruptionBudget", "serviceMonitor", "prometheusRule", "autoscaling",
-                "networkPolicy",
-                "weights"}
+                "networkPolicy", "weights"}
 
 
 def test_chart_readme_mentions_every_value():

@@ -8,7 +8,7 @@ import re
 import promql_parser
 import pytest
 
-from deploy_helpers import REPO, exported_series, load_module
+from deploy_helpers import REPO, exported_series, load_module, vector_selectors
 
 DASHBOARD = REPO / "deploy" / "grafana" / "packscore-dashboard.json"
 builder = load_module(REPO / "deploy" / "grafana" / "build_dashboard.py")
@@ -50,13 +50,7 @@ def parse(expr: str) -> promql_parser.Expr:
 
 
 def selectors(expr: str) -> list[promql_parser.VectorSelector]:
-    found = []
-    def visit(node, *_):
-        if isinstance(node, promql_parser.VectorSelector):
-            found.append(node)
-
-    promql_parser.walk(parse(expr), visit)
-    return found
+    return vector_selectors(parse(expr))
 
 
 def test_committed_json_is_the_generator_output():
