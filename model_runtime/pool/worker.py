@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -50,8 +51,17 @@ class _Replies:
 def _watch_parent(parent: int) -> None:
     """Exits when the pool's process goes away, even while this rank is busy in a forward (or
     went away while this process was still importing torch)."""
+    try:
+        pidfd = os.pidfd_open(parent)  # readable once that process ends, whoever our parent is
+    except ProcessLookupError:
+        os._exit(0)
+    except OSError:
+        pidfd = None  # a kernel without pidfds: the parent's death shows as another parent pid
 
     def watch():
+        if pidfd is not None:
+            select.select([pidfd], [], [])
+            os._exit(0)
         while True:
             time.sleep(1.0)
             if os.getppid() != parent:
