@@ -36,6 +36,9 @@ class LocalServer:
     ``-m service.cli``).
     """
 
+    # How the child is started; the tests fork it from a pre-imported process (tests/warm_start.py).
+    spawn = staticmethod(subprocess.Popen)
+
     def __init__(
         self,
         args: list[str] | tuple[str, ...] = (),
@@ -53,7 +56,7 @@ class LocalServer:
                    "--port", str(self.port), *args]
         self._log = self.log_path.open("wb") if self.log_path is not None else None
         output = {"stdout": self._log, "stderr": subprocess.STDOUT} if self._log else {}
-        self.proc = subprocess.Popen(command, cwd=_REPO_ROOT, env=full_env, **output)
+        self.proc = self.spawn(command, cwd=_REPO_ROOT, env=full_env, **output)
 
     def log(self) -> str:
         """The last 5,000 characters the server wrote (empty without a log file)."""

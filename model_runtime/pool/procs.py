@@ -29,6 +29,9 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 class WorkerWorld:
     """One generation of worker processes and their pipes."""
 
+    # How a worker is started; the tests fork it from a pre-imported process (tests/warm_start.py).
+    spawn = staticmethod(subprocess.Popen)
+
     def __init__(self, generation: int, dims: ParallelDims, start_fields: dict):
         self.generation = generation
         self.dims = dims
@@ -53,7 +56,7 @@ class WorkerWorld:
             cmd_recv, cmd_send = Pipe(duplex=False)
             rep_recv, rep_send = Pipe(duplex=False)
             child_fds = (cmd_recv.fileno(), rep_send.fileno())
-            proc = subprocess.Popen(
+            proc = self.spawn(
                 [sys.executable, "-m", "model_runtime.pool.worker", "--recv-fd", str(child_fds[0]), "--send-fd", str(child_fds[1]),
                  "--parent-pid", str(os.getpid())],
                 pass_fds=child_fds,
