@@ -3,10 +3,17 @@ import os
 import pytest
 import torch
 
+from model_runtime.pool.procs import WorkerWorld
+from service.local_server import LocalServer
+from tests import warm_start
 from tests.checkpoints import KINDS, save_checkpoint
 
 # Two cores here and in CI: keep intra-op threads from oversubscribing parallel test processes.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# Test servers and pool workers skip their ten seconds of imports (TESTS_COLD_START=1 starts them as users do).
+LocalServer.spawn = staticmethod(warm_start.popen)
+WorkerWorld.spawn = staticmethod(warm_start.popen)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,110 @@
+"""Children forked from the tests' zygote (tests/warm_start.py) start as cold ones do: the same
+view of their process, the same exit statuses, descriptors passed at their numbers; and a pool
+worker watches its pool's process, which need not be its parent."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from multiprocessing import Pipe
+from pathlib import Path
+
+import pytest
+
+from tests import warm_start
+
+PROGRAM = [sys.executable, "-m", "tests.child_report"]
+REPO = Path(__file__).resolve().parents[2]
+SPAWNS = pytest.mark.parametrize("spawn", [warm_start.popen, subprocess.Popen], ids=["warm", "cold"])
+
+
+def _start(spawn, tmp_path: Path, name: str, *args: str, env: dict | None = None, **kw):
+    with (tmp_path / name).open("wb") as out:
+        proc = spawn([*PROGRAM, *args], cwd=REPO, env={**os.environ, **(env or {})}, stdout=out,
+                     stderr=subprocess.STDOUT, **kw)
+    if spawn is warm_start.popen:
+        assert isinstance(proc, warm_start.WarmProcess), "the zygote refused; the test would compare cold with cold"
+    return proc
+
+
+def _report(tmp_path: Path, name: str) -> dict:
+    return json.loads((tmp_path / name).read_text().splitlines()[0])
+
+
+def test_a_forked_child_sees_what_a_cold_one_sees(tmp_path):
+    for name, spawn in (("warm", warm_start.popen), ("cold", subprocess.Popen)):
+        proc = _start(spawn, tmp_path, name, "two words", "--flag", env={"TESTS_REPORT_MARK": "x"})
+        assert proc.wait(timeout=180) == 0, (tmp_path / name).read_text()
+    warm, cold = _report(tmp_path, "warm"), _report(tmp_path, "cold")
+    assert warm["argv"] == ["two words", "--flag"] and warm["main"] == "tests.child_report"
+    assert ["TESTS_REPORT_MARK", "x"] in warm["env"] and warm["descriptors"] == [0, 1, 2]
+    assert warm == cold
+
+
+@SPAWNS
+def test_exit_statuses_read_as_popen_reads_them(tmp_path, spawn):
+    assert _start(spawn, tmp_path, "exit", env={"TESTS_REPORT_EXIT": "3"}).wait(timeout=180) == 3
+    sleeper = _start(spawn, tmp_path, "sleep", env={"TESTS_REPORT_SLEEP_S": "120"})
+    with pytest.raises(subprocess.TimeoutExpired):
+        sleeper.wait(timeout=0.5)
+    assert sleeper.poll() is None and sleeper.returncode is None
+    sleeper.send_signal(signal.SIGKILL)
+    assert sleeper.wait(timeout=30) == -signal.SIGKILL and sleeper.poll() == -signal.SIGKILL
+    sleeper.kill()  # a no-op once it has ended, as with Popen
+
+
+def test_passed_descriptors_arrive_at_their_numbers_and_nothing_else_does(tmp_path):
+    read_end, write_end = os.pipe()
+    try:
+        proc = _start(warm_start.popen, tmp_path, "fds", env={"TESTS_REPORT_WRITE_FDS": str(write_end)},
+                      pass_fds=(write_end,))
+        os.close(write_end)
+        assert proc.wait(timeout=180) == 0, (tmp_path / "fds").read_text()
+        assert os.read(read_end, 100) == b"passed"
+    finally:
+        os.close(read_end)
+    assert _report(tmp_path, "fds")["descriptors"] == [0, 1, 2, write_end]
+
+
+def test_options_a_fork_cannot_honour_start_cold(tmp_path):
+    proc = warm_start.popen([*PROGRAM], cwd=REPO, stdout=subprocess.DEVNULL, start_new_session=True)
+    assert isinstance(proc, subprocess.Popen) and proc.wait(timeout=180) == 0
+
+
+def _wait_for_its_first_command(worker, limit_s: float = 120.0) -> None:
+    """Until the worker, past its imports, blocks reading its command pipe (the kernel's wait channel)."""
+    deadline = time.monotonic() + limit_s
+    while "pipe" not in Path(f"/proc/{worker.pid}/wchan").read_text():
+        assert worker.poll() is None, f"the worker ended with {worker.returncode} before its first command"
+        assert time.monotonic() < deadline, "the worker never waited for a command"
+        time.sleep(0.1)
+
+
+@SPAWNS
+def test_a_worker_exits_when_its_pool_process_ends_though_that_is_not_its_parent(spawn):
+    pool_process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    cmd_recv, cmd_send = Pipe(duplex=False)
+    rep_recv, rep_send = Pipe(duplex=False)
+    fds = (cmd_recv.fileno(), rep_send.fileno())
+    worker = spawn([sys.executable, "-m", "model_runtime.pool.worker", "--recv-fd", str(fds[0]), "--send-fd",
+                    str(fds[1]), "--parent-pid", str(pool_process.pid)], cwd=REPO, pass_fds=fds)
+    cmd_recv.close()
+    rep_send.close()
+    try:
+        _wait_for_its_first_command(worker)
+        time.sleep(2)  # a watch that misread its parent would have ended it by now
+        assert worker.poll() is None, "the worker left while the pool's process still ran"
+        pool_process.kill()
+        pool_process.wait()
+        worker.wait(timeout=30)
+        assert worker.returncode == 0
+    finally:
+        for proc in (worker, pool_process):
+            if proc.poll() is None:
+                proc.kill()
+        cmd_send.close()
+        rep_recv.close()
