@@ -9,7 +9,7 @@ the requested environment, working directory, standard streams and passed descri
 
 What a fork cannot redo falls back to ``subprocess.Popen``: an environment that differs from the
 zygote's in more than the variables read at run time (``PACKSCORE_*``, the fake backend's,
-``PYTHONUNBUFFERED``, pytest's ``PYTEST_CURRENT_TEST``), another program, other ``Popen``
+``PYTHONUNBUFFERED``, ``PYTEST_CURRENT_TEST``, ``TORCHINDUCTOR_CACHE_DIR``), another program, other ``Popen``
 options, or a zygote running a thread of its own. ``TESTS_COLD_START=1`` starts everything cold.
 
 The zygote speaks JSON lines over a Unix socket and receives the standard and passed descriptors
@@ -38,7 +38,8 @@ _SCRIPT = Path(sys.executable).with_name("packscore")
 _ENTRY = "service.entrypoint:main"  # pyproject's [project.scripts] packscore
 # Read by the server after it starts, never by an import: a child may differ in these.
 _RUNTIME_PREFIXES = ("PACKSCORE_", "FAKE_", "TESTS_")
-_RUNTIME_NAMES = ("PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST")  # pytest sets the latter per test
+# pytest sets the second per test; torch's inductor sets the third in this process when first used.
+_RUNTIME_NAMES = ("PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
 _PRELOAD = (
     "service.cli", "service.entrypoint", "service.http.app", "service.http.server", "service.testing",
     "model_runtime.scoring.loading", "model_runtime.scoring.scorer", "model_runtime.pool.pool",
