@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from model_runtime.pool.ports import free_port
+from tests import warm_start
 from tests.checkpoints import rewrite_checkpoint, save_fp8_checkpoint
 from tests.e2e.helpers import ServerProcess, decode, post
 
@@ -53,20 +55,22 @@ def _env() -> dict:
 
 
 def _run_watching_port(command: list[str], port: int | None, timeout: float = 120.0):
-    """Runs the CLI; while it runs, keeps trying to connect to ``port``. Returns (code, stderr, connected)."""
-    proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    connected = False
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline:
-        if port is not None:
-            with socket.socket() as s:
-                s.settimeout(0.05)
-                connected |= s.connect_ex(("127.0.0.1", port)) == 0
-        time.sleep(0.02)
-    if proc.poll() is None:
-        proc.kill()  # our own child, by its handle
-    out, err = proc.communicate()
-    return proc.returncode, (out + err).decode(errors="replace"), connected
+    """Runs the CLI; while it runs, keeps trying to connect to ``port``. Returns (code, output, connected)."""
+    with tempfile.TemporaryFile() as log:
+        proc = warm_start.popen(command, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+        connected = False
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            if port is not None:
+                with socket.socket() as s:
+                    s.settimeout(0.05)
+                    connected |= s.connect_ex(("127.0.0.1", port)) == 0
+            time.sleep(0.02)
+        if proc.poll() is None:
+            proc.kill()  # our own child, by its handle
+        proc.wait()
+        log.seek(0)
+        return proc.returncode, log.read().decode(errors="replace"), connected
 
 
 @pytest.mark.parametrize("name", list(BROKEN))
