@@ -103,15 +103,16 @@ def _threads() -> int:
 
 def _fork(conn: socket.socket, listener: socket.socket, children: dict) -> dict | None:
     data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3 + _MAX_PASS_FDS)
-    request = json.loads(data)
-    targets = [0, 1, 2, *request["pass_fds"]]
-    threads = _threads()
-    if threads > _ALLOWED_THREADS or len(fds) != len(targets):
-        _reply(conn, {"refused": f"{threads} threads, {len(fds)} descriptors for {len(targets)}"})
-        conn.close()
+    try:
+        request = json.loads(data)
+        targets = [0, 1, 2, *request["pass_fds"]]
+        threads = _threads()
+        if threads > _ALLOWED_THREADS or len(fds) != len(targets):
+            raise ValueError(f"{threads} threads, {len(fds)} descriptors for {len(targets)}")
+    except BaseException:
         for fd in fds:
             os.close(fd)
-        return None
+        raise
     pid = os.fork()
     if pid == 0:
         try:
@@ -209,19 +210,27 @@ class WarmProcess:
         return json.loads(line)
 
     def poll(self) -> int | None:
-        return self.wait(timeout=0.0, _raise=False)
+        if not self._lock.acquire(blocking=False):
+            return self.returncode  # another thread waits for it: None until then, as Popen.poll answers
+        try:
+            return self._settle(0.0)
+        finally:
+            self._lock.release()
 
-    def wait(self, timeout: float | None = None, _raise: bool = True) -> int | None:
+    def wait(self, timeout: float | None = None) -> int:
         with self._lock:
-            if self.returncode is None:
-                message = self._read_line(timeout)
-                if message is None:
-                    if _raise:
-                        raise subprocess.TimeoutExpired(self.args, timeout)
-                    return None
+            code = self._settle(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return code
+
+    def _settle(self, timeout: float | None) -> int | None:
+        if self.returncode is None:
+            message = self._read_line(timeout)
+            if message is not None:
                 self.returncode = message["exit"]
                 self._conn.close()
-            return self.returncode
+        return self.returncode
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:

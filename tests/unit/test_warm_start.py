@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing import Pipe
 from pathlib import Path
@@ -108,3 +109,19 @@ def test_a_worker_exits_when_its_pool_process_ends_though_that_is_not_its_parent
                 proc.kill()
         cmd_send.close()
         rep_recv.close()
+
+
+@SPAWNS
+def test_poll_answers_at_once_while_another_thread_waits(tmp_path, spawn):
+    sleeper = _start(spawn, tmp_path, "sleep", env={"TESTS_REPORT_SLEEP_S": "120"})
+    waiter = threading.Thread(target=sleeper.wait)
+    waiter.start()
+    try:
+        time.sleep(0.5)
+        started = time.monotonic()
+        assert sleeper.poll() is None
+        assert time.monotonic() - started < 1.0, "poll waited for the other thread's wait"
+    finally:
+        sleeper.kill()
+        waiter.join(timeout=30)
+    assert sleeper.wait(timeout=30) == -signal.SIGKILL
