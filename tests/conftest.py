@@ -11,7 +11,8 @@ from tests.checkpoints import KINDS, save_checkpoint
 # Two cores here and in CI: keep intra-op threads from oversubscribing parallel test processes.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
-# Test servers and pool workers skip their ten seconds of imports (TESTS_COLD_START=1 starts them as users do).
+# Test servers and pool workers skip their ten seconds of imports (cold, as users start them, with
+# TESTS_COLD_START=1 or CUDA: tests/warm_start.py).
 LocalServer.spawn = staticmethod(warm_start.popen)
 WorkerWorld.spawn = staticmethod(warm_start.popen)
 

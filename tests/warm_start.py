@@ -10,7 +10,7 @@ the requested environment, working directory, standard streams and passed descri
 What a fork cannot redo falls back to ``subprocess.Popen``: an environment that differs from the
 zygote's in more than the variables read at run time (``PACKSCORE_*``, the fake backend's,
 ``PYTHONUNBUFFERED``, ``PYTEST_CURRENT_TEST``, ``TORCHINDUCTOR_CACHE_DIR``), another program, other ``Popen``
-options, or a zygote running a thread of its own. ``TESTS_COLD_START=1`` starts everything cold.
+options, or a zygote running a thread of its own. ``TESTS_COLD_START=1`` and CUDA start everything cold.
 
 The zygote speaks JSON lines over a Unix socket and receives the standard and passed descriptors
 with ``SCM_RIGHTS``; nothing is pickled. A connection is one child: its pid, then its exit status.
@@ -279,8 +279,15 @@ _MAX_PASS_FDS = 8
 _LOCK = threading.Lock()
 
 
+def cold_only() -> bool:
+    """TESTS_COLD_START=1, or a machine with CUDA: a fork must not inherit an initialised CUDA driver."""
+    import torch
+
+    return os.environ.get("TESTS_COLD_START") == "1" or torch.cuda.is_available()
+
+
 def _connect(env: dict[str, str]) -> socket.socket | None:
-    if os.environ.get("TESTS_COLD_START") == "1":
+    if cold_only():
         return None
     key = frozenset(_import_time_env(env).items())
     with _LOCK:

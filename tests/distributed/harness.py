@@ -35,19 +35,11 @@ def _entry(rank: int, world: int, port: int, backend: str, fn, args: tuple, out_
             dist.destroy_process_group()
 
 
-# Ranks fork from one server process that imported these once (no CUDA: NCCL ranks are safe too),
-# instead of each rank importing torch and transformers' modeling stack again.
-_PRELOAD = ["tests.distributed.harness", "tests.distributed.parity_cases", "transformers.models.qwen3_5.modeling_qwen3_5",
-            "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "transformers.models.qwen3_next.modeling_qwen3_next"]
-
-
 def run_world(fn, world: int, *args, backend: str = "gloo") -> list:
-    """Calls ``fn(rank, world, *args)`` on ``world`` forked processes; returns their results by rank."""
-    mp.set_forkserver_preload(_PRELOAD)  # read when the fork server starts, on the first call
+    """Calls ``fn(rank, world, *args)`` on ``world`` spawned processes; returns their results by rank."""
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.start_processes(_entry, args=(world, free_port(), backend, fn, args, out_dir), nprocs=world, join=True,
-                               start_method="forkserver")
+            mp.spawn(_entry, args=(world, free_port(), backend, fn, args, out_dir), nprocs=world, join=True)
         except Exception:
             pass  # the per-rank tracebacks below say more than spawn's summary
         results = []

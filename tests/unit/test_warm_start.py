@@ -20,7 +20,9 @@ from tests import warm_start
 
 PROGRAM = [sys.executable, "-m", "tests.child_report"]
 REPO = Path(__file__).resolve().parents[2]
-SPAWNS = pytest.mark.parametrize("spawn", [warm_start.popen, subprocess.Popen], ids=["warm", "cold"])
+FORKS = pytest.mark.skipif(warm_start.cold_only(), reason="everything starts cold here (TESTS_COLD_START=1 or CUDA)")
+SPAWNS = pytest.mark.parametrize("spawn", [pytest.param(warm_start.popen, id="warm", marks=FORKS),
+                                           pytest.param(subprocess.Popen, id="cold")])
 
 
 def _start(spawn, tmp_path: Path, name: str, *args: str, env: dict | None = None, **kw):
@@ -36,6 +38,7 @@ def _report(tmp_path: Path, name: str) -> dict:
     return json.loads((tmp_path / name).read_text().splitlines()[0])
 
 
+@FORKS
 def test_a_forked_child_sees_what_a_cold_one_sees(tmp_path):
     for name, spawn in (("warm", warm_start.popen), ("cold", subprocess.Popen)):
         proc = _start(spawn, tmp_path, name, "two words", "--flag", env={"TESTS_REPORT_MARK": "x"})
@@ -58,6 +61,7 @@ def test_exit_statuses_read_as_popen_reads_them(tmp_path, spawn):
     sleeper.kill()  # a no-op once it has ended, as with Popen
 
 
+@FORKS
 def test_passed_descriptors_arrive_at_their_numbers_and_nothing_else_does(tmp_path):
     read_end, write_end = os.pipe()
     try:
