@@ -247,7 +247,6 @@ class _Zygote:
     """One pre-imported process for one import-time environment."""
 
     def __init__(self, env: dict[str, str]):
-        self.env = env
         self.path = os.path.join(tempfile.mkdtemp(prefix="zygote-"), "socket")
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.warm_start", self.path], cwd=_REPO_ROOT,
                                      env=env, stdin=subprocess.DEVNULL)
@@ -326,7 +325,8 @@ def popen(command, *, cwd=None, env=None, stdout=None, stderr=None, pass_fds=(),
     def cold():
         return subprocess.Popen(command, cwd=cwd, env=env, stdout=stdout, stderr=stderr, pass_fds=pass_fds, **other)
 
-    if argv is None or other or stderr not in (None, subprocess.STDOUT) or len(pass_fds) > _MAX_PASS_FDS:
+    files = stdout is None or hasattr(stdout, "fileno")  # not PIPE or DEVNULL, which Popen makes itself
+    if argv is None or other or not files or stderr not in (None, subprocess.STDOUT) or len(pass_fds) > _MAX_PASS_FDS:
         return cold()
     conn = _connect(full_env)
     if conn is None:

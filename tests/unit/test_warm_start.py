@@ -75,9 +75,14 @@ def test_passed_descriptors_arrive_at_their_numbers_and_nothing_else_does(tmp_pa
     assert _report(tmp_path, "fds")["descriptors"] == [0, 1, 2, write_end]
 
 
-def test_options_a_fork_cannot_honour_start_cold(tmp_path):
-    proc = warm_start.popen([*PROGRAM], cwd=REPO, stdout=subprocess.DEVNULL, start_new_session=True)
-    assert isinstance(proc, subprocess.Popen) and proc.wait(timeout=180) == 0
+@pytest.mark.parametrize("options", [{"stdout": subprocess.DEVNULL, "start_new_session": True},
+                                     {"stdout": subprocess.DEVNULL}, {"stdout": subprocess.PIPE}],
+                         ids=["start_new_session", "devnull", "pipe"])
+def test_options_a_fork_cannot_honour_start_cold(options):
+    proc = warm_start.popen([*PROGRAM], cwd=REPO, **options)
+    assert isinstance(proc, subprocess.Popen)
+    proc.communicate(timeout=180)
+    assert proc.returncode == 0
 
 
 def _wait_for_its_first_command(worker, limit_s: float = 120.0) -> None:
