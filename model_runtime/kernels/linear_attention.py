@@ -59,16 +59,20 @@ def gated_delta_rule_reference(q_THK, k_THK, v_THV, g_TH, beta_TH, packed: Packe
     v, decay, beta = v_THV.float(), g_TH.float().exp(), beta_TH.float()
     o = torch.empty_like(v)
     Hv, K, V = v.shape[1], k.shape[-1], v.shape[-1]
+    # The per-head products as the batched matrix products einsum would make of them (the same
+    # bits), with the views made once: the loop's cost is its per-token calls.
+    k_rows_TH1K, q_rows_TH1K, k_cols_THK1 = k.unsqueeze(-2), q.unsqueeze(-2), k.unsqueeze(-1)
+    decay_TH11, beta_TH1 = decay[:, :, None, None], beta[:, :, None]
     parents = packed.links.parents if packed.links is not None else (-1,) * packed.num_segments
     final_states = {}
     for i, (start, end) in enumerate(packed.segments()):
         state_HKV = final_states[parents[i]] if parents[i] >= 0 else v.new_zeros(Hv, K, V)
         for t in range(start, end):
-            state_HKV = state_HKV * decay[t, :, None, None]
-            predicted_HV = torch.einsum("hk,hkv->hv", k[t], state_HKV)
-            delta_HV = (v[t] - predicted_HV) * beta[t, :, None]
-            state_HKV = state_HKV + k[t, :, :, None] * delta_HV[:, None, :]
-            o[t] = torch.einsum("hk,hkv->hv", q[t], state_HKV)
+            state_HKV = state_HKV * decay_TH11[t]
+            predicted_HV = torch.matmul(k_rows_TH1K[t], state_HKV).squeeze(-2)
+            delta_HV = (v[t] - predicted_HV) * beta_TH1[t]
+            state_HKV = state_HKV + k_cols_THK1[t] * delta_HV[:, None, :]
+            o[t] = torch.matmul(q_rows_TH1K[t], state_HKV).squeeze(-2)
         final_states[i] = state_HKV
     return o.to(out_dtype)
 
