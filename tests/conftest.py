@@ -8,8 +8,9 @@ from service.local_server import LocalServer
 from tests import warm_start
 from tests.checkpoints import KINDS, save_checkpoint
 
-# Two cores here and in CI: keep intra-op threads from oversubscribing parallel test processes.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Two cores here and in CI, shared by the pytest-xdist workers: OpenMP threads that outnumber the
+# cores spin at every barrier, so each worker takes its share of the cores.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 # Test servers and pool workers skip their ten seconds of imports (cold, as users start them, with
 # TESTS_COLD_START=1 or CUDA: tests/warm_start.py).
