@@ -12,6 +12,7 @@ import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -137,6 +138,8 @@ class _Gate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if scope["path"][:8].lower().startswith(("http://", "https://")):
+            scope = _origin_form(scope)
         path = scope["path"]
         route = path if path in _ROUTE_LABELS else "other"
         metrics = self.service.metrics
@@ -192,6 +195,14 @@ class _Gate:
             return ApiError(403, "forbidden", "The scoring key may not update weights; send the admin key.")
         return ApiError(401, "unauthorized", "The admin key is required: send 'Authorization: Bearer <admin key>'.",
                         headers={"WWW-Authenticate": "Bearer"})
+
+
+def _origin_form(scope: Scope) -> Scope:
+    """The scope of a request whose target came in absolute form (``POST http://host/score``), which
+    an HTTP/1.1 server must accept (RFC 9112, 3.2.2) and uvicorn's h11 passes on whole as the path."""
+    path = urlsplit(scope["path"]).path or "/"
+    raw = urlsplit(scope["raw_path"].decode("latin-1")).path or "/"
+    return {**scope, "path": path, "raw_path": raw.encode("latin-1")}
 
 
 def _bearer_is(scope: Scope, key: str) -> bool:

@@ -1,13 +1,17 @@
 """What users of vLLM, TGI and SGLang expect at the door, on a real server: a hub id served from an
-offline Hugging Face cache with the numbers of its directory, /health without the key."""
+offline Hugging Face cache with the numbers of its directory, /health without the key, a request
+target in absolute form."""
 
 from __future__ import annotations
 
+import socket
+
 import httpx
 import numpy as np
+import orjson
 
 from tests.checkpoints import as_hub_cache
-from tests.e2e.helpers import AUTH, ServerProcess, assert_matches, decode, post, random_sequences
+from tests.e2e.helpers import AUTH, ServerProcess, assert_matches, decode, fake_server, post, random_sequences
 
 REPO = "acme/tiny-qwen3.5"
 
@@ -36,3 +40,28 @@ def test_a_hub_id_is_served_from_the_offline_cache_with_the_numbers_of_its_direc
     finally:
         assert server.stop() == 0, server.log()
 
+
+
+def test_a_request_target_in_absolute_form_is_served_as_its_path(tmp_path):
+    # RFC 9112 3.2.2: a server must accept `POST http://host/score`, as a client that believes it talks to a proxy sends it
+    server = fake_server(tmp_path).wait_ready()
+    body = b'{"sequences": [{"id": "a", "input_ids": [1, 2, 3], "score_from": 1}]}'
+    answers = {}
+    try:
+        for target in (b"/score", f"http://127.0.0.1:{server.port}/score".encode(), b"HTTP://elsewhere/v1/score?x=1"):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+                sock.sendall(b"POST " + target + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                raw = b""
+                while chunk := sock.recv(65536):
+                    raw += chunk
+            head, _, answer = raw.partition(b"\r\n\r\n")
+            answers[target] = (head.split(b" ", 2)[1], orjson.loads(answer))
+        metrics = httpx.get(server.url + "/metrics").text
+    finally:
+        server.stop()
+    origin = answers.pop(b"/score")
+    assert origin[0] == b"200", origin
+    for target, answer in answers.items():
+        assert answer == origin, (target, answer)
+    assert 'route="other"' not in metrics, metrics
