@@ -79,6 +79,22 @@ def _rows(vocab: int, sp: int, with_boundaries: bool) -> dict[str, list[Sequence
     return rows
 
 
+class _Reference:
+    """The unsharded scorer, each distinct row scored once: every layout compares with the same numbers."""
+
+    def __init__(self, scorer: Scorer):
+        self.scorer = scorer
+        self.vocab_size = scorer.loaded.vocab_size
+        self._scores: dict[tuple, list] = {}
+
+    def score_row(self, seqs: list[SequenceInput]) -> list:
+        key = tuple((s.input_ids.dtype.str, s.input_ids.tobytes(), s.score_from, s.temperature, s.top_k, s.return_entropy)
+                    for s in seqs)
+        if key not in self._scores:
+            self._scores[key] = self.scorer.score_row(seqs)
+        return self._scores[key]
+
+
 def run_parity(
     rank: int,
     world: int,
@@ -100,17 +116,19 @@ def run_parity(
     if device_type == "cuda":
         # float32 keeps layouts comparable tightly, so the token mixers take the exact references:
         # the varlen kernel takes only 16-bit inputs, and fla's float32 delta rule multiplies in
-        # TF32 with a per-shape autotuned tiling (on 2 x H200 its SP / FSDP layouts moved float32
-        # log-probs by up to 4.4e-4, 2026-11-29). The bf16 served path is compared separately.
+        # TF32 with a per-shape autotuned tiling, which moves layouts far past float32 rounding.
+        # The bf16 served path is compared separately.
         load["kernel_overrides"] = {"attention": "sdpa", "linear_attention": "reference", "conv1d": "reference",
                                     "moe_experts": "tiled"}  # the grouped product is bf16 only
     for kind, path in checkpoints.items():
-        reference = Scorer(load_model(path, **load))
-        if rank == 0:
-            # Baseline: how far one process moves when the same sequences are scored one by one.
-            for name, seqs in _rows(reference.loaded.vocab_size, 2, True).items():
-                alone = [reference.score_row([s])[0] for s in seqs]
-                out[(kind, "alone", name)] = max_diffs(alone, reference.score_row(seqs))
+        reference = _Reference(Scorer(load_model(path, **load)))
+        # Baseline: how far one process moves when the same sequences are scored one by one
+        # (each rank takes its share of the rows).
+        baseline_rows = _rows(reference.vocab_size, 2, True)
+        for name in sorted(baseline_rows)[rank::world]:
+            seqs = baseline_rows[name]
+            alone = [reference.scorer.score_row([s])[0] for s in seqs]
+            out[(kind, "alone", name)] = max_diffs(alone, reference.score_row(seqs))
         for sp, fsdp in layouts:
             dims = ParallelDims.from_world(world, sp=sp, fsdp=fsdp)
             mesh = dims.build_mesh(device_type)
@@ -118,7 +136,7 @@ def run_parity(
             parallelize(loaded.model, dims=dims, mesh=mesh)
             # Shared prefixes on: their state crosses the shards like any other (the reference is unshared).
             runner = ParallelScorer(loaded, dims=dims, mesh=mesh, rank=rank, prefix_min_tokens=64)
-            rows = _rows(reference.loaded.vocab_size, sp, sp in boundaries_for)
+            rows = _rows(reference.vocab_size, sp, sp in boundaries_for)
             group = dims.group_of(rank)
             names = sorted(rows)
             # Group g scores every dp-th row starting at g; the last steps of short groups are idle.
