@@ -214,6 +214,7 @@ class ScoreClient(_Base):
         ``weights_version`` pins it (ScoreError 409 when another serves); without it, rows whose
         part met a weight update are scored again by the version served after it."""
         batch = PaddedBatch.from_arrays(input_ids, attention_mask, response_mask)
+        options(temperature, return_entropy, 0, model, deadline_ms, weights_version)  # refused now, sent or not
         kw = dict(temperature=temperature, return_entropy=return_entropy, model=model)
         end = time.monotonic() + deadline_ms / 1000.0 if deadline_ms is not None and deadline_ms > 0 else None
         try:
@@ -373,6 +374,7 @@ class AsyncScoreClient(_Base):
                            deadline_ms: int | None = None, weights_version: str | None = None) -> PaddedScores:
         """As ``ScoreClient.score_padded``."""
         batch = PaddedBatch.from_arrays(input_ids, attention_mask, response_mask)
+        options(temperature, return_entropy, 0, model, deadline_ms, weights_version)  # refused now, sent or not
         kw = dict(temperature=temperature, return_entropy=return_entropy, model=model)
         end = time.monotonic() + deadline_ms / 1000.0 if deadline_ms is not None and deadline_ms > 0 else None
         try:

@@ -163,9 +163,26 @@ def bearer_key(key: str | None, what: str) -> str | None:
 
 
 def options(temperature, return_entropy, top_k, model, deadline_ms, weights_version=None) -> dict:
-    """The request fields every part of one ``score`` call shares."""
+    """The request fields every part of one ``score`` call shares, checked: a cast would pass top_k=2.5
+    as 2, True as 1 and return_entropy="no" as True, all of which the server refuses (422)."""
+    def number(value) -> bool:
+        return not isinstance(value, (bool, np.bool_)) and isinstance(value, (int, float, np.integer, np.floating))
+
+    if not number(temperature):
+        raise TypeError(f"temperature must be a number, got {temperature!r}")
+    if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, (int, np.integer)):
+        raise TypeError(f"top_k must be an int, got {top_k!r}")
+    if not isinstance(return_entropy, (bool, np.bool_)):
+        raise TypeError(f"return_entropy must be True or False, got {return_entropy!r}")
+    if deadline_ms is not None and not number(deadline_ms):
+        raise TypeError(f"deadline_ms must be a number of milliseconds or None, got {deadline_ms!r}")
+    for name, value in (("model", model), ("weights_version", weights_version)):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{name} must be a str or None, got {value!r}")
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    if isinstance(deadline_ms, np.generic):  # a numpy int is sent as is when <= 0: JSON and msgpack take no numpy
+        deadline_ms = deadline_ms.item()
     opts = {"model": model, "temperature": float(temperature), "return_entropy": bool(return_entropy),
             "top_k": int(top_k), "deadline_ms": deadline_ms}
     if weights_version is not None:  # a server without version pins knows no such field

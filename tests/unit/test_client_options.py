@@ -1,0 +1,77 @@
+"""A call's options are checked before anything is sent: a cast would turn what the server refuses
+(422) into another request, top_k=2.5 into top_k=2 and return_entropy="no" into True."""
+
+import asyncio
+import json
+
+import httpx
+import numpy as np
+import pytest
+
+from packscore_client import AsyncScoreClient, ScoreClient
+
+BASE = "http://packscore.test"
+IDS = np.array([[5, 6, 7, 8]])
+ATTN = np.ones((1, 4), np.int64)
+RESP = np.array([[0, 1, 1]])
+
+
+def _nothing_sent(request: httpx.Request) -> httpx.Response:
+    raise AssertionError(f"{request.url.path} was sent, though the options were refused before sending")
+
+
+BAD = [
+    (dict(top_k=2.5), r"top_k must be an int, got 2\.5"),
+    (dict(top_k=True), r"top_k must be an int, got True"),
+    (dict(top_k="3"), r"top_k must be an int, got '3'"),
+    (dict(return_entropy="no"), r"return_entropy must be True or False, got 'no'"),
+    (dict(temperature=True), r"temperature must be a number, got True"),
+    (dict(temperature="1.0"), r"temperature must be a number, got '1\.0'"),
+    (dict(deadline_ms="500"), r"deadline_ms must be a number of milliseconds or None, got '500'"),
+    (dict(model=1), r"model must be a str or None, got 1"),
+    (dict(weights_version=7), r"weights_version must be a str or None, got 7"),
+]
+
+
+@pytest.mark.parametrize("kw,named", BAD, ids=[str(kw) for kw, _ in BAD])
+def test_an_option_the_server_would_refuse_is_refused_before_sending(kw, named):
+    with ScoreClient(BASE, transport=httpx.MockTransport(_nothing_sent)) as client:
+        with pytest.raises(TypeError, match=named):
+            client.score([[1, 2, 3]], **kw)
+        padded = {k: v for k, v in kw.items() if k != "top_k"}
+        if padded:  # also when no row has a response token, so nothing would be sent anyway
+            with pytest.raises(TypeError, match=named):
+                client.score_padded(IDS, ATTN, RESP, **padded)
+            with pytest.raises(TypeError, match=named):
+                client.score_padded(IDS, ATTN, np.zeros_like(RESP), **padded)
+
+    async def main():
+        async with AsyncScoreClient(BASE, transport=httpx.MockTransport(_nothing_sent)) as client:
+            with pytest.raises(TypeError, match=named):
+                await client.score([[1, 2, 3]], **kw)
+            if padded:
+                with pytest.raises(TypeError, match=named):
+                    await client.score_padded(IDS, ATTN, RESP, **padded)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("encoding", ["json", "msgpack"])
+def test_numpy_options_are_sent_as_plain_numbers(encoding):
+    """A trainer's config often holds numpy scalars; a deadline of 0 or less is sent as given."""
+    sent = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/readyz":
+            return httpx.Response(200, json={"status": "ready", "limits": {}})
+        import msgpack
+        sent.append(json.loads(request.content) if encoding == "json" else msgpack.unpackb(request.content))
+        return httpx.Response(504, json={"error": {"type": "deadline_exceeded", "message": "late", "param": None}})
+
+    with ScoreClient(BASE, transport=httpx.MockTransport(handler), encoding=encoding) as client:
+        with pytest.raises(Exception, match="deadline_exceeded"):
+            client.score([[1, 2, 3]], top_k=np.int64(2), temperature=np.float32(0.5), return_entropy=np.bool_(False),
+                         deadline_ms=np.int64(0))
+    assert len(sent) == 1, sent
+    body = sent[0]
+    assert (body["top_k"], body["temperature"], body["return_entropy"], body["deadline_ms"]) == (2, 0.5, False, 0), body
