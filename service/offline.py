@@ -142,8 +142,9 @@ def _read_lines(path: Path) -> Iterator[tuple[int, dict]]:
                 continue
             try:
                 obj = orjson.loads(raw)
-            except orjson.JSONDecodeError as exc:
-                raise InputError(f"{path}:{number}: not valid JSON: {exc}") from None
+            except orjson.JSONDecodeError as exc:  # orjson's "line 2 column 1" counts the newline: give the column
+                raise InputError(f"{path}:{number}: not valid JSON at column {min(exc.pos, len(raw.rstrip())) + 1}: "
+                                 f"{exc.msg}") from None
             if not isinstance(obj, dict):
                 raise InputError(f"{path}:{number}: expected a JSON object with input_ids, got {type(obj).__name__}")
             if obj.get("id") is None:  # absent or null, the API's default

@@ -51,3 +51,14 @@ def test_an_out_that_cannot_be_read_back_is_one_line_exit_2(monkeypatch, tmp_pat
     assert cli.main(["score", str(source), "-o", str(out)]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "cannot read it back to resume: Permission denied" in err, err
+
+
+def test_a_line_cut_short_is_named_by_its_file_line_and_column_alone(monkeypatch, tmp_path, capsys):
+    """orjson counts the line's newline as a second line: "in.jsonl:5: ... line 2 column 1" misleads."""
+    _no_model(monkeypatch)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(b'{"id": "a", "input_ids": [1, 2, 3]}\n{"id": "b", "input_ids": [1, 2\n')
+    assert cli.main(["score", str(source), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{source}:2: not valid JSON at column 31: unexpected end of data" in err, err
+    assert "line 2" not in err, err
