@@ -78,6 +78,13 @@ def finished_ids(output: Path) -> dict[str, Done]:
     number, since the good lines after it must be neither dropped nor scored again."""
     if not output.exists():
         return {}
+    try:
+        return _finished_ids(output)
+    except OSError as exc:  # write-only, an I/O error: one line and exit 2, not a traceback
+        raise InputError(f"-o {output}: cannot read it back to resume: {exc.strerror or exc}") from None
+
+
+def _finished_ids(output: Path) -> dict[str, Done]:
     done: dict[str, Done] = {}
     runs: dict[tuple, tuple] = {}  # one tuple shared by every line of a run: OUT may hold millions
     good_end = 0
@@ -117,6 +124,13 @@ def finished_ids(output: Path) -> dict[str, Done]:
 
 
 def _lines(path: Path) -> Iterator[tuple[int, dict]]:
+    try:
+        yield from _read_lines(path)
+    except OSError as exc:  # no permission, an I/O error: the user's to fix, so one line and exit 2
+        raise InputError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+
+
+def _read_lines(path: Path) -> Iterator[tuple[int, dict]]:
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):
             if number == 1 and raw.startswith(codecs.BOM_UTF8):  # as Windows tools write UTF-8; orjson refuses it
@@ -128,8 +142,9 @@ def _lines(path: Path) -> Iterator[tuple[int, dict]]:
                 continue
             try:
                 obj = orjson.loads(raw)
-            except orjson.JSONDecodeError as exc:
-                raise InputError(f"{path}:{number}: not valid JSON: {exc}") from None
+            except orjson.JSONDecodeError as exc:  # orjson's "line 2 column 1" counts the newline: give the column
+                raise InputError(f"{path}:{number}: not valid JSON at column {min(exc.pos, len(raw.rstrip())) + 1}: "
+                                 f"{exc.msg}") from None
             if not isinstance(obj, dict):
                 raise InputError(f"{path}:{number}: expected a JSON object with input_ids, got {type(obj).__name__}")
             if obj.get("id") is None:  # absent or null, the API's default
