@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -233,10 +235,11 @@ def _load_checkpoint(checked: CheckpointSpec, dtype: torch.dtype, device: torch.
     else:
         if device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
             kwargs["device_map"] = str(device)  # stream shards straight to the GPU
-        model, info = AutoModelForCausalLM.from_pretrained(  # the config as checked: its head tie included
-            checked.path, config=hf_config(checked.config), dtype=dtype, use_safetensors=True, output_loading_info=True,
-            **kwargs,
-        )
+        with _loading_bar_on_a_terminal_only():
+            model, info = AutoModelForCausalLM.from_pretrained(  # the config as checked: its head tie included
+                checked.path, config=hf_config(checked.config), dtype=dtype, use_safetensors=True,
+                output_loading_info=True, **kwargs,
+            )
     assert_fully_loaded(checked.path, info)
     model = model.to(device)
     bad = non_finite(model.named_parameters())
@@ -253,9 +256,26 @@ def _load_fp8(checked: CheckpointSpec, dtype: torch.dtype, hf_kwargs: dict):
     meta = build_meta_model(checked.config)  # the causal LM class and its (text) config, unquantized
     state_dict = read_dequantized(checked, dtype)
     log.info("%s: FP8 weights dequantized to %s at load", checked.path, str(dtype).removeprefix("torch."))
-    return type(meta).from_pretrained(
-        None, config=meta.config, state_dict=state_dict, dtype=dtype, output_loading_info=True, **hf_kwargs
-    )
+    with _loading_bar_on_a_terminal_only():
+        return type(meta).from_pretrained(
+            None, config=meta.config, state_dict=state_dict, dtype=dtype, output_loading_info=True, **hf_kwargs
+        )
+
+
+@contextmanager
+def _loading_bar_on_a_terminal_only():
+    """Hugging Face's "Loading weights" bar, off a terminal (a container's log, ``2> file``), writes a
+    redraw per update into the log: it shows on a terminal only. The setting is restored after."""
+    from transformers.utils import logging as hf_logging
+
+    if sys.stderr.isatty() or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
 
 
 def _timed_content_version(path: Path) -> str:

@@ -226,3 +226,17 @@ def test_weight_estimate_matches_the_loaded_model(kind, checkpoint_dir):
     assert estimated_weight_bytes("tiny", torch.float32) == sum(p.numel() * 4 for p in tiny.model.parameters())
     # The 27B preset is counted on the meta device, without allocating 54 GB.
     assert 50e9 < estimated_weight_bytes("qwen3.5-27b", torch.bfloat16) < 60e9
+
+
+def test_hugging_faces_loading_bar_stays_out_of_a_log_file(checkpoint_dir, capfd):
+    """Off a terminal (a container's log, `2> log`) the "Loading weights" bar would write a redraw per
+    update; on a terminal it still shows, and the setting is left as it was found."""
+    from transformers.utils import logging as hf_logging
+
+    path = str(checkpoint_dir("qwen3_5"))
+    capfd.readouterr()
+    assert hf_logging.is_progress_bar_enabled()
+    load_model(path, device="cpu", dtype="float32")
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err, err[-2000:]
+    assert hf_logging.is_progress_bar_enabled()
