@@ -11,7 +11,8 @@ from typing import Annotated, Any
 
 import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
-from pydantic import WrapValidator
+from pydantic import ValidationError, WrapValidator
+from pydantic_core import PydanticCustomError
 
 from model_runtime.types import MAX_TOP_K
 
@@ -44,6 +45,25 @@ def _encodable(text: str) -> str:
 
 
 Text = Annotated[StrictStr, AfterValidator(_encodable)]
+
+
+def _version_rule(value: Any, handler) -> str:
+    # pydantic's own words for these constraints print the regex and call a string's characters "items"
+    try:
+        return handler(value)
+    except ValidationError as exc:
+        if exc.errors()[0]["type"] in ("too_short", "too_long", "string_too_short", "string_too_long",
+                                       "string_pattern_mismatch"):
+            raise PydanticCustomError("version_rule", "a version is 1 to 256 characters, holds no control character "
+                                      "and neither begins nor ends with a space") from None
+        raise
+
+
+VersionName = Annotated[
+    Text,
+    Field(min_length=1, max_length=256, pattern=r"^[^\s\x00-\x1f\x7f](?:[^\x00-\x1f\x7f]*[^\s\x00-\x1f\x7f])?$"),
+    WrapValidator(_version_rule),
+]
 
 TokenIds = Annotated[
     list[StrictInt],
@@ -169,8 +189,8 @@ class WeightsRequest(BaseModel):
 
     model: Text | None = Field(None, description="served model name; null means the only served model")
     path: Text = Field(description="checkpoint directory (config.json + *.safetensors) relative to --weights-root")
-    version: Text | None = Field(
-        None, min_length=1, max_length=256, pattern=r"^[^\s\x00-\x1f\x7f](?:[^\x00-\x1f\x7f]*[^\s\x00-\x1f\x7f])?$",
+    version: VersionName | None = Field(
+        None,
         description="the new weights_version: no control characters, no space at either end, not starting with "
         "'xxh3-', 'sha256-', 'preset:' or 'mixed:' (the names packscore gives); default: a hash of the checkpoint's content",
     )

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from model_runtime.scoring.backend import BackendUnavailableError, UpdateInProgressError
 from model_runtime.scoring.checkpoint import CheckpointError, index_shards
 from model_runtime.scoring.weights import RESERVED_VERSION_PREFIXES, files_snapshot
-from service.http.errors import ApiError, backend_unavailable, from_validation_errors, is_out_of_memory, short_repr
+from service.http.errors import ApiError, backend_unavailable, from_validation_errors, is_out_of_memory
 from service.http.schemas import WeightsRequest
 from service.http.validation import pick_model
 from service.runtime import ServedModel, Service
@@ -77,18 +77,6 @@ def _named_model(model: Any, service: Service) -> str:
         return ""
 
 
-# pydantic's words for these name "items" and print the field's regex: a trainer gets the rule instead
-_VERSION_RULE_BROKEN = ("too_short", "too_long", "string_pattern_mismatch")
-
-
-def _version_refused(error: dict) -> ApiError | None:
-    """422 for a ``version`` string that breaks the naming rule, saying the rule; None for other errors."""
-    if tuple(error.get("loc", ())) != ("version",) or error.get("type") not in _VERSION_RULE_BROKEN:
-        return None
-    return ApiError(422, "invalid_value", f"version {short_repr(error.get('input'))} is not allowed: a version is 1 to "
-                    "256 characters, holds no control character and neither begins nor ends with a space.", "version")
-
-
 def _checkpoint_refused(exc: CheckpointError) -> ApiError:
     # API.md names two refusals of a checkpoint's content; one packscore cannot load at all (another
     # model_type, a quantization, no safetensors) is not the served model's either: incompatible.
@@ -107,8 +95,7 @@ async def update_weights(service: Service, body: Any, root: Path) -> dict:
         try:
             request = WeightsRequest.model_validate(body)
         except ValidationError as exc:
-            errors = exc.errors(include_url=False)
-            raise _version_refused(errors[0]) or from_validation_errors(errors, sourced=False) from None
+            raise from_validation_errors(exc.errors(include_url=False), sourced=False) from None
         model = service.models[pick_model(request.model, service.models)]
         name = model.name
         answer = await _run(service, model, resolve_checkpoint(root, request.path), request.version)
