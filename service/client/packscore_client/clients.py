@@ -15,7 +15,7 @@ import httpx
 
 from packscore_client.padded import PaddedBatch, PaddedScores
 from packscore_client.protocol import (Limits, Protocol, ScoredSequence, ScoreError, WeightsUpdate, as_seqs,
-                                       bearer_key, models_answer, options, readiness_answer)
+                                       bearer_key, models_answer, options, readiness_answer, renumbered)
 
 _DISCOVERY_TIMEOUT_S = 5.0
 _VERSION_TRIES = 3  # rescorings of a padded batch whose weights changed while it was scored
@@ -50,7 +50,8 @@ def _by_one_version(results: list[ScoredSequence], sequences: list, end: float |
     """``results`` of a padded batch, those of a version other than the one served after an update
     scored again with it (``score_padded``). Yields ``("models",)`` (and receives ``/v1/models``'
     list) or ``("score", sequences, weights_version, deadline_ms)`` (and receives the results, or
-    the ScoreError raised instead), as ``Protocol.exchange`` drives its I/O through each client."""
+    the ScoreError raised instead), as ``Protocol.exchange`` drives its I/O through each client.
+    A rescoring's error other than a version mismatch is raised, its sequence numbers those of ``sequences``."""
     for _ in range(_VERSION_TRIES):
         if _one_version(results):
             return results
@@ -58,7 +59,7 @@ def _by_one_version(results: list[ScoredSequence], sequences: list, end: float |
         again = yield ("score", [sequences[i] for i in rows], served, _left_ms(end))
         if isinstance(again, ScoreError):
             if again.type != "weights_version_mismatch":  # changed again meanwhile: the next try
-                raise again
+                raise renumbered(again, rows)  # numbered within the rows re-sent: turned into places in ``sequences``
             continue
         for i, r in zip(rows, again):
             results[i] = r
@@ -220,10 +221,7 @@ class ScoreClient(_Base):
         try:
             results = (self.score(batch.sequences, weights_version=weights_version, deadline_ms=deadline_ms, **kw)
                        if batch.sequences else [])
-        except ScoreError as error:
-            raise batch.named_by_place(error) from error
-        steps = _by_one_version(results, batch.sequences, end)
-        try:
+            steps = _by_one_version(results, batch.sequences, end)
             ask = next(steps)
             while True:
                 if ask[0] == "models":
@@ -236,6 +234,8 @@ class ScoreClient(_Base):
                 ask = steps.send(got)
         except StopIteration as done:
             return batch.scores(done.value, return_entropy)
+        except ScoreError as error:  # the first pass's or a rescoring's: named by the rows' places in the arrays
+            raise batch.named_by_place(error) from error
 
     def models(self) -> list[dict]:
         """GET /v1/models: the served models, each with its ``weights_version`` (API.md)."""
@@ -380,10 +380,7 @@ class AsyncScoreClient(_Base):
         try:
             results = (await self.score(batch.sequences, weights_version=weights_version, deadline_ms=deadline_ms, **kw)
                        if batch.sequences else [])
-        except ScoreError as error:
-            raise batch.named_by_place(error) from error
-        steps = _by_one_version(results, batch.sequences, end)
-        try:
+            steps = _by_one_version(results, batch.sequences, end)
             ask = next(steps)
             while True:
                 if ask[0] == "models":
@@ -396,6 +393,8 @@ class AsyncScoreClient(_Base):
                 ask = steps.send(got)
         except StopIteration as done:
             return batch.scores(done.value, return_entropy)
+        except ScoreError as error:  # the first pass's or a rescoring's: named by the rows' places in the arrays
+            raise batch.named_by_place(error) from error
 
     async def models(self) -> list[dict]:
         """As ``ScoreClient.models``."""

@@ -421,7 +421,7 @@ class Protocol:
                     if error.param is None and outcome.status_code == 413 and len(seqs) == 1:
                         # split down to one sequence still too large: the caller learns which one
                         error = ScoreError(error.status, error.type, error.message, "sequences[0]")
-                    raise _renumbered(error, indices)
+                    raise renumbered(error, indices)
                 if deadline is not None and time.monotonic() + wait >= deadline:
                     raise ScoreError(504, "deadline_exceeded", f"deadline_ms would pass before a retry could "
                                      f"be answered (the server said {outcome.status_code} {error.type}).", "deadline_ms")
@@ -531,7 +531,7 @@ def _result(r: dict, top_k: int, model: str, version: str) -> ScoredSequence:
 _REQUEST_INDEX = re.compile(r"\b(sequences\[|Sequence )(\d+)")
 
 
-def _renumbered(error: ScoreError, indices: Sequence[int] | None) -> ScoreError:
+def renumbered(error: ScoreError, indices: Sequence[int] | None) -> ScoreError:
     """``error`` with the request's sequence numbers (``sequences[3]``, "Sequence 3") turned into
     the caller's."""
     if indices is None:
