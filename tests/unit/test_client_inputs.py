@@ -118,7 +118,7 @@ def test_the_knobs_and_options_docs_client_md_names_are_where_it_says():
     # ScoreClient and AsyncScoreClient pass their knobs on to one constructor, _Base's
     init = set(inspect.signature(_Base.__init__).parameters)
     assert knobs - {"url"} <= init, knobs - init
-    for method in (ScoreClient.score, ScoreClient.score_padded, AsyncScoreClient.score_padded):
+    for method in (ScoreClient.score, ScoreClient.score_padded, AsyncScoreClient.score, AsyncScoreClient.score_padded):
         params = set(inspect.signature(method).parameters)
         wanted = options - {"top_k"} if method.__name__ == "score_padded" else options
         assert wanted <= params, (method.__qualname__, wanted - params)

@@ -2,6 +2,7 @@
 (422) into another request, top_k=2.5 into top_k=2 and return_entropy="no" into True."""
 
 import asyncio
+import inspect
 import json
 
 import httpx
@@ -75,3 +76,31 @@ def test_numpy_options_are_sent_as_plain_numbers(encoding):
     assert len(sent) == 1, sent
     body = sent[0]
     assert (body["top_k"], body["temperature"], body["return_entropy"], body["deadline_ms"]) == (2, 0.5, False, 0), body
+
+
+@pytest.mark.parametrize("method", ["score", "score_padded"])
+def test_both_clients_take_the_same_options_with_the_same_defaults(method):
+    """The asyncio twin's options are spelt out as the blocking client's, so its defaults cannot drift."""
+    blocking, awaited = (inspect.signature(getattr(cls, method)) for cls in (ScoreClient, AsyncScoreClient))
+    assert blocking == awaited, f"ScoreClient.{method}{blocking} != AsyncScoreClient.{method}{awaited}"
+
+
+def test_a_misspelt_option_is_refused_by_the_method_called():
+    """The TypeError names score() or score_padded(), as the user wrote it, not a private helper's."""
+    def named(cls: str, method: str) -> str:
+        return rf"^{cls}\.{method}\(\) got an unexpected keyword argument 'temprature'$"
+
+    with ScoreClient(BASE, transport=httpx.MockTransport(_nothing_sent)) as client:
+        with pytest.raises(TypeError, match=named("ScoreClient", "score")):
+            client.score([[1, 2, 3]], temprature=0.7)
+        with pytest.raises(TypeError, match=named("ScoreClient", "score_padded")):
+            client.score_padded(IDS, ATTN, RESP, temprature=0.7)
+
+    async def main():
+        async with AsyncScoreClient(BASE, transport=httpx.MockTransport(_nothing_sent)) as client:
+            with pytest.raises(TypeError, match=named("AsyncScoreClient", "score")):
+                await client.score([[1, 2, 3]], temprature=0.7)
+            with pytest.raises(TypeError, match=named("AsyncScoreClient", "score_padded")):
+                await client.score_padded(IDS, ATTN, RESP, temprature=0.7)
+
+    asyncio.run(main())

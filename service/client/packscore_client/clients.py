@@ -115,8 +115,8 @@ class _Base:
         if self._closed:  # else a thread pool's or httpx's RuntimeError, which does not say why
             raise RuntimeError(f"this {type(self).__name__} is closed: create a new one to send requests")
 
-    def _plan(self, sequences, *, temperature=1.0, return_entropy=True, top_k=0, model=None, deadline_ms=None,
-              weights_version=None):
+    # No defaults: the public methods' signatures hold them (tests/unit/test_client_options.py keeps them alike)
+    def _plan(self, sequences, *, temperature, return_entropy, top_k, model, deadline_ms, weights_version):
         self._check_open()
         seqs = as_seqs(sequences)
         opts = options(temperature, return_entropy, top_k, model, deadline_ms, weights_version)
@@ -348,10 +348,21 @@ class AsyncScoreClient(_Base):
             self._loop = loop
         return self._http
 
-    async def score(self, sequences: Iterable[Any], **options: Any) -> list[ScoredSequence]:
-        """``ScoreClient.score``, awaited: the same keyword arguments (temperature, return_entropy,
-        top_k, model, deadline_ms, weights_version) and the same results."""
-        seqs, opts, give_up, deadline = self._plan(sequences, **options)
+    async def score(
+        self,
+        sequences: Iterable[Any],
+        *,
+        temperature: float = 1.0,
+        return_entropy: bool = True,
+        top_k: int = 0,
+        model: str | None = None,
+        deadline_ms: int | None = None,
+        weights_version: str | None = None,
+    ) -> list[ScoredSequence]:
+        """``ScoreClient.score``, awaited: the same keyword arguments and the same results."""
+        seqs, opts, give_up, deadline = self._plan(sequences, temperature=temperature, return_entropy=return_entropy,
+                                                   top_k=top_k, model=model, deadline_ms=deadline_ms,
+                                                   weights_version=weights_version)
         if not self._p.limits_known:
             self._p.learn_from_readyz(await self._get("/readyz"))
         gate = asyncio.Semaphore(self._max_concurrency)
