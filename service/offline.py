@@ -205,15 +205,29 @@ def _check_resumed(input_path: Path, number: int, obj: dict, job: ScoreJob, resu
                          f"that another input, model or options made: {what}; give another -o, or remove that line")
 
 
+# How often the bar is redrawn, or a due log line checked, while no result comes (a first forward may take minutes).
+_REFRESH_S = 1.0
+_LOG_EVERY_S = 60.0
+
+
 def _progress(total: int, initial: int):
     """A bar on a terminal; elsewhere (a log file, a pipe) one log line a minute, not a bar's redraws."""
     if sys.stderr.isatty():
         return tqdm(total=total, initial=initial, unit="seq")
-    return _LoggedProgress(total, initial)
+    return _LoggedProgress(total, initial, _LOG_EVERY_S)
+
+
+async def _tick(bar) -> None:
+    """Refreshes ``bar`` every _REFRESH_S until cancelled: tqdm redraws (and a log line falls due) only in
+    update(), so without it a bar's elapsed time stands still until the first result. On the loop's thread,
+    as update() is, so never in the middle of one."""
+    while True:
+        await asyncio.sleep(_REFRESH_S)
+        bar.refresh()
 
 
 class _LoggedProgress:
-    """tqdm's ``update``/``close`` as a log line every ``every_s`` seconds, with the rate and what is left."""
+    """tqdm's ``update``/``refresh``/``close`` as a log line every ``every_s`` seconds, with the rate and what is left."""
 
     def __init__(self, total: int, initial: int, every_s: float = 60.0):
         self.total, self.count, self.every_s = total, initial, every_s
@@ -222,18 +236,26 @@ class _LoggedProgress:
 
     def update(self, n: int = 1) -> None:
         self.count += n
+        self.refresh()
+
+    def refresh(self) -> None:
+        """The log line, once ``every_s`` has passed since the last one, whether or not a result came."""
         now = time.monotonic()
         if now - self._last >= self.every_s:
             self._last = now
             self._report(now)
 
-    def _report(self, now: float) -> None:
+    def _report(self, now: float, closing: bool = False) -> None:
+        if self.count == self._initial and not closing:  # no rate yet, so no time left to give
+            log.info("scored %d/%d sequences (none yet after %.0fs: waiting for the first forward's results)",
+                     self.count, self.total, now - self._start)
+            return
         rate = (self.count - self._initial) / max(now - self._start, 1e-9)
         left = f", about {(self.total - self.count) / rate:.0f}s left" if rate > 0 else ""
         log.info("scored %d/%d sequences (%.1f/s%s)", self.count, self.total, rate, left)
 
     def close(self) -> None:
-        self._report(time.monotonic())
+        self._report(time.monotonic(), closing=True)
 
     def __enter__(self) -> "_LoggedProgress":
         return self
@@ -298,6 +320,7 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
         except (ValueError, RuntimeError):  # not the main thread: Ctrl-C is not this run's to handle
             pass
     finished = False
+    ticker = asyncio.create_task(_tick(bar))  # cancelled below; asyncio.run cancels it too, before the bar closes
     try:
         for number, seq_id, job in _jobs(settings, input_path, limits, done, run):
             if stop.done():
@@ -334,6 +357,7 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
             while scheduler.forward_running and not abandon.done():
                 await asyncio.sleep(0.02)
             loop.remove_signal_handler(signal.SIGINT)
+            ticker.cancel()  # its next step is its CancelledError: no refresh once this returns
     if stop.done() and not finished:
         raise Interrupted(abandoned=abandon.done(), forward_running=scheduler.forward_running)
     return written

@@ -501,3 +501,85 @@ def test_an_ignored_sigint_stays_ignored(tmp_path):
     run.send_signal(signal.SIGINT)
     _, err = run.communicate(timeout=60)
     assert run.returncode == 0 and [r["id"] for r in _read_jsonl(out)] == [r["id"] for r in rows], err[-2000:]
+
+
+def _slow_first_result(monkeypatch):
+    """A fake model whose forwards wait until its gate is set (or 5 s pass, so that a run without
+    progress between results still ends); the ticker's interval is 10 ms, a log line's 50 ms."""
+    import threading
+
+    gate = threading.Event()
+    backend = FakeBackend(gate=gate)
+    monkeypatch.setattr("service.backends.load_backend", lambda settings: backend)
+    monkeypatch.setattr(service.offline, "_REFRESH_S", 0.01)
+    monkeypatch.setattr(service.offline, "_LOG_EVERY_S", 0.05)
+    timer = threading.Timer(5.0, gate.set)
+    timer.start()
+    return gate, timer
+
+
+def test_a_log_line_comes_while_the_first_result_is_still_being_scored(monkeypatch, tmp_path, caplog):
+    """With a large model and long rows the first result takes minutes: the once-a-minute line came
+    only with a result, so a job's log showed nothing until then."""
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": f"r{i}", "input_ids": [1, 2, 3 + i]} for i in range(3)])
+    lines = []
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("scored "):
+                lines.append(record.getMessage())
+                gate.set()  # the forwards go on once a line has shown
+
+    gate, timer = _slow_first_result(monkeypatch)
+    handler = Seen()
+    logging.getLogger("service.offline").addHandler(handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="service.offline"):
+            assert cli.main(["score", str(source), "-o", str(out)]) == 0
+    finally:
+        logging.getLogger("service.offline").removeHandler(handler)
+        timer.cancel()
+    assert lines and lines[0].startswith("scored 0/3 sequences"), lines
+    assert "waiting for the first" in lines[0] and "left" not in lines[0], lines[0]
+    assert lines[-1].startswith("scored 3/3 sequences"), lines  # the final line at close
+    assert len(_read_jsonl(out)) == 3
+
+
+def test_the_bar_on_a_terminal_is_redrawn_while_the_first_result_is_still_being_scored(monkeypatch, tmp_path):
+    """tqdm redraws only in update(): its elapsed time stood still until the first result, as if hung."""
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(source, [{"id": f"r{i}", "input_ids": [1, 2, 3 + i]} for i in range(3)])
+    events = []
+
+    class Bar:
+        def __init__(self, total, initial, unit):
+            self.n, self.closed = initial, False
+
+        def update(self, n=1):
+            self.n += n
+            events.append(("update", self.n))
+
+        def refresh(self):
+            assert not self.closed, "refreshed after close"
+            events.append(("refresh", self.n))
+            gate.set()
+
+        def close(self):
+            self.closed = True
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.close()
+
+    gate, timer = _slow_first_result(monkeypatch)
+    monkeypatch.setattr(service.offline, "tqdm", Bar)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    try:
+        assert cli.main(["score", str(source), "-o", str(out)]) == 0
+    finally:
+        timer.cancel()
+    assert events and events[0] == ("refresh", 0), events
+    assert ("update", 3) in events and len(_read_jsonl(out)) == 3
