@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from packscore_client import ScoreClient, ScoreError
 from tests.e2e.helpers import API_KEY, AUTH, fake_server
 
 _MADE = re.compile(r"[0-9a-f]{32}")  # an id the server made
@@ -95,3 +96,10 @@ def test_the_protocols_408_names_the_request_whose_body_did_not_arrive(server):
     head = data.partition(b"\r\n\r\n")[0].lower().split(b"\r\n")
     assert head[0].startswith(b"http/1.1 408") and b"x-request-id: slow-body-1" in head, data
 
+
+def test_the_clients_score_error_names_the_failed_requests_id(server):
+    with ScoreClient(server.url, api_key=API_KEY, encoding="json") as client:
+        with pytest.raises(ScoreError) as failed:
+            client.score([{"input_ids": [1, 2], "score_from": 9}])
+    assert failed.value.status == 422 and _MADE.fullmatch(failed.value.request_id or ""), failed.value
+    assert f"(request_id: {failed.value.request_id})" in str(failed.value)
