@@ -22,6 +22,7 @@ from pydantic import SecretStr, ValidationError
 
 from service.entrypoint import exit_on_sigterm_until_serving
 from service.http.errors import validation_reason
+from service.http.request_id import configure_logging
 from service.settings import Settings
 
 log = logging.getLogger("packscore")
@@ -163,9 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, settings: Settings) -> int:
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    configure_logging(settings.log_level)
     if settings.triton_cache_dir is not None:
         # Triton and Inductor read their cache directories when the first kernel compiles: set
         # both before any kernel module is imported (importing this helper imports no Triton).

@@ -23,6 +23,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.http import metrics as metrics_module
+from service.http import request_id
 from service.http.encoding import JSON, MSGPACK, decode_body, encode_json, request_encoding
 from service.http.errors import ERROR_RESPONSES, ApiError, draining_error, from_validation_errors
 from service.http.protocol import READ_TIMED_OUT
@@ -72,6 +73,8 @@ _MSGPACK_SCORE_RESPONSE = {
     },
 }
 _RETRY_AFTER = {"Retry-After": {"description": "whole seconds to wait before retrying", "schema": {"type": "integer"}}}
+_REQUEST_ID_DOC = {"description": "the request's X-Request-Id if it sent 1-128 visible ASCII characters, else one the "
+                   "server made; the server's log lines for the request name it", "schema": {"type": "string"}}
 
 
 def _errors(*codes: int) -> dict:
@@ -124,10 +127,12 @@ def create_app(settings: Settings, backend: BackendSources) -> FastAPI:
 
 
 class _Gate:
-    """Wraps every request: counts it in the metrics, checks the API key, refuses while draining.
+    """Wraps every request: names it (``X-Request-Id``, service.http.request_id), counts it in the
+    metrics, checks the API key, refuses while draining, answers an unhandled error's 500.
 
     A plain ASGI middleware (not BaseHTTPMiddleware) so that handlers still receive the
-    client's disconnect message.
+    client's disconnect message. It answers the 500 itself, not through an exception handler
+    (Starlette runs that one outside every middleware): every answer passes through here.
     """
 
     def __init__(self, app: ASGIApp, service: Service):
@@ -138,18 +143,24 @@ class _Gate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        rid = request_id.from_headers(scope["headers"])
+        # Not reset: the request's task ends with it, and uvicorn's lines after the app (a traceback) name it too.
+        request_id.current.set(rid)
+        scope[request_id.SCOPE_KEY] = rid  # before _origin_form copies it: the protocol reads its own scope
         if scope["path"][:8].lower().startswith(("http://", "https://")):
             scope = _origin_form(scope)
+        id_header = (request_id.HEADER, rid.encode("ascii"))
         path = scope["path"]
         route = path if path in _ROUTE_LABELS else "other"
         metrics = self.service.metrics
         started = time.perf_counter()
-        status = 500
+        status, started_answer = 500, False
 
         async def send_observed(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started_answer
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started_answer = message["status"], True
+                message = {**message, "headers": [*message.get("headers", ()), id_header]}
             await send(message)
 
         try:
@@ -158,6 +169,12 @@ class _Gate:
                 await error_response(refusal, metrics)(scope, receive, send_observed)
             else:
                 await self.app(scope, receive, send_observed)
+        except Exception:
+            log.exception("unhandled error on %s %s", scope["method"], path)
+            if not started_answer:
+                error = ApiError(500, "internal_error", "The server failed unexpectedly; this is a bug.")
+                await error_response(error, metrics)(scope, receive, send_observed)
+            raise  # uvicorn logs it too, and closes a connection whose answer had started
         finally:
             if scope.get(READ_TIMED_OUT):  # the protocol answered 408 and closed: what the handler sent went nowhere
                 status = 408
@@ -236,11 +253,6 @@ def _install_error_handlers(app: FastAPI, service: Service) -> None:
         error = ApiError(exc.status_code, kinds.get(exc.status_code, "http_error"),
                          message.get(exc.status_code, str(exc.detail)), headers=headers)
         return error_response(error, metrics)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(ApiError(500, "internal_error", "The server failed unexpectedly; this is a bug."), metrics)
 
 
 def _add_routes(app: FastAPI, service: Service) -> None:
@@ -368,6 +380,10 @@ def _openapi(app: FastAPI, service: Service) -> dict:
     body = {"required": True, "content": {JSON: {"schema": ref}, MSGPACK: {"schema": ref}}}
     for path in SCORE_ROUTES:
         schema["paths"][path]["post"]["requestBody"] = body
+    for operations in schema["paths"].values():  # every answer names its request (_Gate)
+        for operation in operations.values():
+            for answer in operation.get("responses", {}).values():
+                answer["headers"] = {**answer.get("headers", {}), "X-Request-Id": _REQUEST_ID_DOC}
     if service.api_key is not None:
         schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         for path, operations in schema["paths"].items():

@@ -32,6 +32,8 @@ import h11
 import orjson
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from service.http.request_id import SCOPE_KEY, new_id
+
 log = logging.getLogger(__name__)
 
 _DESCRIPTOR_RESERVE = 64  # for model files, logs, worker pipes and the event loop itself
@@ -40,12 +42,14 @@ _DONE_STATES = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR)
 READ_TIMED_OUT = "packscore.read_timed_out"
 
 
-def error_bytes(status: int, reason: str, type: str, message: str, extra_headers: str = "") -> bytes:
-    """A complete HTTP/1.1 answer with the contract's JSON error body that closes the connection."""
+def error_bytes(status: int, reason: str, type: str, message: str, extra_headers: str = "",
+                request_id: str | None = None) -> bytes:
+    """A complete HTTP/1.1 answer with the contract's JSON error body that closes the connection;
+    ``request_id`` where the app had named the request, else a new one (no request was parsed)."""
     body = orjson.dumps({"error": {"type": type, "message": message, "param": None}})
     head = (
         f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-        f"connection: close\r\n{extra_headers}\r\n"
+        f"connection: close\r\nx-request-id: {request_id or new_id()}\r\n{extra_headers}\r\n"
     )
     return head.encode("ascii") + body
 
@@ -176,9 +180,11 @@ class GuardedH11Protocol(H11Protocol):
                     or (cycle.response_complete and self.conn.their_state is not h11.SEND_BODY))
         if send_408:
             message = f"The request did not arrive within {self.registry.read_timeout_s:g} s (request_read_timeout_s)."
-            self.transport.write(error_bytes(408, "Request Timeout", "request_timeout", message))
-            if cycle is not None and not cycle.response_complete:
-                cycle.scope[READ_TIMED_OUT] = True  # type: ignore[literal-required]
+            ongoing = cycle is not None and not cycle.response_complete  # else the 408 is the next request's
+            rid = cycle.scope.get(SCOPE_KEY) if ongoing else None  # type: ignore[union-attr]
+            self.transport.write(error_bytes(408, "Request Timeout", "request_timeout", message, request_id=rid))
+            if ongoing:
+                cycle.scope[READ_TIMED_OUT] = True  # type: ignore[literal-required, union-attr]
         self._close()
 
     def _close(self) -> None:

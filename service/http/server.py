@@ -17,6 +17,7 @@ from fastapi import FastAPI
 
 from service.entrypoint import hand_sigterm_back
 from service.http.protocol import default_max_connections, guarded_protocol
+from service.http.request_id import uvicorn_log_config
 from service.runtime import Service
 from service.settings import Settings
 
@@ -124,6 +125,7 @@ def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
         # (a proxy's 502): idle connections outlive the proxies' own idle timeouts.
         timeout_keep_alive=settings.keep_alive_timeout_s,
         log_level=settings.log_level,
+        log_config=uvicorn_log_config(),  # uvicorn's lines name their request, as the app's do
         access_log=settings.log_level == "debug",  # one line per request costs CPU under load
         # After a drain every admitted request has its answer, written out (on_tick): connections
         # still open then are idle or stuck, and the drain timeout is the contract's bound on the exit.

@@ -41,6 +41,7 @@ from model_runtime.scoring.backend import (STALL_FACTOR, STALL_FLOOR_S, STALL_UN
                                           ScoringBackend)
 from model_runtime.scoring.prefix import RowTokens, head_key, tokens_saved
 from model_runtime.types import InvalidSequenceError, SequenceInput, SequenceScores
+from service.http import request_id
 from service.http.errors import ApiError, backend_unavailable, deadline_error, is_out_of_memory
 from service.http.metrics import Metrics
 from service.scheduling.admission import Admission, QueueFullError, SharedCapacity
@@ -72,6 +73,7 @@ class Ticket:
         self.items: list[_Item] = []
         self.quiet = False  # arrived after a quiet spell: its row need not wait to fill
         self.probe = False  # the readiness pass: scored like a request, not counted as traffic
+        self.request_id = request_id.current.get()  # for log lines about it, written outside the request's task
 
     @property
     def done(self) -> bool:
@@ -534,13 +536,14 @@ class Scheduler:
         item = row[0]
         param = f"sequences[{item.index}].input_ids"
         if is_out_of_memory(exc):
-            log.warning("sequence of %d tokens does not fit in memory alone: %s", item.tokens, _short(exc))
+            log.warning("sequence of %d tokens does not fit in memory alone: %s", item.tokens, _short(exc),
+                        extra=request_id.for_request(item.ticket.request_id))
             error = ApiError(413, "sequence_too_large",
                              f"Sequence {item.index} ({item.tokens} tokens) does not fit in the accelerator's memory.", param)
         elif isinstance(exc, InvalidSequenceError):
             error = ApiError(422, "invalid_value", str(exc), param)
         else:
-            log.error("forward of one sequence failed", exc_info=exc)
+            log.error("forward of one sequence failed", exc_info=exc, extra=request_id.for_request(item.ticket.request_id))
             error = ApiError(500, "internal_error", f"Scoring failed: {_short(exc)}.")
         self.fail(item.ticket, error)
 

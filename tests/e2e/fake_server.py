@@ -6,19 +6,19 @@ slow forward; the real app, uvicorn and protocol otherwise.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
 from service.cli import parse_settings
 from service.http.app import create_app
+from service.http.request_id import configure_logging
 from service.http.server import run_server
 from service.testing import FakeBackend
 
 
 def main() -> int:
     _, settings = parse_settings(sys.argv[1:])
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level)
     backend = FakeBackend(seconds_per_token=float(os.environ.get("FAKE_SECONDS_PER_TOKEN", "0")))
     return run_server(create_app(settings, backend), settings)
 

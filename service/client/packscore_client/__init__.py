@@ -26,6 +26,7 @@ no transformers, none of the server's packages (``pip install ./service/client``
 
 from packscore_client.clients import AsyncScoreClient, ScoreClient
 from packscore_client.padded import PaddedScores
-from packscore_client.protocol import Limits, ScoredSequence, ScoreError, WeightsUpdate
+from packscore_client.errors import ScoreError
+from packscore_client.protocol import Limits, ScoredSequence, WeightsUpdate
 
 __all__ = ["AsyncScoreClient", "Limits", "PaddedScores", "ScoreClient", "ScoreError", "ScoredSequence", "WeightsUpdate"]

@@ -93,7 +93,7 @@ class PaddedBatch:
             return f"Row {self.rows[k]}" if k < len(self.rows) else match.group(0)
 
         param = _SENT.sub(place, error.param) if error.param else error.param
-        return ScoreError(error.status, error.type, _SEQUENCE.sub(row, _SENT.sub(place, error.message)), param)
+        return error.renamed(_SEQUENCE.sub(row, _SENT.sub(place, error.message)), param)
 
     def scores(self, results: list[ScoredSequence], return_entropy: bool) -> PaddedScores:
         """The answers to ``sequences``, in order, placed as [B, R] arrays."""

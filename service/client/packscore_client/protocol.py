@@ -21,6 +21,8 @@ import httpx
 import msgpack
 import numpy as np
 
+from packscore_client.errors import ScoreError, response_error
+
 log = logging.getLogger("packscore_client")
 
 _INT32_MAX = 2**31 - 1
@@ -52,15 +54,6 @@ class WeightsUpdate:
     previous_version: str
     load_s: float
     swap_ms: float
-
-
-class ScoreError(Exception):
-    """The server refused or failed a request, or could not be reached (status 0, type
-    ``connection_error``); the fields are the contract's error body."""
-
-    def __init__(self, status: int, type: str, message: str, param: str | None = None):
-        super().__init__(f"{status} {type}: {message}" + (f" (param: {param})" if param else ""))
-        self.status, self.type, self.message, self.param = status, type, message, param
 
 
 @dataclass(frozen=True)
@@ -314,7 +307,7 @@ class Protocol:
                     return self.weights_answer(outcome)
                 wait = retry_after(outcome, attempt)
                 if time.monotonic() + wait > give_up:
-                    raise _error(outcome)
+                    raise response_error(outcome)
             else:
                 if not isinstance(outcome, (httpx.ConnectError, httpx.ConnectTimeout)):
                     raise ScoreError(0, "connection_error", f"POST /v1/weights to {self.base_url} failed after it was "
@@ -352,7 +345,7 @@ class Protocol:
     @staticmethod
     def weights_answer(response: httpx.Response) -> WeightsUpdate:
         if response.status_code != 200:
-            raise _error(response)
+            raise response_error(response)
         body = response.json()
         return WeightsUpdate(body["model"], body["weights_version"], body["previous_version"], body["load_s"],
                              body["swap_ms"])
@@ -396,7 +389,7 @@ class Protocol:
                 unreachable_since, resent = None, False  # a loss after an answer is a first one again
                 if outcome.status_code == 200:
                     return self.parse(outcome, options["top_k"])
-                error = _error(outcome)
+                error = response_error(outcome)
                 parts = None
                 halves = [list(range(len(seqs) // 2)), list(range(len(seqs) // 2, len(seqs)))]
                 if outcome.status_code == 413 and error.type in _SPLITTABLE and len(seqs) > 1:
@@ -420,11 +413,12 @@ class Protocol:
                 if outcome.status_code not in _RETRY_STATUSES or time.monotonic() + wait > give_up:
                     if error.param is None and outcome.status_code == 413 and len(seqs) == 1:
                         # split down to one sequence still too large: the caller learns which one
-                        error = ScoreError(error.status, error.type, error.message, "sequences[0]")
+                        error = error.renamed(error.message, "sequences[0]")
                     raise renumbered(error, indices)
                 if deadline is not None and time.monotonic() + wait >= deadline:
                     raise ScoreError(504, "deadline_exceeded", f"deadline_ms would pass before a retry could "
-                                     f"be answered (the server said {outcome.status_code} {error.type}).", "deadline_ms")
+                                     f"be answered (the server said {outcome.status_code} {error.type}).", "deadline_ms",
+                                     error.request_id)
             elif isinstance(outcome, httpx.ReadTimeout):
                 # The server has the request and is still scoring it: sent again, it would be scored twice
                 # on a server already too slow, and the answer would come no sooner.
@@ -478,7 +472,7 @@ def models_answer(outcome: httpx.Response | Exception) -> list[dict]:
     if isinstance(outcome, Exception):
         raise ScoreError(0, "connection_error", f"GET /v1/models failed: {_describe(outcome)}") from outcome
     if outcome.status_code != 200:
-        raise _error(outcome)
+        raise response_error(outcome)
     return outcome.json()["data"]
 
 
@@ -497,7 +491,7 @@ def readiness_answer(outcome: httpx.Response | Exception) -> dict:
     if isinstance(outcome, Exception):
         raise ScoreError(0, "connection_error", f"GET /readyz failed: {_describe(outcome)}") from outcome
     if outcome.status_code != 200 and outcome.status_code not in _NOT_READY_STATUSES:
-        raise _error(outcome)
+        raise response_error(outcome)
     try:
         body = outcome.json()
     except ValueError:
@@ -542,7 +536,7 @@ def renumbered(error: ScoreError, indices: Sequence[int] | None) -> ScoreError:
         return f"{match.group(1)}{indices[i] if i < len(indices) else i}"
 
     param = _REQUEST_INDEX.sub(caller, error.param) if error.param else error.param
-    return ScoreError(error.status, error.type, _REQUEST_INDEX.sub(caller, error.message), param)
+    return error.renamed(_REQUEST_INDEX.sub(caller, error.message), param)
 
 
 def _gateway_error(response: httpx.Response) -> ScoreError | None:
@@ -550,16 +544,8 @@ def _gateway_error(response: httpx.Response) -> ScoreError | None:
     ``deadline_exceeded``): a gateway's page; else None."""
     if response.status_code not in _GATEWAY_STATUSES:
         return None
-    error = _error(response)
+    error = response_error(response)
     return error if error.type == "http_error" else None
-
-
-def _error(response: httpx.Response) -> ScoreError:
-    try:
-        e = response.json()["error"]
-        return ScoreError(response.status_code, e["type"], e["message"], e.get("param"))
-    except Exception:
-        return ScoreError(response.status_code, "http_error", response.text[:200] or response.reason_phrase)
 
 
 def retry_after(response: httpx.Response | None, attempt: int) -> float:

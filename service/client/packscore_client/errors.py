@@ -1,0 +1,33 @@
+"""The error every failed call raises, and how it is read from the server's answer."""
+
+from __future__ import annotations
+
+import httpx
+
+
+class ScoreError(Exception):
+    """The server refused or failed a request, or could not be reached (status 0, type
+    ``connection_error``); the fields are the contract's error body. ``request_id`` is the
+    ``X-Request-Id`` of the answer that failed the call (the server's log lines for that request
+    name it), None where no answer came; a call split into several requests names the one whose
+    answer failed it."""
+
+    def __init__(self, status: int, type: str, message: str, param: str | None = None, request_id: str | None = None):
+        text = f"{status} {type}: {message}" + (f" (param: {param})" if param else "")
+        super().__init__(text + (f" (request_id: {request_id})" if request_id else ""))
+        self.status, self.type, self.message, self.param = status, type, message, param
+        self.request_id = request_id
+
+    def renamed(self, message: str, param: str | None) -> "ScoreError":
+        """The same error of the same answer, its message and param in the caller's terms."""
+        return ScoreError(self.status, self.type, message, param, self.request_id)
+
+
+def response_error(response: httpx.Response) -> ScoreError:
+    """The error of an answer other than 200: the contract's body, else its status and text (a proxy's page)."""
+    request_id = response.headers.get("x-request-id")
+    try:
+        e = response.json()["error"]
+        return ScoreError(response.status_code, e["type"], e["message"], e.get("param"), request_id)
+    except Exception:
+        return ScoreError(response.status_code, "http_error", response.text[:200] or response.reason_phrase, request_id=request_id)

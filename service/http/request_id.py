@@ -1,0 +1,80 @@
+"""Request ids: every answer carries ``X-Request-Id``, and every log line written while a request is
+handled names it, so a trainer's error and the server's log can be matched.
+
+An incoming ``X-Request-Id`` (the first, if several) is kept when it is 1 to 128 characters of
+visible ASCII (0x21-0x7E: no space, control or non-ASCII byte), so a trainer or a proxy can choose
+it; any other value is replaced by one the server makes (32 hex digits), never refused.
+
+The id lives in a context variable that ``_Gate`` sets at the start of each request (uvicorn runs
+each request in a task of its own, so it is that request's for everything the task and the threads
+it starts with ``asyncio.to_thread`` log). ``RequestIdFilter`` copies it onto log records; a record
+may name a request itself with ``extra=for_request(request_id)`` (a scheduler line about one
+sequence, written outside the request's task).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+import sys
+import uuid
+from contextvars import ContextVar
+
+HEADER = b"x-request-id"  # ASGI header names are lower case
+MAX_LENGTH = 128
+SCOPE_KEY = "packscore.request_id"  # in the ASGI scope: the protocol's own 408 for the request names it
+# Before the message, so that a traceback or a message ending in a newline does not push it to another line.
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s:%(request_tag)s %(message)s"
+
+current: ContextVar[str | None] = ContextVar("packscore_request_id", default=None)
+
+_VALID = re.compile(rb"[\x21-\x7e]{1,%d}" % MAX_LENGTH)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def from_headers(headers: list[tuple[bytes, bytes]]) -> str:
+    """The request's id: its own ``X-Request-Id`` where that is valid, else a new one."""
+    for name, value in headers:
+        if name == HEADER:
+            return value.decode("ascii") if _VALID.fullmatch(value) else new_id()
+    return new_id()
+
+
+def for_request(request_id: str | None) -> dict:
+    """``extra=`` for a log call about one request, made outside that request's task."""
+    return {"request_id": request_id}
+
+
+class RequestIdFilter(logging.Filter):
+    """Gives every record ``request_id`` (the request's id, or None outside a request) and
+    ``request_tag`` (`` request_id=<id>``, or empty) for the format to show."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rid = getattr(record, "request_id", None) or current.get()
+        record.request_id = rid
+        record.request_tag = f" request_id={rid}" if rid else ""
+        return True
+
+
+def configure_logging(level: str) -> None:
+    """The process's log: standard error, ``LOG_FORMAT``, each line naming its request (if any)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(RequestIdFilter())
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, handlers=[handler])
+
+
+def uvicorn_log_config() -> dict:
+    """uvicorn's own logging configuration, its lines (the access log among them) naming their request."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config.setdefault("filters", {})["request_id"] = {"()": RequestIdFilter}
+    for handler in config["handlers"].values():
+        handler.setdefault("filters", []).append("request_id")
+    for formatter in config["formatters"].values():
+        formatter["fmt"] = formatter["fmt"].replace("%(levelprefix)s ", "%(levelprefix)s%(request_tag)s ", 1)
+    return config

@@ -1,0 +1,101 @@
+"""Request ids in the app: the rule for an incoming ``X-Request-Id``, the 500 of an unhandled error,
+and the log lines written for a request (service/http/request_id.py)."""
+
+import asyncio
+import logging
+
+import httpx
+import pytest
+
+from service.http import request_id
+from service.http.app import create_app
+from service.settings import Settings
+from service.testing import FakeBackend, running_app
+
+BASE = "http://packscore.test"
+
+
+@pytest.mark.parametrize("given, kept", [
+    (b"abc", True), (b"!", True), (b"~" * 128, True), (b"trainer-7/step:3,{x}", True),
+    (b"", False), (b"a" * 129, False), (b"has space", False), (b"tab\tin", False), (b"caf\xc3\xa9", False),
+    (b"del\x7f", False),
+], ids=lambda v: v if isinstance(v, bool) else repr(v[:20]))
+def test_an_incoming_id_is_kept_only_when_it_is_1_to_128_visible_ascii_characters(given, kept):
+    got = request_id.from_headers([(b"accept", b"*/*"), (b"x-request-id", given), (b"x-request-id", b"second")])
+    if kept:
+        assert got == given.decode(), got
+    else:
+        assert len(got) == 32 and int(got, 16) >= 0 and got.encode() != given, got
+    assert len(request_id.from_headers([])) == 32
+
+
+class _Lines(logging.Handler):
+    """The log lines as the server writes them (LOG_FORMAT, each naming its request)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.addFilter(request_id.RequestIdFilter())
+        self.setFormatter(logging.Formatter(request_id.LOG_FORMAT))
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(self.format(record))
+
+    def __enter__(self):
+        root = logging.getLogger()
+        self.level_was = root.level
+        root.addHandler(self)
+        root.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger().removeHandler(self)
+        logging.getLogger().setLevel(self.level_was)
+
+
+def _named(lines: list[str], text: str, rid: str) -> bool:
+    return any(text in line and f"request_id={rid}" in line for line in lines)
+
+
+def test_an_unhandled_error_is_a_json_500_with_the_id_and_its_traceback_names_it(monkeypatch):
+    async def broken(request, service):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("service.http.app.score_request", broken)
+
+    async def main():
+        app = create_app(Settings(), FakeBackend())
+        async with running_app(app):
+            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url=BASE) as client:
+                return await client.post("/score", json={"sequences": [{"input_ids": [1, 2]}]},
+                                         headers={"X-Request-Id": "bug-1"})
+
+    with _Lines() as log:
+        answer = asyncio.run(main())
+    assert answer.status_code == 500 and answer.json()["error"]["type"] == "internal_error", answer.text
+    assert answer.headers["x-request-id"] == "bug-1"
+    assert _named(log.lines, "unhandled error on POST /score", "bug-1"), log.lines
+    assert any("RuntimeError: a bug" in line for line in log.lines), log.lines
+
+
+def test_the_non_finite_warning_and_a_sequences_scheduler_warning_name_their_request(monkeypatch):
+    monkeypatch.setattr("service.http.scoring.non_finite_score", lambda scores: "logprobs[0]")
+
+    async def main():
+        app = create_app(Settings(max_batch_tokens=64), FakeBackend(oom_above_tokens=20))
+        async with running_app(app) as client:
+            nan = await client.post("/score", json={"sequences": [{"input_ids": [1, 2]}]}, headers={"X-Request-Id": "nan-1"})
+            big = await client.post("/score", json={"sequences": [{"input_ids": [1] * 30}]}, headers={"X-Request-Id": "oom-1"})
+            return nan, big
+
+    with _Lines() as log:
+        nan, big = asyncio.run(main())
+    assert (nan.status_code, nan.headers["x-request-id"]) == (422, "nan-1"), nan.text
+    assert (big.status_code, big.headers["x-request-id"]) == (413, "oom-1"), big.text
+    assert _named(log.lines, "with non-finite numbers at logprobs[0]", "nan-1"), log.lines
+    # written by the scheduler's task, outside the request's: named through its ticket
+    assert _named(log.lines, "does not fit in memory alone", "oom-1"), log.lines
+    # lines that are no request's name none
+    started = [line for line in log.lines if "ready: serving" in line]
+    assert started and not any("request_id=" in line for line in started), log.lines
