@@ -146,9 +146,9 @@ class _Gate:
         rid = request_id.from_headers(scope["headers"])
         # Not reset: the request's task ends with it, and uvicorn's lines after the app (a traceback) name it too.
         request_id.current.set(rid)
-        scope[request_id.SCOPE_KEY] = rid  # before _origin_form copies it: the protocol reads its own scope
+        scope[request_id.SCOPE_KEY] = rid  # the protocol's own 408 for this request reads it
         if scope["path"][:8].lower().startswith(("http://", "https://")):
-            scope = _origin_form(scope)
+            _to_origin_form(scope)
         id_header = (request_id.HEADER, rid.encode("ascii"))
         path = scope["path"]
         route = path if path in _ROUTE_LABELS else "other"
@@ -214,12 +214,13 @@ class _Gate:
                         headers={"WWW-Authenticate": "Bearer"})
 
 
-def _origin_form(scope: Scope) -> Scope:
-    """The scope of a request whose target came in absolute form (``POST http://host/score``), which
-    an HTTP/1.1 server must accept (RFC 9112, 3.2.2) and uvicorn's h11 passes on whole as the path."""
-    path = urlsplit(scope["path"]).path or "/"
-    raw = urlsplit(scope["raw_path"].decode("latin-1")).path or "/"
-    return {**scope, "path": path, "raw_path": raw.encode("latin-1")}
+def _to_origin_form(scope: Scope) -> None:
+    """Rewrites the path of a request whose target came in absolute form (``POST http://host/score``),
+    which an HTTP/1.1 server must accept (RFC 9112, 3.2.2) and uvicorn's h11 passes on whole as the path.
+    In place: the protocol marks this very scope when it answers 408 (READ_TIMED_OUT), and the gate and
+    the score route read that mark."""
+    scope["path"] = urlsplit(scope["path"]).path or "/"
+    scope["raw_path"] = (urlsplit(scope["raw_path"].decode("latin-1")).path or "/").encode("latin-1")
 
 
 def _bearer_is(scope: Scope, key: str) -> bool:

@@ -46,7 +46,10 @@ def _json_error(raw: bytes) -> tuple[int, dict]:
 
 @pytest.mark.parametrize("sent", [b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Ty",
                                   b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                                  b"Content-Length: 1000\r\n\r\n{\"sequences\": ["], ids=["half-headers", "half-body"])
+                                  b"Content-Length: 1000\r\n\r\n{\"sequences\": [",
+                                  b"POST http://x/score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                  b"Content-Length: 1000\r\n\r\n{\"sequences\": ["],
+                         ids=["half-headers", "half-body", "half-body-absolute-form"])
 def test_a_half_sent_request_is_closed_within_the_read_timeout(tmp_path, sent):
     server = fake_server(tmp_path, "--request-read-timeout-s", "1").wait_ready()
     try:
