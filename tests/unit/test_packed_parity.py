@@ -12,7 +12,9 @@ from model_runtime.types import SequenceInput
 from tests.checkpoints import hf_scores
 
 LENGTHS = (1, 2, 3, 4, 5, 63, 64, 65, 127, 128, 129, 300)
-TOL = 1e-4  # float32 CPU target from DESIGN.md
+# Against Hugging Face in float32: its own float32 path is about 2e-5 from float64 at temperature 0.7,
+# so this leaves room for its rounding and catches any error of our own above it.
+TOL = 5e-5
 TEMPERATURE = 0.7
 TOP_K = 5
 
