@@ -19,14 +19,17 @@ no transformers, none of the server's packages (``pip install ./service/client``
   server's read timeout cut off (408, a slow link) is sent again in halves.
 - Every result names the weights version that scored it (parts of a split batch may differ unless
   ``weights_version=`` pins one); a sequence sent with ``rollout_logprobs`` gets ``mismatch``.
-  ``update_weights(model, path)`` asks the server to serve a new checkpoint (docs/weights.md).
+  ``update_weights(model, path)`` asks the server to serve a new checkpoint (docs/weights.md);
+  ``update_weights_everywhere(model, path)`` asks every address the URL's host resolves to (each pod
+  behind a headless Service) and returns ``{address: WeightsUpdate}``.
 - ``score_padded`` takes padded batches as verl and OpenRLHF hold them and never sends a pad; the
   plain ``score`` refuses a 2-D array rather than score its pad tokens.
 """
 
 from packscore_client.clients import AsyncScoreClient, ScoreClient
 from packscore_client.padded import PaddedScores
-from packscore_client.errors import ScoreError
+from packscore_client.errors import ScoreError, UpdateEverywhereError
 from packscore_client.protocol import Limits, ScoredSequence, WeightsUpdate
 
-__all__ = ["AsyncScoreClient", "Limits", "PaddedScores", "ScoreClient", "ScoreError", "ScoredSequence", "WeightsUpdate"]
+__all__ = ["AsyncScoreClient", "Limits", "PaddedScores", "ScoreClient", "ScoreError", "ScoredSequence",
+           "UpdateEverywhereError", "WeightsUpdate"]

@@ -13,6 +13,7 @@ from typing import Any, Generator, Iterable
 
 import httpx
 
+from packscore_client import everywhere
 from packscore_client.padded import PaddedBatch, PaddedScores
 from packscore_client.protocol import (Limits, Protocol, ScoredSequence, ScoreError, WeightsUpdate, as_seqs,
                                        bearer_key, models_answer, options, readiness_answer, renumbered)
@@ -95,14 +96,25 @@ class _Base:
         max_request_bytes: int | None = None,
         transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
         admin_key: str | None = None,
+        _host: tuple[str, str] | None = None,
     ):
+        self._knobs = dict(api_key=api_key, encoding=encoding, timeout_s=timeout_s, retry_timeout_s=retry_timeout_s,
+                           connect_retry_s=connect_retry_s, max_sequences_per_request=max_sequences_per_request,
+                           max_request_tokens=max_request_tokens, max_request_bytes=max_request_bytes,
+                           transport=transport, admin_key=admin_key)
         self._p = Protocol(base_url, api_key, encoding, retry_timeout_s, max_sequences_per_request,
                            max_request_tokens, max_request_bytes, connect_retry_s)
         self._p.admin_key = bearer_key(admin_key, "admin_key")  # POST /v1/weights sends it instead of the API key
         self._max_concurrency = max(1, max_concurrency)
         # A host that never answers must fail within the connect budget, not after timeout_s.
         timeout = httpx.Timeout(timeout_s, connect=max(1.0, min(timeout_s, connect_retry_s)))
-        self._http_kw = dict(base_url=self._p.base_url, timeout=timeout, headers=self._p.headers, transport=transport)
+        headers = self._p.headers
+        self._extensions: dict | None = None
+        if _host is not None:  # base_url holds one address of a name: Host and TLS checks stay the name's
+            headers = {**headers, "Host": _host[0]}
+            if httpx.URL(self._p.base_url).scheme == "https":  # the certificate is checked against the name
+                self._extensions = {"sni_hostname": _host[1]}
+        self._http_kw = dict(base_url=self._p.base_url, timeout=timeout, headers=headers, transport=transport)
         self._http = self._http_class(**self._http_kw)
 
     _closed = False
@@ -110,6 +122,11 @@ class _Base:
     @property
     def limits(self) -> Limits:
         return self._p.limits
+
+    def _at(self, address: str):
+        """A client of the same class and knobs for one address of this client's host, one request at a time."""
+        url, host, server_name = everywhere.at_address(self._p.base_url, address)
+        return type(self)(url, **self._knobs, max_concurrency=1, _host=(host, server_name))
 
     def _check_open(self) -> None:
         if self._closed:  # else a thread pool's or httpx's RuntimeError, which does not say why
@@ -260,10 +277,29 @@ class ScoreClient(_Base):
         steps = self._p.weights_exchange(model, path, version, time.monotonic() + self._p.retry_timeout_s)
         return self._drive(steps, "/v1/weights", self._p.weights_headers())
 
+    def update_weights_everywhere(self, model: str | None, path: str, version: str | None = None) -> dict[str, WeightsUpdate]:
+        """``update_weights`` sent to every address the URL's host resolves to (the pods behind a
+        headless Service), in parallel, each with its own retries; returns ``{address: WeightsUpdate}``.
+        Raises ``UpdateEverywhereError`` (a ScoreError) naming every address that failed and why, with
+        ``updated`` and ``failed``, or when the addresses serve different versions afterwards."""
+        self._check_open()
+        found = everywhere.addresses(self._p.base_url)
+
+        def one(address: str) -> WeightsUpdate | ScoreError:
+            with self._at(address) as pod:
+                try:
+                    return pod.update_weights(model, path, version)
+                except ScoreError as error:
+                    return error
+
+        with ThreadPoolExecutor(max_workers=len(found), thread_name_prefix="packscore-client-pods") as pool:
+            results = dict(zip(found, pool.map(one, found)))
+        return everywhere.outcome(self._p.base_url, results)
+
     def _get(self, path: str, timeout_s: float = _DISCOVERY_TIMEOUT_S) -> httpx.Response | Exception:
         try:
             with self._http_in_use() as http:
-                return http.get(path, timeout=timeout_s)
+                return http.get(path, timeout=timeout_s, extensions=self._extensions)
         except httpx.HTTPError as exc:
             return exc
 
@@ -288,7 +324,7 @@ class ScoreClient(_Base):
                     continue
                 try:
                     with self._http_in_use() as http:
-                        outcome: Any = http.post(route, content=step, headers=headers)
+                        outcome: Any = http.post(route, content=step, headers=headers, extensions=self._extensions)
                 except httpx.TransportError as exc:
                     outcome = exc
                 if stop is not None and stop.is_set():  # the call failed elsewhere: this answer is dropped unjudged
@@ -426,10 +462,26 @@ class AsyncScoreClient(_Base):
         steps = self._p.weights_exchange(model, path, version, time.monotonic() + self._p.retry_timeout_s)
         return await self._drive(steps, "/v1/weights", self._p.weights_headers())
 
+    async def update_weights_everywhere(self, model: str | None, path: str,
+                                        version: str | None = None) -> dict[str, WeightsUpdate]:
+        """As ``ScoreClient.update_weights_everywhere``."""
+        self._check_open()
+        found = await asyncio.to_thread(everywhere.addresses, self._p.base_url)
+
+        async def one(address: str) -> WeightsUpdate | ScoreError:
+            async with self._at(address) as pod:
+                try:
+                    return await pod.update_weights(model, path, version)
+                except ScoreError as error:
+                    return error
+
+        results = await asyncio.gather(*(one(a) for a in found))
+        return everywhere.outcome(self._p.base_url, dict(zip(found, results)))
+
     async def _get(self, path: str, timeout_s: float = _DISCOVERY_TIMEOUT_S) -> httpx.Response | Exception:
         try:
             async with self._http_in_use() as http:
-                return await http.get(path, timeout=timeout_s)
+                return await http.get(path, timeout=timeout_s, extensions=self._extensions)
         except httpx.HTTPError as exc:
             return exc
 
@@ -447,7 +499,7 @@ class AsyncScoreClient(_Base):
                     continue
                 try:
                     async with self._http_in_use() as http:
-                        outcome: Any = await http.post(route, content=step, headers=headers)
+                        outcome: Any = await http.post(route, content=step, headers=headers, extensions=self._extensions)
                 except httpx.TransportError as exc:
                     outcome = exc
                 step = steps.send(outcome)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import httpx
+
+if TYPE_CHECKING:
+    from packscore_client.protocol import WeightsUpdate
 
 
 class ScoreError(Exception):
@@ -21,6 +26,18 @@ class ScoreError(Exception):
     def renamed(self, message: str, param: str | None) -> "ScoreError":
         """The same error of the same answer, its message and param in the caller's terms."""
         return ScoreError(self.status, self.type, message, param, self.request_id)
+
+
+class UpdateEverywhereError(ScoreError):
+    """``update_weights_everywhere`` did not leave every address serving one new version: ``updated``
+    maps each address that took the update to its answer, ``failed`` each other one to its
+    ScoreError (type ``update_incomplete``, the status of the first failure); every address took
+    it but they serve different versions: type ``weights_version_differs``, 409, ``failed`` empty."""
+
+    def __init__(self, status: int, type: str, message: str, updated: dict[str, "WeightsUpdate"],
+                 failed: dict[str, ScoreError]):
+        super().__init__(status, type, message)
+        self.updated, self.failed = updated, failed
 
 
 def response_error(response: httpx.Response) -> ScoreError:

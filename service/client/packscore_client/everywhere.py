@@ -1,0 +1,58 @@
+"""One weight update sent to every address a host name resolves to: the pods behind a headless
+Service (the Helm chart's ``<fullname>-pods``), each of which serves only the updates it receives.
+
+The clients' ``update_weights_everywhere`` resolve the name (A and AAAA), post the update to each
+address in parallel with ``update_weights``' own retries, and return ``{address: WeightsUpdate}``;
+any failure, or pods left serving different versions, raises ``UpdateEverywhereError``."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+
+from packscore_client.errors import ScoreError, UpdateEverywhereError
+from packscore_client.protocol import WeightsUpdate
+
+
+def addresses(base_url: str) -> list[str]:
+    """Every distinct IPv4 and IPv6 address ``base_url``'s host resolves to, in resolution order."""
+    url = httpx.URL(base_url)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        infos = socket.getaddrinfo(url.host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ScoreError(0, "connection_error", f"could not resolve {url.host!r} to the addresses of its pods: {exc}") from exc
+    found = list(dict.fromkeys(str(info[4][0]) for info in infos if info[0] in (socket.AF_INET, socket.AF_INET6)))
+    if not found:
+        raise ScoreError(0, "connection_error", f"{url.host!r} resolves to no IPv4 or IPv6 address")
+    return found
+
+
+def at_address(base_url: str, address: str) -> tuple[str, str, str]:
+    """``base_url`` with its host replaced by ``address``; the Host header (the name and any port)
+    and the TLS server name (the name) that keep the request what it was sent to the name."""
+    url = httpx.URL(base_url)
+    return str(url.copy_with(host=address)), url.netloc.decode("ascii"), url.host
+
+
+def outcome(base_url: str, results: dict[str, WeightsUpdate | ScoreError]) -> dict[str, WeightsUpdate]:
+    """``{address: WeightsUpdate}`` when every address serves the update under one version; else
+    ``UpdateEverywhereError`` naming each failed address and why, and which ones serve what."""
+    updated = {a: r for a, r in results.items() if isinstance(r, WeightsUpdate)}
+    failed = {a: r for a, r in results.items() if isinstance(r, ScoreError)}
+    host = httpx.URL(base_url).host
+    serving = "; ".join(f"{a} serves {u.weights_version!r}" for a, u in updated.items()) or "none updated"
+    if failed:
+        why = "; ".join(f"{a}: {e}" for a, e in failed.items())
+        first = next(iter(failed.values()))
+        raise UpdateEverywhereError(first.status, "update_incomplete",
+                                    f"the weight update failed on {len(failed)} of {len(results)} addresses of "
+                                    f"{host!r}: {why} (updated: {serving}); the others keep their old version",
+                                    updated, failed)
+    if len({u.weights_version for u in updated.values()}) > 1:
+        raise UpdateEverywhereError(409, "weights_version_differs",
+                                    f"every address of {host!r} took the update, but they serve different versions "
+                                    f"({serving}): the pods hold different files at that path; name a version or "
+                                    "check the checkpoint volume", updated, {})
+    return updated

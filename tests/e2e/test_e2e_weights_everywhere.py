@@ -1,0 +1,81 @@
+"""One weight update to every pod of a headless Service, with real servers: two pods on 127.0.0.1 and
+127.0.0.2 (one port, as pods share their container port), reached through one name that resolves to
+both, as ``<fullname>-pods.<namespace>.svc`` does (chart README, Weight updates)."""
+
+import shutil
+import socket
+
+import httpx
+import pytest
+
+from model_runtime.scoring.backend import LocalBackend
+from packscore_client import ScoreClient, UpdateEverywhereError
+from tests.checkpoints import save_checkpoint
+from tests.e2e.helpers import API_KEY, AUTH, ServerProcess
+
+needs_updates = pytest.mark.skipif(not hasattr(LocalBackend, "update_weights"),
+                                   reason="LocalBackend.update_weights is not in this tree yet")
+
+NAME = "scorer-pods.rl.svc"
+REAL_GETADDRINFO = socket.getaddrinfo
+
+
+@pytest.fixture(scope="module")
+def pods(tmp_path_factory):
+    """Two servers of one policy on one port; pod b's weights root lacks step-2."""
+    tmp = tmp_path_factory.mktemp("pods")
+    root_a, root_b = tmp / "a", tmp / "b"
+    for step in range(3):
+        save_checkpoint("qwen3_5", root_a / f"step-{step}", seed=step)
+    for step in range(2):
+        shutil.copytree(root_a / f"step-{step}", root_b / f"step-{step}")
+    common = ("--max-batch-tokens", "256", "--max-wait-ms", "2")
+    a = ServerProcess(tmp, "--model", str(root_a / "step-0"), "--weights-root", str(root_a), *common)
+    b = ServerProcess(tmp, "--model", str(root_b / "step-0"), "--weights-root", str(root_b), *common,
+                      "--host", "127.0.0.2", "--port", str(a.port))  # the last --host/--port win
+    b.url = f"http://127.0.0.2:{a.port}"
+    try:
+        a.wait_ready(timeout=240)
+        b.wait_ready(timeout=240)
+        yield a, b
+    finally:
+        codes = a.stop(), b.stop()
+        assert codes == (0, 0), a.log() + b.log()
+
+
+def _resolving(monkeypatch, *ips: str) -> None:
+    def fake(host, port, *args, **kw):
+        if host != NAME:
+            return REAL_GETADDRINFO(host, port, *args, **kw)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ips]
+    monkeypatch.setattr(socket, "getaddrinfo", fake)
+
+
+def _served(url: str) -> str:
+    (model,) = httpx.get(url + "/v1/models", headers=AUTH, timeout=30).json()["data"]
+    return model["weights_version"]
+
+
+@needs_updates
+def test_every_pod_serves_the_update_and_a_failed_one_is_named(pods, monkeypatch):
+    a, b = pods
+    port = a.port
+    _resolving(monkeypatch, "127.0.0.1", "127.0.0.2")
+    with ScoreClient(f"http://{NAME}:{port}", API_KEY, connect_retry_s=0.5) as client:
+        got = client.update_weights_everywhere(None, "step-1", version="step-1")
+        assert {addr: u.weights_version for addr, u in got.items()} == {"127.0.0.1": "step-1", "127.0.0.2": "step-1"}
+        assert (_served(a.url), _served(b.url)) == ("step-1", "step-1")
+
+        # b has no step-2, and nothing listens on 127.0.0.3: both named, a's success kept.
+        _resolving(monkeypatch, "127.0.0.1", "127.0.0.2", "127.0.0.3")
+        with pytest.raises(UpdateEverywhereError) as caught:
+            client.update_weights_everywhere(None, "step-2", version="step-2")
+    e = caught.value
+    assert e.type == "update_incomplete" and list(e.updated) == ["127.0.0.1"], e
+    assert e.updated["127.0.0.1"].weights_version == "step-2"
+    assert list(e.failed) == ["127.0.0.2", "127.0.0.3"], e
+    assert e.failed["127.0.0.2"].status == 422 and e.failed["127.0.0.2"].param == "path", e.failed
+    assert (e.failed["127.0.0.3"].status, e.failed["127.0.0.3"].type) == (0, "connection_error"), e.failed
+    assert "127.0.0.2: 422" in str(e) and "127.0.0.3: 0 connection_error" in str(e), e
+    assert "127.0.0.1 serves 'step-2'" in str(e), e
+    assert (_served(a.url), _served(b.url)) == ("step-2", "step-1")  # a failed update changes nothing on b

@@ -1,0 +1,165 @@
+"""``update_weights_everywhere``: one weight update sent to every address of a name (the pods of a
+headless Service), each answer kept, any failure or any version mismatch raised naming the addresses."""
+
+import asyncio
+import http.server
+import json
+import shutil
+import socket
+import ssl
+import subprocess
+import threading
+
+import httpx
+import pytest
+
+from packscore_client import AsyncScoreClient, ScoreClient, ScoreError, UpdateEverywhereError
+from packscore_client.everywhere import addresses
+
+NAME = "scorer-pods.rl.svc"
+REAL_GETADDRINFO = socket.getaddrinfo
+
+
+def _resolving(monkeypatch, *ips: str) -> None:
+    """``NAME`` resolves to ``ips`` (each once per socket type, as a resolver answers); other names as usual."""
+    def fake(host, port, *args, **kw):
+        if host != NAME:
+            return REAL_GETADDRINFO(host, port, *args, **kw)
+        out = []
+        for ip in ips:
+            family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+            sockaddr = (ip, port, 0, 0) if family == socket.AF_INET6 else (ip, port)
+            out += [(family, socket.SOCK_STREAM, 6, "", sockaddr), (family, socket.SOCK_DGRAM, 17, "", sockaddr)]
+        return out
+    monkeypatch.setattr(socket, "getaddrinfo", fake)
+
+
+class Pods:
+    """A MockTransport of several pods, by address: each answers /v1/weights as the server does."""
+
+    def __init__(self, answers: dict[str, tuple[int, dict]]):
+        self.answers, self.seen = answers, []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.seen.append((request.url.host, request.headers["host"], request.extensions.get("sni_hostname"),
+                          request.headers.get("authorization"), json.loads(request.content)))
+        status, body = self.answers[request.url.host]
+        return httpx.Response(status, json=body)
+
+
+def ok(version: str) -> tuple[int, dict]:
+    return 200, {"model": "policy", "weights_version": version, "previous_version": "v0", "load_s": 0.1, "swap_ms": 1.0}
+
+
+REFUSED = (422, {"error": {"type": "invalid_value", "message": "path is no directory", "param": "path"}})
+
+
+def test_every_address_gets_the_update_once_with_the_names_host_and_tls_name(monkeypatch):
+    _resolving(monkeypatch, "10.0.0.7", "10.0.0.8", "10.0.0.7", "fd00::9")
+    pods = Pods({"10.0.0.7": ok("step-1"), "10.0.0.8": ok("step-1"), "fd00::9": ok("step-1")})
+    with ScoreClient(f"https://{NAME}:8000", admin_key="adm", transport=httpx.MockTransport(pods)) as client:
+        got = client.update_weights_everywhere("policy", "step-000001", version="step-1")
+    assert list(got) == ["10.0.0.7", "10.0.0.8", "fd00::9"]  # resolution order, each address once
+    assert {u.weights_version for u in got.values()} == {"step-1"}
+    assert sorted(h for h, *_ in pods.seen) == ["10.0.0.7", "10.0.0.8", "fd00::9"]
+    for _, host, sni, auth, body in pods.seen:
+        assert (host, sni, auth) == (f"{NAME}:8000", NAME, "Bearer adm")
+        assert body == {"model": "policy", "path": "step-000001", "version": "step-1"}
+
+
+def test_a_failed_address_is_named_with_why_and_the_successes_are_kept(monkeypatch):
+    _resolving(monkeypatch, "10.0.0.7", "10.0.0.8")
+    pods = Pods({"10.0.0.7": ok("step-2"), "10.0.0.8": REFUSED})
+    with ScoreClient(f"http://{NAME}:8000", transport=httpx.MockTransport(pods)) as client:
+        with pytest.raises(UpdateEverywhereError) as caught:
+            client.update_weights_everywhere("policy", "step-000002", version="step-2")
+    e = caught.value
+    assert isinstance(e, ScoreError) and (e.status, e.type) == (422, "update_incomplete")
+    assert list(e.updated) == ["10.0.0.7"] and e.updated["10.0.0.7"].weights_version == "step-2"
+    assert list(e.failed) == ["10.0.0.8"] and e.failed["10.0.0.8"].type == "invalid_value"
+    assert "10.0.0.8: 422 invalid_value: path is no directory" in str(e), e
+    assert "10.0.0.7 serves 'step-2'" in str(e), e
+
+
+def test_addresses_left_on_different_versions_are_an_error(monkeypatch):
+    _resolving(monkeypatch, "10.0.0.7", "10.0.0.8")
+    pods = Pods({"10.0.0.7": ok("xxh3-aaaaaaaaaaaa"), "10.0.0.8": ok("xxh3-bbbbbbbbbbbb")})
+    with ScoreClient(f"http://{NAME}:8000", transport=httpx.MockTransport(pods)) as client:
+        with pytest.raises(UpdateEverywhereError) as caught:
+            client.update_weights_everywhere("policy", "step-000003")
+    e = caught.value
+    assert (e.status, e.type, e.failed) == (409, "weights_version_differs", {}), e
+    assert set(e.updated) == {"10.0.0.7", "10.0.0.8"}
+    assert "different versions" in str(e) and "xxh3-bbbbbbbbbbbb" in str(e), e
+
+
+def test_the_async_twin_does_the_same(monkeypatch):
+    _resolving(monkeypatch, "10.0.0.7", "10.0.0.8")
+    pods = Pods({"10.0.0.7": ok("step-1"), "10.0.0.8": REFUSED})
+
+    async def main():
+        async with AsyncScoreClient(f"http://{NAME}:8000", transport=httpx.MockTransport(pods)) as client:
+            with pytest.raises(UpdateEverywhereError) as caught:
+                await client.update_weights_everywhere("policy", "step-000001", version="step-1")
+            pods.answers["10.0.0.8"] = ok("step-1")
+            return caught.value, await client.update_weights_everywhere("policy", "step-000001", version="step-1")
+
+    e, got = asyncio.run(main())
+    assert list(e.failed) == ["10.0.0.8"] and list(e.updated) == ["10.0.0.7"]
+    assert {a: u.weights_version for a, u in got.items()} == {"10.0.0.7": "step-1", "10.0.0.8": "step-1"}
+    assert all(sni is None and host == f"{NAME}:8000" for _, host, sni, *_ in pods.seen)  # plain HTTP: no TLS name
+
+
+def test_a_name_that_does_not_resolve_is_a_connection_error(monkeypatch):
+    def fail(*args, **kw):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+    monkeypatch.setattr(socket, "getaddrinfo", fail)
+    with pytest.raises(ScoreError) as caught:
+        addresses(f"http://{NAME}:8000")
+    assert (caught.value.status, caught.value.type) == (0, "connection_error") and NAME in str(caught.value)
+
+
+class _WeightsHandler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers["content-length"]))
+        body = json.dumps(ok("step-1")[1]).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_https_checks_each_address_against_the_names_certificate(monkeypatch, tmp_path):
+    """Connecting to the address, the TLS server name stays the URL's name, so its certificate verifies."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", f"/CN={NAME}", "-addext", f"subjectAltName=DNS:{NAME}"],
+                   check=True, capture_output=True, timeout=60)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _WeightsHandler)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # httpx trusts it as the CA
+    _resolving(monkeypatch, "127.0.0.1")
+    try:
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):  # the address alone fails the check
+            httpx.post(f"https://127.0.0.1:{port}/v1/weights", content=b"{}")
+        with ScoreClient(f"https://{NAME}:{port}") as client:
+            got = client.update_weights_everywhere("policy", "step-000001", version="step-1")
+        assert {a: u.weights_version for a, u in got.items()} == {"127.0.0.1": "step-1"}
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_both_clients_take_the_same_arguments():
+    import inspect
+    blocking, awaited = (inspect.signature(c.update_weights_everywhere) for c in (ScoreClient, AsyncScoreClient))
+    assert blocking == awaited
