@@ -1,6 +1,7 @@
 """``ScoreError.request_id``: the ``X-Request-Id`` of the answer that failed the call, None without one."""
 
 import asyncio
+import pickle
 
 import httpx
 import pytest
@@ -59,3 +60,20 @@ def test_a_split_call_names_the_request_whose_answer_failed_it():
     refused = [rid for status, rid in seen if status == 422]
     assert len(seen) == 3 and len(refused) == 1, seen
     assert (error.param, error.request_id) == ("sequences[2].input_ids[1]", refused[0]), (error, seen)
+
+
+def test_a_score_error_pickles_with_every_field():
+    # A process pool or a distributed trainer's workers hand a failed call's error back pickled.
+    from packscore_client import UpdateEverywhereError
+    from packscore_client.protocol import WeightsUpdate
+
+    error = ScoreError(422, "invalid_value", "Sequence 3: bad id.", "sequences[3].input_ids[0]", "rid-9")
+    back = pickle.loads(pickle.dumps(error))
+    assert (type(back), back.status, back.type, back.message, back.param, back.request_id, str(back)) == (
+        ScoreError, 422, "invalid_value", "Sequence 3: bad id.", "sequences[3].input_ids[0]", "rid-9", str(error))
+    update = WeightsUpdate("m", "v2", "v1", 1.5, 2.0)
+    failed = {"10.0.0.2": ScoreError(0, "connection_error", "refused")}
+    partial = UpdateEverywhereError(0, "update_incomplete", "1 of 2 failed", {"10.0.0.1": update}, failed)
+    back = pickle.loads(pickle.dumps(partial))
+    assert type(back) is UpdateEverywhereError and str(back) == str(partial), back
+    assert back.updated == {"10.0.0.1": update} and back.failed["10.0.0.2"].type == "connection_error", back.failed

@@ -23,6 +23,11 @@ class ScoreError(Exception):
         self.status, self.type, self.message, self.param = status, type, message, param
         self.request_id = request_id
 
+    def __reduce__(self):
+        # Rebuilt from its fields, not from ``args`` (the formatted text): so it pickles, as a process
+        # pool or a distributed trainer's workers hand a failed call's error back.
+        return type(self), (self.status, self.type, self.message, self.param, self.request_id)
+
     def renamed(self, message: str, param: str | None) -> "ScoreError":
         """The same error of the same answer, its message and param in the caller's terms."""
         return ScoreError(self.status, self.type, message, param, self.request_id)
@@ -38,6 +43,9 @@ class UpdateEverywhereError(ScoreError):
                  failed: dict[str, ScoreError]):
         super().__init__(status, type, message)
         self.updated, self.failed = updated, failed
+
+    def __reduce__(self):
+        return type(self), (self.status, self.type, self.message, self.updated, self.failed)
 
 
 def response_error(response: httpx.Response) -> ScoreError:
