@@ -19,6 +19,7 @@ import logging
 import re
 import sys
 import uuid
+from collections.abc import Iterable
 from contextvars import ContextVar
 
 HEADER = b"x-request-id"  # ASGI header names are lower case
@@ -47,6 +48,12 @@ def from_headers(headers: list[tuple[bytes, bytes]]) -> str:
 def for_request(request_id: str | None) -> dict:
     """``extra=`` for a log call about one request, made outside that request's task."""
     return {"request_id": request_id}
+
+
+def of_many(ids: Iterable[str | None], most: int = 8) -> str:
+    """The distinct ids of the requests a log line about a whole row concerns: ``a, b`` or ``a, b and 3 more``."""
+    distinct = list(dict.fromkeys(i for i in ids if i))
+    return ", ".join(distinct[:most]) + (f" and {len(distinct) - most} more" if len(distinct) > most else "")
 
 
 class RequestIdFilter(logging.Filter):

@@ -474,7 +474,7 @@ class Scheduler:
             try:
                 await self._forward(row, thread)
             except Exception:  # never let one row stop a runner; its requests get a 500
-                log.exception("unexpected error while scoring a row")
+                log.exception("unexpected error while scoring a row (requests %s)", _requests(row))
                 for item in row:
                     self.fail(item.ticket, ApiError(500, "internal_error", "Scoring failed unexpectedly."))
             finally:
@@ -505,7 +505,7 @@ class Scheduler:
                 scores = await thread.run(score, [it.seq for it in row])
         except BackendUnavailableError as exc:
             self.last_failure = str(exc) or "backend unavailable"
-            log.error("backend unavailable for a row of %d sequences: %s", len(row), exc)
+            log.error("backend unavailable for a row of %d sequences (requests %s): %s", len(row), _requests(row), exc)
             error = backend_unavailable(f"No scoring worker could take the request: {exc}.", retry_after_s=2)
             for item in row:
                 self.fail(item.ticket, error)
@@ -528,8 +528,8 @@ class Scheduler:
                 acc += row[mid - 1].tokens
                 if acc >= half:
                     break
-            log.warning("forward of %d sequences failed (%s); retrying in halves of %d and %d",
-                        len(row), _short(exc), mid, len(row) - mid)
+            log.warning("forward of %d sequences (requests %s) failed (%s); retrying in halves of %d and %d",
+                        len(row), _requests(row), _short(exc), mid, len(row) - mid)
             await self._forward(row[:mid], thread)
             await self._forward(row[mid:], thread)
             return
@@ -589,3 +589,8 @@ def _queue_full(exc: QueueFullError) -> ApiError:
 def _short(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".splitlines()[0]
     return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _requests(row: list[_Item]) -> str:
+    """The ids of a row's requests, for a log line about the whole row (each got its own answer)."""
+    return request_id.of_many(item.ticket.request_id for item in row)

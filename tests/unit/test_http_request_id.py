@@ -99,3 +99,27 @@ def test_the_non_finite_warning_and_a_sequences_scheduler_warning_name_their_req
     # lines that are no request's name none
     started = [line for line in log.lines if "ready: serving" in line]
     assert started and not any("request_id=" in line for line in started), log.lines
+
+
+def test_a_line_about_a_whole_row_names_every_request_in_it():
+    # A row's failure answers each of its requests (503 here): the operator greps any of their ids.
+    backend = FakeBackend()
+
+    async def main():
+        app = create_app(Settings(max_wait_ms=200), backend)
+        async with running_app(app) as client:
+            backend.unavailable = True
+            return await asyncio.gather(*(
+                client.post("/score", json={"sequences": [{"input_ids": [1, 2, 3]}]}, headers={"X-Request-Id": f"row-{i}"})
+                for i in range(3)))
+
+    with _Lines() as log:
+        answers = asyncio.run(main())
+    assert [a.status_code for a in answers] == [503] * 3, [a.text for a in answers]
+    lines = [line for line in log.lines if "backend unavailable for a row" in line]
+    assert lines and all(any(f"row-{i}" in line for line in lines) for i in range(3)), log.lines
+
+
+def test_many_ids_are_listed_up_to_a_bound():
+    assert request_id.of_many(["a", None, "b", "a"]) == "a, b"
+    assert request_id.of_many([str(i) for i in range(11)], most=8) == "0, 1, 2, 3, 4, 5, 6, 7 and 3 more"
