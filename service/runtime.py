@@ -22,6 +22,7 @@ import numpy as np
 from model_runtime.scoring.backend import ScoringBackend
 from model_runtime.types import SequenceInput
 from service.http.errors import ApiError, draining_error
+from service.http.request_id import outside_request
 from service.http.metrics import Metrics
 from service.http.validation import Limits, resolve_model_len
 from service.scheduling.admission import SharedCapacity
@@ -279,7 +280,8 @@ class Service:
         """Runs (or joins) the scoring pass; whether it finished within ``wait_s`` (it runs on)."""
         # Concurrent /readyz calls share one pass.
         if self._probe is None or self._probe.done():
-            self._probe = asyncio.create_task(self._probe_once())
+            # Shared by every /readyz that joins it and outliving the one that started it: no request's.
+            self._probe = asyncio.create_task(self._probe_once(), context=outside_request())
         try:
             await asyncio.wait_for(asyncio.shield(self._probe), wait_s)
         except TimeoutError:

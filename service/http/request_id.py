@@ -14,6 +14,7 @@ sequence, written outside the request's task).
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import logging
 import re
@@ -43,6 +44,15 @@ def from_headers(headers: list[tuple[bytes, bytes]]) -> str:
         if name == HEADER:
             return value.decode("ascii") if _VALID.fullmatch(value) else new_id()
     return new_id()
+
+
+def outside_request() -> contextvars.Context:
+    """A copy of the current context naming no request: for a task or callback started from a
+    request's task that is no request's work (the shared readiness pass, the next pipelined request,
+    the drain), which would otherwise inherit that request's id."""
+    context = contextvars.copy_context()
+    context.run(current.set, None)
+    return context
 
 
 def for_request(request_id: str | None) -> dict:

@@ -123,3 +123,21 @@ def test_a_line_about_a_whole_row_names_every_request_in_it():
 def test_many_ids_are_listed_up_to_a_bound():
     assert request_id.of_many(["a", None, "b", "a"]) == "a, b"
     assert request_id.of_many([str(i) for i in range(11)], most=8) == "0, 1, 2, 3, 4, 5, 6, 7 and 3 more"
+
+
+def test_the_readiness_pass_a_readyz_starts_names_no_request():
+    # The pass is shared by every /readyz that joins it and runs on after the one that started it.
+    backend = FakeBackend()
+
+    async def main():
+        app = create_app(Settings(), backend)
+        async with running_app(app) as client:
+            backend.unavailable = True
+            app.state.service._probe_ok = False  # the last proof is stale: /readyz runs a pass
+            return await client.get("/readyz", headers={"X-Request-Id": "probe-asker"})
+
+    with _Lines() as log:
+        answer = asyncio.run(main())
+    assert answer.status_code == 503 and answer.headers["x-request-id"] == "probe-asker", answer.text
+    failed = [line for line in log.lines if "readiness pass of" in line or "for a row" in line]
+    assert failed and not any("probe-asker" in line for line in failed), log.lines
