@@ -32,7 +32,7 @@ import h11
 import orjson
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from service.http.request_id import SCOPE_KEY, new_id
+from service.http.request_id import SCOPE_KEY, new_id, outside_request
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,11 @@ class GuardedH11Protocol(H11Protocol):
     def on_response_complete(self) -> None:
         # An answer under the high-water mark never pauses the transport: what is left of it is watched here.
         self._watch_sending()
+        # Called from the finished request's task: what follows (the next pipelined request, its 400, the
+        # keep-alive and read timers) is not that request's, and would otherwise log under its id.
+        outside_request().run(self._after_response)
+
+    def _after_response(self) -> None:
         super().on_response_complete()
         # A pipelined request that came in behind this one is read only now (h11 held its bytes, and
         # data_received saw the connection done): time it from here, as one arriving now would be.

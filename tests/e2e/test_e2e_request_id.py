@@ -103,3 +103,23 @@ def test_the_clients_score_error_names_the_failed_requests_id(server):
             client.score([{"input_ids": [1, 2], "score_from": 9}])
     assert failed.value.status == 422 and _MADE.fullmatch(failed.value.request_id or ""), failed.value
     assert f"(request_id: {failed.value.request_id})" in str(failed.value)
+
+
+def test_a_protocol_error_behind_a_pipelined_request_does_not_log_under_that_requests_id(server):
+    # The next pipelined request is parsed from the finished one's task: its 400 is no request's.
+    given = f"pipelined-first-{time.monotonic_ns()}"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Request-Id: " + given.encode() + b"\r\n\r\nBAD BAD BAD\r\n\r\n")
+        data = b""
+        sock.settimeout(5)
+        try:
+            while chunk := sock.recv(65536):
+                data += chunk
+        except (TimeoutError, ConnectionResetError):
+            pass
+    assert data.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 400 Bad Request" in data, data
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and "Invalid HTTP request" not in server.log_path.read_text():
+        time.sleep(0.05)
+    invalid = [line for line in server.log_path.read_text().splitlines() if "Invalid HTTP request" in line]
+    assert invalid and not any(given in line for line in invalid), server.log()
