@@ -17,7 +17,7 @@ from fastapi import FastAPI
 
 from service.entrypoint import hand_sigterm_back
 from service.http.protocol import default_max_connections, guarded_protocol
-from service.http.request_id import uvicorn_log_config
+from service.http.request_id import outside_request, uvicorn_log_config
 from service.runtime import Service
 from service.settings import Settings
 
@@ -57,12 +57,14 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         if sig == signal.SIGTERM and self._loop is not None and self._drain is None and not self.should_exit:
             # Not recorded as a captured signal: a drained SIGTERM ends with status 0.
-            self._loop.call_soon_threadsafe(self._begin_drain)
+            # The handler runs in whatever task the main thread was in: the drain is no request's.
+            self._loop.call_soon_threadsafe(self._begin_drain, context=outside_request())
             return
         if self._loop is not None and not self.should_exit:
             # No drain (a second SIGTERM, SIGINT): what is still pending gets the contract's 503
             # now, before uvicorn's graceful shutdown cancels it into a plain-text 500.
-            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.service.abandon()))
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.service.abandon()),
+                                            context=outside_request())
         super().handle_exit(sig, frame)
 
     def _begin_drain(self) -> None:

@@ -141,3 +141,30 @@ def test_the_readiness_pass_a_readyz_starts_names_no_request():
     assert answer.status_code == 503 and answer.headers["x-request-id"] == "probe-asker", answer.text
     failed = [line for line in log.lines if "readiness pass of" in line or "for a row" in line]
     assert failed and not any("probe-asker" in line for line in failed), log.lines
+
+
+def test_a_sigterm_handled_while_a_request_runs_drains_under_no_request_id(monkeypatch):
+    # Python runs a signal handler in whatever task the main thread was running: a busy request's context.
+    import signal
+
+    from service.http.server import DrainingServer, uvicorn_config
+
+    monkeypatch.setattr("service.http.server._exit_now", lambda: None)  # the exit timer must not end pytest
+
+    async def main():
+        settings = Settings(drain_timeout_s=1)
+        app = create_app(settings, FakeBackend())
+        async with running_app(app):
+            server = DrainingServer(uvicorn_config(app, settings), app.state.service)
+            server._loop = asyncio.get_running_loop()
+            token = request_id.current.set("busy-1")
+            server.handle_exit(signal.SIGTERM, None)
+            request_id.current.reset(token)
+            while server._drain is None:
+                await asyncio.sleep(0.01)
+            await server._drain
+
+    with _Lines() as log:
+        asyncio.run(main())
+    draining = [line for line in log.lines if "draining:" in line]
+    assert draining and not any("request_id=" in line for line in draining), log.lines
