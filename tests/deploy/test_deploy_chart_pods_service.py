@@ -23,8 +23,9 @@ def test_weight_updates_add_a_headless_service_of_every_pod():
     assert pods["spec"]["clusterIP"] == "None"
     assert pods["spec"]["publishNotReadyAddresses"] is True  # a pod updating in place is NotReady
     assert pods["spec"]["selector"] == main["spec"]["selector"]
-    assert pods["spec"]["ports"] == main["spec"]["ports"] == [
-        {"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"}]
+    assert main["spec"]["ports"] == [{"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"}]
+    # Its name resolves to pod IPs, connected to directly: the port is the pods' (server.port), not service.port.
+    assert pods["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
     assert "type" not in pods["spec"]  # headless whatever service.type is
     dep = one(manifests({"weights": WEIGHTS}), "Deployment")
     assert pods["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
@@ -54,7 +55,10 @@ def test_the_service_monitor_scrapes_each_pod_once_through_the_main_service():
 
 
 @pytest.mark.parametrize("port", [8000, 9000])
-def test_notes_name_the_headless_service(port):
-    notes = render_chart({"weights": WEIGHTS, "service": {"type": "ClusterIP", "port": port}})["packscore/templates/NOTES.txt"]
-    assert f"http://{FULLNAME}-pods.{NAMESPACE}.svc:{port}" in notes
+def test_notes_name_the_headless_service_at_the_pods_port(port):
+    values = {"weights": WEIGHTS, "service": {"type": "ClusterIP", "port": 80}, "server": {"port": port}}
+    notes = render_chart(values)["packscore/templates/NOTES.txt"]
+    assert f"http://{FULLNAME}-pods.{NAMESPACE}.svc:{port} resolves" in notes, notes
+    (pods,) = [s for s in by_kind(manifests(values), "Service") if s["metadata"]["name"] == f"{FULLNAME}-pods"]
+    assert [p["port"] for p in pods["spec"]["ports"]] == [port]
     assert "update_weights_everywhere" in notes
