@@ -22,8 +22,8 @@ import numpy as np
 from model_runtime.scoring.backend import ScoringBackend
 from model_runtime.types import SequenceInput
 from service.http.errors import ApiError, draining_error
-from service.http.request_id import outside_request
 from service.http.metrics import Metrics
+from service.http.request_id import outside_request
 from service.http.validation import Limits, resolve_model_len
 from service.scheduling.admission import SharedCapacity
 from service.scheduling.scheduler import Scheduler
