@@ -19,11 +19,6 @@ from tests.checkpoints import save_checkpoint
 from tests.e2e.helpers import (API_KEY, AUTH, TOL, ServerProcess, assert_matches, decode, long_forward_body, post,
                                post_in_background, queued_sequences, random_sequences)
 
-from model_runtime.scoring.backend import LocalBackend  # noqa: E402
-
-# The backend side of weight updates (issue 18) lands from the weights-backend branch.
-needs_updates = pytest.mark.skipif(not hasattr(LocalBackend, "update_weights"),
-                                   reason="LocalBackend.update_weights is not in this tree yet (weights-backend branch)")
 
 ADMIN_KEY = "e2e-admin"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -64,7 +59,6 @@ def _versions(url: str) -> dict[str, str]:
     return {m["id"]: m["weights_version"] for m in httpx.get(url + "/v1/models", headers=AUTH).json()["data"]}
 
 
-@needs_updates
 def test_a_policy_swapped_under_load_beside_its_reference(deployment):
     server, scorers = deployment["server"], deployment["scorers"]
     url = server.url
@@ -137,7 +131,6 @@ def test_a_policy_swapped_under_load_beside_its_reference(deployment):
     assert_matches(decode(pinned, 0), seqs, scorers["step-1"])
 
 
-@needs_updates
 def test_refused_updates_change_nothing(deployment):
     server, scorers = deployment["server"], deployment["scorers"]
     url = server.url

@@ -8,13 +8,9 @@ import socket
 import httpx
 import pytest
 
-from model_runtime.scoring.backend import LocalBackend
 from packscore_client import ScoreClient, UpdateEverywhereError
 from tests.checkpoints import save_checkpoint
 from tests.e2e.helpers import API_KEY, AUTH, ServerProcess
-
-needs_updates = pytest.mark.skipif(not hasattr(LocalBackend, "update_weights"),
-                                   reason="LocalBackend.update_weights is not in this tree yet")
 
 NAME = "scorer-pods.rl.svc"
 REAL_GETADDRINFO = socket.getaddrinfo
@@ -56,7 +52,6 @@ def _served(url: str) -> str:
     return model["weights_version"]
 
 
-@needs_updates
 def test_every_pod_serves_the_update_and_a_failed_one_is_named(pods, monkeypatch):
     a, b = pods
     port = a.port
