@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import sys
 import threading
 import time
@@ -37,6 +38,19 @@ class ServerProcess(LocalServer):
         if api_key:
             env["PACKSCORE_API_KEY"] = api_key
         super().__init__(args, env=env, log_dir=tmp)
+
+
+def read_until_closed(sock: socket.socket, limit_s: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes (or ``limit_s`` passes), and when it closed (seconds from now)."""
+    t0 = time.monotonic()
+    sock.settimeout(limit_s)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return data, time.monotonic() - t0
 
 
 def random_sequences(rng: np.random.Generator, n: int, vocab: int, lengths=(2, 120)) -> list[dict]:

@@ -11,7 +11,8 @@ import numpy as np
 import orjson
 
 from tests.checkpoints import as_hub_cache
-from tests.e2e.helpers import AUTH, ServerProcess, assert_matches, decode, fake_server, post, random_sequences
+from tests.e2e.helpers import (AUTH, ServerProcess, assert_matches, decode, fake_server, post, random_sequences,
+                               read_until_closed)
 
 REPO = "acme/tiny-qwen3.5"
 
@@ -52,9 +53,7 @@ def test_a_request_target_in_absolute_form_is_served_as_its_path(tmp_path):
             with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
                 sock.sendall(b"POST " + target + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                              b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-                raw = b""
-                while chunk := sock.recv(65536):
-                    raw += chunk
+                raw, _ = read_until_closed(sock, 30)
             head, _, answer = raw.partition(b"\r\n\r\n")
             answers[target] = (head.split(b" ", 2)[1], orjson.loads(answer))
         metrics = httpx.get(server.url + "/metrics").text

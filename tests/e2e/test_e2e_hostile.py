@@ -17,24 +17,11 @@ import orjson
 import pytest
 
 from service.local_server import LocalServer
-from tests.e2e.helpers import FAKE, fake_server
+from tests.e2e.helpers import FAKE, fake_server, read_until_closed
 
 
 def _connect(server: LocalServer) -> socket.socket:
     return socket.create_connection(("127.0.0.1", server.port), timeout=30)
-
-
-def _read_until_closed(sock: socket.socket, limit_s: float) -> tuple[bytes, float]:
-    """Everything the server sends until it closes, and when it closed (seconds from now)."""
-    t0 = time.monotonic()
-    sock.settimeout(limit_s)
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except (TimeoutError, ConnectionResetError):
-        pass
-    return data, time.monotonic() - t0
 
 
 def _json_error(raw: bytes) -> tuple[int, dict]:
@@ -55,7 +42,7 @@ def test_a_half_sent_request_is_closed_within_the_read_timeout(tmp_path, sent):
     try:
         with _connect(server) as sock:
             sock.sendall(sent)
-            data, closed_after = _read_until_closed(sock, 1 + 5)
+            data, closed_after = read_until_closed(sock, 1 + 5)
         # the metrics say what the client was told: 408, not 499 (a client that went away itself)
         counted = 'packscore_requests_total{route="/score",status="408"} 1.0' if b"Content-Length" in sent else None
         metrics = _metrics_once(server, counted)
@@ -65,7 +52,6 @@ def test_a_half_sent_request_is_closed_within_the_read_timeout(tmp_path, sent):
     status, error = _json_error(data)
     assert status == 408 and error["type"] == "request_timeout", data
     assert 'status="499"' not in metrics and (counted is None or counted in metrics), metrics
-
 
 
 @pytest.mark.parametrize("line, status, route", [(b"POST /v1/weights", 408, "/v1/weights"), (b"POST /nowhere", 404, "other"),
@@ -119,7 +105,7 @@ def test_a_half_sent_pipelined_request_is_closed_within_the_read_timeout(tmp_pat
         with _connect(server) as sock:
             sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s%s" % (len(first), first, second))
-            data, closed_after = _read_until_closed(sock, 1 + 5)
+            data, closed_after = read_until_closed(sock, 1 + 5)
     finally:
         server.stop()
     assert closed_after < 1 + 5, f"still open after {closed_after:.1f} s"
@@ -134,7 +120,7 @@ def test_a_request_answered_before_its_body_arrived_gets_no_second_answer_at_the
         with _connect(server) as sock:  # no key: 401 at once, while 28 bytes of the body never come
             sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 38\r\n\r\n{\"sequenc")
-            data, closed_after = _read_until_closed(sock, 1 + 5)
+            data, closed_after = read_until_closed(sock, 1 + 5)
     finally:
         server.stop()
     assert closed_after < 1 + 5, f"still open after {closed_after:.1f} s"
@@ -165,7 +151,7 @@ def test_a_body_completed_after_its_early_answer_leaves_an_idle_kept_alive_conne
                     sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
                     answers.append((early, sock.recv(65536)))
                 else:  # and an idle one closes at the keep-alive timeout, with nothing sent
-                    idle.append(_read_until_closed(sock, 3 + 5))
+                    idle.append(read_until_closed(sock, 3 + 5))
     finally:
         server.stop()
     early, again = answers[0]
@@ -183,7 +169,7 @@ def test_protocol_errors_are_answered_with_the_json_error_body(tmp_path):
                     b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n"):
             with _connect(server) as sock:
                 sock.sendall(raw)
-                answers.append(_read_until_closed(sock, 10)[0])
+                answers.append(read_until_closed(sock, 10)[0])
     finally:
         server.stop()
     for data in answers:
@@ -201,7 +187,7 @@ def test_a_client_gone_mid_body_is_counted_as_499_and_logged_as_no_error(tmp_pat
         with _connect(server) as sock:  # a chunked body that is not: the protocol answers 400
             sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Transfer-Encoding: chunked\r\n\r\nZZ\r\nabc\r\n0\r\n\r\n")
-            status, _ = _json_error(_read_until_closed(sock, 10)[0])
+            status, _ = _json_error(read_until_closed(sock, 10)[0])
         deadline = time.monotonic() + 10
         while True:
             metrics = httpx.get(server.url + "/metrics", timeout=10).text
@@ -324,7 +310,7 @@ def test_an_idle_kept_alive_connection_closes_at_the_keep_alive_timeout_not_befo
     try:
         with _connect(server) as sock:
             sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-            data, closed_after = _read_until_closed(sock, 1.5 + 5)
+            data, closed_after = read_until_closed(sock, 1.5 + 5)
     finally:
         server.stop()
     assert data.startswith(b"HTTP/1.1 200"), data[:200]
@@ -536,7 +522,7 @@ def test_a_connection_still_writing_its_answer_is_not_evicted(tmp_path, behind):
             time.sleep(0.5)  # the answer is complete, most of it still in the server's buffer
             with _connect(server) as second:
                 second.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-                refused, _ = _read_until_closed(second, 5)
+                refused, _ = read_until_closed(second, 5)
             while len(answer) < length and (chunk := sock.recv(1 << 20)):
                 answer += chunk
             if not behind:

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from packscore_client import ScoreClient, ScoreError
-from tests.e2e.helpers import API_KEY, AUTH, fake_server
+from tests.e2e.helpers import API_KEY, AUTH, fake_server, read_until_closed
 
 _MADE = re.compile(r"[0-9a-f]{32}")  # an id the server made
 _BODY = {"sequences": [{"id": "a", "input_ids": [1, 2, 3, 4], "score_from": 2}]}
@@ -86,13 +86,7 @@ def test_the_protocols_408_names_the_request_whose_body_did_not_arrive(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode()
                      + b"\r\nX-Request-Id: slow-body-1\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
-        data = b""
-        sock.settimeout(6)
-        try:
-            while chunk := sock.recv(65536):
-                data += chunk
-        except (TimeoutError, ConnectionResetError):
-            pass
+        data, _ = read_until_closed(sock, 6)
     head = data.partition(b"\r\n\r\n")[0].lower().split(b"\r\n")
     assert head[0].startswith(b"http/1.1 408") and b"x-request-id: slow-body-1" in head, data
 
@@ -110,13 +104,7 @@ def test_a_protocol_error_behind_a_pipelined_request_does_not_log_under_that_req
     given = f"pipelined-first-{time.monotonic_ns()}"
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Request-Id: " + given.encode() + b"\r\n\r\nBAD BAD BAD\r\n\r\n")
-        data = b""
-        sock.settimeout(5)
-        try:
-            while chunk := sock.recv(65536):
-                data += chunk
-        except (TimeoutError, ConnectionResetError):
-            pass
+        data, _ = read_until_closed(sock, 5)
     assert data.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 400 Bad Request" in data, data
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and "Invalid HTTP request" not in server.log_path.read_text():
