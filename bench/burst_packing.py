@@ -76,7 +76,7 @@ def measure(budgets) -> dict:
     for budget in budgets:
         offline = [[sequences[i] for i in row] for row in pack_groups_first_fit(sequences, budget, MIN_TOKENS)]
         served = scheduler_rows(sequences, budget)
-        with mock.patch("service.scheduling.scheduler.largest_first_by_group", largest_first):
+        with mock.patch("service.scheduling.row_queue.largest_first_by_group", largest_first):
             before = scheduler_rows(sequences, budget)
         out["rows"][str(budget)] = {
             name: {"rows": len(rows), "run_tokens": run_tokens(rows), "of_offline": run_tokens(rows) / run_tokens(offline)}

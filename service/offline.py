@@ -30,7 +30,8 @@ from service.http.encoding import non_finite_score, result_record
 from service.http.errors import ApiError
 from service.http.rollout import mismatch
 from service.http.validation import Limits, ScoreJob, parse_score_request, resolve_model_len
-from service.scheduling.scheduler import Scheduler, Ticket
+from service.scheduling.scheduler import Scheduler
+from service.scheduling.tickets import Ticket
 from service.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,8 @@ from service.http.protocol import READ_TIMED_OUT
 from service.http.rollout import mismatch
 from service.http.validation import Limits, ScoreJob, parse_score_request
 from service.runtime import ServedModel, Service
-from service.scheduling.scheduler import Scheduler, Ticket
+from service.scheduling.scheduler import Scheduler
+from service.scheduling.tickets import Ticket
 
 log = logging.getLogger(__name__)
 

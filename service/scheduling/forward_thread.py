@@ -1,5 +1,6 @@
 """The thread a scheduler's runner hands each forward to: the event loop awaits the forward's
-result without running it, and a forward still running when the process must exit holds nothing."""
+result without running it, and a forward still running when the process must exit holds nothing.
+``forward_state`` tells from the threads whether a forward has stalled."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import asyncio
 import queue
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterable
+
+from model_runtime.scoring.backend import STALL_FACTOR, STALL_FLOOR_S, STALL_UNMEASURED_S
 
 
 class ForwardThread:
@@ -46,6 +49,23 @@ class ForwardThread:
                 loop.call_soon_threadsafe(_settle, future, result, error)
             except RuntimeError:  # the loop closed while the forward ran
                 return
+
+
+def forward_state(threads: Iterable[ForwardThread]) -> str:
+    """``"idle"``, ``"busy"`` (a forward runs within what its row should take) or ``"stalled"``
+    (one has run past ``STALL_FACTOR`` times that, and at least ``STALL_FLOOR_S``; without a
+    measured rate, past ``STALL_UNMEASURED_S``)."""
+    now, state = time.monotonic(), "idle"
+    for thread in threads:
+        started = thread.started_at
+        if not thread.running or started is None:
+            continue
+        expected = thread.expected_s
+        bound = STALL_UNMEASURED_S if expected is None else max(STALL_FLOOR_S, STALL_FACTOR * expected)
+        if now - started > bound:
+            return "stalled"
+        state = "busy"
+    return state
 
 
 def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:

@@ -28,9 +28,20 @@ def gpu_loads(taken: list, unstarted, rate: float, now: float) -> list[float]:
     return left
 
 
+def tail_row_tokens(waiting: int, budget: int, taken: list, unstarted, rate: float, now: float) -> int | None:
+    """The size of a row for an idle GPU when the ``waiting`` tokens are the last of the work: None
+    while a full row of ``budget`` per GPU (one ``taken`` entry each, as in ``gpu_loads``) waits,
+    else sized so that every GPU ends together (water-filling over what the GPUs have left at
+    ``rate``), at least a quarter of the budget (less is mostly fixed cost)."""
+    if waiting >= len(taken) * budget:
+        return None
+    level = water_level(waiting, gpu_loads(taken, unstarted, rate, now))
+    return min(budget, max(int(level), budget // 4))
+
+
 def largest_first_by_group(window: list, head) -> list:
     """``window`` (the scheduler's queued items) largest first, except that a sequence sharing its
-    first tokens with others (a GRPO group's prompt; ``_Item.group``) is followed at once by the
+    first tokens with others (a GRPO group's prompt; ``QueuedSequence.group``) is followed at once by the
     rest of them, the head's own group leading: a row that takes one member then takes its mates while they fit, each
     costing only its own tokens, as offline packing keeps groups whole (``pack_groups_first_fit``).
     Without prefix sharing (no groups), plain largest first. Stable: equal lengths keep arrival order."""

@@ -7,24 +7,19 @@ Pipeline (asyncio tasks joined by bounded hand-offs, forwards in a thread pool):
 
 - Admission (admission.py): the queue holds a few seconds of measured work per GPU; a request
   over that waits here for room (up to its deadline or ``--max-admission-wait-s``) before 429.
-- Rows: every row starts with the oldest queued sequence, so a big request is never starved;
-  the rest of the row is filled largest-first from the queued sequences that arrived within
-  ``_LOOKAHEAD_AGE_S`` of that oldest one (whole bursts pack as tightly as offline scoring),
-  a group's members (a shared prompt) one after another. With several GPUs, every other row
-  may be led by the window's longest sequence that cannot sit beside the oldest (it would
-  otherwise end a burst alone on one GPU), and once nothing more is coming and less than a full
-  row per GPU is queued, the last rows are sized so that every GPU ends together.
-- A row holds at most ``max_batch_tokens`` tokens, except a longer sequence, which gets a row of
-  its own; with prefix sharing, a prefix that sequences of the row share counts once.
+- Which queued sequences a row takes (row_queue.py): the oldest first, then the largest that fit
+  among those that arrived soon after it, a group's members together, up to ``max_batch_tokens``.
+  With several GPUs, once nothing more is coming and less than a full row per GPU is queued, the
+  last rows are sized so that every GPU ends together.
 - A full row is formed as soon as there are enough tokens, even while every runner is busy, so
   the next forward is ready before the current one ends (one prefetched row per runner). A
   partial row waits up to ``max_wait_ms`` after its oldest sequence arrived, and only closes
   once some runner is idle: while all are busy, waiting costs nothing and fills the row. A
   request that arrives after a quiet spell (no other request for ``_QUIET_S``) does not wait:
   nothing is coming to fill its row, and an idle request's latency is the forward's alone.
-- A forward that fails is retried split in halves, down to single sequences; only the requests
-  owning a sequence that fails alone fail (413 when it does not fit in memory). A backend that
-  is unavailable fails the row's requests with 503.
+- A forward that fails is retried split in halves, down to single sequences (forward_failures.py);
+  only the requests owning a sequence that fails alone fail (413 when it does not fit in memory).
+  A backend that is unavailable fails the row's requests with 503.
 """
 
 from __future__ import annotations
@@ -37,64 +32,22 @@ import time
 from collections import deque
 from typing import Callable, Sequence
 
-from model_runtime.scoring.backend import (STALL_FACTOR, STALL_FLOOR_S, STALL_UNMEASURED_S, BackendUnavailableError,
-                                          ScoringBackend)
-from model_runtime.scoring.prefix import RowTokens, head_key, tokens_saved
-from model_runtime.types import InvalidSequenceError, SequenceInput, SequenceScores
-from service.http import request_id
-from service.http.errors import ApiError, backend_unavailable, deadline_error, is_out_of_memory
+from model_runtime.scoring.backend import BackendUnavailableError, ScoringBackend
+from model_runtime.scoring.prefix import tokens_saved
+from model_runtime.types import SequenceInput, SequenceScores
+from service.http.errors import ApiError, backend_unavailable, deadline_error
 from service.http.metrics import Metrics
 from service.scheduling.admission import Admission, QueueFullError, SharedCapacity
-from service.scheduling.forward_thread import ForwardThread
-from service.scheduling.rows import gpu_loads, largest_first_by_group, water_level
+from service.scheduling.forward_failures import row_requests, sequence_error, short, split_point
+from service.scheduling.forward_thread import ForwardThread, forward_state
+from service.scheduling.row_queue import RowQueue
+from service.scheduling.rows import tail_row_tokens
+from service.scheduling.tickets import QueuedSequence, Ticket
 
 log = logging.getLogger(__name__)
 
-# Which queued sequences may fill the rest of a row: at most this many, arrived at most this
-# long after the row's first (oldest) sequence, so newer work cannot overtake older for long.
-_LOOKAHEAD = 4096
-_LOOKAHEAD_AGE_S = 2.0
 _QUIET_S = 0.05  # a request after this long without another one starts at once
 _FLOOR_ROWS = 3.0  # the admission bound never holds fewer full rows per GPU (running, prefetched, filling)
-
-
-class Ticket:
-    """One admitted request: its sequences, their results as they arrive, and a future for all."""
-
-    def __init__(self, sequences: Sequence[SequenceInput], deadline: float | None, loop: asyncio.AbstractEventLoop):
-        self.sequences = list(sequences)
-        self.tokens = sum(s.length for s in self.sequences)
-        self.deadline = deadline  # time.monotonic() value, or None
-        self.results: list[SequenceScores | None] = [None] * len(self.sequences)
-        self.remaining = len(self.sequences)
-        self.future: asyncio.Future[list[SequenceScores]] = loop.create_future()
-        # A failed ticket whose caller has already gone must not log "exception never retrieved".
-        self.future.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self.items: list[_Item] = []
-        self.quiet = False  # arrived after a quiet spell: its row need not wait to fill
-        self.probe = False  # the readiness pass: scored like a request, not counted as traffic
-        self.request_id = request_id.current.get()  # for log lines about it, written outside the request's task
-
-    @property
-    def done(self) -> bool:
-        return self.future.done()
-
-
-class _Item:
-    """One queued sequence of a ticket."""
-
-    __slots__ = ("ticket", "index", "seq", "tokens", "group", "enqueued_at", "queued", "started", "released")
-
-    def __init__(self, ticket: Ticket, index: int, seq: SequenceInput, now: float, prefix_min_tokens: int = 0):
-        self.ticket = ticket
-        self.index = index
-        self.seq = seq
-        self.tokens = seq.length
-        self.group = head_key(seq.input_ids, prefix_min_tokens)  # sequences that may share a prefix have one
-        self.enqueued_at = now
-        self.queued = True  # False once taken into a row or dropped with its ticket
-        self.started = False  # True once its forward began
-        self.released = False  # True once it no longer counts against admission (done or dropped)
 
 
 class Scheduler:
@@ -133,8 +86,8 @@ class Scheduler:
             if shared is not None:
                 shared.admission = self.admission
         self._last_arrival = float("-inf")
-        self._queue: deque[_Item] = deque()
-        self._waiting_tokens = 0  # in the queue, not yet in a row: what the packer can still pack
+        self._queue = RowQueue(row_tokens=self.max_batch_tokens, gpus=self.concurrency,
+                               prefix_min_tokens=self.prefix_min_tokens)
         # Admitted and not yet finished (waiting or in a forward): the admission bound and the
         # packscore_queued_* gauges.
         self._queued_tokens = 0
@@ -143,7 +96,6 @@ class Scheduler:
         self._outstanding_rows = 0  # formed rows not yet finished (waiting for a runner or running)
         self._unstarted: deque[int] = deque()  # tokens of the formed rows no runner has taken yet, in order
         self._taken: dict[ForwardThread, tuple[float, int]] = {}  # a runner's row: when taken, its tokens
-        self._long_turn = False  # the next row may be led by a long sequence (_long_lead)
         self._tasks: list[asyncio.Task] = []
         self._threads: list[ForwardThread] = []
         self.last_success_at: float | None = None  # monotonic time of the last successful forward
@@ -181,8 +133,8 @@ class Scheduler:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        self._rows: asyncio.Queue[list[_Item]] = asyncio.Queue()  # bounded by _outstanding_rows
-        self._results: asyncio.Queue[tuple[list[_Item], list[SequenceScores]]] = asyncio.Queue(2 * self.concurrency)
+        self._rows: asyncio.Queue[list[QueuedSequence]] = asyncio.Queue()  # bounded by _outstanding_rows
+        self._results: asyncio.Queue[tuple[list[QueuedSequence], list[SequenceScores]]] = asyncio.Queue(2 * self.concurrency)
         self._threads = [ForwardThread(f"packscore-forward-{i}") for i in range(self.concurrency)]
         self._tasks = [asyncio.create_task(self._pack_loop(), name="packscore-packer")]
         self._tasks += [asyncio.create_task(self._run_loop(thread), name=f"packscore-runner-{i}")
@@ -220,20 +172,9 @@ class Scheduler:
         return any(thread.running for thread in self._threads)
 
     def forward_state(self) -> str:
-        """``"idle"``, ``"busy"`` (a forward runs within what its row should take) or ``"stalled"``
-        (one has run past ``STALL_FACTOR`` times that, and at least ``STALL_FLOOR_S``; without a
-        measured rate, past ``STALL_UNMEASURED_S``): what /readyz reports while its probe waits."""
-        now, state = time.monotonic(), "idle"
-        for thread in self._threads:
-            started = thread.started_at
-            if not thread.running or started is None:
-                continue
-            expected = thread.expected_s
-            bound = STALL_UNMEASURED_S if expected is None else max(STALL_FLOOR_S, STALL_FACTOR * expected)
-            if now - started > bound:
-                return "stalled"
-            state = "busy"
-        return state
+        """``"idle"``, ``"busy"`` or ``"stalled"``: how this scheduler's forwards stand
+        (``forward_thread.forward_state``), what /readyz reports while its probe waits."""
+        return forward_state(self._threads)
 
     @property
     def queued_tokens(self) -> int:
@@ -295,12 +236,8 @@ class Scheduler:
         if not probe:
             ticket.quiet = now - self._last_arrival >= _QUIET_S
             self._last_arrival = now
-        ticket.items = [_Item(ticket, i, seq, now, self.prefix_min_tokens) for i, seq in enumerate(ticket.sequences)]
-        if probe:
-            self._queue.extendleft(reversed(ticket.items))
-        else:
-            self._queue.extend(ticket.items)
-        self._waiting_tokens += ticket.tokens
+        ticket.items = [QueuedSequence(ticket, i, seq, now, self.prefix_min_tokens) for i, seq in enumerate(ticket.sequences)]
+        self._queue.push(ticket.items, front=probe)
         self._queued_tokens += ticket.tokens
         self._queued_sequences += len(ticket.items)
         self._pending.add(ticket)
@@ -323,14 +260,12 @@ class Scheduler:
     def _forget(self, ticket: Ticket) -> None:
         self._pending.discard(ticket)
         for item in ticket.items:
-            if item.queued:
-                item.queued = False  # the packer skips it; counters change now so admission frees up
-                self._waiting_tokens -= item.tokens
+            self._queue.drop(item)  # the packer skips it; counters change now so admission frees up
             if not item.started:  # still queued, or in a row that has not started: never runs
                 self._release(item)
         self._wake.set()
 
-    def _release(self, item: _Item) -> None:
+    def _release(self, item: QueuedSequence) -> None:
         if not item.released:
             item.released = True
             self._queued_tokens -= item.tokens
@@ -357,34 +292,28 @@ class Scheduler:
 
     def _drop_stale_head(self) -> None:
         now = time.monotonic()
-        while self._queue:
-            head = self._queue[0]
-            if not head.queued:
-                self._queue.popleft()
-            elif head.ticket.deadline is not None and now >= head.ticket.deadline:
-                self.fail(head.ticket, deadline_error())
-            else:
-                return
+        while (ticket := self._queue.expired_head(now)) is not None:
+            self.fail(ticket, deadline_error())
 
-    async def _next_row(self) -> list[_Item]:
+    async def _next_row(self) -> list[QueuedSequence]:
         while True:
             self._drop_stale_head()
             timeout = None
             if self._queue:
-                head = self._queue[0]
-                full = self._waiting_tokens >= self.max_batch_tokens or head.tokens >= self.max_batch_tokens
+                head = self._queue.head
+                full = self._queue.waiting_tokens >= self.max_batch_tokens or head.tokens >= self.max_batch_tokens
                 now = time.monotonic()
                 due = head.enqueued_at + (0.0 if head.ticket.quiet else self.max_wait_s)
                 if not full and now < due:
-                    due = min(due, self._deadline_due())
+                    due = min(due, self._queue.deadline_due())
                 tail = self._tail_row_tokens(now)
                 if tail is not None:  # the last of the work: a row for each idle GPU, sized to end together
                     if self._outstanding_rows < self.concurrency:
-                        return self._take_row(tail)
+                        return self._queue.take_row(self.prefix_rounding, tail)
                 elif full and self._outstanding_rows < 2 * self.concurrency:
-                    return self._take_row()
+                    return self._queue.take_row(self.prefix_rounding)
                 if not full and now >= due and self._outstanding_rows < self.concurrency:
-                    return self._take_row()
+                    return self._queue.take_row(self.prefix_rounding)
                 if tail is None and not full and now < due:
                     timeout = due - now
             # Woken by a new request, a cancellation or a runner that finished a row.
@@ -394,76 +323,18 @@ class Scheduler:
             if self._closed:  # Python 3.11's wait_for drops a cancel that lands as the wake is set: close() hung
                 raise asyncio.CancelledError
 
-    def _deadline_due(self) -> float:
-        """When a row must start for the queued sequences' deadlines: batching may spend at most
-        half of what a sequence had left when queued (a partial row waits up to ``max_wait_s``)."""
-        return min((it.enqueued_at + (it.ticket.deadline - it.enqueued_at) / 2 for it in self._queue
-                    if it.queued and it.ticket.deadline is not None), default=float("inf"))
-
     def _tail_row_tokens(self, now: float) -> int | None:
         """The next row's size when the queue is the last of the work (no request for ``_QUIET_S``,
-        none waiting for room, less than a full row per GPU), else None: a row for an idle GPU,
-        sized so that every GPU ends together (water-filling over what the running forwards have
-        left at the measured rate), at least a quarter of the budget (less is mostly fixed cost).
+        none waiting for room, less than a full row per GPU: ``rows.tail_row_tokens``), else None.
         None on one GPU, in a pool shared by several models, or before a rate was measured."""
         rate = self.admission.rate
         if (self.concurrency == 1 or self._shared is not None or not rate or self.admission.waiting
                 or now - self._last_arrival < _QUIET_S):
             return None
-        budget, waiting = self.max_batch_tokens, self._waiting_tokens
-        if waiting >= self.concurrency * budget:
-            return None
         # Counted here, not from the forward threads: rows formed back to back, or taken by a runner
         # whose thread has not started them yet, are the GPUs' load too (else each row came out smaller).
-        left = gpu_loads([self._taken.get(thread) for thread in self._threads], self._unstarted, rate, now)
-        level = water_level(waiting, left)
-        return min(budget, max(int(level), budget // 4))
-
-    def _take_row(self, budget: int | None = None) -> list[_Item]:
-        """The next row (of ``budget`` tokens, default the full budget): led by the oldest queued
-        sequence, or every other row by a long one (``_long_lead``), then the largest that still
-        fit among those queued within ``_LOOKAHEAD_AGE_S`` of the oldest (first-fit decreasing on
-        a bounded window), a group's members one after another (``largest_first_by_group``)."""
-        budget = budget or self.max_batch_tokens
-        head = self._queue[0]
-        horizon = head.enqueued_at + _LOOKAHEAD_AGE_S
-        window: list[_Item] = []
-        for item in self._queue:
-            if len(window) >= _LOOKAHEAD or item.enqueued_at > horizon:
-                break
-            if item.queued:
-                window.append(item)
-        lead = head
-        if self._long_turn:
-            lead = self._long_lead(head, window)
-        self._long_turn = self.concurrency > 1 and lead is head  # a long lead never follows a long lead
-        row, run = [lead], RowTokens(self.prefix_min_tokens, self.prefix_rounding)  # the tokens the row's forward runs
-        run.add(lead.seq.input_ids)
-        for item in largest_first_by_group([it for it in window if it is not lead], lead):
-            if run.total >= budget:
-                break
-            if run.add(item.seq.input_ids, budget):
-                row.append(item)
-        for item in row:
-            item.queued = False  # the packer's queue drops them lazily (see _drop_stale_head)
-            self._waiting_tokens -= item.tokens
-        if row == [head]:
-            self._queue.popleft()
-        else:
-            self._queue = deque(item for item in self._queue if item.queued)
-        return row
-
-    def _long_lead(self, head: _Item, window: list[_Item]) -> _Item:
-        """The longest sequence of ``window``, longer than ``head`` and too long to sit beside it
-        in a row (in arrival order it would end a burst alone on one GPU), else ``head``; always
-        ``head`` when its request is a probe or has a deadline. The oldest waits one row at most."""
-        if head.ticket.probe or head.ticket.deadline is not None:
-            return head
-        run = RowTokens(self.prefix_min_tokens, self.prefix_rounding)
-        run.add(head.seq.input_ids)
-        too_long = [it for it in window  # longer than the oldest: shorter work never jumps ahead
-                    if it.tokens > head.tokens and run.cost_with(it.seq.input_ids) > self.max_batch_tokens]
-        return max(too_long, key=lambda it: it.tokens, default=head)  # ties: the older
+        taken = [self._taken.get(thread) for thread in self._threads]
+        return tail_row_tokens(self._queue.waiting_tokens, self.max_batch_tokens, taken, self._unstarted, rate, now)
 
     # ---- runners -----------------------------------------------------------------------------
 
@@ -474,7 +345,7 @@ class Scheduler:
             try:
                 await self._forward(row, thread)
             except Exception:  # never let one row stop a runner; its requests get a 500
-                log.exception("unexpected error while scoring a row (requests %s)", _requests(row))
+                log.exception("unexpected error while scoring a row (requests %s)", row_requests(row))
                 for item in row:
                     self.fail(item.ticket, ApiError(500, "internal_error", "Scoring failed unexpectedly."))
             finally:
@@ -484,7 +355,7 @@ class Scheduler:
                 del self._taken[thread]
                 self._wake.set()
 
-    async def _forward(self, row: list[_Item], thread: "ForwardThread") -> None:
+    async def _forward(self, row: list[QueuedSequence], thread: "ForwardThread") -> None:
         try:
             async with self._shared.lane() if self._shared is not None else contextlib.nullcontext() as lane:
                 # Not started until another model's forward leaves the slot: a request that ended meanwhile never runs.
@@ -505,7 +376,7 @@ class Scheduler:
                 scores = await thread.run(score, [it.seq for it in row])
         except BackendUnavailableError as exc:
             self.last_failure = str(exc) or "backend unavailable"
-            log.error("backend unavailable for a row of %d sequences (requests %s): %s", len(row), _requests(row), exc)
+            log.error("backend unavailable for a row of %d sequences (requests %s): %s", len(row), row_requests(row), exc)
             error = backend_unavailable(f"No scoring worker could take the request: {exc}.", retry_after_s=2)
             for item in row:
                 self.fail(item.ticket, error)
@@ -520,32 +391,15 @@ class Scheduler:
         self._observe_forward(tokens, elapsed)
         await self._results.put((row, scores))
 
-    async def _retry_split(self, row: list[_Item], exc: Exception, thread: "ForwardThread") -> None:
+    async def _retry_split(self, row: list[QueuedSequence], exc: Exception, thread: "ForwardThread") -> None:
         if len(row) > 1:
-            # Split by tokens so each half roughly halves the memory the forward needed.
-            half, acc, mid = sum(it.tokens for it in row) / 2, 0, 1
-            for mid in range(1, len(row)):
-                acc += row[mid - 1].tokens
-                if acc >= half:
-                    break
+            mid = split_point(row)
             log.warning("forward of %d sequences (requests %s) failed (%s); retrying in halves of %d and %d",
-                        len(row), _requests(row), _short(exc), mid, len(row) - mid)
+                        len(row), row_requests(row), short(exc), mid, len(row) - mid)
             await self._forward(row[:mid], thread)
             await self._forward(row[mid:], thread)
             return
-        item = row[0]
-        param = f"sequences[{item.index}].input_ids"
-        if is_out_of_memory(exc):
-            log.warning("sequence of %d tokens does not fit in memory alone: %s", item.tokens, _short(exc),
-                        extra=request_id.for_request(item.ticket.request_id))
-            error = ApiError(413, "sequence_too_large",
-                             f"Sequence {item.index} ({item.tokens} tokens) does not fit in the accelerator's memory.", param)
-        elif isinstance(exc, InvalidSequenceError):
-            error = ApiError(422, "invalid_value", str(exc), param)
-        else:
-            log.error("forward of one sequence failed", exc_info=exc, extra=request_id.for_request(item.ticket.request_id))
-            error = ApiError(500, "internal_error", f"Scoring failed: {_short(exc)}.")
-        self.fail(item.ticket, error)
+        self.fail(row[0].ticket, sequence_error(row[0], exc))
 
     def _observe_forward(self, tokens: int, elapsed: float) -> None:
         now = time.monotonic()
@@ -567,12 +421,9 @@ class Scheduler:
                 ticket = item.ticket
                 if ticket.done:
                     continue
-                ticket.results[item.index] = result
-                ticket.remaining -= 1
                 scored += 0 if ticket.probe else item.seq.num_scored
-                if ticket.remaining == 0:
+                if ticket.deliver(item.index, result):
                     self._pending.discard(ticket)
-                    ticket.future.set_result(ticket.results)  # type: ignore[arg-type]
             self.metrics.tokens_scored.inc(scored)
 
 
@@ -585,12 +436,3 @@ def _closed_error(reason: str) -> ApiError:
 def _queue_full(exc: QueueFullError) -> ApiError:
     return ApiError(429, "queue_full", str(exc), headers={"Retry-After": str(exc.retry_after_s)})
 
-
-def _short(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".splitlines()[0]
-    return text if len(text) <= 200 else text[:197] + "..."
-
-
-def _requests(row: list[_Item]) -> str:
-    """The ids of a row's requests, for a log line about the whole row (each got its own answer)."""
-    return request_id.of_many(item.ticket.request_id for item in row)

@@ -191,9 +191,9 @@ def test_rows_start_with_the_oldest_and_fill_largest_first_within_the_window():
 
 
 def test_newer_sequences_beyond_the_age_window_do_not_overtake(monkeypatch):
-    import service.scheduling.scheduler as scheduler_module
+    import service.scheduling.row_queue as row_queue
 
-    monkeypatch.setattr(scheduler_module, "_LOOKAHEAD_AGE_S", 0.05)
+    monkeypatch.setattr(row_queue, "_LOOKAHEAD_AGE_S", 0.05)
 
     async def main():
         gate = threading.Event()

@@ -116,7 +116,7 @@ def test_readyz_answers_within_its_wait_while_a_long_forward_runs_and_reports_a_
     """Its scoring pass waits behind a running row: /readyz answers within its wait, ready while
     the forward is within what it should take (proven before), 503 "stalled" past that."""
     import service.runtime as runtime
-    import service.scheduling.scheduler as scheduler
+    import service.scheduling.forward_thread as forward_thread
 
     monkeypatch.setattr(runtime, "_READY_MAX_AGE_S", 0.0)  # every /readyz wants a fresh pass
     monkeypatch.setattr(runtime, "_READY_WAIT_S", 0.3)
@@ -132,9 +132,9 @@ def test_readyz_answers_within_its_wait_while_a_long_forward_runs_and_reports_a_
             t0 = time.monotonic()
             busy = await client.get("/readyz")
             busy_s = time.monotonic() - t0
-            monkeypatch.setattr(scheduler, "STALL_UNMEASURED_S", 0.0)
-            monkeypatch.setattr(scheduler, "STALL_FLOOR_S", 0.0)
-            monkeypatch.setattr(scheduler, "STALL_FACTOR", 0.0)
+            monkeypatch.setattr(forward_thread, "STALL_UNMEASURED_S", 0.0)
+            monkeypatch.setattr(forward_thread, "STALL_FLOOR_S", 0.0)
+            monkeypatch.setattr(forward_thread, "STALL_FACTOR", 0.0)
             stalled = await client.get("/readyz")
             gate.set()
             scored = await long
@@ -151,7 +151,7 @@ def test_readyz_answers_within_its_wait_while_a_long_forward_runs_and_reports_a_
 def test_readyz_reports_a_stalled_forward_even_while_the_last_proof_is_fresh(monkeypatch):
     """One data-parallel replica stuck while another keeps succeeding: the fresh successes must
     not hide the stall (no new pass would run to find it)."""
-    import service.scheduling.scheduler as scheduler
+    import service.scheduling.forward_thread as forward_thread
 
     gate = threading.Event()
     backend = FakeBackend()
@@ -162,9 +162,9 @@ def test_readyz_reports_a_stalled_forward_even_while_the_last_proof_is_fresh(mon
             backend.gate = gate
             long = asyncio.ensure_future(client.post("/score", json=GOOD))
             await wait_until(lambda: app.state.service.scheduler.forward_running)
-            monkeypatch.setattr(scheduler, "STALL_UNMEASURED_S", 0.0)
-            monkeypatch.setattr(scheduler, "STALL_FLOOR_S", 0.0)
-            monkeypatch.setattr(scheduler, "STALL_FACTOR", 0.0)
+            monkeypatch.setattr(forward_thread, "STALL_UNMEASURED_S", 0.0)
+            monkeypatch.setattr(forward_thread, "STALL_FLOOR_S", 0.0)
+            monkeypatch.setattr(forward_thread, "STALL_FACTOR", 0.0)
             t0 = time.monotonic()
             stalled = await client.get("/readyz")
             stalled_s = time.monotonic() - t0
