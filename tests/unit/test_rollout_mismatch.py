@@ -14,7 +14,8 @@ from service.http.app import create_app
 from service.http.rollout import mismatch
 from service.settings import Settings
 from service.testing import FakeBackend, running_app
-from tests.unit.test_trainer_service import _expected, _no_packscore_env, _two  # noqa: F401 (a fixture)
+from tests.unit.trainer_service import expected_logprobs, two_models
+from tests.unit.trainer_service import no_packscore_env  # noqa: F401 (an autouse fixture)
 
 def _mismatch_reference(p, r) -> dict:
     d = [float(a) - float(b) for a, b in zip(np.float32(p), np.float32(r))]
@@ -57,7 +58,7 @@ def test_a_huge_mismatch_leaves_the_histograms_sums_finite_and_moving():
 
 def test_the_mismatch_series_of_every_model_exist_from_the_start():
     async def main():
-        async with running_app(create_app(Settings(), _two())) as client:
+        async with running_app(create_app(Settings(), two_models())) as client:
             return await client.get("/metrics")
 
     text = asyncio.run(main()).text
@@ -71,7 +72,7 @@ def test_rollout_logprobs_give_mismatch_figures(encoding):
     rng = np.random.default_rng(1)
     seqs = [{"id": "a", "input_ids": [3, 9, 27, 81, 5], "score_from": 2}, {"id": "b", "input_ids": [7, 8], "score_from": 2},
             {"id": "c", "input_ids": [1, 2, 3]}]
-    rollouts = [(_expected(seqs[0]) + rng.normal(0, 0.2, 3)).astype(np.float32), np.zeros(0, np.float32), None]
+    rollouts = [(expected_logprobs(seqs[0]) + rng.normal(0, 0.2, 3)).astype(np.float32), np.zeros(0, np.float32), None]
 
     def wire(r):
         return r.astype("<f4").tobytes() if encoding == "msgpack" else r.tolist()
@@ -96,7 +97,7 @@ def test_rollout_logprobs_give_mismatch_figures(encoding):
         if rollout is None:
             assert "mismatch" not in result
             continue
-        want = _mismatch_reference(_expected(seq), rollout)
+        want = _mismatch_reference(expected_logprobs(seq), rollout)
         for key, value in want.items():
             assert result["mismatch"][key] == float(np.float32(value)), f"{seq['id']} {key}: {result['mismatch'][key]} vs {value}"
     assert results[1]["mismatch"] == {"mean_abs_diff": 0.0, "max_abs_diff": 0.0, "k3_kl": 0.0}
