@@ -163,3 +163,44 @@ def test_both_clients_take_the_same_arguments():
     import inspect
     blocking, awaited = (inspect.signature(c.update_weights_everywhere) for c in (ScoreClient, AsyncScoreClient))
     assert blocking == awaited
+
+
+class Closable(httpx.MockTransport):
+    """A caller's transport that notes its close (httpx's own pool closes the connections of requests on the wire)."""
+
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+    async def aclose(self):
+        self.closed = True
+
+
+def _pods_and_models(request: httpx.Request) -> httpx.Response:
+    if request.url.path == "/v1/models":
+        return httpx.Response(200, json={"data": [{"id": "policy", "weights_version": "step-1"}]})
+    status, body = ok("step-1")
+    return httpx.Response(status, json=body)
+
+
+def test_the_callers_transport_stays_open_through_an_update_everywhere(monkeypatch):
+    # each per-address client closed the caller's transport, under the caller's own client and its requests
+    _resolving(monkeypatch, "10.0.0.7", "10.0.0.8")
+    transport = Closable(_pods_and_models)
+    with ScoreClient(f"http://{NAME}:8000", transport=transport) as client:
+        assert set(client.update_weights_everywhere("policy", "step-000001")) == {"10.0.0.7", "10.0.0.8"}
+        assert not transport.closed
+        assert client.models()[0]["weights_version"] == "step-1"
+    assert transport.closed  # the caller's client still closes it
+
+    async def main():
+        transport = Closable(_pods_and_models)
+        async with AsyncScoreClient(f"http://{NAME}:8000", transport=transport) as client:
+            assert set(await client.update_weights_everywhere("policy", "step-000001")) == {"10.0.0.7", "10.0.0.8"}
+            assert not transport.closed
+            assert (await client.models())[0]["weights_version"] == "step-1"
+        assert transport.closed
+
+    asyncio.run(main())
+

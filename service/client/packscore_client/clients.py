@@ -76,7 +76,8 @@ class _Base:
 
     ``retry_timeout_s`` bounds the retries of 429 / 503 (after their Retry-After) from the start of a
     call; ``connect_retry_s`` bounds how long an unreachable server is retried (a log line each)
-    before ``ScoreError(0, "connection_error", ...)``. ``transport`` replaces the network (tests).
+    before ``ScoreError(0, "connection_error", ...)``. ``transport`` replaces the network (tests); the
+    client closes it on close, ``update_weights_everywhere``'s per-address clients never do.
     """
 
     _http_class: type = httpx.Client
@@ -124,9 +125,13 @@ class _Base:
         return self._p.limits
 
     def _at(self, address: str):
-        """A client of the same class and knobs for one address of this client's host, one request at a time."""
+        """A client of the same class and knobs for one address of this client's host, one request at a
+        time; it borrows this client's transport, which it leaves open."""
         url, host, server_name = everywhere.at_address(self._p.base_url, address)
-        return type(self)(url, **self._knobs, max_concurrency=1, _host=(host, server_name))
+        knobs = dict(self._knobs)
+        if knobs["transport"] is not None:
+            knobs["transport"] = everywhere.Borrowed(knobs["transport"])
+        return type(self)(url, **knobs, max_concurrency=1, _host=(host, server_name))
 
     def _check_open(self) -> None:
         if self._closed:  # else a thread pool's or httpx's RuntimeError, which does not say why

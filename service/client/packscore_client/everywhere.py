@@ -36,6 +36,26 @@ def at_address(base_url: str, address: str) -> tuple[str, str, str]:
     return str(url.copy_with(host=address)), url.netloc.decode("ascii"), url.host
 
 
+class Borrowed(httpx.BaseTransport, httpx.AsyncBaseTransport):
+    """The caller's ``transport=`` as a per-address client uses it: its requests go through it, and
+    closing that client leaves it open, to the caller's client and its requests on the wire."""
+
+    def __init__(self, transport: httpx.BaseTransport | httpx.AsyncBaseTransport):
+        self._transport = transport
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        return self._transport.handle_request(request)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self._transport.handle_async_request(request)
+
+    def close(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+
 def outcome(base_url: str, results: dict[str, WeightsUpdate | ScoreError]) -> dict[str, WeightsUpdate]:
     """``{address: WeightsUpdate}`` when every address serves the update under one version; else
     ``UpdateEverywhereError`` naming each failed address and why, and which ones serve what."""
