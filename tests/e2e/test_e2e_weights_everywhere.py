@@ -60,6 +60,9 @@ def test_every_pod_serves_the_update_and_a_failed_one_is_named(pods, monkeypatch
         got = client.update_weights_everywhere(None, "step-1", version="step-1")
         assert {addr: u.weights_version for addr, u in got.items()} == {"127.0.0.1": "step-1", "127.0.0.2": "step-1"}
         assert (_served(a.url), _served(b.url)) == ("step-1", "step-1")
+        # one request id, which each pod answered with and logged the update under
+        (rid,) = {u.request_id for u in got.values()}
+        assert rid is not None and all(f"request_id={rid}" in pod.log() for pod in (a, b)), (rid, a.log(), b.log())
 
         # b has no step-2, and nothing listens on 127.0.0.3: both named, a's success kept.
         _resolving(monkeypatch, "127.0.0.1", "127.0.0.2", "127.0.0.3")
@@ -74,3 +77,6 @@ def test_every_pod_serves_the_update_and_a_failed_one_is_named(pods, monkeypatch
     assert "127.0.0.2: 422" in str(e) and "127.0.0.3: 0 connection_error" in str(e), e
     assert "127.0.0.1 serves 'step-2'" in str(e), e
     assert (_served(a.url), _served(b.url)) == ("step-2", "step-1")  # a failed update changes nothing on b
+    assert e.request_id not in (None, rid) and str(e).endswith(f"(request_id: {e.request_id})"), e
+    assert {f.request_id for f in e.failed.values()} == {e.request_id} and len(e.failed) == 2, e.failed
+    assert e.updated["127.0.0.1"].request_id == e.request_id and f"request_id={e.request_id}" in a.log(), e.updated

@@ -204,3 +204,60 @@ def test_the_callers_transport_stays_open_through_an_update_everywhere(monkeypat
 
     asyncio.run(main())
 
+
+class Echoing(Pods):
+    """Pods that answer with the request's X-Request-Id, as the server does; ``down`` refuses connections."""
+
+    def __init__(self, answers, down=()):
+        super().__init__(answers)
+        self.ids, self.down = [], set(down)
+
+    def __call__(self, request):
+        self.ids.append(request.headers.get("x-request-id"))
+        if request.url.host in self.down:
+            raise httpx.ConnectError("Connection refused", request=request)
+        response = super().__call__(request)
+        response.headers["x-request-id"] = request.headers["x-request-id"]
+        return response
+
+
+def test_every_address_gets_one_request_id_and_the_answers_and_errors_name_it(monkeypatch):
+    import pickle
+    import re
+
+    _resolving(monkeypatch, "10.0.0.7", "10.0.0.8")
+    pods = Echoing({"10.0.0.7": ok("step-2"), "10.0.0.8": ok("step-2"), "10.0.0.9": REFUSED})
+    with ScoreClient(f"http://{NAME}:8000", transport=httpx.MockTransport(pods), connect_retry_s=0.1) as client:
+        got = client.update_weights_everywhere("policy", "step-000002", version="step-2")
+        assert len(pods.ids) == 2 and len(set(pods.ids)) == 1 and re.fullmatch("[0-9a-f]{32}", pods.ids[0]), pods.ids
+        assert {u.request_id for u in got.values()} == {pods.ids[0]}, got
+
+        _resolving(monkeypatch, "10.0.0.7", "10.0.0.8", "10.0.0.9", "10.0.0.10")
+        pods.ids.clear()
+        pods.down.add("10.0.0.10")
+        with pytest.raises(UpdateEverywhereError) as caught:
+            client.update_weights_everywhere("policy", "step-000002", version="step-2")
+    e, rid = caught.value, pods.ids[0]
+    assert set(pods.ids) == {rid} and rid not in {u.request_id for u in got.values()}, pods.ids  # a new one per call
+    assert e.request_id == rid and str(e).count(f"request_id: {rid}") == 1, e  # named once, at the end
+    assert {a: f.request_id for a, f in e.failed.items()} == {"10.0.0.9": rid, "10.0.0.10": rid}, e.failed
+    assert (e.failed["10.0.0.10"].type, e.failed["10.0.0.9"].type) == ("connection_error", "invalid_value"), e.failed
+    assert {u.request_id for u in e.updated.values()} == {rid}, e.updated
+    back = pickle.loads(pickle.dumps(e))
+    assert (back.request_id, str(back), back.failed["10.0.0.10"].request_id) == (rid, str(e), rid), back
+
+
+def test_the_async_twin_sends_one_request_id_too(monkeypatch):
+    _resolving(monkeypatch, "10.0.0.7", "10.0.0.8")
+    pods = Echoing({"10.0.0.7": ok("step-1"), "10.0.0.8": REFUSED})
+
+    async def main():
+        async with AsyncScoreClient(f"http://{NAME}:8000", transport=httpx.MockTransport(pods)) as client:
+            with pytest.raises(UpdateEverywhereError) as caught:
+                await client.update_weights_everywhere("policy", "step-000001", version="step-1")
+        return caught.value
+
+    e = asyncio.run(main())
+    assert len(pods.ids) == 2 and set(pods.ids) == {e.request_id} and e.request_id is not None, (pods.ids, e)
+    assert e.failed["10.0.0.8"].request_id == e.updated["10.0.0.7"].request_id == e.request_id
+

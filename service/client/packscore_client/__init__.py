@@ -21,7 +21,7 @@ no transformers, none of the server's packages (``pip install ./service/client``
   ``weights_version=`` pins one); a sequence sent with ``rollout_logprobs`` gets ``mismatch``.
   ``update_weights(model, path)`` asks the server to serve a new checkpoint (docs/weights.md);
   ``update_weights_everywhere(model, path)`` asks every address the URL's host resolves to (each pod
-  behind a headless Service) and returns ``{address: WeightsUpdate}``.
+  behind a headless Service), all under one ``X-Request-Id``, and returns ``{address: WeightsUpdate}``.
 - ``score_padded`` takes padded batches as verl and OpenRLHF hold them and never sends a pad; the
   plain ``score`` refuses a 2-D array rather than score its pad tokens.
 """

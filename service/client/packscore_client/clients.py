@@ -98,6 +98,7 @@ class _Base:
         transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
         admin_key: str | None = None,
         _host: tuple[str, str] | None = None,
+        _request_id: str | None = None,
     ):
         self._knobs = dict(api_key=api_key, encoding=encoding, timeout_s=timeout_s, retry_timeout_s=retry_timeout_s,
                            connect_retry_s=connect_retry_s, max_sequences_per_request=max_sequences_per_request,
@@ -115,6 +116,8 @@ class _Base:
             headers = {**headers, "Host": _host[0]}
             if httpx.URL(self._p.base_url).scheme == "https":  # the certificate is checked against the name
                 self._extensions = {"sni_hostname": _host[1]}
+        if _request_id is not None:  # one update_weights_everywhere call: every pod logs it under one id
+            headers = {**headers, "X-Request-Id": _request_id}
         self._http_kw = dict(base_url=self._p.base_url, timeout=timeout, headers=headers, transport=transport)
         self._http = self._http_class(**self._http_kw)
 
@@ -124,14 +127,14 @@ class _Base:
     def limits(self) -> Limits:
         return self._p.limits
 
-    def _at(self, address: str):
+    def _at(self, address: str, request_id: str):
         """A client of the same class and knobs for one address of this client's host, one request at a
-        time; it borrows this client's transport, which it leaves open."""
+        time, each sent with ``request_id``; it borrows this client's transport, which it leaves open."""
         url, host, server_name = everywhere.at_address(self._p.base_url, address)
         knobs = dict(self._knobs)
         if knobs["transport"] is not None:
             knobs["transport"] = everywhere.Borrowed(knobs["transport"])
-        return type(self)(url, **knobs, max_concurrency=1, _host=(host, server_name))
+        return type(self)(url, **knobs, max_concurrency=1, _host=(host, server_name), _request_id=request_id)
 
     def _check_open(self) -> None:
         if self._closed:  # else a thread pool's or httpx's RuntimeError, which does not say why
@@ -286,12 +289,14 @@ class ScoreClient(_Base):
         """``update_weights`` sent to every address the URL's host resolves to (the pods behind a
         headless Service), in parallel, each with its own retries; returns ``{address: WeightsUpdate}``.
         Raises ``UpdateEverywhereError`` (a ScoreError) naming every address that failed and why, with
-        ``updated`` and ``failed``, or when the addresses serve different versions afterwards."""
+        ``updated`` and ``failed``, or when the addresses serve different versions afterwards. Every
+        address gets one new ``X-Request-Id``, which each answer, error and that error carry as ``request_id``."""
         self._check_open()
         found = everywhere.addresses(self._p.base_url)
+        request_id = everywhere.new_request_id()
 
         def one(address: str) -> WeightsUpdate | ScoreError:
-            with self._at(address) as pod:
+            with self._at(address, request_id) as pod:
                 try:
                     return pod.update_weights(model, path, version)
                 except ScoreError as error:
@@ -299,7 +304,7 @@ class ScoreClient(_Base):
 
         with ThreadPoolExecutor(max_workers=len(found), thread_name_prefix="packscore-client-pods") as pool:
             results = dict(zip(found, pool.map(one, found)))
-        return everywhere.outcome(self._p.base_url, results)
+        return everywhere.outcome(self._p.base_url, results, request_id)
 
     def _get(self, path: str, timeout_s: float = _DISCOVERY_TIMEOUT_S) -> httpx.Response | Exception:
         try:
@@ -472,16 +477,17 @@ class AsyncScoreClient(_Base):
         """As ``ScoreClient.update_weights_everywhere``."""
         self._check_open()
         found = await asyncio.to_thread(everywhere.addresses, self._p.base_url)
+        request_id = everywhere.new_request_id()
 
         async def one(address: str) -> WeightsUpdate | ScoreError:
-            async with self._at(address) as pod:
+            async with self._at(address, request_id) as pod:
                 try:
                     return await pod.update_weights(model, path, version)
                 except ScoreError as error:
                     return error
 
         results = await asyncio.gather(*(one(a) for a in found))
-        return everywhere.outcome(self._p.base_url, dict(zip(found, results)))
+        return everywhere.outcome(self._p.base_url, dict(zip(found, results)), request_id)
 
     async def _get(self, path: str, timeout_s: float = _DISCOVERY_TIMEOUT_S) -> httpx.Response | Exception:
         try:

@@ -18,10 +18,13 @@ class ScoreError(Exception):
     answer failed it."""
 
     def __init__(self, status: int, type: str, message: str, param: str | None = None, request_id: str | None = None):
-        text = f"{status} {type}: {message}" + (f" (param: {param})" if param else "")
-        super().__init__(text + (f" (request_id: {request_id})" if request_id else ""))
         self.status, self.type, self.message, self.param = status, type, message, param
         self.request_id = request_id
+        super().__init__(self.text() + (f" (request_id: {request_id})" if request_id else ""))
+
+    def text(self) -> str:
+        """``str(error)`` without its request id (where an enclosing error names that id once)."""
+        return f"{self.status} {self.type}: {self.message}" + (f" (param: {self.param})" if self.param else "")
 
     def __reduce__(self):
         # Rebuilt from its fields, not from ``args`` (the formatted text): so it pickles, as a process
@@ -37,15 +40,17 @@ class UpdateEverywhereError(ScoreError):
     """``update_weights_everywhere`` did not leave every address serving one new version: ``updated``
     maps each address that took the update to its answer, ``failed`` each other one to its
     ScoreError (type ``update_incomplete``, the status of the first failure); every address took
-    it but they serve different versions: type ``weights_version_differs``, 409, ``failed`` empty."""
+    it but they serve different versions: type ``weights_version_differs``, 409, ``failed`` empty.
+    ``request_id`` is the one ``X-Request-Id`` the call sent to every address, which each pod's log
+    lines for the update name; every error in ``failed`` and answer in ``updated`` carries it too."""
 
     def __init__(self, status: int, type: str, message: str, updated: dict[str, "WeightsUpdate"],
-                 failed: dict[str, ScoreError]):
-        super().__init__(status, type, message)
+                 failed: dict[str, ScoreError], request_id: str | None = None):
+        super().__init__(status, type, message, request_id=request_id)
         self.updated, self.failed = updated, failed
 
     def __reduce__(self):
-        return type(self), (self.status, self.type, self.message, self.updated, self.failed)
+        return type(self), (self.status, self.type, self.message, self.updated, self.failed, self.request_id)
 
 
 def response_error(response: httpx.Response) -> ScoreError:

@@ -2,12 +2,15 @@
 Service (the Helm chart's ``<fullname>-pods``), each of which serves only the updates it receives.
 
 The clients' ``update_weights_everywhere`` resolve the name (A and AAAA), post the update to each
-address in parallel with ``update_weights``' own retries, and return ``{address: WeightsUpdate}``;
-any failure, or pods left serving different versions, raises ``UpdateEverywhereError``."""
+address in parallel with ``update_weights``' own retries, all under one ``X-Request-Id``, and return
+``{address: WeightsUpdate}``; any failure, or pods left serving different versions, raises
+``UpdateEverywhereError``."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
+import uuid
 
 import httpx
 
@@ -36,6 +39,11 @@ def at_address(base_url: str, address: str) -> tuple[str, str, str]:
     return str(url.copy_with(host=address)), url.netloc.decode("ascii"), url.host
 
 
+def new_request_id() -> str:
+    """One call's ``X-Request-Id``, shaped as the server's own (32 hex digits), which it keeps."""
+    return uuid.uuid4().hex
+
+
 class Borrowed(httpx.BaseTransport, httpx.AsyncBaseTransport):
     """The caller's ``transport=`` as a per-address client uses it: its requests go through it, and
     closing that client leaves it open, to the caller's client and its requests on the wire."""
@@ -56,23 +64,34 @@ class Borrowed(httpx.BaseTransport, httpx.AsyncBaseTransport):
         pass
 
 
-def outcome(base_url: str, results: dict[str, WeightsUpdate | ScoreError]) -> dict[str, WeightsUpdate]:
+def with_id(result: WeightsUpdate | ScoreError, request_id: str) -> WeightsUpdate | ScoreError:
+    """``result`` naming the call's request id where its answer did not (none came, or a proxy's page)."""
+    if result.request_id is not None:
+        return result
+    if isinstance(result, WeightsUpdate):
+        return dataclasses.replace(result, request_id=request_id)
+    return ScoreError(result.status, result.type, result.message, result.param, request_id)
+
+
+def outcome(base_url: str, results: dict[str, WeightsUpdate | ScoreError], request_id: str) -> dict[str, WeightsUpdate]:
     """``{address: WeightsUpdate}`` when every address serves the update under one version; else
     ``UpdateEverywhereError`` naming each failed address and why, and which ones serve what."""
+    results = {a: with_id(r, request_id) for a, r in results.items()}
     updated = {a: r for a, r in results.items() if isinstance(r, WeightsUpdate)}
     failed = {a: r for a, r in results.items() if isinstance(r, ScoreError)}
     host = httpx.URL(base_url).host
     serving = "; ".join(f"{a} serves {u.weights_version!r}" for a, u in updated.items()) or "none updated"
     if failed:
-        why = "; ".join(f"{a}: {e}" for a, e in failed.items())
+        # each failure's own id only where it differs from the call's, which the error names once
+        why = "; ".join(f"{a}: {e.text() if e.request_id == request_id else e}" for a, e in failed.items())
         first = next(iter(failed.values()))
         raise UpdateEverywhereError(first.status, "update_incomplete",
                                     f"the weight update failed on {len(failed)} of {len(results)} addresses of "
                                     f"{host!r}: {why} (updated: {serving}); the others keep their old version",
-                                    updated, failed)
+                                    updated, failed, request_id)
     if len({u.weights_version for u in updated.values()}) > 1:
         raise UpdateEverywhereError(409, "weights_version_differs",
                                     f"every address of {host!r} took the update, but they serve different versions "
                                     f"({serving}): the pods hold different files at that path; name a version or "
-                                    "check the checkpoint volume", updated, {})
+                                    "check the checkpoint volume", updated, {}, request_id)
     return updated

@@ -54,6 +54,7 @@ class WeightsUpdate:
     previous_version: str
     load_s: float
     swap_ms: float
+    request_id: str | None = None  # the answer's X-Request-Id, which the server's log lines for the update name
 
 
 @dataclass(frozen=True)
@@ -348,7 +349,7 @@ class Protocol:
             raise response_error(response)
         body = response.json()
         return WeightsUpdate(body["model"], body["weights_version"], body["previous_version"], body["load_s"],
-                             body["swap_ms"])
+                             body["swap_ms"], response.headers.get("x-request-id"))
 
     def parse(self, response: httpx.Response, top_k: int) -> list[ScoredSequence]:
         self.learn(response.headers)
