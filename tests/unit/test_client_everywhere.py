@@ -3,6 +3,7 @@ headless Service), each answer kept, any failure or any version mismatch raised 
 
 import asyncio
 import http.server
+import ipaddress
 import json
 import shutil
 import socket
@@ -261,3 +262,77 @@ def test_the_async_twin_sends_one_request_id_too(monkeypatch):
     assert len(pods.ids) == 2 and set(pods.ids) == {e.request_id} and e.request_id is not None, (pods.ids, e)
     assert e.failed["10.0.0.8"].request_id == e.updated["10.0.0.7"].request_id == e.request_id
 
+
+def _resolving_scoped(monkeypatch, *sockaddrs: tuple) -> None:
+    """``NAME`` resolves to ``sockaddrs`` as getaddrinfo gives them: a link-local IPv6 address's zone
+    in the scope id, not in the string."""
+    def fake(host, port, *args, **kw):
+        if host != NAME:
+            return REAL_GETADDRINFO(host, port, *args, **kw)
+        return [(socket.AF_INET6 if len(s) == 4 else socket.AF_INET, socket.SOCK_STREAM, 6, "",
+                 (s[0], port, *s[2:])) for s in sockaddrs]
+    monkeypatch.setattr(socket, "getaddrinfo", fake)
+
+
+def test_a_link_local_address_keeps_its_zone_and_one_httpx_refuses_fails_alone(monkeypatch):
+    index, interface = socket.if_nameindex()[0]
+    # the scope id was dropped: a link-local address without its zone cannot be connected to (EINVAL)
+    _resolving_scoped(monkeypatch, ("fe80::1", 0, 0, index), ("10.0.0.7", 0))
+    zoned = f"fe80::1%{interface}"
+    pods = Pods({zoned: ok("step-1"), "10.0.0.7": ok("step-1")})
+    with ScoreClient(f"http://{NAME}:8000", transport=httpx.MockTransport(pods)) as client:
+        got = client.update_weights_everywhere("policy", "step-000001", version="step-1")
+        assert list(got) == [zoned, "10.0.0.7"], got
+        assert sorted(h for h, *_ in pods.seen) == sorted([zoned, "10.0.0.7"]), pods.seen
+
+        # a zone no URL can hold: that address's failure, named, not a raw InvalidURL for the whole call
+        _resolving_scoped(monkeypatch, ("fe80::1%a/b", 0, 0, 0), ("10.0.0.7", 0))
+        with pytest.raises(UpdateEverywhereError) as caught:
+            client.update_weights_everywhere("policy", "step-000001", version="step-1")
+    e = caught.value
+    assert list(e.updated) == ["10.0.0.7"] and list(e.failed) == ["fe80::1%a/b"], e
+    assert e.failed["fe80::1%a/b"].type == "connection_error" and "'fe80::1%a/b'" in str(e), e
+
+    async def main():
+        async with AsyncScoreClient(f"http://{NAME}:8000", transport=httpx.MockTransport(pods)) as client:
+            with pytest.raises(UpdateEverywhereError) as caught:
+                await client.update_weights_everywhere("policy", "step-000001", version="step-1")
+        return caught.value
+
+    e = asyncio.run(main())
+    assert list(e.updated) == ["10.0.0.7"] and list(e.failed) == ["fe80::1%a/b"], e
+
+
+def _link_local() -> tuple[str, str] | None:
+    """A link-local IPv6 address of this machine and its interface, if it has one (Linux)."""
+    try:
+        lines = open("/proc/net/if_inet6").read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hexaddr, _, _, scope, _, name = line.split()
+        if scope == "20":  # link scope
+            return str(ipaddress.IPv6Address(bytes.fromhex(hexaddr))), name
+    return None
+
+
+@pytest.mark.skipif(_link_local() is None, reason="needs a link-local IPv6 address on this machine")
+def test_a_real_link_local_pod_is_reached_through_its_zone(monkeypatch):
+    address, interface = _link_local()
+
+    class Server(http.server.ThreadingHTTPServer):
+        address_family = socket.AF_INET6
+
+    server = Server((address, 0, 0, socket.if_nametoindex(interface)), _WeightsHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    # the name resolves as a resolver answers for a link-local address: the zone in the scope id
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, p, *a, **kw: REAL_GETADDRINFO(
+        f"{address}%{interface}" if host == NAME else host, p, *a, **kw))
+    try:
+        with ScoreClient(f"http://{NAME}:{port}", connect_retry_s=0.5) as client:
+            got = client.update_weights_everywhere("policy", "step-000001", version="step-1")
+        assert {a: u.weights_version for a, u in got.items()} == {f"{address}%{interface}": "step-1"}, got
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -296,7 +296,11 @@ class ScoreClient(_Base):
         request_id = everywhere.new_request_id()
 
         def one(address: str) -> WeightsUpdate | ScoreError:
-            with self._at(address, request_id) as pod:
+            try:
+                pod = self._at(address, request_id)
+            except (ValueError, httpx.InvalidURL) as exc:  # no URL can hold this address: its failure alone
+                return everywhere.named(address, exc, request_id)
+            with pod:
                 try:
                     return pod.update_weights(model, path, version)
                 except ScoreError as error:
@@ -480,7 +484,11 @@ class AsyncScoreClient(_Base):
         request_id = everywhere.new_request_id()
 
         async def one(address: str) -> WeightsUpdate | ScoreError:
-            async with self._at(address, request_id) as pod:
+            try:
+                pod = self._at(address, request_id)
+            except (ValueError, httpx.InvalidURL) as exc:  # no URL can hold this address: its failure alone
+                return everywhere.named(address, exc, request_id)
+            async with pod:
                 try:
                     return await pod.update_weights(model, path, version)
                 except ScoreError as error:

@@ -19,17 +19,31 @@ from packscore_client.protocol import WeightsUpdate
 
 
 def addresses(base_url: str) -> list[str]:
-    """Every distinct IPv4 and IPv6 address ``base_url``'s host resolves to, in resolution order."""
+    """Every distinct IPv4 and IPv6 address ``base_url``'s host resolves to, in resolution order; a
+    link-local IPv6 one with its zone (``fe80::1%eth0``), without which it cannot be connected to."""
     url = httpx.URL(base_url)
     port = url.port or (443 if url.scheme == "https" else 80)
     try:
         infos = socket.getaddrinfo(url.host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
         raise ScoreError(0, "connection_error", f"could not resolve {url.host!r} to the addresses of its pods: {exc}") from exc
-    found = list(dict.fromkeys(str(info[4][0]) for info in infos if info[0] in (socket.AF_INET, socket.AF_INET6)))
+    found = list(dict.fromkeys(_with_zone(info[4]) for info in infos if info[0] in (socket.AF_INET, socket.AF_INET6)))
     if not found:
         raise ScoreError(0, "connection_error", f"{url.host!r} resolves to no IPv4 or IPv6 address")
     return found
+
+
+def _with_zone(sockaddr: tuple) -> str:
+    """The address of a ``getaddrinfo`` sockaddr; an IPv6 one's scope id, which the string leaves out,
+    as its zone: the interface's name where it has one (httpx hands ``fe80::1%eth0`` to the resolver as is)."""
+    address = str(sockaddr[0])
+    scope = sockaddr[3] if len(sockaddr) == 4 else 0
+    if not scope or "%" in address:
+        return address
+    try:
+        return f"{address}%{socket.if_indextoname(scope)}"
+    except (OSError, AttributeError):  # no such interface here, or a platform without the call
+        return f"{address}%{scope}"
 
 
 def at_address(base_url: str, address: str) -> tuple[str, str, str]:
@@ -62,6 +76,12 @@ class Borrowed(httpx.BaseTransport, httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         pass
+
+
+def named(address: str, exc: Exception, request_id: str) -> ScoreError:
+    """The failure of an address that could not be sent to at all (a zone or address httpx refuses)."""
+    return ScoreError(0, "connection_error", f"could not send the update to {address!r}: "
+                      f"{type(exc).__name__}: {exc}", request_id=request_id)
 
 
 def with_id(result: WeightsUpdate | ScoreError, request_id: str) -> WeightsUpdate | ScoreError:
