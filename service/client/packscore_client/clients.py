@@ -339,7 +339,7 @@ class ScoreClient(_Base):
                 try:
                     with self._http_in_use() as http:
                         outcome: Any = http.post(route, content=step, headers=headers, extensions=self._extensions)
-                except httpx.TransportError as exc:
+                except httpx.RequestError as exc:  # a body it cannot decode too: the exchange judges it
                     outcome = exc
                 if stop is not None and stop.is_set():  # the call failed elsewhere: this answer is dropped unjudged
                     steps.close()
@@ -519,7 +519,7 @@ class AsyncScoreClient(_Base):
                 try:
                     async with self._http_in_use() as http:
                         outcome: Any = await http.post(route, content=step, headers=headers, extensions=self._extensions)
-                except httpx.TransportError as exc:
+                except httpx.RequestError as exc:  # a body it cannot decode too: the exchange judges it
                     outcome = exc
                 step = steps.send(outcome)
         except StopIteration as done:

@@ -239,7 +239,7 @@ class Protocol:
         if isinstance(response, httpx.Response) and response.status_code == 200:
             try:
                 self.learn(response.json().get("limits", {}))
-            except ValueError:
+            except (ValueError, AttributeError):  # not JSON, or not the contract's object (another server's)
                 pass
 
     def chunks(self, seqs: Sequence[Seq], parallel: int) -> list[list[int]]:
@@ -347,16 +347,24 @@ class Protocol:
     def weights_answer(response: httpx.Response) -> WeightsUpdate:
         if response.status_code != 200:
             raise response_error(response)
-        body = response.json()
-        return WeightsUpdate(body["model"], body["weights_version"], body["previous_version"], body["load_s"],
-                             body["swap_ms"], response.headers.get("x-request-id"))
+        request_id = response.headers.get("x-request-id")
+        try:
+            body = response.json()
+            return WeightsUpdate(body["model"], body["weights_version"], body["previous_version"], body["load_s"],
+                                 body["swap_ms"], request_id)
+        except _NOT_THE_CONTRACT as exc:
+            raise not_packscore(response, "POST /v1/weights", exc, "; the update may have run: /v1/models names "
+                                "the version served") from exc
 
     def parse(self, response: httpx.Response, top_k: int) -> list[ScoredSequence]:
         self.learn(response.headers)
         media = response.headers.get("content-type", "").split(";")[0].strip()
-        body = msgpack.unpackb(response.content, raw=False) if "msgpack" in media else response.json()
-        model, version = body["model"], body["weights_version"]
-        return [_result(r, top_k, model, version) for r in body["results"]]
+        try:
+            body = msgpack.unpackb(response.content, raw=False) if "msgpack" in media else response.json()
+            model, version = body["model"], body["weights_version"]
+            return [_result(r, top_k, model, version) for r in body["results"]]
+        except _NOT_THE_CONTRACT as exc:
+            raise not_packscore(response, "POST /score", exc) from exc
 
     def exchange(self, seqs: list[Seq], options: dict, give_up: float, indices: Sequence[int] | None = None,
                  deadline: float | None = None) -> Generator[bytes | float, Any, list[ScoredSequence]]:
@@ -364,7 +372,7 @@ class Protocol:
         ``indices``: where each of ``seqs`` stands in the caller's list, which an error names (the
         server numbers the sequences of the request it got).
 
-        Yields a body to POST (and receives the ``httpx.Response``, or the ``httpx.TransportError``
+        Yields a body to POST (and receives the ``httpx.Response``, or the ``httpx.RequestError``
         raised instead) or seconds to sleep (and receives None). 429 and 503 are retried after their
         Retry-After until ``give_up`` (a ``time.monotonic()``); a server that cannot be reached is
         retried for ``connect_retry_s`` from the first failure in a row, a log line each, then raised;
@@ -468,13 +476,30 @@ _RESEND_WAIT_S = 0.2
 _NOT_SENT_WHOLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.WriteError, httpx.WriteTimeout, httpx.PoolTimeout)
 
 
+# What reading an answer that is not the contract's raises (JSON, msgpack, a missing field, a wrong shape)
+_NOT_THE_CONTRACT = (ValueError, KeyError, TypeError, IndexError, AttributeError, msgpack.exceptions.UnpackException)
+
+
+def not_packscore(response: httpx.Response, route: str, exc: Exception, consequence: str = "") -> ScoreError:
+    """The error of a 200 whose body is not the contract's answer (a proxy's or another server's page)."""
+    return ScoreError(response.status_code, "invalid_response", f"{route} was answered {response.status_code} with "
+                      f"a body that is not packscore's ({_describe(exc)}){consequence}",
+                      request_id=response.headers.get("x-request-id"))
+
+
 def models_answer(outcome: httpx.Response | Exception) -> list[dict]:
     """``GET /v1/models``' list of served models, from its response or the error that replaced it."""
     if isinstance(outcome, Exception):
         raise ScoreError(0, "connection_error", f"GET /v1/models failed: {_describe(outcome)}") from outcome
     if outcome.status_code != 200:
         raise response_error(outcome)
-    return outcome.json()["data"]
+    try:
+        data = outcome.json()["data"]
+        if isinstance(data, list):
+            return data
+        raise TypeError(f"data is a {type(data).__name__}, not a list")
+    except _NOT_THE_CONTRACT as exc:
+        raise not_packscore(outcome, "GET /v1/models", exc) from exc
 
 
 # A gateway's answers for a server behind it that it could not reach or that did not answer
