@@ -128,7 +128,7 @@ def encoding_costs(scored_tokens: int = 100_000, sequence_length: int = 1000, re
             "request decode + validate (server)": best(
                 lambda: parse_score_request(decode_body(request, encoding), limits, "m")),
             "response encode (server)": best(lambda: encode_score_response(body, encoding)),
-            "response decode (client)": best(lambda: protocol.parse(response, 0)),
+            "response decode (client)": best(lambda: protocol.parse(response, 0, seqs)),
             "request bytes": len(request),
             "response bytes": len(response_bytes),
         }

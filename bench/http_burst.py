@@ -405,7 +405,8 @@ def latency_breakdown(repeats: int) -> dict:
     # Encoding and validation of this request and its answer, both sides.
     protocol = Protocol("http://x", None, "msgpack", 1.0, None, None, None)
     options = {"temperature": 1.0, "return_entropy": True, "top_k": 0}
-    body = protocol.body([as_seq(p) for p in _payload([tiny_seq])], options)
+    sent = [as_seq(p) for p in _payload([tiny_seq])]
+    body = protocol.body(sent, options)
     limits = Limits(4096, 1 << 20, 4096, 1 << 20, 1 << 26)
     scores = scorer.score([tiny_seq])
     answer = {"model": "m", "weights_version": "v", "results": [result_record(None, scores[0], return_entropy=True, top_k=0)],
@@ -426,7 +427,7 @@ def latency_breakdown(repeats: int) -> dict:
     out["encoding_ms"] = (timed(lambda: protocol.body([as_seq(p) for p in _payload([tiny_seq])], options))
                           + timed(lambda: parse_score_request(decode_body(body, "msgpack"), limits, "m"))
                           + timed(lambda: encode_score_response(answer, "msgpack"))
-                          + timed(lambda: protocol.parse(response, 0)))
+                          + timed(lambda: protocol.parse(response, 0, sent)))
     return out
 
 

@@ -93,3 +93,42 @@ def test_a_readyz_that_is_not_the_contracts_object_leaves_the_limits_to_the_defa
         assert client.score([[1, 2]])[0].logprobs.tolist() == [-1.0]
         client.ready()
     assert not client._p.limits_known
+
+
+def _short_answer(drop: str):
+    """A 200 in the contract's shape whose results are out of step with the request's sequences."""
+    import json
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.method != "POST":  # the client's look at /readyz for the limits
+            return httpx.Response(404)
+        sequences = json.loads(request.content)["sequences"]
+        results = [{"id": s.get("id"), "logprobs": [-1.0] * (len(s["input_ids"]) - s.get("score_from", 1))}
+                   for s in sequences]
+        if drop == "result":
+            results = results[:-1]
+        else:
+            results[-1]["logprobs"] = results[-1]["logprobs"][:-1]
+        return httpx.Response(200, json={"model": "m", "weights_version": "v", "results": results,
+                                         "usage": {"input_tokens": 0, "scored_tokens": 0}})
+    return answer
+
+
+@pytest.mark.parametrize("drop,why", [("result", "2 results for 3 sequences"),
+                                      ("position", "result 2 holds 3 log-probs for 4 scored positions")])
+def test_results_out_of_step_with_the_sequences_raise_score_error(drop, why):
+    # silently shorter results would pair one trajectory's scores with another's in a trainer's batch
+    sequences = [[1, 2], [1, 2, 3], [1, 2, 3, 4, 5]]
+    with ScoreClient(BASE, encoding="json", transport=httpx.MockTransport(_short_answer(drop))) as client:
+        with pytest.raises(ScoreError) as caught:
+            client.score(sequences)
+    e = caught.value
+    assert (e.status, e.type) == (200, "invalid_response") and why in e.message, e
+
+    async def main():
+        async with AsyncScoreClient(BASE, encoding="json", transport=httpx.MockTransport(_short_answer(drop))) as client:
+            with pytest.raises(ScoreError) as caught:
+                await client.score(sequences)
+        return caught.value
+
+    assert str(asyncio.run(main())) == str(e)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import httpx
+import msgpack
 
 if TYPE_CHECKING:
     from packscore_client.protocol import WeightsUpdate
@@ -61,3 +62,19 @@ def response_error(response: httpx.Response) -> ScoreError:
         return ScoreError(response.status_code, e["type"], e["message"], e.get("param"), request_id)
     except Exception:
         return ScoreError(response.status_code, "http_error", response.text[:200] or response.reason_phrase, request_id=request_id)
+
+
+# What reading an answer that is not the contract's raises (JSON, msgpack, a missing field, a wrong shape)
+NOT_THE_CONTRACT = (ValueError, KeyError, TypeError, IndexError, AttributeError, msgpack.exceptions.UnpackException)
+
+
+def not_packscore(response: httpx.Response, route: str, exc: Exception, consequence: str = "") -> ScoreError:
+    """The error of a 200 whose body is not the contract's answer (a proxy's or another server's page)."""
+    return ScoreError(response.status_code, "invalid_response", f"{route} was answered {response.status_code} with "
+                      f"a body that is not packscore's ({describe(exc)}){consequence}",
+                      request_id=response.headers.get("x-request-id"))
+
+
+def describe(exc: BaseException) -> str:
+    """``exc`` for a message: its type, and its text where it has one."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

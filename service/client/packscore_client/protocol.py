@@ -21,7 +21,7 @@ import httpx
 import msgpack
 import numpy as np
 
-from packscore_client.errors import ScoreError, response_error
+from packscore_client.errors import NOT_THE_CONTRACT, ScoreError, describe, not_packscore, response_error
 
 log = logging.getLogger("packscore_client")
 
@@ -312,7 +312,7 @@ class Protocol:
             else:
                 if not isinstance(outcome, (httpx.ConnectError, httpx.ConnectTimeout)):
                     raise ScoreError(0, "connection_error", f"POST /v1/weights to {self.base_url} failed after it was "
-                                     f"sent ({_describe(outcome)}); the update may have run: /v1/models names the "
+                                     f"sent ({describe(outcome)}); the update may have run: /v1/models names the "
                                      "version served") from outcome
                 wait, unreachable_since = self._unreachable(outcome, attempt, unreachable_since, give_up)
             yield wait
@@ -329,7 +329,7 @@ class Protocol:
         while True:
             outcome = yield ("/readyz", max(0.1, min(request_timeout_s, end - time.monotonic())))
             if isinstance(outcome, Exception):
-                last = _describe(outcome)
+                last = describe(outcome)
             else:
                 body = readiness_answer(outcome)
                 if body["status"] == "ready":
@@ -352,19 +352,29 @@ class Protocol:
             body = response.json()
             return WeightsUpdate(body["model"], body["weights_version"], body["previous_version"], body["load_s"],
                                  body["swap_ms"], request_id)
-        except _NOT_THE_CONTRACT as exc:
+        except NOT_THE_CONTRACT as exc:
             raise not_packscore(response, "POST /v1/weights", exc, "; the update may have run: /v1/models names "
                                 "the version served") from exc
 
-    def parse(self, response: httpx.Response, top_k: int) -> list[ScoredSequence]:
+    def parse(self, response: httpx.Response, top_k: int, seqs: Sequence[Seq]) -> list[ScoredSequence]:
         self.learn(response.headers)
         media = response.headers.get("content-type", "").split(";")[0].strip()
         try:
             body = msgpack.unpackb(response.content, raw=False) if "msgpack" in media else response.json()
             model, version = body["model"], body["weights_version"]
-            return [_result(r, top_k, model, version) for r in body["results"]]
-        except _NOT_THE_CONTRACT as exc:
+            results = [_result(r, top_k, model, version) for r in body["results"]]
+        except NOT_THE_CONTRACT as exc:
             raise not_packscore(response, "POST /score", exc) from exc
+        # results out of step with the sequences would pair one trajectory's scores with another's
+        if len(results) != len(seqs):
+            raise not_packscore(response, "POST /score", ValueError(
+                f"{len(results)} results for {len(seqs)} sequences"))
+        for i, (seq, result) in enumerate(zip(seqs, results)):
+            if result.logprobs.size != seq.ids.size - seq.score_from:
+                raise not_packscore(response, "POST /score", ValueError(
+                    f"result {i} holds {result.logprobs.size} log-probs for {seq.ids.size - seq.score_from} "
+                    "scored positions"))
+        return results
 
     def exchange(self, seqs: list[Seq], options: dict, give_up: float, indices: Sequence[int] | None = None,
                  deadline: float | None = None) -> Generator[bytes | float, Any, list[ScoredSequence]]:
@@ -397,7 +407,7 @@ class Protocol:
             elif isinstance(outcome, httpx.Response):
                 unreachable_since, resent = None, False  # a loss after an answer is a first one again
                 if outcome.status_code == 200:
-                    return self.parse(outcome, options["top_k"])
+                    return self.parse(outcome, options["top_k"], seqs)
                 error = response_error(outcome)
                 parts = None
                 halves = [list(range(len(seqs) // 2)), list(range(len(seqs) // 2, len(seqs)))]
@@ -441,14 +451,14 @@ class Protocol:
                 # effects, so one more try is safe; a second loss in a row is a server going down.
                 if resent:
                     raise ScoreError(0, "connection_error", f"{self.base_url} closed the connection after the "
-                                     f"request was sent, twice in a row ({_describe(outcome)}); it was not sent "
+                                     f"request was sent, twice in a row ({describe(outcome)}); it was not sent "
                                      "a third time") from outcome
                 resent, wait = True, _RESEND_WAIT_S
                 log.warning("packscore: %s closed the connection before answering (%s); sending the request once "
-                            "more", self.base_url, _describe(outcome))
+                            "more", self.base_url, describe(outcome))
             else:
                 raise ScoreError(0, "connection_error", f"the request to {self.base_url} failed "
-                                 f"({_describe(outcome)})") from outcome
+                                 f"({describe(outcome)})") from outcome
             yield wait
             attempt += 1
 
@@ -461,10 +471,10 @@ class Protocol:
         bound = min(give_up, since + self.connect_retry_s)
         if now >= bound:
             raise ScoreError(0, "connection_error", f"could not reach {self.base_url} for "
-                             f"{now - since:.1f}s: {_describe(error)}") from error
+                             f"{now - since:.1f}s: {describe(error)}") from error
         wait = min(retry_after(None, attempt), bound - now)  # the last try at the bound itself
         log.warning("packscore: cannot reach %s (%s); retrying in %.1fs (gives up %.0fs after the first "
-                    "failure: connect_retry_s)", self.base_url, _describe(error), wait, self.connect_retry_s)
+                    "failure: connect_retry_s)", self.base_url, describe(error), wait, self.connect_retry_s)
         return wait, since
 
 
@@ -476,21 +486,10 @@ _RESEND_WAIT_S = 0.2
 _NOT_SENT_WHOLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.WriteError, httpx.WriteTimeout, httpx.PoolTimeout)
 
 
-# What reading an answer that is not the contract's raises (JSON, msgpack, a missing field, a wrong shape)
-_NOT_THE_CONTRACT = (ValueError, KeyError, TypeError, IndexError, AttributeError, msgpack.exceptions.UnpackException)
-
-
-def not_packscore(response: httpx.Response, route: str, exc: Exception, consequence: str = "") -> ScoreError:
-    """The error of a 200 whose body is not the contract's answer (a proxy's or another server's page)."""
-    return ScoreError(response.status_code, "invalid_response", f"{route} was answered {response.status_code} with "
-                      f"a body that is not packscore's ({_describe(exc)}){consequence}",
-                      request_id=response.headers.get("x-request-id"))
-
-
 def models_answer(outcome: httpx.Response | Exception) -> list[dict]:
     """``GET /v1/models``' list of served models, from its response or the error that replaced it."""
     if isinstance(outcome, Exception):
-        raise ScoreError(0, "connection_error", f"GET /v1/models failed: {_describe(outcome)}") from outcome
+        raise ScoreError(0, "connection_error", f"GET /v1/models failed: {describe(outcome)}") from outcome
     if outcome.status_code != 200:
         raise response_error(outcome)
     try:
@@ -498,7 +497,7 @@ def models_answer(outcome: httpx.Response | Exception) -> list[dict]:
         if isinstance(data, list):
             return data
         raise TypeError(f"data is a {type(data).__name__}, not a list")
-    except _NOT_THE_CONTRACT as exc:
+    except NOT_THE_CONTRACT as exc:
         raise not_packscore(outcome, "GET /v1/models", exc) from exc
 
 
@@ -515,7 +514,7 @@ def readiness_answer(outcome: httpx.Response | Exception) -> dict:
     """``GET /readyz``'s body, ready or not: ``status`` is ``"ready"`` or the reason it is not
     (``http_<code>`` for an answer that is not the server's JSON, a proxy's page, say)."""
     if isinstance(outcome, Exception):
-        raise ScoreError(0, "connection_error", f"GET /readyz failed: {_describe(outcome)}") from outcome
+        raise ScoreError(0, "connection_error", f"GET /readyz failed: {describe(outcome)}") from outcome
     if outcome.status_code != 200 and outcome.status_code not in _NOT_READY_STATUSES:
         raise response_error(outcome)
     try:
@@ -523,10 +522,6 @@ def readiness_answer(outcome: httpx.Response | Exception) -> dict:
     except ValueError:
         body = None
     return body if isinstance(body, dict) and "status" in body else {"status": f"http_{outcome.status_code}"}
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _array(value: Any, dtype: str) -> np.ndarray:
