@@ -46,7 +46,7 @@ distance to Hugging Face one at a time on the RL mix's first N sequences) and ``
 time lasts) the prefix-sharing benchmark.
 
 Output: at most 8 files in ``OUT`` (default bench/out), none in a folder: each part's results
-JSON (the suite's as ``h200-<date>.json`` with its chart), and ``summary.md``: every part's own
+JSON (the suite's as ``h200-<date>-ab.json`` with its chart), and ``summary.md``: every part's own
 markdown table, then one combined table (printed last). Each part's full log stays in
 ``WORK_DIR`` (default /tmp/packscore-h200); a failed part's last lines are printed.
 """
