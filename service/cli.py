@@ -16,7 +16,7 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from pydantic import SecretStr, ValidationError
 
@@ -24,6 +24,9 @@ from service.entrypoint import exit_on_sigterm_until_serving
 from service.http.errors import validation_reason
 from service.http.request_id import configure_logging
 from service.settings import Settings
+
+if TYPE_CHECKING:
+    from service.weights_record import WeightsRecord
 
 log = logging.getLogger("packscore")
 
@@ -35,8 +38,8 @@ _MODEL_OPTIONS = (
 _SERVE_OPTIONS = _MODEL_OPTIONS + (
     "host", "port", "api_key", "api_key_file", "max_wait_ms", "max_queued_tokens", "max_request_bytes",
     "max_sequences_per_request", "drain_timeout_s", "queue_seconds", "max_admission_wait_s",
-    "request_read_timeout_s", "send_timeout_s", "keep_alive_timeout_s", "max_connections", "weights_root", "admin_key",
-    "admin_key_file",
+    "request_read_timeout_s", "send_timeout_s", "keep_alive_timeout_s", "max_connections", "weights_root", "weights_record",
+    "admin_key", "admin_key_file",
 )  # fmt: skip
 _SCORE_OPTIONS = _MODEL_OPTIONS + ("temperature", "top_k", "return_entropy")
 _METAVARS = {
@@ -45,7 +48,7 @@ _METAVARS = {
     "host": "HOST", "port": "PORT", "api_key": "KEY", "api_key_file": "FILE", "max_wait_ms": "MS",
     "drain_timeout_s": "SECONDS", "queue_seconds": "SECONDS", "max_admission_wait_s": "SECONDS",
     "request_read_timeout_s": "SECONDS", "send_timeout_s": "SECONDS", "keep_alive_timeout_s": "SECONDS", "temperature": "T", "top_k": "K", "kernels": "FAMILY=BACKEND",
-    "weights_root": "DIR", "admin_key": "KEY", "admin_key_file": "FILE",
+    "weights_root": "DIR", "weights_record": "FILE", "admin_key": "KEY", "admin_key_file": "FILE",
 }  # fmt: skip; every other option takes a count, shown as N
 
 
@@ -179,6 +182,7 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
             return 2
     try:
         settings = _check_model_and_key(settings)
+        record = _open_weights_record(settings) if args.command == "serve" else None  # --model as configured
         settings = _resolve_hub_model(settings)  # may download: after the cheap checks
         _check_checkpoint(settings)
         _check_kernels(settings)
@@ -186,7 +190,7 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
         print(f"packscore: error: {exc}", file=sys.stderr)
         return 2
     if args.command == "serve":
-        return serve(settings)
+        return serve(settings, record)
     specs = settings.model_specs()
     if len(specs) > 1:
         print("packscore: error: packscore score scores with one model; give one --model", file=sys.stderr)
@@ -227,6 +231,19 @@ def _check_checkpoint(settings: Settings) -> None:
         resolve_model_len(settings.max_model_len, context, settings.queued_tokens)
 
 
+def _open_weights_record(settings: Settings) -> WeightsRecord | None:
+    """The ``--weights-record``, read and checked before anything loads (None when unset): the
+    entries name the ``--model`` sources as given, before a hub id becomes a cache directory."""
+    if settings.weights_record is None:
+        return None
+    if settings.weights_root is None:
+        raise ValueError(f"--weights-record {str(settings.weights_record)!r} records weight updates, which need "
+                         "--weights-root DIR: give both, or unset --weights-record")
+    from service.weights_record import WeightsRecord
+
+    return WeightsRecord.open(settings.weights_record, settings.weights_root, settings.model_specs())
+
+
 def _check_kernels(settings: Settings) -> None:
     """A ``--kernels`` pin this device cannot run is refused before the model loads or the port is bound."""
     overrides = settings.kernels
@@ -261,12 +278,12 @@ def _check_model_and_key(settings: Settings) -> Settings:
     })
 
 
-def serve(settings: Settings) -> int:
+def serve(settings: Settings, record: WeightsRecord | None = None) -> int:
     from service.backends import backend_loaders
     from service.http.app import create_app
     from service.http.server import run_server
 
-    app = create_app(settings, backend_loaders(settings))
+    app = create_app(settings, backend_loaders(settings), record)
     return run_server(app, settings)
 
 

@@ -19,7 +19,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from model_runtime.scoring.backend import ScoringBackend
+from model_runtime.scoring.backend import BackendUnavailableError, ScoringBackend
+from model_runtime.scoring.checkpoint import CheckpointError
 from model_runtime.types import SequenceInput
 from service.http.errors import ApiError, draining_error
 from service.http.metrics import Metrics
@@ -28,6 +29,7 @@ from service.http.validation import Limits, resolve_model_len
 from service.scheduling.admission import SharedCapacity
 from service.scheduling.scheduler import Scheduler
 from service.settings import Settings
+from service.weights_record import RecordError, WeightsRecord
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,7 @@ class ServedModel:
     name: str
     backend: ScoringBackend
     limits: Limits
+    key: str | None = None  # its NAME in --model NAME=PATH (None for a plain --model PATH)
     scheduler: Scheduler | None = None
     updating: bool = False  # a POST /v1/weights for it is running
     swap_holds: int = 0  # requests re-scoring after swaps: no update starts while any holds
@@ -92,8 +95,14 @@ def _set_done(waiter: asyncio.Future) -> None:
 
 
 class Service:
-    def __init__(self, settings: Settings, backend: BackendSources, metrics: Metrics | None = None):
+    def __init__(self, settings: Settings, backend: BackendSources, metrics: Metrics | None = None,
+                 record: WeightsRecord | None = None):
+        """``record``: the opened ``--weights-record`` (the CLI opens it with ``--model`` as configured,
+        before a hub id is resolved); by default opened here from ``settings``."""
         self.settings = settings
+        if record is None and settings.weights_record is not None:
+            record = WeightsRecord.open(settings.weights_record, settings.weights_root, settings.model_specs())
+        self.record = record
         self._backend_sources = dict(backend) if isinstance(backend, Mapping) else {None: backend}
         self.metrics = metrics or Metrics()
         self.api_key = settings.resolved_api_key()
@@ -151,6 +160,8 @@ class Service:
             for key, source in self._backend_sources.items():
                 backend = source if hasattr(source, "score_row") else await _in_daemon_thread(source)
                 self._configure(key, backend)
+            if self.record is not None:
+                await self._restore_recorded(self.record)
             self._advance("warming_up")
             shared = None
             if len(self.models) > 1:
@@ -173,9 +184,7 @@ class Service:
             self._advance("ready")
             log.info("ready: serving %s", ", ".join(f"{m.name!r} on {m.backend.info.device}" for m in self.models.values()))
         except Exception as exc:
-            from model_runtime.scoring.checkpoint import CheckpointError
-
-            if isinstance(exc, CheckpointError):  # a refused checkpoint names its problem: no traceback
+            if isinstance(exc, (CheckpointError, RecordError)):  # a refusal names its problem: no traceback
                 log.error("startup failed: %s", exc)
                 self.fatal_error, self.fatal_status = str(exc), 2
             else:
@@ -202,10 +211,31 @@ class Service:
             max_request_tokens=s.queued_tokens,
             max_request_bytes=s.request_bytes,
         )
-        self.models[name] = ServedModel(name, backend, limits)
+        self.models[name] = ServedModel(name, backend, limits, key)
         self.metrics.describe_model(info, name)
         if info.slow_kernels:
             log.warning("slow reference kernels in use for %s", ", ".join(info.slow_kernels))
+
+    async def _restore_recorded(self, record: WeightsRecord) -> None:
+        """Each model the record names with its own --model source serves the recorded checkpoint,
+        swapped in by the update route's own checks before readiness; anything else refuses the start."""
+        record.warn_unserved(set(self.models))
+        for model in self.models.values():
+            entry = record.entry_for(model.name, model.key)
+            if entry is None:
+                continue
+            path = record.checked_path(model.name, entry)
+            try:
+                update = await _in_daemon_thread(model.backend.update_weights, path, entry.version)
+            except (CheckpointError, BackendUnavailableError, OSError, RuntimeError) as exc:
+                raise record.refusal(model.name, entry, str(exc)) from None
+            model.versions_served.update((update.previous_version, update.weights_version))
+            self.metrics.describe_model(model.backend.info, model.name)
+            model.last_update = ((entry.version, path, entry.files), {
+                "model": model.name, "weights_version": update.weights_version,
+                "previous_version": update.previous_version, "load_s": update.load_s, "swap_ms": update.swap_ms})
+            log.info("%s serves version %s from %s (restored from --weights-record %s; --model %s was loaded first)",
+                     model.name, entry.version, path, record.file, entry.model)
 
     # ---- readiness -----------------------------------------------------------------------------
 

@@ -76,6 +76,12 @@ class Settings(BaseSettings):
     weights_root: Path | None = Field(
         None, description="directory under which POST /v1/weights may load new checkpoints (unset: no weight updates)"
     )
+    weights_record: Path | None = Field(
+        None, description="file where each served model's last weight update is recorded (rewritten atomically "
+        "after every update; its directory must exist and be writable); at start a model whose entry names the "
+        "same --model serves the recorded checkpoint (from --weights-root) under its version instead, and a "
+        "recorded checkpoint that cannot be served refuses the start (unset: a restart serves --model)"
+    )
     admin_key: SecretStr | None = Field(
         None, description="key POST /v1/weights requires instead of the API key (which it then refuses)"
     )
@@ -191,8 +197,8 @@ class Settings(BaseSettings):
                              "or unset it for 127.0.0.1")
         return value
 
-    @field_validator("model", "triton_cache_dir", "expert_gemm", "api_key_file", "weights_root", "admin_key_file",
-                     mode="before")
+    @field_validator("model", "triton_cache_dir", "expert_gemm", "api_key_file", "weights_root", "weights_record",
+                     "admin_key_file", mode="before")
     @classmethod
     def _path_given(cls, value, info: ValidationInfo):
         # Path("") is ".": an empty value (a variable gone wrong) must not become the working directory.

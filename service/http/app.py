@@ -33,6 +33,7 @@ from service.http.scoring import not_ready, read_body, score_request
 from service.http.weights import WEIGHTS_ROUTE, update_weights
 from service.runtime import BackendSources, ServedModel, Service
 from service.settings import Settings
+from service.weights_record import WeightsRecord
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +92,12 @@ def error_response(error: ApiError, metrics: metrics_module.Metrics) -> Response
     return Response(error.body(), status_code=error.status, media_type=JSON, headers=error.headers)
 
 
-def create_app(settings: Settings, backend: BackendSources) -> FastAPI:
+def create_app(settings: Settings, backend: BackendSources, record: WeightsRecord | None = None) -> FastAPI:
     """The service app. ``backend`` is a ScoringBackend, or a function that loads one (run in a
     thread by the lifespan hook, so /healthz answers while the model loads), or a mapping of
-    served name -> either for several models."""
-    service = Service(settings, backend)
+    served name -> either for several models. ``record``: the opened ``--weights-record``
+    (default: opened from ``settings``)."""
+    service = Service(settings, backend, record=record)
     if service.admin_key is not None and settings.weights_root is None:
         log.warning("--admin-key has no effect without --weights-root: POST /v1/weights is not served")
 

@@ -161,6 +161,12 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.weights_record_failures = Counter(
+            "packscore_weights_record_failures_total",
+            "Weight updates that serve but could not be written to --weights-record (a restart would serve --model).",
+            ["model"],
+            registry=r,
+        )
         self.weights_swap_seconds = Histogram(
             "packscore_weights_swap_seconds",
             "Pause between two forwards while a weight update swapped the weights.",

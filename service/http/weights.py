@@ -103,6 +103,12 @@ async def update_weights(service: Service, body: Any, root: Path) -> dict:
         service.metrics.weights_updates.labels(model=name, outcome=exc.type).inc()
         raise
     service.metrics.weights_updates.labels(model=name, outcome="ok").inc()
+    if service.record is not None and model.last_update is not None:
+        (_, path, files), _ = model.last_update  # the files as read before the update loaded them
+        # in a thread: the write waits for the disk (fsync); a failure is logged and counted, the 200 stands
+        if not await asyncio.to_thread(service.record.write, model.name, model.key, path, answer["weights_version"],
+                                       files, lambda: model.backend.info.weights_version):
+            service.metrics.weights_record_failures.labels(model=model.name).inc()
     return answer
 
 

@@ -169,3 +169,44 @@ def test_a_content_hash_that_fails_has_every_rank_drop_what_it_read(checkpoints,
             assert a.weights_version == first and np.array_equal(a.logprobs, b.logprobs), "the old version changed"
     finally:
         pool.close()
+
+
+def test_a_pool_server_restarted_with_a_weights_record_serves_the_last_update(checkpoints, tmp_path):
+    """``--weights-record`` with the worker pool: the recorded update is swapped into every rank
+    before the restarted server is ready (docs/weights.md "Surviving a restart")."""
+    import shutil
+
+    import httpx
+
+    from service.local_server import LocalServer
+
+    old, new, _ = checkpoints
+    root = tmp_path / "root"
+    shutil.copytree(old, root / "step-0")
+    shutil.copytree(new, root / "step-1")
+    record = tmp_path / "record.json"
+    args = ["--model", f"policy={root / 'step-0'}", "--device", "cpu", "--world-size", "2", "--max-batch-tokens", "256",
+            "--weights-root", str(root), "--weights-record", str(record)]
+    body = {"sequences": [{"input_ids": [3, 1, 4, 1, 5, 9, 2, 6], "score_from": 2}]}
+
+    def start() -> LocalServer:
+        return LocalServer(args, env={"OMP_NUM_THREADS": "1"}, log_dir=tmp_path).wait_ready(timeout=300)
+
+    first = start()
+    try:
+        update = httpx.post(first.url + "/v1/weights", json={"path": "step-1", "version": "step-1"}, timeout=300)
+        assert update.status_code == 200, update.text
+        before = httpx.post(first.url + "/score", json=body, timeout=60).json()
+    finally:
+        assert first.stop() == 0, first.log()
+    second = start()
+    try:
+        after = httpx.post(second.url + "/score", json=body, timeout=60).json()
+        models = httpx.get(second.url + "/v1/models", timeout=30).json()["data"]
+    finally:
+        assert second.stop() == 0, second.log()
+    assert after["weights_version"] == "step-1" and models[0]["weights_version"] == "step-1", second.log()
+    assert after["results"] == before["results"], "the restarted pool scores otherwise than before the restart"
+    want = Scorer(load_model(str(new), device="cpu")).score([SequenceInput(np.array(body["sequences"][0]["input_ids"]), 2)])
+    diff = float(np.abs(np.array(after["results"][0]["logprobs"]) - want[0].logprobs).max())
+    assert diff <= TOL, f"restored pool vs step-1 in one process: max |diff| {diff:.3e} > tol {TOL:.0e}"

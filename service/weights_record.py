@@ -1,0 +1,213 @@
+"""``--weights-record FILE``: the last weight update of each served model, kept across restarts.
+
+After every successful ``POST /v1/weights`` the server rewrites FILE atomically (a temporary file
+in the same directory, flushed and fsynced, then renamed over it)::
+
+    {"format": 1, "models": {"policy": {"model": "/ckpt/step-0", "path": "step-120", "version": "step-120",
+                                        "files": [["config.json", 1234, 1733480000000000000], ...]}}}
+
+``model`` is the ``--model`` source the process was started with, as configured; ``path`` the
+update's checkpoint relative to ``--weights-root``; ``files`` the name, size and modification
+time of each file its weights were read from. At start, before the server is ready, a served
+model whose entry names its own ``--model`` source is swapped to the recorded checkpoint through
+the route's own checks and serves it under the recorded version; a record or checkpoint that
+cannot be served refuses the start (``RecordError``), since serving ``--model`` instead would
+silently score with other weights than the trainer last sent. docs/weights.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+
+
+class RecordError(ValueError):
+    """The record cannot be read, or a checkpoint it names cannot be served: the start is refused."""
+
+
+@dataclass(frozen=True)
+class RecordedUpdate:
+    """One model's entry: the last update it served."""
+
+    model: str  # the --model source the process that wrote it was started with
+    path: str  # the checkpoint, relative to --weights-root
+    version: str  # the weights_version it served under
+    files: tuple | None = None  # ``files_snapshot`` of the checkpoint when it was loaded; None: not recorded
+
+    def as_json(self) -> dict:
+        entry = {"model": self.model, "path": self.path, "version": self.version}
+        if self.files is not None:
+            entry["files"] = [list(f) for f in self.files]
+        return entry
+
+
+def _remedy(file: Path, source: str) -> str:
+    return f"restore that checkpoint under --weights-root, or delete {file} to serve --model {source}"
+
+
+class WeightsRecord:
+    """The record file, its entries as read at start, and each served model's configured source.
+
+    ``sources``: ``--model`` as configured (before a hub id is resolved), keyed as
+    ``Settings.model_specs()`` keys it (None for a plain ``--model X``).
+    """
+
+    def __init__(self, file: Path, root: Path, sources: Mapping[str | None, str], entries: dict[str, dict]):
+        self.file, self.root = Path(file), Path(root)
+        self.sources = dict(sources)
+        self._entries = entries  # served name -> entry as JSON, every entry kept but those dropped below
+        self._drop: set[str] = set()  # served models whose entry names another --model: gone at the next write
+        self._lock = threading.Lock()  # two models' updates may write at once
+
+    @classmethod
+    def open(cls, file: Path, root: Path, sources: Mapping[str | None, str]) -> "WeightsRecord":
+        """Reads FILE (absent: no entry yet) and checks that its directory takes a new file now,
+        so that the first update cannot fail late."""
+        file = Path(file)
+        where = f"--weights-record {str(file)!r}"
+        if not file.parent.is_dir():
+            raise RecordError(f"{where}: its directory {str(file.parent)!r} does not exist; create it, or record "
+                              "elsewhere")
+        if file.exists() and not file.is_file():
+            raise RecordError(f"{where} is not a regular file")
+        try:  # a real file, as each write makes one: permissions, a read-only mount, a full disk
+            with tempfile.NamedTemporaryFile(dir=file.parent, prefix=f".{file.name}.", suffix=".probe"):
+                pass
+        except OSError as exc:
+            raise RecordError(f"{where}: its directory cannot take a new file: {exc.strerror or exc}") from None
+        return cls(file, root, sources, _read_entries(file) if file.exists() else {})
+
+    # ---- at start -----------------------------------------------------------------------------
+
+    def entry_for(self, name: str, key: str | None) -> RecordedUpdate | None:
+        """The update to restore for served model ``name`` (``--model`` key ``key``), or None:
+        none recorded, or one recorded for another ``--model`` source (warned, dropped at the next write)."""
+        source = self.sources[key]
+        raw = self._entries.get(name)
+        if raw is None:
+            return None
+        entry = RecordedUpdate(raw["model"], raw["path"], raw["version"],
+                               None if raw.get("files") is None else tuple(tuple(f) for f in raw["files"]))
+        if entry.model != source:
+            log.warning("%s: the entry of %r was recorded for --model %s, not %s as now: ignored (serving --model; "
+                        "dropped at the next update)", self.file, name, entry.model, source)
+            self._drop.add(name)
+            return None
+        return entry
+
+    def warn_unserved(self, served: set[str]) -> None:
+        for name in sorted(set(self._entries) - served):
+            log.warning("%s: model %r has an entry but is not served: ignored (kept)", self.file, name)
+
+    def refusal(self, name: str, entry: RecordedUpdate, reason: str) -> RecordError:
+        """The start's refusal when ``entry`` cannot be served: one paragraph, with the remedy."""
+        return RecordError(
+            f"--weights-record {self.file}: model {name!r} last served {entry.path!r} under --weights-root "
+            f"{self.root} as version {entry.version!r}, which cannot be served now: {reason}. Serving --model "
+            f"{entry.model} instead would silently score with other weights than the last update's; "
+            f"{_remedy(self.file, entry.model)}."
+        )
+
+    def checked_path(self, name: str, entry: RecordedUpdate) -> Path:
+        """The recorded checkpoint, resolved inside --weights-root as the route resolves it, with
+        the files its weights were read from unchanged since."""
+        from model_runtime.scoring.weights import files_snapshot
+        from service.http.errors import ApiError
+        from service.http.weights import resolve_checkpoint
+
+        try:
+            path = resolve_checkpoint(self.root, entry.path)
+        except ApiError as exc:
+            raise self.refusal(name, entry, exc.message.rstrip(".")) from None
+        if entry.files is not None:
+            now = files_snapshot(path)
+            if now != entry.files:
+                changed = sorted({f[0] for f in set(now) ^ set(entry.files)})
+                raise self.refusal(name, entry, f"its files changed since it was recorded ({', '.join(changed[:5])}"
+                                   f"{', ...' if len(changed) > 5 else ''}), so {entry.version!r} would name other "
+                                   "weights")
+        return path
+
+    # ---- after an update ----------------------------------------------------------------------
+
+    def write(self, name: str, key: str | None, path: Path, version: str, files: tuple | None,
+              serving: Callable[[], str] | None = None) -> bool:
+        """Records that ``name`` serves ``path`` as ``version``; never raises. Whether it was written:
+        a failure is logged, and the update, which already serves, stands. ``serving`` (the version
+        the model serves now) skips a write that a later update overtook."""
+        try:
+            relative = Path(path).resolve().relative_to(self.root.resolve()).as_posix()
+            entry = RecordedUpdate(self.sources[key], relative, version, files)
+            with self._lock:
+                if serving is not None and serving() != version:  # a later update serves, and records itself
+                    return True
+                entries = {n: e for n, e in self._entries.items() if n not in self._drop}
+                entries[name] = entry.as_json()
+                data = json.dumps({"format": FORMAT, "models": entries}, indent=2, sort_keys=True).encode() + b"\n"
+                write_atomically(self.file, data)
+                self._entries, self._drop = entries, set()
+        except Exception as exc:  # the new weights serve already: a lost record must not undo the 200
+            log.error("--weights-record %s: recording %s serving %s as %r failed: %s; the update stands, but a "
+                      "restart would serve --model", self.file, name, path, version, exc)
+            return False
+        return True
+
+
+def write_atomically(file: Path, data: bytes) -> None:
+    """``data`` as FILE's whole content, never seen in part: written to a temporary file beside it,
+    flushed to disk, renamed over FILE, and the directory's entry flushed too."""
+    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, file)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    directory = os.open(file.parent, os.O_RDONLY)
+    try:  # the rename itself survives a power loss only once the directory is on disk
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def _read_entries(file: Path) -> dict[str, dict]:
+    """The record's entries, checked; a record that cannot be read or parsed refuses the start."""
+    def refuse(reason: str) -> RecordError:
+        return RecordError(f"--weights-record {file}: {reason}; it names the weights each model served last, so "
+                           f"the start is refused rather than serve --model silently: repair it, or delete {file} to "
+                           "serve --model")
+
+    try:
+        record = json.loads(file.read_bytes())
+    except OSError as exc:
+        raise refuse(f"cannot be read: {exc.strerror or exc}") from None
+    except ValueError as exc:  # no JSON, or no UTF-8
+        raise refuse(f"is no JSON record ({exc})") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT or not isinstance(record.get("models"), dict):
+        shown = record.get("format") if isinstance(record, dict) else None
+        raise refuse(f'is no record of format {FORMAT} ({{"format": {FORMAT}, "models": {{...}}}}; format {shown!r})')
+    for name, entry in record["models"].items():
+        fields = ("model", "path", "version")
+        if not isinstance(entry, dict) or not all(isinstance(entry.get(f), str) and entry[f] for f in fields):
+            raise refuse(f"the entry of {name!r} needs the strings {', '.join(fields)}")
+        files = entry.get("files")
+        if files is not None and not (isinstance(files, list) and all(
+                isinstance(f, list) and len(f) == 3 and isinstance(f[0], str) and all(isinstance(v, int) for v in f[1:])
+                for f in files)):
+            raise refuse(f"the entry of {name!r} has files that are not [name, size, mtime_ns] lists")
+    return record["models"]

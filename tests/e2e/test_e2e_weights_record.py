@@ -1,0 +1,149 @@
+"""A real server restarted with ``--weights-record`` serves the last update, not its ``--model``
+(docs/weights.md "Surviving a restart"): killed (SIGKILL, nothing flushed at exit) or stopped,
+started again with the same arguments, it answers with the updated version and its numbers.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import httpx
+import numpy as np
+import pytest
+
+from model_runtime.pool.ports import free_port
+from service.local_server import _REPO_ROOT
+from tests.checkpoints import save_checkpoint
+from tests.e2e.helpers import AUTH, ServerProcess, assert_matches, decode, post, random_sequences
+
+VOCAB = 512  # tests/checkpoints.py's vocabulary
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """The weights root (step-0, step-1, step-2), a reference, and a second base outside the root."""
+    from model_runtime.scoring.loading import load_model
+    from model_runtime.scoring.scorer import Scorer
+
+    tmp = tmp_path_factory.mktemp("record")
+    root = tmp / "root"
+    paths = {f"step-{i}": save_checkpoint("qwen3_5", root / f"step-{i}", seed=i) for i in range(3)}
+    paths["reference"] = save_checkpoint("qwen3_5", tmp / "reference", seed=7)
+    paths["other-base"] = save_checkpoint("qwen3_5", tmp / "other-base", seed=8)
+    scorers = {name: Scorer(load_model(str(path)), max_batch_tokens=4096) for name, path in paths.items()}
+    return {"tmp": tmp, "root": root, "paths": paths, "scorers": scorers}
+
+
+def _args(ck: dict, record, policy: str = "step-0") -> list[str]:
+    return ["--model", f"policy={ck['paths'][policy]}", "--model", f"ref={ck['paths']['reference']}",
+            "--weights-root", str(ck["root"]), "--weights-record", str(record), "--max-batch-tokens", "256",
+            "--max-wait-ms", "2"]
+
+
+def _versions(url: str) -> dict[str, str]:
+    return {m["id"]: m["weights_version"] for m in httpx.get(url + "/v1/models", headers=AUTH).json()["data"]}
+
+
+def _update(url: str, path: str, version: str | None) -> dict:
+    body = {"model": "policy", "path": path, **({"version": version} if version else {})}
+    answer = httpx.post(url + "/v1/weights", json=body, headers=AUTH, timeout=300)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def _policy_scores(url: str, seqs: list[dict]) -> httpx.Response:
+    response = post(url, {"model": "policy", "sequences": seqs})
+    assert response.status_code == 200, response.text
+    return response
+
+
+def test_a_killed_then_stopped_server_comes_back_serving_the_last_update(checkpoints, tmp_path):
+    ck = checkpoints
+    record = tmp_path / "state" / "record.json"
+    record.parent.mkdir()
+    seqs = random_sequences(np.random.default_rng(3), 4, VOCAB, lengths=(2, 60))
+
+    first = ServerProcess(tmp_path, *_args(ck, record))
+    try:
+        url = first.wait_ready(timeout=240).url
+        base = _versions(url)
+        assert _update(url, "step-1", "step-1")["weights_version"] == "step-1"
+        before = _policy_scores(url, seqs)
+        first.proc.send_signal(signal.SIGKILL)  # no drain, no exit code: the record is on disk before the 200
+        first.proc.wait(timeout=30)
+    finally:
+        first.stop()
+
+    second = ServerProcess(tmp_path, *_args(ck, record))
+    try:
+        url = second.wait_ready(timeout=240).url
+        assert _versions(url) == {"policy": "step-1", "ref": base["ref"]}, second.log()
+        after = _policy_scores(url, seqs)
+        assert after.json()["weights_version"] == "step-1"
+        assert after.json()["results"] == before.json()["results"]  # exactly the numbers before the kill
+        assert_matches(decode(after, 0), seqs, ck["scorers"]["step-1"])
+        assert "policy serves version step-1" in second.log() and str(record) in second.log()
+        hashed = _update(url, "step-2", None)["weights_version"]  # a content hash this time
+    finally:
+        assert second.stop() == 0, second.log()
+    assert json.loads(record.read_text())["models"]["policy"]["path"] == "step-2"
+
+    third = ServerProcess(tmp_path, *_args(ck, record))
+    try:
+        url = third.wait_ready(timeout=240).url
+        assert _versions(url) == {"policy": hashed, "ref": base["ref"]}
+        assert_matches(decode(_policy_scores(url, seqs), 0), seqs, ck["scorers"]["step-2"])
+    finally:
+        assert third.stop() == 0, third.log()
+
+
+def test_a_record_of_another_base_is_ignored_with_a_warning(checkpoints, tmp_path):
+    ck = checkpoints
+    record = tmp_path / "record.json"
+    record.write_text(json.dumps({"format": 1, "models": {
+        "policy": {"model": str(ck["paths"]["step-0"]), "path": "step-1", "version": "step-1"}}}))
+    server = ServerProcess(tmp_path, *_args(ck, record, policy="other-base"))
+    try:
+        url = server.wait_ready(timeout=240).url
+        assert _versions(url)["policy"] != "step-1"
+        seqs = random_sequences(np.random.default_rng(4), 3, VOCAB, lengths=(2, 40))
+        assert_matches(decode(_policy_scores(url, seqs), 0), seqs, ck["scorers"]["other-base"])
+        log = server.log()
+        assert "WARNING" in log and str(ck["paths"]["step-0"]) in log and str(ck["paths"]["other-base"]) in log, log
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def _serve_and_fail(args: list[str]) -> subprocess.CompletedProcess:
+    """``packscore serve`` expected to refuse its start: its status and its own stderr."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PACKSCORE_")}
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(free_port()), *args]
+    return subprocess.run(command, cwd=_REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("case", ["deleted", "corrupt"])
+def test_a_record_that_cannot_be_served_refuses_the_start(checkpoints, tmp_path, case):
+    ck = checkpoints
+    root = tmp_path / "root"  # a root of this test's own: a checkpoint of it is deleted
+    shutil.copytree(ck["paths"]["step-1"], root / "step-1")
+    record = tmp_path / "record.json"
+    if case == "corrupt":
+        record.write_text('{"format": 1, "models": {"policy": {"model": ')
+    else:
+        record.write_text(json.dumps({"format": 1, "models": {
+            "policy": {"model": str(ck["paths"]["step-0"]), "path": "step-1", "version": "step-1"}}}))
+        shutil.rmtree(root / "step-1")
+    args = _args(ck, record)
+    args[args.index("--weights-root") + 1] = str(root)
+    done = _serve_and_fail(args)
+    assert done.returncode == 2, done.stderr[-3000:]
+    err = done.stderr
+    assert "packscore: error: " in err and str(record) in err and f"delete {record} to serve --model" in err, err[-3000:]
+    if case == "deleted":
+        assert "'policy'" in err and "'step-1'" in err and "is not a directory" in err, err[-3000:]
+    else:
+        assert "is no JSON record" in err, err[-3000:]

@@ -1,0 +1,254 @@
+"""``--weights-record``: the last update of each model written atomically, restored at start
+(docs/weights.md "Surviving a restart"). With the fake backend; tests/e2e/test_e2e_weights_record.py
+restarts real servers."""
+
+import asyncio
+import json
+import logging
+import os
+
+import numpy as np
+import pytest
+
+from model_runtime.types import SequenceInput
+from service import cli
+from service.http.app import create_app
+from service.settings import Settings
+from service.testing import FAKE_VERSION, FakeBackend, expected_scores, running_app
+from service.weights_record import RecordError, WeightsRecord, write_atomically
+
+SEQ = {"id": "a", "input_ids": [1, 2, 3, 4], "score_from": 2}
+
+
+@pytest.fixture(autouse=True)
+def _no_packscore_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("PACKSCORE_"):
+            monkeypatch.delenv(name)
+
+
+def _root(tmp_path):
+    root = tmp_path / "root"
+    for step in ("step-1", "step-2"):
+        (root / step).mkdir(parents=True)
+        (root / step / "model.safetensors").write_bytes(step.encode())
+    return root
+
+
+def _expected(generation: int) -> np.ndarray:
+    return expected_scores(SequenceInput(np.array(SEQ["input_ids"]), SEQ["score_from"]), generation).logprobs
+
+
+def _settings(tmp_path, model: str = "policy=/ckpt/base,ref=/ckpt/ref") -> Settings:
+    return Settings(model=model, weights_root=_root(tmp_path), weights_record=tmp_path / "state" / "record.json")
+
+
+def _backends():
+    return {"policy": FakeBackend(name="policy-ckpt"), "ref": FakeBackend(name="ref-ckpt")}
+
+
+def _run(settings: Settings, requests):
+    """Starts a fresh app on fresh backends (a restarted process), sends ``requests`` (path, body or
+    None for GET), returns the service and the answers."""
+    app = create_app(settings, _backends())
+
+    async def main():
+        async with running_app(app) as client:
+            out = []
+            for path, body in requests:
+                out.append(await (client.get(path) if body is None else client.post(path, json=body)))
+            return out
+
+    return app.state.service, asyncio.run(main())
+
+
+def _record(settings: Settings) -> dict:
+    return json.loads(settings.weights_record.read_text())
+
+
+# ---- the write --------------------------------------------------------------------------------
+
+
+def test_the_write_replaces_the_file_whole_and_keeps_every_other_model(tmp_path, monkeypatch):
+    root = _root(tmp_path)
+    file = tmp_path / "record.json"
+    old = {"format": 1, "models": {"other": {"model": "/x", "path": "p", "version": "v"}}}
+    file.write_text(json.dumps(old))
+    record = WeightsRecord.open(file, root, {"policy": "/ckpt/base"})
+    seen_before_rename = []
+    real_replace = os.replace
+
+    def replace(src, dst):  # what a reader sees at the last moment before the rename: the old file, whole
+        seen_before_rename.append((json.loads(file.read_text()), json.loads(open(src).read())))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    files = (("model.safetensors", 6, 1),)
+    assert record.write("policy", "policy", root / "step-1", "v1", files)
+    (before, written), = seen_before_rename
+    assert before == old
+    assert written == json.loads(file.read_text()) == {"format": 1, "models": {
+        "other": {"model": "/x", "path": "p", "version": "v"},
+        "policy": {"model": "/ckpt/base", "path": "step-1", "version": "v1", "files": [["model.safetensors", 6, 1]]}}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["record.json", "root"]  # no temporary file left
+
+
+def test_a_failed_write_leaves_the_old_record_and_no_temporary_file(tmp_path, monkeypatch, caplog):
+    file = tmp_path / "record.json"
+    write_atomically(file, b'{"format": 1, "models": {}}\n')
+    record = WeightsRecord.open(file, _root(tmp_path), {None: "/ckpt/base"})
+
+    def no_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", no_disk)
+    with caplog.at_level(logging.ERROR, logger="service.weights_record"):
+        assert not record.write("policy", None, tmp_path / "root" / "step-1", "v1", None)
+    assert file.read_text() == '{"format": 1, "models": {}}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["record.json", "root"]
+    assert str(file) in caplog.text and "No space left on device" in caplog.text and "the update stands" in caplog.text
+
+
+@pytest.mark.parametrize("content, reason", [
+    ("{not json", "is no JSON record"),
+    ('{"format": 2, "models": {}}', "is no record of format 1"),
+    ('{"format": 1, "models": {"policy": {"model": "/b", "path": "s"}}}', "the entry of 'policy' needs the strings"),
+    ('{"format": 1, "models": {"policy": {"model": "/b", "path": "s", "version": "v", "files": [1]}}}', "files"),
+], ids=["no-json", "format", "no-version", "files"])
+def test_a_record_that_cannot_be_parsed_is_refused_naming_the_file_and_the_remedy(tmp_path, content, reason):
+    file = tmp_path / "record.json"
+    file.write_text(content)
+    with pytest.raises(RecordError) as refused:
+        WeightsRecord.open(file, tmp_path, {None: "tiny"})
+    message = str(refused.value)
+    assert str(file) in message and reason in message and f"delete {file} to serve --model" in message, message
+
+
+# ---- start-time refusals (the CLI, before anything loads) ------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["no-root", "no-directory", "a-directory", "corrupt"])
+def test_the_cli_refuses_a_record_it_could_not_keep_or_read(tmp_path, capsys, case):
+    root, record = _root(tmp_path), tmp_path / "record.json"
+    argv = ["serve", "--weights-root", str(root), "--weights-record", str(record)]
+    if case == "no-root":
+        argv = ["serve", "--weights-record", str(record)]
+        want = "which need --weights-root DIR"
+    elif case == "no-directory":
+        argv[-1] = str(tmp_path / "absent" / "record.json")
+        want = "does not exist"
+    elif case == "a-directory":
+        record.mkdir()
+        want = "is not a regular file"
+    else:
+        record.write_text('{"format": 1, "models": ')
+        want = "is no JSON record"
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("packscore: error: ") and "--weights-record" in err and want in err, err
+
+
+# ---- restored at start ------------------------------------------------------------------------
+
+
+def test_a_restarted_service_serves_the_recorded_update_and_keeps_the_other_models(tmp_path, caplog):
+    settings = _settings(tmp_path)
+    settings.weights_record.parent.mkdir()
+    update = {"model": "policy", "path": "step-1", "version": "step-1"}
+    _, (answer,) = _run(settings, [("/v1/weights", update)])
+    assert answer.status_code == 200, answer.text
+    assert _record(settings)["models"]["policy"] | {"files": None} == {
+        "model": "/ckpt/base", "path": "step-1", "version": "step-1", "files": None}
+
+    with caplog.at_level(logging.INFO):
+        service, (policy, ref, models, again) = _run(settings, [
+            ("/score", {"model": "policy", "sequences": [SEQ]}), ("/score", {"model": "ref", "sequences": [SEQ]}),
+            ("/v1/models", None), ("/v1/weights", update)])
+    assert policy.json()["weights_version"] == "step-1"
+    np.testing.assert_allclose(policy.json()["results"][0]["logprobs"], _expected(1), rtol=0, atol=1e-6)
+    assert ref.json()["weights_version"] == FAKE_VERSION
+    assert {m["id"]: m["weights_version"] for m in models.json()["data"]} == {"policy": "step-1", "ref": FAKE_VERSION}
+    assert again.status_code == 200, again.text  # a retry of the recorded update: its answer, not 409 version_in_use
+    assert f"policy serves version step-1 from {settings.weights_root / 'step-1'}" in caplog.text
+    assert str(settings.weights_record) in caplog.text
+
+
+def test_an_entry_for_another_model_source_is_ignored_and_dropped_and_an_unserved_ones_kept(tmp_path, caplog):
+    settings = _settings(tmp_path)
+    settings.weights_record.parent.mkdir()
+    settings.weights_record.write_text(json.dumps({"format": 1, "models": {
+        "policy": {"model": "/ckpt/old-base", "path": "step-1", "version": "step-1"},
+        "gone": {"model": "/ckpt/gone", "path": "step-2", "version": "g"}}}))
+    with caplog.at_level(logging.WARNING):
+        _, (policy, update) = _run(settings, [("/score", {"model": "policy", "sequences": [SEQ]}),
+                                              ("/v1/weights", {"model": "ref", "path": "step-2", "version": "r2"})])
+    assert policy.json()["weights_version"] == FAKE_VERSION
+    assert "/ckpt/old-base" in caplog.text and "/ckpt/base" in caplog.text and "'gone'" in caplog.text
+    assert update.status_code == 200, update.text
+    assert set(_record(settings)["models"]) == {"gone", "ref"}  # policy's stale entry dropped, gone's kept
+
+
+@pytest.mark.parametrize("case", ["deleted", "escapes", "changed", "refused"])
+def test_a_recorded_checkpoint_that_cannot_be_served_refuses_the_start(tmp_path, case):
+    settings = _settings(tmp_path, "/ckpt/base")
+    root = settings.weights_root
+    settings.weights_record.parent.mkdir()
+    entry = {"model": "/ckpt/base", "path": "step-1", "version": "v1"}
+    if case == "deleted":
+        entry["path"] = "step-9"
+    elif case == "escapes":
+        entry["path"] = "../state"
+    elif case == "changed":
+        entry["files"] = [["model.safetensors", 6, 1]]
+    settings.weights_record.write_text(json.dumps({"format": 1, "models": {"policy-ckpt": entry}}))
+
+    def refuse(path):
+        from model_runtime.scoring.checkpoint import CheckpointError
+
+        raise CheckpointError("incompatible", f"{path.name}: layers.0 has shape [4, 4], the model [8, 8]")
+
+    app = create_app(settings, FakeBackend(name="policy-ckpt", check_checkpoint=refuse if case == "refused" else None))
+
+    async def main():
+        async with running_app(app):
+            pass
+
+    asyncio.run(main())
+    service = app.state.service
+    assert service.phase == "failed" and service.fatal_status == 2
+    message = service.fatal_error
+    want = {"deleted": "is not a directory", "escapes": "climbs out", "changed": "its files changed since it was recorded",
+            "refused": "layers.0 has shape"}[case]
+    assert str(settings.weights_record) in message and "'policy-ckpt'" in message and want in message, message
+    assert f"delete {settings.weights_record} to serve --model /ckpt/base" in message
+    assert str(root) in message
+
+
+def test_a_record_that_cannot_be_written_leaves_the_update_standing_and_is_counted(tmp_path, monkeypatch, caplog):
+    import service.weights_record as weights_record
+
+    settings = _settings(tmp_path)
+    settings.weights_record.parent.mkdir()
+
+    def read_only(file, data):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(weights_record, "write_atomically", read_only)
+    with caplog.at_level(logging.ERROR):
+        _, (update, after, metrics) = _run(settings, [("/v1/weights", {"model": "policy", "path": "step-1"}),
+                                                      ("/score", {"model": "policy", "sequences": [SEQ]}),
+                                                      ("/metrics", None)])
+    assert update.status_code == 200, update.text
+    assert after.json()["weights_version"] == update.json()["weights_version"]
+    assert 'packscore_weights_record_failures_total{model="policy"} 1.0' in metrics.text
+    assert "Read-only file system" in caplog.text and str(settings.weights_record) in caplog.text
+    assert not settings.weights_record.exists()
+
+
+def test_a_write_overtaken_by_a_later_update_leaves_the_later_entry(tmp_path):
+    root = _root(tmp_path)
+    file = tmp_path / "record.json"
+    record = WeightsRecord.open(file, root, {None: "/ckpt/base"})
+    assert record.write("policy", None, root / "step-2", "v2", None, serving=lambda: "v2")
+    assert record.write("policy", None, root / "step-1", "v1", None, serving=lambda: "v2")  # v1's write came late
+    assert json.loads(file.read_text())["models"]["policy"]["version"] == "v2"
