@@ -504,7 +504,7 @@ def test_incomplete_weights_values_are_rejected_by_the_schema(weights, where):
     assert where in str(err.value)
 
 
-@pytest.mark.parametrize("mount_path", ["/models", "/cache", "/tmp", "/run/secrets/packscore-admin"])
+@pytest.mark.parametrize("mount_path", ["/models", "/cache", "/tmp", "/run/secrets/packscore-admin", "/var/lib/packscore"])
 def test_weights_mount_path_must_be_its_own(mount_path):
     values = {"model": {"path": "/models/x", "mountPath": "/models",
                         "source": {"type": "pvc", "pvc": {"claimName": "models"}}},
@@ -513,3 +513,25 @@ def test_weights_mount_path_must_be_its_own(mount_path):
     with pytest.raises(helm.HelmError) as err:
         render_chart(values)
     assert f"weights.mountPath({mount_path}) is already a mount of the pod" in str(err.value)
+
+
+def test_weight_updates_are_recorded_on_an_empty_dir_so_a_restarted_container_keeps_them(monkeypatch):
+    weights = {"enabled": True, "mountPath": "/ckpt", "source": WEIGHT_SOURCES[0].values[0]}
+    spec = pod_spec({"weights": weights})
+    (c,) = spec["containers"]
+    (env,) = [e for e in c["env"] if e["name"] == "PACKSCORE_WEIGHTS_RECORD"]
+    record = Path(env["value"])
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "weights-record"]
+    assert mount == {"name": "weights-record", "mountPath": str(record.parent)}  # writable: the root filesystem is not
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "weights-record"]
+    assert set(volume) == {"name", "emptyDir"}  # outlives a container restart, not the pod
+    monkeypatch.setenv("PACKSCORE_WEIGHTS_RECORD", env["value"])
+    settings = parse_settings(["serve", *c["args"]])[1]
+    assert settings.weights_record == record and settings.weights_root == Path("/ckpt")
+    assert "A restarted container serves the last update again" in render_chart({"weights": weights})[
+        "packscore/templates/NOTES.txt"]
+
+    off = pod_spec({"weights": {**weights, "record": False}})
+    assert "weights-record" not in {v["name"] for v in off["volumes"]}
+    assert "PACKSCORE_WEIGHTS_RECORD" not in {e["name"] for e in off["containers"][0]["env"]}
+    assert "PACKSCORE_WEIGHTS_RECORD" not in {e["name"] for e in container()["env"]}  # no updates, nothing to record

@@ -83,7 +83,7 @@ app.kubernetes.io/component: scoring
 {{- end }}
 {{- $wts := .Values.weights }}
 {{- if $wts.enabled }}
-{{- $taken := list "/dev/shm" "/tmp" "/cache" (include "packscore.adminKeyDir" .) }}
+{{- $taken := list "/dev/shm" "/tmp" "/cache" (include "packscore.adminKeyDir" .) (include "packscore.weightsRecordDir" .) }}
 {{- if ne $src.type "none" }}{{ $taken = append $taken .Values.model.mountPath }}{{ end }}
 {{- if has (trimSuffix "/" $wts.mountPath) $taken }}
 {{- fail (printf "weights.mountPath(%s) is already a mount of the pod (%s): give the checkpoints a path of their own" $wts.mountPath (join ", " $taken)) }}
@@ -107,6 +107,15 @@ admin-key
 
 {{- define "packscore.adminKeyFile" -}}
 {{- printf "%s/%s" (include "packscore.adminKeyDir" .) (include "packscore.adminKeyFileName" .) }}
+{{- end }}
+
+{{/* The emptyDir holding --weights-record (weights.record), and the file in it. */}}
+{{- define "packscore.weightsRecordDir" -}}
+/var/lib/packscore
+{{- end }}
+
+{{- define "packscore.weightsRecordFile" -}}
+{{- printf "%s/weights-record.json" (include "packscore.weightsRecordDir" .) }}
 {{- end }}
 
 {{/* The read-only volume source of model.source or weights.source: pvc, hostPath or nfs. */}}
