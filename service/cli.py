@@ -38,8 +38,8 @@ _MODEL_OPTIONS = (
 _SERVE_OPTIONS = _MODEL_OPTIONS + (
     "host", "port", "api_key", "api_key_file", "max_wait_ms", "max_queued_tokens", "max_request_bytes",
     "max_sequences_per_request", "drain_timeout_s", "queue_seconds", "max_admission_wait_s",
-    "request_read_timeout_s", "send_timeout_s", "keep_alive_timeout_s", "max_connections", "weights_root", "weights_record",
-    "admin_key", "admin_key_file",
+    "request_read_timeout_s", "send_timeout_s", "keep_alive_timeout_s", "max_connections", "weights_root",
+    "weights_record", "admin_key", "admin_key_file",
 )  # fmt: skip
 _SCORE_OPTIONS = _MODEL_OPTIONS + ("temperature", "top_k", "return_entropy")
 _METAVARS = {

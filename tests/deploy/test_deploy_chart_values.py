@@ -504,7 +504,8 @@ def test_incomplete_weights_values_are_rejected_by_the_schema(weights, where):
     assert where in str(err.value)
 
 
-@pytest.mark.parametrize("mount_path", ["/models", "/cache", "/tmp", "/run/secrets/packscore-admin", "/var/lib/packscore"])
+@pytest.mark.parametrize("mount_path", ["/models", "/cache", "/tmp", "/run/secrets/packscore-admin",
+                                        "/var/lib/packscore"])
 def test_weights_mount_path_must_be_its_own(mount_path):
     values = {"model": {"path": "/models/x", "mountPath": "/models",
                         "source": {"type": "pvc", "pvc": {"claimName": "models"}}},

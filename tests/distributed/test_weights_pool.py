@@ -207,6 +207,7 @@ def test_a_pool_server_restarted_with_a_weights_record_serves_the_last_update(ch
         assert second.stop() == 0, second.log()
     assert after["weights_version"] == "step-1" and models[0]["weights_version"] == "step-1", second.log()
     assert after["results"] == before["results"], "the restarted pool scores otherwise than before the restart"
-    want = Scorer(load_model(str(new), device="cpu")).score([SequenceInput(np.array(body["sequences"][0]["input_ids"]), 2)])
+    ids = np.array(body["sequences"][0]["input_ids"])
+    want = Scorer(load_model(str(new), device="cpu")).score([SequenceInput(ids, 2)])
     diff = float(np.abs(np.array(after["results"][0]["logprobs"]) - want[0].logprobs).max())
     assert diff <= TOL, f"restored pool vs step-1 in one process: max |diff| {diff:.3e} > tol {TOL:.0e}"

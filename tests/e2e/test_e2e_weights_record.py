@@ -142,7 +142,8 @@ def test_a_record_that_cannot_be_served_refuses_the_start(checkpoints, tmp_path,
     done = _serve_and_fail(args)
     assert done.returncode == 2, done.stderr[-3000:]
     err = done.stderr
-    assert "packscore: error: " in err and str(record) in err and f"delete {record} to serve --model" in err, err[-3000:]
+    assert "packscore: error: " in err and str(record) in err, err[-3000:]
+    assert f"delete {record} to serve --model" in err, err[-3000:]
     if case == "deleted":
         assert "'policy'" in err and "'step-1'" in err and "is not a directory" in err, err[-3000:]
     else:

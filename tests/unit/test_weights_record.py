@@ -217,8 +217,8 @@ def test_a_recorded_checkpoint_that_cannot_be_served_refuses_the_start(tmp_path,
     service = app.state.service
     assert service.phase == "failed" and service.fatal_status == 2
     message = service.fatal_error
-    want = {"deleted": "is not a directory", "escapes": "climbs out", "changed": "its files changed since it was recorded",
-            "refused": "layers.0 has shape"}[case]
+    want = {"deleted": "is not a directory", "escapes": "climbs out", "refused": "layers.0 has shape",
+            "changed": "its files changed since it was recorded"}[case]
     assert str(settings.weights_record) in message and "'policy-ckpt'" in message and want in message, message
     assert f"delete {settings.weights_record} to serve --model /ckpt/base" in message
     assert str(root) in message
