@@ -325,14 +325,16 @@ def popen(command, *, cwd=None, env=None, stdout=None, stderr=None, pass_fds=(),
     def cold():
         return subprocess.Popen(command, cwd=cwd, env=env, stdout=stdout, stderr=stderr, pass_fds=pass_fds, **other)
 
-    files = stdout is None or hasattr(stdout, "fileno")  # not PIPE or DEVNULL, which Popen makes itself
-    if argv is None or other or not files or stderr not in (None, subprocess.STDOUT) or len(pass_fds) > _MAX_PASS_FDS:
+    # files or the inherited streams, not PIPE or DEVNULL, which Popen makes itself
+    files = (stdout is None or hasattr(stdout, "fileno")) and (
+        stderr in (None, subprocess.STDOUT) or hasattr(stderr, "fileno"))
+    if argv is None or other or not files or len(pass_fds) > _MAX_PASS_FDS:
         return cold()
     conn = _connect(full_env)
     if conn is None:
         return cold()
     out = stdout.fileno() if stdout is not None else 1
-    err = out if stderr is subprocess.STDOUT else 2
+    err = out if stderr is subprocess.STDOUT else stderr.fileno() if stderr is not None else 2
     request = {"argv": argv, "env": full_env, "cwd": str(cwd or os.getcwd()), "pass_fds": list(pass_fds)}
     socket.send_fds(conn, [json.dumps(request).encode()], [0, out, err, *pass_fds])
     try:

@@ -10,12 +10,15 @@ each request in a task of its own, so it is that request's for everything the ta
 it starts with ``asyncio.to_thread`` log). ``RequestIdFilter`` copies it onto log records; a record
 may name a request itself with ``extra=for_request(request_id)`` (a scheduler line about one
 sequence, written outside the request's task).
+
+Every line, uvicorn's access log included, goes to one stream (standard error) in one format,
+``LOG_FORMAT``: ``configure_logging`` sets up the root logger and ``uvicorn_log_config`` sends
+uvicorn's loggers to it.
 """
 
 from __future__ import annotations
 
 import contextvars
-import copy
 import logging
 import re
 import sys
@@ -85,13 +88,17 @@ def configure_logging(level: str) -> None:
 
 
 def uvicorn_log_config() -> dict:
-    """uvicorn's own logging configuration, its lines (the access log among them) naming their request."""
-    from uvicorn.config import LOGGING_CONFIG
-
-    config = copy.deepcopy(LOGGING_CONFIG)
-    config.setdefault("filters", {})["request_id"] = {"()": RequestIdFilter}
-    for handler in config["handlers"].values():
-        handler.setdefault("filters", []).append("request_id")
-    for formatter in config["formatters"].values():
-        formatter["fmt"] = formatter["fmt"].replace("%(levelprefix)s ", "%(levelprefix)s%(request_tag)s ", 1)
-    return config
+    """uvicorn's logging configuration: its loggers, the access log's included, write nothing
+    themselves and pass their lines to the root logger's handler (``configure_logging``), so that
+    every line goes to one stream in one format naming its request. Levels are uvicorn's: its
+    ``log_level`` sets those of ``uvicorn.error`` and ``uvicorn.access``, and ``access_log=False``
+    silences the latter."""
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "loggers": {
+            "uvicorn": {"handlers": [], "propagate": True, "level": "INFO"},
+            "uvicorn.error": {"handlers": [], "propagate": True},
+            "uvicorn.access": {"handlers": [], "propagate": True, "level": "INFO"},
+        },
+    }

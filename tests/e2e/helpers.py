@@ -30,6 +30,28 @@ def fake_server(tmp_path, *args: str, env: dict | None = None, program: list[str
                        log_dir=tmp_path, program=program or FAKE)
 
 
+class SplitStreamsServer(LocalServer):
+    """``fake_server`` whose standard output goes to ``log_path`` and its standard error to ``err_path``."""
+
+    def __init__(self, tmp_path: Path, *args: str, env: dict | None = None):
+        self.err_path = Path(tmp_path) / f"stderr-{time.monotonic_ns()}.log"
+        self._err = self.err_path.open("wb")
+        super().__init__(["--log-level", "warning", *args], env={"OMP_NUM_THREADS": "1", **(env or {})},
+                         log_dir=tmp_path, program=FAKE)
+
+    def spawn(self, command, **options):  # LocalServer's, with standard error apart
+        return LocalServer.spawn(command, **{**options, "stderr": self._err})
+
+    def log(self) -> str:
+        return f"standard output:\n{super().log()}\nstandard error:\n{self.err_path.read_text(errors='replace')[-5000:]}"
+
+    def stop(self, timeout: float = 60.0) -> int:
+        try:
+            return super().stop(timeout)
+        finally:
+            self._err.close()
+
+
 class ServerProcess(LocalServer):
     """One ``packscore serve`` process for a test; its log goes to a file shown when a test fails."""
 
