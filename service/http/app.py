@@ -146,8 +146,8 @@ class _Gate:
             await self.app(scope, receive, send)
             return
         rid = request_id.from_headers(scope["headers"])
-        # Not reset: the request's task ends with it, and uvicorn's lines after the app (a traceback) name it too.
-        request_id.current.set(rid)
+        # Reset at the end: an in-process caller (httpx's ASGITransport) runs the app in its own task.
+        token = request_id.current.set(rid)
         scope[request_id.SCOPE_KEY] = rid  # the protocol's own 408 for this request reads it
         if scope["path"][:8].lower().startswith(("http://", "https://")):
             _to_origin_form(scope)
@@ -171,17 +171,23 @@ class _Gate:
                 await error_response(refusal, metrics)(scope, receive, send_observed)
             else:
                 await self.app(scope, receive, send_observed)
-        except Exception:
+        except Exception as exc:
             log.exception("unhandled error on %s %s", scope["method"], path)
-            if not started_answer:
-                error = ApiError(500, "internal_error", "The server failed unexpectedly; this is a bug.")
-                await error_response(error, metrics)(scope, receive, send_observed)
-            raise  # uvicorn logs it too, and closes a connection whose answer had started
+            if started_answer:  # only uvicorn can close a connection mid-answer; its traceback would repeat ours
+                request_id.tag(exc, rid, logged=True)
+                raise
+            # The state the bug left behind is unknown: this connection is not reused.
+            error = ApiError(500, "internal_error", "The server failed unexpectedly; this is a bug.", headers=_CLOSE)
+            await error_response(error, metrics)(scope, receive, send_observed)
+        except BaseException as exc:  # a cancellation (shutdown): uvicorn's line about it names the request
+            request_id.tag(exc, rid)
+            raise
         finally:
             if scope.get(READ_TIMED_OUT):  # the protocol answered 408 and closed: what the handler sent went nowhere
                 status = 408
             metrics.requests.labels(route=route, status=str(status)).inc()
             metrics.request_latency.labels(route=route).observe(time.perf_counter() - started)
+            request_id.current.reset(token)
 
     def _refusal(self, scope: Scope, path: str) -> ApiError | None:
         key = self.service.api_key

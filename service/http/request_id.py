@@ -5,11 +5,12 @@ An incoming ``X-Request-Id`` (the first, if several) is kept when it is 1 to 128
 visible ASCII (0x21-0x7E: no space, control or non-ASCII byte), so a trainer or a proxy can choose
 it; any other value is replaced by one the server makes (32 hex digits), never refused.
 
-The id lives in a context variable that ``_Gate`` sets at the start of each request (uvicorn runs
-each request in a task of its own, so it is that request's for everything the task and the threads
-it starts with ``asyncio.to_thread`` log). ``RequestIdFilter`` copies it onto log records; a record
-may name a request itself with ``extra=for_request(request_id)`` (a scheduler line about one
-sequence, written outside the request's task).
+The id lives in a context variable that ``_Gate`` sets at the start of each request and resets at
+its end (uvicorn runs each request in a task of its own, so it is that request's for everything the
+task and the threads it starts with ``asyncio.to_thread`` log). ``RequestIdFilter`` copies it onto
+log records; a record may name a request itself with ``extra=for_request(request_id)`` (a scheduler
+line about one sequence, written outside the request's task), and an exception that left a request
+carries its id (``tag``) for uvicorn's line about it.
 
 Every line, uvicorn's access log included, goes to one stream (standard error) in one format,
 ``LOG_FORMAT``: ``configure_logging`` sets up the root logger and ``uvicorn_log_config`` sends
@@ -31,6 +32,8 @@ MAX_LENGTH = 128
 SCOPE_KEY = "packscore.request_id"  # in the ASGI scope: the protocol's own 408 for the request names it
 # Before the message, so that a traceback or a message ending in a newline does not push it to another line.
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s:%(request_tag)s %(message)s"
+_EXCEPTION_ID = "packscore_request_id"  # on an exception that left a request: that request's id
+_EXCEPTION_LOGGED = "packscore_logged"  # on an exception whose traceback the gate logged
 
 current: ContextVar[str | None] = ContextVar("packscore_request_id", default=None)
 
@@ -69,15 +72,42 @@ def of_many(ids: Iterable[str | None], most: int = 8) -> str:
     return ", ".join(distinct[:most]) + (f" and {len(distinct) - most} more" if len(distinct) > most else "")
 
 
+def tag(exc: BaseException, request_id: str, *, logged: bool = False) -> None:
+    """Marks an exception leaving a request: uvicorn's line about it names that request, and is
+    dropped where ``logged`` (the gate wrote its traceback already)."""
+    try:
+        setattr(exc, _EXCEPTION_ID, request_id)
+        if logged:
+            setattr(exc, _EXCEPTION_LOGGED, True)
+    except AttributeError:  # an exception class with __slots__: its line names no request
+        pass
+
+
+def _exception(record: logging.LogRecord) -> BaseException | None:
+    return record.exc_info[1] if record.exc_info else None
+
+
 class RequestIdFilter(logging.Filter):
     """Gives every record ``request_id`` (the request's id, or None outside a request) and
     ``request_tag`` (`` request_id=<id>``, or empty) for the format to show."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        rid = getattr(record, "request_id", None) or current.get()
+        rid = (getattr(record, "request_id", None) or current.get()
+               or getattr(_exception(record), _EXCEPTION_ID, None))
         record.request_id = rid
         record.request_tag = f" request_id={rid}" if rid else ""
         return True
+
+
+class UvicornDuplicates(logging.Filter):
+    """Drops uvicorn's lines that repeat one of this server's own: "Exception in ASGI application"
+    for an exception whose traceback the gate logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(_exception(record), _EXCEPTION_LOGGED, False)
+
+
+_UVICORN_DUPLICATES = UvicornDuplicates()  # one instance: uvicorn applies the configuration at every Config()
 
 
 def configure_logging(level: str) -> None:
@@ -96,9 +126,10 @@ def uvicorn_log_config() -> dict:
     return {
         "version": 1,
         "disable_existing_loggers": False,
+        "filters": {"duplicates": {"()": lambda: _UVICORN_DUPLICATES}},
         "loggers": {
             "uvicorn": {"handlers": [], "propagate": True, "level": "INFO"},
-            "uvicorn.error": {"handlers": [], "propagate": True},
+            "uvicorn.error": {"handlers": [], "propagate": True, "filters": ["duplicates"]},
             "uvicorn.access": {"handlers": [], "propagate": True, "level": "INFO"},
         },
     }

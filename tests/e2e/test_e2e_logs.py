@@ -1,5 +1,6 @@
 """The server's log as an operator reads it, on a real server (the app, uvicorn and the protocol
-over FakeBackend): every line on standard error in one format naming its request."""
+over FakeBackend): every line on standard error in one format naming its request, one traceback for
+an unhandled error."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ _BODY = {"sequences": [{"id": "a", "input_ids": [1, 2, 3, 4], "score_from": 2}]}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """With the access log (debug) and a short read timeout."""
-    server = SplitStreamsServer(tmp_path_factory.mktemp("logs"), "--log-level", "debug", "--request-read-timeout-s", "1")
+    """With the access log (debug), a short read timeout and a score route that raises on request."""
+    server = SplitStreamsServer(tmp_path_factory.mktemp("logs"), "--log-level", "debug", "--request-read-timeout-s", "1",
+                                env={"FAKE_BUGS": "1"})
     try:
         yield server.wait_ready()
     finally:
@@ -57,3 +59,24 @@ def test_every_line_goes_to_standard_error_in_one_format_naming_its_request(serv
     assert any(_RECORD.match(line) and "INFO uvicorn.error: Started server process" in line for line in lines), lines
     assert any(_RECORD.match(line) and "INFO service.runtime: ready: serving" in line for line in lines), lines
     assert server.log_path.read_text() == "", server.log()
+
+
+@pytest.mark.parametrize("where", ["before-answer", "mid-answer"])
+def test_an_unhandled_error_logs_one_traceback_naming_its_request(server, where):
+    given = f"bug-{where}-{time.monotonic_ns()}"
+    headers = {"X-Request-Id": given, "X-Fake-Bug": where}
+    if where == "before-answer":
+        answer = httpx.post(server.url + "/score", json=_BODY, headers=headers, timeout=30)
+        assert answer.status_code == 500 and answer.json()["error"]["type"] == "internal_error", answer.text
+        assert answer.headers["x-request-id"] == given and answer.headers["connection"] == "close", answer.headers
+    else:  # the answer had begun: the connection is closed mid-body
+        with pytest.raises(httpx.RemoteProtocolError):
+            httpx.post(server.url + "/score", json=_BODY, headers=headers, timeout=30)
+    assert _wait_for(server, lambda records: any(r[2] == given and "unhandled error" in r[3] for r in records)), server.log()
+    time.sleep(0.3)  # a second line about it would follow at once
+    records = _records(server)
+    tracebacks = [r for r in records if "Traceback (most recent call last)" in r[3] and given in r[3] + str(r[2])]
+    assert len(tracebacks) == 1, server.log()
+    level, logger, rid, text = tracebacks[0]
+    assert (level, logger, rid) == ("ERROR", "service.http.app", given) and "RuntimeError: a fake bug" in text, text
+    assert not any("Exception in ASGI application" in r[3] for r in records), server.log()

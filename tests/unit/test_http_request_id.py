@@ -168,3 +168,41 @@ def test_a_sigterm_handled_while_a_request_runs_drains_under_no_request_id(monke
         asyncio.run(main())
     draining = [line for line in log.lines if "draining:" in line]
     assert draining and not any("request_id=" in line for line in draining), log.lines
+
+
+def test_an_in_process_caller_gets_its_own_id_back_after_a_request():
+    # httpx's ASGITransport runs the app in the caller's task: the request's id must not stay set there.
+    async def main():
+        app = create_app(Settings(), FakeBackend())
+        async with running_app(app) as client:
+            seen = [request_id.current.get()]
+            await client.post("/score", json={"sequences": [{"input_ids": [1, 2]}]}, headers={"X-Request-Id": "in-1"})
+            seen.append(request_id.current.get())
+            token = request_id.current.set("caller-1")  # a caller that is itself a request's work
+            await client.get("/nowhere", headers={"X-Request-Id": "in-2"})
+            seen.append(request_id.current.get())
+            request_id.current.reset(token)
+            return seen
+
+    assert asyncio.run(main()) == [None, None, "caller-1"]
+
+
+def test_uvicorns_line_about_a_cancelled_request_names_it_after_the_id_was_reset(monkeypatch):
+    # uvicorn logs what left the app (a cancellation at shutdown) once the gate has reset the id.
+    async def cancelled(request, service):
+        raise asyncio.CancelledError()
+
+    monkeypatch.setattr("service.http.app.score_request", cancelled)
+
+    async def main():
+        app = create_app(Settings(), FakeBackend())
+        async with running_app(app) as client:
+            try:
+                await client.post("/score", json={"sequences": [{"input_ids": [1, 2]}]}, headers={"X-Request-Id": "cut-1"})
+            except asyncio.CancelledError as exc:
+                return exc, request_id.current.get()
+
+    left, current = asyncio.run(main())
+    with _Lines() as log:
+        logging.getLogger(__name__).error("Exception in ASGI application", exc_info=left)  # as uvicorn.error does
+    assert current is None and _named(log.lines, "Exception in ASGI application", "cut-1"), (current, log.lines)
