@@ -14,6 +14,9 @@ uvicorn bounds only the idle time between keep-alive requests. This subclass add
   connection reset, as nginx's ``send_timeout`` does; progress of any size restarts the clock;
 - the contract's JSON error body on the protocol errors uvicorn answers itself (a garbage
   request line, a bad Content-Length, oversized headers), instead of plain text.
+
+Each answer the protocol sends itself (400, 408, 503) logs one warning naming its request id, its
+status, the peer and why, without a traceback: these answers pass no access log.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import sys
 import resource
 import socket
 import struct
@@ -32,7 +36,7 @@ import h11
 import orjson
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from service.http.request_id import SCOPE_KEY, new_id, outside_request
+from service.http.request_id import SCOPE_KEY, for_request, new_id, outside_request
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +46,13 @@ _DONE_STATES = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR)
 READ_TIMED_OUT = "packscore.read_timed_out"
 
 
-def error_bytes(status: int, reason: str, type: str, message: str, extra_headers: str = "",
-                request_id: str | None = None) -> bytes:
-    """A complete HTTP/1.1 answer with the contract's JSON error body that closes the connection;
-    ``request_id`` where the app had named the request, else a new one (no request was parsed)."""
+def error_bytes(status: int, reason: str, type: str, message: str, extra_headers: str = "", *,
+                request_id: str) -> bytes:
+    """A complete HTTP/1.1 answer with the contract's JSON error body that closes the connection."""
     body = orjson.dumps({"error": {"type": type, "message": message, "param": None}})
     head = (
         f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-        f"connection: close\r\nx-request-id: {request_id or new_id()}\r\n{extra_headers}\r\n"
+        f"connection: close\r\nx-request-id: {request_id}\r\n{extra_headers}\r\n"
     )
     return head.encode("ascii") + body
 
@@ -104,9 +107,12 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_made(transport)
         if len(self.connections) > self.registry.max_connections and not self._evict_one():
             self.registry.refused += 1
-            log.warning("%d connections open: refusing a new one", len(self.connections))
+            rid = new_id()
+            self._log_answer(503, rid, f"{len(self.connections) - 1} connections open (max_connections "
+                                       f"{self.registry.max_connections}), each busy answering: refused a new one")
             transport.write(error_bytes(503, "Service Unavailable", "too_many_connections",
-                                        "The server has too many open connections; retry.", "retry-after: 1\r\n"))
+                                        "The server has too many open connections; retry.", "retry-after: 1\r\n",
+                                        request_id=rid))
             transport.close()
             return
         self._start_reading()
@@ -156,9 +162,23 @@ class GuardedH11Protocol(H11Protocol):
     def send_400_response(self, msg: str) -> None:
         # h11 refused the bytes (request line, headers, Content-Length): answer in the contract's shape.
         self._stop_reading()
+        rid = new_id()
+        # Called from uvicorn's handler of h11's error, which names what is wrong (uvicorn's own line does not).
+        refused = str(sys.exc_info()[1] or msg)
+        # h11 quotes the offending bytes: a line per client, not a client's 16 KiB of headers
+        self._log_answer(400, rid, f"not valid HTTP/1.1: {refused[:200]}{'...' if len(refused) > 200 else ''}")
         self.transport.write(error_bytes(400, "Bad Request", "malformed_request",
-                                         "The request is not valid HTTP/1.1 (request line, headers or Content-Length)."))
+                                         "The request is not valid HTTP/1.1 (request line, headers or Content-Length).",
+                                         request_id=rid))
         self.transport.close()
+
+    def _log_answer(self, status: int, rid: str, why: str) -> None:
+        """One line for an answer the protocol sends itself, passing no access log: no traceback, a
+        flood of bad clients is a flood of lines only."""
+        log.warning("answered %d to %s: %s", status, self._peer(), why, extra=for_request(rid))
+
+    def _peer(self) -> str:
+        return "%s:%d" % tuple(self.client) if self.client else "an unknown peer"
 
     # ---- the read timeout -------------------------------------------------------------------
 
@@ -186,7 +206,11 @@ class GuardedH11Protocol(H11Protocol):
         if send_408:
             message = f"The request did not arrive within {self.registry.read_timeout_s:g} s (request_read_timeout_s)."
             ongoing = cycle is not None and not cycle.response_complete  # else the 408 is the next request's
-            rid = cycle.scope.get(SCOPE_KEY) if ongoing else None  # type: ignore[union-attr]
+            scope = cycle.scope if ongoing else None  # type: ignore[union-attr]
+            rid = (scope.get(SCOPE_KEY) if scope else None) or new_id()
+            what = f"the body of {scope['method']} {scope['path']}" if scope else "a request's headers"
+            self._log_answer(408, rid, f"{what} did not arrive within {self.registry.read_timeout_s:g} s "
+                                       "(request_read_timeout_s)")
             self.transport.write(error_bytes(408, "Request Timeout", "request_timeout", message, request_id=rid))
             if ongoing:
                 cycle.scope[READ_TIMED_OUT] = True  # type: ignore[literal-required, union-attr]

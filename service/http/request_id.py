@@ -9,8 +9,8 @@ The id lives in a context variable that ``_Gate`` sets at the start of each requ
 its end (uvicorn runs each request in a task of its own, so it is that request's for everything the
 task and the threads it starts with ``asyncio.to_thread`` log). ``RequestIdFilter`` copies it onto
 log records; a record may name a request itself with ``extra=for_request(request_id)`` (a scheduler
-line about one sequence, written outside the request's task), and an exception that left a request
-carries its id (``tag``) for uvicorn's line about it.
+line about one sequence, written outside the request's task, or the protocol's own 400, 408 and 503),
+and an exception that left a request carries its id (``tag``) for uvicorn's line about it.
 
 Every line, uvicorn's access log included, goes to one stream (standard error) in one format,
 ``LOG_FORMAT``: ``configure_logging`` sets up the root logger and ``uvicorn_log_config`` sends
@@ -34,6 +34,8 @@ SCOPE_KEY = "packscore.request_id"  # in the ASGI scope: the protocol's own 408 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s:%(request_tag)s %(message)s"
 _EXCEPTION_ID = "packscore_request_id"  # on an exception that left a request: that request's id
 _EXCEPTION_LOGGED = "packscore_logged"  # on an exception whose traceback the gate logged
+# uvicorn's line for a request that the protocol's own line names with its id, status, peer and reason
+_PROTOCOL_400 = "Invalid HTTP request received."
 
 current: ContextVar[str | None] = ContextVar("packscore_request_id", default=None)
 
@@ -101,9 +103,12 @@ class RequestIdFilter(logging.Filter):
 
 class UvicornDuplicates(logging.Filter):
     """Drops uvicorn's lines that repeat one of this server's own: "Exception in ASGI application"
-    for an exception whose traceback the gate logged."""
+    for an exception whose traceback the gate logged, and "Invalid HTTP request received.", which
+    the protocol's own line about its 400 replaces."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == _PROTOCOL_400:
+            return False
         return not getattr(_exception(record), _EXCEPTION_LOGGED, False)
 
 

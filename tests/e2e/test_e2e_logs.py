@@ -1,16 +1,18 @@
 """The server's log as an operator reads it, on a real server (the app, uvicorn and the protocol
 over FakeBackend): every line on standard error in one format naming its request, one traceback for
-an unhandled error."""
+an unhandled error, and one line for each answer the protocol sends itself (400, 408, 503)."""
 
 from __future__ import annotations
 
+import json
 import re
+import socket
 import time
 
 import httpx
 import pytest
 
-from tests.e2e.helpers import SplitStreamsServer
+from tests.e2e.helpers import SplitStreamsServer, read_until_closed
 
 _RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) ([\w.]+):"
                      r"(?: request_id=(\S+))? ")
@@ -80,3 +82,58 @@ def test_an_unhandled_error_logs_one_traceback_naming_its_request(server, where)
     level, logger, rid, text = tracebacks[0]
     assert (level, logger, rid) == ("ERROR", "service.http.app", given) and "RuntimeError: a fake bug" in text, text
     assert not any("Exception in ASGI application" in r[3] for r in records), server.log()
+
+
+_SLOW_BODY = (b"POST /score HTTP/1.1\r\nHost: x\r\nX-Request-Id: slow-body-7\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 1000\r\n\r\n{")
+
+
+@pytest.mark.parametrize("sent, status, why", [
+    (b"BAD BAD BAD\r\n\r\n", 400, "not valid HTTP/1.1: illegal request line"),
+    (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n", 400, "not valid HTTP/1.1: bad Content-Length"),
+    (_SLOW_BODY, 408, "the body of POST /score did not arrive within 1 s"),
+    (b"POST /sco", 408, "a request's headers did not arrive within 1 s"),
+], ids=["garbage", "content-length", "body", "headers"])
+def test_an_answer_the_protocol_sends_itself_is_logged_once_naming_its_id(server, sent, status, why):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        peer = "%s:%d" % sock.getsockname()
+        sock.sendall(sent)
+        data, _ = read_until_closed(sock, 6)
+    assert data.startswith(b"HTTP/1.1 %d " % status), data
+    rid = re.search(rb"\r\nx-request-id: (\S+)\r\n", data, re.IGNORECASE).group(1).decode()
+    assert sent is not _SLOW_BODY or rid == "slow-body-7", data
+    named = _wait_for(server, lambda records: [r for r in records if r[2] == rid])
+    assert len(named) == 1, server.log()
+    level, logger, _, text = named[0]
+    assert (level, logger) == ("WARNING", "service.http.protocol"), text
+    assert f"answered {status} to {peer}: {why}" in text and "\n" not in text, text  # no traceback
+    assert not any("Invalid HTTP request received" in r[3] for r in _records(server)), server.log()
+
+
+def test_the_connection_caps_503_is_logged_naming_its_id_and_the_access_log_waits_for_debug(tmp_path):
+    # One connection allowed, busy with a slow forward: a second one is refused by the protocol.
+    server = SplitStreamsServer(tmp_path, "--log-level", "info", "--max-connections", "1",
+                                env={"FAKE_SECONDS_PER_TOKEN": "0.5"})
+    try:
+        server.wait_ready()
+        body = json.dumps(_BODY).encode()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as busy:
+            busy.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                         b"\r\n%s" % (len(body), body))
+            time.sleep(0.5)  # read and admitted: a forward of 2 s (4 tokens) holds it
+            with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+                peer = "%s:%d" % sock.getsockname()
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                data, _ = read_until_closed(sock, 5)
+            answered = busy.recv(65536)
+        records = _records(server)
+    finally:
+        server.stop()
+    assert answered.startswith(b"HTTP/1.1 200 "), answered
+    assert data.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in data, data
+    rid = re.search(rb"\r\nx-request-id: (\S+)\r\n", data, re.IGNORECASE).group(1).decode()
+    named = [r for r in records if r[2] == rid]
+    assert len(named) == 1 and named[0][:2] == ("WARNING", "service.http.protocol"), server.log()
+    assert f"answered 503 to {peer}: " in named[0][3] and "max_connections 1" in named[0][3], named
+    # --log-level info: no access line (docs/cli.md: debug adds them)
+    assert not any(r[1] == "uvicorn.access" for r in records) and server.log_path.read_text() == "", server.log()

@@ -100,14 +100,17 @@ def test_the_clients_score_error_names_the_failed_requests_id(server):
 
 
 def test_a_protocol_error_behind_a_pipelined_request_does_not_log_under_that_requests_id(server):
-    # The next pipelined request is parsed from the finished one's task: its 400 is no request's.
+    # The next pipelined request is parsed from the finished one's task: its 400 is no request's but its own.
     given = f"pipelined-first-{time.monotonic_ns()}"
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Request-Id: " + given.encode() + b"\r\n\r\nBAD BAD BAD\r\n\r\n")
         data, _ = read_until_closed(sock, 5)
     assert data.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 400 Bad Request" in data, data
+    refused = re.search(rb"HTTP/1.1 400 Bad Request\r\n.*?x-request-id: (\S+)\r\n", data, re.DOTALL | re.IGNORECASE)
+    rid = refused.group(1).decode()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and "Invalid HTTP request" not in server.log_path.read_text():
+    while time.monotonic() < deadline and rid not in server.log_path.read_text():
         time.sleep(0.05)
-    invalid = [line for line in server.log_path.read_text().splitlines() if "Invalid HTTP request" in line]
-    assert invalid and not any(given in line for line in invalid), server.log()
+    invalid = [line for line in server.log_path.read_text().splitlines() if "answered 400" in line]
+    assert any(f"request_id={rid} " in line for line in invalid), server.log()
+    assert not any(given in line for line in invalid), server.log()
