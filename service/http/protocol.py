@@ -264,8 +264,9 @@ class GuardedH11Protocol(H11Protocol):
     def _send_timed_out(self, left: int) -> None:
         self.registry.send_timed_out += 1
         self.registry.on_send_timeout()
-        log.warning("send timeout: closed a connection whose answer did not drain for %g s (send_timeout_s), "
-                    "%d bytes left undelivered", self.registry.send_timeout_s, left)
+        # Scheduled from the answering request's task: the line names that request.
+        log.warning("send timeout: closed a connection to %s whose answer did not drain for %g s (send_timeout_s), "
+                    "%d bytes left undelivered", self._peer(), self.registry.send_timeout_s, left)
         self._stop_reading()
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.disconnected = True
