@@ -291,7 +291,8 @@ def serve(commands: Connection, replies: _Replies) -> int:
     if not isinstance(start, msg.Start):
         raise ValueError(f"expected a Start message first, got {type(start).__name__}")
     logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s worker{start.rank} %(levelname)s %(name)s: %(message)s", force=True
+        # the server's LOG_FORMAT, the rank where a request's line names its id: one format on the shared stream
+        level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s: rank={start.rank} %(message)s", force=True
     )
     try:
         dims, runner, hello = _setup(start)

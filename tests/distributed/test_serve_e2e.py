@@ -6,6 +6,7 @@ comes back, and later answers are right again.
 """
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -117,6 +118,13 @@ def test_serves_the_layout_and_the_numbers_of_one_process(server, reference):
     metrics = client.get("/metrics").text
     info = [line for line in metrics.splitlines() if line.startswith("packscore_parallel_info")]
     assert info and 'sp="2"' in info[0] and 'fsdp="true"' in info[0], info
+
+
+def test_the_workers_lines_are_in_the_servers_log_format(server):
+    # One stream, one format for the pod's log: a worker's lines name its rank where a request's line names its id.
+    form = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO model_runtime\.scoring\.loading: rank=[01] loaded tiny ")
+    loaded = [line for line in server[0].log_path.read_text().splitlines() if "loaded tiny" in line]
+    assert len(loaded) >= 2 and all(form.match(line) for line in loaded), loaded
 
 
 def test_a_killed_worker_fails_fast_then_the_server_recovers(server, reference):
