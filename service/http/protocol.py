@@ -24,10 +24,10 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import sys
 import resource
 import socket
 import struct
+import sys
 import termios
 import time
 from typing import Callable
