@@ -1,7 +1,10 @@
 """The state of one running service: loading, readiness, draining, and the parts it owns.
 
-Lifecycle (phases):  loading -> warming_up -> probing -> ready -> draining
-                     any of the first three -> failed (the CLI then exits non-zero)
+Lifecycle (phases):  loading [-> awaiting_weights] -> warming_up -> probing -> ready -> draining
+                     loading, warming_up, probing -> failed (the CLI then exits non-zero)
+
+``awaiting_weights``: a model's ``--weights-record`` checkpoint could not be served; the process
+waits, not ready, until a weight update of every such model succeeds (``Service.release``).
 
 Loading and warm-up run in threads so that /healthz answers and /readyz says why it is not
 ready yet. Readiness is a real scoring pass through the scheduler, repeated when no forward has
@@ -29,7 +32,7 @@ from service.http.validation import Limits, resolve_model_len
 from service.scheduling.admission import SharedCapacity
 from service.scheduling.scheduler import Scheduler
 from service.settings import Settings
-from service.weights_record import RecordError, WeightsRecord
+from service.weights_record import UnservableError, WeightsRecord, Withheld
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +120,8 @@ class Service:
         self._probe: asyncio.Task | None = None
         self._probe_ok = False
         self._start_task: asyncio.Task | None = None
+        self.withheld: dict[str, Withheld] = {}  # models waiting for an update (awaiting_weights)
+        self._released: asyncio.Event | None = None  # set once no model is withheld
         self.metrics.watch(
             queued_tokens=lambda: sum(m.scheduler.queued_tokens for m in self._scheduled()),
             queued_sequences=lambda: sum(m.scheduler.queued_sequences for m in self._scheduled()),
@@ -162,6 +167,10 @@ class Service:
                 self._configure(key, backend)
             if self.record is not None:
                 await self._restore_recorded(self.record)
+            if self.withheld:
+                self._released = asyncio.Event()
+                self._advance("awaiting_weights")
+                await self._released.wait()
             self._advance("warming_up")
             shared = None
             if len(self.models) > 1:
@@ -184,7 +193,7 @@ class Service:
             self._advance("ready")
             log.info("ready: serving %s", ", ".join(f"{m.name!r} on {m.backend.info.device}" for m in self.models.values()))
         except Exception as exc:
-            if isinstance(exc, (CheckpointError, RecordError)):  # a refusal names its problem: no traceback
+            if isinstance(exc, CheckpointError):  # a refusal names its problem: no traceback
                 log.error("startup failed: %s", exc)
                 self.fatal_error, self.fatal_status = str(exc), 2
             else:
@@ -213,22 +222,33 @@ class Service:
         )
         self.models[name] = ServedModel(name, backend, limits, key)
         self.metrics.describe_model(info, name)
+        self.metrics.weights_awaited.labels(model=name).set(0)
         if info.slow_kernels:
             log.warning("slow reference kernels in use for %s", ", ".join(info.slow_kernels))
 
     async def _restore_recorded(self, record: WeightsRecord) -> None:
         """Each model the record names with its own --model source serves the recorded checkpoint,
-        swapped in by the update route's own checks before readiness; anything else refuses the start."""
+        swapped in by the update route's own checks before readiness; one that cannot is withheld."""
         record.warn_unserved(set(self.models))
         for model in self.models.values():
             entry = record.entry_for(model.name, model.key)
             if entry is None:
                 continue
-            path = record.checked_path(model.name, entry)
             try:
+                path = record.checked_path(entry)
                 update = await _in_daemon_thread(model.backend.update_weights, path, entry.version)
-            except (CheckpointError, BackendUnavailableError, OSError, RuntimeError) as exc:
-                raise record.refusal(model.name, entry, str(exc)) from None
+            except UnservableError as exc:
+                self._withhold(model, record.withhold(model.name, entry, exc))
+                continue
+            except CheckpointError as exc:
+                kind = "incompatible" if exc.kind == "unsupported" else exc.kind
+                self._withhold(model, record.withhold(model.name, entry, UnservableError(
+                    str(exc), f"the checkpoint was refused ({kind}_checkpoint)")))
+                continue
+            except (BackendUnavailableError, OSError, RuntimeError) as exc:
+                self._withhold(model, record.withhold(model.name, entry, UnservableError(
+                    f"loading it failed: {exc}", "loading it failed")))
+                continue
             model.versions_served.update((update.previous_version, update.weights_version))
             self.metrics.describe_model(model.backend.info, model.name)
             model.last_update = ((entry.version, path, entry.files), {
@@ -236,6 +256,22 @@ class Service:
                 "previous_version": update.previous_version, "load_s": update.load_s, "swap_ms": update.swap_ms})
             log.info("%s serves version %s from %s (restored from --weights-record %s; --model %s was loaded first)",
                      model.name, entry.version, path, record.file, entry.model)
+
+    def _withhold(self, model: ServedModel, withheld: Withheld) -> None:
+        self.withheld[model.name] = withheld
+        self.metrics.weights_awaited.labels(model=model.name).set(1)
+
+    def release(self, name: str) -> None:
+        """A weight update of ``name`` succeeded: it no longer waits; once none does, the start goes
+        on (warm-up, the first readiness pass) as any start does."""
+        if self.withheld.pop(name, None) is None:
+            return
+        self.metrics.weights_awaited.labels(model=name).set(0)
+        waiting = ", ".join(map(repr, self.withheld))
+        log.info("%s serves the update it awaited; %s", name, f"still awaiting weights: {waiting}" if waiting else
+                 "starting up")
+        if not self.withheld and self._released is not None:
+            self._released.set()
 
     # ---- readiness -----------------------------------------------------------------------------
 

@@ -10,9 +10,10 @@ in the same directory, flushed and fsynced, then renamed over it)::
 update's checkpoint relative to ``--weights-root``; ``files`` the name, size and modification
 time of each file its weights were read from. At start, before the server is ready, a served
 model whose entry names its own ``--model`` source is swapped to the recorded checkpoint through
-the route's own checks and serves it under the recorded version; a record or checkpoint that
-cannot be served refuses the start (``RecordError``), since serving ``--model`` instead would
-silently score with other weights than the trainer last sent. docs/weights.md.
+the route's own checks and serves it under the recorded version. A model whose recorded checkpoint
+cannot be served is withheld (``Withheld``): serving ``--model`` instead would silently score with
+other weights than the trainer last sent, so the process waits, not ready, for that model's next
+update. A record that cannot be read or kept refuses the start (``RecordError``). docs/weights.md.
 """
 
 from __future__ import annotations
@@ -33,7 +34,16 @@ FORMAT = 1
 
 
 class RecordError(ValueError):
-    """The record cannot be read, or a checkpoint it names cannot be served: the start is refused."""
+    """The record cannot be read or kept: the start is refused before anything loads."""
+
+
+class UnservableError(Exception):
+    """A recorded checkpoint cannot be served now: ``reason`` in full (paths included), ``summary``
+    without paths (for ``GET /readyz``, which answers without a key)."""
+
+    def __init__(self, reason: str, summary: str):
+        super().__init__(reason)
+        self.reason, self.summary = reason, summary
 
 
 @dataclass(frozen=True)
@@ -52,8 +62,28 @@ class RecordedUpdate:
         return entry
 
 
-def _remedy(file: Path, source: str) -> str:
-    return f"restore that checkpoint under --weights-root, or delete {file} to serve --model {source}"
+@dataclass(frozen=True)
+class Withheld:
+    """A served model whose recorded checkpoint could not be served at start: it scores nothing
+    until a weight update for it succeeds."""
+
+    entry: RecordedUpdate
+    reason: str  # why, in full: the log, /score's 503 and /v1/models (behind the key)
+    summary: str  # why, without paths: /readyz
+
+    def card(self) -> dict:
+        """``awaiting_weights`` of the model's /v1/models entry."""
+        return {"path": self.entry.path, "version": self.entry.version, "reason": self.reason}
+
+
+def describe_withheld(withheld: Mapping[str, Withheld], *, full: bool) -> str:
+    """What the models named in ``withheld`` wait for, in one sentence's clause; ``full``: with the
+    recorded path and version and the whole reason, else the summary only."""
+    parts = [f"{name!r} (its recorded checkpoint {w.entry.path!r}, version {w.entry.version!r}, cannot be served: "
+             f"{w.reason})" if full else f"{name!r} (its recorded checkpoint cannot be served: {w.summary})"
+             for name, w in withheld.items()]
+    return (f"{', '.join(parts)} {'waits' if len(parts) == 1 else 'wait'} for a weight update "
+            "(POST /v1/weights) and scores nothing until then")
 
 
 class WeightsRecord:
@@ -110,18 +140,21 @@ class WeightsRecord:
         for name in sorted(set(self._entries) - served):
             log.warning("%s: model %r has an entry but is not served: ignored (kept)", self.file, name)
 
-    def refusal(self, name: str, entry: RecordedUpdate, reason: str) -> RecordError:
-        """The start's refusal when ``entry`` cannot be served: one paragraph, with the remedy."""
-        return RecordError(
-            f"--weights-record {self.file}: model {name!r} last served {entry.path!r} under --weights-root "
-            f"{self.root} as version {entry.version!r}, which cannot be served now: {reason}. Serving --model "
-            f"{entry.model} instead would silently score with other weights than the last update's; "
-            f"{_remedy(self.file, entry.model)}."
-        )
+    def withhold(self, name: str, entry: RecordedUpdate, error: UnservableError) -> Withheld:
+        """``name`` waits for an update: the ERROR paragraph naming the entry, the reason and the remedies."""
+        log.error(
+            "--weights-record %s: model %r last served %r under --weights-root %s as version %r, which cannot be "
+            "served now: %s. Serving --model %s instead would silently score with other weights than the last "
+            "update's, so %r scores nothing and the server stays not ready (awaiting_weights) until a weight update "
+            "of %r succeeds: send one (POST /v1/weights; update_weights_everywhere reaches pods not ready), or "
+            "delete %s and restart to serve --model %s.",
+            self.file, name, entry.path, self.root, entry.version, error.reason.rstrip("."), entry.model, name, name,
+            self.file, entry.model)
+        return Withheld(entry, error.reason.rstrip("."), error.summary)
 
-    def checked_path(self, name: str, entry: RecordedUpdate) -> Path:
+    def checked_path(self, entry: RecordedUpdate) -> Path:
         """The recorded checkpoint, resolved inside --weights-root as the route resolves it, with
-        the files its weights were read from unchanged since."""
+        the files its weights were read from unchanged since; else ``UnservableError``."""
         from model_runtime.scoring.weights import files_snapshot
         from service.http.errors import ApiError
         from service.http.weights import resolve_checkpoint
@@ -129,14 +162,15 @@ class WeightsRecord:
         try:
             path = resolve_checkpoint(self.root, entry.path)
         except ApiError as exc:
-            raise self.refusal(name, entry, exc.message.rstrip(".")) from None
+            summary = "it leaves --weights-root" if exc.status == 403 else "it is no directory under --weights-root"
+            raise UnservableError(exc.message.rstrip("."), summary) from None
         if entry.files is not None:
             now = files_snapshot(path)
             if now != entry.files:
                 changed = sorted({f[0] for f in set(now) ^ set(entry.files)})
-                raise self.refusal(name, entry, f"its files changed since it was recorded ({', '.join(changed[:5])}"
-                                   f"{', ...' if len(changed) > 5 else ''}), so {entry.version!r} would name other "
-                                   "weights")
+                raise UnservableError(f"its files changed since it was recorded ({', '.join(changed[:5])}"
+                                      f"{', ...' if len(changed) > 5 else ''}), so {entry.version!r} would name other "
+                                      "weights", "its files changed since it was recorded")
         return path
 
     # ---- after an update ----------------------------------------------------------------------

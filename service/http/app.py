@@ -33,7 +33,7 @@ from service.http.scoring import not_ready, read_body, score_request
 from service.http.weights import WEIGHTS_ROUTE, update_weights
 from service.runtime import BackendSources, ServedModel, Service
 from service.settings import Settings
-from service.weights_record import WeightsRecord
+from service.weights_record import WeightsRecord, Withheld, describe_withheld
 
 log = logging.getLogger(__name__)
 
@@ -311,6 +311,8 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         message = f"Not ready: {status.replace('_', ' ')}."
         if status == "restart_failed":  # why (paths, hashes) is in the log and in /score's answer, behind the key
             message = "Not ready: the scoring workers could not restart; /score's 503 and the log say why."
+        elif status == "awaiting_weights":  # the paths, as above, only behind the key
+            message = f"Not ready: {describe_withheld(service.withheld, full=False)}; /score's 503 and the log say more."
         error = {"type": "not_ready", "message": message, "param": None}
         headers = _NOT_READY_HEADERS.get(status, {"Retry-After": "5"})
         return Response(encode_json({"status": status, "error": error}), status_code=503, media_type=JSON,
@@ -326,7 +328,8 @@ def _add_routes(app: FastAPI, service: Service) -> None:
     async def models() -> Response:
         if service.phase in ("loading", "failed") or not service.models:
             raise not_ready(service)
-        return Response(encode_json({"data": [_model_card(m) for m in list(service.models.values())]}), media_type=JSON)
+        cards = [_model_card(m, service.withheld.get(m.name)) for m in list(service.models.values())]
+        return Response(encode_json({"data": cards}), media_type=JSON)
 
     for path, endpoint in (("/metrics", metrics), ("/v1/models", models)):  # HEAD answers as GET does, bodiless
         app.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
@@ -335,9 +338,9 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         _add_weights_route(app, service, service.settings.weights_root)
 
 
-def _model_card(model: ServedModel) -> dict:
+def _model_card(model: ServedModel, withheld: Withheld | None) -> dict:
     info = model.backend.info
-    return {
+    card = {
         "id": model.name,
         "architecture": info.architecture,
         "vocab_size": info.vocab_size,
@@ -348,6 +351,9 @@ def _model_card(model: ServedModel) -> dict:
         "kernels": dict(info.kernels),
         "weights_version": info.weights_version,
     }
+    if withheld is not None:  # an optional field: weights_version is loaded, but scores nothing yet
+        card["awaiting_weights"] = withheld.card()
+    return card
 
 
 def _add_weights_route(app: FastAPI, service: Service, root) -> None:
@@ -362,7 +368,7 @@ def _add_weights_route(app: FastAPI, service: Service, root) -> None:
             MSGPACK: {"schema": {"$ref": "#/components/schemas/WeightsRequest"}}}}},
     )
     async def weights(request: Request) -> Response:
-        if service.phase != "ready":
+        if service.phase not in ("ready", "awaiting_weights"):  # a withheld model waits for just this
             raise not_ready(service)
         encoding = request_encoding(request.headers.get("content-type"), request.headers.get("content-encoding"))
         limit = min(1 << 20, service.limits.max_request_bytes) if service.limits is not None else 1 << 20

@@ -167,6 +167,13 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.weights_awaited = Gauge(
+            "packscore_weights_awaited",
+            "1 while the model's --weights-record checkpoint could not be served at start and it waits for a weight "
+            "update (scoring nothing; the server not ready), else 0.",
+            ["model"],
+            registry=r,
+        )
         self.weights_swap_seconds = Histogram(
             "packscore_weights_swap_seconds",
             "Pause between two forwards while a weight update swapped the weights.",

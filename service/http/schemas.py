@@ -235,6 +235,12 @@ class ParallelInfo(BaseModel):
     fsdp: bool
 
 
+class AwaitedWeights(BaseModel):
+    path: str = Field(description="the checkpoint --weights-record names, relative to --weights-root")
+    version: str = Field(description="the version it served under")
+    reason: str = Field(description="why it cannot be served")
+
+
 class ModelCard(BaseModel):
     id: str
     architecture: str
@@ -245,6 +251,9 @@ class ModelCard(BaseModel):
     parallel: ParallelInfo
     kernels: dict[str, str]
     weights_version: str
+    awaiting_weights: AwaitedWeights | None = Field(
+        None, description="only while the model waits for a weight update (its --weights-record checkpoint could "
+        "not be served at start): it scores nothing, and weights_version names weights loaded but not served")
 
 
 class ModelList(BaseModel):
@@ -258,4 +267,4 @@ class Health(BaseModel):
 class Readiness(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    status: str = Field(description="ready, or why not: loading, warming_up, worker_down, restart_failed, stalled, draining, probe_failed, ...")
+    status: str = Field(description="ready, or why not: loading, awaiting_weights, warming_up, worker_down, restart_failed, stalled, draining, probe_failed, ...")

@@ -22,6 +22,7 @@ from service.http.validation import Limits, ScoreJob, parse_score_request
 from service.runtime import ServedModel, Service
 from service.scheduling.scheduler import Scheduler
 from service.scheduling.tickets import Ticket
+from service.weights_record import describe_withheld
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,9 @@ _DECODE_INLINE_BYTES = 256 << 10
 def not_ready(service: Service) -> ApiError:
     if service.phase == "draining":
         return draining_error()
+    if service.phase == "awaiting_weights":
+        return ApiError(503, "not_ready", f"The server is not ready: {describe_withheld(service.withheld, full=True)}.",
+                        headers={"Retry-After": "5"})
     return ApiError(503, "not_ready", f"The model is not ready yet ({service.phase.replace('_', ' ')}).",
                     headers={"Retry-After": "5"})
 

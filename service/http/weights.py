@@ -102,6 +102,7 @@ async def update_weights(service: Service, body: Any, root: Path) -> dict:
     except ApiError as exc:
         service.metrics.weights_updates.labels(model=name, outcome=exc.type).inc()
         raise
+    service.release(model.name)  # before any await: a model that serves the update waits no longer
     service.metrics.weights_updates.labels(model=name, outcome="ok").inc()
     if service.record is not None and model.last_update is not None:
         (_, path, files), _ = model.last_update  # the files as read before the update loaded them

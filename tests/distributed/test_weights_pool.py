@@ -211,3 +211,55 @@ def test_a_pool_server_restarted_with_a_weights_record_serves_the_last_update(ch
     want = Scorer(load_model(str(new), device="cpu")).score([SequenceInput(ids, 2)])
     diff = float(np.abs(np.array(after["results"][0]["logprobs"]) - want[0].logprobs).max())
     assert diff <= TOL, f"restored pool vs step-1 in one process: max |diff| {diff:.3e} > tol {TOL:.0e}"
+
+
+def test_a_pool_server_whose_recorded_checkpoint_is_refused_waits_then_serves_the_next_update(checkpoints, tmp_path):
+    """The restore runs through the pool's update, which refuses an incomplete checkpoint on every
+    rank: the server waits, not ready, its workers alive on the base weights; the next update reaches
+    every rank (FSDP: each forward needs every rank's shards) and makes it ready with those numbers."""
+    import json
+    import shutil
+
+    import httpx
+
+    from service.local_server import LocalServer
+
+    old, new, incomplete = checkpoints
+    root = tmp_path / "root"
+    shutil.copytree(incomplete, root / "broken")
+    shutil.copytree(new, root / "step-1")
+    record = tmp_path / "record.json"
+    record.write_text(json.dumps({"format": 1, "models": {"policy": {"model": str(old), "path": "broken",
+                                                                    "version": "b"}}}))
+    args = ["--model", f"policy={old}", "--device", "cpu", "--world-size", "2", "--fsdp", "--max-batch-tokens", "256",
+            "--weights-root", str(root), "--weights-record", str(record)]
+    body = {"sequences": [{"input_ids": [3, 1, 4, 1, 5, 9, 2, 6], "score_from": 2}]}
+    server = LocalServer(args, env={"OMP_NUM_THREADS": "1"}, log_dir=tmp_path)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.proc.poll() is None, server.log()[-3000:]
+            try:
+                readyz = httpx.get(server.url + "/readyz", timeout=5)
+                if readyz.json()["status"] not in ("loading",):
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            assert time.monotonic() < deadline, server.log()[-3000:]
+            time.sleep(0.2)
+        assert readyz.status_code == 503 and readyz.json()["status"] == "awaiting_weights", readyz.text
+        assert "incomplete_checkpoint" in readyz.json()["error"]["message"], readyz.text
+        metrics = httpx.get(server.url + "/metrics", timeout=30).text
+        assert "packscore_workers_alive 2.0" in metrics and "packscore_ready 0.0" in metrics, metrics
+        assert httpx.post(server.url + "/score", json=body, timeout=60).status_code == 503
+        update = httpx.post(server.url + "/v1/weights", json={"path": "step-1", "version": "step-1"}, timeout=300)
+        assert update.status_code == 200, update.text
+        server.wait_ready(timeout=300)
+        after = httpx.post(server.url + "/score", json=body, timeout=60).json()
+    finally:
+        assert server.stop() == 0, server.log()
+    assert after["weights_version"] == "step-1", after
+    ids = np.array(body["sequences"][0]["input_ids"])
+    want = Scorer(load_model(str(new), device="cpu")).score([SequenceInput(ids, 2)])
+    diff = float(np.abs(np.array(after["results"][0]["logprobs"]) - want[0].logprobs).max())
+    assert diff <= TOL, f"updated pool vs step-1 in one process: max |diff| {diff:.3e} > tol {TOL:.0e}"

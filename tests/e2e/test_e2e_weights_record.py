@@ -1,6 +1,7 @@
 """A real server restarted with ``--weights-record`` serves the last update, not its ``--model``
 (docs/weights.md "Surviving a restart"): killed (SIGKILL, nothing flushed at exit) or stopped,
-started again with the same arguments, it answers with the updated version and its numbers.
+started again with the same arguments, it answers with the updated version and its numbers; one
+whose recorded checkpoint cannot be served waits, not ready, for the next update.
 """
 
 import json
@@ -9,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import numpy as np
@@ -125,26 +127,82 @@ def _serve_and_fail(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=_REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("case", ["deleted", "corrupt"])
-def test_a_record_that_cannot_be_served_refuses_the_start(checkpoints, tmp_path, case):
+def test_a_record_that_cannot_be_read_refuses_the_start(checkpoints, tmp_path):
     ck = checkpoints
-    root = tmp_path / "root"  # a root of this test's own: a checkpoint of it is deleted
-    shutil.copytree(ck["paths"]["step-1"], root / "step-1")
     record = tmp_path / "record.json"
-    if case == "corrupt":
-        record.write_text('{"format": 1, "models": {"policy": {"model": ')
-    else:
-        record.write_text(json.dumps({"format": 1, "models": {
-            "policy": {"model": str(ck["paths"]["step-0"]), "path": "step-1", "version": "step-1"}}}))
-        shutil.rmtree(root / "step-1")
-    args = _args(ck, record)
-    args[args.index("--weights-root") + 1] = str(root)
-    done = _serve_and_fail(args)
+    record.write_text('{"format": 1, "models": {"policy": {"model": ')
+    done = _serve_and_fail(_args(ck, record))
     assert done.returncode == 2, done.stderr[-3000:]
     err = done.stderr
     assert "packscore: error: " in err and str(record) in err, err[-3000:]
-    assert f"delete {record} to serve --model" in err, err[-3000:]
+    assert f"delete {record} to serve --model" in err and "is no JSON record" in err, err[-3000:]
+
+
+def _wait_status(server: ServerProcess, status: str, timeout: float = 240) -> httpx.Response:
+    """/readyz once its status is ``status``; raises if the process exits or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert server.proc.poll() is None, f"the server exited ({server.proc.returncode}):\n{server.log()[-3000:]}"
+        try:
+            answer = httpx.get(server.url + "/readyz", timeout=5)
+            if answer.json().get("status") == status:
+                return answer
+        except (httpx.HTTPError, ValueError):
+            pass
+        assert time.monotonic() < deadline, f"/readyz never said {status!r}:\n{server.log()[-3000:]}"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("case", ["deleted", "overwritten"])
+def test_a_recorded_checkpoint_that_cannot_be_served_waits_for_the_next_update(checkpoints, tmp_path, case):
+    """Deleted, or saved over in place (a trainer's ``latest/``): the server runs, not ready, scores
+    nothing with --model's weights, and the next update of that model makes it ready with exactly
+    that checkpoint's numbers; a failed update leaves it waiting."""
+    from model_runtime.scoring.weights import files_snapshot
+
+    ck = checkpoints
+    root = tmp_path / "root"  # a root of this test's own: a checkpoint of it is deleted or saved over
+    shutil.copytree(ck["paths"]["step-1"], root / "latest")
+    shutil.copytree(ck["paths"]["step-2"], root / "step-2")
+    record = tmp_path / "record.json"
+    files = [list(f) for f in files_snapshot(root / "latest")]
+    record.write_text(json.dumps({"format": 1, "models": {"policy": {
+        "model": str(ck["paths"]["step-0"]), "path": "latest", "version": "step-1", "files": files}}}))
     if case == "deleted":
-        assert "'policy'" in err and "'step-1'" in err and "is not a directory" in err, err[-3000:]
+        shutil.rmtree(root / "latest")
+        path, reason = "step-2", "is not a directory"
     else:
-        assert "is no JSON record" in err, err[-3000:]
+        # copied as a trainer writes: new contents and modification times under the same names
+        shutil.copytree(ck["paths"]["step-2"], root / "latest", dirs_exist_ok=True, copy_function=shutil.copy)
+        path, reason = "latest", "its files changed since it was recorded"
+    args = _args(ck, record)
+    args[args.index("--weights-root") + 1] = str(root)
+    seqs = random_sequences(np.random.default_rng(5), 3, VOCAB, lengths=(2, 40))
+    server = ServerProcess(tmp_path, *args)
+    try:
+        waiting = _wait_status(server, "awaiting_weights")
+        assert waiting.status_code == 503 and "'policy'" in waiting.json()["error"]["message"], waiting.text
+        for model in ("policy", "ref"):  # the process is not ready: no model scores while one waits
+            refused = post(server.url, {"model": model, "sequences": seqs})
+            assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
+            error = refused.json()["error"]
+            assert error["type"] == "not_ready" and "'policy'" in error["message"] and reason in error["message"], error
+        metrics = httpx.get(server.url + "/metrics", headers=AUTH).text
+        assert "packscore_ready 0.0" in metrics and 'packscore_weights_awaited{model="policy"} 1.0' in metrics
+        log = server.log()
+        assert "ERROR" in log and str(record) in log and reason in log and "POST /v1/weights" in log, log[-3000:]
+
+        failed = httpx.post(server.url + "/v1/weights", json={"model": "policy", "path": "step-9"}, headers=AUTH,
+                            timeout=300)
+        assert failed.status_code == 422, failed.text
+        assert httpx.get(server.url + "/readyz", timeout=30).json()["status"] == "awaiting_weights"
+
+        assert _update(server.url, path, "step-2")["weights_version"] == "step-2"
+        server.wait_ready(timeout=240)
+        scored = _policy_scores(server.url, seqs)
+        assert scored.json()["weights_version"] == "step-2"
+        assert_matches(decode(scored, 0), seqs, ck["scorers"]["step-2"])
+        assert _versions(server.url)["policy"] == "step-2"
+        assert json.loads(record.read_text())["models"]["policy"]["path"] == path
+    finally:
+        assert server.stop() == 0, server.log()

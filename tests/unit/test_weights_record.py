@@ -14,7 +14,7 @@ from model_runtime.types import SequenceInput
 from service import cli
 from service.http.app import create_app
 from service.settings import Settings
-from service.testing import FAKE_VERSION, FakeBackend, expected_scores, running_app
+from service.testing import FAKE_VERSION, FakeBackend, expected_scores, running_app, wait_until
 from service.weights_record import RecordError, WeightsRecord, write_atomically
 
 SEQ = {"id": "a", "input_ids": [1, 2, 3, 4], "score_from": 2}
@@ -188,8 +188,10 @@ def test_an_entry_for_another_model_source_is_ignored_and_dropped_and_an_unserve
     assert set(_record(settings)["models"]) == {"gone", "ref"}  # policy's stale entry dropped, gone's kept
 
 
-@pytest.mark.parametrize("case", ["deleted", "escapes", "changed", "refused"])
-def test_a_recorded_checkpoint_that_cannot_be_served_refuses_the_start(tmp_path, case):
+@pytest.mark.parametrize("case", ["deleted", "escapes", "changed", "refused", "load-error"])
+def test_a_recorded_checkpoint_that_cannot_be_served_waits_for_an_update_not_ready(tmp_path, case, caplog):
+    """The model never scores with --model's weights: the process waits, not ready, with the reason on
+    /readyz, /score's 503 and /v1/models, until an update of it succeeds; a failed one leaves it waiting."""
     settings = _settings(tmp_path, "/ckpt/base")
     root = settings.weights_root
     settings.weights_record.parent.mkdir()
@@ -202,26 +204,99 @@ def test_a_recorded_checkpoint_that_cannot_be_served_refuses_the_start(tmp_path,
         entry["files"] = [["model.safetensors", 6, 1]]
     settings.weights_record.write_text(json.dumps({"format": 1, "models": {"policy-ckpt": entry}}))
 
-    def refuse(path):
+    def check(path):
         from model_runtime.scoring.checkpoint import CheckpointError
 
-        raise CheckpointError("incompatible", f"{path.name}: layers.0 has shape [4, 4], the model [8, 8]")
+        if path.name == "step-1" and case == "refused":
+            raise CheckpointError("incompatible", f"{path.name}: layers.0 has shape [4, 4], the model [8, 8]")
+        if path.name == "step-1" and case == "load-error":
+            raise OSError(5, "Input/output error")
 
-    app = create_app(settings, FakeBackend(name="policy-ckpt", check_checkpoint=refuse if case == "refused" else None))
+    app = create_app(settings, FakeBackend(name="policy-ckpt", check_checkpoint=check))
+    service = app.state.service
 
     async def main():
-        async with running_app(app):
-            pass
+        async with running_app(app, ready=False) as client:
+            await wait_until(lambda: service.phase in ("awaiting_weights", "ready", "failed"))
+            waiting = [await client.get("/readyz"), await client.post("/score", json={"sequences": [SEQ]}),
+                       await client.get("/v1/models"), await client.get("/metrics")]
+            failed = await client.post("/v1/weights", json={"path": "step-9", "version": "v9"})
+            still = [service.phase, await client.get("/readyz")]
+            update = await client.post("/v1/weights", json={"path": "step-2", "version": "v2"})
+            await wait_until(lambda: service.phase in ("ready", "failed"))
+            after = [await client.get("/readyz"), await client.post("/score", json={"sequences": [SEQ]}),
+                     await client.get("/v1/models"), await client.get("/metrics")]
+            return waiting, failed, still, update, after
 
-    asyncio.run(main())
-    service = app.state.service
-    assert service.phase == "failed" and service.fatal_status == 2
-    message = service.fatal_error
+    with caplog.at_level(logging.INFO):
+        (readyz, score, models, metrics), failed, still, update, after = asyncio.run(main())
     want = {"deleted": "is not a directory", "escapes": "climbs out", "refused": "layers.0 has shape",
-            "changed": "its files changed since it was recorded"}[case]
-    assert str(settings.weights_record) in message and "'policy-ckpt'" in message and want in message, message
-    assert f"delete {settings.weights_record} to serve --model /ckpt/base" in message
-    assert str(root) in message
+            "changed": "its files changed since it was recorded", "load-error": "Input/output error"}[case]
+    summary = {"deleted": "it is no directory under --weights-root", "escapes": "it leaves --weights-root",
+               "refused": "the checkpoint was refused (incompatible_checkpoint)", "load-error": "loading it failed",
+               "changed": "its files changed since it was recorded"}[case]
+    assert service.fatal_error is None, service.fatal_error
+    # the log: one ERROR paragraph naming the file, the model, the entry, the reason and both remedies
+    (paragraph,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR and "weights-record" in r.getMessage()]
+    assert str(settings.weights_record) in paragraph and "'policy-ckpt'" in paragraph and want in paragraph, paragraph
+    assert str(root) in paragraph and f"'{entry['path']}'" in paragraph and "'v1'" in paragraph, paragraph
+    assert "POST /v1/weights" in paragraph and f"delete {settings.weights_record} and restart to serve --model " \
+        "/ckpt/base" in paragraph, paragraph
+    # while it waits
+    assert readyz.status_code == 503 and readyz.json()["status"] == "awaiting_weights", readyz.text
+    message = readyz.json()["error"]["message"]
+    assert "'policy-ckpt'" in message and summary in message and str(root) not in message, message
+    assert score.status_code == 503 and score.json()["error"]["type"] == "not_ready", score.text
+    assert score.headers["retry-after"] == "5"
+    message = score.json()["error"]["message"]
+    assert "'policy-ckpt'" in message and want in message and "POST /v1/weights" in message, message
+    (card,) = models.json()["data"]
+    assert card["awaiting_weights"]["version"] == "v1" and want in card["awaiting_weights"]["reason"], card
+    assert "packscore_ready 0.0" in metrics.text
+    assert 'packscore_weights_awaited{model="policy-ckpt"} 1.0' in metrics.text
+    # a failed update leaves it waiting
+    assert failed.status_code == 422, failed.text
+    assert still[0] == "awaiting_weights" and still[1].json()["status"] == "awaiting_weights", still[1].text
+    # the update it waits for: recorded, then ready, scoring exactly those weights
+    assert update.status_code == 200, update.text
+    assert update.json()["weights_version"] == "v2" and update.json()["previous_version"] == FAKE_VERSION
+    readyz, score, models, metrics = after
+    assert readyz.status_code == 200, readyz.text
+    assert score.status_code == 200 and score.json()["weights_version"] == "v2", score.text
+    np.testing.assert_allclose(score.json()["results"][0]["logprobs"], _expected(1), rtol=0, atol=1e-6)
+    (card,) = models.json()["data"]
+    assert card["weights_version"] == "v2" and "awaiting_weights" not in card, card
+    assert "packscore_ready 1.0" in metrics.text and 'packscore_weights_awaited{model="policy-ckpt"} 0.0' in metrics.text
+    assert _record(settings)["models"]["policy-ckpt"]["path"] == "step-2"
+
+
+def test_only_the_withheld_model_is_awaited_and_the_process_is_ready_once_it_is_updated(tmp_path):
+    """With two served models, one withheld: the whole process waits (readiness is the process's), an
+    update of the other model is served meanwhile, and the withheld one's update makes it ready."""
+    settings = _settings(tmp_path)
+    settings.weights_record.parent.mkdir()
+    settings.weights_record.write_text(json.dumps({"format": 1, "models": {
+        "policy": {"model": "/ckpt/base", "path": "step-9", "version": "v9"}}}))
+    app = create_app(settings, _backends())
+    service = app.state.service
+
+    async def main():
+        async with running_app(app, ready=False) as client:
+            await wait_until(lambda: service.phase in ("awaiting_weights", "ready", "failed"))
+            ref_score = await client.post("/score", json={"model": "ref", "sequences": [SEQ]})
+            ref_update = await client.post("/v1/weights", json={"model": "ref", "path": "step-1", "version": "r1"})
+            phase = service.phase
+            policy = await client.post("/v1/weights", json={"model": "policy", "path": "step-2", "version": "p2"})
+            await wait_until(lambda: service.phase in ("ready", "failed"))
+            return ref_score, ref_update, phase, policy, await client.post("/score", json={"model": "ref", "sequences": [SEQ]})
+
+    ref_score, ref_update, phase, policy, ref_after = asyncio.run(main())
+    assert ref_score.status_code == 503 and "'policy'" in ref_score.json()["error"]["message"], ref_score.text
+    assert ref_update.status_code == 200, ref_update.text
+    assert phase == "awaiting_weights"
+    assert policy.status_code == 200, policy.text
+    assert ref_after.status_code == 200 and ref_after.json()["weights_version"] == "r1", ref_after.text
+    assert {n: e["version"] for n, e in _record(settings)["models"].items()} == {"policy": "p2", "ref": "r1"}
 
 
 def test_a_record_that_cannot_be_written_leaves_the_update_standing_and_is_counted(tmp_path, monkeypatch, caplog):
