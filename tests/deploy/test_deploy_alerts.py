@@ -70,7 +70,7 @@ VARIANTS = {
 
 def test_off_by_default_and_every_alert_on_when_enabled():
     assert [d for d in manifests() if d["kind"] == "PrometheusRule"] == []
-    assert len(alerts()) == len(ALERT_KEYS) == 10
+    assert len(alerts()) == len(ALERT_KEYS) == 11
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -120,6 +120,7 @@ def test_label_values_are_the_ones_the_server_writes():
     assert all(re.fullmatch(r, route) for r in routes for route in SCORE_ROUTES)
     assert "packscore_weights_updates_total" in exprs["PackscoreWeightsUpdateFailed"]
     assert 'outcome!="ok"' in exprs["PackscoreWeightsUpdateFailed"]  # service/http/weights.py counts success as "ok"
+    assert "packscore_weights_awaited{" in exprs["PackscoreAwaitingWeights"]  # 1 while withheld (service/runtime.py)
     assert 'status=~"5..",status!~"503|504"' in exprs["PackscoreServerErrors"]  # API.md: any other 5xx is a bug
 
 
