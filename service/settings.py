@@ -79,8 +79,9 @@ class Settings(BaseSettings):
     weights_record: Path | None = Field(
         None, description="file where each served model's last weight update is recorded (rewritten atomically "
         "after every update; its directory must exist and be writable); at start a model whose entry names the "
-        "same --model serves the recorded checkpoint (from --weights-root) under its version instead, and a "
-        "recorded checkpoint that cannot be served refuses the start (unset: a restart serves --model)"
+        "same --model serves the recorded checkpoint (from --weights-root) under its version instead, and one "
+        "whose recorded checkpoint cannot be served waits, not ready, for its next weight update; a record that "
+        "cannot be read refuses the start (unset: a restart serves --model)"
     )
     admin_key: SecretStr | None = Field(
         None, description="key POST /v1/weights requires instead of the API key (which it then refuses)"
