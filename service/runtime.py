@@ -32,7 +32,7 @@ from service.http.validation import Limits, resolve_model_len
 from service.scheduling.admission import SharedCapacity
 from service.scheduling.scheduler import Scheduler
 from service.settings import Settings
-from service.weights_record import UnservableError, WeightsRecord, Withheld
+from service.weights_record import UnservableError, WeightsRecord, Withheld, unservable
 
 log = logging.getLogger(__name__)
 
@@ -237,17 +237,8 @@ class Service:
             try:
                 path = record.checked_path(entry)
                 update = await _in_daemon_thread(model.backend.update_weights, path, entry.version)
-            except UnservableError as exc:
-                self._withhold(model, record.withhold(model.name, entry, exc))
-                continue
-            except CheckpointError as exc:
-                kind = "incompatible" if exc.kind == "unsupported" else exc.kind
-                self._withhold(model, record.withhold(model.name, entry, UnservableError(
-                    str(exc), f"the checkpoint was refused ({kind}_checkpoint)")))
-                continue
-            except (BackendUnavailableError, OSError, RuntimeError) as exc:
-                self._withhold(model, record.withhold(model.name, entry, UnservableError(
-                    f"loading it failed: {exc}", "loading it failed")))
+            except (UnservableError, CheckpointError, BackendUnavailableError, OSError, RuntimeError) as exc:
+                self._withhold(model, record.withhold(model.name, entry, unservable(exc)))
                 continue
             model.versions_served.update((update.previous_version, update.weights_version))
             self.metrics.describe_model(model.backend.info, model.name)

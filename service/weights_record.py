@@ -62,6 +62,19 @@ class RecordedUpdate:
         return entry
 
 
+def unservable(exc: Exception) -> UnservableError:
+    """Why the recorded checkpoint could not be swapped in, whatever refused it: the path's checks, the
+    checkpoint's (``CheckpointError``) or its load."""
+    from model_runtime.scoring.checkpoint import CheckpointError
+
+    if isinstance(exc, UnservableError):
+        return exc
+    if isinstance(exc, CheckpointError):  # named as the route's 422 would name it
+        return UnservableError(str(exc), "the checkpoint was refused "
+                               f"({'incompatible' if exc.kind == 'unsupported' else exc.kind}_checkpoint)")
+    return UnservableError(f"loading it failed: {exc}", "loading it failed")
+
+
 @dataclass(frozen=True)
 class Withheld:
     """A served model whose recorded checkpoint could not be served at start: it scores nothing
