@@ -95,8 +95,9 @@ def describe_withheld(withheld: Mapping[str, Withheld], *, full: bool) -> str:
     parts = [f"{name!r} (its recorded checkpoint {w.entry.path!r}, version {w.entry.version!r}, cannot be served: "
              f"{w.reason})" if full else f"{name!r} (its recorded checkpoint cannot be served: {w.summary})"
              for name, w in withheld.items()]
-    return (f"{', '.join(parts)} {'waits' if len(parts) == 1 else 'wait'} for a weight update "
-            "(POST /v1/weights) and scores nothing until then")
+    one = len(parts) == 1
+    return (f"{', '.join(parts)} {'waits' if one else 'wait'} for a weight update (POST /v1/weights) and "
+            f"{'scores' if one else 'score'} nothing until then")
 
 
 class WeightsRecord:
