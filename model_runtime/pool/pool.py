@@ -23,13 +23,14 @@ Weight updates (``update_weights``): every rank loads the new checkpoint beside 
 while rows keep running, then every rank swaps between the same two rows of its command stream
 (with FSDP the stepper sends the swap between two steps, so every rank swaps at the same step and
 each swaps its own shards). Each row's result names the version that scored it. A failure on any
-rank drops what every rank loaded: nothing changes.
+rank drops what every rank loaded: nothing changes. The updates are ``model_runtime.pool.updates``.
 
 Failure: a worker that exits (its reply pipe closes) or a row that runs past its bound (ten times
 what its group's measured rate says, at least 60 s; ``worker_timeout_s`` before any rate) fails
 every in-flight row with ``BackendUnavailableError``; ``is_alive()`` turns False, the whole
 world is killed and started again in the background, and ``is_alive()`` returns to True once a
-scoring pass through the new world has succeeded.
+scoring pass through the new world has succeeded. Starting, watching and restarting worlds is
+``model_runtime.pool.supervisor``.
 """
 
 from __future__ import annotations
@@ -37,12 +38,8 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
-import subprocess
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
-from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Sequence
 
@@ -54,10 +51,10 @@ from model_runtime.pool import messages as msg
 from model_runtime.pool.loaded_files import LoadedFiles
 from model_runtime.pool.lockstep import Lockstep
 from model_runtime.pool.procs import WorkerWorld
-from model_runtime.pool.replies import Pending, Swap, agreed_rounding, reply_error, split_reply
-from model_runtime.scoring.backend import (STALL_FACTOR, STALL_FLOOR_S, STALL_UNMEASURED_S, BackendUnavailableError, ModelInfo,
-                                          UpdateInProgressError, WeightsUpdate)
-from model_runtime.scoring.checkpoint import CheckpointError
+from model_runtime.pool.replies import Pending, split_reply
+from model_runtime.pool.supervisor import Supervisor
+from model_runtime.pool.updates import WeightUpdates
+from model_runtime.scoring.backend import STALL_FACTOR, STALL_FLOOR_S, STALL_UNMEASURED_S, BackendUnavailableError, ModelInfo
 from model_runtime.scoring.rows import validate_sequence
 from model_runtime.scoring.scorer import shared_prefix_row
 from model_runtime.types import MAX_TOP_K
@@ -78,7 +75,7 @@ def _device_type(device) -> str:
     return kind
 
 
-class WorkerPool(Lockstep):
+class WorkerPool(Supervisor, WeightUpdates, Lockstep):
     """``ScoringBackend`` over ``world_size`` worker processes. Build it with ``start_pool``."""
 
     def __init__(self, settings: dict):
@@ -185,66 +182,6 @@ class WorkerPool(Lockstep):
         for row in rows:
             self._run_on_every_group(row)
 
-    def update_weights(self, path: Path, version: str | None = None) -> WeightsUpdate:
-        """Every rank loads ``path`` beside its weights, then every rank swaps between the same two rows."""
-        from model_runtime.scoring.content_hash import content_version
-        from model_runtime.scoring.weights import checkpoint_changed, files_snapshot
-
-        if not self._updating.acquire(blocking=False):
-            raise UpdateInProgressError(f"an update of {self.info.name} is already running")
-        try:
-            started = time.perf_counter()
-            world = self._world
-            if world is None or world.failed or not self._alive:
-                raise BackendUnavailableError("the worker pool is restarting after a worker failure")
-            files = files_snapshot(Path(path))
-            with ThreadPoolExecutor(1) as hasher:  # the content hash runs while the ranks read
-                hashed = hasher.submit(content_version, Path(path)) if version is None else None
-                load = self._new_pending(world, ranks=self.dims.world_size, timeout_s=self.start_timeout_s)
-                self._send_all(world, load, msg.LoadWeights(load.request_id, str(path)))
-                failed = [r for r in self._await(load) if not r.ok]
-                try:
-                    new_version, hash_error = version or hashed.result(), None
-                except Exception as error:  # the ranks must still drop what they read
-                    new_version, hash_error = "", error
-            changed = checkpoint_changed(Path(path), files)  # then every rank drops what it read
-            load_s = time.perf_counter() - started
-            swap = self._new_pending(world, ranks=self.dims.world_size)
-            commit = not failed and changed is None and hash_error is None
-            frame = msg.encode(msg.SwapWeights(swap.request_id, load.request_id, commit, new_version))
-            if self.dims.lockstep:
-                self._steps.put(Swap(frame, swap))  # the stepper sends it between two steps
-            else:
-                self._send_all(world, swap, frame)
-            swapped = self._await(swap)
-            if failed:
-                first = min(failed, key=lambda r: r.rank)
-                if first.kind == "internal":
-                    raise RuntimeError(f"worker rank {first.rank} could not load {path}: {first.message}")
-                raise CheckpointError(first.kind, first.message)
-            if hash_error is not None:
-                raise hash_error
-            if changed is not None:
-                raise changed
-            refused = [r for r in swapped if not r.ok]
-            if refused:
-                self._on_world_failure(world, f"worker rank {refused[0].rank} could not swap: {refused[0].message}")
-                raise BackendUnavailableError(f"the weight swap failed on rank {refused[0].rank}; the pool is restarting")
-            previous = self.info.weights_version
-            self.info = replace(self.info, weights_version=new_version)
-            # A restarted world loads what serves now; a named version's content is hashed after the
-            # swap, for the restarts to check against.
-            loaded = LoadedFiles(Path(path), files, None if version is not None else new_version)
-            with self._lock:
-                self._start_fields.update(model=str(path), weights_version=new_version, served_model_name=self.info.name)
-                self._loaded = loaded
-            if loaded.content is None:
-                threading.Thread(target=loaded.hash, name="pool-content-hash", daemon=True).start()
-            swap_ms = 1e3 * max(r.seconds for r in swapped)
-            return WeightsUpdate(new_version, previous, load_s, swap_ms)
-        finally:
-            self._updating.release()
-
     def _send_all(self, world: WorkerWorld, pending: Pending, message) -> None:
         frame = message if isinstance(message, bytes) else msg.encode(message)
         try:
@@ -301,177 +238,6 @@ class WorkerPool(Lockstep):
     def row_cost(self, lengths: Sequence[int]) -> float:
         lengths = np.asarray(lengths, dtype=np.float64)
         return float(self._costs[0] * lengths.sum() + self._costs[1] * (lengths**2).sum())
-
-    # Starting and restarting.
-
-    def _start_world(self) -> list[msg.Hello]:
-        self._generation += 1
-        world = WorkerWorld(self._generation, self.dims, self._start_fields)
-        with self._lock:
-            self._starting = world
-            closing = self._closing
-        if closing:  # close() ran while the processes were launched: it did not see them
-            world.kill()
-        hellos: dict[int, msg.Hello] = {}
-        deadline = time.monotonic() + self.start_timeout_s
-        try:
-            while len(hellos) < self.dims.world_size:
-                ready = wait(world.replies, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
-                for conn in ready:
-                    rank = world.replies.index(conn)
-                    try:
-                        reply = msg.decode(conn.recv_bytes())
-                    except (EOFError, OSError):
-                        raise BackendUnavailableError(f"worker rank {rank} exited while starting") from None
-                    if isinstance(reply, msg.Failure):
-                        if reply.kind.startswith("checkpoint:"):  # refused once its weights were read (NaN)
-                            raise CheckpointError(reply.kind.removeprefix("checkpoint:"), reply.message)
-                        # A layout the model cannot take (heads vs sp) is a configuration error.
-                        kind = ValueError if reply.kind == "invalid" else BackendUnavailableError
-                        raise kind(f"worker rank {rank} failed to start: {reply.message}")
-                    hellos[rank] = reply
-                if time.monotonic() > deadline:
-                    raise BackendUnavailableError(f"workers did not start within {self.start_timeout_s:.0f}s")
-                if not world.all_running() and len(hellos) < self.dims.world_size and not ready:
-                    raise BackendUnavailableError("a worker exited while starting")
-            with self._lock:
-                if self._closing:
-                    raise BackendUnavailableError("the worker pool was closed while starting")
-                self._world = world
-        except BaseException:
-            world.failed = True
-            world.stop(graceful=False)
-            raise
-        finally:
-            with self._lock:
-                self._starting = None
-        threading.Thread(target=self._read_loop, args=(world,), name=f"pool-reader-{world.generation}", daemon=True).start()
-        log.info("worker pool generation %d up: pids %s, layout %s", world.generation, world.pids, self.dims.as_info())
-        ordered = [hellos[r] for r in range(self.dims.world_size)]
-        self.prefix_rounding = agreed_rounding(ordered)
-        return ordered
-
-    def _check_checkpoint_unchanged(self) -> None:
-        """Refuses to restart from a checkpoint directory whose content is no longer what the
-        version serving names (a trainer saved over it): those weights would serve under it.
-        Files of the same sizes and times pass at once; others are hashed."""
-        with self._lock:
-            loaded, version = self._loaded, self._start_fields["weights_version"]
-        if loaded is None:
-            return
-        problem = loaded.changed()
-        if problem is not None:
-            raise CheckpointError("unreadable", f"{loaded.path} {problem} since version {version!r} was loaded from it: "
-                                  "restore its files, or restart packscore to serve what it holds now")
-
-    def _restart_loop(self) -> None:
-        try:
-            self._restart_until_up()
-        finally:
-            with self._lock:
-                self._restarting = False
-
-    def _restart_until_up(self) -> None:
-        delay = 1.0
-        while not self._closing:
-            try:
-                self._check_checkpoint_unchanged()
-                self._seconds_per_cost = None  # fresh processes: the warm-up compiles, and measures again
-                self._start_world()
-                self.warm_up()
-                self._alive = True
-                self._restarts += 1
-                self.restart_error = None
-                log.info("worker pool restarted; a scoring pass succeeded")
-                return
-            except Exception as error:
-                self.restart_error = f"{error} (next attempt in {delay:.0f}s)"
-                if isinstance(error, CheckpointError):
-                    log.error("worker pool restart refused: %s; retrying in %.0fs", error, delay)
-                else:
-                    log.exception("worker pool restart failed; retrying in %.0fs", delay)
-                with self._lock:
-                    world, self._world = self._world, None
-                    if world is not None:
-                        world.failed = True
-                if world is not None:
-                    self._fail_pending(world.generation, "the worker pool failed to restart")
-                    world.stop(graceful=False)
-                time.sleep(delay)
-                delay = min(30.0, delay * 2)
-
-    def _on_world_failure(self, world: WorkerWorld, reason: str) -> None:
-        with self._lock:
-            if world.failed:
-                return
-            world.failed = True
-            self._alive = False
-            # A world failing while a restart loop warms it up: that loop starts another
-            restart = not self._closing and not self._restarting
-            self._restarting = self._restarting or restart
-        log.error("worker pool generation %d failed: %s; restarting", world.generation, reason)
-        self._fail_pending(world.generation, f"a worker failed ({reason}); the pool is restarting")
-        world.stop(graceful=False)
-        if restart:
-            threading.Thread(target=self._restart_loop, name="pool-restart", daemon=True).start()
-
-    def _fail_pending(self, generation: int, reason: str) -> None:
-        with self._lock:
-            doomed = [p for p in self._pending.values() if p.generation == generation]
-        for p in doomed:
-            p.settle(error=BackendUnavailableError(reason))
-
-    # Replies.
-
-    def _read_loop(self, world: WorkerWorld) -> None:
-        """Delivers leader replies; turns a closed pipe, an exited process or a stuck row into a failure."""
-        while not world.failed and not self._closing:
-            try:
-                ready = wait(world.replies, timeout=0.2)
-            except OSError:
-                ready = []
-                if world.failed or self._closing:
-                    return
-            for conn in ready:
-                rank = world.replies.index(conn)
-                try:
-                    reply = msg.decode(conn.recv_bytes())
-                except (EOFError, OSError):
-                    proc = world.procs[rank]
-                    try:
-                        code = proc.wait(timeout=1.0)
-                    except subprocess.TimeoutExpired:
-                        code = "unknown: still running with its reply pipe closed"
-                    self._on_world_failure(world, f"worker rank {rank} (pid {proc.pid}) exited (status {code})")
-                    return
-                self._deliver(world, rank, reply)
-            if not world.all_running():
-                dead = [r for r, p in enumerate(world.procs) if p.poll() is not None]
-                self._on_world_failure(world, f"worker ranks {dead} exited")
-                return
-            now = time.monotonic()
-            with self._lock:
-                late = [p.request_id for p in self._pending.values() if p.generation == world.generation and now > p.deadline]
-            if late:
-                self._on_world_failure(world, f"rows {late} ran past their time bound ({STALL_FACTOR:.0f}x what "
-                                       "the measured rate says, at least the floor): a worker is stuck")
-                return
-
-    def _deliver(self, world: WorkerWorld, rank: int, reply) -> None:
-        with self._lock:
-            pending = self._pending.get(getattr(reply, "request_id", -1))
-        if isinstance(reply, msg.RowResult) and pending is not None:
-            pending.settle(reply=reply)
-        elif isinstance(reply, msg.WeightsDone) and pending is not None:
-            pending.add(reply)
-        elif isinstance(reply, msg.Failure):
-            log.error("worker rank %d: request %d failed (%s): %s", rank, reply.request_id, reply.kind, reply.message)
-            if pending is not None:
-                pending.settle(error=reply_error(reply))
-            if reply.fatal:
-                self._on_world_failure(world, f"worker rank {rank} failed: {reply.message}")
-        else:
-            log.warning("worker rank %d sent an unexpected %s", rank, type(reply).__name__)
 
     # Dispatch.
 

@@ -1,0 +1,203 @@
+"""The pool's worker worlds over time: starting one, watching its replies, failing and restarting it.
+
+A world (``procs.WorkerWorld``) is one generation of worker processes. ``_start_world`` launches
+one and waits for every rank's ``Hello``; a reader thread per world delivers the leaders' replies
+to the rows waiting for them and turns a closed pipe, an exited process or a row past its time
+bound into a failure of the whole world: its rows fail with ``BackendUnavailableError`` and a
+restart loop starts worlds (after checking the loaded checkpoint is unchanged) until one has
+scored a warm-up pass. ``Supervisor`` is a part of ``pool.WorkerPool``: it uses the pool's
+``dims``, ``_start_fields``, ``_generation``, ``_world``, ``_starting``, ``_pending``,
+``_loaded``, ``_alive``, ``_closing``, ``_restarting``, ``_restarts``, ``restart_error``,
+``prefix_rounding``, ``_seconds_per_cost``, ``start_timeout_s``, ``_lock`` and ``warm_up``.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import threading
+import time
+from multiprocessing.connection import wait
+
+from model_runtime.pool import messages as msg
+from model_runtime.pool.procs import WorkerWorld
+from model_runtime.pool.replies import agreed_rounding, reply_error
+from model_runtime.scoring.backend import STALL_FACTOR, BackendUnavailableError
+from model_runtime.scoring.checkpoint import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+class Supervisor:
+    """The pool's world lifecycle (see the module docstring)."""
+
+    # Starting and restarting.
+
+    def _start_world(self) -> list[msg.Hello]:
+        self._generation += 1
+        world = WorkerWorld(self._generation, self.dims, self._start_fields)
+        with self._lock:
+            self._starting = world
+            closing = self._closing
+        if closing:  # close() ran while the processes were launched: it did not see them
+            world.kill()
+        hellos: dict[int, msg.Hello] = {}
+        deadline = time.monotonic() + self.start_timeout_s
+        try:
+            while len(hellos) < self.dims.world_size:
+                ready = wait(world.replies, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                for conn in ready:
+                    rank = world.replies.index(conn)
+                    try:
+                        reply = msg.decode(conn.recv_bytes())
+                    except (EOFError, OSError):
+                        raise BackendUnavailableError(f"worker rank {rank} exited while starting") from None
+                    if isinstance(reply, msg.Failure):
+                        if reply.kind.startswith("checkpoint:"):  # refused once its weights were read (NaN)
+                            raise CheckpointError(reply.kind.removeprefix("checkpoint:"), reply.message)
+                        # A layout the model cannot take (heads vs sp) is a configuration error.
+                        kind = ValueError if reply.kind == "invalid" else BackendUnavailableError
+                        raise kind(f"worker rank {rank} failed to start: {reply.message}")
+                    hellos[rank] = reply
+                if time.monotonic() > deadline:
+                    raise BackendUnavailableError(f"workers did not start within {self.start_timeout_s:.0f}s")
+                if not world.all_running() and len(hellos) < self.dims.world_size and not ready:
+                    raise BackendUnavailableError("a worker exited while starting")
+            with self._lock:
+                if self._closing:
+                    raise BackendUnavailableError("the worker pool was closed while starting")
+                self._world = world
+        except BaseException:
+            world.failed = True
+            world.stop(graceful=False)
+            raise
+        finally:
+            with self._lock:
+                self._starting = None
+        threading.Thread(target=self._read_loop, args=(world,), name=f"pool-reader-{world.generation}", daemon=True).start()
+        log.info("worker pool generation %d up: pids %s, layout %s", world.generation, world.pids, self.dims.as_info())
+        ordered = [hellos[r] for r in range(self.dims.world_size)]
+        self.prefix_rounding = agreed_rounding(ordered)
+        return ordered
+
+    def _check_checkpoint_unchanged(self) -> None:
+        """Refuses to restart from a checkpoint directory whose content is no longer what the
+        version serving names (a trainer saved over it): those weights would serve under it.
+        Files of the same sizes and times pass at once; others are hashed."""
+        with self._lock:
+            loaded, version = self._loaded, self._start_fields["weights_version"]
+        if loaded is None:
+            return
+        problem = loaded.changed()
+        if problem is not None:
+            raise CheckpointError("unreadable", f"{loaded.path} {problem} since version {version!r} was loaded from it: "
+                                  "restore its files, or restart packscore to serve what it holds now")
+
+    def _restart_loop(self) -> None:
+        try:
+            self._restart_until_up()
+        finally:
+            with self._lock:
+                self._restarting = False
+
+    def _restart_until_up(self) -> None:
+        delay = 1.0
+        while not self._closing:
+            try:
+                self._check_checkpoint_unchanged()
+                self._seconds_per_cost = None  # fresh processes: the warm-up compiles, and measures again
+                self._start_world()
+                self.warm_up()
+                self._alive = True
+                self._restarts += 1
+                self.restart_error = None
+                log.info("worker pool restarted; a scoring pass succeeded")
+                return
+            except Exception as error:
+                self.restart_error = f"{error} (next attempt in {delay:.0f}s)"
+                if isinstance(error, CheckpointError):
+                    log.error("worker pool restart refused: %s; retrying in %.0fs", error, delay)
+                else:
+                    log.exception("worker pool restart failed; retrying in %.0fs", delay)
+                with self._lock:
+                    world, self._world = self._world, None
+                    if world is not None:
+                        world.failed = True
+                if world is not None:
+                    self._fail_pending(world.generation, "the worker pool failed to restart")
+                    world.stop(graceful=False)
+                time.sleep(delay)
+                delay = min(30.0, delay * 2)
+
+    def _on_world_failure(self, world: WorkerWorld, reason: str) -> None:
+        with self._lock:
+            if world.failed:
+                return
+            world.failed = True
+            self._alive = False
+            # A world failing while a restart loop warms it up: that loop starts another
+            restart = not self._closing and not self._restarting
+            self._restarting = self._restarting or restart
+        log.error("worker pool generation %d failed: %s; restarting", world.generation, reason)
+        self._fail_pending(world.generation, f"a worker failed ({reason}); the pool is restarting")
+        world.stop(graceful=False)
+        if restart:
+            threading.Thread(target=self._restart_loop, name="pool-restart", daemon=True).start()
+
+    def _fail_pending(self, generation: int, reason: str) -> None:
+        with self._lock:
+            doomed = [p for p in self._pending.values() if p.generation == generation]
+        for p in doomed:
+            p.settle(error=BackendUnavailableError(reason))
+
+    # Replies.
+
+    def _read_loop(self, world: WorkerWorld) -> None:
+        """Delivers leader replies; turns a closed pipe, an exited process or a stuck row into a failure."""
+        while not world.failed and not self._closing:
+            try:
+                ready = wait(world.replies, timeout=0.2)
+            except OSError:
+                ready = []
+                if world.failed or self._closing:
+                    return
+            for conn in ready:
+                rank = world.replies.index(conn)
+                try:
+                    reply = msg.decode(conn.recv_bytes())
+                except (EOFError, OSError):
+                    proc = world.procs[rank]
+                    try:
+                        code = proc.wait(timeout=1.0)
+                    except subprocess.TimeoutExpired:
+                        code = "unknown: still running with its reply pipe closed"
+                    self._on_world_failure(world, f"worker rank {rank} (pid {proc.pid}) exited (status {code})")
+                    return
+                self._deliver(world, rank, reply)
+            if not world.all_running():
+                dead = [r for r, p in enumerate(world.procs) if p.poll() is not None]
+                self._on_world_failure(world, f"worker ranks {dead} exited")
+                return
+            now = time.monotonic()
+            with self._lock:
+                late = [p.request_id for p in self._pending.values() if p.generation == world.generation and now > p.deadline]
+            if late:
+                self._on_world_failure(world, f"rows {late} ran past their time bound ({STALL_FACTOR:.0f}x what "
+                                       "the measured rate says, at least the floor): a worker is stuck")
+                return
+
+    def _deliver(self, world: WorkerWorld, rank: int, reply) -> None:
+        with self._lock:
+            pending = self._pending.get(getattr(reply, "request_id", -1))
+        if isinstance(reply, msg.RowResult) and pending is not None:
+            pending.settle(reply=reply)
+        elif isinstance(reply, msg.WeightsDone) and pending is not None:
+            pending.add(reply)
+        elif isinstance(reply, msg.Failure):
+            log.error("worker rank %d: request %d failed (%s): %s", rank, reply.request_id, reply.kind, reply.message)
+            if pending is not None:
+                pending.settle(error=reply_error(reply))
+            if reply.fatal:
+                self._on_world_failure(world, f"worker rank {rank} failed: {reply.message}")
+        else:
+            log.warning("worker rank %d sent an unexpected %s", rank, type(reply).__name__)

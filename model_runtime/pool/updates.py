@@ -1,0 +1,88 @@
+"""Weight updates of the worker pool: every rank loads beside the served weights, then all swap.
+
+``update_weights`` sends ``LoadWeights`` to every rank while rows keep running, hashes the new
+checkpoint meanwhile (unless a version is named), and then has every rank swap (or drop what it
+read) between the same two rows of its command stream; with FSDP the stepper sends the swap
+between two steps (``replies.Swap``). ``WeightUpdates`` is a part of ``pool.WorkerPool``: it uses
+the pool's ``info``, ``dims``, ``_world``, ``_alive``, ``_steps`` queue, ``_start_fields``,
+``_loaded``, ``_updating``, ``_lock``, ``start_timeout_s``, ``_send_all``, ``_new_pending``,
+``_await`` and ``_on_world_failure``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+from model_runtime.pool import messages as msg
+from model_runtime.pool.loaded_files import LoadedFiles
+from model_runtime.pool.replies import Swap
+from model_runtime.scoring.backend import BackendUnavailableError, UpdateInProgressError, WeightsUpdate
+from model_runtime.scoring.checkpoint import CheckpointError
+
+
+class WeightUpdates:
+    """The pool's weight updates (see the module docstring)."""
+
+    def update_weights(self, path: Path, version: str | None = None) -> WeightsUpdate:
+        """Every rank loads ``path`` beside its weights, then every rank swaps between the same two rows."""
+        from model_runtime.scoring.content_hash import content_version
+        from model_runtime.scoring.weights import checkpoint_changed, files_snapshot
+
+        if not self._updating.acquire(blocking=False):
+            raise UpdateInProgressError(f"an update of {self.info.name} is already running")
+        try:
+            started = time.perf_counter()
+            world = self._world
+            if world is None or world.failed or not self._alive:
+                raise BackendUnavailableError("the worker pool is restarting after a worker failure")
+            files = files_snapshot(Path(path))
+            with ThreadPoolExecutor(1) as hasher:  # the content hash runs while the ranks read
+                hashed = hasher.submit(content_version, Path(path)) if version is None else None
+                load = self._new_pending(world, ranks=self.dims.world_size, timeout_s=self.start_timeout_s)
+                self._send_all(world, load, msg.LoadWeights(load.request_id, str(path)))
+                failed = [r for r in self._await(load) if not r.ok]
+                try:
+                    new_version, hash_error = version or hashed.result(), None
+                except Exception as error:  # the ranks must still drop what they read
+                    new_version, hash_error = "", error
+            changed = checkpoint_changed(Path(path), files)  # then every rank drops what it read
+            load_s = time.perf_counter() - started
+            swap = self._new_pending(world, ranks=self.dims.world_size)
+            commit = not failed and changed is None and hash_error is None
+            frame = msg.encode(msg.SwapWeights(swap.request_id, load.request_id, commit, new_version))
+            if self.dims.lockstep:
+                self._steps.put(Swap(frame, swap))  # the stepper sends it between two steps
+            else:
+                self._send_all(world, swap, frame)
+            swapped = self._await(swap)
+            if failed:
+                first = min(failed, key=lambda r: r.rank)
+                if first.kind == "internal":
+                    raise RuntimeError(f"worker rank {first.rank} could not load {path}: {first.message}")
+                raise CheckpointError(first.kind, first.message)
+            if hash_error is not None:
+                raise hash_error
+            if changed is not None:
+                raise changed
+            refused = [r for r in swapped if not r.ok]
+            if refused:
+                self._on_world_failure(world, f"worker rank {refused[0].rank} could not swap: {refused[0].message}")
+                raise BackendUnavailableError(f"the weight swap failed on rank {refused[0].rank}; the pool is restarting")
+            previous = self.info.weights_version
+            self.info = replace(self.info, weights_version=new_version)
+            # A restarted world loads what serves now; a named version's content is hashed after the
+            # swap, for the restarts to check against.
+            loaded = LoadedFiles(Path(path), files, None if version is not None else new_version)
+            with self._lock:
+                self._start_fields.update(model=str(path), weights_version=new_version, served_model_name=self.info.name)
+                self._loaded = loaded
+            if loaded.content is None:
+                threading.Thread(target=loaded.hash, name="pool-content-hash", daemon=True).start()
+            swap_ms = 1e3 * max(r.seconds for r in swapped)
+            return WeightsUpdate(new_version, previous, load_s, swap_ms)
+        finally:
+            self._updating.release()
