@@ -62,6 +62,7 @@ class Start:
     weights_version: str = ""  # version of the weights at ``model`` after an update ("": the model's own)
     updates: bool = False  # weight updates may come (--weights-root): their staging buffers are made at start
     expert_gemm: str = ""  # the experts' CUTLASS library (--expert-gemm; "": expert_gemm.library_path()'s default)
+    log_level: str = "info"  # the server's --log-level: "critical", "error", "warning", "info" or "debug"
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,7 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
             weights_version="",
             updates=settings.get("weights_root") is not None,
             expert_gemm=str(settings.get("expert_gemm") or ""),
+            log_level=str(settings.get("log_level") or "info"),
         )
         self._lock = threading.Lock()
         self._updating = threading.Lock()  # one weight update at a time
@@ -350,7 +351,7 @@ def start_pool(settings: dict) -> WorkerPool:
 
     ``settings`` is the service's ``Settings.model_dump()``; the keys read are model, device, dtype,
     world_size, sp, fsdp, max_batch_tokens, allow_slow_kernels, kernels (family -> backend), served_model_name (and optionally
-    expert_gemm, worker_timeout_s, worker_stall_floor_s, worker_start_timeout_s, weights_root (set: updates may come, so the workers
+    expert_gemm, log_level, worker_timeout_s, worker_stall_floor_s, worker_start_timeout_s, weights_root (set: updates may come, so the workers
     make their staging buffers at start), and prefix_min_tokens: the shortest shared prefix run once,
     0 or absent for none, i.e. ``Settings.prefix_min_tokens_in_use``); other keys are ignored.
     """

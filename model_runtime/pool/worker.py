@@ -292,7 +292,7 @@ def serve(commands: Connection, replies: _Replies) -> int:
         raise ValueError(f"expected a Start message first, got {type(start).__name__}")
     logging.basicConfig(
         # the server's LOG_FORMAT, the rank where a request's line names its id: one format on the shared stream
-        level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s: rank={start.rank} %(message)s", force=True
+        level=start.log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s: rank={start.rank} %(message)s", force=True
     )
     try:
         dims, runner, hello = _setup(start)

@@ -127,6 +127,27 @@ def test_the_workers_lines_are_in_the_servers_log_format(server):
     assert len(loaded) >= 2 and all(form.match(line) for line in loaded), loaded
 
 
+WORKER_INFO = re.compile(r" INFO [\w.]+: rank=\d+ ")  # a worker's INFO line (the server's LOG_FORMAT with its rank)
+
+
+def test_the_workers_follow_the_servers_log_level(server, tmp_path, reference):
+    # The default (info): the workers' start lines are there, one per rank.
+    started = [line for line in server[0].log_path.read_text().splitlines() if WORKER_INFO.search(line) and "loaded tiny" in line]
+    assert {line.split("rank=")[1][0] for line in started} == {"0", "1"}, started
+    quiet = LocalServer(["--device", "cpu", "--world-size", "2", "--max-batch-tokens", "512", "--log-level", "warning"],
+                        env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
+    try:
+        quiet.wait_ready(timeout=120)
+        assert len(_worker_pids(quiet.proc.pid)) == 2
+        body = _request(reference.loaded.vocab_size, seed=3)
+        _check_scores(httpx.post(quiet.url + "/score", json=body, timeout=60), body, reference)  # the workers ran a row
+    finally:
+        code = quiet.stop(timeout=30)
+    assert code == 0, quiet.log()
+    info = [line for line in quiet.log_path.read_text().splitlines() if WORKER_INFO.search(line)]
+    assert not info, f"--log-level warning, yet the workers wrote {len(info)} INFO lines: {info[:3]}"
+
+
 def test_a_killed_worker_fails_fast_then_the_server_recovers(server, reference):
     local, client = server
     proc = local.proc
