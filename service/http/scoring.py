@@ -217,8 +217,8 @@ async def _read_all(request: Request, limit: int, named: str, hint: str) -> byte
     except ClientDisconnect:
         if request.scope.get(READ_TIMED_OUT):  # the protocol answered 408 and closed: counted as what was sent
             raise ApiError(408, "request_timeout", "The body did not arrive within request_read_timeout_s.") from None
-        # nobody to answer: counted as nginx's 499, not as a server error
-        raise ApiError(499, "client_closed_request", "The client closed the connection before its body arrived.") from None
+        # nobody to answer: counted as nginx's 499, not as a server error; one rejection reason wherever the client left
+        raise ApiError(499, "client_disconnected", "The client closed the connection before its body arrived.") from None
     return b"".join(chunks)
 
 

@@ -25,7 +25,7 @@ import pytest
 from model_runtime.types import SequenceInput
 from service.local_server import LocalServer
 from tests.checkpoints import save_checkpoint
-from tests.e2e.helpers import TINY_VOCAB
+from tests.e2e.helpers import TINY_VOCAB, fake_server
 
 MAX_QUEUED = 16384  # the admission cap, and so the largest request
 EXACT = 1e-6  # DESIGN.md: packed vs alone, float32 CPU
@@ -130,7 +130,7 @@ def _metrics(url: str) -> str:
 
 
 def _value(text: str, name: str) -> float:
-    match = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    match = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
     assert match, f"{name} missing from /metrics"
     return float(match.group(1))
 
@@ -303,3 +303,32 @@ def test_a_weight_update_among_requests_that_go_away(tmp_path):
             diff = _diff(got, record)
             assert diff <= EXACT, f"sequences[{i}] under {answer['weights_version']}: max |diff| {diff:.3g} > {EXACT}"
     assert len(versions) == 2, f"the update did not land among the answers: {versions}"
+
+
+def test_a_client_that_leaves_is_one_rejection_reason_wherever_it_left(tmp_path):
+    """Mid-body or after admission, a client that left is packscore_rejections_total's
+    client_disconnected, a series there from the start (rate() works on a fresh pod), not a
+    second reason that appears only once it happens."""
+    server = fake_server(tmp_path, env={"FAKE_SECONDS_PER_TOKEN": "0.01"}).wait_ready()
+
+    async def leave_both():
+        half = b'{"sequences": [{"input_ids": ['
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n" + half)
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.transport.abort()
+        return await _post(server.port, {"sequences": [{"input_ids": list(range(1, 101))}]}, close_after=0.3)
+
+    try:
+        fresh = _metrics(server.url)
+        assert _value(fresh, 'packscore_rejections_total{reason="client_disconnected"}') == 0, fresh
+        assert asyncio.run(leave_both()) == (GONE, None)
+        deadline = time.monotonic() + 10
+        while _score_counts(text := _metrics(server.url))[499] < 2:
+            assert time.monotonic() < deadline, text
+            time.sleep(0.05)
+    finally:
+        server.stop()
+    reasons = dict(re.findall(r'^packscore_rejections_total\{reason="(\w+)"\} (\S+)$', text, re.M))
+    assert reasons.pop("client_disconnected") == "2.0" and set(reasons.values()) == {"0.0"}, reasons
