@@ -280,6 +280,7 @@ def test_a_weight_update_among_requests_that_go_away(tmp_path):
     vocab = 512  # tests/checkpoints.py's vocabulary
     server = _server(tmp_path, "--model", f"policy={paths[0]}", "--weights-root", str(root))
     try:
+        first = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["weights_version"]
         requests = _requests(3, vocab, small=100, groups=4, long_rows=4)
         earlier = {}  # every sequence alone under the first version, before the storm
         for body in requests:
@@ -301,7 +302,8 @@ def test_a_weight_update_among_requests_that_go_away(tmp_path):
         versions = collections.Counter(json.loads(p)["weights_version"] for _, _, s, p in outcomes if s == 200 and p)
         print(f"[cancellation weights] {collections.Counter(s for _, _, s, _ in outcomes)}; versions {dict(versions)}; "
               f"{checked} sequences checked against alone")
-        assert len(versions) == 2, f"the update did not land among the answers: {versions}"
+        # Answers of the first version need their rows done before the swap: few, on a slow machine none.
+        assert versions["step-1"] and set(versions) <= {first, "step-1"}, versions
     finally:
         assert server.stop() == 0, server.log()
     _check_log_clean(server)
