@@ -29,7 +29,8 @@ _KNOWN_REJECTIONS = (
     "queue_full", "draining", "not_ready", "deadline_exceeded", "client_disconnected", "backend_unavailable",
     "sequence_too_large", "sequence_too_long", "request_too_large", "too_many_sequences", "body_too_large",
     "invalid_value", "malformed_body", "unsupported_content_type", "unsupported_content_encoding", "model_not_found",
-    "unauthorized", "model_required", "weights_version_mismatch",
+    "unauthorized", "model_required", "weights_version_mismatch", "request_timeout", "non_finite_scores",
+    "internal_error", "forbidden", "unavailable",
 )  # fmt: skip
 
 
@@ -83,7 +84,7 @@ class Metrics:
         )
         self.rejections = Counter(
             "packscore_rejections_total",
-            "Requests refused or failed, by reason (queue_full, too_large, invalid, deadline, draining, ...).",
+            "Requests refused or failed, by reason (the error type: queue_full, sequence_too_large, invalid_value, ...)",
             ["reason"],
             registry=r,
         )
