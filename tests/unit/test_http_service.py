@@ -15,14 +15,7 @@ from service.testing import FakeBackend, running_app, wait_until
 GOOD = {"sequences": [{"id": "a", "input_ids": [1, 2, 3, 4], "score_from": 2}]}
 KEY = "s3cret-key"
 
-
-@pytest.fixture(autouse=True)
-def _no_packscore_env(monkeypatch):
-    import os
-
-    for name in list(os.environ):
-        if name.startswith("PACKSCORE_"):
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("no_packscore_env")
 
 
 def test_api_key_guards_every_route_but_the_probes(tmp_path):

@@ -15,7 +15,9 @@ from service.http.rollout import mismatch
 from service.settings import Settings
 from service.testing import FakeBackend, running_app
 from tests.unit.trainer_service import expected_logprobs, two_models
-from tests.unit.trainer_service import no_packscore_env  # noqa: F401 (an autouse fixture)
+
+pytestmark = pytest.mark.usefixtures("no_packscore_env")
+
 
 def _mismatch_reference(p, r) -> dict:
     d = [float(a) - float(b) for a, b in zip(np.float32(p), np.float32(r))]

@@ -4,7 +4,6 @@ does, and on which data-parallel group it runs."""
 
 import asyncio
 import contextlib
-import os
 import threading
 import time
 
@@ -16,12 +15,7 @@ from service.testing import FakeBackend, running_app, wait_until
 
 SEQ = {"id": "a", "input_ids": [1, 2, 3, 4], "score_from": 2}
 
-
-@pytest.fixture(autouse=True)
-def _no_packscore_env(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith("PACKSCORE_"):
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("no_packscore_env")
 
 
 def _score(body: dict, **extra) -> dict:

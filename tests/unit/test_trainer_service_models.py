@@ -13,7 +13,8 @@ from service.http.app import create_app
 from service.settings import Settings, parse_model_specs
 from service.testing import FakeBackend, running_app, wait_until
 from tests.unit.trainer_service import SEQ, score_body, two_models
-from tests.unit.trainer_service import no_packscore_env  # noqa: F401 (an autouse fixture)
+
+pytestmark = pytest.mark.usefixtures("no_packscore_env")
 
 
 def test_model_specs_forms():

@@ -16,7 +16,8 @@ from service.settings import Settings
 from service.testing import FAKE_VERSION, FakeBackend, running_app, wait_until
 from tests.unit.trainer_service import (ADMIN, KEY, SEQ, expected_logprobs, make_weights_root, score_body,
                                         two_models)
-from tests.unit.trainer_service import no_packscore_env  # noqa: F401 (an autouse fixture)
+
+pytestmark = pytest.mark.usefixtures("no_packscore_env")
 
 
 # ---- versions: pins and swaps in the middle of a request -------------------------------------

@@ -6,6 +6,7 @@ import json
 import threading
 
 import numpy as np
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from model_runtime.scoring.checkpoint import CheckpointError
@@ -14,7 +15,8 @@ from service.settings import Settings
 from service.testing import FAKE_VERSION, FakeBackend, running_app, wait_until
 from tests.unit.trainer_service import (ADMIN, KEY, SEQ, expected_logprobs, make_weights_root, score_body,
                                         two_models)
-from tests.unit.trainer_service import no_packscore_env  # noqa: F401 (an autouse fixture)
+
+pytestmark = pytest.mark.usefixtures("no_packscore_env")
 
 
 def test_weights_route_is_absent_without_a_root():

@@ -10,37 +10,18 @@ import os
 import numpy as np
 import pytest
 
-from model_runtime.types import SequenceInput
 from service import cli
 from service.http.app import create_app
 from service.settings import Settings
-from service.testing import FAKE_VERSION, FakeBackend, expected_scores, running_app, wait_until
+from service.testing import FAKE_VERSION, FakeBackend, running_app, wait_until
 from service.weights_record import RecordError, WeightsRecord, write_atomically
+from tests.unit.trainer_service import SEQ, expected_logprobs, make_weights_root
 
-SEQ = {"id": "a", "input_ids": [1, 2, 3, 4], "score_from": 2}
-
-
-@pytest.fixture(autouse=True)
-def _no_packscore_env(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith("PACKSCORE_"):
-            monkeypatch.delenv(name)
-
-
-def _root(tmp_path):
-    root = tmp_path / "root"
-    for step in ("step-1", "step-2"):
-        (root / step).mkdir(parents=True)
-        (root / step / "model.safetensors").write_bytes(step.encode())
-    return root
-
-
-def _expected(generation: int) -> np.ndarray:
-    return expected_scores(SequenceInput(np.array(SEQ["input_ids"]), SEQ["score_from"]), generation).logprobs
+pytestmark = pytest.mark.usefixtures("no_packscore_env")
 
 
 def _settings(tmp_path, model: str = "policy=/ckpt/base,ref=/ckpt/ref") -> Settings:
-    return Settings(model=model, weights_root=_root(tmp_path), weights_record=tmp_path / "state" / "record.json")
+    return Settings(model=model, weights_root=make_weights_root(tmp_path), weights_record=tmp_path / "state" / "record.json")
 
 
 def _backends():
@@ -70,7 +51,7 @@ def _record(settings: Settings) -> dict:
 
 
 def test_the_write_replaces_the_file_whole_and_keeps_every_other_model(tmp_path, monkeypatch):
-    root = _root(tmp_path)
+    root = make_weights_root(tmp_path)
     file = tmp_path / "record.json"
     old = {"format": 1, "models": {"other": {"model": "/x", "path": "p", "version": "v"}}}
     file.write_text(json.dumps(old))
@@ -96,7 +77,7 @@ def test_the_write_replaces_the_file_whole_and_keeps_every_other_model(tmp_path,
 def test_a_failed_write_leaves_the_old_record_and_no_temporary_file(tmp_path, monkeypatch, caplog):
     file = tmp_path / "record.json"
     write_atomically(file, b'{"format": 1, "models": {}}\n')
-    record = WeightsRecord.open(file, _root(tmp_path), {None: "/ckpt/base"})
+    record = WeightsRecord.open(file, make_weights_root(tmp_path), {None: "/ckpt/base"})
 
     def no_disk(fd):
         raise OSError(28, "No space left on device")
@@ -129,7 +110,7 @@ def test_a_record_that_cannot_be_parsed_is_refused_naming_the_file_and_the_remed
 
 @pytest.mark.parametrize("case", ["no-root", "no-directory", "a-directory", "corrupt"])
 def test_the_cli_refuses_a_record_it_could_not_keep_or_read(tmp_path, capsys, case):
-    root, record = _root(tmp_path), tmp_path / "record.json"
+    root, record = make_weights_root(tmp_path), tmp_path / "record.json"
     argv = ["serve", "--weights-root", str(root), "--weights-record", str(record)]
     if case == "no-root":
         argv = ["serve", "--weights-record", str(record)]
@@ -165,7 +146,7 @@ def test_a_restarted_service_serves_the_recorded_update_and_keeps_the_other_mode
             ("/score", {"model": "policy", "sequences": [SEQ]}), ("/score", {"model": "ref", "sequences": [SEQ]}),
             ("/v1/models", None), ("/v1/weights", update)])
     assert policy.json()["weights_version"] == "step-1"
-    np.testing.assert_allclose(policy.json()["results"][0]["logprobs"], _expected(1), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(policy.json()["results"][0]["logprobs"], expected_logprobs(SEQ, 1), rtol=0, atol=1e-6)
     assert ref.json()["weights_version"] == FAKE_VERSION
     assert {m["id"]: m["weights_version"] for m in models.json()["data"]} == {"policy": "step-1", "ref": FAKE_VERSION}
     assert again.status_code == 200, again.text  # a retry of the recorded update: its answer, not 409 version_in_use
@@ -263,7 +244,7 @@ def test_a_recorded_checkpoint_that_cannot_be_served_waits_for_an_update_not_rea
     readyz, score, models, metrics = after
     assert readyz.status_code == 200, readyz.text
     assert score.status_code == 200 and score.json()["weights_version"] == "v2", score.text
-    np.testing.assert_allclose(score.json()["results"][0]["logprobs"], _expected(1), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(score.json()["results"][0]["logprobs"], expected_logprobs(SEQ, 1), rtol=0, atol=1e-6)
     (card,) = models.json()["data"]
     assert card["weights_version"] == "v2" and "awaiting_weights" not in card, card
     assert "packscore_ready 1.0" in metrics.text and 'packscore_weights_awaited{model="policy-ckpt"} 0.0' in metrics.text
@@ -321,7 +302,7 @@ def test_a_record_that_cannot_be_written_leaves_the_update_standing_and_is_count
 
 
 def test_a_write_overtaken_by_a_later_update_leaves_the_later_entry(tmp_path):
-    root = _root(tmp_path)
+    root = make_weights_root(tmp_path)
     file = tmp_path / "record.json"
     record = WeightsRecord.open(file, root, {None: "/ckpt/base"})
     assert record.write("policy", None, root / "step-2", "v2", None, serving=lambda: "v2")

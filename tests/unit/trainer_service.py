@@ -2,24 +2,13 @@
 sequence they score, the keys, two fake models, a weights root with two checkpoints, and the
 log-probs the fake backend gives."""
 
-import os
-
 import numpy as np
-import pytest
 
 from model_runtime.types import SequenceInput
 from service.testing import FakeBackend, expected_scores
 
 SEQ = {"id": "a", "input_ids": [1, 2, 3, 4], "score_from": 2}
 KEY, ADMIN = "score-key", "admin-key"
-
-
-@pytest.fixture(autouse=True)
-def no_packscore_env(monkeypatch):
-    """Autouse where imported: a PACKSCORE_ variable of the shell running the tests changes nothing."""
-    for name in list(os.environ):
-        if name.startswith("PACKSCORE_"):
-            monkeypatch.delenv(name)
 
 
 def two_models(**fake):
