@@ -34,8 +34,15 @@ SCOPE_KEY = "packscore.request_id"  # in the ASGI scope: the protocol's own 408 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s:%(request_tag)s %(message)s"
 _EXCEPTION_ID = "packscore_request_id"  # on an exception that left a request: that request's id
 _EXCEPTION_LOGGED = "packscore_logged"  # on an exception whose traceback the gate logged
-# uvicorn's line for a request that the protocol's own line names with its id, status, peer and reason
-_PROTOCOL_400 = "Invalid HTTP request received."
+# uvicorn's lines that this server's own replace or that mislead: the protocol's own line names a 400
+# with its id, status, peer and reason; an Upgrade header (curl --http2's h2c, a websocket) is ignored
+# as RFC 9110 allows, and the request served over HTTP/1.1, so no library is missing.
+_DROPPED = frozenset({
+    "Invalid HTTP request received.",
+    "Unsupported upgrade request.",
+    "No supported WebSocket library detected. Please use \"pip install 'uvicorn[standard]'\", or install 'websockets' "
+    "or 'wsproto' manually.",
+})
 
 current: ContextVar[str | None] = ContextVar("packscore_request_id", default=None)
 
@@ -102,12 +109,13 @@ class RequestIdFilter(logging.Filter):
 
 
 class UvicornDuplicates(logging.Filter):
-    """Drops uvicorn's lines that repeat one of this server's own: "Exception in ASGI application"
-    for an exception whose traceback the gate logged, and "Invalid HTTP request received.", which
-    the protocol's own line about its 400 replaces."""
+    """Drops uvicorn's lines that repeat one of this server's own or mislead: "Exception in ASGI
+    application" for an exception whose traceback the gate logged, "Invalid HTTP request received.",
+    which the protocol's own line about its 400 replaces, and the two warnings about an ignored
+    Upgrade header (the second asks to install a websocket library this service has no use for)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg == _PROTOCOL_400:
+        if record.msg in _DROPPED:
             return False
         return not getattr(_exception(record), _EXCEPTION_LOGGED, False)
 

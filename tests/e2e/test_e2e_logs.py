@@ -137,3 +137,18 @@ def test_the_connection_caps_503_is_logged_naming_its_id_and_the_access_log_wait
     assert f"answered 503 to {peer}: " in named[0][3] and "max_connections 1" in named[0][3], named
     # --log-level info: no access line (docs/cli.md: debug adds them)
     assert not any(r[1] == "uvicorn.access" for r in records) and server.log_path.read_text() == "", server.log()
+
+
+@pytest.mark.parametrize("upgrade", ["h2c", "websocket"])
+def test_an_upgrade_header_is_served_over_http_1_1_without_a_warning(server, upgrade):
+    # curl --http2 on an http:// URL asks for h2c on every request: uvicorn warned twice each time,
+    # once to install a websocket library this service has no use for
+    given = f"upgrade-{upgrade}-{time.monotonic_ns()}"
+    answer = httpx.post(server.url + "/score", json=_BODY, timeout=30,
+                        headers={"Connection": "Upgrade, HTTP2-Settings", "Upgrade": upgrade, "HTTP2-Settings": "",
+                                 "X-Request-Id": given})
+    assert answer.status_code == 200, answer.text
+    assert _wait_for(server, lambda records: [r for r in records if r[2] == given and r[1] == "uvicorn.access"]), \
+        server.log()
+    noisy = [r[3] for r in _records(server) if r[0] == "WARNING" and ("upgrade" in r[3].lower() or "WebSocket" in r[3])]
+    assert not noisy, noisy
