@@ -16,7 +16,7 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from pydantic import SecretStr, ValidationError
 
@@ -24,9 +24,8 @@ from service.entrypoint import exit_on_sigterm_until_serving
 from service.http.errors import validation_reason
 from service.http.request_id import configure_logging
 from service.settings import Settings
+from service.weights_record import WeightsRecord
 
-if TYPE_CHECKING:
-    from service.weights_record import WeightsRecord
 
 log = logging.getLogger("packscore")
 
@@ -182,7 +181,8 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
             return 2
     try:
         settings = _check_model_and_key(settings)
-        record = _open_weights_record(settings) if args.command == "serve" else None  # --model as configured
+        # read and checked before anything loads, with --model as configured
+        record = WeightsRecord.from_settings(settings) if args.command == "serve" else None
         settings = _resolve_hub_model(settings)  # may download: after the cheap checks
         _check_checkpoint(settings)
         _check_kernels(settings)
@@ -229,19 +229,6 @@ def _check_checkpoint(settings: Settings) -> None:
         else:
             context = check_checkpoint(Path(spec)).max_model_len
         resolve_model_len(settings.max_model_len, context, settings.queued_tokens)
-
-
-def _open_weights_record(settings: Settings) -> WeightsRecord | None:
-    """The ``--weights-record``, read and checked before anything loads (None when unset): the
-    entries name the ``--model`` sources as given, before a hub id becomes a cache directory."""
-    if settings.weights_record is None:
-        return None
-    if settings.weights_root is None:
-        raise ValueError(f"--weights-record {str(settings.weights_record)!r} records weight updates, which need "
-                         "--weights-root DIR: give both, or unset --weights-record")
-    from service.weights_record import WeightsRecord
-
-    return WeightsRecord.open(settings.weights_record, settings.weights_root, settings.model_specs())
 
 
 def _check_kernels(settings: Settings) -> None:

@@ -91,6 +91,15 @@ class ServedModel:
     # loaded: the same request again, files untouched, gets that answer (a retry after a lost one).
     last_update: tuple[tuple, dict] | None = None
 
+    def serves(self, source: tuple, update) -> dict:
+        """``update`` (a ``WeightsUpdate``) of ``source`` (version, directory, files) serves: its
+        versions are taken, and its answer is kept for the same request again. Returns that answer."""
+        self.versions_served.update((update.previous_version, update.weights_version))
+        answer = {"model": self.name, "weights_version": update.weights_version,
+                  "previous_version": update.previous_version, "load_s": update.load_s, "swap_ms": update.swap_ms}
+        self.last_update = (source, dict(answer))
+        return answer
+
 
 def _set_done(waiter: asyncio.Future) -> None:
     if not waiter.done():
@@ -103,9 +112,7 @@ class Service:
         """``record``: the opened ``--weights-record`` (the CLI opens it with ``--model`` as configured,
         before a hub id is resolved); by default opened here from ``settings``."""
         self.settings = settings
-        if record is None and settings.weights_record is not None:
-            record = WeightsRecord.open(settings.weights_record, settings.weights_root, settings.model_specs())
-        self.record = record
+        self.record = record if record is not None else WeightsRecord.from_settings(settings)
         self._backend_sources = dict(backend) if isinstance(backend, Mapping) else {None: backend}
         self.metrics = metrics or Metrics()
         self.api_key = settings.resolved_api_key()
@@ -240,11 +247,8 @@ class Service:
             except (UnservableError, CheckpointError, BackendUnavailableError, OSError, RuntimeError) as exc:
                 self._withhold(model, record.withhold(model.name, entry, unservable(exc)))
                 continue
-            model.versions_served.update((update.previous_version, update.weights_version))
+            model.serves((entry.version, path, entry.files), update)
             self.metrics.describe_model(model.backend.info, model.name)
-            model.last_update = ((entry.version, path, entry.files), {
-                "model": model.name, "weights_version": update.weights_version,
-                "previous_version": update.previous_version, "load_s": update.load_s, "swap_ms": update.swap_ms})
             log.info("%s serves version %s from %s (restored from --weights-record %s; --model %s was loaded first)",
                      model.name, entry.version, path, record.file, entry.model)
 

@@ -26,7 +26,10 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
+
+if TYPE_CHECKING:
+    from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +69,12 @@ def unservable(exc: Exception) -> UnservableError:
     """Why the recorded checkpoint could not be swapped in, whatever refused it: the path's checks, the
     checkpoint's (``CheckpointError``) or its load."""
     from model_runtime.scoring.checkpoint import CheckpointError
+    from service.http.weights import checkpoint_refused
 
     if isinstance(exc, UnservableError):
         return exc
     if isinstance(exc, CheckpointError):  # named as the route's 422 would name it
-        return UnservableError(str(exc), "the checkpoint was refused "
-                               f"({'incompatible' if exc.kind == 'unsupported' else exc.kind}_checkpoint)")
+        return UnservableError(str(exc), f"the checkpoint was refused ({checkpoint_refused(exc).type})")
     return UnservableError(f"loading it failed: {exc}", "loading it failed")
 
 
@@ -113,6 +116,17 @@ class WeightsRecord:
         self._entries = entries  # served name -> entry as JSON, every entry kept but those dropped below
         self._drop: set[str] = set()  # served models whose entry names another --model: gone at the next write
         self._lock = threading.Lock()  # two models' updates may write at once
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> WeightsRecord | None:
+        """``--weights-record`` opened (None when unset), with ``--model`` as configured: before a
+        hub id becomes a cache directory, so that the entries keep naming the hub id."""
+        if settings.weights_record is None:
+            return None
+        if settings.weights_root is None:
+            raise RecordError(f"--weights-record {str(settings.weights_record)!r} records weight updates, which need "
+                              "--weights-root DIR: give both, or unset --weights-record")
+        return cls.open(settings.weights_record, settings.weights_root, settings.model_specs())
 
     @classmethod
     def open(cls, file: Path, root: Path, sources: Mapping[str | None, str]) -> "WeightsRecord":

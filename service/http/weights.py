@@ -77,7 +77,7 @@ def _named_model(model: Any, service: Service) -> str:
         return ""
 
 
-def _checkpoint_refused(exc: CheckpointError) -> ApiError:
+def checkpoint_refused(exc: CheckpointError) -> ApiError:
     # API.md names two refusals of a checkpoint's content; one packscore cannot load at all (another
     # model_type, a quantization, no safetensors) is not the served model's either: incompatible.
     kind = "incompatible" if exc.kind == "unsupported" else exc.kind
@@ -144,7 +144,7 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
         update = await asyncio.to_thread(model.backend.update_weights, path, version)
     except CheckpointError as exc:
         log.warning("weights update of %s refused: %s", model.name, exc)
-        raise _checkpoint_refused(exc) from None
+        raise checkpoint_refused(exc) from None
     except UpdateInProgressError as exc:
         raise ApiError(409, "update_in_progress", f"{exc}; retry once it is done.", "model", headers=_RETRY_SOON) from None
     except BackendUnavailableError as exc:
@@ -159,19 +159,11 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
         if model.backend.info.weights_version != before:  # a failed update in place left other weights
             model.versions_served.add(before)
             service.metrics.describe_model(model.backend.info, model.name)
-    model.versions_served.update((update.previous_version, update.weights_version))
+    answer = model.serves(source, update)
     metrics = service.metrics
     metrics.weights_load_seconds.labels(model=model.name).observe(update.load_s)
     metrics.weights_swap_seconds.labels(model=model.name).observe(update.swap_ms / 1000.0)
     metrics.describe_model(model.backend.info, model.name)
     log.info("%s now serves %s (was %s): loaded in %.2fs, swapped in %.1fms",
              model.name, update.weights_version, update.previous_version, update.load_s, update.swap_ms)
-    answer = {
-        "model": model.name,
-        "weights_version": update.weights_version,
-        "previous_version": update.previous_version,
-        "load_s": update.load_s,
-        "swap_ms": update.swap_ms,
-    }
-    model.last_update = (source, dict(answer))
     return answer
