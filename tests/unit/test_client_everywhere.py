@@ -96,17 +96,22 @@ def test_addresses_left_on_different_versions_are_an_error(monkeypatch):
 
 def test_the_async_twin_does_the_same(monkeypatch):
     _resolving(monkeypatch, "10.0.0.7", "10.0.0.8")
-    pods = Pods({"10.0.0.7": ok("step-1"), "10.0.0.8": REFUSED})
+    pods = Echoing({"10.0.0.7": ok("step-1"), "10.0.0.8": REFUSED})
 
     async def main():
         async with AsyncScoreClient(f"http://{NAME}:8000", transport=httpx.MockTransport(pods)) as client:
             with pytest.raises(UpdateEverywhereError) as caught:
                 await client.update_weights_everywhere("policy", "step-000001", version="step-1")
+            first_ids = list(pods.ids)
             pods.answers["10.0.0.8"] = ok("step-1")
-            return caught.value, await client.update_weights_everywhere("policy", "step-000001", version="step-1")
+            return caught.value, first_ids, await client.update_weights_everywhere("policy", "step-000001",
+                                                                                   version="step-1")
 
-    e, got = asyncio.run(main())
+    e, first_ids, got = asyncio.run(main())
     assert list(e.failed) == ["10.0.0.8"] and list(e.updated) == ["10.0.0.7"]
+    # one request id for every address, as the sync client sends
+    assert len(first_ids) == 2 and set(first_ids) == {e.request_id} and e.request_id is not None, (first_ids, e)
+    assert e.failed["10.0.0.8"].request_id == e.updated["10.0.0.7"].request_id == e.request_id
     assert {a: u.weights_version for a, u in got.items()} == {"10.0.0.7": "step-1", "10.0.0.8": "step-1"}
     assert all(sni is None and host == f"{NAME}:8000" for _, host, sni, *_ in pods.seen)  # plain HTTP: no TLS name
 
@@ -246,21 +251,6 @@ def test_every_address_gets_one_request_id_and_the_answers_and_errors_name_it(mo
     assert {u.request_id for u in e.updated.values()} == {rid}, e.updated
     back = pickle.loads(pickle.dumps(e))
     assert (back.request_id, str(back), back.failed["10.0.0.10"].request_id) == (rid, str(e), rid), back
-
-
-def test_the_async_twin_sends_one_request_id_too(monkeypatch):
-    _resolving(monkeypatch, "10.0.0.7", "10.0.0.8")
-    pods = Echoing({"10.0.0.7": ok("step-1"), "10.0.0.8": REFUSED})
-
-    async def main():
-        async with AsyncScoreClient(f"http://{NAME}:8000", transport=httpx.MockTransport(pods)) as client:
-            with pytest.raises(UpdateEverywhereError) as caught:
-                await client.update_weights_everywhere("policy", "step-000001", version="step-1")
-        return caught.value
-
-    e = asyncio.run(main())
-    assert len(pods.ids) == 2 and set(pods.ids) == {e.request_id} and e.request_id is not None, (pods.ids, e)
-    assert e.failed["10.0.0.8"].request_id == e.updated["10.0.0.7"].request_id == e.request_id
 
 
 def _resolving_scoped(monkeypatch, *sockaddrs: tuple) -> None:
