@@ -166,3 +166,12 @@ def test_a_server_that_died_mid_request_is_waited_out_not_lost_twice_at_once(blo
                 return await client.score([[1, 2, 3]], return_entropy=False)
         (result,) = asyncio.run(call())
     assert len(sent) == 2 and result.logprobs.tolist() == [-0.5, -0.25], (sent, result)
+
+
+def test_an_update_to_a_url_without_a_scheme_says_it_was_not_sent():
+    # "localhost:8000" reads as the scheme "localhost": nothing was sent, yet the update "may have run"
+    with ScoreClient("localhost:8000", connect_retry_s=0.1) as client, pytest.raises(ScoreError) as failed:
+        client.update_weights("policy", "step-1")
+    e = failed.value
+    assert (e.status, e.type) == (0, "connection_error") and "may have run" not in str(e), e
+    assert "was not sent" in str(e) and "UnsupportedProtocol" in str(e) and "sending it again is safe" in str(e), e

@@ -297,8 +297,8 @@ class Protocol:
                          give_up: float) -> Generator[bytes | float, Any, WeightsUpdate]:
         """POST /v1/weights until answered, as ``exchange`` drives /score: 429 and 503 (an update
         refused for now changes nothing) are retried after their Retry-After until ``give_up``; a
-        server not reached is retried for ``connect_retry_s``. A request that may have reached the
-        server (a read timeout) is not sent again: its update may be running."""
+        server not reached is retried for ``connect_retry_s``; one never sent (``_NOT_SENT``) raises saying
+        so. One that may have reached the server (a write or read timeout) is not sent again."""
         body, _ = self.weights_request(model, path, version)
         attempt, unreachable_since = 0, None
         while True:
@@ -309,12 +309,15 @@ class Protocol:
                 wait = retry_after(outcome, attempt)
                 if time.monotonic() + wait > give_up:
                     raise response_error(outcome)
+            elif isinstance(outcome, (httpx.ConnectError, httpx.ConnectTimeout)):
+                wait, unreachable_since = self._unreachable(outcome, attempt, unreachable_since, give_up,
+                                                            _UPDATE_NOT_SENT)
+            elif isinstance(outcome, _NOT_SENT):
+                raise self.not_sent("POST /v1/weights", outcome, _UPDATE_NOT_SENT) from outcome
             else:
-                if not isinstance(outcome, (httpx.ConnectError, httpx.ConnectTimeout)):
-                    raise ScoreError(0, "connection_error", f"POST /v1/weights to {self.base_url} failed after it was "
-                                     f"sent ({describe(outcome)}); the update may have run: /v1/models names the "
-                                     "version served") from outcome
-                wait, unreachable_since = self._unreachable(outcome, attempt, unreachable_since, give_up)
+                raise ScoreError(0, "connection_error", f"POST /v1/weights to {self.base_url} failed after it was "
+                                 f"sent ({describe(outcome)}); the update may have run: /v1/models names the "
+                                 "version served") from outcome
             yield wait
             attempt += 1
 
@@ -443,6 +446,8 @@ class Protocol:
                 # on a server already too slow, and the answer would come no sooner.
                 raise ScoreError(0, "read_timeout", f"{self.base_url} sent no answer within timeout_s; the request "
                                  "was not sent again (raise timeout_s, or send less per call)") from outcome
+            elif isinstance(outcome, _NOT_SENT):  # waited out for timeout_s already: not waited out again
+                raise self.not_sent("POST /score", outcome, "; nothing was scored") from outcome
             elif isinstance(outcome, _NOT_SENT_WHOLE):  # the server cannot have scored it
                 wait, unreachable_since = self._unreachable(outcome, attempt, unreachable_since, give_up)
             elif isinstance(outcome, (httpx.RemoteProtocolError, httpx.ReadError)):
@@ -462,16 +467,24 @@ class Protocol:
             yield wait
             attempt += 1
 
-    def _unreachable(self, error: Exception, attempt: int, since: float | None, give_up: float) -> tuple[float, float]:
+    def not_sent(self, route: str, error: Exception, consequence: str) -> ScoreError:
+        """The error of a request that never left this client (``_NOT_SENT``): the server was not asked."""
+        why = ("every connection of this client's pool stayed busy with its other requests for timeout_s (PoolTimeout; "
+               "fewer calls at once on one client, or a larger timeout_s)" if isinstance(error, httpx.PoolTimeout) else "")
+        return ScoreError(0, "connection_error", f"{route} to {self.base_url} was not sent: {why or describe(error)}"
+                          f"{consequence}")
+
+    def _unreachable(self, error: Exception, attempt: int, since: float | None, give_up: float,
+                     consequence: str = "") -> tuple[float, float]:
         """``(seconds to wait, when the failures in a row began)`` before trying a server that was not
-        reached again, with a log line; ScoreError ``connection_error`` once ``connect_retry_s`` from
-        the first failure (or ``give_up``) would pass."""
+        reached again, with a log line; ScoreError ``connection_error`` (ending in ``consequence``) once
+        ``connect_retry_s`` from the first failure (or ``give_up``) would pass."""
         now = time.monotonic()
         since = since or now
         bound = min(give_up, since + self.connect_retry_s)
         if now >= bound:
             raise ScoreError(0, "connection_error", f"could not reach {self.base_url} for "
-                             f"{now - since:.1f}s: {describe(error)}") from error
+                             f"{now - since:.1f}s: {describe(error)}{consequence}") from error
         wait = min(retry_after(None, attempt), bound - now)  # the last try at the bound itself
         log.warning("packscore: cannot reach %s (%s); retrying in %.1fs (gives up %.0fs after the first "
                     "failure: connect_retry_s)", self.base_url, describe(error), wait, self.connect_retry_s)
@@ -483,7 +496,10 @@ class Protocol:
 _RESEND_WAIT_S = 0.2
 
 # Failures before the request reached the server whole: sending it again cannot score it twice.
-_NOT_SENT_WHOLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.WriteError, httpx.WriteTimeout, httpx.PoolTimeout)
+_NOT_SENT_WHOLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.WriteError, httpx.WriteTimeout)
+# Never sent, and a retry soon would meet them again: no pooled connection free for timeout_s, a URL it cannot send to
+_NOT_SENT = (httpx.PoolTimeout, httpx.UnsupportedProtocol)
+_UPDATE_NOT_SENT = "; the update was not sent, so it did not run: sending it again is safe"
 
 
 def models_answer(outcome: httpx.Response | Exception) -> list[dict]:
