@@ -23,10 +23,12 @@ def test_a_key_read_from_a_file_with_its_newline_scores_and_a_bad_key_is_never_q
         (result,) = client.score([[1, 2, 3]])
         assert result.logprobs.shape == (2,)
         assert client.models()[0]["id"] == "tiny"
+    # refused when the client is built, naming the argument: not an obscure UnicodeEncodeError at a call
     for where in ("api_key", "admin_key"):
-        with pytest.raises(ValueError, match=where) as refused:
-            ScoreClient(tiny_server.url, **{where: "sec\nret"})
-        assert "sec" not in str(refused.value)
+        for bad in ("sec\nret", "sec\u00e9ret", "sec\u2028ret", "sec\u00a0ret"):
+            with pytest.raises(ValueError, match=where) as refused:
+                ScoreClient(tiny_server.url, **{where: bad})
+            assert "sec" not in str(refused.value), refused.value
 
 
 def test_a_sequence_key_the_contract_does_not_name_is_refused_not_dropped(tiny_server):

@@ -146,13 +146,12 @@ def as_seqs(sequences: Any) -> list[Seq]:
 
 def bearer_key(key: str | None, what: str) -> str | None:
     """``key`` as the server reads its own, surrounding whitespace stripped (a key read from a file
-    keeps its newline, which no header may hold); a control character inside is refused here, since
-    the HTTP library's refusal would quote the key in the error."""
-    if key is None:
-        return None
-    key = key.strip()
-    if any(ord(c) < 32 or ord(c) == 127 for c in key):
-        raise ValueError(f"{what} holds a control character (the key is not shown)")
+    keeps its newline, which no header may hold); a control character or one beyond ASCII inside is
+    refused here, since the HTTP library's refusal comes at a call, obscure or quoting the key."""
+    key = key.strip() if key is not None else ""
+    if not key.isascii() or any(ord(c) < 32 or ord(c) == 127 for c in key):
+        raise ValueError(f"{what} holds a control character or one beyond ASCII, which no HTTP header can carry "
+                         "(the key is not shown)")
     return key or None
 
 
