@@ -326,3 +326,68 @@ def test_a_real_link_local_pod_is_reached_through_its_zone(monkeypatch):
     finally:
         server.shutdown()
         server.server_close()
+
+
+class Gauged:
+    """Pods that answer /v1/weights once ``bound + 1`` requests are in at once, or after 0.2 s:
+    counts the most in at once (a thread or task and a connection each on the client)."""
+
+    def __init__(self, bound: int):
+        self.bound, self.inside, self.most, self.ids = bound, 0, 0, set()
+        self.changed = threading.Condition()
+
+    def enter(self, request: httpx.Request) -> None:
+        with self.changed:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+            self.ids.add(request.headers.get("x-request-id"))
+            self.changed.notify_all()
+
+    def leave(self) -> httpx.Response:
+        with self.changed:
+            self.inside -= 1
+        return httpx.Response(200, json=ok("step-1")[1])
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.enter(request)
+        with self.changed:
+            self.changed.wait_for(lambda: self.inside > self.bound, timeout=0.2)
+        return self.leave()
+
+    async def awaited(self, request: httpx.Request) -> httpx.Response:
+        self.enter(request)
+        end = asyncio.get_running_loop().time() + 0.2
+        while self.inside <= self.bound and asyncio.get_running_loop().time() < end:
+            await asyncio.sleep(0.005)
+        return self.leave()
+
+
+def test_a_large_service_is_updated_a_bounded_number_of_addresses_at_a_time(monkeypatch):
+    # one thread per address: a headless Service of hundreds of pods started hundreds at once
+    ips = [f"10.0.{i // 250}.{i % 250 + 1}" for i in range(40)]
+    _resolving(monkeypatch, *ips)
+    pods = Gauged(32)  # the default
+    with ScoreClient(f"http://{NAME}:8000", transport=httpx.MockTransport(pods)) as client:
+        got = client.update_weights_everywhere("policy", "step-1", version="step-1")
+    assert pods.most == 32, pods.most
+    assert list(got) == ips and {u.weights_version for u in got.values()} == {"step-1"}
+    assert len(pods.ids) == 1 and {u.request_id for u in got.values()} == pods.ids, pods.ids
+
+    ips = ips[:12]
+    _resolving(monkeypatch, *ips)
+    few = Gauged(3)
+    with ScoreClient(f"http://{NAME}:8000", transport=httpx.MockTransport(few)) as client:
+        assert list(client.update_weights_everywhere("policy", "step-1", max_concurrency=3)) == ips
+        with pytest.raises(ValueError, match="max_concurrency"):
+            client.update_weights_everywhere("policy", "step-1", max_concurrency=0)
+    assert few.most == 3, few.most
+
+    async def main():
+        pods = Gauged(3)
+        async with AsyncScoreClient(f"http://{NAME}:8000", transport=httpx.MockTransport(pods.awaited)) as client:
+            got = await client.update_weights_everywhere("policy", "step-1", version="step-1", max_concurrency=3)
+        return pods, got
+
+    pods, got = asyncio.run(main())
+    assert pods.most == 3, pods.most
+    assert list(got) == ips and len(pods.ids) == 1 and {u.request_id for u in got.values()} == pods.ids

@@ -285,13 +285,16 @@ class ScoreClient(_Base):
         steps = self._p.weights_exchange(model, path, version, time.monotonic() + self._p.retry_timeout_s)
         return self._drive(steps, "/v1/weights", self._p.weights_headers())
 
-    def update_weights_everywhere(self, model: str | None, path: str, version: str | None = None) -> dict[str, WeightsUpdate]:
+    def update_weights_everywhere(self, model: str | None, path: str, version: str | None = None, *,
+                                  max_concurrency: int = everywhere.MAX_CONCURRENCY) -> dict[str, WeightsUpdate]:
         """``update_weights`` sent to every address the URL's host resolves to (the pods behind a
-        headless Service), in parallel, each with its own retries; returns ``{address: WeightsUpdate}``.
-        Raises ``UpdateEverywhereError`` (a ScoreError) naming every address that failed and why, with
-        ``updated`` and ``failed``, or when the addresses serve different versions afterwards. Every
-        address gets one new ``X-Request-Id``, which each answer, error and that error carry as ``request_id``."""
+        headless Service), ``max_concurrency`` at a time, each with its own retries; returns
+        ``{address: WeightsUpdate}``. Raises ``UpdateEverywhereError`` (a ScoreError) naming every
+        address that failed and why, with ``updated`` and ``failed``, or when the addresses serve
+        different versions afterwards. Every address gets one new ``X-Request-Id``, which each
+        answer, error and that error carry as ``request_id``."""
         self._check_open()
+        bound = everywhere.concurrency(max_concurrency)
         found = everywhere.addresses(self._p.base_url)
         request_id = everywhere.new_request_id()
 
@@ -306,7 +309,7 @@ class ScoreClient(_Base):
                 except ScoreError as error:
                     return error
 
-        with ThreadPoolExecutor(max_workers=len(found), thread_name_prefix="packscore-client-pods") as pool:
+        with ThreadPoolExecutor(max_workers=min(len(found), bound), thread_name_prefix="packscore-client-pods") as pool:
             results = dict(zip(found, pool.map(one, found)))
         return everywhere.outcome(self._p.base_url, results, request_id)
 
@@ -476,23 +479,25 @@ class AsyncScoreClient(_Base):
         steps = self._p.weights_exchange(model, path, version, time.monotonic() + self._p.retry_timeout_s)
         return await self._drive(steps, "/v1/weights", self._p.weights_headers())
 
-    async def update_weights_everywhere(self, model: str | None, path: str,
-                                        version: str | None = None) -> dict[str, WeightsUpdate]:
+    async def update_weights_everywhere(self, model: str | None, path: str, version: str | None = None, *,
+                                        max_concurrency: int = everywhere.MAX_CONCURRENCY) -> dict[str, WeightsUpdate]:
         """As ``ScoreClient.update_weights_everywhere``."""
         self._check_open()
+        gate = asyncio.Semaphore(everywhere.concurrency(max_concurrency))
         found = await asyncio.to_thread(everywhere.addresses, self._p.base_url)
         request_id = everywhere.new_request_id()
 
         async def one(address: str) -> WeightsUpdate | ScoreError:
-            try:
-                pod = self._at(address, request_id)
-            except (ValueError, httpx.InvalidURL) as exc:  # no URL can hold this address: its failure alone
-                return everywhere.named(address, exc, request_id)
-            async with pod:
+            async with gate:  # a client (and its connection) for max_concurrency addresses at a time
                 try:
-                    return await pod.update_weights(model, path, version)
-                except ScoreError as error:
-                    return error
+                    pod = self._at(address, request_id)
+                except (ValueError, httpx.InvalidURL) as exc:  # no URL can hold this address: its failure alone
+                    return everywhere.named(address, exc, request_id)
+                async with pod:
+                    try:
+                        return await pod.update_weights(model, path, version)
+                    except ScoreError as error:
+                        return error
 
         results = await asyncio.gather(*(one(a) for a in found))
         return everywhere.outcome(self._p.base_url, dict(zip(found, results)), request_id)

@@ -2,7 +2,8 @@
 Service (the Helm chart's ``<fullname>-pods``), each of which serves only the updates it receives.
 
 The clients' ``update_weights_everywhere`` resolve the name (A and AAAA), post the update to each
-address in parallel with ``update_weights``' own retries, all under one ``X-Request-Id``, and return
+address in parallel (``MAX_CONCURRENCY`` at a time unless told otherwise) with ``update_weights``' own
+retries, all under one ``X-Request-Id``, and return
 ``{address: WeightsUpdate}``; any failure, or pods left serving different versions, raises
 ``UpdateEverywhereError``."""
 
@@ -16,6 +17,17 @@ import httpx
 
 from packscore_client.errors import ScoreError, UpdateEverywhereError
 from packscore_client.protocol import WeightsUpdate
+
+
+# Addresses updated at a time: one thread (or task) and connection each, whatever a Service's size.
+MAX_CONCURRENCY = 32
+
+
+def concurrency(max_concurrency: int) -> int:
+    """``max_concurrency`` checked: an int of at least 1."""
+    if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be an int of at least 1, got {max_concurrency!r}")
+    return max_concurrency
 
 
 def addresses(base_url: str) -> list[str]:
