@@ -132,3 +132,30 @@ def test_results_out_of_step_with_the_sequences_raise_score_error(drop, why):
         return caught.value
 
     assert str(asyncio.run(main())) == str(e)
+
+
+@pytest.mark.parametrize("status", [502, 504])
+def test_a_gateways_page_for_an_update_says_it_may_have_run_and_is_not_sent_again(status):
+    # an ingress whose read timeout is shorter than a checkpoint's load gives up while the server loads on
+    sent = []
+
+    def gateway(request: httpx.Request) -> httpx.Response:
+        sent.append(request.url.path)
+        return httpx.Response(status, text="<html><body>An error occurred.</body></html>",
+                              headers={"content-type": "text/html"})
+
+    with ScoreClient(BASE, transport=httpx.MockTransport(gateway), connect_retry_s=0.5) as client:
+        with pytest.raises(ScoreError) as caught:
+            client.update_weights("policy", "step-1")
+    e = caught.value
+    assert (e.status, e.type) == (status, "http_error") and "An error occurred." in e.message, e
+    assert "the update may have run: /v1/models names the version served" in e.message, e
+    assert sent == ["/v1/weights"], sent
+
+    async def main():
+        async with AsyncScoreClient(BASE, transport=httpx.MockTransport(gateway), connect_retry_s=0.5) as client:
+            with pytest.raises(ScoreError) as caught:
+                await client.update_weights("policy", "step-1")
+        return caught.value
+
+    assert str(asyncio.run(main())) == str(e)

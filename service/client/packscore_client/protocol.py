@@ -315,8 +315,7 @@ class Protocol:
                 raise self.not_sent("POST /v1/weights", outcome, _UPDATE_NOT_SENT) from outcome
             else:
                 raise ScoreError(0, "connection_error", f"POST /v1/weights to {self.base_url} failed after it was "
-                                 f"sent ({describe(outcome)}); the update may have run: /v1/models names the "
-                                 "version served") from outcome
+                                 f"sent ({describe(outcome)}){_MAY_HAVE_RUN}") from outcome
             yield wait
             attempt += 1
 
@@ -347,16 +346,16 @@ class Protocol:
 
     @staticmethod
     def weights_answer(response: httpx.Response) -> WeightsUpdate:
+        if (gateway := _gateway_error(response)) is not None:  # a proxy gave up on the server, which may go on
+            raise gateway.renamed(f"{gateway.message} (a gateway's page, not the server's){_MAY_HAVE_RUN}", None)
         if response.status_code != 200:
             raise response_error(response)
-        request_id = response.headers.get("x-request-id")
         try:
             body = response.json()
             return WeightsUpdate(body["model"], body["weights_version"], body["previous_version"], body["load_s"],
-                                 body["swap_ms"], request_id)
+                                 body["swap_ms"], response.headers.get("x-request-id"))
         except NOT_THE_CONTRACT as exc:
-            raise not_packscore(response, "POST /v1/weights", exc, "; the update may have run: /v1/models names "
-                                "the version served") from exc
+            raise not_packscore(response, "POST /v1/weights", exc, _MAY_HAVE_RUN) from exc
 
     def parse(self, response: httpx.Response, top_k: int, seqs: Sequence[Seq]) -> list[ScoredSequence]:
         self.learn(response.headers)
@@ -499,6 +498,7 @@ _NOT_SENT_WHOLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.WriteError, h
 # Never sent, and a retry soon would meet them again: no pooled connection free for timeout_s, a URL it cannot send to
 _NOT_SENT = (httpx.PoolTimeout, httpx.UnsupportedProtocol)
 _UPDATE_NOT_SENT = "; the update was not sent, so it did not run: sending it again is safe"
+_MAY_HAVE_RUN = "; the update may have run: /v1/models names the version served"
 
 
 def models_answer(outcome: httpx.Response | Exception) -> list[dict]:
