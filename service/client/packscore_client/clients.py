@@ -14,9 +14,10 @@ from typing import Any, Generator, Iterable
 import httpx
 
 from packscore_client import everywhere
+from packscore_client.answers import models_answer, readiness_answer
 from packscore_client.padded import PaddedBatch, PaddedScores
 from packscore_client.protocol import (Limits, Protocol, ScoredSequence, ScoreError, WeightsUpdate, as_seqs,
-                                       bearer_key, models_answer, options, readiness_answer, renumbered)
+                                       bearer_key, options, renumbered)
 
 _DISCOVERY_TIMEOUT_S = 5.0
 _VERSION_TRIES = 3  # rescorings of a padded batch whose weights changed while it was scored

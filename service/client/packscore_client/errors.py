@@ -78,3 +78,16 @@ def not_packscore(response: httpx.Response, route: str, exc: Exception, conseque
 def describe(exc: BaseException) -> str:
     """``exc`` for a message: its type, and its text where it has one."""
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+# A gateway's answers for a server behind it that it could not reach or that did not answer
+GATEWAY_STATUSES = (502, 504)
+
+
+def gateway_error(response: httpx.Response) -> ScoreError | None:
+    """The error of a 502 or 504 that is not the server's JSON (the server's own 504 is
+    ``deadline_exceeded``): a gateway's page; else None."""
+    if response.status_code not in GATEWAY_STATUSES:
+        return None
+    error = response_error(response)
+    return error if error.type == "http_error" else None

@@ -21,7 +21,9 @@ import httpx
 import msgpack
 import numpy as np
 
-from packscore_client.errors import NOT_THE_CONTRACT, ScoreError, describe, not_packscore, response_error
+from packscore_client.answers import GIVEN_UP, readiness_answer
+from packscore_client.errors import (NOT_THE_CONTRACT, ScoreError, describe, gateway_error, not_packscore,
+                                    response_error)
 
 log = logging.getLogger("packscore_client")
 
@@ -337,7 +339,7 @@ class Protocol:
                     self.learn_from_readyz(outcome)
                     return body
                 last = str(body["status"])
-                if last in _GIVEN_UP:
+                if last in GIVEN_UP:
                     raise ScoreError(503, "not_ready", f"{self.base_url} is not ready and will not be by itself: {last}")
             left = end - time.monotonic()
             if left <= 0:
@@ -346,7 +348,7 @@ class Protocol:
 
     @staticmethod
     def weights_answer(response: httpx.Response) -> WeightsUpdate:
-        if (gateway := _gateway_error(response)) is not None:  # a proxy gave up on the server, which may go on
+        if (gateway := gateway_error(response)) is not None:  # a proxy gave up on the server, which may go on
             raise gateway.renamed(f"{gateway.message} (a gateway's page, not the server's){_MAY_HAVE_RUN}", None)
         if response.status_code != 200:
             raise response_error(response)
@@ -401,7 +403,7 @@ class Protocol:
                                      "(before this part of the call was sent, or while it was retried).", "deadline_ms")
                 options = {**options, "deadline_ms": left_ms}
             outcome = yield self.body(seqs, options)
-            if isinstance(outcome, httpx.Response) and (gateway := _gateway_error(outcome)) is not None:
+            if isinstance(outcome, httpx.Response) and (gateway := gateway_error(outcome)) is not None:
                 # a proxy's own 502/504 (a restart, a pod not ready behind it): the server was not
                 # reached, and is waited for as one that refuses connections
                 wait, unreachable_since = self._unreachable(gateway, attempt, unreachable_since, give_up)
@@ -499,44 +501,7 @@ _NOT_SENT_WHOLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.WriteError, h
 _NOT_SENT = (httpx.PoolTimeout, httpx.UnsupportedProtocol)
 _UPDATE_NOT_SENT = "; the update was not sent, so it did not run: sending it again is safe"
 _MAY_HAVE_RUN = "; the update may have run: /v1/models names the version served"
-
-
-def models_answer(outcome: httpx.Response | Exception) -> list[dict]:
-    """``GET /v1/models``' list of served models, from its response or the error that replaced it."""
-    if isinstance(outcome, Exception):
-        raise ScoreError(0, "connection_error", f"GET /v1/models failed: {describe(outcome)}") from outcome
-    if outcome.status_code != 200:
-        raise response_error(outcome)
-    try:
-        data = outcome.json()["data"]
-        if isinstance(data, list):
-            return data
-        raise TypeError(f"data is a {type(data).__name__}, not a list")
-    except NOT_THE_CONTRACT as exc:
-        raise not_packscore(outcome, "GET /v1/models", exc) from exc
-
-
-# A gateway's answers for a server behind it that it could not reach or that did not answer
-_GATEWAY_STATUSES = (502, 504)
-# /readyz answers of a server on its way up (503), or of a gateway in front of one not up yet
-_NOT_READY_STATUSES = (503, *_GATEWAY_STATUSES)
-# Readiness the server does not leave by itself: waiting longer cannot help
-_GIVEN_UP = ("failed", "restart_failed")
 READY_POLL_S = 1.0
-
-
-def readiness_answer(outcome: httpx.Response | Exception) -> dict:
-    """``GET /readyz``'s body, ready or not: ``status`` is ``"ready"`` or the reason it is not
-    (``http_<code>`` for an answer that is not the server's JSON, a proxy's page, say)."""
-    if isinstance(outcome, Exception):
-        raise ScoreError(0, "connection_error", f"GET /readyz failed: {describe(outcome)}") from outcome
-    if outcome.status_code != 200 and outcome.status_code not in _NOT_READY_STATUSES:
-        raise response_error(outcome)
-    try:
-        body = outcome.json()
-    except ValueError:
-        body = None
-    return body if isinstance(body, dict) and "status" in body else {"status": f"http_{outcome.status_code}"}
 
 
 def _array(value: Any, dtype: str) -> np.ndarray:
@@ -573,15 +538,6 @@ def renumbered(error: ScoreError, indices: Sequence[int] | None) -> ScoreError:
 
     param = _REQUEST_INDEX.sub(caller, error.param) if error.param else error.param
     return error.renamed(_REQUEST_INDEX.sub(caller, error.message), param)
-
-
-def _gateway_error(response: httpx.Response) -> ScoreError | None:
-    """The error of a 502 or 504 that is not the server's JSON (the server's own 504 is
-    ``deadline_exceeded``): a gateway's page; else None."""
-    if response.status_code not in _GATEWAY_STATUSES:
-        return None
-    error = response_error(response)
-    return error if error.type == "http_error" else None
 
 
 def retry_after(response: httpx.Response | None, attempt: int) -> float:
