@@ -49,7 +49,10 @@ def test_sigterm_drains_admitted_requests_and_exits_0(tmp_path, tiny_scorer):
         server.stop()
     assert late.status_code == 503 and late.headers["retry-after"].isdigit(), late.text
     assert late.json()["error"]["type"] == "draining"
+    # API.md: a 503 carries Retry-After, and one while draining Connection: close (probes included)
+    assert late.headers["connection"] == "close", dict(late.headers)
     assert readiness.status_code == 503 and readiness.json()["status"] == "draining"
+    assert readiness.headers["retry-after"].isdigit() and readiness.headers["connection"] == "close", dict(readiness.headers)
     # Every request was answered. A 503 "draining" is only ever given before admission; an
     # admitted request cut off by the drain would be a 503 of another type, a lost one no answer.
     assert sorted(answers) == list(range(len(batches)))
