@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from model_runtime.types import SequenceInput
 from service.client import ScoreClient, ScoreError
-from tests.checkpoints import save_checkpoint
+from tests.checkpoints import build_hf_model, save_checkpoint
 from tests.e2e.helpers import (API_KEY, AUTH, TOL, ServerProcess, assert_matches, decode, long_forward_body, post,
                                post_in_background, queued_sequences, random_sequences)
 
@@ -41,6 +41,8 @@ def deployment(tmp_path_factory):
     dropped = sorted(tensors)[-1]
     del tensors[dropped]
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    # same architecture, other shapes (a wider MLP): refused as incompatible, not as incomplete
+    build_hf_model("qwen3_5", seed=4, text={"intermediate_size": 96}).save_pretrained(root / "wider")
     (tmp / "outside").mkdir()
     (root / "escape").symlink_to(tmp / "outside", target_is_directory=True)
 
@@ -150,6 +152,9 @@ def test_refused_updates_change_nothing(deployment):
     broken = httpx.post(url + "/v1/weights", json={"model": "policy", "path": "broken"}, headers=ADMIN, timeout=120)
     assert broken.status_code == 422 and broken.json()["error"]["type"] == "incomplete_checkpoint", broken.text
     assert deployment["dropped"] in broken.json()["error"]["message"]
+    wider = httpx.post(url + "/v1/weights", json={"model": "policy", "path": "wider"}, headers=ADMIN, timeout=120)
+    assert wider.status_code == 422 and wider.json()["error"]["type"] == "incompatible_checkpoint", wider.text
+    assert wider.json()["error"]["param"] == "path" and "mlp" in wider.json()["error"]["message"], wider.text
     assert _versions(url) == before
     seqs = random_sequences(np.random.default_rng(6), 3, VOCAB, lengths=(2, 50))
     response = post(url, {"model": "policy", "sequences": seqs})
