@@ -290,6 +290,10 @@ def _header_safe(key: str, where: str) -> str:
     if any(ord(c) < 32 or ord(c) == 127 for c in key):
         raise ValueError(f"{where} holds a control character inside the key (a line break?), which no HTTP header "
                          "can carry (the key is not shown)")
+    # HTTP clients (httpx, the bundled client, requests) send headers as ASCII or Latin-1, never this key's UTF-8.
+    if not key.isascii():
+        raise ValueError(f"{where} holds a character beyond ASCII, which HTTP clients do not send as this server "
+                         "reads it (the key is not shown)")
     return key
 
 

@@ -463,13 +463,20 @@ def test_a_key_file_is_read_once_and_its_value_kept(tmp_path):
 
 
 def test_keys_no_header_can_carry_or_one_key_for_both_routes_are_refused_at_start(tmp_path, capsys):
-    """A key file with a line break inside would leave every request 401; an admin key equal to the
+    """A key file with a line break inside, or a key beyond ASCII (which HTTP clients send as Latin-1 or
+    refuse), would leave every request 401; an admin key equal to the
     API key would let the scoring key update weights, which /v1/weights must refuse."""
     split = tmp_path / "split"
     split.write_text("first-half\nsecond-half\n")
     same = tmp_path / "same"
     same.write_text("one-key\n")
+    accented = tmp_path / "accented"
+    accented.write_text("cl\u00e9-half\n")
     for argv, message in [
+        (["serve", "--api-key", "half-\u00e9t\u00e9"], "the API key (--api-key / PACKSCORE_API_KEY) holds a character "
+                                                  "beyond ASCII"),
+        (["serve", "--admin-key-file", str(accented)], f"the admin key file (--admin-key-file / "
+                                                       f"PACKSCORE_ADMIN_KEY_FILE) {accented} holds a character beyond ASCII"),
         (["serve", "--api-key-file", str(split)], f"the API key file (--api-key-file / PACKSCORE_API_KEY_FILE) {split} "
                                                   "holds a control character"),
         (["serve", "--admin-key-file", str(split)], "the admin key file"),
