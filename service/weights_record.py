@@ -4,11 +4,16 @@ After every successful ``POST /v1/weights`` the server rewrites FILE atomically 
 in the same directory, flushed and fsynced, then renamed over it)::
 
     {"format": 1, "models": {"policy": {"model": "/ckpt/step-0", "path": "step-120", "version": "step-120",
+                                        "requested_at": 1733480000.25,
                                         "files": [["config.json", 1234, 1733480000000000000], ...]}}}
 
 ``model`` is the ``--model`` source the process was started with, as configured; ``path`` the
-update's checkpoint relative to ``--weights-root``; ``files`` the name, size and modification
-time of each file its weights were read from. At start, before the server is ready, a served
+update's checkpoint relative to ``--weights-root``; ``requested_at`` the wall-clock time the
+update's request arrived (absent in older records: 0); ``files`` the name, size and modification
+time of each file its weights were read from. Several servers may share FILE (a ReadWriteMany
+volume): each write reads FILE again under a lock on ``FILE.lock`` and replaces one model's entry
+only with an update requested at the same time or later, keeping every other entry as it finds
+it, so that a new replica starts at the last update any of them recorded. At start, before the server is ready, a served
 model whose entry names its own ``--model`` source is swapped to the recorded checkpoint through
 the route's own checks and serves it under the recorded version. A model whose recorded checkpoint
 cannot be served is withheld (``Withheld``): serving ``--model`` instead would silently score with
@@ -19,11 +24,17 @@ update. A record that cannot be read or kept refuses the start (``RecordError``)
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import logging
+import math
 import os
+import re
+import socket
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
@@ -34,6 +45,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FORMAT = 1
+LOCK_WAIT_S = 10.0  # a write takes milliseconds: a lock held this long belongs to a stuck writer
+
+# fcntl locks are the process's own: threads of one process (two records of one file) queue here first
+_process_locks: dict[str, threading.Lock] = {}
+_process_locks_guard = threading.Lock()
 
 
 class RecordError(ValueError):
@@ -57,9 +73,16 @@ class RecordedUpdate:
     path: str  # the checkpoint, relative to --weights-root
     version: str  # the weights_version it served under
     files: tuple | None = None  # ``files_snapshot`` of the checkpoint when it was loaded; None: not recorded
+    requested_at: float = 0.0  # wall-clock seconds when its request arrived; 0: an older record's entry
+
+    @classmethod
+    def from_json(cls, raw: dict) -> RecordedUpdate:
+        return cls(raw["model"], raw["path"], raw["version"],
+                   None if raw.get("files") is None else tuple(tuple(f) for f in raw["files"]),
+                   float(raw.get("requested_at", 0.0)))
 
     def as_json(self) -> dict:
-        entry = {"model": self.model, "path": self.path, "version": self.version}
+        entry = {"model": self.model, "path": self.path, "version": self.version, "requested_at": self.requested_at}
         if self.files is not None:
             entry["files"] = [list(f) for f in self.files]
         return entry
@@ -113,9 +136,9 @@ class WeightsRecord:
     def __init__(self, file: Path, root: Path, sources: Mapping[str | None, str], entries: dict[str, dict]):
         self.file, self.root = Path(file), Path(root)
         self.sources = dict(sources)
-        self._entries = entries  # served name -> entry as JSON, every entry kept but those dropped below
-        self._drop: set[str] = set()  # served models whose entry names another --model: gone at the next write
-        self._lock = threading.Lock()  # two models' updates may write at once
+        self._entries = entries  # served name -> entry as JSON, as read at start
+        self.lock_file = self.file.with_name(self.file.name + ".lock")
+        self._unlocked_logged = False  # a filesystem without locks is said once, not at every update
 
     @classmethod
     def from_settings(cls, settings: Settings) -> WeightsRecord | None:
@@ -144,23 +167,22 @@ class WeightsRecord:
                 pass
         except OSError as exc:
             raise RecordError(f"{where}: its directory cannot take a new file: {exc.strerror or exc}") from None
-        return cls(file, root, sources, _read_entries(file) if file.exists() else {})
+        return cls(file, root, sources, _read_entries(file))
 
     # ---- at start -----------------------------------------------------------------------------
 
     def entry_for(self, name: str, key: str | None) -> RecordedUpdate | None:
         """The update to restore for served model ``name`` (``--model`` key ``key``), or None:
-        none recorded, or one recorded for another ``--model`` source (warned, dropped at the next write)."""
+        none recorded, or one recorded for another ``--model`` source (warned; kept for the servers
+        started with that source, until an update of ``name`` replaces it)."""
         source = self.sources[key]
         raw = self._entries.get(name)
         if raw is None:
             return None
-        entry = RecordedUpdate(raw["model"], raw["path"], raw["version"],
-                               None if raw.get("files") is None else tuple(tuple(f) for f in raw["files"]))
+        entry = RecordedUpdate.from_json(raw)
         if entry.model != source:
             log.warning("%s: the entry of %r was recorded for --model %s, not %s as now: ignored (serving --model; "
-                        "dropped at the next update)", self.file, name, entry.model, source)
-            self._drop.add(name)
+                        "kept until an update of %r replaces it)", self.file, name, entry.model, source, name)
             return None
         return entry
 
@@ -204,32 +226,88 @@ class WeightsRecord:
     # ---- after an update ----------------------------------------------------------------------
 
     def write(self, name: str, key: str | None, path: Path, version: str, files: tuple | None,
-              serving: Callable[[], str] | None = None) -> bool:
-        """Records that ``name`` serves ``path`` as ``version``; never raises. Whether it was written:
-        a failure is logged, and the update, which already serves, stands. ``serving`` (the version
-        the model serves now) skips a write that a later update overtook."""
+              serving: Callable[[], str] | None = None, requested_at: float | None = None) -> bool:
+        """Records that ``name`` serves ``path`` as ``version``, an update requested at ``requested_at``
+        (wall-clock seconds; None: now); never raises. Whether it was written or rightly skipped: a
+        failure is logged, and the update, which already serves, stands. ``serving`` (the version the
+        model serves now) skips a write that a later update of this process overtook; an entry in FILE
+        requested later (by another server sharing it) is kept."""
+        requested_at = time.time() if requested_at is None else requested_at
         try:
             relative = Path(path).resolve().relative_to(self.root.resolve()).as_posix()
-            entry = RecordedUpdate(self.sources[key], relative, version, files)
-            with self._lock:
+            entry = RecordedUpdate(self.sources[key], relative, version, files, requested_at)
+            with _process_lock(self.file), self._file_lock():
                 if serving is not None and serving() != version:  # a later update serves, and records itself
                     return True
-                entries = {n: e for n, e in self._entries.items() if n not in self._drop}
+                entries = _read_entries(self.file)  # again: other servers may have written since
+                later = entries.get(name)
+                if later is not None and RecordedUpdate.from_json(later).requested_at > requested_at:
+                    log.log(logging.DEBUG if (later["path"], later["version"]) == (relative, version) else logging.INFO,
+                            "--weights-record %s: %s keeps %r as %r, an update requested after this one (%r as %r)",
+                            self.file, name, later["path"], later["version"], relative, version)
+                    return True
                 entries[name] = entry.as_json()
                 data = json.dumps({"format": FORMAT, "models": entries}, indent=2, sort_keys=True).encode() + b"\n"
                 write_atomically(self.file, data)
-                self._entries, self._drop = entries, set()
         except Exception as exc:  # the new weights serve already: a lost record must not undo the 200
             log.error("--weights-record %s: recording %s serving %s as %r failed: %s; the update stands, but a "
-                      "restart would serve --model", self.file, name, path, version, exc)
+                      "restart would not restore it", self.file, name, path, version, exc)
             return False
         return True
+
+    @contextlib.contextmanager
+    def _file_lock(self):
+        """``FILE.lock`` locked (fcntl) for one read-merge-write. Where the filesystem takes no lock
+        (or a stuck writer holds it), the write goes on without it, said in a WARNING: a whole
+        record still replaces the old one, but two servers writing at once may lose one's entry."""
+        fd = None
+        try:
+            fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o666)
+            _lock_exclusively(fd, LOCK_WAIT_S)
+        except OSError as exc:
+            if isinstance(exc, TimeoutError):
+                log.warning("--weights-record %s: %s stayed locked by another writer for %.0fs: writing without it",
+                            self.file, self.lock_file, LOCK_WAIT_S)
+            elif not self._unlocked_logged:
+                self._unlocked_logged = True
+                log.warning("--weights-record %s: %s cannot be locked (%s): writing without a lock from now on; "
+                            "servers sharing FILE that write at the same moment may lose one of their entries",
+                            self.file, self.lock_file, exc.strerror or exc)
+        try:
+            yield
+        finally:
+            if fd is not None:
+                os.close(fd)  # releases the lock
+
+
+def _process_lock(file: Path) -> threading.Lock:
+    key = os.path.realpath(file)
+    with _process_locks_guard:
+        return _process_locks.setdefault(key, threading.Lock())
+
+
+def _lock_exclusively(fd: int, wait_s: float) -> None:
+    """An exclusive fcntl lock on ``fd`` within ``wait_s`` (``TimeoutError`` past it); any other
+    OSError: the filesystem locks nothing (ENOLCK on NFS without a lock manager, EOPNOTSUPP)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a POSIX lock: the kind NFS passes between hosts
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                raise
+        if time.monotonic() >= deadline:
+            raise TimeoutError(errno.ETIMEDOUT, "held by another writer")
+        time.sleep(0.02)
 
 
 def write_atomically(file: Path, data: bytes) -> None:
     """``data`` as FILE's whole content, never seen in part: written to a temporary file beside it,
     flushed to disk, renamed over FILE, and the directory's entry flushed too."""
-    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".tmp")
+    # named after its host and process as well: writers on several hosts share the directory
+    writer = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64]
+    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.{writer}.{os.getpid()}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -248,7 +326,8 @@ def write_atomically(file: Path, data: bytes) -> None:
 
 
 def _read_entries(file: Path) -> dict[str, dict]:
-    """The record's entries, checked; a record that cannot be read or parsed refuses the start."""
+    """The record's entries, checked ({} where FILE is absent); one that cannot be read or parsed
+    refuses the start, and a write."""
     def refuse(reason: str) -> RecordError:
         return RecordError(f"--weights-record {file}: {reason}; it names the weights each model served last, so "
                            f"the start is refused rather than serve --model silently: repair it, or delete {file} to "
@@ -256,6 +335,8 @@ def _read_entries(file: Path) -> dict[str, dict]:
 
     try:
         record = json.loads(file.read_bytes())
+    except FileNotFoundError:
+        return {}
     except OSError as exc:
         raise refuse(f"cannot be read: {exc.strerror or exc}") from None
     except ValueError as exc:  # no JSON, or no UTF-8
@@ -272,4 +353,7 @@ def _read_entries(file: Path) -> dict[str, dict]:
                 isinstance(f, list) and len(f) == 3 and isinstance(f[0], str) and all(isinstance(v, int) for v in f[1:])
                 for f in files)):
             raise refuse(f"the entry of {name!r} has files that are not [name, size, mtime_ns] lists")
+        at = entry.get("requested_at", 0.0)
+        if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at) or at < 0:
+            raise refuse(f"the entry of {name!r} has a requested_at that is no time in seconds ({at!r})")
     return record["models"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
@@ -87,6 +88,7 @@ def checkpoint_refused(exc: CheckpointError) -> ApiError:
 async def update_weights(service: Service, body: Any, root: Path) -> dict:
     """Runs one update to its end; the answer once the new version serves. Every outcome is
     counted, a refusal under its error type (``model=""`` before the model is known)."""
+    requested_at = time.time()  # the record keeps the last update requested, whichever server finishes last
     name = ""
     try:
         if not isinstance(body, dict):
@@ -108,7 +110,7 @@ async def update_weights(service: Service, body: Any, root: Path) -> dict:
         (_, path, files), _ = model.last_update  # the files as read before the update loaded them
         # in a thread: the write waits for the disk (fsync); a failure is logged and counted, the 200 stands
         if not await asyncio.to_thread(service.record.write, model.name, model.key, path, answer["weights_version"],
-                                       files, lambda: model.backend.info.weights_version):
+                                       files, lambda: model.backend.info.weights_version, requested_at):
             service.metrics.weights_record_failures.labels(model=model.name).inc()
     return answer
 

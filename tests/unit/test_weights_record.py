@@ -3,9 +3,16 @@
 restarts real servers."""
 
 import asyncio
+import errno
 import json
 import logging
 import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +25,8 @@ from service.weights_record import RecordError, WeightsRecord, write_atomically
 from tests.unit.trainer_service import SEQ, expected_logprobs, make_weights_root
 
 pytestmark = pytest.mark.usefixtures("no_packscore_env")
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _settings(tmp_path, model: str = "policy=/ckpt/base,ref=/ckpt/ref") -> Settings:
@@ -60,18 +69,21 @@ def test_the_write_replaces_the_file_whole_and_keeps_every_other_model(tmp_path,
     real_replace = os.replace
 
     def replace(src, dst):  # what a reader sees at the last moment before the rename: the old file, whole
-        seen_before_rename.append((json.loads(file.read_text()), json.loads(open(src).read())))
+        seen_before_rename.append((json.loads(file.read_text()), json.loads(open(src).read()), os.path.basename(src)))
         real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", replace)
     files = (("model.safetensors", 6, 1),)
-    assert record.write("policy", "policy", root / "step-1", "v1", files)
-    (before, written), = seen_before_rename
+    assert record.write("policy", "policy", root / "step-1", "v1", files, requested_at=1700000000.5)
+    (before, written, temporary), = seen_before_rename
     assert before == old
     assert written == json.loads(file.read_text()) == {"format": 1, "models": {
         "other": {"model": "/x", "path": "p", "version": "v"},
-        "policy": {"model": "/ckpt/base", "path": "step-1", "version": "v1", "files": [["model.safetensors", 6, 1]]}}}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["record.json", "root"]  # no temporary file left
+        "policy": {"model": "/ckpt/base", "path": "step-1", "version": "v1", "requested_at": 1700000000.5,
+                   "files": [["model.safetensors", 6, 1]]}}}
+    # a temporary name of this host and process: writers on several hosts share the directory
+    assert temporary.startswith(f".record.json.{socket.gethostname()[:64]}.{os.getpid()}."), temporary
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["record.json", "record.json.lock", "root"]  # no temporary
 
 
 def test_a_failed_write_leaves_the_old_record_and_no_temporary_file(tmp_path, monkeypatch, caplog):
@@ -86,7 +98,7 @@ def test_a_failed_write_leaves_the_old_record_and_no_temporary_file(tmp_path, mo
     with caplog.at_level(logging.ERROR, logger="service.weights_record"):
         assert not record.write("policy", None, tmp_path / "root" / "step-1", "v1", None)
     assert file.read_text() == '{"format": 1, "models": {}}\n'
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["record.json", "root"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["record.json", "record.json.lock", "root"]
     assert str(file) in caplog.text and "No space left on device" in caplog.text and "the update stands" in caplog.text
 
 
@@ -95,7 +107,9 @@ def test_a_failed_write_leaves_the_old_record_and_no_temporary_file(tmp_path, mo
     ('{"format": 2, "models": {}}', "is no record of format 1"),
     ('{"format": 1, "models": {"policy": {"model": "/b", "path": "s"}}}', "the entry of 'policy' needs the strings"),
     ('{"format": 1, "models": {"policy": {"model": "/b", "path": "s", "version": "v", "files": [1]}}}', "files"),
-], ids=["no-json", "format", "no-version", "files"])
+    ('{"format": 1, "models": {"policy": {"model": "/b", "path": "s", "version": "v", "requested_at": "now"}}}',
+     "has a requested_at that is no time in seconds ('now')"),
+], ids=["no-json", "format", "no-version", "files", "requested-at"])
 def test_a_record_that_cannot_be_parsed_is_refused_naming_the_file_and_the_remedy(tmp_path, content, reason):
     file = tmp_path / "record.json"
     file.write_text(content)
@@ -136,10 +150,14 @@ def test_a_restarted_service_serves_the_recorded_update_and_keeps_the_other_mode
     settings = _settings(tmp_path)
     settings.weights_record.parent.mkdir()
     update = {"model": "policy", "path": "step-1", "version": "step-1"}
+    sent = time.time()
     _, (answer,) = _run(settings, [("/v1/weights", update)])
+    answered = time.time()
     assert answer.status_code == 200, answer.text
-    assert _record(settings)["models"]["policy"] | {"files": None} == {
-        "model": "/ckpt/base", "path": "step-1", "version": "step-1", "files": None}
+    entry = _record(settings)["models"]["policy"]
+    assert entry | {"files": None, "requested_at": None} == {
+        "model": "/ckpt/base", "path": "step-1", "version": "step-1", "files": None, "requested_at": None}
+    assert sent <= entry["requested_at"] <= answered, (sent, entry["requested_at"], answered)
 
     with caplog.at_level(logging.INFO):
         service, (policy, ref, models, again) = _run(settings, [
@@ -154,19 +172,27 @@ def test_a_restarted_service_serves_the_recorded_update_and_keeps_the_other_mode
     assert str(settings.weights_record) in caplog.text
 
 
-def test_an_entry_for_another_model_source_is_ignored_and_dropped_and_an_unserved_ones_kept(tmp_path, caplog):
+def test_an_entry_for_another_model_source_is_ignored_and_kept_until_that_model_is_updated(tmp_path, caplog):
+    """Kept: servers sharing the record that still run the other --model restore it; this server's
+    update of that model replaces it."""
     settings = _settings(tmp_path)
     settings.weights_record.parent.mkdir()
+    old = {"model": "/ckpt/old-base", "path": "step-1", "version": "step-1"}
     settings.weights_record.write_text(json.dumps({"format": 1, "models": {
-        "policy": {"model": "/ckpt/old-base", "path": "step-1", "version": "step-1"},
-        "gone": {"model": "/ckpt/gone", "path": "step-2", "version": "g"}}}))
+        "policy": old, "gone": {"model": "/ckpt/gone", "path": "step-2", "version": "g"}}}))
     with caplog.at_level(logging.WARNING):
         _, (policy, update) = _run(settings, [("/score", {"model": "policy", "sequences": [SEQ]}),
                                               ("/v1/weights", {"model": "ref", "path": "step-2", "version": "r2"})])
     assert policy.json()["weights_version"] == FAKE_VERSION
     assert "/ckpt/old-base" in caplog.text and "/ckpt/base" in caplog.text and "'gone'" in caplog.text
     assert update.status_code == 200, update.text
-    assert set(_record(settings)["models"]) == {"gone", "ref"}  # policy's stale entry dropped, gone's kept
+    models = _record(settings)["models"]
+    assert set(models) == {"policy", "gone", "ref"} and models["policy"] == old  # the other base's, as it was
+
+    _, (update,) = _run(settings, [("/v1/weights", {"model": "policy", "path": "step-1", "version": "p1"})])
+    assert update.status_code == 200, update.text
+    assert _record(settings)["models"]["policy"] | {"files": None, "requested_at": None} == {
+        "model": "/ckpt/base", "path": "step-1", "version": "p1", "files": None, "requested_at": None}
 
 
 @pytest.mark.parametrize("case", ["deleted", "escapes", "changed", "refused", "load-error"])
@@ -308,3 +334,160 @@ def test_a_write_overtaken_by_a_later_update_leaves_the_later_entry(tmp_path):
     assert record.write("policy", None, root / "step-2", "v2", None, serving=lambda: "v2")
     assert record.write("policy", None, root / "step-1", "v1", None, serving=lambda: "v2")  # v1's write came late
     assert json.loads(file.read_text())["models"]["policy"]["version"] == "v2"
+
+
+# ---- one record shared by several servers (a ReadWriteMany volume) ------------------------------
+
+
+def _server(file, root) -> WeightsRecord:
+    """One server's view of a shared record, opened at its start."""
+    return WeightsRecord.open(file, root, {None: "/ckpt/base"})
+
+
+def test_an_older_update_finishing_after_a_newer_one_leaves_the_newer_entry(tmp_path, caplog):
+    root, file = make_weights_root(tmp_path), tmp_path / "record.json"
+    slow, fast = _server(file, root), _server(file, root)  # both started before either update
+    assert fast.write("policy", None, root / "step-2", "v2", None, requested_at=200.0)
+    with caplog.at_level(logging.INFO, logger="service.weights_record"):
+        assert slow.write("policy", None, root / "step-1", "v1", None, requested_at=100.0)  # requested first, done last
+    assert _entries(file)["policy"]["version"] == "v2"
+    assert "keeps 'step-2' as 'v2', an update requested after this one ('step-1' as 'v1')" in caplog.text
+    assert _server(file, root).entry_for("policy", None).version == "v2"  # what a new server restores
+    assert slow.write("policy", None, root / "step-1", "v3", None, requested_at=200.0)  # the same time: replaces
+    assert _entries(file)["policy"]["version"] == "v3"
+
+
+def test_a_write_keeps_the_entries_other_servers_wrote_since_it_started(tmp_path):
+    root, file = make_weights_root(tmp_path), tmp_path / "record.json"
+    file.write_text(json.dumps({"format": 1, "models": {  # an older record's entry: no requested_at
+        "policy": {"model": "/ckpt/base", "path": "step-1", "version": "v1"}}}))
+    a, b = _server(file, root), _server(file, root)
+    assert a.entry_for("policy", None).requested_at == 0.0
+    assert a.write("ref", None, root / "step-2", "r2", None)
+    assert b.write("policy", None, root / "step-2", "p2", None)  # b never read ref's entry: kept all the same
+    assert {n: e["version"] for n, e in _entries(file).items()} == {"policy": "p2", "ref": "r2"}
+
+
+def _entries(file) -> dict:
+    return json.loads(file.read_text())["models"]
+
+
+def test_threads_writing_at_once_leave_a_whole_record_with_every_entry_and_the_newest(tmp_path):
+    root, file = make_weights_root(tmp_path), tmp_path / "record.json"
+    servers, writes = 6, 15
+    times = np.random.default_rng(0).permutation(servers * writes) + 1.0  # policy's updates, in no order
+    start = threading.Barrier(servers)
+
+    def serve(k: int) -> None:
+        record = _server(file, root)  # a record of its own: fcntl locks alone cannot keep threads apart
+        start.wait()
+        for i in range(writes):
+            at = float(times[k * writes + i])
+            assert record.write("policy", None, root / "step-1", f"p{at:g}", None, requested_at=at)
+            assert record.write(f"m{k}-{i}", None, root / "step-2", "v", None, requested_at=at)
+
+    threads = [threading.Thread(target=serve, args=(k,)) for k in range(servers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    entries = _entries(file)
+    assert entries["policy"]["version"] == f"p{times.max():g}", entries["policy"]
+    missing = {f"m{k}-{i}" for k in range(servers) for i in range(writes)} - set(entries)
+    assert not missing, f"{len(missing)} entries lost: {sorted(missing)[:5]}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["record.json", "record.json.lock", "root"]
+
+
+_WRITER = """
+import sys, time
+from pathlib import Path
+from service.weights_record import WeightsRecord
+
+file, root, who, writes, start = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+record = WeightsRecord.open(file, root, {None: "/ckpt/base"})
+while time.time() < start:
+    time.sleep(0.001)
+for i in range(writes):
+    at = 2.0 * i + who
+    assert record.write("policy", None, root / "step-1", f"p{at:g}", None, requested_at=at)
+    assert record.write(f"m{who}-{i}", None, root / "step-2", "v", None, requested_at=at)
+"""
+
+
+def _python(*args: str, **options) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, *args], env=env, text=True, **options)
+
+
+def test_two_processes_writing_at_once_leave_a_whole_record_with_every_entry_and_the_newest(tmp_path):
+    root, file = make_weights_root(tmp_path), tmp_path / "record.json"
+    writes, start = 25, time.time() + 2.0  # both started, then writing together
+    procs = [_python("-c", _WRITER, str(file), str(root), str(who), str(writes), str(start), stderr=subprocess.PIPE)
+             for who in (0, 1)]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    entries = _entries(file)
+    assert entries["policy"]["version"] == f"p{2 * writes - 1}", entries["policy"]  # process 1's last
+    missing = {f"m{who}-{i}" for who in (0, 1) for i in range(writes)} - set(entries)
+    assert not missing, f"{len(missing)} entries lost: {sorted(missing)[:5]}"
+
+
+_HOLDER = """
+import fcntl, json, os, sys, time
+file, hold_s = sys.argv[1], float(sys.argv[2])
+fd = os.open(file + ".lock", os.O_RDWR | os.O_CREAT)
+fcntl.lockf(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(hold_s)
+entry = {"model": "/ckpt/other", "path": "step-2", "version": "o2", "requested_at": time.time()}
+with open(file, "w") as f:  # the holder's write, done just before it lets go
+    json.dump({"format": 1, "models": {"other": entry}}, f)
+"""
+
+
+@pytest.mark.parametrize("case", ["released", "stuck"])
+def test_a_write_waits_for_the_lock_of_another_process(tmp_path, monkeypatch, caplog, case):
+    """Released: the write reads the record after the holder's write, and keeps its entry. Stuck
+    (held past LOCK_WAIT_S): the write goes on without the lock, with a WARNING."""
+    import service.weights_record as weights_record
+
+    root, file = make_weights_root(tmp_path), tmp_path / "record.json"
+    record = _server(file, root)
+    hold_s = 0.5 if case == "released" else 30
+    monkeypatch.setattr(weights_record, "LOCK_WAIT_S", 10.0 if case == "released" else 0.3)
+    holder = _python("-c", _HOLDER, str(file), str(hold_s), stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        began = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="service.weights_record"):
+            assert record.write("policy", None, root / "step-1", "p1", None)
+        waited = time.monotonic() - began
+    finally:
+        holder.kill()
+        holder.wait()
+    if case == "released":
+        assert waited >= 0.3, waited
+        assert set(_entries(file)) == {"other", "policy"}
+        assert not caplog.records, caplog.text
+    else:
+        assert 0.3 <= waited < 5, waited
+        assert set(_entries(file)) == {"policy"}
+        assert f"{file}.lock stayed locked by another writer" in caplog.text and "writing without it" in caplog.text
+
+
+def test_a_filesystem_without_locks_is_said_once_and_written_all_the_same(tmp_path, monkeypatch, caplog):
+    import fcntl
+
+    root, file = make_weights_root(tmp_path), tmp_path / "record.json"
+    record = _server(file, root)
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "lockf", no_locks)
+    with caplog.at_level(logging.WARNING, logger="service.weights_record"):
+        assert record.write("policy", None, root / "step-1", "p1", None)
+        assert record.write("ref", None, root / "step-2", "r2", None)
+    (warning,) = caplog.records
+    assert "cannot be locked (No locks available)" in warning.getMessage() and str(file) in warning.getMessage()
+    assert {n: e["version"] for n, e in _entries(file).items()} == {"policy": "p1", "ref": "r2"}
