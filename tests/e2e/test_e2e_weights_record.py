@@ -1,7 +1,8 @@
 """A real server restarted with ``--weights-record`` serves the last update, not its ``--model``
 (docs/weights.md "Surviving a restart"): killed (SIGKILL, nothing flushed at exit) or stopped,
 started again with the same arguments, it answers with the updated version and its numbers; one
-whose recorded checkpoint cannot be served waits, not ready, for the next update.
+whose recorded checkpoint cannot be served waits, not ready, for the next update. Servers sharing
+one record hand the last update on to a new server.
 """
 
 import json
@@ -100,6 +101,40 @@ def test_a_killed_then_stopped_server_comes_back_serving_the_last_update(checkpo
         assert_matches(decode(_policy_scores(url, seqs), 0), seqs, ck["scorers"]["step-2"])
     finally:
         assert third.stop() == 0, third.log()
+
+
+def test_a_new_server_on_a_shared_record_joins_at_the_update_another_server_recorded(checkpoints, tmp_path):
+    """Replicas on one record (a ReadWriteMany volume): A records policy's update, B then records
+    ref's without losing A's entry, and a new server C starts serving both, policy with exactly
+    A's numbers."""
+    ck = checkpoints
+    record = tmp_path / "shared" / "record.json"
+    record.parent.mkdir()
+    seqs = random_sequences(np.random.default_rng(6), 4, VOCAB, lengths=(2, 60))
+    a, b = ServerProcess(tmp_path, *_args(ck, record)), ServerProcess(tmp_path, *_args(ck, record))
+    try:
+        a_url, b_url = a.wait_ready(timeout=240).url, b.wait_ready(timeout=240).url  # both read the empty record
+        assert _update(a_url, "step-1", "step-1")["weights_version"] == "step-1"
+        before = _policy_scores(a_url, seqs)
+        body = {"model": "ref", "path": "step-2", "version": "ref-2"}
+        answer = httpx.post(b_url + "/v1/weights", json=body, headers=AUTH, timeout=300)
+        assert answer.status_code == 200, answer.text
+    finally:
+        assert a.stop() == 0, a.log()
+        assert b.stop() == 0, b.log()
+    assert {n: e["version"] for n, e in json.loads(record.read_text())["models"].items()} == {
+        "policy": "step-1", "ref": "ref-2"}
+
+    c = ServerProcess(tmp_path, *_args(ck, record))
+    try:
+        url = c.wait_ready(timeout=240).url
+        assert _versions(url) == {"policy": "step-1", "ref": "ref-2"}, c.log()
+        after = _policy_scores(url, seqs)
+        assert after.json()["weights_version"] == "step-1"
+        assert after.json()["results"] == before.json()["results"]  # A's numbers, exactly
+        assert_matches(decode(after, 0), seqs, ck["scorers"]["step-1"])
+    finally:
+        assert c.stop() == 0, c.log()
 
 
 def test_a_record_of_another_base_is_ignored_with_a_warning(checkpoints, tmp_path):
