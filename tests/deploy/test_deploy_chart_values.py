@@ -496,6 +496,7 @@ def test_admin_key_is_a_mounted_secret_file_passed_as_admin_key_file():
         pytest.param({"adminKey": {"secretName": "k", "secretKey": ""}}, "/weights/adminKey/secretKey",
                      id="empty-secret-key"),
         pytest.param({"root": "/weights"}, "additional properties 'root'", id="typo"),
+        pytest.param({"recordClaim": True}, "/weights/recordClaim", id="record-claim-not-a-name"),
     ],
 )
 def test_incomplete_weights_values_are_rejected_by_the_schema(weights, where):
@@ -536,3 +537,32 @@ def test_weight_updates_are_recorded_on_an_empty_dir_so_a_restarted_container_ke
     assert "weights-record" not in {v["name"] for v in off["volumes"]}
     assert "PACKSCORE_WEIGHTS_RECORD" not in {e["name"] for e in off["containers"][0]["env"]}
     assert "PACKSCORE_WEIGHTS_RECORD" not in {e["name"] for e in container()["env"]}  # no updates, nothing to record
+
+
+def test_weight_updates_recorded_on_a_shared_claim_reach_every_new_pod_of_the_release(monkeypatch):
+    """weights.recordClaim: the record on an existing ReadWriteMany claim, the same file for every
+    pod (no subPath of the pod's own), writable; record false beside a claim is refused."""
+    weights = {"enabled": True, "mountPath": "/ckpt", "source": WEIGHT_SOURCES[0].values[0],
+               "recordClaim": "packscore-record"}
+    spec = pod_spec({"weights": weights})
+    (c,) = spec["containers"]
+    (env,) = [e for e in c["env"] if e["name"] == "PACKSCORE_WEIGHTS_RECORD"]
+    record = Path(env["value"])
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "weights-record"]
+    assert mount == {"name": "weights-record", "mountPath": str(record.parent)}
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "weights-record"]
+    assert volume == {"name": "weights-record", "persistentVolumeClaim": {"claimName": "packscore-record"}}
+    monkeypatch.setenv("PACKSCORE_WEIGHTS_RECORD", env["value"])
+    assert parse_settings(["serve", *c["args"]])[1].weights_record == record
+    rendered = render_chart({"weights": weights, "prometheusRule": {"enabled": True}})
+    notes = rendered["packscore/templates/NOTES.txt"]
+    assert "claim packscore-record" in notes and "a new pod serves the last update any pod recorded" in notes, notes
+    # deleting the pod alone restores nothing: its successor reads the same record
+    alerts = rendered["packscore/templates/prometheusrule.yaml"]
+    assert "delete weights-record.json on claim packscore-record (every new pod reads it), then the pod" in alerts
+
+    with pytest.raises(helm.HelmError) as err:
+        render_chart({"weights": {**weights, "record": False}})
+    assert "weights.recordClaim(packscore-record) holds the record, which weights.record false turns off" in str(err.value)
+    off = pod_spec({"weights": {**weights, "enabled": False}})  # no updates: nothing recorded, no claim mounted
+    assert "weights-record" not in {v["name"] for v in off["volumes"]}

@@ -88,6 +88,9 @@ app.kubernetes.io/component: scoring
 {{- if has (trimSuffix "/" $wts.mountPath) $taken }}
 {{- fail (printf "weights.mountPath(%s) is already a mount of the pod (%s): give the checkpoints a path of their own" $wts.mountPath (join ", " $taken)) }}
 {{- end }}
+{{- if and $wts.recordClaim (not $wts.record) }}
+{{- fail (printf "weights.recordClaim(%s) holds the record, which weights.record false turns off: set record true, or recordClaim empty" $wts.recordClaim) }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -109,7 +112,7 @@ admin-key
 {{- printf "%s/%s" (include "packscore.adminKeyDir" .) (include "packscore.adminKeyFileName" .) }}
 {{- end }}
 
-{{/* The emptyDir holding --weights-record (weights.record), and the file in it. */}}
+{{/* The volume holding --weights-record (weights.record: an emptyDir, or weights.recordClaim), and the file in it. */}}
 {{- define "packscore.weightsRecordDir" -}}
 /var/lib/packscore
 {{- end }}
