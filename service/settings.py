@@ -81,7 +81,9 @@ class Settings(BaseSettings):
         "after every update; its directory must exist and be writable); at start a model whose entry names the "
         "same --model serves the recorded checkpoint (from --weights-root) under its version instead, and one "
         "whose recorded checkpoint cannot be served waits, not ready, for its next weight update; a record that "
-        "cannot be read refuses the start (unset: a restart serves --model)"
+        "cannot be read refuses the start; several servers may share FILE (each write merges under a lock on "
+        "FILE.lock, keeping the update requested last), so a new one starts at their last update "
+        "(unset: a restart serves --model)"
     )
     admin_key: SecretStr | None = Field(
         None, description="key POST /v1/weights requires instead of the API key (which it then refuses)"
