@@ -333,12 +333,17 @@ def _read_entries(file: Path) -> dict[str, dict]:
                            f"the start is refused rather than serve --model silently: repair it, or delete {file} to "
                            "serve --model")
 
+    for attempt in range(3):
+        try:
+            data = file.read_bytes()
+            break
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:  # ESTALE: on NFS another host renamed a new record over the one opened
+            if exc.errno != errno.ESTALE or attempt == 2:
+                raise refuse(f"cannot be read: {exc.strerror or exc}") from None
     try:
-        record = json.loads(file.read_bytes())
-    except FileNotFoundError:
-        return {}
-    except OSError as exc:
-        raise refuse(f"cannot be read: {exc.strerror or exc}") from None
+        record = json.loads(data)
     except ValueError as exc:  # no JSON, or no UTF-8
         raise refuse(f"is no JSON record ({exc})") from None
     if not isinstance(record, dict) or record.get("format") != FORMAT or not isinstance(record.get("models"), dict):

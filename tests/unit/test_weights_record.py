@@ -491,3 +491,18 @@ def test_a_filesystem_without_locks_is_said_once_and_written_all_the_same(tmp_pa
     (warning,) = caplog.records
     assert "cannot be locked (No locks available)" in warning.getMessage() and str(file) in warning.getMessage()
     assert {n: e["version"] for n, e in _entries(file).items()} == {"policy": "p1", "ref": "r2"}
+
+
+def test_a_record_renamed_over_by_another_host_while_read_is_read_again(tmp_path, monkeypatch):
+    """NFS answers ESTALE to a read of a file another host replaced: the new record is read."""
+    root, file = make_weights_root(tmp_path), tmp_path / "record.json"
+    _server(file, root).write("policy", None, root / "step-1", "p1", None)
+    real_read, stale = Path.read_bytes, [OSError(errno.ESTALE, "Stale file handle")] * 2
+
+    def read_bytes(path):
+        if stale:
+            raise stale.pop()
+        return real_read(path)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    assert _server(file, root).entry_for("policy", None).version == "p1"
