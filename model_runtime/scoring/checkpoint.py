@@ -9,7 +9,8 @@ layouts the Qwen3.5 / Qwen3-Next families ship in:
 - names without the ``model.`` prefix (a checkpoint of the bare decoder) -> ``model.*``;
 - per-expert ``...mlp.experts.{e}.{gate,up,down}_proj.weight`` -> the fused
   ``...mlp.experts.gate_up_proj`` ``[E, 2I, D]`` and ``...mlp.experts.down_proj`` ``[E, D, I]``;
-- ``lm_head.weight`` may be absent when the config ties it to the embedding;
+- ``lm_head.weight`` may be absent when the config ties it to the embedding; stored, it must hold
+  the embedding's values (the only tensor data the check reads);
 - FP8 (``quant_method: fp8``, block-scaled ``weight_scale_inv``) weights count as the weight they
   dequantize to (see ``model_runtime.scoring.fp8``).
 
@@ -72,7 +73,8 @@ def check_checkpoint(path: Path, *, expected: dict[str, tuple[int, ...]] | None 
 
     With ``expected`` (the served model's tensor names -> shapes, e.g. a previous spec's
     ``tensors``) the checkpoint must also hold exactly those names with those shapes
-    (``kind="incompatible"`` otherwise). Raises ``CheckpointError``; reads no tensor data.
+    (``kind="incompatible"`` otherwise). Raises ``CheckpointError``; reads no tensor data but a
+    stored head of a config that ties it to the embedding (``_refuse_a_second_tied_head``).
     """
     path = Path(path)
     config = read_config(path)
@@ -92,6 +94,7 @@ def check_checkpoint(path: Path, *, expected: dict[str, tuple[int, ...]] | None 
     # against a served model (an update) such a config is one the served model does not share
     _refuse_other_forward_settings(path, config, "unsupported" if expected is None else "incompatible")
     tensors = _match(path, stored, needed, aliases)
+    _refuse_a_second_tied_head(path, files, stored, needed, aliases)
     if expected is not None:
         _compare(path, tensors, expected)
     return CheckpointSpec(
@@ -472,6 +475,30 @@ def _match(path: Path, stored: dict, needed: dict, aliases: dict) -> dict[str, t
     if mismatched:
         raise CheckpointError("incompatible", f"{path}: tensor shapes differ from what config.json describes: {_names(mismatched)}")
     return {name: needed[name] for name in needed}
+
+
+def _refuse_a_second_tied_head(path: Path, files: list[Path], stored: dict, needed: dict, aliases: dict) -> None:
+    """A config that ties a tensor (the head) to another (the embedding) whose files also hold
+    it: the same values serve, other values would be left unused by the tied model (Hugging
+    Face's loader unties them instead), so they are refused. Reads those two tensors only."""
+    known = needed.keys() | aliases.keys()
+    by_name = {_model_name(key, known): key for key in stored if not key.startswith(IGNORED_PREFIXES)}
+    for alias, target in aliases.items():
+        if alias not in by_name or target not in by_name:
+            continue
+        import torch  # only for a checkpoint that stores a tied tensor twice
+        from safetensors import safe_open
+
+        values = {}
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for key in {by_name[alias], by_name[target]} & set(f.keys()):
+                    values[key] = f.get_tensor(key).float()
+        if not torch.equal(values[by_name[alias]], values[by_name[target]]):
+            raise CheckpointError(
+                "incomplete", f"checkpoint {path}: 1 tensor in the files is not used by the model ({by_name[alias]}): "
+                f"config.json ties it to {by_name[target]} (tie_word_embeddings) and it holds other values; set "
+                "tie_word_embeddings to false to serve it, or drop it to serve the embedding as the head")
 
 
 def _model_name(key: str, known) -> str:

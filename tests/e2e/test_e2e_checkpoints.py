@@ -37,6 +37,7 @@ BROKEN = {
     "extra_tensor": (lambda t: {**t, "model.layers.1.mlp.extra.weight": torch.zeros(2, 2)}, None, ("model.layers.1.mlp.extra.weight", "not used")),
     "wrong_shape": (lambda t: {**t, Q_PROJ: t[Q_PROJ][:, :-1]}, None, (Q_PROJ, "[256, 63]")),
     "llama_config": (None, lambda c: {**c, "model_type": "llama"}, ("unsupported model_type 'llama'",)),
+    "tied_config_beside_another_head": (None, lambda c: {**c, "tie_word_embeddings": True}, ("not used", "(lm_head.weight)", "tie_word_embeddings")),
     "fp8_config_on_plain_weights": (None, lambda c: {**c, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, ("FP8",)),
 }  # fmt: skip
 

@@ -56,6 +56,26 @@ def test_a_missing_untied_head_is_refused_and_a_tied_one_is_not(tmp_path, checkp
     assert "lm_head.weight" not in check_checkpoint(tied).tensors  # the embedding serves as the head
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_vl"])
+def test_a_stored_head_of_a_tied_config_serves_only_with_the_embeddings_values(tmp_path, checkpoint_dir, kind):
+    """The tied model takes the embedding as its head: a stored head with other values would be left
+    unused (in the worker pool's reader; Hugging Face's loader unties them instead), so it is refused."""
+    def tie(c):
+        return {**c, "tie_word_embeddings": True}
+
+    embed = "model.language_model.embed_tokens.weight" if kind == "qwen3_5_vl" else "model.embed_tokens.weight"
+    source = checkpoint_dir(kind)
+    error = refused(rewrite_checkpoint(source, tmp_path / "other", edit_config=tie), "incomplete",
+                    "(lm_head.weight)", embed, "tie_word_embeddings")
+    assert "missing" not in str(error), error
+    def same_values(t):  # the head in bfloat16, the embedding in float32: equal values serve
+        head = t[embed].to(torch.bfloat16)
+        return {**t, embed: head.float(), "lm_head.weight": head}
+
+    same = rewrite_checkpoint(source, tmp_path / "same", same_values, tie)
+    assert "lm_head.weight" not in check_checkpoint(same).tensors
+
+
 def test_keys_under_another_prefix_are_refused(tmp_path, checkpoint_dir):
     renamed = rewrite_checkpoint(
         checkpoint_dir("qwen3_5"), tmp_path / "ck", lambda t: {k.replace("model.", "backbone.", 1): v for k, v in t.items()}
