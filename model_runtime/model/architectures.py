@@ -43,7 +43,7 @@ class UnsupportedModelError(ValueError):
 
 
 def architecture_for(model_type: str | None) -> Architecture:
-    if model_type not in MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:  # config.json may hold any JSON value
         raise UnsupportedModelError(
             f"unsupported model_type {model_type!r}: packscore serves qwen3_5, qwen3_5_moe and qwen3_next "
             "checkpoints (as *ForCausalLM or *ForConditionalGeneration)"

@@ -289,6 +289,10 @@ def _read_headers(path: Path, files: list[Path]) -> tuple[dict[str, tuple[int, .
         except Exception as exc:  # safetensors raises its own error type for a corrupt header
             from model_runtime.scoring.tensor_file import cut_in_header, has_header  # torch: imported only when needed
 
+            try:  # safetensors words a permission or I/O error as another ("No such file or directory")
+                open(file, "rb").close()
+            except OSError as cause:
+                raise CheckpointError("unreadable", f"{file} cannot be read: {cause.strerror or cause}") from None
             if has_header(file) or cut_in_header(file):  # a safetensors file cut short (being written?) or damaged
                 raise CheckpointError("unreadable", f"{file} is a safetensors file that fails to read: {exc}") from None
             raise CheckpointError("unsupported", f"{file} is not a readable safetensors file: {exc}") from None
@@ -404,7 +408,8 @@ def _model_tensors(path: Path, config: dict) -> tuple[dict[str, tuple[int, ...]]
     try:
         needed, aliases = _tensors_of_config(json.dumps(_without(config, _BUILD_NEUTRAL_FIELDS), sort_keys=True))
     except Exception as exc:  # a config transformers cannot build a model from
-        raise CheckpointError("incompatible", f"{path}: config.json does not describe a buildable model: {exc}") from None
+        reason = " ".join(str(exc).split())  # transformers' validation errors span lines: the CLI prints one
+        raise CheckpointError("incompatible", f"{path}: config.json does not describe a buildable model: {reason}") from None
     return dict(needed), dict(aliases)
 
 

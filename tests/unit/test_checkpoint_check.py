@@ -186,6 +186,15 @@ def test_unsupported_model_type_and_quantization_are_refused(tmp_path, checkpoin
     refused(llama, "unsupported", "'llama'", "qwen3_5, qwen3_5_moe and qwen3_next")
     gptq = rewrite_checkpoint(source, tmp_path / "gptq", edit_config=lambda c: {**c, "quantization_config": {"quant_method": "gptq"}})
     refused(gptq, "unsupported", "'gptq'")
+    listed = rewrite_checkpoint(source, tmp_path / "listed", edit_config=lambda c: {**c, "model_type": ["qwen3_5"]})
+    refused(listed, "unsupported", "model_type ['qwen3_5']")  # any JSON value, not a TypeError
+
+
+@pytest.mark.parametrize("field", ["vocab_size", "max_position_embeddings"])
+def test_a_config_transformers_refuses_is_named_in_one_line(tmp_path, checkpoint_dir, field):
+    broken = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "ck", edit_config=lambda c: {**c, field: str(c[field])})
+    error = refused(broken, "incompatible", "does not describe a buildable model", field)
+    assert "\n" not in str(error), f"the CLI prints one line: {error!r}"
 
 
 def test_files_and_formats_are_named(tmp_path, checkpoint_dir):
@@ -194,6 +203,10 @@ def test_files_and_formats_are_named(tmp_path, checkpoint_dir):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5"}))
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     refused(tmp_path, "unsupported", "safetensors only", "pytorch_model.bin")
+    # open() fails (a directory here; a file without read permission alike): the reason, not safetensors' "No such device"
+    (tmp_path / "model.safetensors").mkdir()
+    error = refused(tmp_path, "unreadable", "model.safetensors cannot be read: Is a directory")
+    assert "No such" not in str(error), error
 
 
 def test_a_shard_missing_from_the_index_is_named(tmp_path):
