@@ -12,6 +12,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import sys
 import types
 import typing
@@ -144,11 +145,22 @@ def parse_settings(argv: Sequence[str] | None = None) -> tuple[argparse.Namespac
     except ValidationError as exc:
         first = exc.errors()[0]
         field = str(first["loc"][0]) if first["loc"] else ""
-        where = "--" + field.replace("_", "-") if field else "settings"
-        if field and field not in given and f"PACKSCORE_{field.upper()}" in os.environ:
+        reason = validation_reason(first)
+        if not field:  # a rule across options (--model's list, --sp and --world-size): it names them itself
+            parser.error(reason + _from_environment(reason, given))
+        where = "--" + field.replace("_", "-")
+        if field not in given and f"PACKSCORE_{field.upper()}" in os.environ:
             where += f" (from PACKSCORE_{field.upper()})"  # the value came from the environment
-        parser.error(f"{where}: {validation_reason(first)}")
+        parser.error(f"{where}: {reason}")
     return args, settings
+
+
+def _from_environment(reason: str, given: dict) -> str:
+    """`` (--sp from PACKSCORE_SP, ...)``: the options ``reason`` names whose values came from the environment."""
+    named = [name for name in Settings.model_fields if name not in given and f"PACKSCORE_{name.upper()}" in os.environ
+             and re.search(rf"--{name.replace('_', '-')}(?![\w-])", reason)]
+    options = [f"--{n.replace('_', '-')} from PACKSCORE_{n.upper()}" for n in named]
+    return f" ({', '.join(options)})" if options else ""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -189,6 +189,26 @@ def test_a_bad_value_from_the_environment_names_the_variable(monkeypatch, capsys
     assert "PACKSCORE_MAX_BATCH_TOKENS" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "env, argv, message",
+    [
+        ({"PACKSCORE_MODEL": "a=,"}, [], "--model 'a=': expected PATH_OR_PRESET or NAME=PATH_OR_PRESET (--model from PACKSCORE_MODEL)"),
+        ({"PACKSCORE_MODEL": "a=tiny,a=tiny"}, [], "the name 'a' is given twice (--model from PACKSCORE_MODEL)"),
+        ({"PACKSCORE_SP": "2"}, ["--world-size", "3"], "not divisible by --sp 2: a sequence-parallel group needs sp of the world's GPUs (--sp from PACKSCORE_SP)"),
+        ({"PACKSCORE_API_KEY": "k", "PACKSCORE_API_KEY_FILE": "/k"}, [], "not both (--api-key from PACKSCORE_API_KEY, --api-key-file from PACKSCORE_API_KEY_FILE)"),
+    ],
+    ids=["model", "model-twice", "sp", "both-keys"],
+)
+def test_a_rule_across_options_broken_from_the_environment_names_the_variables(monkeypatch, capsys, env, argv, message):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse_settings(["serve", *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "packscore: error: " in err and message in err and "settings:" not in err, err
+
+
 def test_an_empty_api_key_is_an_error_not_an_open_server(monkeypatch, capsys):
     monkeypatch.setenv("PACKSCORE_API_KEY", "")
     assert cli.main(["serve"]) == 2
