@@ -276,6 +276,9 @@ def _read_headers(path: Path, files: list[Path]) -> tuple[dict[str, tuple[int, .
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, str] = {}
     for file in files:
+        if not file.is_file():  # a pipe would hold the start forever; a directory or a device holds no weights
+            raise CheckpointError("unsupported", f"{file} is not a regular file (a directory, a pipe, a device or a "
+                                  "broken link); a checkpoint's weights are *.safetensors files")
         try:
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():

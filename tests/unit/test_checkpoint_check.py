@@ -2,6 +2,8 @@
 loader re-checks what Hugging Face loaded: nothing is ever served from random weights."""
 
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -203,10 +205,44 @@ def test_files_and_formats_are_named(tmp_path, checkpoint_dir):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5"}))
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     refused(tmp_path, "unsupported", "safetensors only", "pytorch_model.bin")
-    # open() fails (a directory here; a file without read permission alike): the reason, not safetensors' "No such device"
     (tmp_path / "model.safetensors").mkdir()
-    error = refused(tmp_path, "unreadable", "model.safetensors cannot be read: Is a directory")
-    assert "No such" not in str(error), error
+    refused(tmp_path, "unsupported", "model.safetensors is not a regular file")
+    (tmp_path / "model.safetensors").rmdir()
+    os.mkfifo(tmp_path / "model.safetensors")  # opening it would wait for a writer forever
+    import threading
+
+    caught = []
+    check = threading.Thread(target=lambda: caught.append(pytest.raises(CheckpointError, check_checkpoint, tmp_path)), daemon=True)
+    check.start()
+    check.join(60)
+    assert caught and "model.safetensors is not a regular file" in str(caught[0].value), "a pipe held the check"
+
+
+def test_a_weight_file_without_read_permission_is_named_with_the_reason(checkpoint_dir):
+    """Not safetensors' own words for it ("No such file or directory"). Checked as an unprivileged
+    user: root reads any file."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    root = Path(tempfile.mkdtemp())
+    try:
+        root.chmod(0o755)
+        ck = Path(shutil.copytree(checkpoint_dir("qwen3_5"), root / "ck"))
+        ck.chmod(0o755)
+        (ck / "config.json").chmod(0o644)
+        (ck / "model.safetensors").chmod(0o000)
+        code = ("from model_runtime.scoring.checkpoint import check_checkpoint, CheckpointError\n"
+                f"try: check_checkpoint({str(ck)!r})\nexcept CheckpointError as e: print(e.kind, e)")
+        as_user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+        if as_user and shutil.which("setpriv") is None:
+            pytest.skip("run as root without setpriv: no unprivileged user to read as")
+        out = subprocess.run([*as_user, sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             cwd=Path(__file__).resolve().parents[2])
+        assert out.stdout.startswith("unreadable ") and "model.safetensors cannot be read: Permission denied" in out.stdout, out
+    finally:
+        shutil.rmtree(root)
 
 
 def test_a_shard_missing_from_the_index_is_named(tmp_path):
