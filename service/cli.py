@@ -195,6 +195,7 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
         settings = _check_model_and_key(settings)
         # read and checked before anything loads, with --model as configured
         record = WeightsRecord.from_settings(settings) if args.command == "serve" else None
+        _check_device(settings)
         settings = _resolve_hub_model(settings)  # may download: after the cheap checks
         _check_checkpoint(settings)
         _check_kernels(settings)
@@ -241,6 +242,19 @@ def _check_checkpoint(settings: Settings) -> None:
         else:
             context = check_checkpoint(Path(spec)).max_model_len
         resolve_model_len(settings.max_model_len, context, settings.queued_tokens)
+
+
+def _check_device(settings: Settings) -> None:
+    """A ``--device`` this machine does not have is refused before the port is bound (the model loads after)."""
+    if not settings.device.startswith("cuda"):
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(settings.device.partition(":")[2] or 0)
+    if index >= count:
+        have = f"{count} CUDA device{'' if count == 1 else 's'}" if count else f"no CUDA device (torch {torch.__version__})"
+        raise ValueError(f"--device {settings.device}: this machine has {have}; give another --device, or auto")
 
 
 def _check_kernels(settings: Settings) -> None:

@@ -8,6 +8,7 @@ over the environment, which wins over the default. ``main()`` builds it once and
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -190,6 +191,14 @@ class Settings(BaseSettings):
     def for_model(self, name: str | None, spec: str) -> "Settings":
         """These settings for one served model: its path and its served name."""
         return self.model_copy(update={"model": spec, "served_model_name": name or self.served_model_name})
+
+    @field_validator("device")
+    @classmethod
+    def _device_known(cls, value: str) -> str:
+        # the loader and the kernels know these two device types: another fails at once, not after the port is bound
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+            raise ValueError(f"{value!r} is not a device packscore runs on; give auto, cpu, cuda or cuda:N")
+        return value
 
     @field_validator("host")
     @classmethod

@@ -289,6 +289,23 @@ def test_a_kernel_pin_this_device_cannot_run_stops_both_commands_before_loading(
     assert not out.exists()
 
 
+def test_a_device_this_machine_lacks_or_no_device_at_all_stops_before_the_port_is_bound(monkeypatch, capsys):
+    """Found when the model loaded, after the port was bound, with a traceback and status 1."""
+    import torch
+
+    monkeypatch.setattr(cli, "serve", lambda *a: pytest.fail("the server started"))
+    beyond = f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
+    assert cli.main(["serve", "--device", beyond]) == 2
+    err = capsys.readouterr().err
+    assert f"packscore: error: --device {beyond}: this machine has " in err and "Traceback" not in err, err
+    monkeypatch.setenv("PACKSCORE_DEVICE", "tpu:0")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--device (from PACKSCORE_DEVICE): 'tpu:0' is not a device packscore runs on" in err, err
+
+
 def test_a_missing_model_or_worker_pool_fails_fast_with_a_clear_error(monkeypatch, tmp_path, capsys):
     assert cli.main(["serve", "--model", str(tmp_path / "nope"), "--triton-cache-dir", str(tmp_path)]) == 2
     assert "neither a checkpoint directory, a preset" in capsys.readouterr().err
