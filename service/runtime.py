@@ -75,6 +75,10 @@ def _settle(future: asyncio.Future, result, error: BaseException | None) -> None
             future.set_result(result)
 
 
+class _FirstPassFailed(RuntimeError):
+    """The start's first readiness pass did not score; its message says which model and why."""
+
+
 @dataclass
 class ServedModel:
     """One model of the deployment: its backend (weights and version), limits and scheduler."""
@@ -126,6 +130,7 @@ class Service:
         self._drain_waiters: set[asyncio.Future] = set()  # when_draining's futures not yet done
         self._probe: asyncio.Task | None = None
         self._probe_ok = False
+        self._probe_failures: dict[str, str] = {}  # served name -> why its last readiness pass failed
         self._start_task: asyncio.Task | None = None
         self.withheld: dict[str, Withheld] = {}  # models waiting for an update (awaiting_weights)
         self._released: asyncio.Event | None = None  # set once no model is withheld
@@ -196,13 +201,17 @@ class Service:
             self._advance("probing")
             await self._run_probe(_PROBE_TIMEOUT_S + 1)  # the pass bounds itself
             if not self._probe_ok:
-                raise RuntimeError("the first readiness pass failed")
+                why = "; ".join(f"{name} {reason}" for name, reason in self._probe_failures.items())
+                raise _FirstPassFailed(f"the first readiness pass failed: {why or 'it did not finish in time'}")
             self._advance("ready")
             log.info("ready: serving %s", ", ".join(f"{m.name!r} on {m.backend.info.device}" for m in self.models.values()))
         except Exception as exc:
             if isinstance(exc, CheckpointError):  # a refusal names its problem: no traceback
                 log.error("startup failed: %s", exc)
                 self.fatal_error, self.fatal_status = str(exc), 2
+            elif isinstance(exc, _FirstPassFailed):  # the log above says why, and so does the one line
+                log.error("startup failed: %s", exc)
+                self.fatal_error = str(exc)
             else:
                 log.exception("startup failed")
                 self.fatal_error = f"{type(exc).__name__}: {exc}"
@@ -351,6 +360,7 @@ class Service:
 
     async def _probe_once(self) -> None:
         # Every served model scores one sequence; they run side by side.
+        self._probe_failures = {}
         results = await asyncio.gather(*(self._probe_model(m) for m in self._scheduled()))
         self._probe_ok = bool(results) and all(results)
 
@@ -364,10 +374,12 @@ class Service:
             ok = bool(np.all(np.isfinite(scores[0].logprobs)))
             if not ok:
                 log.error("readiness pass of %s returned non-finite log-probabilities", model.name)
+                self._probe_failures[model.name] = f"scored non-finite log-probabilities in {model.backend.info.dtype}, from finite weights"
         except (ApiError, TimeoutError) as exc:
             if ticket is not None:
                 model.scheduler.cancel(ticket)
             log.error("readiness pass of %s failed: %s", model.name, exc)
+            self._probe_failures[model.name] = f"failed: {exc or type(exc).__name__}"
             ok = False
         return ok
 

@@ -112,6 +112,23 @@ def test_nan_weights_end_the_server_with_one_line(checkpoint_dir, tmp_path, layo
     assert "Traceback" not in output and len(errors) == 1 and Q_PROJ in errors[0], output
 
 
+def test_finite_weights_that_score_non_finite_end_the_server_with_one_line_naming_it(checkpoint_dir, tmp_path):
+    """Weights pass the NaN check, yet the head's logits overflow: the first readiness pass fails,
+    named with its model and reason in one line, without a traceback."""
+    def overflow(t):
+        head = t["lm_head.weight"].clone()
+        head[100], head[101] = 3e38, -3e38
+        return {**t, "lm_head.weight": head}
+
+    broken = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "overflow", overflow)
+    command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(free_port()), "--model", str(broken)]
+    code, output, _ = _run_watching_port(command, None)
+    assert code == 1, f"exit status {code}, expected 1:\n{output}"
+    errors = [line for line in output.splitlines() if line.startswith("packscore: error:")]
+    assert "Traceback" not in output and len(errors) == 1, output
+    assert "overflow scored non-finite log-probabilities in float32" in errors[0], errors
+
+
 def test_score_refuses_before_reading_the_input(broken, tmp_path):
     source = tmp_path / "in.jsonl"
     source.write_text(json.dumps({"id": "a", "input_ids": [1, 2, 3]}) + "\n")
