@@ -103,7 +103,7 @@ def check_checkpoint(path: Path, *, expected: dict[str, tuple[int, ...]] | None 
         architecture=architecture.name,
         tensors=tensors,
         config=config,
-        max_model_len=context_length(config),
+        max_model_len=context_length(config, default_positions=_default_positions(config)),
         quantization=quantization,
         files=tuple(files),
     )
@@ -179,17 +179,25 @@ def text_config(config: dict) -> dict:
     return inner if isinstance(inner, dict) else config
 
 
-def context_length(config: dict) -> int:
-    """Longest sequence the config's positions allow: ``max_position_embeddings``, or with yarn
-    rope scaling ``factor * original_max_position_embeddings`` when that is larger."""
+def context_length(config: dict, default_positions: int = 0) -> int:
+    """Longest sequence the config's positions allow: ``max_position_embeddings`` (``default_positions``
+    where the config has none), or with yarn rope scaling ``factor * original_max_position_embeddings``
+    when that is larger."""
     text = text_config(config)
-    base = int(text.get("max_position_embeddings") or config.get("max_position_embeddings") or 0)
+    base = int(text.get("max_position_embeddings") or config.get("max_position_embeddings") or default_positions)
     rope = text.get("rope_scaling") or text.get("rope_parameters") or config.get("rope_scaling") or {}
     if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type")) != "yarn":
         return base
     original = int(rope.get("original_max_position_embeddings") or base)
     factor = float(rope.get("factor") or (base / original if original else 1.0))
     return max(base, int(factor * original))
+
+
+def _default_positions(config: dict) -> int:
+    """The ``max_position_embeddings`` transformers gives a config.json without one (the model is built with it)."""
+    if text_config(config).get("max_position_embeddings") or config.get("max_position_embeddings"):
+        return 0
+    return int(getattr(hf_config(config).get_text_config(), "max_position_embeddings", 0) or 0)
 
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -486,9 +494,8 @@ def _match(path: Path, stored: dict, needed: dict, aliases: dict) -> dict[str, t
 
 
 def _refuse_a_second_tied_head(path: Path, files: list[Path], stored: dict, needed: dict, aliases: dict) -> None:
-    """A config that ties a tensor (the head) to another (the embedding) whose files also hold
-    it: the same values serve, other values would be left unused by the tied model (Hugging
-    Face's loader unties them instead), so they are refused. Reads those two tensors only."""
+    """A tied config (the head is the embedding) whose files also hold the head: the same values serve;
+    others, which the tied model would leave unused (Hugging Face's loader unties them), are refused."""
     known = needed.keys() | aliases.keys()
     by_name = {_model_name(key, known): key for key in stored if not key.startswith(IGNORED_PREFIXES)}
     for alias, target in aliases.items():
@@ -496,7 +503,6 @@ def _refuse_a_second_tied_head(path: Path, files: list[Path], stored: dict, need
             continue
         import torch  # only for a checkpoint that stores a tied tensor twice
         from safetensors import safe_open
-
         values = {}
         for file in files:
             with safe_open(file, framework="pt") as f:

@@ -320,6 +320,21 @@ def test_yarn_rope_scaling_raises_the_context(rope, want):
     assert context_length(nested) == want
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_vl"])
+def test_a_config_without_max_position_embeddings_has_its_config_classs_context(tmp_path, checkpoint_dir, kind):
+    """The model is built with transformers' default; the admitted length was the admission bound instead."""
+    from transformers import Qwen3_5TextConfig
+
+    def strip(c):
+        c = {k: v for k, v in c.items() if k != "max_position_embeddings"}
+        if "text_config" in c:
+            c["text_config"] = {k: v for k, v in c["text_config"].items() if k != "max_position_embeddings"}
+        return c
+
+    spec = check_checkpoint(rewrite_checkpoint(checkpoint_dir(kind), tmp_path / "ck", edit_config=strip))
+    assert spec.max_model_len == Qwen3_5TextConfig().max_position_embeddings, spec.max_model_len
+
+
 def test_yarn_checkpoint_serves_the_longer_context(tmp_path, checkpoint_dir):
     def yarn(config):
         rope = {**config["rope_parameters"], "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
