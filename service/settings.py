@@ -43,7 +43,7 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="compute dtype; auto is bfloat16 on CUDA, float32 on CPU"
     )
-    device: str = Field("auto", description="torch device, e.g. cuda, cuda:1, cpu; auto picks cuda when available")
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N; auto picks cuda when available")
     allow_slow_kernels: bool = Field(
         False, description="allow per-sequence reference kernels on a GPU instead of refusing to start"
     )
