@@ -488,7 +488,7 @@ def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     if settings.model == "tiny":  # the default, so that a first try runs anywhere; its scores mean nothing
         log.warning("scoring with the built-in tiny preset (random weights, for trying packscore out): give --model "
                     "for the scores of a real model")
-    from model_runtime.scoring.checkpoint import CheckpointError
+    from model_runtime.scoring.checkpoint_error import CheckpointError
 
     try:
         backend = load_backend(settings)

@@ -23,7 +23,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from model_runtime.scoring.backend import BackendUnavailableError, ScoringBackend
-from model_runtime.scoring.checkpoint import CheckpointError
+from model_runtime.scoring.checkpoint_error import CheckpointError
 from model_runtime.types import SequenceInput
 from service.http.errors import ApiError, draining_error
 from service.http.metrics import Metrics

@@ -20,7 +20,7 @@ import numpy as np
 import xxhash
 
 from model_runtime.scoring.backend import BackendUnavailableError, ModelInfo, WeightsUpdate, begin_update
-from model_runtime.scoring.checkpoint import CheckpointError
+from model_runtime.scoring.checkpoint_error import CheckpointError
 from model_runtime.scoring.rows import validate_sequence
 from model_runtime.scoring.weights import CONTENT_VERSION_PREFIX
 from model_runtime.types import SequenceInput, SequenceScores

@@ -91,7 +91,7 @@ class RecordedUpdate:
 def unservable(exc: Exception) -> UnservableError:
     """Why the recorded checkpoint could not be swapped in, whatever refused it: the path's checks, the
     checkpoint's (``CheckpointError``) or its load."""
-    from model_runtime.scoring.checkpoint import CheckpointError
+    from model_runtime.scoring.checkpoint_error import CheckpointError
     from service.http.weights import checkpoint_refused
 
     if isinstance(exc, UnservableError):

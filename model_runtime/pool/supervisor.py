@@ -23,7 +23,7 @@ from model_runtime.pool import messages as msg
 from model_runtime.pool.procs import WorkerWorld
 from model_runtime.pool.replies import agreed_rounding, reply_error
 from model_runtime.scoring.backend import STALL_FACTOR, BackendUnavailableError
-from model_runtime.scoring.checkpoint import CheckpointError
+from model_runtime.scoring.checkpoint_error import CheckpointError
 
 log = logging.getLogger(__name__)
 

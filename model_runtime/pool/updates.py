@@ -21,7 +21,7 @@ from model_runtime.pool import messages as msg
 from model_runtime.pool.loaded_files import LoadedFiles
 from model_runtime.pool.replies import Swap
 from model_runtime.scoring.backend import BackendUnavailableError, UpdateInProgressError, WeightsUpdate
-from model_runtime.scoring.checkpoint import CheckpointError
+from model_runtime.scoring.checkpoint_error import CheckpointError
 
 
 class WeightUpdates:

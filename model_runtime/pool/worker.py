@@ -224,7 +224,7 @@ class _WeightUpdates:
         self._thread.start()
 
     def _load(self, message: msg.LoadWeights) -> None:
-        from model_runtime.scoring.checkpoint import CheckpointError
+        from model_runtime.scoring.checkpoint_error import CheckpointError
         from model_runtime.scoring.weights import plan_reads, read_parameters
 
         started = time.perf_counter()
@@ -297,7 +297,7 @@ def serve(commands: Connection, replies: _Replies) -> int:
     try:
         dims, runner, hello = _setup(start)
     except Exception as error:
-        from model_runtime.scoring.checkpoint import CheckpointError
+        from model_runtime.scoring.checkpoint_error import CheckpointError
 
         if isinstance(error, CheckpointError):  # the server refuses it as it would in one process
             log.error("rank %d refused the checkpoint: %s", start.rank, error)

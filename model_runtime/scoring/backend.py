@@ -17,7 +17,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from model_runtime.scoring.checkpoint import CheckpointError
+from model_runtime.scoring.checkpoint_error import CheckpointError
 from model_runtime.scoring.loading import LoadedModel
 from model_runtime.scoring.scorer import Scorer
 from model_runtime.types import SequenceInput, SequenceScores

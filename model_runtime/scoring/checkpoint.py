@@ -1,9 +1,9 @@
 """What a checkpoint directory holds, checked against what the model needs, before any weight is read.
 
 ``check_checkpoint(path)`` reads ``config.json`` and the safetensors headers (names, shapes,
-dtypes; no tensor data), builds the Hugging Face model on the meta device from the config, and
-maps every checkpoint name onto the model's names the way Hugging Face's loader does for the
-layouts the Qwen3.5 / Qwen3-Next families ship in:
+dtypes; no tensor data), builds the Hugging Face model on the meta device from the config
+(``checkpoint_config``), and maps every checkpoint name onto the model's names the way Hugging
+Face's loader does for the layouts the Qwen3.5 / Qwen3-Next families ship in:
 
 - ``model.language_model.*`` (a multimodal ``*ForConditionalGeneration`` checkpoint) -> ``model.*``;
 - names without the ``model.`` prefix (a checkpoint of the bare decoder) -> ``model.*``;
@@ -15,9 +15,9 @@ layouts the Qwen3.5 / Qwen3-Next families ship in:
   dequantize to (see ``model_runtime.scoring.fp8``).
 
 Vision-tower (``model.visual.*``, ``visual.*``) and multi-token-prediction (``mtp.*``) tensors
-are never loaded and are ignored. Anything else is refused with ``CheckpointError``: a tensor the
-model needs that no file holds, a tensor no part of the model takes, or a shape that differs.
-Nothing is ever left at its random initialisation. The loader re-checks what Hugging Face
+are never loaded and are ignored. Anything else is refused with ``CheckpointError``
+(``checkpoint_error``): a tensor the model needs that no file holds, a tensor no part of the model
+takes, or a shape that differs. Nothing is ever left at its random initialisation. The loader re-checks what Hugging Face
 actually loaded (``assert_fully_loaded``), so a layout this module maps wrongly still fails loudly.
 """
 
@@ -27,31 +27,18 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 
-from model_runtime.model.architectures import LAYER_KINDS, UnsupportedModelError, architecture_for
+from model_runtime.model.architectures import UnsupportedModelError, architecture_for
+from model_runtime.scoring.checkpoint_config import (_default_positions, _model_tensors, _quantization,
+                                                     _refuse_other_forward_settings, context_length, fp8_block_size,
+                                                     read_config)
+from model_runtime.scoring.checkpoint_error import CheckpointError, _names
 
 IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.")  # never loaded: the vision tower, multi-token prediction
 FP8_SCALE_SUFFIX = "_scale_inv"  # "<name>.weight_scale_inv" scales "<name>.weight" block by block
-SHOWN = 5  # names quoted in a message
 
 _EXPERT_KEY = re.compile(r"^(?P<base>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that must not be served. ``kind`` is one of:
-
-    - ``"unsupported"``: a model_type, quantization or file format packscore does not load;
-    - ``"incomplete"``: a tensor the model needs is missing, or a tensor in the files is unused;
-    - ``"incompatible"``: a shape (or, against ``expected``, the architecture) differs;
-    - ``"unreadable"``: a file that fails to read (truncated, corrupt, a config.json that is no JSON);
-    - ``"non_finite"``: a weight holds NaN or infinity (it would score NaN for every token).
-    """
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -109,97 +96,6 @@ def check_checkpoint(path: Path, *, expected: dict[str, tuple[int, ...]] | None 
     )
 
 
-# Config fields that never change a scored number: names, token ids, output switches, storage
-# dtype, training-only settings, and the context length (which only bounds what is admitted).
-_FORWARD_NEUTRAL_FIELDS = frozenset({
-    "_name_or_path", "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
-    "bos_token_id", "eos_token_id", "pad_token_id", "id2label", "label2id", "problem_type", "return_dict",
-    "output_attentions", "output_hidden_states", "output_router_logits", "use_cache", "is_encoder_decoder",
-    "chunk_size_feed_forward", "initializer_range", "router_aux_loss_coef", "max_position_embeddings",
-    "quantization_config",
-})
-
-
-def forward_settings(config) -> dict:
-    """The text model's settings that shape its forward (a Hugging Face config object or a
-    config.json dict), normalised by transformers' own config class so that defaults compare."""
-    if isinstance(config, dict):
-        config = hf_config(config)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return {k: v for k, v in text.to_dict().items() if k not in _FORWARD_NEUTRAL_FIELDS}
-
-
-def refuse_other_forward(path: Path, served_config, new_config: dict) -> None:
-    """A weight update keeps the served model's code and config: refuses (``incompatible``) a
-    checkpoint whose config.json would compute otherwise (a norm's epsilon, rope, activation,
-    routing), whose weights would then be scored under the old settings. ``new_config`` has
-    passed ``check_checkpoint``, which built a model from it."""
-    if served_config is None:
-        return
-    new = forward_settings(new_config)
-    served = forward_settings(served_config)
-    differ = [f"{k} {served.get(k)!r} -> {new.get(k)!r}" for k in sorted(served.keys() | new.keys()) if served.get(k) != new.get(k)]
-    if differ:
-        raise CheckpointError("incompatible", f"{path}: config.json computes otherwise than the served model's ({_names(differ)}); "
-                              "an update swaps weights only: serve a changed config by restarting with it")
-
-
-def read_config(path: Path) -> dict:
-    if not path.is_dir():
-        raise CheckpointError("unsupported", f"{path} is not a directory; expected a Hugging Face checkpoint directory")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError("unsupported", f"{path} has no config.json; expected a Hugging Face checkpoint directory")
-    try:
-        config = json.loads(config_file.read_text())
-    except (ValueError, OSError) as exc:
-        # a config cut short is often one still being written: the retryable kind
-        raise CheckpointError("unreadable", f"{config_file} is not readable JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise CheckpointError("unsupported", f"{config_file} must hold a JSON object, got {type(config).__name__}")
-    return _tie_as_multimodal(config)
-
-
-def _tie_as_multimodal(config: dict) -> dict:
-    """A multimodal config with ``text_config`` ties the language model's head to its embedding as
-    its top level says (false when absent), whatever ``text_config`` says: Hugging Face's
-    multimodal class reads the top level, and its ``save_pretrained`` writes the tie only there."""
-    inner = config.get("text_config")
-    if not isinstance(inner, dict):
-        return config
-    tie = config.get("tie_word_embeddings", False) is True
-    if inner.get("tie_word_embeddings", False) is tie:
-        return config
-    return {**config, "text_config": {**inner, "tie_word_embeddings": tie}}
-
-
-def text_config(config: dict) -> dict:
-    """The language model's part of a (possibly multimodal) config."""
-    inner = config.get("text_config")
-    return inner if isinstance(inner, dict) else config
-
-
-def context_length(config: dict, default_positions: int = 0) -> int:
-    """Longest sequence the config's positions allow: ``max_position_embeddings`` (``default_positions``
-    where the config has none), or with yarn rope scaling ``factor * original_max_position_embeddings``
-    when that is larger."""
-    text = text_config(config)
-    base = int(text.get("max_position_embeddings") or config.get("max_position_embeddings") or default_positions)
-    rope = text.get("rope_scaling") or text.get("rope_parameters") or config.get("rope_scaling") or {}
-    if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type")) != "yarn":
-        return base
-    original = int(rope.get("original_max_position_embeddings") or base)
-    factor = float(rope.get("factor") or (base / original if original else 1.0))
-    return max(base, int(factor * original))
-
-
-def _default_positions(config: dict) -> int:
-    """The ``max_position_embeddings`` transformers gives a config.json without one (the model is built with it)."""
-    if text_config(config).get("max_position_embeddings") or config.get("max_position_embeddings"):
-        return 0
-    return int(getattr(hf_config(config).get_text_config(), "max_position_embeddings", 0) or 0)
-
-
 INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -254,30 +150,6 @@ def assert_fully_loaded(path: Path, info: dict) -> None:
 # Reading.
 
 
-def _quantization(path: Path, config: dict) -> str | None:
-    quant = config.get("quantization_config") or text_config(config).get("quantization_config")
-    if not quant:
-        return None
-    method = quant.get("quant_method") if isinstance(quant, dict) else None
-    if method != "fp8":
-        raise CheckpointError(
-            "unsupported",
-            f"{path}: quantization_config.quant_method {method!r} is not supported; packscore loads unquantized "
-            "checkpoints and FP8 block-scaled ones (quant_method 'fp8', dequantized at load)",
-        )
-    block = quant.get("weight_block_size")
-    if block is not None and (not isinstance(block, list) or len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):
-        raise CheckpointError("unsupported", f"{path}: FP8 weight_block_size must be two positive integers, got {block!r}")
-    return "fp8"
-
-
-def fp8_block_size(config: dict) -> tuple[int, int] | None:
-    """The FP8 scaling block ``(rows, cols)`` of the config, or None for one scale per tensor."""
-    quant = config.get("quantization_config") or text_config(config).get("quantization_config") or {}
-    block = quant.get("weight_block_size")
-    return (int(block[0]), int(block[1])) if block else None
-
-
 def _read_headers(path: Path, files: list[Path]) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     from safetensors import safe_open
 
@@ -308,7 +180,6 @@ def _read_headers(path: Path, files: list[Path]) -> tuple[dict[str, tuple[int, .
                 raise CheckpointError("unreadable", f"{file} is a safetensors file that fails to read: {exc}") from None
             raise CheckpointError("unsupported", f"{file} is not a readable safetensors file: {exc}") from None
     return shapes, dtypes
-
 
 
 def _refuse_float8(path: Path, dtypes: dict[str, str]) -> None:
@@ -356,99 +227,7 @@ def fp8_scale_shape(weight_shape: tuple[int, ...], block: tuple[int, int] | None
     return (*lead, -(-rows // block[0]), -(-cols // block[1]))
 
 
-# Settings packscore's forward does not compute as Hugging Face's: refused, never scored otherwise.
-
-SILU_ACTIVATIONS = ("silu", "swish")  # what the packed delta-rule conv and the MoE experts compute
-PER_SEQUENCE_ROPE = ("longrope",)  # Hugging Face picks their frequencies by each sequence's own length
-
-
-def _refuse_other_forward_settings(path: Path, config: dict, kind: str = "unsupported") -> None:
-    """Refuses (``kind``), naming the field, a config whose forward packscore would not
-    compute as Hugging Face's does; runs on a config that ``_model_tensors`` has built a model from."""
-    text = hf_config(config)
-    text = text.get_text_config() if hasattr(text, "get_text_config") else text
-    kinds = list(text.layer_types or ())
-    unknown = sorted({str(k) for k in kinds if k not in LAYER_KINDS})
-    if unknown:
-        raise CheckpointError(kind, f"{path}: layer_types holds {_names(repr(k) for k in unknown)}; "
-                              f"packscore runs {' and '.join(LAYER_KINDS)} layers only")
-    act = getattr(text, "hidden_act", "silu")
-    # A dense MLP runs Hugging Face's own module, any activation; the delta-rule conv and the experts are SiLU only.
-    if act not in SILU_ACTIVATIONS and ("linear_attention" in kinds or (getattr(text, "num_experts", 0) or 0) > 0):
-        raise CheckpointError(kind, f"{path}: hidden_act {act!r} is not supported: packscore's linear-attention "
-                              f"convolution and MoE experts compute SiLU, as Hugging Face does for hidden_act 'silu'")
-    rope = text.rope_parameters if isinstance(getattr(text, "rope_parameters", None), dict) else {}
-    per_kind = [v for v in rope.values() if isinstance(v, dict)] or [rope]  # rope_parameters may be keyed by layer type
-    for params in per_kind:
-        if params.get("rope_type") in PER_SEQUENCE_ROPE:
-            raise CheckpointError(kind, f"{path}: rope_parameters rope_type {params['rope_type']!r} is not "
-                                  "supported: Hugging Face picks its frequencies by each sequence's length, which a "
-                                  "packed row or a shared prefix does not have")
-
-
 # Matching against the model.
-
-
-def hf_config(config: dict):
-    """transformers' config object for a config.json dict, its quantization left out (FP8 weights
-    are dequantized at load: the model is the unquantized one)."""
-    from transformers import AutoConfig
-
-    plain = {k: v for k, v in config.items() if k != "quantization_config"}
-    if isinstance(plain.get("text_config"), dict):
-        plain["text_config"] = {k: v for k, v in plain["text_config"].items() if k != "quantization_config"}
-    return AutoConfig.for_model(plain.pop("model_type"), **plain)
-
-
-def build_meta_model(config: dict):
-    """The Hugging Face causal LM the config describes, on the meta device (no memory, no data).
-
-    Built in the default dtype: given the config's, transformers would set torch's default dtype
-    for the whole process meanwhile, under a model serving in another thread (a weight update
-    checks its checkpoint with this), whose new tensors and compiled functions would see it.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config(config), dtype=None)
-
-
-def _model_tensors(path: Path, config: dict) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
-    """The model's tensor names -> shapes, one name per tensor, and its tied aliases -> that name."""
-    try:
-        needed, aliases = _tensors_of_config(json.dumps(_without(config, _BUILD_NEUTRAL_FIELDS), sort_keys=True))
-    except Exception as exc:  # a config transformers cannot build a model from
-        reason = " ".join(str(exc).split())  # transformers' validation errors span lines: the CLI prints one
-        raise CheckpointError("incompatible", f"{path}: config.json does not describe a buildable model: {reason}") from None
-    return dict(needed), dict(aliases)
-
-
-# Fields that never change the model built (it is built in the default dtype): left out of the key.
-_BUILD_NEUTRAL_FIELDS = frozenset({"dtype", "torch_dtype", "transformers_version", "_name_or_path"})
-
-
-def _without(config: dict, fields: frozenset) -> dict:
-    """``config`` without ``fields``, at its top level and in its sub-models' configs (``text_config``...)."""
-    return {k: _without(v, fields) if isinstance(v, dict) and k.endswith("_config") and k != "quantization_config" else v
-            for k, v in config.items() if k not in fields}
-
-
-# Kept per config: a weight update's checkpoint usually has the served one's config, and building
-# a model holds the GIL for the whole build, in which the forwards beside it stop.
-@lru_cache(maxsize=16)
-def _tensors_of_config(config_json: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
-    model = build_meta_model(json.loads(config_json))
-    needed: dict[str, tuple[int, ...]] = {}
-    aliases: dict[str, str] = {}
-    first_name: dict[int, str] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        owner = first_name.setdefault(id(tensor), name)
-        if owner == name:
-            needed[name] = tuple(tensor.shape)
-        else:
-            aliases[name] = owner  # a tied weight (lm_head.weight tied to the embedding)
-    return needed, aliases
 
 
 def _match(path: Path, stored: dict, needed: dict, aliases: dict) -> dict[str, tuple[int, ...]]:
@@ -583,12 +362,6 @@ def _parts(*groups) -> list[str]:
         verb = "differ" if state is None else f"{_are(items)} {state}"
         out.append(f"{subject} {verb} ({_names(items)})")
     return out
-
-
-def _names(items) -> str:
-    items = list(items)
-    shown = ", ".join(str(i) for i in items[:SHOWN])
-    return shown + (f", ... and {len(items) - SHOWN} more" if len(items) > SHOWN else "")
 
 
 def _count(items, noun: str) -> str:

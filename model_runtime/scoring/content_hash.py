@@ -23,7 +23,8 @@ import numpy as np
 import torch
 import xxhash
 
-from model_runtime.scoring.checkpoint import CheckpointError, safetensors_files
+from model_runtime.scoring.checkpoint import safetensors_files
+from model_runtime.scoring.checkpoint_error import CheckpointError
 from model_runtime.scoring.tensor_file import _DTYPES, PieceDigest, TensorFileError, read_header
 
 # The nice value of the threads that hash a checkpoint (Linux: each thread has its own): where the

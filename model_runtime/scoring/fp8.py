@@ -16,7 +16,8 @@ from contextlib import ExitStack
 
 import torch
 
-from model_runtime.scoring.checkpoint import FP8_SCALE_SUFFIX, IGNORED_PREFIXES, CheckpointSpec, fp8_block_size
+from model_runtime.scoring.checkpoint import FP8_SCALE_SUFFIX, IGNORED_PREFIXES, CheckpointSpec
+from model_runtime.scoring.checkpoint_config import fp8_block_size
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:

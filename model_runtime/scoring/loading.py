@@ -17,8 +17,8 @@ import torch
 from model_runtime.kernels.registry import KernelBackends, select_backends
 from model_runtime.model.architectures import architecture_for
 from model_runtime.model.causal_lm import PackedCausalLM, PatchReport, patch_for_packing
-from model_runtime.scoring.checkpoint import (CheckpointSpec, assert_fully_loaded, build_meta_model, check_checkpoint,
-                                              hf_config)
+from model_runtime.scoring.checkpoint import CheckpointSpec, assert_fully_loaded, check_checkpoint
+from model_runtime.scoring.checkpoint_config import build_meta_model, hf_config
 from model_runtime.scoring.presets import PRESETS, build_config
 from model_runtime.scoring.content_hash import START_HASH_THREADS, content_version
 from model_runtime.scoring.weights import files_snapshot, non_finite, non_finite_error

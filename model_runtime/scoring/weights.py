@@ -36,8 +36,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model_runtime.scoring.checkpoint import (INDEX_NAME, CheckpointError, check_checkpoint, index_shards,
-                                             refuse_other_forward, safetensors_files)
+from model_runtime.scoring.checkpoint import INDEX_NAME, check_checkpoint, index_shards, safetensors_files
+from model_runtime.scoring.checkpoint_config import refuse_other_forward
+from model_runtime.scoring.checkpoint_error import CheckpointError
 from model_runtime.scoring.content_hash import (CONTENT_VERSION_PREFIX, FLOAT_BITS, ReadDigests, finite_bits,
                                                 scan_tensors)
 from model_runtime.scoring.tensor_file import Staging, TensorFile, staging_for

@@ -16,7 +16,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from model_runtime.scoring.backend import BackendUnavailableError, UpdateInProgressError
-from model_runtime.scoring.checkpoint import CheckpointError, index_shards
+from model_runtime.scoring.checkpoint import index_shards
+from model_runtime.scoring.checkpoint_error import CheckpointError
 from model_runtime.scoring.weights import RESERVED_VERSION_PREFIXES, files_snapshot
 from service.http.errors import ApiError, backend_unavailable, from_validation_errors, is_out_of_memory
 from service.http.schemas import WeightsRequest

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from model_runtime.pool.pool import start_pool
-from model_runtime.scoring.checkpoint import CheckpointError
+from model_runtime.scoring.checkpoint_error import CheckpointError
 from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.scorer import Scorer
 from model_runtime.scoring.content_hash import content_version

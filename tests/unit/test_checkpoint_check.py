@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from model_runtime.scoring import loading
-from model_runtime.scoring.checkpoint import CheckpointError, assert_fully_loaded, check_checkpoint, context_length
+from model_runtime.scoring.checkpoint import assert_fully_loaded, check_checkpoint
+from model_runtime.scoring.checkpoint_config import context_length
+from model_runtime.scoring.checkpoint_error import CheckpointError
 from model_runtime.scoring.fp8 import dequantize_fp8
 from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.scorer import Scorer
@@ -233,7 +235,8 @@ def test_a_weight_file_without_read_permission_is_named_with_the_reason(checkpoi
         ck.chmod(0o755)
         (ck / "config.json").chmod(0o644)
         (ck / "model.safetensors").chmod(0o000)
-        code = ("from model_runtime.scoring.checkpoint import check_checkpoint, CheckpointError\n"
+        code = ("from model_runtime.scoring.checkpoint import check_checkpoint\n"
+                "from model_runtime.scoring.checkpoint_error import CheckpointError\n"
                 f"try: check_checkpoint({str(ck)!r})\nexcept CheckpointError as e: print(e.kind, e)")
         as_user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
         if as_user and shutil.which("setpriv") is None:
@@ -280,14 +283,14 @@ def test_a_config_checked_again_builds_no_model_and_gives_the_same_tensors(kind,
     """A weight update checks a checkpoint whose config is usually the served one's: the model
     built from it on the meta device is not built again (it holds the GIL beside the forwards),
     and what the check returns is still each call's own; another config is built."""
-    from model_runtime.scoring import checkpoint
+    from model_runtime.scoring import checkpoint_config
 
-    checkpoint._tensors_of_config.cache_clear()
+    checkpoint_config._tensors_of_config.cache_clear()
     first = check_checkpoint(checkpoint_dir(kind))
     first.tensors.clear()  # a caller's change reaches no later check
     built = []
-    real = checkpoint.build_meta_model
-    monkeypatch.setattr(checkpoint, "build_meta_model", lambda config: built.append(config) or real(config))
+    real = checkpoint_config.build_meta_model
+    monkeypatch.setattr(checkpoint_config, "build_meta_model", lambda config: built.append(config) or real(config))
     again = check_checkpoint(checkpoint_dir(kind))
     assert not built, "the same config was built again"
     fresh = check_checkpoint(checkpoint_dir(kind))

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from model_runtime.scoring.checkpoint import CheckpointError, check_checkpoint
+from model_runtime.scoring.checkpoint import check_checkpoint
+from model_runtime.scoring.checkpoint_error import CheckpointError
 from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.scorer import Scorer
 from model_runtime.types import SequenceInput

@@ -398,7 +398,7 @@ def test_the_lock_is_on_the_out_that_is_written_when_a_refused_run_removed_it_me
 
 
 def test_a_checkpoint_refused_once_loaded_stops_the_run_with_one_line_and_no_out(monkeypatch, tmp_path, capsys):
-    from model_runtime.scoring.checkpoint import CheckpointError
+    from model_runtime.scoring.checkpoint_error import CheckpointError
 
     def refuse(settings):  # what loading.py raises for a weight holding NaN, after the pre-check passed
         raise CheckpointError("non_finite", "checkpoint /ckpt: 1 weight tensor holds NaN or infinite values (w)")

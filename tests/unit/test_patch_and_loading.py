@@ -11,7 +11,7 @@ from model_runtime.kernels.registry import select_backends
 from model_runtime.model.architectures import ARCHITECTURES
 from model_runtime.model.causal_lm import PatchError, patch_for_packing
 from model_runtime.model.layers import PackedAttention, PackedGatedDeltaNet
-from model_runtime.scoring.checkpoint import CheckpointError
+from model_runtime.scoring.checkpoint_error import CheckpointError
 from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.presets import PRESETS
 from model_runtime.scoring.scorer import Scorer

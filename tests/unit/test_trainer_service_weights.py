@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from model_runtime.scoring.checkpoint import CheckpointError
+from model_runtime.scoring.checkpoint_error import CheckpointError
 from service.http.app import create_app
 from service.settings import Settings
 from service.testing import FAKE_VERSION, FakeBackend, running_app, wait_until

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from model_runtime.scoring import content_hash, weights
 from model_runtime.scoring.backend import LocalBackend
-from model_runtime.scoring.checkpoint import CheckpointError
+from model_runtime.scoring.checkpoint_error import CheckpointError
 from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.scorer import Scorer
 from model_runtime.scoring.content_hash import content_version

@@ -212,7 +212,7 @@ def test_a_recorded_checkpoint_that_cannot_be_served_waits_for_an_update_not_rea
     settings.weights_record.write_text(json.dumps({"format": 1, "models": {"policy-ckpt": entry}}))
 
     def check(path):
-        from model_runtime.scoring.checkpoint import CheckpointError
+        from model_runtime.scoring.checkpoint_error import CheckpointError
 
         if path.name == "step-1" and case == "refused":
             raise CheckpointError("incompatible", f"{path.name}: layers.0 has shape [4, 4], the model [8, 8]")

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model_runtime.scoring.backend import LocalBackend
-from model_runtime.scoring.checkpoint import CheckpointError
+from model_runtime.scoring.checkpoint_error import CheckpointError
 from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.scorer import Scorer
 from model_runtime.scoring.content_hash import content_version
@@ -408,7 +408,7 @@ def test_checking_a_checkpoint_leaves_the_process_default_dtype_alone(kind, chec
     """An update checks its checkpoint (a model built on the meta device) while another thread
     serves: torch's default dtype is process-wide, and a bf16 default there would reach that
     thread's new tensors and the guards of its compiled functions."""
-    from model_runtime.scoring.checkpoint import _tensors_of_config
+    from model_runtime.scoring.checkpoint_config import _tensors_of_config
     from tests.checkpoints import rewrite_checkpoint
 
     path = rewrite_checkpoint(checkpoint_dir(kind), tmp_path / "bf16", edit_config=lambda c: {**c, "dtype": "bfloat16"})
