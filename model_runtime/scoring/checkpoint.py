@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from model_runtime.model.architectures import UnsupportedModelError, architecture_for
-from model_runtime.scoring.checkpoint_config import (_default_positions, _model_tensors, _quantization,
-                                                     _refuse_other_forward_settings, context_length, fp8_block_size,
-                                                     read_config)
-from model_runtime.scoring.checkpoint_error import CheckpointError, _names
+from model_runtime.scoring.checkpoint_config import (config_default_positions, context_length, fp8_block_size,
+                                                     model_tensors, quantization_method, read_config,
+                                                     refuse_other_forward_settings)
+from model_runtime.scoring.checkpoint_error import CheckpointError, quoted_names
 
 IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.")  # never loaded: the vision tower, multi-token prediction
 FP8_SCALE_SUFFIX = "_scale_inv"  # "<name>.weight_scale_inv" scales "<name>.weight" block by block
@@ -70,16 +70,16 @@ def check_checkpoint(path: Path, *, expected: dict[str, tuple[int, ...]] | None 
         architecture = architecture_for(model_type)
     except UnsupportedModelError as exc:
         raise CheckpointError("unsupported", f"{path}: {exc}") from None
-    quantization = _quantization(path, config)
+    quantization = quantization_method(path, config)
     files = safetensors_files(path)
     stored, dtypes = _read_headers(path, files)
     if quantization == "fp8":
         stored = _fp8_weight_shapes(path, config, stored, dtypes)
     else:
         _refuse_float8(path, dtypes)
-    needed, aliases = _model_tensors(path, config)
+    needed, aliases = model_tensors(path, config)
     # against a served model (an update) such a config is one the served model does not share
-    _refuse_other_forward_settings(path, config, "unsupported" if expected is None else "incompatible")
+    refuse_other_forward_settings(path, config, "unsupported" if expected is None else "incompatible")
     tensors = _match(path, stored, needed, aliases)
     _refuse_a_second_tied_head(path, files, stored, needed, aliases)
     if expected is not None:
@@ -90,7 +90,7 @@ def check_checkpoint(path: Path, *, expected: dict[str, tuple[int, ...]] | None 
         architecture=architecture.name,
         tensors=tensors,
         config=config,
-        max_model_len=context_length(config, default_positions=_default_positions(config)),
+        max_model_len=context_length(config, default_positions=config_default_positions(config)),
         quantization=quantization,
         files=tuple(files),
     )
@@ -121,16 +121,16 @@ def safetensors_files(path: Path) -> list[Path]:
         # A shard is a file of this directory, as Hugging Face writes them: never a path elsewhere.
         odd = [n for n in names if not isinstance(n, str) or Path(n).name != n or n in (".", "..")]
         if odd:
-            raise CheckpointError("unsupported", f"{index} names shards that are not files of {path}: {_names(odd)}")
+            raise CheckpointError("unsupported", f"{index} names shards that are not files of {path}: {quoted_names(odd)}")
         files = [path / name for name in names]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
-            raise CheckpointError("incomplete", f"{path}: shards listed in {index.name} are missing: {_names(absent)}")
+            raise CheckpointError("incomplete", f"{path}: shards listed in {index.name} are missing: {quoted_names(absent)}")
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
         pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
-        extra = f" (found {_names(pickles)}: pickled weights are never read)" if pickles else ""
+        extra = f" (found {quoted_names(pickles)}: pickled weights are never read)" if pickles else ""
         raise CheckpointError("unsupported", f"{path} has no *.safetensors weights; packscore loads safetensors only{extra}")
     return files
 
@@ -144,7 +144,7 @@ def assert_fully_loaded(path: Path, info: dict) -> None:
     if missing or unexpected:
         raise CheckpointError("incomplete", _gaps_message(path, missing, unexpected, mismatched, after_load=True))
     if mismatched or errors:
-        raise CheckpointError("incompatible", f"{path}: loading reported differing shapes or errors: {_names(mismatched + errors)}")
+        raise CheckpointError("incompatible", f"{path}: loading reported differing shapes or errors: {quoted_names(mismatched + errors)}")
 
 
 # Reading.
@@ -186,7 +186,7 @@ def _refuse_float8(path: Path, dtypes: dict[str, str]) -> None:
     float8 = sorted(k for k, d in dtypes.items() if d.startswith("F8") and not k.startswith(IGNORED_PREFIXES))
     if float8:
         raise CheckpointError(
-            "unsupported", f"{path}: float8 tensors without an FP8 quantization_config in config.json: {_names(float8)}"
+            "unsupported", f"{path}: float8 tensors without an FP8 quantization_config in config.json: {quoted_names(float8)}"
         )
 
 
@@ -215,7 +215,7 @@ def _fp8_weight_shapes(path: Path, config: dict, stored: dict, dtypes: dict) -> 
             )
     unscaled = sorted(k for k, d in dtypes.items() if d.startswith("F8") and k + FP8_SCALE_SUFFIX not in stored and not k.startswith(IGNORED_PREFIXES))
     if unscaled:
-        raise CheckpointError("incomplete", f"{path}: FP8 weights without a {FP8_SCALE_SUFFIX} scale: {_names(unscaled)}")
+        raise CheckpointError("incomplete", f"{path}: FP8 weights without a {FP8_SCALE_SUFFIX} scale: {quoted_names(unscaled)}")
     return out
 
 
@@ -268,7 +268,7 @@ def _match(path: Path, stored: dict, needed: dict, aliases: dict) -> dict[str, t
     if missing or unexpected:
         raise CheckpointError("incomplete", _gaps_message(path, missing, unexpected, mismatched))
     if mismatched:
-        raise CheckpointError("incompatible", f"{path}: tensor shapes differ from what config.json describes: {_names(mismatched)}")
+        raise CheckpointError("incompatible", f"{path}: tensor shapes differ from what config.json describes: {quoted_names(mismatched)}")
     return {name: needed[name] for name in needed}
 
 
@@ -360,7 +360,7 @@ def _parts(*groups) -> list[str]:
         *qualifier, state = words
         subject = " ".join([_count(items, noun), *qualifier])
         verb = "differ" if state is None else f"{_are(items)} {state}"
-        out.append(f"{subject} {verb} ({_names(items)})")
+        out.append(f"{subject} {verb} ({quoted_names(items)})")
     return out
 
 

@@ -3,9 +3,9 @@
 ``read_config`` reads it (a multimodal config's head tie as its top level says); ``text_config``,
 ``context_length`` and ``fp8_block_size`` read the language model's part of it. ``hf_config`` and
 ``build_meta_model`` give transformers' config object and the causal LM it builds on the meta
-device, whose tensor names and shapes (``_model_tensors``, kept per config) are what
+device, whose tensor names and shapes (``model_tensors``, kept per config) are what
 ``checkpoint.check_checkpoint`` matches the files against. Settings packscore's forward would not
-compute as Hugging Face's are refused (``_refuse_other_forward_settings``), and so is a weight
+compute as Hugging Face's are refused (``refuse_other_forward_settings``), and so is a weight
 update whose config would compute otherwise than the served model's (``refuse_other_forward``).
 Every refusal is a ``CheckpointError``.
 """
@@ -17,7 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from model_runtime.model.architectures import LAYER_KINDS
-from model_runtime.scoring.checkpoint_error import CheckpointError, _names
+from model_runtime.scoring.checkpoint_error import CheckpointError, quoted_names
 
 
 def read_config(path: Path) -> dict:
@@ -69,14 +69,14 @@ def context_length(config: dict, default_positions: int = 0) -> int:
     return max(base, int(factor * original))
 
 
-def _default_positions(config: dict) -> int:
+def config_default_positions(config: dict) -> int:
     """The ``max_position_embeddings`` transformers gives a config.json without one (the model is built with it)."""
     if text_config(config).get("max_position_embeddings") or config.get("max_position_embeddings"):
         return 0
     return int(getattr(hf_config(config).get_text_config(), "max_position_embeddings", 0) or 0)
 
 
-def _quantization(path: Path, config: dict) -> str | None:
+def quantization_method(path: Path, config: dict) -> str | None:
     quant = config.get("quantization_config") or text_config(config).get("quantization_config")
     if not quant:
         return None
@@ -128,7 +128,7 @@ def build_meta_model(config: dict):
         return AutoModelForCausalLM.from_config(hf_config(config), dtype=None)
 
 
-def _model_tensors(path: Path, config: dict) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+def model_tensors(path: Path, config: dict) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     """The model's tensor names -> shapes, one name per tensor, and its tied aliases -> that name."""
     try:
         needed, aliases = _tensors_of_config(json.dumps(_without(config, _BUILD_NEUTRAL_FIELDS), sort_keys=True))
@@ -171,15 +171,15 @@ SILU_ACTIVATIONS = ("silu", "swish")  # what the packed delta-rule conv and the 
 PER_SEQUENCE_ROPE = ("longrope",)  # Hugging Face picks their frequencies by each sequence's own length
 
 
-def _refuse_other_forward_settings(path: Path, config: dict, kind: str = "unsupported") -> None:
+def refuse_other_forward_settings(path: Path, config: dict, kind: str = "unsupported") -> None:
     """Refuses (``kind``), naming the field, a config whose forward packscore would not
-    compute as Hugging Face's does; runs on a config that ``_model_tensors`` has built a model from."""
+    compute as Hugging Face's does; runs on a config that ``model_tensors`` has built a model from."""
     text = hf_config(config)
     text = text.get_text_config() if hasattr(text, "get_text_config") else text
     kinds = list(text.layer_types or ())
     unknown = sorted({str(k) for k in kinds if k not in LAYER_KINDS})
     if unknown:
-        raise CheckpointError(kind, f"{path}: layer_types holds {_names(repr(k) for k in unknown)}; "
+        raise CheckpointError(kind, f"{path}: layer_types holds {quoted_names(repr(k) for k in unknown)}; "
                               f"packscore runs {' and '.join(LAYER_KINDS)} layers only")
     act = getattr(text, "hidden_act", "silu")
     # A dense MLP runs Hugging Face's own module, any activation; the delta-rule conv and the experts are SiLU only.
@@ -226,5 +226,5 @@ def refuse_other_forward(path: Path, served_config, new_config: dict) -> None:
     served = forward_settings(served_config)
     differ = [f"{k} {served.get(k)!r} -> {new.get(k)!r}" for k in sorted(served.keys() | new.keys()) if served.get(k) != new.get(k)]
     if differ:
-        raise CheckpointError("incompatible", f"{path}: config.json computes otherwise than the served model's ({_names(differ)}); "
+        raise CheckpointError("incompatible", f"{path}: config.json computes otherwise than the served model's ({quoted_names(differ)}); "
                               "an update swaps weights only: serve a changed config by restarting with it")

@@ -24,7 +24,7 @@ class CheckpointError(ValueError):
         self.kind = kind
 
 
-def _names(items) -> str:
+def quoted_names(items) -> str:
     items = list(items)
     shown = ", ".join(str(i) for i in items[:SHOWN])
     return shown + (f", ... and {len(items) - SHOWN} more" if len(items) > SHOWN else "")
