@@ -368,12 +368,16 @@ def _add_weights_route(app: FastAPI, service: Service, root) -> None:
             MSGPACK: {"schema": {"$ref": "#/components/schemas/WeightsRequest"}}}}},
     )
     async def weights(request: Request) -> Response:
-        if service.phase not in ("ready", "awaiting_weights"):  # a withheld model waits for just this
-            raise not_ready(service)
-        encoding = request_encoding(request.headers.get("content-type"), request.headers.get("content-encoding"))
-        limit = min(1 << 20, service.limits.max_request_bytes) if service.limits is not None else 1 << 20
-        body = decode_body(await read_body(request, limit, service, "the lower of 1 MiB and max_request_bytes",
-                                           "a weights request holds a model, a path and a version"), encoding)
+        try:
+            if service.phase not in ("ready", "awaiting_weights"):  # a withheld model waits for just this
+                raise not_ready(service)
+            encoding = request_encoding(request.headers.get("content-type"), request.headers.get("content-encoding"))
+            limit = min(1 << 20, service.limits.max_request_bytes) if service.limits is not None else 1 << 20
+            body = decode_body(await read_body(request, limit, service, "the lower of 1 MiB and max_request_bytes",
+                                               "a weights request holds a model, a path and a version"), encoding)
+        except ApiError as exc:  # an update refused before its body names a model is a failed update too
+            service.metrics.weights_updates.labels(model="", outcome=exc.type).inc()
+            raise
         answer = await update_weights(service, body, root)
         return Response(encode_json(answer), media_type=JSON)
 

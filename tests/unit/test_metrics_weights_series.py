@@ -1,0 +1,47 @@
+"""The weight-update series an operator alerts and graphs on: at zero from the start (``rate()`` and
+``increase()`` miss the first event of a series that appears with it), and every answer of
+POST /v1/weights past the key check counted in ``packscore_weights_updates_total``."""
+
+import asyncio
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.http.app import create_app
+from service.settings import Settings
+from service.testing import running_app
+from tests.unit.trainer_service import KEY, make_weights_root, two_models
+
+pytestmark = pytest.mark.usefixtures("no_packscore_env")
+
+
+def _samples(text: str) -> dict[tuple, float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_every_refusal_of_the_weights_route_past_the_key_is_counted(tmp_path):
+    settings = Settings(weights_root=make_weights_root(tmp_path), api_key=KEY)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    sent = [  # (headers, body): the route's own refusals, before and after its body names a model
+        ({**auth, "Content-Type": "application/json"}, b"{not json"),
+        ({**auth, "Content-Type": "text/x-weird"}, b"{}"),
+        ({**auth, "Content-Type": "application/json"}, b'{"path": "' + b"x" * (2 << 20) + b'"}'),
+        ({**auth, "Content-Type": "application/json"}, b'{"model": "policy", "path": "../up"}'),
+        ({**auth, "Content-Type": "application/json"}, b'{"model": "nope", "path": "step-1"}'),
+        ({"Content-Type": "application/json"}, b'{"model": "policy", "path": "step-1"}'),  # no key: the gate's 401
+    ]
+
+    async def main():
+        async with running_app(create_app(settings, two_models())) as client:
+            answers = [await client.post("/v1/weights", content=body, headers=headers) for headers, body in sent]
+            return answers, (await client.get("/metrics", headers=auth)).text
+
+    answers, text = asyncio.run(main())
+    types = [a.json()["error"]["type"] for a in answers]
+    assert types == ["malformed_body", "unsupported_content_type", "body_too_large", "forbidden_path",
+                     "model_not_found", "unauthorized"], types
+    counted = {dict(labels)["outcome"]: (dict(labels)["model"], value) for (name, labels), value in _samples(text).items()
+               if name == "packscore_weights_updates_total" and value}
+    assert counted == {"malformed_body": ("", 1.0), "unsupported_content_type": ("", 1.0), "body_too_large": ("", 1.0),
+                       "forbidden_path": ("policy", 1.0), "model_not_found": ("", 1.0)}, counted
