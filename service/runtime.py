@@ -239,6 +239,8 @@ class Service:
         self.models[name] = ServedModel(name, backend, limits, key)
         self.metrics.describe_model(info, name)
         self.metrics.weights_awaited.labels(model=name).set(0)
+        if s.weights_root is not None:
+            self.metrics.expect_updates(name, recorded=self.record is not None)
         if info.slow_kernels:
             log.warning("slow reference kernels in use for %s", ", ".join(info.slow_kernels))
 

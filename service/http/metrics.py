@@ -223,5 +223,15 @@ class Metrics:
         for histogram in (self.rollout_mean_abs_diff, self.rollout_max_abs_diff, self.rollout_k3_kl):
             histogram.labels(model=served_name)  # at zero from the start, so a dashboard finds the series
 
+    def expect_updates(self, model: str, *, recorded: bool) -> None:
+        """The weight-update series of a model that can be updated (``--weights-root``), at zero from
+        the start: ``rate()`` and ``increase()`` miss the first event of a series that appears with it.
+        ``recorded``: ``--weights-record`` is set, so a record write can fail."""
+        self.weights_updates.labels(model=model, outcome="ok")
+        self.weights_load_seconds.labels(model=model)
+        self.weights_swap_seconds.labels(model=model)
+        if recorded:
+            self.weights_record_failures.labels(model=model)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

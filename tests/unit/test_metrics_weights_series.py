@@ -20,6 +20,33 @@ def _samples(text: str) -> dict[tuple, float]:
             for f in text_string_to_metric_families(text) for s in f.samples}
 
 
+def _metrics_at_start(settings: Settings) -> dict[tuple, float]:
+    async def main():
+        async with running_app(create_app(settings, two_models())) as client:
+            return (await client.get("/metrics")).text
+
+    return _samples(asyncio.run(main()))
+
+
+def test_update_series_are_at_zero_from_the_start_for_every_model(tmp_path):
+    settings = Settings(weights_root=make_weights_root(tmp_path), weights_record=tmp_path / "record.json")
+    got = _metrics_at_start(settings)
+    for model in ("policy", "ref"):
+        m = (("model", model),)
+        for name, labels in (("packscore_weights_updates_total", (("model", model), ("outcome", "ok"))),
+                             ("packscore_weights_record_failures_total", m),
+                             ("packscore_weights_load_seconds_count", m), ("packscore_weights_swap_seconds_count", m)):
+            assert got.get((name, labels)) == 0.0, f"{name}{dict(labels)} not at 0 at start"
+
+
+def test_no_record_failure_series_without_a_record_and_no_update_series_without_a_root(tmp_path):
+    names = {name for name, _ in _metrics_at_start(Settings(weights_root=make_weights_root(tmp_path)))}
+    assert "packscore_weights_updates_total" in names
+    assert "packscore_weights_record_failures_total" not in names  # nothing can fail to be written
+    names = {name for name, _ in _metrics_at_start(Settings())}
+    assert not {n for n in names if n.startswith("packscore_weights_") and n != "packscore_weights_awaited"}, names
+
+
 def test_every_refusal_of_the_weights_route_past_the_key_is_counted(tmp_path):
     settings = Settings(weights_root=make_weights_root(tmp_path), api_key=KEY)
     auth = {"Authorization": f"Bearer {KEY}"}
