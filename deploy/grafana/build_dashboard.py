@@ -42,9 +42,10 @@ def _quantiles(metric: str, by: str = "", qs=(0.5, 0.9, 0.99)) -> list[dict]:
     ]
 
 
-def _mean(metric: str, legend: str, ref: str) -> dict:
+def _mean(metric: str, legend: str, ref: str, by: str = "") -> dict:
+    group = f" by ({by})" if by else ""
     return _target(
-        f"sum(rate({metric}_sum{{{SEL}}}[{RATE}])) / sum(rate({metric}_count{{{SEL}}}[{RATE}]))",
+        f"sum{group} (rate({metric}_sum{{{SEL}}}[{RATE}])) / sum{group} (rate({metric}_count{{{SEL}}}[{RATE}]))",
         legend,
         ref,
     )
@@ -152,14 +153,17 @@ def build() -> dict:
                   [_target(f"sum by (instance) (rate(packscore_tokens_scored_total{{{SEL}}}[{RATE}]))",
                            "{{instance}}")],
                   "short", "Scoring throughput of each pod.", stack=True), 12, 8)
-    g.add(_series("Rejections / s by reason",
-                  [_target(f"sum by (reason) (rate(packscore_rejections_total{{{SEL}}}[{RATE}]))", "{{reason}}")],
-                  "reqps", "Requests refused before scoring (queue full, too large, invalid, unauthorised, draining...).",
-                  stack=True), 12, 8)
+    g.add(_series("Rejections / s by reason", [
+        _target(f"sum by (reason) (rate(packscore_rejections_total{{{SEL}}}[{RATE}]))", "{{reason}}", "A"),
+        _target(f"sum(rate(packscore_send_timeouts_total{{{SEL}}}[{RATE}]))", "send timeout (connection dropped)", "B"),
+    ], "reqps", "Requests refused or failed, by error type (queue full, too large, invalid, unauthorised, draining, "
+                "deadline, client gone...), and answers dropped because the client stopped reading (--send-timeout-s).",
+        stack=True), 12, 8)
     g.add(_series("Queue", [
         _target(f"sum by (instance) (packscore_queued_tokens{{{SEL}}})", "{{instance}} tokens", "A"),
         _target(f"sum by (instance) (packscore_queued_sequences{{{SEL}}})", "{{instance}} sequences", "B"),
-    ], "short", "Admitted work waiting for a GPU, per pod. A queue that stays high means too few GPUs."), 12, 8)
+    ], "short", "Admitted work not yet scored (waiting or in a forward), per pod. A queue that stays high means "
+                "too few GPUs."), 12, 8)
 
     g.row("Latency")
     g.add(_series("Request latency by route", _quantiles("packscore_request_latency_seconds", "route"), "s",
@@ -180,6 +184,46 @@ def build() -> dict:
                 "p10", "B"),
     ], "percentunit", "Packed tokens over the token budget of a forward. Low fill at high load: raise "
                       "--max-wait-ms; low fill at low load is expected."), 12, 8)
+    g.add(_series("Prefix tokens saved / s", [
+        _target(f"sum by (model) (rate(packscore_prefix_tokens_saved_total{{{SEL}}}[{RATE}]))", "{{model}} saved", "A"),
+        _target(f"sum by (model) (rate(packscore_tokens_scored_total{{{SEL}}}[{RATE}]))", "{{model}} scored", "B"),
+    ], "short", "Tokens not run because sequences of a row shared them as a prefix (a GRPO group's prompt), "
+                "beside the tokens scored."), 24, 8)
+
+    g.row("Weights and rollout mismatch")
+    g.add(_stat("Models awaiting weights", f"sum(packscore_weights_awaited{{{SEL}}})", "none",
+                "Models whose --weights-record checkpoint could not be served at start: the pod scores nothing and "
+                "stays not ready until a weight update of that model arrives (alert PackscoreAwaitingWeights).",
+                [{"color": "green", "value": None}, {"color": "red", "value": 1}]), 4, 8)
+    g.add(_stat("Record write failures", f"sum(increase(packscore_weights_record_failures_total{{{SEL}}}[$__range]))",
+                "none", "Updates that serve but could not be written to --weights-record in the time range: a restart "
+                "would serve the update recorded before (or --model). The log's ERROR line says why.",
+                [{"color": "green", "value": None}, {"color": "red", "value": 1}]), 4, 8)
+    g.add(_series("Weight updates by outcome",
+                  [_target(f"sum by (model, outcome) (increase(packscore_weights_updates_total{{{SEL}}}[{RATE}]))",
+                           "{{model}} {{outcome}}")],
+                  "none", "POST /v1/weights answers per interval: ok, or the error type of a failed update (the old "
+                          "version keeps serving; alert PackscoreWeightsUpdateFailed).", stack=True), 8, 8)
+    g.add(_series("Weight update load and swap", [
+        _mean("packscore_weights_load_seconds", "{{model}} load", "A", "model"),
+        _mean("packscore_weights_swap_seconds", "{{model}} swap", "B", "model"),
+    ], "s", "Mean per update: load, from the request to the new weights ready beside the old (the old version "
+            "serves meanwhile); swap, the pause between two forwards."), 8, 8)
+    g.add(_series("Rollout mismatch |d|", [
+        _target(f"histogram_quantile(0.5, sum by (le, model) "
+                f"(rate(packscore_rollout_mean_abs_diff_bucket{{{SEL}}}[{RATE}])))", "{{model}} mean |d| p50", "A"),
+        _target(f"histogram_quantile(0.9, sum by (le, model) "
+                f"(rate(packscore_rollout_mean_abs_diff_bucket{{{SEL}}}[{RATE}])))", "{{model}} mean |d| p90", "B"),
+        _target(f"histogram_quantile(0.9, sum by (le, model) "
+                f"(rate(packscore_rollout_max_abs_diff_bucket{{{SEL}}}[{RATE}])))", "{{model}} max |d| p90", "C"),
+    ], "none", "Per sequence sent with rollout_logprobs, d = packscore's log-prob - the rollout engine's: the "
+               "training/inference drift. A rise after a weight update: the rollout engine and packscore serve "
+               "different weights."), 12, 8)
+    g.add(_series("Rollout mismatch k3 KL", [
+        _mean("packscore_rollout_k3_kl", "{{model}} mean", "A", "model"),
+        _target(f"histogram_quantile(0.9, sum by (le, model) "
+                f"(rate(packscore_rollout_k3_kl_bucket{{{SEL}}}[{RATE}])))", "{{model}} p90", "B"),
+    ], "none", "Per sequence, mean(exp(d) - 1 - d): the k3 estimate of KL(rollout || served model)."), 12, 8)
 
     g.row("Pods")
     g.add(_series("Ready and workers alive by pod", [
@@ -189,12 +233,15 @@ def build() -> dict:
     g.add(_info_table("Served model", "packscore_model_info",
                       ["model", "architecture", "dtype", "device", "weights_version"],
                       "What each pod serves: model, architecture, dtype, device, weights version."), 12, 6)
-    g.add(_info_table("Kernels", "packscore_kernel_info", ["family", "backend"],
+    g.add(_info_table("Kernels", "packscore_kernel_info", ["model", "family", "backend"],
                       "Kernel backend per family. A GPU pod on a reference (CPU-style) backend is a bug."), 8, 6)
     g.add(_stat("Slow kernel fallback", f"max(packscore_slow_kernel_fallback{{{SEL}}})", "none",
                 "1 when some pod runs a kernel family on the slow per-sequence reference implementation "
                 "(only possible with --allow-slow-kernels).",
                 [{"color": "green", "value": None}, {"color": "red", "value": 1}]), 4, 6)
+    g.add(_info_table("Parallel layout", "packscore_parallel_info", ["model", "world_size", "dp", "sp", "fsdp"],
+                      "Workers of each pod and model: world size, data-parallel groups, sequence-parallel degree, FSDP."),
+          24, 6)
 
     def var(name: str, query: str, label: str) -> dict:
         return {"name": name, "label": label, "type": "query", "datasource": DS,
@@ -206,8 +253,8 @@ def build() -> dict:
     return {
         "uid": "packscore-overview",
         "title": "packscore",
-        "description": "Scoring service for RL trainers: traffic, latency, batching and fleet state "
-                       "from the packscore_ metrics.",
+        "description": "Scoring service for RL trainers: traffic, latency, batching, weight updates, rollout "
+                       "mismatch and fleet state from the packscore_ metrics.",
         "tags": ["packscore", "gpu", "rl"],
         "editable": True,
         "graphTooltip": 1,

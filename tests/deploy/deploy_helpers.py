@@ -43,16 +43,19 @@ def exported_series() -> dict[str, tuple[str, frozenset[str]]]:
     from prometheus_client.metrics import MetricWrapperBase
 
     from service.http.metrics import Metrics
+    from service.testing import FakeBackend
 
     metrics = Metrics()
+    metrics.describe_model(FakeBackend().info, "m")  # an info series' labels are its values' keys: written here
     # prometheus_client keeps a metric's label names on the metric object only.
-    labels = {m._name: frozenset(m._labelnames) for m in vars(metrics).values() if isinstance(m, MetricWrapperBase)}
+    labels = {m._name: set(m._labelnames) for m in vars(metrics).values() if isinstance(m, MetricWrapperBase)}
     suffixes = {"counter": ["_total"], "gauge": [""], "info": ["_info"], "histogram": ["_bucket", "_sum", "_count"]}
     series = {}
     for family in metrics.registry.collect():
+        written = {k for sample in family.samples for k in sample.labels} - {"le"}
         for suffix in suffixes[family.type]:
             le = {"le"} if suffix == "_bucket" else set()
-            series[family.name + suffix] = (family.type, labels.get(family.name, frozenset()) | le)
+            series[family.name + suffix] = (family.type, frozenset(labels.get(family.name, set()) | written | le))
     return series
 
 
