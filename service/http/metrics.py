@@ -164,7 +164,8 @@ class Metrics:
         )
         self.weights_record_failures = Counter(
             "packscore_weights_record_failures_total",
-            "Weight updates that serve but could not be written to --weights-record (a restart would serve --model).",
+            "Weight updates that serve but could not be written to --weights-record (a restart would serve the "
+            "update recorded before, or --model).",
             ["model"],
             registry=r,
         )

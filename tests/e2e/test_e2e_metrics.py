@@ -1,0 +1,119 @@
+"""GET /metrics of a real server as an operator's Prometheus reads it: every name under ``packscore_``,
+types and units in the names, every series documented in docs/deployment.md with its labels and every
+documented one exported, the series ``rate()`` needs there before their first event, and no label
+value a request can add."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+
+from tests.e2e.helpers import AUTH
+from tests.live_metrics import SERVED, documented, exercise, full_server, scrape
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The full server, scraped once right after it is ready (``at_start``) and once exercised (``after``)."""
+    server = full_server(tmp_path_factory.mktemp("metrics"))
+    try:
+        server.wait_ready(timeout=240)
+        at_start = scrape(server.url)
+        exercise(server.url)
+        yield server, at_start, scrape(server.url)
+    finally:
+        server.stop()
+
+
+def test_every_name_is_packscores_and_says_its_type_and_unit(server):
+    _, _, after = server
+    for family in after.families():
+        assert family.name.startswith("packscore_"), family.name
+        for sample in family.samples:
+            name = sample.name
+            assert name.startswith("packscore_"), name
+            assert name.endswith("_total") == (family.type == "counter"), f"{name} is a {family.type}"
+            if family.type == "histogram":
+                assert name.endswith(("_bucket", "_sum", "_count")), name
+            # A time is in seconds and says so, a size in bytes likewise.
+            unit = family.name.removesuffix("_total")
+            if "seconds" in unit or "time" in family.documentation.lower().split()[:2]:
+                assert unit.endswith("_seconds"), f"{family.name}: a time without _seconds"
+            if "bytes" in unit or "in bytes" in family.documentation:
+                assert unit.endswith("_bytes"), f"{family.name}: a size without _bytes"
+            assert "_ms" not in name and "millis" not in name, name
+
+
+def test_every_exported_series_is_documented_with_its_labels_and_type(server):
+    _, _, after = server
+    table = documented()
+    live = after.series()
+    expanded = {sample: (name, row) for name, row in table.items() for sample in row.sample_names(name)}
+    undocumented = sorted(set(live) - set(expanded))
+    assert not undocumented, f"exported, not in docs/deployment.md's metrics table: {undocumented}"
+    missing = sorted(set(expanded) - set(live))
+    assert not missing, f"in docs/deployment.md's metrics table, not on a live server's /metrics: {missing}"
+    types = {s.name: f.type for f in after.families() for s in f.samples}
+    for sample, (name, row) in expanded.items():
+        want = row.labels | ({"le"} if sample.endswith("_bucket") else set())
+        assert live[sample] == want, f"{sample}: documented labels {sorted(want)}, exported {sorted(live[sample])}"
+        kind = "gauge" if row.kind == "info" else row.kind
+        assert types[sample] == kind, f"{name}: documented as {row.kind}, exported as {types[sample]}"
+        assert (row.kind == "info") == name.endswith("_info"), name
+
+
+def test_the_series_rate_reads_are_there_before_their_first_event(server):
+    _, at_start, _ = server
+    for model in SERVED:
+        for name in ("packscore_tokens_scored_total", "packscore_prefix_tokens_saved_total",
+                     "packscore_forward_seconds_count", "packscore_queue_wait_seconds_count",
+                     "packscore_rollout_k3_kl_count", "packscore_weights_load_seconds_count",
+                     "packscore_weights_swap_seconds_count", "packscore_weights_record_failures_total"):
+            assert at_start.value(name, model=model) is not None, f"{name}{{model={model!r}}} absent at start"
+        assert at_start.value("packscore_weights_updates_total", model=model, outcome="ok") == 0.0, model
+        assert at_start.value("packscore_weights_awaited", model=model) == 0.0, model
+    for reason in ("queue_full", "deadline_exceeded", "invalid_value", "model_not_found", "internal_error"):
+        assert at_start.value("packscore_rejections_total", reason=reason) == 0.0, reason
+    assert at_start.value("packscore_send_timeouts_total") == 0.0
+
+
+def _hostile_round(url: str, tag: str) -> None:
+    """Requests whose model names, paths, content types, methods and ids are the client's own text."""
+    ids = {"X-Request-Id": f"rid-{tag}"}
+    json_type = {**AUTH, **ids, "Content-Type": "application/json"}
+    body = b'{"model": "m-%s", "sequences": [{"input_ids": [1, 2]}]}' % tag.encode()
+    answers = [
+        httpx.post(url + "/score", content=body, headers=json_type),
+        httpx.post(url + "/v1/score", content=b"{}", headers={**AUTH, **ids, "Content-Type": f"application/x-{tag}"}),
+        httpx.post(url + "/score", content=b"{}", headers={**json_type, "Content-Encoding": f"enc-{tag}"}),
+        httpx.get(url + f"/score/{tag}", headers=AUTH),
+        httpx.get(url + f"/{tag}?q={tag}", headers=AUTH),
+        httpx.request(f"X{tag[:6].upper()}", url + "/score", headers=AUTH),
+        httpx.post(url + "/score", content=body, headers={"Authorization": f"Bearer {tag}"}),
+        httpx.post(url + "/v1/weights", json={"model": f"m-{tag}", "path": f"p-{tag}"}, headers=AUTH),
+        httpx.post(url + "/v1/weights", json={"model": "policy", "path": f"p-{tag}", "version": f"v-{tag}"},
+                   headers=AUTH),
+        httpx.post(url + "/v1/weights", content=f"{tag}".encode(), headers={**AUTH, "Content-Type": f"text/{tag}"}),
+    ]
+    assert all(a.status_code >= 400 for a in answers), [(a.request.url, a.status_code) for a in answers]
+
+
+def test_no_request_adds_a_label_value(server):
+    """A second round of the same hostile requests, every string new, adds no series, and no label
+    value anywhere holds a string a client sent."""
+    srv, _, _ = server
+    first, second = uuid.uuid4().hex[:12], uuid.uuid4().hex[:12]
+    _hostile_round(srv.url, first)
+    before = scrape(srv.url)
+    _hostile_round(srv.url, second)
+    after = scrape(srv.url)
+    new = {(name, labels) for name, labels in after.samples() - before.samples()}
+    assert not new, f"series a request added: {sorted(new)[:10]}"
+    for family in after.families():
+        for sample in family.samples:
+            for label, value in sample.labels.items():
+                assert first not in value and second not in value, f"{sample.name}: {label}={value!r} from a request"
+    models = {v for f in after.families() for s in f.samples for k, v in s.labels.items() if k == "model"}
+    assert models == {*SERVED, ""}, models
