@@ -64,13 +64,14 @@ VARIANTS = {
     "custom": on(selector='job="scorer",cluster="gpu-a"', rateWindow="10m", alerts={
         "workersDown": {"expected": 16}, "restarting": {"restarts": 5, "window": "2h"},
         "serverErrors": {"ratio": 0}, "refusing": {"ratio": 0.2},
-        "queueWaitHigh": {"quantile": 0.5, "seconds": 0.25}, "weightsUpdateFailed": {"window": "1h"}}),
+        "queueWaitHigh": {"quantile": 0.5, "seconds": 0.25}, "weightsUpdateFailed": {"window": "1h"},
+        "weightsRecordFailed": {"window": "2h"}}),
 }
 
 
 def test_off_by_default_and_every_alert_on_when_enabled():
     assert [d for d in manifests() if d["kind"] == "PrometheusRule"] == []
-    assert len(alerts()) == len(ALERT_KEYS) == 11
+    assert len(alerts()) == len(ALERT_KEYS) == 12
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -120,6 +121,7 @@ def test_label_values_are_the_ones_the_server_writes():
     assert all(re.fullmatch(r, route) for r in routes for route in SCORE_ROUTES)
     assert "packscore_weights_updates_total" in exprs["PackscoreWeightsUpdateFailed"]
     assert 'outcome!="ok"' in exprs["PackscoreWeightsUpdateFailed"]  # service/http/weights.py counts success as "ok"
+    assert "increase(packscore_weights_record_failures_total{" in exprs["PackscoreWeightsRecordFailed"]
     assert "packscore_weights_awaited{" in exprs["PackscoreAwaitingWeights"]  # 1 while withheld (service/runtime.py)
     assert 'status=~"5..",status!~"503|504"' in exprs["PackscoreServerErrors"]  # API.md: any other 5xx is a bug
 
@@ -189,6 +191,7 @@ def test_thresholds_reach_the_expressions():
     assert got["PackscoreQueueWaitHigh"].startswith("histogram_quantile(0.5,")
     assert got["PackscoreQueueWaitHigh"].rstrip().endswith("> 0.25")
     assert got["PackscoreWeightsUpdateFailed"].count("1h") == 2
+    assert "[2h]) > 0" in got["PackscoreWeightsRecordFailed"]
     for name in ("PackscoreStalled", "PackscoreServerErrors", "PackscoreRefusingRequests", "PackscoreQueueWaitHigh"):
         assert "[10m]" in got[name] and "[5m]" not in got[name], name
 
