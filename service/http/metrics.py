@@ -30,7 +30,7 @@ _KNOWN_REJECTIONS = (
     "sequence_too_large", "sequence_too_long", "request_too_large", "too_many_sequences", "body_too_large",
     "invalid_value", "malformed_body", "unsupported_content_type", "unsupported_content_encoding", "model_not_found",
     "unauthorized", "model_required", "weights_version_mismatch", "request_timeout", "non_finite_scores",
-    "internal_error", "forbidden", "unavailable",
+    "internal_error", "forbidden", "unavailable", "not_found", "method_not_allowed",
 )  # fmt: skip
 
 

@@ -117,3 +117,19 @@ def test_no_request_adds_a_label_value(server):
                 assert first not in value and second not in value, f"{sample.name}: {label}={value!r} from a request"
     models = {v for f in after.families() for s in f.samples for k, v in s.labels.items() if k == "model"}
     assert models == {*SERVED, ""}, models
+
+
+# Only POST /v1/weights answers these; its failures are counted per model in packscore_weights_updates_total.
+WEIGHTS_ONLY_REASONS = {"forbidden_path"}
+
+
+def test_every_reason_a_request_met_was_at_zero_from_the_start(server):
+    """rate() over a series that appears with its first event misses that event: the refusals met by
+    the requests of these tests (a wrong path or method included) had their series from the start."""
+    srv, at_start, _ = server
+    _hostile_round(srv.url, uuid.uuid4().hex[:12])
+    met = {s.labels["reason"] for f in scrape(srv.url).families() for s in f.samples
+           if s.name == "packscore_rejections_total" and s.value > 0}
+    there = {s.labels["reason"] for f in at_start.families() for s in f.samples if s.name == "packscore_rejections_total"}
+    assert {"not_found", "method_not_allowed", "model_not_found"} <= met, met  # the round met them
+    assert not met - there - WEIGHTS_ONLY_REASONS, f"no series at start for {sorted(met - there - WEIGHTS_ONLY_REASONS)}"
