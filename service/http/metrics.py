@@ -1,6 +1,7 @@
 """Every metric the service exports, in one per-app registry (never prometheus_client's global one).
 
-The names are an interface: the Grafana dashboard and the Helm HPA reference them. Change one
+The names are an interface: the Grafana dashboard, the Helm chart's alerts and HPA and the table in
+docs/deployment.md reference them (tests/e2e/test_e2e_metrics.py, tests/deploy check it). Change one
 only together with those.
 """
 
