@@ -77,6 +77,12 @@ def test_the_series_rate_reads_are_there_before_their_first_event(server):
     for reason in ("queue_full", "deadline_exceeded", "invalid_value", "model_not_found", "internal_error"):
         assert at_start.value("packscore_rejections_total", reason=reason) == 0.0, reason
     assert at_start.value("packscore_send_timeouts_total") == 0.0
+    # What PackscoreServerErrors and PackscoreRefusingRequests rate: their first answer counts too.
+    for route in ("/score", "/v1/score", "/v1/weights", "/metrics", "/v1/models", "/readyz", "other"):
+        assert at_start.value("packscore_requests_total", route=route, status="500") == 0.0, route
+    for route in ("/score", "/v1/score"):
+        for status in ("200", "429", "503", "504"):
+            assert at_start.value("packscore_requests_total", route=route, status=status) is not None, (route, status)
 
 
 def _hostile_round(url: str, tag: str) -> None:
