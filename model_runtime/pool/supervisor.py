@@ -114,9 +114,14 @@ class Supervisor:
                 log.info("worker pool restarted; a scoring pass succeeded")
                 return
             except Exception as error:
+                if self._closing:  # close() killed the world this attempt started: no failure to report
+                    log.info("worker pool restart abandoned: the pool is shutting down")
+                    return
                 self.restart_error = f"{error} (next attempt in {delay:.0f}s)"
                 if isinstance(error, CheckpointError):
                     log.error("worker pool restart refused: %s; retrying in %.0fs", error, delay)
+                elif isinstance(error, BackendUnavailableError):  # a worker exited or timed out: the message says which
+                    log.error("worker pool restart failed: %s; retrying in %.0fs", error, delay)
                 else:
                     log.exception("worker pool restart failed; retrying in %.0fs", delay)
                 with self._lock:
