@@ -139,6 +139,7 @@ class Service:
             queued_sequences=lambda: sum(m.scheduler.queued_sequences for m in self._scheduled()),
             ready=lambda: 1.0 if self.is_ready() else 0.0,
             workers_alive=self._workers_alive,
+            worker_restarts=lambda: {m.name: float(getattr(m.backend, "restarts", 0)) for m in list(self.models.values())},
         )
 
     # ---- the served models (the first one stands for all where one is asked for) ---------------

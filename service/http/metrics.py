@@ -12,6 +12,7 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 from prometheus_client import disable_created_metrics
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from model_runtime.scoring.backend import ModelInfo
@@ -126,6 +127,9 @@ class Metrics:
         )
         self.ready = Gauge("packscore_ready", "1 when /readyz would answer 200, else 0.", registry=r)
         self.workers_alive = Gauge("packscore_workers_alive", "Scoring workers (GPU processes) alive.", registry=r)
+        # Read from the backends at scrape time: a worker lost and replaced between two scrapes leaves its count.
+        self._worker_restarts: Callable[[], dict[str, float]] = dict
+        r.register(_WorkerRestarts(lambda: self._worker_restarts()))
         self.model_info = Info("packscore_model", "The served model.", _MODEL, registry=r)  # packscore_model_info
         self.kernel_info = Info("packscore_kernel", "Kernel backend of each family.", [*_MODEL, "family"], registry=r)
         self.slow_kernel_fallback = Gauge(
@@ -192,12 +196,14 @@ class Metrics:
         queued_sequences: Callable[[], float],
         ready: Callable[[], float],
         workers_alive: Callable[[], float],
+        worker_restarts: Callable[[], dict[str, float]] = dict,
     ) -> None:
-        """Gauges read at scrape time, so they can never go stale."""
+        """Gauges (and the restart counts, model -> restarts) read at scrape time, so they can never go stale."""
         self.queued_tokens.set_function(queued_tokens)
         self.queued_sequences.set_function(queued_sequences)
         self.ready.set_function(ready)
         self.workers_alive.set_function(workers_alive)
+        self._worker_restarts = worker_restarts
 
     def for_model(self, name: str) -> ModelMetrics:
         return ModelMetrics(*(getattr(self, f).labels(model=name) for f in ModelMetrics.__dataclass_fields__))
@@ -237,3 +243,21 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _WorkerRestarts:
+    """``packscore_worker_restarts_total{model}``: new worker worlds that scored again after a worker failed."""
+
+    _NAME, _HELP = "packscore_worker_restarts", "Times a model's worker pool replaced its workers after one failed and scored again."
+
+    def __init__(self, counts: Callable[[], dict[str, float]]):
+        self._counts = counts
+
+    def describe(self):
+        return [CounterMetricFamily(self._NAME, self._HELP, labels=_MODEL)]
+
+    def collect(self):
+        family = CounterMetricFamily(self._NAME, self._HELP, labels=_MODEL)
+        for model, count in self._counts().items():
+            family.add_metric([model], float(count))
+        yield family

@@ -188,6 +188,12 @@ def test_a_killed_worker_fails_fast_then_the_server_recovers(server, reference):
     assert victim not in _worker_pids(proc.pid)
     body = _request(vocab, seed=7)
     _check_scores(client.post("/score", json=body), body, reference)
+    # The metrics keep the story a scrape between the kill and the recovery would miss.
+    metrics = client.get("/metrics").text
+    restarts = re.findall(r'^packscore_worker_restarts_total\{model="[^"]+"\} (\S+)$', metrics, re.M)
+    assert restarts == ["1.0"], [line for line in metrics.splitlines() if "restart" in line]
+    assert re.search(r'^packscore_rejections_total\{reason="backend_unavailable"\} [1-9]', metrics, re.M), metrics
+    assert "packscore_workers_alive 2.0" in metrics
 
 
 def test_a_drain_timeout_with_a_worker_mid_row_exits_0_on_time_leaving_no_worker(tmp_path):
