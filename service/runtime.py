@@ -2,6 +2,7 @@
 
 Lifecycle (phases):  loading [-> awaiting_weights] -> warming_up -> probing -> ready -> draining
                      loading, warming_up, probing -> failed (the CLI then exits non-zero)
+                     warming_up, probing -> warming_up (a worker pool lost a worker: once it restarted)
 
 ``awaiting_weights``: a model's ``--weights-record`` checkpoint could not be served; the process
 waits, not ready, until a weight update of every such model succeeds (``Service.release``).
@@ -73,6 +74,11 @@ def _settle(future: asyncio.Future, result, error: BaseException | None) -> None
             future.set_exception(error)
         else:
             future.set_result(result)
+
+
+# Starts of warm-up and the first pass a lost worker may cut short before the start fails (a worker
+# that dies at every pass, a checkpoint that kills it, must not keep the start waiting forever)
+_FIRST_PASS_ATTEMPTS = 3
 
 
 class _FirstPassFailed(RuntimeError):
@@ -193,17 +199,10 @@ class Service:
                 model.scheduler = Scheduler.from_settings(model.backend, self.settings, self.metrics, shared=shared,
                                                         model=model.name)
                 await model.scheduler.start()
-            for model in self.models.values():
-                started = time.perf_counter()
-                # On the thread the forwards run on: what the warm-up builds per thread (cuDNN's
-                # attention plans) is then there for every request.
-                await model.scheduler.run_on_forward_thread(model.backend.warm_up)
-                log.info("warm-up of %s took %.1fs", model.name, time.perf_counter() - started)
-            self._advance("probing")
-            await self._run_probe(_PROBE_TIMEOUT_S + 1)  # the pass bounds itself
-            if not self._probe_ok:
-                why = "; ".join(f"{name} {reason}" for name, reason in self._probe_failures.items())
-                raise _FirstPassFailed(f"the first readiness pass failed: {why or 'it did not finish in time'}")
+            for attempt in range(_FIRST_PASS_ATTEMPTS):
+                if await self._first_pass(last=attempt == _FIRST_PASS_ATTEMPTS - 1):
+                    break
+                await self._await_restarted_workers()
             self._advance("ready")
             log.info("ready: serving %s", ", ".join(f"{m.name!r} on {m.backend.info.device}" for m in self.models.values()))
         except Exception as exc:
@@ -218,6 +217,38 @@ class Service:
                 self.fatal_error = f"{type(exc).__name__}: {exc}"
             if self.phase != "draining":
                 self.phase = "failed"
+
+    async def _first_pass(self, last: bool) -> bool:
+        """Warm-up and the first readiness pass; False when a worker pool lost a worker meanwhile
+        (it restarts itself, as it would once ready: the start waits for it instead of failing),
+        unless this is the ``last`` attempt: a worker lost every time fails the start."""
+        try:
+            for model in self.models.values():
+                started = time.perf_counter()
+                # On the thread the forwards run on: what the warm-up builds per thread (cuDNN's
+                # attention plans) is then there for every request.
+                await model.scheduler.run_on_forward_thread(model.backend.warm_up)
+                log.info("warm-up of %s took %.1fs", model.name, time.perf_counter() - started)
+            self._advance("probing")
+            await self._run_probe(_PROBE_TIMEOUT_S + 1)  # the pass bounds itself
+            if not self._probe_ok:
+                why = "; ".join(f"{name} {reason}" for name, reason in self._probe_failures.items())
+                raise _FirstPassFailed(f"the first readiness pass failed: {why or 'it did not finish in time'}")
+            return True
+        except (BackendUnavailableError, RuntimeError) as exc:
+            if last or not self._restarting_models() or self.phase == "draining":
+                raise
+            log.warning("a worker failed before the first readiness pass (%s); waiting for its pool to restart", exc)
+            return False
+
+    def _restarting_models(self) -> list[ServedModel]:
+        """Served models whose worker pool is down and restarts itself (it has a restart count)."""
+        return [m for m in self.models.values() if hasattr(m.backend, "restarts") and not m.backend.is_alive()]
+
+    async def _await_restarted_workers(self) -> None:
+        self._advance("warming_up")
+        while self._restarting_models() and self.phase != "draining":
+            await asyncio.sleep(0.2)
 
     def _advance(self, phase: str) -> None:
         if self.phase != "draining":  # a SIGTERM during startup wins

@@ -280,3 +280,25 @@ def test_a_worker_lost_during_the_drain_leaves_no_restarted_worker_behind(tmp_pa
     # The restart the exit cut short is no failure: an ERROR line or a traceback at a clean exit pages someone.
     noise = [line for line in server.log_path.read_text().splitlines() if "restart failed" in line or "Traceback" in line]
     assert not noise, noise
+
+
+def test_a_worker_lost_before_the_first_readiness_pass_is_restarted_not_fatal(tmp_path, reference):
+    """A worker that dies during the start's warm-up or first readiness pass is replaced as one
+    lost later would be: the server waits for its pool and becomes ready, instead of exiting 1."""
+    server = LocalServer(["--device", "cpu", "--world-size", "2", "--max-batch-tokens", "512"],
+                         env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
+    try:
+        deadline = time.monotonic() + 120
+        while "worker pool generation 1 up" not in server.log_path.read_text(errors="replace"):
+            assert server.proc.poll() is None and time.monotonic() < deadline, server.log()
+            time.sleep(0.002)
+        first = _worker_pids(server.proc.pid)
+        os.kill(first[0], signal.SIGKILL)  # the warm-up and the first pass take a fraction of a second here
+        server.wait_ready(timeout=120)
+        assert "waiting for its pool to restart" in server.log_path.read_text(), "the kill came after the first pass"
+        assert first[0] not in _worker_pids(server.proc.pid)
+        body = _request(reference.loaded.vocab_size, seed=11)
+        _check_scores(httpx.post(server.url + "/score", json=body, timeout=60), body, reference)
+    finally:
+        code = server.stop(timeout=30)
+    assert code == 0, server.log()[-3000:]
