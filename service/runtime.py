@@ -46,6 +46,7 @@ _PROBE_TIMEOUT_S = 60.0
 # How long GET /readyz waits for its scoring pass: an answer within a probe's timeout (Helm's 5 s)
 _READY_WAIT_S = 4.0
 _PROBE_LENGTH = 8
+_RESTORE_ATTEMPTS = 3  # a --weights-record restore tried again after a worker pool restart
 
 
 _LOAD_THREAD = "packscore-load"
@@ -286,7 +287,7 @@ class Service:
                 continue
             try:
                 path = record.checked_path(entry)
-                update = await _in_daemon_thread(model.backend.update_weights, path, entry.version)
+                update = await self._restore_through_restarts(model, path, entry.version)
             except (UnservableError, CheckpointError, BackendUnavailableError, OSError, RuntimeError) as exc:
                 self._withhold(model, record.withhold(model.name, entry, unservable(exc)))
                 continue
@@ -294,6 +295,20 @@ class Service:
             self.metrics.describe_model(model.backend.info, model.name)
             log.info("%s serves version %s from %s (restored from --weights-record %s; --model %s was loaded first)",
                      model.name, entry.version, path, record.file, entry.model)
+
+    async def _restore_through_restarts(self, model: ServedModel, path, version: str):
+        """The recorded update; a worker lost meanwhile says nothing about the checkpoint: once its
+        pool restarted, the update runs again (twice at most: a checkpoint that kills a worker every
+        time, say by the host's memory, is withheld as any that cannot be served)."""
+        for attempt in range(_RESTORE_ATTEMPTS):
+            try:
+                return await _in_daemon_thread(model.backend.update_weights, path, version)
+            except BackendUnavailableError as exc:
+                if not hasattr(model.backend, "restarts") or attempt + 1 == _RESTORE_ATTEMPTS or self.phase == "draining":
+                    raise
+                log.warning("restoring %s from --weights-record: %s; again once its workers restarted", model.name, exc)
+                while not model.backend.is_alive() and self.phase != "draining":
+                    await asyncio.sleep(0.2)
 
     def _withhold(self, model: ServedModel, withheld: Withheld) -> None:
         self.withheld[model.name] = withheld

@@ -263,3 +263,39 @@ def test_a_pool_server_whose_recorded_checkpoint_is_refused_waits_then_serves_th
     want = Scorer(load_model(str(new), device="cpu")).score([SequenceInput(ids, 2)])
     diff = float(np.abs(np.array(after["results"][0]["logprobs"]) - want[0].logprobs).max())
     assert diff <= TOL, f"updated pool vs step-1 in one process: max |diff| {diff:.3e} > tol {TOL:.0e}"
+
+
+def test_a_worker_lost_while_the_recorded_update_loads_delays_the_restore_not_withholds_it(checkpoints, tmp_path):
+    """The recorded checkpoint is fine; a worker that dies while every rank loads it says nothing
+    about it: once the pool restarted the restore runs again and the server is ready on it,
+    instead of waiting (awaiting_weights) for an update nobody will send."""
+    import json
+    import os
+    import shutil
+    import signal
+
+    import httpx
+
+    from service.local_server import LocalServer
+    from tests.distributed.test_serve_e2e import _worker_pids
+
+    old, new, _ = checkpoints
+    root = tmp_path / "root"
+    shutil.copytree(new, root / "step-1")
+    record = tmp_path / "record.json"
+    record.write_text(json.dumps({"format": 1, "models": {"policy": {"model": str(old), "path": "step-1", "version": "step-1"}}}))
+    args = ["--model", f"policy={old}", "--device", "cpu", "--world-size", "2", "--max-batch-tokens", "256",
+            "--weights-root", str(root), "--weights-record", str(record)]
+    server = LocalServer(args, env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, log_dir=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while "worker pool generation 1 up" not in server.log_path.read_text(errors="replace"):
+            assert server.proc.poll() is None and time.monotonic() < deadline, server.log()
+            time.sleep(0.002)
+        os.kill(_worker_pids(server.proc.pid)[0], signal.SIGKILL)  # the restore's load is under way
+        server.wait_ready(timeout=120)
+        assert "restoring policy from --weights-record" in server.log_path.read_text(), "the kill missed the restore"
+        models = httpx.get(server.url + "/v1/models", timeout=30).json()["data"]
+    finally:
+        assert server.stop() == 0, server.log()
+    assert models[0]["weights_version"] == "step-1", models
