@@ -47,6 +47,8 @@ _PROBE_TIMEOUT_S = 60.0
 _READY_WAIT_S = 4.0
 _PROBE_LENGTH = 8
 _RESTORE_ATTEMPTS = 3  # a --weights-record restore tried again after a worker pool restart
+# warm-up and the first pass, cut short by a lost worker: one that dies at every pass fails the start
+_FIRST_PASS_ATTEMPTS = 3
 
 
 _LOAD_THREAD = "packscore-load"
@@ -75,11 +77,6 @@ def _settle(future: asyncio.Future, result, error: BaseException | None) -> None
             future.set_exception(error)
         else:
             future.set_result(result)
-
-
-# Starts of warm-up and the first pass a lost worker may cut short before the start fails (a worker
-# that dies at every pass, a checkpoint that kills it, must not keep the start waiting forever)
-_FIRST_PASS_ATTEMPTS = 3
 
 
 class _FirstPassFailed(RuntimeError):

@@ -229,7 +229,10 @@ def build() -> dict:
     g.add(_series("Ready and workers alive by pod", [
         _target(f"max by (instance) (packscore_ready{{{SEL}}})", "{{instance}} ready", "A"),
         _target(f"max by (instance) (packscore_workers_alive{{{SEL}}})", "{{instance}} workers", "B"),
-    ], "none", "Readiness (0/1) and live worker processes of each pod."), 24, 8)
+        _target(f"sum by (instance) (increase(packscore_worker_restarts_total{{{SEL}}}[{RATE}]))",
+                "{{instance}} worker restarts", "C"),
+    ], "none", "Readiness (0/1), live worker processes and worker-pool restarts (a worker lost and replaced, "
+       "which a scrape between may never see as a drop) of each pod."), 24, 8)
     g.add(_info_table("Served model", "packscore_model_info",
                       ["model", "architecture", "dtype", "device", "weights_version"],
                       "What each pod serves: model, architecture, dtype, device, weights version."), 12, 6)
