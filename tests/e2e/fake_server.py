@@ -3,6 +3,8 @@ slow forward; the real app, uvicorn and protocol otherwise.
 
     python -m tests.e2e.fake_server serve [serve options]    # FAKE_SECONDS_PER_TOKEN=0.01 slows forwards
 
+``FAKE_LOAD_SECONDS=2`` makes every weight update (POST /v1/weights) load for that long before its swap.
+
 With ``FAKE_BUGS=1``, POST /score with ``X-Fake-Bug: before-answer`` raises an unhandled error before
 its answer starts, and with ``X-Fake-Bug: mid-answer`` after its first bytes: a bug, as the server meets one.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from starlette.responses import StreamingResponse
 
@@ -46,7 +49,9 @@ def main() -> int:
     configure_logging(settings.log_level)
     if os.environ.get("FAKE_BUGS") == "1":
         _with_bugs()
-    backend = FakeBackend(seconds_per_token=float(os.environ.get("FAKE_SECONDS_PER_TOKEN", "0")))
+    load_s = float(os.environ.get("FAKE_LOAD_SECONDS", "0"))
+    backend = FakeBackend(seconds_per_token=float(os.environ.get("FAKE_SECONDS_PER_TOKEN", "0")),
+                          check_checkpoint=(lambda path: time.sleep(load_s)) if load_s else None)
     return run_server(create_app(settings, backend), settings)
 
 

@@ -20,6 +20,7 @@ from packscore_client.protocol import (Limits, Protocol, ScoredSequence, ScoreEr
                                        bearer_key, options, renumbered)
 
 _DISCOVERY_TIMEOUT_S = 5.0
+UPDATE_TIMEOUT_S = 1800.0  # a checkpoint load may take minutes: the weights calls' floor, whatever timeout_s is
 _VERSION_TRIES = 3  # rescorings of a padded batch whose weights changed while it was scored
 
 
@@ -72,12 +73,22 @@ def _by_one_version(results: list[ScoredSequence], sequences: list, end: float |
     return results
 
 
+def _seconds(value: Any, name: str) -> float:
+    """``value`` checked as a bound in seconds: a finite number above 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    return float(value)
+
+
 class _Base:
     """Construction and the request plan both clients share.
 
     ``retry_timeout_s`` bounds the retries of 429 / 503 (after their Retry-After) from the start of a
     call; ``connect_retry_s`` bounds how long an unreachable server is retried (a log line each)
-    before ``ScoreError(0, "connection_error", ...)``. ``transport`` replaces the network (tests); the
+    before ``ScoreError(0, "connection_error", ...)``. ``update_timeout_s`` bounds the wait for the answer
+    of POST /v1/weights (a checkpoint load) instead of ``timeout_s``. ``transport`` replaces the network (tests); the
     client closes it on close, ``update_weights_everywhere``'s per-address clients never do.
     """
 
@@ -98,6 +109,7 @@ class _Base:
         max_request_bytes: int | None = None,
         transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None,
         admin_key: str | None = None,
+        update_timeout_s: float | None = None,
         _host: tuple[str, str] | None = None,
         _request_id: str | None = None,
     ):
@@ -105,12 +117,16 @@ class _Base:
                            connect_retry_s=connect_retry_s, max_sequences_per_request=max_sequences_per_request,
                            max_request_tokens=max_request_tokens, max_request_bytes=max_request_bytes,
                            transport=transport, admin_key=admin_key)
+        self._update_timeout_s = (max(timeout_s, UPDATE_TIMEOUT_S) if update_timeout_s is None
+                                  else _seconds(update_timeout_s, "update_timeout_s"))
+        self._knobs["update_timeout_s"] = self._update_timeout_s
         self._p = Protocol(base_url, api_key, encoding, retry_timeout_s, max_sequences_per_request,
                            max_request_tokens, max_request_bytes, connect_retry_s)
         self._p.admin_key = bearer_key(admin_key, "admin_key")  # POST /v1/weights sends it instead of the API key
         self._max_concurrency = max(1, max_concurrency)
         # A host that never answers must fail within the connect budget, not after timeout_s.
         timeout = httpx.Timeout(timeout_s, connect=max(1.0, min(timeout_s, connect_retry_s)))
+        self._timeout = timeout
         headers = self._p.headers
         self._extensions: dict | None = None
         if _host is not None:  # base_url holds one address of a name: Host and TLS checks stay the name's
@@ -136,6 +152,12 @@ class _Base:
         if knobs["transport"] is not None:
             knobs["transport"] = everywhere.Borrowed(knobs["transport"])
         return type(self)(url, **knobs, max_concurrency=1, _host=(host, server_name), _request_id=request_id)
+
+    def _update_timeout(self, timeout_s: float | None) -> httpx.Timeout:
+        """The timeouts of one POST /v1/weights: the answer waited for ``timeout_s`` (the call's), else
+        ``update_timeout_s``; connecting and sending as every request."""
+        read = self._update_timeout_s if timeout_s is None else _seconds(timeout_s, "timeout_s")
+        return httpx.Timeout(self._timeout.write, connect=self._timeout.connect, read=read)
 
     def _check_open(self) -> None:
         if self._closed:  # else a thread pool's or httpx's RuntimeError, which does not say why
@@ -280,22 +302,28 @@ class ScoreClient(_Base):
         ``ScoreError`` 503 at once; after ``timeout_s``, ``ScoreError`` 0 ``not_ready``."""
         return self._drive(self._p.readiness_wait(timeout_s, _DISCOVERY_TIMEOUT_S))
 
-    def update_weights(self, model: str | None, path: str, version: str | None = None) -> WeightsUpdate:
+    def update_weights(self, model: str | None, path: str, version: str | None = None, *,
+                       timeout_s: float | None = None) -> WeightsUpdate:
         """Asks the server to serve the checkpoint at ``path`` (relative to its --weights-root) for
-        ``model``; returns once the new version serves. ``version`` defaults to a content hash."""
+        ``model``; returns once the new version serves. ``version`` defaults to a content hash. The
+        answer is waited for ``timeout_s`` (default: the client's ``update_timeout_s``)."""
+        timeout = self._update_timeout(timeout_s)
         steps = self._p.weights_exchange(model, path, version, time.monotonic() + self._p.retry_timeout_s)
-        return self._drive(steps, "/v1/weights", self._p.weights_headers())
+        return self._drive(steps, "/v1/weights", self._p.weights_headers(), timeout=timeout)
 
     def update_weights_everywhere(self, model: str | None, path: str, version: str | None = None, *,
-                                  max_concurrency: int = everywhere.MAX_CONCURRENCY) -> dict[str, WeightsUpdate]:
+                                  max_concurrency: int = everywhere.MAX_CONCURRENCY,
+                                  timeout_s: float | None = None) -> dict[str, WeightsUpdate]:
         """``update_weights`` sent to every address the URL's host resolves to (the pods behind a
         headless Service), ``max_concurrency`` at a time, each with its own retries; returns
         ``{address: WeightsUpdate}``. Raises ``UpdateEverywhereError`` (a ScoreError) naming every
         address that failed and why, with ``updated`` and ``failed``, or when the addresses serve
         different versions afterwards. Every address gets one new ``X-Request-Id``, which each
-        answer, error and that error carry as ``request_id``."""
+        answer, error and that error carry as ``request_id``. Each address's answer is waited for
+        ``timeout_s`` (default: the client's ``update_timeout_s``)."""
         self._check_open()
         bound = everywhere.concurrency(max_concurrency)
+        wait_s = self._update_timeout(timeout_s).read
         found = everywhere.addresses(self._p.base_url)
         request_id = everywhere.new_request_id()
 
@@ -306,7 +334,7 @@ class ScoreClient(_Base):
                 return everywhere.named(address, exc, request_id)
             with pod:
                 try:
-                    return pod.update_weights(model, path, version)
+                    return pod.update_weights(model, path, version, timeout_s=wait_s)
                 except ScoreError as error:
                     return error
 
@@ -322,7 +350,7 @@ class ScoreClient(_Base):
             return exc
 
     def _drive(self, steps: Generator, route: str = "/score", headers: dict | None = None,
-               stop: threading.Event | None = None) -> Any:
+               stop: threading.Event | None = None, timeout: Any = httpx.USE_CLIENT_DEFAULT) -> Any:
         self._check_open()
         try:
             step = next(steps)
@@ -342,7 +370,8 @@ class ScoreClient(_Base):
                     continue
                 try:
                     with self._http_in_use() as http:
-                        outcome: Any = http.post(route, content=step, headers=headers, extensions=self._extensions)
+                        outcome: Any = http.post(route, content=step, headers=headers, timeout=timeout,
+                                                 extensions=self._extensions)
                 except httpx.RequestError as exc:  # a body it cannot decode too: the exchange judges it
                     outcome = exc
                 if stop is not None and stop.is_set():  # the call failed elsewhere: this answer is dropped unjudged
@@ -475,16 +504,20 @@ class AsyncScoreClient(_Base):
         """As ``ScoreClient.wait_ready``."""
         return await self._drive(self._p.readiness_wait(timeout_s, _DISCOVERY_TIMEOUT_S))
 
-    async def update_weights(self, model: str | None, path: str, version: str | None = None) -> WeightsUpdate:
+    async def update_weights(self, model: str | None, path: str, version: str | None = None, *,
+                             timeout_s: float | None = None) -> WeightsUpdate:
         """As ``ScoreClient.update_weights``."""
+        timeout = self._update_timeout(timeout_s)
         steps = self._p.weights_exchange(model, path, version, time.monotonic() + self._p.retry_timeout_s)
-        return await self._drive(steps, "/v1/weights", self._p.weights_headers())
+        return await self._drive(steps, "/v1/weights", self._p.weights_headers(), timeout)
 
     async def update_weights_everywhere(self, model: str | None, path: str, version: str | None = None, *,
-                                        max_concurrency: int = everywhere.MAX_CONCURRENCY) -> dict[str, WeightsUpdate]:
+                                        max_concurrency: int = everywhere.MAX_CONCURRENCY,
+                                        timeout_s: float | None = None) -> dict[str, WeightsUpdate]:
         """As ``ScoreClient.update_weights_everywhere``."""
         self._check_open()
         gate = asyncio.Semaphore(everywhere.concurrency(max_concurrency))
+        wait_s = self._update_timeout(timeout_s).read
         found = await asyncio.to_thread(everywhere.addresses, self._p.base_url)
         request_id = everywhere.new_request_id()
 
@@ -496,7 +529,7 @@ class AsyncScoreClient(_Base):
                     return everywhere.named(address, exc, request_id)
                 async with pod:
                     try:
-                        return await pod.update_weights(model, path, version)
+                        return await pod.update_weights(model, path, version, timeout_s=wait_s)
                     except ScoreError as error:
                         return error
 
@@ -510,7 +543,8 @@ class AsyncScoreClient(_Base):
         except httpx.HTTPError as exc:
             return exc
 
-    async def _drive(self, steps: Generator, route: str = "/score", headers: dict | None = None) -> Any:
+    async def _drive(self, steps: Generator, route: str = "/score", headers: dict | None = None,
+                     timeout: Any = httpx.USE_CLIENT_DEFAULT) -> Any:
         self._check_open()
         try:
             step = next(steps)
@@ -524,7 +558,8 @@ class AsyncScoreClient(_Base):
                     continue
                 try:
                     async with self._http_in_use() as http:
-                        outcome: Any = await http.post(route, content=step, headers=headers, extensions=self._extensions)
+                        outcome: Any = await http.post(route, content=step, headers=headers, timeout=timeout,
+                                                       extensions=self._extensions)
                 except httpx.RequestError as exc:  # a body it cannot decode too: the exchange judges it
                     outcome = exc
                 step = steps.send(outcome)

@@ -316,8 +316,10 @@ class Protocol:
             elif isinstance(outcome, _NOT_SENT):
                 raise self.not_sent("POST /v1/weights", outcome, _UPDATE_NOT_SENT) from outcome
             else:
+                late = (": no answer within update_timeout_s or the call's timeout_s"
+                        if isinstance(outcome, httpx.ReadTimeout) else "")
                 raise ScoreError(0, "connection_error", f"POST /v1/weights to {self.base_url} failed after it was "
-                                 f"sent ({describe(outcome)}){_MAY_HAVE_RUN}") from outcome
+                                 f"sent ({describe(outcome)}{late}){_MAY_HAVE_RUN}") from outcome
             yield wait
             attempt += 1
 

@@ -1,0 +1,95 @@
+"""A weight update's answer is waited for ``update_timeout_s`` (or the call's ``timeout_s=``), not the
+client's per-request ``timeout_s``, against a real server whose checkpoint loads take LOAD_S: a trainer
+that lowers timeout_s for fast scoring still sees its updates through, in every client and in every
+per-address client of ``update_weights_everywhere``; a bound shorter than the load says the update may
+have run."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import httpx
+import pytest
+
+from packscore_client import AsyncScoreClient, ScoreClient, ScoreError, UpdateEverywhereError
+from tests.e2e.helpers import fake_server
+
+LOAD_S = 1.5  # each update's load on the server
+SHORT_S = 0.3  # the trainer's timeout_s for scoring, well under a load
+NAME = "scorer-pods.rl.svc"
+REAL_GETADDRINFO = socket.getaddrinfo
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("update-timeout")
+    for step in range(1, 8):
+        (root / f"step-{step}").mkdir()  # FakeBackend takes any directory as a checkpoint
+    server = fake_server(root, "--weights-root", str(root), env={"FAKE_LOAD_SECONDS": str(LOAD_S)})
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
+def _served(url: str) -> str:
+    (model,) = httpx.get(url + "/v1/models", timeout=30).json()["data"]
+    return model["weights_version"]
+
+
+def _served_soon(url: str, version: str) -> None:
+    """The update the client stopped waiting for lands on the server all the same."""
+    end = time.monotonic() + 30
+    while _served(url) != version:
+        assert time.monotonic() < end, f"{version} never served"
+        time.sleep(0.1)
+
+
+def _may_have_run(error: ScoreError) -> None:
+    assert (error.status, error.type) == (0, "connection_error"), error
+    assert "may have run" in str(error) and "update_timeout_s" in str(error), error
+
+
+def test_an_update_longer_than_timeout_s_completes_and_a_shorter_call_bound_says_it_may_have_run(server):
+    with ScoreClient(server.url, timeout_s=SHORT_S) as client:
+        t0 = time.monotonic()
+        assert client.update_weights(None, "step-1", version="step-1").weights_version == "step-1"
+        assert time.monotonic() - t0 >= LOAD_S  # waited out a load longer than timeout_s
+        with pytest.raises(ScoreError) as caught:
+            client.update_weights(None, "step-2", version="step-2", timeout_s=SHORT_S)
+        _may_have_run(caught.value)
+        _served_soon(server.url, "step-2")
+    with ScoreClient(server.url, timeout_s=30.0, update_timeout_s=SHORT_S) as client:  # the knob, lower than timeout_s
+        with pytest.raises(ScoreError) as caught:
+            client.update_weights(None, "step-3", version="step-3")
+        _may_have_run(caught.value)
+        _served_soon(server.url, "step-3")
+
+    async def main():
+        async with AsyncScoreClient(server.url, timeout_s=SHORT_S) as client:
+            assert (await client.update_weights(None, "step-4", version="step-4")).weights_version == "step-4"
+            with pytest.raises(ScoreError) as caught:
+                await client.update_weights(None, "step-5", version="step-5", timeout_s=SHORT_S)
+            _may_have_run(caught.value)
+
+    asyncio.run(main())
+    _served_soon(server.url, "step-5")
+
+
+def test_the_per_address_clients_of_an_update_everywhere_wait_as_long(server, monkeypatch):
+    def resolving(host, port, *args, **kw):  # the name of a headless Service of one pod
+        if host != NAME:
+            return REAL_GETADDRINFO(host, port, *args, **kw)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolving)
+    with ScoreClient(f"http://{NAME}:{server.port}", timeout_s=SHORT_S) as client:
+        got = client.update_weights_everywhere(None, "step-6", version="step-6")
+        assert {a: u.weights_version for a, u in got.items()} == {"127.0.0.1": "step-6"}
+        with pytest.raises(UpdateEverywhereError) as caught:
+            client.update_weights_everywhere(None, "step-7", version="step-7", timeout_s=SHORT_S)
+    assert list(caught.value.failed) == ["127.0.0.1"], caught.value
+    _may_have_run(caught.value.failed["127.0.0.1"])
+    _served_soon(server.url, "step-7")

@@ -1,0 +1,109 @@
+"""The wait for a weight update's answer: ``update_timeout_s`` (default the larger of ``timeout_s`` and
+UPDATE_TIMEOUT_S) or the call's ``timeout_s=``, in both clients and every per-address client of
+``update_weights_everywhere``; checked before anything is sent. tests/e2e/test_e2e_client_update_timeout.py
+has the real server."""
+
+import asyncio
+import inspect
+import math
+import socket
+
+import httpx
+import pytest
+
+from packscore_client import AsyncScoreClient, ScoreClient
+from packscore_client.clients import UPDATE_TIMEOUT_S
+
+BASE = "http://packscore.test"
+NAME = "scorer-pods.rl.svc"
+REAL_GETADDRINFO = socket.getaddrinfo
+
+
+class Seen:
+    """A MockTransport that answers /score and /v1/weights and notes each request's read timeout."""
+
+    def __init__(self):
+        self.reads: list[tuple[str, float]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.reads.append((request.url.path, request.extensions["timeout"]["read"]))
+        if request.url.path == "/v1/weights":
+            return httpx.Response(200, json={"model": "policy", "weights_version": "v1", "previous_version": "v0",
+                                             "load_s": 0.1, "swap_ms": 1.0})
+        return httpx.Response(200, json={"data": [{"id": "policy", "weights_version": "v1"}]})
+
+
+def _resolving(monkeypatch, *ips: str) -> None:
+    def fake(host, port, *args, **kw):
+        if host != NAME:
+            return REAL_GETADDRINFO(host, port, *args, **kw)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ips]
+    monkeypatch.setattr(socket, "getaddrinfo", fake)
+
+
+@pytest.mark.parametrize("knobs,want", [
+    (dict(timeout_s=30.0), UPDATE_TIMEOUT_S),  # a short scoring timeout leaves updates their own bound
+    (dict(timeout_s=2 * UPDATE_TIMEOUT_S), 2 * UPDATE_TIMEOUT_S),  # never shorter than timeout_s by default
+    (dict(timeout_s=30.0, update_timeout_s=120), 120.0),
+])
+def test_an_update_waits_update_timeout_s_and_other_requests_timeout_s(knobs, want, monkeypatch):
+    _resolving(monkeypatch, "10.0.0.7", "10.0.0.8")
+    seen = Seen()
+    with ScoreClient(f"http://{NAME}:8000", transport=httpx.MockTransport(seen), **knobs) as client:
+        client.models()
+        client.update_weights("policy", "step-1")
+        client.update_weights("policy", "step-1", timeout_s=7)
+        client.update_weights_everywhere("policy", "step-1")
+        client.update_weights_everywhere("policy", "step-1", timeout_s=9.5)
+    assert seen.reads == [("/v1/models", 5.0), ("/v1/weights", want), ("/v1/weights", 7.0),
+                          *[("/v1/weights", want)] * 2, *[("/v1/weights", 9.5)] * 2], seen.reads
+
+    async def main():
+        async with AsyncScoreClient(f"http://{NAME}:8000", transport=httpx.MockTransport(seen), **knobs) as client:
+            await client.update_weights("policy", "step-1")
+            await client.update_weights("policy", "step-1", timeout_s=7)
+            await client.update_weights_everywhere("policy", "step-1")
+            await client.update_weights_everywhere("policy", "step-1", timeout_s=9.5)
+
+    seen.reads.clear()
+    asyncio.run(main())
+    assert seen.reads == [("/v1/weights", want), ("/v1/weights", 7.0),
+                          *[("/v1/weights", want)] * 2, *[("/v1/weights", 9.5)] * 2], seen.reads
+
+
+BAD = [("30", TypeError, "a number of seconds"), (True, TypeError, "a number of seconds"),
+       (0, ValueError, "finite and > 0"), (-1.0, ValueError, "finite and > 0"),
+       (math.nan, ValueError, "finite and > 0"), (math.inf, ValueError, "finite and > 0")]
+
+
+@pytest.mark.parametrize("value,kind,why", BAD, ids=[repr(v) for v, _, _ in BAD])
+def test_a_bound_that_is_not_a_positive_number_of_seconds_is_refused_before_sending(value, kind, why, monkeypatch):
+    def nothing_sent(request: httpx.Request) -> httpx.Response:
+        raise AssertionError(f"{request.url.path} was sent")
+
+    def resolved(*args, **kw):
+        raise AssertionError("the name was resolved")
+
+    with pytest.raises(kind, match=f"update_timeout_s must be {why}"):
+        ScoreClient(BASE, update_timeout_s=value)
+    monkeypatch.setattr(socket, "getaddrinfo", resolved)
+    with ScoreClient(BASE, transport=httpx.MockTransport(nothing_sent)) as client:
+        with pytest.raises(kind, match=f"^timeout_s must be {why}"):
+            client.update_weights("policy", "step-1", timeout_s=value)
+        with pytest.raises(kind, match=f"^timeout_s must be {why}"):
+            client.update_weights_everywhere("policy", "step-1", timeout_s=value)
+
+    async def main():
+        async with AsyncScoreClient(BASE, transport=httpx.MockTransport(nothing_sent)) as client:
+            with pytest.raises(kind, match=f"^timeout_s must be {why}"):
+                await client.update_weights("policy", "step-1", timeout_s=value)
+            with pytest.raises(kind, match=f"^timeout_s must be {why}"):
+                await client.update_weights_everywhere("policy", "step-1", timeout_s=value)
+
+    asyncio.run(main())
+
+
+def test_both_clients_take_the_same_update_arguments():
+    for method in ("update_weights", "update_weights_everywhere"):
+        blocking, awaited = (inspect.signature(getattr(c, method)) for c in (ScoreClient, AsyncScoreClient))
+        assert blocking == awaited, (method, blocking, awaited)
