@@ -93,6 +93,7 @@ class _Base:
     """
 
     _http_class: type = httpx.Client
+    _direct_class: type = httpx.HTTPTransport  # an explicit transport: httpx reads no proxy from the environment
 
     def __init__(
         self,
@@ -146,11 +147,15 @@ class _Base:
 
     def _at(self, address: str, request_id: str):
         """A client of the same class and knobs for one address of this client's host, one request at a
-        time, each sent with ``request_id``; it borrows this client's transport, which it leaves open."""
+        time, each sent with ``request_id``; it borrows this client's transport, which it leaves open.
+        Without one it connects to the address itself, whatever HTTP(S)_PROXY says: a pod's address
+        resolved from in-cluster DNS, which an egress proxy is not for and NO_PROXY rarely names."""
         url, host, server_name = everywhere.at_address(self._p.base_url, address)
         knobs = dict(self._knobs)
         if knobs["transport"] is not None:
             knobs["transport"] = everywhere.Borrowed(knobs["transport"])
+        else:
+            knobs["transport"] = self._direct_class()
         return type(self)(url, **knobs, max_concurrency=1, _host=(host, server_name), _request_id=request_id)
 
     def _update_timeout(self, timeout_s: float | None) -> httpx.Timeout:
@@ -390,6 +395,7 @@ class AsyncScoreClient(_Base):
     """The asyncio twin of ScoreClient, with the same arguments and results."""
 
     _http_class = httpx.AsyncClient
+    _direct_class = httpx.AsyncHTTPTransport
 
     async def __aenter__(self) -> "AsyncScoreClient":
         return self

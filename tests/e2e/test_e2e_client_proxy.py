@@ -1,0 +1,100 @@
+"""``update_weights_everywhere`` posts to each pod's address itself, whatever HTTP_PROXY says: with an
+egress proxy in the environment (a real one on 127.0.0.1 that records what it receives and answers
+502, as a proxy that cannot reach a pod does), the update reaches the real server and the proxy sees
+none of it, while the client's own requests to the name still go through the proxy, as httpx sends them."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import socket
+import threading
+
+import httpx
+import pytest
+
+from packscore_client import AsyncScoreClient, ScoreClient, ScoreError
+from tests.e2e.helpers import fake_server
+
+NAME = "scorer-pods.rl.svc"
+REAL_GETADDRINFO = socket.getaddrinfo
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("proxy")
+    for step in (1, 2):
+        (root / f"step-{step}").mkdir()  # FakeBackend takes any directory as a checkpoint
+    server = fake_server(root, "--weights-root", str(root))
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
+class _Proxy(http.server.BaseHTTPRequestHandler):
+    """A forward proxy that reaches nothing: it notes each request line and answers its own 502 page."""
+
+    def _refuse(self):
+        self.server.seen.append(f"{self.command} {self.path}")
+        page = b"<html>502 Bad Gateway</html>"
+        self.send_response(502)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(page)))
+        self.end_headers()
+        self.wfile.write(page)
+
+    do_GET = do_POST = do_CONNECT = _refuse
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def proxy(monkeypatch):
+    """An egress proxy in the environment, as HTTP_PROXY holds it in a cluster, with no NO_PROXY."""
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Proxy)
+    proxy.seen = []
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    url = f"http://127.0.0.1:{proxy.server_address[1]}"
+    monkeypatch.setenv("http_proxy", url)
+    monkeypatch.setenv("HTTP_PROXY", url)
+    try:
+        yield proxy
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+
+
+def _served(url: str) -> str:
+    with httpx.Client(trust_env=False, timeout=30) as direct:  # not through the test's proxy
+        (model,) = direct.get(url + "/v1/models").json()["data"]
+    return model["weights_version"]
+
+
+def test_the_per_address_requests_of_an_update_everywhere_bypass_the_environments_proxy(server, proxy, monkeypatch):
+    def resolving(host, port, *args, **kw):  # the name of a headless Service of one pod
+        if host != NAME:
+            return REAL_GETADDRINFO(host, port, *args, **kw)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolving)
+    url = f"http://{NAME}:{server.port}"
+    with ScoreClient(url, connect_retry_s=0.5) as client:
+        got = client.update_weights_everywhere(None, "step-1", version="step-1")
+        assert {a: u.weights_version for a, u in got.items()} == {"127.0.0.1": "step-1"}, proxy.seen
+        assert _served(server.url) == "step-1" and proxy.seen == [], proxy.seen
+        with pytest.raises(ScoreError):  # the client's own request: the proxy's 502 page
+            client.models()
+    assert proxy.seen == [f"GET {url}/v1/models"], proxy.seen  # the environment's proxy was in force
+
+    async def main():
+        async with AsyncScoreClient(url, connect_retry_s=0.5) as client:
+            return await client.update_weights_everywhere(None, "step-2", version="step-2")
+
+    assert {a: u.weights_version for a, u in asyncio.run(main()).items()} == {"127.0.0.1": "step-2"}, proxy.seen
+    assert _served(server.url) == "step-2" and len(proxy.seen) == 1, proxy.seen
