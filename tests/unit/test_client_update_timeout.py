@@ -103,6 +103,24 @@ def test_a_bound_that_is_not_a_positive_number_of_seconds_is_refused_before_send
     asyncio.run(main())
 
 
+OLDER = [("timeout_s", "30", TypeError, "a number of seconds"), ("timeout_s", 0, ValueError, "finite and > 0"),
+         ("timeout_s", math.nan, ValueError, "finite and > 0"), ("retry_timeout_s", -1, ValueError, "finite and >= 0"),
+         ("retry_timeout_s", math.inf, ValueError, "finite and >= 0"), ("connect_retry_s", None, TypeError,
+                                                                        "a number of seconds"),
+         ("connect_retry_s", -0.5, ValueError, "finite and >= 0"), ("max_concurrency", 0, ValueError, "an int of at least 1"),
+         ("max_concurrency", 2.5, ValueError, "an int of at least 1")]
+
+
+@pytest.mark.parametrize("knob,value,kind,why", OLDER, ids=[f"{k}={v!r}" for k, v, _, _ in OLDER])
+def test_the_other_bounds_are_checked_when_the_client_is_built(knob, value, kind, why):
+    # a NaN timeout or a negative retry budget failed at the first call, or retried forever
+    for cls in (ScoreClient, AsyncScoreClient):
+        with pytest.raises(kind, match=f"^{knob} must be {why}"):
+            cls(BASE, **{knob: value})
+    for zero in ("retry_timeout_s", "connect_retry_s"):  # 0: no retry at all, as before
+        ScoreClient(BASE, **{zero: 0}).close()
+
+
 def test_both_clients_take_the_same_update_arguments():
     for method in ("update_weights", "update_weights_everywhere"):
         blocking, awaited = (inspect.signature(getattr(c, method)) for c in (ScoreClient, AsyncScoreClient))

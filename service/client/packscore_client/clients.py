@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import numbers
 import threading
 import time
 from contextlib import asynccontextmanager, contextmanager
@@ -73,12 +74,12 @@ def _by_one_version(results: list[ScoredSequence], sequences: list, end: float |
     return results
 
 
-def _seconds(value: Any, name: str) -> float:
-    """``value`` checked as a bound in seconds: a finite number above 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+def _seconds(value: Any, name: str, zero: bool = False) -> float:
+    """``value`` checked as a bound in seconds: a finite number above 0 (or 0 itself, with ``zero``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy scalars are fine
         raise TypeError(f"{name} must be a number of seconds, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        raise ValueError(f"{name} must be finite and {'>=' if zero else '>'} 0, got {value!r}")
     return float(value)
 
 
@@ -114,6 +115,13 @@ class _Base:
         _host: tuple[str, str] | None = None,
         _request_id: str | None = None,
     ):
+        # checked here: httpx and the retry loops would take a NaN, a string or a negative bound and fail later, or never
+        timeout_s = _seconds(timeout_s, "timeout_s")
+        retry_timeout_s, connect_retry_s = (_seconds(retry_timeout_s, "retry_timeout_s", zero=True),
+                                            _seconds(connect_retry_s, "connect_retry_s", zero=True))
+        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, numbers.Integral) or max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be an int of at least 1, got {max_concurrency!r}")
+        max_concurrency = int(max_concurrency)
         self._knobs = dict(api_key=api_key, encoding=encoding, timeout_s=timeout_s, retry_timeout_s=retry_timeout_s,
                            connect_retry_s=connect_retry_s, max_sequences_per_request=max_sequences_per_request,
                            max_request_tokens=max_request_tokens, max_request_bytes=max_request_bytes,
@@ -124,7 +132,7 @@ class _Base:
         self._p = Protocol(base_url, api_key, encoding, retry_timeout_s, max_sequences_per_request,
                            max_request_tokens, max_request_bytes, connect_retry_s)
         self._p.admin_key = bearer_key(admin_key, "admin_key")  # POST /v1/weights sends it instead of the API key
-        self._max_concurrency = max(1, max_concurrency)
+        self._max_concurrency = max_concurrency
         # A host that never answers must fail within the connect budget, not after timeout_s.
         timeout = httpx.Timeout(timeout_s, connect=max(1.0, min(timeout_s, connect_retry_s)))
         self._timeout = timeout
