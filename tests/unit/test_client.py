@@ -520,6 +520,19 @@ def test_a_request_not_sent_whole_is_sent_again():
     assert len(tries) == 2 and result.logprobs.tolist() == [0.5, 0.5]
 
 
+def test_writes_that_keep_failing_are_named_as_such_not_as_a_server_not_reached():
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/readyz":
+            return httpx.Response(404)
+        raise httpx.WriteTimeout("the body did not leave", request=request)
+
+    with ScoreClient(BASE, encoding="json", transport=httpx.MockTransport(handler), connect_retry_s=0.2) as client:
+        with pytest.raises(ScoreError) as failed:
+            client.score([[1, 2, 3]])
+    assert failed.value.type == "connection_error", failed.value
+    assert f"could not send the request whole to {BASE}" in failed.value.message, failed.value
+
+
 def test_a_padded_row_is_named_by_its_place_before_and_after_sending():
     ids, attn = np.full((3, 10), 5), np.ones((3, 10), np.int64)
     resp = np.ones((3, 4), np.int64)

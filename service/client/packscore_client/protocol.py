@@ -484,12 +484,14 @@ class Protocol:
         now = time.monotonic()
         since = since or now
         bound = min(give_up, since + self.connect_retry_s)
+        # a write that failed reached the server: the request did not arrive whole
+        what = "send the request whole to" if isinstance(error, (httpx.WriteError, httpx.WriteTimeout)) else "reach"
         if now >= bound:
-            raise ScoreError(0, "connection_error", f"could not reach {self.base_url} for "
+            raise ScoreError(0, "connection_error", f"could not {what} {self.base_url} for "
                              f"{now - since:.1f}s: {describe(error)}{consequence}") from error
         wait = min(retry_after(None, attempt), bound - now)  # the last try at the bound itself
-        log.warning("packscore: cannot reach %s (%s); retrying in %.1fs (gives up %.0fs after the first "
-                    "failure: connect_retry_s)", self.base_url, describe(error), wait, self.connect_retry_s)
+        log.warning("packscore: cannot %s %s (%s); retrying in %.1fs (gives up %.0fs after the first "
+                    "failure: connect_retry_s)", what, self.base_url, describe(error), wait, self.connect_retry_s)
         return wait, since
 
 
