@@ -211,3 +211,11 @@ class HuggingFaceReference:
             logprobs, entropy, top_ids, top_logprobs = hf_scores(self.model, s, s.top_k)
             out.append(SequenceScores(logprobs, entropy, top_ids.astype(np.int32), top_logprobs))
         return out
+
+
+def served_version(url: str, headers: dict | None = None) -> str:
+    """The weights_version the one model at ``url`` serves, asked directly (no proxy from the environment)."""
+    with httpx.Client(trust_env=False, timeout=30) as direct:
+        (model,) = direct.get(url + "/v1/models", headers=headers).json()["data"]
+    return model["weights_version"]
+

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from packscore_client import ScoreClient, ScoreError
-from tests.e2e.helpers import fake_server, queued_sequences
+from tests.e2e.helpers import fake_server, queued_sequences, served_version
 
 
 @pytest.fixture(scope="module")
@@ -25,13 +25,8 @@ def server(tmp_path_factory):
         server.stop()
 
 
-def _served(url: str) -> str:
-    (model,) = httpx.get(url + "/v1/models", timeout=30).json()["data"]
-    return model["weights_version"]
-
-
 def test_a_pool_timeout_says_the_request_was_not_sent_and_the_update_did_not_run(server):
-    before = _served(server.url)
+    before = served_version(server.url)
     transport = httpx.HTTPTransport(limits=httpx.Limits(max_connections=1))
     client = ScoreClient(server.url, transport=transport, timeout_s=0.5, connect_retry_s=5.0)
     client.ready()  # the limits known: score sends its /score at once
@@ -50,7 +45,7 @@ def test_a_pool_timeout_says_the_request_was_not_sent_and_the_update_did_not_run
         assert (u.status, u.type) == (0, "connection_error") and "may have run" not in str(u), u
         assert "POST /v1/weights" in str(u) and "was not sent" in str(u) and "sending it again is safe" in str(u), u
         assert "pool" in str(u) and "timeout_s" in str(u), u
-        assert _served(server.url) == before  # the update never reached the server
+        assert served_version(server.url) == before  # the update never reached the server
         with pytest.raises(ScoreError) as score:  # not retried for connect_retry_s as a server not reached
             client.score([[1, 2, 3]])
         s = score.value
@@ -60,6 +55,6 @@ def test_a_pool_timeout_says_the_request_was_not_sent_and_the_update_did_not_run
         slow.join(timeout=60)
     # once the connection is free, sending the same update again serves it
     assert client.update_weights(None, "step-1", version="step-1").weights_version == "step-1"
-    assert _served(server.url) == "step-1"
+    assert served_version(server.url) == "step-1"
     busy.close()
     client.close()

@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import http.server
-import socket
 import threading
 
-import httpx
 import pytest
 
 from packscore_client import AsyncScoreClient, ScoreClient, ScoreError
-from tests.e2e.helpers import fake_server
+from tests.e2e.helpers import fake_server, served_version
+from tests.resolving import resolving
 
 NAME = "scorer-pods.rl.svc"
-REAL_GETADDRINFO = socket.getaddrinfo
 PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
 
 
@@ -70,24 +68,13 @@ def proxy(monkeypatch):
         proxy.server_close()
 
 
-def _served(url: str) -> str:
-    with httpx.Client(trust_env=False, timeout=30) as direct:  # not through the test's proxy
-        (model,) = direct.get(url + "/v1/models").json()["data"]
-    return model["weights_version"]
-
-
 def test_the_per_address_requests_of_an_update_everywhere_bypass_the_environments_proxy(server, proxy, monkeypatch):
-    def resolving(host, port, *args, **kw):  # the name of a headless Service of one pod
-        if host != NAME:
-            return REAL_GETADDRINFO(host, port, *args, **kw)
-        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
-
-    monkeypatch.setattr(socket, "getaddrinfo", resolving)
+    resolving(monkeypatch, NAME, "127.0.0.1")  # the name of a headless Service of one pod
     url = f"http://{NAME}:{server.port}"
     with ScoreClient(url, connect_retry_s=0.5) as client:
         got = client.update_weights_everywhere(None, "step-1", version="step-1")
         assert {a: u.weights_version for a, u in got.items()} == {"127.0.0.1": "step-1"}, proxy.seen
-        assert _served(server.url) == "step-1" and proxy.seen == [], proxy.seen
+        assert served_version(server.url) == "step-1" and proxy.seen == [], proxy.seen
         with pytest.raises(ScoreError):  # the client's own request: the proxy's 502 page
             client.models()
     assert proxy.seen == [f"GET {url}/v1/models"], proxy.seen  # the environment's proxy was in force
@@ -97,4 +84,4 @@ def test_the_per_address_requests_of_an_update_everywhere_bypass_the_environment
             return await client.update_weights_everywhere(None, "step-2", version="step-2")
 
     assert {a: u.weights_version for a, u in asyncio.run(main()).items()} == {"127.0.0.1": "step-2"}, proxy.seen
-    assert _served(server.url) == "step-2" and len(proxy.seen) == 1, proxy.seen
+    assert served_version(server.url) == "step-2" and len(proxy.seen) == 1, proxy.seen

@@ -7,19 +7,17 @@ have run."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
-import httpx
 import pytest
 
 from packscore_client import AsyncScoreClient, ScoreClient, ScoreError, UpdateEverywhereError
-from tests.e2e.helpers import fake_server
+from tests.e2e.helpers import fake_server, served_version
+from tests.resolving import resolving
 
 LOAD_S = 1.5  # each update's load on the server
 SHORT_S = 0.3  # the trainer's timeout_s for scoring, well under a load
 NAME = "scorer-pods.rl.svc"
-REAL_GETADDRINFO = socket.getaddrinfo
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +32,10 @@ def server(tmp_path_factory):
         server.stop()
 
 
-def _served(url: str) -> str:
-    (model,) = httpx.get(url + "/v1/models", timeout=30).json()["data"]
-    return model["weights_version"]
-
-
 def _served_soon(url: str, version: str) -> None:
     """The update the client stopped waiting for lands on the server all the same."""
     end = time.monotonic() + 30
-    while _served(url) != version:
+    while served_version(url) != version:
         assert time.monotonic() < end, f"{version} never served"
         time.sleep(0.1)
 
@@ -79,12 +72,7 @@ def test_an_update_longer_than_timeout_s_completes_and_a_shorter_call_bound_says
 
 
 def test_the_per_address_clients_of_an_update_everywhere_wait_as_long(server, monkeypatch):
-    def resolving(host, port, *args, **kw):  # the name of a headless Service of one pod
-        if host != NAME:
-            return REAL_GETADDRINFO(host, port, *args, **kw)
-        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
-
-    monkeypatch.setattr(socket, "getaddrinfo", resolving)
+    resolving(monkeypatch, NAME, "127.0.0.1")  # the name of a headless Service of one pod
     with ScoreClient(f"http://{NAME}:{server.port}", timeout_s=SHORT_S) as client:
         got = client.update_weights_everywhere(None, "step-6", version="step-6")
         assert {a: u.weights_version for a, u in got.items()} == {"127.0.0.1": "step-6"}

@@ -3,17 +3,15 @@
 both, as ``<fullname>-pods.<namespace>.svc`` does (chart README, Weight updates)."""
 
 import shutil
-import socket
 
-import httpx
 import pytest
 
 from packscore_client import ScoreClient, UpdateEverywhereError
 from tests.checkpoints import save_checkpoint
-from tests.e2e.helpers import API_KEY, AUTH, ServerProcess
+from tests.e2e.helpers import API_KEY, AUTH, ServerProcess, served_version
+from tests.resolving import resolving
 
 NAME = "scorer-pods.rl.svc"
-REAL_GETADDRINFO = socket.getaddrinfo
 
 
 @pytest.fixture(scope="module")
@@ -39,33 +37,20 @@ def pods(tmp_path_factory):
         assert codes == (0, 0), a.log() + b.log()
 
 
-def _resolving(monkeypatch, *ips: str) -> None:
-    def fake(host, port, *args, **kw):
-        if host != NAME:
-            return REAL_GETADDRINFO(host, port, *args, **kw)
-        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ips]
-    monkeypatch.setattr(socket, "getaddrinfo", fake)
-
-
-def _served(url: str) -> str:
-    (model,) = httpx.get(url + "/v1/models", headers=AUTH, timeout=30).json()["data"]
-    return model["weights_version"]
-
-
 def test_every_pod_serves_the_update_and_a_failed_one_is_named(pods, monkeypatch):
     a, b = pods
     port = a.port
-    _resolving(monkeypatch, "127.0.0.1", "127.0.0.2")
+    resolving(monkeypatch, NAME, "127.0.0.1", "127.0.0.2")
     with ScoreClient(f"http://{NAME}:{port}", API_KEY, connect_retry_s=0.5) as client:
         got = client.update_weights_everywhere(None, "step-1", version="step-1")
         assert {addr: u.weights_version for addr, u in got.items()} == {"127.0.0.1": "step-1", "127.0.0.2": "step-1"}
-        assert (_served(a.url), _served(b.url)) == ("step-1", "step-1")
+        assert (served_version(a.url, AUTH), served_version(b.url, AUTH)) == ("step-1", "step-1")
         # one request id, which each pod answered with and logged the update under
         (rid,) = {u.request_id for u in got.values()}
         assert rid is not None and all(f"request_id={rid}" in pod.log() for pod in (a, b)), (rid, a.log(), b.log())
 
         # b has no step-2, and nothing listens on 127.0.0.3: both named, a's success kept.
-        _resolving(monkeypatch, "127.0.0.1", "127.0.0.2", "127.0.0.3")
+        resolving(monkeypatch, NAME, "127.0.0.1", "127.0.0.2", "127.0.0.3")
         with pytest.raises(UpdateEverywhereError) as caught:
             client.update_weights_everywhere(None, "step-2", version="step-2")
     e = caught.value
@@ -76,7 +61,7 @@ def test_every_pod_serves_the_update_and_a_failed_one_is_named(pods, monkeypatch
     assert (e.failed["127.0.0.3"].status, e.failed["127.0.0.3"].type) == (0, "connection_error"), e.failed
     assert "127.0.0.2: 422" in str(e) and "127.0.0.3: 0 connection_error" in str(e), e
     assert "127.0.0.1 serves 'step-2'" in str(e), e
-    assert (_served(a.url), _served(b.url)) == ("step-2", "step-1")  # a failed update changes nothing on b
+    assert (served_version(a.url, AUTH), served_version(b.url, AUTH)) == ("step-2", "step-1")  # a failed update changes nothing on b
     assert e.request_id not in (None, rid) and str(e).endswith(f"(request_id: {e.request_id})"), e
     assert {f.request_id for f in e.failed.values()} == {e.request_id} and len(e.failed) == 2, e.failed
     assert e.updated["127.0.0.1"].request_id == e.request_id and f"request_id={e.request_id}" in a.log(), e.updated

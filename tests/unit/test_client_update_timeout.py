@@ -13,10 +13,10 @@ import pytest
 
 from packscore_client import AsyncScoreClient, ScoreClient
 from packscore_client.clients import UPDATE_TIMEOUT_S
+from tests.resolving import resolving
 
 BASE = "http://packscore.test"
 NAME = "scorer-pods.rl.svc"
-REAL_GETADDRINFO = socket.getaddrinfo
 
 
 class Seen:
@@ -33,21 +33,13 @@ class Seen:
         return httpx.Response(200, json={"data": [{"id": "policy", "weights_version": "v1"}]})
 
 
-def _resolving(monkeypatch, *ips: str) -> None:
-    def fake(host, port, *args, **kw):
-        if host != NAME:
-            return REAL_GETADDRINFO(host, port, *args, **kw)
-        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ips]
-    monkeypatch.setattr(socket, "getaddrinfo", fake)
-
-
 @pytest.mark.parametrize("knobs,want", [
     (dict(timeout_s=30.0), UPDATE_TIMEOUT_S),  # a short scoring timeout leaves updates their own bound
     (dict(timeout_s=2 * UPDATE_TIMEOUT_S), 2 * UPDATE_TIMEOUT_S),  # never shorter than timeout_s by default
     (dict(timeout_s=30.0, update_timeout_s=120), 120.0),
 ])
 def test_an_update_waits_update_timeout_s_and_other_requests_timeout_s(knobs, want, monkeypatch):
-    _resolving(monkeypatch, "10.0.0.7", "10.0.0.8")
+    resolving(monkeypatch, NAME, "10.0.0.7", "10.0.0.8")
     seen = Seen()
     with ScoreClient(f"http://{NAME}:8000", transport=httpx.MockTransport(seen), **knobs) as client:
         client.models()
