@@ -98,7 +98,7 @@ def create_app(settings: Settings, backend: BackendSources, record: WeightsRecor
     served name -> either for several models. ``record``: the opened ``--weights-record``
     (default: opened from ``settings``)."""
     service = Service(settings, backend, record=record)
-    _answers_at_zero(service.metrics)
+    service.metrics.expect_answers((*sorted(_ROUTE_LABELS), "other"), SCORE_ROUTES)
     if service.admin_key is not None and settings.weights_root is None:
         log.warning("--admin-key has no effect without --weights-root: POST /v1/weights is not served")
 
@@ -127,16 +127,6 @@ def create_app(settings: Settings, backend: BackendSources, record: WeightsRecor
     _add_routes(app, service)
     app.openapi = lambda: _openapi(app, service)  # type: ignore[method-assign]
     return app
-
-
-def _answers_at_zero(metrics: metrics_module.Metrics) -> None:
-    """The answers the chart's alerts rate (a 500 of any route, /score's refusals) at 0 from the start:
-    rate() over a series that appears with its first answer never sees that answer."""
-    for route in (*sorted(_ROUTE_LABELS), "other"):
-        metrics.requests.labels(route=route, status="500")
-    for route in SCORE_ROUTES:
-        for status in ("200", "429", "503", "504"):
-            metrics.requests.labels(route=route, status=status)
 
 
 class _Gate:

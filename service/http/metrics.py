@@ -231,6 +231,15 @@ class Metrics:
         for histogram in (self.rollout_mean_abs_diff, self.rollout_max_abs_diff, self.rollout_k3_kl):
             histogram.labels(model=served_name)  # at zero from the start, so a dashboard finds the series
 
+    def expect_answers(self, routes, score_routes) -> None:
+        """The answers the chart's alerts rate (a 500 of any route, the scoring routes' 200 and refusals)
+        at 0 from the start: rate() over a series that appears with its first answer never sees that answer."""
+        for route in routes:
+            self.requests.labels(route=route, status="500")
+        for route in score_routes:
+            for status in ("200", "429", "503", "504"):
+                self.requests.labels(route=route, status=status)
+
     def expect_updates(self, model: str, *, recorded: bool) -> None:
         """The weight-update series of a model that can be updated (``--weights-root``), at zero from
         the start: ``rate()`` and ``increase()`` miss the first event of a series that appears with it.
