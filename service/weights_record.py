@@ -18,7 +18,9 @@ model whose entry names its own ``--model`` source is swapped to the recorded ch
 the route's own checks and serves it under the recorded version. A model whose recorded checkpoint
 cannot be served is withheld (``Withheld``): serving ``--model`` instead would silently score with
 other weights than the trainer last sent, so the process waits, not ready, for that model's next
-update. A record that cannot be read or kept refuses the start (``RecordError``). docs/weights.md.
+update. A record that cannot be read or kept refuses the start (``RecordError``). The lock is tried
+once at start too, and temporary files left by writers killed mid-write are removed under it, at
+start and at each write (``_remove_stale_temporaries``). docs/weights.md.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import math
 import os
 import re
+import secrets
 import socket
-import tempfile
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -46,6 +50,9 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 LOCK_WAIT_S = 10.0  # a write takes milliseconds: a lock held this long belongs to a stuck writer
+# a write of a few KB takes milliseconds, even a stalled NFS mount's minutes: a temporary file a day
+# old has no live writer on any host, whatever the clocks of the hosts and the file server
+TEMPORARY_LIFETIME_S = 24 * 3600.0
 
 # fcntl locks are the process's own: threads of one process (two records of one file) queue here first
 _process_locks: dict[str, threading.Lock] = {}
@@ -153,8 +160,9 @@ class WeightsRecord:
 
     @classmethod
     def open(cls, file: Path, root: Path, sources: Mapping[str | None, str]) -> "WeightsRecord":
-        """Reads FILE (absent: no entry yet) and checks that its directory takes a new file now,
-        so that the first update cannot fail late."""
+        """Reads FILE (absent: no entry yet), checks that its directory takes a new file and that
+        ``FILE.lock`` opens, so that the first update cannot fail late, and tries the lock once: a
+        filesystem that locks nothing is said now, and temporary files of writers gone are removed."""
         file = Path(file)
         where = f"--weights-record {str(file)!r}"
         if not file.parent.is_dir():
@@ -162,12 +170,28 @@ class WeightsRecord:
                               "elsewhere")
         if file.exists() and not file.is_file():
             raise RecordError(f"{where} is not a regular file")
-        try:  # a real file, as each write makes one: permissions, a read-only mount, a full disk
-            with tempfile.NamedTemporaryFile(dir=file.parent, prefix=f".{file.name}.", suffix=".probe"):
-                pass
-        except OSError as exc:
-            raise RecordError(f"{where}: its directory cannot take a new file: {exc.strerror or exc}") from None
-        return cls(file, root, sources, _read_entries(file))
+        record = cls(file, root, sources, {})
+        with _process_lock(file):  # this process's temporary files are made and removed under it only
+            try:  # a real file, as each write makes one: permissions, a read-only mount, a full disk
+                fd, probe = _create_temporary(file, ".probe")
+                os.close(fd)
+                os.unlink(probe)
+            except OSError as exc:
+                raise RecordError(f"{where}: its directory cannot take a new file: {exc.strerror or exc}") from None
+            try:
+                fd = os.open(record.lock_file, os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError as exc:  # another user's lock file, say: every write would go unlocked
+                raise RecordError(f"{where}: its lock file {str(record.lock_file)!r} cannot be opened for writing: "
+                                  f"{exc.strerror or exc}; make it writable by this server's user (uid {os.getuid()}), "
+                                  "as by every server sharing FILE") from None
+            try:
+                locked = record._lock_or_warn(fd, 0.0)
+                if locked is not False:  # locked, or a filesystem without locks: the writes go on without one too
+                    _remove_stale_temporaries(file)
+            finally:
+                os.close(fd)  # releases the lock
+        record._entries = _read_entries(file)
+        return record
 
     # ---- at start -----------------------------------------------------------------------------
 
@@ -259,25 +283,43 @@ class WeightsRecord:
     def _file_lock(self):
         """``FILE.lock`` locked (fcntl) for one read-merge-write. Where the filesystem takes no lock
         (or a stuck writer holds it), the write goes on without it, said in a WARNING: a whole
-        record still replaces the old one, but two servers writing at once may lose one's entry."""
+        record still replaces the old one, but two servers writing at once may lose one's entry.
+        Temporary files of writers gone are removed meanwhile."""
         fd = None
         try:
             fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o666)
-            _lock_exclusively(fd, LOCK_WAIT_S)
         except OSError as exc:
-            if isinstance(exc, TimeoutError):
-                log.warning("--weights-record %s: %s stayed locked by another writer for %.0fs: writing without it",
-                            self.file, self.lock_file, LOCK_WAIT_S)
-            elif not self._unlocked_logged:
-                self._unlocked_logged = True
-                log.warning("--weights-record %s: %s cannot be locked (%s): writing without a lock from now on; "
-                            "servers sharing FILE that write at the same moment may lose one of their entries",
-                            self.file, self.lock_file, exc.strerror or exc)
+            self._say_unlocked(exc)
         try:
+            if fd is not None:
+                self._lock_or_warn(fd, LOCK_WAIT_S)
+            _remove_stale_temporaries(self.file)
             yield
         finally:
             if fd is not None:
                 os.close(fd)  # releases the lock
+
+    def _lock_or_warn(self, fd: int, wait_s: float) -> bool | None:
+        """True: locked; False: another writer held it past ``wait_s`` (WARNING unless ``wait_s`` is 0,
+        the try at start); None: the filesystem locks nothing (one WARNING for the process's life)."""
+        try:
+            _lock_exclusively(fd, wait_s)
+            return True
+        except TimeoutError:
+            if wait_s > 0:
+                log.warning("--weights-record %s: %s stayed locked by another writer for %.0fs: writing without it",
+                            self.file, self.lock_file, wait_s)
+            return False
+        except OSError as exc:
+            self._say_unlocked(exc)
+            return None
+
+    def _say_unlocked(self, exc: OSError) -> None:
+        if not self._unlocked_logged:
+            self._unlocked_logged = True
+            log.warning("--weights-record %s: %s cannot be locked (%s): writing without a lock from now on; "
+                        "servers sharing FILE that write at the same moment may lose one of their entries",
+                        self.file, self.lock_file, exc.strerror or exc)
 
 
 def _process_lock(file: Path) -> threading.Lock:
@@ -305,9 +347,7 @@ def _lock_exclusively(fd: int, wait_s: float) -> None:
 def write_atomically(file: Path, data: bytes) -> None:
     """``data`` as FILE's whole content, never seen in part: written to a temporary file beside it,
     flushed to disk, renamed over FILE, and the directory's entry flushed too."""
-    # named after its host and process as well: writers on several hosts share the directory
-    writer = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64]
-    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.{writer}.{os.getpid()}.", suffix=".tmp")
+    fd, tmp = _create_temporary(file, ".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -323,6 +363,81 @@ def write_atomically(file: Path, data: bytes) -> None:
         os.fsync(directory)
     finally:
         os.close(directory)
+
+
+def _writer() -> tuple[str, bool]:
+    """This process's writer name in its temporary files' names: the host, then a hash of the boot and
+    the pid namespace (containers of one host, or pods with the host's network, share a host name but
+    not their pids); and whether that hash is known, so that a pid in it can be checked here."""
+    host = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:64] or "host"
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return f"{host}+00000000", False
+    return f"{host}+{hashlib.sha256(f'{boot} {namespace}'.encode()).hexdigest()[:8]}", True
+
+
+def _create_temporary(file: Path, suffix: str) -> tuple[int, str]:
+    """A new file ``.FILE.<writer>.<pid>.<8 hex><suffix>`` beside FILE, opened for writing."""
+    writer, _ = _writer()
+    for _ in range(100):
+        tmp = os.path.join(file.parent, f".{file.name}.{writer}.{os.getpid()}.{secrets.token_hex(4)}{suffix}")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no unused temporary file name", str(file.parent))
+
+
+def _remove_stale_temporaries(file: Path) -> None:
+    """Removes FILE's temporary files whose writer is certainly gone: of this pid namespace and a pid
+    not alive (or this process's own: under its process lock none is being written), or of any
+    writer, older than TEMPORARY_LIFETIME_S (a writer killed mid-write leaves its file, on a volume
+    that outlives every pod). Earlier builds' names (``.FILE.<host>.<pid>.<random>.tmp``,
+    ``.FILE.<random>.probe``) go by age only. Never raises: it is housekeeping."""
+    own, certain = _writer()
+    name = re.escape(file.name)
+    ours = re.compile(rf"\.{name}\.(?P<writer>[A-Za-z0-9-]+\+[0-9a-f]{{8}})\.(?P<pid>[0-9]+)\.[0-9a-f]{{8}}\.(?:tmp|probe)")
+    any_build = re.compile(rf"\.{name}\.(?:.+\.)?[A-Za-z0-9_]{{8}}\.(?:tmp|probe)")
+    removed = []
+    try:
+        names = os.listdir(file.parent)
+    except OSError:
+        return
+    now = time.time()
+    for entry in names:
+        match = ours.fullmatch(entry)
+        if match is None and any_build.fullmatch(entry) is None:
+            continue
+        path = file.parent / entry
+        try:
+            st = path.lstat()
+            gone = (match is not None and certain and match["writer"] == own and not _alive(int(match["pid"])))
+            if stat.S_ISREG(st.st_mode) and (gone or now - st.st_mtime > TEMPORARY_LIFETIME_S):
+                path.unlink()
+                removed.append(entry)
+        except OSError:  # removed meanwhile by another server, or not ours to remove
+            continue
+    if removed:
+        log.info("--weights-record %s: removed %d temporary file(s) of writers gone (killed mid-write): %s",
+                 file, len(removed), ", ".join(sorted(removed)[:5]) + (", ..." if len(removed) > 5 else ""))
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` of this pid namespace may still write; this process's own writes are done."""
+    if pid == os.getpid():
+        return False
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
 
 
 def _read_entries(file: Path) -> dict[str, dict]:

@@ -7,6 +7,7 @@ import errno
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -81,8 +82,9 @@ def test_the_write_replaces_the_file_whole_and_keeps_every_other_model(tmp_path,
         "other": {"model": "/x", "path": "p", "version": "v"},
         "policy": {"model": "/ckpt/base", "path": "step-1", "version": "v1", "requested_at": 1700000000.5,
                    "files": [["model.safetensors", 6, 1]]}}}
-    # a temporary name of this host and process: writers on several hosts share the directory
-    assert temporary.startswith(f".record.json.{socket.gethostname()[:64]}.{os.getpid()}."), temporary
+    # a temporary name of this host, pid namespace and process: writers on several hosts share the directory
+    host = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:64]
+    assert re.fullmatch(rf"\.record\.json\.{host}\+[0-9a-f]{{8}}\.{os.getpid()}\.[0-9a-f]{{8}}\.tmp", temporary), temporary
     assert sorted(p.name for p in tmp_path.iterdir()) == ["record.json", "record.json.lock", "root"]  # no temporary
 
 

@@ -1,0 +1,171 @@
+"""``--weights-record`` on a shared volume: temporary files of writers killed mid-write are removed,
+and the lock is tried at start (docs/weights.md "Surviving a restart"). Real files, real processes."""
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from service.weights_record import TEMPORARY_LIFETIME_S, WeightsRecord, _writer
+from tests.unit.trainer_service import make_weights_root
+
+pytestmark = pytest.mark.usefixtures("no_packscore_env")
+
+REPO = Path(__file__).resolve().parents[2]
+OLD = TEMPORARY_LIFETIME_S + 3600.0  # seconds: past the bound
+
+
+def _temporary(directory: Path, record: str, writer: str, pid: int, suffix: str = ".tmp", age_s: float = 0.0) -> str:
+    """A temporary file as a writer ``writer`` (``host+hash``), process ``pid``, leaves it when killed mid-write."""
+    path = directory / f".{record}.{writer}.{pid}.{secrets.token_hex(4)}{suffix}"
+    path.write_text('{"format": 1, "models": {')
+    if age_s:
+        then = time.time() - age_s
+        os.utime(path, (then, then))
+    return path.name
+
+
+def _dead_pid() -> int:
+    """The pid of a process of this host that has exited (and been reaped)."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    return int(done.stdout)
+
+
+def test_temporary_files_of_writers_gone_are_removed_at_start_and_at_each_write_and_no_live_writers(tmp_path, caplog):
+    root, state = make_weights_root(tmp_path), tmp_path / "state"
+    state.mkdir()
+    file = state / "record.json"
+    own, known = _writer()
+    assert known, "this host names no pid namespace (/proc): a dead pid cannot be told from another host's"
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        dead = _dead_pid()
+        legacy = [".record.json.old-build.1234.k_x9ab2z.tmp", ".record.json.abcd_123.probe"]  # earlier builds' names
+        for name in legacy:  # a day old: by age only
+            (state / name).write_text("{")
+            os.utime(state / name, (time.time() - OLD,) * 2)
+        gone = {_temporary(state, "record.json", own, dead),  # killed mid-write on this host
+                _temporary(state, "record.json", own, dead, ".probe"),  # killed while its start probed
+                _temporary(state, "record.json", own, os.getpid()),  # this process's: none is being written
+                _temporary(state, "record.json", "other-pod+0123abcd", dead, age_s=OLD),  # another host's, a day old
+                _temporary(state, "record.json", own, live.pid, age_s=OLD),  # no write lasts a day
+                *legacy}
+        kept = {_temporary(state, "record.json", own, live.pid),  # a live writer's (it may write without the lock)
+                _temporary(state, "record.json", "other-pod+0123abcd", dead),  # another host's pid: not ours to judge
+                _temporary(state, "record.json", "other-pod+0123abcd", dead, age_s=TEMPORARY_LIFETIME_S - 600),
+                ".record.json.old-build.1234.k_x9ab2z.tmp.keep",
+                _temporary(state, "other.json", own, dead),  # another record's
+                _temporary(state, "record.json.x", own, dead),  # another record's, whose name extends this one's
+                "record.json.notes"}
+        (state / "record.json.notes").write_text("an operator's file")
+        (state / ".record.json.old-build.1234.k_x9ab2z.tmp.keep").write_text("not a temporary file")
+        (state / f".record.json.{own}.{dead}.0badc0de.tmp").mkdir()  # a directory is never removed
+        kept.add(f".record.json.{own}.{dead}.0badc0de.tmp")
+
+        with caplog.at_level(logging.INFO, logger="service.weights_record"):
+            record = WeightsRecord.open(file, root, {None: "/ckpt/base"})
+        left = set(os.listdir(state)) - {"record.json.lock"}
+        assert left == kept, f"removed {sorted(kept - left)}, left {sorted(left - kept)}"
+        assert f"removed {len(gone)} temporary file(s) of writers gone" in caplog.text, caplog.text
+
+        later = _temporary(state, "record.json", own, dead)  # a writer killed after this server started
+        assert record.write("policy", None, root / "step-1", "v1", None)
+        assert later not in os.listdir(state)
+        assert set(os.listdir(state)) == kept | {"record.json", "record.json.lock"}
+        assert json.loads(file.read_text())["models"]["policy"]["version"] == "v1"
+    finally:
+        live.kill()
+        live.wait()
+
+
+# ---- the lock, tried at start -----------------------------------------------------------------
+
+
+def test_a_filesystem_without_locks_is_said_at_start_once_not_at_the_first_update(tmp_path, monkeypatch, caplog):
+    root, file = make_weights_root(tmp_path), tmp_path / "record.json"
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "lockf", no_locks)
+    with caplog.at_level(logging.WARNING, logger="service.weights_record"):
+        record = WeightsRecord.open(file, root, {None: "/ckpt/base"})
+        (warning,) = caplog.records
+        assert "cannot be locked (No locks available)" in warning.getMessage() and str(file) in warning.getMessage()
+        assert record.write("policy", None, root / "step-1", "p1", None)
+        assert record.write("ref", None, root / "step-2", "r2", None)
+    assert len(caplog.records) == 1, caplog.text
+    assert {n: e["version"] for n, e in json.loads(file.read_text())["models"].items()} == {"policy": "p1", "ref": "r2"}
+
+
+def test_a_lock_held_by_another_writer_at_start_is_no_warning(tmp_path, caplog):
+    root, file = make_weights_root(tmp_path), tmp_path / "record.json"
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\nfcntl.lockf(fd, fcntl.LOCK_EX)\n"
+                               "print('locked', flush=True)\ntime.sleep(60)", f"{file}.lock"], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        began = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="service.weights_record"):
+            WeightsRecord.open(file, root, {None: "/ckpt/base"})
+        assert time.monotonic() - began < 2.0  # tried once, not waited for
+        assert not caplog.records, caplog.text
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@contextlib.contextmanager
+def _unwritable(path: Path):
+    """``path`` unwritable by this process: its mode for a user; root ignores modes, so the immutable
+    attribute then (skipped where root may not set it)."""
+    if os.geteuid() != 0:
+        mode = path.stat().st_mode
+        path.chmod(0o555 if path.is_dir() else 0o444)
+        try:
+            yield
+        finally:
+            path.chmod(mode)
+        return
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode:
+        pytest.skip("running as root without chattr +i: nothing can be made unwritable to this process")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+@pytest.mark.parametrize("case", ["directory", "lock-file"])
+def test_the_cli_refuses_a_record_it_could_not_write_or_lock_in_one_line_before_anything_loads(tmp_path, case):
+    """``packscore serve`` as a process: the directory takes no new file, or FILE.lock (another user's,
+    say) cannot be opened to lock it: exit 2 with one line naming it, before the model is even looked at
+    (a --model that does not exist would be the next refusal)."""
+    root, state = make_weights_root(tmp_path), tmp_path / "state"
+    state.mkdir()
+    file = state / "record.json"
+    target = state if case == "directory" else Path(f"{file}.lock")
+    if case == "lock-file":
+        target.touch()
+    argv = [sys.executable, "-m", "service.cli", "serve", "--weights-root", str(root), "--weights-record", str(file),
+            "--model", str(tmp_path / "no-such-model")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PACKSCORE_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "service" / "client"), env.get("PYTHONPATH", "")])
+    with _unwritable(target):
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    want = "its directory cannot take a new file" if case == "directory" else \
+        f"its lock file '{file}.lock' cannot be opened for writing"
+    assert done.returncode == 2 and want in done.stderr, done.stderr[-3000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("packscore: error: --weights-record ") and "Traceback" not in done.stderr, line
