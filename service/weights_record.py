@@ -380,12 +380,13 @@ def _writer() -> tuple[str, bool]:
 
 
 def _create_temporary(file: Path, suffix: str) -> tuple[int, str]:
-    """A new file ``.FILE.<writer>.<pid>.<8 hex><suffix>`` beside FILE, opened for writing."""
+    """A new file ``.FILE.<writer>.<pid>.<8 hex><suffix>`` beside FILE, opened for writing; its mode
+    is a plain new file's (umask applied), which FILE takes with the rename: other users may read it."""
     writer, _ = _writer()
     for _ in range(100):
         tmp = os.path.join(file.parent, f".{file.name}.{writer}.{os.getpid()}.{secrets.token_hex(4)}{suffix}")
         try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), tmp
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
         except FileExistsError:
             continue
     raise FileExistsError(errno.EEXIST, "no unused temporary file name", str(file.parent))

@@ -89,6 +89,17 @@ def test_temporary_files_of_writers_gone_are_removed_at_start_and_at_each_write_
         live.wait()
 
 
+def test_the_record_is_readable_as_a_plain_new_file_is_not_only_by_its_writer(tmp_path):
+    """Servers of another user sharing the record, or the operator, must read it: not mkstemp's 0600."""
+    root, file = make_weights_root(tmp_path), tmp_path / "record.json"
+    umask = os.umask(0o022)
+    try:
+        assert WeightsRecord.open(file, root, {None: "/ckpt/base"}).write("policy", None, root / "step-1", "v1", None)
+    finally:
+        os.umask(umask)
+    assert file.stat().st_mode & 0o777 == 0o644, oct(file.stat().st_mode)
+
+
 # ---- the lock, tried at start -----------------------------------------------------------------
 
 
