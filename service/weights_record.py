@@ -53,6 +53,7 @@ LOCK_WAIT_S = 10.0  # a write takes milliseconds: a lock held this long belongs 
 # a write of a few KB takes milliseconds, even a stalled NFS mount's minutes: a temporary file a day
 # old has no live writer on any host, whatever the clocks of the hosts and the file server
 TEMPORARY_LIFETIME_S = 24 * 3600.0
+CLOCK_SLACK_S = 1.0  # NTP keeps hosts within milliseconds: an entry requested further in the future shows a skewed clock
 
 # fcntl locks are the process's own: threads of one process (two records of one file) queue here first
 _process_locks: dict[str, threading.Lock] = {}
@@ -266,7 +267,16 @@ class WeightsRecord:
                 entries = _read_entries(self.file)  # again: other servers may have written since
                 later = entries.get(name)
                 if later is not None and RecordedUpdate.from_json(later).requested_at > requested_at:
-                    log.log(logging.DEBUG if (later["path"], later["version"]) == (relative, version) else logging.INFO,
+                    same = (later["path"], later["version"]) == (relative, version)
+                    ahead = RecordedUpdate.from_json(later).requested_at - time.time()
+                    if not same and ahead > CLOCK_SLACK_S:  # only a clock ahead of this host's records the future
+                        log.warning("--weights-record %s: %s keeps %r as %r, requested %.0fs after this host's now, "
+                                    "over this update (%r as %r): the clocks of the servers sharing FILE disagree, "
+                                    "and until this host's clock passes that time its updates of %s are not recorded; "
+                                    "sync the clocks (NTP)", self.file, name, later["path"], later["version"], ahead,
+                                    relative, version, name)
+                        return True
+                    log.log(logging.DEBUG if same else logging.INFO,
                             "--weights-record %s: %s keeps %r as %r, an update requested after this one (%r as %r)",
                             self.file, name, later["path"], later["version"], relative, version)
                     return True

@@ -180,3 +180,18 @@ def test_the_cli_refuses_a_record_it_could_not_write_or_lock_in_one_line_before_
     assert done.returncode == 2 and want in done.stderr, done.stderr[-3000:]
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("packscore: error: --weights-record ") and "Traceback" not in done.stderr, line
+
+
+def test_an_entry_requested_in_this_hosts_future_is_kept_with_a_warning_about_the_clocks(tmp_path, caplog):
+    """A server whose clock runs ahead records the future: later updates of others are not recorded
+    until their clocks pass it. That is said as a WARNING naming the clocks, not an INFO line."""
+    root, file = make_weights_root(tmp_path), tmp_path / "record.json"
+    ahead, here = (WeightsRecord.open(file, root, {None: "/ckpt/base"}) for _ in range(2))
+    assert ahead.write("policy", None, root / "step-1", "v1", None, requested_at=time.time() + 3600)
+    with caplog.at_level(logging.INFO, logger="service.weights_record"):
+        assert here.write("policy", None, root / "step-2", "v2", None)  # requested now, by this host's clock
+    assert json.loads(file.read_text())["models"]["policy"]["version"] == "v1"
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    message = warning.getMessage()
+    assert "the clocks of the servers sharing FILE disagree" in message and "'step-2' as 'v2'" in message, message
+    assert "requested 3600s after this host's now" in message or "requested 3599s after this host's now" in message, message
