@@ -53,7 +53,7 @@ LOCK_WAIT_S = 10.0  # a write takes milliseconds: a lock held this long belongs 
 # a write of a few KB takes milliseconds, even a stalled NFS mount's minutes: a temporary file a day
 # old has no live writer on any host, whatever the clocks of the hosts and the file server
 TEMPORARY_LIFETIME_S = 24 * 3600.0
-CLOCK_SLACK_S = 1.0  # NTP keeps hosts within milliseconds: an entry requested further in the future shows a skewed clock
+CLOCK_SLACK_S = 1.0  # NTP keeps hosts within milliseconds: an entry further in the future shows a skewed clock
 
 # fcntl locks are the process's own: threads of one process (two records of one file) queue here first
 _process_locks: dict[str, threading.Lock] = {}
@@ -410,7 +410,8 @@ def _remove_stale_temporaries(file: Path) -> None:
     ``.FILE.<random>.probe``) go by age only. Never raises: it is housekeeping."""
     own, certain = _writer()
     name = re.escape(file.name)
-    ours = re.compile(rf"\.{name}\.(?P<writer>[A-Za-z0-9-]+\+[0-9a-f]{{8}})\.(?P<pid>[0-9]+)\.[0-9a-f]{{8}}\.(?:tmp|probe)")
+    ours = re.compile(rf"\.{name}\.(?P<writer>[A-Za-z0-9-]+\+[0-9a-f]{{8}})\.(?P<pid>[0-9]+)"
+                      r"\.[0-9a-f]{8}\.(?:tmp|probe)")
     any_build = re.compile(rf"\.{name}\.(?:.+\.)?[A-Za-z0-9_]{{8}}\.(?:tmp|probe)")
     removed = []
     try:
