@@ -7,6 +7,7 @@ caught by the loader, the weight update and the service, which map ``kind`` to t
 from __future__ import annotations
 
 SHOWN = 5  # names quoted in a message
+KINDS = ("unsupported", "incomplete", "incompatible", "unreadable", "non_finite")  # CheckpointError.kind, below
 
 
 class CheckpointError(ValueError):

@@ -36,6 +36,18 @@ _KNOWN_REJECTIONS = (
 )  # fmt: skip
 
 
+# packscore_weights_updates_total's outcomes (service/http/weights.py and app.py count them), all at 0 from
+# the start: those of an update that named a served model, and those of one refused before (model="").
+UPDATE_OUTCOMES = (
+    "ok", "invalid_value", "malformed_body", "forbidden_path", "update_unsupported", "update_in_progress",
+    "version_in_use", "incompatible_checkpoint", "incomplete_checkpoint", "unreadable_checkpoint",
+    "non_finite_checkpoint", "backend_unavailable",
+)  # fmt: skip
+UNNAMED_UPDATE_OUTCOMES = (
+    "not_ready", "draining", "unsupported_content_type", "unsupported_content_encoding", "body_too_large",
+    "request_timeout", "client_disconnected", "malformed_body", "invalid_value", "model_not_found", "model_required",
+)  # fmt: skip
+
 _MODEL = ["model"]  # the served model's name, on every series that belongs to one model
 
 
@@ -214,7 +226,9 @@ class Metrics:
             histogram.labels(model=model).observe(min(figures[name], _MISMATCH_OBSERVED_MAX))
 
     def describe_model(self, info: ModelInfo, served_name: str) -> None:
-        """The model's info series (again after a weight update: its weights_version changed)."""
+        """The model's info series (again after a weight update: its weights_version changed), and its
+        scoring series at zero: a dashboard and rate() find them from when the model is loaded."""
+        self.for_model(served_name)
         self.model_info.labels(model=served_name).info(
             {
                 "architecture": info.architecture,
@@ -244,11 +258,18 @@ class Metrics:
         """The weight-update series of a model that can be updated (``--weights-root``), at zero from
         the start: ``rate()`` and ``increase()`` miss the first event of a series that appears with it.
         ``recorded``: ``--weights-record`` is set, so a record write can fail."""
-        self.weights_updates.labels(model=model, outcome="ok")
+        for outcome in UPDATE_OUTCOMES:
+            self.weights_updates.labels(model=model, outcome=outcome)
         self.weights_load_seconds.labels(model=model)
         self.weights_swap_seconds.labels(model=model)
         if recorded:
             self.weights_record_failures.labels(model=model)
+
+    def expect_unnamed_updates(self) -> None:
+        """The refusals of POST /v1/weights before its body names a served model (``model=""``), at
+        zero from the start where the route exists (``--weights-root``)."""
+        for outcome in UNNAMED_UPDATE_OUTCOMES:
+            self.weights_updates.labels(model="", outcome=outcome)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -88,7 +88,8 @@ def checkpoint_refused(exc: CheckpointError) -> ApiError:
 
 async def update_weights(service: Service, body: Any, root: Path) -> dict:
     """Runs one update to its end; the answer once the new version serves. Every outcome is
-    counted, a refusal under its error type (``model=""`` before the model is known)."""
+    counted, a refusal under its error type (``model=""`` before the model is known); a new one
+    belongs in metrics.UPDATE_OUTCOMES, which writes them at 0 from the start."""
     requested_at = time.time()  # the record keeps the last update requested, whichever server finishes last
     name = ""
     try:

@@ -10,6 +10,7 @@ import uuid
 import httpx
 import pytest
 
+from service.http.metrics import UNNAMED_UPDATE_OUTCOMES, UPDATE_OUTCOMES
 from tests.e2e.helpers import AUTH
 from tests.live_metrics import SERVED, documented, exercise, full_server, scrape
 
@@ -72,10 +73,13 @@ def test_the_series_rate_reads_are_there_before_their_first_event(server):
                      "packscore_rollout_k3_kl_count", "packscore_weights_load_seconds_count",
                      "packscore_weights_swap_seconds_count", "packscore_weights_record_failures_total"):
             assert at_start.value(name, model=model) is not None, f"{name}{{model={model!r}}} absent at start"
-        assert at_start.value("packscore_weights_updates_total", model=model, outcome="ok") == 0.0, model
+        for outcome in UPDATE_OUTCOMES:  # PackscoreWeightsUpdateFailed rates every outcome but ok
+            assert at_start.value("packscore_weights_updates_total", model=model, outcome=outcome) == 0.0, (model, outcome)
         assert at_start.value("packscore_weights_awaited", model=model) == 0.0, model
     for reason in ("queue_full", "deadline_exceeded", "invalid_value", "model_not_found", "internal_error"):
         assert at_start.value("packscore_rejections_total", reason=reason) == 0.0, reason
+    for outcome in UNNAMED_UPDATE_OUTCOMES:
+        assert at_start.value("packscore_weights_updates_total", model="", outcome=outcome) == 0.0, outcome
     assert at_start.value("packscore_send_timeouts_total") == 0.0
     # What PackscoreServerErrors and PackscoreRefusingRequests rate: their first answer counts too.
     for route in ("/score", "/v1/score", "/v1/weights", "/metrics", "/v1/models", "/readyz", "other"):
@@ -139,3 +143,17 @@ def test_every_reason_a_request_met_was_at_zero_from_the_start(server):
     there = {s.labels["reason"] for f in at_start.families() for s in f.samples if s.name == "packscore_rejections_total"}
     assert {"not_found", "method_not_allowed", "model_not_found"} <= met, met  # the round met them
     assert not met - there - WEIGHTS_ONLY_REASONS, f"no series at start for {sorted(met - there - WEIGHTS_ONLY_REASONS)}"
+
+
+def test_every_weight_update_outcome_met_was_at_zero_from_the_start(server):
+    """The updates of these tests, served and refused, for a model or before one is named, ended
+    with outcomes whose series were there from the start: their first failure reaches increase()."""
+    srv, at_start, _ = server
+    _hostile_round(srv.url, uuid.uuid4().hex[:12])
+    met = {(s.labels["model"], s.labels["outcome"]) for f in scrape(srv.url).families() for s in f.samples
+           if s.name == "packscore_weights_updates_total" and s.value > 0}
+    there = {(s.labels["model"], s.labels["outcome"]) for f in at_start.families() for s in f.samples
+             if s.name == "packscore_weights_updates_total"}
+    assert {("policy", "ok"), ("policy", "forbidden_path"), ("", "model_not_found"),
+            ("", "unsupported_content_type")} <= met, met  # what the rounds and exercise() sent
+    assert not met - there, f"no series at start for {sorted(met - there)}"

@@ -72,3 +72,22 @@ def test_every_refusal_of_the_weights_route_past_the_key_is_counted(tmp_path):
                if name == "packscore_weights_updates_total" and value}
     assert counted == {"malformed_body": ("", 1.0), "unsupported_content_type": ("", 1.0), "body_too_large": ("", 1.0),
                        "forbidden_path": ("policy", 1.0), "model_not_found": ("", 1.0)}, counted
+
+
+def test_every_checkpoint_refusal_is_an_outcome_at_zero_from_the_start():
+    """A checkpoint refused by an update is counted under ``<kind>_checkpoint``: every kind packscore
+    raises is one the metrics write at 0 (UPDATE_OUTCOMES), so the outcome list stays closed."""
+    import re
+    from pathlib import Path
+
+    from model_runtime.scoring.checkpoint_error import KINDS, CheckpointError
+    from service.http.metrics import UPDATE_OUTCOMES
+    from service.http.weights import checkpoint_refused
+
+    root = Path(__file__).resolve().parents[2]
+    raised = {kind for path in (root / "model_runtime").rglob("*.py")
+              for kind in re.findall(r'CheckpointError\(\s*"(\w+)"', path.read_text())}
+    raised |= set(re.findall(r'kind: str = "(\w+)"', (root / "model_runtime/scoring/checkpoint_config.py").read_text()))
+    assert raised and raised <= set(KINDS), f"kinds raised but not in KINDS: {sorted(raised - set(KINDS))}"
+    outcomes = {checkpoint_refused(CheckpointError(kind, "x")).type for kind in KINDS}
+    assert outcomes <= set(UPDATE_OUTCOMES), f"not written at 0 from the start: {sorted(outcomes - set(UPDATE_OUTCOMES))}"
