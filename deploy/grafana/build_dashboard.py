@@ -156,8 +156,12 @@ def build() -> dict:
     g.add(_series("Rejections / s by reason", [
         _target(f"sum by (reason) (rate(packscore_rejections_total{{{SEL}}}[{RATE}]))", "{{reason}}", "A"),
         _target(f"sum(rate(packscore_send_timeouts_total{{{SEL}}}[{RATE}]))", "send timeout (connection dropped)", "B"),
+        _target(f"sum by (reason) (rate(packscore_connections_closed_total{{{SEL}}}[{RATE}]))",
+                "connection closed: {{reason}}", "C"),
     ], "reqps", "Requests refused or failed, by error type (queue full, too large, invalid, unauthorised, draining, "
-                "deadline, client gone...), and answers dropped because the client stopped reading (--send-timeout-s).",
+                "deadline, client gone...), answers dropped because the client stopped reading (--send-timeout-s), "
+                "and connections the HTTP layer closed itself: over --max-connections (refused or evicted), not valid "
+                "HTTP/1.1, or too slow to arrive (--request-read-timeout-s).",
         stack=True), 12, 8)
     g.add(_series("Queue", [
         _target(f"sum by (instance) (packscore_queued_tokens{{{SEL}}})", "{{instance}} tokens", "A"),

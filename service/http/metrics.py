@@ -47,6 +47,8 @@ UNNAMED_UPDATE_OUTCOMES = (
     "not_ready", "draining", "unsupported_content_type", "unsupported_content_encoding", "body_too_large",
     "request_timeout", "client_disconnected", "malformed_body", "invalid_value", "model_not_found", "model_required",
 )  # fmt: skip
+# packscore_connections_closed_total's reasons: the answers and closes of service/http/protocol.py itself.
+CONNECTION_CLOSE_REASONS = ("too_many_connections", "evicted", "malformed_request", "request_timeout")
 
 _MODEL = ["model"]  # the served model's name, on every series that belongs to one model
 
@@ -84,6 +86,16 @@ class Metrics:
             "Connections closed because the client stopped reading an answer (nothing drained for --send-timeout-s).",
             registry=r,
         )
+        self.connections_closed = Counter(
+            "packscore_connections_closed_total",
+            "Connections the HTTP protocol layer closed itself, by reason: a new one refused 503 over --max-connections "
+            "(too_many_connections), an older one closed to make room (evicted), 400 for bytes that are not HTTP/1.1 "
+            "(malformed_request), headers or body not arrived within --request-read-timeout-s (request_timeout).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in CONNECTION_CLOSE_REASONS:
+            self.connections_closed.labels(reason=reason)
         self.tokens_scored = Counter(
             "packscore_tokens_scored_total",
             "Tokens whose log-probability was returned to requests (positions score_from .. L-1); the readiness pass is not counted.",

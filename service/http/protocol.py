@@ -16,7 +16,9 @@ uvicorn bounds only the idle time between keep-alive requests. This subclass add
   request line, a bad Content-Length, oversized headers), instead of plain text.
 
 Each answer the protocol sends itself (400, 408, 503) logs one warning naming its request id, its
-status, the peer and why, without a traceback: these answers pass no access log.
+status, the peer and why, without a traceback: these answers pass no access log. Each connection it
+closes itself, answered or evicted, is counted by reason (``on_closed``: the reasons of
+``packscore_connections_closed_total``, service/http/metrics.py).
 """
 
 from __future__ import annotations
@@ -73,13 +75,14 @@ class _Registry:
     """One server's guard: its limits and counts, and its connections whose request is still arriving."""
 
     def __init__(self, read_timeout_s: float, max_connections: int, send_timeout_s: float,
-                 on_send_timeout: Callable[[], None] | None):
+                 on_send_timeout: Callable[[], None] | None, on_closed: Callable[[str], None] | None):
         self.read_timeout_s = read_timeout_s
         self.max_connections = max_connections
         self.send_timeout_s = send_timeout_s
         # How often a stalled answer is looked at: it is dropped at most a quarter (1 s) past the timeout.
         self.send_poll_s = min(send_timeout_s / 4, 1.0)
         self.on_send_timeout = on_send_timeout or (lambda: None)
+        self.on_closed = on_closed or (lambda reason: None)
         self.reading: dict["GuardedH11Protocol", float] = {}  # insertion order is arrival order
         self.evicted = 0
         self.timed_out = 0
@@ -88,10 +91,12 @@ class _Registry:
 
 
 def guarded_protocol(read_timeout_s: float, max_connections: int, send_timeout_s: float = 60.0,
-                     on_send_timeout: Callable[[], None] | None = None) -> type[H11Protocol]:
+                     on_send_timeout: Callable[[], None] | None = None,
+                     on_closed: Callable[[str], None] | None = None) -> type[H11Protocol]:
     """The protocol class for one server (uvicorn.Config(http=...)); ``on_send_timeout`` counts a
-    connection closed by the send timeout."""
-    registry = _Registry(read_timeout_s, max_connections, send_timeout_s, on_send_timeout)
+    connection closed by the send timeout, ``on_closed(reason)`` one closed by the cap, a protocol
+    error or the read timeout (reason: too_many_connections, evicted, malformed_request, request_timeout)."""
+    registry = _Registry(read_timeout_s, max_connections, send_timeout_s, on_send_timeout, on_closed)
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {"registry": registry})
 
 
@@ -107,6 +112,7 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_made(transport)
         if len(self.connections) > self.registry.max_connections and not self._evict_one():
             self.registry.refused += 1
+            self.registry.on_closed("too_many_connections")
             rid = new_id()
             self._log_answer(503, rid, f"{len(self.connections) - 1} connections open (max_connections "
                                        f"{self.registry.max_connections}), each busy answering: refused a new one")
@@ -162,6 +168,7 @@ class GuardedH11Protocol(H11Protocol):
     def send_400_response(self, msg: str) -> None:
         # h11 refused the bytes (request line, headers, Content-Length): answer in the contract's shape.
         self._stop_reading()
+        self.registry.on_closed("malformed_request")
         rid = new_id()
         # Called from uvicorn's handler of h11's error, which names what is wrong (uvicorn's own line does not).
         refused = str(sys.exc_info()[1] or msg)
@@ -198,6 +205,7 @@ class GuardedH11Protocol(H11Protocol):
         if self.transport.is_closing():
             return
         self.registry.timed_out += 1
+        self.registry.on_closed("request_timeout")
         cycle = self.cycle
         # 408 for a request not yet answered (or the next one's headers), never for the rest of a
         # body already answered (a 401 or 404 sent before it was read)
@@ -290,6 +298,7 @@ class GuardedH11Protocol(H11Protocol):
         if victim is None:
             return False
         self.registry.evicted += 1
+        self.registry.on_closed("evicted")
         if self.registry.evicted in (1, 10, 100) or self.registry.evicted % 1000 == 0:
             log.warning("connection cap (%d) reached: closed the oldest unfinished or idle connection (%d so far)",
                         self.registry.max_connections, self.registry.evicted)

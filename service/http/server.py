@@ -117,12 +117,14 @@ def _hard_exit(status: int) -> None:
 def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
     """uvicorn's configuration for ``settings``: the guarded h11 protocol, the server's limits."""
     max_connections = settings.max_connections or default_max_connections()
+    metrics = app.state.service.metrics
     return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         http=guarded_protocol(settings.request_read_timeout_s, max_connections, settings.send_timeout_s,
-                              app.state.service.metrics.send_timeouts.inc),
+                              metrics.send_timeouts.inc,
+                              lambda reason: metrics.connections_closed.labels(reason=reason).inc()),
         # A proxy or client reusing a connection the server closes at that moment gets no answer
         # (a proxy's 502): idle connections outlive the proxies' own idle timeouts.
         timeout_keep_alive=settings.keep_alive_timeout_s,

@@ -10,7 +10,7 @@ import uuid
 import httpx
 import pytest
 
-from service.http.metrics import UNNAMED_UPDATE_OUTCOMES, UPDATE_OUTCOMES
+from service.http.metrics import CONNECTION_CLOSE_REASONS, UNNAMED_UPDATE_OUTCOMES, UPDATE_OUTCOMES
 from tests.e2e.helpers import AUTH
 from tests.live_metrics import SERVED, documented, exercise, full_server, scrape
 
@@ -81,6 +81,8 @@ def test_the_series_rate_reads_are_there_before_their_first_event(server):
     for outcome in UNNAMED_UPDATE_OUTCOMES:
         assert at_start.value("packscore_weights_updates_total", model="", outcome=outcome) == 0.0, outcome
     assert at_start.value("packscore_send_timeouts_total") == 0.0
+    for reason in CONNECTION_CLOSE_REASONS:
+        assert at_start.value("packscore_connections_closed_total", reason=reason) == 0.0, reason
     # What PackscoreServerErrors and PackscoreRefusingRequests rate: their first answer counts too.
     for route in ("/score", "/v1/score", "/v1/weights", "/metrics", "/v1/models", "/readyz", "other"):
         assert at_start.value("packscore_requests_total", route=route, status="500") == 0.0, route

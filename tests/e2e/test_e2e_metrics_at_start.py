@@ -1,17 +1,20 @@
 """Series a real server exports at 0 before their first event (``rate()`` and ``increase()`` miss the
 first event of a series that appears with it): a model's scoring series from when it is loaded, not
-from its warm-up, and every weight-update outcome."""
+from its warm-up; every weight-update outcome; and the connections the HTTP protocol layer closes
+itself (service/http/protocol.py), counted by reason."""
 
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import httpx
+import orjson
 
-from service.http.metrics import UNNAMED_UPDATE_OUTCOMES, UPDATE_OUTCOMES
+from service.http.metrics import CONNECTION_CLOSE_REASONS, UNNAMED_UPDATE_OUTCOMES, UPDATE_OUTCOMES
 from service.local_server import LocalServer
-from tests.e2e.helpers import fake_server
+from tests.e2e.helpers import fake_server, read_until_closed
 from tests.live_metrics import Scrape
 
 SCORING_SERIES = ("packscore_tokens_scored_total", "packscore_prefix_tokens_saved_total",
@@ -23,6 +26,20 @@ def _scrape(server: LocalServer) -> Scrape:
     answer = httpx.get(server.url + "/metrics", timeout=30)
     assert answer.status_code == 200, answer.text
     return Scrape(answer.text)
+
+
+def _connect(server: LocalServer) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.port), timeout=30)
+
+
+def _closed(scrape: Scrape) -> dict[str, float | None]:
+    return {reason: scrape.value("packscore_connections_closed_total", reason=reason)
+            for reason in CONNECTION_CLOSE_REASONS}
+
+
+def _status(raw: bytes) -> tuple[int, str]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), orjson.loads(body)["error"]["type"]
 
 
 def test_a_model_awaiting_weights_has_its_scoring_and_update_series_at_zero(tmp_path):
@@ -55,3 +72,57 @@ def test_a_model_awaiting_weights_has_its_scoring_and_update_series_at_zero(tmp_
     absent += [f'model="" {o}' for o in UNNAMED_UPDATE_OUTCOMES
                if at_start.value("packscore_weights_updates_total", model="", outcome=o) != 0.0]
     assert not absent, f"weight-update outcomes not at 0 from the start: {absent}"
+
+
+def test_the_protocol_layers_own_answers_are_counted_by_reason(tmp_path):
+    """A 400 for bytes that are not HTTP and the read timeout's 408 (headers, then a body, too slow)
+    pass no route: packscore_connections_closed_total counts each, from 0."""
+    server = fake_server(tmp_path, "--request-read-timeout-s", "1").wait_ready()
+    try:
+        at_start = _closed(_scrape(server))
+        answers = []
+        for sent in (b"GARBAGE\x01 / HTTP/9\r\n\r\n", b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Ty",
+                     b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"sequences\": ["):
+            with _connect(server) as sock:
+                sock.sendall(sent)
+                answers.append(_status(read_until_closed(sock, 10)[0]))
+        after = _scrape(server)
+    finally:
+        server.stop()
+    assert at_start == dict.fromkeys(CONNECTION_CLOSE_REASONS, 0.0), at_start
+    assert answers == [(400, "malformed_request"), (408, "request_timeout"), (408, "request_timeout")], answers
+    want = {"too_many_connections": 0.0, "evicted": 0.0, "malformed_request": 1.0, "request_timeout": 2.0}
+    assert _closed(after) == want, after.text
+    # the body's 408 had a route, and is counted there as before; the headers' had none
+    assert after.value("packscore_requests_total", route="/score", status="408") == 1.0, after.text
+
+
+def test_the_connection_caps_refusals_and_evictions_are_counted(tmp_path):
+    """With --max-connections 1: a second connection while the first is busy answering is refused
+    (503), and a third once the first is idle evicts it."""
+    body = orjson.dumps({"sequences": [{"input_ids": list(range(1, 201))}]})  # 2 s of fake forward
+    request = (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+               % (len(body), body))
+    server = fake_server(tmp_path, "--max-connections", "1", "--request-read-timeout-s", "60",
+                         env={"FAKE_SECONDS_PER_TOKEN": "0.01"}).wait_ready()
+    try:
+        with _connect(server) as busy:
+            busy.sendall(request)
+            time.sleep(0.5)  # its body read, its forward running: not evictable
+            with _connect(server) as refused:
+                refusal = _status(read_until_closed(refused, 10)[0])
+            answer = b""
+            while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
+                answer += busy.recv(65536)
+            with _connect(server) as third:  # the first is idle now: evicted for this one
+                third.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                metrics = read_until_closed(third, 10)[0]
+    finally:
+        server.stop()
+    assert refusal == (503, "too_many_connections"), refusal
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+    head, _, text = metrics.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), metrics[:300]
+    want = {"too_many_connections": 1.0, "evicted": 1.0, "malformed_request": 0.0, "request_timeout": 0.0}
+    assert _closed(Scrape(text.decode())) == want, text.decode()
