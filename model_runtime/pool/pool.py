@@ -29,7 +29,8 @@ Failure: a worker that exits (its reply pipe closes) or a row that runs past its
 what its group's measured rate says, at least 60 s; ``worker_timeout_s`` before any rate) fails
 every in-flight row with ``BackendUnavailableError``; ``is_alive()`` turns False, the whole
 world is killed and started again in the background, and ``is_alive()`` returns to True once a
-scoring pass through the new world has succeeded. Starting, watching and restarting worlds is
+scoring pass through the new world has succeeded. A worker lost while the start's world forms has
+that world formed again, a few times at most; an error a worker reports while loading fails the start. Starting, watching and restarting worlds is
 ``model_runtime.pool.supervisor``.
 """
 
@@ -41,7 +42,7 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -76,7 +77,8 @@ def _device_type(device) -> str:
 
 
 class WorkerPool(Supervisor, WeightUpdates, Lockstep):
-    """``ScoringBackend`` over ``world_size`` worker processes. Build it with ``start_pool``."""
+    """``ScoringBackend`` over ``world_size`` worker processes. Build it with ``start_pool`` (or build
+    it, then ``start()`` it, where another thread may have to ``close()`` it while it starts)."""
 
     def __init__(self, settings: dict):
         self.dims = ParallelDims.from_world(
@@ -131,6 +133,10 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
         # reloads from that directory and must not serve other files under the version naming these.
         self._loaded: LoadedFiles | None = None
         self._restarting = False  # one restart loop at a time
+
+    def start(self) -> None:
+        """Launches the first world and returns once every rank loaded the model. ``close()`` from
+        another thread meanwhile kills the loading workers, and this raises."""
         if Path(self._start_fields["model"]).is_dir():  # its content hash, once here instead of once per rank
             from model_runtime.scoring.content_hash import START_HASH_THREADS, content_version
             from model_runtime.scoring.weights import files_snapshot
@@ -139,7 +145,7 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
             snapshot = files_snapshot(path)
             self._start_fields["weights_version"] = content_version(path, threads=START_HASH_THREADS)
             self._loaded = LoadedFiles(path, snapshot, self._start_fields["weights_version"])
-        hellos = self._start_world()
+        hellos = self._start_first_world()
         first = hellos[0]
         self._vocab_size = first.vocab_size
         self._costs = (first.cost_per_token, first.cost_per_token_squared)
@@ -208,9 +214,11 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
                 world.failed = True  # the reader stops watching: exits from here on are not failures
             starting = self._starting
         if starting is not None:
-            # A restart still loading (a worker failed during the drain): its workers must not outlive
-            # the server; the starting thread sees them exit and cleans up.
+            # A world still loading (the start's, or a restart's after a worker failed during the drain):
+            # its workers must not outlive the server, which may exit right after this returns; the
+            # starting thread sees them exit and cleans up.
             starting.kill()
+            starting.wait_exited(5.0)
         if world is not None:
             self._fail_pending(world.generation, "the worker pool is shutting down")
             world.stop(graceful=graceful)
@@ -346,7 +354,7 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
 
 
 
-def start_pool(settings: dict) -> WorkerPool:
+def start_pool(settings: dict, starting: Callable[[WorkerPool], None] | None = None) -> WorkerPool:
     """Starts ``settings["world_size"]`` workers and returns once every one has loaded the model.
 
     ``settings`` is the service's ``Settings.model_dump()``; the keys read are model, device, dtype,
@@ -354,5 +362,11 @@ def start_pool(settings: dict) -> WorkerPool:
     expert_gemm, log_level, worker_timeout_s, worker_stall_floor_s, worker_start_timeout_s, weights_root (set: updates may come, so the workers
     make their staging buffers at start), and prefix_min_tokens: the shortest shared prefix run once,
     0 or absent for none, i.e. ``Settings.prefix_min_tokens_in_use``); other keys are ignored.
+    ``starting(pool)`` is called before any worker launches: ``pool.close()`` from then on, from any
+    thread, kills the workers still loading and this raises.
     """
-    return WorkerPool(settings)
+    pool = WorkerPool(settings)
+    if starting is not None:
+        starting(pool)
+    pool.start()
+    return pool

@@ -32,42 +32,47 @@ class WorkerWorld:
     # How a worker is started; the tests fork it from a pre-imported process (tests/warm_start.py).
     spawn = staticmethod(subprocess.Popen)
 
-    def __init__(self, generation: int, dims: ParallelDims, start_fields: dict):
+    def __init__(self, generation: int, dims: ParallelDims):
         self.generation = generation
         self.dims = dims
         self.failed = False  # set once: by a failure, or by close() before it stops the processes
+        self.killed = False  # set by kill(): no process launches after it
         self.procs: list[subprocess.Popen] = []
         self.commands: list[Connection] = []
         self.replies: list[Connection] = []
         self.send_locks = [threading.Lock() for _ in range(dims.world_size)]
         # A group's ranks see its rows and any message to every rank in one order.
         self.group_locks = [threading.Lock() for _ in range(dims.dp)]
-        try:
-            self._launch(start_fields)
-        except BaseException:
-            self.stop(graceful=False)
-            raise
+        # Held while a process is spawned: kill() from another thread then sees it, or stops the launch.
+        self._spawning = threading.Lock()
 
-    def _launch(self, start_fields: dict) -> None:
+    def launch(self, start_fields: dict) -> None:
+        """Starts every rank's process and sends it its ``Start``; ranks not launched before a
+        ``kill()`` never are. On an error, stop() the world."""
         port = free_port()  # taken before rank 0 binds it: that start fails, the restart picks anew
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH")) if p)
         for rank in range(self.dims.world_size):
-            cmd_recv, cmd_send = Pipe(duplex=False)
-            rep_recv, rep_send = Pipe(duplex=False)
-            child_fds = (cmd_recv.fileno(), rep_send.fileno())
-            proc = self.spawn(
-                [sys.executable, "-m", "model_runtime.pool.worker", "--recv-fd", str(child_fds[0]), "--send-fd", str(child_fds[1]),
-                 "--parent-pid", str(os.getpid())],
-                pass_fds=child_fds,
-                env=env,
-            )
-            # The child holds its own copies; closing ours lets a dead child's pipe read as EOF.
-            cmd_recv.close()
-            rep_send.close()
-            self.procs.append(proc)
-            self.commands.append(cmd_send)
-            self.replies.append(rep_recv)
+            with self._spawning:
+                if self.killed:
+                    return
+                cmd_recv, cmd_send = Pipe(duplex=False)
+                rep_recv, rep_send = Pipe(duplex=False)
+                child_fds = (cmd_recv.fileno(), rep_send.fileno())
+                try:
+                    proc = self.spawn(
+                        [sys.executable, "-m", "model_runtime.pool.worker", "--recv-fd", str(child_fds[0]),
+                         "--send-fd", str(child_fds[1]), "--parent-pid", str(os.getpid())],
+                        pass_fds=child_fds,
+                        env=env,
+                    )
+                finally:
+                    # The child holds its own copies; closing ours lets a dead child's pipe read as EOF.
+                    cmd_recv.close()
+                    rep_send.close()
+                self.procs.append(proc)
+                self.commands.append(cmd_send)
+                self.replies.append(rep_recv)
             start = msg.Start(rank=rank, generation=self.generation, master_port=port, **start_fields)
             cmd_send.send_bytes(msg.encode(start))
 
@@ -99,10 +104,23 @@ class WorkerWorld:
         return all(p.poll() is None for p in self.procs)
 
     def kill(self) -> None:
-        """SIGKILL to every process still running (their pipes stay open for whoever owns them)."""
+        """SIGKILL to every process still running, a launch under way included (their pipes stay
+        open for whoever owns them)."""
+        with self._spawning:
+            self.killed = True
         for p in self.procs:
             if p.poll() is None:
                 p.kill()  # our own child, by its Popen handle
+
+    def wait_exited(self, timeout_s: float) -> None:
+        """Waits, ``timeout_s`` at most in all, for every launched process to end (after ``kill()``)."""
+        deadline = time.monotonic() + timeout_s
+        for p in list(self.procs):
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.error("worker pid %d did not exit %.0fs after SIGKILL", p.pid, timeout_s)
+                return
 
     def stop(self, graceful: bool) -> None:
         """Shuts the processes down (politely first when ``graceful``) and closes the pipes."""

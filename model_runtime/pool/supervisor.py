@@ -1,7 +1,8 @@
 """The pool's worker worlds over time: starting one, watching its replies, failing and restarting it.
 
 A world (``procs.WorkerWorld``) is one generation of worker processes. ``_start_world`` launches
-one and waits for every rank's ``Hello``; a reader thread per world delivers the leaders' replies
+one and waits for every rank's ``Hello`` (``_start_first_world``: the start's, formed again after a
+worker lost meanwhile); a reader thread per world delivers the leaders' replies
 to the rows waiting for them and turns a closed pipe, an exited process or a row past its time
 bound into a failure of the whole world: its rows fail with ``BackendUnavailableError`` and a
 restart loop starts worlds (after checking the loaded checkpoint is unchanged) until one has
@@ -14,6 +15,7 @@ scored a warm-up pass. ``Supervisor`` is a part of ``pool.WorkerPool``: it uses 
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import threading
 import time
@@ -28,41 +30,114 @@ from model_runtime.scoring.checkpoint_error import CheckpointError
 log = logging.getLogger(__name__)
 
 
+# A world formed again after a worker was lost while the start's world formed; lost every time fails the start.
+FIRST_WORLD_ATTEMPTS = 3
+
+
+class WorkerLost(BackendUnavailableError):
+    """A worker exited while its world formed without reporting an error (a signal, the OOM killer)."""
+
+
+def _ended(world: WorkerWorld, rank: int) -> str:
+    """How rank ``rank``'s process ended, for a log line: its exit status or the signal that killed it."""
+    proc = world.procs[rank]
+    try:
+        code = proc.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        return f"worker rank {rank} (pid {proc.pid}) closed its reply pipe while starting, still running"
+    if code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+    else:
+        how = f"exited with status {code}"
+    return f"worker rank {rank} (pid {proc.pid}) {how} while starting"
+
+
+def _start_failure(world: WorkerWorld, rank: int, reply: msg.Failure) -> Exception:
+    """The error a start fails with when rank ``rank`` reported ``reply``."""
+    if reply.kind.startswith("checkpoint:"):  # refused once its weights were read (NaN)
+        return CheckpointError(reply.kind.removeprefix("checkpoint:"), reply.message)
+    if reply.kind == "invalid":  # a layout the model cannot take (heads vs sp): a configuration error
+        return ValueError(f"worker rank {rank} failed to start: {reply.message}")
+    # A peer lost mid-start fails the others' collectives; its reply pipe closed before they noticed.
+    lost = _lost_peer(world, rank)
+    if lost is not None:
+        return WorkerLost(f"{_ended(world, lost)} (rank {rank} then failed: {reply.message})")
+    return BackendUnavailableError(f"worker rank {rank} failed to start: {reply.message}")
+
+
+def _lost_peer(world: WorkerWorld, reporter: int) -> int | None:
+    """A rank other than ``reporter`` whose reply pipe closed without a ``Failure``, if any."""
+    for rank, conn in enumerate(world.replies):
+        if rank == reporter:
+            continue
+        try:
+            while conn.poll(0):
+                if isinstance(msg.decode(conn.recv_bytes()), msg.Failure):
+                    break  # it reported its own error: not lost
+        except (EOFError, OSError):
+            return rank
+    return None
+
+
 class Supervisor:
     """The pool's world lifecycle (see the module docstring)."""
 
     # Starting and restarting.
 
+    def _start_first_world(self) -> list[msg.Hello]:
+        """The start's world, formed again when a worker was lost while it formed (a signal, the OOM
+        killer: nothing says the next one fails too), ``FIRST_WORLD_ATTEMPTS`` times at most, so that a
+        checkpoint that kills every worker still fails the start; an error a worker reported (a
+        checkpoint refused, a layout the model cannot take) fails it at once."""
+        for attempt in range(1, FIRST_WORLD_ATTEMPTS + 1):
+            if attempt > 1:
+                self._check_checkpoint_unchanged()  # the version hashed at start names what the new world loads
+            try:
+                return self._start_world()
+            except WorkerLost as error:
+                if self._closing:
+                    raise BackendUnavailableError("the worker pool was closed while starting") from None
+                if attempt == FIRST_WORLD_ATTEMPTS:
+                    raise WorkerLost(f"the worker pool did not start: a worker was lost at each of {attempt} "
+                                     f"attempts, the last: {error}") from None
+                log.warning("worker pool generation %d not formed: %s; forming it again (attempt %d of %d)",
+                            self._generation, error, attempt + 1, FIRST_WORLD_ATTEMPTS)
+        raise AssertionError("FIRST_WORLD_ATTEMPTS must be at least 1")
+
     def _start_world(self) -> list[msg.Hello]:
+        """Launches a world and waits for every rank's ``Hello``. Raises ``WorkerLost`` when a worker
+        exited without reporting why, the reported error when one did."""
         self._generation += 1
-        world = WorkerWorld(self._generation, self.dims, self._start_fields)
+        world = WorkerWorld(self._generation, self.dims)
         with self._lock:
-            self._starting = world
+            self._starting = world  # close() from here on kills it, its launch included
             closing = self._closing
-        if closing:  # close() ran while the processes were launched: it did not see them
+        if closing:
             world.kill()
         hellos: dict[int, msg.Hello] = {}
         deadline = time.monotonic() + self.start_timeout_s
         try:
+            world.launch(self._start_fields)
             while len(hellos) < self.dims.world_size:
+                if world.killed:  # by close(), maybe before every rank launched
+                    raise BackendUnavailableError("the worker pool was closed while starting")
                 ready = wait(world.replies, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
                 for conn in ready:
                     rank = world.replies.index(conn)
                     try:
                         reply = msg.decode(conn.recv_bytes())
                     except (EOFError, OSError):
-                        raise BackendUnavailableError(f"worker rank {rank} exited while starting") from None
+                        raise WorkerLost(_ended(world, rank)) from None
                     if isinstance(reply, msg.Failure):
-                        if reply.kind.startswith("checkpoint:"):  # refused once its weights were read (NaN)
-                            raise CheckpointError(reply.kind.removeprefix("checkpoint:"), reply.message)
-                        # A layout the model cannot take (heads vs sp) is a configuration error.
-                        kind = ValueError if reply.kind == "invalid" else BackendUnavailableError
-                        raise kind(f"worker rank {rank} failed to start: {reply.message}")
+                        raise _start_failure(world, rank, reply)
                     hellos[rank] = reply
                 if time.monotonic() > deadline:
                     raise BackendUnavailableError(f"workers did not start within {self.start_timeout_s:.0f}s")
-                if not world.all_running() and len(hellos) < self.dims.world_size and not ready:
-                    raise BackendUnavailableError("a worker exited while starting")
+                if not ready and not world.all_running():
+                    raise WorkerLost(_ended(world, next(r for r, p in enumerate(world.procs) if p.poll() is not None)))
             with self._lock:
                 if self._closing:
                     raise BackendUnavailableError("the worker pool was closed while starting")

@@ -143,6 +143,8 @@ def _setup(start: msg.Start):
         # One intra-op thread per rank: the ranks share the machine's cores.
         torch.set_num_threads(1)
         device, backend = torch.device("cpu"), "gloo"
+    # Where a start that hangs waits (a peer that never joined), and when a rank's loading began.
+    log.info("pid %d joining generation %d's process group on 127.0.0.1:%d", os.getpid(), start.generation, start.master_port)
     dist.init_process_group(
         backend,
         init_method=f"tcp://127.0.0.1:{start.master_port}",

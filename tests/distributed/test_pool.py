@@ -5,11 +5,14 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from model_runtime.pool.pool import start_pool
+from model_runtime.pool.procs import WorkerWorld
+from model_runtime.pool.supervisor import FIRST_WORLD_ATTEMPTS, WorkerLost
 from model_runtime.scoring.backend import BackendUnavailableError, LocalBackend
 from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.scorer import Scorer
@@ -156,3 +159,112 @@ def test_a_stopped_worker_fails_its_rows_once_they_outrun_the_measured_rate(loca
             except ProcessLookupError:
                 pass
         pool.close()
+
+
+def _spawn_killing(monkeypatch, doomed) -> list:
+    """Workers start as usual, except that the ``i``-th launched (counting from 0) is killed by
+    SIGKILL as soon as it exists, for every ``i`` where ``doomed(i)``: lost before its world is up.
+    Returns the launched processes."""
+    launched = []
+    spawn = WorkerWorld.spawn
+
+    def killing(*args, **kwargs):
+        proc = spawn(*args, **kwargs)
+        if doomed(len(launched)):
+            proc.kill()  # our own child, by its handle
+        launched.append(proc)
+        return proc
+
+    monkeypatch.setattr(WorkerWorld, "spawn", staticmethod(killing))
+    return launched
+
+
+def _running(procs) -> list[int]:
+    return [p.pid for p in procs if Path(f"/proc/{p.pid}").exists()
+            and Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+
+
+def test_a_worker_lost_while_the_first_world_forms_is_replaced(local, monkeypatch, caplog):
+    """A rank killed before the start's world is up no longer fails the start: the world is formed
+    again (its peer, waiting for it in the rendezvous, goes too) and scores as one process."""
+    launched = _spawn_killing(monkeypatch, lambda i: i == 0)
+    pool = start_pool({**BASE, "world_size": 2, "sp": 1, "fsdp": False})
+    try:
+        assert len(launched) == 4 and pool.worker_pids() == [p.pid for p in launched[2:]], pool.worker_pids()
+        assert pool.restarts == 0 and pool.is_alive()
+        assert "worker pool generation 1 not formed: worker rank 0" in caplog.text and "killed by SIGKILL" in caplog.text
+        work = rows(pool.info.vocab_size, 2, seed=5)
+        for i, row in enumerate(work):
+            assert_same(pool.score_row(row), local.score_row(row), f"row {i}")
+        assert not _running(launched[:2]), "the first world's workers outlived it"
+    finally:
+        pool.close()
+
+
+def test_a_worker_lost_at_every_start_fails_it_after_a_few_worlds_in_one_line(monkeypatch):
+    """A checkpoint that kills a worker every time (the host's memory, a crash in a kernel) must
+    not retry forever: the start fails after ``FIRST_WORLD_ATTEMPTS`` worlds, naming the signal."""
+    launched = _spawn_killing(monkeypatch, lambda i: i % 2 == 1)
+    started = time.monotonic()
+    with pytest.raises(WorkerLost) as caught:
+        start_pool({**BASE, "world_size": 2, "sp": 1, "fsdp": False})
+    took = time.monotonic() - started
+    message = str(caught.value)
+    assert "\n" not in message and f"lost at each of {FIRST_WORLD_ATTEMPTS} attempts" in message, message
+    assert "worker rank 1" in message and "killed by SIGKILL" in message, message
+    assert len(launched) == 2 * FIRST_WORLD_ATTEMPTS, f"{len(launched)} workers launched"
+    assert took < 60, f"the start took {took:.0f}s to give up"
+    assert not _running(launched), "workers outlived the failed start"
+
+
+def test_a_load_error_a_worker_reports_fails_the_start_at_once(checkpoint_dir, tmp_path, monkeypatch):
+    """A checkpoint refused while the ranks read it (NaN here) is no lost worker: one world, no retry."""
+    from model_runtime.scoring.checkpoint_error import CheckpointError
+    from tests.checkpoints import rewrite_checkpoint
+
+    name = "model.layers.3.self_attn.q_proj.weight"
+    nan = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "nan", lambda t: {**t, name: t[name] * float("nan")})
+    launched = _spawn_killing(monkeypatch, lambda i: False)
+    with pytest.raises(CheckpointError) as caught:
+        start_pool({**BASE, "model": str(nan), "world_size": 2, "sp": 1, "fsdp": True})
+    assert caught.value.kind == "non_finite" and name in str(caught.value), caught.value
+    assert len(launched) == 2, f"{len(launched)} workers launched for a checkpoint every rank refuses"
+    assert not _running(launched), "workers outlived the failed start"
+
+
+def test_close_during_the_first_world_kills_its_loading_workers_at_once(monkeypatch):
+    """The server's exit during the start (a SIGTERM) closes the pool still starting: its workers
+    go with it, not seconds later when they notice the server is gone."""
+    from model_runtime.pool.pool import WorkerPool
+
+    launched = _spawn_killing(monkeypatch, lambda i: False)
+    pool = WorkerPool({**BASE, "world_size": 2, "sp": 1, "fsdp": False})
+    outcome = []
+    starter = threading.Thread(target=lambda: outcome.append(_outcome(pool.start)))
+    starter.start()
+    deadline = time.monotonic() + 60
+    while len(launched) < 2:
+        assert time.monotonic() < deadline and starter.is_alive(), outcome
+        time.sleep(0.001)
+    pool.close()
+    assert _gone_within(launched, 2.0), f"workers {_running(launched)} outlived close()"
+    starter.join(timeout=30)
+    assert isinstance(outcome[0], BackendUnavailableError) and "closed while starting" in str(outcome[0]), outcome
+    assert len(launched) == 2, "a world was formed again after close()"
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except Exception as error:
+        return error
+
+
+def _gone_within(procs, seconds: float) -> bool:
+    """SIGKILL is sent at once; its process disappears a moment later."""
+    deadline = time.monotonic() + seconds
+    while _running(procs):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

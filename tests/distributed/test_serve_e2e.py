@@ -302,3 +302,55 @@ def test_a_worker_lost_before_the_first_readiness_pass_is_restarted_not_fatal(tm
     finally:
         code = server.stop(timeout=30)
     assert code == 0, server.log()[-3000:]
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def _held_in_the_rendezvous(server: LocalServer) -> tuple[int, int]:
+    """Holds the first world where it forms: one worker is stopped before it joins the process
+    group, then the other joins and waits there for it, so the world cannot be up until the
+    stopped one goes on. Returns (stopped pid, waiting pid)."""
+    deadline = time.monotonic() + 120
+    while len(pids := _worker_pids(server.proc.pid)) < 2:
+        assert server.proc.poll() is None and time.monotonic() < deadline, server.log()
+        time.sleep(0.002)
+    held, waiting = pids
+    os.kill(held, signal.SIGSTOP)
+    while _state(held) != "T":
+        assert time.monotonic() < deadline, _state(held)
+        time.sleep(0.002)
+    log = server.log_path.read_text(errors="replace")
+    assert f"pid {held} joining" not in log, "the worker to hold joined before it was stopped (imports take seconds)"
+    while f"pid {waiting} joining" not in server.log_path.read_text(errors="replace"):
+        assert server.proc.poll() is None and time.monotonic() < deadline, server.log()
+        time.sleep(0.01)
+    return held, waiting
+
+
+def test_a_worker_lost_while_the_first_world_forms_is_replaced_not_fatal(tmp_path, reference):
+    """A worker killed (here in the rendezvous, its peer held back) before the start's world is up
+    no longer fails the start: the world is formed again, and the server serves one process's numbers."""
+    server = LocalServer(["--device", "cpu", "--world-size", "2", "--max-batch-tokens", "512"],
+                         env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
+    held = None
+    try:
+        held, waiting = _held_in_the_rendezvous(server)
+        os.kill(waiting, signal.SIGKILL)
+        server.wait_ready(timeout=180)
+        log = server.log_path.read_text()
+        assert "worker pool generation 1 not formed" in log and "killed by SIGKILL" in log, log[-3000:]
+        assert "worker pool generation 1 up" not in log and "worker pool generation 2 up" in log, log[-3000:]
+        assert not {held, waiting} & set(_worker_pids(server.proc.pid))
+        body = _request(reference.loaded.vocab_size, seed=12)
+        _check_scores(httpx.post(server.url + "/score", json=body, timeout=60), body, reference)
+    finally:
+        if held is not None and _state(held) not in ("gone", "Z"):
+            os.kill(held, signal.SIGCONT)
+        code = server.stop(timeout=30)
+    assert code == 0, server.log()[-3000:]
+

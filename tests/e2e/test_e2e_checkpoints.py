@@ -110,6 +110,7 @@ def test_nan_weights_end_the_server_with_one_line(checkpoint_dir, tmp_path, layo
     assert code == 2, f"exit status {code}, expected 2:\n{output}"
     errors = [line for line in output.splitlines() if line.startswith("packscore: error:")]
     assert "Traceback" not in output and len(errors) == 1 and Q_PROJ in errors[0], output
+    assert "forming it again" not in output, output  # a refusal a worker reports is no lost worker: no retry
 
 
 def test_finite_weights_that_score_non_finite_end_the_server_with_one_line_naming_it(checkpoint_dir, tmp_path):
