@@ -2,22 +2,55 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Callable
+
 from service.settings import Settings
 
 
 def backend_loaders(settings: Settings) -> dict:
     """One loader per served model (``--model NAME=PATH`` repeated), keyed by served name; the
     key is None for a plain ``--model X``, named by ``--served-model-name`` or the model itself."""
-    return {name: (lambda s=settings.for_model(name, spec): load_backend(s)) for name, spec in settings.model_specs().items()}
+    return {name: BackendLoader(settings.for_model(name, spec)) for name, spec in settings.model_specs().items()}
 
 
-def load_backend(settings: Settings):
-    """The ScoringBackend the settings ask for: the worker pool, or the scorer in this process."""
+class BackendLoader:
+    """Loads one served model's backend when called (in the service's load thread); ``abort()``, from
+    another thread, closes a worker pool still starting: its loading workers must not outlive a
+    server that exits meanwhile (a SIGTERM during the start)."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self._lock = threading.Lock()
+        self._pool = None
+        self._aborted = False
+
+    def __call__(self):
+        if not self.settings.uses_worker_pool:
+            return load_backend(self.settings)
+        return load_backend(self.settings, starting=self._starting)
+
+    def _starting(self, pool) -> None:
+        with self._lock:
+            self._pool, aborted = pool, self._aborted
+        if aborted:
+            pool.close()
+
+    def abort(self) -> None:
+        with self._lock:
+            self._aborted, pool = True, self._pool
+        if pool is not None:
+            pool.close()
+
+
+def load_backend(settings: Settings, starting: Callable | None = None):
+    """The ScoringBackend the settings ask for: the worker pool, or the scorer in this process.
+    ``starting(pool)``: called with the worker pool before its workers launch (to close it meanwhile)."""
     if settings.uses_worker_pool:
         from model_runtime.pool.pool import start_pool
 
         # The pool reads the prefix length in use (0: sharing off), as the scorer below does.
-        return start_pool({**settings.model_dump(), "prefix_min_tokens": settings.prefix_min_tokens_in_use})
+        return start_pool({**settings.model_dump(), "prefix_min_tokens": settings.prefix_min_tokens_in_use}, starting=starting)
     from model_runtime.scoring.backend import LocalBackend, favour_forward_threads
     from model_runtime.scoring.loading import load_model
     from model_runtime.scoring.scorer import Scorer

@@ -136,6 +136,7 @@ class Service:
         self._probe_ok = False
         self._probe_failures: dict[str, str] = {}  # served name -> why its last readiness pass failed
         self._start_task: asyncio.Task | None = None
+        self._loading: Callable | None = None  # the source whose load runs now (stop() aborts it where it can)
         self.withheld: dict[str, Withheld] = {}  # models waiting for an update (awaiting_weights)
         self._released: asyncio.Event | None = None  # set once no model is withheld
         self.metrics.watch(
@@ -180,7 +181,7 @@ class Service:
     async def _start(self) -> None:
         try:
             for key, source in self._backend_sources.items():
-                backend = source if hasattr(source, "score_row") else await _in_daemon_thread(source)
+                backend = source if hasattr(source, "score_row") else await self._load(source)
                 self._configure(key, backend)
             if self.record is not None:
                 await self._restore_recorded(self.record)
@@ -215,6 +216,13 @@ class Service:
                 self.fatal_error = f"{type(exc).__name__}: {exc}"
             if self.phase != "draining":
                 self.phase = "failed"
+
+    async def _load(self, source: Callable[[], ScoringBackend]) -> ScoringBackend:
+        self._loading = source
+        try:
+            return await _in_daemon_thread(source)
+        finally:
+            self._loading = None
 
     async def _first_pass(self, last: bool) -> bool:
         """Warm-up and the first readiness pass; False when a worker pool lost a worker meanwhile
@@ -485,8 +493,11 @@ class Service:
         return any(model.scheduler.forward_running for model in self._scheduled())
 
     async def stop(self) -> None:
+        loading = self._loading
         if self._start_task is not None and not self._start_task.done():
             self._start_task.cancel()
+        if loading is not None and hasattr(loading, "abort"):  # a worker pool starting: its workers go too
+            loading.abort()
         for model in self._scheduled():
             await model.scheduler.close()
         for model in self.models.values():

@@ -354,3 +354,25 @@ def test_a_worker_lost_while_the_first_world_forms_is_replaced_not_fatal(tmp_pat
         code = server.stop(timeout=30)
     assert code == 0, server.log()[-3000:]
 
+
+def test_a_sigterm_while_the_first_world_forms_exits_at_once_leaving_no_worker(tmp_path):
+    """Nothing was admitted: the server exits 0 at once, and the workers still loading go with it
+    instead of finishing their imports first and only then noticing that the server is gone."""
+    server = LocalServer(["--device", "cpu", "--world-size", "2", "--max-batch-tokens", "512"],
+                         env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers := _worker_pids(server.proc.pid)) < 2:
+            assert server.proc.poll() is None and time.monotonic() < deadline, server.log()
+            time.sleep(0.002)
+        sent = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(timeout=60)
+        took = time.monotonic() - sent
+        left = [pid for pid in workers if _state(pid) not in ("gone", "Z")]
+    finally:
+        server.stop(timeout=30)
+    assert code == 0 and took < 5, (code, took, server.log()[-3000:])
+    assert not left, f"workers {left} outlived the server: {[_state(p) for p in left]}"
+    noise = [line for line in server.log_path.read_text().splitlines() if "Traceback" in line or " ERROR " in line]
+    assert not noise, noise

@@ -124,7 +124,7 @@ def test_the_pool_and_the_local_scorer_get_the_prefix_length_in_use(monkeypatch)
     from service.backends import load_backend
 
     seen = []
-    monkeypatch.setattr(pool, "start_pool", lambda d: seen.append(d["prefix_min_tokens"]))
+    monkeypatch.setattr(pool, "start_pool", lambda d, starting=None: seen.append(d["prefix_min_tokens"]))
     for sharing, want in ((True, 64), (False, 0)):
         load_backend(Settings(world_size=2, prefix_sharing=sharing))
         local = load_backend(Settings(prefix_sharing=sharing))
