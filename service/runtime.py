@@ -208,7 +208,7 @@ class Service:
             if isinstance(exc, CheckpointError):  # a refusal names its problem: no traceback
                 log.error("startup failed: %s", exc)
                 self.fatal_error, self.fatal_status = str(exc), 2
-            elif isinstance(exc, _FirstPassFailed):  # the log above says why, and so does the one line
+            elif isinstance(exc, (_FirstPassFailed, BackendUnavailableError)):  # the message names the cause
                 log.error("startup failed: %s", exc)
                 self.fatal_error = str(exc)
             else:

@@ -7,6 +7,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from model_runtime.scoring.backend import BackendUnavailableError
 from service.http.app import create_app
 from service.http.schemas import ModelList
 from service.settings import Settings
@@ -190,6 +191,23 @@ def test_a_failed_load_is_reported_not_hidden():
     fatal, readyz = asyncio.run(main())
     assert "no such checkpoint" in fatal
     assert readyz.status_code == 503 and readyz.json()["status"] == "failed"
+
+
+def test_a_worker_pool_that_could_not_start_fails_in_one_line_naming_why(caplog):
+    # The pool's message names the worker and how it ended; the load thread's traceback adds nothing.
+    why = "the worker pool did not start: a worker was lost at each of 3 attempts, the last: worker rank 1 (pid 7) was killed by SIGKILL while starting"
+
+    def load():
+        raise BackendUnavailableError(why)
+
+    async def main():
+        app = create_app(Settings(), load)
+        async with running_app(app):
+            return app.state.service.fatal_error
+
+    assert asyncio.run(main()) == why
+    failed = [r for r in caplog.records if r.name == "service.runtime" and "startup failed" in r.getMessage()]
+    assert len(failed) == 1 and failed[0].exc_info is None and why in failed[0].getMessage(), caplog.text
 
 
 def test_drain_finishes_admitted_requests_and_refuses_new_ones():
