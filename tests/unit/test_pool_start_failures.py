@@ -1,0 +1,59 @@
+"""How a start's failure is read from a world's processes and pipes: a worker lost (its pipe closed
+without a report) against an error a worker reported, real processes and pipes, no model."""
+
+import signal
+import subprocess
+import sys
+from multiprocessing import Pipe
+
+import pytest
+
+from model_runtime.parallel.dims import ParallelDims
+from model_runtime.pool import messages as msg
+from model_runtime.pool.procs import WorkerWorld
+from model_runtime.pool.supervisor import WorkerLost, _start_failure
+from model_runtime.scoring.backend import BackendUnavailableError
+from model_runtime.scoring.checkpoint_error import CheckpointError
+
+FAILED = msg.Failure(request_id=-1, kind="internal", message="RuntimeError: Connection closed by peer", fatal=True)
+
+
+@pytest.fixture
+def world():
+    """Two ranks: rank 0 reported ``FAILED``; rank 1 runs (``sleep``), its reply pipe open."""
+    world = WorkerWorld(1, ParallelDims.from_world(2, 1, False))
+    for _ in range(2):
+        rep_recv, rep_send = Pipe(duplex=False)
+        world.procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+        world.replies.append(rep_recv)
+        world.commands.append(rep_send)  # kept open as a live worker's end would be
+    world.commands[0].send_bytes(msg.encode(FAILED))
+    yield world
+    world.stop(graceful=False)
+
+
+def test_a_failure_after_a_peer_was_lost_is_that_peer_lost(world):
+    world.procs[1].send_signal(signal.SIGKILL)
+    world.commands[1].close()  # the dead worker's end of its reply pipe
+    error = _start_failure(world, 0, msg.decode(world.replies[0].recv_bytes()))
+    assert isinstance(error, WorkerLost), repr(error)
+    assert "worker rank 1" in str(error) and "killed by SIGKILL" in str(error) and "rank 0 then failed" in str(error), error
+
+
+def test_a_failure_of_its_own_fails_the_start(world):
+    error = _start_failure(world, 0, msg.decode(world.replies[0].recv_bytes()))
+    assert type(error) is BackendUnavailableError and "worker rank 0 failed to start: RuntimeError" in str(error), repr(error)
+
+
+def test_a_peer_that_reported_its_own_failure_is_not_lost(world):
+    world.commands[1].send_bytes(msg.encode(FAILED))
+    world.commands[1].close()
+    error = _start_failure(world, 0, msg.decode(world.replies[0].recv_bytes()))
+    assert type(error) is BackendUnavailableError, repr(error)
+
+
+def test_a_refused_checkpoint_fails_the_start_whatever_the_peers_did(world):
+    world.commands[1].close()
+    refused = msg.Failure(request_id=-1, kind="checkpoint:non_finite", message="q_proj holds NaN", fatal=True)
+    error = _start_failure(world, 0, refused)
+    assert isinstance(error, CheckpointError) and error.kind == "non_finite", repr(error)
