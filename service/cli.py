@@ -132,6 +132,11 @@ def parse_settings(argv: Sequence[str] | None = None) -> tuple[argparse.Namespac
     parser = build_parser()
     args = parser.parse_args(argv)
     given = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+    # An option the command lacks keeps its default, never its variable: one environment (the
+    # image sets PACKSCORE_HOST and PACKSCORE_PORT) serves both commands, each reading its own.
+    options = _SERVE_OPTIONS if args.command == "serve" else _SCORE_OPTIONS
+    for name in Settings.model_fields.keys() - set(options):
+        given[name] = Settings.model_fields[name].get_default(call_default_factory=True)
     if "model" in given:  # the repeated option as one value: itself, or a JSON list of several
         models = given["model"]
         given["model"] = models[0] if len(models) == 1 else json.dumps(models)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -16,6 +19,7 @@ import numpy as np
 
 from model_runtime.types import SequenceInput, SequenceScores
 from service.local_server import LocalServer
+from tests import warm_start
 
 API_KEY = "e2e-secret"
 TINY_VOCAB = 4096
@@ -60,6 +64,31 @@ class ServerProcess(LocalServer):
         if api_key:
             env["PACKSCORE_API_KEY"] = api_key
         super().__init__(args, env=env, log_dir=tmp)
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_watching_port(command: list[str], port: int | None, timeout: float = 120.0, env: dict[str, str] | None = None):
+    """Runs the CLI with no ``PACKSCORE_*`` variables but ``env``'s; while it runs, keeps trying to
+    connect to ``port``. Returns (code, output, connected)."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("PACKSCORE_")}
+    full_env.update({"OMP_NUM_THREADS": "1", **(env or {})})
+    with tempfile.TemporaryFile() as log:
+        proc = warm_start.popen(command, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+        connected = False
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            if port is not None:
+                with socket.socket() as s:
+                    s.settimeout(0.05)
+                    connected |= s.connect_ex(("127.0.0.1", port)) == 0
+            time.sleep(0.02)
+        if proc.poll() is None:
+            proc.kill()  # our own child, by its handle
+        proc.wait()
+        log.seek(0)
+        return proc.returncode, log.read().decode(errors="replace"), connected
 
 
 def read_until_closed(sock: socket.socket, limit_s: float) -> tuple[bytes, float]:

@@ -4,12 +4,7 @@ with one clear line and no traceback; checkpoints with a vision tower or ``mtp.*
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,11 +12,9 @@ import pytest
 import torch
 
 from model_runtime.pool.ports import free_port
-from tests import warm_start
 from tests.checkpoints import rewrite_checkpoint, save_fp8_checkpoint
-from tests.e2e.helpers import ServerProcess, decode, post
+from tests.e2e.helpers import ServerProcess, decode, post, run_watching_port
 
-REPO = Path(__file__).resolve().parents[2]
 A_LOG = "model.layers.0.linear_attn.A_log"
 Q_PROJ = "model.layers.3.self_attn.q_proj.weight"
 
@@ -49,36 +42,11 @@ def broken(checkpoint_dir, tmp_path_factory):
     return {name: rewrite_checkpoint(source, root / name, t, c) for name, (t, c, _) in BROKEN.items()}
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PACKSCORE_")}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def _run_watching_port(command: list[str], port: int | None, timeout: float = 120.0):
-    """Runs the CLI; while it runs, keeps trying to connect to ``port``. Returns (code, output, connected)."""
-    with tempfile.TemporaryFile() as log:
-        proc = warm_start.popen(command, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT)
-        connected = False
-        deadline = time.monotonic() + timeout
-        while proc.poll() is None and time.monotonic() < deadline:
-            if port is not None:
-                with socket.socket() as s:
-                    s.settimeout(0.05)
-                    connected |= s.connect_ex(("127.0.0.1", port)) == 0
-            time.sleep(0.02)
-        if proc.poll() is None:
-            proc.kill()  # our own child, by its handle
-        proc.wait()
-        log.seek(0)
-        return proc.returncode, log.read().decode(errors="replace"), connected
-
-
 @pytest.mark.parametrize("name", list(BROKEN))
 def test_serve_refuses_before_binding_the_port(name, broken):
     port = free_port()
     command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--model", str(broken[name])]
-    code, output, connected = _run_watching_port(command, port)
+    code, output, connected = run_watching_port(command, port)
     assert code == 2, f"exit status {code}, expected 2:\n{output}"
     assert not connected, f"the port was bound:\n{output}"
     assert "Traceback" not in output and "Uvicorn running" not in output, output
@@ -92,7 +60,7 @@ def test_a_max_model_len_past_the_models_context_is_refused_before_binding(check
     port = free_port()
     command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--model", str(checkpoint_dir("qwen3_5")), "--max-model-len", "10000"]
-    code, output, connected = _run_watching_port(command, port)
+    code, output, connected = run_watching_port(command, port)
     assert code == 2 and not connected, f"exit status {code} (want 2), port bound: {connected}:\n{output}"
     errors = [line for line in output.splitlines() if line.startswith("packscore: error:")]
     assert "Traceback" not in output and len(errors) == 1 and "--max-model-len 10000" in errors[0], output
@@ -106,7 +74,7 @@ def test_nan_weights_end_the_server_with_one_line(checkpoint_dir, tmp_path, layo
     nan = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "nan", lambda t: {**t, Q_PROJ: t[Q_PROJ] * float("nan")})
     command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(free_port()),
                "--model", str(nan), *layout]
-    code, output, _ = _run_watching_port(command, None)
+    code, output, _ = run_watching_port(command, None)
     assert code == 2, f"exit status {code}, expected 2:\n{output}"
     errors = [line for line in output.splitlines() if line.startswith("packscore: error:")]
     assert "Traceback" not in output and len(errors) == 1 and Q_PROJ in errors[0], output
@@ -123,7 +91,7 @@ def test_finite_weights_that_score_non_finite_end_the_server_with_one_line_namin
 
     broken = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "overflow", overflow)
     command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(free_port()), "--model", str(broken)]
-    code, output, _ = _run_watching_port(command, None)
+    code, output, _ = run_watching_port(command, None)
     assert code == 1, f"exit status {code}, expected 1:\n{output}"
     errors = [line for line in output.splitlines() if line.startswith("packscore: error:")]
     assert "Traceback" not in output and len(errors) == 1, output
@@ -135,7 +103,7 @@ def test_score_refuses_before_reading_the_input(broken, tmp_path):
     source.write_text(json.dumps({"id": "a", "input_ids": [1, 2, 3]}) + "\n")
     out = tmp_path / "out.jsonl"
     command = [sys.executable, "-m", "service.cli", "score", str(source), "-o", str(out), "--model", str(broken["renamed_keys"])]
-    code, output, _ = _run_watching_port(command, None)
+    code, output, _ = run_watching_port(command, None)
     assert code == 2, f"exit status {code}, expected 2:\n{output}"
     assert "Traceback" not in output and output.count("packscore: error:") == 1, output
     assert not out.exists(), "nothing may be written from a refused checkpoint"
