@@ -70,6 +70,7 @@ def check_checkpoint(path: Path, *, expected: dict[str, tuple[int, ...]] | None 
         architecture = architecture_for(model_type)
     except UnsupportedModelError as exc:
         raise CheckpointError("unsupported", f"{path}: {exc}") from None
+    context_length(config, path=path)  # its fields named before transformers' own, less direct, refusals
     quantization = quantization_method(path, config)
     files = safetensors_files(path)
     stored, dtypes = _read_headers(path, files)
@@ -90,7 +91,7 @@ def check_checkpoint(path: Path, *, expected: dict[str, tuple[int, ...]] | None 
         architecture=architecture.name,
         tensors=tensors,
         config=config,
-        max_model_len=context_length(config, default_positions=config_default_positions(config)),
+        max_model_len=context_length(config, default_positions=config_default_positions(config), path=path),
         quantization=quantization,
         files=tuple(files),
     )

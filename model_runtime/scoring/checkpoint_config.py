@@ -13,6 +13,7 @@ Every refusal is a ``CheckpointError``.
 from __future__ import annotations
 
 import json
+import math
 from functools import lru_cache
 from pathlib import Path
 
@@ -55,23 +56,71 @@ def text_config(config: dict) -> dict:
     return inner if isinstance(inner, dict) else config
 
 
-def context_length(config: dict, default_positions: int = 0) -> int:
+def context_length(config: dict, default_positions: int = 0, path: Path | None = None) -> int:
     """Longest sequence the config's positions allow: ``max_position_embeddings`` (``default_positions``
     where the config has none), or with yarn rope scaling ``factor * original_max_position_embeddings``
-    when that is larger."""
+    when that is larger. A field that bounds nothing (0, negative, not a number) is refused
+    (``incompatible``, naming it and its value), never read as its default or as no bound at all;
+    a ``max_position_embeddings`` of 0 or less only where yarn's two fields bound the context."""
+    where = f"{path}: " if path is not None else ""
     text = text_config(config)
-    base = int(text.get("max_position_embeddings") or config.get("max_position_embeddings") or default_positions)
-    rope = text.get("rope_scaling") or text.get("rope_parameters") or config.get("rope_scaling") or {}
-    if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type")) != "yarn":
+    prefix = "text_config." if text is not config else ""
+    if "max_position_embeddings" in text:
+        base, base_field = text["max_position_embeddings"], prefix + "max_position_embeddings"
+    elif "max_position_embeddings" in config:
+        base, base_field = config["max_position_embeddings"], "max_position_embeddings"
+    else:
+        base, base_field = default_positions, None
+    if base_field is not None and not _is_int(base):
+        raise CheckpointError("incompatible", f"{where}config.json {base_field} is {_shown(base)}; it must be a "
+                              "positive integer, the longest sequence the model's positions allow")
+    rope, rope_field = {}, ""
+    holders = ((text, "rope_scaling", prefix), (text, "rope_parameters", prefix), (config, "rope_scaling", ""))
+    for holder, field, name in holders:
+        if holder.get(field):
+            rope, rope_field = holder[field], name + field
+            break
+    yarn = isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "yarn"
+    if yarn:
+        original, factor = rope.get("original_max_position_embeddings"), rope.get("factor")
+        if original is not None and not (_is_int(original) and original > 0):
+            raise CheckpointError("incompatible", f"{where}config.json {rope_field}.original_max_position_embeddings "
+                                  f"is {_shown(original)}; it must be a positive integer (yarn's pre-scaling context)")
+        if factor is not None and not (_is_number(factor) and 0 < factor < math.inf):
+            raise CheckpointError("incompatible", f"{where}config.json {rope_field}.factor is {_shown(factor)}; it "
+                                  "must be a number above 0 (yarn's context scaling)")
+        if original is not None and factor is not None:  # the two bound the context whatever the base says
+            return max(base, int(factor * original))
+    if base_field is not None and base <= 0:
+        raise CheckpointError("incompatible", f"{where}config.json {base_field} is {_shown(base)}; it must be a "
+                              "positive integer, the longest sequence the model's positions allow (0 or less would "
+                              "bound no sequence)")
+    if not yarn:
         return base
-    original = int(rope.get("original_max_position_embeddings") or base)
-    factor = float(rope.get("factor") or (base / original if original else 1.0))
+    original = rope.get("original_max_position_embeddings") or base
+    factor = rope.get("factor") or (base / original if original else 1.0)
     return max(base, int(factor * original))
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is no length
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _shown(value) -> str:
+    """``value`` as config.json writes it (null, true, "text"), with its JSON type."""
+    kind = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(type(value))
+    text = json.dumps(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"{text} ({kind})" if kind else text
 
 
 def config_default_positions(config: dict) -> int:
     """The ``max_position_embeddings`` transformers gives a config.json without one (the model is built with it)."""
-    if text_config(config).get("max_position_embeddings") or config.get("max_position_embeddings"):
+    if "max_position_embeddings" in text_config(config) or "max_position_embeddings" in config:
         return 0
     return int(getattr(hf_config(config).get_text_config(), "max_position_embeddings", 0) or 0)
 

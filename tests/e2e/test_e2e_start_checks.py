@@ -1,18 +1,26 @@
 """What the real CLI refuses at start, before the port is bound, and what it leaves alone: each
-command reads the variables of its own options only."""
+command reads the variables of its own options only, and a config.json whose context bounds
+nothing stops ``serve`` and ``score`` with one line."""
 
 from __future__ import annotations
 
 import json
 import sys
 
+import pytest
+
 from model_runtime.pool.ports import free_port
+from tests.checkpoints import rewrite_checkpoint
 from tests.e2e.helpers import ServerProcess, post, run_watching_port
 
 # Values each option's own command refuses (exit 2), set for the other command.
 SERVE_ONLY = {"PACKSCORE_PORT": "abc", "PACKSCORE_HOST": "", "PACKSCORE_MAX_QUEUED_TOKENS": "0",
               "PACKSCORE_API_KEY": "k", "PACKSCORE_API_KEY_FILE": "/nonexistent/key"}
 SCORE_ONLY = {"PACKSCORE_TOP_K": "99", "PACKSCORE_TEMPERATURE": "0", "PACKSCORE_RETURN_ENTROPY": "maybe"}
+
+
+def _errors(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("packscore: error:")]
 
 
 def test_score_reads_no_variable_of_an_option_only_serve_has(tmp_path):
@@ -43,3 +51,68 @@ def test_serve_reads_no_variable_of_an_option_only_score_has(tmp_path):
     command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port)]
     code, output, connected = run_watching_port(command, port, env={"PACKSCORE_MAX_QUEUED_TOKENS": "0"})
     assert code == 2 and not connected and "--max-queued-tokens (from PACKSCORE_MAX_QUEUED_TOKENS): " in output, output
+
+
+def _yarn(**fields):
+    return lambda c: {**c, "rope_parameters": {**c["rope_parameters"], "rope_type": "yarn", **fields}}
+
+
+def _text(**fields):
+    return lambda c: {**c, "text_config": {**c["text_config"], **fields}}
+
+
+YARN = dict(factor=4.0, original_max_position_embeddings=1024)
+BAD_CONFIGS = {
+    # name: (checkpoint kind, edit of config.json, the field and value the one line names)
+    "mpe-0": ("qwen3_5", lambda c: {**c, "max_position_embeddings": 0}, "max_position_embeddings is 0;"),
+    "mpe-negative": ("qwen3_5", lambda c: {**c, "max_position_embeddings": -1}, "max_position_embeddings is -1;"),
+    "mpe-fraction": ("qwen3_5", lambda c: {**c, "max_position_embeddings": 4096.5}, "max_position_embeddings is 4096.5;"),
+    "mpe-bool": ("qwen3_5", lambda c: {**c, "max_position_embeddings": True}, "max_position_embeddings is true (a boolean);"),
+    "mpe-string": ("qwen3_5", lambda c: {**c, "max_position_embeddings": "4096"}, 'max_position_embeddings is "4096" (a string);'),
+    "text-mpe-0": ("qwen3_5_vl", _text(max_position_embeddings=0), "text_config.max_position_embeddings is 0;"),
+    "yarn-factor-0": ("qwen3_5", _yarn(**{**YARN, "factor": 0}), "rope_parameters.factor is 0;"),
+    "yarn-factor-string": ("qwen3_5", _yarn(**{**YARN, "factor": "4"}), 'rope_parameters.factor is "4" (a string);'),
+    "yarn-original-0": ("qwen3_5", _yarn(**{**YARN, "original_max_position_embeddings": 0}),
+                        "rope_parameters.original_max_position_embeddings is 0;"),
+    "yarn-original-bool": ("qwen3_5", _yarn(**{**YARN, "original_max_position_embeddings": True}),
+                           "rope_parameters.original_max_position_embeddings is true (a boolean);"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(BAD_CONFIGS))
+def test_a_config_whose_context_bounds_nothing_stops_serve_before_binding(
+        name, checkpoint_dir, tmp_path):
+    kind, edit, named = BAD_CONFIGS[name]
+    broken = rewrite_checkpoint(checkpoint_dir(kind), tmp_path / name, edit_config=edit)
+    port = free_port()
+    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--model", str(broken)]
+    code, output, connected = run_watching_port(command, port)
+    assert code == 2 and not connected, f"exit status {code} (want 2), port bound: {connected}:\n{output}"
+    errors = _errors(output)
+    assert "Traceback" not in output and len(errors) == 1, output
+    assert f"config.json {named}" in errors[0], f"{named!r} not in {errors[0]!r}"
+
+
+def test_score_refuses_a_context_of_0_before_reading_its_input(checkpoint_dir, tmp_path):
+    broken = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "ck", edit_config=BAD_CONFIGS["mpe-0"][1])
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(json.dumps({"id": "a", "input_ids": [1, 2, 3]}) + "\n")
+    command = [sys.executable, "-m", "service.cli", "score", str(source), "-o", str(out), "--model", str(broken)]
+    code, output, _ = run_watching_port(command, None)
+    assert code == 2 and len(_errors(output)) == 1 and "max_position_embeddings is 0;" in output, output
+    assert not out.exists()
+
+
+def test_a_context_of_0_that_yarn_bounds_is_served_with_yarns_bound(checkpoint_dir, tmp_path):
+    """transformers builds and runs it (yarn reads factor and the original context, not
+    max_position_embeddings): refused would stop a checkpoint Hugging Face runs; its bound is
+    factor x original_max_position_embeddings, 4096 here, as --max-model-len beyond it shows."""
+    edit = _yarn(**YARN)
+    yarn = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "ck",
+                              edit_config=lambda c: edit({**c, "max_position_embeddings": 0}))
+    port = free_port()
+    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--model", str(yarn),
+               "--max-model-len", "4097"]
+    code, output, connected = run_watching_port(command, port)
+    assert code == 2 and not connected, f"exit status {code} (want 2), port bound: {connected}:\n{output}"
+    assert "--max-model-len 4097 exceeds the model's max_position_embeddings 4096" in output, output
