@@ -1,7 +1,8 @@
 """What a checkpoint's ``config.json`` describes, read before any weight is.
 
 ``read_config`` reads it (a multimodal config's head tie as its top level says); ``text_config``,
-``context_length`` and ``fp8_block_size`` read the language model's part of it. ``hf_config`` and
+``context_length`` and ``fp8_block_size`` read the language model's part of it, which
+``refuse_odd_text_config`` requires to be an object. ``hf_config`` and
 ``build_meta_model`` give transformers' config object and the causal LM it builds on the meta
 device, whose tensor names and shapes (``model_tensors``, kept per config) are what
 ``checkpoint.check_checkpoint`` matches the files against. Settings packscore's forward would not
@@ -54,6 +55,25 @@ def text_config(config: dict) -> dict:
     """The language model's part of a (possibly multimodal) config."""
     inner = config.get("text_config")
     return inner if isinstance(inner, dict) else config
+
+
+def refuse_odd_text_config(path: Path, config: dict) -> None:
+    """Refuses (``incompatible``), naming what it holds, a ``text_config`` that is no object, or a
+    null one where the model_type keeps its language model there: transformers would build its
+    default language model instead of this checkpoint's."""
+    if "text_config" not in config or isinstance(config["text_config"], dict):
+        return
+    inner = config["text_config"]
+    if inner is not None:
+        raise CheckpointError("incompatible", f"{path}: config.json text_config holds {_shown(inner)}; it must be an "
+                              "object, the language model's config")
+    from transformers import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    if "text_config" in getattr(CONFIG_MAPPING[model_type], "sub_configs", {}):
+        raise CheckpointError("incompatible", f"{path}: config.json text_config is null; a {model_type} config holds "
+                              "its language model's settings there (null builds transformers' default language "
+                              "model, not this checkpoint's)")
 
 
 def context_length(config: dict, default_positions: int = 0, path: Path | None = None) -> int:

@@ -1,6 +1,6 @@
 """What the real CLI refuses at start, before the port is bound, and what it leaves alone: each
 command reads the variables of its own options only, and a config.json whose context bounds
-nothing stops ``serve`` and ``score`` with one line."""
+nothing or whose ``text_config`` is no object stops ``serve`` and ``score`` with one line."""
 
 from __future__ import annotations
 
@@ -76,11 +76,14 @@ BAD_CONFIGS = {
                         "rope_parameters.original_max_position_embeddings is 0;"),
     "yarn-original-bool": ("qwen3_5", _yarn(**{**YARN, "original_max_position_embeddings": True}),
                            "rope_parameters.original_max_position_embeddings is true (a boolean);"),
+    "text-config-null": ("qwen3_5_vl", lambda c: {**c, "text_config": None}, "text_config is null;"),
+    "text-config-list": ("qwen3_5_vl", lambda c: {**c, "text_config": [1]}, "text_config holds [1] (a list);"),
+    "text-config-string": ("qwen3_5_vl", lambda c: {**c, "text_config": "qwen"}, 'text_config holds "qwen" (a string);'),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(BAD_CONFIGS))
-def test_a_config_whose_context_bounds_nothing_stops_serve_before_binding(
+def test_a_config_whose_context_bounds_nothing_or_with_no_text_config_object_stops_serve_before_binding(
         name, checkpoint_dir, tmp_path):
     kind, edit, named = BAD_CONFIGS[name]
     broken = rewrite_checkpoint(checkpoint_dir(kind), tmp_path / name, edit_config=edit)
