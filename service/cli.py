@@ -263,12 +263,21 @@ def _check_device(settings: Settings) -> None:
 
 
 def _check_kernels(settings: Settings) -> None:
-    """A ``--kernels`` pin this device cannot run is refused before the model loads or the port is bound."""
+    """A ``--kernels`` pin this device cannot run, or a family with no fast kernel installed on
+    CUDA (``fla`` missing) without ``--allow-slow-kernels``, is refused before the model loads or
+    the port is bound."""
     overrides = settings.kernels
     if overrides:
         from model_runtime.kernels.registry import check_overrides
 
         check_overrides(settings.device_type, overrides, settings.expert_gemm)
+    if settings.device_type == "cuda" and not settings.allow_slow_kernels:
+        from model_runtime.kernels.registry import SlowKernelError, check_fast_kernels
+
+        try:
+            check_fast_kernels("cuda", overrides=overrides, worker_pool=settings.uses_worker_pool)
+        except SlowKernelError as exc:
+            raise ValueError(str(exc)) from None
 
 
 def _check_model_and_key(settings: Settings) -> Settings:

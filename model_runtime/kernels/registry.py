@@ -275,25 +275,57 @@ def select_backends(
         if device.type != "cuda":
             chosen[family] = _CPU_DEFAULT[family]
             continue
-        reasons = []
-        for name in preference[family]:
-            reason = _unavailable_reason(family, name, library)
-            if reason is None:
-                chosen[family] = name
-                if reasons:  # a faster backend was skipped: say why, once, at start
-                    log.info("%s: using %s (%s)", family, name, "; ".join(reasons))
-                break
-            reasons.append(f"{name}: {reason}")
-        else:
-            wanted = " or ".join(preference[family])
-            message = (
-                f"no fast {family} kernel is usable on CUDA (wanted {wanted}; {'; '.join(reasons)}); install the "
-                "'gpu' extra (pip install 'packscore[gpu]') or pass --allow-slow-kernels to run the slow reference"
-            )
-            if not allow_slow:
-                raise SlowKernelError(message)
-            log.warning("%s; using the slow reference kernel", message)
-            chosen[family] = _CPU_DEFAULT[family]
-            fallbacks.append(family)
+        name, reasons = _fastest(family, preference[family], lambda f, n: _unavailable_reason(f, n, library))
+        if name is not None:
+            chosen[family] = name
+            if reasons:  # a faster backend was skipped: say why, once, at start
+                log.info("%s: using %s (%s)", family, name, "; ".join(reasons))
+            continue
+        message = _no_fast_kernel(family, preference[family], reasons)
+        if not allow_slow:
+            raise SlowKernelError(message)
+        log.warning("%s; using the slow reference kernel", message)
+        chosen[family] = _CPU_DEFAULT[family]
+        fallbacks.append(family)
     experts_library = library if chosen["moe_experts"] in EXPERT_GEMM_BACKENDS else None
     return KernelBackends(**chosen, fallbacks=tuple(fallbacks), expert_gemm=experts_library)
+
+
+def check_fast_kernels(
+    device: torch.device | str, *, allow_slow: bool = False, overrides: dict[str, str] | None = None,
+    worker_pool: bool = False,
+) -> None:
+    """Raises ``SlowKernelError`` where ``select_backends`` would for want of an import (``fla``
+    missing or broken on CUDA without ``allow_slow``), without a GPU: the CLI asks before the port
+    is bound. The experts' CUTLASS backends count as usable here, since probing their library runs
+    on the GPU; ``select_backends`` decides them when the model loads."""
+    if allow_slow or torch.device(device).type != "cuda":
+        return
+    preference = _POOL_GPU_PREFERENCE if worker_pool else _GPU_PREFERENCE
+
+    def reason(family: str, name: str) -> str | None:
+        return None if name in EXPERT_GEMM_BACKENDS else _unavailable_reason(family, name)
+
+    for family in FAMILIES:
+        if family not in (overrides or {}):
+            name, reasons = _fastest(family, preference[family], reason)
+            if name is None:
+                raise SlowKernelError(_no_fast_kernel(family, preference[family], reasons))
+
+
+def _fastest(family: str, preference: tuple[str, ...], reason_of: Callable) -> tuple[str | None, list[str]]:
+    """The first backend of ``preference`` that ``reason_of(family, name)`` finds no reason against
+    (None: none), and the reasons against those before it."""
+    reasons = []
+    for name in preference:
+        reason = reason_of(family, name)
+        if reason is None:
+            return name, reasons
+        reasons.append(f"{name}: {reason}")
+    return None, reasons
+
+
+def _no_fast_kernel(family: str, preference: tuple[str, ...], reasons: list[str]) -> str:
+    return (f"no fast {family} kernel is usable on CUDA (wanted {' or '.join(preference)}; {'; '.join(reasons)}); "
+            "install the 'gpu' extra (pip install 'packscore[gpu]') or pass --allow-slow-kernels to run the slow "
+            "reference")

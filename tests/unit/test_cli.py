@@ -1,6 +1,7 @@
 """Command line: options and their environment variables, help, offline scoring (resumable)."""
 
 import argparse
+import importlib.util
 import os
 import re
 import sys
@@ -287,6 +288,20 @@ def test_a_kernel_pin_this_device_cannot_run_stops_both_commands_before_loading(
         err = capsys.readouterr().err
         assert "the attention backend 'varlen' needs CUDA" in err and "Traceback" not in err, err
     assert not out.exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fla") is not None, reason="fla is installed here")
+def test_no_fla_on_cuda_is_refused_by_the_checks_before_the_port_is_bound():
+    """Found when the model loaded, after the port was bound. The pre-bind check needs only the
+    device's type and the imports: "cuda" stands in for a GPU this machine lacks (main() would stop
+    at --device first), through the function _run calls before serve()."""
+    with pytest.raises(ValueError) as refused:
+        cli._check_kernels(Settings(device="cuda"))
+    message = str(refused.value)
+    assert message.startswith("no fast linear_attention kernel is usable on CUDA (wanted fla; fla: fla is not "
+                              "installed)") and "--allow-slow-kernels" in message, message
+    cli._check_kernels(Settings(device="cuda", allow_slow_kernels=True))  # asked for: the load falls back, visibly
+    cli._check_kernels(Settings(device="cpu"))
 
 
 def test_a_device_this_machine_lacks_or_no_device_at_all_stops_before_the_port_is_bound(monkeypatch, capsys):
