@@ -129,3 +129,68 @@ def test_weight_updates_example_serves_post_v1_weights_from_the_mounted_root():
     assert mount["mountPath"] == str(s.weights_root) and mount["readOnly"] is True
     assert any(str(s.admin_key_file).startswith(m["mountPath"] + "/") for m in c["volumeMounts"]
                if m["name"] == "admin-key")
+
+
+def _section(markdown: str, heading: str) -> str:
+    return markdown.split(f"\n{heading}\n", 1)[1].split("\n#", 1)[0]
+
+
+def _lookup(dotted: str):
+    node = VALUES
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def test_chart_readme_all_values_defaults_are_values_yaml():
+    # Each row pairs its backticked values with its defaults in order; a backticked default is the literal.
+    wrong, checked = [], 0
+    for row in _section(CHART_README, "## All values").splitlines()[2:]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        names = re.findall(r"`([\w.]+)`", cells[0])
+        defaults = [d.strip() for d in cells[1].split(", ")] if cells[1] else []
+        if len(names) != len(defaults):
+            continue
+        for name, default in zip(names, defaults):
+            literal = re.fullmatch(r"`([^`]*)`", default)
+            if literal is None:
+                continue
+            value, expected = _lookup(name), yaml.safe_load(literal.group(1))
+            if isinstance(value, dict) and isinstance(expected, dict) and expected:  # `type: none`: one key of it
+                value = {k: value[k] for k in expected}
+            checked += 1
+            if value != expected:
+                wrong.append(f"{name}: README {default}, values.yaml {value!r}")
+    assert checked >= 40, checked
+    assert not wrong, wrong
+
+
+def test_chart_readme_service_account_default_is_the_full_name():
+    rendered = manifests()  # a release name that is not the full name
+    (account,) = [d for d in rendered if d["kind"] == "ServiceAccount"]
+    deployment = next(d for d in rendered if d["kind"] == "Deployment")
+    assert account["metadata"]["name"] == deployment["metadata"]["name"]  # the full name, not the release's
+    row = next(r for r in _section(CHART_README, "## All values").splitlines() if r.startswith("| `serviceAccount.create`"))
+    assert "full name" in row, row
+
+
+_COUNTS = {"ten": 10, "eleven": 11, "twelve": 12, "thirteen": 13, "fourteen": 14, "fifteen": 15}
+
+
+def test_chart_readme_alerts_table_matches_the_rendered_rules():
+    rendered = manifests({"prometheusRule": {"enabled": True}})
+    (rule,) = [d for d in rendered if d["kind"] == "PrometheusRule"]
+    rules = {r["alert"]: r for r in rule["spec"]["groups"][0]["rules"]}
+    source = (CHART / "templates" / "prometheusrule.yaml").read_text()
+    keys = dict((alert, key) for key, alert in re.findall(r"\$a\.(\w+) \}\}\n\s*\{\{- if \.enabled \}\}\n\s*- alert: (\w+)", source))
+    assert set(keys) == set(rules) and set(keys.values()) == set(VALUES["prometheusRule"]["alerts"]), (keys, rules)
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(Packscore\w+)` \| ([^|]*) \|", CHART_README, re.M)}
+    assert set(rows) == set(rules), set(rows) ^ set(rules)
+    for alert, default in rows.items():
+        settings = VALUES["prometheusRule"]["alerts"][keys[alert]]
+        severity, duration = (p.strip() for p in default.split(";")[0].split(","))
+        assert (severity, duration) == (settings["severity"], settings["for"]), (alert, default)
+        for key, value in re.findall(r"`(\w+): ([^`]+)`", default):
+            assert yaml.safe_load(value) == settings[key], (alert, key, value, settings)
+    (count,) = re.findall(r"all (\w+) on", _section(CHART_README, "## All values"))
+    assert _COUNTS.get(count, count) == len(rules), (count, len(rules))
