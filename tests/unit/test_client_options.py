@@ -85,6 +85,14 @@ def test_both_clients_take_the_same_options_with_the_same_defaults(method):
     assert blocking == awaited, f"ScoreClient.{method}{blocking} != AsyncScoreClient.{method}{awaited}"
 
 
+@pytest.mark.parametrize("cls", [ScoreClient, AsyncScoreClient], ids=lambda c: c.__name__)
+def test_a_misspelt_knob_is_refused_naming_the_client_built(cls):
+    """docs/client.md: a misspelt option names what the user called, not the private base class."""
+    with pytest.raises(TypeError, match=rf"^{cls.__name__}\.__init__\(\) got an unexpected keyword argument 'tmeout_s'$"):
+        cls(BASE, "key", tmeout_s=30)
+    cls(BASE, "key", timeout_s=30, admin_key="admin", max_concurrency=2)  # every real knob still passes
+
+
 def test_a_misspelt_option_is_refused_by_the_method_called():
     """The TypeError names score() or score_padded(), as the user wrote it, not a private helper's."""
     def named(cls: str, method: str) -> str:

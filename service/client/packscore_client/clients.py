@@ -4,6 +4,7 @@ and results; each only drives ``Protocol.exchange`` with its own kind of I/O."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 import numbers
 import threading
@@ -190,11 +191,21 @@ class _Base:
         return seqs, opts, now + self._p.retry_timeout_s, deadline
 
 
+def _known(cls: type, knobs: dict) -> dict:
+    """``knobs`` unchanged; a misspelt one raises naming the class built, not the private ``_Base``."""
+    if unknown := sorted(knobs.keys() - _KNOBS):
+        raise TypeError(f"{cls.__name__}.__init__() got an unexpected keyword argument {unknown[0]!r}")
+    return knobs
+
+
+_KNOBS = frozenset(inspect.signature(_Base.__init__).parameters) - {"self", "base_url", "api_key"}
+
+
 class ScoreClient(_Base):
     """Blocking client; thread-safe. Use as a context manager or call ``close()``."""
 
     def __init__(self, base_url: str, api_key: str | None = None, **knobs: Any):
-        super().__init__(base_url, api_key, **knobs)
+        super().__init__(base_url, api_key, **_known(type(self), knobs))
         self._pool = ThreadPoolExecutor(max_workers=self._max_concurrency, thread_name_prefix="packscore-client")
         self._in_use_lock = threading.Lock()
         self._in_use = 0  # requests on the wire: the connection pool closes once none is
@@ -404,6 +415,9 @@ class AsyncScoreClient(_Base):
 
     _http_class = httpx.AsyncClient
     _direct_class = httpx.AsyncHTTPTransport
+
+    def __init__(self, base_url: str, api_key: str | None = None, **knobs: Any):
+        super().__init__(base_url, api_key, **_known(type(self), knobs))
 
     async def __aenter__(self) -> "AsyncScoreClient":
         return self
