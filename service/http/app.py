@@ -278,7 +278,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
                 "description": "scores, in the encoding named by Accept (default: the request's)",
                 "content": {MSGPACK: {"schema": _MSGPACK_SCORE_RESPONSE}},
             },
-            **_errors(400, 401, 404, 409, 413, 422, 429, 503, 504),
+            **_errors(400, 401, 403, 404, 409, 413, 422, 429, 503, 504),
         },
     )
 
@@ -323,11 +323,11 @@ def _add_routes(app: FastAPI, service: Service) -> None:
 
     app.add_api_route("/readyz", readyz, methods=["HEAD"], include_in_schema=False)
 
-    @app.get("/metrics", summary="Prometheus metrics", response_class=Response, responses=_errors(401))
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response, responses=_errors(401, 403))
     async def metrics() -> Response:
         return Response(service.metrics.render(), media_type=metrics_module.CONTENT_TYPE)
 
-    @app.get("/v1/models", response_model=ModelList, summary="The served models", responses=_errors(401, 503))
+    @app.get("/v1/models", response_model=ModelList, summary="The served models", responses=_errors(401, 403, 503))
     async def models() -> Response:
         if service.phase in ("loading", "failed") or not service.models:
             raise not_ready(service)
@@ -365,7 +365,7 @@ def _add_weights_route(app: FastAPI, service: Service, root) -> None:
         summary="Serve a new checkpoint of a model (loaded from under --weights-root, swapped between forwards)",
         response_class=Response,
         responses={200: {"model": WeightsResponse, "description": "the new version serves"},
-                   **_errors(400, 401, 403, 404, 409, 422, 503)},
+                   **_errors(400, 401, 403, 404, 409, 413, 422, 503)},
         openapi_extra={"requestBody": {"required": True, "content": {
             JSON: {"schema": {"$ref": "#/components/schemas/WeightsRequest"}},
             MSGPACK: {"schema": {"$ref": "#/components/schemas/WeightsRequest"}}}}},

@@ -245,3 +245,28 @@ def test_a_checkpoint_packscore_cannot_load_is_incompatible(tmp_path):
     error = refused.json()["error"]
     assert refused.status_code == 422 and error["type"] == "incompatible_checkpoint" and error["param"] == "path", error
     assert "llama" in error["message"], error
+
+
+def test_openapi_names_every_status_the_weights_route_and_the_admin_key_bring(tmp_path):
+    """The /docs page lists what a route answers: /v1/weights' 413 (a body over 1 MiB) and the 403 the
+    admin key gets on the scoring routes."""
+    settings = Settings(weights_root=make_weights_root(tmp_path), api_key=KEY, admin_key=ADMIN)
+    scoring, admin = {"Authorization": f"Bearer {KEY}"}, {"Authorization": f"Bearer {ADMIN}"}
+
+    async def main():
+        async with running_app(create_app(settings, two_models())) as client:
+            answered = {
+                ("/v1/weights", "post"): (await client.post("/v1/weights", content=b" " * (2 << 20), headers={
+                    **admin, "Content-Type": "application/json"})).status_code,
+                ("/score", "post"): (await client.post("/score", headers=admin, json=score_body({"model": "ref"}))).status_code,
+                ("/v1/models", "get"): (await client.get("/v1/models", headers=admin)).status_code,
+                ("/metrics", "get"): (await client.get("/metrics", headers=admin)).status_code,
+            }
+            return answered, (await client.get("/openapi.json", headers=scoring)).json()
+
+    answered, schema = asyncio.run(main())
+    assert answered == {("/v1/weights", "post"): 413, ("/score", "post"): 403, ("/v1/models", "get"): 403,
+                        ("/metrics", "get"): 403}, answered
+    undocumented = {route: status for route, status in answered.items()
+                    if str(status) not in schema["paths"][route[0]][route[1]]["responses"]}
+    assert not undocumented, f"answered but not in /openapi.json: {undocumented}"
