@@ -12,6 +12,7 @@ import subprocess
 import threading
 
 import httpx
+import numpy as np
 import pytest
 
 from packscore_client import AsyncScoreClient, ScoreClient, ScoreError, UpdateEverywhereError
@@ -391,3 +392,13 @@ def test_a_large_service_is_updated_a_bounded_number_of_addresses_at_a_time(monk
     pods, got = asyncio.run(main())
     assert pods.most == 3, pods.most
     assert list(got) == ips and len(pods.ids) == 1 and {u.request_id for u in got.values()} == pods.ids
+
+
+def test_max_concurrency_takes_a_numpy_int_as_the_client_knob_does(monkeypatch):
+    # client.md: "an int of at least 1"; a numpy int (read from a trainer's config) is one
+    ips = [f"10.0.0.{i}" for i in range(1, 7)]
+    _resolving(monkeypatch, *ips)
+    few = Gauged(2)
+    with ScoreClient(f"http://{NAME}:8000", transport=httpx.MockTransport(few), max_concurrency=np.int64(2)) as client:
+        assert list(client.update_weights_everywhere("policy", "step-1", max_concurrency=np.int64(2))) == ips
+    assert few.most == 2, few.most

@@ -10,6 +10,7 @@ retries, all under one ``X-Request-Id``, and return
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import socket
 import uuid
 
@@ -25,9 +26,9 @@ MAX_CONCURRENCY = 32
 
 def concurrency(max_concurrency: int) -> int:
     """``max_concurrency`` checked: an int of at least 1."""
-    if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
+    if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, numbers.Integral) or max_concurrency < 1:
         raise ValueError(f"max_concurrency must be an int of at least 1, got {max_concurrency!r}")
-    return max_concurrency
+    return int(max_concurrency)  # a numpy int too, as the clients' own knob
 
 
 def addresses(base_url: str) -> list[str]:
