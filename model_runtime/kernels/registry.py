@@ -195,9 +195,11 @@ _BACKEND_MODULES = {
 }
 
 
-def _unavailable_reason(family: str, name: str, expert_gemm_library: Path | None = None) -> str | None:
+def _unavailable_reason(family: str, name: str, expert_gemm_library: Path | None = None, *,
+                        load: bool = True) -> str | None:
     """``None`` when backend ``name`` of ``family`` can run here (the ``expert_tiles`` experts with
-    ``expert_gemm_library``, ``expert_gemm.library_path``), else why not."""
+    ``expert_gemm_library``, ``expert_gemm.library_path``), else why not; ``load=False`` only looks
+    for its modules' packages, without importing them."""
     modules = _BACKEND_MODULES.get(name, ())
     if family == "moe_experts" and name.startswith("grouped_mm") and not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no grouped matrix product"
@@ -215,6 +217,8 @@ def _unavailable_reason(family: str, name: str, expert_gemm_library: Path | None
     for module in modules:
         if importlib.util.find_spec(module.split(".")[0]) is None:
             return f"{module.split('.')[0]} is not installed"
+        if not load:
+            continue
         try:
             importlib.import_module(module)
         except Exception as err:  # a broken install must not pass for a working one
@@ -298,13 +302,15 @@ def check_fast_kernels(
     """Raises ``SlowKernelError`` where ``select_backends`` would for want of an import (``fla``
     missing or broken on CUDA without ``allow_slow``), without a GPU: the CLI asks before the port
     is bound. The experts' CUTLASS backends count as usable here, since probing their library runs
-    on the GPU; ``select_backends`` decides them when the model loads."""
+    on the GPU; ``select_backends`` decides them when the model loads. For a worker pool only the
+    packages are looked for: importing fla starts CUDA in the process that leaves the GPUs to its
+    workers, which import it and say a broken install as they load."""
     if allow_slow or torch.device(device).type != "cuda":
         return
     preference = _POOL_GPU_PREFERENCE if worker_pool else _GPU_PREFERENCE
 
     def reason(family: str, name: str) -> str | None:
-        return None if name in EXPERT_GEMM_BACKENDS else _unavailable_reason(family, name)
+        return None if name in EXPERT_GEMM_BACKENDS else _unavailable_reason(family, name, load=not worker_pool)
 
     for family in FAMILIES:
         if family not in (overrides or {}):

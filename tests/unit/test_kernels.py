@@ -1,6 +1,7 @@
 """Kernel backends against independent implementations on fresh random inputs (CPU)."""
 
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from model_runtime.kernels.attention import causal_attention_reference, causal_a
 from model_runtime.kernels.conv import causal_conv1d_reference
 from model_runtime.kernels.gate_projection import gate_projection_row, gate_projection_segment
 from model_runtime.kernels.linear_attention import gated_delta_rule_reference
-from model_runtime.kernels.registry import FAMILIES, KernelBackends, SlowKernelError, select_backends
+from model_runtime.kernels.registry import FAMILIES, KernelBackends, SlowKernelError, check_fast_kernels, select_backends
 from model_runtime.model.packing import PackedBatch
 
 LAYOUTS = [(1,), (5, 1, 7), (64, 65, 3, 128), (200,)]
@@ -327,3 +328,19 @@ def test_triton_kernels_refuse_tiles_and_operands_they_do_not_take():
     a = torch.randn(4, 8)
     assert PT.supports(a, a.clone()) and PT.supports(a.bfloat16(), a.bfloat16())
     assert not PT.supports(a.double(), a.double())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fla") is not None, reason="fla is installed here")
+def test_the_pools_check_before_binding_finds_fla_without_importing_it(tmp_path, monkeypatch):
+    """Importing fla starts CUDA, in a worker pool's server process that leaves the GPUs to its
+    workers: its check before the port is bound only looks for the package; one process imports
+    it, so a broken install is said there. A stand-in fla that fails when imported shows which."""
+    (tmp_path / "fla").mkdir()
+    (tmp_path / "fla" / "__init__.py").write_text("raise ImportError('fla was imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    others = {family: "pinned" for family in FAMILIES if family != "linear_attention"}
+    check_fast_kernels("cuda", overrides=others, worker_pool=True)
+    with pytest.raises(SlowKernelError) as refused:
+        check_fast_kernels("cuda", overrides=others)
+    assert "importing fla.ops.gated_delta_rule failed: ImportError: fla was imported" in str(refused.value), refused.value
+    assert "fla" not in sys.modules
