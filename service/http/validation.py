@@ -52,7 +52,8 @@ def resolve_model_len(requested: int | None, model_limit: int | None, queued_tok
     ``max_position_embeddings``), else the model's, and never more than the admission bound
     (``--max-queued-tokens``), since a longer sequence could never be admitted."""
     if requested is not None and model_limit and requested > model_limit:
-        raise ValueError(f"--max-model-len {requested} exceeds the model's max_position_embeddings {model_limit}")
+        raise ValueError(f"--max-model-len {requested} exceeds the model's {model_limit} positions (config.json's "
+                         "max_position_embeddings, or a yarn rope scaling's factor times its original)")
     wanted = requested or model_limit or queued_tokens
     if wanted > queued_tokens:
         log.info("max_model_len %d capped to --max-queued-tokens %d", wanted, queued_tokens)

@@ -118,4 +118,4 @@ def test_a_context_of_0_that_yarn_bounds_is_served_with_yarns_bound(checkpoint_d
                "--max-model-len", "4097"]
     code, output, connected = run_watching_port(command, port)
     assert code == 2 and not connected, f"exit status {code} (want 2), port bound: {connected}:\n{output}"
-    assert "--max-model-len 4097 exceeds the model's max_position_embeddings 4096" in output, output
+    assert "--max-model-len 4097 exceeds the model's 4096 positions" in output, output

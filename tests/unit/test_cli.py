@@ -435,7 +435,7 @@ def test_offline_scoring_holds_the_servers_sequence_limit(monkeypatch, tmp_path,
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}, {"id": "b", "input_ids": list(range(9))}])
     assert cli.main(["score", str(source), "-o", str(out), "--max-model-len", "8192"]) == 2
-    assert "--max-model-len 8192 exceeds the model's max_position_embeddings 4096" in capsys.readouterr().err
+    assert "--max-model-len 8192 exceeds the model's 4096 positions" in capsys.readouterr().err
     assert cli.main(["score", str(source), "-o", str(out), "--max-model-len", "8"]) == 2
     err = capsys.readouterr().err
     assert f"{source}:2:" in err and "(max_model_len)" in err, err

@@ -490,7 +490,7 @@ class Protocol:
             raise ScoreError(0, "connection_error", f"could not {what} {self.base_url} for "
                              f"{now - since:.1f}s: {describe(error)}{consequence}") from error
         wait = min(retry_after(None, attempt), bound - now)  # the last try at the bound itself
-        log.warning("packscore: cannot %s %s (%s); retrying in %.1fs (gives up %.0fs after the first "
+        log.warning("packscore: cannot %s %s (%s); retrying in %.1fs (gives up %gs after the first "
                     "failure: connect_retry_s)", what, self.base_url, describe(error), wait, self.connect_retry_s)
         return wait, since
 
