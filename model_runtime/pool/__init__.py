@@ -7,7 +7,8 @@
 - ``procs``: launching and stopping the rank processes.
 - ``replies``: what the pool awaits from its workers, and their replies turned into results or errors.
 - ``loaded_files``: the checkpoint directory as the workers loaded it, checked before a restart.
-- ``worker``: one rank's process (``python -m model_runtime.pool.worker``).
+- ``worker_main``: a rank's process (``python -m model_runtime.pool.worker_main``), watching the pool's before it imports torch.
+- ``worker``: what that process runs: one rank.
 - ``messages``: the messages that cross the process boundary.
 - ``ports``: a free TCP port for the process group.
 """

@@ -1,6 +1,6 @@
 """One generation of the pool's worker processes: launching them, their pipes, stopping them.
 
-Each rank is ``python -m model_runtime.pool.worker`` with two inherited pipe descriptors: the
+Each rank is ``python -m model_runtime.pool.worker_main`` with two inherited pipe descriptors: the
 pool writes commands into one and reads replies from the other (``model_runtime.pool.messages``
 frames). The pool keeps no other handle on a worker than its ``Popen`` and these pipes.
 """
@@ -61,7 +61,7 @@ class WorkerWorld:
                 child_fds = (cmd_recv.fileno(), rep_send.fileno())
                 try:
                     proc = self.spawn(
-                        [sys.executable, "-m", "model_runtime.pool.worker", "--recv-fd", str(child_fds[0]),
+                        [sys.executable, "-m", "model_runtime.pool.worker_main", "--recv-fd", str(child_fds[0]),
                          "--send-fd", str(child_fds[1]), "--parent-pid", str(os.getpid())],
                         pass_fds=child_fds,
                         env=env,

@@ -1,4 +1,4 @@
-"""One rank of the worker pool, as its own process: ``python -m model_runtime.pool.worker``.
+"""One rank of the worker pool, run in its own process by ``model_runtime.pool.worker_main``.
 
 Started by ``model_runtime.pool.pool.WorkerPool`` with two inherited pipe descriptors (commands
 in, replies out). It reads a ``Start`` message, joins the process group on 127.0.0.1, loads and
@@ -14,11 +14,8 @@ own shards, so a host holds one copy of the weights, not one per rank.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import select
-import signal
 import sys
 import threading
 import time
@@ -46,28 +43,6 @@ class _Replies:
     def send(self, message) -> None:
         with self.lock:
             self.conn.send_bytes(msg.encode(message))
-
-
-def _watch_parent(parent: int) -> None:
-    """Exits when the pool's process goes away, even while this rank is busy in a forward (or
-    went away while this process was still importing torch)."""
-    try:
-        pidfd = os.pidfd_open(parent)  # readable once that process ends, whoever our parent is
-    except ProcessLookupError:
-        os._exit(0)
-    except OSError:
-        pidfd = None  # a kernel without pidfds: the parent's death shows as another parent pid
-
-    def watch():
-        if pidfd is not None:
-            select.select([pidfd], [], [])
-            os._exit(0)
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent:
-                os._exit(0)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _reads_shards(start: msg.Start) -> bool:
@@ -356,29 +331,15 @@ def serve(commands: Connection, replies: _Replies) -> int:
             replies.send(reply)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="packscore worker process (started by the worker pool)")
-    parser.add_argument("--recv-fd", type=int, required=True, help="inherited descriptor of the command pipe")
-    parser.add_argument("--send-fd", type=int, required=True, help="inherited descriptor of the reply pipe")
-    parser.add_argument("--parent-pid", type=int, default=None, help="the pool's process id (default: the parent now)")
-    args = parser.parse_args(argv)
-    # Ctrl-C in a terminal, and a SIGTERM sent to the whole process group (systemd's control group,
-    # `kill -TERM -PGID`, supervisors' stopasgroup), reach every worker too: the pool decides when
-    # workers stop (Shutdown, or SIGKILL past the drain), so the server can drain what it admitted.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _watch_parent(args.parent_pid or os.getppid())
+def run(recv_fd: int, send_fd: int) -> None:
+    """Serves the pool over the inherited pipes, then ends the process with ``serve``'s code."""
     from model_runtime.scoring.backend import favour_forward_threads
 
     favour_forward_threads()  # a weight update reads beside the forwards
-    commands = Connection(args.recv_fd, writable=False)
-    replies = _Replies(Connection(args.send_fd, readable=False))
+    commands = Connection(recv_fd, writable=False)
+    replies = _Replies(Connection(send_fd, readable=False))
     code = serve(commands, replies)
     # Skip interpreter teardown: destroying a process group whose peers are gone can block.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-if __name__ == "__main__":
-    main()

@@ -38,7 +38,7 @@ def _command() -> list[str]:
 
 
 def _worker_pids(server_pid: int) -> list[int]:
-    """The server's children that run ``model_runtime.pool.worker`` (read from /proc)."""
+    """The server's children that run ``model_runtime.pool.worker_main`` (read from /proc)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -49,7 +49,7 @@ def _worker_pids(server_pid: int) -> list[int]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] == "Z" or b"model_runtime.pool.worker" not in cmdline:
+        if fields[0] == "Z" or b"model_runtime.pool.worker_main" not in cmdline:
             continue
         # started by the server: its child, or an orphan that names it (the server gone)
         if int(fields[1]) == server_pid or f"--parent-pid {server_pid} ".encode() in cmdline + b" ":
@@ -376,3 +376,42 @@ def test_a_sigterm_while_the_first_world_forms_exits_at_once_leaving_no_worker(t
     assert not left, f"workers {left} outlived the server: {[_state(p) for p in left]}"
     noise = [line for line in server.log_path.read_text().splitlines() if "Traceback" in line or " ERROR " in line]
     assert not noise, noise
+
+
+def _maps_torch(pid: int) -> bool:
+    """Whether the process has loaded any of torch's native libraries (its import is seconds in)."""
+    return "/torch/lib/" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_a_server_killed_while_its_workers_import_torch_leaves_no_worker(tmp_path):
+    """SIGKILL (or the OOM killer) gives the server no chance to stop its workers: each must notice
+    at once, while it still imports torch, instead of lingering until its imports finish."""
+    server = LocalServer(["--device", "cpu", "--world-size", "2", "--max-batch-tokens", "512"],
+                         env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
+    workers = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers := _worker_pids(server.proc.pid)) < 2:
+            assert server.proc.poll() is None and time.monotonic() < deadline, server.log()
+            time.sleep(0.002)
+        for pid in workers:  # held where they are, so what /proc shows is where the kill finds them
+            os.kill(pid, signal.SIGSTOP)
+        while any(_state(pid) != "T" for pid in workers):
+            assert time.monotonic() < deadline, [_state(pid) for pid in workers]
+            time.sleep(0.002)
+        assert not any(_maps_torch(pid) for pid in workers), "a worker loaded torch before it was stopped"
+        server.proc.kill()
+        server.proc.wait(timeout=30)
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        # A whole torch import (seconds) is still ahead of them; noticing the server's end is not.
+        while (left := [pid for pid in workers if _state(pid) not in ("gone", "Z")]) and time.monotonic() - resumed < 1.0:
+            time.sleep(0.01)
+        took = time.monotonic() - resumed
+    finally:
+        for pid in workers:  # ours to end if the test failed: the server's workers
+            if _state(pid) not in ("gone", "Z"):
+                os.kill(pid, signal.SIGKILL)
+        server.stop(timeout=30)
+    assert not left, f"workers {left} outlived the server by {took:.2f} s: {[_state(p) for p in left]}"

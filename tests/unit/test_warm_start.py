@@ -100,7 +100,7 @@ def test_a_worker_exits_when_its_pool_process_ends_though_that_is_not_its_parent
     cmd_recv, cmd_send = Pipe(duplex=False)
     rep_recv, rep_send = Pipe(duplex=False)
     fds = (cmd_recv.fileno(), rep_send.fileno())
-    worker = spawn([sys.executable, "-m", "model_runtime.pool.worker", "--recv-fd", str(fds[0]), "--send-fd",
+    worker = spawn([sys.executable, "-m", "model_runtime.pool.worker_main", "--recv-fd", str(fds[0]), "--send-fd",
                     str(fds[1]), "--parent-pid", str(pool_process.pid)], cwd=REPO, pass_fds=fds)
     cmd_recv.close()
     rep_send.close()
