@@ -59,21 +59,24 @@ def text_config(config: dict) -> dict:
 
 def refuse_odd_text_config(path: Path, config: dict) -> None:
     """Refuses (``incompatible``), naming what it holds, a ``text_config`` that is no object, or a
-    null one where the model_type keeps its language model there: transformers would build its
-    default language model instead of this checkpoint's."""
-    if "text_config" not in config or isinstance(config["text_config"], dict):
+    null or absent one where the model_type keeps its language model there: transformers would
+    build its default language model instead of this checkpoint's."""
+    inner = config.get("text_config")
+    if isinstance(inner, dict):
         return
-    inner = config["text_config"]
     if inner is not None:
         raise CheckpointError("incompatible", f"{path}: config.json text_config holds {_shown(inner)}; it must be an "
                               "object, the language model's config")
     from transformers import CONFIG_MAPPING
 
     model_type = config.get("model_type")
-    if "text_config" in getattr(CONFIG_MAPPING[model_type], "sub_configs", {}):
-        raise CheckpointError("incompatible", f"{path}: config.json text_config is null; a {model_type} config holds "
-                              "its language model's settings there (null builds transformers' default language "
-                              "model, not this checkpoint's)")
+    text_class = getattr(CONFIG_MAPPING[model_type], "sub_configs", {}).get("text_config")
+    if text_class is None:
+        return
+    said = "text_config is null;" if "text_config" in config else "has no text_config;"
+    raise CheckpointError("incompatible", f"{path}: config.json {said} a {model_type} config holds its language "
+                          "model's settings there (without them transformers builds its default language model, "
+                          f"not this checkpoint's; a text-only config is model_type {text_class.model_type})")
 
 
 def context_length(config: dict, default_positions: int = 0, path: Path | None = None) -> int:

@@ -61,6 +61,11 @@ def _text(**fields):
     return lambda c: {**c, "text_config": {**c["text_config"], **fields}}
 
 
+def _flattened(config):
+    text = {k: v for k, v in config["text_config"].items() if k != "model_type"}
+    return {**{k: v for k, v in config.items() if k != "text_config"}, **text}
+
+
 YARN = dict(factor=4.0, original_max_position_embeddings=1024)
 BAD_CONFIGS = {
     # name: (checkpoint kind, edit of config.json, the field and value the one line names)
@@ -79,6 +84,9 @@ BAD_CONFIGS = {
     "text-config-null": ("qwen3_5_vl", lambda c: {**c, "text_config": None}, "text_config is null;"),
     "text-config-list": ("qwen3_5_vl", lambda c: {**c, "text_config": [1]}, "text_config holds [1] (a list);"),
     "text-config-string": ("qwen3_5_vl", lambda c: {**c, "text_config": "qwen"}, 'text_config holds "qwen" (a string);'),
+    "text-config-absent": ("qwen3_5_vl", lambda c: {k: v for k, v in c.items() if k != "text_config"},
+                           "has no text_config;"),
+    "text-config-flattened": ("qwen3_5_vl", _flattened, "has no text_config;"),  # top-level fields build no language model
 }  # fmt: skip
 
 

@@ -204,7 +204,7 @@ def test_a_config_transformers_refuses_is_named_in_one_line(tmp_path, checkpoint
 def test_files_and_formats_are_named(tmp_path, checkpoint_dir):
     refused(tmp_path / "nope", "unsupported", "not a directory")
     refused(tmp_path, "unsupported", "no config.json")
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_text"}))
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     refused(tmp_path, "unsupported", "safetensors only", "pytorch_model.bin")
     (tmp_path / "model.safetensors").mkdir()

@@ -138,7 +138,7 @@ def test_missing_pieces_are_named(tmp_path):
         load_model(str(tmp_path / "nope"), device="cpu")
     with pytest.raises(CheckpointError, match="no config.json"):
         load_model(str(tmp_path), device="cpu")
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_text"}))
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
         load_model(str(tmp_path), device="cpu")
 
