@@ -2,10 +2,10 @@
 
 ``read_config`` reads it (a multimodal config's head tie as its top level says); ``text_config``,
 ``context_length`` and ``fp8_block_size`` read the language model's part of it, which
-``refuse_odd_text_config`` requires to be an object. ``hf_config`` and
-``build_meta_model`` give transformers' config object and the causal LM it builds on the meta
-device, whose tensor names and shapes (``model_tensors``, kept per config) are what
-``checkpoint.check_checkpoint`` matches the files against. Settings packscore's forward would not
+``refuse_odd_text_config`` requires to be an object where the model_type has one, and no object
+where it has none. ``hf_config`` and ``build_meta_model`` give transformers' config object and the
+causal LM it builds on the meta device, whose tensor names and shapes (``model_tensors``, kept per
+config) are what ``checkpoint.check_checkpoint`` matches the files against. Settings packscore's forward would not
 compute as Hugging Face's are refused (``refuse_other_forward_settings``), and so is a weight
 update whose config would compute otherwise than the served model's (``refuse_other_forward``).
 Every refusal is a ``CheckpointError``.
@@ -18,7 +18,7 @@ import math
 from functools import lru_cache
 from pathlib import Path
 
-from model_runtime.model.architectures import LAYER_KINDS
+from model_runtime.model.architectures import LAYER_KINDS, MODEL_TYPES
 from model_runtime.scoring.checkpoint_error import CheckpointError, quoted_names
 
 
@@ -58,25 +58,38 @@ def text_config(config: dict) -> dict:
 
 
 def refuse_odd_text_config(path: Path, config: dict) -> None:
-    """Refuses (``incompatible``), naming what it holds, a ``text_config`` that is no object, or a
-    null or absent one where the model_type keeps its language model there: transformers would
-    build its default language model instead of this checkpoint's."""
+    """Refuses (``incompatible``), naming what it holds, a ``text_config`` that is no object, a
+    null or absent one where the model_type keeps its language model there (transformers would
+    build its default language model instead of this checkpoint's), and an object one where the
+    model_type is text-only (transformers fails to build that model)."""
+    model_type = config.get("model_type")
+    text_type = _text_model_type(model_type)
     inner = config.get("text_config")
     if isinstance(inner, dict):
-        return
+        if text_type is not None:
+            return
+        holders = [t for t in MODEL_TYPES if _text_model_type(t) == model_type]
+        instead = f", or set model_type {holders[0]} for a multimodal config" if holders else ""
+        raise CheckpointError("incompatible", f"{path}: config.json has a text_config object, but a {model_type} config "
+                              "is text-only, its language model's settings at its top level (transformers fails to "
+                              f"build a model from it); remove text_config{instead}")
     if inner is not None:
         raise CheckpointError("incompatible", f"{path}: config.json text_config holds {_shown(inner)}; it must be an "
                               "object, the language model's config")
-    from transformers import CONFIG_MAPPING
-
-    model_type = config.get("model_type")
-    text_class = getattr(CONFIG_MAPPING[model_type], "sub_configs", {}).get("text_config")
-    if text_class is None:
+    if text_type is None:
         return
     said = "text_config is null;" if "text_config" in config else "has no text_config;"
     raise CheckpointError("incompatible", f"{path}: config.json {said} a {model_type} config holds its language "
                           "model's settings there (without them transformers builds its default language model, "
-                          f"not this checkpoint's; a text-only config is model_type {text_class.model_type})")
+                          f"not this checkpoint's; a text-only config is model_type {text_type})")
+
+
+def _text_model_type(model_type: str) -> str | None:
+    """The model_type of the language model a multimodal model_type keeps in ``text_config``; None for a text-only one."""
+    from transformers import CONFIG_MAPPING
+
+    text_class = getattr(CONFIG_MAPPING[model_type], "sub_configs", {}).get("text_config")
+    return None if text_class is None else text_class.model_type
 
 
 def context_length(config: dict, default_positions: int = 0, path: Path | None = None) -> int:

@@ -1,6 +1,7 @@
 """What the real CLI refuses at start, before the port is bound, and what it leaves alone: each
 command reads the variables of its own options only, and a config.json whose context bounds
-nothing or whose ``text_config`` is no object stops ``serve`` and ``score`` with one line."""
+nothing or whose ``text_config`` is no object (or one where the model_type has none) stops ``serve``
+and ``score`` with one line."""
 
 from __future__ import annotations
 
@@ -66,6 +67,10 @@ def _flattened(config):
     return {**{k: v for k, v in config.items() if k != "text_config"}, **text}
 
 
+def _nested(config):
+    return {**config, "text_config": {k: v for k, v in config.items() if k != "model_type"}}
+
+
 YARN = dict(factor=4.0, original_max_position_embeddings=1024)
 BAD_CONFIGS = {
     # name: (checkpoint kind, edit of config.json, the field and value the one line names)
@@ -87,6 +92,8 @@ BAD_CONFIGS = {
     "text-config-absent": ("qwen3_5_vl", lambda c: {k: v for k, v in c.items() if k != "text_config"},
                            "has no text_config;"),
     "text-config-flattened": ("qwen3_5_vl", _flattened, "has no text_config;"),  # top-level fields build no language model
+    "text-config-in-qwen3_next": ("qwen3_next", _nested, "has a text_config object, but a qwen3_next config is text-only"),
+    "text-config-in-qwen3_5_text": ("qwen3_5", _nested, "has a text_config object, but a qwen3_5_text config is text-only"),
 }  # fmt: skip
 
 
