@@ -97,7 +97,8 @@ def context_length(config: dict, default_positions: int = 0, path: Path | None =
     where the config has none), or with yarn rope scaling ``factor * original_max_position_embeddings``
     when that is larger. A field that bounds nothing (0, negative, not a number) is refused
     (``incompatible``, naming it and its value), never read as its default or as no bound at all;
-    a ``max_position_embeddings`` of 0 or less only where yarn's two fields bound the context."""
+    a ``max_position_embeddings`` of 0 or less only where yarn's two fields bound the context. So
+    is a rope scaling ``factor`` that is no number above 0 (``SCALED_ROPE``)."""
     where = f"{path}: " if path is not None else ""
     text = text_config(config)
     prefix = "text_config." if text is not config else ""
@@ -116,15 +117,18 @@ def context_length(config: dict, default_positions: int = 0, path: Path | None =
         if holder.get(field):
             rope, rope_field = holder[field], name + field
             break
-    yarn = isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "yarn"
+    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if rope_type in SCALED_ROPE:
+        factor = rope.get("factor")
+        if (factor is not None or rope_type != "yarn") and not (_is_number(factor) and 0 < factor < math.inf):
+            raise CheckpointError("incompatible", f"{where}config.json {rope_field}.factor is {_shown(factor)}; it "
+                                  f"must be a number above 0 ({rope_type} rope's scaling of the positions)")
+    yarn = rope_type == "yarn"
     if yarn:
         original, factor = rope.get("original_max_position_embeddings"), rope.get("factor")
         if original is not None and not (_is_int(original) and original > 0):
             raise CheckpointError("incompatible", f"{where}config.json {rope_field}.original_max_position_embeddings "
                                   f"is {_shown(original)}; it must be a positive integer (yarn's pre-scaling context)")
-        if factor is not None and not (_is_number(factor) and 0 < factor < math.inf):
-            raise CheckpointError("incompatible", f"{where}config.json {rope_field}.factor is {_shown(factor)}; it "
-                                  "must be a number above 0 (yarn's context scaling)")
         if original is not None and factor is not None:  # the two bound the context whatever the base says
             return max(base, int(factor * original))
     if base_field is not None and base <= 0:
@@ -136,6 +140,11 @@ def context_length(config: dict, default_positions: int = 0, path: Path | None =
     original = rope.get("original_max_position_embeddings") or base
     factor = rope.get("factor") or (base / original if original else 1.0)
     return max(base, int(factor * original))
+
+
+# Rope types whose frequencies ``factor`` scales (yarn's may be left out): 0 divides by zero, a negative
+# one or no number is no scaling.
+SCALED_ROPE = ("linear", "dynamic", "yarn", "llama3")
 
 
 def _is_int(value) -> bool:

@@ -1,7 +1,7 @@
 """What the real CLI refuses at start, before the port is bound, and what it leaves alone: each
 command reads the variables of its own options only, and a config.json whose context bounds
-nothing or whose ``text_config`` is no object (or one where the model_type has none) stops ``serve``
-and ``score`` with one line."""
+nothing, whose rope scaling factor is no number above 0, or whose ``text_config`` is no object
+(or one where the model_type has none) stops ``serve`` and ``score`` with one line."""
 
 from __future__ import annotations
 
@@ -54,8 +54,12 @@ def test_serve_reads_no_variable_of_an_option_only_score_has(tmp_path):
     assert code == 2 and not connected and "--max-queued-tokens (from PACKSCORE_MAX_QUEUED_TOKENS): " in output, output
 
 
+def _rope(rope_type, **fields):
+    return lambda c: {**c, "rope_parameters": {**c["rope_parameters"], "rope_type": rope_type, **fields}}
+
+
 def _yarn(**fields):
-    return lambda c: {**c, "rope_parameters": {**c["rope_parameters"], "rope_type": "yarn", **fields}}
+    return _rope("yarn", **fields)
 
 
 def _text(**fields):
@@ -86,6 +90,16 @@ BAD_CONFIGS = {
                         "rope_parameters.original_max_position_embeddings is 0;"),
     "yarn-original-bool": ("qwen3_5", _yarn(**{**YARN, "original_max_position_embeddings": True}),
                            "rope_parameters.original_max_position_embeddings is true (a boolean);"),
+    "linear-factor-0": ("qwen3_5", _rope("linear", factor=0), "rope_parameters.factor is 0;"),
+    "linear-factor-negative": ("qwen3_next", _rope("linear", factor=-2.0), "rope_parameters.factor is -2.0;"),
+    "linear-factor-null": ("qwen3_5", _rope("linear", factor=None), "rope_parameters.factor is null;"),
+    "dynamic-factor-0": ("qwen3_5", _rope("dynamic", factor=0), "rope_parameters.factor is 0;"),
+    "dynamic-factor-string": ("qwen3_5", _rope("dynamic", factor="2"), 'rope_parameters.factor is "2" (a string);'),
+    "rope-scaling-linear-0": ("qwen3_5", lambda c: {**c, "rope_scaling": {"type": "linear", "factor": 0}},
+                              "rope_scaling.factor is 0;"),
+    "text-linear-0": ("qwen3_5_vl", lambda c: _text(rope_parameters={**c["text_config"]["rope_parameters"],
+                                                                     "rope_type": "linear", "factor": 0})(c),
+                      "text_config.rope_parameters.factor is 0;"),
     "text-config-null": ("qwen3_5_vl", lambda c: {**c, "text_config": None}, "text_config is null;"),
     "text-config-list": ("qwen3_5_vl", lambda c: {**c, "text_config": [1]}, "text_config holds [1] (a list);"),
     "text-config-string": ("qwen3_5_vl", lambda c: {**c, "text_config": "qwen"}, 'text_config holds "qwen" (a string);'),
