@@ -59,15 +59,20 @@ def text_config(config: dict) -> dict:
 
 def refuse_odd_text_config(path: Path, config: dict) -> None:
     """Refuses (``incompatible``), naming what it holds, a ``text_config`` that is no object, a
-    null or absent one where the model_type keeps its language model there (transformers would
+    null, absent or empty one where the model_type keeps its language model there (transformers would
     build its default language model instead of this checkpoint's), and an object one where the
     model_type is text-only (transformers fails to build that model)."""
     model_type = config.get("model_type")
     text_type = _text_model_type(model_type)
     inner = config.get("text_config")
     if isinstance(inner, dict):
-        if text_type is not None:
+        if text_type is not None and inner:
             return
+        if text_type is not None:  # transformers fills an empty one with its default language model
+            raise CheckpointError("incompatible", f"{path}: config.json text_config is an empty object; a {model_type} "
+                                  "config holds its language model's settings there (without them transformers builds "
+                                  f"its default language model, not this checkpoint's; a text-only config is model_type "
+                                  f"{text_type})")
         holders = [t for t in MODEL_TYPES if _text_model_type(t) == model_type]
         instead = f", or set model_type {holders[0]} for a multimodal config" if holders else ""
         raise CheckpointError("incompatible", f"{path}: config.json has a text_config object, but a {model_type} config "

@@ -105,6 +105,7 @@ BAD_CONFIGS = {
     "text-config-string": ("qwen3_5_vl", lambda c: {**c, "text_config": "qwen"}, 'text_config holds "qwen" (a string);'),
     "text-config-absent": ("qwen3_5_vl", lambda c: {k: v for k, v in c.items() if k != "text_config"},
                            "has no text_config;"),
+    "text-config-empty": ("qwen3_5_vl", lambda c: {**c, "text_config": {}}, "text_config is an empty object;"),
     "text-config-flattened": ("qwen3_5_vl", _flattened, "has no text_config;"),  # top-level fields build no language model
     "text-config-in-qwen3_next": ("qwen3_next", _nested, "has a text_config object, but a qwen3_next config is text-only"),
     "text-config-in-qwen3_5_text": ("qwen3_5", _nested, "has a text_config object, but a qwen3_5_text config is text-only"),
