@@ -41,11 +41,12 @@ _KNOWN_REJECTIONS = (
 UPDATE_OUTCOMES = (
     "ok", "invalid_value", "malformed_body", "forbidden_path", "update_unsupported", "update_in_progress",
     "version_in_use", "incompatible_checkpoint", "incomplete_checkpoint", "unreadable_checkpoint",
-    "non_finite_checkpoint", "backend_unavailable",
+    "non_finite_checkpoint", "backend_unavailable", "internal_error",
 )  # fmt: skip
 UNNAMED_UPDATE_OUTCOMES = (
     "not_ready", "draining", "unsupported_content_type", "unsupported_content_encoding", "body_too_large",
     "request_timeout", "client_disconnected", "malformed_body", "invalid_value", "model_not_found", "model_required",
+    "internal_error",
 )  # fmt: skip
 # packscore_connections_closed_total's reasons: the answers and closes of service/http/protocol.py itself.
 CONNECTION_CLOSE_REASONS = ("too_many_connections", "evicted", "malformed_request", "request_timeout")

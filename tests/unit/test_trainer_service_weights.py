@@ -270,3 +270,25 @@ def test_openapi_names_every_status_the_weights_route_and_the_admin_key_bring(tm
     undocumented = {route: status for route, status in answered.items()
                     if str(status) not in schema["paths"][route[0]][route[1]]["responses"]}
     assert not undocumented, f"answered but not in /openapi.json: {undocumented}"
+
+
+def test_an_update_that_fails_unexpectedly_is_a_500_counted_as_a_failed_update(tmp_path):
+    """An exception the route does not expect (a bug) was answered 500 but counted under no outcome,
+    so PackscoreWeightsUpdateFailed missed it; the old weights still serve."""
+    root = make_weights_root(tmp_path)
+
+    def check(path):
+        raise ValueError("a bug in the check")
+
+    async def main():
+        app = create_app(Settings(weights_root=root), FakeBackend(check_checkpoint=check))
+        async with running_app(app) as client:
+            return (await client.post("/v1/weights", json={"path": "step-1"}), await client.get("/metrics"),
+                    await client.post("/score", json=score_body({})))
+
+    failed, metrics, after = asyncio.run(main())
+    assert failed.status_code == 500 and failed.json()["error"]["type"] == "internal_error", failed.text
+    counted = {(s.labels["model"], s.labels["outcome"], s.value) for family in text_string_to_metric_families(metrics.text)
+               for s in family.samples if s.name == "packscore_weights_updates_total" and s.value}
+    assert counted == {(FakeBackend().info.name, "internal_error", 1.0)}, sorted(counted)
+    assert after.json()["weights_version"] == FAKE_VERSION
