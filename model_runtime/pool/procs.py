@@ -49,7 +49,7 @@ class WorkerWorld:
     def launch(self, start_fields: dict) -> None:
         """Starts every rank's process and sends it its ``Start``; ranks not launched before a
         ``kill()`` never are. On an error the caller stops the world (the ranks launched so far)."""
-        port = free_port()  # taken before rank 0 binds it: that start fails, the restart picks anew
+        port = free_port()  # taken before rank 0 binds it: that world fails, the next picks anew (PortTaken)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH")) if p)
         for rank in range(self.dims.world_size):

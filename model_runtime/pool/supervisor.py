@@ -38,6 +38,15 @@ class WorkerLost(BackendUnavailableError):
     """A worker exited while its world formed without reporting an error (a signal, the OOM killer)."""
 
 
+class PortTaken(WorkerLost):
+    """Rank 0 could not bind the process group's port, picked free but taken before the bind by
+    another process of the host: the next world picks another."""
+
+
+def _port_taken(message: str) -> bool:
+    return "EADDRINUSE" in message or "address already in use" in message.lower()
+
+
 def _ended(world: WorkerWorld, rank: int) -> str:
     """How rank ``rank``'s process ended, for a log line: its exit status or the signal that killed it."""
     proc = world.procs[rank]
@@ -61,6 +70,9 @@ def _start_failure(world: WorkerWorld, rank: int, reply: msg.Failure) -> Excepti
         return CheckpointError(reply.kind.removeprefix("checkpoint:"), reply.message)
     if reply.kind == "invalid":  # a layout the model cannot take (heads vs sp): a configuration error
         return ValueError(f"worker rank {rank} failed to start: {reply.message}")
+    if _port_taken(reply.message):
+        return PortTaken(f"worker rank {rank} could not bind the process group's port, taken since it was "
+                         f"picked: {reply.message}")
     # A peer lost mid-start fails the others' collectives; its reply pipe closed before they noticed.
     lost = _lost_peer(world, rank)
     if lost is not None:
@@ -89,9 +101,10 @@ class Supervisor:
 
     def _start_first_world(self) -> list[msg.Hello]:
         """The start's world, formed again when a worker was lost while it formed (a signal, the OOM
-        killer: nothing says the next one fails too), ``FIRST_WORLD_ATTEMPTS`` times at most, so that a
-        checkpoint that kills every worker still fails the start; an error a worker reported (a
-        checkpoint refused, a layout the model cannot take) fails it at once."""
+        killer: nothing says the next one fails too) or its port was taken (``PortTaken``),
+        ``FIRST_WORLD_ATTEMPTS`` times at most, so that a checkpoint that kills every worker still
+        fails the start; an error a worker reported (a checkpoint refused, a layout the model cannot
+        take) fails it at once."""
         for attempt in range(1, FIRST_WORLD_ATTEMPTS + 1):
             if attempt > 1:
                 self._check_checkpoint_unchanged()  # the version hashed at start names what the new world loads
