@@ -18,6 +18,7 @@ from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.scorer import Scorer
 from model_runtime.types import SequenceInput
 from tests.checkpoints import build_hf_model, rewrite_checkpoint, save_fp8_checkpoint
+from tests.unprivileged import unprivileged
 
 A_LOG = "model.layers.0.linear_attn.A_log"
 
@@ -238,10 +239,7 @@ def test_a_weight_file_without_read_permission_is_named_with_the_reason(checkpoi
         code = ("from model_runtime.scoring.checkpoint import check_checkpoint\n"
                 "from model_runtime.scoring.checkpoint_error import CheckpointError\n"
                 f"try: check_checkpoint({str(ck)!r})\nexcept CheckpointError as e: print(e.kind, e)")
-        as_user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
-        if as_user and shutil.which("setpriv") is None:
-            pytest.skip("run as root without setpriv: no unprivileged user to read as")
-        out = subprocess.run([*as_user, sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        out = subprocess.run([*unprivileged(), sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                              cwd=Path(__file__).resolve().parents[2])
         assert out.stdout.startswith("unreadable ") and "model.safetensors cannot be read: Permission denied" in out.stdout, out
     finally:

@@ -11,6 +11,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import pytest
 
 from service.weights_record import TEMPORARY_LIFETIME_S, WeightsRecord, _writer
 from tests.unit.trainer_service import make_weights_root
+from tests.unprivileged import unprivileged
 
 pytestmark = pytest.mark.usefixtures("no_packscore_env")
 
@@ -138,43 +140,32 @@ def test_a_lock_held_by_another_writer_at_start_is_no_warning(tmp_path, caplog):
         holder.wait()
 
 
-@contextlib.contextmanager
-def _unwritable(path: Path):
-    """``path`` unwritable by this process: its mode for a user; root ignores modes, so the immutable
-    attribute then (skipped where root may not set it)."""
-    if os.geteuid() != 0:
-        mode = path.stat().st_mode
-        path.chmod(0o555 if path.is_dir() else 0o444)
-        try:
-            yield
-        finally:
-            path.chmod(mode)
-        return
-    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode:
-        pytest.skip("running as root without chattr +i: nothing can be made unwritable to this process")
-    try:
-        yield
-    finally:
-        subprocess.run(["chattr", "-i", str(path)], check=True)
-
-
 @pytest.mark.parametrize("case", ["directory", "lock-file"])
 def test_the_cli_refuses_a_record_it_could_not_write_or_lock_in_one_line_before_anything_loads(tmp_path, case):
     """``packscore serve`` as a process: the directory takes no new file, or FILE.lock (another user's,
     say) cannot be opened to lock it: exit 2 with one line naming it, before the model is even looked at
     (a --model that does not exist would be the next refusal)."""
-    root, state = make_weights_root(tmp_path), tmp_path / "state"
-    state.mkdir()
-    file = state / "record.json"
-    target = state if case == "directory" else Path(f"{file}.lock")
-    if case == "lock-file":
-        target.touch()
-    argv = [sys.executable, "-m", "service.cli", "serve", "--weights-root", str(root), "--weights-record", str(file),
-            "--model", str(tmp_path / "no-such-model")]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PACKSCORE_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "service" / "client"), env.get("PYTHONPATH", "")])
-    with _unwritable(target):
-        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    as_user = unprivileged()  # as this user, or nobody where the tests run as root (root writes anywhere)
+    shared = Path(tempfile.mkdtemp())  # tmp_path's parents admit only their owner
+    try:
+        shared.chmod(0o755)
+        root, state = make_weights_root(shared), shared / "state"
+        for path in (shared / "root", *(shared / "root").rglob("*")):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        state.mkdir()
+        file = state / "record.json"
+        if case == "lock-file":  # the directory takes new files; FILE.lock is another's, read-only
+            state.chmod(0o777)
+            Path(f"{file}.lock").touch(0o444)
+        else:
+            state.chmod(0o555)
+        argv = [*as_user, sys.executable, "-m", "service.cli", "serve", "--weights-root", str(root),
+                "--weights-record", str(file), "--model", str(shared / "no-such-model")]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PACKSCORE_")}
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "service" / "client"), env.get("PYTHONPATH", "")])
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
+    finally:
+        shutil.rmtree(shared)
     want = "its directory cannot take a new file" if case == "directory" else \
         f"its lock file '{file}.lock' cannot be opened for writing"
     assert done.returncode == 2 and want in done.stderr, done.stderr[-3000:]
