@@ -234,7 +234,10 @@ class WarmProcess:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass  # it ended and the zygote reaped it before our poll() heard: Popen ignores this too
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

@@ -134,3 +134,18 @@ def test_poll_answers_at_once_while_another_thread_waits(tmp_path, spawn):
         sleeper.kill()
         waiter.join(timeout=30)
     assert sleeper.wait(timeout=30) == -signal.SIGKILL
+
+
+@FORKS
+def test_a_signal_to_a_child_that_ended_unheard_is_a_no_op_as_with_popen(tmp_path):
+    """The pool's failed start kills its world again after close() killed it: the zygote may have
+    reaped the child while another thread, waiting for it, has not yet read its exit."""
+    sleeper = _start(warm_start.popen, tmp_path, "sleep", env={"TESTS_REPORT_SLEEP_S": "120"})
+    with sleeper._lock:  # as a thread in wait() holds it before the exit is read
+        os.kill(sleeper.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{sleeper.pid}").exists():
+            assert time.monotonic() < deadline, "the zygote never reaped its child"
+            time.sleep(0.01)
+        sleeper.kill()
+    assert sleeper.wait(timeout=30) == -signal.SIGKILL
