@@ -100,7 +100,7 @@ def create_app(settings: Settings, backend: BackendSources, record: WeightsRecor
     service = Service(settings, backend, record=record)
     service.metrics.expect_answers((*sorted(_ROUTE_LABELS), "other"), SCORE_ROUTES)
     if settings.weights_root is not None:  # each model's own outcomes once it is loaded (Service._configure)
-        service.metrics.expect_unnamed_updates()
+        service.metrics.expect_weights_route()
     if service.admin_key is not None and settings.weights_root is None:
         log.warning("--admin-key has no effect without --weights-root: POST /v1/weights is not served")
 

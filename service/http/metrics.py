@@ -27,12 +27,19 @@ _MISMATCH_OBSERVED_MAX = 1e3
 _FILL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0, 2.0, 8.0)  # > 1: an oversize sequence
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-_KNOWN_REJECTIONS = (
+# packscore_rejections_total's reasons, at 0 from the start: every error type the service answers
+# (tests/unit/test_metrics_rejection_series.py keeps the two lists equal to those the code raises).
+REJECTION_REASONS = (
     "queue_full", "draining", "not_ready", "deadline_exceeded", "client_disconnected", "backend_unavailable",
     "sequence_too_large", "sequence_too_long", "request_too_large", "too_many_sequences", "body_too_large",
     "invalid_value", "malformed_body", "unsupported_content_type", "unsupported_content_encoding", "model_not_found",
     "unauthorized", "model_required", "weights_version_mismatch", "request_timeout", "non_finite_scores",
-    "internal_error", "forbidden", "unavailable", "not_found", "method_not_allowed",
+    "internal_error", "forbidden", "unavailable", "not_found", "method_not_allowed", "http_error",
+)  # fmt: skip
+# Those only POST /v1/weights answers: at 0 from the start where that route is served (--weights-root).
+WEIGHTS_REJECTION_REASONS = (
+    "forbidden_path", "update_unsupported", "update_in_progress", "version_in_use", "incompatible_checkpoint",
+    "incomplete_checkpoint", "unreadable_checkpoint", "non_finite_checkpoint",
 )  # fmt: skip
 
 
@@ -115,7 +122,7 @@ class Metrics:
             ["reason"],
             registry=r,
         )
-        for reason in _KNOWN_REJECTIONS:  # zero series from the start, so rate() works on a fresh pod
+        for reason in REJECTION_REASONS:  # zero series from the start, so rate() works on a fresh pod
             self.rejections.labels(reason=reason)
         self.request_latency = Histogram(
             "packscore_request_latency_seconds",
@@ -278,11 +285,13 @@ class Metrics:
         if recorded:
             self.weights_record_failures.labels(model=model)
 
-    def expect_unnamed_updates(self) -> None:
-        """The refusals of POST /v1/weights before its body names a served model (``model=""``), at
-        zero from the start where the route exists (``--weights-root``)."""
+    def expect_weights_route(self) -> None:
+        """Where POST /v1/weights is served (``--weights-root``), at zero from the start: its refusals
+        before the body names a served model (``model=""``), and the rejection reasons only it answers."""
         for outcome in UNNAMED_UPDATE_OUTCOMES:
             self.weights_updates.labels(model="", outcome=outcome)
+        for reason in WEIGHTS_REJECTION_REASONS:
+            self.rejections.labels(reason=reason)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

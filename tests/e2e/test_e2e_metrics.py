@@ -10,7 +10,13 @@ import uuid
 import httpx
 import pytest
 
-from service.http.metrics import CONNECTION_CLOSE_REASONS, UNNAMED_UPDATE_OUTCOMES, UPDATE_OUTCOMES
+from service.http.metrics import (
+    CONNECTION_CLOSE_REASONS,
+    REJECTION_REASONS,
+    UNNAMED_UPDATE_OUTCOMES,
+    UPDATE_OUTCOMES,
+    WEIGHTS_REJECTION_REASONS,
+)
 from tests.e2e.helpers import AUTH
 from tests.live_metrics import SERVED, documented, exercise, full_server, scrape
 
@@ -76,7 +82,7 @@ def test_the_series_rate_reads_are_there_before_their_first_event(server):
         for outcome in UPDATE_OUTCOMES:  # PackscoreWeightsUpdateFailed rates every outcome but ok
             assert at_start.value("packscore_weights_updates_total", model=model, outcome=outcome) == 0.0, (model, outcome)
         assert at_start.value("packscore_weights_awaited", model=model) == 0.0, model
-    for reason in ("queue_full", "deadline_exceeded", "invalid_value", "model_not_found", "internal_error"):
+    for reason in (*REJECTION_REASONS, *WEIGHTS_REJECTION_REASONS):  # the server serves POST /v1/weights
         assert at_start.value("packscore_rejections_total", reason=reason) == 0.0, reason
     for outcome in UNNAMED_UPDATE_OUTCOMES:
         assert at_start.value("packscore_weights_updates_total", model="", outcome=outcome) == 0.0, outcome
@@ -131,10 +137,6 @@ def test_no_request_adds_a_label_value(server):
     assert models == {*SERVED, ""}, models
 
 
-# Only POST /v1/weights answers these; its failures are counted per model in packscore_weights_updates_total.
-WEIGHTS_ONLY_REASONS = {"forbidden_path"}
-
-
 def test_every_reason_a_request_met_was_at_zero_from_the_start(server):
     """rate() over a series that appears with its first event misses that event: the refusals met by
     the requests of these tests (a wrong path or method included) had their series from the start."""
@@ -144,7 +146,7 @@ def test_every_reason_a_request_met_was_at_zero_from_the_start(server):
            if s.name == "packscore_rejections_total" and s.value > 0}
     there = {s.labels["reason"] for f in at_start.families() for s in f.samples if s.name == "packscore_rejections_total"}
     assert {"not_found", "method_not_allowed", "model_not_found"} <= met, met  # the round met them
-    assert not met - there - WEIGHTS_ONLY_REASONS, f"no series at start for {sorted(met - there - WEIGHTS_ONLY_REASONS)}"
+    assert not met - there, f"no series at start for {sorted(met - there)}"
 
 
 def test_every_weight_update_outcome_met_was_at_zero_from_the_start(server):

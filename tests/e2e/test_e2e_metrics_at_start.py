@@ -1,7 +1,8 @@
 """Series a real server exports at 0 before their first event (``rate()`` and ``increase()`` miss the
 first event of a series that appears with it): a model's scoring series from when it is loaded, not
 from its warm-up; every weight-update outcome; and the connections the HTTP protocol layer closes
-itself (service/http/protocol.py), counted by reason."""
+itself (service/http/protocol.py), counted by reason; every reason of a rejection, those only
+POST /v1/weights answers where it is served."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ import time
 import httpx
 import orjson
 
-from service.http.metrics import CONNECTION_CLOSE_REASONS, UNNAMED_UPDATE_OUTCOMES, UPDATE_OUTCOMES
+import pytest
+
+from service.http.metrics import (
+    CONNECTION_CLOSE_REASONS,
+    REJECTION_REASONS,
+    UNNAMED_UPDATE_OUTCOMES,
+    UPDATE_OUTCOMES,
+    WEIGHTS_REJECTION_REASONS,
+)
 from service.local_server import LocalServer
 from tests.e2e.helpers import fake_server, read_until_closed
 from tests.live_metrics import Scrape
@@ -72,6 +81,26 @@ def test_a_model_awaiting_weights_has_its_scoring_and_update_series_at_zero(tmp_
     absent += [f'model="" {o}' for o in UNNAMED_UPDATE_OUTCOMES
                if at_start.value("packscore_weights_updates_total", model="", outcome=o) != 0.0]
     assert not absent, f"weight-update outcomes not at 0 from the start: {absent}"
+
+
+@pytest.mark.parametrize("weights_root", [False, True], ids=["scoring-only", "weights-root"])
+def test_every_rejection_reason_the_server_can_answer_is_at_zero_from_the_start(tmp_path, weights_root):
+    """tests/unit/test_metrics_rejection_series.py checks that the two lists hold every reason the code
+    answers; here a real server's /metrics has each at 0, the weights route's only where it is served."""
+    (tmp_path / "root").mkdir()
+    args = ("--weights-root", str(tmp_path / "root")) if weights_root else ()
+    server = fake_server(tmp_path, *args).wait_ready()
+    try:
+        at_start = _scrape(server)
+    finally:
+        server.stop()
+    expected = (*REJECTION_REASONS, *WEIGHTS_REJECTION_REASONS) if weights_root else REJECTION_REASONS
+    values = {r: at_start.value("packscore_rejections_total", reason=r) for r in expected}
+    wrong = {r: v for r, v in values.items() if v != 0.0}
+    assert not wrong, f"not at 0 from the start (None: absent): {wrong}"
+    exported = {s.labels["reason"] for f in at_start.families() for s in f.samples
+                if s.name == "packscore_rejections_total"}
+    assert exported == set(expected), sorted(exported ^ set(expected))
 
 
 def test_the_protocol_layers_own_answers_are_counted_by_reason(tmp_path):
