@@ -98,9 +98,9 @@ def _text_model_type(model_type: str) -> str | None:
 
 
 def context_length(config: dict, default_positions: int = 0, path: Path | None = None) -> int:
-    """Longest sequence the config's positions allow: ``max_position_embeddings`` (``default_positions``
-    where the config has none), or with yarn rope scaling ``factor * original_max_position_embeddings``
-    when that is larger. A field that bounds nothing (0, negative, not a number) is refused
+    """Longest sequence the config's positions allow: ``max_position_embeddings`` of the language
+    model's config (``default_positions`` where it has none, whatever a multimodal top level says), or
+    with yarn rope scaling ``factor * original_max_position_embeddings`` when that is larger. A field that bounds nothing (0, negative, not a number) is refused
     (``incompatible``, naming it and its value), never read as its default or as no bound at all;
     a ``max_position_embeddings`` of 0 or less only where yarn's two fields bound the context. So
     is a rope scaling ``factor`` that is no number above 0 (``SCALED_ROPE``)."""
@@ -109,9 +109,7 @@ def context_length(config: dict, default_positions: int = 0, path: Path | None =
     prefix = "text_config." if text is not config else ""
     if "max_position_embeddings" in text:
         base, base_field = text["max_position_embeddings"], prefix + "max_position_embeddings"
-    elif "max_position_embeddings" in config:
-        base, base_field = config["max_position_embeddings"], "max_position_embeddings"
-    else:
+    else:  # transformers builds the language model from text_config alone: a multimodal top level's bounds nothing
         base, base_field = default_positions, None
     if base_field is not None and not _is_int(base):
         raise CheckpointError("incompatible", f"{where}config.json {base_field} is {_shown(base)}; it must be a "
@@ -169,8 +167,8 @@ def _shown(value) -> str:
 
 
 def config_default_positions(config: dict) -> int:
-    """The ``max_position_embeddings`` transformers gives a config.json without one (the model is built with it)."""
-    if "max_position_embeddings" in text_config(config) or "max_position_embeddings" in config:
+    """The ``max_position_embeddings`` transformers gives a language model config without one (the model is built with it)."""
+    if "max_position_embeddings" in text_config(config):
         return 0
     return int(getattr(hf_config(config).get_text_config(), "max_position_embeddings", 0) or 0)
 

@@ -336,6 +336,28 @@ def test_a_config_without_max_position_embeddings_has_its_config_classs_context(
     assert spec.max_model_len == Qwen3_5TextConfig().max_position_embeddings, spec.max_model_len
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5_vl", "qwen3_5_moe_vl"])
+@pytest.mark.parametrize("top", [1024, 1_000_000], ids=["top-smaller", "top-larger"])
+def test_a_multimodal_text_config_without_max_position_embeddings_has_its_text_config_classs_context(tmp_path, kind, top):
+    """transformers builds the language model from text_config alone, with its class's default where the
+    field is left out: a top-level max_position_embeddings bounds nothing it builds, so neither here."""
+    from transformers import AutoConfig
+
+    from tests.checkpoints import build_hf_model
+
+    build_hf_model(kind).save_pretrained(tmp_path / "saved")
+
+    def strip(c):
+        return {**c, "max_position_embeddings": top,
+                "text_config": {k: v for k, v in c["text_config"].items() if k != "max_position_embeddings"}}
+
+    path = rewrite_checkpoint(tmp_path / "saved", tmp_path / "ck", edit_config=strip)
+    built = AutoConfig.from_pretrained(path).text_config.max_position_embeddings
+    assert built != top, (built, top)  # the case this test is about
+    spec = check_checkpoint(path)
+    assert spec.max_model_len == built, f"max_model_len {spec.max_model_len}, transformers builds {built} positions"
+
+
 def test_yarn_checkpoint_serves_the_longer_context(tmp_path, checkpoint_dir):
     def yarn(config):
         rope = {**config["rope_parameters"], "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
