@@ -161,9 +161,10 @@ class WeightsRecord:
 
     @classmethod
     def open(cls, file: Path, root: Path, sources: Mapping[str | None, str]) -> "WeightsRecord":
-        """Reads FILE (absent: no entry yet), checks that its directory takes a new file and that
-        ``FILE.lock`` opens, so that the first update cannot fail late, and tries the lock once: a
-        filesystem that locks nothing is said now, and temporary files of writers gone are removed."""
+        """Reads FILE (absent: no entry yet), checks that its directory takes a new file, that a new
+        file may replace FILE (a sticky directory's) and that ``FILE.lock`` opens, so that the first
+        update cannot fail late, and tries the lock once: a filesystem that locks nothing is said
+        now, and temporary files of writers gone are removed."""
         file = Path(file)
         where = f"--weights-record {str(file)!r}"
         if not file.parent.is_dir():
@@ -179,6 +180,9 @@ class WeightsRecord:
                 os.unlink(probe)
             except OSError as exc:
                 raise RecordError(f"{where}: its directory cannot take a new file: {exc.strerror or exc}") from None
+            refused = _replacement_refused(file)
+            if refused is not None:
+                raise RecordError(f"{where}: {refused}")
             try:
                 fd = os.open(record.lock_file, os.O_RDWR | os.O_CREAT, 0o666)
             except OSError as exc:  # another user's lock file, say: every write would go unlocked
@@ -352,6 +356,33 @@ def _lock_exclusively(fd: int, wait_s: float) -> None:
         if time.monotonic() >= deadline:
             raise TimeoutError(errno.ETIMEDOUT, "held by another writer")
         time.sleep(0.02)
+
+
+def _replacement_refused(file: Path) -> str | None:
+    """Why renaming a new file over FILE would fail where a new file is taken: a sticky directory
+    (mode 1777, like /tmp) lets only FILE's owner, the directory's or a process with CAP_FOWNER
+    replace it. None where nothing says so."""
+    try:
+        own, directory = os.lstat(file), os.stat(file.parent)
+    except OSError:  # no FILE yet: the first write makes it this server's
+        return None
+    me = os.geteuid()
+    if not directory.st_mode & stat.S_ISVTX or me in (own.st_uid, directory.st_uid) or _may_replace_any_file():
+        return None
+    return (f"its directory {str(file.parent)!r} is sticky (mode {stat.S_IMODE(directory.st_mode):o}) and the record "
+            f"is another user's (uid {own.st_uid}): only its owner may rename over it, so every write by this server "
+            f"(uid {me}) would fail; run every server sharing the record as one user, chown it to uid {me}, or record in a "
+            "directory without the sticky bit")
+
+
+def _may_replace_any_file() -> bool:
+    """Whether this process holds CAP_FOWNER, which the sticky bit does not bind (root's, usually)."""
+    try:
+        with open("/proc/self/status") as f:
+            caps = next(line.split()[1] for line in f if line.startswith("CapEff:"))
+        return bool(int(caps, 16) >> 3 & 1)  # CAP_FOWNER is capability 3
+    except (OSError, StopIteration, ValueError, IndexError):
+        return os.geteuid() == 0
 
 
 def write_atomically(file: Path, data: bytes) -> None:

@@ -173,6 +173,44 @@ def test_the_cli_refuses_a_record_it_could_not_write_or_lock_in_one_line_before_
     assert line.startswith("packscore: error: --weights-record ") and "Traceback" not in done.stderr, line
 
 
+@pytest.mark.parametrize("owner", ["another-user", "its-own"])
+def test_the_cli_refuses_a_record_another_user_owns_in_a_sticky_directory_in_one_line(tmp_path, owner):
+    """A sticky directory (mode 1777, like /tmp) lets only a file's owner (or the directory's) rename
+    over it: with FILE another user's, every write would fail while a new file is still taken. Refused
+    as nobody in one line naming FILE and the reason; FILE of that user itself passes the record's checks
+    (the next refusal is the --model that does not exist)."""
+    if os.geteuid() != 0:
+        pytest.skip("a record of another user needs root to make it")
+    as_user = unprivileged()
+    shared = Path(tempfile.mkdtemp())  # tmp_path's parents admit only their owner
+    try:
+        shared.chmod(0o755)
+        root, state = make_weights_root(shared), shared / "state"
+        for path in (shared / "root", *(shared / "root").rglob("*")):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        state.mkdir()
+        state.chmod(0o1777)
+        file = state / "record.json"
+        file.write_text('{"format": 1, "models": {}}')
+        file.chmod(0o644)  # readable by every user: only its replacement is refused
+        if owner == "its-own":
+            os.chown(file, 65534, 65534)
+        argv = [*as_user, sys.executable, "-m", "service.cli", "serve", "--weights-root", str(root),
+                "--weights-record", str(file), "--model", str(shared / "no-such-model")]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PACKSCORE_")}
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "service" / "client"), env.get("PYTHONPATH", "")])
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
+    finally:
+        shutil.rmtree(shared)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    (line,) = done.stderr.strip().splitlines()
+    if owner == "its-own":
+        assert "--weights-record" not in line and "no-such-model" in line, line
+        return
+    assert line.startswith(f"packscore: error: --weights-record '{file}'"), line
+    assert "sticky (mode 1777)" in line and "another user's (uid 0)" in line and "every write" in line, line
+
+
 def test_an_entry_requested_in_this_hosts_future_is_kept_with_a_warning_about_the_clocks(tmp_path, caplog):
     """A server whose clock runs ahead records the future: later updates of others are not recorded
     until their clocks pass it. That is said as a WARNING naming the clocks, not an INFO line."""
