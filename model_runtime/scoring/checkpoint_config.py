@@ -100,7 +100,7 @@ def _text_model_type(model_type: str) -> str | None:
 def context_length(config: dict, default_positions: int = 0, path: Path | None = None) -> int:
     """Longest sequence the config's positions allow: ``max_position_embeddings`` of the language
     model's config (``default_positions`` where it has none, whatever a multimodal top level says), or
-    with yarn rope scaling ``factor * original_max_position_embeddings`` when that is larger. A field that bounds nothing (0, negative, not a number) is refused
+    with its yarn rope scaling ``factor * original_max_position_embeddings`` when that is larger. A field that bounds nothing (0, negative, not a number) is refused
     (``incompatible``, naming it and its value), never read as its default or as no bound at all;
     a ``max_position_embeddings`` of 0 or less only where yarn's two fields bound the context. So
     is a rope scaling ``factor`` that is no number above 0 (``SCALED_ROPE``)."""
@@ -115,10 +115,9 @@ def context_length(config: dict, default_positions: int = 0, path: Path | None =
         raise CheckpointError("incompatible", f"{where}config.json {base_field} is {_shown(base)}; it must be a "
                               "positive integer, the longest sequence the model's positions allow")
     rope, rope_field = {}, ""
-    holders = ((text, "rope_scaling", prefix), (text, "rope_parameters", prefix), (config, "rope_scaling", ""))
-    for holder, field, name in holders:
-        if holder.get(field):
-            rope, rope_field = holder[field], name + field
+    for field in ("rope_scaling", "rope_parameters"):  # a multimodal top level's scales nothing transformers builds
+        if text.get(field):
+            rope, rope_field = text[field], prefix + field
             break
     rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
     if rope_type in SCALED_ROPE:

@@ -358,6 +358,28 @@ def test_a_multimodal_text_config_without_max_position_embeddings_has_its_text_c
     assert spec.max_model_len == built, f"max_model_len {spec.max_model_len}, transformers builds {built} positions"
 
 
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 0}, {"rope_type": "linear", "factor": 4.0}],
+                         ids=["factor-0", "factor-4"])
+def test_a_multimodal_top_levels_rope_scaling_scales_nothing(tmp_path, rope):
+    """transformers builds the language model's rope from text_config alone: a top-level rope_scaling
+    neither lengthens the context nor, when its factor is 0, refuses a model that builds."""
+    from transformers import AutoConfig
+
+    from tests.checkpoints import build_hf_model
+
+    build_hf_model("qwen3_5_vl").save_pretrained(tmp_path / "saved")
+
+    def edit(c):  # the text config's own rope left to its class's default
+        return {**c, "rope_scaling": rope,
+                "text_config": {k: v for k, v in c["text_config"].items() if k not in ("rope_parameters", "rope_scaling")}}
+
+    path = rewrite_checkpoint(tmp_path / "saved", tmp_path / "ck", edit_config=edit)
+    built = AutoConfig.from_pretrained(path).text_config
+    assert built.rope_parameters["rope_type"] == "default", built.rope_parameters  # the case this test is about
+    spec = check_checkpoint(path)
+    assert spec.max_model_len == built.max_position_embeddings, (spec.max_model_len, built.max_position_embeddings)
+
+
 def test_yarn_checkpoint_serves_the_longer_context(tmp_path, checkpoint_dir):
     def yarn(config):
         rope = {**config["rope_parameters"], "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
