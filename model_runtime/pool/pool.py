@@ -30,7 +30,7 @@ what its group's measured rate says, at least 60 s; ``worker_timeout_s`` before 
 every in-flight row with ``BackendUnavailableError``; ``is_alive()`` turns False, the whole
 world is killed and started again in the background, and ``is_alive()`` returns to True once a
 scoring pass through the new world has succeeded. A worker lost while the start's world forms has
-that world formed again, a few times at most; an error a worker reports while loading fails the start. Starting, watching and restarting worlds is
+that world formed again after a short pause, a few times at most; an error a worker reports while loading fails the start. Starting, watching and restarting worlds is
 ``model_runtime.pool.supervisor``.
 """
 
@@ -125,6 +125,7 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
         self._starting: WorkerWorld | None = None  # a world whose workers are loading (close() kills them)
         self._alive = False
         self._closing = False
+        self._closed = threading.Event()  # set with _closing: ends a pause of the start at once
         self._restarts = 0
         self._generation = 0
         self.restart_error: str | None = None  # why the last restart failed, while the pool is down
@@ -202,6 +203,7 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
 
     def close(self) -> None:
         self._closing = True
+        self._closed.set()
         self._alive = False
         self._steps.put(None)
         with self._lock:

@@ -8,7 +8,7 @@ bound into a failure of the whole world: its rows fail with ``BackendUnavailable
 restart loop starts worlds (after checking the loaded checkpoint is unchanged) until one has
 scored a warm-up pass. ``Supervisor`` is a part of ``pool.WorkerPool``: it uses the pool's
 ``dims``, ``_start_fields``, ``_generation``, ``_world``, ``_starting``, ``_pending``,
-``_loaded``, ``_alive``, ``_closing``, ``_restarting``, ``_restarts``, ``restart_error``,
+``_loaded``, ``_alive``, ``_closing``, ``_closed``, ``_restarting``, ``_restarts``, ``restart_error``,
 ``prefix_rounding``, ``_seconds_per_cost``, ``start_timeout_s``, ``_lock`` and ``warm_up``.
 """
 
@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 # A world formed again after a worker was lost while the start's world formed; lost every time fails the start.
 FIRST_WORLD_ATTEMPTS = 3
+# Pause before forming it again, doubled each time: a checkpoint that kills every worker (the
+# host's memory) is not loaded back to back while what the lost one held is still being freed.
+FIRST_WORLD_PAUSE_S = 2.0
 
 
 class WorkerLost(BackendUnavailableError):
@@ -102,9 +105,10 @@ class Supervisor:
     def _start_first_world(self) -> list[msg.Hello]:
         """The start's world, formed again when a worker was lost while it formed (a signal, the OOM
         killer: nothing says the next one fails too) or its port was taken (``PortTaken``),
-        ``FIRST_WORLD_ATTEMPTS`` times at most, so that a checkpoint that kills every worker still
-        fails the start; an error a worker reported (a checkpoint refused, a layout the model cannot
-        take) fails it at once."""
+        ``FIRST_WORLD_ATTEMPTS`` times at most, ``FIRST_WORLD_PAUSE_S`` apart (doubling), so that a
+        checkpoint that kills every worker still fails the start; an error a worker reported (a
+        checkpoint refused, a layout the model cannot take) fails it at once. ``close()`` during a
+        pause ends the start at once."""
         for attempt in range(1, FIRST_WORLD_ATTEMPTS + 1):
             if attempt > 1:
                 self._check_checkpoint_unchanged()  # the version hashed at start names what the new world loads
@@ -116,8 +120,11 @@ class Supervisor:
                 if attempt == FIRST_WORLD_ATTEMPTS:
                     raise WorkerLost(f"the worker pool did not start: a worker was lost at each of {attempt} "
                                      f"attempts, the last: {error}") from None
-                log.warning("worker pool generation %d not formed: %s; forming it again (attempt %d of %d)",
-                            self._generation, error, attempt + 1, FIRST_WORLD_ATTEMPTS)
+                pause = FIRST_WORLD_PAUSE_S * 2 ** (attempt - 1)
+                log.warning("worker pool generation %d not formed: %s; forming it again in %gs (attempt %d of %d)",
+                            self._generation, error, pause, attempt + 1, FIRST_WORLD_ATTEMPTS)
+                if self._closed.wait(pause):
+                    raise BackendUnavailableError("the worker pool was closed while starting") from None
         raise AssertionError("FIRST_WORLD_ATTEMPTS must be at least 1")
 
     def _start_world(self) -> list[msg.Hello]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model_runtime.pool import procs
+from model_runtime.pool import procs, supervisor
 from model_runtime.pool.pool import start_pool
 from model_runtime.pool.ports import free_port
 from model_runtime.pool.procs import WorkerWorld
@@ -190,6 +190,7 @@ def _running(procs) -> list[int]:
 def test_a_worker_lost_while_the_first_world_forms_is_replaced(local, monkeypatch, caplog):
     """A rank killed before the start's world is up no longer fails the start: the world is formed
     again (its peer, waiting for it in the rendezvous, goes too) and scores as one process."""
+    monkeypatch.setattr(supervisor, "FIRST_WORLD_PAUSE_S", 0.05)
     launched = _spawn_killing(monkeypatch, lambda i: i == 0)
     pool = start_pool({**BASE, "world_size": 2, "sp": 1, "fsdp": False})
     try:
@@ -212,6 +213,7 @@ def test_a_process_group_port_taken_before_rank_0_binds_it_has_the_world_formed_
     taken.listen()
     picks = [taken.getsockname()[1]]
     monkeypatch.setattr(procs, "free_port", lambda: picks.pop() if picks else free_port())
+    monkeypatch.setattr(supervisor, "FIRST_WORLD_PAUSE_S", 0.05)
     try:
         pool = start_pool({**BASE, "world_size": 2, "sp": 1, "fsdp": False})
     finally:
@@ -228,6 +230,7 @@ def test_a_process_group_port_taken_before_rank_0_binds_it_has_the_world_formed_
 def test_a_worker_lost_at_every_start_fails_it_after_a_few_worlds_in_one_line(monkeypatch):
     """A checkpoint that kills a worker every time (the host's memory, a crash in a kernel) must
     not retry forever: the start fails after ``FIRST_WORLD_ATTEMPTS`` worlds, naming the signal."""
+    monkeypatch.setattr(supervisor, "FIRST_WORLD_PAUSE_S", 0.05)
     launched = _spawn_killing(monkeypatch, lambda i: i % 2 == 1)
     started = time.monotonic()
     with pytest.raises(WorkerLost) as caught:
@@ -239,6 +242,56 @@ def test_a_worker_lost_at_every_start_fails_it_after_a_few_worlds_in_one_line(mo
     assert len(launched) == 2 * FIRST_WORLD_ATTEMPTS, f"{len(launched)} workers launched"
     assert took < 60, f"the start took {took:.0f}s to give up"
     assert not _running(launched), "workers outlived the failed start"
+
+
+def test_the_first_world_is_formed_again_after_a_growing_pause(monkeypatch, caplog):
+    """A checkpoint that kills every worker (the host's memory) is not loaded back to back: each
+    world after a lost one launches ``FIRST_WORLD_PAUSE_S`` (then twice that) after the loss is logged."""
+    pause = 0.4
+    monkeypatch.setattr(supervisor, "FIRST_WORLD_PAUSE_S", pause)
+    launched = _spawn_killing(monkeypatch, lambda i: i % 2 == 1)
+    spawned_at = []
+    spawn = WorkerWorld.spawn
+
+    def timed(*args, **kwargs):
+        spawned_at.append(time.time())  # the clock of log records
+        return spawn(*args, **kwargs)
+
+    monkeypatch.setattr(WorkerWorld, "spawn", staticmethod(timed))
+    with pytest.raises(WorkerLost):
+        start_pool({**BASE, "world_size": 2, "sp": 1, "fsdp": False})
+    lost = [r for r in caplog.records if "not formed" in r.getMessage()]
+    assert len(lost) == FIRST_WORLD_ATTEMPTS - 1 and len(spawned_at) == 2 * FIRST_WORLD_ATTEMPTS, [r.getMessage() for r in lost]
+    for attempt, record in enumerate(lost, start=2):
+        want = pause * 2 ** (attempt - 2)
+        gap = spawned_at[2 * (attempt - 1)] - record.created
+        assert f"forming it again in {want:g}s (attempt {attempt} of" in record.getMessage(), record.getMessage()
+        assert gap >= want - 0.02, f"world {attempt} launched {gap:.3f}s after the loss was logged; the pause is {want}s"
+    assert not _running(launched), "workers outlived the failed start"
+
+
+def test_close_during_the_pause_between_first_worlds_ends_the_start_at_once(monkeypatch, caplog):
+    """The server's exit (a SIGTERM) while the start waits to form its world again is not held by the pause."""
+    from model_runtime.pool.pool import WorkerPool
+
+    monkeypatch.setattr(supervisor, "FIRST_WORLD_PAUSE_S", 60.0)
+    launched = _spawn_killing(monkeypatch, lambda i: i == 1)
+    pool = WorkerPool({**BASE, "world_size": 2, "sp": 1, "fsdp": False})
+    outcome = []
+    starter = threading.Thread(target=lambda: outcome.append(_outcome(pool.start)))
+    starter.start()
+    deadline = time.monotonic() + 60
+    while "forming it again in 60s" not in caplog.text:
+        assert time.monotonic() < deadline and starter.is_alive(), (outcome, caplog.text)
+        time.sleep(0.01)
+    closed = time.monotonic()
+    pool.close()
+    starter.join(timeout=5)
+    took = time.monotonic() - closed
+    assert not starter.is_alive() and took < 2, f"the start ended {took:.1f}s after close(), during a 60 s pause"
+    assert isinstance(outcome[0], BackendUnavailableError) and "closed while starting" in str(outcome[0]), outcome
+    assert len(launched) == 2, "a world was formed again after close()"
+    assert not _running(launched), "workers outlived the closed start"
 
 
 def test_a_load_error_a_worker_reports_fails_the_start_at_once(checkpoint_dir, tmp_path, monkeypatch):
