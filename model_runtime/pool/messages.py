@@ -5,7 +5,8 @@ pipe (``multiprocessing.connection.Connection.send_bytes``). Arrays travel as ra
 little-endian buffers with their dtype fixed here, never as pickles: a worker decodes bytes
 into numbers and nothing else.
 
-Flow: pool -> worker ``Start`` once; worker -> pool ``Hello`` when its model is ready; then
+Flow: pool -> worker ``Start`` once; worker -> pool ``Joining`` as it enters the process group's
+rendezvous and ``Joined`` once the group is formed, then ``Hello`` when its model is ready; then
 pool -> worker ``ScoreRow`` / ``Idle`` steps, answered by the group leader's ``RowResult`` (or
 any rank's ``Failure``); pool -> worker ``Shutdown`` at the end.
 
@@ -63,6 +64,20 @@ class Start:
     updates: bool = False  # weight updates may come (--weights-root): their staging buffers are made at start
     expert_gemm: str = ""  # the experts' CUTLASS library (--expert-gemm; "": expert_gemm.library_path()'s default)
     log_level: str = "info"  # the server's --log-level: "critical", "error", "warning", "info" or "debug"
+
+
+@dataclass(frozen=True)
+class Joining:
+    """worker -> pool, as it enters the process group's rendezvous: it got this far (imports, device)."""
+
+    rank: int  # the sender's global rank
+
+
+@dataclass(frozen=True)
+class Joined:
+    """worker -> pool, once the process group is formed: what is left of its start is loading the model."""
+
+    rank: int  # the sender's global rank
 
 
 @dataclass(frozen=True)
@@ -203,7 +218,7 @@ class Shutdown:
 
 MESSAGES = {
     cls.__name__: cls
-    for cls in (Start, Hello, ScoreRow, Idle, RowResult, Failure, LoadWeights, SwapWeights, WeightsDone, Shutdown)
+    for cls in (Start, Joining, Joined, Hello, ScoreRow, Idle, RowResult, Failure, LoadWeights, SwapWeights, WeightsDone, Shutdown)
 }
 
 

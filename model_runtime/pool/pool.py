@@ -90,6 +90,8 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
         self.request_timeout_s = float(settings.get("worker_timeout_s", STALL_UNMEASURED_S))
         self.stall_floor_s = float(settings.get("worker_stall_floor_s", STALL_FLOOR_S))
         self.start_timeout_s = float(settings.get("worker_start_timeout_s", 1800.0))
+        # Launch to process group formed, before any loading: imports and CUDA's start take seconds.
+        self.join_timeout_s = float(settings.get("worker_join_timeout_s", 300.0))
         device = _device_type(settings.get("device"))
         if device == "cuda" and torch.cuda.device_count() < self.dims.world_size:
             raise ValueError(f"world_size({self.dims.world_size}) > visible GPUs({torch.cuda.device_count()})")
@@ -361,7 +363,7 @@ def start_pool(settings: dict, starting: Callable[[WorkerPool], None] | None = N
 
     ``settings`` is the service's ``Settings.model_dump()``; the keys read are model, device, dtype,
     world_size, sp, fsdp, max_batch_tokens, allow_slow_kernels, kernels (family -> backend), served_model_name (and optionally
-    expert_gemm, log_level, worker_timeout_s, worker_stall_floor_s, worker_start_timeout_s, weights_root (set: updates may come, so the workers
+    expert_gemm, log_level, worker_timeout_s, worker_stall_floor_s, worker_start_timeout_s, worker_join_timeout_s, weights_root (set: updates may come, so the workers
     make their staging buffers at start), and prefix_min_tokens: the shortest shared prefix run once,
     0 or absent for none, i.e. ``Settings.prefix_min_tokens_in_use``); other keys are ignored.
     ``starting(pool)`` is called before any worker launches: ``pool.close()`` from then on, from any

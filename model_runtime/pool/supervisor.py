@@ -9,7 +9,7 @@ restart loop starts worlds (after checking the loaded checkpoint is unchanged) u
 scored a warm-up pass. ``Supervisor`` is a part of ``pool.WorkerPool``: it uses the pool's
 ``dims``, ``_start_fields``, ``_generation``, ``_world``, ``_starting``, ``_pending``,
 ``_loaded``, ``_alive``, ``_closing``, ``_closed``, ``_restarting``, ``_restarts``, ``restart_error``,
-``prefix_rounding``, ``_seconds_per_cost``, ``start_timeout_s``, ``_lock`` and ``warm_up``.
+``prefix_rounding``, ``_seconds_per_cost``, ``start_timeout_s``, ``join_timeout_s``, ``_lock`` and ``warm_up``.
 """
 
 from __future__ import annotations
@@ -41,6 +41,11 @@ class WorkerLost(BackendUnavailableError):
     """A worker exited while its world formed without reporting an error (a signal, the OOM killer)."""
 
 
+class NotJoined(WorkerLost):
+    """A worker still running did not join its world's process group in time (stopped, or stuck in
+    its imports or in the rendezvous): no checkpoint was loaded yet, the next world may form."""
+
+
 class PortTaken(WorkerLost):
     """Rank 0 could not bind the process group's port, picked free but taken before the bind by
     another process of the host: the next world picks another."""
@@ -65,6 +70,22 @@ def _ended(world: WorkerWorld, rank: int) -> str:
     else:
         how = f"exited with status {code}"
     return f"worker rank {rank} (pid {proc.pid}) {how} while starting"
+
+
+def _not_joined(world: WorkerWorld, joining: set[int], joined: set[int], timeout_s: float) -> str:
+    """Which ranks kept the process group from forming within ``timeout_s`` of the launch, for one
+    line: those that never reached the rendezvous, else those that did not get through it."""
+    ranks = range(world.dims.world_size)
+    absent, waited = [r for r in ranks if r not in joining], sorted(joining)
+    what = "did not reach the process group's rendezvous"
+    if not absent:  # every rank reached it: name those still in it
+        absent, waited, what = [r for r in ranks if r not in joined], [], "did not get through the process group's rendezvous"
+    pids = [world.procs[r].pid for r in absent]
+    running = "still running" if all(world.procs[r].poll() is None for r in absent) else "then exited"
+    who = (f"worker rank {absent[0]} (pid {pids[0]})" if len(absent) == 1
+           else f"worker ranks {', '.join(map(str, absent))} (pids {', '.join(map(str, pids))})")
+    peers = f"; {'rank' if len(waited) == 1 else 'ranks'} {', '.join(map(str, waited))} waited there" if waited else ""
+    return f"{who} {what} within {timeout_s:g}s of the launch ({running}){peers}"
 
 
 def _start_failure(world: WorkerWorld, rank: int, reply: msg.Failure) -> Exception:
@@ -104,7 +125,8 @@ class Supervisor:
 
     def _start_first_world(self) -> list[msg.Hello]:
         """The start's world, formed again when a worker was lost while it formed (a signal, the OOM
-        killer: nothing says the next one fails too) or its port was taken (``PortTaken``),
+        killer: nothing says the next one fails too), did not join its process group in time
+        (``NotJoined``) or its port was taken (``PortTaken``),
         ``FIRST_WORLD_ATTEMPTS`` times at most, ``FIRST_WORLD_PAUSE_S`` apart (doubling), so that a
         checkpoint that kills every worker still fails the start; an error a worker reported (a
         checkpoint refused, a layout the model cannot take) fails it at once. ``close()`` during a
@@ -129,7 +151,8 @@ class Supervisor:
 
     def _start_world(self) -> list[msg.Hello]:
         """Launches a world and waits for every rank's ``Hello``. Raises ``WorkerLost`` when a worker
-        exited without reporting why, the reported error when one did."""
+        exited without reporting why (``NotJoined`` when one still running kept the process group
+        from forming within ``join_timeout_s``), the reported error when one did."""
         self._generation += 1
         world = WorkerWorld(self._generation, self.dims)
         with self._lock:
@@ -138,13 +161,18 @@ class Supervisor:
         if closing:
             world.kill()
         hellos: dict[int, msg.Hello] = {}
+        joining: set[int] = set()
+        joined: set[int] = set()
         deadline = time.monotonic() + self.start_timeout_s
         try:
             world.launch(self._start_fields)
+            # The rendezvous has its own, shorter bound: the loading after it may take the start's.
+            join_deadline = time.monotonic() + self.join_timeout_s
             while len(hellos) < self.dims.world_size:
                 if world.killed:  # by close(), maybe before every rank launched
                     raise BackendUnavailableError("the worker pool was closed while starting")
-                ready = wait(world.replies, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                until = deadline if len(joined) == self.dims.world_size else min(deadline, join_deadline)
+                ready = wait(world.replies, timeout=min(1.0, max(0.0, until - time.monotonic())))
                 for conn in ready:
                     rank = world.replies.index(conn)
                     try:
@@ -153,7 +181,14 @@ class Supervisor:
                         raise WorkerLost(_ended(world, rank)) from None
                     if isinstance(reply, msg.Failure):
                         raise _start_failure(world, rank, reply)
-                    hellos[rank] = reply
+                    if isinstance(reply, msg.Joining):
+                        joining.add(rank)
+                    elif isinstance(reply, msg.Joined):
+                        joined.add(rank)
+                    else:
+                        hellos[rank] = reply
+                if len(joined) < self.dims.world_size and time.monotonic() > join_deadline:
+                    raise NotJoined(_not_joined(world, joining, joined, self.join_timeout_s))
                 if time.monotonic() > deadline:
                     raise BackendUnavailableError(f"workers did not start within {self.start_timeout_s:.0f}s")
                 if not ready and not world.all_running():

@@ -1,10 +1,10 @@
 """One rank of the worker pool, run in its own process by ``model_runtime.pool.worker_main``.
 
 Started by ``model_runtime.pool.pool.WorkerPool`` with two inherited pipe descriptors (commands
-in, replies out). It reads a ``Start`` message, joins the process group on 127.0.0.1, loads and
-parallelizes the model, says ``Hello``, then runs the ``ScoreRow`` / ``Idle`` steps it is sent,
-in order, until ``Shutdown`` or until its command pipe closes. Only msgpack frames of
-``model_runtime.pool.messages`` are read from the pipe.
+in, replies out). It reads a ``Start`` message, joins the process group on 127.0.0.1 (saying
+``Joining`` and ``Joined`` around the rendezvous), loads and parallelizes the model, says ``Hello``,
+then runs the ``ScoreRow`` / ``Idle`` steps it is sent, in order, until ``Shutdown`` or until its
+command pipe closes. Only msgpack frames of ``model_runtime.pool.messages`` are read from the pipe.
 
 A weight update reads the new checkpoint in a background thread while steps go on
 (``LoadWeights``) and swaps it in when told (``SwapWeights``), between two steps. With FSDP a
@@ -104,7 +104,7 @@ def _fits_on_gpu(start: msg.Start, device: torch.device) -> bool:
     return fits
 
 
-def _setup(start: msg.Start):
+def _setup(start: msg.Start, replies: _Replies):
     from model_runtime.parallel.dims import ParallelDims
     from model_runtime.parallel.parallelize import parallelize
     from model_runtime.parallel.runner import ParallelScorer, cost_coefficients
@@ -120,6 +120,8 @@ def _setup(start: msg.Start):
         device, backend = torch.device("cpu"), "gloo"
     # Where a start that hangs waits (a peer that never joined), and when a rank's loading began.
     log.info("pid %d joining generation %d's process group on 127.0.0.1:%d", os.getpid(), start.generation, start.master_port)
+    # The pool bounds the rendezvous by these two, apart from the loading that follows.
+    replies.send(msg.Joining(rank=start.rank))
     dist.init_process_group(
         backend,
         init_method=f"tcp://127.0.0.1:{start.master_port}",
@@ -127,6 +129,7 @@ def _setup(start: msg.Start):
         world_size=start.world_size,
         timeout=timedelta(seconds=start.timeout_s),
     )
+    replies.send(msg.Joined(rank=start.rank))
     mesh = dims.build_mesh(device.type)
     loaded = _load(start, device)
     costs = cost_coefficients(loaded)  # before sharding: it counts whole parameters
@@ -272,7 +275,7 @@ def serve(commands: Connection, replies: _Replies) -> int:
         level=start.log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s: rank={start.rank} %(message)s", force=True
     )
     try:
-        dims, runner, hello = _setup(start)
+        dims, runner, hello = _setup(start, replies)
     except Exception as error:
         from model_runtime.scoring.checkpoint_error import CheckpointError
 

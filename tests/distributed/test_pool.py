@@ -182,6 +182,23 @@ def _spawn_killing(monkeypatch, doomed) -> list:
     return launched
 
 
+def _spawn_stopping(monkeypatch, doomed) -> list:
+    """As ``_spawn_killing``, with SIGSTOP: the ``i``-th launched runs on, but never gets as far as
+    the process group's rendezvous (its imports take seconds)."""
+    launched = []
+    spawn = WorkerWorld.spawn
+
+    def stopping(*args, **kwargs):
+        proc = spawn(*args, **kwargs)
+        if doomed(len(launched)):
+            os.kill(proc.pid, signal.SIGSTOP)
+        launched.append(proc)
+        return proc
+
+    monkeypatch.setattr(WorkerWorld, "spawn", staticmethod(stopping))
+    return launched
+
+
 def _running(procs) -> list[int]:
     return [p.pid for p in procs if Path(f"/proc/{p.pid}").exists()
             and Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
@@ -292,6 +309,46 @@ def test_close_during_the_pause_between_first_worlds_ends_the_start_at_once(monk
     assert isinstance(outcome[0], BackendUnavailableError) and "closed while starting" in str(outcome[0]), outcome
     assert len(launched) == 2, "a world was formed again after close()"
     assert not _running(launched), "workers outlived the closed start"
+
+
+def test_a_worker_that_never_joins_the_process_group_has_the_world_formed_again(local, monkeypatch, caplog):
+    """A rank alive but stopped before the rendezvous (SIGSTOP here; a hung import or device in
+    practice) is caught by the join bound, not the start's (which covers loading a checkpoint): it
+    counts as lost, the world is formed again at once, and the log names the rank."""
+    monkeypatch.setattr(supervisor, "FIRST_WORLD_PAUSE_S", 0.05)
+    launched = _spawn_stopping(monkeypatch, lambda i: i == 1)
+    started = time.monotonic()
+    # The start's bound, lowered from 1800 s only so that a start without the join bound fails here instead of hanging.
+    pool = start_pool({**BASE, "world_size": 2, "sp": 1, "fsdp": False, "worker_join_timeout_s": 3.0,
+                       "worker_start_timeout_s": 45.0})
+    took = time.monotonic() - started
+    try:
+        assert took < 45, f"the start took {took:.0f}s"
+        assert len(launched) == 4 and pool.worker_pids() == [p.pid for p in launched[2:]], pool.worker_pids()
+        want = (f"worker pool generation 1 not formed: worker rank 1 (pid {launched[1].pid}) did not reach the "
+                "process group's rendezvous within 3s of the launch (still running); rank 0 waited there")
+        assert want in caplog.text, caplog.text
+        work = rows(pool.info.vocab_size, 1, seed=7)
+        assert_same(pool.score_row(work[0]), local.score_row(work[0]), "row 0")
+        assert not _running(launched[:2]), "the first world's workers outlived it"
+    finally:
+        pool.close()
+
+
+def test_a_worker_that_never_joins_at_any_attempt_fails_the_start_naming_it(monkeypatch):
+    monkeypatch.setattr(supervisor, "FIRST_WORLD_PAUSE_S", 0.05)
+    launched = _spawn_stopping(monkeypatch, lambda i: i % 2 == 0)
+    started = time.monotonic()
+    with pytest.raises(WorkerLost) as caught:
+        start_pool({**BASE, "world_size": 2, "sp": 1, "fsdp": False, "worker_join_timeout_s": 2.0,
+                    "worker_start_timeout_s": 45.0})
+    took = time.monotonic() - started
+    message = str(caught.value)
+    assert "\n" not in message and f"lost at each of {FIRST_WORLD_ATTEMPTS} attempts" in message, message
+    assert (f"worker rank 0 (pid {launched[-2].pid}) did not reach the process group's rendezvous within 2s "
+            "of the launch (still running); rank 1 waited there") in message, message
+    assert len(launched) == 2 * FIRST_WORLD_ATTEMPTS and took < 60, f"{len(launched)} workers in {took:.0f}s"
+    assert not _running(launched), "workers outlived the failed start"
 
 
 def test_a_load_error_a_worker_reports_fails_the_start_at_once(checkpoint_dir, tmp_path, monkeypatch):

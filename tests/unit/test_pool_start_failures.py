@@ -11,7 +11,7 @@ import pytest
 from model_runtime.parallel.dims import ParallelDims
 from model_runtime.pool import messages as msg
 from model_runtime.pool.procs import WorkerWorld
-from model_runtime.pool.supervisor import WorkerLost, _start_failure
+from model_runtime.pool.supervisor import WorkerLost, _not_joined, _start_failure
 from model_runtime.scoring.backend import BackendUnavailableError
 from model_runtime.scoring.checkpoint_error import CheckpointError
 
@@ -57,3 +57,13 @@ def test_a_refused_checkpoint_fails_the_start_whatever_the_peers_did(world):
     refused = msg.Failure(request_id=-1, kind="checkpoint:non_finite", message="q_proj holds NaN", fatal=True)
     error = _start_failure(world, 0, refused)
     assert isinstance(error, CheckpointError) and error.kind == "non_finite", repr(error)
+
+
+def test_a_join_timeout_names_the_ranks_that_never_reached_the_rendezvous_else_those_stuck_in_it(world):
+    pids = world.pids
+    assert _not_joined(world, {1}, set(), 5.0) == (f"worker rank 0 (pid {pids[0]}) did not reach the process group's "
+                                                   "rendezvous within 5s of the launch (still running); rank 1 waited there")
+    assert _not_joined(world, set(), set(), 0.5) == (f"worker ranks 0, 1 (pids {pids[0]}, {pids[1]}) did not reach the "
+                                                     "process group's rendezvous within 0.5s of the launch (still running)")
+    assert _not_joined(world, {0, 1}, {0}, 5.0) == (f"worker rank 1 (pid {pids[1]}) did not get through the process group's "
+                                                    "rendezvous within 5s of the launch (still running)")
