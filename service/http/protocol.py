@@ -13,7 +13,12 @@ uvicorn bounds only the idle time between keep-alive requests. This subclass add
   in this process's buffer or the kernel's) for ``send_timeout_s`` is dropped and its
   connection reset, as nginx's ``send_timeout`` does; progress of any size restarts the clock;
 - the contract's JSON error body on the protocol errors uvicorn answers itself (a garbage
-  request line, a bad Content-Length, oversized headers), instead of plain text.
+  request line, a bad Content-Length, oversized headers), instead of plain text;
+- a lingering close (RFC 9112, 9.6): a connection closed after its answer while the request's
+  body is still arriving (a 413, or a 401 to a client that sent ``Connection: close``) first
+  half-closes, then reads and drops the rest until the client closes or the read timeout.
+  Closed at once, the unread bytes would make the kernel reset it, and a client that reads its
+  answer only once it has sent its whole body (Python's urllib) would meet that reset instead.
 
 Each answer the protocol sends itself (400, 408, 503) logs one warning naming its request id, its
 status, the peer and why, without a traceback: these answers pass no access log. Each connection it
@@ -100,6 +105,35 @@ def guarded_protocol(read_timeout_s: float, max_connections: int, send_timeout_s
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {"registry": registry})
 
 
+class _LingeringTransport:
+    """A connection's transport whose ``close()`` lingers while its request's body is still
+    arriving (the module's docstring says why); every other call goes to the transport itself."""
+
+    lingering = False
+
+    def __init__(self, transport, protocol: "GuardedH11Protocol"):
+        self._transport = transport
+        self._protocol = protocol
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        if self.lingering or not self._protocol._body_arriving():
+            self._transport.close()
+            return
+        self.lingering = True
+        if self._transport.can_write_eof():
+            self._transport.write_eof()  # the answer, then FIN: the client knows no more comes
+        self._transport.resume_reading()  # paused while the handler held its body back
+
+    def close_now(self) -> None:
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+
 class GuardedH11Protocol(H11Protocol):
     registry: _Registry  # set per server by guarded_protocol()
 
@@ -107,9 +141,11 @@ class GuardedH11Protocol(H11Protocol):
     _send_timer = None
     _send_left = 0  # bytes of answers not yet acknowledged by the client, at the last look
     _send_progress_at = 0.0
+    _shutting_down = False
+    transport: _LingeringTransport
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(_LingeringTransport(transport, self))
         if len(self.connections) > self.registry.max_connections and not self._evict_one():
             self.registry.refused += 1
             self.registry.on_closed("too_many_connections")
@@ -124,6 +160,8 @@ class GuardedH11Protocol(H11Protocol):
         self._start_reading()
 
     def data_received(self, data: bytes) -> None:
+        if self.transport.lingering:
+            return  # the rest of a body already answered: dropped, never parsed or kept
         if self._read_timer is None and not self.transport.is_closing():
             self._start_reading()  # the first bytes of the next request on a kept-alive connection
         super().data_received(data)
@@ -160,6 +198,18 @@ class GuardedH11Protocol(H11Protocol):
         self._stop_reading()
         self._stop_sending()
         super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        self._shutting_down = True  # the server exits: nothing lingers
+        if self.transport.lingering:
+            self.transport.close_now()
+        super().shutdown()
+
+    def _body_arriving(self) -> bool:
+        """Whether a close now would leave the request's body unread; a lingering close waits for it
+        within the read timeout (the timer that runs until the request has arrived)."""
+        return (self.conn.their_state is h11.SEND_BODY and self._read_timer is not None
+                and not self._shutting_down)
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -202,6 +252,9 @@ class GuardedH11Protocol(H11Protocol):
     def _read_timed_out(self) -> None:
         self._read_timer = None
         self.registry.reading.pop(self, None)
+        if self.transport.lingering:  # the rest of an answered body did not end in time
+            self.transport.close_now()
+            return
         if self.transport.is_closing():
             return
         self.registry.timed_out += 1
@@ -228,7 +281,7 @@ class GuardedH11Protocol(H11Protocol):
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.disconnected = True
             self.cycle.message_event.set()  # a handler reading the body sees the disconnect
-        self.transport.close()
+        self.transport.close_now()
         self._watch_sending()  # close() waits for the buffer to drain: a client reading none of it would hold it
 
     # ---- the send timeout -------------------------------------------------------------------
