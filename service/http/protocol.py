@@ -201,8 +201,9 @@ class GuardedH11Protocol(H11Protocol):
 
     def shutdown(self) -> None:
         self._shutting_down = True  # the server exits: nothing lingers
-        if self.transport.lingering:
+        if self.transport.lingering:  # its answer is out and h11 already saw the connection closed
             self.transport.close_now()
+            return
         super().shutdown()
 
     def _body_arriving(self) -> bool:
