@@ -61,11 +61,13 @@ async def _in_daemon_thread(fn: Callable, *args):
 
     def target():
         try:
-            result = fn(*args)
+            result, error = fn(*args), None
         except BaseException as exc:  # handed to the awaiting coroutine
-            loop.call_soon_threadsafe(_settle, future, None, exc)
-        else:
-            loop.call_soon_threadsafe(_settle, future, result, None)
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(_settle, future, result, error)
+        except RuntimeError:  # the loop closed meanwhile (the server could not listen): nobody awaits it
+            pass
 
     threading.Thread(target=target, name=_LOAD_THREAD, daemon=True).start()
     return await future

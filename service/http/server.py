@@ -146,6 +146,9 @@ def run_server(app: FastAPI, settings: Settings) -> int:
     except KeyboardInterrupt:  # SIGINT: uvicorn shut down gracefully, then re-raised it
         _exit_if_torch_work_running(service, 130)
         return 130
+    except SystemExit as stop:  # uvicorn could not listen (3): the load its startup began still runs
+        _exit_if_torch_work_running(service, stop.code if isinstance(stop.code, int) else 1)
+        raise
     if service.fatal_error:
         print(f"packscore: error: could not start: {service.fatal_error}", file=sys.stderr)
         return service.fatal_status

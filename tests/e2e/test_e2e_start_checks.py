@@ -1,11 +1,13 @@
 """What the real CLI refuses at start, before the port is bound, and what it leaves alone: each
 command reads the variables of its own options only, and a config.json whose context bounds
 nothing, whose rope scaling factor is no number above 0, or whose ``text_config`` is no object
-(or one where the model_type has none) stops ``serve`` and ``score`` with one line."""
+(or one where the model_type has none) stops ``serve`` and ``score`` with one line; a port in use
+stops ``serve`` with its own status."""
 
 from __future__ import annotations
 
 import json
+import socket
 import sys
 
 import pytest
@@ -149,3 +151,20 @@ def test_a_context_of_0_that_yarn_bounds_is_served_with_yarns_bound(checkpoint_d
     code, output, connected = run_watching_port(command, port)
     assert code == 2 and not connected, f"exit status {code} (want 2), port bound: {connected}:\n{output}"
     assert "--max-model-len 4097 exceeds the model's 4096 positions" in output, output
+
+
+def test_a_port_in_use_exits_3_at_once_though_the_load_still_runs(checkpoint_dir):
+    """uvicorn binds after the lifespan began the load in a thread: a bind that fails ends the
+    process with the documented 3, not with the interpreter finalised under that thread's torch
+    work (std::terminate, status -6) or the thread's traceback on a closed event loop."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        command = [sys.executable, "-m", "service.cli", "serve", "--model", str(checkpoint_dir("qwen3_5")),
+                   "--port", str(port)]
+        for attempt in range(3):  # where the load stands at the exit varies: each run must end the same
+            code, output, _ = run_watching_port(command, None)
+            assert code == 3, f"attempt {attempt}: exit status {code}, expected 3:\n{output[-3000:]}"
+            assert "address already in use" in output, output[-3000:]
+            assert "Traceback" not in output and "terminate called" not in output, output[-3000:]
