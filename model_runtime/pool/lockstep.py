@@ -82,9 +82,6 @@ class Lockstep:
                     break
                 batch.extend(extra)
             self._run_step(batch)
-            self._last_step_end = time.monotonic()
-            self.step_counts["steps"] += 1
-            self.step_counts["rows"] += len(batch)
         for bundle in [held] + _drain(self._steps):  # fail whatever is still queued at shutdown
             if isinstance(bundle, Swap):
                 bundle.pending.settle(error=BackendUnavailableError("the worker pool is shutting down"))
@@ -95,8 +92,7 @@ class Lockstep:
     def _run_step(self, batch: list) -> None:
         world = self._world
         if world is None or world.failed:
-            for _, ticket in batch:
-                ticket.put(BackendUnavailableError("the worker pool is restarting after a worker failure"))
+            self._step_done(batch, [BackendUnavailableError("the worker pool is restarting after a worker failure")] * len(batch))
             return
         step_cost = max((self.row_cost([s.length for s in rows]) for rows, _ in batch), default=0.0)
         with self._lock:
@@ -114,16 +110,24 @@ class Lockstep:
         except OSError as error:
             for pending in pendings:
                 pending.settle(error=BackendUnavailableError(f"cannot reach the workers: {error}"))
-        failed = False
-        for group, pending in enumerate(pendings):
+        outcomes: list = []
+        for pending in pendings:
             try:
-                outcome = self._await(pending)
+                outcomes.append(self._await(pending))
             except BaseException as error:  # delivered to the caller's thread
-                outcome, failed = error, True
-            if group < len(batch):
-                batch[group][1].put(outcome)
-        if not failed:
+                outcomes.append(error)
+        if not any(isinstance(o, BaseException) for o in outcomes):
             self._measure_rate(step_cost, time.monotonic() - started)
+        self._step_done(batch, outcomes)
+
+    def _step_done(self, batch: list, outcomes: list) -> None:
+        """Counts the step, then hands each caller its outcome: a caller that returns finds its step
+        in ``step_counts`` and its rate measured (the next row's time bound reads that rate)."""
+        self._last_step_end = time.monotonic()
+        self.step_counts["steps"] += 1
+        self.step_counts["rows"] += len(batch)
+        for (_, ticket), outcome in zip(batch, outcomes):
+            ticket.put(outcome)
 
 
 def _drain(q: queue.Queue) -> list:

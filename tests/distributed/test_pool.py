@@ -165,6 +165,26 @@ def test_a_stopped_worker_fails_its_rows_once_they_outrun_the_measured_rate(loca
         pool.close()
 
 
+def test_a_lockstep_caller_returns_with_its_step_counted_and_its_rate_measured():
+    """The stepper counts a step and folds its time into the measured rate before the callers get
+    their rows: one that returns (a benchmark reading the occupancy, the next row's time bound) sees both."""
+    pool = start_pool({**BASE, "world_size": 2, "sp": 1, "fsdp": True})
+    try:
+        measure = pool._measure_rate
+
+        def descheduled(cost: float, seconds: float) -> None:
+            time.sleep(0.5)  # the stepper thread descheduled after its step, as on a loaded machine
+            measure(cost, seconds)
+
+        pool._measure_rate = descheduled
+        before = dict(pool.step_counts)
+        pool.warm_up()
+        assert pool._seconds_per_cost is not None, "warm_up() returned before its step's rate was measured"
+        assert pool.step_counts == {"steps": before["steps"] + 1, "rows": before["rows"] + 2}, (before, pool.step_counts)
+    finally:
+        pool.close()
+
+
 def _spawn_killing(monkeypatch, doomed) -> list:
     """Workers start as usual, except that the ``i``-th launched (counting from 0) is killed by
     SIGKILL as soon as it exists, for every ``i`` where ``doomed(i)``: lost before its world is up.
