@@ -52,10 +52,11 @@ def _import_time_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if not k.startswith(_RUNTIME_PREFIXES) and k not in _RUNTIME_NAMES}
 
 
-# ---- the zygote: python -m tests.warm_start SOCKET -------------------------------------------
+# ---- the zygote: python -m tests.warm_start SOCKET SESSION_PID -------------------------------
 
-def _serve(path: str) -> dict:
-    """Forks a child per request; returns only in a child, with its request."""
+def _serve(path: str, parent: int) -> dict:
+    """Forks a child per request while ``parent`` (the session) is this process's parent; returns only
+    in a child, with its request."""
     import importlib
 
     importlib.import_module("numpy")  # its BLAS starts idle threads, which stop themselves around a fork
@@ -69,7 +70,6 @@ def _serve(path: str) -> dict:
     listener.bind(path + ".tmp")
     listener.listen(64)
     os.rename(path + ".tmp", path)  # connectable once it exists
-    parent = os.getppid()
     children: dict[int, socket.socket] = {}
     while os.getppid() == parent:
         ready, _, _ = select.select([listener], [], [], 0.05)
@@ -246,12 +246,18 @@ class WarmProcess:
         self.send_signal(signal.SIGKILL)
 
 
+def zygote_command(path: str) -> list[str]:
+    """The zygote's command line: its socket and this session's pid, named here because a session ended
+    during the zygote's imports (seconds) leaves it another parent by the time it first looks."""
+    return [sys.executable, "-m", "tests.warm_start", path, str(os.getpid())]
+
+
 class _Zygote:
     """One pre-imported process for one import-time environment."""
 
     def __init__(self, env: dict[str, str]):
         self.path = os.path.join(tempfile.mkdtemp(prefix="zygote-"), "socket")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.warm_start", self.path], cwd=_REPO_ROOT,
+        self.proc = subprocess.Popen(zygote_command(self.path), cwd=_REPO_ROOT,
                                      env=env, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 180
         while not os.path.exists(self.path):
@@ -348,4 +354,4 @@ def popen(command, *, cwd=None, env=None, stdout=None, stderr=None, pass_fds=(),
 
 
 if __name__ == "__main__":
-    _become(_serve(sys.argv[1]))
+    _become(_serve(sys.argv[1], int(sys.argv[2])))

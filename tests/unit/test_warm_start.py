@@ -149,3 +149,37 @@ def test_a_signal_to_a_child_that_ended_unheard_is_a_no_op_as_with_popen(tmp_pat
             time.sleep(0.01)
         sleeper.kill()
     assert sleeper.wait(timeout=30) == -signal.SIGKILL
+
+
+@FORKS
+def test_a_zygote_whose_session_ended_during_its_imports_exits(tmp_path):
+    """A session killed while its zygote still imports (seconds) leaves no zygote behind: the zygote
+    compares its parent with the session's pid, not with whichever parent it has once imported."""
+    path = str(tmp_path / "socket")
+    session = subprocess.run(
+        [sys.executable, "-c", "import subprocess, sys; from tests.warm_start import zygote_command; "
+         "print(subprocess.Popen(zygote_command(sys.argv[1]), stdin=subprocess.DEVNULL,"
+         " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)",
+         path],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+    zygote = int(session.stdout)
+    try:
+        deadline = time.monotonic() + 180
+        while not os.path.exists(path) and _state(zygote) not in ("gone", "Z"):
+            assert time.monotonic() < deadline, "the zygote never got past its imports"
+            time.sleep(0.05)
+        assert os.path.exists(path), "the zygote ended before its imports did"
+        deadline = time.monotonic() + 10
+        while _state(zygote) not in ("gone", "Z"):
+            assert time.monotonic() < deadline, "the zygote outlived its session"
+            time.sleep(0.05)
+    finally:
+        if _state(zygote) not in ("gone", "Z"):
+            os.kill(zygote, signal.SIGKILL)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
