@@ -1,7 +1,6 @@
 """``--weights-record`` on a shared volume: temporary files of writers killed mid-write are removed,
 and the lock is tried at start (docs/weights.md "Surviving a restart"). Real files, real processes."""
 
-import contextlib
 import errno
 import fcntl
 import json
@@ -140,12 +139,11 @@ def test_a_lock_held_by_another_writer_at_start_is_no_warning(tmp_path, caplog):
         holder.wait()
 
 
-@pytest.mark.parametrize("case", ["directory", "lock-file"])
-def test_the_cli_refuses_a_record_it_could_not_write_or_lock_in_one_line_before_anything_loads(tmp_path, case):
-    """``packscore serve`` as a process: the directory takes no new file, or FILE.lock (another user's,
-    say) cannot be opened to lock it: exit 2 with one line naming it, before the model is even looked at
-    (a --model that does not exist would be the next refusal)."""
-    as_user = unprivileged()  # as this user, or nobody where the tests run as root (root writes anywhere)
+def _serve_with_record(prepare) -> tuple[Path, subprocess.CompletedProcess]:
+    """``packscore serve`` as nobody (or this user where the tests do not run as root) with
+    ``--weights-record`` in a fresh directory ``prepare(state)`` sets up, and a --model that does not
+    exist (the refusal after the record's). Returns the record's path and the finished process."""
+    as_user = unprivileged()  # root writes anywhere: the refusals are a user's
     shared = Path(tempfile.mkdtemp())  # tmp_path's parents admit only their owner
     try:
         shared.chmod(0o755)
@@ -154,18 +152,30 @@ def test_the_cli_refuses_a_record_it_could_not_write_or_lock_in_one_line_before_
             path.chmod(0o755 if path.is_dir() else 0o644)
         state.mkdir()
         file = state / "record.json"
+        prepare(state, file)
+        argv = [*as_user, sys.executable, "-m", "service.cli", "serve", "--weights-root", str(root),
+                "--weights-record", str(file), "--model", str(shared / "no-such-model")]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PACKSCORE_")}
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "service" / "client"), env.get("PYTHONPATH", "")])
+        return file, subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
+    finally:
+        shutil.rmtree(shared)
+
+
+@pytest.mark.parametrize("case", ["directory", "lock-file"])
+def test_the_cli_refuses_a_record_it_could_not_write_or_lock_in_one_line_before_anything_loads(case):
+    """``packscore serve`` as a process: the directory takes no new file, or FILE.lock (another user's,
+    say) cannot be opened to lock it: exit 2 with one line naming it, before the model is even looked at
+    (a --model that does not exist would be the next refusal)."""
+
+    def prepare(state: Path, file: Path) -> None:
         if case == "lock-file":  # the directory takes new files; FILE.lock is another's, read-only
             state.chmod(0o777)
             Path(f"{file}.lock").touch(0o444)
         else:
             state.chmod(0o555)
-        argv = [*as_user, sys.executable, "-m", "service.cli", "serve", "--weights-root", str(root),
-                "--weights-record", str(file), "--model", str(shared / "no-such-model")]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PACKSCORE_")}
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "service" / "client"), env.get("PYTHONPATH", "")])
-        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
-    finally:
-        shutil.rmtree(shared)
+
+    file, done = _serve_with_record(prepare)
     want = "its directory cannot take a new file" if case == "directory" else \
         f"its lock file '{file}.lock' cannot be opened for writing"
     assert done.returncode == 2 and want in done.stderr, done.stderr[-3000:]
@@ -174,34 +184,22 @@ def test_the_cli_refuses_a_record_it_could_not_write_or_lock_in_one_line_before_
 
 
 @pytest.mark.parametrize("owner", ["another-user", "its-own"])
-def test_the_cli_refuses_a_record_another_user_owns_in_a_sticky_directory_in_one_line(tmp_path, owner):
+def test_the_cli_refuses_a_record_another_user_owns_in_a_sticky_directory_in_one_line(owner):
     """A sticky directory (mode 1777, like /tmp) lets only a file's owner (or the directory's) rename
     over it: with FILE another user's, every write would fail while a new file is still taken. Refused
     as nobody in one line naming FILE and the reason; FILE of that user itself passes the record's checks
     (the next refusal is the --model that does not exist)."""
     if os.geteuid() != 0:
         pytest.skip("a record of another user needs root to make it")
-    as_user = unprivileged()
-    shared = Path(tempfile.mkdtemp())  # tmp_path's parents admit only their owner
-    try:
-        shared.chmod(0o755)
-        root, state = make_weights_root(shared), shared / "state"
-        for path in (shared / "root", *(shared / "root").rglob("*")):
-            path.chmod(0o755 if path.is_dir() else 0o644)
-        state.mkdir()
+
+    def prepare(state: Path, file: Path) -> None:
         state.chmod(0o1777)
-        file = state / "record.json"
         file.write_text('{"format": 1, "models": {}}')
         file.chmod(0o644)  # readable by every user: only its replacement is refused
         if owner == "its-own":
             os.chown(file, 65534, 65534)
-        argv = [*as_user, sys.executable, "-m", "service.cli", "serve", "--weights-root", str(root),
-                "--weights-record", str(file), "--model", str(shared / "no-such-model")]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PACKSCORE_")}
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "service" / "client"), env.get("PYTHONPATH", "")])
-        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
-    finally:
-        shutil.rmtree(shared)
+
+    file, done = _serve_with_record(prepare)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     (line,) = done.stderr.strip().splitlines()
     if owner == "its-own":
