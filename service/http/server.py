@@ -67,6 +67,13 @@ class DrainingServer(uvicorn.Server):
                                             context=outside_request())
         super().handle_exit(sig, frame)
 
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets=sockets)
+        if self.force_exit and not self.lifespan.shutdown_event.is_set():
+            # uvicorn skips the app's shutdown after a second SIGINT: the loop's close would then cancel
+            # the lifespan (a logged traceback) and the service would never stop (a pool's workers).
+            await self.lifespan.shutdown()
+
     def _begin_drain(self) -> None:
         if self._drain is None:
             self._drain_deadline = time.monotonic() + self.service.settings.drain_timeout_s

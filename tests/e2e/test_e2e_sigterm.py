@@ -151,3 +151,20 @@ def _catches_sigterm(pid: int) -> bool:
         return False
     caught = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:"))
     return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
+def test_a_second_sigint_exits_130_with_the_service_stopped_and_no_traceback(tmp_path):
+    # Ctrl-C twice: uvicorn's forced exit skipped the app's shutdown, so the loop's close cancelled
+    # the lifespan (a logged traceback) and the service never stopped (a worker pool's workers).
+    for attempt in range(3):
+        server = ServerProcess(tmp_path).wait_ready()
+        try:
+            server.proc.send_signal(signal.SIGINT)
+            time.sleep(0.02)  # within the shutdown the first one began
+            server.proc.send_signal(signal.SIGINT)
+            code = server.proc.wait(timeout=60)
+        finally:
+            server.stop()
+        log = server.log()
+        assert code == 130, f"attempt {attempt}: exit status {code}, expected 130:\n{log[-3000:]}"
+        assert "Traceback" not in log and "Application shutdown complete" in log, log[-3000:]
