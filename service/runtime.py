@@ -434,8 +434,9 @@ class Service:
         except (ApiError, TimeoutError) as exc:
             if ticket is not None:
                 model.scheduler.cancel(ticket)
-            log.error("readiness pass of %s failed: %s", model.name, exc)
-            self._probe_failures[model.name] = f"failed: {exc or type(exc).__name__}"
+            why = f"no result within {_PROBE_TIMEOUT_S:g}s" if isinstance(exc, TimeoutError) else str(exc) or type(exc).__name__
+            log.error("readiness pass of %s failed: %s", model.name, why)
+            self._probe_failures[model.name] = f"failed: {why}"
             ok = False
         return ok
 

@@ -158,6 +158,7 @@ def run_server(app: FastAPI, settings: Settings) -> int:
         raise
     if service.fatal_error:
         print(f"packscore: error: could not start: {service.fatal_error}", file=sys.stderr)
+        _exit_if_torch_work_running(service, service.fatal_status)  # a first pass that timed out: its forward runs on
         return service.fatal_status
     _exit_if_torch_work_running(service, 0)
     return 0

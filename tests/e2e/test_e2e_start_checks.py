@@ -2,7 +2,7 @@
 command reads the variables of its own options only, and a config.json whose context bounds
 nothing, whose rope scaling factor is no number above 0, or whose ``text_config`` is no object
 (or one where the model_type has none) stops ``serve`` and ``score`` with one line; a port in use
-stops ``serve`` with its own status."""
+stops ``serve`` with its own status, and a first readiness pass that times out with 1."""
 
 from __future__ import annotations
 
@@ -168,3 +168,20 @@ def test_a_port_in_use_exits_3_at_once_though_the_load_still_runs(checkpoint_dir
             assert code == 3, f"attempt {attempt}: exit status {code}, expected 3:\n{output[-3000:]}"
             assert "address already in use" in output, output[-3000:]
             assert "Traceback" not in output and "terminate called" not in output, output[-3000:]
+
+
+# The real CLI with a first readiness pass whose forward (4,000 tokens) outlasts its bound.
+_SLOW_FIRST_PASS = ("import sys; import service.runtime as r; r._PROBE_TIMEOUT_S = 0.3; r._PROBE_LENGTH = 4000; "
+                    "from service.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def test_a_first_readiness_pass_that_times_out_exits_1_though_its_forward_still_runs(checkpoint_dir):
+    """The start fails while the pass's forward runs on its thread: the exit is the documented 1,
+    naming the timeout, not the interpreter finalised under that forward (std::terminate, status -6)."""
+    command = [sys.executable, "-c", _SLOW_FIRST_PASS, "serve", "--model", str(checkpoint_dir("qwen3_5")), "--port", "0"]
+    for attempt in range(3):  # where the forward stands at the exit varies: each run must end the same
+        code, output, _ = run_watching_port(command, None)
+        assert code == 1, f"attempt {attempt}: exit status {code}, expected 1:\n{output[-3000:]}"
+        error = [line for line in _errors(output) if "could not start: the first readiness pass failed:" in line]
+        assert error and error[0].endswith("failed: no result within 0.3s"), output[-3000:]
+        assert "Traceback" not in output and "terminate called" not in output, output[-3000:]
