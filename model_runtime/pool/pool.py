@@ -136,6 +136,7 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
         # reloads from that directory and must not serve other files under the version naming these.
         self._loaded: LoadedFiles | None = None
         self._restarting = False  # one restart loop at a time
+        self._restart_thread: threading.Thread | None = None  # the last restart loop (close() waits for it)
 
     def start(self) -> None:
         """Launches the first world and returns once every rank loaded the model. ``close()`` from
@@ -226,6 +227,11 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
         if world is not None:
             self._fail_pending(world.generation, "the worker pool is shutting down")
             world.stop(graceful=graceful)
+        restart = self._restart_thread
+        if restart is not None and restart is not threading.current_thread():
+            # Its world is killed: it ends in a moment. A daemon thread still writing a log line while
+            # the server's interpreter finalises aborts it ("could not acquire lock for <stderr>").
+            restart.join(timeout=5.0)
 
     # Introspection (tests, logs).
 

@@ -8,7 +8,7 @@ bound into a failure of the whole world: its rows fail with ``BackendUnavailable
 restart loop starts worlds (after checking the loaded checkpoint is unchanged) until one has
 scored a warm-up pass. ``Supervisor`` is a part of ``pool.WorkerPool``: it uses the pool's
 ``dims``, ``_start_fields``, ``_generation``, ``_world``, ``_starting``, ``_pending``,
-``_loaded``, ``_alive``, ``_closing``, ``_closed``, ``_restarting``, ``_restarts``, ``restart_error``,
+``_loaded``, ``_alive``, ``_closing``, ``_closed``, ``_restarting``, ``_restart_thread``, ``_restarts``, ``restart_error``,
 ``prefix_rounding``, ``_seconds_per_cost``, ``start_timeout_s``, ``join_timeout_s``, ``_lock`` and ``warm_up``.
 """
 
@@ -261,7 +261,9 @@ class Supervisor:
                 if world is not None:
                     self._fail_pending(world.generation, "the worker pool failed to restart")
                     world.stop(graceful=False)
-                time.sleep(delay)
+                if self._closed.wait(delay):  # close() during the backoff: no line after it returns
+                    log.info("worker pool restart abandoned: the pool is shutting down")
+                    return
                 delay = min(30.0, delay * 2)
 
     def _on_world_failure(self, world: WorkerWorld, reason: str) -> None:
@@ -277,7 +279,8 @@ class Supervisor:
         self._fail_pending(world.generation, f"a worker failed ({reason}); the pool is restarting")
         world.stop(graceful=False)
         if restart:
-            threading.Thread(target=self._restart_loop, name="pool-restart", daemon=True).start()
+            self._restart_thread = threading.Thread(target=self._restart_loop, name="pool-restart", daemon=True)
+            self._restart_thread.start()
 
     def _fail_pending(self, generation: int, reason: str) -> None:
         with self._lock:

@@ -1,5 +1,6 @@
 """The worker pool in this process (no HTTP): routing, lockstep steps and recovery from a dead worker."""
 
+import logging
 import os
 import signal
 import socket
@@ -437,3 +438,25 @@ def _gone_within(procs, seconds: float) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+def test_close_during_a_restart_returns_once_the_restart_loop_has_ended(caplog):
+    """A worker lost while serving starts a restart loop in a daemon thread; close() (the server's
+    exit) kills the world it forms and returns only once that loop has ended: a line it logged
+    while the server's interpreter finalised aborted the process ("could not acquire lock for
+    <stderr>", status -6)."""
+    caplog.set_level(logging.INFO, logger="model_runtime.pool.supervisor")
+    pool = start_pool({**BASE, "world_size": 2, "sp": 1, "fsdp": False})
+    try:
+        pool.warm_up()
+        victim = pool.worker_pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while pool._starting is None:  # the restart's world is loading
+            assert time.monotonic() < deadline, "no restart began after a worker was killed"
+            time.sleep(0.01)
+    finally:
+        pool.close()
+    restart = pool._restart_thread
+    assert restart is not None and not restart.is_alive(), "the restart loop outlived close()"
+    assert "worker pool restart abandoned" in caplog.text, caplog.text[-2000:]
