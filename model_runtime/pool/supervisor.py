@@ -245,8 +245,7 @@ class Supervisor:
                 return
             except Exception as error:
                 if self._closing:  # close() killed the world this attempt started: no failure to report
-                    log.info("worker pool restart abandoned: the pool is shutting down")
-                    return
+                    break
                 self.restart_error = f"{error} (next attempt in {delay:.0f}s)"
                 if isinstance(error, CheckpointError):
                     log.error("worker pool restart refused: %s; retrying in %.0fs", error, delay)
@@ -262,9 +261,9 @@ class Supervisor:
                     self._fail_pending(world.generation, "the worker pool failed to restart")
                     world.stop(graceful=False)
                 if self._closed.wait(delay):  # close() during the backoff: no line after it returns
-                    log.info("worker pool restart abandoned: the pool is shutting down")
-                    return
+                    break
                 delay = min(30.0, delay * 2)
+        log.info("worker pool restart abandoned: the pool is shutting down")
 
     def _on_world_failure(self, world: WorkerWorld, reason: str) -> None:
         with self._lock:

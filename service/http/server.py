@@ -150,18 +150,16 @@ def run_server(app: FastAPI, settings: Settings) -> int:
     config = uvicorn_config(app, settings)
     try:
         DrainingServer(config, service).run()
+        status = 0
     except KeyboardInterrupt:  # SIGINT: uvicorn shut down gracefully, then re-raised it
-        _exit_if_torch_work_running(service, 130)
-        return 130
+        status = 130
     except SystemExit as stop:  # uvicorn could not listen (3): the load its startup began still runs
-        _exit_if_torch_work_running(service, stop.code if isinstance(stop.code, int) else 1)
-        raise
-    if service.fatal_error:
+        status = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+    if status == 0 and service.fatal_error:
         print(f"packscore: error: could not start: {service.fatal_error}", file=sys.stderr)
-        _exit_if_torch_work_running(service, service.fatal_status)  # a first pass that timed out: its forward runs on
-        return service.fatal_status
-    _exit_if_torch_work_running(service, 0)
-    return 0
+        status = service.fatal_status  # a first pass that timed out: its forward still runs
+    _exit_if_torch_work_running(service, status)
+    return status
 
 
 def _exit_if_torch_work_running(service: Service, status: int) -> None:
