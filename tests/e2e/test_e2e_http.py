@@ -1,7 +1,8 @@
 """A real server process with the tiny model: answers equal the in-process scorer (tiny preset and a
 saved checkpoint, JSON and msgpack; a MoE checkpoint sharing a group's prompt with
-``gate_projection=tiles``) and Hugging Face's own forward (a checkpoint of each architecture),
-32 concurrent clients, auth, metrics, /v1/models."""
+``gate_projection=tiles``) and Hugging Face's own forward (a checkpoint of each architecture;
+concurrent requests of different parameters packed together), 32 concurrent clients, auth,
+metrics, /v1/models."""
 
 from __future__ import annotations
 
@@ -116,6 +117,66 @@ def test_every_member_shares_with_tiles_and_answers_as_unshared(checkpoint_dir, 
         assert saved and saved[0] == 4 * 128, f"prompt tokens not run: {saved}, expected 4 members x 128"
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_concurrent_requests_with_their_own_parameters_share_forwards_and_answer_as_alone(checkpoint_dir, tmp_path):
+    """Requests sent together, each with its own temperature, top_k, return_entropy, encoding and
+    rollout_logprobs, are packed into shared forwards; each answer is Hugging Face's float32
+    forward with that request's parameters, the same bits as the sequence sent alone, and its
+    mismatch figures are API.md's formulas of its own log-probs."""
+    path = checkpoint_dir("qwen3_5_moe")
+    # one runner: while the first request's forward runs, the others gather in the next row
+    server = ServerProcess(tmp_path, "--model", str(path), "--max-wait-ms", "200", "--max-batch-tokens", "4096")
+    try:
+        server.wait_ready()
+        rng = np.random.default_rng(17)
+        params = [(0.25, 20, True), (1.0, 0, False), (4.0, 1, True), (0.6, 5, False), (1.0, 3, True), (1.7, 0, True)]
+        bodies = []
+        for j, (temperature, top_k, entropy) in enumerate(params):
+            seqs = random_sequences(rng, 2, 512, lengths=(1, 60))
+            for s in seqs[: j % 2 + 1]:
+                s["rollout_logprobs"] = rng.normal(-6, 1, len(s["input_ids"]) - s["score_from"]).tolist()
+            bodies.append({"sequences": seqs, "temperature": temperature, "top_k": top_k, "return_entropy": entropy})
+        encodings = ["msgpack" if j % 2 else "json" for j in range(len(bodies))]
+        before = _forwards(server.url)
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(lambda b, e: post(server.url, b, encoding=e), bodies, encodings))
+        forwards = _forwards(server.url) - before
+        assert forwards < len(bodies), f"{forwards} forwards for {len(bodies)} requests: nothing was packed together"
+        reference = HuggingFaceReference(path)
+        for j, (body, encoding, answer) in enumerate(zip(bodies, encodings, answers)):
+            assert answer.status_code == 200, answer.text
+            temperature, top_k, entropy = body["temperature"], body["top_k"], body["return_entropy"]
+            together = decode(answer, top_k)
+            assert_matches(together, body["sequences"], reference, temperature=temperature, top_k=top_k,
+                           return_entropy=entropy)
+            raw = msgpack.unpackb(answer.content) if encoding == "msgpack" else answer.json()
+            for i, (s, got, result) in enumerate(zip(body["sequences"], together, raw["results"])):
+                if i == j % 2:  # one sequence a request: each sent alone waits out --max-wait-ms
+                    alone = decode(post(server.url, {**body, "sequences": [s]}), top_k)[0]
+                    assert alone.keys() == got.keys(), (alone.keys(), got.keys())
+                    for field in got.keys() - {"id"}:
+                        np.testing.assert_array_equal(got[field], alone[field],
+                                                      err_msg=f"{s['id']} {field}: packed vs alone")
+                assert ("mismatch" in result) == ("rollout_logprobs" in s), result.keys()
+                if "rollout_logprobs" in s:
+                    d = got["logprobs"].astype(np.float64) - np.asarray(s["rollout_logprobs"], np.float32)
+                    want = {"mean_abs_diff": np.abs(d).mean() if d.size else 0.0,
+                            "max_abs_diff": np.abs(d).max(initial=0.0),
+                            "k3_kl": np.mean(np.expm1(d) - d) if d.size else 0.0}
+                    assert result["mismatch"].keys() == want.keys(), result["mismatch"]
+                    for key, value in want.items():
+                        assert abs(result["mismatch"][key] - value) <= 1e-6 * max(1.0, abs(value)), \
+                            f"{s['id']} {key}: {result['mismatch'][key]} vs {value} (rel tol 1e-6)"
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def _forwards(url: str) -> float:
+    for line in httpx.get(url + "/metrics", headers=AUTH, timeout=10).text.splitlines():
+        if line.startswith("packscore_forward_seconds_count{"):
+            return float(line.split()[1])
+    raise AssertionError("no packscore_forward_seconds_count")
 
 
 def test_32_concurrent_clients_all_get_their_own_correct_answers(tiny_server, tiny_scorer):
