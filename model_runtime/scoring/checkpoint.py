@@ -32,7 +32,8 @@ from pathlib import Path
 from model_runtime.model.architectures import UnsupportedModelError, architecture_for
 from model_runtime.scoring.checkpoint_config import (config_default_positions, context_length, fp8_block_size,
                                                      model_tensors, quantization_method, read_config,
-                                                     refuse_odd_text_config, refuse_other_forward_settings)
+                                                     refuse_odd_text_config, refuse_other_forward_settings,
+                                                     refuse_top_level_rope)
 from model_runtime.scoring.checkpoint_error import CheckpointError, quoted_names
 
 IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.")  # never loaded: the vision tower, multi-token prediction
@@ -71,6 +72,7 @@ def check_checkpoint(path: Path, *, expected: dict[str, tuple[int, ...]] | None 
     except UnsupportedModelError as exc:
         raise CheckpointError("unsupported", f"{path}: {exc}") from None
     refuse_odd_text_config(path, config)
+    refuse_top_level_rope(path, config)
     context_length(config, path=path)  # its fields named before transformers' own, less direct, refusals
     quantization = quantization_method(path, config)
     files = safetensors_files(path)

@@ -3,7 +3,8 @@
 ``read_config`` reads it (a multimodal config's head tie as its top level says); ``text_config``,
 ``context_length`` and ``fp8_block_size`` read the language model's part of it, which
 ``refuse_odd_text_config`` requires to be an object where the model_type has one, and no object
-where it has none. ``hf_config`` and ``build_meta_model`` give transformers' config object and the
+where it has none; ``refuse_top_level_rope`` names a multimodal top level's rope setting that
+transformers cannot build from. ``hf_config`` and ``build_meta_model`` give transformers' config object and the
 causal LM it builds on the meta device, whose tensor names and shapes (``model_tensors``, kept per
 config) are what ``checkpoint.check_checkpoint`` matches the files against. Settings packscore's forward would not
 compute as Hugging Face's are refused (``refuse_other_forward_settings``), and so is a weight
@@ -87,6 +88,33 @@ def refuse_odd_text_config(path: Path, config: dict) -> None:
     raise CheckpointError("incompatible", f"{path}: config.json {said} a {model_type} config holds its language "
                           "model's settings there (without them transformers builds its default language model, "
                           f"not this checkpoint's; a text-only config is model_type {text_type})")
+
+
+def refuse_top_level_rope(path: Path, config: dict) -> None:
+    """Refuses (``incompatible``), in one line of its own, a multimodal config whose top-level rope
+    setting transformers cannot build from (a yarn, llama3 or longrope one, whose checks read fields
+    that top level lacks), where transformers' own words name no rope; runs after
+    ``refuse_odd_text_config``. One it builds (linear, dynamic) scales nothing and passes."""
+    model_type = config.get("model_type")
+    fields = [field for field in ("rope_scaling", "rope_parameters") if config.get(field)]
+    if not fields or _text_model_type(model_type) is None or _builds(config):
+        return
+    if not _builds({k: v for k, v in config.items() if k not in fields}):
+        return  # something else fails too: model_tensors names it in transformers' words
+    rope = config[fields[0]]
+    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    raise CheckpointError("incompatible", f"{path}: config.json has {fields[0]} ({rope_type} rope) at its top level; "
+                          f"a {model_type} checkpoint's rope settings belong in text_config, its language model's "
+                          "config, where transformers reads them (text_config.rope_parameters): move them there")
+
+
+def _builds(config: dict) -> bool:
+    """Whether transformers makes a config object of ``config`` (its checks pass)."""
+    try:
+        hf_config(config)
+    except Exception:  # transformers' checks raise KeyError, AttributeError, ValueError...
+        return False
+    return True
 
 
 def _text_model_type(model_type: str) -> str | None:

@@ -1,7 +1,8 @@
 """What the real CLI refuses at start, before the port is bound, and what it leaves alone: each
 command reads the variables of its own options only, and a config.json whose context bounds
-nothing, whose rope scaling factor is no number above 0, or whose ``text_config`` is no object
-(or one where the model_type has none) stops ``serve`` and ``score`` with one line; a port in use
+nothing, whose rope scaling factor is no number above 0, whose ``text_config`` is no object
+(or one where the model_type has none), or whose multimodal top level holds a rope setting
+transformers cannot build from stops ``serve`` and ``score`` with one line; a port in use
 stops ``serve`` with its own status, and a first readiness pass that times out with 1."""
 
 from __future__ import annotations
@@ -102,6 +103,15 @@ BAD_CONFIGS = {
     "text-linear-0": ("qwen3_5_vl", lambda c: _text(rope_parameters={**c["text_config"]["rope_parameters"],
                                                                      "rope_type": "linear", "factor": 0})(c),
                       "text_config.rope_parameters.factor is 0;"),
+    # a multimodal top level's rope that transformers cannot build from, named in our words, not its AttributeError
+    "top-level-yarn": ("qwen3_5_vl", lambda c: {**c, "rope_scaling": {"rope_type": "yarn", **YARN}},
+                       "has rope_scaling (yarn rope) at its top level; a qwen3_5 checkpoint's rope settings belong in "
+                       "text_config"),
+    "top-level-yarn-moe": ("qwen3_5_moe_vl", lambda c: {**c, "rope_scaling": {"type": "yarn", "factor": 4.0}},
+                           "has rope_scaling (yarn rope) at its top level; a qwen3_5_moe checkpoint's rope settings "
+                           "belong in text_config"),
+    "top-level-llama3": ("qwen3_5_vl", lambda c: {**c, "rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
+                         "has rope_parameters (llama3 rope) at its top level"),
     "text-config-null": ("qwen3_5_vl", lambda c: {**c, "text_config": None}, "text_config is null;"),
     "text-config-list": ("qwen3_5_vl", lambda c: {**c, "text_config": [1]}, "text_config holds [1] (a list);"),
     "text-config-string": ("qwen3_5_vl", lambda c: {**c, "text_config": "qwen"}, 'text_config holds "qwen" (a string);'),
