@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import fcntl
 import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -495,6 +497,32 @@ def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     except CheckpointError as exc:  # refused once loaded (NaN weights, the loading report): one line, as serve
         print(f"packscore: error: {exc}", file=sys.stderr)
         return 2
+    code, stopped = None, None
+    try:
+        code = _score_loaded(settings, backend, input_path, output_path, done, total, resumed)
+    except (KeyboardInterrupt, Interrupted) as exc:
+        stopped = exc
+    finally:
+        with _ctrl_c_held() as held:
+            backend.close()  # a pool's workers stop: also after a second Ctrl-C, which does not wait for their forward
+            if held and stopped is None and code == 0:  # every line was in OUT before it came
+                print(f"packscore: interrupted while closing the model; every line of {input_path} is in {output_path} "
+                      "(the same command has nothing left to score)", file=sys.stderr)
+                code = 130
+            elif stopped is not None:
+                how = "stopped at once, without the forward under way" if getattr(stopped, "abandoned", False) else "interrupted"
+                print(f"packscore: {how}; the results written to {output_path} are kept, in input order: "
+                      "the same command resumes after them", file=sys.stderr)
+                code = 130
+                if getattr(stopped, "forward_running", False):  # torch's teardown under a running forward aborts (SIGABRT)
+                    _hard_exit(130)
+    return code
+
+
+def _score_loaded(settings: Settings, backend, input_path: Path, output_path: Path, done: dict[str, Done], total: int,
+                  resumed: int) -> int:
+    """Scores into OUT with the loaded ``backend``; the exit status of a run that ends or fails. Ctrl-C
+    raises (Interrupted, or KeyboardInterrupt outside the scoring loop): the results written are kept."""
     try:
         info = backend.info
         try:
@@ -520,17 +548,24 @@ def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
         print(f"packscore: error: cannot write {output_path}: {exc.strerror}; the results written before are "
               "kept: make room, then run the same command to resume after them", file=sys.stderr)
         return 1
-    except (KeyboardInterrupt, Interrupted) as exc:
-        how = "stopped at once, without the forward under way" if getattr(exc, "abandoned", False) else "interrupted"
-        print(f"packscore: {how}; the results written to {output_path} are kept, in input order: "
-              "the same command resumes after them", file=sys.stderr)
-        if getattr(exc, "forward_running", False):  # torch's teardown under a running forward aborts (SIGABRT)
-            _hard_exit(130)
-        return 130
-    finally:
-        backend.close()
     log.info("wrote %d results to %s", written, output_path)
     return 0
+
+
+@contextlib.contextmanager
+def _ctrl_c_held() -> Iterator[list[int]]:
+    """Ctrl-C during the block is noted in the list it yields, not raised: a worker pool's close cut short
+    by one would leave its workers running until they notice this process is gone."""
+    held: list[int] = []
+    previous = signal.getsignal(signal.SIGINT)
+    if previous in (signal.SIG_IGN, None) or threading.current_thread() is not threading.main_thread():
+        yield held  # ignored (a script's `cmd &`), installed outside Python, or not this thread's to handle
+        return
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _hard_exit(status: int) -> None:

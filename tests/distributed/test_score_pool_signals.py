@@ -1,0 +1,59 @@
+"""``packscore score --device cpu --world-size 2``: Ctrl-C twice during a forward of seconds stops
+at once (exit 130, no traceback) with the worker pool closed before the process ends, not left to
+the workers' own watch of their parent."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from tests.distributed.test_serve_e2e import _worker_pids
+from tests.e2e.helpers import TINY_VOCAB
+from tests.signals import default_sigint
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_second_ctrl_c_closes_the_pool_before_exiting(tmp_path):
+    rng = np.random.default_rng(3)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    # rows of two 6000-token sequences per rank: each forward takes seconds on a CPU
+    source.write_bytes(b"".join(orjson.dumps({"id": f"r{i}", "input_ids": rng.integers(0, TINY_VOCAB, 6000).tolist()})
+                                + b"\n" for i in range(8)))
+    argv = [sys.executable, "-m", "service.cli", "score", str(source), "-o", str(out), "--device", "cpu",
+            "--world-size", "2", "--max-batch-tokens", "12000"]
+    run = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint,
+                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(run.stderr), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 180
+    while not any("worker pool generation 1 up" in line for line in lines):
+        assert run.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+        time.sleep(0.05)
+    workers = _worker_pids(run.pid)
+    time.sleep(1.0)  # the first forward under way on both ranks (the second round's, were it done)
+    run.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    sent = time.monotonic()
+    run.send_signal(signal.SIGINT)
+    code = run.wait(timeout=60)
+    took = time.monotonic() - sent
+    left = [pid for pid in workers if _running(pid)]  # at once: the workers' own watch would take a while yet
+    reader.join(timeout=10)
+    err = "".join(lines)
+    assert len(workers) == 2, (workers, err[-3000:])
+    assert code == 130 and "Traceback" not in err and "stopped at once" in err, f"exit {code}:\n{err[-3000:]}"
+    assert not left, f"workers {left} outlived packscore score:\n{err[-3000:]}"
+    assert took < 10, f"the second Ctrl-C took {took:.1f}s to stop"
