@@ -14,8 +14,9 @@ import time
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.server import HANDLED_SIGNALS
 
-from service.entrypoint import hand_sigterm_back
+from service.entrypoint import after_serving, exit_before_serving
 from service.http.protocol import default_max_connections, guarded_protocol
 from service.http.request_id import outside_request, uvicorn_log_config
 from service.runtime import Service
@@ -41,20 +42,35 @@ class DrainingServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Future | None = None
         self._drain_deadline = 0.0
+        self._exits_early = False  # SIGTERM exits at once until the loop is known (the early exit was in force)
 
     @contextlib.contextmanager
     def capture_signals(self):
-        # uvicorn restores the handlers it found at exit and re-raises a SIGTERM it caught without
-        # draining (the second): that one keeps the default's status, not the early exit's 0.
-        hand_sigterm_back()
-        with super().capture_signals():
+        # uvicorn's own, except that its handlers take over from the early exit (service.entrypoint) with no
+        # moment of the default's between them, and that the default, not the early exit, is put back at its
+        # end: a SIGTERM it recorded (a second, undrained one) is raised again under it, as uvicorn does.
+        if threading.current_thread() is not threading.main_thread():
             yield
+            return
+        self._exits_early = signal.getsignal(signal.SIGTERM) is exit_before_serving  # known before it can be needed
+        found = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in found.items():
+                signal.signal(sig, after_serving(handler))
+        for captured in reversed(self._captured_signals):
+            signal.raise_signal(captured)
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
 
     def handle_exit(self, sig, frame) -> None:
+        if sig == signal.SIGTERM and self._loop is None and self._exits_early:
+            # uvicorn's own start (its config, the lifespan's creation) comes before startup() knows the
+            # loop: nothing loads or is admitted yet, so this is still a SIGTERM before serving (exit 0)
+            exit_before_serving(sig, frame)
         if sig == signal.SIGTERM and self._loop is not None and self._drain is None and not self.should_exit:
             # Not recorded as a captured signal: a drained SIGTERM ends with status 0.
             # The handler runs in whatever task the main thread was in: the drain is no request's.

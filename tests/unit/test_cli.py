@@ -550,7 +550,7 @@ def test_a_served_model_name_beside_a_named_model_is_refused_not_dropped(capsys)
 def test_only_serve_exits_early_on_sigterm_and_gives_it_back_to_the_server():
     import signal
 
-    from service.entrypoint import _exit_before_serving, exit_on_sigterm_until_serving, hand_sigterm_back
+    from service.entrypoint import after_serving, exit_before_serving, exit_on_sigterm_until_serving
 
     before = signal.getsignal(signal.SIGTERM)
     try:
@@ -558,14 +558,12 @@ def test_only_serve_exits_early_on_sigterm_and_gives_it_back_to_the_server():
         exit_on_sigterm_until_serving(["score", "in.jsonl", "-o", "out.jsonl"])  # resumable: the default stays
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
         exit_on_sigterm_until_serving(["serve", "--port", "0"])
-        assert signal.getsignal(signal.SIGTERM) is _exit_before_serving
-        hand_sigterm_back()
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        assert signal.getsignal(signal.SIGTERM) is exit_before_serving
+        assert after_serving(exit_before_serving) is signal.SIG_DFL
         mine = lambda signum, frame: None  # noqa: E731
         signal.signal(signal.SIGTERM, mine)  # a handler of someone else's is never replaced nor taken back
         exit_on_sigterm_until_serving(["serve"])
-        hand_sigterm_back()
-        assert signal.getsignal(signal.SIGTERM) is mine
+        assert signal.getsignal(signal.SIGTERM) is mine and after_serving(mine) is mine
     finally:
         signal.signal(signal.SIGTERM, before)
 
