@@ -64,6 +64,7 @@ class Start:
     updates: bool = False  # weight updates may come (--weights-root): their staging buffers are made at start
     expert_gemm: str = ""  # the experts' CUTLASS library (--expert-gemm; "": expert_gemm.library_path()'s default)
     log_level: str = "info"  # the server's --log-level: "critical", "error", "warning", "info" or "debug"
+    master_listen_fd: int = -1  # rank 0: inherited socket the pool bound to ``master_port`` and listens on; others -1
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +20,6 @@ from pathlib import Path
 
 from model_runtime.parallel.dims import ParallelDims
 from model_runtime.pool import messages as msg
-from model_runtime.pool.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,18 @@ class WorkerWorld:
     def launch(self, start_fields: dict) -> None:
         """Starts every rank's process and sends it its ``Start``; ranks not launched before a
         ``kill()`` never are. On an error the caller stops the world (the ranks launched so far)."""
-        port = free_port()  # taken before rank 0 binds it: that world fails, the next picks anew (PortTaken)
+        # The store's port is bound here and listened on by rank 0 through the inherited socket: no
+        # other process of the host can take it between its pick and rank 0's start.
+        listener = socket.socket()
+        try:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen()
+            self._launch(start_fields, listener)
+        finally:
+            listener.close()  # rank 0 holds its own copy
+
+    def _launch(self, start_fields: dict, listener: socket.socket) -> None:
+        port = listener.getsockname()[1]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH")) if p)
         for rank in range(self.dims.world_size):
@@ -59,11 +70,12 @@ class WorkerWorld:
                 cmd_recv, cmd_send = Pipe(duplex=False)
                 rep_recv, rep_send = Pipe(duplex=False)
                 child_fds = (cmd_recv.fileno(), rep_send.fileno())
+                listen_fd = listener.fileno() if rank == 0 else -1
                 try:
                     proc = self.spawn(
                         [sys.executable, "-m", "model_runtime.pool.worker_main", "--recv-fd", str(child_fds[0]),
                          "--send-fd", str(child_fds[1]), "--parent-pid", str(os.getpid())],
-                        pass_fds=child_fds,
+                        pass_fds=child_fds + ((listen_fd,) if rank == 0 else ()),
                         env=env,
                     )
                 finally:
@@ -73,7 +85,8 @@ class WorkerWorld:
                 self.procs.append(proc)
                 self.commands.append(cmd_send)
                 self.replies.append(rep_recv)
-            start = msg.Start(rank=rank, generation=self.generation, master_port=port, **start_fields)
+            start = msg.Start(rank=rank, generation=self.generation, master_port=port, master_listen_fd=listen_fd,
+                              **start_fields)
             cmd_send.send_bytes(msg.encode(start))
 
     @property

@@ -46,15 +46,6 @@ class NotJoined(WorkerLost):
     its imports or in the rendezvous): no checkpoint was loaded yet, the next world may form."""
 
 
-class PortTaken(WorkerLost):
-    """Rank 0 could not bind the process group's port, picked free but taken before the bind by
-    another process of the host: the next world picks another."""
-
-
-def _port_taken(message: str) -> bool:
-    return "EADDRINUSE" in message or "address already in use" in message.lower()
-
-
 def _ended(world: WorkerWorld, rank: int) -> str:
     """How rank ``rank``'s process ended, for a log line: its exit status or the signal that killed it."""
     proc = world.procs[rank]
@@ -94,9 +85,6 @@ def _start_failure(world: WorkerWorld, rank: int, reply: msg.Failure) -> Excepti
         return CheckpointError(reply.kind.removeprefix("checkpoint:"), reply.message)
     if reply.kind == "invalid":  # a layout the model cannot take (heads vs sp): a configuration error
         return ValueError(f"worker rank {rank} failed to start: {reply.message}")
-    if _port_taken(reply.message):
-        return PortTaken(f"worker rank {rank} could not bind the process group's port, taken since it was "
-                         f"picked: {reply.message}")
     # A peer lost mid-start fails the others' collectives; its reply pipe closed before they noticed.
     lost = _lost_peer(world, rank)
     if lost is not None:
@@ -125,9 +113,8 @@ class Supervisor:
 
     def _start_first_world(self) -> list[msg.Hello]:
         """The start's world, formed again when a worker was lost while it formed (a signal, the OOM
-        killer: nothing says the next one fails too), did not join its process group in time
-        (``NotJoined``) or its port was taken (``PortTaken``),
-        ``FIRST_WORLD_ATTEMPTS`` times at most, ``FIRST_WORLD_PAUSE_S`` apart (doubling), so that a
+        killer: nothing says the next one fails too) or did not join its process group in time
+        (``NotJoined``), ``FIRST_WORLD_ATTEMPTS`` times at most, ``FIRST_WORLD_PAUSE_S`` apart (doubling), so that a
         checkpoint that kills every worker still fails the start; an error a worker reported (a
         checkpoint refused, a layout the model cannot take) fails it at once. ``close()`` during a
         pause ends the start at once."""

@@ -122,13 +122,11 @@ def _setup(start: msg.Start, replies: _Replies):
     log.info("pid %d joining generation %d's process group on 127.0.0.1:%d", os.getpid(), start.generation, start.master_port)
     # The pool bounds the rendezvous by these two, apart from the loading that follows.
     replies.send(msg.Joining(rank=start.rank))
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{start.master_port}",
-        rank=start.rank,
-        world_size=start.world_size,
-        timeout=timedelta(seconds=start.timeout_s),
-    )
+    timeout = timedelta(seconds=start.timeout_s)
+    # Rank 0 serves the store on the socket the pool bound: the port cannot be taken before it listens.
+    store = dist.TCPStore("127.0.0.1", start.master_port, start.world_size, is_master=start.rank == 0, timeout=timeout,
+                          master_listen_fd=start.master_listen_fd if start.rank == 0 else None)
+    dist.init_process_group(backend, store=store, rank=start.rank, world_size=start.world_size, timeout=timeout)
     replies.send(msg.Joined(rank=start.rank))
     mesh = dims.build_mesh(device.type)
     loaded = _load(start, device)

@@ -3,7 +3,6 @@
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,9 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model_runtime.pool import procs, supervisor
+from model_runtime.pool import supervisor
 from model_runtime.pool.pool import start_pool
-from model_runtime.pool.ports import free_port
 from model_runtime.pool.procs import WorkerWorld
 from model_runtime.pool.supervisor import FIRST_WORLD_ATTEMPTS, WorkerLost
 from model_runtime.scoring.backend import STALL_FACTOR, BackendUnavailableError, LocalBackend
@@ -248,28 +246,6 @@ def test_a_worker_lost_while_the_first_world_forms_is_replaced(local, monkeypatc
         for i, row in enumerate(work):
             assert_same(pool.score_row(row), local.score_row(row), f"row {i}")
         assert not _running(launched[:2]), "the first world's workers outlived it"
-    finally:
-        pool.close()
-
-
-def test_a_process_group_port_taken_before_rank_0_binds_it_has_the_world_formed_again(local, monkeypatch, caplog):
-    """The port is picked free in the server and bound later by rank 0 in its own process: one taken
-    meanwhile by another process of the host failed the start; the next world picks another."""
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    picks = [taken.getsockname()[1]]
-    monkeypatch.setattr(procs, "free_port", lambda: picks.pop() if picks else free_port())
-    monkeypatch.setattr(supervisor, "FIRST_WORLD_PAUSE_S", 0.05)
-    try:
-        pool = start_pool({**BASE, "world_size": 2, "sp": 1, "fsdp": False})
-    finally:
-        taken.close()
-    try:
-        assert "worker pool generation 1 not formed: worker rank 0 could not bind the process group's port" in caplog.text
-        work = rows(pool.info.vocab_size, 2, seed=6)
-        for i, row in enumerate(work):
-            assert_same(pool.score_row(row), local.score_row(row), f"row {i}")
     finally:
         pool.close()
 

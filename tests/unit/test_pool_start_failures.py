@@ -1,7 +1,9 @@
 """How a start's failure is read from a world's processes and pipes: a worker lost (its pipe closed
 without a report) against an error a worker reported, real processes and pipes, no model."""
 
+import errno
 import signal
+import socket
 import subprocess
 import sys
 from multiprocessing import Pipe
@@ -10,6 +12,7 @@ import pytest
 
 from model_runtime.parallel.dims import ParallelDims
 from model_runtime.pool import messages as msg
+from model_runtime.pool.pool import WorkerPool
 from model_runtime.pool.procs import WorkerWorld
 from model_runtime.pool.supervisor import WorkerLost, _not_joined, _start_failure
 from model_runtime.scoring.backend import BackendUnavailableError
@@ -67,3 +70,35 @@ def test_a_join_timeout_names_the_ranks_that_never_reached_the_rendezvous_else_t
                                                      "process group's rendezvous within 0.5s of the launch (still running)")
     assert _not_joined(world, {0, 1}, {0}, 5.0) == (f"worker rank 1 (pid {pids[1]}) did not get through the process group's "
                                                     "rendezvous within 5s of the launch (still running)")
+
+
+# A stand-in for a rank: echoes its Start onto its reply pipe, then holds what it inherited.
+_ECHO_START = ("import sys, time; from multiprocessing.connection import Connection; "
+               "Connection(int(sys.argv[2]), readable=False).send_bytes(Connection(int(sys.argv[1]), writable=False).recv_bytes()); "
+               "time.sleep(60)")
+
+
+def test_the_store_port_is_held_from_its_pick_by_a_socket_rank_0_inherits():
+    """No other process can take the process group's port before rank 0 serves the store on it:
+    the pool binds it and rank 0 inherits the listening socket, the only one left once launched."""
+    pool = WorkerPool({"world_size": 2, "device": "cpu"})
+    world = WorkerWorld(1, pool.dims)
+    # argv: python -m model_runtime.pool.worker_main --recv-fd R --send-fd S ...
+    world.spawn = lambda argv, **kw: subprocess.Popen([sys.executable, "-c", _ECHO_START, argv[4], argv[6]], **kw)
+    try:
+        world.launch(pool._start_fields)
+        starts = [msg.decode(conn.recv_bytes()) for conn in world.replies]
+        port = starts[0].master_port
+        assert starts[0].master_listen_fd >= 0 and starts[1].master_listen_fd == -1, starts
+        assert starts[1].master_port == port
+        with socket.socket() as other, pytest.raises(OSError) as taken:
+            other.bind(("127.0.0.1", port))
+        assert taken.value.errno == errno.EADDRINUSE, taken.value
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # listening already: the other ranks wait in its backlog while rank 0 imports torch
+        world.procs[0].kill()
+        world.procs[0].wait(10)
+        with socket.socket() as other:
+            other.bind(("127.0.0.1", port))  # only rank 0 held it
+    finally:
+        world.stop(graceful=False)
