@@ -58,7 +58,9 @@ class Start:
     allow_slow_kernels: bool  # allow reference kernels on a GPU
     kernels: dict  # pinned kernel backends, family -> backend, as Settings parsed --kernels ({}: the defaults)
     served_model_name: str  # name shown in /v1/models ("" for the model's own)
-    timeout_s: float  # collective timeout: a stuck collective raises instead of hanging
+    # The process group's timeout: its rendezvous's (past the pool's join bound, which names the rank
+    # that kept it from forming) and a stuck collective's, which then raises instead of hanging.
+    timeout_s: float
     prefix_min_tokens: int = 0  # shortest shared prefix run once (0: prefix sharing off)
     weights_version: str = ""  # version of the weights at ``model`` after an update ("": the model's own)
     updates: bool = False  # weight updates may come (--weights-root): their staging buffers are made at start

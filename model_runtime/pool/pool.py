@@ -63,6 +63,9 @@ from model_runtime.types import InvalidSequenceError, SequenceInput, SequenceSco
 
 log = logging.getLogger(__name__)
 
+# Past the join bound, torch's rendezvous bound: the launch's spread over the ranks and the pool's polling.
+RENDEZVOUS_MARGIN_S = 30.0
+
 
 def _device_type(device) -> str:
     name = str(device or "auto")
@@ -92,6 +95,9 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
         self.start_timeout_s = float(settings.get("worker_start_timeout_s", 1800.0))
         # Launch to process group formed, before any loading: imports and CUDA's start take seconds.
         self.join_timeout_s = float(settings.get("worker_join_timeout_s", 300.0))
+        # torch's own bound on the rendezvous (the store's, the process group's) ends past the join
+        # bound, whichever is set higher: the start then fails naming the rank that never came.
+        group_timeout_s = max(self.request_timeout_s, self.join_timeout_s + RENDEZVOUS_MARGIN_S)
         device = _device_type(settings.get("device"))
         if device == "cuda" and torch.cuda.device_count() < self.dims.world_size:
             raise ValueError(f"world_size({self.dims.world_size}) > visible GPUs({torch.cuda.device_count()})")
@@ -106,7 +112,7 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
             allow_slow_kernels=bool(settings.get("allow_slow_kernels", False)),
             kernels=dict(settings.get("kernels") or {}),  # family -> backend: Settings parsed --kernels
             served_model_name=str(settings.get("served_model_name") or ""),
-            timeout_s=self.request_timeout_s,
+            timeout_s=group_timeout_s,
             prefix_min_tokens=int(settings.get("prefix_min_tokens", 0)),  # 0: prefix sharing off
             weights_version="",
             updates=settings.get("weights_root") is not None,

@@ -346,6 +346,23 @@ def test_a_worker_that_never_joins_the_process_group_has_the_world_formed_again(
         pool.close()
 
 
+def test_a_join_bound_above_the_worker_timeout_still_names_the_rank_that_never_joined(monkeypatch, caplog):
+    """``worker_timeout_s`` (the rows' bound before a rate is measured) set below the join bound:
+    torch's own bound on the rendezvous must not end it first (rank 0's store giving up on its
+    clients fails the start at once, naming no absent rank); the join bound catches the rank."""
+    monkeypatch.setattr(supervisor, "FIRST_WORLD_PAUSE_S", 0.05)
+    launched = _spawn_stopping(monkeypatch, lambda i: i == 1)
+    pool = start_pool({**BASE, "world_size": 2, "sp": 1, "fsdp": False, "worker_join_timeout_s": JOIN_S,
+                       "worker_timeout_s": JOIN_S / 2, "worker_start_timeout_s": JOIN_S + 40})
+    try:
+        want = (f"worker pool generation 1 not formed: worker rank 1 (pid {launched[1].pid}) did not reach the "
+                f"process group's rendezvous within {JOIN_S:g}s of the launch (still running); rank 0 waited there")
+        assert want in caplog.text, caplog.text
+        assert pool.is_alive() and pool.worker_pids() == [p.pid for p in launched[2:]], pool.worker_pids()
+    finally:
+        pool.close()
+
+
 def test_a_worker_that_never_joins_at_any_attempt_fails_the_start_naming_it(monkeypatch):
     monkeypatch.setattr(supervisor, "FIRST_WORLD_PAUSE_S", 0.05)
     launched = _spawn_stopping(monkeypatch, lambda i: i % 2 == 0)
