@@ -143,6 +143,7 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
         self._loaded: LoadedFiles | None = None
         self._restarting = False  # one restart loop at a time
         self._restart_thread: threading.Thread | None = None  # the last restart loop (close() waits for it)
+        self._readers: list[threading.Thread] = []  # the worlds' reply readers still running (close() waits for them)
 
     def start(self) -> None:
         """Launches the first world and returns once every rank loaded the model. ``close()`` from
@@ -233,11 +234,18 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
         if world is not None:
             self._fail_pending(world.generation, "the worker pool is shutting down")
             world.stop(graceful=graceful)
+        # Their worlds are killed: they end in a moment. A daemon thread still writing a log line (a
+        # worker's failure, the restart's end) while the server's interpreter finalises aborts it
+        # ("could not acquire lock for <stderr>"). Readers first: one may be starting a restart loop.
+        deadline = time.monotonic() + 5.0
+        with self._lock:
+            readers = list(self._readers)
+        for thread in readers:
+            if thread is not threading.current_thread():
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
         restart = self._restart_thread
         if restart is not None and restart is not threading.current_thread():
-            # Its world is killed: it ends in a moment. A daemon thread still writing a log line while
-            # the server's interpreter finalises aborts it ("could not acquire lock for <stderr>").
-            restart.join(timeout=5.0)
+            restart.join(timeout=max(0.0, deadline - time.monotonic()))
 
     # Introspection (tests, logs).
 

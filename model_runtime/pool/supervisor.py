@@ -8,7 +8,7 @@ bound into a failure of the whole world: its rows fail with ``BackendUnavailable
 restart loop starts worlds (after checking the loaded checkpoint is unchanged) until one has
 scored a warm-up pass. ``Supervisor`` is a part of ``pool.WorkerPool``: it uses the pool's
 ``dims``, ``_start_fields``, ``_generation``, ``_world``, ``_starting``, ``_pending``,
-``_loaded``, ``_alive``, ``_closing``, ``_closed``, ``_restarting``, ``_restart_thread``, ``_restarts``, ``restart_error``,
+``_loaded``, ``_alive``, ``_closing``, ``_closed``, ``_readers``, ``_restarting``, ``_restart_thread``, ``_restarts``, ``restart_error``,
 ``prefix_rounding``, ``_seconds_per_cost``, ``start_timeout_s``, ``join_timeout_s``, ``_lock`` and ``warm_up``.
 """
 
@@ -191,11 +191,18 @@ class Supervisor:
         finally:
             with self._lock:
                 self._starting = None
-        threading.Thread(target=self._read_loop, args=(world,), name=f"pool-reader-{world.generation}", daemon=True).start()
+        self._watch(world)
         log.info("worker pool generation %d up: pids %s, layout %s", world.generation, world.pids, self.dims.as_info())
         ordered = [hellos[r] for r in range(self.dims.world_size)]
         self.prefix_rounding = agreed_rounding(ordered)
         return ordered
+
+    def _watch(self, world: WorkerWorld) -> None:
+        """Starts ``world``'s reader, which ``close()`` waits for."""
+        reader = threading.Thread(target=self._read_loop, args=(world,), name=f"pool-reader-{world.generation}", daemon=True)
+        with self._lock:
+            self._readers = [t for t in self._readers if t.is_alive()] + [reader]
+        reader.start()
 
     def _check_checkpoint_unchanged(self) -> None:
         """Refuses to restart from a checkpoint directory whose content is no longer what the
