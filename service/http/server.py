@@ -4,6 +4,7 @@ guard of protocol.py (read and send timeouts, connection cap, JSON protocol erro
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import os
@@ -96,9 +97,7 @@ class DrainingServer(uvicorn.Server):
             self._drain = asyncio.ensure_future(self.service.drain())
             # The drain itself ends at its timeout; this catches whatever could still hold the
             # exit after it (a handler that ignores cancellation, a non-daemon thread).
-            timer = threading.Timer(self.service.settings.drain_timeout_s + _EXIT_GRACE_S, _exit_now)
-            timer.daemon = True
-            timer.start()
+            _exit_timer(self.service.settings.drain_timeout_s + _EXIT_GRACE_S)
 
     async def on_tick(self, counter: int) -> bool:
         # Checked every 0.1 s by uvicorn's main loop: exit once drained or when startup failed.
@@ -123,6 +122,22 @@ class DrainingServer(uvicorn.Server):
             if not transport.is_closing() and cycle is not None and cycle.response_started and not cycle.response_complete:
                 return True
         return False
+
+
+def _exit_timer(seconds: float) -> threading.Timer:
+    """Exits the process ``seconds`` from now, unless the interpreter got past its wait for other
+    threads by then: from there on the timer's line, written while the interpreter finalises,
+    could abort it ("could not acquire lock for <stderr>"), and its status would replace the exit's."""
+    timer = threading.Timer(seconds, _exit_now)
+    timer.daemon = True
+    timer.start()
+    atexit.register(_disarm, timer)  # atexit runs after threading's wait for non-daemon threads
+    return timer
+
+
+def _disarm(timer: threading.Timer) -> None:
+    timer.cancel()
+    timer.join(1.0)  # one already firing exits the process within it
 
 
 def _exit_now() -> None:
