@@ -87,7 +87,10 @@ class WorkerWorld:
                 self.replies.append(rep_recv)
             start = msg.Start(rank=rank, generation=self.generation, master_port=port, master_listen_fd=listen_fd,
                               **start_fields)
-            cmd_send.send_bytes(msg.encode(start))
+            try:
+                cmd_send.send_bytes(msg.encode(start))
+            except BrokenPipeError:
+                pass  # the rank is gone already (a signal, the OOM killer): its reply pipe reads EOF, a worker lost
 
     @property
     def pids(self) -> list[int]:

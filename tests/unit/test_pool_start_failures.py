@@ -102,3 +102,19 @@ def test_the_store_port_is_held_from_its_pick_by_a_socket_rank_0_inherits():
             other.bind(("127.0.0.1", port))  # only rank 0 held it
     finally:
         world.stop(graceful=False)
+
+
+def test_a_rank_gone_before_its_start_is_sent_is_a_worker_lost(monkeypatch):
+    """Killed between its launch and its ``Start`` (the OOM killer): the world is formed again
+    like for any worker lost while starting, not failed by the broken pipe."""
+
+    def gone(argv, **kw):
+        proc = subprocess.Popen([sys.executable, "-c", "pass"], **kw)
+        proc.wait(60)
+        return proc
+
+    monkeypatch.setattr(WorkerWorld, "spawn", staticmethod(gone))
+    pool = WorkerPool({"world_size": 1, "device": "cpu"})
+    with pytest.raises(WorkerLost) as caught:
+        pool._start_world()
+    assert "worker rank 0" in str(caught.value) and "exited with status 0 while starting" in str(caught.value), caught.value
