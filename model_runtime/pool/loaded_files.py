@@ -6,6 +6,7 @@ the content hash taken at load."""
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -18,15 +19,17 @@ class LoadedFiles:
     def __init__(self, path: Path, snapshot: tuple, content: str | None):
         self.path, self.snapshot, self.content = path, snapshot, content
 
-    def hash(self) -> None:
-        """Takes the content hash, if the files are still those loaded."""
-        from model_runtime.scoring.content_hash import content_version
+    def hash(self, halt: threading.Event | None = None) -> None:
+        """Takes the content hash, if the files are still those loaded; gives up once ``halt`` is set."""
+        from model_runtime.scoring.content_hash import HashStopped, content_version
         from model_runtime.scoring.weights import files_snapshot
 
         try:
-            content = content_version(self.path)
+            content = content_version(self.path, halt=halt)
             if files_snapshot(self.path) == self.snapshot:
                 self.content = content
+        except HashStopped:
+            return  # the pool closed: no restart will check against it
         except (OSError, ValueError) as error:
             log.warning("hashing %s for restarts failed: %s", self.path, error)
 

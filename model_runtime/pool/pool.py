@@ -144,6 +144,7 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
         self._restarting = False  # one restart loop at a time
         self._restart_thread: threading.Thread | None = None  # the last restart loop (close() waits for it)
         self._readers: list[threading.Thread] = []  # the worlds' reply readers still running (close() waits for them)
+        self._hashing: threading.Thread | None = None  # the last update's hash for restarts (close() stops it)
 
     def start(self) -> None:
         """Launches the first world and returns once every rank loaded the model. ``close()`` from
@@ -234,13 +235,14 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
         if world is not None:
             self._fail_pending(world.generation, "the worker pool is shutting down")
             world.stop(graceful=graceful)
-        # Their worlds are killed: they end in a moment. A daemon thread still writing a log line (a
-        # worker's failure, the restart's end) while the server's interpreter finalises aborts it
-        # ("could not acquire lock for <stderr>"). Readers first: one may be starting a restart loop.
+        # Their worlds are killed and the hash is stopped (_closed): they end in a moment. A daemon
+        # thread still writing a log line (a worker's failure, a failed hash, the restart's end) while
+        # the server's interpreter finalises aborts it ("could not acquire lock for <stderr>").
+        # Readers before the restart loop: one may be starting it.
         deadline = time.monotonic() + 5.0
         with self._lock:
-            readers = list(self._readers)
-        for thread in readers:
+            threads = self._readers + ([self._hashing] if self._hashing is not None else [])
+        for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
         restart = self._restart_thread

@@ -5,8 +5,8 @@ checkpoint meanwhile (unless a version is named), and then has every rank swap (
 read) between the same two rows of its command stream; with FSDP the stepper sends the swap
 between two steps (``replies.Swap``). ``WeightUpdates`` is a part of ``pool.WorkerPool``: it uses
 the pool's ``info``, ``dims``, ``_world``, ``_alive``, ``_steps`` queue, ``_start_fields``,
-``_loaded``, ``_updating``, ``_lock``, ``start_timeout_s``, ``_send_all``, ``_new_pending``,
-``_await`` and ``_on_world_failure``.
+``_loaded``, ``_updating``, ``_hashing``, ``_closed``, ``_lock``, ``start_timeout_s``, ``_send_all``,
+``_new_pending``, ``_await`` and ``_on_world_failure``.
 """
 
 from __future__ import annotations
@@ -81,8 +81,15 @@ class WeightUpdates:
                 self._start_fields.update(model=str(path), weights_version=new_version, served_model_name=self.info.name)
                 self._loaded = loaded
             if loaded.content is None:
-                threading.Thread(target=loaded.hash, name="pool-content-hash", daemon=True).start()
+                self._hash_for_restarts(loaded)
             swap_ms = 1e3 * max(r.seconds for r in swapped)
             return WeightsUpdate(new_version, previous, load_s, swap_ms)
         finally:
             self._updating.release()
+
+    def _hash_for_restarts(self, loaded: LoadedFiles) -> None:
+        """Hashes the checkpoint a restart would reload, in the background; ``close()`` stops it and waits."""
+        thread = threading.Thread(target=loaded.hash, args=(self._closed,), name="pool-content-hash", daemon=True)
+        with self._lock:
+            self._hashing = thread
+        thread.start()

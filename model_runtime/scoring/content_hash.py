@@ -51,6 +51,10 @@ CONTENT_VERSION_PREFIX = "xxh3-"  # a content hash's version; service/http/weigh
 CONTENT_PIECE = 1 << 30  # a content version hashes each tensor in pieces of this many bytes
 
 
+class HashStopped(Exception):
+    """The ``stop`` event was set while the checkpoint was read: no version (its owner closed)."""
+
+
 class ReadDigests:
     """The pieces of ``content_version`` of the tensors a read goes through, by checkpoint name,
     taken from the bytes as they are read: a second read of the checkpoint is not needed."""
@@ -100,7 +104,7 @@ def finite_bits(data: np.ndarray, dtype: torch.dtype) -> bool:
 
 
 def content_version(path: Path, *, threads: int | None = None, piece: int = CONTENT_PIECE,
-                    read: ReadDigests | None = None) -> str:
+                    read: ReadDigests | None = None, halt: threading.Event | None = None) -> str:
     """``xxh3-<12 hex>`` over the checkpoint's config and every tensor: name, dtype, shape and
     bytes, in name order, so the same tensors give the same version however they are split into
     files (one file, shards, another shard size).
@@ -110,20 +114,22 @@ def content_version(path: Path, *, threads: int | None = None, piece: int = CONT
     checkpoint chooses the weights anyway), and 12 hex digits would not give it. Tensors are
     hashed in pieces of at most ``piece`` bytes side by side (xxhash releases the GIL).
     ``read``: the digests of the tensors an update read (in pieces of ``piece``), so that only the
-    others (a vision tower, ``mtp.*``) are read here.
+    others (a vision tower, ``mtp.*``) are read here. ``halt`` set meanwhile ends the read with
+    ``HashStopped``.
     """
-    version, _ = scan_tensors(path, threads=threads, piece=piece, read=read)
+    version, _ = scan_tensors(path, threads=threads, piece=piece, read=read, halt=halt)
     return version
 
 
 def scan_tensors(path: Path, *, content: bool = True, finite: Collection[str] = (), threads: int | None = None,
-                 piece: int = CONTENT_PIECE, read: ReadDigests | None = None) -> tuple[str | None, list[str]]:
+                 piece: int = CONTENT_PIECE, read: ReadDigests | None = None,
+                 halt: threading.Event | None = None) -> tuple[str | None, list[str]]:
     """One read of the tensors of checkpoint ``path`` (``threads`` at a time, at nice
     ``BACKGROUND_NICE``): ``content_version``'s value when ``content`` (every tensor hashed, but
     those in ``read``), else None; and which of the tensors ``finite`` (checkpoint names) hold
     NaN or infinity, in name order (floating-point ones; checked by their bits, from the bytes
     hashed). A checked tensor whose file ends short of it raises ``TensorFileError``; one of a
-    dtype this reader does not know too."""
+    dtype this reader does not know too. ``halt`` set meanwhile ends the read with ``HashStopped``."""
     if read is not None and read.piece != piece:
         raise ValueError(f"digests in pieces of {read.piece} bytes for a version in pieces of {piece}")
     if finite and piece % 8:
@@ -163,6 +169,8 @@ def scan_tensors(path: Path, *, content: bool = True, finite: Collection[str] = 
         with open(entries[name][2], "rb", buffering=0) as f:
             at = start
             while at < stop:
+                if halt is not None and halt.is_set():
+                    raise HashStopped(f"{path}: hash stopped")
                 want = min(stop - at, len(buffers.view))
                 n = _read_at(f.fileno(), buffers.view[:want], at)
                 if h is not None:

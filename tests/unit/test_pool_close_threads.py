@@ -7,7 +7,10 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing import Pipe
+
+import numpy as np
 
 from model_runtime.pool import messages as msg
 from model_runtime.pool.pool import WorkerPool
@@ -58,3 +61,35 @@ def test_close_waits_for_a_reader_still_writing_a_worker_s_failure():
         world.stop(graceful=False)
         for conn in (worker_end, cmd_recv):
             conn.close()
+
+
+def test_close_stops_the_hash_for_restarts_and_waits_for_it(tmp_path, monkeypatch, caplog):
+    """An update's hash of its checkpoint (for restarts) runs on a daemon thread that logs when it
+    fails, and its reading threads would hold the interpreter's exit until the whole checkpoint is read."""
+    from safetensors.numpy import save_file
+
+    from model_runtime.pool.loaded_files import LoadedFiles
+    from model_runtime.scoring import content_hash
+    from model_runtime.scoring.weights import files_snapshot
+
+    save_file({"w": np.zeros(1 << 20, dtype=np.float32)}, str(tmp_path / "model.safetensors"))
+    monkeypatch.setattr(content_hash, "READ_BUFFER", 4096)
+    read_at = content_hash._read_at
+    reads = threading.Event()
+
+    def slow_disk(fd, view, offset):  # a thousand reads of 10 ms: the hash would take 10 s
+        reads.set()
+        time.sleep(0.01)
+        return read_at(fd, view, offset)
+
+    monkeypatch.setattr(content_hash, "_read_at", slow_disk)
+    pool = WorkerPool({"world_size": 1, "device": "cpu"})
+    loaded = LoadedFiles(tmp_path, files_snapshot(tmp_path), None)
+    pool._hash_for_restarts(loaded)
+    assert reads.wait(10.0), "the hash never started reading"
+    started = time.monotonic()
+    pool.close()
+    took = time.monotonic() - started
+    assert not pool._hashing.is_alive(), f"the hash still runs {took:.1f}s after close() returned"
+    assert took < 3.0 and loaded.content is None, (took, loaded.content)
+    assert "hashing" not in caplog.text, caplog.text
