@@ -5,8 +5,8 @@
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 SIDE_NAMES = {
@@ -126,5 +126,13 @@ def write_report(results: dict, out: Path, stem: str) -> None:
     chart(results, out / f"{stem}.png")
 
 
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.report",
+                                     description="Print the markdown table of a suite's results JSON.")
+    parser.add_argument("results", type=Path, help="a suite's results JSON, such as bench/results/h200-2026-11-30.json")
+    args = parser.parse_args(argv)
+    print(markdown(json.loads(args.results.read_text())))
+
+
 if __name__ == "__main__":
-    print(markdown(json.loads(Path(sys.argv[1]).read_text())))
+    main()
