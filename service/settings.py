@@ -79,7 +79,8 @@ class Settings(BaseSettings):
     )
     weights_record: Path | None = Field(
         None, description="file where each served model's last weight update is recorded (rewritten atomically "
-        "after every update; its directory must exist and be writable); at start a model whose entry names the "
+        "after every update; its directory must exist and take a new file, FILE be this user's in a sticky "
+        "directory and FILE.lock be writable); at start a model whose entry names the "
         "same --model serves the recorded checkpoint (from --weights-root) under its version instead, and one "
         "whose recorded checkpoint cannot be served waits, not ready, for its next weight update; a record that "
         "cannot be read refuses the start; several servers may share FILE (each write merges under a lock on "
