@@ -1,0 +1,21 @@
+"""docs/deployment.md's metrics table names every family the code defines, with its type, and no
+other: read from the registry itself, whether or not a server has written a sample of it yet
+(tests/e2e/test_e2e_metrics.py checks the labels on a live server's /metrics)."""
+
+from service.http.metrics import Metrics
+from tests.live_metrics import documented
+
+_SUFFIX = {"counter": "_total", "info": "_info"}  # prometheus_client names these families without it
+
+
+def test_every_family_the_registry_defines_is_in_the_table_with_its_type():
+    defined = {family.name + _SUFFIX.get(family.type, ""): family.type for family in Metrics().registry.collect()}
+    table = documented()
+    assert len(defined) > 20, sorted(defined)  # the registry holds the process's series too
+    undocumented = sorted(set(defined) - set(table))
+    assert not undocumented, f"defined in service/http/metrics.py, not in docs/deployment.md's table: {undocumented}"
+    unknown = sorted(set(table) - set(defined))
+    assert not unknown, f"in docs/deployment.md's table, defined nowhere: {unknown}"
+    wrong = [f"{name}: documented as {table[name].kind}, defined as {kind}" for name, kind in defined.items()
+             if table[name].kind != kind]
+    assert not wrong, wrong
