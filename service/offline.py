@@ -459,7 +459,7 @@ def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
         return 2
     with lock:
         code = _score_file(settings, input_path, output_path)
-        if code == 2 and created and output_path.stat().st_size == 0:  # a refused first run leaves no empty OUT
+        if code != 0 and created and output_path.stat().st_size == 0:  # a first run that wrote nothing leaves no OUT
             output_path.unlink()
         return code
 
@@ -490,6 +490,7 @@ def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     if settings.model == "tiny":  # the default, so that a first try runs anywhere; its scores mean nothing
         log.warning("scoring with the built-in tiny preset (random weights, for trying packscore out): give --model "
                     "for the scores of a real model")
+    from model_runtime.scoring.backend import BackendUnavailableError
     from model_runtime.scoring.checkpoint_error import CheckpointError
 
     try:
@@ -497,6 +498,9 @@ def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     except CheckpointError as exc:  # refused once loaded (NaN weights, the loading report): one line, as serve
         print(f"packscore: error: {exc}", file=sys.stderr)
         return 2
+    except BackendUnavailableError as exc:  # a worker pool that did not start: its message names the rank and why
+        print(f"packscore: error: could not start: {exc}; {output_path} is as it was", file=sys.stderr)
+        return 1
     code, stopped = None, None
     try:
         code = _score_loaded(settings, backend, input_path, output_path, done, total, resumed)

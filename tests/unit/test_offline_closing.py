@@ -62,3 +62,28 @@ def test_ctrl_c_while_the_run_closes_says_what_out_holds_and_exits_130(tmp_path,
     assert said in err, err[-2000:]
     assert (tmp_path / "out.jsonl.closed").exists(), "the model's close was cut short"
     assert [orjson.loads(line)["id"] for line in out.read_bytes().splitlines()] == [r["id"] for r in rows]
+
+
+_POOL_NOT_STARTED_RUN = """
+import sys
+from service import cli
+import service.backends
+from model_runtime.scoring.backend import BackendUnavailableError
+
+def load_backend(settings):
+    raise BackendUnavailableError("worker rank 1 (pid 7) did not reach the process group's rendezvous within 300s "
+                                  "of the launch (still running); rank 0 waited there")
+
+service.backends.load_backend = load_backend
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_worker_pool_that_does_not_start_is_one_line_naming_the_rank_and_exit_1(tmp_path):
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(orjson.dumps({"id": "r0", "input_ids": [1, 2, 3]}) + b"\n")
+    run = subprocess.run([sys.executable, "-c", _POOL_NOT_STARTED_RUN, "score", str(source), "--log-level", "warning",
+                          "-o", str(out)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, f"exit {run.returncode}:\n{run.stderr[-2000:]}"
+    assert f"packscore: error: could not start: worker rank 1 (pid 7) did not reach" in run.stderr, run.stderr[-2000:]
+    assert not out.exists()
