@@ -442,10 +442,14 @@ class Service:
 
     # ---- draining and shutdown -----------------------------------------------------------------
 
-    def begin_drain(self) -> None:
-        """SIGTERM: readiness turns 503 and new requests get 503; admitted ones finish."""
+    def begin_drain(self, *, abandoning: bool = False) -> None:
+        """SIGTERM: readiness turns 503 and new requests get 503; admitted ones finish (``abandoning``:
+        they are answered 503 next, which the log line says instead)."""
         if self.phase != "draining":
-            log.info("draining: finishing admitted requests within %.0fs", self.settings.drain_timeout_s)
+            if abandoning:
+                log.info("stopping without a drain: admitted requests still pending are answered 503")
+            else:
+                log.info("draining: finishing admitted requests within %.0fs", self.settings.drain_timeout_s)
             self.phase = "draining"
             for waiter in list(self._drain_waiters):
                 waiter.get_loop().call_soon_threadsafe(_set_done, waiter)
@@ -481,7 +485,7 @@ class Service:
 
     async def abandon(self) -> None:
         """Stopping without a drain: every admitted request still pending is answered 503 now."""
-        self.begin_drain()
+        self.begin_drain(abandoning=True)
         for model in self._scheduled():
             await model.scheduler.close("the server is stopping without a drain")
 
