@@ -54,7 +54,9 @@ class DrainingServer(uvicorn.Server):
             yield
             return
         self._exits_early = signal.getsignal(signal.SIGTERM) is exit_before_serving  # known before it can be needed
-        found = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+        # A SIGINT ignored when started stays ignored (a script's `packscore serve &`, nohup), as `score` keeps it.
+        handled = [sig for sig in HANDLED_SIGNALS if not (sig == signal.SIGINT and signal.getsignal(sig) is signal.SIG_IGN)]
+        found = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
         try:
             yield
         finally:

@@ -223,3 +223,24 @@ def test_a_second_sigint_exits_130_with_the_service_stopped_and_no_traceback(tmp
         assert "Traceback" not in log and "Application shutdown complete" in log, log[-3000:]
         # SIGINT drains nothing: the log says so instead of promising the drain timeout
         assert "stopping without a drain" in log and "draining: finishing" not in log, log[-3000:]
+
+
+class _SigintIgnored(ServerProcess):
+    """Started as a script's `packscore serve &` starts it: SIGINT ignored, which the server inherits."""
+
+    def spawn(self, command, **options):
+        return ServerProcess.spawn(command, **options, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+
+
+def test_a_sigint_ignored_at_start_stays_ignored_and_sigterm_still_drains(tmp_path):
+    server = _SigintIgnored(tmp_path).wait_ready()
+    try:
+        server.proc.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        assert server.proc.poll() is None, f"stopped by an ignored SIGINT:\n{server.log()[-3000:]}"
+        assert httpx.get(f"{server.url}/readyz", timeout=10).status_code == 200
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(timeout=60)
+    finally:
+        server.stop()
+    assert code == 0, f"exit status {code}:\n{server.log()[-3000:]}"
