@@ -7,10 +7,15 @@ scorer beside itself. Imports httpx only (no torch).
     >>> server.url
     'http://127.0.0.1:...'
     >>> server.stop()
+
+or ``with LocalServer([...]) as server:``, which stops it at the block's end. A server still running
+when this interpreter exits (an exception nobody caught) is stopped then; one never ready within
+``wait_ready``'s timeout is stopped before it raises.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -57,6 +62,13 @@ class LocalServer:
         self._log = self.log_path.open("wb") if self.log_path is not None else None
         output = {"stdout": self._log, "stderr": subprocess.STDOUT} if self._log else {}
         self.proc = self.spawn(command, cwd=_REPO_ROOT, env=full_env, **output)
+        atexit.register(self.stop)  # a caller that dies of an exception leaves no server behind
+
+    def __enter__(self) -> "LocalServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def log(self) -> str:
         """The last 5,000 characters the server wrote (empty without a log file)."""
@@ -74,10 +86,13 @@ class LocalServer:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()}")
+        log = self.log()
+        self.stop(timeout=10.0)  # the caller gives up on it: no server left running unseen
+        raise TimeoutError(f"server not ready after {timeout}s (stopped):\n{log}")
 
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM (the server drains), then a kill after ``timeout``; returns the exit status."""
+        atexit.unregister(self.stop)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

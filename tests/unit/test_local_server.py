@@ -1,0 +1,68 @@
+"""``LocalServer`` leaves no server running behind its caller: one still up when the caller's
+interpreter exits (an exception nobody caught) is stopped then, a ``with`` block stops it at its
+end, and one never ready within ``wait_ready``'s timeout is stopped before it raises."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+_CALLER = """
+import sys
+from service.local_server import LocalServer
+
+how = sys.argv[1]
+if how == "exception":
+    server = LocalServer(["--model", "tiny", "--device", "cpu"])
+    print(server.proc.pid, flush=True)
+    raise RuntimeError("the trainer failed")
+if how == "with":
+    with LocalServer(["--model", "tiny", "--device", "cpu"]) as server:
+        print(server.proc.pid, flush=True)
+    print("left", server.proc.returncode is not None, flush=True)
+if how == "timeout":
+    server = LocalServer(["--model", "tiny", "--device", "cpu"])
+    print(server.proc.pid, flush=True)
+    try:
+        server.wait_ready(timeout=0.5)
+    except TimeoutError as exc:
+        print("raised", server.proc.returncode is not None, flush=True)
+"""
+
+
+def _gone(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _run(how: str) -> tuple[int, list[str], str]:
+    run = subprocess.run([sys.executable, "-c", _CALLER, how], capture_output=True, text=True, timeout=180, cwd=REPO,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = run.stdout.split()
+    return int(lines[0]), lines[1:], f"exit {run.returncode}\n{run.stdout}\n{run.stderr[-3000:]}"
+
+
+def test_a_caller_dying_of_an_exception_leaves_no_server():
+    pid, _, said = _run("exception")
+    assert "the trainer failed" in said and _gone(pid, 5), f"server {pid} still running after its caller:\n{said}"
+
+
+def test_a_with_block_stops_its_server():
+    pid, rest, said = _run("with")
+    assert rest == ["left", "True"] and _gone(pid, 5), said
+
+
+def test_a_server_never_ready_in_time_is_stopped_before_wait_ready_raises():
+    pid, rest, said = _run("timeout")
+    assert rest == ["raised", "True"] and _gone(pid, 5), said
