@@ -108,9 +108,12 @@ class DrainingServer(uvicorn.Server):
         if self.service.drained:
             await super().on_tick(counter)  # the Date header uvicorn refreshes here: answers still go out meanwhile
             # An answer still being written to a slow reader is part of finishing what was admitted:
-            # the exit (uvicorn then waits 1 s at most) would cut it off mid-body. A second SIGTERM
-            # or a SIGINT (should_exit) stops without a drain, this wait included.
-            return self.should_exit or not (self._sending() and time.monotonic() < self._drain_deadline)
+            # the exit (uvicorn then waits 1 s at most) would cut it off mid-body. So is a lingering close
+            # (the drain's 503 to a body still arriving): cut off, the kernel resets it and a client still
+            # sending meets the reset, not the 503. A second SIGTERM or a SIGINT (should_exit) stops
+            # without a drain, these waits included.
+            waiting = self._sending() or self._lingering()
+            return self.should_exit or not (waiting and time.monotonic() < self._drain_deadline)
         return await super().on_tick(counter)
 
     def _sending(self) -> bool:
@@ -124,6 +127,10 @@ class DrainingServer(uvicorn.Server):
             if not transport.is_closing() and cycle is not None and cycle.response_started and not cycle.response_complete:
                 return True
         return False
+
+    def _lingering(self) -> bool:
+        """Whether any connection still reads and drops the rest of a body it answered (protocol.py)."""
+        return any(getattr(getattr(c, "transport", None), "lingering", False) for c in self.server_state.connections)
 
 
 def _exit_timer(seconds: float) -> threading.Timer:

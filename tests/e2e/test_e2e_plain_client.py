@@ -5,8 +5,10 @@ before the body has arrived (413, 401, 400) must still reach it."""
 from __future__ import annotations
 
 import http.client
-import socket
 import json
+import signal
+import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -100,3 +102,59 @@ def test_a_lingering_close_ends_at_the_read_timeout_when_the_body_never_ends(tmp
         server.stop()
     assert data.startswith(b"HTTP/1.1 401 ") and data.count(b"HTTP/1.1 ") == 1, data[:300]
     assert closed_after < 1 + 5, f"still open {closed_after:.1f} s after the answer"
+
+
+def test_the_drains_503_reaches_a_client_still_sending_its_body(tmp_path):
+    """API.md: a 503 while draining carries Connection: close. Given to a body still arriving at
+    SIGTERM, it must reach http.client, which reads only once its body is sent: the exit cut the
+    lingering close off, the kernel reset the connection and the client met a broken pipe. Once
+    the client has its answer and closes, the server exits without waiting out the drain timeout."""
+    drain_timeout_s, mib = 20, 24
+    server = fake_server(tmp_path, "--drain-timeout-s", str(drain_timeout_s), "--max-request-bytes", str(64 << 20)).wait_ready()
+    signalled = []
+
+    def body():
+        for i in range(mib):
+            if i == 2:  # the headers and a part of the body have arrived
+                server.proc.send_signal(signal.SIGTERM)
+                signalled.append(time.monotonic())
+            yield b"1" * (1 << 20)
+            time.sleep(0.02)  # a client uploading at about 50 MiB/s
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        conn.request("POST", "/score", body=body(), headers={**JSON_H, "Content-Length": str(mib << 20)})
+        answer = conn.getresponse()
+        status, connection, error = answer.status, answer.getheader("connection"), json.loads(answer.read())["error"]
+    except (ConnectionError, http.client.HTTPException) as exc:
+        raise AssertionError(f"http.client met {exc!r} instead of the drain's 503") from None
+    finally:
+        conn.close()
+        code = server.proc.wait(timeout=drain_timeout_s + 10)
+        exited_after = time.monotonic() - signalled[0]
+        server.stop()
+    assert status == 503 and error["type"] == "draining" and connection == "close", (status, connection, error)
+    assert code == 0, server.log()
+    assert exited_after < drain_timeout_s / 2, f"exited {exited_after:.1f} s after SIGTERM: waited out the drain timeout"
+
+
+def test_a_lingering_client_holds_the_exit_no_longer_than_the_drain_timeout(tmp_path):
+    """The drain waits for a lingering close, but a client that never closes holds the exit only until
+    --drain-timeout-s (its read timeout here is longer), and the exit is still the drain's 0."""
+    drain_timeout_s = 2
+    server = fake_server(tmp_path, "--drain-timeout-s", str(drain_timeout_s), "--request-read-timeout-s", "60",
+                         "--max-request-bytes", str(LIMIT)).wait_ready()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000000\r\n\r\n" + b"1" * 1000)
+            assert sock.recv(12) == b"HTTP/1.1 413"
+            signalled = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            code = server.proc.wait(timeout=drain_timeout_s + 10)
+            exited_after = time.monotonic() - signalled
+    finally:
+        server.stop()
+    assert code == 0, server.log()
+    # uvicorn's own shutdown and the interpreter's exit come after the drain's end
+    assert exited_after < drain_timeout_s + 3, f"exited {exited_after:.1f} s after SIGTERM"
