@@ -253,7 +253,9 @@ class GuardedH11Protocol(H11Protocol):
     def _read_timed_out(self) -> None:
         self._read_timer = None
         self.registry.reading.pop(self, None)
-        if self.transport.lingering:  # the rest of an answered body did not end in time
+        if self.transport.lingering:  # the rest of an answered body did not arrive in time: counted as any slow body
+            self.registry.timed_out += 1
+            self.registry.on_closed("request_timeout")
             self.transport.close_now()
             return
         if self.transport.is_closing():
