@@ -110,7 +110,8 @@ def test_the_drains_503_reaches_a_client_still_sending_its_body(tmp_path):
     lingering close off, the kernel reset the connection and the client met a broken pipe. Once
     the client has its answer and closes, the server exits without waiting out the drain timeout."""
     drain_timeout_s, mib = 20, 24
-    server = fake_server(tmp_path, "--drain-timeout-s", str(drain_timeout_s), "--max-request-bytes", str(64 << 20)).wait_ready()
+    server = fake_server(tmp_path, "--drain-timeout-s", str(drain_timeout_s),
+                         "--max-request-bytes", str(64 << 20)).wait_ready()
     signalled = []
 
     def body():
@@ -135,7 +136,7 @@ def test_the_drains_503_reaches_a_client_still_sending_its_body(tmp_path):
         server.stop()
     assert status == 503 and error["type"] == "draining" and connection == "close", (status, connection, error)
     assert code == 0, server.log()
-    assert exited_after < drain_timeout_s / 2, f"exited {exited_after:.1f} s after SIGTERM: waited out the drain timeout"
+    assert exited_after < drain_timeout_s / 2, f"exited {exited_after:.1f} s after SIGTERM: waited for the drain timeout"
 
 
 def test_a_lingering_client_holds_the_exit_no_longer_than_the_drain_timeout(tmp_path):
