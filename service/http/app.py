@@ -169,7 +169,7 @@ class _Gate:
             await send(message)
 
         try:
-            refusal = self._refusal(scope, path)
+            refusal = self._refusal(scope, path) or self._body_refusal(scope, path)
             if refusal is not None:
                 await error_response(refusal, metrics)(scope, receive, send_observed)
             else:
@@ -214,6 +214,19 @@ class _Gate:
         if self.service.phase == "draining" and path not in _SERVED_WHILE_DRAINING:
             return draining_error()
         return None
+
+    def _body_refusal(self, scope: Scope, path: str) -> ApiError | None:
+        """413 for a declared body past --max-request-bytes on a route that reads none: kept alive, its
+        answer left the body to be parsed and dropped until the read timeout. Routes that read a body
+        give their own 413 (/score's names the limits to split under)."""
+        weights_on = self.service.settings.weights_root is not None
+        reads_body = scope.get("method") == "POST" and (path in SCORE_ROUTES or (path == WEIGHTS_ROUTE and weights_on))
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        limit = self.service.settings.request_bytes
+        if reads_body or not declared.isdigit() or int(declared) <= limit:
+            return None
+        return ApiError(413, "body_too_large", f"The body exceeds {limit} bytes (max_request_bytes); "
+                        f"{scope.get('method')} {path} takes no body.", headers=_CLOSE)
 
     def _admin_refusal(self, scope: Scope) -> ApiError | None:
         """With --admin-key, POST /v1/weights takes that key only: the scoring key gets 403."""
