@@ -19,6 +19,8 @@ uvicorn bounds only the idle time between keep-alive requests. This subclass add
   half-closes, then reads and drops the rest until the client closes or the read timeout.
   Closed at once, the unread bytes would make the kernel reset it, and a client that reads its
   answer only once it has sent its whole body (Python's urllib) would meet that reset instead.
+  A body past ``max_body_bytes`` still arriving after an answer that kept the connection (a GET
+  route reads none, a 401) is closed the same way, not parsed by h11 to its end for a next request.
 
 Each answer the protocol sends itself (400, 408, 503) logs one warning naming its request id, its
 status, the peer and why, without a traceback: these answers pass no access log. Each connection it
@@ -80,8 +82,10 @@ class _Registry:
     """One server's guard: its limits and counts, and its connections whose request is still arriving."""
 
     def __init__(self, read_timeout_s: float, max_connections: int, send_timeout_s: float,
-                 on_send_timeout: Callable[[], None] | None, on_closed: Callable[[str], None] | None):
+                 on_send_timeout: Callable[[], None] | None, on_closed: Callable[[str], None] | None,
+                 max_body_bytes: int | None = None):
         self.read_timeout_s = read_timeout_s
+        self.max_body_bytes = max_body_bytes
         self.max_connections = max_connections
         self.send_timeout_s = send_timeout_s
         # How often a stalled answer is looked at: it is dropped at most a quarter (1 s) past the timeout.
@@ -97,11 +101,13 @@ class _Registry:
 
 def guarded_protocol(read_timeout_s: float, max_connections: int, send_timeout_s: float = 60.0,
                      on_send_timeout: Callable[[], None] | None = None,
-                     on_closed: Callable[[str], None] | None = None) -> type[H11Protocol]:
+                     on_closed: Callable[[str], None] | None = None,
+                     max_body_bytes: int | None = None) -> type[H11Protocol]:
     """The protocol class for one server (uvicorn.Config(http=...)); ``on_send_timeout`` counts a
     connection closed by the send timeout, ``on_closed(reason)`` one closed by the cap, a protocol
-    error or the read timeout (reason: too_many_connections, evicted, malformed_request, request_timeout)."""
-    registry = _Registry(read_timeout_s, max_connections, send_timeout_s, on_send_timeout, on_closed)
+    error or the read timeout (reason: too_many_connections, evicted, malformed_request, request_timeout);
+    ``max_body_bytes`` (--max-request-bytes): past it, the rest of an answered body is not parsed."""
+    registry = _Registry(read_timeout_s, max_connections, send_timeout_s, on_send_timeout, on_closed, max_body_bytes)
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {"registry": registry})
 
 
@@ -142,6 +148,7 @@ class GuardedH11Protocol(H11Protocol):
     _send_left = 0  # bytes of answers not yet acknowledged by the client, at the last look
     _send_progress_at = 0.0
     _shutting_down = False
+    _unread = 0  # bytes of the request's body that came after its answer
     transport: _LingeringTransport
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -162,9 +169,15 @@ class GuardedH11Protocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         if self.transport.lingering:
             return  # the rest of a body already answered: dropped, never parsed or kept
+        answered = self._answered_body_arriving()
         if self._read_timer is None and not self.transport.is_closing():
             self._start_reading()  # the first bytes of the next request on a kept-alive connection
         super().data_received(data)
+        if answered and self._answered_body_arriving():  # all of it was body: a chunked one shows its size only so
+            self._unread += len(data)
+            if self.registry.max_body_bytes is not None and self._unread > self.registry.max_body_bytes:
+                self._linger_after_answer()
+                return
         if self.conn.their_state in _DONE_STATES:
             self._stop_reading()
         elif self._between_requests():
@@ -187,6 +200,9 @@ class GuardedH11Protocol(H11Protocol):
         outside_request().run(self._after_response)
 
     def _after_response(self) -> None:
+        self._unread = 0
+        if self._answered_body_arriving() and self._declared_past_limit():
+            self._linger_after_answer()
         super().on_response_complete()
         # A pipelined request that came in behind this one is read only now (h11 held its bytes, and
         # data_received saw the connection done): time it from here, as one arriving now would be.
@@ -211,6 +227,22 @@ class GuardedH11Protocol(H11Protocol):
         within the read timeout (the timer that runs until the request has arrived)."""
         return (self.conn.their_state is h11.SEND_BODY and self._read_timer is not None
                 and not self._shutting_down)
+
+    def _answered_body_arriving(self) -> bool:
+        """Whether the answer is out, the connection kept, and the request's body still arriving."""
+        return (self.conn.our_state is h11.DONE and self._body_arriving() and not self.transport.is_closing())
+
+    def _declared_past_limit(self) -> bool:
+        limit, cycle = self.registry.max_body_bytes, self.cycle
+        declared = dict(cycle.scope["headers"]).get(b"content-length", b"") if cycle is not None else b""
+        return limit is not None and declared.isdigit() and int(declared) > limit
+
+    def _linger_after_answer(self) -> None:
+        """Closes a kept connection whose answered body runs past the limit: no next request can come
+        before that body's end, and h11 would parse it all; the lingering close only drops it."""
+        self._unset_keepalive_if_required()
+        self.conn.send(h11.ConnectionClosed())
+        self.transport.close()
 
     def pause_writing(self) -> None:
         super().pause_writing()

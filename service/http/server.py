@@ -171,7 +171,8 @@ def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
         port=settings.port,
         http=guarded_protocol(settings.request_read_timeout_s, max_connections, settings.send_timeout_s,
                               metrics.send_timeouts.inc,
-                              lambda reason: metrics.connections_closed.labels(reason=reason).inc()),
+                              lambda reason: metrics.connections_closed.labels(reason=reason).inc(),
+                              settings.request_bytes),
         # A proxy or client reusing a connection the server closes at that moment gets no answer
         # (a proxy's 502): idle connections outlive the proxies' own idle timeouts.
         timeout_keep_alive=settings.keep_alive_timeout_s,

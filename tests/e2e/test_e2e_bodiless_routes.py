@@ -88,6 +88,26 @@ def test_a_declared_body_past_the_limit_on_a_route_reading_none_gets_413_and_a_l
     assert _count(server, "packscore_rejections_total", 'reason="body_too_large"') == rejected + 1
 
 
+def test_an_early_answer_before_a_body_past_the_limit_closes_through_the_lingering_close(server):
+    """No key on /metrics: the 401 comes first, as on /score, and the connection is then not kept."""
+    with _send(server, b"GET /metrics HTTP/1.1\r\n") as sock:
+        status, _, _ = _answer(sock)
+        closed = _closed_within(sock, FIN_WITHIN_S)
+    assert status == 401 and closed, (status, closed)
+
+
+def test_a_chunked_body_running_past_the_limit_after_its_answer_is_not_kept_alive(server):
+    """Its length shows only as it comes: /healthz answers 200, and once more than the limit has
+    come after that answer the connection closes the same way."""
+    chunk = b"%x\r\n%s\r\n" % (1000, b"x" * 1000)
+    with _send(server, b"GET /healthz HTTP/1.1\r\nTransfer-Encoding: chunked\r\n", chunk) as sock:
+        status, _, _ = _answer(sock)
+        assert not _closed_within(sock, 0.2)  # under the limit so far: kept
+        sock.sendall(chunk * (LIMIT // 1000 + 1))
+        closed = _closed_within(sock, FIN_WITHIN_S)
+    assert status == 200 and closed, (status, closed)
+
+
 def test_healthz_with_a_small_body_answers_200_and_keeps_its_connection(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         for body in (b"", b"{}", b"x" * LIMIT):
