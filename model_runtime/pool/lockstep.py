@@ -3,7 +3,7 @@
 With FSDP every rank takes part in every layer's all-gather, so the groups must run their rows in
 step. One thread alone sends steps, so every rank sees them, and their collectives, in one order;
 a weight swap is sent between two steps (``replies.Swap``). ``Lockstep`` is a part of
-``pool.WorkerPool``: it uses the pool's ``dims``, ``_steps`` queue, ``_world``, ``_closing``,
+``pool.WorkerPool``: it uses the pool's ``dims``, ``_steps`` queue, ``_world``, ``_closed``,
 ``_rows_done``, ``_last_step_end``, ``step_counts``, ``_lock``, ``row_cost``, ``_row_timeout_s``,
 ``_measure_rate``, ``_send_all``, ``_new_pending`` and ``_await``.
 """
@@ -49,7 +49,7 @@ class Lockstep:
         sees them, and their collectives, in one order.
         """
         held = None  # a bundle that did not fit the previous step
-        while not self._closing:
+        while not self._closed.is_set():
             bundle = held if held is not None else self._steps.get()
             held = None
             if bundle is None:

@@ -132,8 +132,7 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
         self._world: WorkerWorld | None = None
         self._starting: WorkerWorld | None = None  # a world whose workers are loading (close() kills them)
         self._alive = False
-        self._closing = False
-        self._closed = threading.Event()  # set with _closing: ends a pause of the start at once
+        self._closed = threading.Event()  # set by close(): a wait on it (a pause, a backoff) ends at once
         self._restarts = 0
         self._generation = 0
         self.restart_error: str | None = None  # why the last restart failed, while the pool is down
@@ -213,7 +212,6 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
         return self._alive and world is not None and not world.failed and world.all_running()
 
     def close(self) -> None:
-        self._closing = True
         self._closed.set()
         self._alive = False
         self._steps.put(None)

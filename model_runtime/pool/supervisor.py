@@ -8,8 +8,9 @@ bound into a failure of the whole world: its rows fail with ``BackendUnavailable
 restart loop starts worlds (after checking the loaded checkpoint is unchanged) until one has
 scored a warm-up pass. ``Supervisor`` is a part of ``pool.WorkerPool``: it uses the pool's
 ``dims``, ``_start_fields``, ``_generation``, ``_world``, ``_starting``, ``_pending``,
-``_loaded``, ``_alive``, ``_closing``, ``_closed``, ``_readers``, ``_restarting``, ``_restart_thread``, ``_restarts``, ``restart_error``,
-``prefix_rounding``, ``_seconds_per_cost``, ``start_timeout_s``, ``join_timeout_s``, ``_lock`` and ``warm_up``.
+``_loaded``, ``_alive``, ``_closed``, ``_readers``, ``_restarting``, ``_restart_thread``,
+``_restarts``, ``restart_error``, ``prefix_rounding``, ``_seconds_per_cost``, ``start_timeout_s``,
+``join_timeout_s``, ``_lock`` and ``warm_up``.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ class Supervisor:
             try:
                 return self._start_world()
             except WorkerLost as error:
-                if self._closing:
+                if self._closed.is_set():
                     raise BackendUnavailableError("the worker pool was closed while starting") from None
                 if attempt == FIRST_WORLD_ATTEMPTS:
                     raise WorkerLost(f"the worker pool did not start: a worker was lost at each of {attempt} "
@@ -144,7 +145,7 @@ class Supervisor:
         world = WorkerWorld(self._generation, self.dims)
         with self._lock:
             self._starting = world  # close() from here on kills it, its launch included
-            closing = self._closing
+            closing = self._closed.is_set()
         if closing:
             world.kill()
         hellos: dict[int, msg.Hello] = {}
@@ -181,7 +182,7 @@ class Supervisor:
                 if not ready and not world.all_running():
                     raise WorkerLost(_ended(world, next(r for r, p in enumerate(world.procs) if p.poll() is not None)))
             with self._lock:
-                if self._closing:
+                if self._closed.is_set():
                     raise BackendUnavailableError("the worker pool was closed while starting")
                 self._world = world
         except BaseException:
@@ -226,7 +227,7 @@ class Supervisor:
 
     def _restart_until_up(self) -> None:
         delay = 1.0
-        while not self._closing:
+        while not self._closed.is_set():
             try:
                 self._check_checkpoint_unchanged()
                 self._seconds_per_cost = None  # fresh processes: the warm-up compiles, and measures again
@@ -238,7 +239,7 @@ class Supervisor:
                 log.info("worker pool restarted; a scoring pass succeeded")
                 return
             except Exception as error:
-                if self._closing:  # close() killed the world this attempt started: no failure to report
+                if self._closed.is_set():  # close() killed the world this attempt started: no failure to report
                     break
                 self.restart_error = f"{error} (next attempt in {delay:.0f}s)"
                 if isinstance(error, CheckpointError):
@@ -266,7 +267,7 @@ class Supervisor:
             world.failed = True
             self._alive = False
             # A world failing while a restart loop warms it up: that loop starts another
-            restart = not self._closing and not self._restarting
+            restart = not self._closed.is_set() and not self._restarting
             self._restarting = self._restarting or restart
         log.error("worker pool generation %d failed: %s; restarting", world.generation, reason)
         self._fail_pending(world.generation, f"a worker failed ({reason}); the pool is restarting")
@@ -285,12 +286,12 @@ class Supervisor:
 
     def _read_loop(self, world: WorkerWorld) -> None:
         """Delivers leader replies; turns a closed pipe, an exited process or a stuck row into a failure."""
-        while not world.failed and not self._closing:
+        while not world.failed and not self._closed.is_set():
             try:
                 ready = wait(world.replies, timeout=0.2)
             except OSError:
                 ready = []
-                if world.failed or self._closing:
+                if world.failed or self._closed.is_set():
                     return
             for conn in ready:
                 rank = world.replies.index(conn)

@@ -62,8 +62,8 @@ def bare_pool(timeout_s: float = 600.0) -> WorkerPool:
     pool._rows_done = [0]
     pool._costs = (1.0, 0.0)
     pool._alive = True
-    pool._closing = True  # no restart thread
     pool._closed = threading.Event()
+    pool._closed.set()  # no restart thread
     pool._restart_thread = None
     pool._readers = []
     pool._hashing = None
