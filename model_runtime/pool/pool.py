@@ -233,19 +233,24 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
         if world is not None:
             self._fail_pending(world.generation, "the worker pool is shutting down")
             world.stop(graceful=graceful)
-        # Their worlds are killed and the hash is stopped (_closed): they end in a moment. A daemon
-        # thread still writing a log line (a worker's failure, a failed hash, the restart's end) while
-        # the server's interpreter finalises aborts it ("could not acquire lock for <stderr>").
-        # Readers before the restart loop: one may be starting it.
-        deadline = time.monotonic() + 5.0
-        with self._lock:
-            threads = self._readers + ([self._hashing] if self._hashing is not None else [])
-        for thread in threads:
-            if thread is not threading.current_thread():
+        self._join_threads(5.0)
+
+    def _join_threads(self, timeout_s: float) -> None:
+        """Waits, ``timeout_s`` in all, for the readers, the hash for restarts and the restart loop:
+        their worlds are killed and the hash is stopped (``_closed``), so they end in a moment. A daemon
+        thread still writing a log line (a worker's failure, a failed hash, the restart's end) while the
+        server's interpreter finalises aborts it ("could not acquire lock for <stderr>")."""
+        deadline = time.monotonic() + timeout_s
+
+        def join(thread: threading.Thread | None) -> None:
+            if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        restart = self._restart_thread
-        if restart is not None and restart is not threading.current_thread():
-            restart.join(timeout=max(0.0, deadline - time.monotonic()))
+
+        with self._lock:
+            first = [*self._readers, self._hashing]
+        for thread in first:
+            join(thread)
+        join(self._restart_thread)  # read after the readers are done: one may be starting it
 
     # Introspection (tests, logs).
 
