@@ -201,9 +201,9 @@ class Supervisor:
     def _watch(self, world: WorkerWorld) -> None:
         """Starts ``world``'s reader, which ``close()`` waits for."""
         reader = threading.Thread(target=self._read_loop, args=(world,), name=f"pool-reader-{world.generation}", daemon=True)
-        with self._lock:
+        with self._lock:  # started before close() can see it: joining a thread not started raises
             self._readers = [t for t in self._readers if t.is_alive()] + [reader]
-        reader.start()
+            reader.start()
 
     def _check_checkpoint_unchanged(self) -> None:
         """Refuses to restart from a checkpoint directory whose content is no longer what the

@@ -90,6 +90,6 @@ class WeightUpdates:
     def _hash_for_restarts(self, loaded: LoadedFiles) -> None:
         """Hashes the checkpoint a restart would reload, in the background; ``close()`` stops it and waits."""
         thread = threading.Thread(target=loaded.hash, args=(self._closed,), name="pool-content-hash", daemon=True)
-        with self._lock:
+        with self._lock:  # started before close() can see it: joining a thread not started raises
             self._hashing = thread
-        thread.start()
+            thread.start()

@@ -11,6 +11,7 @@ import time
 from multiprocessing import Pipe
 
 import numpy as np
+import pytest
 
 from model_runtime.pool import messages as msg
 from model_runtime.pool.pool import WorkerPool
@@ -93,3 +94,65 @@ def test_close_stops_the_hash_for_restarts_and_waits_for_it(tmp_path, monkeypatc
     assert not pool._hashing.is_alive(), f"the hash still runs {took:.1f}s after close() returned"
     assert took < 3.0 and loaded.content is None, (took, loaded.content)
     assert "hashing" not in caplog.text, caplog.text
+
+
+def _close_while_starting(pool: WorkerPool, name: str, monkeypatch) -> tuple[list, list]:
+    """Calls ``pool.close()`` from another thread just as the thread named ``name`` is about to
+    start, once it is registered for close() to wait for; returns what close() raised and its thread."""
+    errors: list[BaseException] = []
+    closers: list[threading.Thread] = []
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name.startswith(name):
+            def closing() -> None:
+                try:
+                    pool.close()
+                except BaseException as error:
+                    errors.append(error)
+
+            closer = threading.Thread(target=closing)
+            closers.append(closer)
+            real_start(closer)
+            closer.join(1.0)  # it raises meanwhile, or waits for the thread it is to join to start
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    return errors, closers
+
+
+def test_close_as_a_reader_is_registered_waits_for_it_to_start():
+    """close() joins the readers it finds: one registered but not yet started made it raise."""
+    pool = WorkerPool({"world_size": 1, "device": "cpu"})
+    world = WorkerWorld(1, pool.dims)
+    rep_recv, worker_end = Pipe(duplex=False)
+    world.procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+    world.replies.append(rep_recv)
+    pool._world, pool._alive = world, True
+    pool._new_pending(world)  # a row in flight: close() kills the worker instead of waiting for it
+    try:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            errors, closers = _close_while_starting(pool, "pool-reader", monkeypatch)
+            pool._watch(world)
+        closers[0].join(10.0)
+        assert not errors, f"close() raised: {errors!r}"
+        assert not closers[0].is_alive() and not any(t.is_alive() for t in pool._readers), "close() or a reader still runs"
+    finally:
+        world.stop(graceful=False)
+        worker_end.close()
+
+
+def test_close_as_the_hash_for_restarts_is_registered_waits_for_it_to_start(tmp_path, monkeypatch):
+    """close() joins the hash it finds: one registered but not yet started made it raise."""
+    from safetensors.numpy import save_file
+
+    from model_runtime.pool.loaded_files import LoadedFiles
+    from model_runtime.scoring.weights import files_snapshot
+
+    save_file({"w": np.zeros(16, dtype=np.float32)}, str(tmp_path / "model.safetensors"))
+    pool = WorkerPool({"world_size": 1, "device": "cpu"})
+    errors, closers = _close_while_starting(pool, "pool-content-hash", monkeypatch)
+    pool._hash_for_restarts(LoadedFiles(tmp_path, files_snapshot(tmp_path), None))
+    closers[0].join(10.0)
+    assert not errors, f"close() raised: {errors!r}"
+    assert not closers[0].is_alive() and not pool._hashing.is_alive(), "close() or the hash still runs"
