@@ -36,6 +36,7 @@ FIRST_WORLD_ATTEMPTS = 3
 # Pause before forming it again, doubled each time: a checkpoint that kills every worker (the
 # host's memory) is not loaded back to back while what the lost one held is still being freed.
 FIRST_WORLD_PAUSE_S = 2.0
+CLOSED_WHILE_STARTING = "the worker pool was closed while starting"  # close() ended the start's wait
 
 
 class WorkerLost(BackendUnavailableError):
@@ -126,7 +127,7 @@ class Supervisor:
                 return self._start_world()
             except WorkerLost as error:
                 if self._closed.is_set():
-                    raise BackendUnavailableError("the worker pool was closed while starting") from None
+                    raise BackendUnavailableError(CLOSED_WHILE_STARTING) from None
                 if attempt == FIRST_WORLD_ATTEMPTS:
                     raise WorkerLost(f"the worker pool did not start: a worker was lost at each of {attempt} "
                                      f"attempts, the last: {error}") from None
@@ -134,7 +135,7 @@ class Supervisor:
                 log.warning("worker pool generation %d not formed: %s; forming it again in %gs (attempt %d of %d)",
                             self._generation, error, pause, attempt + 1, FIRST_WORLD_ATTEMPTS)
                 if self._closed.wait(pause):
-                    raise BackendUnavailableError("the worker pool was closed while starting") from None
+                    raise BackendUnavailableError(CLOSED_WHILE_STARTING) from None
         raise AssertionError("FIRST_WORLD_ATTEMPTS must be at least 1")
 
     def _start_world(self) -> list[msg.Hello]:
@@ -148,42 +149,11 @@ class Supervisor:
             closing = self._closed.is_set()
         if closing:
             world.kill()
-        hellos: dict[int, msg.Hello] = {}
-        joining: set[int] = set()
-        joined: set[int] = set()
-        deadline = time.monotonic() + self.start_timeout_s
         try:
-            world.launch(self._start_fields)
-            # The rendezvous has its own, shorter bound: the loading after it may take the start's.
-            join_deadline = time.monotonic() + self.join_timeout_s
-            while len(hellos) < self.dims.world_size:
-                if world.killed:  # by close(), maybe before every rank launched
-                    raise BackendUnavailableError("the worker pool was closed while starting")
-                until = deadline if len(joined) == self.dims.world_size else min(deadline, join_deadline)
-                ready = wait(world.replies, timeout=min(1.0, max(0.0, until - time.monotonic())))
-                for conn in ready:
-                    rank = world.replies.index(conn)
-                    try:
-                        reply = msg.decode(conn.recv_bytes())
-                    except (EOFError, OSError):
-                        raise WorkerLost(_ended(world, rank)) from None
-                    if isinstance(reply, msg.Failure):
-                        raise _start_failure(world, rank, reply)
-                    if isinstance(reply, msg.Joining):
-                        joining.add(rank)
-                    elif isinstance(reply, msg.Joined):
-                        joined.add(rank)
-                    else:
-                        hellos[rank] = reply
-                if len(joined) < self.dims.world_size and time.monotonic() > join_deadline:
-                    raise NotJoined(_not_joined(world, joining, joined, self.join_timeout_s))
-                if time.monotonic() > deadline:
-                    raise BackendUnavailableError(f"workers did not start within {self.start_timeout_s:.0f}s")
-                if not ready and not world.all_running():
-                    raise WorkerLost(_ended(world, next(r for r, p in enumerate(world.procs) if p.poll() is not None)))
+            hellos = self._launch_and_greet(world)
             with self._lock:
                 if self._closed.is_set():
-                    raise BackendUnavailableError("the worker pool was closed while starting")
+                    raise BackendUnavailableError(CLOSED_WHILE_STARTING)
                 self._world = world
         except BaseException:
             world.failed = True
@@ -197,6 +167,42 @@ class Supervisor:
         ordered = [hellos[r] for r in range(self.dims.world_size)]
         self.prefix_rounding = agreed_rounding(ordered)
         return ordered
+
+    def _launch_and_greet(self, world: WorkerWorld) -> dict[int, msg.Hello]:
+        """Launches ``world`` and returns every rank's ``Hello``, by rank; raises as ``_start_world`` says."""
+        hellos: dict[int, msg.Hello] = {}
+        joining: set[int] = set()
+        joined: set[int] = set()
+        deadline = time.monotonic() + self.start_timeout_s
+        world.launch(self._start_fields)
+        # The rendezvous has its own, shorter bound: the loading after it may take the start's.
+        join_deadline = time.monotonic() + self.join_timeout_s
+        while len(hellos) < self.dims.world_size:
+            if world.killed:  # by close(), maybe before every rank launched
+                raise BackendUnavailableError(CLOSED_WHILE_STARTING)
+            until = deadline if len(joined) == self.dims.world_size else min(deadline, join_deadline)
+            ready = wait(world.replies, timeout=min(1.0, max(0.0, until - time.monotonic())))
+            for conn in ready:
+                rank = world.replies.index(conn)
+                try:
+                    reply = msg.decode(conn.recv_bytes())
+                except (EOFError, OSError):
+                    raise WorkerLost(_ended(world, rank)) from None
+                if isinstance(reply, msg.Failure):
+                    raise _start_failure(world, rank, reply)
+                if isinstance(reply, msg.Joining):
+                    joining.add(rank)
+                elif isinstance(reply, msg.Joined):
+                    joined.add(rank)
+                else:
+                    hellos[rank] = reply
+            if len(joined) < self.dims.world_size and time.monotonic() > join_deadline:
+                raise NotJoined(_not_joined(world, joining, joined, self.join_timeout_s))
+            if time.monotonic() > deadline:
+                raise BackendUnavailableError(f"workers did not start within {self.start_timeout_s:.0f}s")
+            if not ready and not world.all_running():
+                raise WorkerLost(_ended(world, next(r for r, p in enumerate(world.procs) if p.poll() is not None)))
+        return hellos
 
     def _watch(self, world: WorkerWorld) -> None:
         """Starts ``world``'s reader, which ``close()`` waits for."""
