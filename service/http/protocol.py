@@ -285,15 +285,14 @@ class GuardedH11Protocol(H11Protocol):
     def _read_timed_out(self) -> None:
         self._read_timer = None
         self.registry.reading.pop(self, None)
-        if self.transport.lingering:  # the rest of an answered body did not arrive in time: counted as any slow body
-            self.registry.timed_out += 1
-            self.registry.on_closed("request_timeout")
-            self.transport.close_now()
-            return
-        if self.transport.is_closing():
+        lingering = self.transport.lingering
+        if self.transport.is_closing() and not lingering:
             return
         self.registry.timed_out += 1
         self.registry.on_closed("request_timeout")
+        if lingering:  # the rest of an answered body did not arrive in time: counted as any slow body
+            self.transport.close_now()
+            return
         cycle = self.cycle
         # 408 for a request not yet answered (or the next one's headers), never for the rest of a
         # body already answered (a 401 or 404 sent before it was read)
