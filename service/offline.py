@@ -507,19 +507,27 @@ def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     except (KeyboardInterrupt, Interrupted) as exc:
         stopped = exc
     finally:
-        with _ctrl_c_held() as held:
-            backend.close()  # a pool's workers stop: also after a second Ctrl-C, which does not wait for their forward
-            if held and stopped is None and code == 0:  # every line was in OUT before it came
-                print(f"packscore: interrupted while closing the model; every line of {input_path} is in {output_path} "
-                      "(the same command has nothing left to score)", file=sys.stderr)
-                code = 130
-            elif stopped is not None:
-                how = "stopped at once, without the forward under way" if getattr(stopped, "abandoned", False) else "interrupted"
-                print(f"packscore: {how}; the results written to {output_path} are kept, in input order: "
-                      "the same command resumes after them", file=sys.stderr)
-                code = 130
-                if getattr(stopped, "forward_running", False):  # torch's teardown under a running forward aborts (SIGABRT)
-                    _hard_exit(130)
+        code = _close_backend(backend, code, stopped, input_path, output_path)
+    return code
+
+
+def _close_backend(backend, code: int | None, stopped: BaseException | None, input_path: Path,
+                   output_path: Path) -> int | None:
+    """Closes ``backend``, Ctrl-C held meanwhile; returns the exit status: ``code``, or 130 with the line
+    that says what OUT keeps where Ctrl-C stopped the run (``stopped``) or came while it closed."""
+    with _ctrl_c_held() as held:
+        backend.close()  # a pool's workers stop: also after a second Ctrl-C, which does not wait for their forward
+        if held and stopped is None and code == 0:  # every line was in OUT before it came
+            print(f"packscore: interrupted while closing the model; every line of {input_path} is in {output_path} "
+                  "(the same command has nothing left to score)", file=sys.stderr)
+            return 130
+        if stopped is not None:
+            how = "stopped at once, without the forward under way" if getattr(stopped, "abandoned", False) else "interrupted"
+            print(f"packscore: {how}; the results written to {output_path} are kept, in input order: "
+                  "the same command resumes after them", file=sys.stderr)
+            if getattr(stopped, "forward_running", False):  # torch's teardown under a running forward aborts (SIGABRT)
+                _hard_exit(130)
+            return 130
     return code
 
 
