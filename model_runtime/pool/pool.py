@@ -30,8 +30,8 @@ what its group's measured rate says, at least 60 s; ``worker_timeout_s`` before 
 every in-flight row with ``BackendUnavailableError``; ``is_alive()`` turns False, the whole
 world is killed and started again in the background, and ``is_alive()`` returns to True once a
 scoring pass through the new world has succeeded. A worker lost while the start's world forms has
-that world formed again after a short pause, a few times at most; an error a worker reports while loading fails the start. Starting, watching and restarting worlds is
-``model_runtime.pool.supervisor``.
+that world formed again after a short pause, a few times at most; an error a worker reports while
+loading fails the start. Starting, watching and restarting worlds is ``model_runtime.pool.supervisor``.
 """
 
 from __future__ import annotations
@@ -387,10 +387,11 @@ def start_pool(settings: dict, starting: Callable[[WorkerPool], None] | None = N
     """Starts ``settings["world_size"]`` workers and returns once every one has loaded the model.
 
     ``settings`` is the service's ``Settings.model_dump()``; the keys read are model, device, dtype,
-    world_size, sp, fsdp, max_batch_tokens, allow_slow_kernels, kernels (family -> backend), served_model_name (and optionally
-    expert_gemm, log_level, worker_timeout_s, worker_stall_floor_s, worker_start_timeout_s, worker_join_timeout_s, weights_root (set: updates may come, so the workers
-    make their staging buffers at start), and prefix_min_tokens: the shortest shared prefix run once,
-    0 or absent for none, i.e. ``Settings.prefix_min_tokens_in_use``); other keys are ignored.
+    world_size, sp, fsdp, max_batch_tokens, allow_slow_kernels, kernels (family -> backend),
+    served_model_name (and optionally expert_gemm, log_level, worker_timeout_s, worker_stall_floor_s,
+    worker_start_timeout_s, worker_join_timeout_s, weights_root (set: updates may come, so the
+    workers make their staging buffers at start), and prefix_min_tokens: the shortest shared prefix
+    run once, 0 or absent for none, i.e. ``Settings.prefix_min_tokens_in_use``); other keys are ignored.
     ``starting(pool)`` is called before any worker launches: ``pool.close()`` from then on, from any
     thread, kills the workers still loading and this raises.
     """

@@ -52,7 +52,7 @@ CONTENT_PIECE = 1 << 30  # a content version hashes each tensor in pieces of thi
 
 
 class HashStopped(Exception):
-    """The ``stop`` event was set while the checkpoint was read: no version (its owner closed)."""
+    """The ``halt`` event was set while the checkpoint was read: no version (its owner closed)."""
 
 
 class ReadDigests:
