@@ -250,7 +250,9 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
             first = [*self._readers, self._hashing]
         for thread in first:
             join(thread)
-        join(self._restart_thread)  # read after the readers are done: one may be starting it
+        with self._lock:  # read after the readers are done: one may be starting it
+            restart = self._restart_thread
+        join(restart)
 
     # Introspection (tests, logs).
 

@@ -279,8 +279,10 @@ class Supervisor:
         self._fail_pending(world.generation, f"a worker failed ({reason}); the pool is restarting")
         world.stop(graceful=False)
         if restart:
-            self._restart_thread = threading.Thread(target=self._restart_loop, name="pool-restart", daemon=True)
-            self._restart_thread.start()
+            thread = threading.Thread(target=self._restart_loop, name="pool-restart", daemon=True)
+            with self._lock:  # close() reads it under the lock: never one it could join before its start
+                self._restart_thread = thread
+                thread.start()
 
     def _fail_pending(self, generation: int, reason: str) -> None:
         with self._lock:

@@ -156,3 +156,21 @@ def test_close_as_the_hash_for_restarts_is_registered_waits_for_it_to_start(tmp_
     closers[0].join(10.0)
     assert not errors, f"close() raised: {errors!r}"
     assert not closers[0].is_alive() and not pool._hashing.is_alive(), "close() or the hash still runs"
+
+
+def test_close_as_a_failed_swap_starts_the_restart_loop_waits_for_it_to_start():
+    """A world failed from outside its reader (an update's refused swap) starts the restart loop on
+    that thread: close() landing between its registration and its start made join() raise."""
+    pool = WorkerPool({"world_size": 1, "device": "cpu"})
+    world = WorkerWorld(1, pool.dims)
+    world.procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+    pool._world, pool._alive = world, True
+    try:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            errors, closers = _close_while_starting(pool, "pool-restart", monkeypatch)
+            pool._on_world_failure(world, "worker rank 0 could not swap: a test")
+        closers[0].join(10.0)
+        assert not errors, f"close() raised: {errors!r}"
+        assert not closers[0].is_alive() and not pool._restart_thread.is_alive(), "close() or the restart loop still runs"
+    finally:
+        world.stop(graceful=False)
