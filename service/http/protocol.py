@@ -14,11 +14,14 @@ uvicorn bounds only the idle time between keep-alive requests. This subclass add
   connection reset, as nginx's ``send_timeout`` does; progress of any size restarts the clock;
 - the contract's JSON error body on the protocol errors uvicorn answers itself (a garbage
   request line, a bad Content-Length, oversized headers), instead of plain text;
-- a lingering close (RFC 9112, 9.6): a connection closed after its answer while the request's
-  body is still arriving (a 413, or a 401 to a client that sent ``Connection: close``) first
-  half-closes, then reads and drops the rest until the client closes or the read timeout.
-  Closed at once, the unread bytes would make the kernel reset it, and a client that reads its
-  answer only once it has sent its whole body (Python's urllib) would meet that reset instead.
+- a lingering close (RFC 9112, 9.6): a connection closed after its answer while the client may
+  still be sending (the request's body still arriving, as at a 413 or at a 401 to a client that
+  sent ``Connection: close``, or at a 400 for bytes h11 refused before the request's end; or bytes
+  behind the request, pipelined, still unread in h11's buffer or the kernel's) first half-closes,
+  then reads and drops the rest until the client closes or the read timeout (of the request, else
+  from the close). Closed at once, the unread bytes would make the kernel reset it, and a client
+  that reads its answer only once it has sent everything (Python's urllib) would meet that reset
+  instead. Closes made on purpose (read timeout, eviction, send timeout, shutdown) never linger.
   A body past ``max_body_bytes`` still arriving after an answer that kept the connection (a GET
   route reads none, a 401) is closed the same way, not parsed by h11 to its end for a next request.
 
@@ -112,8 +115,8 @@ def guarded_protocol(read_timeout_s: float, max_connections: int, send_timeout_s
 
 
 class _LingeringTransport:
-    """A connection's transport whose ``close()`` lingers while its request's body is still
-    arriving (the module's docstring says why); every other call goes to the transport itself."""
+    """A connection's transport whose ``close()`` lingers while the client may still be sending
+    (the module's docstring says why); every other call goes to the transport itself."""
 
     lingering = False
 
@@ -125,10 +128,12 @@ class _LingeringTransport:
         return getattr(self._transport, name)
 
     def close(self) -> None:
-        if self.lingering or not self._protocol._body_arriving():
+        if self.lingering or self._transport.is_closing() or not self._protocol._may_be_sending():
             self._transport.close()
             return
         self.lingering = True
+        if self._protocol._read_timer is None:  # its request had all arrived: the rest is timed from the close
+            self._protocol._start_reading()
         if self._transport.can_write_eof():
             self._transport.write_eof()  # the answer, then FIN: the client knows no more comes
         self._transport.resume_reading()  # paused while the handler held its body back
@@ -149,6 +154,7 @@ class GuardedH11Protocol(H11Protocol):
     _send_progress_at = 0.0
     _shutting_down = False
     _unread = 0  # bytes of the request's body that came after its answer
+    _close_counted = False  # on_closed counted this connection (its 400): a lingering close's end is not counted again
     transport: _LingeringTransport
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -173,6 +179,8 @@ class GuardedH11Protocol(H11Protocol):
         if self._read_timer is None and not self.transport.is_closing():
             self._start_reading()  # the first bytes of the next request on a kept-alive connection
         super().data_received(data)
+        if self.transport.lingering:
+            return  # a 400 for these bytes: the read timer bounds the lingering close
         if answered and self._answered_body_arriving():  # all of it was body: a chunked one shows its size only so
             self._unread += len(data)
             if self.registry.max_body_bytes is not None and self._unread > self.registry.max_body_bytes:
@@ -228,6 +236,25 @@ class GuardedH11Protocol(H11Protocol):
         return (self.conn.their_state is h11.SEND_BODY and self._read_timer is not None
                 and not self._shutting_down)
 
+    def _may_be_sending(self) -> bool:
+        """Whether a close now could leave bytes of the client's unread: a request still arriving (its
+        body, or one h11 refused before its end), pipelined bytes h11 holds, or bytes in the kernel."""
+        if self._shutting_down:
+            return False
+        conn = self.conn
+        if self._read_timer is not None and conn.their_state not in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED):
+            return True
+        if conn.their_state is not h11.ERROR and conn.trailing_data[0]:
+            return True
+        return self._kernel_unread() > 0
+
+    def _kernel_unread(self) -> int:
+        sock = self.transport.get_extra_info("socket")
+        try:
+            return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(4)))[0]
+        except (OSError, AttributeError, ValueError):
+            return 0
+
     def _answered_body_arriving(self) -> bool:
         """Whether the answer is out, the connection kept, and the request's body still arriving."""
         return (self.conn.our_state is h11.DONE and self._body_arriving() and not self.transport.is_closing())
@@ -250,8 +277,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         # h11 refused the bytes (request line, headers, Content-Length): answer in the contract's shape.
-        self._stop_reading()
         self.registry.on_closed("malformed_request")
+        self._close_counted = True
         rid = new_id()
         # Called from uvicorn's handler of h11's error, which names what is wrong (uvicorn's own line does not).
         refused = str(sys.exc_info()[1] or msg)
@@ -261,6 +288,11 @@ class GuardedH11Protocol(H11Protocol):
                                          "The request is not valid HTTP/1.1 (request line, headers or Content-Length).",
                                          request_id=rid))
         self.transport.close()
+        if not self.transport.lingering:
+            self._stop_reading()
+        elif self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.disconnected = True  # the handler still reading the body ends now, not at the lingering's end
+            self.cycle.message_event.set()
 
     def _log_answer(self, status: int, rid: str, why: str) -> None:
         """One line for an answer the protocol sends itself, passing no access log: no traceback, a
@@ -288,9 +320,10 @@ class GuardedH11Protocol(H11Protocol):
         lingering = self.transport.lingering
         if self.transport.is_closing() and not lingering:
             return
-        self.registry.timed_out += 1
-        self.registry.on_closed("request_timeout")
-        if lingering:  # the rest of an answered body did not arrive in time: counted as any slow body
+        if not self._close_counted:
+            self.registry.timed_out += 1
+            self.registry.on_closed("request_timeout")
+        if lingering:  # what the client still sent did not end in time: counted as any slow body, unless its 400 was
             self.transport.close_now()
             return
         cycle = self.cycle

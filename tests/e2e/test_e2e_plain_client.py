@@ -159,3 +159,81 @@ def test_a_lingering_client_holds_the_exit_no_longer_than_the_drain_timeout(tmp_
     assert code == 0, server.log()
     # uvicorn's own shutdown and the interpreter's exit come after the drain's end
     assert exited_after < drain_timeout_s + 3, f"exited {exited_after:.1f} s after SIGTERM"
+
+
+def _closed_count(server, reason: str) -> float:
+    asked = urllib.request.Request(server.url + "/metrics", headers={"Authorization": "Bearer sk"})
+    metrics = urllib.request.urlopen(asked, timeout=30).read().decode()
+    line = f'packscore_connections_closed_total{{reason="{reason}"}} '
+    return float(next(row for row in metrics.splitlines() if row.startswith(line)).split()[-1])
+
+
+def _send_all_then_read(server, first: bytes, rest: bytes) -> bytes:
+    """What a client that reads only once it has sent everything gets (``first`` in one segment)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        try:
+            sock.sendall(first)
+            sock.sendall(rest)
+        except OSError as exc:
+            raise AssertionError(f"the client met {exc!r} while sending, instead of an answer") from None
+        return read_until_closed(sock, 30)[0]
+
+
+def test_a_400_for_bad_chunk_framing_reaches_a_client_still_sending(server):
+    """A chunk size h11 refuses mid-body is answered 400 by the protocol itself: closed at once, the
+    rest of the body still coming made the kernel reset the connection, and the client met that reset
+    instead of the 400. Counted once, as a malformed request, never also as a read timeout."""
+    before = _closed_count(server, "malformed_request"), _closed_count(server, "request_timeout")
+    head = (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer sk\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n10\r\n{\"sequences\": []\r\nzz\r\n")
+    data = _send_all_then_read(server, head, b"1" * (16 << 20))
+    after = _closed_count(server, "malformed_request"), _closed_count(server, "request_timeout")
+    assert data.startswith(b"HTTP/1.1 400 ") and b'"malformed_request"' in data, data[:300]
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 0), (before, after)
+
+
+def test_a_413_reaches_a_client_still_sending_requests_pipelined_behind_its_body(server):
+    """A body past the limit that has all arrived, with megabytes of requests pipelined behind it: the
+    413 closes the connection while those bytes are unread, and closed at once the kernel reset it
+    under the client still sending them."""
+    before = _closed_count(server, "request_timeout")
+    over = b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer sk\r\n"
+    over += b"Content-Length: %d\r\n\r\n%s" % (LIMIT + 1000, b"1" * (LIMIT + 1000))
+    behind = b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer sk\r\n"
+    behind += b"Content-Length: %d\r\n\r\n" % (32 << 20)
+    data = _send_all_then_read(server, over + behind, b"1" * (32 << 20))
+    assert data.startswith(b"HTTP/1.1 413 ") and data.count(b"HTTP/1.1 ") == 1, data[:300]
+    assert _closed_count(server, "request_timeout") == before  # the client closed: nothing timed out
+
+
+@pytest.mark.parametrize("sent, status, counts", [
+    (b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", b"400", (1, 0)),
+    (b"Content-Length: 5000\r\n\r\n" + b"1" * 5000 + b"POST /score HTTP/1.1\r\nHost: x\r\n", b"413", (0, 1)),
+], ids=["400-mid-body", "413-then-pipelined"])
+def test_a_lingering_close_after_a_protocol_error_or_before_pipelined_bytes_ends_at_the_read_timeout(
+        tmp_path, sent, status, counts):
+    """Lingering after a 400 for bytes h11 refused, or after an answer with pipelined bytes unread, is
+    bounded by the read timeout like any other (from the close, when the request had all arrived).
+    Each connection is counted once: the 400's as the malformed request it was, the 413's end as a
+    read timeout, as a lingering body's is."""
+    server = fake_server(tmp_path, "--request-read-timeout-s", "1", "--api-key", "sk",
+                         "--max-request-bytes", str(LIMIT)).wait_ready()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk\r\n"
+                         b"Content-Type: application/json\r\n" + sent)
+            sent_at = time.monotonic()
+            data = read_until_closed(sock, 5)[0]  # the answer and the half-close
+            closed_after = None
+            while closed_after is None and time.monotonic() - sent_at < 1 + 5:
+                try:  # dropped while the server lingers; reset once it has closed
+                    sock.sendall(b"1" * 1000)
+                    time.sleep(0.05)
+                except OSError:
+                    closed_after = time.monotonic() - sent_at
+        got = _closed_count(server, "malformed_request"), _closed_count(server, "request_timeout")
+    finally:
+        server.stop()
+    assert data.startswith(b"HTTP/1.1 " + status + b" "), data[:300]
+    assert closed_after is not None and 0.5 < closed_after < 1 + 5, f"closed {closed_after} s after the request"
+    assert got == counts, got
