@@ -25,8 +25,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.http import metrics as metrics_module
 from service.http import request_id
 from service.http.encoding import JSON, MSGPACK, decode_body, encode_json, request_encoding
-from service.http.errors import ERROR_RESPONSES, ApiError, draining_error, from_validation_errors
-from service.http.protocol import READ_TIMED_OUT
+from service.http.errors import ERROR_RESPONSES, ApiError, body_too_large, draining_error, from_validation_errors
+from service.http.protocol import READ_TIMED_OUT, declared_length
 from service.http.schemas import ErrorResponse, Health, ModelList, Readiness, ScoreRequest, ScoreResponse, Usage
 from service.http.schemas import WeightsRequest, WeightsResponse
 from service.http.scoring import not_ready, read_body, score_request
@@ -221,12 +221,10 @@ class _Gate:
         give their own 413 (/score's names the limits to split under)."""
         weights_on = self.service.settings.weights_root is not None
         reads_body = scope.get("method") == "POST" and (path in SCORE_ROUTES or (path == WEIGHTS_ROUTE and weights_on))
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        limit = self.service.settings.request_bytes
-        if reads_body or not declared.isdigit() or int(declared) <= limit:
+        declared, limit = declared_length(scope), self.service.settings.request_bytes
+        if reads_body or declared is None or declared <= limit:
             return None
-        return ApiError(413, "body_too_large", f"The body exceeds {limit} bytes (max_request_bytes); "
-                        f"{scope.get('method')} {path} takes no body.", headers=_CLOSE)
+        return body_too_large(limit, "max_request_bytes", f"{scope.get('method')} {path} takes no body")
 
     def _admin_refusal(self, scope: Scope) -> ApiError | None:
         """With --admin-key, POST /v1/weights takes that key only: the scoring key gets 403."""

@@ -57,6 +57,12 @@ def backend_unavailable(message: str, retry_after_s: int) -> ApiError:
     return ApiError(503, "backend_unavailable", message, headers={"Retry-After": str(retry_after_s)})
 
 
+def body_too_large(limit: int, named: str, hint: str) -> ApiError:
+    """413 ``body_too_large`` with Connection: close, so the rest of the body is dropped, not parsed."""
+    return ApiError(413, "body_too_large", f"The body exceeds {limit} bytes ({named}); {hint}.",
+                    headers={"Connection": "close"})
+
+
 def draining_error() -> ApiError:
     """503 ``draining``: SIGTERM came; nothing new is admitted. Connection: close, so that a
     keep-alive client reconnects (to another replica) instead of meeting a closed socket."""

@@ -81,6 +81,13 @@ def default_max_connections() -> int:
     return max(16, soft - in_use - _DESCRIPTOR_RESERVE)
 
 
+def declared_length(scope: dict) -> int | None:
+    """The body length an ASGI request's Content-Length declares; None without one (chunked) or for
+    one that is not a number (h11 refuses those before the app sees them)."""
+    value = dict(scope["headers"]).get(b"content-length", b"")
+    return int(value) if value.isdigit() else None
+
+
 class _Registry:
     """One server's guard: its limits and counts, and its connections whose request is still arriving."""
 
@@ -261,8 +268,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def _declared_past_limit(self) -> bool:
         limit, cycle = self.registry.max_body_bytes, self.cycle
-        declared = dict(cycle.scope["headers"]).get(b"content-length", b"") if cycle is not None else b""
-        return limit is not None and declared.isdigit() and int(declared) > limit
+        declared = declared_length(cycle.scope) if cycle is not None else None
+        return limit is not None and declared is not None and declared > limit
 
     def _linger_after_answer(self) -> None:
         """Closes a kept connection whose answered body runs past the limit: no next request can come

@@ -14,9 +14,10 @@ from starlette.responses import Response
 from model_runtime.types import SequenceInput, SequenceScores
 from service.http.encoding import CONTENT_TYPE, decode_body, encode_score_response, request_encoding, response_encoding
 from service.http.encoding import non_finite_score, result_record
-from service.http.errors import ApiError, backend_unavailable, deadline_error, draining_error, non_finite_error
+from service.http.errors import ApiError, backend_unavailable, body_too_large, deadline_error, draining_error
+from service.http.errors import non_finite_error
 from service.http.errors import short_repr
-from service.http.protocol import READ_TIMED_OUT
+from service.http.protocol import READ_TIMED_OUT, declared_length
 from service.http.rollout import mismatch
 from service.http.validation import Limits, ScoreJob, parse_score_request
 from service.runtime import ServedModel, Service
@@ -201,11 +202,9 @@ async def read_body(request: Request, limit: int, service: Service, named: str =
 
 
 async def _read_all(request: Request, limit: int, named: str, hint: str) -> bytes:
-    # Connection: close, so the rest of an oversized body is not read and thrown away.
-    too_large = ApiError(413, "body_too_large", f"The body exceeds {limit} bytes ({named}); {hint}.",
-                         headers={"Connection": "close"})
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    too_large = body_too_large(limit, named, hint)
+    declared = declared_length(request.scope)
+    if declared is not None and declared > limit:
         raise too_large
     chunks, size = [], 0
     try:
