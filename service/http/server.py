@@ -133,7 +133,7 @@ class DrainingServer(uvicorn.Server):
         return any(getattr(getattr(c, "transport", None), "lingering", False) for c in self.server_state.connections)
 
 
-def _exit_timer(seconds: float) -> threading.Timer:
+def _exit_timer(seconds: float) -> None:
     """Exits the process ``seconds`` from now, unless the interpreter got past its wait for other
     threads by then: from there on the timer's line, written while the interpreter finalises,
     could abort it ("could not acquire lock for <stderr>"), and its status would replace the exit's."""
@@ -141,7 +141,6 @@ def _exit_timer(seconds: float) -> threading.Timer:
     timer.daemon = True
     timer.start()
     atexit.register(_disarm, timer)  # atexit runs after threading's wait for non-daemon threads
-    return timer
 
 
 def _disarm(timer: threading.Timer) -> None:
