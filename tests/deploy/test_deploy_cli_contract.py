@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import helm_python as helm
 import pytest
 
-from deploy_helpers import CLI_OPTIONS, REPO, VALUE_SETS, container
+from deploy_helpers import CLI_OPTIONS, REPO, VALUE_SETS, container, render_chart
 from service.cli import build_parser, parse_settings
 from service.settings import Settings
 
@@ -62,3 +63,41 @@ def test_docker_run_examples_in_the_docs_parse():
         _, s = parse_settings(["serve", *image_args])
         models.append(s.model)
     assert "tiny" in models and "/models/Qwen3.5-9B" in models
+
+
+def _chart_set_options() -> set[str]:
+    """Every option the chart writes from a value, over value sets that turn each one on."""
+    value_sets = [*VALUE_SETS.values(), {"server": {"allowSlowKernels": True, "kernels": "attention=varlen"}}]
+    value_sets = [{**v, "server": {**v.get("server", {}), "extraArgs": []}} for v in value_sets]  # the chart's own
+    flags = {a.split("=")[0] for values in value_sets for a in container(values)["args"] if a.startswith("--")}
+    flags.add("--weights-record")  # set as PACKSCORE_WEIGHTS_RECORD, which the option would override
+    flags |= {"--no-" + f[2:] for f in flags if "--no-" + f[2:] in CLI_OPTIONS}  # the negation of a switch
+    return flags - {"--model"}  # repeated on purpose: more models beside model.path
+
+
+def _shortest_abbreviation(flag: str) -> str:
+    """The shortest prefix argparse resolves to ``flag`` alone."""
+    for end in range(3, len(flag)):
+        prefix = flag[:end]
+        if prefix not in CLI_OPTIONS and [o for o in CLI_OPTIONS | {"--help"} if o.startswith(prefix)] == [flag]:
+            return prefix
+    return flag
+
+
+def test_packscore_serve_takes_an_abbreviated_option():
+    # so the chart must refuse abbreviations of its options too, not only their whole names
+    assert parse_settings(["serve", "--drain=5"])[1].drain_timeout_s == 5
+
+
+@pytest.mark.parametrize("flag", sorted(_chart_set_options()))
+def test_extra_args_cannot_override_an_option_the_chart_sets(flag):
+    # The last one given wins: --drain-timeout-s 300 would outlast the grace period, --port the probes.
+    for extra in ([flag, "1"], [f"{flag}=1"], [_shortest_abbreviation(flag), "1"]):
+        with pytest.raises(helm.HelmError) as err:
+            render_chart({"server": {"extraArgs": extra}})
+        assert f"is (or abbreviates) {flag}, which the chart sets from" in str(err.value), (extra, str(err.value))
+
+
+@pytest.mark.parametrize("option", sorted(CLI_OPTIONS - _chart_set_options()))
+def test_extra_args_take_every_option_the_chart_leaves_alone(option):
+    assert container({"server": {"extraArgs": [option, "x"]}})["args"][-2:] == [option, "x"]

@@ -92,6 +92,46 @@ app.kubernetes.io/component: scoring
 {{- fail (printf "weights.recordClaim(%s) holds the record, which weights.record false turns off: set record true, or recordClaim empty" $wts.recordClaim) }}
 {{- end }}
 {{- end }}
+{{- include "packscore.validateExtraArgs" . }}
+{{- end }}
+
+{{/* Fails the render when server.extraArgs names, or abbreviates as argparse allows, an option the chart
+sets itself: the last one given wins, and the probes, ports, grace period and volumes follow the chart's value. */}}
+{{- define "packscore.validateExtraArgs" -}}
+{{- $managed := dict
+  "--host" "the chart (0.0.0.0, where the probes and the Service reach the pod)"
+  "--port" "server.port"
+  "--world-size" "parallel.worldSize"
+  "--sp" "parallel.sp"
+  "--fsdp" "parallel.fsdp"
+  "--no-fsdp" "parallel.fsdp"
+  "--drain-timeout-s" "server.drainTimeoutS"
+  "--triton-cache-dir" "the chart (/cache/triton, on the cache volume)"
+  "--max-batch-tokens" "server.maxBatchTokens"
+  "--max-wait-ms" "server.maxWaitMs"
+  "--max-queued-tokens" "server.maxQueuedTokens"
+  "--max-request-bytes" "server.maxRequestBytes"
+  "--max-model-len" "server.maxModelLen"
+  "--dtype" "server.dtype"
+  "--allow-slow-kernels" "server.allowSlowKernels"
+  "--no-allow-slow-kernels" "server.allowSlowKernels"
+  "--kernels" "server.kernels"
+  "--weights-root" "weights.enabled and weights.mountPath"
+  "--admin-key-file" "weights.adminKey"
+  "--weights-record" "weights.record and weights.recordClaim"
+}}
+{{- /* Options of their own that are also the start of a managed one: argparse takes an exact name first. */}}
+{{- $whole := list "--admin-key" }}
+{{- range .Values.server.extraArgs }}
+{{- $name := index (splitList "=" .) 0 }}
+{{- if and (hasPrefix "--" $name) (gt (len $name) 2) (not (has $name $whole)) }}
+{{- range $flag, $from := $managed }}
+{{- if hasPrefix $name $flag }}
+{{- fail (printf "server.extraArgs(%s) is (or abbreviates) %s, which the chart sets from %s: set that value instead" $name $flag $from) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* Seconds from SIGTERM to SIGKILL: preStop sleep + drain + margin. */}}
