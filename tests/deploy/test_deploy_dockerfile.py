@@ -270,3 +270,14 @@ def test_elf_listing_names_the_architectures():
     listing = "ELF file    1: causal_conv1d_cuda.1.sm_90.cubin\nELF file    2: causal_conv1d_cuda.2.sm_90.cubin\n"
     assert cuda_arch.arches_in_listing(listing) == {"90"}
     assert cuda_arch.arches_in_listing(listing + "ELF file    3: x.3.sm_100.cubin\n") == {"90", "100"}
+
+
+def test_every_build_argument_is_documented_with_its_default(dockerfile):
+    readme = (REPO / "deploy" / "README.md").read_text()
+    documented = dict(re.findall(r"^\| `([A-Z_0-9]+)` \| `([^`]*)` \|", readme, re.MULTILINE))
+    declared: dict[str, str] = {}
+    for keyword, rest in instructions(dockerfile):
+        if keyword == "ARG":
+            name, _, default = rest.partition("=")
+            assert declared.setdefault(name, default) == default, f"ARG {name} has two defaults"
+    assert declared == documented, f"Dockerfile {declared} != deploy/README.md {documented}"
