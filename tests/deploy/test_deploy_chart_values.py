@@ -17,6 +17,7 @@ from deploy_helpers import (
 )
 from service.cli import parse_settings
 from service.http.server import _EXIT_GRACE_S
+from service.runtime import _READY_WAIT_S
 from service.settings import Settings
 
 FULLNAME = f"{RELEASE}-packscore"
@@ -148,6 +149,20 @@ def test_startup_probe_allows_thirty_minutes_to_load_a_checkpoint():
     # Liveness only starts once startup passed; it must not kill a slow but live pod sooner.
     live = container()["livenessProbe"]
     assert live["periodSeconds"] * live["failureThreshold"] >= 60
+
+
+@pytest.mark.parametrize("probe", ["startup", "readiness"])
+def test_readyz_probes_outwait_the_scoring_pass_readyz_may_wait_for(probe):
+    # Kubernetes' default timeout (1 s) would fail a busy pod's /readyz, which waits up to _READY_WAIT_S.
+    shortest = math.floor(_READY_WAIT_S) + 1
+    probes = {probe: {"path": "/readyz", "periodSeconds": 10, "failureThreshold": 3, "timeoutSeconds": shortest - 1}}
+    with pytest.raises(helm.HelmError) as err:
+        render_chart({"probes": probes})
+    assert f"probes.{probe}.timeoutSeconds({shortest - 1}) <= {shortest - 1}: /readyz may take" in str(err.value)
+    probes[probe]["timeoutSeconds"] = shortest
+    assert container({"probes": probes})[f"{probe}Probe"]["timeoutSeconds"] == shortest
+    probes[probe].update(path="/healthz", timeoutSeconds=1)  # /healthz answers at once
+    assert container({"probes": probes})[f"{probe}Probe"]["timeoutSeconds"] == 1
 
 
 @pytest.mark.parametrize(("drain", "pre_stop", "margin"), [(60, 0, 30), (300, 5, 30), (0, 0, 5)])
