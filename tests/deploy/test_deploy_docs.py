@@ -23,8 +23,8 @@ def code_blocks(markdown: str, lang: str) -> list[str]:
 def test_deployment_section_documents_both_docker_runs():
     assert DEPLOY_README.startswith("## Deployment\n")
     commands = [line.strip() for block in code_blocks(DEPLOY_README, "bash") for line in block.splitlines()]
-    assert "docker run --gpus all --shm-size 16g -p 8000:8000 IMAGE" in commands
-    assert ("docker run --gpus all --shm-size 16g -p 8000:8000 -v /models:/models:ro IMAGE "
+    assert "docker run --gpus all --shm-size 16g --stop-timeout 40 -p 8000:8000 IMAGE" in commands
+    assert ("docker run --gpus all --shm-size 16g --stop-timeout 40 -p 8000:8000 -v /models:/models:ro IMAGE "
             "--model /models/Qwen3.5-9B") in commands
 
 
@@ -194,3 +194,13 @@ def test_chart_readme_alerts_table_matches_the_rendered_rules():
             assert yaml.safe_load(value) == settings[key], (alert, key, value, settings)
     (count,) = re.findall(r"all (\w+) on", _section(CHART_README, "## All values"))
     assert _COUNTS.get(count, count) == len(rules), (count, len(rules))
+
+
+def test_every_documented_docker_run_outlasts_the_drain():
+    """Docker kills 10 s after SIGTERM by default, a third of the default 30 s drain."""
+    pages = [REPO / "README.md", REPO / "deploy" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    runs = [(page.name, line) for page in pages for line in page.read_text().splitlines()
+            if line.lstrip().startswith("docker run ")]
+    assert runs
+    short = [(name, line) for name, line in runs if "--stop-timeout 40" not in line]
+    assert not short, short
