@@ -105,7 +105,7 @@ def parse_score_request(body: Any, limits: Limits | Mapping[str, Limits], served
             413,
             "too_many_sequences",
             f"The request has {len(sequences)} sequences; at most {any_limits.max_sequences_per_request} are accepted "
-            "per request. Split it.",
+            "per request; split it.",
             "sequences",
         )
     try:
@@ -146,8 +146,8 @@ def parse_score_request(body: Any, limits: Limits | Mapping[str, Limits], served
         raise ApiError(
             413,
             "request_too_large",
-            f"The request holds {input_tokens} tokens; at most {limits.max_request_tokens} are accepted per request. "
-            "Split it.",
+            f"The request holds {input_tokens} tokens; at most {limits.max_request_tokens} are accepted per request; "
+            "split it.",
             "sequences",
             headers=limits.headers(),
         )

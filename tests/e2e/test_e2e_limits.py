@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -107,3 +108,21 @@ def test_overload_answers_429_with_retry_after_and_never_5xx(limits_server):
     metrics = httpx.get(limits_server.url + "/metrics", headers=AUTH).text
     assert 'packscore_rejections_total{reason="queue_full"}' in metrics
     assert httpx.get(limits_server.url + "/readyz").status_code == 200  # and it keeps serving
+
+
+def test_the_request_size_413s_say_so_in_one_sentence(tmp_path):
+    # API.md: an error's message is "one human sentence"; a client may show it as one line of a report.
+    server = ServerProcess(tmp_path, "--max-sequences-per-request", "2", "--max-queued-tokens", "40",
+                           "--max-batch-tokens", "64").wait_ready()
+    try:
+        bodies = {"too_many_sequences": {"sequences": [{"input_ids": [1, 2]}] * 3},
+                  "request_too_large": {"sequences": [{"input_ids": list(range(1, 31))}] * 2}}
+        errors = {name: post(server.url, body) for name, body in bodies.items()}
+    finally:
+        assert server.stop() == 0, server.log()
+    for name, response in errors.items():
+        assert response.status_code == 413, (name, response.text)
+        error = response.json()["error"]
+        assert error["type"] == name, error
+        message = error["message"]
+        assert message.endswith(".") and not re.search(r"[.!?]\s+[A-Z]", message), (name, message)
