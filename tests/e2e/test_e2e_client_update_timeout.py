@@ -81,3 +81,32 @@ def test_the_per_address_clients_of_an_update_everywhere_wait_as_long(server, mo
     assert list(caught.value.failed) == ["127.0.0.1"], caught.value
     _may_have_run(caught.value.failed["127.0.0.1"])
     _served_soon(server.url, "step-7")
+
+
+def test_an_update_sent_again_while_the_first_still_loads_waits_for_it(server):
+    # The trainer's first call gave up ("may have run") and it sends the same update again, as the
+    # error suggests: the server answers 409 update_in_progress with Retry-After while the first loads.
+    with ScoreClient(server.url, update_timeout_s=SHORT_S) as impatient, ScoreClient(server.url) as client:
+        with pytest.raises(ScoreError) as caught:
+            impatient.update_weights(None, "step-1", version="again-1")
+        _may_have_run(caught.value)
+        t0 = time.monotonic()
+        again = client.update_weights(None, "step-1", version="again-1")  # the first one's answer once it serves
+        assert again.weights_version == "again-1" and time.monotonic() - t0 < LOAD_S + 5, again
+        with pytest.raises(ScoreError) as caught:
+            impatient.update_weights(None, "step-2", version="again-2")
+        _may_have_run(caught.value)
+        with ScoreClient(server.url, retry_timeout_s=0) as no_retries:  # retries off: the 409 as it came
+            with pytest.raises(ScoreError) as caught:
+                no_retries.update_weights(None, "step-2", version="again-2")
+        assert (caught.value.status, caught.value.type) == (409, "update_in_progress"), caught.value
+        _served_soon(server.url, "again-2")
+
+    async def main():
+        async with AsyncScoreClient(server.url, update_timeout_s=SHORT_S) as impatient, AsyncScoreClient(server.url) as client:
+            with pytest.raises(ScoreError) as caught:
+                await impatient.update_weights(None, "step-3", version="again-3")
+            _may_have_run(caught.value)
+            return await client.update_weights(None, "step-3", version="again-3")
+
+    assert asyncio.run(main()).weights_version == "again-3"

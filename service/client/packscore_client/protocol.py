@@ -296,8 +296,9 @@ class Protocol:
 
     def weights_exchange(self, model: str | None, path: str, version: str | None,
                          give_up: float) -> Generator[bytes | float, Any, WeightsUpdate]:
-        """POST /v1/weights until answered, as ``exchange`` drives /score: 429 and 503 (an update
-        refused for now changes nothing) are retried after their Retry-After until ``give_up``; a
+        """POST /v1/weights until answered, as ``exchange`` drives /score: 429, 503 and 409
+        ``update_in_progress`` (an update refused for now changes nothing) are retried after their
+        Retry-After until ``give_up``; a
         server not reached is retried for ``connect_retry_s``; one never sent (``_NOT_SENT``) raises saying
         so. One that may have reached the server (a write or read timeout) is not sent again."""
         body, _ = self.weights_request(model, path, version)
@@ -305,7 +306,7 @@ class Protocol:
         while True:
             outcome = yield body
             if isinstance(outcome, httpx.Response):
-                if outcome.status_code not in _RETRY_STATUSES:
+                if outcome.status_code not in _RETRY_STATUSES and not _update_in_progress(outcome):
                     return self.weights_answer(outcome)
                 wait = retry_after(outcome, attempt)
                 if time.monotonic() + wait > give_up:
@@ -542,6 +543,17 @@ def renumbered(error: ScoreError, indices: Sequence[int] | None) -> ScoreError:
 
     param = _REQUEST_INDEX.sub(caller, error.param) if error.param else error.param
     return error.renamed(_REQUEST_INDEX.sub(caller, error.message), param)
+
+
+def _update_in_progress(response: httpx.Response) -> bool:
+    """A 409 ``update_in_progress``: another update of the model (often this one, sent before and
+    given up on) still loads; the server asks to retry once it is done."""
+    if response.status_code != 409:
+        return False
+    try:
+        return response.json()["error"]["type"] == "update_in_progress"
+    except NOT_THE_CONTRACT:
+        return False
 
 
 def retry_after(response: httpx.Response | None, attempt: int) -> float:
