@@ -55,14 +55,31 @@ def _ended(world: WorkerWorld, rank: int) -> str:
         code = proc.wait(timeout=1.0)
     except subprocess.TimeoutExpired:
         return f"worker rank {rank} (pid {proc.pid}) closed its reply pipe while starting, still running"
-    if code < 0:
-        try:
-            how = f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            how = f"was killed by signal {-code}"
-    else:
-        how = f"exited with status {code}"
-    return f"worker rank {rank} (pid {proc.pid}) {how} while starting"
+    return f"worker rank {rank} (pid {proc.pid}) {_how(code)} while starting"
+
+
+def _how(code: int) -> str:
+    if code >= 0:
+        return f"exited with status {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
+
+
+def _killed_peer(world: WorkerWorld, reporter: int, grace_s: float = 0.1) -> str | None:
+    """A rank other than ``reporter`` that a signal ended (SIGKILL, the OOM killer), described, if one
+    is found within ``grace_s``: a peer's death fails the reporter's collectives, so the reporter's
+    error is that loss, not its row's. A peer ending by itself (its own failure, status 1) is not one."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        for rank, proc in enumerate(world.procs):
+            code = proc.poll() if rank != reporter else None
+            if code is not None and code < 0:
+                return f"worker rank {rank} (pid {proc.pid}) {_how(code)}"
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.01)
 
 
 def _not_joined(world: WorkerWorld, joining: set[int], joined: set[int], timeout_s: float) -> str:
@@ -335,9 +352,13 @@ class Supervisor:
             pending.add(reply)
         elif isinstance(reply, msg.Failure):
             log.error("worker rank %d: request %d failed (%s): %s", rank, reply.request_id, reply.kind, reply.message)
+            # A fatal failure comes from a world with collectives, where a killed peer fails the others' rows.
+            killed = _killed_peer(world, rank) if reply.fatal and reply.kind == "internal" else None
             if pending is not None:
-                pending.settle(error=reply_error(reply))
+                lost = f"the worker pool is restarting after a worker failure: {killed}"
+                pending.settle(error=BackendUnavailableError(lost) if killed else reply_error(reply))
             if reply.fatal:
-                self._on_world_failure(world, f"worker rank {rank} failed: {reply.message}")
+                self._on_world_failure(world, f"{killed} (rank {rank} then failed: {reply.message})" if killed
+                                       else f"worker rank {rank} failed: {reply.message}")
         else:
             log.warning("worker rank %d sent an unexpected %s", rank, type(reply).__name__)
