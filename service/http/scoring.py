@@ -92,6 +92,8 @@ async def score_request(request: Request, service: Service) -> Response:
         # Several Accept lines are one list (RFC 9110 section 5.3), as a proxy may have split it
         out_encoding = response_encoding(", ".join(request.headers.getlist("accept")), in_encoding)
         body = _score_body(job, *scored, service)
+        # Counted at the answer: a request that failed, timed out or lost its client after some rows returned nothing.
+        service.metrics.tokens_scored.labels(model=job.model).inc(job.scored_tokens)
         return Response(encode_score_response(body, out_encoding), media_type=CONTENT_TYPE[out_encoding],
                         headers=limits.headers())
     finally:

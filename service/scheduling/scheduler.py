@@ -416,15 +416,10 @@ class Scheduler:
     async def _dispatch_loop(self) -> None:
         while True:
             row, scores = await self._results.get()
-            scored = 0
             for item, result in zip(row, scores):
                 ticket = item.ticket
-                if ticket.done:
-                    continue
-                scored += 0 if ticket.probe else item.seq.num_scored
-                if ticket.deliver(item.index, result):
+                if not ticket.done and ticket.deliver(item.index, result):
                     self._pending.discard(ticket)
-            self.metrics.tokens_scored.inc(scored)
 
 
 def _closed_error(reason: str) -> ApiError:

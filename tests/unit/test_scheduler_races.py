@@ -1,0 +1,45 @@
+"""Concurrency corners of the serving path with a controllable fake backend: what a request that
+ends early (a deadline, a sequence that fails alone, a client that leaves) leaves counted."""
+
+import asyncio
+import re
+
+import numpy as np
+
+from service.http.app import create_app
+from service.settings import Settings
+from service.testing import FakeBackend, running_app
+
+
+def _ids(n: int, start: int = 1) -> list[int]:
+    return (np.arange(start, start + n) % 900).tolist()
+
+
+def _tokens_scored(text: str) -> float:
+    return sum(float(v) for v in re.findall(r"^packscore_tokens_scored_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def test_tokens_scored_counts_only_tokens_returned_to_clients():
+    """A request whose first row was scored but which then failed (a sequence too large alone: 413) or
+    passed its deadline (504) returned no log-probability: packscore_tokens_scored_total must not
+    count its delivered sequences (it did, drifting above the 200s' usage.scored_tokens)."""
+    async def main():
+        # 413: a row of 10 + 60 tokens fails, is split; the 10 is scored and delivered, the 60 fails alone.
+        backend = FakeBackend(oom_above_tokens=50, seconds_per_token=0.01)
+        app = create_app(Settings(max_batch_tokens=100, max_wait_ms=50), backend)
+        async with running_app(app) as client:
+            base = _tokens_scored((await client.get("/metrics")).text)
+            too_large = await client.post("/score", json={"sequences": [{"input_ids": _ids(10)}, {"input_ids": _ids(60)}]})
+            # 504: a row of 45 + 45 fails and runs again in halves (0.45 s each): the first half is
+            # delivered, the deadline falls during the second.
+            late = await client.post("/score", json={"sequences": [{"input_ids": _ids(45)}, {"input_ids": _ids(45, 7)}],
+                                                      "deadline_ms": 700})
+            ok = await client.post("/score", json={"sequences": [{"input_ids": _ids(5)}]})
+            await asyncio.sleep(0.5)  # the late request's second row ends
+            return too_large, late, ok, _tokens_scored((await client.get("/metrics")).text) - base, backend.rows
+
+    too_large, late, ok, counted, rows = asyncio.run(main())
+    assert too_large.status_code == 413, too_large.text
+    assert late.status_code == 504, (late.text, rows)
+    assert ok.status_code == 200 and ok.json()["usage"]["scored_tokens"] == 4, ok.text
+    assert counted == 4, f"packscore_tokens_scored_total grew by {counted}; the only 200 returned 4 scored tokens (rows {rows})"
