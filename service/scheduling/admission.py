@@ -68,6 +68,7 @@ class Admission:
         self._measured = False  # False while ``rate`` is only the prior from a small row
         self._rate_at = 0.0
         self._waiters: deque[tuple[int, asyncio.Future]] = deque()
+        self._closed: BaseException | None = None  # close()'s error: a request that would wait for room gets it
 
     # ---- the bound ------------------------------------------------------------------------
 
@@ -132,6 +133,8 @@ class Admission:
         raises QueueFullError past the wait, or the error given to ``close()``."""
         if self.try_admit(tokens):
             return
+        if self._closed is not None:  # a drain began after the caller checked: it would wait unseen by close()
+            raise self._closed.with_traceback(None)
         wait = self.max_wait_s if timeout_s is None else min(self.max_wait_s, timeout_s)
         if wait <= 0 or self.waiting + tokens > self.max_tokens:
             raise self.refusal(tokens)
@@ -163,7 +166,9 @@ class Admission:
         return False
 
     def close(self, error: BaseException) -> None:
-        """Fails every waiting request with ``error`` (the server is stopping)."""
+        """Fails every waiting request with ``error`` (the server is stopping), and every request
+        that would wait from now on."""
+        self._closed = error
         while self._waiters:
             _, future = self._waiters.popleft()
             if not future.done():

@@ -3,10 +3,15 @@ ends early (a deadline, a sequence that fails alone, a client that leaves) leave
 
 import asyncio
 import re
+import threading
+import time
 
 import numpy as np
 
+from model_runtime.types import SequenceInput
 from service.http.app import create_app
+from service.http.errors import ApiError, draining_error
+from service.scheduling.scheduler import Scheduler
 from service.settings import Settings
 from service.testing import FakeBackend, running_app
 
@@ -43,3 +48,30 @@ def test_tokens_scored_counts_only_tokens_returned_to_clients():
     assert late.status_code == 504, (late.text, rows)
     assert ok.status_code == 200 and ok.json()["usage"]["scored_tokens"] == 4, ok.text
     assert counted == 4, f"packscore_tokens_scored_total grew by {counted}; the only 200 returned 4 scored tokens (rows {rows})"
+
+
+def test_a_request_that_starts_waiting_for_room_after_the_drain_began_gets_the_drains_503():
+    """score_request checks the phase, then its admission runs in a task of its own: a drain that
+    begins in between (SIGTERM's callback is already queued) has already failed the waiters. A
+    request that only then starts waiting for room must get the drain's 503 at once, as the waiters
+    did (docs/admission.md), not wait out --max-admission-wait-s and then get 429 or run."""
+    async def main():
+        gate = threading.Event()
+        scheduler = Scheduler(FakeBackend(gate=gate), max_batch_tokens=100, max_wait_ms=0, max_queued_tokens=100,
+                              max_admission_wait_s=2.0)
+        await scheduler.start()
+        scheduler.submit([SequenceInput(np.arange(1, 101))])  # the whole bound, held in its forward
+        scheduler.stop_admitting(draining_error())
+        started = time.monotonic()
+        try:
+            await scheduler.submit_when_room([SequenceInput(np.arange(1, 11))])
+            outcome = "admitted"
+        except ApiError as exc:
+            outcome = exc.status
+        waited = time.monotonic() - started
+        gate.set()
+        await scheduler.close()
+        return outcome, waited
+
+    outcome, waited = asyncio.run(main())
+    assert outcome == 503 and waited < 0.5, f"after the drain began: {outcome} after waiting {waited:.2f} s for room"
