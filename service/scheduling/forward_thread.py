@@ -19,11 +19,16 @@ class ForwardThread:
 
     def __init__(self, name: str):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.running = False  # a forward is under way on this thread
-        self.started_at: float | None = None  # monotonic start of the forward under way
+        # Monotonic start of the forward under way, None while idle: one attribute, so that the event
+        # loop never reads a new forward's state beside the previous one's start (a false "stalled").
+        self.since: float | None = None
         self.expected_s: float | None = None  # what that forward should take at the measured rate
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self.since is not None
 
     async def run(self, fn: Callable, *args):
         loop = asyncio.get_running_loop()
@@ -37,14 +42,13 @@ class ForwardThread:
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
             loop, future, fn, args = job
-            self.started_at = time.monotonic()
-            self.running = True
+            self.since = time.monotonic()
             try:
                 result, error = fn(*args), None
             except BaseException as exc:  # handed to the awaiting runner
                 result, error = None, exc
             finally:
-                self.running = False
+                self.since = None
             try:
                 loop.call_soon_threadsafe(_settle, future, result, error)
             except RuntimeError:  # the loop closed while the forward ran
@@ -57,8 +61,8 @@ def forward_state(threads: Iterable[ForwardThread]) -> str:
     measured rate, past ``STALL_UNMEASURED_S``)."""
     now, state = time.monotonic(), "idle"
     for thread in threads:
-        started = thread.started_at
-        if not thread.running or started is None:
+        started = thread.since
+        if started is None:
             continue
         expected = thread.expected_s
         bound = STALL_UNMEASURED_S if expected is None else max(STALL_FLOOR_S, STALL_FACTOR * expected)

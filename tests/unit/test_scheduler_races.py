@@ -8,9 +8,11 @@ import time
 
 import numpy as np
 
+from model_runtime.scoring.backend import STALL_UNMEASURED_S
 from model_runtime.types import SequenceInput
 from service.http.app import create_app
 from service.http.errors import ApiError, draining_error
+from service.scheduling.forward_thread import forward_state
 from service.scheduling.scheduler import Scheduler
 from service.settings import Settings
 from service.testing import FakeBackend, running_app
@@ -75,3 +77,39 @@ def test_a_request_that_starts_waiting_for_room_after_the_drain_began_gets_the_d
 
     outcome, waited = asyncio.run(main())
     assert outcome == 503 and waited < 0.5, f"after the drain began: {outcome} after waiting {waited:.2f} s for room"
+
+
+class _SwitchingThread:
+    """A forward thread whose reader is interrupted, right after its first read, by the thread starting
+    a forward (the interleaving a thread switch may produce). It speaks both ways of publishing that
+    state: ``started_at`` then ``running`` (two attributes), or ``since`` (one)."""
+
+    def __init__(self, idle_since: float):
+        self._started_at, self.running, self.expected_s, self._since, self._switched = idle_since, False, None, None, False
+
+    def _switch(self):
+        if not self._switched:
+            self._switched = True
+            self._started_at, self.running = time.monotonic(), True
+            self._since = self._started_at
+
+    @property
+    def started_at(self):
+        value = self._started_at
+        self._switch()
+        return value
+
+    @property
+    def since(self):
+        value = self._since
+        self._switch()
+        return value
+
+
+def test_a_forward_starting_while_readiness_reads_its_thread_is_not_stalled():
+    """forward_state read a thread's start time, then whether it runs: a forward starting in between
+    (after a long idle spell) read as one running since the previous forward, 'stalled', and /readyz
+    answered 503 for a healthy server."""
+    thread = _SwitchingThread(idle_since=time.monotonic() - 10 * STALL_UNMEASURED_S)
+    state = forward_state([thread])
+    assert state in ("idle", "busy"), f"a forward that had just started read as {state!r}"
