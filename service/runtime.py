@@ -31,6 +31,7 @@ from service.http.metrics import Metrics
 from service.http.request_id import outside_request
 from service.http.validation import Limits, resolve_model_len
 from service.scheduling.admission import SharedCapacity
+from service.scheduling.forward_thread import settle
 from service.scheduling.scheduler import Scheduler
 from service.settings import Settings
 from service.weights_record import UnservableError, WeightsRecord, Withheld, unservable
@@ -65,20 +66,12 @@ async def _in_daemon_thread(fn: Callable, *args):
         except BaseException as exc:  # handed to the awaiting coroutine
             result, error = None, exc
         try:
-            loop.call_soon_threadsafe(_settle, future, result, error)
+            loop.call_soon_threadsafe(settle, future, result, error)
         except RuntimeError:  # the loop closed meanwhile (the server could not listen): nobody awaits it
             pass
 
     threading.Thread(target=target, name=_LOAD_THREAD, daemon=True).start()
     return await future
-
-
-def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
-    if not future.done():  # the awaiting side may have been cancelled meanwhile
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
 
 
 class _FirstPassFailed(RuntimeError):

@@ -50,7 +50,7 @@ class ForwardThread:
             finally:
                 self.since = None
             try:
-                loop.call_soon_threadsafe(_settle, future, result, error)
+                loop.call_soon_threadsafe(settle, future, result, error)
             except RuntimeError:  # the loop closed while the forward ran
                 return
 
@@ -72,9 +72,19 @@ def forward_state(threads: Iterable[ForwardThread]) -> str:
     return state
 
 
-def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
-    if not future.done():  # the runner may have been cancelled meanwhile
+def settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    """``future`` (awaited on the event loop) gets a thread's result or error, unless it was cancelled."""
+    if not future.done():  # the awaiting side may have been cancelled meanwhile
         if error is not None:
-            future.set_exception(error)
+            future.set_exception(_raisable(error))
         else:
             future.set_result(result)
+
+
+def _raisable(error: BaseException) -> BaseException:
+    # set_exception refuses StopIteration with a TypeError inside the loop's callback: the awaiting task never woke.
+    if isinstance(error, StopIteration):
+        wrapped = RuntimeError(f"the call raised StopIteration{f': {error}' if str(error) else ''}")
+        wrapped.__cause__ = error
+        return wrapped
+    return error

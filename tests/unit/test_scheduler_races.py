@@ -113,3 +113,56 @@ def test_a_forward_starting_while_readiness_reads_its_thread_is_not_stalled():
     thread = _SwitchingThread(idle_since=time.monotonic() - 10 * STALL_UNMEASURED_S)
     state = forward_state([thread])
     assert state in ("idle", "busy"), f"a forward that had just started read as {state!r}"
+
+
+class _StopIterationOnce(FakeBackend):
+    """A backend whose first forward fails with StopIteration (a bug in it: next() on an empty iterator)."""
+
+    def score_row(self, sequences, group=None):
+        if not getattr(self, "failed_once", False):
+            self.failed_once = True
+            raise StopIteration
+        return super().score_row(sequences, group)
+
+
+def test_a_forward_failing_with_stop_iteration_fails_its_request_and_the_queue_moves_on():
+    """asyncio refuses StopIteration into a future: handing it over from the forward thread raised
+    TypeError in the loop's callback, the runner waited forever and no row ran again (every request
+    then 504 or 429, forever). Its request must fail alone (500), as any failing forward's does."""
+    async def main():
+        scheduler = Scheduler(_StopIterationOnce(), max_batch_tokens=100, max_wait_ms=0, max_queued_tokens=1000)
+        await scheduler.start()
+        outcomes = []
+        for _ in range(2):
+            ticket = scheduler.submit([SequenceInput(np.arange(1, 9))])
+            try:
+                await asyncio.wait_for(asyncio.shield(ticket.future), 5)
+                outcomes.append(200)
+            except ApiError as exc:
+                outcomes.append(exc.status)
+            except TimeoutError:
+                outcomes.append("hung")
+        await scheduler.close()
+        return outcomes
+
+    assert asyncio.run(main()) == [500, 200]
+
+
+def test_a_load_failing_with_stop_iteration_fails_the_start():
+    """The same hand-over from the load thread: a load that raised StopIteration left the service
+    'loading' forever (/readyz 503, never exiting) instead of failing the start with the reason."""
+    def load():
+        raise StopIteration
+
+    async def main():
+        app = create_app(Settings(), load)
+        async with app.router.lifespan_context(app):
+            service = app.state.service
+            for _ in range(200):
+                if service.phase != "loading":
+                    break
+                await asyncio.sleep(0.02)
+            return service.phase, service.fatal_error
+
+    phase, why = asyncio.run(main())
+    assert phase == "failed" and "StopIteration" in (why or ""), (phase, why)
