@@ -23,6 +23,7 @@ from service.http.errors import ApiError, backend_unavailable, from_validation_e
 from service.http.schemas import WeightsRequest
 from service.http.validation import pick_model
 from service.runtime import ServedModel, Service
+from service.scheduling.forward_thread import raising_to_the_loop
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
     before = model.backend.info.weights_version
     try:
         log.info("weights update of %s from %s (version %s)", model.name, path, version or "content hash")
-        update = await asyncio.to_thread(model.backend.update_weights, path, version)
+        update = await asyncio.to_thread(raising_to_the_loop, model.backend.update_weights, path, version)
     except CheckpointError as exc:
         log.warning("weights update of %s refused: %s", model.name, exc)
         raise checkpoint_refused(exc) from None

@@ -166,3 +166,30 @@ def test_a_load_failing_with_stop_iteration_fails_the_start():
 
     phase, why = asyncio.run(main())
     assert phase == "failed" and "StopIteration" in (why or ""), (phase, why)
+
+
+def test_an_update_failing_with_stop_iteration_is_answered_and_the_next_one_runs(tmp_path):
+    """The update's thread hands its outcome over through asyncio.to_thread, which refuses StopIteration
+    the same way: the update was never answered and the model stayed 'updating', so every later update
+    got 409 update_in_progress and a drain waited its whole timeout for it."""
+    (tmp_path / "step-1").mkdir()
+    (tmp_path / "step-2").mkdir()
+    failed = []
+
+    def check(path):
+        if not failed:
+            failed.append(path)
+            raise StopIteration
+
+    async def main():
+        app = create_app(Settings(weights_root=tmp_path), FakeBackend(check_checkpoint=check))
+        async with running_app(app) as client:
+            first = asyncio.ensure_future(client.post("/v1/weights", json={"path": "step-1"}))
+            await asyncio.wait({first}, timeout=3)  # not cancelled: a server never cancels a waiting handler
+            second = await asyncio.wait_for(client.post("/v1/weights", json={"path": "step-2"}), 5)
+            outcome = first.result().status_code if first.done() else "unanswered"
+            first.cancel()
+            return outcome, second.status_code
+
+    first, second = asyncio.run(main())
+    assert first not in ("unanswered", 409) and second == 200, (first, second)
