@@ -1,5 +1,7 @@
-"""Concurrency corners of the serving path with a controllable fake backend: what a request that
-ends early (a deadline, a sequence that fails alone, a client that leaves) leaves counted."""
+"""Concurrency corners of the serving path, with a controllable fake backend where timing must be
+forced: what a request that ends early leaves counted, a drain beginning between a check and the
+admission it guards, a thread's state read by the event loop mid-change, and an error that asyncio
+refuses to hand from a thread to the loop (which stalled whoever awaited it)."""
 
 import asyncio
 import re
