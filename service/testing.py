@@ -181,7 +181,8 @@ async def running_app(app, *, ready: bool = True, headers: dict | None = None) -
     """Runs ``app``'s lifespan in this event loop and yields a client bound to it (no sockets)."""
     async with app.router.lifespan_context(app):
         if ready:
-            await wait_until(lambda: app.state.service.phase in ("ready", "failed"))
+            # the readiness pass is a real forward: on a loaded 2-core machine it can take more than 10 s
+            await wait_until(lambda: app.state.service.phase in ("ready", "failed"), timeout=60.0)
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://packscore.test", headers=headers) as client:
             yield client
