@@ -307,7 +307,10 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
             raise OutputError(exc.errno, exc.strerror or str(exc)) from None
         window.popleft()
         written += 1
-        bar.update(1)
+
+    def _count_scored(future: asyncio.Future) -> None:  # run by the loop, as the bar's refresh is
+        if not future.cancelled() and future.exception() is None:
+            bar.update(1)
 
     def on_sigint() -> None:  # run by the loop, so never in the middle of a write
         if not stop.done():
@@ -336,6 +339,9 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
                     await write_oldest()
                     if stop.done():  # Ctrl-C while it waited: this line is not taken
                         raise _Stopped
+            # Counted when scored, not when written: lines are written in input order, so one long first line
+            # held every result behind it and the rate and time left read as if nothing was being scored.
+            ticket.future.add_done_callback(_count_scored)
             window.append((number, seq_id, job, ticket))
             while window and window[0][3].done:
                 await write_oldest()
