@@ -477,7 +477,8 @@ def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     try:
         done = finished_ids(output_path)
         # Every line is checked but for the model's own limits (vocabulary, context) before it loads.
-        loose = Limits(None, 2**62, 1, settings.queued_tokens, 1 << 62)
+        # A line longer than any context the run allows is named as the sequence it is, not as a request to split.
+        loose = Limits(None, settings.queued_tokens, 1, settings.queued_tokens, 1 << 62)
         todo = sum(1 for _ in _jobs(settings, input_path, loose, done, {"temperature": settings.temperature}, seen))
     except InputError as exc:
         print(f"packscore: error: {exc}", file=sys.stderr)
