@@ -298,9 +298,9 @@ class Protocol:
                          give_up: float) -> Generator[bytes | float, Any, WeightsUpdate]:
         """POST /v1/weights until answered, as ``exchange`` drives /score: 429, 503 and 409
         ``update_in_progress`` (an update refused for now changes nothing) are retried after their
-        Retry-After until ``give_up``; a
-        server not reached is retried for ``connect_retry_s``; one never sent (``_NOT_SENT``) raises saying
-        so. One that may have reached the server (a write or read timeout) is not sent again."""
+        Retry-After until ``give_up``; a server not reached is retried for ``connect_retry_s``; one
+        never sent (``_NOT_SENT``) raises saying so. One that may have reached the server (a write or
+        read timeout) is not sent again."""
         body, _ = self.weights_request(model, path, version)
         attempt, unreachable_since = 0, None
         while True:
