@@ -13,12 +13,12 @@ import asyncio
 import codecs
 import contextlib
 import fcntl
+import functools
 import logging
 import os
 import signal
 import sys
 import threading
-import time
 from collections import deque
 from pathlib import Path
 from typing import IO, Iterator, NamedTuple
@@ -26,12 +26,12 @@ from typing import IO, Iterator, NamedTuple
 import numpy as np
 import orjson
 import xxhash
-from tqdm import tqdm
 
 from service.http.encoding import non_finite_score, result_record
 from service.http.errors import ApiError
 from service.http.rollout import mismatch
 from service.http.validation import Limits, ScoreJob, parse_score_request, resolve_model_len
+from service.offline_progress import progress, tick
 from service.scheduling.scheduler import Scheduler
 from service.scheduling.tickets import Ticket
 from service.settings import Settings
@@ -208,65 +208,6 @@ def _check_resumed(input_path: Path, number: int, obj: dict, job: ScoreJob, resu
                          f"that another input, model or options made: {what}; give another -o, or remove that line")
 
 
-# How often the bar is redrawn, or a due log line checked, while no result comes (a first forward may take minutes).
-_REFRESH_S = 1.0
-_LOG_EVERY_S = 60.0
-
-
-def _progress(total: int, initial: int):
-    """A bar on a terminal; elsewhere (a log file, a pipe) one log line a minute, not a bar's redraws."""
-    if sys.stderr.isatty():
-        return tqdm(total=total, initial=initial, unit="seq")
-    return _LoggedProgress(total, initial, _LOG_EVERY_S)
-
-
-async def _tick(bar) -> None:
-    """Refreshes ``bar`` every _REFRESH_S until cancelled: tqdm redraws (and a log line falls due) only in
-    update(), so without it a bar's elapsed time stands still until the first result. On the loop's thread,
-    as update() is, so never in the middle of one."""
-    while True:
-        await asyncio.sleep(_REFRESH_S)
-        bar.refresh()
-
-
-class _LoggedProgress:
-    """tqdm's ``update``/``refresh``/``close`` as a log line every ``every_s`` seconds, with the rate and what is left."""
-
-    def __init__(self, total: int, initial: int, every_s: float = 60.0):
-        self.total, self.count, self.every_s = total, initial, every_s
-        self._start = self._last = time.monotonic()
-        self._initial = initial
-
-    def update(self, n: int = 1) -> None:
-        self.count += n
-        self.refresh()
-
-    def refresh(self) -> None:
-        """The log line, once ``every_s`` has passed since the last one, whether or not a result came."""
-        now = time.monotonic()
-        if now - self._last >= self.every_s:
-            self._last = now
-            self._report(now)
-
-    def _report(self, now: float, closing: bool = False) -> None:
-        if self.count == self._initial and not closing:  # no rate yet, so no time left to give
-            log.info("scored %d/%d sequences (none yet after %.0fs: waiting for the first forward's results)",
-                     self.count, self.total, now - self._start)
-            return
-        rate = (self.count - self._initial) / max(now - self._start, 1e-9)
-        left = f", about {(self.total - self.count) / rate:.0f}s left" if rate > 0 else ""
-        log.info("scored %d/%d sequences (%.1f/s%s)", self.count, self.total, rate, left)
-
-    def close(self) -> None:
-        self._report(time.monotonic(), closing=True)
-
-    def __enter__(self) -> "_LoggedProgress":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
 async def _score_lines(settings: Settings, backend, input_path: Path, limits: Limits, out: IO[bytes],
                        done: dict[str, Done], run: dict, bar) -> int:
     scheduler = Scheduler.from_settings(backend, settings)
@@ -308,9 +249,9 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
         window.popleft()
         written += 1
 
-    def _count_scored(future: asyncio.Future) -> None:  # run by the loop, as the bar's refresh is
+    def _count_scored(tokens: int, future: asyncio.Future) -> None:  # run by the loop, as the bar's refresh is
         if not future.cancelled() and future.exception() is None:
-            bar.update(1)
+            bar.update(1, tokens)
 
     def on_sigint() -> None:  # run by the loop, so never in the middle of a write
         if not stop.done():
@@ -326,7 +267,7 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
         except (ValueError, RuntimeError):  # not the main thread: Ctrl-C is not this run's to handle
             pass
     finished = False
-    ticker = asyncio.create_task(_tick(bar))  # cancelled below; asyncio.run cancels it too, before the bar closes
+    ticker = asyncio.create_task(tick(bar))  # cancelled below; asyncio.run cancels it too, before the bar closes
     try:
         for number, seq_id, job in _jobs(settings, input_path, limits, done, run):
             if stop.done():
@@ -341,7 +282,7 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
                         raise _Stopped
             # Counted when scored, not when written: lines are written in input order, so one long first line
             # held every result behind it and the rate and time left read as if nothing was being scored.
-            ticket.future.add_done_callback(_count_scored)
+            ticket.future.add_done_callback(functools.partial(_count_scored, len(job.sequences[0].input_ids)))
             window.append((number, seq_id, job, ticket))
             while window and window[0][3].done:
                 await write_oldest()
@@ -479,7 +420,9 @@ def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
         # Every line is checked but for the model's own limits (vocabulary, context) before it loads.
         # A line longer than any context the run allows is named as the sequence it is, not as a request to split.
         loose = Limits(None, settings.queued_tokens, 1, settings.queued_tokens, 1 << 62)
-        todo = sum(1 for _ in _jobs(settings, input_path, loose, done, {"temperature": settings.temperature}, seen))
+        todo = tokens = 0  # the tokens, for the time left: a forward's time follows them, not its lines
+        for _, _, job in _jobs(settings, input_path, loose, done, {"temperature": settings.temperature}, seen):
+            todo, tokens = todo + 1, tokens + len(job.sequences[0].input_ids)
     except InputError as exc:
         print(f"packscore: error: {exc}", file=sys.stderr)
         return 2
@@ -510,7 +453,7 @@ def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
         return 1
     code, stopped = None, None
     try:
-        code = _score_loaded(settings, backend, input_path, output_path, done, total, resumed)
+        code = _score_loaded(settings, backend, input_path, output_path, done, total, resumed, tokens)
     except (KeyboardInterrupt, Interrupted) as exc:
         stopped = exc
     finally:
@@ -539,7 +482,7 @@ def _close_backend(backend, code: int | None, stopped: BaseException | None, inp
 
 
 def _score_loaded(settings: Settings, backend, input_path: Path, output_path: Path, done: dict[str, Done], total: int,
-                  resumed: int) -> int:
+                  resumed: int, tokens: int) -> int:
     """Scores into OUT with the loaded ``backend``; the exit status of a run that ends or fails. Ctrl-C
     raises (Interrupted, or KeyboardInterrupt outside the scoring loop): the results written are kept."""
     try:
@@ -556,7 +499,7 @@ def _score_loaded(settings: Settings, backend, input_path: Path, output_path: Pa
             pass
         out = output_path.open("ab")
         try:
-            with _progress(total, resumed) as bar:
+            with progress(total, resumed, tokens) as bar:
                 written = asyncio.run(_score_lines(settings, backend, input_path, limits, out, done, run, bar))
         finally:
             _close_output(out)

@@ -17,6 +17,7 @@ import pytest
 
 from service import cli
 import service.offline
+import service.offline_progress
 from service.testing import FAKE_VERSION, FakeBackend
 from tests.signals import default_sigint
 
@@ -230,9 +231,9 @@ def test_progress_off_a_terminal_is_log_lines_not_a_bar(monkeypatch, tmp_path, c
         assert cli.main(["score", str(source), "-o", str(out)]) == 0
     assert "\r" not in capsys.readouterr().err
     assert "scored 20/20 sequences" in caplog.text
-    progress = service.offline._LoggedProgress(total=10, initial=4, every_s=0.0)
+    progress = service.offline_progress._LoggedProgress(total=10, initial=4, tokens=60, every_s=0.0)
     with caplog.at_level(logging.INFO, logger="service.offline"):
-        progress.update(3)
+        progress.update(3, tokens=30)
     assert "scored 7/10 sequences" in caplog.text and "s left" in caplog.text
 
 
@@ -511,8 +512,8 @@ def _slow_first_result(monkeypatch):
     gate = threading.Event()
     backend = FakeBackend(gate=gate)
     monkeypatch.setattr("service.backends.load_backend", lambda settings: backend)
-    monkeypatch.setattr(service.offline, "_REFRESH_S", 0.01)
-    monkeypatch.setattr(service.offline, "_LOG_EVERY_S", 0.05)
+    monkeypatch.setattr(service.offline_progress, "_REFRESH_S", 0.01)
+    monkeypatch.setattr(service.offline_progress, "_LOG_EVERY_S", 0.05)
     timer = threading.Timer(5.0, gate.set)
     timer.start()
     return gate, timer
@@ -553,8 +554,11 @@ def test_the_bar_on_a_terminal_is_redrawn_while_the_first_result_is_still_being_
     events = []
 
     class Bar:
-        def __init__(self, total, initial, unit):
+        def __init__(self, total, initial, unit, bar_format):
             self.n, self.closed = initial, False
+
+        def set_postfix_str(self, s, refresh):
+            pass
 
         def update(self, n=1):
             self.n += n
@@ -575,7 +579,7 @@ def test_the_bar_on_a_terminal_is_redrawn_while_the_first_result_is_still_being_
             self.close()
 
     gate, timer = _slow_first_result(monkeypatch)
-    monkeypatch.setattr(service.offline, "tqdm", Bar)
+    monkeypatch.setattr(service.offline_progress, "tqdm", Bar)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     try:
         assert cli.main(["score", str(source), "-o", str(out)]) == 0

@@ -1,0 +1,121 @@
+"""``packscore score``'s progress: a bar on a terminal, elsewhere a log line a minute. Both count lines
+but give the time left from tokens, since a forward's time follows its tokens, not its lines: with the
+longest lines first, a rate in lines gave many times the time that was left."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+
+from tqdm import tqdm
+
+log = logging.getLogger("service.offline")  # the logger the run's other lines come from, as before this module
+
+# How often the bar is redrawn, or a due log line checked, while no result comes (a first forward may take minutes).
+_REFRESH_S = 1.0
+_LOG_EVERY_S = 60.0
+_format_interval = tqdm.format_interval  # "1:02:05"; taken once, so that a test's stand-in for tqdm needs none
+
+
+def progress(total: int, initial: int, tokens: int):
+    """``total`` lines, ``initial`` of them already in OUT; ``tokens``: the tokens of the lines left to score."""
+    if sys.stderr.isatty():
+        return _BarProgress(total, initial, tokens)
+    return _LoggedProgress(total, initial, tokens, _LOG_EVERY_S)
+
+
+async def tick(bar) -> None:
+    """Refreshes ``bar`` every _REFRESH_S until cancelled: tqdm redraws (and a log line falls due) only in
+    update(), so without it a bar's elapsed time stands still until the first result. On the loop's thread,
+    as update() is, so never in the middle of one."""
+    while True:
+        await asyncio.sleep(_REFRESH_S)
+        bar.refresh()
+
+
+class _Progress:
+    """Lines and tokens scored; ``update(lines, tokens)`` as each result comes, ``refresh()`` to show them."""
+
+    def __init__(self, total: int, initial: int, tokens: int):
+        self.total, self.count, self._initial = total, initial, initial
+        self.tokens, self.tokens_done = tokens, 0
+        self._start = time.monotonic()
+
+    def update(self, n: int = 1, tokens: int = 0) -> None:
+        self.count += n
+        self.tokens_done += tokens
+        self.refresh()
+
+    def refresh(self) -> None:
+        raise NotImplementedError
+
+    def _rate_and_left(self, now: float) -> tuple[float, float | None]:
+        """Tokens per second so far, and the seconds left at that rate (None before any token is scored)."""
+        rate = self.tokens_done / max(now - self._start, 1e-9)
+        return rate, ((self.tokens - self.tokens_done) / rate if rate > 0 else None)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _BarProgress(_Progress):
+    """tqdm's bar of lines, with tokens/s and the time left from tokens in place of tqdm's, which come from lines."""
+
+    def __init__(self, total: int, initial: int, tokens: int):
+        super().__init__(total, initial, tokens)
+        self.bar = tqdm(total=total, initial=initial, unit="seq",
+                        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
+
+    def refresh(self) -> None:
+        self._set_left()
+        self.bar.refresh()
+
+    def update(self, n: int = 1, tokens: int = 0) -> None:
+        self.count += n
+        self.tokens_done += tokens
+        self._set_left()
+        self.bar.update(n)  # redraws at tqdm's own pace, with the time left just set
+
+    def _set_left(self) -> None:
+        rate, left = self._rate_and_left(time.monotonic())
+        shown = "" if left is None else f"{rate:.0f} tokens/s, about {_format_interval(left)} left"
+        self.bar.set_postfix_str(shown, refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class _LoggedProgress(_Progress):
+    """A log line every ``every_s`` seconds, with the rate and what is left: a bar's redraws fill a log file."""
+
+    def __init__(self, total: int, initial: int, tokens: int, every_s: float = 60.0):
+        super().__init__(total, initial, tokens)
+        self.every_s = every_s
+        self._last = self._start
+
+    def refresh(self) -> None:
+        """The log line, once ``every_s`` has passed since the last one, whether or not a result came."""
+        now = time.monotonic()
+        if now - self._last >= self.every_s:
+            self._last = now
+            self._report(now)
+
+    def _report(self, now: float, closing: bool = False) -> None:
+        if self.count == self._initial and not closing:  # no rate yet, so no time left to give
+            log.info("scored %d/%d sequences (none yet after %.0fs: waiting for the first forward's results)",
+                     self.count, self.total, now - self._start)
+            return
+        rate, left = self._rate_and_left(now)
+        shown = f", about {left:.0f}s left" if left is not None and self.count < self.total else ""
+        log.info("scored %d/%d sequences (%.0f tokens/s%s)", self.count, self.total, rate, shown)
+
+    def close(self) -> None:
+        self._report(time.monotonic(), closing=True)
