@@ -33,11 +33,14 @@ class Pending:
     error: BaseException | None = None
     ranks: int = 1
     replies: list = field(default_factory=list)
+    _settling: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def settle(self, reply=None, error=None) -> None:
-        if not self.done.is_set():
-            self.reply, self.error = reply, error
-            self.done.set()
+        # The reader and a world's failure may settle one row at once: the first settles it whole.
+        with self._settling:
+            if not self.done.is_set():
+                self.reply, self.error = reply, error
+                self.done.set()
 
     def add(self, reply) -> None:
         """One rank's answer; settled once every rank has answered."""
