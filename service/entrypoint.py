@@ -20,7 +20,7 @@ def exit_before_serving(signum, frame) -> None:
 
 
 def exit_on_sigterm_until_serving(argv: list[str]) -> None:
-    """For ``serve`` only: ``score`` writes a resumable file and keeps the default handler."""
+    """For ``serve`` only: ``score`` keeps the default until its scoring loop handles SIGTERM (exit 143)."""
     if argv[:1] == ["serve"] and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, exit_before_serving)
 

@@ -218,6 +218,7 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
     write_failed = False
     loop = asyncio.get_running_loop()
     stop, abandon = loop.create_future(), loop.create_future()  # set by a first and a second Ctrl-C
+    terminated = False  # SIGTERM: stop and abandon at once, a preempted job's grace is short
 
     async def write_oldest() -> None:
         nonlocal written, write_failed
@@ -261,11 +262,23 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
         elif not abandon.done():
             abandon.set_result(None)
 
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # ignored (a script's `cmd &`): it stays so
-        try:
-            loop.add_signal_handler(signal.SIGINT, on_sigint)
-        except (ValueError, RuntimeError):  # not the main thread: Ctrl-C is not this run's to handle
-            pass
+    def on_sigterm() -> None:  # what is finished is written and flushed, the forward under way is not waited for
+        nonlocal terminated
+        terminated = True
+        loop.remove_signal_handler(signal.SIGTERM)  # a second SIGTERM ends the process: OUT stays resumable
+        signal.signal(signal.SIGTERM, sigterm_before)
+        for future in (stop, abandon):
+            if not future.done():
+                future.set_result(None)
+
+    sigterm_before = signal.getsignal(signal.SIGTERM)
+    for signum, handler in ((signal.SIGINT, on_sigint), (signal.SIGTERM, on_sigterm)):
+        # ignored (a script's `cmd &`, nohup): it stays so; a SIGTERM handler set outside Python is left to it
+        if signal.getsignal(signum) is not signal.SIG_IGN and (signum == signal.SIGINT or sigterm_before is not None):
+            try:
+                loop.add_signal_handler(signum, handler)
+            except (ValueError, RuntimeError):  # not the main thread: the signal is not this run's to handle
+                pass
     finished = False
     ticker = asyncio.create_task(tick(bar))  # cancelled below; asyncio.run cancels it too, before the bar closes
     try:
@@ -307,9 +320,12 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
             while scheduler.forward_running and not abandon.done():
                 await asyncio.sleep(0.02)
             loop.remove_signal_handler(signal.SIGINT)
+            if loop.remove_signal_handler(signal.SIGTERM):  # asyncio leaves SIG_DFL: put back the one found
+                signal.signal(signal.SIGTERM, sigterm_before)
             ticker.cancel()  # its next step is its CancelledError: no refresh once this returns
     if stop.done() and not finished:
-        raise Interrupted(abandoned=abandon.done(), forward_running=scheduler.forward_running)
+        raise Interrupted(abandoned=abandon.done(), forward_running=scheduler.forward_running, terminated=terminated,
+                          written=written)
     return written
 
 
@@ -318,11 +334,13 @@ class _Stopped(Exception):
 
 
 class Interrupted(Exception):
-    """Ctrl-C stopped the run; ``abandoned``: a second one did not wait for the forwards under way."""
+    """Ctrl-C stopped the run; ``abandoned``: a second one did not wait for the forwards under way;
+    ``terminated``: SIGTERM stopped it, without waiting for them."""
 
-    def __init__(self, *, abandoned: bool, forward_running: bool):
+    def __init__(self, *, abandoned: bool, forward_running: bool, terminated: bool = False, written: int = 0):
         super().__init__("interrupted")
-        self.abandoned, self.forward_running = abandoned, forward_running
+        self.abandoned, self.forward_running, self.terminated = abandoned, forward_running, terminated
+        self.written = written  # results this run wrote to OUT
 
 
 async def _finish_started(scheduler: Scheduler, tickets: list[Ticket], abandon: asyncio.Future) -> None:
@@ -457,20 +475,28 @@ def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     except (KeyboardInterrupt, Interrupted) as exc:
         stopped = exc
     finally:
-        code = _close_backend(backend, code, stopped, input_path, output_path)
+        code = _close_backend(backend, code, stopped, input_path, output_path, (total, resumed))
     return code
 
 
 def _close_backend(backend, code: int | None, stopped: BaseException | None, input_path: Path,
-                   output_path: Path) -> int | None:
-    """Closes ``backend``, Ctrl-C held meanwhile; returns the exit status: ``code``, or 130 with the line
-    that says what OUT keeps where Ctrl-C stopped the run (``stopped``) or came while it closed."""
+                   output_path: Path, scored: tuple[int, int] = (0, 0)) -> int | None:
+    """Closes ``backend``, Ctrl-C held meanwhile; returns the exit status: ``code``, or 130 (143 for SIGTERM)
+    with the line that says what OUT keeps where a signal stopped the run (``stopped``) or Ctrl-C came while
+    it closed. ``scored``: the lines of IN, and those of them in OUT before this run."""
     with _ctrl_c_held() as held:
         backend.close()  # a pool's workers stop: also after a second Ctrl-C, which does not wait for their forward
         if held and stopped is None and code == 0:  # every line was in OUT before it came
             print(f"packscore: interrupted while closing the model; every line of {input_path} is in {output_path} "
                   "(the same command has nothing left to score)", file=sys.stderr)
             return 130
+        if getattr(stopped, "terminated", False):
+            print(f"packscore: terminated (SIGTERM); {scored[1] + stopped.written} of the {scored[0]} lines of "
+                  f"{input_path} are in {output_path}, in input order (a forward under way was not waited for): the "
+                  "same command resumes after them", file=sys.stderr)
+            if stopped.forward_running:
+                _hard_exit(143)
+            return 143
         if stopped is not None:
             how = "stopped at once, without the forward under way" if getattr(stopped, "abandoned", False) else "interrupted"
             print(f"packscore: {how}; the results written to {output_path} are kept, in input order: "
