@@ -265,20 +265,21 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
     def on_sigterm() -> None:  # what is finished is written and flushed, the forward under way is not waited for
         nonlocal terminated
         terminated = True
-        loop.remove_signal_handler(signal.SIGTERM)  # a second SIGTERM ends the process: OUT stays resumable
-        signal.signal(signal.SIGTERM, sigterm_before)
+        release_sigterm()  # a second SIGTERM ends the process: OUT stays resumable
         for future in (stop, abandon):
             if not future.done():
                 future.set_result(None)
 
-    sigterm_before = signal.getsignal(signal.SIGTERM)
-    for signum, handler in ((signal.SIGINT, on_sigint), (signal.SIGTERM, on_sigterm)):
-        # ignored (a script's `cmd &`, nohup): it stays so; a SIGTERM handler set outside Python is left to it
-        if signal.getsignal(signum) is not signal.SIG_IGN and (signum == signal.SIGINT or sigterm_before is not None):
-            try:
+    def release_sigterm() -> None:  # asyncio's removal leaves SIG_DFL: the handler found before comes back
+        if loop.remove_signal_handler(signal.SIGTERM):
+            signal.signal(signal.SIGTERM, sigterm_before)
+
+    sigterm_before = signal.getsignal(signal.SIGTERM)  # None: a handler set outside Python, left to it
+    handlers = [(signal.SIGINT, on_sigint)] + ([(signal.SIGTERM, on_sigterm)] if sigterm_before is not None else [])
+    for signum, handler in handlers:
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # ignored (a script's `cmd &`, nohup): it stays so
+            with contextlib.suppress(ValueError, RuntimeError):  # not the main thread: not this run's to handle
                 loop.add_signal_handler(signum, handler)
-            except (ValueError, RuntimeError):  # not the main thread: the signal is not this run's to handle
-                pass
     finished = False
     ticker = asyncio.create_task(tick(bar))  # cancelled below; asyncio.run cancels it too, before the bar closes
     try:
@@ -320,8 +321,7 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
             while scheduler.forward_running and not abandon.done():
                 await asyncio.sleep(0.02)
             loop.remove_signal_handler(signal.SIGINT)
-            if loop.remove_signal_handler(signal.SIGTERM):  # asyncio leaves SIG_DFL: put back the one found
-                signal.signal(signal.SIGTERM, sigterm_before)
+            release_sigterm()
             ticker.cancel()  # its next step is its CancelledError: no refresh once this returns
     if stop.done() and not finished:
         raise Interrupted(abandoned=abandon.done(), forward_running=scheduler.forward_running, terminated=terminated,
@@ -490,21 +490,20 @@ def _close_backend(backend, code: int | None, stopped: BaseException | None, inp
             print(f"packscore: interrupted while closing the model; every line of {input_path} is in {output_path} "
                   "(the same command has nothing left to score)", file=sys.stderr)
             return 130
+        if stopped is None:
+            return code
         if getattr(stopped, "terminated", False):
-            print(f"packscore: terminated (SIGTERM); {scored[1] + stopped.written} of the {scored[0]} lines of "
-                  f"{input_path} are in {output_path}, in input order (a forward under way was not waited for): the "
-                  "same command resumes after them", file=sys.stderr)
-            if stopped.forward_running:
-                _hard_exit(143)
-            return 143
-        if stopped is not None:
+            status, line = 143, (f"terminated (SIGTERM); {scored[1] + stopped.written} of the {scored[0]} lines of "
+                                 f"{input_path} are in {output_path}, in input order (a forward under way was not "
+                                 "waited for): the same command resumes after them")
+        else:
             how = "stopped at once, without the forward under way" if getattr(stopped, "abandoned", False) else "interrupted"
-            print(f"packscore: {how}; the results written to {output_path} are kept, in input order: "
-                  "the same command resumes after them", file=sys.stderr)
-            if getattr(stopped, "forward_running", False):  # torch's teardown under a running forward aborts (SIGABRT)
-                _hard_exit(130)
-            return 130
-    return code
+            status, line = 130, (f"{how}; the results written to {output_path} are kept, in input order: "
+                                 "the same command resumes after them")
+        print(f"packscore: {line}", file=sys.stderr)
+        if getattr(stopped, "forward_running", False):  # torch's teardown under a running forward aborts (SIGABRT)
+            _hard_exit(status)
+        return status
 
 
 def _score_loaded(settings: Settings, backend, input_path: Path, output_path: Path, done: dict[str, Done], total: int,

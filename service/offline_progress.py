@@ -36,20 +36,16 @@ async def tick(bar) -> None:
 
 
 class _Progress:
-    """Lines and tokens scored; ``update(lines, tokens)`` as each result comes, ``refresh()`` to show them."""
+    """Lines and tokens scored; a subclass's ``update(lines, tokens)`` as each result comes, ``refresh()`` to show them."""
 
     def __init__(self, total: int, initial: int, tokens: int):
         self.total, self.count, self._initial = total, initial, initial
         self.tokens, self.tokens_done = tokens, 0
         self._start = time.monotonic()
 
-    def update(self, n: int = 1, tokens: int = 0) -> None:
+    def _add(self, n: int, tokens: int) -> None:
         self.count += n
         self.tokens_done += tokens
-        self.refresh()
-
-    def refresh(self) -> None:
-        raise NotImplementedError
 
     def _rate_and_left(self, now: float) -> tuple[float, float | None]:
         """Tokens per second so far, and the seconds left at that rate (None before any token is scored)."""
@@ -79,8 +75,7 @@ class _BarProgress(_Progress):
         self.bar.refresh()
 
     def update(self, n: int = 1, tokens: int = 0) -> None:
-        self.count += n
-        self.tokens_done += tokens
+        self._add(n, tokens)
         self._set_left()
         self.bar.update(n)  # redraws at tqdm's own pace, with the time left just set
 
@@ -100,6 +95,10 @@ class _LoggedProgress(_Progress):
         super().__init__(total, initial, tokens)
         self.every_s = every_s
         self._last = self._start
+
+    def update(self, n: int = 1, tokens: int = 0) -> None:
+        self._add(n, tokens)
+        self.refresh()
 
     def refresh(self) -> None:
         """The log line, once ``every_s`` has passed since the last one, whether or not a result came."""
