@@ -70,12 +70,12 @@ def _how(code: int) -> str:
 def _killed_peer(world: WorkerWorld, reporter: int, grace_s: float = 0.1) -> str | None:
     """A rank other than ``reporter`` that a signal ended (SIGKILL, the OOM killer), described, if one
     is found within ``grace_s``: a peer's death fails the reporter's collectives, so the reporter's
-    error is that loss, not its row's. A peer ending by itself (its own failure, status 1) is not one."""
+    error is that loss, not its row's. A peer ending by itself (its own failure, status 1) is not one.
+    Exit statuses, not pipes as the start's ``_lost_peer`` reads: while serving, the pipes' replies are the reader's."""
     deadline = time.monotonic() + grace_s
     while True:
         for rank, proc in enumerate(world.procs):
-            code = proc.poll() if rank != reporter else None
-            if code is not None and code < 0:
+            if rank != reporter and (code := proc.poll()) is not None and code < 0:
                 return f"worker rank {rank} (pid {proc.pid}) {_how(code)}"
         if time.monotonic() >= deadline:
             return None
