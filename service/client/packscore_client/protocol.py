@@ -548,12 +548,7 @@ def renumbered(error: ScoreError, indices: Sequence[int] | None) -> ScoreError:
 def _update_in_progress(response: httpx.Response) -> bool:
     """A 409 ``update_in_progress``: another update of the model (often this one, sent before and
     given up on) still loads; the server asks to retry once it is done."""
-    if response.status_code != 409:
-        return False
-    try:
-        return response.json()["error"]["type"] == "update_in_progress"
-    except NOT_THE_CONTRACT:
-        return False
+    return response.status_code == 409 and response_error(response).type == "update_in_progress"
 
 
 def retry_after(response: httpx.Response | None, attempt: int) -> float:
