@@ -9,6 +9,7 @@ back when uvicorn is done.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -29,6 +30,15 @@ def after_serving(handler):
     """The handler to put back for SIGTERM once the server stops handling it, where ``handler`` is the
     one it found: the default instead of the early exit (a SIGTERM then is no longer one before serving)."""
     return signal.SIG_DFL if handler is exit_before_serving else handler
+
+
+def hard_exit(status: int) -> None:
+    """Ends the process now with ``status``, its logs flushed, without the interpreter's teardown:
+    torch's C++ teardown under a forward still running on its thread aborts (SIGABRT)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def main() -> int:

@@ -31,6 +31,7 @@ from service.http.encoding import non_finite_score, result_record
 from service.http.errors import ApiError
 from service.http.rollout import mismatch
 from service.http.validation import Limits, ScoreJob, parse_score_request, resolve_model_len
+from service.entrypoint import hard_exit
 from service.offline_progress import progress, tick
 from service.scheduling.scheduler import Scheduler
 from service.scheduling.tickets import Ticket
@@ -502,7 +503,7 @@ def _close_backend(backend, code: int | None, stopped: BaseException | None, inp
                                  "the same command resumes after them")
         print(f"packscore: {line}", file=sys.stderr)
         if getattr(stopped, "forward_running", False):  # torch's teardown under a running forward aborts (SIGABRT)
-            _hard_exit(status)
+            hard_exit(status)
         return status
 
 
@@ -555,9 +556,3 @@ def _ctrl_c_held() -> Iterator[list[int]]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _hard_exit(status: int) -> None:
-    """Ends the process now, OUT already closed: a forward still runs on its thread."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)

@@ -7,7 +7,6 @@ import asyncio
 import atexit
 import contextlib
 import logging
-import os
 import signal
 import sys
 import threading
@@ -17,7 +16,7 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.server import HANDLED_SIGNALS
 
-from service.entrypoint import after_serving, exit_before_serving
+from service.entrypoint import after_serving, exit_before_serving, hard_exit
 from service.http.protocol import default_max_connections, guarded_protocol
 from service.http.request_id import outside_request, uvicorn_log_config
 from service.runtime import Service
@@ -150,14 +149,7 @@ def _disarm(timer: threading.Timer) -> None:
 
 def _exit_now() -> None:
     log.warning("drain: still running %.0f s past the drain timeout; exiting", _EXIT_GRACE_S)
-    _hard_exit(0)
-
-
-def _hard_exit(status: int) -> None:
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    hard_exit(0)
 
 
 def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
@@ -208,4 +200,4 @@ def _exit_if_torch_work_running(service: Service, status: int) -> None:
     threads, so the process ends here, its answers already sent and its logs flushed."""
     if service.torch_work_running():
         log.warning("exiting while a forward, load or weights update still runs in another thread")
-        _hard_exit(status)
+        hard_exit(status)
