@@ -71,6 +71,7 @@ def _chart_set_options() -> set[str]:
     value_sets = [{**v, "server": {**v.get("server", {}), "extraArgs": []}} for v in value_sets]  # the chart's own
     flags = {a.split("=")[0] for values in value_sets for a in container(values)["args"] if a.startswith("--")}
     flags.add("--weights-record")  # set as PACKSCORE_WEIGHTS_RECORD, which the option would override
+    flags.add("--api-key-file")  # would override PACKSCORE_API_KEY from apiKey.secretName, and the scrape's token
     flags |= {"--no-" + f[2:] for f in flags if "--no-" + f[2:] in CLI_OPTIONS}  # the negation of a switch
     return flags - {"--model"}  # repeated on purpose: more models beside model.path
 
@@ -98,6 +99,22 @@ def test_extra_args_cannot_override_an_option_the_chart_sets(flag):
         assert f"is (or abbreviates) {flag}, which the chart sets from" in str(err.value), (extra, str(err.value))
 
 
-@pytest.mark.parametrize("option", sorted(CLI_OPTIONS - _chart_set_options()))
+# Options whose value is a key itself: on the command line, `ps` and the pod spec would show it.
+KEY_OPTIONS = {"--api-key": "apiKey.secretName", "--admin-key": "weights.adminKey.secretName"}
+
+
+@pytest.mark.parametrize("flag", sorted(KEY_OPTIONS))
+def test_extra_args_never_put_a_key_on_the_command_line(flag):
+    assert flag in CLI_OPTIONS
+    # --admin-key is also the start of --admin-key-file: the key's own message, not that option's
+    for extra in ([flag, "s3cret"], [f"{flag}=s3cret"], [flag[:-1], "s3cret"]):
+        with pytest.raises(helm.HelmError) as err:
+            render_chart({"server": {"extraArgs": extra}})
+        message = str(err.value)
+        assert f"is (or abbreviates) {flag}, which would put a key on the command line" in message, (extra, message)
+        assert f"set {KEY_OPTIONS[flag]} (a Secret" in message, message
+
+
+@pytest.mark.parametrize("option", sorted(CLI_OPTIONS - _chart_set_options() - set(KEY_OPTIONS)))
 def test_extra_args_take_every_option_the_chart_leaves_alone(option):
     assert container({"server": {"extraArgs": [option, "x"]}})["args"][-2:] == [option, "x"]

@@ -103,7 +103,8 @@ app.kubernetes.io/component: scoring
 {{- end }}
 
 {{/* Fails the render when server.extraArgs names, or abbreviates as argparse allows, an option the chart
-sets itself: the last one given wins, and the probes, ports, grace period and volumes follow the chart's value. */}}
+sets itself (the last one given wins, and the probes, ports, grace period and volumes follow the chart's value)
+or a key (on the command line, ps and the pod spec show it). */}}
 {{- define "packscore.validateExtraArgs" -}}
 {{- $managed := dict
   "--host" "the chart (0.0.0.0, where the probes and the Service reach the pod)"
@@ -126,12 +127,21 @@ sets itself: the last one given wins, and the probes, ports, grace period and vo
   "--weights-root" "weights.enabled and weights.mountPath"
   "--admin-key-file" "weights.adminKey"
   "--weights-record" "weights.record and weights.recordClaim"
+  "--api-key-file" "apiKey.secretName"
 }}
-{{- /* Options of their own that are also the start of a managed one: argparse takes an exact name first. */}}
-{{- $whole := list "--admin-key" }}
+{{- $keys := dict
+  "--api-key" "apiKey.secretName (a Secret, passed as PACKSCORE_API_KEY)"
+  "--admin-key" "weights.adminKey.secretName (a Secret, mounted as the file --admin-key-file reads)"
+}}
 {{- range .Values.server.extraArgs }}
 {{- $name := index (splitList "=" .) 0 }}
-{{- if and (hasPrefix "--" $name) (gt (len $name) 2) (not (has $name $whole)) }}
+{{- if and (hasPrefix "--" $name) (gt (len $name) 2) }}
+{{- /* Keys first: --admin-key is an option of its own, not an abbreviation of --admin-key-file. */}}
+{{- range $flag, $from := $keys }}
+{{- if hasPrefix $name $flag }}
+{{- fail (printf "server.extraArgs(%s) is (or abbreviates) %s, which would put a key on the command line, where ps and the pod spec show it: set %s instead" $name $flag $from) }}
+{{- end }}
+{{- end }}
 {{- range $flag, $from := $managed }}
 {{- if hasPrefix $name $flag }}
 {{- fail (printf "server.extraArgs(%s) is (or abbreviates) %s, which the chart sets from %s: set that value instead" $name $flag $from) }}
