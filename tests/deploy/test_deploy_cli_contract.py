@@ -115,6 +115,34 @@ def test_extra_args_never_put_a_key_on_the_command_line(flag):
         assert f"set {KEY_OPTIONS[flag]} (a Secret" in message, message
 
 
+def _variable(flag: str) -> str:
+    return "PACKSCORE_" + flag.removeprefix("--").replace("-", "_").upper()
+
+
+# The variable of every option the chart sets or passes from a Secret; a --no- switch has none.
+CHART_VARIABLES = sorted({_variable(f) for f in _chart_set_options() | set(KEY_OPTIONS) | {"--model"}
+                          if not f.startswith("--no-")})
+
+
+@pytest.mark.parametrize("name", CHART_VARIABLES)
+def test_env_cannot_set_what_the_chart_sets(name):
+    # The server reads PACKSCORE_<OPTION> where the command line leaves it (server.maxQueuedTokens null:
+    # PACKSCORE_MAX_QUEUED_TOKENS would escape the autoscaling check), in any case (pydantic-settings).
+    assert name.removeprefix("PACKSCORE_").lower() in Settings.model_fields
+    for given in (name, name.lower()):
+        with pytest.raises(helm.HelmError) as err:
+            render_chart({"env": [{"name": "NCCL_DEBUG", "value": "WARN"}, {"name": given, "value": "1"}]})
+        message = str(err.value)
+        assert f"env({given}) sets --" in message and ", which the chart sets from " in message, message
+
+
+@pytest.mark.parametrize("name", ["PACKSCORE_LOG_LEVEL", "PACKSCORE_QUEUE_SECONDS", "PACKSCORE_PREFIX_SHARING",
+                                  "PACKSCORE_FLA_AUTOTUNE", "PACKSCORE_CACHE_DIR", "PACKSCORE_EXPERT_GEMM",
+                                  "PACKSCORE_NO_FSDP", "HF_HUB_CACHE"])
+def test_env_takes_what_the_chart_leaves_alone(name):
+    assert {"name": name, "value": "1"} in container({"env": [{"name": name, "value": "1"}]})["env"]
+
+
 @pytest.mark.parametrize("option", sorted(CLI_OPTIONS - _chart_set_options() - set(KEY_OPTIONS)))
 def test_extra_args_take_every_option_the_chart_leaves_alone(option):
     assert container({"server": {"extraArgs": [option, "x"]}})["args"][-2:] == [option, "x"]

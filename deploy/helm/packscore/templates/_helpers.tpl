@@ -104,7 +104,8 @@ app.kubernetes.io/component: scoring
 
 {{/* Fails the render when server.extraArgs names, or abbreviates as argparse allows, an option the chart
 sets itself (the last one given wins, and the probes, ports, grace period and volumes follow the chart's value)
-or a key (on the command line, ps and the pod spec show it). */}}
+or a key (on the command line, ps and the pod spec show it); and when env names the variable of such an option
+(PACKSCORE_<OPTION>, which the server reads where the command line leaves it, whatever its case). */}}
 {{- define "packscore.validateExtraArgs" -}}
 {{- $managed := dict
   "--host" "the chart (0.0.0.0, where the probes and the Service reach the pod)"
@@ -147,6 +148,18 @@ or a key (on the command line, ps and the pod spec show it). */}}
 {{- fail (printf "server.extraArgs(%s) is (or abbreviates) %s, which the chart sets from %s: set that value instead" $name $flag $from) }}
 {{- end }}
 {{- end }}
+{{- end }}
+{{- end }}
+{{- $variables := dict "PACKSCORE_MODEL" (list "--model" "model.path (more models: --model NAME=PATH in server.extraArgs)") }}
+{{- range $flag, $from := merge (dict) $managed $keys }}
+{{- if not (hasPrefix "--no-" $flag) }}
+{{- $_ := set $variables (printf "PACKSCORE_%s" (trimPrefix "--" $flag | replace "-" "_" | upper)) (list $flag $from) }}
+{{- end }}
+{{- end }}
+{{- range $entry := .Values.env }}
+{{- $name := toString $entry.name }}
+{{- with get $variables (upper $name) }}
+{{- fail (printf "env(%s) sets %s, which the chart sets from %s: set that value instead" $name (index . 0) (index . 1)) }}
 {{- end }}
 {{- end }}
 {{- end }}
