@@ -243,14 +243,6 @@ def test_triton_cache_can_live_on_an_existing_claim():
     assert vol == {"name": "cache", "persistentVolumeClaim": {"claimName": "triton-cache"}}
 
 
-def test_scheduled_onto_h200_nodes():
-    spec = pod_spec()
-    assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
-    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
-    assert "runtimeClassName" not in spec
-    assert pod_spec({"runtimeClassName": "nvidia"})["runtimeClassName"] == "nvidia"
-
-
 MODEL_SOURCES = [
     pytest.param({"type": "none"}, None, id="none-preset"),
     pytest.param({"type": "pvc", "pvc": {"claimName": "models"}},
@@ -315,6 +307,7 @@ def test_incomplete_model_sources_are_rejected_by_the_schema(source, where):
         pytest.param({"shm": {"sizeLimit": "lots"}}, "/shm/sizeLimit", id="bad-quantity"),
         pytest.param({"server": {"port": 8000, "drainTimeoutS": 60, "dtype": "bf16"}}, "/server/dtype",
                      id="dtype-packscore-serve-refuses"),
+        pytest.param({"gpuProducts": ["NVIDIA H200"]}, "/gpuProducts/0", id="gpu-product-not-a-label-value"),
         pytest.param({"probes": {"startup": {"path": "readyz", "periodSeconds": 10, "failureThreshold": 1,
                                              "timeoutSeconds": 1}}}, "/probes/startup/path", id="relative-probe-path"),
     ],

@@ -164,6 +164,35 @@ or a key (on the command line, ps and the pod spec show it); and when env names 
 {{- end }}
 {{- end }}
 
+{{/* The pod's affinity: .Values.affinity, with `nvidia.com/gpu.product In gpuProducts` added to every required
+node term (terms are ORed, expressions in one ANDed), or as the only term; left out when gpuProducts is empty or
+nodeSelector or a required term names that label itself (the user's choice of GPU replaces the default). */}}
+{{- define "packscore.affinity" -}}
+{{- $label := "nvidia.com/gpu.product" }}
+{{- $affinity := deepCopy (.Values.affinity | default dict) }}
+{{- $node := get $affinity "nodeAffinity" | default dict }}
+{{- $required := get $node "requiredDuringSchedulingIgnoredDuringExecution" | default dict }}
+{{- $terms := get $required "nodeSelectorTerms" | default list }}
+{{- $chosen := hasKey (.Values.nodeSelector | default dict) $label }}
+{{- range $terms }}
+{{- range get . "matchExpressions" | default list }}
+{{- if eq .key $label }}{{ $chosen = true }}{{ end }}
+{{- end }}
+{{- end }}
+{{- if and .Values.gpuProducts (not $chosen) }}
+{{- $product := dict "key" $label "operator" "In" "values" .Values.gpuProducts }}
+{{- $withProduct := list }}
+{{- range $terms }}
+{{- $withProduct = append $withProduct (set . "matchExpressions" (append (get . "matchExpressions" | default list) $product)) }}
+{{- end }}
+{{- if not $withProduct }}{{ $withProduct = list (dict "matchExpressions" (list $product)) }}{{ end }}
+{{- $_ := set $required "nodeSelectorTerms" $withProduct }}
+{{- $_ := set $node "requiredDuringSchedulingIgnoredDuringExecution" $required }}
+{{- $_ := set $affinity "nodeAffinity" $node }}
+{{- end }}
+{{- with $affinity }}{{ toYaml . }}{{ end }}
+{{- end }}
+
 {{/* Seconds from SIGTERM to SIGKILL: preStop sleep + drain + margin. */}}
 {{- define "packscore.terminationGracePeriod" -}}
 {{- add (int .Values.preStopSleepS) (int .Values.server.drainTimeoutS) (int .Values.terminationGraceMarginS) }}
