@@ -81,11 +81,11 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1
 
 # Triton (used by flash-linear-attention) compiles a small C launcher at run time,
-# so the runtime image needs a C compiler and Python's headers.
+# so the runtime image needs a C compiler and Python's headers; tini is the container's init (ENTRYPOINT).
 # Ubuntu 24.04 images ship a user "ubuntu" with uid 1000; packscore takes that uid.
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-dev python3-venv gcc libc6-dev \
+ && apt-get install -y --no-install-recommends python3 python3-dev python3-venv gcc libc6-dev tini \
  && rm -rf /var/lib/apt/lists/* \
  && if id -u ubuntu >/dev/null 2>&1; then userdel --remove ubuntu; fi \
  && groupadd --gid 1000 packscore \
@@ -128,5 +128,8 @@ EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('PACKSCORE_PORT', '8000'), timeout=4)"]
 
+# tini as PID 1 reaps orphaned processes (a dead worker's children), which packscore never waits for, and
+# forwards signals to packscore alone (no -g: SIGTERM must reach it, not its workers, so that it drains),
+# returning its exit status unchanged; -s keeps reaping under another init (docker run --init).
 # No arguments: the built-in `tiny` model. Real models: `--model /models/<checkpoint>`.
-ENTRYPOINT ["packscore", "serve"]
+ENTRYPOINT ["/usr/bin/tini", "-s", "--", "packscore", "serve"]

@@ -126,12 +126,29 @@ def test_install_steps_match_the_readme_and_the_gpu_extra(dockerfile):
 def test_runtime_runs_packscore_serve_as_uid_1000(dockerfile):
     runtime = stages(dockerfile)["runtime"]
     assert args_of(runtime, "USER") == ["1000:1000"]
-    assert json.loads(args_of(runtime, "ENTRYPOINT")[0]) == ["packscore", "serve"]
+    assert json.loads(args_of(runtime, "ENTRYPOINT")[0])[-2:] == ["packscore", "serve"]
     assert args_of(runtime, "EXPOSE") == ["8000"]
     assert "useradd --uid 1000" in " ".join(args_of(runtime, "RUN"))
     # USER comes after every RUN, so nothing at run time has root's rights.
     keywords = [k for k, _ in runtime]
     assert max(i for i, k in enumerate(keywords) if k == "RUN") < keywords.index("USER")
+
+
+def test_tini_is_the_init_reaping_orphans_and_passing_signals_and_exit_status_through(dockerfile):
+    # packscore as PID 1 never reaps a dead worker's orphaned children; tini does, as PID 1 or (-s) under another init.
+    runtime = stages(dockerfile)["runtime"]
+    entrypoint = json.loads(args_of(runtime, "ENTRYPOINT")[0])
+    assert entrypoint[0] == "/usr/bin/tini", entrypoint  # where Ubuntu's tini package installs it
+    end = entrypoint.index("--")
+    assert entrypoint[end + 1:] == ["packscore", "serve"]  # docker run's arguments still go to packscore serve
+    flags = entrypoint[1:end]
+    assert "-s" in flags
+    assert "-g" not in flags  # SIGTERM to packscore alone: it drains, then stops its workers itself
+    assert not any(f.startswith("-e") for f in flags)  # exit statuses unchanged (0 drained, 2 refused checkpoint)
+    installs = [r for r in args_of(runtime, "RUN") if "apt-get install" in r]
+    assert any(re.search(r"--no-install-recommends .*\btini\b", r) for r in installs), installs
+    readme = (REPO / "deploy" / "README.md").read_text()
+    assert f"`ENTRYPOINT {json.dumps(entrypoint)}`" in readme
 
 
 def test_healthcheck_polls_healthz(dockerfile):
