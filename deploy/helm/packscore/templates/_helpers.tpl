@@ -99,14 +99,14 @@ app.kubernetes.io/component: scoring
 {{- fail (printf "probes.%s.timeoutSeconds(%d) <= 4: /readyz may take 4 s to answer (its scoring pass waits behind a running forward), so the probe would fail a busy pod; at least 5" $probe (int $p.timeoutSeconds)) }}
 {{- end }}
 {{- end }}
-{{- include "packscore.validateExtraArgs" . }}
+{{- include "packscore.validateOptions" . }}
 {{- end }}
 
 {{/* Fails the render when server.extraArgs names, or abbreviates as argparse allows, an option the chart
 sets itself (the last one given wins, and the probes, ports, grace period and volumes follow the chart's value)
 or a key (on the command line, ps and the pod spec show it); and when env names the variable of such an option
 (PACKSCORE_<OPTION>, which the server reads where the command line leaves it, whatever its case). */}}
-{{- define "packscore.validateExtraArgs" -}}
+{{- define "packscore.validateOptions" -}}
 {{- $managed := dict
   "--host" "the chart (0.0.0.0, where the probes and the Service reach the pod)"
   "--port" "server.port"
