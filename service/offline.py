@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import errno
 import fcntl
 import functools
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
@@ -524,6 +526,7 @@ def _score_loaded(settings: Settings, backend, input_path: Path, output_path: Pa
         for _ in _jobs(settings, input_path, limits, done, run):
             pass
         out = output_path.open("ab")
+        start = os.fstat(out.fileno()).st_size  # where this run's lines begin
         try:
             with progress(total, resumed, tokens) as bar:
                 written = asyncio.run(_score_lines(settings, backend, input_path, limits, out, done, run, bar))
@@ -533,11 +536,39 @@ def _score_loaded(settings: Settings, backend, input_path: Path, output_path: Pa
         print(f"packscore: error: {exc}", file=sys.stderr)
         return 2
     except OutputError as exc:
-        print(f"packscore: error: cannot write {output_path}: {exc.strerror}; the results written before are "
-              "kept: make room, then run the same command to resume after them", file=sys.stderr)
+        kept = _whole_lines(output_path, start)
+        held = ("the results written before are kept" if kept is None else
+                f"{resumed + kept} of the {total} lines of {input_path} are in {output_path}, in input order")
+        why, what_to_do = _why_full(exc)
+        print(f"packscore: error: cannot write {output_path}: {exc.strerror}{why}; {held}: {what_to_do}, then run "
+              "the same command to resume after them", file=sys.stderr)
         return 1
     log.info("wrote %d results to %s", written, output_path)
     return 0
+
+
+def _whole_lines(output_path: Path, start: int) -> int | None:
+    """The whole lines of OUT from byte ``start`` on (a torn last one is cut off by the rerun); None if unreadable."""
+    count = 0
+    try:
+        with output_path.open("rb") as f:
+            f.seek(start)
+            while chunk := f.read(1 << 20):
+                count += chunk.count(b"\n")
+    except OSError:
+        return None
+    return count
+
+
+def _why_full(exc: OutputError) -> tuple[str, str]:
+    """Why OUT could not grow, and what lets the same command resume: a file size limit is no full disk."""
+    if exc.errno != errno.EFBIG:
+        return "", "make room"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]  # Python ignores SIGXFSZ: the write fails with EFBIG
+    if limit != resource.RLIM_INFINITY:
+        return (f" (this process's file size limit, RLIMIT_FSIZE or `ulimit -f`, of {limit} bytes; the disk is not "
+                "full)", "raise the limit (`ulimit -f unlimited`, or the batch system's file size limit)")
+    return " (the largest file its filesystem holds)", "move OUT to a filesystem that holds larger files and give it as -o"
 
 
 @contextlib.contextmanager

@@ -52,14 +52,14 @@ class _Progress:
         rate = self.tokens_done / max(now - self._start, 1e-9)
         return rate, ((self.tokens - self.tokens_done) / rate if rate > 0 else None)
 
-    def close(self) -> None:
+    def close(self, ended: bool = True) -> None:
         pass
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(ended=exc_type is None)
 
 
 class _BarProgress(_Progress):
@@ -84,7 +84,7 @@ class _BarProgress(_Progress):
         shown = "" if left is None else f"{rate:.0f} tokens/s, about {_format_interval(left)} left"
         self.bar.set_postfix_str(shown, refresh=False)
 
-    def close(self) -> None:
+    def close(self, ended: bool = True) -> None:
         self.bar.close()
 
 
@@ -116,5 +116,8 @@ class _LoggedProgress(_Progress):
         shown = f", about {left:.0f}s left" if left is not None and self.count < self.total else ""
         log.info("scored %d/%d sequences (%.0f tokens/s%s)", self.count, self.total, rate, shown)
 
-    def close(self) -> None:
-        self._report(time.monotonic(), closing=True)
+    def close(self, ended: bool = True) -> None:
+        """The last count, where the run ended: a run stopped (a full disk, a signal) has lines scored that OUT
+        lacks, and the line that follows says what OUT holds, so none comes here to read as if it held them."""
+        if ended:
+            self._report(time.monotonic(), closing=True)
