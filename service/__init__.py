@@ -1,8 +1,8 @@
 """packscore's service: the HTTP server and the offline scorer around a ``ScoringBackend``.
 
 - ``cli``: ``packscore serve`` / ``packscore score`` (``entrypoint``: the console script, which
-  exits 0 on a SIGTERM that comes before the server runs); ``settings``: the one typed config;
-  ``hub``: a Hugging Face hub id ``--model`` resolved to a local snapshot directory.
+  exits 0 on a SIGTERM that comes before the server runs, 143 with a line before ``score`` scores);
+  ``settings``: the one typed config; ``hub``: a Hugging Face hub id ``--model`` resolved to a local snapshot directory.
 - ``backends``: ``load_backend(settings)``, the worker pool or the scorer in this process.
 - ``http/``: the FastAPI app, schemas, encodings, errors, metrics, validation, the server.
 - ``scheduling/``: dynamic batching of requests into packed forwards.

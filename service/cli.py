@@ -21,7 +21,7 @@ from typing import Sequence
 
 from pydantic import SecretStr, ValidationError
 
-from service.entrypoint import exit_on_sigterm_until_serving
+from service.entrypoint import Terminated, before_scoring, handle_early_sigterm
 from service.http.errors import validation_reason
 from service.http.request_id import configure_logging
 from service.settings import Settings
@@ -170,14 +170,17 @@ def _from_environment(reason: str, given: dict) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:  # a process of its own (`python -m service.cli serve`), not a caller's
-        exit_on_sigterm_until_serving(sys.argv[1:])
+        handle_early_sigterm(sys.argv[1:])
     args, settings = parse_settings(argv)
     try:
         return _run(args, settings)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         if args.command != "score":
             raise
         # before scoring began (imports, the checks, loading the model): a line, not a traceback
+        if isinstance(exc, Terminated):
+            print(before_scoring(args.output), file=sys.stderr)
+            return 143
         print(f"packscore: interrupted before scoring began; {args.output} is as it was", file=sys.stderr)
         return 130
 

@@ -5,6 +5,10 @@ torch imports or the app is built) ends the process at once with status 0, as a 
 does, instead of the default handler's 143. ``service.http.server.DrainingServer`` takes SIGTERM
 over for uvicorn and the drain (exiting so itself until its event loop is known), and puts the default
 back when uvicorn is done.
+
+Until ``packscore score`` scores, a SIGTERM (a preempted batch job) raises ``Terminated`` where Ctrl-C
+raises KeyboardInterrupt, so the run stops by Ctrl-C's paths (a worker pool's processes stopped) with
+one line and status 143, as a SIGTERM while it scores exits; its scoring loop then takes SIGTERM over.
 """
 
 from __future__ import annotations
@@ -20,10 +24,27 @@ def exit_before_serving(signum, frame) -> None:
     os._exit(0)
 
 
-def exit_on_sigterm_until_serving(argv: list[str]) -> None:
-    """For ``serve`` only: ``score`` keeps the default until its scoring loop handles SIGTERM (exit 143)."""
-    if argv[:1] == ["serve"] and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, exit_before_serving)
+class Terminated(KeyboardInterrupt):
+    """SIGTERM before ``packscore score`` began scoring; a KeyboardInterrupt, so that every path Ctrl-C
+    stops by (a worker pool's start, the model's close held) stops by it too."""
+
+
+def terminate_before_scoring(signum, frame) -> None:
+    raise Terminated
+
+
+def before_scoring(output) -> str:
+    """The line a SIGTERM before scoring began ends ``score`` with; ``output`` None where OUT is not known yet."""
+    out = "OUT" if output is None else output
+    return (f"packscore: terminated (SIGTERM) before scoring began; nothing was scored yet, {out} is as it was: the "
+            "same command starts again")
+
+
+def handle_early_sigterm(argv: list[str]) -> None:
+    """SIGTERM's handler until the command takes it over, where it is the default (an ignored one stays ignored)."""
+    early = {"serve": exit_before_serving, "score": terminate_before_scoring}.get(argv[0] if argv else "")
+    if early is not None and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, early)
 
 
 def after_serving(handler):
@@ -42,10 +63,14 @@ def hard_exit(status: int) -> None:
 
 
 def main() -> int:
-    exit_on_sigterm_until_serving(sys.argv[1:])
-    from service.cli import main as cli_main
+    handle_early_sigterm(sys.argv[1:])
+    try:
+        from service.cli import main as cli_main
 
-    return cli_main()
+        return cli_main()
+    except Terminated:  # while the imports ran, before OUT was read from the command line
+        print(before_scoring(None), file=sys.stderr)
+        return 143
 
 
 if __name__ == "__main__":

@@ -12,12 +12,9 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
-import errno
-import fcntl
 import functools
 import logging
 import os
-import resource
 import signal
 import sys
 import threading
@@ -33,7 +30,8 @@ from service.http.encoding import non_finite_score, result_record
 from service.http.errors import ApiError
 from service.http.rollout import mismatch
 from service.http.validation import Limits, ScoreJob, parse_score_request, resolve_model_len
-from service.entrypoint import hard_exit
+from service.entrypoint import Terminated, before_scoring, hard_exit, terminate_before_scoring
+from service.offline_out import OutputError, close_output, lock_output, path_problem, whole_lines, why_full
 from service.offline_progress import progress, tick
 from service.scheduling.scheduler import Scheduler
 from service.scheduling.tickets import Ticket
@@ -44,10 +42,6 @@ log = logging.getLogger(__name__)
 
 class InputError(ValueError):
     """A line of IN that cannot be scored; the message names the line."""
-
-
-class OutputError(OSError):
-    """OUT could not be written (disk full, a quota, an I/O error); what was written before is kept."""
 
 
 class Done(NamedTuple):
@@ -212,7 +206,7 @@ def _check_resumed(input_path: Path, number: int, obj: dict, job: ScoreJob, resu
 
 
 async def _score_lines(settings: Settings, backend, input_path: Path, limits: Limits, out: IO[bytes],
-                       done: dict[str, Done], run: dict, bar) -> int:
+                       done: dict[str, Done], run: dict, bar, sigterm: _Sigterm) -> int:
     scheduler = Scheduler.from_settings(backend, settings)
     await scheduler.start()
     # Tickets in input order; results are written in that order as soon as the oldest is done.
@@ -222,6 +216,7 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
     loop = asyncio.get_running_loop()
     stop, abandon = loop.create_future(), loop.create_future()  # set by a first and a second Ctrl-C
     terminated = False  # SIGTERM: stop and abandon at once, a preempted job's grace is short
+    finished = False  # every line written to OUT
 
     async def write_oldest() -> None:
         nonlocal written, write_failed
@@ -267,15 +262,22 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
 
     def on_sigterm() -> None:  # what is finished is written and flushed, the forward under way is not waited for
         nonlocal terminated
+        if finished:  # every line is written: OUT's last flush goes on
+            sigterm.came = True
+            return
         terminated = True
-        release_sigterm()  # a second SIGTERM ends the process: OUT stays resumable
+        release_sigterm(signal.SIG_DFL if sigterm.ours else sigterm_before)  # a second one ends the process at once
         for future in (stop, abandon):
             if not future.done():
                 future.set_result(None)
 
-    def release_sigterm() -> None:  # asyncio's removal leaves SIG_DFL: the handler found before comes back
-        if loop.remove_signal_handler(signal.SIGTERM):
-            signal.signal(signal.SIGTERM, sigterm_before)
+    def release_sigterm(then) -> None:  # asyncio's removal leaves SIG_DFL: ``then`` takes over, no SIGTERM between
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            if loop.remove_signal_handler(signal.SIGTERM):
+                signal.signal(signal.SIGTERM, then)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
     sigterm_before = signal.getsignal(signal.SIGTERM)  # None: a handler set outside Python, left to it
     handlers = [(signal.SIGINT, on_sigint)] + ([(signal.SIGTERM, on_sigterm)] if sigterm_before is not None else [])
@@ -283,7 +285,6 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
         if signal.getsignal(signum) is not signal.SIG_IGN:  # ignored (a script's `cmd &`, nohup): it stays so
             with contextlib.suppress(ValueError, RuntimeError):  # not the main thread: not this run's to handle
                 loop.add_signal_handler(signum, handler)
-    finished = False
     ticker = asyncio.create_task(tick(bar))  # cancelled below; asyncio.run cancels it too, before the bar closes
     try:
         for number, seq_id, job in _jobs(settings, input_path, limits, done, run):
@@ -324,12 +325,37 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
             while scheduler.forward_running and not abandon.done():
                 await asyncio.sleep(0.02)
             loop.remove_signal_handler(signal.SIGINT)
-            release_sigterm()
+            release_sigterm(sigterm if sigterm.ours else sigterm_before)  # held from here until the model is closed
             ticker.cancel()  # its next step is its CancelledError: no refresh once this returns
     if stop.done() and not finished:
         raise Interrupted(abandoned=abandon.done(), forward_running=scheduler.forward_running, terminated=terminated,
                           written=written)
     return written
+
+
+class _Sigterm:
+    """SIGTERM once scoring ended, where its handler is ours (the default, or the entry point's before scoring):
+    noted, not acted on, until the model is closed, so that OUT's last flush and a worker pool's stop are not cut
+    short; the exit is 143 then. Installed by the scoring loop as it ends, and for the model's close."""
+
+    def __init__(self):
+        found = signal.getsignal(signal.SIGTERM)
+        self.ours = found is signal.SIG_DFL or found is terminate_before_scoring
+        self.came = False
+
+    def __call__(self, signum, frame) -> None:
+        self.came = True
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Installs it for the block where SIGTERM's handler is ours, leaving the default after it."""
+        if signal.getsignal(signal.SIGTERM) is terminate_before_scoring:  # stopped before scoring began
+            signal.signal(signal.SIGTERM, self)
+        try:
+            yield
+        finally:
+            if signal.getsignal(signal.SIGTERM) is self:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 class _Stopped(Exception):
@@ -358,77 +384,23 @@ async def _finish_started(scheduler: Scheduler, tickets: list[Ticket], abandon: 
         running = [future for future in running if not future.done()]
 
 
-def _path_problem(input_path: Path, output_path: Path) -> str | None:
-    """What keeps these paths from a run, found before the model loads (minutes for a large one)."""
-    if str(input_path) != "-" and not input_path.exists():
-        return f"{input_path} does not exist"
-    if not input_path.is_file():  # read once to check every line and again to score: a pipe cannot be
-        return (f"{input_path} is not a regular file (IN is read more than once, to check every line before scoring, "
-                "so stdin or a pipe cannot be IN: write it to a file first)")
-    if output_path.exists() and output_path.samefile(input_path):
-        return f"-o {output_path} is IN itself; give the results a file of their own"
-    if output_path.is_dir():
-        return f"-o {output_path} is a directory; give a file"
-    if str(output_path) == "-" or (output_path.exists() and not output_path.is_file()):
-        shown = "stdout" if str(output_path) == "-" else f"{output_path}, not a regular file,"
-        return (f"-o {output_path}: {shown} cannot be OUT (a rerun reads OUT back to resume after the results it "
-                "holds): write to a file, then read or compress it from there")
-    try:
-        output_path.open("ab").close()  # created now, empty: a missing folder or no permission shows here
-    except OSError as exc:
-        return f"-o {output_path}: cannot write it: {exc.strerror or exc}"
-    return None
-
-
-def _close_output(out: IO[bytes]) -> None:
-    """Flushed to the disk and closed; a failure (the disk filled) as OutputError."""
-    try:
-        try:
-            out.flush()
-            os.fsync(out.fileno())
-        finally:
-            out.close()  # closes the file also where its flush fails
-    except OSError as exc:
-        raise OutputError(exc.errno, exc.strerror or str(exc)) from None
-
-
-def _lock_output(output_path: Path) -> IO[bytes] | None:
-    """OUT opened and locked (two runs appending to one OUT, a job retried while the first still
-    runs, would interleave); None where another run holds the lock."""
-    while True:
-        lock = output_path.open("ab")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.close()
-            return None
-        except OSError as exc:  # ENOLCK, EOPNOTSUPP: NFS without its lock daemon, Lustre without -o flock
-            log.warning("-o %s: cannot lock it (%s): a second packscore score into it is not refused on this "
-                        "filesystem", output_path, exc.strerror or exc)
-            return lock
-        try:
-            here = os.path.samestat(os.fstat(lock.fileno()), os.stat(output_path))
-        except FileNotFoundError:
-            here = False
-        if here:
-            return lock
-        lock.close()  # a refused first run removed the file between our open and lock: lock the one there now
-
-
 def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     """Scores every line of ``input_path`` not yet in ``output_path``; returns the exit status."""
     created = not output_path.exists()
-    if (problem := _path_problem(input_path, output_path)) is not None:
+    if (problem := path_problem(input_path, output_path)) is not None:
         print(f"packscore: error: {problem}", file=sys.stderr)
         return 2
-    if (lock := _lock_output(output_path)) is None:
+    if (lock := lock_output(output_path)) is None:
         print(f"packscore: error: -o {output_path}: another packscore score is writing it; wait for it to end "
               "or give another -o", file=sys.stderr)
         return 2
     with lock:
-        code = _score_file(settings, input_path, output_path)
-        if code != 0 and created and output_path.stat().st_size == 0:  # a first run that wrote nothing leaves no OUT
-            output_path.unlink()
+        code = None
+        try:
+            code = _score_file(settings, input_path, output_path)
+        finally:  # also where Ctrl-C or SIGTERM stopped it before scoring began
+            if code != 0 and created and output_path.stat().st_size == 0:  # a first run that wrote nothing: no OUT
+                output_path.unlink()
         return code
 
 
@@ -472,30 +444,38 @@ def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     except BackendUnavailableError as exc:  # a worker pool that did not start: its message names the rank and why
         print(f"packscore: error: could not start: {exc}; {output_path} is as it was", file=sys.stderr)
         return 1
-    code, stopped = None, None
+    code, stopped, sigterm = None, None, _Sigterm()
     try:
-        code = _score_loaded(settings, backend, input_path, output_path, done, total, resumed, tokens)
+        code = _score_loaded(settings, backend, input_path, output_path, done, total, resumed, tokens, sigterm)
     except (KeyboardInterrupt, Interrupted) as exc:
         stopped = exc
     finally:
-        code = _close_backend(backend, code, stopped, input_path, output_path, (total, resumed))
+        with sigterm.held():
+            code = _close_backend(backend, code, stopped, input_path, output_path, (total, resumed), sigterm)
     return code
 
 
 def _close_backend(backend, code: int | None, stopped: BaseException | None, input_path: Path,
-                   output_path: Path, scored: tuple[int, int] = (0, 0)) -> int | None:
+                   output_path: Path, scored: tuple[int, int] = (0, 0), sigterm: _Sigterm | None = None) -> int | None:
     """Closes ``backend``, Ctrl-C held meanwhile; returns the exit status: ``code``, or 130 (143 for SIGTERM)
-    with the line that says what OUT keeps where a signal stopped the run (``stopped``) or Ctrl-C came while
-    it closed. ``scored``: the lines of IN, and those of them in OUT before this run."""
+    with the line that says what OUT keeps where a signal stopped the run (``stopped``) or came once every
+    line was written (``sigterm``'s, noted until the model closed, or Ctrl-C while it closed). ``scored``:
+    the lines of IN, and those of them in OUT before this run."""
     with _ctrl_c_held() as held:
         backend.close()  # a pool's workers stop: also after a second Ctrl-C, which does not wait for their forward
         if held and stopped is None and code == 0:  # every line was in OUT before it came
             print(f"packscore: interrupted while closing the model; every line of {input_path} is in {output_path} "
                   "(the same command has nothing left to score)", file=sys.stderr)
             return 130
+        if sigterm is not None and sigterm.came and stopped is None and code == 0:  # held: OUT's last flush, the close
+            print(f"packscore: terminated (SIGTERM) once every line was scored; every line of {input_path} is in "
+                  f"{output_path} (the same command has nothing left to score)", file=sys.stderr)
+            return 143
         if stopped is None:
             return code
-        if getattr(stopped, "terminated", False):
+        if isinstance(stopped, Terminated):  # before the scoring loop took SIGTERM over: nothing of this run in OUT
+            status, line = 143, before_scoring(output_path)[len("packscore: "):]
+        elif getattr(stopped, "terminated", False):
             status, line = 143, (f"terminated (SIGTERM); {scored[1] + stopped.written} of the {scored[0]} lines of "
                                  f"{input_path} are in {output_path}, in input order (a forward under way was not "
                                  "waited for): the same command resumes after them")
@@ -510,7 +490,7 @@ def _close_backend(backend, code: int | None, stopped: BaseException | None, inp
 
 
 def _score_loaded(settings: Settings, backend, input_path: Path, output_path: Path, done: dict[str, Done], total: int,
-                  resumed: int, tokens: int) -> int:
+                  resumed: int, tokens: int, sigterm: _Sigterm) -> int:
     """Scores into OUT with the loaded ``backend``; the exit status of a run that ends or fails. Ctrl-C
     raises (Interrupted, or KeyboardInterrupt outside the scoring loop): the results written are kept."""
     try:
@@ -529,46 +509,23 @@ def _score_loaded(settings: Settings, backend, input_path: Path, output_path: Pa
         start = os.fstat(out.fileno()).st_size  # where this run's lines begin
         try:
             with progress(total, resumed, tokens) as bar:
-                written = asyncio.run(_score_lines(settings, backend, input_path, limits, out, done, run, bar))
+                written = asyncio.run(_score_lines(settings, backend, input_path, limits, out, done, run, bar,
+                                                      sigterm))
         finally:
-            _close_output(out)
+            close_output(out)
     except InputError as exc:
         print(f"packscore: error: {exc}", file=sys.stderr)
         return 2
     except OutputError as exc:
-        kept = _whole_lines(output_path, start)
+        kept = whole_lines(output_path, start)
         held = ("the results written before are kept" if kept is None else
                 f"{resumed + kept} of the {total} lines of {input_path} are in {output_path}, in input order")
-        why, what_to_do = _why_full(exc)
+        why, what_to_do = why_full(exc)
         print(f"packscore: error: cannot write {output_path}: {exc.strerror}{why}; {held}: {what_to_do}, then run "
               "the same command to resume after them", file=sys.stderr)
         return 1
     log.info("wrote %d results to %s", written, output_path)
     return 0
-
-
-def _whole_lines(output_path: Path, start: int) -> int | None:
-    """The whole lines of OUT from byte ``start`` on (a torn last one is cut off by the rerun); None if unreadable."""
-    count = 0
-    try:
-        with output_path.open("rb") as f:
-            f.seek(start)
-            while chunk := f.read(1 << 20):
-                count += chunk.count(b"\n")
-    except OSError:
-        return None
-    return count
-
-
-def _why_full(exc: OutputError) -> tuple[str, str]:
-    """Why OUT could not grow, and what lets the same command resume: a file size limit is no full disk."""
-    if exc.errno != errno.EFBIG:
-        return "", "make room"
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]  # Python ignores SIGXFSZ: the write fails with EFBIG
-    if limit != resource.RLIM_INFINITY:
-        return (f" (this process's file size limit, RLIMIT_FSIZE or `ulimit -f`, of {limit} bytes; the disk is not "
-                "full)", "raise the limit (`ulimit -f unlimited`, or the batch system's file size limit)")
-    return " (the largest file its filesystem holds)", "move OUT to a filesystem that holds larger files and give it as -o"
 
 
 @contextlib.contextmanager

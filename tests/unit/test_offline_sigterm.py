@@ -8,6 +8,7 @@ import sys
 import time
 
 import orjson
+import pytest
 
 # A fake model whose forward holding token 99 takes ``argv[1]`` seconds, writing OUT.slow as it begins;
 # forwards run one at a time, so every line before it is scored by then.
@@ -72,6 +73,117 @@ def test_sigterm_writes_the_finished_results_without_the_forward_under_way_then_
 def test_an_ignored_sigterm_stays_ignored(tmp_path):
     """As `nohup` or a supervisor that stops the job otherwise starts it: the run goes on to the end."""
     code, err, _ = _start_and_signal(tmp_path, 1, lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))
+    assert code == 0, f"exit {code}:\n{err[-2000:]}"
+    out = tmp_path / "out.jsonl"
+    assert [orjson.loads(line)["id"] for line in out.read_bytes().splitlines()] == [r["id"] for r in _ROWS]
+
+
+# Through the console script's entry point, as a batch job starts it; ``argv[1]`` names the stage
+# that takes ``argv[2]`` seconds, writing ``OUT.<stage>`` as it begins: the model's load, OUT's last
+# fsync or the model's close (which writes ``OUT.closed`` once it has ended).
+_STAGED_RUN = """
+import os, pathlib, sys, time
+from service import entrypoint
+from service.testing import FakeBackend
+import service.backends
+
+stage, seconds, out = sys.argv[1], float(sys.argv[2]), sys.argv[-1]
+
+def slow(name):
+    if stage == name:
+        pathlib.Path(out + "." + name).touch()
+        time.sleep(seconds)
+
+class Closing(FakeBackend):
+    def close(self):
+        slow("close")
+        pathlib.Path(out + ".closed").touch()
+
+def load_backend(settings):
+    slow("load")
+    return Closing()
+
+real_fsync = os.fsync
+def fsync(fd):
+    slow("fsync")
+    return real_fsync(fd)
+
+os.fsync = fsync
+service.backends.load_backend = load_backend
+sys.argv = ["packscore", *sys.argv[3:]]
+sys.exit(entrypoint.main())
+"""
+
+# SIGTERM while service.cli imports its first package beyond the standard library.
+_TERMINATED_IN_IMPORTS_RUN = """
+import os, signal, sys
+from service import entrypoint
+
+class TerminatedOnImport:
+    def find_spec(self, name, path=None, target=None):
+        if name == "pydantic":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return None
+
+sys.meta_path.insert(0, TerminatedOnImport())
+sys.argv = ["packscore", *sys.argv[1:]]
+sys.exit(entrypoint.main())
+"""
+
+
+def _staged(tmp_path, stage, seconds, preexec_fn=None):
+    """Runs score through the entry point, SIGTERM once ``stage`` began; exit status, stderr, seconds to exit."""
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in _ROWS))
+    argv = [sys.executable, "-c", _STAGED_RUN, stage, str(seconds), "score", str(source), "--log-level", "warning",
+            "-o", str(out)]
+    run = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / f"out.jsonl.{stage}").exists() and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sent = time.monotonic()
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=60)
+    return run.returncode, err, time.monotonic() - sent
+
+
+def test_sigterm_while_the_model_loads_says_nothing_was_scored_and_exits_143(tmp_path):
+    """It kept its default action: the job died with -15 and no line, a first run's empty OUT left behind."""
+    code, err, took = _staged(tmp_path, "load", 30)
+    assert code == 143 and "Traceback" not in err, f"exit {code}:\n{err[-2000:]}"
+    assert took < 10, f"SIGTERM took {took:.1f}s to stop, the load is 30s"
+    out = tmp_path / "out.jsonl"
+    assert err.splitlines()[-1] == (f"packscore: terminated (SIGTERM) before scoring began; nothing was scored yet, "
+                                    f"{out} is as it was: the same command starts again"), err[-2000:]
+    assert not out.exists(), "a first run stopped before scoring left an OUT"
+
+
+def test_sigterm_while_the_imports_run_says_nothing_was_scored_and_exits_143(tmp_path):
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in _ROWS))
+    run = subprocess.run([sys.executable, "-c", _TERMINATED_IN_IMPORTS_RUN, "score", str(source), "-o", str(out)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 143 and "Traceback" not in run.stderr, f"exit {run.returncode}:\n{run.stderr[-2000:]}"
+    assert run.stderr.splitlines()[-1] == ("packscore: terminated (SIGTERM) before scoring began; nothing was scored "
+                                           "yet, OUT is as it was: the same command starts again"), run.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("stage", ["fsync", "close"])
+def test_sigterm_once_every_line_is_scored_lets_out_and_the_model_close_then_exits_143(tmp_path, stage):
+    """Between the scoring loop's end and OUT's last flush SIGTERM had its default action (-15, no line)."""
+    code, err, _ = _staged(tmp_path, stage, 3)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    assert code == 143 and "Traceback" not in err, f"exit {code}:\n{err[-2000:]}"
+    assert err.splitlines()[-1] == (f"packscore: terminated (SIGTERM) once every line was scored; every line of "
+                                    f"{source} is in {out} (the same command has nothing left to score)"), err[-2000:]
+    assert (tmp_path / "out.jsonl.closed").exists(), "the model's close was cut short"
+    assert [orjson.loads(line)["id"] for line in out.read_bytes().splitlines()] == [r["id"] for r in _ROWS]
+
+
+def test_an_ignored_sigterm_stays_ignored_before_scoring_began(tmp_path):
+    code, err, _ = _staged(tmp_path, "load", 1, lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))
     assert code == 0, f"exit {code}:\n{err[-2000:]}"
     out = tmp_path / "out.jsonl"
     assert [orjson.loads(line)["id"] for line in out.read_bytes().splitlines()] == [r["id"] for r in _ROWS]
