@@ -1,6 +1,6 @@
 """``packscore score --device cpu --world-size 2``: Ctrl-C twice during a forward of seconds stops
 at once (exit 130, no traceback) with the worker pool closed before the process ends, not left to
-the workers' own watch of their parent."""
+the workers' own watch of their parent; SIGTERM while the pool starts stops it so too (exit 143)."""
 
 import os
 import signal
@@ -57,3 +57,25 @@ def test_a_second_ctrl_c_closes_the_pool_before_exiting(tmp_path):
     assert code == 130 and "Traceback" not in err and "stopped at once" in err, f"exit {code}:\n{err[-3000:]}"
     assert not left, f"workers {left} outlived packscore score:\n{err[-3000:]}"
     assert took < 10, f"the second Ctrl-C took {took:.1f}s to stop"
+
+
+def test_sigterm_while_the_pool_starts_stops_it_and_exits_143(tmp_path):
+    """A preempted job before scoring began: one line, exit 143, the workers stopped before the exit
+    (the default action ended the process with -15 and left them to their own watch of it)."""
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(b"".join(orjson.dumps({"id": f"r{i}", "input_ids": [1 + i] * 8}) + b"\n" for i in range(4)))
+    argv = [sys.executable, "-m", "service.cli", "score", str(source), "-o", str(out), "--device", "cpu",
+            "--world-size", "2"]
+    run = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 180
+    while len(workers := _worker_pids(run.pid)) < 2:
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-3000:]
+        time.sleep(0.02)
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=60)
+    left = [pid for pid in workers if _running(pid)]
+    assert run.returncode == 143 and "Traceback" not in err, f"exit {run.returncode}:\n{err[-3000:]}"
+    assert err.splitlines()[-1] == (f"packscore: terminated (SIGTERM) before scoring began; nothing was scored yet, "
+                                    f"{out} is as it was: the same command starts again"), err[-3000:]
+    assert not left, f"workers {left} outlived packscore score:\n{err[-3000:]}"
+    assert not out.exists(), "a first run stopped before scoring left an OUT"
