@@ -29,7 +29,7 @@ from service.http.errors import ERROR_RESPONSES, ApiError, body_too_large, drain
 from service.http.protocol import READ_TIMED_OUT, declared_length
 from service.http.schemas import ErrorResponse, Health, ModelList, Readiness, ScoreRequest, ScoreResponse, Usage
 from service.http.schemas import WeightsRequest, WeightsResponse
-from service.http.scoring import not_ready, read_body, score_request
+from service.http.scoring import ARRIVED, not_ready, read_body, score_request
 from service.http.weights import WEIGHTS_ROUTE, update_weights
 from service.runtime import BackendSources, ServedModel, Service
 from service.settings import Settings
@@ -152,6 +152,7 @@ class _Gate:
         # Reset at the end: an in-process caller (httpx's ASGITransport) runs the app in its own task.
         token = request_id.current.set(rid)
         scope[request_id.SCOPE_KEY] = rid  # the protocol's own 408 for this request reads it
+        scope[ARRIVED] = time.monotonic()
         if scope["path"][:8].lower().startswith(("http://", "https://")):
             _to_origin_form(scope)
         id_header = (request_id.HEADER, rid.encode("ascii"))

@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 # (the last re-score then sees one version): the common single swap costs no update any wait.
 _HOLD_FROM_RESCORE = 2
 _DAY_MS = 86_400_000
+# In the ASGI scope: when the request reached the app (the gate), before its body was read; deadline_ms counts from it.
+ARRIVED = "packscore.arrived"
 _CLIENT_CLOSED = 499  # nginx's convention for "the client went away before the answer"
 # Bodies larger than this are decoded and validated in a thread, so that the event loop keeps
 # answering (/healthz, other requests) meanwhile; smaller ones cost less than the hand-off.
@@ -50,6 +52,7 @@ def not_ready(service: Service) -> ApiError:
 async def score_request(request: Request, service: Service) -> Response:
     """POST /score: the body read and validated, the request admitted, scored by one weights
     version and answered in the encoding ``Accept`` names."""
+    arrived = request.scope.get(ARRIVED) or time.monotonic()  # before the body is read
     limits = service.limits
     if service.phase != "ready" or service.scheduler is None or limits is None:
         raise not_ready(service)
@@ -75,10 +78,11 @@ async def score_request(request: Request, service: Service) -> Response:
         if failed:  # the restart itself fails: say why, and retry no sooner than the pool does
             raise backend_unavailable(f"The scoring workers are down and could not restart: {failed}", retry_after_s=30)
         raise backend_unavailable("A scoring worker is down; retry shortly.", retry_after_s=5)
-    if job.deadline_ms == 0:  # no result is ready after 0 ms: a trainer out of time gets what a late one gets
-        raise deadline_error()
-    # Capped at a day: an unbounded integer must not overflow the clock arithmetic.
-    deadline = time.monotonic() + min(job.deadline_ms, _DAY_MS) / 1000.0 if job.deadline_ms is not None else None
+    # From the request's arrival, not from the end of its body: a large body on a slow link spends the
+    # trainer's time too. Capped at a day: an unbounded integer must not overflow the clock arithmetic.
+    deadline = arrived + min(job.deadline_ms, _DAY_MS) / 1000.0 if job.deadline_ms is not None else None
+    if deadline is not None and (job.deadline_ms == 0 or time.monotonic() >= deadline):
+        raise deadline_error()  # no result is ready in time: a trainer out of time gets what a late one gets
     service.inflight += 1
     try:
         try:
