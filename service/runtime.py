@@ -15,11 +15,12 @@ succeeded recently or after the backend reported a failure.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -55,23 +56,37 @@ _FIRST_PASS_ATTEMPTS = 3
 _LOAD_THREAD = "packscore-load"
 
 
-async def _in_daemon_thread(fn: Callable, *args):
-    """Runs ``fn`` in a daemon thread: a SIGTERM during a slow load must not wait for the load."""
+def in_load_thread(fn: Callable, *args, ended: Callable[[Any, BaseException | None], None] | None = None) -> asyncio.Future:
+    """Starts ``fn(*args)`` (a load or a weights update) in a daemon thread, in the caller's context (its
+    log lines name the caller's request); a future of its outcome. ``ended(result, error)`` runs on the
+    loop once the thread is done, before the future settles, whether or not anyone still awaits it (a
+    handler cancelled at shutdown leaves the thread running); in the thread itself if the loop closed
+    first. A daemon thread: a SIGTERM during a slow load must not wait for it (``torch_work_running`` sees it)."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
+    context = contextvars.copy_context()
+
+    def done(result, error) -> None:
+        try:
+            if ended is not None:
+                ended(result, error)
+        except Exception as exc:  # a bug in ``ended``: its awaiter fails with it instead of going on without
+            result, error = None, error or exc
+        settle(future, result, error)
 
     def target():
         try:
-            result, error = fn(*args), None
+            result, error = context.run(fn, *args), None
         except BaseException as exc:  # handed to the awaiting coroutine
             result, error = None, exc
         try:
-            loop.call_soon_threadsafe(settle, future, result, error)
-        except RuntimeError:  # the loop closed meanwhile (the server could not listen): nobody awaits it
-            pass
+            loop.call_soon_threadsafe(done, result, error)
+        except RuntimeError:  # the loop closed meanwhile (the server stopped): nothing else runs on it now
+            if ended is not None:
+                ended(result, error)
 
     threading.Thread(target=target, name=_LOAD_THREAD, daemon=True).start()
-    return await future
+    return future
 
 
 class _FirstPassFailed(RuntimeError):
@@ -87,7 +102,7 @@ class ServedModel:
     limits: Limits
     key: str | None = None  # its NAME in --model NAME=PATH (None for a plain --model PATH)
     scheduler: Scheduler | None = None
-    updating: bool = False  # a POST /v1/weights for it is running
+    updating: bool = False  # a POST /v1/weights for it is running: until its load thread ended, not its handler
     swap_holds: int = 0  # requests re-scoring after swaps: no update starts while any holds
     versions_served: set[str] = field(default_factory=set)  # every version this model served
     # The last update's answer, with the version, directory and files (names, sizes, mtimes) it
@@ -215,7 +230,7 @@ class Service:
     async def _load(self, source: Callable[[], ScoringBackend]) -> ScoringBackend:
         self._loading = source
         try:
-            return await _in_daemon_thread(source)
+            return await in_load_thread(source)
         finally:
             self._loading = None
 
@@ -302,7 +317,7 @@ class Service:
         time, say by the host's memory, is withheld as any that cannot be served)."""
         for attempt in range(_RESTORE_ATTEMPTS):
             try:
-                return await _in_daemon_thread(model.backend.update_weights, path, version)
+                return await in_load_thread(model.backend.update_weights, path, version)
             except BackendUnavailableError as exc:
                 if not hasattr(model.backend, "restarts") or attempt + 1 == _RESTORE_ATTEMPTS or self.phase == "draining":
                     raise
@@ -486,8 +501,6 @@ class Service:
         """Whether a forward (one the drain timeout cut off), a load or a weights update is still
         under way in another thread: the process must then exit without finalising the interpreter
         under it, which aborts in torch's threads."""
-        if any(model.updating for model in self.models.values()):
-            return True
         if any(t.name == _LOAD_THREAD and t.is_alive() for t in threading.enumerate()):
             return True
         return any(model.scheduler.forward_running for model in self._scheduled())

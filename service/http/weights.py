@@ -15,15 +15,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from model_runtime.scoring.backend import BackendUnavailableError, UpdateInProgressError
+from model_runtime.scoring.backend import BackendUnavailableError, UpdateInProgressError, WeightsUpdate
 from model_runtime.scoring.checkpoint import index_shards
 from model_runtime.scoring.checkpoint_error import CheckpointError
 from model_runtime.scoring.weights import RESERVED_VERSION_PREFIXES, files_snapshot
 from service.http.errors import ApiError, backend_unavailable, from_validation_errors, is_out_of_memory
 from service.http.schemas import WeightsRequest
 from service.http.validation import pick_model
-from service.runtime import ServedModel, Service
-from service.scheduling.forward_thread import raising_to_the_loop
+from service.runtime import ServedModel, Service, in_load_thread
 
 log = logging.getLogger(__name__)
 
@@ -145,11 +144,24 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
         # A version names one set of weights: a pinned request must never get other numbers under it.
         raise ApiError(409, "version_in_use", f"version {version!r} already named weights {model.name!r} served; "
                        "give the new weights a version of their own (or none: their content hash).", "version")
-    model.updating = True
     before = model.backend.info.weights_version
+    answer: dict = {}
+
+    def ended(update: WeightsUpdate | None, error: BaseException | None) -> None:
+        # The update's thread is done, whether or not this handler still waits for it (cancelled at shutdown).
+        model.updating = False
+        if model.backend.info.weights_version != before:  # it swapped, or a failed update in place left other weights
+            model.versions_served.add(before)
+            service.metrics.describe_model(model.backend.info, model.name)
+        if error is None:
+            answer.update(_served(service, model, source, update))
+
+    model.updating = True
     try:
         log.info("weights update of %s from %s (version %s)", model.name, path, version or "content hash")
-        update = await asyncio.to_thread(raising_to_the_loop, model.backend.update_weights, path, version)
+        # Not asyncio.to_thread: a handler cancelled at shutdown must not end "updating" while the load
+        # runs on, nor leave a non-daemon thread that a stop waits for.
+        await in_load_thread(model.backend.update_weights, path, version, ended=ended)
     except CheckpointError as exc:
         log.warning("weights update of %s refused: %s", model.name, exc)
         raise checkpoint_refused(exc) from None
@@ -162,11 +174,11 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
         if is_out_of_memory(exc):
             raise backend_unavailable(f"The new weights of {model.name!r} do not fit in memory now: {exc}.", retry_after_s=30) from None
         raise ApiError(422, "unreadable_checkpoint", f"The checkpoint could not be loaded: {exc}", "path") from None
-    finally:
-        model.updating = False
-        if model.backend.info.weights_version != before:  # a failed update in place left other weights
-            model.versions_served.add(before)
-            service.metrics.describe_model(model.backend.info, model.name)
+    return answer
+
+
+def _served(service: Service, model: ServedModel, source: tuple, update: WeightsUpdate) -> dict:
+    """``update`` serves: its versions taken, its answer kept and returned, its timings observed."""
     answer = model.serves(source, update)
     metrics = service.metrics
     metrics.weights_load_seconds.labels(model=model.name).observe(update.load_s)

@@ -81,14 +81,6 @@ def settle(future: asyncio.Future, result, error: BaseException | None) -> None:
             future.set_result(result)
 
 
-def raising_to_the_loop(fn: Callable, *args):
-    """``fn(*args)`` for ``asyncio.to_thread``, whose hand-over to the loop refuses StopIteration as ``settle``'s would."""
-    try:
-        return fn(*args)
-    except StopIteration as error:
-        raise _raisable(error) from error
-
-
 def _raisable(error: BaseException) -> BaseException:
     # set_exception refuses StopIteration with a TypeError inside the loop's callback: the awaiting task never woke.
     if isinstance(error, StopIteration):
