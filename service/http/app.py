@@ -8,6 +8,7 @@ contract's JSON body, whatever the request's encoding.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -29,7 +30,7 @@ from service.http.errors import ERROR_RESPONSES, ApiError, body_too_large, drain
 from service.http.protocol import READ_TIMED_OUT, declared_length
 from service.http.schemas import ErrorResponse, Health, ModelList, Readiness, ScoreRequest, ScoreResponse, Usage
 from service.http.schemas import WeightsRequest, WeightsResponse
-from service.http.scoring import ARRIVED, not_ready, read_body, score_request
+from service.http.scoring import ARRIVED, CLIENT_CLOSED, not_ready, read_body, score_request
 from service.http.weights import WEIGHTS_ROUTE, update_weights
 from service.runtime import BackendSources, ServedModel, Service
 from service.settings import Settings
@@ -133,7 +134,8 @@ def create_app(settings: Settings, backend: BackendSources, record: WeightsRecor
 
 class _Gate:
     """Wraps every request: names it (``X-Request-Id``, service.http.request_id), counts it in the
-    metrics, checks the API key, refuses while draining, answers an unhandled error's 500.
+    metrics, checks the API key, refuses while draining, answers an unhandled error's 500 and a
+    request cut off by the shutdown with the drain's 503 (one cancelled otherwise counts as 499).
 
     A plain ASGI middleware (not BaseHTTPMiddleware) so that handlers still receive the
     client's disconnect message. It answers the 500 itself, not through an exception handler
@@ -185,6 +187,10 @@ class _Gate:
             await error_response(error, metrics)(scope, receive, send_observed)
         except BaseException as exc:  # a cancellation (shutdown): uvicorn's line about it names the request
             request_id.tag(exc, rid)
+            if isinstance(exc, asyncio.CancelledError) and not started_answer:
+                status = CLIENT_CLOSED  # no server error: unanswered, as a client gone (send_observed counts an answer)
+                if self.service.phase == "draining":  # uvicorn's grace ended: the drain's 503, not its plain-text 500
+                    await _answer_cancelled(error_response(draining_error(), metrics), scope, receive, send_observed)
             raise
         finally:
             if scope.get(READ_TIMED_OUT):  # the protocol answered 408 and closed: what the handler sent went nowhere
@@ -235,6 +241,14 @@ class _Gate:
             return ApiError(403, "forbidden", "The scoring key may not update weights; send the admin key.")
         return ApiError(401, "unauthorized", "The admin key is required: send 'Authorization: Bearer <admin key>'.",
                         headers={"WWW-Authenticate": "Bearer"})
+
+
+async def _answer_cancelled(answer: Response, scope: Scope, receive: Receive, send: Send) -> None:
+    """Sends ``answer`` for a request whose handler was cancelled; a client already gone is no error."""
+    try:
+        await answer(scope, receive, send)
+    except Exception:  # the connection is gone: nothing to answer
+        log.debug("the answer to a cancelled request could not be sent", exc_info=True)
 
 
 def _to_origin_form(scope: Scope) -> None:

@@ -33,7 +33,7 @@ _HOLD_FROM_RESCORE = 2
 _DAY_MS = 86_400_000
 # In the ASGI scope: when the request reached the app (the gate), before its body was read; deadline_ms counts from it.
 ARRIVED = "packscore.arrived"
-_CLIENT_CLOSED = 499  # nginx's convention for "the client went away before the answer"
+CLIENT_CLOSED = 499  # nginx's convention for "the client went away before the answer"
 # Bodies larger than this are decoded and validated in a thread, so that the event loop keeps
 # answering (/healthz, other requests) meanwhile; smaller ones cost less than the hand-off.
 _DECODE_INLINE_BYTES = 256 << 10
@@ -92,7 +92,7 @@ async def score_request(request: Request, service: Service) -> Response:
             raise
         if scored is None:
             service.metrics.rejections.labels(reason="client_disconnected").inc()
-            return Response(status_code=_CLIENT_CLOSED)
+            return Response(status_code=CLIENT_CLOSED)
         # Several Accept lines are one list (RFC 9110 section 5.3), as a proxy may have split it
         out_encoding = response_encoding(", ".join(request.headers.getlist("accept")), in_encoding)
         body = _score_body(job, *scored, service)

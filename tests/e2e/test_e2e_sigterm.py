@@ -244,3 +244,31 @@ def test_a_sigint_ignored_at_start_stays_ignored_and_sigterm_still_drains(tmp_pa
     finally:
         server.stop()
     assert code == 0, f"exit status {code}:\n{server.log()[-3000:]}"
+
+
+def test_a_sigint_during_a_weights_load_exits_130_without_waiting_for_it_and_answers_the_drains_503(tmp_path):
+    """uvicorn cancels the update's handler after its grace; its load ran in asyncio's default executor,
+    whose thread the loop's close waited for: the SIGINT waited out the load, and the trainer got
+    uvicorn's plain-text 500 (counted as a server error)."""
+    from tests.e2e.helpers import fake_server
+
+    (tmp_path / "step-1").mkdir()
+    server = fake_server(tmp_path, "--weights-root", str(tmp_path), env={"FAKE_LOAD_SECONDS": "60"}).wait_ready()
+    answers: dict[str, httpx.Response] = {}
+    sender = threading.Thread(target=lambda: answers.update(
+        update=httpx.post(server.url + "/v1/weights", json={"path": "step-1"}, timeout=90)))
+    try:
+        sender.start()
+        time.sleep(1.0)  # the load under way
+        server.proc.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        code = server.proc.wait(timeout=90)
+        exited_after = time.monotonic() - t0
+        sender.join(timeout=30)
+    finally:
+        server.stop()
+    log = server.log()
+    assert code == 130 and exited_after < 15, f"exit status {code} {exited_after:.1f} s after SIGINT:\n{log[-3000:]}"
+    answer = answers.get("update")
+    assert answer is not None and answer.status_code == 503, (answer, answer and answer.text, log[-3000:])
+    assert answer.json()["error"]["type"] == "draining", answer.text

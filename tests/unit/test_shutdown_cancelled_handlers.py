@@ -1,0 +1,121 @@
+"""Handlers cut off by the server's own shutdown, on a real uvicorn (DrainingServer) on 127.0.0.1 in
+this process: uvicorn cancels what still runs after its short grace (SIGINT, a second SIGTERM). A
+weights update so cancelled keeps its load running in its thread; the model must stay "updating" for
+as long, and the request must be answered and counted as the drain's 503, not as a server error."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import socket
+import threading
+import time
+
+import httpx
+
+from service.http.app import create_app
+from service.http.server import DrainingServer, uvicorn_config
+from service.settings import Settings
+from service.testing import FakeBackend
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _until(condition, timeout: float = 30.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.01)
+
+
+def _requests_total(text: str, route: str) -> dict[str, float]:
+    pattern = rf'^packscore_requests_total\{{route="{re.escape(route)}",status="(\d+)"\}} (\S+)$'
+    return {status: float(value) for status, value in re.findall(pattern, text, re.M)}
+
+
+def test_a_weights_update_cut_off_by_sigint_stays_updating_until_its_load_ends_and_is_answered_503(tmp_path):
+    """The handler's ``finally`` cleared ``updating`` when uvicorn cancelled it, while the load ran on in
+    its thread: a second update could start against it and the exit's check for torch work running
+    (``torch_work_running``) saw none. The load ran in asyncio's default executor, whose non-daemon
+    thread the loop's close then waited for: SIGINT waited for the load after all. And the gate counted
+    the cut-off request as a 500 (uvicorn answered its plain-text 500)."""
+    (tmp_path / "step-1").mkdir()
+    load = threading.Event()
+    backend = FakeBackend(load_gate=load)
+    settings = Settings(weights_root=tmp_path, host="127.0.0.1", port=_free_port())
+    app = create_app(settings, backend)
+    service = app.state.service
+    server = DrainingServer(uvicorn_config(app, settings), service)
+    serving = threading.Thread(target=server.run, name="test-uvicorn")  # not the main thread: no signal handlers
+    answers: dict[str, httpx.Response | BaseException] = {}
+
+    def update() -> None:
+        try:
+            answers["update"] = httpx.post(f"http://127.0.0.1:{settings.port}/v1/weights", json={"path": "step-1"},
+                                           timeout=30)
+        except httpx.HTTPError as exc:
+            answers["update"] = exc
+
+    serving.start()
+    updating = threading.Thread(target=update)
+    try:
+        _until(lambda: service.phase == "ready", what="the server is ready")
+        updating.start()
+        _until(lambda: service.default.updating and backend._updating.locked(), what="the update loads")
+        server.handle_exit(signal.SIGINT, None)  # what the SIGINT handler does, without raising SIGINT at the end
+        serving.join(timeout=15)
+        stopped_during_load = not serving.is_alive()
+        during = service.default.updating, service.torch_work_running()
+        updating.join(timeout=15)
+    finally:
+        load.set()
+        serving.join(timeout=40)
+        updating.join(timeout=40)
+    _until(lambda: not backend._updating.locked(), what="the load ends")
+    _until(lambda: not service.default.updating, timeout=5, what="updating ends with the load")
+    assert stopped_during_load, "the server's stop waited for the weights load"
+    assert during == (True, True), f"(updating, torch_work_running) while the load still ran: {during}"
+    answer = answers.get("update")
+    assert isinstance(answer, httpx.Response) and answer.status_code == 503, answer
+    assert answer.json()["error"]["type"] == "draining", answer.text
+    counted = _requests_total(service.metrics.render().decode(), "/v1/weights")
+    assert counted.get("500") == 0 and counted.get("503") == 1, counted
+
+
+def test_a_cancelled_update_handler_is_counted_as_a_client_gone_and_its_load_keeps_the_model_updating(tmp_path):
+    """An in-process caller that gives up cancels the handler itself (httpx's ASGITransport runs the app in
+    its task): the gate counted a 500, and ``updating`` ended with the handler while the load ran on.
+    Once the load ends, its swap is taken as served and the next update runs."""
+    from service.testing import running_app, wait_until
+
+    for step in ("step-1", "step-2"):
+        (tmp_path / step).mkdir()
+    load = threading.Event()
+    backend = FakeBackend(load_gate=load)
+
+    async def main():
+        app = create_app(Settings(weights_root=tmp_path), backend)
+        service = app.state.service
+        async with running_app(app) as client:
+            first = asyncio.ensure_future(client.post("/v1/weights", json={"path": "step-1", "version": "v1"}))
+            await wait_until(lambda: backend._updating.locked())
+            first.cancel()
+            await asyncio.wait({first})
+            during = service.default.updating, service.torch_work_running()
+            refused = await client.post("/v1/weights", json={"path": "step-2", "version": "v2"})
+            load.set()
+            await wait_until(lambda: not service.default.updating)
+            second = await client.post("/v1/weights", json={"path": "step-2", "version": "v2"})
+            return during, refused, second, service.metrics.render().decode()
+
+    during, refused, second, metrics = asyncio.run(main())
+    assert during == (True, True), f"(updating, torch_work_running) after the handler was cancelled, its load running: {during}"
+    assert refused.status_code == 409 and refused.json()["error"]["type"] == "update_in_progress", refused.text
+    assert second.status_code == 200 and second.json()["previous_version"] == "v1", second.text
+    counted = _requests_total(metrics, "/v1/weights")
+    assert counted.get("500") == 0 and counted.get("499") == 1 and counted.get("200") == 1, counted
