@@ -104,6 +104,7 @@ class ServedModel:
     scheduler: Scheduler | None = None
     updating: bool = False  # a POST /v1/weights for it is running: until its load thread ended, not its handler
     swap_holds: int = 0  # requests re-scoring after swaps: no update starts while any holds
+    hold_waiters: int = 0  # requests waiting for the running update's end to hold: no new update starts before them
     versions_served: set[str] = field(default_factory=set)  # every version this model served
     # The last update's answer, with the version, directory and files (names, sizes, mtimes) it
     # loaded: the same request again, files untouched, gets that answer (a retry after a lost one).

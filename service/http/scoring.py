@@ -178,11 +178,17 @@ def _rescore_needed(scores: list[SequenceScores | None], model: ServedModel, job
 
 async def _hold_swaps(model: ServedModel, deadline: float | None) -> None:
     """Waits for a running update of ``model`` to end, then keeps any other from starting until
-    the caller takes its hold back (``ServedModel.swap_holds``, which ``update_weights`` waits on)."""
-    while model.updating:
-        if deadline is not None and time.monotonic() >= deadline:
-            raise deadline_error()
-        await asyncio.sleep(0.01)
+    the caller takes its hold back (``ServedModel.swap_holds``, which ``update_weights`` waits on).
+    While it waits no new update starts either (``ServedModel.hold_waiters``): back-to-back updates
+    would each start within its poll and keep it waiting, up to its deadline."""
+    model.hold_waiters += 1
+    try:
+        while model.updating:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise deadline_error()
+            await asyncio.sleep(0.01)
+    finally:
+        model.hold_waiters -= 1
     model.swap_holds += 1
 
 

@@ -129,7 +129,8 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
                        "version to get the checkpoint's own, or choose another name.", "version")
     if not callable(getattr(model.backend, "update_weights", None)):
         raise ApiError(409, "update_unsupported", f"The backend of {model.name!r} cannot update its weights.", "model")
-    while model.swap_holds and not model.updating:  # a request re-scoring after swaps must see one version
+    # A request re-scoring after swaps must see one version, and one waiting to hold gets in first.
+    while (model.swap_holds or model.hold_waiters) and not model.updating:
         await asyncio.sleep(0.01)
     if model.updating:
         raise ApiError(409, "update_in_progress", f"An update of {model.name!r} is already running; retry once it is done.", "model",

@@ -195,3 +195,39 @@ def test_an_update_failing_with_stop_iteration_is_answered_and_the_next_one_runs
 
     first, second = asyncio.run(main())
     assert first not in ("unanswered", 409) and second == 200, (first, second)
+
+
+def test_a_request_waiting_to_hold_swaps_is_not_overtaken_by_the_next_update(tmp_path):
+    """A request due to re-score after two swaps waits (``_hold_swaps``, polling) for the running update
+    to end: an update sent as that one ended started first, and back-to-back updates kept it waiting up
+    to its deadline. Once the running update ends, the waiting request holds before any new one starts."""
+    from service.http.scoring import _hold_swaps
+    from service.http.weights import update_weights
+    from service.testing import running_app
+
+    (tmp_path / "step-1").mkdir()
+    load = threading.Event()
+
+    async def main():
+        app = create_app(Settings(weights_root=tmp_path), FakeBackend(load_gate=load))
+        async with running_app(app) as client:
+            model = app.state.service.default
+            model.updating = True  # an update runs
+            holding = asyncio.ensure_future(_hold_swaps(model, None))
+            await asyncio.sleep(0.05)  # the request waits for its end
+            for _ in range(2):  # a poll of the request's due now runs first (its next is 10 ms away)
+                await asyncio.sleep(0)
+            model.updating = False  # it ended, and the next update comes at once (before the request's next poll)
+            update = asyncio.ensure_future(update_weights(app.state.service, {"path": "step-1", "version": "v1"}, tmp_path))
+            await asyncio.wait({holding}, timeout=2)
+            held = holding.done() and model.swap_holds == 1
+            started_first = model.updating
+            if held:
+                model.swap_holds -= 1  # the request's re-score is done: its hold is given back
+            load.set()
+            holding.cancel()
+            return held, started_first, await asyncio.wait_for(update, 10), (await client.get("/readyz")).status_code
+
+    held, started_first, update, ready = asyncio.run(main())
+    assert held and not started_first, f"the request held: {held}; the next update started before it: {started_first}"
+    assert update["weights_version"] == "v1" and ready == 200, (update, ready)
