@@ -231,3 +231,32 @@ def test_a_request_waiting_to_hold_swaps_is_not_overtaken_by_the_next_update(tmp
     held, started_first, update, ready = asyncio.run(main())
     assert held and not started_first, f"the request held: {held}; the next update started before it: {started_first}"
     assert update["weights_version"] == "v1" and ready == 200, (update, ready)
+
+
+def test_an_update_whose_load_thread_cannot_start_is_answered_and_the_next_one_runs(tmp_path, monkeypatch):
+    """A load thread refused by the process's thread limit ("can't start new thread") raised before
+    ``ended`` was set to run: the model stayed 'updating' for good, every later update got 409
+    update_in_progress and a drain waited its whole timeout for it."""
+    from service.runtime import _LOAD_THREAD
+
+    (tmp_path / "step-1").mkdir()
+    start = threading.Thread.start
+
+    def refused(thread):
+        if thread.name == _LOAD_THREAD:
+            raise RuntimeError("can't start new thread")
+        return start(thread)
+
+    async def main():
+        app = create_app(Settings(weights_root=tmp_path), FakeBackend())
+        async with running_app(app) as client:
+            with monkeypatch.context() as patched:
+                patched.setattr(threading.Thread, "start", refused)
+                first = await asyncio.wait_for(client.post("/v1/weights", json={"path": "step-1"}), 5)
+            updating = app.state.service.default.updating
+            second = await asyncio.wait_for(client.post("/v1/weights", json={"path": "step-1"}), 5)
+            return first, updating, second
+
+    first, updating, second = asyncio.run(main())
+    assert first.status_code not in (200, 409, 500) and not updating, (first.status_code, first.text, updating)
+    assert second.status_code == 200, (second.status_code, second.text)
