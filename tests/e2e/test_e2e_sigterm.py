@@ -253,13 +253,18 @@ def test_a_sigint_during_a_weights_load_exits_130_without_waiting_for_it_and_ans
     from tests.e2e.helpers import fake_server
 
     (tmp_path / "step-1").mkdir()
-    server = fake_server(tmp_path, "--weights-root", str(tmp_path), env={"FAKE_LOAD_SECONDS": "60"}).wait_ready()
+    # --log-level info: the update's first line says its load began
+    server = fake_server(tmp_path, "--weights-root", str(tmp_path), "--log-level", "info",
+                         env={"FAKE_LOAD_SECONDS": "60"}).wait_ready()
     answers: dict[str, httpx.Response] = {}
     sender = threading.Thread(target=lambda: answers.update(
         update=httpx.post(server.url + "/v1/weights", json={"path": "step-1"}, timeout=90)))
     try:
         sender.start()
-        time.sleep(1.0)  # the load under way
+        loading = time.monotonic() + 60
+        while "weights update of" not in server.log():  # not a sleep: a loaded machine may take longer to get there
+            assert time.monotonic() < loading and server.proc.poll() is None, server.log()[-3000:]
+            time.sleep(0.02)
         server.proc.send_signal(signal.SIGINT)
         t0 = time.monotonic()
         code = server.proc.wait(timeout=90)
