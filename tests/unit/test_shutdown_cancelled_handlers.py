@@ -8,22 +8,16 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import socket
 import threading
 import time
 
 import httpx
 
+from model_runtime.pool.ports import free_port
 from service.http.app import create_app
 from service.http.server import DrainingServer, uvicorn_config
 from service.settings import Settings
 from service.testing import FakeBackend
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _until(condition, timeout: float = 30.0, what: str = "") -> None:
@@ -47,7 +41,7 @@ def test_a_weights_update_cut_off_by_sigint_stays_updating_until_its_load_ends_a
     (tmp_path / "step-1").mkdir()
     load = threading.Event()
     backend = FakeBackend(load_gate=load)
-    settings = Settings(weights_root=tmp_path, host="127.0.0.1", port=_free_port())
+    settings = Settings(weights_root=tmp_path, host="127.0.0.1", port=free_port())
     app = create_app(settings, backend)
     service = app.state.service
     server = DrainingServer(uvicorn_config(app, settings), service)
