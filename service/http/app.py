@@ -191,6 +191,10 @@ class _Gate:
                 status = CLIENT_CLOSED  # no server error: unanswered, as a client gone (send_observed counts an answer)
                 if self.service.phase == "draining":  # uvicorn's grace ended: the drain's 503, not its plain-text 500
                     await _answer_cancelled(error_response(draining_error(), metrics), scope, receive, send_observed)
+                    # a documented outcome, not a bug: one line, and no "Exception in ASGI application" traceback
+                    log.warning("%s %s cut off by the shutdown (still running after uvicorn's grace): answered the "
+                                "drain's 503", scope["method"], path)
+                    request_id.tag(exc, rid, logged=True)
             raise
         finally:
             if scope.get(READ_TIMED_OUT):  # the protocol answered 408 and closed: what the handler sent went nowhere
