@@ -59,9 +59,10 @@ _LOAD_THREAD = "packscore-load"
 def in_load_thread(fn: Callable, *args, ended: Callable[[Any, BaseException | None], None] | None = None) -> asyncio.Future:
     """Starts ``fn(*args)`` (a load or a weights update) in a daemon thread, in the caller's context (its
     log lines name the caller's request); a future of its outcome. ``ended(result, error)`` runs on the
-    loop once the thread is done (or could not start), before the future settles, whether or not anyone still awaits it (a
-    handler cancelled at shutdown leaves the thread running); in the thread itself if the loop closed
-    first. A daemon thread: a SIGTERM during a slow load must not wait for it (``torch_work_running`` sees it)."""
+    loop once the thread is done (or could not start), before the future settles, whether or not anyone
+    still awaits it (a handler cancelled at shutdown leaves the thread running); in the thread itself if
+    the loop closed first. A daemon thread: a SIGTERM during a slow load must not wait for it
+    (``torch_work_running`` sees it)."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
     context = contextvars.copy_context()
