@@ -32,12 +32,11 @@ def _requests_total(text: str, route: str) -> dict[str, float]:
     return {status: float(value) for status, value in re.findall(pattern, text, re.M)}
 
 
-def test_a_weights_update_cut_off_by_sigint_stays_updating_until_its_load_ends_and_is_answered_503(tmp_path):
-    """The handler's ``finally`` cleared ``updating`` when uvicorn cancelled it, while the load ran on in
-    its thread: a second update could start against it and the exit's check for torch work running
-    (``torch_work_running``) saw none. The load ran in asyncio's default executor, whose non-daemon
-    thread the loop's close then waited for: SIGINT waited for the load after all. And the gate counted
-    the cut-off request as a 500 (uvicorn answered its plain-text 500)."""
+def _sigint_during_a_load(tmp_path):
+    """A real uvicorn (DrainingServer) in a thread, a weights update held in its load, then what the SIGINT
+    handler does (without raising SIGINT at the end); the load released once the stop has had 15 s.
+    Returns the service, the backend, the update's answer, whether the server stopped while the load ran,
+    and (updating, torch_work_running) then."""
     (tmp_path / "step-1").mkdir()
     load = threading.Event()
     backend = FakeBackend(load_gate=load)
@@ -61,7 +60,7 @@ def test_a_weights_update_cut_off_by_sigint_stays_updating_until_its_load_ends_a
         _until(lambda: service.phase == "ready", what="the server is ready")
         updating.start()
         _until(lambda: service.default.updating and backend._updating.locked(), what="the update loads")
-        server.handle_exit(signal.SIGINT, None)  # what the SIGINT handler does, without raising SIGINT at the end
+        server.handle_exit(signal.SIGINT, None)
         serving.join(timeout=15)
         stopped_during_load = not serving.is_alive()
         during = service.default.updating, service.torch_work_running()
@@ -70,11 +69,20 @@ def test_a_weights_update_cut_off_by_sigint_stays_updating_until_its_load_ends_a
         load.set()
         serving.join(timeout=40)
         updating.join(timeout=40)
+    return service, backend, answers.get("update"), stopped_during_load, during
+
+
+def test_a_weights_update_cut_off_by_sigint_stays_updating_until_its_load_ends_and_is_answered_503(tmp_path):
+    """The handler's ``finally`` cleared ``updating`` when uvicorn cancelled it, while the load ran on in
+    its thread: a second update could start against it and the exit's check for torch work running
+    (``torch_work_running``) saw none. The load ran in asyncio's default executor, whose non-daemon
+    thread the loop's close then waited for: SIGINT waited for the load after all. And the gate counted
+    the cut-off request as a 500 (uvicorn answered its plain-text 500)."""
+    service, backend, answer, stopped_during_load, during = _sigint_during_a_load(tmp_path)
     _until(lambda: not backend._updating.locked(), what="the load ends")
     _until(lambda: not service.default.updating, timeout=5, what="updating ends with the load")
     assert stopped_during_load, "the server's stop waited for the weights load"
     assert during == (True, True), f"(updating, torch_work_running) while the load still ran: {during}"
-    answer = answers.get("update")
     assert isinstance(answer, httpx.Response) and answer.status_code == 503, answer
     assert answer.json()["error"]["type"] == "draining", answer.text
     counted = _requests_total(service.metrics.render().decode(), "/v1/weights")
@@ -119,38 +127,8 @@ def test_a_request_cut_off_by_the_shutdown_logs_one_warning_not_uvicorns_traceba
     """A handler cancelled after uvicorn's grace is answered the drain's 503, a documented outcome, yet
     uvicorn logged "Exception in ASGI application" at ERROR with the cancellation's whole traceback:
     what docs/usage.md says marks a bug (an unhandled error's 500), at every SIGINT during an update."""
-    (tmp_path / "step-1").mkdir()
-    load = threading.Event()
-    backend = FakeBackend(load_gate=load)
-    settings = Settings(weights_root=tmp_path, host="127.0.0.1", port=free_port())
-    app = create_app(settings, backend)
-    service = app.state.service
-    server = DrainingServer(uvicorn_config(app, settings), service)
-    serving = threading.Thread(target=server.run, name="test-uvicorn")  # not the main thread: no signal handlers
-    answers: dict[str, httpx.Response | BaseException] = {}
-
-    def update() -> None:
-        try:
-            answers["update"] = httpx.post(f"http://127.0.0.1:{settings.port}/v1/weights", json={"path": "step-1"},
-                                           timeout=30)
-        except httpx.HTTPError as exc:
-            answers["update"] = exc
-
     caplog.set_level("INFO")
-    serving.start()
-    updating = threading.Thread(target=update)
-    try:
-        _until(lambda: service.phase == "ready", what="the server is ready")
-        updating.start()
-        _until(lambda: service.default.updating and backend._updating.locked(), what="the update loads")
-        server.handle_exit(signal.SIGINT, None)
-        serving.join(timeout=15)
-        updating.join(timeout=15)
-    finally:
-        load.set()
-        serving.join(timeout=40)
-        updating.join(timeout=40)
-    answer = answers.get("update")
+    _, _, answer, _, _ = _sigint_during_a_load(tmp_path)
     assert isinstance(answer, httpx.Response) and answer.status_code == 503, answer
     tracebacks = [r for r in caplog.records if r.exc_info]
     assert not tracebacks, [f"{r.name} {r.levelname} {r.getMessage()}" for r in tracebacks]
