@@ -179,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         # before scoring began (imports, the checks, loading the model): a line, not a traceback
         if isinstance(exc, Terminated):
-            print(before_scoring(args.output), file=sys.stderr)
+            print(f"packscore: {before_scoring(args.output)}", file=sys.stderr)
             return 143
         print(f"packscore: interrupted before scoring began; {args.output} is as it was", file=sys.stderr)
         return 130

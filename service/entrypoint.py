@@ -34,9 +34,10 @@ def terminate_before_scoring(signum, frame) -> None:
 
 
 def before_scoring(output) -> str:
-    """The line a SIGTERM before scoring began ends ``score`` with; ``output`` None where OUT is not known yet."""
+    """What a SIGTERM before scoring began ends ``score`` with, after "packscore: "; ``output`` None where OUT
+    is not known yet."""
     out = "OUT" if output is None else output
-    return (f"packscore: terminated (SIGTERM) before scoring began; nothing was scored yet, {out} is as it was: the "
+    return (f"terminated (SIGTERM) before scoring began; nothing was scored yet, {out} is as it was: the "
             "same command starts again")
 
 
@@ -69,7 +70,7 @@ def main() -> int:
 
         return cli_main()
     except Terminated:  # while the imports ran, before OUT was read from the command line
-        print(before_scoring(None), file=sys.stderr)
+        print(f"packscore: {before_scoring(None)}", file=sys.stderr)
         return 143
 
 

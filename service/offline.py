@@ -463,18 +463,17 @@ def _close_backend(backend, code: int | None, stopped: BaseException | None, inp
     the lines of IN, and those of them in OUT before this run."""
     with _ctrl_c_held() as held:
         backend.close()  # a pool's workers stop: also after a second Ctrl-C, which does not wait for their forward
-        if held and stopped is None and code == 0:  # every line was in OUT before it came
-            print(f"packscore: interrupted while closing the model; every line of {input_path} is in {output_path} "
-                  "(the same command has nothing left to score)", file=sys.stderr)
-            return 130
-        if sigterm is not None and sigterm.came and stopped is None and code == 0:  # held: OUT's last flush, the close
-            print(f"packscore: terminated (SIGTERM) once every line was scored; every line of {input_path} is in "
-                  f"{output_path} (the same command has nothing left to score)", file=sys.stderr)
-            return 143
+        # every line was in OUT before it came: Ctrl-C in the close, or SIGTERM held over OUT's last flush and the close
+        if stopped is None and code == 0 and (held or (sigterm is not None and sigterm.came)):
+            status, how = (130, "interrupted while closing the model") if held else \
+                (143, "terminated (SIGTERM) once every line was scored")
+            print(f"packscore: {how}; every line of {input_path} is in {output_path} (the same command has nothing "
+                  "left to score)", file=sys.stderr)
+            return status
         if stopped is None:
             return code
         if isinstance(stopped, Terminated):  # before the scoring loop took SIGTERM over: nothing of this run in OUT
-            status, line = 143, before_scoring(output_path)[len("packscore: "):]
+            status, line = 143, before_scoring(output_path)
         elif getattr(stopped, "terminated", False):
             status, line = 143, (f"terminated (SIGTERM); {scored[1] + stopped.written} of the {scored[0]} lines of "
                                  f"{input_path} are in {output_path}, in input order (a forward under way was not "
