@@ -8,7 +8,7 @@ from pathlib import Path
 import helm_python as helm
 import pytest
 
-from deploy_helpers import CLI_OPTIONS, REPO, VALUE_SETS, container, render_chart
+from deploy_helpers import CLI_OPTIONS, REPO, VALUE_SETS, arg_value, container, render_chart
 from service.cli import build_parser, parse_settings
 from service.settings import Settings
 
@@ -138,9 +138,57 @@ def test_env_cannot_set_what_the_chart_sets(name):
 
 @pytest.mark.parametrize("name", ["PACKSCORE_LOG_LEVEL", "PACKSCORE_QUEUE_SECONDS", "PACKSCORE_PREFIX_SHARING",
                                   "PACKSCORE_FLA_AUTOTUNE", "PACKSCORE_CACHE_DIR", "PACKSCORE_EXPERT_GEMM",
-                                  "PACKSCORE_NO_FSDP", "HF_HUB_CACHE"])
+                                  "PACKSCORE_NO_FSDP", "HF_HUB_CACHE", "TRITON_PRINT_AUTOTUNING"])
 def test_env_takes_what_the_chart_leaves_alone(name):
     assert {"name": name, "value": "1"} in container({"env": [{"name": name, "value": "1"}]})["env"]
+
+
+def _chart_environment() -> dict[str, tuple[str | None, list[dict]]]:
+    """Every variable the chart puts in the container (its value, None from a Secret) and the container's
+    mounts, over value sets that turn each one on, the user's env left out."""
+    found = {}
+    for values in VALUE_SETS.values():
+        c = container({**values, "env": []})
+        found.update({e["name"]: (e.get("value"), c["volumeMounts"]) for e in c["env"]})
+    return found
+
+
+CHART_ENVIRONMENT = _chart_environment()
+# The value that sizes or replaces each writable volume a cache or scratch variable points into.
+VOLUME_VALUES = {"cache": "cache.existingClaim or cache.sizeLimit (the /cache volume)",
+                 "tmp": "tmp.sizeLimit (the /tmp volume)"}
+
+
+@pytest.mark.parametrize("name", sorted(CHART_ENVIRONMENT))
+def test_env_cannot_repeat_a_variable_the_chart_sets(name):
+    # Kubernetes keeps the last of two names: after the chart's, TRITON_CACHE_DIR=/elsewhere would move the
+    # kernel cache off the volume cache.existingClaim keeps (onto the read-only root filesystem), silently.
+    with pytest.raises(helm.HelmError) as err:
+        render_chart({"env": [{"name": "NCCL_DEBUG", "value": "WARN"}, {"name": name, "value": "/elsewhere"}]})
+    message = str(err.value)
+    if name.startswith("PACKSCORE_"):  # an option's variable: test_env_cannot_set_what_the_chart_sets
+        assert f"env({name}) sets --" in message, message
+        return
+    value, mounts = CHART_ENVIRONMENT[name]
+    (volume,) = [m["name"] for m in mounts if value == m["mountPath"] or value.startswith(m["mountPath"] + "/")]
+    assert f"env({name}) repeats the chart's {name}={value}" in message, message
+    assert message.endswith(f"set {VOLUME_VALUES[volume]} instead"), message
+
+
+def test_env_cannot_set_the_inductor_cache_the_server_sets_from_the_chart(tmp_path, monkeypatch):
+    # The server pops TORCHINDUCTOR_CACHE_DIR and sets it to DIR/inductor from --triton-cache-dir: a user's is dropped.
+    from model_runtime.kernels.cache import configure_kernel_cache
+
+    for variable in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.setenv(variable, "")  # restored after the test, as configure_kernel_cache sets both
+        monkeypatch.delenv(variable)
+    inductor = Path(configure_kernel_cache(tmp_path)["inductor"]).relative_to(tmp_path.resolve())
+    expected = f"TORCHINDUCTOR_CACHE_DIR={arg_value(container()['args'], '--triton-cache-dir')}/{inductor}"
+    with pytest.raises(helm.HelmError) as err:
+        render_chart({"env": [{"name": "TORCHINDUCTOR_CACHE_DIR", "value": "/elsewhere"}]})
+    message = str(err.value)
+    assert f"env(TORCHINDUCTOR_CACHE_DIR) repeats {expected}, which the server sets from the chart's" in message
+    assert message.endswith(f"set {VOLUME_VALUES['cache']} instead"), message
 
 
 @pytest.mark.parametrize("option", sorted(CLI_OPTIONS - _chart_set_options() - set(KEY_OPTIONS)))

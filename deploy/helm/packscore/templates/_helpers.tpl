@@ -105,7 +105,9 @@ app.kubernetes.io/component: scoring
 {{/* Fails the render when server.extraArgs names, or abbreviates as argparse allows, an option the chart
 sets itself (the last one given wins, and the probes, ports, grace period and volumes follow the chart's value)
 or a key (on the command line, ps and the pod spec show it); and when env names the variable of such an option
-(PACKSCORE_<OPTION>, which the server reads where the command line leaves it, whatever its case). */}}
+(PACKSCORE_<OPTION>, which the server reads where the command line leaves it, whatever its case), or repeats a
+cache or scratch variable the chart sets (Kubernetes keeps the last of two names, and the server sets the kernel
+caches again from --triton-cache-dir: the user's would move a cache off its volume, or be dropped without a word). */}}
 {{- define "packscore.validateOptions" -}}
 {{- $managed := dict
   "--host" "the chart (0.0.0.0, where the probes and the Service reach the pod)"
@@ -156,10 +158,22 @@ or a key (on the command line, ps and the pod spec show it); and when env names 
 {{- $_ := set $variables (printf "PACKSCORE_%s" (trimPrefix "--" $flag | replace "-" "_" | upper)) (list $flag $from) }}
 {{- end }}
 {{- end }}
+{{- /* The cache and scratch variables of deployment.yaml, and the one the server derives from --triton-cache-dir. */}}
+{{- $cache := "cache.existingClaim or cache.sizeLimit (the /cache volume)" }}
+{{- $chartEnv := dict
+  "TRITON_HOME" (list "the chart's TRITON_HOME=/cache" $cache)
+  "TRITON_CACHE_DIR" (list "the chart's TRITON_CACHE_DIR=/cache/triton, which the server sets again from --triton-cache-dir, dropping yours" $cache)
+  "TORCHINDUCTOR_CACHE_DIR" (list "TORCHINDUCTOR_CACHE_DIR=/cache/triton/inductor, which the server sets from the chart's --triton-cache-dir, dropping yours" $cache)
+  "XDG_CACHE_HOME" (list "the chart's XDG_CACHE_HOME=/cache/xdg" $cache)
+  "TMPDIR" (list "the chart's TMPDIR=/tmp" "tmp.sizeLimit (the /tmp volume)")
+}}
 {{- range $entry := .Values.env }}
 {{- $name := toString $entry.name }}
 {{- with get $variables (upper $name) }}
 {{- fail (printf "env(%s) sets %s, which the chart sets from %s: set that value instead" $name (index . 0) (index . 1)) }}
+{{- end }}
+{{- with get $chartEnv $name }}
+{{- fail (printf "env(%s) repeats %s: caches and scratch space stay on the pod's volumes (the root filesystem is read-only); set %s instead" $name (index . 0) (index . 1)) }}
 {{- end }}
 {{- end }}
 {{- end }}
