@@ -56,7 +56,7 @@ def test_environment_names_used_by_the_deployment_are_settings():
 def test_docker_run_examples_in_the_docs_parse():
     readme = (REPO / "deploy" / "README.md").read_text().replace("\\\n", " ")
     runs = [line.split(" IMAGE", 1)[1].split() for line in readme.splitlines()
-            if line.strip().startswith("docker run") and " IMAGE" in line]
+            if line.strip().startswith("docker run") and " IMAGE" in line and "--entrypoint" not in line]
     assert len(runs) >= 3
     models = []
     for image_args in runs:

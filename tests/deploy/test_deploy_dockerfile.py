@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import tomllib
 
@@ -14,6 +15,7 @@ import pytest
 import yaml
 
 from deploy_helpers import CHART, REPO, find_tool, load_module
+from service.cli import parse_settings
 
 DOCKERFILE = REPO / "Dockerfile"
 cuda_arch = load_module(REPO / "deploy" / "docker" / "cuda_arch.py")
@@ -149,6 +151,36 @@ def test_tini_is_the_init_reaping_orphans_and_passing_signals_and_exit_status_th
     assert any(re.search(r"--no-install-recommends .*\btini\b", r) for r in installs), installs
     readme = (REPO / "deploy" / "README.md").read_text()
     assert f"`ENTRYPOINT {json.dumps(entrypoint)}`" in readme
+
+
+def _documented_runs_off_the_entrypoint() -> dict[str, list[list[str]]]:
+    """Each doc page's `docker run`s that replace the entrypoint or run `packscore score`, as argument lists."""
+    pages = [REPO / "README.md", REPO / "deploy" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    runs: dict[str, list[list[str]]] = {}
+    for page in pages:
+        for run in re.findall(r"docker run [^`\n]*", page.read_text().replace("\\\n", " ")):
+            if "--entrypoint" in run or "packscore score" in run or re.search(r"(IMAGE|packscore:\S+) score\b", run):
+                runs.setdefault(str(page.relative_to(REPO)), []).append(shlex.split(run))
+    return runs
+
+
+def test_offline_scoring_in_the_image_keeps_tini_as_pid_1(dockerfile):
+    entrypoint = json.loads(args_of(stages(dockerfile)["runtime"], "ENTRYPOINT")[0])
+    # It ends in `packscore serve`, so `docker run IMAGE score IN -o OUT` would run `packscore serve score ...`,
+    assert entrypoint[-1] == "serve"
+    with pytest.raises(SystemExit):
+        parse_settings(["serve", "score", "in.jsonl", "-o", "out.jsonl"])
+    # and `--entrypoint packscore` leaves no init to reap orphans: the docs replace it with tini and tini's flags.
+    init = entrypoint[:entrypoint.index("--") + 1]
+    runs = _documented_runs_off_the_entrypoint()
+    assert {"deploy/README.md", "docs/deployment.md", "docs/cli.md"} <= set(runs), sorted(runs)
+    for page, argv in ((p, a) for p, found in runs.items() for a in found):
+        assert "--entrypoint" in argv and argv[argv.index("--entrypoint") + 1] == init[0], (page, argv)
+        (image,) = [i for i, a in enumerate(argv) if a == "IMAGE" or a.startswith("packscore:")]
+        command = argv[image + 1:]
+        assert command[:len(init)] == [*init[1:], "packscore"], (page, argv)
+        args, _ = parse_settings(command[len(init):])
+        assert args.command == "score" and args.output is not None, (page, argv)
 
 
 def test_healthcheck_polls_healthz(dockerfile):
