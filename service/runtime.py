@@ -89,8 +89,15 @@ def in_load_thread(fn: Callable, *args, ended: Callable[[Any, BaseException | No
     try:
         threading.Thread(target=target, name=_LOAD_THREAD, daemon=True).start()
     except RuntimeError as exc:  # no thread (the thread limit): ``ended`` runs all the same, or "updating" never ends
-        loop.call_soon(done, None, exc)
+        refused = NoLoadThreadError(f"no thread could be started for it ({exc}); the server is at its thread limit")
+        refused.__cause__ = exc
+        loop.call_soon(done, None, refused)
     return future
+
+
+class NoLoadThreadError(RuntimeError):
+    """``in_load_thread`` could not start its thread (the process's thread limit): the server's
+    momentary condition, nothing about what it was to load."""
 
 
 class _FirstPassFailed(RuntimeError):

@@ -22,7 +22,7 @@ from model_runtime.scoring.weights import RESERVED_VERSION_PREFIXES, files_snaps
 from service.http.errors import ApiError, backend_unavailable, from_validation_errors, is_out_of_memory
 from service.http.schemas import WeightsRequest
 from service.http.validation import pick_model
-from service.runtime import ServedModel, Service, in_load_thread
+from service.runtime import NoLoadThreadError, ServedModel, Service, in_load_thread
 
 log = logging.getLogger(__name__)
 
@@ -170,12 +170,16 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
         raise ApiError(409, "update_in_progress", f"{exc}; retry once it is done.", "model", headers=_RETRY_SOON) from None
     except BackendUnavailableError as exc:
         raise backend_unavailable(f"The weights of {model.name!r} could not be updated: {exc}.", retry_after_s=5) from None
+    except NoLoadThreadError as exc:  # the server's moment, not the checkpoint's: it was not read
+        log.error("weights update of %s not started: %s", model.name, exc)
+        raise backend_unavailable(f"The weights of {model.name!r} could not be updated now: {exc}; the checkpoint "
+                                  "was not read.", retry_after_s=5) from None
     except (OSError, RuntimeError) as exc:  # the old version still serves: the update changed nothing
         log.error("weights update of %s failed", model.name, exc_info=exc)
         if is_out_of_memory(exc):
             raise backend_unavailable(f"The new weights of {model.name!r} do not fit in memory now: {exc}.", retry_after_s=30) from None
         raise ApiError(422, "unreadable_checkpoint", f"The checkpoint could not be loaded: {exc}", "path") from None
-    return answer
+    return answer, recording
 
 
 def _served(service: Service, model: ServedModel, source: tuple, update: WeightsUpdate) -> dict:

@@ -233,10 +233,9 @@ def test_a_request_waiting_to_hold_swaps_is_not_overtaken_by_the_next_update(tmp
     assert update["weights_version"] == "v1" and ready == 200, (update, ready)
 
 
-def test_an_update_whose_load_thread_cannot_start_is_answered_and_the_next_one_runs(tmp_path, monkeypatch):
-    """A load thread refused by the process's thread limit ("can't start new thread") raised before
-    ``ended`` was set to run: the model stayed 'updating' for good, every later update got 409
-    update_in_progress and a drain waited its whole timeout for it."""
+def _update_without_a_load_thread(tmp_path, monkeypatch):
+    """An update whose load thread the process's thread limit refuses ("can't start new thread"), then
+    the same update with threads again: (the first's answer, "updating" after it, the second's, metrics)."""
     from service.runtime import _LOAD_THREAD
 
     (tmp_path / "step-1").mkdir()
@@ -255,8 +254,29 @@ def test_an_update_whose_load_thread_cannot_start_is_answered_and_the_next_one_r
                 first = await asyncio.wait_for(client.post("/v1/weights", json={"path": "step-1"}), 5)
             updating = app.state.service.default.updating
             second = await asyncio.wait_for(client.post("/v1/weights", json={"path": "step-1"}), 5)
-            return first, updating, second
+            return first, updating, second, (await client.get("/metrics")).text
 
-    first, updating, second = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_an_update_whose_load_thread_cannot_start_is_answered_and_the_next_one_runs(tmp_path, monkeypatch):
+    """A load thread refused by the process's thread limit ("can't start new thread") raised before
+    ``ended`` was set to run: the model stayed 'updating' for good, every later update got 409
+    update_in_progress and a drain waited its whole timeout for it."""
+    first, updating, second, _ = _update_without_a_load_thread(tmp_path, monkeypatch)
     assert first.status_code not in (200, 409, 500) and not updating, (first.status_code, first.text, updating)
     assert second.status_code == 200, (second.status_code, second.text)
+
+
+def test_an_update_whose_load_thread_cannot_start_is_the_servers_503_not_a_bad_checkpoint(tmp_path, monkeypatch):
+    """The thread limit's RuntimeError fell into the failed load's branch: 422 unreadable_checkpoint, which
+    tells the trainer its checkpoint is bad. It is the server's momentary condition: 503 backend_unavailable
+    with Retry-After, counted so, and the same checkpoint is served once threads start again."""
+    first, _, second, metrics = _update_without_a_load_thread(tmp_path, monkeypatch)
+    error = first.json()["error"]
+    assert (first.status_code, error["type"]) == (503, "backend_unavailable"), first.text
+    assert first.headers.get("retry-after") == "5" and "checkpoint was not read" in error["message"], (first.headers, error)
+    counted = re.findall(r'^packscore_weights_updates_total\{model="fake-model",outcome="(\w+)"\} (\S+)$', metrics, re.M)
+    outcomes = {outcome: float(value) for outcome, value in counted}
+    assert (outcomes["backend_unavailable"], outcomes["unreadable_checkpoint"], outcomes["ok"]) == (1, 0, 1), outcomes
+    assert second.status_code == 200, second.text
