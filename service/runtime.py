@@ -59,10 +59,10 @@ _LOAD_THREAD = "packscore-load"
 def in_load_thread(fn: Callable, *args, ended: Callable[[Any, BaseException | None], None] | None = None) -> asyncio.Future:
     """Starts ``fn(*args)`` (a load or a weights update) in a daemon thread, in the caller's context (its
     log lines name the caller's request); a future of its outcome. ``ended(result, error)`` runs on the
-    loop once the thread is done (or could not start), before the future settles, whether or not anyone
-    still awaits it (a handler cancelled at shutdown leaves the thread running); in the thread itself if
-    the loop closed first. A daemon thread: a SIGTERM during a slow load must not wait for it
-    (``torch_work_running`` sees it)."""
+    loop, in that context too, once the thread is done (or could not start), before the future settles,
+    whether or not anyone still awaits it (a handler cancelled at shutdown leaves the thread running); in
+    the thread itself if the loop closed first. A daemon thread: a SIGTERM during a slow load must not wait for it
+    (``torch_work_running`` sees it). A thread that cannot start fails it with ``NoLoadThreadError``."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
     context = contextvars.copy_context()
@@ -81,7 +81,7 @@ def in_load_thread(fn: Callable, *args, ended: Callable[[Any, BaseException | No
         except BaseException as exc:  # handed to the awaiting coroutine
             result, error = None, exc
         try:
-            loop.call_soon_threadsafe(done, result, error)
+            loop.call_soon_threadsafe(done, result, error, context=context)
         except RuntimeError:  # the loop closed meanwhile (the server stopped): nothing else runs on it now
             if ended is not None:
                 ended(result, error)
@@ -152,6 +152,7 @@ class Service:
         self.fatal_error: str | None = None  # set when loading failed; the server then exits non-zero
         self.fatal_status = 1  # 2 when the checkpoint was refused (the CLI's status for a refusal)
         self.inflight = 0  # /score requests admitted and not yet answered
+        self.recording: set[asyncio.Future] = set()  # --weights-record writes of updates that serve, under way
         self.drained = False  # set once a drain finished: the server may exit
         self._drain_waiters: set[asyncio.Future] = set()  # when_draining's futures not yet done
         self._probe: asyncio.Task | None = None
@@ -493,8 +494,9 @@ class Service:
         finished = True
         for model in self._scheduled():
             finished &= await model.scheduler.wait_idle(max(0.0, deadline - time.monotonic()))
-        # answers being encoded and sent, and weight updates under way (a trainer waits on their answer)
-        while (self.inflight or any(m.updating for m in self.models.values())) and time.monotonic() < deadline:
+        # answers being encoded and sent, and weight updates under way with their record writes (a trainer waits on them)
+        while (self.inflight or self.recording or any(m.updating for m in self.models.values())) \
+                and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         if not finished:
             for model in self._scheduled():

@@ -188,7 +188,8 @@ class Metrics:
         )
         self.weights_updates = Counter(
             "packscore_weights_updates_total",
-            "POST /v1/weights answered, by model and outcome (ok, or the error type).",
+            "POST /v1/weights updates, by model and outcome (ok: it serves, its request answered or cut off; "
+            "or the error type).",
             ["model", "outcome"],
             registry=r,
         )

@@ -8,6 +8,7 @@ forwards (``ScoringBackend.update_weights``). A failed update changes nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -102,25 +103,60 @@ async def update_weights(service: Service, body: Any, root: Path) -> dict:
             raise from_validation_errors(exc.errors(include_url=False), sourced=False) from None
         model = service.models[pick_model(request.model, service.models)]
         name = model.name
-        answer = await _run(service, model, resolve_checkpoint(root, request.path), request.version)
+        answer, recording = await _run(service, model, resolve_checkpoint(root, request.path), request.version,
+                                       requested_at)
     except ApiError as exc:
         service.metrics.weights_updates.labels(model=name, outcome=exc.type).inc()
         raise
     except Exception:  # a bug: the 500 is the app's, the failed update is counted here too
         service.metrics.weights_updates.labels(model=name, outcome="internal_error").inc()
         raise
-    service.release(model.name)  # before any await: a model that serves the update waits no longer
-    service.metrics.weights_updates.labels(model=name, outcome="ok").inc()
-    if service.record is not None and model.last_update is not None:
-        (_, path, files), _ = model.last_update  # the files as read before the update loaded them
-        # in a thread: the write waits for the disk (fsync); a failure is logged and counted, the 200 stands
-        if not await asyncio.to_thread(service.record.write, model.name, model.key, path, answer["weights_version"],
-                                       files, lambda: model.backend.info.weights_version, requested_at):
-            service.metrics.weights_record_failures.labels(model=model.name).inc()
+    if recording is not None:  # the update's own write: this handler cancelled meanwhile leaves it going on
+        with contextlib.suppress(Exception):  # a failed write is logged and counted (_landed); the 200 stands
+            await asyncio.shield(recording)
     return answer
 
 
-async def _run(service: Service, model: ServedModel, path: Path, version: str | None) -> dict:
+def _landed(service: Service, model: ServedModel, answer: dict, requested_at: float) -> asyncio.Future | None:
+    """``answer``'s update serves: the update's own ends, done whether or not its handler still waits
+    (one cancelled meanwhile): its model waits no longer, it counts ``ok`` and its ``--weights-record``
+    write starts. Returns that write (None without a record)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # it landed after the loop closed: the server had stopped, nothing scored with it
+        log.info("%s's update to %s landed after the server stopped: not counted nor recorded", model.name,
+                 answer["weights_version"])
+        return None
+    service.release(model.name)  # at once: a model that serves the update waits no longer
+    service.metrics.weights_updates.labels(model=model.name, outcome="ok").inc()
+    if service.record is None or model.last_update is None:
+        return None
+    (_, path, files), _ = model.last_update  # the files as read before the update loaded them
+
+    def recorded(written: bool | None, error: BaseException | None) -> None:
+        if error is not None:  # write() logs its own failures, never raises: its thread did not start
+            log.error("--weights-record %s: recording %s serving %s failed: %s; the update stands, but a restart "
+                      "would not restore it", service.record.file, model.name, answer["weights_version"], error)
+        if not written:
+            service.metrics.weights_record_failures.labels(model=model.name).inc()
+
+    # In a daemon thread: the write waits for the disk (fsync), and a stopping process must not wait for it.
+    writing = in_load_thread(service.record.write, model.name, model.key, path, answer["weights_version"], files,
+                             lambda: model.backend.info.weights_version, requested_at, ended=recorded)
+    service.recording.add(writing)  # the drain waits for it, as for the update
+
+    def written(done: asyncio.Future) -> None:
+        service.recording.discard(done)
+        if not done.cancelled():
+            done.exception()  # a thread that did not start is logged and counted above, awaited or not
+
+    writing.add_done_callback(written)
+    return writing
+
+
+async def _run(service: Service, model: ServedModel, path: Path, version: str | None,
+               requested_at: float) -> tuple[dict, asyncio.Future | None]:
+    """The update's answer once it serves, and its ``--weights-record`` write (``_landed``)."""
     # the body's own faults first: a bad version is 422 whatever an update in progress
     if version is not None and version.lower().startswith(RESERVED_VERSION_PREFIXES):
         # Such a name could later be the content hash of other weights, which would then serve under it.
@@ -139,7 +175,8 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
     if version is not None and model.last_update is not None and model.last_update[0] == source \
             and model.backend.info.weights_version == version:
         log.info("weights update of %s to %s repeated: it already serves these files", model.name, version)
-        return dict(model.last_update[1])
+        answer = dict(model.last_update[1])
+        return answer, _landed(service, model, answer, requested_at)
     served = model.versions_served | {model.backend.info.weights_version}
     if version is not None and version in served:
         # A version names one set of weights: a pinned request must never get other numbers under it.
@@ -147,15 +184,18 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
                        "give the new weights a version of their own (or none: their content hash).", "version")
     before = model.backend.info.weights_version
     answer: dict = {}
+    recording: asyncio.Future | None = None
 
     def ended(update: WeightsUpdate | None, error: BaseException | None) -> None:
         # The update's thread is done, whether or not this handler still waits for it (cancelled at shutdown).
+        nonlocal recording
         model.updating = False
         if model.backend.info.weights_version != before:  # it swapped, or a failed update in place left other weights
             model.versions_served.add(before)
             service.metrics.describe_model(model.backend.info, model.name)
         if error is None:
             answer.update(_served(service, model, source, update))
+            recording = _landed(service, model, answer, requested_at)
 
     model.updating = True
     try:

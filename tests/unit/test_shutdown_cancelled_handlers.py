@@ -1,11 +1,13 @@
 """Handlers cut off by the server's own shutdown, on a real uvicorn (DrainingServer) on 127.0.0.1 in
 this process: uvicorn cancels what still runs after its short grace (SIGINT, a second SIGTERM). A
 weights update so cancelled keeps its load running in its thread; the model must stay "updating" for
-as long, and the request must be answered and counted as the drain's 503, not as a server error."""
+as long, the request must be answered and counted as the drain's 503, not as a server error, and a
+load that lands all the same is counted and recorded."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import threading
@@ -16,6 +18,7 @@ import httpx
 from model_runtime.pool.ports import free_port
 from service.http.app import create_app
 from service.http.server import DrainingServer, uvicorn_config
+from service.runtime import _LOAD_THREAD
 from service.settings import Settings
 from service.testing import FakeBackend
 
@@ -32,15 +35,29 @@ def _requests_total(text: str, route: str) -> dict[str, float]:
     return {status: float(value) for status, value in re.findall(pattern, text, re.M)}
 
 
-def _sigint_during_a_load(tmp_path):
+def _load_threads() -> bool:
+    return any(t.name == _LOAD_THREAD and t.is_alive() for t in threading.enumerate())
+
+
+class _LandsAtStop(FakeBackend):
+    """Its update's load lands while the server stops, after uvicorn cut its handler off: ``close`` (the
+    service's stop, on the loop) lets the load end and waits for its thread."""
+
+    def close(self) -> None:
+        self.load_gate.set()
+        _until(lambda: not _load_threads(), what="the update's load thread ends")
+
+
+def _sigint_during_a_load(tmp_path, *, backend_class=FakeBackend, **settings):
     """A real uvicorn (DrainingServer) in a thread, a weights update held in its load, then what the SIGINT
     handler does (without raising SIGINT at the end); the load released once the stop has had 15 s.
+    ``settings``: more of them.
     Returns the service, the backend, the update's answer, whether the server stopped while the load ran,
     and (updating, torch_work_running) then."""
     (tmp_path / "step-1").mkdir()
     load = threading.Event()
-    backend = FakeBackend(load_gate=load)
-    settings = Settings(weights_root=tmp_path, host="127.0.0.1", port=free_port())
+    backend = backend_class(load_gate=load)
+    settings = Settings(weights_root=tmp_path, host="127.0.0.1", port=free_port(), **settings)
     app = create_app(settings, backend)
     service = app.state.service
     server = DrainingServer(uvicorn_config(app, settings), service)
@@ -135,3 +152,55 @@ def test_a_request_cut_off_by_the_shutdown_logs_one_warning_not_uvicorns_traceba
     lines = [r for r in caplog.records if r.name == "service.http.app"]
     assert [r.levelname for r in lines] == ["WARNING"], [(r.levelname, r.getMessage()) for r in caplog.records]
     assert "503" in lines[0].getMessage() and "POST /v1/weights" in lines[0].getMessage(), lines[0].getMessage()
+
+
+def _weights_updates(text: str, outcome: str) -> float:
+    found = re.findall(rf'^packscore_weights_updates_total\{{model="fake-model",outcome="{outcome}"\}} (\S+)$', text, re.M)
+    return sum(map(float, found))
+
+
+def test_an_update_cut_off_by_the_shutdown_whose_load_lands_before_the_exit_is_counted_and_recorded(tmp_path):
+    """Its handler, cut off, counted and recorded nothing, yet the new weights served: a restart would
+    serve the weights before them. The load that lands while the server stops counts ``ok`` and is
+    written to --weights-record, as any update that serves."""
+    record = tmp_path / "state" / "record.json"
+    record.parent.mkdir()
+    sent = time.time()
+    service, _, answer, _, _ = _sigint_during_a_load(tmp_path, backend_class=_LandsAtStop, weights_record=record)
+    assert isinstance(answer, httpx.Response) and answer.status_code == 503, answer
+    _until(lambda: record.exists(), timeout=10, what="the landed update is recorded")
+    entry = json.loads(record.read_text())["models"]["fake-model"]
+    assert entry["path"] == "step-1" and entry["version"] == service.default.backend.info.weights_version, entry
+    assert sent <= entry["requested_at"] <= time.time(), (sent, entry)
+    assert _weights_updates(service.metrics.render().decode(), "ok") == 1
+
+
+def test_an_update_whose_in_process_caller_cancelled_it_is_counted_and_recorded_once_its_load_lands(tmp_path):
+    """The handler counted the update ``ok`` and wrote --weights-record only if it still waited when the
+    load landed: an in-process caller that gave up left the new weights serving, not counted, and a
+    restart serving the weights before them."""
+    from service.testing import running_app, wait_until
+
+    (tmp_path / "step-1").mkdir()
+    record = tmp_path / "state" / "record.json"
+    record.parent.mkdir()
+    load = threading.Event()
+    backend = FakeBackend(load_gate=load)
+
+    async def main():
+        app = create_app(Settings(weights_root=tmp_path, weights_record=record), backend)
+        service = app.state.service
+        async with running_app(app) as client:
+            first = asyncio.ensure_future(client.post("/v1/weights", json={"path": "step-1", "version": "v1"}))
+            await wait_until(lambda: backend._updating.locked())
+            first.cancel()
+            await asyncio.wait({first})
+            load.set()
+            await wait_until(lambda: not service.default.updating and not service.recording)
+            return service.metrics.render().decode()
+
+    metrics = asyncio.run(main())
+    assert backend.info.weights_version == "v1"
+    assert _weights_updates(metrics, "ok") == 1, [line for line in metrics.splitlines() if "weights_updates" in line]
+    entry = json.loads(record.read_text())["models"]["fake-model"]
+    assert (entry["path"], entry["version"]) == ("step-1", "v1"), entry
