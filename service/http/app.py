@@ -135,7 +135,8 @@ def create_app(settings: Settings, backend: BackendSources, record: WeightsRecor
 class _Gate:
     """Wraps every request: names it (``X-Request-Id``, service.http.request_id), counts it in the
     metrics, checks the API key, refuses while draining, answers an unhandled error's 500 and a
-    request cut off by the shutdown with the drain's 503 (one cancelled otherwise counts as 499).
+    request cut off by the shutdown with the drain's 503 (one cancelled otherwise, or whose client had
+    left, counts as 499).
 
     A plain ASGI middleware (not BaseHTTPMiddleware) so that handlers still receive the
     client's disconnect message. It answers the 500 itself, not through an exception handler
@@ -190,10 +191,14 @@ class _Gate:
             if isinstance(exc, asyncio.CancelledError) and not started_answer:
                 status = CLIENT_CLOSED  # no server error: unanswered, as a client gone (send_observed counts an answer)
                 if self.service.phase == "draining":  # uvicorn's grace ended: the drain's 503, not its plain-text 500
-                    await _answer_cancelled(error_response(draining_error(), metrics), scope, receive, send_observed)
+                    if await _client_left(receive):  # nobody to answer: a client gone, as anywhere else
+                        answered = "its client had already left: nothing sent"
+                    else:
+                        await _answer_cancelled(error_response(draining_error(), metrics), scope, receive, send_observed)
+                        answered = "answered the drain's 503"
                     # a documented outcome, not a bug: one line, and no "Exception in ASGI application" traceback
-                    log.warning("%s %s cut off by the shutdown (still running after uvicorn's grace): answered the "
-                                "drain's 503", scope["method"], path)
+                    log.warning("%s %s cut off by the shutdown (still running after uvicorn's grace): %s",
+                                scope["method"], path, answered)
                     request_id.tag(exc, rid, logged=True)
             raise
         finally:
@@ -245,6 +250,17 @@ class _Gate:
             return ApiError(403, "forbidden", "The scoring key may not update weights; send the admin key.")
         return ApiError(401, "unauthorized", "The admin key is required: send 'Authorization: Bearer <admin key>'.",
                         headers={"WWW-Authenticate": "Bearer"})
+
+
+async def _client_left(receive: Receive) -> bool:
+    """Whether the client has closed the connection: the server then has ``http.disconnect`` for the next
+    receive at once, where it would otherwise wait (for more of the body, or for the disconnect)."""
+    message = asyncio.ensure_future(receive())
+    await asyncio.sleep(0)  # the receive's first step: a disconnect already known is returned there
+    if not message.done():
+        message.cancel()
+        return False
+    return not message.cancelled() and message.exception() is None and message.result()["type"] == "http.disconnect"
 
 
 async def _answer_cancelled(answer: Response, scope: Scope, receive: Receive, send: Send) -> None:

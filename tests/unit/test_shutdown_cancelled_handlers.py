@@ -1,8 +1,8 @@
 """Handlers cut off by the server's own shutdown, on a real uvicorn (DrainingServer) on 127.0.0.1 in
 this process: uvicorn cancels what still runs after its short grace (SIGINT, a second SIGTERM). A
 weights update so cancelled keeps its load running in its thread; the model must stay "updating" for
-as long, the request must be answered and counted as the drain's 503, not as a server error, and a
-load that lands all the same is counted and recorded."""
+as long, the request must be answered and counted as the drain's 503, not as a server error (as a
+client gone where its client had left), and a load that lands all the same is counted and recorded."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import asyncio
 import json
 import re
 import signal
+import socket
 import threading
 import time
 
@@ -48,10 +49,10 @@ class _LandsAtStop(FakeBackend):
         _until(lambda: not _load_threads(), what="the update's load thread ends")
 
 
-def _sigint_during_a_load(tmp_path, *, backend_class=FakeBackend, **settings):
+def _sigint_during_a_load(tmp_path, *, backend_class=FakeBackend, client_leaves: bool = False, **settings):
     """A real uvicorn (DrainingServer) in a thread, a weights update held in its load, then what the SIGINT
     handler does (without raising SIGINT at the end); the load released once the stop has had 15 s.
-    ``settings``: more of them.
+    ``client_leaves``: the update's client closes its connection before the SIGINT. ``settings``: more of them.
     Returns the service, the backend, the update's answer, whether the server stopped while the load ran,
     and (updating, torch_work_running) then."""
     (tmp_path / "step-1").mkdir()
@@ -63,6 +64,7 @@ def _sigint_during_a_load(tmp_path, *, backend_class=FakeBackend, **settings):
     server = DrainingServer(uvicorn_config(app, settings), service)
     serving = threading.Thread(target=server.run, name="test-uvicorn")  # not the main thread: no signal handlers
     answers: dict[str, httpx.Response | BaseException] = {}
+    left = threading.Event()
 
     def update() -> None:
         try:
@@ -71,12 +73,22 @@ def _sigint_during_a_load(tmp_path, *, backend_class=FakeBackend, **settings):
         except httpx.HTTPError as exc:
             answers["update"] = exc
 
+    def update_and_leave() -> None:
+        body = b'{"path": "step-1"}'
+        with socket.create_connection(("127.0.0.1", settings.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/weights HTTP/1.1\r\nHost: packscore\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            left.wait(30)
+
     serving.start()
-    updating = threading.Thread(target=update)
+    updating = threading.Thread(target=update_and_leave if client_leaves else update)
     try:
         _until(lambda: service.phase == "ready", what="the server is ready")
         updating.start()
         _until(lambda: service.default.updating and backend._updating.locked(), what="the update loads")
+        if client_leaves:
+            left.set()
+            _until(lambda: not server.server_state.connections, what="the server sees the client gone")
         server.handle_exit(signal.SIGINT, None)
         serving.join(timeout=15)
         stopped_during_load = not serving.is_alive()
@@ -157,6 +169,15 @@ def test_a_request_cut_off_by_the_shutdown_logs_one_warning_not_uvicorns_traceba
 def _weights_updates(text: str, outcome: str) -> float:
     found = re.findall(rf'^packscore_weights_updates_total\{{model="fake-model",outcome="{outcome}"\}} (\S+)$', text, re.M)
     return sum(map(float, found))
+
+
+def test_an_update_whose_client_left_before_the_shutdown_cut_it_off_is_counted_as_a_client_gone(tmp_path):
+    """The gate answered the drain's 503 to a handler cut off by the shutdown whatever its client: one that
+    had already closed its connection received nothing, yet packscore_requests_total counted a 503."""
+    service, _, _, stopped_during_load, _ = _sigint_during_a_load(tmp_path, client_leaves=True)
+    assert stopped_during_load, "the server's stop waited for the weights load"
+    counted = _requests_total(service.metrics.render().decode(), "/v1/weights")
+    assert counted.get("499") == 1 and not counted.get("503") and not counted.get("500"), counted
 
 
 def test_an_update_cut_off_by_the_shutdown_whose_load_lands_before_the_exit_is_counted_and_recorded(tmp_path):
