@@ -15,7 +15,7 @@ import msgpack
 import numpy as np
 import orjson
 
-from service.http.errors import ApiError, OversizedInt
+from service.http.errors import ApiError, OversizedInt, short_repr
 
 Encoding = Literal["json", "msgpack"]
 
@@ -39,11 +39,11 @@ def request_encoding(content_type: str | None, content_encoding: str | None = No
     compressed body (``Content-Encoding``), which would otherwise fail to decode with a puzzling message."""
     if content_encoding and content_encoding.strip().lower() != "identity":
         raise ApiError(400, "unsupported_content_encoding",
-                       f"Content-Encoding {content_encoding!r} is not supported; send the body uncompressed.",
+                       f"Content-Encoding {short_repr(content_encoding)} is not supported; send the body uncompressed.",
                        "Content-Encoding")
     media = _media_type(content_type or "")
     if media not in _MEDIA_TYPES:
-        shown = repr(content_type) if content_type else "none"
+        shown = short_repr(content_type) if content_type else "none"
         raise ApiError(
             400,
             "unsupported_content_type",

@@ -153,6 +153,11 @@ def short_repr(value) -> str:
         text = repr(value)
     except RecursionError:  # a value nested deeper than Python's stack: still a 422 naming the field
         return f"a {type(value).__name__} nested too deep to show"
+    return shortened(text)
+
+
+def shortened(text: str) -> str:
+    """``text`` cut to 60 characters, as a message shows a client's string (a route, a method) unquoted."""
     return text if len(text) <= 60 else text[:57] + "..."
 
 
