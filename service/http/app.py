@@ -27,7 +27,7 @@ from service.http import metrics as metrics_module
 from service.http import request_id
 from service.http.encoding import JSON, MSGPACK, decode_body, encode_json, request_encoding
 from service.http.errors import ERROR_RESPONSES, ApiError, body_too_large, draining_error, from_validation_errors
-from service.http.errors import shortened
+from service.http.errors import SHOWN_PATH, shortened
 from service.http.protocol import READ_TIMED_OUT, declared_length
 from service.http.schemas import ErrorResponse, Health, ModelList, Readiness, ScoreRequest, ScoreResponse, Usage
 from service.http.schemas import WeightsRequest, WeightsResponse
@@ -304,7 +304,7 @@ def _install_error_handlers(app: FastAPI, service: Service) -> None:
         path = request.url.path
         # no redirect for a trailing slash (a client that does not follow it would see a bare 307)
         hint = f" (did you mean {path.rstrip('/')}?)" if path.endswith("/") and path.rstrip("/") in _ROUTE_LABELS else ""
-        shown = shortened(path)  # a client's 60 KB path is not echoed back
+        shown = shortened(path, SHOWN_PATH)  # a client's 60 KB path is not echoed back
         message = {404: f"No route {shown}{hint}.", 405: f"{shortened(request.method)} is not allowed on {shown}."}
         headers = dict(exc.headers or {})
         allow = [m.strip() for m in headers.get("Allow", "").split(",") if m.strip()]

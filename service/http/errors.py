@@ -145,20 +145,23 @@ def _unfit_for_a_path(loc) -> bool:
     return bool(key) and isinstance(key[0], str) and (key[0] == "" or len(key[0]) > _LONGEST_KEY_IN_A_PATH)
 
 
-def short_repr(value) -> str:
-    """A value as a message shows it: at most 60 characters (a client's 2 MB string is not echoed back)."""
+def short_repr(value, limit: int = 60) -> str:
+    """A value as a message shows it: at most ``limit`` characters (a client's 2 MB string is not echoed back)."""
     if isinstance(value, (bytes, bytearray)):
         return f"{len(value)} bytes"
     try:
         text = repr(value)
     except RecursionError:  # a value nested deeper than Python's stack: still a 422 naming the field
         return f"a {type(value).__name__} nested too deep to show"
-    return shortened(text)
+    return shortened(text, limit)
 
 
-def shortened(text: str) -> str:
-    """``text`` cut to 60 characters, as a message shows a client's string (a route, a method) unquoted."""
-    return text if len(text) <= 60 else text[:57] + "..."
+SHOWN_PATH = 200  # a path is shown whole up to this: a deep checkpoint directory stays recognisable
+
+
+def shortened(text: str, limit: int = 60) -> str:
+    """``text`` cut to ``limit`` characters, as a message shows a client's string (a route, a method) unquoted."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 # Documented next to every route that can answer it (the OpenAPI page and schemathesis read these).

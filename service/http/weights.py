@@ -21,6 +21,7 @@ from model_runtime.scoring.checkpoint import index_shards
 from model_runtime.scoring.checkpoint_error import CheckpointError
 from model_runtime.scoring.weights import RESERVED_VERSION_PREFIXES, files_snapshot
 from service.http.errors import ApiError, backend_unavailable, from_validation_errors, is_out_of_memory, short_repr
+from service.http.errors import SHOWN_PATH
 from service.http.schemas import WeightsRequest
 from service.http.validation import pick_model
 from service.runtime import NoLoadThreadError, ServedModel, Service, in_load_thread
@@ -32,7 +33,7 @@ _RETRY_SOON = {"Retry-After": "2"}  # an update in progress: a load takes second
 
 
 def _forbidden(path: str, why: str) -> ApiError:
-    return ApiError(403, "forbidden_path", f"path {short_repr(path)} {why}; give a directory relative to --weights-root.", "path")
+    return ApiError(403, "forbidden_path", f"path {short_repr(path, SHOWN_PATH)} {why}; give a directory relative to --weights-root.", "path")
 
 
 def resolve_checkpoint(root: Path, path: str) -> Path:
@@ -51,7 +52,7 @@ def resolve_checkpoint(root: Path, path: str) -> Path:
         if not target.is_relative_to(real_root):
             raise _forbidden(path, "leaves --weights-root through a symlink")
         if not target.is_dir():
-            raise ApiError(422, "invalid_value", f"path {short_repr(path)} is not a directory under --weights-root.", "path")
+            raise ApiError(422, "invalid_value", f"path {short_repr(path, SHOWN_PATH)} is not a directory under --weights-root.", "path")
         for entry in target.iterdir():  # the files the loader will open
             if entry.is_symlink() and not entry.resolve().is_relative_to(real_root):
                 raise _forbidden(path, f"holds {entry.name}, a symlink that leaves --weights-root")
@@ -59,7 +60,7 @@ def resolve_checkpoint(root: Path, path: str) -> Path:
             if "\x00" not in shard and not (target / shard).resolve().is_relative_to(real_root):
                 raise _forbidden(path, f"has an index naming {shard[:200]!r}, a file outside --weights-root")
     except OSError as exc:  # a name too long, a loop of symlinks, a directory it may not list
-        raise ApiError(422, "invalid_value", f"path {short_repr(path)} cannot be used: {exc.strerror or exc}.", "path") from None
+        raise ApiError(422, "invalid_value", f"path {short_repr(path, SHOWN_PATH)} cannot be used: {exc.strerror or exc}.", "path") from None
     return target
 
 

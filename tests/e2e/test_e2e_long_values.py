@@ -1,6 +1,7 @@
 """A client's long string, wherever it is sent (the route, the method, a header, /v1/weights' path),
-comes back at most 60 characters long in the error that names it, on a real server, as a long
-model name or unknown key already does: an error is one sentence, not the client's 500 KB again."""
+comes back cut in the error that names it (60 characters, a path 200), on a real server, as a long
+model name or unknown key already does: an error is one sentence, not the client's 500 KB again.
+A checkpoint path of a usual depth is still shown whole."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 
 from tests.e2e.helpers import AUTH, ServerProcess
 
-LONGEST_MESSAGE = 300  # the sentence around a value shown at 60 characters
+LONGEST_MESSAGE = 400  # the sentence around a path shown at 200 characters
+DEEP_PATH = "grpo-qwen3.5-9b-math-lr1e-6-kl1e-3-group16/global_step_001200/actor/huggingface"
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +36,7 @@ def _refusals(url: str) -> dict[str, httpx.Response]:
             "absolute-path": client.post("/v1/weights", json={"path": "/" + "a" * 500_000}),
             "climbing-path": client.post("/v1/weights", json={"path": "../" + "c" * 100_000}),
             "missing-path": client.post("/v1/weights", json={"path": "m/" * 500}),
+            "deep-path": client.post("/v1/weights", json={"path": DEEP_PATH}),
         }
 
 
@@ -45,6 +48,7 @@ WANT = {  # status, type, param
     "absolute-path": (403, "forbidden_path", "path"),
     "climbing-path": (403, "forbidden_path", "path"),
     "missing-path": (422, "invalid_value", "path"),
+    "deep-path": (422, "invalid_value", "path"),
 }
 
 
@@ -55,3 +59,4 @@ def test_a_long_route_method_header_or_weights_path_is_not_echoed_whole(server):
         assert (answer.status_code, error["type"], error["param"]) == WANT[case], (case, answer.text[:300])
         assert len(error["message"]) < LONGEST_MESSAGE, (case, len(error["message"]), error["message"][:300])
         assert error["message"].endswith("."), (case, error["message"][-100:])
+    assert repr(DEEP_PATH) in answers["deep-path"].json()["error"]["message"], answers["deep-path"].text
