@@ -7,6 +7,14 @@ also reads ``PACKSCORE_<OPTION>``; the command line wins over the environment. N
 
 from __future__ import annotations
 
+# `python -m service.cli` runs as the console script does: SIGTERM's early handler is set before the imports below
+if __name__ == "__main__":
+    import sys
+
+    from service.entrypoint import main as _entry_main
+
+    sys.exit(_entry_main())
+
 import argparse
 import importlib
 import json
@@ -169,7 +177,7 @@ def _from_environment(reason: str, given: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    if argv is None:  # a process of its own (`python -m service.cli serve`), not a caller's
+    if argv is None:  # this process's command line (a script's own `cli.main()`), not a caller's
         handle_early_sigterm(sys.argv[1:])
     args, settings = parse_settings(argv)
     try:
@@ -315,7 +323,3 @@ def serve(settings: Settings, record: WeightsRecord | None = None) -> int:
 
     app = create_app(settings, backend_loaders(settings), record)
     return run_server(app, settings)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,5 @@
-"""The ``packscore`` console script, kept to the standard library so that its first act comes first.
+"""The ``packscore`` console script (``python -m service.cli`` runs it too), kept to the standard library so
+that its first act comes first.
 
 Until uvicorn runs, ``packscore serve`` has admitted nothing, so a SIGTERM then (a pod deleted while
 torch imports or the app is built) ends the process at once with status 0, as a drained SIGTERM

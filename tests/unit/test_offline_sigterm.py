@@ -2,10 +2,12 @@
 then SIGKILL after a grace): the results finished in input order are written and flushed at once,
 without the forward under way, exit 143, and the same command resumes to the uninterrupted result."""
 
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import orjson
 import pytest
@@ -187,3 +189,54 @@ def test_an_ignored_sigterm_stays_ignored_before_scoring_began(tmp_path):
     assert code == 0, f"exit {code}:\n{err[-2000:]}"
     out = tmp_path / "out.jsonl"
     assert [orjson.loads(line)["id"] for line in out.read_bytes().splitlines()] == [r["id"] for r in _ROWS]
+
+
+# SIGTERM from the interpreter's own start (a sitecustomize on PYTHONPATH), so that the real command line runs:
+# while service.cli imports pydantic, its first package beyond the standard library, or once it parses the command.
+_SIGTERM_SITECUSTOMIZE = """
+import os, signal, sys
+
+def terminate():
+    os.kill(os.getpid(), signal.SIGTERM)
+
+class TerminatedOnImport:
+    def find_spec(self, name, path=None, target=None):
+        if name == "pydantic":
+            sys.meta_path.remove(self)
+            terminate()
+        return None
+
+def on_call(frame, event, arg):
+    if event == "call" and frame.f_code.co_name == "parse_settings" and frame.f_code.co_filename.endswith("cli.py"):
+        sys.setprofile(None)
+        terminate()
+
+if os.environ["SIGTERM_DURING"] == "imports":
+    sys.meta_path.insert(0, TerminatedOnImport())
+else:
+    sys.setprofile(on_call)
+"""
+
+
+@pytest.mark.parametrize("during", ["imports", "parsing"])
+@pytest.mark.parametrize("entry", ["python -m service.cli", "packscore"])
+def test_sigterm_before_scoring_is_one_line_and_143_from_either_entry(tmp_path, entry, during):
+    """`python -m service.cli score` took SIGTERM's default action in its imports (-15, no line) and raised it as
+    a KeyboardInterrupt traceback in its parsing, where the console script exits 143 with its line."""
+    if entry == "packscore":
+        command = [str(Path(sys.executable).with_name("packscore"))]
+        if not Path(command[0]).exists():
+            pytest.skip("the console script is not installed")
+    else:
+        command = [sys.executable, "-m", "service.cli"]
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(_SIGTERM_SITECUSTOMIZE)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in _ROWS))
+    path = os.pathsep.join([str(tmp_path / "site"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    run = subprocess.run([*command, "score", str(source), "-o", str(out)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": path, "SIGTERM_DURING": during})
+    assert run.returncode == 143 and "Traceback" not in run.stderr, f"exit {run.returncode}:\n{run.stderr[-2000:]}"
+    assert run.stderr.splitlines()[-1] == ("packscore: terminated (SIGTERM) before scoring began; nothing was scored "
+                                           "yet, OUT is as it was: the same command starts again"), run.stderr
+    assert not out.exists()
