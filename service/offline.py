@@ -207,8 +207,7 @@ def _check_resumed(input_path: Path, number: int, obj: dict, job: ScoreJob, resu
 
 async def _score_lines(settings: Settings, backend, input_path: Path, limits: Limits, out: IO[bytes],
                        done: dict[str, Done], run: dict, bar, sigterm: _Sigterm) -> int:
-    scheduler = Scheduler.from_settings(backend, settings)
-    await scheduler.start()
+    scheduler = Scheduler.from_settings(backend, settings)  # started below, once Ctrl-C and SIGTERM are this loop's
     # Tickets in input order; results are written in that order as soon as the oldest is done.
     window: deque[tuple[int, str, ScoreJob, Ticket]] = deque()
     written = 0
@@ -287,6 +286,7 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
                 loop.add_signal_handler(signum, handler)
     ticker = asyncio.create_task(tick(bar))  # cancelled below; asyncio.run cancels it too, before the bar closes
     try:
+        await scheduler.start()  # in the try: a Ctrl-C or SIGTERM while it starts is this loop's stop, which closes it
         for number, seq_id, job in _jobs(settings, input_path, limits, done, run):
             if stop.done():
                 break
