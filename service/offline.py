@@ -507,11 +507,15 @@ def _score_loaded(settings: Settings, backend, input_path: Path, output_path: Pa
         out = output_path.open("ab")
         start = os.fstat(out.fileno()).st_size  # where this run's lines begin
         try:
-            with progress(total, resumed, tokens) as bar:
-                written = asyncio.run(_score_lines(settings, backend, input_path, limits, out, done, run, bar,
-                                                      sigterm))
+            # closed after OUT: a stopped run's bar is left at the lines OUT holds, as the line after it counts them
+            with progress(total, resumed, tokens, lambda: whole_lines(output_path, start)) as bar:
+                try:
+                    written = asyncio.run(_score_lines(settings, backend, input_path, limits, out, done, run, bar,
+                                                          sigterm))
+                finally:
+                    close_output(out)
         finally:
-            close_output(out)
+            out.close()  # where the bar did not start; a closed file's close does nothing
     except InputError as exc:
         print(f"packscore: error: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import sys
 import time
+from typing import Callable
 
 from tqdm import tqdm
 
@@ -19,10 +20,11 @@ _LOG_EVERY_S = 60.0
 _format_interval = tqdm.format_interval  # "1:02:05"; taken once, so that a test's stand-in for tqdm needs none
 
 
-def progress(total: int, initial: int, tokens: int):
-    """``total`` lines, ``initial`` of them already in OUT; ``tokens``: the tokens of the lines left to score."""
+def progress(total: int, initial: int, tokens: int, written: Callable[[], int | None] | None = None):
+    """``total`` lines, ``initial`` of them already in OUT; ``tokens``: the tokens of the lines left to score;
+    ``written()``: the lines this run wrote to OUT (None where it cannot tell), for the bar a stopped run leaves."""
     if sys.stderr.isatty():
-        return _BarProgress(total, initial, tokens)
+        return _BarProgress(total, initial, tokens, written)
     return _LoggedProgress(total, initial, tokens, _LOG_EVERY_S)
 
 
@@ -65,8 +67,9 @@ class _Progress:
 class _BarProgress(_Progress):
     """tqdm's bar of lines, with tokens/s and the time left from tokens in place of tqdm's, which come from lines."""
 
-    def __init__(self, total: int, initial: int, tokens: int):
+    def __init__(self, total: int, initial: int, tokens: int, written: Callable[[], int | None] | None = None):
         super().__init__(total, initial, tokens)
+        self._written = written
         self.bar = tqdm(total=total, initial=initial, unit="seq",
                         bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
 
@@ -79,12 +82,24 @@ class _BarProgress(_Progress):
         self._set_left()
         self.bar.update(n)  # redraws at tqdm's own pace, with the time left just set
 
-    def _set_left(self) -> None:
+    def _set_left(self, stopped: bool = False) -> None:
         rate, left = self._rate_and_left(time.monotonic())
-        shown = "" if left is None else f"{rate:.0f} tokens/s, about {_format_interval(left)} left"
+        if left is None:
+            shown = ""
+        else:  # a stopped run has no time left to give: nothing scores after it
+            shown = f"{rate:.0f} tokens/s" + ("" if stopped else f", about {_format_interval(left)} left")
         self.bar.set_postfix_str(shown, refresh=False)
 
     def close(self, ended: bool = True) -> None:
+        """A stopped run's bar is left at the lines in OUT, which the line after it counts: some lines scored may
+        not be (those behind a line still scoring, the forward SIGTERM does not wait for, a full disk's)."""
+        if not ended:
+            self._set_left(stopped=True)
+            kept = None if self._written is None else self._written()
+            if kept is None:  # no count that could differ from the line after it: the bar is cleared
+                self.bar.leave = False
+            else:
+                self.bar.n = self._initial + kept
         self.bar.close()
 
 

@@ -1,9 +1,19 @@
 """``packscore score``'s progress counts a line when it is scored, not when it is written: lines are
 written in input order, so a slow first line held back every result behind it from the count."""
 
+import contextlib
+import fcntl
 import logging
+import os
 import re
+import resource
+import signal
+import struct
+import subprocess
+import sys
+import termios
 import threading
+import time
 import types
 
 import orjson
@@ -119,3 +129,100 @@ def test_time_left_follows_tokens_when_the_first_line_is_the_longest(monkeypatch
     # 50 tokens are left after the first line's 2000 took 20 s; from lines it read 5 lines at 20 s each
     assert shown and max(shown) <= 1, f"time left shown (s): {shown}, tolerance 1 s; log: {caplog.text[-1000:]}"
     assert len(out.read_bytes().splitlines()) == len(rows)
+
+
+# A fake model of two forwards at once whose forward of the line starting with HELD takes 30 s: the lines after it
+# are scored (and counted by the bar) but wait behind it to be written.
+_HELD_FIRST_LINE_RUN = f"""
+import sys, time
+from service import entrypoint
+from service.testing import FakeBackend
+import service.backends
+
+class HoldsOneLine(FakeBackend):
+    def score_row(self, sequences, group=None):
+        if any(int(s.input_ids[0]) == {HELD} for s in sequences):
+            time.sleep(30)
+        return super().score_row(sequences, group)
+
+service.backends.load_backend = lambda settings: HoldsOneLine(concurrency=2)
+sys.argv = ["packscore", *sys.argv[1:]]
+sys.exit(entrypoint.main())
+"""
+
+
+def test_the_bar_of_a_stopped_run_is_left_at_the_lines_in_out_not_those_scored(tmp_path):
+    """On a terminal, SIGTERM while the first line scores: the bar was left at the 5 lines scored behind it, above
+    the line saying that none of them is in OUT."""
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [{"id": "first", "input_ids": [HELD] + [1] * 7}] + [{"id": f"r{i}", "input_ids": [2] * 8} for i in range(5)]
+    source.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    terminal, stderr = os.openpty()
+    fcntl.ioctl(stderr, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a terminal's width for tqdm
+    # rows of one sequence each, so that the others need not wait for the first one's row
+    run = subprocess.Popen([sys.executable, "-c", _HELD_FIRST_LINE_RUN, "score", str(source), "--max-batch-tokens",
+                            "8", "--log-level", "warning", "-o", str(out)], stderr=stderr, stdin=subprocess.DEVNULL)
+    os.close(stderr)
+    shown = bytearray()
+
+    def read() -> None:
+        with contextlib.suppress(OSError):  # EIO once the child has exited
+            while chunk := os.read(terminal, 4096):
+                shown.extend(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 60
+    while b" 5/6 " not in shown:  # the bar drew the lines scored behind the first
+        assert run.poll() is None and time.monotonic() < deadline, shown.decode(errors="replace")[-2000:]
+        time.sleep(0.02)
+    run.send_signal(signal.SIGTERM)
+    code = run.wait(timeout=60)
+    reader.join(timeout=10)
+    os.close(terminal)
+    text = shown.decode(errors="replace")
+    assert code == 143, f"exit {code}:\n{text[-2000:]}"
+    assert not out.exists() or out.read_bytes() == b"", "a line was written behind the first one"
+    draws = [part for part in re.split(r"[\r\n]+", text) if re.search(r" \d/6 ", part)]
+    said = text.strip().splitlines()[-1]
+    assert f"terminated (SIGTERM); 0 of the 6 lines of {source} are in {out}" in said, text[-2000:]
+    assert " 0/6 " in draws[-1] and "left" not in draws[-1], f"the bar last showed {draws[-1]!r} above {said!r}"
+
+
+def test_the_bar_of_a_run_stopped_by_a_full_disk_is_left_at_the_lines_in_out(monkeypatch, tmp_path, capsys):
+    """A file size limit fails OUT's writes part way through: the bar shows the whole lines OUT holds, counted once
+    OUT is closed, as the error line after it does, not the lines scored."""
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(b"".join(orjson.dumps({"id": f"r{i}", "input_ids": list(range(1, 200))}) + b"\n"
+                                for i in range(60)))
+    closed_at = []
+
+    class Bar:
+        def __init__(self, total, initial, unit, bar_format):
+            self.n = initial
+
+        def set_postfix_str(self, s, refresh):
+            self.postfix = s
+
+        def update(self, n=1):
+            self.n += n
+
+        def refresh(self):
+            pass
+
+        def close(self):
+            closed_at.append((self.n, self.postfix))
+
+    monkeypatch.setattr("service.backends.load_backend", lambda settings: FakeBackend())
+    monkeypatch.setattr(service.offline_progress, "tqdm", Bar)
+    monkeypatch.setattr(service.offline_progress.sys.stderr, "isatty", lambda: True)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))  # Python ignores SIGXFSZ: writes fail with EFBIG
+    try:
+        code = cli.main(["score", str(source), "-o", str(out)])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    err = capsys.readouterr().err
+    in_out = out.read_bytes().count(b"\n")
+    assert code == 1 and f"{in_out} of the 60 lines of {source} are in {out}" in err, err[-2000:]
+    assert closed_at == [(in_out, closed_at[0][1])] and "left" not in closed_at[0][1], (closed_at, in_out)
