@@ -16,6 +16,7 @@ from model_runtime.scoring.head import HeadOutput
 from model_runtime.scoring.prefix import find_groups
 from model_runtime.types import MAX_TOP_K, InvalidSequenceError, SequenceInput, SequenceScores
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 PAD_TOKEN = 0  # token id of alignment padding; any valid id works, its segment is never scored
 
 
@@ -38,6 +39,12 @@ def validate_sequence(seq: SequenceInput, vocab_size: int, index: int = 0) -> No
         raise InvalidSequenceError(f"temperature must be finite and > 0, got {seq.temperature}", "temperature")
     if not 0 <= seq.top_k <= min(MAX_TOP_K, vocab_size):
         raise InvalidSequenceError(f"top_k must be in [0, {min(MAX_TOP_K, vocab_size)}], got {seq.top_k}", "top_k")
+
+
+def _temperature32(temperature: float) -> float:
+    """A temperature float32 can hold: one above its largest (T > 3.4e38, a uniform distribution
+    all the same) as that largest, the head's own clamp, without numpy's overflow warning per request."""
+    return min(temperature, _FLOAT32_MAX)
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,7 @@ def plan_row(sequences: Sequence[SequenceInput], prefix_min_tokens: int = 0, rou
     for seq, start in zip(sequences, starts):
         positions.append(np.arange(start + seq.score_from - 1, start + seq.length - 1, dtype=np.int64))
         targets.append(np.asarray(seq.input_ids[seq.score_from :], dtype=np.int64))
-        temps.append(np.full(seq.num_scored, seq.temperature, dtype=np.float32))
+        temps.append(np.full(seq.num_scored, _temperature32(seq.temperature), dtype=np.float32))
     return RowPlan(
         lengths=lengths,
         ids_T=np.concatenate([np.asarray(s.input_ids, dtype=np.int64) for s in sequences]),
@@ -138,7 +145,7 @@ def _plan_shared_row(sequences: Sequence[SequenceInput], groups) -> RowPlan:
             row = seg_start[i] + t - 1
         rows.append(row)
         targets.append(ids[i][seq.score_from :])
-        temps.append(np.full(t.size, seq.temperature, dtype=np.float32))
+        temps.append(np.full(t.size, _temperature32(seq.temperature), dtype=np.float32))
     rows_all, targets_all, temps_all = np.concatenate(rows), np.concatenate(targets), np.concatenate(temps)
     # A shared position asked for by several sequences at one temperature is scored once.
     keys = np.stack([rows_all, temps_all.view(np.int32).astype(np.int64)], axis=1)

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
@@ -169,3 +170,23 @@ def test_top_k_ranks_ties_by_lowest_id_whatever_k(rows):
         assert torch.equal(got_v, want_v), f"k={k}: values off by {(got_v - want_v).abs().max():.3e} (tol 0)"
     first3 = top_k_ranked(logp, 3)[1]
     assert torch.equal(top_k_ranked(logp, 20)[1][:, :3], first3), "the first 3 ids depend on k"
+
+
+@pytest.mark.parametrize("prefix_min_tokens", [0, 16], ids=["unshared", "shared"])
+def test_a_temperature_above_float32s_range_is_planned_as_its_largest_without_a_warning(prefix_min_tokens):
+    """A finite temperature the API allows but float32 cannot hold (1e39) is the head's largest
+    float32 already on the host, without numpy's 'overflow encountered in cast' on stderr."""
+    import warnings
+
+    from model_runtime.kernels.logprob_head import MAX_TEMPERATURE
+    from model_runtime.scoring.rows import plan_row
+    from model_runtime.types import SequenceInput
+
+    prompt = list(range(5, 205))
+    seqs = [SequenceInput(input_ids=np.array(prompt + [20 + i, 30 + i]), score_from=200, temperature=1e39)
+            for i in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the warning fails the test
+        plan = plan_row(seqs, prefix_min_tokens)
+    assert (plan.temperature_N == np.float32(MAX_TEMPERATURE)).all(), plan.temperature_N.tolist()
+    assert (plan.tokens_saved > 0) == bool(prefix_min_tokens), plan.tokens_saved
