@@ -137,8 +137,8 @@ def build() -> dict:
                 f'sum(rate(packscore_requests_total{{{SEL}, status=~"5.."}}[{RATE}])) '
                 f"/ sum(rate(packscore_requests_total{{{SEL}}}[{RATE}]))",
                 "percentunit",
-                "Share of answers with a 5xx status. 503 (not ready, draining) and 504 (deadline) are "
-                "expected in small numbers; any other 5xx is a bug.",
+                "Share of answers with a 5xx status. 503 (not ready, draining, too many connections) and "
+                "504 (deadline) are expected in small numbers; any other 5xx is a bug.",
                 [{"color": "green", "value": None}, {"color": "orange", "value": 0.01},
                  {"color": "red", "value": 0.05}]), 4, 4)
     g.add(_stat("Queued tokens", f"sum(packscore_queued_tokens{{{SEL}}})", "short",

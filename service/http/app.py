@@ -28,7 +28,7 @@ from service.http import request_id
 from service.http.encoding import JSON, MSGPACK, decode_body, encode_json, request_encoding
 from service.http.errors import ERROR_RESPONSES, ApiError, body_too_large, draining_error, from_validation_errors
 from service.http.errors import SHOWN_PATH, shortened
-from service.http.protocol import READ_TIMED_OUT, declared_length
+from service.http.protocol import PROTOCOL_ANSWER, declared_length
 from service.http.schemas import ErrorResponse, Health, ModelList, Readiness, ScoreRequest, ScoreResponse, Usage
 from service.http.schemas import WeightsRequest, WeightsResponse
 from service.http.scoring import ARRIVED, CLIENT_CLOSED, not_ready, read_body, score_request
@@ -203,8 +203,8 @@ class _Gate:
                     request_id.tag(exc, rid, logged=True)
             raise
         finally:
-            if scope.get(READ_TIMED_OUT):  # the protocol answered 408 and closed: what the handler sent went nowhere
-                status = 408
+            if scope.get(PROTOCOL_ANSWER):  # the protocol answered (408, 400) and closed: the handler's went nowhere
+                status = scope[PROTOCOL_ANSWER]
             metrics.requests.labels(route=route, status=str(status)).inc()
             metrics.request_latency.labels(route=route).observe(time.perf_counter() - started)
             request_id.current.reset(token)
@@ -275,7 +275,7 @@ async def _answer_cancelled(answer: Response, scope: Scope, receive: Receive, se
 def _to_origin_form(scope: Scope) -> None:
     """Rewrites the path of a request whose target came in absolute form (``POST http://host/score``),
     which an HTTP/1.1 server must accept (RFC 9112, 3.2.2) and uvicorn's h11 passes on whole as the path.
-    In place: the protocol marks this very scope when it answers 408 (READ_TIMED_OUT), and the gate and
+    In place: the protocol marks this very scope when it answers 408 or 400 (PROTOCOL_ANSWER), and the gate and
     the score route read that mark."""
     scope["path"] = urlsplit(scope["path"]).path or "/"
     scope["raw_path"] = (urlsplit(scope["raw_path"].decode("latin-1")).path or "/").encode("latin-1")

@@ -26,9 +26,12 @@ uvicorn bounds only the idle time between keep-alive requests. This subclass add
   route reads none, a 401) is closed the same way, not parsed by h11 to its end for a next request.
 
 Each answer the protocol sends itself (400, 408, 503) logs one warning naming its request id, its
-status, the peer and why, without a traceback: these answers pass no access log. Each connection it
-closes itself, answered or evicted, is counted by reason (``on_closed``: the reasons of
-``packscore_connections_closed_total``, service/http/metrics.py).
+status, the peer and why, without a traceback: these answers pass no access log. Each is counted once
+in ``packscore_requests_total``: by the gate (service/http/app.py) under its route where a request it
+runs has not answered yet (the protocol marks its scope, ``PROTOCOL_ANSWER``), else by ``on_answered``
+(no request's path was read, or its answer was already out). Each connection it closes itself, answered
+or evicted, is counted by reason (``on_closed``: the reasons of ``packscore_connections_closed_total``,
+service/http/metrics.py).
 """
 
 from __future__ import annotations
@@ -54,8 +57,11 @@ log = logging.getLogger(__name__)
 
 _DESCRIPTOR_RESERVE = 64  # for model files, logs, worker pipes and the event loop itself
 _DONE_STATES = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR)
-# Set in a request's ASGI scope when the read timeout cut its body off: its handler counts the 408 sent, not a 499.
-READ_TIMED_OUT = "packscore.read_timed_out"
+# Set in a request's ASGI scope to the status the protocol answered it (408: its body did not arrive in time; 400:
+# its body's framing broke): what the gate counts for it, and a 408's handler counts request_timeout, not a 499.
+PROTOCOL_ANSWER = "packscore.protocol_answer"
+# What the protocol answers itself: the statuses on_answered is called with.
+PROTOCOL_STATUSES = (400, 408, 503)
 
 
 def error_bytes(status: int, reason: str, type: str, message: str, extra_headers: str = "", *,
@@ -93,7 +99,7 @@ class _Registry:
 
     def __init__(self, read_timeout_s: float, max_connections: int, send_timeout_s: float,
                  on_send_timeout: Callable[[], None] | None, on_closed: Callable[[str], None] | None,
-                 max_body_bytes: int | None = None):
+                 max_body_bytes: int | None = None, on_answered: Callable[[int], None] | None = None):
         self.read_timeout_s = read_timeout_s
         self.max_body_bytes = max_body_bytes
         self.max_connections = max_connections
@@ -102,6 +108,7 @@ class _Registry:
         self.send_poll_s = min(send_timeout_s / 4, 1.0)
         self.on_send_timeout = on_send_timeout or (lambda: None)
         self.on_closed = on_closed or (lambda reason: None)
+        self.on_answered = on_answered or (lambda status: None)
         self.reading: dict["GuardedH11Protocol", float] = {}  # insertion order is arrival order
         self.evicted = 0
         self.timed_out = 0
@@ -112,12 +119,15 @@ class _Registry:
 def guarded_protocol(read_timeout_s: float, max_connections: int, send_timeout_s: float = 60.0,
                      on_send_timeout: Callable[[], None] | None = None,
                      on_closed: Callable[[str], None] | None = None,
-                     max_body_bytes: int | None = None) -> type[H11Protocol]:
+                     max_body_bytes: int | None = None,
+                     on_answered: Callable[[int], None] | None = None) -> type[H11Protocol]:
     """The protocol class for one server (uvicorn.Config(http=...)); ``on_send_timeout`` counts a
     connection closed by the send timeout, ``on_closed(reason)`` one closed by the cap, a protocol
     error or the read timeout (reason: too_many_connections, evicted, malformed_request, request_timeout);
-    ``max_body_bytes`` (--max-request-bytes): past it, the rest of an answered body is not parsed."""
-    registry = _Registry(read_timeout_s, max_connections, send_timeout_s, on_send_timeout, on_closed, max_body_bytes)
+    ``on_answered(status)`` an answer of the protocol's own (PROTOCOL_STATUSES) that no request's gate
+    counts; ``max_body_bytes`` (--max-request-bytes): past it, the rest of an answered body is not parsed."""
+    registry = _Registry(read_timeout_s, max_connections, send_timeout_s, on_send_timeout, on_closed, max_body_bytes,
+                         on_answered)
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {"registry": registry})
 
 
@@ -169,6 +179,7 @@ class GuardedH11Protocol(H11Protocol):
         if len(self.connections) > self.registry.max_connections and not self._evict_one():
             self.registry.refused += 1
             self.registry.on_closed("too_many_connections")
+            self.registry.on_answered(503)  # before any request: no gate counts it
             rid = new_id()
             self._log_answer(503, rid, f"{len(self.connections) - 1} connections open (max_connections "
                                        f"{self.registry.max_connections}), each busy answering: refused a new one")
@@ -286,6 +297,7 @@ class GuardedH11Protocol(H11Protocol):
         # h11 refused the bytes (request line, headers, Content-Length): answer in the contract's shape.
         self.registry.on_closed("malformed_request")
         self._close_counted = True
+        self._count_answer(400)
         rid = new_id()
         # Called from uvicorn's handler of h11's error, which names what is wrong (uvicorn's own line does not).
         refused = str(sys.exc_info()[1] or msg)
@@ -300,6 +312,16 @@ class GuardedH11Protocol(H11Protocol):
         elif self.cycle is not None and not self.cycle.response_complete:
             self.cycle.disconnected = True  # the handler still reading the body ends now, not at the lingering's end
             self.cycle.message_event.set()
+
+    def _count_answer(self, status: int) -> None:
+        """Counts an answer the protocol wrote, once: a request whose handler has not answered is counted
+        by its gate as it ends, under its route; any other (no path read yet, or its answer already out)
+        here."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_started:
+            cycle.scope[PROTOCOL_ANSWER] = status  # type: ignore[literal-required]
+        else:
+            self.registry.on_answered(status)
 
     def _log_answer(self, status: int, rid: str, why: str) -> None:
         """One line for an answer the protocol sends itself, passing no access log: no traceback, a
@@ -347,8 +369,7 @@ class GuardedH11Protocol(H11Protocol):
             self._log_answer(408, rid, f"{what} did not arrive within {self.registry.read_timeout_s:g} s "
                                        "(request_read_timeout_s)")
             self.transport.write(error_bytes(408, "Request Timeout", "request_timeout", message, request_id=rid))
-            if ongoing:
-                cycle.scope[READ_TIMED_OUT] = True  # type: ignore[literal-required, union-attr]
+            self._count_answer(408)
         self._close()
 
     def _close(self) -> None:

@@ -17,7 +17,7 @@ from service.http.encoding import non_finite_score, result_record
 from service.http.errors import ApiError, backend_unavailable, body_too_large, deadline_error, draining_error
 from service.http.errors import non_finite_error
 from service.http.errors import short_repr
-from service.http.protocol import READ_TIMED_OUT, declared_length
+from service.http.protocol import PROTOCOL_ANSWER, declared_length
 from service.http.rollout import mismatch
 from service.http.validation import Limits, ScoreJob, parse_score_request
 from service.runtime import ServedModel, Service
@@ -226,7 +226,7 @@ async def _read_all(request: Request, limit: int, named: str, hint: str) -> byte
                 raise too_large
             chunks.append(chunk)
     except ClientDisconnect:
-        if request.scope.get(READ_TIMED_OUT):  # the protocol answered 408 and closed: counted as what was sent
+        if request.scope.get(PROTOCOL_ANSWER) == 408:  # the protocol answered 408 and closed: counted as what was sent
             raise ApiError(408, "request_timeout", "The body did not arrive within request_read_timeout_s.") from None
         # nobody to answer: counted as nginx's 499, not as a server error; one rejection reason wherever the client left
         raise ApiError(499, "client_disconnected", "The client closed the connection before its body arrived.") from None

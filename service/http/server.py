@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from uvicorn.server import HANDLED_SIGNALS
 
 from service.entrypoint import after_serving, exit_before_serving, hard_exit
-from service.http.protocol import default_max_connections, guarded_protocol
+from service.http.protocol import PROTOCOL_STATUSES, default_max_connections, guarded_protocol
 from service.http.request_id import outside_request, uvicorn_log_config
 from service.runtime import Service
 from service.settings import Settings
@@ -156,6 +156,9 @@ def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
     """uvicorn's configuration for ``settings``: the guarded h11 protocol, the server's limits."""
     max_connections = settings.max_connections or default_max_connections()
     metrics = app.state.service.metrics
+    # The protocol's own answers before any path is read (a 408 for headers, a 400, the cap's 503): route "other",
+    # as the gate labels any path it does not serve; at 0 from the start, so increase() sees a fresh pod's first.
+    answered = {status: metrics.requests.labels(route="other", status=str(status)) for status in PROTOCOL_STATUSES}
     return uvicorn.Config(
         app,
         host=settings.host,
@@ -163,7 +166,7 @@ def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
         http=guarded_protocol(settings.request_read_timeout_s, max_connections, settings.send_timeout_s,
                               metrics.send_timeouts.inc,
                               lambda reason: metrics.connections_closed.labels(reason=reason).inc(),
-                              settings.request_bytes),
+                              settings.request_bytes, lambda status: answered[status].inc()),
         # A proxy or client reusing a connection the server closes at that moment gets no answer
         # (a proxy's 502): idle connections outlive the proxies' own idle timeouts.
         timeout_keep_alive=settings.keep_alive_timeout_s,

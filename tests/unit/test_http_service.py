@@ -484,12 +484,12 @@ def test_a_request_the_read_timeout_answered_408_is_counted_408_whatever_its_han
     # whose declared body stalls: the protocol sends 408 and closes at the read timeout, the
     # handler's later 200 goes nowhere, and was what packscore_requests_total counted.
     from service.http.app import _Gate
-    from service.http.protocol import READ_TIMED_OUT
+    from service.http.protocol import PROTOCOL_ANSWER
 
     service = create_app(Settings(), FakeBackend()).state.service
 
     async def handler(scope, receive, send):
-        scope[READ_TIMED_OUT] = True  # as GuardedH11Protocol sets it when it answered 408
+        scope[PROTOCOL_ANSWER] = 408  # as GuardedH11Protocol sets it when it answered 408
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"{}"})
 

@@ -1,0 +1,106 @@
+"""The answers the protocol layer writes itself (service/http/protocol.py: the read timeout's 408, a
+malformed request's 400, the connection cap's 503) are each counted once in packscore_requests_total,
+as a real server's /metrics shows: under route "other" where no request's path was read, under the
+request's route where its handler had not answered yet (docs/deployment.md, docs/admission.md)."""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+
+import httpx
+
+from service.local_server import LocalServer
+from tests.e2e.helpers import fake_server, read_until_closed
+
+_SCORE_HEAD = b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+_BODY = b'{"sequences": [{"input_ids": [1, 2, 3]}]}'
+
+
+def _connect(server: LocalServer) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.port), timeout=30)
+
+
+def _answered(server: LocalServer) -> dict[tuple[str, str], float]:
+    """packscore_requests_total of the real /metrics: (route, status) -> count."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return {(route, status): float(value) for route, status, value in
+            re.findall(r'^packscore_requests_total\{route="([^"]*)",status="(\d+)"\} (\S+)$', text, re.M)}
+
+
+def _answered_once(server: LocalServer, expected: dict[tuple[str, str], float], limit_s: float = 5.0) -> dict:
+    """The counts once they hold ``expected`` (a handler counts its request as it ends), or after ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        counted = _answered(server)
+        if all(counted.get(key) == value for key, value in expected.items()) or time.monotonic() > deadline:
+            return counted
+        time.sleep(0.05)
+
+
+def _status(data: bytes) -> int:
+    return int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else 0
+
+
+def test_the_read_timeouts_408_is_counted_once_whether_or_not_a_path_was_read(tmp_path):
+    server = fake_server(tmp_path, "--request-read-timeout-s", "1").wait_ready()
+    try:
+        at_start = _answered(server)
+        with _connect(server) as headers, _connect(server) as body, _connect(server) as pipelined:
+            headers.sendall(_SCORE_HEAD + b"Content-Ty")  # no path read: the headers never end
+            body.sendall(_SCORE_HEAD + b"Content-Length: 1000\r\n\r\n{")  # /score's handler waits for the body
+            # an answered request, then the next one's headers never end
+            pipelined.sendall(_SCORE_HEAD + b"Content-Length: %d\r\n\r\n%s" % (len(_BODY), _BODY) + _SCORE_HEAD)
+            answers = [read_until_closed(sock, 6)[0] for sock in (headers, body, pipelined)]
+        counted = _answered_once(server, {("other", "408"): 2.0, ("/score", "408"): 1.0})
+    finally:
+        server.stop()
+    assert [_status(a) for a in answers[:2]] == [408, 408], answers
+    assert answers[2].startswith(b"HTTP/1.1 200 ") and _status(answers[2][answers[2].index(b"HTTP/1.1 ", 1):]) == 408
+    assert at_start.get(("other", "408")) == 0.0, at_start  # there before the first, for increase()
+    assert counted.get(("other", "408")) == 2.0 and counted.get(("/score", "408")) == 1.0, counted
+    assert counted.get(("/score", "200")) == 1.0 and counted.get(("/score", "499"), 0.0) == 0.0, counted
+
+
+def test_a_malformed_requests_400_is_counted_once_under_the_route_that_was_read(tmp_path):
+    server = fake_server(tmp_path).wait_ready()
+    try:
+        at_start = _answered(server)
+        answers = []
+        for raw in (b"GARBAGE\x01 / HTTP/9\r\n\r\n",  # no path read
+                    b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n",  # h11 refuses the headers
+                    # /score's handler waiting for a chunked body whose framing breaks: its route is known
+                    _SCORE_HEAD + b"Transfer-Encoding: chunked\r\n\r\nZZ\r\nabc\r\n0\r\n\r\n"):
+            with _connect(server) as sock:
+                sock.sendall(raw)
+                answers.append(read_until_closed(sock, 10)[0])
+        counted = _answered_once(server, {("other", "400"): 2.0, ("/score", "400"): 1.0})
+    finally:
+        server.stop()
+    assert [_status(a) for a in answers] == [400, 400, 400], answers
+    assert at_start.get(("other", "400")) == 0.0, at_start
+    assert counted.get(("other", "400")) == 2.0 and counted.get(("/score", "400")) == 1.0, counted
+    assert counted.get(("/score", "499"), 0.0) == 0.0, counted  # what its handler met was not a client gone
+
+
+def test_the_connection_caps_503_is_counted(tmp_path):
+    # One connection busy answering a slow forward (never evicted): the next one gets the cap's 503.
+    server = fake_server(tmp_path, "--max-connections", "1", env={"FAKE_SECONDS_PER_TOKEN": "0.01"}).wait_ready()
+    try:
+        at_start = _answered(server)
+        body = b'{"sequences": [{"input_ids": [%s]}]}' % b", ".join(b"1" for _ in range(300))  # about 3 s of forward
+        with _connect(server) as busy:
+            busy.sendall(_SCORE_HEAD + b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+            time.sleep(0.5)  # its request has arrived: it is answering
+            with _connect(server) as refused:
+                refused.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                data, _ = read_until_closed(refused, 10)
+            scored, _ = read_until_closed(busy, 30)
+        counted = _answered_once(server, {("other", "503"): 1.0})
+    finally:
+        server.stop()
+    assert _status(data) == 503 and b"too_many_connections" in data, data
+    assert scored.startswith(b"HTTP/1.1 200 "), scored[:300]
+    assert at_start.get(("other", "503")) == 0.0, at_start
+    assert counted.get(("other", "503")) == 1.0 and counted.get(("/healthz", "503"), 0.0) == 0.0, counted
