@@ -315,7 +315,8 @@ class ScoreClient(_Base):
 
     def ready(self) -> dict:
         """GET /readyz's body: ``status`` is ``"ready"`` (with the served models and their limits) or
-        the reason the server is not (``loading``, ``draining``, ...). Unreachable: ``connection_error``."""
+        the reason the server is not (``loading``, ``draining``, ...). An unreachable server raises
+        ``ScoreError`` 0 ``connection_error`` at once (``wait_ready`` waits for one)."""
         answer = readiness_answer(outcome := self._get("/readyz"))
         self._p.learn_from_readyz(outcome)
         return answer
