@@ -1,12 +1,17 @@
 """docs/client.md's trainer recipe, run as written against a real server: a verl-style padded batch
-of numpy arrays -> reference log-probs aligned with the response mask -> the k3 KL."""
+of numpy arrays -> reference log-probs aligned with the response mask -> the k3 KL. Also README.md's
+client examples and the curl request of README.md and docs/usage.md with the answer they show."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
+import httpx
 import numpy as np
+import pytest
 
 from model_runtime.types import SequenceInput
 from tests.e2e.helpers import API_KEY, TINY_VOCAB, TOL
@@ -68,3 +73,75 @@ def test_the_documented_recipe_runs_as_written(tiny_server, tiny_scorer, monkeyp
     kl = float((np.clip(np.exp(delta) - delta - 1, -10, 10) * mask).sum() / mask.sum())
     assert abs(scope["kl"] - kl) <= 1e-5, (scope["kl"], kl)
     assert scope["kl"] > 0
+
+
+def _blocks(path: Path, lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", path.read_text(), re.S)
+
+
+def _shape(value):
+    """A JSON value's form: the keys of an object, the length of a list, the type of a scalar."""
+    if isinstance(value, dict):
+        return {k: _shape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shape(v) for v in value]
+    return "number" if isinstance(value, (int, float)) and not isinstance(value, bool) else type(value).__name__
+
+
+def _numbers(value) -> list[float]:
+    if isinstance(value, dict):
+        return [x for k in sorted(value) for x in _numbers(value[k])]
+    if isinstance(value, list):
+        return [x for v in value for x in _numbers(v)]
+    return [float(value)] if isinstance(value, (int, float)) and not isinstance(value, bool) else []
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/usage.md"])
+def test_the_documented_curl_request_gets_the_answer_shown(tiny_server, doc):
+    """The first ``curl .../score`` of the page, sent as written (its headers and body, $KEY the API
+    key), answers the JSON block shown after it: the same fields, shapes and strings, numbers within
+    the CPU's float32 tolerance."""
+    path = Path(__file__).resolve().parents[2] / doc
+    command = next(b for b in _blocks(path, "bash") if "curl -s http://127.0.0.1:8000/score" in b)
+    command = command.split("curl -s ", 1)[1].replace("\\\n", " ")
+    url = command.split()[0]
+    pairs = re.findall(r"-H (?:'([^']*)'|\"([^\"]*)\")", command)  # -H 'single' or -H "double" quoted
+    headers = dict((single or double).replace("$KEY", API_KEY).split(": ", 1) for single, double in pairs)
+    body = re.search(r"-d '([^']*)'", command).group(1)
+    answer = next(b for b in _blocks(path, "json") if '"results"' in b)
+    shown = json.loads(answer)
+
+    response = httpx.post(url.replace("http://127.0.0.1:8000", tiny_server.url), content=body, headers=headers)
+    assert response.status_code == 200, response.text
+    got = response.json()
+    assert _shape(got) == _shape(shown), f"{doc}: the server answers {_shape(got)}"
+    assert [x for x in _numbers(got) if x == int(x)] == [x for x in _numbers(shown) if x == int(x)]  # ids, counts
+    assert got["model"] == shown["model"] and got["weights_version"] == shown["weights_version"]
+    diff = max(abs(a - b) for a, b in zip(_numbers(got), _numbers(shown)))
+    assert diff <= TOL, f"{doc}'s shown numbers are {diff} from the server's: {response.text}"
+
+
+def test_the_readme_client_examples_run_as_written(tiny_server, tiny_scorer):
+    """README.md's two python blocks ("The API in brief"), against the real server: a trainer's
+    rollouts by their prompt and response ids, then a padded batch and its k3 KL."""
+    readme = Path(__file__).resolve().parents[2] / "README.md"
+    first, padded = _blocks(readme, "python")[:2]
+    assert first.count('"http://packscore-ref:8000"') == 1
+    rng = np.random.default_rng(5)
+    rollouts = [SimpleNamespace(uid=f"r{i}", prompt_ids=rng.integers(1, TINY_VOCAB, p),
+                                response_ids=rng.integers(1, TINY_VOCAB, r)) for i, (p, r) in enumerate([(5, 3), (2, 7)])]
+    scope = {"KEY": API_KEY, "batch": rollouts}
+    exec(compile(first.replace("http://packscore-ref:8000", tiny_server.url), str(readme), "exec"), scope)
+    for r, logp in zip(rollouts, scope["ref_logp"]):
+        ids = np.concatenate([r.prompt_ids, r.response_ids])
+        (want,) = tiny_scorer.score([SequenceInput(ids, len(r.prompt_ids), 1.0, 0, True)])
+        assert logp.dtype == np.float32 and logp.shape == r.response_ids.shape  # one per response token
+        assert float(np.max(np.abs(logp - want.logprobs))) <= TOL
+
+    batch = verl_batch(rng, [7, 3], [4, 6])
+    old_log_prob = np.zeros(batch["response_mask"].shape, np.float32)
+    scope.update(batch=batch, old_log_prob=old_log_prob)
+    exec(compile(padded, str(readme), "exec"), scope)
+    delta, mask = scope["delta"], batch["response_mask"].astype(bool)
+    assert delta.dtype == np.float32 and delta.shape == mask.shape and not delta[~mask].any()  # [B, R], 0 where the mask is 0
+    assert np.isfinite(scope["kl"]) and scope["kl"] > 0
