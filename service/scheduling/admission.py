@@ -14,7 +14,7 @@ room itself holds at most ``max_tokens`` tokens; beyond that a request is refuse
 
 Retry-After on a 429 is the time until the request would fit at the measured rate, but never
 more than half the time the admitted work keeps the GPUs busy: a client that sleeps that long
-is back before they run dry.
+is back before they run dry. Before a full row was measured it is 1 s.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class Admission:
     def retry_after_s(self, tokens: int) -> int:
         """Whole seconds a refused request should wait: until it would fit, but never long
         enough for the admitted work to run out first (1..60)."""
-        if not self.rate:
+        if not self._measured:  # the small-row prior understates the rate: a wait from it outlasts the queue
             return 1
         total = self.rate * self.gpus
         until_room = (self.admitted + tokens - self.bound) / total

@@ -92,6 +92,19 @@ def test_the_wait_ends_in_queue_full_with_a_retry_after_that_keeps_the_gpu_busy(
     assert a.retry_after_s(5000) == 1  # the queue lasts 2 s: back within half of that
 
 
+def test_before_a_full_row_is_measured_a_429_says_retry_after_one_second():
+    # the readiness pass's small row is mostly fixed cost: 20 tokens/s, where a full row runs far faster
+    a = admission(max_tokens=100_000)
+    a.observe(10, 0.5)
+    assert a.try_admit(300)  # the 300-token floor: at the prior's rate 15 s of work, in truth much less
+    assert a.retry_after_s(500) == 1  # not 7 s: a client sleeping that long would find the GPU idle
+    a.observe(100, 0.1)  # a full row: 1,000 tokens/s, and the hint follows the measured rate again
+    a.queue_seconds = 20.0
+    assert a.try_admit(19_700)  # 20 s of work admitted
+    a.queue_seconds = 0.1
+    assert a.retry_after_s(5000) == 10  # half the 20 s the admitted work lasts
+
+
 def test_the_waiting_line_is_bounded_and_a_caller_who_leaves_frees_its_place():
     async def main():
         a = admission(max_tokens=1000)
