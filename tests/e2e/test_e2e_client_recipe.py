@@ -1,9 +1,11 @@
 """docs/client.md's trainer recipe, run as written against a real server: a verl-style padded batch
 of numpy arrays -> reference log-probs aligned with the response mask -> the k3 KL. Also README.md's
-client examples and the curl request of README.md and docs/usage.md with the answer they show."""
+client examples, packscore_client's docstring example and the curl request of README.md and
+docs/usage.md with the answer they show."""
 
 from __future__ import annotations
 
+import doctest
 import json
 import re
 from pathlib import Path
@@ -11,6 +13,7 @@ from types import SimpleNamespace
 
 import httpx
 import numpy as np
+import packscore_client
 import pytest
 
 from model_runtime.types import SequenceInput
@@ -145,3 +148,16 @@ def test_the_readme_client_examples_run_as_written(tiny_server, tiny_scorer):
     delta, mask = scope["delta"], batch["response_mask"].astype(bool)
     assert delta.dtype == np.float32 and delta.shape == mask.shape and not delta[~mask].any()  # [B, R], 0 where the mask is 0
     assert np.isfinite(scope["kl"]) and scope["kl"] > 0
+
+
+def test_the_client_package_docstring_example_runs_as_written(tiny_server):
+    """``packscore_client``'s module docstring, run as a doctest against the real server (its URL and
+    key put in) in the module's namespace, as doctest runs it, on a trainer's padded batch."""
+    text = packscore_client.__doc__
+    assert text.count('"http://127.0.0.1:8000", api_key=None') == 1
+    text = text.replace('"http://127.0.0.1:8000", api_key=None', f'"{tiny_server.url}", api_key={API_KEY!r}')
+    batch = verl_batch(np.random.default_rng(8), [4, 6], [3, 2])
+    test = doctest.DocTestParser().get_doctest(text, {**vars(packscore_client), **batch}, "packscore_client", None, 0)
+    runner = doctest.DocTestRunner()
+    runner.run(test)
+    assert runner.summarize(verbose=False) == doctest.TestResults(failed=0, attempted=5)
