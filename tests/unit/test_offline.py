@@ -290,6 +290,17 @@ def test_an_out_written_before_results_recorded_their_run_is_resumed_with_a_warn
     assert first == old and second["temperature"] == 0.5
 
 
+
+def score_under_file_size_limit(source, out, limit: int) -> int:
+    """``packscore score SOURCE -o OUT`` in this process with a file size limit of ``limit`` bytes:
+    OUT's writes fail part way through a line with EFBIG, as a full disk's do."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))  # Python ignores SIGXFSZ: writes fail with EFBIG
+    try:
+        return cli.main(["score", str(source), "-o", str(out)])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
 def test_a_full_disk_stops_the_run_with_one_line_and_the_rerun_resumes(monkeypatch, tmp_path, capsys):
     """A file size limit fails OUT's writes part way through a line, as a full disk does: one error
     line, not a traceback (nor a hang while the scheduler closed), and the rerun completes OUT."""
@@ -297,12 +308,7 @@ def test_a_full_disk_stops_the_run_with_one_line_and_the_rerun_resumes(monkeypat
     rows = [{"id": f"r{i}", "input_ids": list(range(1, 200))} for i in range(60)]
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(source, rows)
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))  # Python ignores SIGXFSZ: writes fail with EFBIG
-    try:
-        code = cli.main(["score", str(source), "-o", str(out)])
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    code = score_under_file_size_limit(source, out, 20_000)
     err = capsys.readouterr().err
     assert code == 1 and f"cannot write {out}: File too large" in err and "Traceback" not in err, err
     assert 0 < out.stat().st_size <= 20_000

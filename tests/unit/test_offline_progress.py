@@ -6,7 +6,6 @@ import fcntl
 import logging
 import os
 import re
-import resource
 import signal
 import struct
 import subprocess
@@ -22,6 +21,7 @@ import pytest
 from service import cli
 import service.offline_progress
 from service.testing import FakeBackend
+from tests.unit.test_offline import score_under_file_size_limit
 
 HELD = 999  # the first token of the line whose forward waits for the gate
 
@@ -216,12 +216,7 @@ def test_the_bar_of_a_run_stopped_by_a_full_disk_is_left_at_the_lines_in_out(mon
     monkeypatch.setattr("service.backends.load_backend", lambda settings: FakeBackend())
     monkeypatch.setattr(service.offline_progress, "tqdm", Bar)
     monkeypatch.setattr(service.offline_progress.sys.stderr, "isatty", lambda: True)
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))  # Python ignores SIGXFSZ: writes fail with EFBIG
-    try:
-        code = cli.main(["score", str(source), "-o", str(out)])
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    code = score_under_file_size_limit(source, out, 20_000)
     err = capsys.readouterr().err
     in_out = out.read_bytes().count(b"\n")
     assert code == 1 and f"{in_out} of the 60 lines of {source} are in {out}" in err, err[-2000:]
