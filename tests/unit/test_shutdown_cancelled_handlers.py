@@ -118,6 +118,16 @@ def test_a_weights_update_cut_off_by_sigint_stays_updating_until_its_load_ends_a
     assert counted.get("500") == 0 and counted.get("503") == 1, counted
 
 
+
+async def _cancelled_while_loading(client, backend) -> None:
+    """POSTs the update to step-1 as v1 and cancels it, as an in-process caller giving up, once its load runs."""
+    from service.testing import wait_until
+
+    first = asyncio.ensure_future(client.post("/v1/weights", json={"path": "step-1", "version": "v1"}))
+    await wait_until(lambda: backend._updating.locked())
+    first.cancel()
+    await asyncio.wait({first})
+
 def test_a_cancelled_update_handler_is_counted_as_a_client_gone_and_its_load_keeps_the_model_updating(tmp_path):
     """An in-process caller that gives up cancels the handler itself (httpx's ASGITransport runs the app in
     its task): the gate counted a 500, and ``updating`` ended with the handler while the load ran on.
@@ -133,10 +143,7 @@ def test_a_cancelled_update_handler_is_counted_as_a_client_gone_and_its_load_kee
         app = create_app(Settings(weights_root=tmp_path), backend)
         service = app.state.service
         async with running_app(app) as client:
-            first = asyncio.ensure_future(client.post("/v1/weights", json={"path": "step-1", "version": "v1"}))
-            await wait_until(lambda: backend._updating.locked())
-            first.cancel()
-            await asyncio.wait({first})
+            await _cancelled_while_loading(client, backend)
             during = service.default.updating, service.torch_work_running()
             refused = await client.post("/v1/weights", json={"path": "step-2", "version": "v2"})
             load.set()
@@ -212,10 +219,7 @@ def test_an_update_whose_in_process_caller_cancelled_it_is_counted_and_recorded_
         app = create_app(Settings(weights_root=tmp_path, weights_record=record), backend)
         service = app.state.service
         async with running_app(app) as client:
-            first = asyncio.ensure_future(client.post("/v1/weights", json={"path": "step-1", "version": "v1"}))
-            await wait_until(lambda: backend._updating.locked())
-            first.cancel()
-            await asyncio.wait({first})
+            await _cancelled_while_loading(client, backend)
             load.set()
             await wait_until(lambda: not service.default.updating and not service.recording)
             return service.metrics.render().decode()
