@@ -256,6 +256,12 @@ def _empty_result(request_id: int, version: str) -> msg.RowResult:
     )
 
 
+def _collective_broke(error: BaseException) -> bool:
+    """Whether a collective failed in its transport, as a peer's death fails it: torch's ``DistError``
+    (NCCL's ``DistBackendError``) or gloo's ``RuntimeError`` from its TCP pair ("Connection reset by peer")."""
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo/transport/" in str(error))
+
+
 def _failure_kind(error: BaseException) -> str:
     if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower():
         return "oom"
@@ -316,7 +322,12 @@ def serve(commands: Connection, replies: _Replies) -> int:
             else:
                 raise ValueError(f"unexpected {type(message).__name__} message in the step loop")
         except Exception as error:
-            log.exception("request %s failed", getattr(message, "request_id", "?"))
+            if fatal_on_error and _collective_broke(error):
+                # A peer lost mid-step (SIGKILL, the OOM killer): the server names that loss; no traceback of ours.
+                log.warning("request %s stopped: a collective broke, a peer is lost (%s: %s)",
+                            getattr(message, "request_id", "?"), type(error).__name__, error)
+            else:
+                log.exception("request %s failed", getattr(message, "request_id", "?"))
             replies.send(
                 msg.Failure(
                     request_id=getattr(message, "request_id", -1),

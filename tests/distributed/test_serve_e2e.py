@@ -430,3 +430,37 @@ def test_a_server_killed_while_its_workers_import_torch_leaves_no_worker(tmp_pat
                 os.kill(pid, signal.SIGKILL)
         server.stop(timeout=30)
     assert not left, f"workers {left} outlived the server by {took:.2f} s: {[_state(p) for p in left]}"
+
+
+def test_a_peer_killed_mid_collective_costs_the_survivor_one_line_not_a_traceback(tmp_path):
+    """FSDP lockstep: a rank killed while its peer waits in a collective with it fails the peer's step
+    ("Connection reset by peer"). The server names the loss; the survivor says why it stopped in one
+    line, without a traceback. The server is held stopped meanwhile, so it cannot kill the survivor
+    before the survivor logs (in a soak, a race it won most times)."""
+    server = LocalServer(["--device", "cpu", "--world-size", "2", "--fsdp", "--max-batch-tokens", "512", "--max-wait-ms", "2"],
+                         env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
+    try:
+        server.wait_ready(timeout=120)
+        lost, survivor = _worker_pids(server.proc.pid)
+        os.kill(lost, signal.SIGSTOP)
+        sender, answers = post_in_background(server.url, {"sequences": [{"input_ids": list(range(200))}]})
+        time.sleep(2.0)  # the survivor takes the row's step and waits in its first collective for the stopped rank
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            os.kill(lost, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while _state(survivor) not in ("gone", "Z"):  # it exits 1 once it has logged and replied
+                assert time.monotonic() < deadline, f"the survivor still runs: {_state(survivor)}"
+                time.sleep(0.05)
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        sender.join(timeout=90)
+        assert answers["answer"].status_code == 503, answers["answer"].text
+        server.wait_ready(timeout=180)
+    finally:
+        code = server.stop(timeout=30)
+    log_text = server.log_path.read_text()
+    assert code == 0, log_text
+    broke = [line for line in log_text.splitlines() if "a collective broke, a peer is lost" in line]
+    assert len(broke) == 1 and "rank=" in broke[0] and " WARNING " in broke[0], log_text
+    assert "Traceback" not in log_text, log_text
