@@ -191,7 +191,9 @@ class Supervisor:
         joining: set[int] = set()
         joined: set[int] = set()
         deadline = time.monotonic() + self.start_timeout_s
-        world.launch(self._start_fields)
+        with self._lock:  # an update's commit is never half-seen
+            fields = dict(self._start_fields)
+        world.launch(fields)
         # The rendezvous has its own, shorter bound: the loading after it may take the start's.
         join_deadline = time.monotonic() + self.join_timeout_s
         while len(hellos) < self.dims.world_size:

@@ -7,6 +7,11 @@ between two steps (``replies.Swap``). ``WeightUpdates`` is a part of ``pool.Work
 the pool's ``info``, ``dims``, ``_world``, ``_alive``, ``_steps`` queue, ``_start_fields``,
 ``_loaded``, ``_updating``, ``_hashing``, ``_closed``, ``_lock``, ``start_timeout_s``, ``_send_all``,
 ``_new_pending``, ``_await`` and ``_on_world_failure``.
+
+``info`` (the version every answer names) and ``_start_fields`` (what a restart launches) change
+together under ``_lock``, where ``world.failed`` is marked: a world lost after its ranks swapped but
+before then restarts with the weights before the update, which fails with ``BackendUnavailableError``
+(503) and leaves their version serving.
 """
 
 from __future__ import annotations
@@ -73,13 +78,20 @@ class WeightUpdates:
                 self._on_world_failure(world, f"worker rank {refused[0].rank} could not swap: {refused[0].message}")
                 raise BackendUnavailableError(f"the weight swap failed on rank {refused[0].rank}; the pool is restarting")
             previous = self.info.weights_version
-            self.info = replace(self.info, weights_version=new_version)
             # A restarted world loads what serves now; a named version's content is hashed after the
             # swap, for the restarts to check against.
             loaded = LoadedFiles(Path(path), files, None if version is not None else new_version)
-            with self._lock:
-                self._start_fields.update(model=str(path), weights_version=new_version, served_model_name=self.info.name)
-                self._loaded = loaded
+            with self._lock:  # one step with the failure marking: a restart launches what the version names
+                lost = world.failed
+                if not lost:
+                    self.info = replace(self.info, weights_version=new_version)
+                    self._start_fields.update(model=str(path), weights_version=new_version, served_model_name=self.info.name)
+                    self._loaded = loaded
+            if lost:  # its restart launches the weights before the update: they keep their version
+                raise BackendUnavailableError(
+                    "the worker pool is shutting down" if self._closed.is_set() else
+                    f"a worker failed as the ranks swapped to {new_version!r}; the pool is restarting with the weights "
+                    f"of version {previous!r}: send the update again")
             if loaded.content is None:
                 self._hash_for_restarts(loaded)
             swap_ms = 1e3 * max(r.seconds for r in swapped)
