@@ -292,3 +292,30 @@ def test_an_update_that_fails_unexpectedly_is_a_500_counted_as_a_failed_update(t
                for s in family.samples if s.name == "packscore_weights_updates_total" and s.value}
     assert counted == {(FakeBackend().info.name, "internal_error", 1.0)}, sorted(counted)
     assert after.json()["weights_version"] == FAKE_VERSION
+
+
+def test_an_update_whose_worker_was_lost_as_it_swapped_is_a_503_counted_and_not_recorded(tmp_path):
+    """The pool's answer when a worker is lost between the ranks' swap and the new version serving:
+    a 503 to retry, counted as backend_unavailable; the record keeps what a restart should serve."""
+    from model_runtime.scoring.backend import BackendUnavailableError
+
+    root, record = make_weights_root(tmp_path), tmp_path / "record.json"
+
+    def check(path):
+        raise BackendUnavailableError("a worker failed as the ranks swapped to 'v2'; the pool is restarting with "
+                                      "the weights of version 'v1': send the update again")
+
+    async def main():
+        app = create_app(Settings(weights_root=root, weights_record=record), FakeBackend(check_checkpoint=check))
+        async with running_app(app) as client:
+            return (await client.post("/v1/weights", json={"path": "step-1", "version": "v2"}),
+                    await client.get("/metrics"), await client.post("/score", json=score_body({})))
+
+    lost, metrics, after = asyncio.run(main())
+    assert lost.status_code == 503 and lost.json()["error"]["type"] == "backend_unavailable", lost.text
+    assert "retry-after" in lost.headers and "send the update again" in lost.json()["error"]["message"]
+    counted = {(s.labels["outcome"], s.value) for family in text_string_to_metric_families(metrics.text)
+               for s in family.samples if s.name == "packscore_weights_updates_total" and s.value}
+    assert counted == {("backend_unavailable", 1.0)}, sorted(counted)
+    assert not record.exists() or "v2" not in record.read_text(), record.read_text()
+    assert after.json()["weights_version"] == FAKE_VERSION
