@@ -12,6 +12,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import msgpack
@@ -174,26 +175,39 @@ def queued_sequences(url: str) -> float:
     raise AssertionError("packscore_queued_sequences missing")
 
 
+def signalled_once(server: LocalServer, sender: threading.Thread, started: Callable[[], bool], signals: list[float],
+                   signum: int = signal.SIGTERM) -> tuple[int, float]:
+    """Once ``started()`` holds (polled, a minute at most), ``signum`` at each of ``signals`` (seconds
+    after). The exit status and seconds from the last signal to the exit; the server is stopped and
+    ``sender`` (the request under way) joined either way."""
+    try:
+        deadline = time.monotonic() + 60
+        while not started():  # not a sleep: a loaded machine may take longer to get there
+            assert time.monotonic() < deadline and server.proc.poll() is None, server.log()[-3000:]
+            time.sleep(0.01)
+        begun = time.monotonic()
+        for at in signals:
+            time.sleep(max(0.0, begun + at - time.monotonic()))
+            server.proc.send_signal(signum)
+        t0 = time.monotonic()
+        code = server.proc.wait(timeout=90)
+        exited_after = time.monotonic() - t0
+        sender.join(timeout=30)
+    finally:
+        server.stop()
+    return code, exited_after
+
+
 def sigterm_mid_forward(server: LocalServer, body: dict, signals: list[float]) -> tuple[int, float, httpx.Response]:
     """Sends ``body``; once it is admitted and its forward under way, a SIGTERM at each of
     ``signals`` (seconds after admission). The exit status, seconds from the last signal to the
     exit, and the request's answer."""
     sender, answers = post_in_background(server.url, body)
-    try:
-        deadline = time.monotonic() + 60
-        while queued_sequences(server.url) < len(body["sequences"]):  # admitted
-            assert time.monotonic() < deadline, server.log()
-            time.sleep(0.01)
-        admitted = time.monotonic()
-        for at in signals:
-            time.sleep(max(0.0, admitted + at - time.monotonic()))
-            server.proc.send_signal(signal.SIGTERM)
-        t0 = time.monotonic()
-        code = server.proc.wait(timeout=60)
-        exited_after = time.monotonic() - t0
-        sender.join(timeout=30)
-    finally:
-        server.stop()
+
+    def admitted() -> bool:
+        return queued_sequences(server.url) >= len(body["sequences"])
+
+    code, exited_after = signalled_once(server, sender, admitted, signals)
     return code, exited_after, answers["answer"]
 
 

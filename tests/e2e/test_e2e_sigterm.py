@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.e2e.helpers import (API_KEY, TINY_VOCAB, ServerProcess, assert_matches, decode, long_forward_body, post,
-                               queued_sequences, random_sequences, sigterm_mid_forward)
+                               queued_sequences, random_sequences, signalled_once, sigterm_mid_forward)
 
 
 def test_sigterm_drains_admitted_requests_and_exits_0(tmp_path, tiny_scorer):
@@ -259,19 +259,9 @@ def test_a_sigint_during_a_weights_load_exits_130_without_waiting_for_it_and_ans
     answers: dict[str, httpx.Response] = {}
     sender = threading.Thread(target=lambda: answers.update(
         update=httpx.post(server.url + "/v1/weights", json={"path": "step-1"}, timeout=90)))
-    try:
-        sender.start()
-        loading = time.monotonic() + 60
-        while "weights update of" not in server.log():  # not a sleep: a loaded machine may take longer to get there
-            assert time.monotonic() < loading and server.proc.poll() is None, server.log()[-3000:]
-            time.sleep(0.02)
-        server.proc.send_signal(signal.SIGINT)
-        t0 = time.monotonic()
-        code = server.proc.wait(timeout=90)
-        exited_after = time.monotonic() - t0
-        sender.join(timeout=30)
-    finally:
-        server.stop()
+    sender.start()
+    code, exited_after = signalled_once(server, sender, lambda: "weights update of" in server.log(), [0.0],
+                                        signal.SIGINT)
     log = server.log()
     assert code == 130 and exited_after < 15, f"exit status {code} {exited_after:.1f} s after SIGINT:\n{log[-3000:]}"
     answer = answers.get("update")
