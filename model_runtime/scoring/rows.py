@@ -11,12 +11,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from model_runtime.kernels.logprob_head import MAX_TEMPERATURE
 from model_runtime.model.packing import PackedBatch, PrefixLinks, upload
 from model_runtime.scoring.head import HeadOutput
 from model_runtime.scoring.prefix import find_groups
 from model_runtime.types import MAX_TOP_K, InvalidSequenceError, SequenceInput, SequenceScores
 
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
 PAD_TOKEN = 0  # token id of alignment padding; any valid id works, its segment is never scored
 
 
@@ -44,7 +44,7 @@ def validate_sequence(seq: SequenceInput, vocab_size: int, index: int = 0) -> No
 def _temperature32(temperature: float) -> float:
     """A temperature float32 can hold: one above its largest (T > 3.4e38, a uniform distribution
     all the same) as that largest, the head's own clamp, without numpy's overflow warning per request."""
-    return min(temperature, _FLOAT32_MAX)
+    return min(temperature, MAX_TEMPERATURE)
 
 
 @dataclass(frozen=True)
