@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import typing
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 import yaml
 
 from deploy_helpers import (
-    CHART, CLI_OPTIONS, NAMESPACE, RELEASE, VALUE_SETS, arg_value, by_kind, container, manifests, one, pod_spec,
+    CHART, CLI_OPTIONS, NAMESPACE, RELEASE, REPO, VALUE_SETS, arg_value, by_kind, container, manifests, one, pod_spec,
     render_chart,
 )
 from service.cli import parse_settings
@@ -227,7 +228,7 @@ def test_every_path_the_server_writes_is_on_a_writable_volume(name):
     (c,) = spec["containers"]
     writable = [m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")]
     env = {e["name"]: e.get("value") for e in c["env"]}
-    paths = [env[k] for k in ["TRITON_HOME", "TRITON_CACHE_DIR", "XDG_CACHE_HOME", "TMPDIR"]]
+    paths = [env[k] for k in ["HOME", "TRITON_HOME", "TRITON_CACHE_DIR", "XDG_CACHE_HOME", "TMPDIR"]]
     paths.append(arg_value(c["args"], "--triton-cache-dir"))
     for path in paths:
         assert any(path == m or path.startswith(m.rstrip("/") + "/") for m in writable), (path, writable)
@@ -235,6 +236,15 @@ def test_every_path_the_server_writes_is_on_a_writable_volume(name):
     for mount in ["/tmp", "/cache"]:
         (m,) = [m for m in c["volumeMounts"] if m["mountPath"] == mount]
         assert "emptyDir" in volumes[m["name"]] or "persistentVolumeClaim" in volumes[m["name"]]
+
+
+def test_home_moves_off_the_images_home_on_the_read_only_root_filesystem():
+    # torch, Triton, huggingface_hub, matplotlib, pip and CUDA's JIT cache fall back to $HOME (~/.cache, ~/.config, ~/.nv)
+    (image_home,) = re.findall(r"\bENV HOME=(\S+)", (REPO / "Dockerfile").read_text())
+    c = container()
+    writable = [m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")]
+    assert not any(image_home == m or image_home.startswith(m + "/") for m in writable), (image_home, writable)
+    assert {"name": "HOME", "value": "/cache"} in c["env"]
 
 
 def test_triton_cache_can_live_on_an_existing_claim():

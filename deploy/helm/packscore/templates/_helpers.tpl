@@ -161,6 +161,7 @@ caches again from --triton-cache-dir: the user's would move a cache off its volu
 {{- /* The cache and scratch variables of deployment.yaml, and the one the server derives from --triton-cache-dir. */}}
 {{- $cache := "cache.existingClaim or cache.sizeLimit (the /cache volume)" }}
 {{- $chartEnv := dict
+  "HOME" (list "the chart's HOME=/cache" $cache)
   "TRITON_HOME" (list "the chart's TRITON_HOME=/cache" $cache)
   "TRITON_CACHE_DIR" (list "the chart's TRITON_CACHE_DIR=/cache/triton, which the server sets again from --triton-cache-dir, dropping yours" $cache)
   "TORCHINDUCTOR_CACHE_DIR" (list "TORCHINDUCTOR_CACHE_DIR=/cache/triton/inductor, which the server sets from the chart's --triton-cache-dir, dropping yours" $cache)
