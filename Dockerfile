@@ -83,6 +83,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
 # Triton (used by flash-linear-attention) compiles a small C launcher at run time,
 # so the runtime image needs a C compiler and Python's headers; tini is the container's init (ENTRYPOINT).
 # Ubuntu 24.04 images ship a user "ubuntu" with uid 1000; packscore takes that uid.
+# The caches are writable by any uid, as /tmp (sticky), for `docker run --user` and new volumes copied from them.
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-dev python3-venv gcc libc6-dev tini \
@@ -91,7 +92,8 @@ RUN apt-get update \
  && groupadd --gid 1000 packscore \
  && useradd --uid 1000 --gid 1000 --create-home --home-dir /home/packscore --shell /usr/sbin/nologin packscore \
  && mkdir -p /cache/triton /cache/xdg /models \
- && chown -R 1000:1000 /cache
+ && chown -R 1000:1000 /cache \
+ && chmod 1777 /cache /cache/triton /cache/xdg
 
 # Same install steps as the README: the CUDA build of torch first, then the project
 # with the `gpu` extra (flash-linear-attention, causal-conv1d). The causal-conv1d wheel

@@ -202,6 +202,18 @@ def test_triton_cache_directory_is_writable_and_shared_with_the_chart(dockerfile
     assert "mountPath: /cache\n" in deployment and "/cache/triton" in deployment
 
 
+def test_every_cache_directory_is_writable_by_any_uid(dockerfile):
+    # `docker run --user 2000` (and a new named volume, which Docker fills from the image's directory) must write them.
+    runtime = stages(dockerfile)["runtime"]
+    run = " ".join(args_of(runtime, "RUN"))
+    env = dict(v.split("=", 1) for v in shlex.split(" ".join(args_of(runtime, "ENV"))) if "=" in v)
+    caches = {env[k] for k in ("TRITON_HOME", "TRITON_CACHE_DIR", "XDG_CACHE_HOME", "PACKSCORE_TRITON_CACHE_DIR")}
+    created = {d for m in re.findall(r"mkdir -p ((?:/\S+ ?)+)", run) for d in m.split() if d.startswith("/cache")}
+    assert caches <= created | {"/cache"}, (caches, created)
+    (modes,) = re.findall(r"chmod 1777 ((?:/\S+ ?)+)", run)
+    assert set(modes.split()) == created | {"/cache"}, modes  # sticky like /tmp: no uid removes another's files
+
+
 def _dockerignore_patterns() -> list[tuple[bool, re.Pattern[str]]]:
     """(negated, regex) for the subset of .dockerignore syntax used here: *, ** and ! lines."""
     rules = []
