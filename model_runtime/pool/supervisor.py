@@ -362,5 +362,9 @@ class Supervisor:
             if reply.fatal:
                 self._on_world_failure(world, f"{killed} (rank {rank} then failed: {reply.message})" if killed
                                        else f"worker rank {rank} failed: {reply.message}")
+        elif isinstance(reply, (msg.RowResult, msg.WeightsDone)) and (world.failed or self._closed.is_set()):
+            # Finished as its world was stopped or failed: that settled its caller with the stop's error first.
+            log.debug("worker rank %d: %s of request %d came after generation %d stopped; dropped",
+                      rank, type(reply).__name__, reply.request_id, world.generation)
         else:
             log.warning("worker rank %d sent an unexpected %s", rank, type(reply).__name__)
