@@ -34,7 +34,7 @@ REJECTION_REASONS = (
     "sequence_too_large", "sequence_too_long", "request_too_large", "too_many_sequences", "body_too_large",
     "invalid_value", "malformed_body", "unsupported_content_type", "unsupported_content_encoding", "model_not_found",
     "unauthorized", "model_required", "weights_version_mismatch", "request_timeout", "non_finite_scores",
-    "internal_error", "forbidden", "unavailable", "not_found", "method_not_allowed", "http_error",
+    "internal_error", "forbidden", "unavailable", "not_found", "method_not_allowed", "http_error", "malformed_request",
 )  # fmt: skip
 # Those only POST /v1/weights answers: at 0 from the start where that route is served (--weights-root).
 WEIGHTS_REJECTION_REASONS = (
@@ -52,8 +52,8 @@ UPDATE_OUTCOMES = (
 )  # fmt: skip
 UNNAMED_UPDATE_OUTCOMES = (
     "not_ready", "draining", "unsupported_content_type", "unsupported_content_encoding", "body_too_large",
-    "request_timeout", "client_disconnected", "malformed_body", "invalid_value", "model_not_found", "model_required",
-    "internal_error",
+    "request_timeout", "client_disconnected", "malformed_request", "malformed_body", "invalid_value", "model_not_found",
+    "model_required", "internal_error",
 )  # fmt: skip
 # packscore_connections_closed_total's reasons: the answers and closes of service/http/protocol.py itself.
 CONNECTION_CLOSE_REASONS = ("too_many_connections", "evicted", "malformed_request", "request_timeout")

@@ -226,8 +226,11 @@ async def _read_all(request: Request, limit: int, named: str, hint: str) -> byte
                 raise too_large
             chunks.append(chunk)
     except ClientDisconnect:
-        if request.scope.get(PROTOCOL_ANSWER) == 408:  # the protocol answered 408 and closed: counted as what was sent
+        answered = request.scope.get(PROTOCOL_ANSWER)  # the protocol answered and closed: counted as what was sent
+        if answered == 408:
             raise ApiError(408, "request_timeout", "The body did not arrive within request_read_timeout_s.") from None
+        if answered == 400:  # h11 refused the body's framing (a broken chunk): the protocol's malformed_request
+            raise ApiError(400, "malformed_request", "The body is not valid HTTP/1.1 (its chunked framing).") from None
         # nobody to answer: counted as nginx's 499, not as a server error; one rejection reason wherever the client left
         raise ApiError(499, "client_disconnected", "The client closed the connection before its body arrived.") from None
     return b"".join(chunks)

@@ -13,6 +13,7 @@ import httpx
 
 from service.local_server import LocalServer
 from tests.e2e.helpers import fake_server, read_until_closed
+from tests.live_metrics import Scrape
 
 _SCORE_HEAD = b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 _BODY = b'{"sequences": [{"input_ids": [1, 2, 3]}]}'
@@ -82,6 +83,29 @@ def test_a_malformed_requests_400_is_counted_once_under_the_route_that_was_read(
     assert at_start.get(("other", "400")) == 0.0, at_start
     assert counted.get(("other", "400")) == 2.0 and counted.get(("/score", "400")) == 1.0, counted
     assert counted.get(("/score", "499"), 0.0) == 0.0, counted  # what its handler met was not a client gone
+
+
+def test_a_broken_chunked_body_is_counted_as_the_400_sent_not_as_a_client_gone(tmp_path):
+    # The handler reading the body meets the protocol's 400 (h11 refused a chunk's size): its rejection,
+    # and the update it was, count that 400's type, as a 408 there counts request_timeout.
+    server = fake_server(tmp_path, "--weights-root", str(tmp_path)).wait_ready()
+    try:
+        answers = []
+        for head in (_SCORE_HEAD, _SCORE_HEAD.replace(b"/score", b"/v1/weights")):
+            with _connect(server) as sock:
+                sock.sendall(head + b"Transfer-Encoding: chunked\r\n\r\nZZ\r\nabc\r\n0\r\n\r\n")
+                answers.append(read_until_closed(sock, 10)[0])
+        counted = _answered_once(server, {("/score", "400"): 1.0, ("/v1/weights", "400"): 1.0})
+        metrics = Scrape(httpx.get(server.url + "/metrics", timeout=10).text)
+    finally:
+        server.stop()
+    assert [_status(a) for a in answers] == [400, 400] and all(b"malformed_request" in a for a in answers), answers
+    assert counted.get(("/score", "400")) == 1.0 and counted.get(("/v1/weights", "400")) == 1.0, counted
+    rejected = {r: metrics.value("packscore_rejections_total", reason=r) for r in ("malformed_request", "client_disconnected")}
+    assert rejected == {"malformed_request": 2.0, "client_disconnected": 0.0}, rejected
+    updates = {o: metrics.value("packscore_weights_updates_total", model="", outcome=o)
+               for o in ("malformed_request", "client_disconnected")}
+    assert updates == {"malformed_request": 1.0, "client_disconnected": 0.0}, updates
 
 
 def test_the_connection_caps_503_is_counted(tmp_path):
