@@ -152,10 +152,11 @@ class _Gate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid = request_id.from_headers(scope["headers"])
+        # the protocol names a request it answered 400 or 408 before this ran: one id for both
+        rid = scope.get(request_id.SCOPE_KEY) or request_id.from_headers(scope["headers"])
         # Reset at the end: an in-process caller (httpx's ASGITransport) runs the app in its own task.
         token = request_id.current.set(rid)
-        scope[request_id.SCOPE_KEY] = rid  # the protocol's own 408 for this request reads it
+        scope[request_id.SCOPE_KEY] = rid  # the protocol's own 408 or 400 for this request reads it
         scope[ARRIVED] = time.monotonic()
         if scope["path"][:8].lower().startswith(("http://", "https://")):
             _to_origin_form(scope)

@@ -51,7 +51,7 @@ import h11
 import orjson
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from service.http.request_id import SCOPE_KEY, for_request, new_id, outside_request
+from service.http.request_id import SCOPE_KEY, for_request, from_headers, new_id, outside_request
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +298,7 @@ class GuardedH11Protocol(H11Protocol):
         self.registry.on_closed("malformed_request")
         self._close_counted = True
         self._count_answer(400)
-        rid = new_id()
+        rid = self._running_id() or new_id()  # a body h11 refused mid-request: that request's id, as its 408's
         # Called from uvicorn's handler of h11's error, which names what is wrong (uvicorn's own line does not).
         refused = str(sys.exc_info()[1] or msg)
         # h11 quotes the offending bytes: a line per client, not a client's 16 KiB of headers
@@ -322,6 +322,17 @@ class GuardedH11Protocol(H11Protocol):
             cycle.scope[PROTOCOL_ANSWER] = status  # type: ignore[literal-required]
         else:
             self.registry.on_answered(status)
+
+    def _running_id(self) -> str | None:
+        """The id of the request this connection is still answering; None between requests (a next
+        request's bytes refused are no earlier request's). Named here where the gate has not run yet (its
+        body came with its headers): the gate then keeps that name."""
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete:
+            return None
+        if SCOPE_KEY not in cycle.scope:
+            cycle.scope[SCOPE_KEY] = from_headers(cycle.scope["headers"])  # type: ignore[literal-required]
+        return cycle.scope[SCOPE_KEY]  # type: ignore[literal-required]
 
     def _log_answer(self, status: int, rid: str, why: str) -> None:
         """One line for an answer the protocol sends itself, passing no access log: no traceback, a
@@ -364,7 +375,7 @@ class GuardedH11Protocol(H11Protocol):
             message = f"The request did not arrive within {self.registry.read_timeout_s:g} s (request_read_timeout_s)."
             ongoing = cycle is not None and not cycle.response_complete  # else the 408 is the next request's
             scope = cycle.scope if ongoing else None  # type: ignore[union-attr]
-            rid = (scope.get(SCOPE_KEY) if scope else None) or new_id()
+            rid = self._running_id() or new_id()
             what = f"the body of {scope['method']} {scope['path']}" if scope else "a request's headers"
             self._log_answer(408, rid, f"{what} did not arrive within {self.registry.read_timeout_s:g} s "
                                        "(request_read_timeout_s)")

@@ -29,7 +29,7 @@ from contextvars import ContextVar
 
 HEADER = b"x-request-id"  # ASGI header names are lower case
 MAX_LENGTH = 128
-SCOPE_KEY = "packscore.request_id"  # in the ASGI scope: the protocol's own 408 for the request names it
+SCOPE_KEY = "packscore.request_id"  # in the ASGI scope: the protocol's own 408 or 400 for the request names it
 # Before the message, so that a traceback or a message ending in a newline does not push it to another line.
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s:%(request_tag)s %(message)s"
 _EXCEPTION_ID = "packscore_request_id"  # on an exception that left a request: that request's id

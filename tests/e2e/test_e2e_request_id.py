@@ -91,6 +91,31 @@ def test_the_protocols_408_names_the_request_whose_body_did_not_arrive(server):
     assert head[0].startswith(b"http/1.1 408") and b"x-request-id: slow-body-1" in head, data
 
 
+@pytest.mark.parametrize("pause_s", [0, 0.5], ids=["with-its-headers", "after-its-handler-started"])
+def test_the_protocols_400_names_the_request_whose_chunked_body_broke(server, pause_s):
+    # h11 refused a chunk of /score's body (before its handler ran, or while it read the body): the 400
+    # and its log line are that request's, as the request's own count is.
+    given = f"broken-chunk-{time.monotonic_ns()}"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode() + b"\r\nX-Request-Id: "
+                     + given.encode() + b"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     + b"5\r\n{\"seq\r\n" + (b"" if pause_s else b"ZZ\r\nabc\r\n"))
+        if pause_s:
+            time.sleep(pause_s)
+            sock.sendall(b"ZZ\r\nabc\r\n")
+        data, _ = read_until_closed(sock, 6)
+    head = data.partition(b"\r\n\r\n")[0].lower().split(b"\r\n")
+    assert head[0].startswith(b"http/1.1 400") and f"x-request-id: {given}".encode() in head, data
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and "answered 400" not in _lines_naming(server, given):
+        time.sleep(0.05)
+    assert "answered 400" in _lines_naming(server, given), server.log()
+
+
+def _lines_naming(server, rid: str) -> str:
+    return "\n".join(line for line in server.log_path.read_text().splitlines() if f"request_id={rid} " in line)
+
+
 def test_the_clients_score_error_names_the_failed_requests_id(server):
     with ScoreClient(server.url, api_key=API_KEY, encoding="json") as client:
         with pytest.raises(ScoreError) as failed:
