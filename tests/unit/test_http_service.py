@@ -1,8 +1,10 @@
 """The service around the scheduler: auth, readiness phases, draining, metrics, /v1/models, OpenAPI."""
 
 import asyncio
+import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -437,6 +439,17 @@ def test_a_trailing_slash_is_a_json_404_naming_the_route_and_405_allows_head():
         assert answer.status_code == 405 and answer.json()["error"]["type"] == "method_not_allowed", answer.text
         assert {m.strip() for m in answer.headers["allow"].split(",")} == {"GET", "HEAD"}, answer.headers
 
+
+def test_a_wrong_method_on_score_is_the_405_the_usage_doc_shows():
+    async def main():
+        async with running_app(create_app(Settings(), FakeBackend())) as client:
+            return await client.get("/score"), await client.head("/score")
+
+    get, head = asyncio.run(main())
+    usage = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
+    for answer in (get, head):
+        assert answer.status_code == 405 and answer.headers["allow"] == "POST", (answer, answer.headers)
+    assert head.content == b"" and f"`{json.dumps(get.json())}`" in usage, get.text
 
 def _overflow(loaded) -> None:
     """Finite head weights whose logits overflow float32: NaN log-probs (the start-up readiness
