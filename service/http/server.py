@@ -43,6 +43,7 @@ class DrainingServer(uvicorn.Server):
         self._drain: asyncio.Future | None = None
         self._drain_deadline = 0.0
         self._exits_early = False  # SIGTERM exits at once until the loop is known (the early exit was in force)
+        self.listen_failed = False  # the app started, then uvicorn could not bind its address (it exits 3)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -66,7 +67,11 @@ class DrainingServer(uvicorn.Server):
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().startup(sockets=sockets)
+        try:
+            await super().startup(sockets=sockets)
+        except SystemExit:  # uvicorn's 3: the app's start failed (its lifespan exits), else the bind did
+            self.listen_failed = not self.lifespan.should_exit
+            raise
 
     def handle_exit(self, sig, frame) -> None:
         if sig == signal.SIGTERM and self._loop is None and self._exits_early:
@@ -182,25 +187,30 @@ def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
 def run_server(app: FastAPI, settings: Settings) -> int:
     """Serves until SIGTERM (drained) or SIGINT; returns the process's exit status."""
     service: Service = app.state.service
-    config = uvicorn_config(app, settings)
+    server = DrainingServer(uvicorn_config(app, settings), service)
+    why = "a forward, load or weights update still runs in another thread"
     try:
-        DrainingServer(config, service).run()
+        server.run()
         status = 0
     except KeyboardInterrupt:  # SIGINT: uvicorn shut down gracefully, then re-raised it
         status = 130
     except SystemExit as stop:  # uvicorn could not listen (3): the load its startup began still runs
         status = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+        if server.listen_failed:  # uvicorn's error line names the address and why: this says what is dropped
+            why = (f"the port could not be bound, so the model's start ({service.phase.replace('_', ' ')}), "
+                   "still running in another thread, is abandoned")
     if status == 0 and service.fatal_error:
         print(f"packscore: error: could not start: {service.fatal_error}", file=sys.stderr)
         status = service.fatal_status  # a first pass that timed out: its forward still runs
-    _exit_if_torch_work_running(service, status)
+    _exit_if_torch_work_running(service, status, why)
     return status
 
 
-def _exit_if_torch_work_running(service: Service, status: int) -> None:
+def _exit_if_torch_work_running(service: Service, status: int, why: str) -> None:
     """A forward cut off by the drain timeout (or a load, or an update) still runs in another
     thread: finalising the interpreter under it ends in std::terminate (status -6) from torch's
-    threads, so the process ends here, its answers already sent and its logs flushed."""
+    threads, so the process ends here, its answers already sent and its logs flushed. ``why``: what
+    runs, and why it is left."""
     if service.torch_work_running():
-        log.warning("exiting while a forward, load or weights update still runs in another thread")
+        log.warning("exiting with status %d: %s", status, why)
         hard_exit(status)

@@ -166,7 +166,9 @@ def test_a_context_of_0_that_yarn_bounds_is_served_with_yarns_bound(checkpoint_d
 def test_a_port_in_use_exits_3_at_once_though_the_load_still_runs(checkpoint_dir):
     """uvicorn binds after the lifespan began the load in a thread: a bind that fails ends the
     process with the documented 3, not with the interpreter finalised under that thread's torch
-    work (std::terminate, status -6) or the thread's traceback on a closed event loop."""
+    work (std::terminate, status -6) or the thread's traceback on a closed event loop. One error line
+    says why; the line about the load left running says it is abandoned because of that."""
+    abandoned = []
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
@@ -176,8 +178,14 @@ def test_a_port_in_use_exits_3_at_once_though_the_load_still_runs(checkpoint_dir
         for attempt in range(3):  # where the load stands at the exit varies: each run must end the same
             code, output, _ = run_watching_port(command, None)
             assert code == 3, f"attempt {attempt}: exit status {code}, expected 3:\n{output[-3000:]}"
-            assert "address already in use" in output, output[-3000:]
+            errors = [line for line in output.splitlines() if " ERROR " in line] + _errors(output)
+            assert len(errors) == 1 and "address already in use" in errors[0], output[-3000:]
             assert "Traceback" not in output and "terminate called" not in output, output[-3000:]
+            left = [line for line in output.splitlines() if "another thread" in line]
+            assert all(line.endswith("exiting with status 3: the port could not be bound, so the model's start "
+                                      "(loading), still running in another thread, is abandoned") for line in left), left
+            abandoned += left
+    assert abandoned, "the load never ran past the failed bind: nothing checked its line"
 
 
 # The real CLI with a first readiness pass whose forward (4,000 tokens) outlasts its bound.
