@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -149,6 +150,7 @@ class Service:
         self.admin_key = settings.resolved_admin_key()
         self.phase = "loading"
         self.models: dict[str, ServedModel] = {}  # in --model order; the first is the default
+        self.aliases: dict[str, str] = {}  # another name a request may give a served model -> its served name
         self.fatal_error: str | None = None  # set when loading failed; the server then exits non-zero
         self.fatal_status = 1  # 2 when the checkpoint was refused (the CLI's status for a refusal)
         self.inflight = 0  # /score requests admitted and not yet answered
@@ -298,6 +300,9 @@ class Service:
             max_request_bytes=s.request_bytes,
         )
         self.models[name] = ServedModel(name, backend, limits, key)
+        directory = s.model_specs().get(None) if key is None and s.served_model_name is None else None
+        if directory is not None and directory not in (name, *self.models, *self.aliases) and Path(directory).is_dir():
+            self.aliases[directory] = name  # the exact --model string also names it, as vLLM takes it
         self.metrics.describe_model(info, name)
         self.metrics.weights_awaited.labels(model=name).set(0)
         if s.weights_root is not None:

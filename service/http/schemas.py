@@ -127,7 +127,8 @@ class ScoreRequest(BaseModel):
         },
     )
 
-    model: Text | None = Field(None, description="served model name; null means the only served model")
+    model: Text | None = Field(None, description="served model name (or the exact --model directory it is served from, "
+                               "docs/cli.md); null means the only served model")
     sequences: list[SequenceIn] = Field(min_length=1, description="sequences to score, each independent of the others")
     temperature: float = Field(1.0, strict=True, gt=0, allow_inf_nan=False, description="logits are divided by it")
     return_entropy: StrictBool = Field(True, description="whether entropy is returned")
@@ -187,7 +188,8 @@ class WeightsRequest(BaseModel):
         json_schema_extra={"examples": [{"model": "policy", "path": "step-000120", "version": "step-120"}]},
     )
 
-    model: Text | None = Field(None, description="served model name; null means the only served model")
+    model: Text | None = Field(None, description="served model name (or the exact --model directory it is served from, "
+                               "docs/cli.md); null means the only served model")
     path: Text = Field(description="checkpoint directory (config.json + *.safetensors) relative to --weights-root")
     version: VersionName | None = Field(
         None,

@@ -61,9 +61,9 @@ async def score_request(request: Request, service: Service) -> Response:
         raw = await read_body(request, limits.max_request_bytes, service)
         served = {name: m.limits for name, m in service.models.items()}
         if len(raw) > _DECODE_INLINE_BYTES:
-            job = await asyncio.to_thread(_parse, raw, in_encoding, served)
+            job = await asyncio.to_thread(_parse, raw, in_encoding, served, service.aliases)
         else:
-            job = _parse(raw, in_encoding, served)
+            job = _parse(raw, in_encoding, served, service.aliases)
     except ApiError as exc:
         _add_limits(exc, limits)
         raise
@@ -110,8 +110,8 @@ def _add_limits(exc: ApiError, limits: Limits) -> None:
         exc.headers = {**limits.headers(), **exc.headers}
 
 
-def _parse(raw: bytes, encoding, served) -> ScoreJob:
-    return parse_score_request(decode_body(raw, encoding), served)
+def _parse(raw: bytes, encoding, served, aliases) -> ScoreJob:
+    return parse_score_request(decode_body(raw, encoding), served, aliases=aliases)
 
 
 def _version_mismatch(pinned: str, model: ServedModel) -> ApiError:

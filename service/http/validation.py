@@ -76,23 +76,28 @@ class ScoreJob:
     rollout: tuple[np.ndarray | None, ...] = ()  # float32 rollout log-probs per sequence, where sent
 
 
-def pick_model(requested: Any, served: Mapping[str, Any]) -> str:
-    """The served model a request's ``model`` names: 404 for an unknown name, 422 when omitted
-    while several are served."""
+def pick_model(requested: Any, served: Mapping[str, Any], aliases: Mapping[str, str] | None = None) -> str:
+    """The served model a request's ``model`` names (its served name, or an alias of it: the exact
+    ``--model`` directory, ``Service.aliases``): 404 for an unknown name, 422 when omitted while
+    several are served."""
     if requested is None:
         if len(served) > 1:
             raise ApiError(422, "model_required", f"Several models are served ({', '.join(served)}); name one in 'model'.", "model")
         return next(iter(served))
+    if requested not in served and aliases and requested in aliases:
+        return aliases[requested]
     if requested not in served:
         raise ApiError(404, "model_not_found", f"Model {short_repr(requested)} is not served here; this server serves "
                        f"{', '.join(repr(n) for n in served)}.", "model")
     return requested
 
 
-def parse_score_request(body: Any, limits: Limits | Mapping[str, Limits], served_name: str = "") -> ScoreJob:
+def parse_score_request(body: Any, limits: Limits | Mapping[str, Limits], served_name: str = "",
+                        aliases: Mapping[str, str] | None = None) -> ScoreJob:
     """Validates a decoded /score body; raises ApiError 404 / 413 / 422.
 
-    ``limits`` is the served model's, or served name -> limits when several are served.
+    ``limits`` is the served model's, or served name -> limits when several are served; ``aliases``,
+    other names of served models (``pick_model``).
     """
     served = {served_name: limits} if isinstance(limits, Limits) else limits
     if not isinstance(body, dict):
@@ -112,7 +117,7 @@ def parse_score_request(body: Any, limits: Limits | Mapping[str, Limits], served
         request = ScoreRequest.model_validate(body)
     except ValidationError as exc:
         raise from_validation_errors(exc.errors(include_url=False), sourced=False) from None
-    model = pick_model(request.model, served)
+    model = pick_model(request.model, served, aliases)
     limits = served[model]
     if limits.vocab_size is not None and request.top_k > limits.vocab_size:
         raise ApiError(422, "invalid_value", f"top_k must be at most the vocabulary's {limits.vocab_size} tokens, "

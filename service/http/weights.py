@@ -76,7 +76,7 @@ def _index_shards(target: Path) -> list[str]:
 def _named_model(model: Any, service: Service) -> str:
     """The served model a body names (or the only one, when it names none), else ``""``."""
     try:
-        return pick_model(model, service.models) if model is None or isinstance(model, str) else ""
+        return pick_model(model, service.models, service.aliases) if model is None or isinstance(model, str) else ""
     except ApiError:
         return ""
 
@@ -102,7 +102,7 @@ async def update_weights(service: Service, body: Any, root: Path) -> dict:
             request = WeightsRequest.model_validate(body)
         except ValidationError as exc:
             raise from_validation_errors(exc.errors(include_url=False), sourced=False) from None
-        model = service.models[pick_model(request.model, service.models)]
+        model = service.models[pick_model(request.model, service.models, service.aliases)]
         name = model.name
         answer, recording = await _run(service, model, resolve_checkpoint(root, request.path), request.version,
                                        requested_at)
