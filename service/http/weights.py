@@ -90,8 +90,9 @@ def checkpoint_refused(exc: CheckpointError) -> ApiError:
 
 async def update_weights(service: Service, body: Any, root: Path) -> dict:
     """Runs one update to its end; the answer once the new version serves. Every outcome is
-    counted, a refusal under its error type (``model=""`` before the model is known); a new one
-    belongs in metrics.UPDATE_OUTCOMES, which writes them at 0 from the start."""
+    counted, a refusal under its error type (``model=""`` before the model is known), a load that
+    landed or failed as it ended (``_landed``, ``_load_failed``); a new one belongs in
+    metrics.UPDATE_OUTCOMES, which writes them at 0 from the start."""
     requested_at = time.time()  # the record keeps the last update requested, whichever server finishes last
     name = ""
     try:
@@ -106,6 +107,8 @@ async def update_weights(service: Service, body: Any, root: Path) -> dict:
         name = model.name
         answer, recording = await _run(service, model, resolve_checkpoint(root, request.path), request.version,
                                        requested_at)
+    except _LoadFailed as exc:  # counted as the load ended (``_load_failed``), whether or not this handler waited
+        raise exc.answer from None
     except ApiError as exc:
         service.metrics.weights_updates.labels(model=name, outcome=exc.type).inc()
         raise
@@ -186,6 +189,8 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
     before = model.backend.info.weights_version
     answer: dict = {}
     recording: asyncio.Future | None = None
+    failure: list[ApiError | BaseException] = []  # the load's failure as answered, once counted
+    loading: asyncio.Future | None = None
 
     def ended(update: WeightsUpdate | None, error: BaseException | None) -> None:
         # The update's thread is done, whether or not this handler still waits for it (cancelled at shutdown).
@@ -197,30 +202,67 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
         if error is None:
             answer.update(_served(service, model, source, update))
             recording = _landed(service, model, answer, requested_at)
+        else:
+            failure.append(_load_failed(service, model, error, gave_up=loading is not None and loading.cancelled()))
 
     model.updating = True
+    log.info("weights update of %s from %s (version %s)", model.name, path, version or "content hash")
+    # Not asyncio.to_thread: a handler cancelled at shutdown must not end "updating" while the load
+    # runs on, nor leave a non-daemon thread that a stop waits for.
+    loading = in_load_thread(model.backend.update_weights, path, version, ended=ended)
     try:
-        log.info("weights update of %s from %s (version %s)", model.name, path, version or "content hash")
-        # Not asyncio.to_thread: a handler cancelled at shutdown must not end "updating" while the load
-        # runs on, nor leave a non-daemon thread that a stop waits for.
-        await in_load_thread(model.backend.update_weights, path, version, ended=ended)
-    except CheckpointError as exc:
+        await loading
+    except Exception as exc:
+        if not failure:  # ``ended`` itself failed (a bug): the app's 500, counted by the handler
+            raise
+        raise _LoadFailed(failure[0] if isinstance(failure[0], ApiError) else exc) from None
+    return answer, recording
+
+
+class _LoadFailed(Exception):
+    """The update's load failed and was counted as it ended; ``answer`` is the request's: an ``ApiError``,
+    or the unexpected error itself (a bug: the app's 500)."""
+
+    def __init__(self, answer: BaseException):
+        super().__init__(str(answer))
+        self.answer = answer
+
+
+def _load_failed(service: Service, model: ServedModel, exc: BaseException, gave_up: bool) -> ApiError | BaseException:
+    """The update's load failed with ``exc``: its failure logged and counted under its outcome, once, as
+    the update ends, whether or not its handler still waits (``gave_up``: cut off by the shutdown or its
+    caller). Returns the answer: an ``ApiError``, or ``exc`` where it was unexpected (a bug: the app's 500)."""
+    refusal = _refusal(model, exc)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # it failed after the loop closed: the server had stopped, nobody reads the metrics
+        log.info("%s's update failed after the server stopped (%s): not counted", model.name, exc)
+        return refusal or exc
+    if refusal is None and gave_up:  # the app's 500 logs it where a handler waits; here none does
+        log.error("weights update of %s failed after its request was cut off", model.name, exc_info=exc)
+    service.metrics.weights_updates.labels(model=model.name, outcome=refusal.type if refusal else "internal_error").inc()
+    return refusal or exc
+
+
+def _refusal(model: ServedModel, exc: BaseException) -> ApiError | None:
+    """The answer to an update whose load failed with ``exc``, logged; None where it was unexpected."""
+    if isinstance(exc, CheckpointError):
         log.warning("weights update of %s refused: %s", model.name, exc)
-        raise checkpoint_refused(exc) from None
-    except UpdateInProgressError as exc:
-        raise ApiError(409, "update_in_progress", f"{exc}; retry once it is done.", "model", headers=_RETRY_SOON) from None
-    except BackendUnavailableError as exc:
-        raise backend_unavailable(f"The weights of {model.name!r} could not be updated: {exc}.", retry_after_s=5) from None
-    except NoLoadThreadError as exc:  # the server's moment, not the checkpoint's: it was not read
+        return checkpoint_refused(exc)
+    if isinstance(exc, UpdateInProgressError):
+        return ApiError(409, "update_in_progress", f"{exc}; retry once it is done.", "model", headers=_RETRY_SOON)
+    if isinstance(exc, BackendUnavailableError):
+        return backend_unavailable(f"The weights of {model.name!r} could not be updated: {exc}.", retry_after_s=5)
+    if isinstance(exc, NoLoadThreadError):  # the server's moment, not the checkpoint's: it was not read
         log.error("weights update of %s not started: %s", model.name, exc)
-        raise backend_unavailable(f"The weights of {model.name!r} could not be updated now: {exc}; the checkpoint "
-                                  "was not read.", retry_after_s=5) from None
-    except (OSError, RuntimeError) as exc:  # the old version still serves: the update changed nothing
+        return backend_unavailable(f"The weights of {model.name!r} could not be updated now: {exc}; the checkpoint "
+                                   "was not read.", retry_after_s=5)
+    if isinstance(exc, (OSError, RuntimeError)):  # the old version still serves: the update changed nothing
         log.error("weights update of %s failed", model.name, exc_info=exc)
         if is_out_of_memory(exc):
-            raise backend_unavailable(f"The new weights of {model.name!r} do not fit in memory now: {exc}.", retry_after_s=30) from None
-        raise ApiError(422, "unreadable_checkpoint", f"The checkpoint could not be loaded: {exc}", "path") from None
-    return answer, recording
+            return backend_unavailable(f"The new weights of {model.name!r} do not fit in memory now: {exc}.", retry_after_s=30)
+        return ApiError(422, "unreadable_checkpoint", f"The checkpoint could not be loaded: {exc}", "path")
+    return None
 
 
 def _served(service: Service, model: ServedModel, source: tuple, update: WeightsUpdate) -> dict:

@@ -229,3 +229,40 @@ def test_an_update_whose_in_process_caller_cancelled_it_is_counted_and_recorded_
     assert _weights_updates(metrics, "ok") == 1, [line for line in metrics.splitlines() if "weights_updates" in line]
     entry = json.loads(record.read_text())["models"]["fake-model"]
     assert (entry["path"], entry["version"]) == ("step-1", "v1"), entry
+
+
+def test_an_update_whose_caller_cancelled_it_and_that_then_fails_is_counted_once_under_its_failure(tmp_path):
+    """Only the handler counted a failed update, so one whose in-process caller gave up before its load
+    failed was counted under no outcome, while one that landed counted ``ok``. Its failure counts once
+    as the update ends, handler or not; an update whose handler still waits is not counted twice."""
+    from model_runtime.scoring.checkpoint_error import CheckpointError
+    from service.testing import running_app, wait_until
+
+    (tmp_path / "step-1").mkdir()
+    fails = threading.Event()
+
+    def check(path) -> None:
+        fails.wait(30)
+        raise CheckpointError("incomplete", f"{path.name} lacks model.norm.weight")
+
+    backend = FakeBackend(check_checkpoint=check)
+
+    async def main():
+        app = create_app(Settings(weights_root=tmp_path), backend)
+        service = app.state.service
+        async with running_app(app) as client:
+            await _cancelled_while_loading(client, backend)
+            fails.set()
+            await wait_until(lambda: not service.default.updating)
+            cut_off = service.metrics.render().decode()
+            awaited = await client.post("/v1/weights", json={"path": "step-1", "version": "v1"})
+            return cut_off, awaited, service.metrics.render().decode()
+
+    cut_off, awaited, metrics = asyncio.run(main())
+    assert backend.info.weights_version != "v1"
+    assert _weights_updates(cut_off, "incomplete_checkpoint") == 1, \
+        [line for line in cut_off.splitlines() if "weights_updates" in line]
+    assert awaited.status_code == 422 and awaited.json()["error"]["type"] == "incomplete_checkpoint", awaited.text
+    assert _weights_updates(metrics, "incomplete_checkpoint") == 2, \
+        [line for line in metrics.splitlines() if "weights_updates" in line]
+    assert _weights_updates(metrics, "ok") == 0
