@@ -50,6 +50,8 @@ _PROBE_TIMEOUT_S = 60.0
 _READY_WAIT_S = 4.0
 _PROBE_LENGTH = 8
 _RESTORE_ATTEMPTS = 3  # a --weights-record restore tried again after a worker pool restart
+# a restore whose load thread the thread limit refused, tried again after these pauses (seconds)
+_NO_THREAD_BACKOFF_S = (0.5, 1.0, 2.0)
 # warm-up and the first pass, cut short by a lost worker: one that dies at every pass fails the start
 _FIRST_PASS_ATTEMPTS = 3
 
@@ -332,12 +334,25 @@ class Service:
     async def _restore_through_restarts(self, model: ServedModel, path, version: str):
         """The recorded update; a worker lost meanwhile says nothing about the checkpoint: once its
         pool restarted, the update runs again (twice at most: a checkpoint that kills a worker every
-        time, say by the host's memory, is withheld as any that cannot be served)."""
-        for attempt in range(_RESTORE_ATTEMPTS):
+        time, say by the host's memory, is withheld as any that cannot be served). Nor does a load
+        thread the thread limit refused: tried again after short pauses, withheld only if it stays refused."""
+        attempt = refused = 0
+        while True:
             try:
                 return await in_load_thread(model.backend.update_weights, path, version)
+            except NoLoadThreadError as exc:
+                if refused == len(_NO_THREAD_BACKOFF_S) or self.phase == "draining":
+                    raise UnservableError(
+                        f"at each of {refused + 1} attempts {exc}; the checkpoint was not read",
+                        "no thread could be started for its load (the process's thread limit)") from exc
+                pause = _NO_THREAD_BACKOFF_S[refused]
+                refused += 1
+                log.warning("restoring %s from --weights-record: %s; trying again in %gs (attempt %d of %d)",
+                            model.name, exc, pause, refused + 1, len(_NO_THREAD_BACKOFF_S) + 1)
+                await asyncio.sleep(pause)
             except BackendUnavailableError as exc:
-                if not hasattr(model.backend, "restarts") or attempt + 1 == _RESTORE_ATTEMPTS or self.phase == "draining":
+                attempt += 1
+                if not hasattr(model.backend, "restarts") or attempt == _RESTORE_ATTEMPTS or self.phase == "draining":
                     raise
                 log.warning("restoring %s from --weights-record: %s; again once its workers restarted", model.name, exc)
                 while not model.backend.is_alive() and self.phase != "draining":

@@ -279,6 +279,56 @@ def test_a_recorded_checkpoint_that_cannot_be_served_waits_for_an_update_not_rea
     assert _record(settings)["models"]["policy-ckpt"]["path"] == "step-2"
 
 
+def _restore_refused_threads(tmp_path, monkeypatch, refusals: int):
+    """A start restoring step-1 as v1 whose first ``refusals`` load threads the process's thread limit
+    refuses ("can't start new thread"): (the service, /readyz, the version served)."""
+    from service import runtime
+
+    settings = _settings(tmp_path, "/ckpt/base")
+    settings.weights_record.parent.mkdir()
+    settings.weights_record.write_text(json.dumps({"format": 1, "models": {"policy-ckpt": {
+        "model": "/ckpt/base", "path": "step-1", "version": "v1"}}}))
+    monkeypatch.setattr(runtime, "_NO_THREAD_BACKOFF_S", (0.01, 0.02, 0.04))
+    start, refused = threading.Thread.start, []
+
+    def limited(thread):
+        if thread.name == runtime._LOAD_THREAD and len(refused) < refusals:
+            refused.append(thread)
+            raise RuntimeError("can't start new thread")
+        return start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", limited)
+    backend = FakeBackend(name="policy-ckpt")
+    app = create_app(settings, backend)
+
+    async def main():
+        async with running_app(app, ready=False) as client:
+            await wait_until(lambda: app.state.service.phase in ("awaiting_weights", "ready", "failed"), 60)
+            return await client.get("/readyz")
+
+    readyz = asyncio.run(main())
+    return app.state.service, readyz, backend.info.weights_version
+
+
+def test_a_restore_whose_load_thread_the_thread_limit_refuses_once_is_tried_again(tmp_path, monkeypatch, caplog):
+    """A load thread refused by the process's thread limit says nothing about the checkpoint, yet the
+    restore withheld the model at once, not ready until an update came. It is tried again after a pause."""
+    with caplog.at_level(logging.WARNING):
+        service, readyz, version = _restore_refused_threads(tmp_path, monkeypatch, refusals=1)
+    assert readyz.status_code == 200 and version == "v1" and not service.withheld, (readyz.text, version)
+    (retried,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "can't start new thread" in retried and "trying again" in retried and "attempt 2 of 4" in retried, retried
+
+
+def test_a_restore_whose_load_thread_stays_refused_is_withheld_saying_so(tmp_path, monkeypatch, caplog):
+    with caplog.at_level(logging.WARNING):
+        service, readyz, version = _restore_refused_threads(tmp_path, monkeypatch, refusals=4)
+    assert readyz.status_code == 503 and readyz.json()["status"] == "awaiting_weights", readyz.text
+    assert "thread limit" in readyz.json()["error"]["message"], readyz.text
+    assert "at each of 4 attempts" in service.withheld["policy-ckpt"].reason, service.withheld
+    assert len([r for r in caplog.records if "trying again" in r.getMessage()]) == 3
+
+
 def test_only_the_withheld_model_is_awaited_and_the_process_is_ready_once_it_is_updated(tmp_path):
     """With two served models, one withheld: the whole process waits (readiness is the process's), an
     update of the other model is served meanwhile, and the withheld one's update makes it ready."""
