@@ -3,9 +3,11 @@ launches the weights before the update, so the pool must keep serving under thei
 
 Otherwise the restarted world would score with the old weights while every answer names the new
 version: a pinned request would get other numbers under a version. The failure lands exactly
-between the swap's replies and the update's end (no processes: the pool's bookkeeping only).
+between the swap's replies and the update's end (no processes: the pool's bookkeeping only, and
+for the answers the service in this process over it).
 """
 
+import asyncio
 import contextlib
 import json
 import threading
@@ -121,3 +123,82 @@ def test_an_update_whose_world_stays_up_names_the_new_weights_for_restarts(pool,
     pool._on_world_failure(world, "worker rank 0 (pid 1) exited (status -9)")  # lost after the update: it restarts with it
     pool._restart_thread.join(10.0)
     assert pool.launched.fields["weights_version"] == NEW and pool.launched.fields["model"] == str(new)
+
+
+class ScoringWorld(SwappingWorld):
+    """A world that also scores rows by the weights its ranks hold: every scored position's log-prob is
+    -1 under ``OLD``, -2 once they swapped. With ``lose``, a worker is lost once it is set, after every
+    rank swapped and before the pool takes the new version; the restart runs before the update goes on."""
+
+    def __init__(self, pool: WorkerPool, lose: threading.Event | None = None):
+        super().__init__(pool, die_on_swap=False)
+        self.version, self.lose, self.swapped = pool.info.weights_version, lose, threading.Event()
+        self.scored: list[str] = []  # the version of every row it scored
+
+    def all_running(self) -> bool:
+        return not self.failed
+
+    def send_group(self, group: int, frame: bytes) -> None:
+        sequences = msg.decode(frame).sequences()
+        self.scored.append(self.version)
+        n, k = sum(s.num_scored for s in sequences), max(s.top_k for s in sequences)
+        scored = np.full(n, -1.0 if self.version == OLD else -2.0, dtype=msg.FLOAT)
+        self.pool._deliver(self, 0, msg.RowResult(msg.decode(frame).request_id, k, scored.tobytes(), scored.tobytes(),
+                                                  np.zeros(n * k, msg.IDS).tobytes(), np.repeat(scored, k).tobytes(),
+                                                  self.version))
+
+    def send_every(self, frame: bytes) -> None:
+        super().send_every(frame)
+        command = msg.decode(frame)
+        if isinstance(command, msg.SwapWeights) and command.commit:
+            self.version = command.version  # rows sent from now on are scored by the new weights
+            self.swapped.set()
+            if self.lose is not None:
+                self.lose.wait(30)
+                self.pool._on_world_failure(self, "worker rank 0 (pid 1) exited (status -9)")
+                self.pool._restart_thread.join(10.0)
+
+
+def test_rows_a_swapped_world_scored_before_it_was_lost_are_never_answered_under_the_new_version(pool, tmp_path,
+                                                                                                 monkeypatch):
+    """Guards the premise that a later update may reuse the name of one the pool lost as its ranks swapped:
+    rows scored meanwhile by the new weights come back named ``NEW`` while the pool still serves ``OLD``,
+    and the scoring route scores them again, so no answer ever names ``NEW`` for those weights. A later
+    update naming ``NEW`` with other files is therefore accepted (as "send the update again" needs)."""
+    from service.http.app import create_app
+    from service.settings import Settings
+    from service.testing import running_app, wait_until
+
+    checkpoint(tmp_path / "new", 2.0)
+    checkpoint(tmp_path / "other", 3.0)
+    pool._vocab_size, pool._costs = 8, (1.0, 0.0)
+    lose = threading.Event()
+    pool._world = world = ScoringWorld(pool, lose)
+
+    def restart():  # the restarted world holds the weights before the update
+        pool._world, pool._alive, pool._restarting = ScoringWorld(pool), True, False
+
+    monkeypatch.setattr(pool, "_restart_loop", restart)
+    app = create_app(Settings(weights_root=tmp_path), pool)
+    sequence = {"input_ids": [1, 2, 3, 4], "score_from": 2}
+
+    async def main():
+        async with running_app(app) as client:
+            update = asyncio.ensure_future(client.post("/v1/weights", json={"path": "new", "version": NEW}))
+            await wait_until(world.swapped.is_set)
+            scored = asyncio.ensure_future(client.post("/score", json={"sequences": [sequence]}))
+            # scored by the new weights twice, it waits for the update's end to hold the next swap off
+            await wait_until(lambda: scored.done() or app.state.service.default.hold_waiters > 0)
+            lose.set()
+            failed, scored = await update, await scored
+            again = await client.post("/v1/weights", json={"path": "other", "version": NEW})
+            after = await client.post("/score", json={"sequences": [sequence]})
+            return failed, scored, again, after
+
+    failed, scored, again, after = asyncio.run(main())
+    assert failed.status_code == 503 and failed.json()["error"]["type"] == "backend_unavailable", failed.text
+    assert scored.status_code == 200 and scored.json()["weights_version"] == OLD, scored.text
+    assert world.scored.count(NEW) == 2, world.scored  # the request's rows the swapped world scored
+    assert scored.json()["results"][0]["logprobs"] == [-1.0, -1.0], scored.text
+    assert again.status_code == 200 and again.json()["weights_version"] == NEW, again.text
+    assert after.json()["weights_version"] == NEW and after.json()["results"][0]["logprobs"] == [-2.0, -2.0], after.text
