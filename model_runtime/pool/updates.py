@@ -16,6 +16,7 @@ before then restarts with the weights before the update, which fails with ``Back
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,8 @@ from model_runtime.pool.loaded_files import LoadedFiles
 from model_runtime.pool.replies import Swap
 from model_runtime.scoring.backend import BackendUnavailableError, UpdateInProgressError, WeightsUpdate
 from model_runtime.scoring.checkpoint_error import CheckpointError
+
+log = logging.getLogger(__name__)
 
 
 class WeightUpdates:
@@ -100,8 +103,15 @@ class WeightUpdates:
             self._updating.release()
 
     def _hash_for_restarts(self, loaded: LoadedFiles) -> None:
-        """Hashes the checkpoint a restart would reload, in the background; ``close()`` stops it and waits."""
+        """Hashes the checkpoint a restart would reload, in the background; ``close()`` stops it and waits.
+        A thread the process's thread limit refuses leaves the hash untaken, as one that failed does: the
+        update has landed, and a restart still reloads these files while their sizes and times are unchanged."""
         thread = threading.Thread(target=loaded.hash, args=(self._closed,), name="pool-content-hash", daemon=True)
         with self._lock:  # started before close() can see it: joining a thread not started raises
+            try:
+                thread.start()
+            except RuntimeError as error:  # "can't start new thread": hashing here would need threads too
+                log.warning("hashing %s for restarts was not started (%s): a restart refuses it once its files "
+                            "change", loaded.path, error)
+                return
             self._hashing = thread
-            thread.start()

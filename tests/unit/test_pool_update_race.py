@@ -202,3 +202,47 @@ def test_rows_a_swapped_world_scored_before_it_was_lost_are_never_answered_under
     assert scored.json()["results"][0]["logprobs"] == [-1.0, -1.0], scored.text
     assert again.status_code == 200 and again.json()["weights_version"] == NEW, again.text
     assert after.json()["weights_version"] == NEW and after.json()["results"][0]["logprobs"] == [-2.0, -2.0], after.text
+
+
+def test_an_update_whose_hash_for_restarts_cannot_start_is_answered_200_and_recorded(pool, tmp_path, monkeypatch,
+                                                                                      caplog):
+    """The thread hashing a named version's checkpoint for restarts starts after the new version serves:
+    refused by the process's thread limit, it failed the landed update (422 unreadable_checkpoint, not
+    written to --weights-record) and close() raised joining it. It is logged, and the update is answered."""
+    import logging
+
+    from service.http.app import create_app
+    from service.settings import Settings
+    from service.testing import running_app
+
+    checkpoint(tmp_path / "new", 2.0)
+    pool._vocab_size, pool._costs = 8, (1.0, 0.0)
+    pool._world = ScoringWorld(pool)
+    record = tmp_path / "state" / "record.json"
+    record.parent.mkdir()
+    app = create_app(Settings(weights_root=tmp_path, weights_record=record), pool)
+    start = threading.Thread.start
+
+    def limited(thread):
+        if thread.name == "pool-content-hash":
+            raise RuntimeError("can't start new thread")
+        return start(thread)
+
+    async def main():
+        async with running_app(app) as client:
+            with monkeypatch.context() as patched:
+                patched.setattr(threading.Thread, "start", limited)
+                update = await client.post("/v1/weights", json={"path": "new", "version": NEW})
+            scored = await client.post("/score", json={"sequences": [{"input_ids": [1, 2, 3, 4], "score_from": 2}]})
+            return update, scored
+
+    with caplog.at_level(logging.WARNING, logger="model_runtime.pool"):
+        update, scored = asyncio.run(main())
+    assert update.status_code == 200 and update.json()["weights_version"] == NEW, update.text
+    assert scored.json()["weights_version"] == NEW and scored.json()["results"][0]["logprobs"] == [-2.0, -2.0], scored.text
+    recorded = json.loads(record.read_text())["models"]["m"]
+    assert (recorded["path"], recorded["version"]) == ("new", NEW), recorded
+    (warning,) = [r.getMessage() for r in caplog.records if r.name.startswith("model_runtime.pool")]
+    assert "can't start new thread" in warning and "for restarts" in warning, warning
+    assert pool._loaded.path == tmp_path / "new" and pool._loaded.content is None and pool._hashing is None
+    pool.close()  # joins no thread that never started
