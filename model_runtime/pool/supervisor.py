@@ -352,6 +352,10 @@ class Supervisor:
             pending.settle(reply=reply)
         elif isinstance(reply, msg.WeightsDone) and pending is not None:
             pending.add(reply)
+        elif isinstance(reply, msg.Failure) and world.failed:
+            # A peer the stop killed broke this rank's collectives: the stop (close(), a logged failure) settles its rows.
+            log.debug("worker rank %d: failure of request %d came after generation %d stopped; dropped (%s): %s",
+                      rank, reply.request_id, world.generation, reply.kind, reply.message)
         elif isinstance(reply, msg.Failure):
             log.error("worker rank %d: request %d failed (%s): %s", rank, reply.request_id, reply.kind, reply.message)
             # A fatal failure comes from a world with collectives, where a killed peer fails the others' rows.

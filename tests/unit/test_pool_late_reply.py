@@ -69,3 +69,37 @@ def test_a_reply_for_no_row_of_a_live_world_is_still_a_warning(kind, caplog):
         pool._deliver(world, 1, _reply(kind, 12345))
     lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == SUPERVISOR]
     assert lines == [(logging.WARNING, f"worker rank 1 sent an unexpected {kind}")], lines
+
+
+@pytest.mark.parametrize("fatal", [True, False], ids=["fatal", "not-fatal"])
+def test_a_failure_that_lands_after_close_stopped_its_world_is_dropped_at_debug(fatal, caplog):
+    """close() killed a busy world's ranks: a survivor's collectives then fail, and its Failure was logged
+    at ERROR as if something had gone wrong while serving. The stop settled the row; the line is debug."""
+    pool, world = _pool_with_a_world()
+    world.procs = []  # no peer to find killed
+    pending = pool._new_pending(world)
+    pool.close()
+    assert pending.done.is_set() and world.failed and world.stopped
+    failure = msg.Failure(pending.request_id, "internal", "RuntimeError: gloo Connection reset by peer", fatal)
+    with caplog.at_level(logging.DEBUG, logger=SUPERVISOR):
+        pool._deliver(world, 1, failure)  # the reader, past its wait()
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == SUPERVISOR]
+    assert lines == [(logging.DEBUG, f"worker rank 1: failure of request {pending.request_id} came after generation "
+                                     f"{world.generation} stopped; dropped (internal): {failure.message}")], lines
+    assert isinstance(pending.error, BackendUnavailableError) and "shutting down" in str(pending.error), pending.error
+    assert pool._restart_thread is None
+
+
+def test_a_failure_of_a_live_world_is_still_an_error_and_fails_it(caplog, monkeypatch):
+    pool, world = _pool_with_a_world()
+    monkeypatch.setattr(pool, "_restart_loop", lambda: None)  # the restart it starts launches nothing
+    world.procs = []  # no peer to find killed
+    pending = pool._new_pending(world)
+    with caplog.at_level(logging.DEBUG, logger=SUPERVISOR):
+        pool._deliver(world, 0, msg.Failure(pending.request_id, "internal", "RuntimeError: a bug in the forward", True))
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == SUPERVISOR]
+    assert lines == [(logging.ERROR, f"worker rank 0: request {pending.request_id} failed (internal): "
+                                     "RuntimeError: a bug in the forward"),
+                     (logging.ERROR, "worker pool generation 1 failed: worker rank 0 failed: RuntimeError: a bug in "
+                                     "the forward; restarting")], lines
+    assert world.failed and world.stopped and "a bug in the forward" in str(pending.error), pending.error
