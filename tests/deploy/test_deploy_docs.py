@@ -204,3 +204,18 @@ def test_every_documented_docker_run_outlasts_the_drain():
     assert runs
     short = [(name, line) for name, line in runs if "--stop-timeout 40" not in line]
     assert not short, short
+
+
+def test_every_documented_read_only_docker_run_gives_home_a_writable_place():
+    """The image's HOME is on the root filesystem: with --read-only, torch, Triton, huggingface_hub and
+    CUDA's JIT cache fall back to $HOME (~/.cache, ~/.nv) and fail to write there."""
+    (image_home,) = re.findall(r"\bENV HOME=(\S+)", (REPO / "Dockerfile").read_text())
+    pages = [REPO / "README.md", REPO / "deploy" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    runs = [line.split(" IMAGE", 1)[0] for page in pages for line in page.read_text().replace("\\\n", " ").splitlines()
+            if line.lstrip().startswith("docker run ") and "--read-only" in line]
+    assert runs
+    for run in runs:
+        writable = [t.split(":")[0] for t in re.findall(r"--tmpfs (\S+)", run)]
+        writable += [v.split(":")[1] for v in re.findall(r"-v (\S+)", run) if "ro" not in v.split(":")[2:]]
+        (home,) = re.findall(r"-e HOME=(\S+)", run) or [image_home]
+        assert any(home == m or home.startswith(m + "/") for m in writable), (home, writable, run)
