@@ -7,6 +7,7 @@ client gone where its client had left), and a load that lands all the same is co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import signal
@@ -119,20 +120,25 @@ def test_a_weights_update_cut_off_by_sigint_stays_updating_until_its_load_ends_a
 
 
 
-async def _cancelled_while_loading(client, backend) -> None:
-    """POSTs the update to step-1 as v1 and cancels it, as an in-process caller giving up, once its load runs."""
-    from service.testing import wait_until
+@contextlib.asynccontextmanager
+async def _cancelled_while_loading(settings: Settings, backend):
+    """Runs the app in process and POSTs the update to step-1 as v1, cancelled as an in-process caller giving
+    up once its load runs; yields ``(service, client)`` with that load still running."""
+    from service.testing import running_app, wait_until
 
-    first = asyncio.ensure_future(client.post("/v1/weights", json={"path": "step-1", "version": "v1"}))
-    await wait_until(lambda: backend._updating.locked())
-    first.cancel()
-    await asyncio.wait({first})
+    app = create_app(settings, backend)
+    async with running_app(app) as client:
+        first = asyncio.ensure_future(client.post("/v1/weights", json={"path": "step-1", "version": "v1"}))
+        await wait_until(lambda: backend._updating.locked())
+        first.cancel()
+        await asyncio.wait({first})
+        yield app.state.service, client
 
 def test_a_cancelled_update_handler_is_counted_as_a_client_gone_and_its_load_keeps_the_model_updating(tmp_path):
     """An in-process caller that gives up cancels the handler itself (httpx's ASGITransport runs the app in
     its task): the gate counted a 500, and ``updating`` ended with the handler while the load ran on.
     Once the load ends, its swap is taken as served and the next update runs."""
-    from service.testing import running_app, wait_until
+    from service.testing import wait_until
 
     for step in ("step-1", "step-2"):
         (tmp_path / step).mkdir()
@@ -140,10 +146,7 @@ def test_a_cancelled_update_handler_is_counted_as_a_client_gone_and_its_load_kee
     backend = FakeBackend(load_gate=load)
 
     async def main():
-        app = create_app(Settings(weights_root=tmp_path), backend)
-        service = app.state.service
-        async with running_app(app) as client:
-            await _cancelled_while_loading(client, backend)
+        async with _cancelled_while_loading(Settings(weights_root=tmp_path), backend) as (service, client):
             during = service.default.updating, service.torch_work_running()
             refused = await client.post("/v1/weights", json={"path": "step-2", "version": "v2"})
             load.set()
@@ -207,7 +210,7 @@ def test_an_update_whose_in_process_caller_cancelled_it_is_counted_and_recorded_
     """The handler counted the update ``ok`` and wrote --weights-record only if it still waited when the
     load landed: an in-process caller that gave up left the new weights serving, not counted, and a
     restart serving the weights before them."""
-    from service.testing import running_app, wait_until
+    from service.testing import wait_until
 
     (tmp_path / "step-1").mkdir()
     record = tmp_path / "state" / "record.json"
@@ -216,10 +219,8 @@ def test_an_update_whose_in_process_caller_cancelled_it_is_counted_and_recorded_
     backend = FakeBackend(load_gate=load)
 
     async def main():
-        app = create_app(Settings(weights_root=tmp_path, weights_record=record), backend)
-        service = app.state.service
-        async with running_app(app) as client:
-            await _cancelled_while_loading(client, backend)
+        settings = Settings(weights_root=tmp_path, weights_record=record)
+        async with _cancelled_while_loading(settings, backend) as (service, client):
             load.set()
             await wait_until(lambda: not service.default.updating and not service.recording)
             return service.metrics.render().decode()
@@ -236,7 +237,7 @@ def test_an_update_whose_caller_cancelled_it_and_that_then_fails_is_counted_once
     failed was counted under no outcome, while one that landed counted ``ok``. Its failure counts once
     as the update ends, handler or not; an update whose handler still waits is not counted twice."""
     from model_runtime.scoring.checkpoint_error import CheckpointError
-    from service.testing import running_app, wait_until
+    from service.testing import wait_until
 
     (tmp_path / "step-1").mkdir()
     fails = threading.Event()
@@ -248,10 +249,7 @@ def test_an_update_whose_caller_cancelled_it_and_that_then_fails_is_counted_once
     backend = FakeBackend(check_checkpoint=check)
 
     async def main():
-        app = create_app(Settings(weights_root=tmp_path), backend)
-        service = app.state.service
-        async with running_app(app) as client:
-            await _cancelled_while_loading(client, backend)
+        async with _cancelled_while_loading(Settings(weights_root=tmp_path), backend) as (service, client):
             fails.set()
             await wait_until(lambda: not service.default.updating)
             cut_off = service.metrics.render().decode()
