@@ -28,6 +28,8 @@ import httpx
 from model_runtime.pool.ports import free_port
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
+_EXIT_NOT_LISTENING = 3  # docs/cli.md: uvicorn could not listen (the port is in use)
+_PORT_ATTEMPTS = 5  # free_port's port can be taken before the server binds it: so many ports at most
 
 
 class LocalServer:
@@ -52,17 +54,23 @@ class LocalServer:
         log_dir: Path | None = None,
         program: list[str] | None = None,
     ):
+        self._log_dir = Path(log_dir) if log_dir is not None else None
+        self._env = {k: v for k, v in os.environ.items() if not k.startswith("PACKSCORE_")}
+        self._env.update(env or {})
+        self._command = [*(program or [sys.executable, "-m", "service.cli"]), "serve", "--host", "127.0.0.1"]
+        self._args = list(args)
+        self._start()
+        atexit.register(self.stop)  # a caller that dies of an exception leaves no server behind
+
+    def _start(self) -> None:
+        """Starts the server on a port free right now (``port``, ``url``, ``log_path`` name it)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(log_dir) / f"server-{self.port}.log" if log_dir is not None else None
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith("PACKSCORE_")}
-        full_env.update(env or {})
-        command = [*(program or [sys.executable, "-m", "service.cli"]), "serve", "--host", "127.0.0.1",
-                   "--port", str(self.port), *args]
+        self.log_path = self._log_dir / f"server-{self.port}.log" if self._log_dir is not None else None
         self._log = self.log_path.open("wb") if self.log_path is not None else None
         output = {"stdout": self._log, "stderr": subprocess.STDOUT} if self._log else {}
-        self.proc = self.spawn(command, cwd=_REPO_ROOT, env=full_env, **output)
-        atexit.register(self.stop)  # a caller that dies of an exception leaves no server behind
+        self.proc = self.spawn([*self._command, "--port", str(self.port), *self._args], cwd=_REPO_ROOT, env=self._env,
+                               **output)
 
     def __enter__(self) -> "LocalServer":
         return self
@@ -75,9 +83,18 @@ class LocalServer:
         return self.log_path.read_text(errors="replace")[-5000:] if self.log_path else ""
 
     def wait_ready(self, timeout: float = 120.0) -> "LocalServer":
-        """Returns once /readyz answers 200; raises if the process exits or ``timeout`` passes."""
+        """Returns once /readyz answers 200; raises if the process exits or ``timeout`` passes. A port
+        another process took between ``free_port`` and the server's bind (exit 3) is given up for a new
+        one, a few times: ``port`` and ``url`` are final once this returns."""
         deadline = time.monotonic() + timeout
+        port_attempts = _PORT_ATTEMPTS
         while time.monotonic() < deadline:
+            if self.proc.poll() == _EXIT_NOT_LISTENING and port_attempts > 1:
+                port_attempts -= 1
+                if self._log is not None:
+                    self._log.close()
+                self._start()
+                continue
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
