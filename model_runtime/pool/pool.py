@@ -143,7 +143,7 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
         self._restarting = False  # one restart loop at a time
         self._restart_thread: threading.Thread | None = None  # the last restart loop (close() waits for it)
         self._readers: list[threading.Thread] = []  # the worlds' reply readers still running (close() waits for them)
-        self._hashing: threading.Thread | None = None  # the last update's hash for restarts (close() stops it)
+        self._hashes: list[threading.Thread] = []  # the updates' hashes for restarts still running (close() stops them)
 
     def start(self) -> None:
         """Launches the first world and returns once every rank loaded the model. ``close()`` from
@@ -236,8 +236,8 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
         self._join_threads(5.0)
 
     def _join_threads(self, timeout_s: float) -> None:
-        """Waits, ``timeout_s`` in all, for the readers, the hash for restarts and the restart loop:
-        their worlds are killed and the hash is stopped (``_closed``), so they end in a moment. A daemon
+        """Waits, ``timeout_s`` in all, for the readers, the hashes for restarts and the restart loop:
+        their worlds are killed and the hashes are stopped (``_closed``), so they end in a moment. A daemon
         thread still writing a log line (a worker's failure, a failed hash, the restart's end) while the
         server's interpreter finalises aborts it ("could not acquire lock for <stderr>")."""
         deadline = time.monotonic() + timeout_s
@@ -247,7 +247,7 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
         with self._lock:
-            first = [*self._readers, self._hashing]
+            first = [*self._readers, *self._hashes]
         for thread in first:
             join(thread)
         with self._lock:  # read after the readers are done: one may be starting it

@@ -5,7 +5,7 @@ checkpoint meanwhile (unless a version is named), and then has every rank swap (
 read) between the same two rows of its command stream; with FSDP the stepper sends the swap
 between two steps (``replies.Swap``). ``WeightUpdates`` is a part of ``pool.WorkerPool``: it uses
 the pool's ``info``, ``dims``, ``_world``, ``_alive``, ``_steps`` queue, ``_start_fields``,
-``_loaded``, ``_updating``, ``_hashing``, ``_closed``, ``_lock``, ``start_timeout_s``, ``_send_all``,
+``_loaded``, ``_updating``, ``_hashes``, ``_closed``, ``_lock``, ``start_timeout_s``, ``_send_all``,
 ``_new_pending``, ``_await`` and ``_on_world_failure``.
 
 ``info`` (the version every answer names) and ``_start_fields`` (what a restart launches) change
@@ -114,4 +114,5 @@ class WeightUpdates:
                 log.warning("hashing %s for restarts was not started (%s): a restart refuses it once its files "
                             "change", loaded.path, error)
                 return
-            self._hashing = thread
+            # An earlier update's hash may still run (it stops on ``_closed``): close() waits for it too.
+            self._hashes = [t for t in self._hashes if t.is_alive()] + [thread]

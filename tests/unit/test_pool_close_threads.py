@@ -91,9 +91,46 @@ def test_close_stops_the_hash_for_restarts_and_waits_for_it(tmp_path, monkeypatc
     started = time.monotonic()
     pool.close()
     took = time.monotonic() - started
-    assert not pool._hashing.is_alive(), f"the hash still runs {took:.1f}s after close() returned"
+    assert not any(t.is_alive() for t in pool._hashes), f"the hash still runs {took:.1f}s after close() returned"
     assert took < 3.0 and loaded.content is None, (took, loaded.content)
     assert "hashing" not in caplog.text, caplog.text
+
+
+def test_close_waits_for_every_update_s_hash_still_running(tmp_path, monkeypatch):
+    """A second update's hash replaced the first's as the one close() joins: the first, stopped but still
+    ending (its last read, a log line), outlived close() and could write while the interpreter finalised."""
+    from model_runtime.pool.loaded_files import LoadedFiles
+    from model_runtime.scoring.backend import ModelInfo
+    from tests.unit.test_pool_update_race import SwappingWorld, checkpoint
+
+    first, second = checkpoint(tmp_path / "first", 2.0), checkpoint(tmp_path / "second", 3.0)
+    hashes: list[threading.Thread] = []
+    running = threading.Semaphore(0)
+    first_ends = threading.Event()  # the first hash, once stopped, ends only when this is set
+
+    def hash(loaded: LoadedFiles, halt: threading.Event | None = None) -> None:
+        hashes.append(threading.current_thread())
+        running.release()
+        halt.wait(30.0)  # it runs until close() stops it
+        if loaded.path == first:
+            first_ends.wait(30.0)
+
+    monkeypatch.setattr(LoadedFiles, "hash", hash)
+    pool = WorkerPool({"world_size": 1, "device": "cpu", "model": str(checkpoint(tmp_path / "old", 1.0))})
+    pool.info = ModelInfo("m", "test", 8, 64, "float32", "cpu", "v1", {})
+    pool._alive = True
+    pool._world = SwappingWorld(pool, die_on_swap=False)
+    try:
+        pool.update_weights(first, "v2")
+        assert running.acquire(timeout=10.0), "the first update's hash never started"
+        pool.update_weights(second, "v3")
+        assert running.acquire(timeout=10.0), "the second update's hash never started"
+        threading.Timer(0.5, first_ends.set).start()
+        pool.close()
+        assert len(hashes) == 2 and not any(t.is_alive() for t in hashes), "an update's hash outlived close()"
+    finally:
+        first_ends.set()
+        pool.close()
 
 
 def _close_while_starting(pool: WorkerPool, name: str, monkeypatch) -> tuple[list, list]:
@@ -155,7 +192,7 @@ def test_close_as_the_hash_for_restarts_is_registered_waits_for_it_to_start(tmp_
     pool._hash_for_restarts(LoadedFiles(tmp_path, files_snapshot(tmp_path), None))
     closers[0].join(10.0)
     assert not errors, f"close() raised: {errors!r}"
-    assert not closers[0].is_alive() and not pool._hashing.is_alive(), "close() or the hash still runs"
+    assert not closers[0].is_alive() and not any(t.is_alive() for t in pool._hashes), "close() or the hash still runs"
 
 
 def test_close_as_a_failed_swap_starts_the_restart_loop_waits_for_it_to_start():

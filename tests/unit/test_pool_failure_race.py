@@ -66,7 +66,7 @@ def bare_pool(timeout_s: float = 600.0) -> WorkerPool:
     pool._closed.set()  # no restart thread
     pool._restart_thread = None
     pool._readers = []
-    pool._hashing = None
+    pool._hashes = []
     pool._restarting = False
     pool._starting = None  # no world loading
     pool._seconds_per_cost = None  # no rate measured: rows are bounded by ``timeout_s``

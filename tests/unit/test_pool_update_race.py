@@ -244,5 +244,5 @@ def test_an_update_whose_hash_for_restarts_cannot_start_is_answered_200_and_reco
     assert (recorded["path"], recorded["version"]) == ("new", NEW), recorded
     (warning,) = [r.getMessage() for r in caplog.records if r.name.startswith("model_runtime.pool")]
     assert "can't start new thread" in warning and "for restarts" in warning, warning
-    assert pool._loaded.path == tmp_path / "new" and pool._loaded.content is None and pool._hashing is None
+    assert pool._loaded.path == tmp_path / "new" and pool._loaded.content is None and pool._hashes == []
     pool.close()  # joins no thread that never started
