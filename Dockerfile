@@ -84,6 +84,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
 # so the runtime image needs a C compiler and Python's headers; tini is the container's init (ENTRYPOINT).
 # Ubuntu 24.04 images ship a user "ubuntu" with uid 1000; packscore takes that uid.
 # The caches are writable by any uid, as /tmp (sticky), for `docker run --user` and new volumes copied from them.
+# The home is the WORKDIR and holds only /etc/skel's files: 0755, not useradd's 0750, so another uid can read its cwd.
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-dev python3-venv gcc libc6-dev tini \
@@ -91,6 +92,7 @@ RUN apt-get update \
  && if id -u ubuntu >/dev/null 2>&1; then userdel --remove ubuntu; fi \
  && groupadd --gid 1000 packscore \
  && useradd --uid 1000 --gid 1000 --create-home --home-dir /home/packscore --shell /usr/sbin/nologin packscore \
+ && chmod 0755 /home/packscore \
  && mkdir -p /cache/triton /cache/xdg /models \
  && chown -R 1000:1000 /cache \
  && chmod 1777 /cache /cache/triton /cache/xdg

@@ -214,6 +214,17 @@ def test_every_cache_directory_is_writable_by_any_uid(dockerfile):
     assert set(modes.split()) == created | {"/cache"}, modes  # sticky like /tmp: no uid removes another's files
 
 
+def test_the_home_and_working_directory_is_readable_by_any_uid(dockerfile):
+    # useradd --create-home makes it 0750 on Ubuntu: `docker run --user 2000` could not read its working directory.
+    runtime = stages(dockerfile)["runtime"]
+    env = dict(v.split("=", 1) for v in shlex.split(" ".join(args_of(runtime, "ENV"))) if "=" in v)
+    (workdir,) = args_of(runtime, "WORKDIR")
+    (created,) = [r for r in args_of(runtime, "RUN") if "useradd" in r]
+    assert f"--create-home --home-dir {workdir} " in created and env["HOME"] == workdir, (created, env["HOME"])
+    after = created.partition("useradd")[2]
+    assert re.search(rf"chmod 0?755 {re.escape(workdir)}(\s|$)", after), created  # after useradd, in its layer
+
+
 def _dockerignore_patterns() -> list[tuple[bool, re.Pattern[str]]]:
     """(negated, regex) for the subset of .dockerignore syntax used here: *, ** and ! lines."""
     rules = []
