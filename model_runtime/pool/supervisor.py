@@ -168,6 +168,7 @@ class Supervisor:
             world.kill()
         try:
             hellos = self._launch_and_greet(world)
+            self._watch(world)  # before the world serves: one whose replies nobody reads would never answer
             with self._lock:
                 if self._closed.is_set():
                     raise BackendUnavailableError(CLOSED_WHILE_STARTING)
@@ -179,7 +180,6 @@ class Supervisor:
         finally:
             with self._lock:
                 self._starting = None
-        self._watch(world)
         log.info("worker pool generation %d up: pids %s, layout %s", world.generation, world.pids, self.dims.as_info())
         ordered = [hellos[r] for r in range(self.dims.world_size)]
         self.prefix_rounding = agreed_rounding(ordered)
@@ -227,8 +227,8 @@ class Supervisor:
         """Starts ``world``'s reader, which ``close()`` waits for."""
         reader = threading.Thread(target=self._read_loop, args=(world,), name=f"pool-reader-{world.generation}", daemon=True)
         with self._lock:  # started before close() can see it: joining a thread not started raises
+            reader.start()  # the thread limit's RuntimeError leaves nothing registered
             self._readers = [t for t in self._readers if t.is_alive()] + [reader]
-            reader.start()
 
     def _check_checkpoint_unchanged(self) -> None:
         """Refuses to restart from a checkpoint directory whose content is no longer what the
@@ -300,8 +300,14 @@ class Supervisor:
         if restart:
             thread = threading.Thread(target=self._restart_loop, name="pool-restart", daemon=True)
             with self._lock:  # close() reads it under the lock: never one it could join before its start
+                try:
+                    thread.start()
+                except RuntimeError as error:  # the process's thread limit: no restart loop to wait for
+                    self._restarting = False
+                    log.error("worker pool generation %d: its restart could not start (%s); the pool stays down "
+                              "until packscore is restarted", world.generation, error)
+                    return
                 self._restart_thread = thread
-                thread.start()
 
     def _fail_pending(self, generation: int, reason: str) -> None:
         with self._lock:
