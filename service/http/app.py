@@ -474,5 +474,6 @@ def _describe_limits(components: dict, service: Service) -> None:
     ids["maxItems"] = max(limits.max_model_len for limits in served)
     request = components["ScoreRequest"]["properties"]
     request["sequences"]["maxItems"] = served[0].max_sequences_per_request
-    request["model"] = {"anyOf": [{"type": "string", "enum": list(service.models)}, {"type": "null"}],
+    # every name a request may give: a served name, or the exact --model directory (Service.aliases)
+    request["model"] = {"anyOf": [{"type": "string", "enum": [*service.models, *service.aliases]}, {"type": "null"}],
                         "default": None, "description": request["model"].get("description", "")}

@@ -40,3 +40,16 @@ def test_a_model_the_operator_named_is_not_named_by_its_path(tmp_path):
     backends = {"policy": FakeBackend(), "ref": FakeBackend()}
     assert _models_named(several, backends, [given, "ref"]) == {given: 404, "ref": "ref"}
 
+
+
+def test_the_openapi_page_lists_every_name_a_request_may_give(tmp_path):
+    """The request schema's ``model`` enum holds the exact ``--model`` directory beside the served name:
+    a client that validates against /openapi.json must not refuse a name the server answers 200."""
+    given = str(tmp_path)
+
+    async def main():
+        async with running_app(create_app(Settings(model=given), FakeBackend())) as client:
+            return (await client.get("/openapi.json")).json()
+
+    model = asyncio.run(main())["components"]["schemas"]["ScoreRequest"]["properties"]["model"]
+    assert model["anyOf"][0]["enum"] == ["fake-model", given], model
