@@ -17,7 +17,6 @@ import time
 
 import httpx
 
-from model_runtime.pool.ports import free_port
 from service.http.app import create_app
 from service.http.server import DrainingServer, uvicorn_config
 from service.runtime import _LOAD_THREAD
@@ -59,11 +58,14 @@ def _sigint_during_a_load(tmp_path, *, backend_class=FakeBackend, client_leaves:
     (tmp_path / "step-1").mkdir()
     load = threading.Event()
     backend = backend_class(load_gate=load)
-    settings = Settings(weights_root=tmp_path, host="127.0.0.1", port=free_port(), **settings)
+    listener = socket.socket()  # bound here and handed to uvicorn: no other process can take its port first
+    listener.bind(("127.0.0.1", 0))
+    settings = Settings(weights_root=tmp_path, host="127.0.0.1", port=listener.getsockname()[1], **settings)
     app = create_app(settings, backend)
     service = app.state.service
     server = DrainingServer(uvicorn_config(app, settings), service)
-    serving = threading.Thread(target=server.run, name="test-uvicorn")  # not the main thread: no signal handlers
+    # not the main thread: no signal handlers
+    serving = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, name="test-uvicorn")
     answers: dict[str, httpx.Response | BaseException] = {}
     left = threading.Event()
 
@@ -99,6 +101,7 @@ def _sigint_during_a_load(tmp_path, *, backend_class=FakeBackend, client_leaves:
         load.set()
         serving.join(timeout=40)
         updating.join(timeout=40)
+        listener.close()
     return service, backend, answers.get("update"), stopped_during_load, during
 
 
