@@ -72,7 +72,8 @@ def test_nan_weights_end_the_server_with_one_line(checkpoint_dir, tmp_path, layo
     model loads): the server never turns ready and ends with status 2 and one line naming it,
     in one process and from the worker pool's shard-by-shard reader alike."""
     nan = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "nan", lambda t: {**t, Q_PROJ: t[Q_PROJ] * float("nan")})
-    command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(free_port()),
+    # port 0: the server binds before it fails, and a port chosen here could be taken before that (exit 3)
+    command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", "0",
                "--model", str(nan), *layout]
     code, output, _ = run_watching_port(command, None)
     assert code == 2, f"exit status {code}, expected 2:\n{output}"
@@ -90,7 +91,7 @@ def test_finite_weights_that_score_non_finite_end_the_server_with_one_line_namin
         return {**t, "lm_head.weight": head}
 
     broken = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "overflow", overflow)
-    command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(free_port()), "--model", str(broken)]
+    command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--model", str(broken)]
     code, output, _ = run_watching_port(command, None)
     assert code == 1, f"exit status {code}, expected 1:\n{output}"
     errors = [line for line in output.splitlines() if line.startswith("packscore: error:")]
