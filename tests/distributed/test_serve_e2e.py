@@ -66,12 +66,12 @@ def server(tmp_path_factory):
         log_dir=tmp_path_factory.mktemp("serve"),
         program=_command(),
     )
-    client = httpx.Client(base_url=server.url, timeout=60.0)
     try:
         server.wait_ready(timeout=120)
-        yield server, client
+        client = httpx.Client(base_url=server.url, timeout=60.0)  # the url is final once ready (a taken port moves it)
+        with client:
+            yield server, client
     finally:
-        client.close()
         server.stop(timeout=30)
     assert not _worker_pids(server.proc.pid), "workers outlived the server"
 

@@ -25,16 +25,19 @@ def pods(tmp_path_factory):
         shutil.copytree(root_a / f"step-{step}", root_b / f"step-{step}")
     common = ("--max-batch-tokens", "256", "--max-wait-ms", "2")
     a = ServerProcess(tmp, "--model", str(root_a / "step-0"), "--weights-root", str(root_a), *common)
-    b = ServerProcess(tmp, "--model", str(root_b / "step-0"), "--weights-root", str(root_b), *common,
-                      "--host", "127.0.0.2", "--port", str(a.port))  # the last --host/--port win
-    b.url = f"http://127.0.0.2:{a.port}"
+    servers = [a]
     try:
+        # a's port is final once it is ready (a port taken before its bind is given up for another): b's then
         a.wait_ready(timeout=240)
+        b = ServerProcess(tmp, "--model", str(root_b / "step-0"), "--weights-root", str(root_b), *common,
+                          "--host", "127.0.0.2", "--port", str(a.port))  # the last --host/--port win
+        servers.append(b)
+        b.url = f"http://127.0.0.2:{a.port}"
         b.wait_ready(timeout=240)
         yield a, b
     finally:
-        codes = a.stop(), b.stop()
-        assert codes == (0, 0), a.log() + b.log()
+        codes = [server.stop() for server in servers]
+        assert codes == [0] * len(servers), "".join(server.log() for server in servers)
 
 
 def test_every_pod_serves_the_update_and_a_failed_one_is_named(pods, monkeypatch):
