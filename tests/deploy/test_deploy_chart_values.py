@@ -1,4 +1,5 @@
-"""The Helm chart turns values into the objects its README promises (rendered by Helm itself)."""
+"""The Helm chart turns values into the objects its README promises (rendered by Helm itself); weight
+updates' values in test_deploy_chart_weights.py."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import json
 import math
 import re
 import typing
-from pathlib import Path
 
 import helm_python as helm
 import pytest
@@ -16,7 +16,6 @@ from deploy_helpers import (
     CHART, CLI_OPTIONS, NAMESPACE, RELEASE, REPO, VALUE_SETS, arg_value, by_kind, container, manifests, one, pod_spec,
     render_chart,
 )
-from service.cli import parse_settings
 from service.http.server import _EXIT_GRACE_S
 from service.runtime import _READY_WAIT_S
 from service.settings import Settings
@@ -429,158 +428,8 @@ def test_notes_tell_how_to_reach_the_service():
     assert "/v1/weights" not in notes  # weight updates are off by default
 
 
-def test_notes_tell_where_weight_updates_go_and_that_each_pod_takes_its_own():
-    weights = {"enabled": True, "mountPath": "/ckpt", "source": {"type": "pvc", "pvc": {"claimName": "rl"}},
-               "adminKey": {"secretName": "ps-admin"}}
-    notes = render_chart({"weights": weights})["packscore/templates/NOTES.txt"]
-    assert "POST /v1/weights with a path relative to /ckpt, authorised by the admin key in Secret ps-admin." in notes
-    assert "send it to each pod" in notes
-    del weights["adminKey"]
-    assert "authorised by the API key." in render_chart({"weights": weights})["packscore/templates/NOTES.txt"]
-
-
 def test_extra_env_passes_through():
     c = container({"env": [{"name": "NCCL_DEBUG", "value": "WARN"}],
                    "envFrom": [{"secretRef": {"name": "extra"}}]})
     assert {"name": "NCCL_DEBUG", "value": "WARN"} in c["env"]
     assert c["envFrom"] == [{"secretRef": {"name": "extra"}}]
-
-
-WEIGHT_SOURCES = [
-    pytest.param({"type": "pvc", "pvc": {"claimName": "rl-checkpoints"}},
-                 {"persistentVolumeClaim": {"claimName": "rl-checkpoints", "readOnly": True}}, id="pvc"),
-    pytest.param({"type": "hostPath", "hostPath": {"path": "/mnt/ckpt", "type": "Directory"}},
-                 {"hostPath": {"path": "/mnt/ckpt", "type": "Directory"}}, id="hostPath"),
-    pytest.param({"type": "nfs", "nfs": {"server": "10.0.0.5", "path": "/export/ckpt"}},
-                 {"nfs": {"server": "10.0.0.5", "path": "/export/ckpt", "readOnly": True}}, id="nfs"),
-]
-
-
-def test_weight_updates_are_off_by_default():
-    spec = pod_spec()
-    (c,) = spec["containers"]
-    assert not {"--weights-root", "--admin-key", "--admin-key-file"} & set(c["args"])
-    assert not {"weights", "admin-key"} & {v["name"] for v in spec["volumes"]}
-    assert parse_settings(["serve", *c["args"]])[1].weights_root is None
-
-
-@pytest.mark.parametrize(("source", "volume_source"), WEIGHT_SOURCES)
-def test_weights_volume_is_mounted_read_only_as_the_weights_root(source, volume_source):
-    spec = pod_spec({"weights": {"enabled": True, "mountPath": "/ckpt", "source": source}})
-    (c,) = spec["containers"]
-    assert arg_value(c["args"], "--weights-root") == "/ckpt"
-    assert parse_settings(["serve", *c["args"]])[1].weights_root == Path("/ckpt")
-    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "weights"]
-    assert mount == {"name": "weights", "mountPath": "/ckpt", "readOnly": True}
-    (volume,) = [v for v in spec["volumes"] if v["name"] == "weights"]
-    assert volume == {"name": "weights", **volume_source}
-    assert "--admin-key-file" not in c["args"]  # no admin key: the API key rules /v1/weights
-
-
-def test_weights_pvc_sub_path_is_mounted():
-    spec = pod_spec({"weights": {"enabled": True, "source": {"type": "pvc", "pvc": {"claimName": "c", "subPath": "run7"}}}})
-    (mount,) = [m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "weights"]
-    assert mount == {"name": "weights", "mountPath": "/weights", "readOnly": True, "subPath": "run7"}
-
-
-def test_admin_key_is_a_mounted_secret_file_passed_as_admin_key_file():
-    spec = pod_spec({"weights": {"enabled": True, "source": WEIGHT_SOURCES[0].values[0],
-                                 "adminKey": {"secretName": "ps-admin", "secretKey": "token"}}})
-    (c,) = spec["containers"]
-    key_file = arg_value(c["args"], "--admin-key-file")
-    assert "--admin-key" not in c["args"]  # never the key itself on the command line
-    assert all("ADMIN" not in e["name"] for e in c["env"])
-    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "admin-key"]
-    assert mount["readOnly"] is True
-    (volume,) = [v for v in spec["volumes"] if v["name"] == "admin-key"]
-    (item,) = volume["secret"]["items"]
-    assert volume["secret"]["secretName"] == "ps-admin" and item["key"] == "token"
-    assert key_file == f"{mount['mountPath']}/{item['path']}"
-    assert volume["secret"]["defaultMode"] & 0o040  # group read: the fsGroup the server runs with
-    assert spec["securityContext"]["fsGroup"] == c["securityContext"]["runAsGroup"]
-    assert parse_settings(["serve", *c["args"]])[1].admin_key_file == Path(key_file)
-
-
-@pytest.mark.parametrize(
-    ("weights", "where"),
-    [
-        pytest.param({"enabled": True, "source": {"type": "pvc"}}, "/weights/source", id="pvc-without-claim"),
-        pytest.param({"enabled": True, "source": {"type": "hostPath", "hostPath": {"path": "ckpt"}}},
-                     "/weights/source/hostPath/path", id="hostPath-relative"),
-        pytest.param({"enabled": True, "source": {"type": "nfs", "nfs": {"server": "", "path": "/x"}}},
-                     "/weights/source/nfs/server", id="nfs-without-server"),
-        pytest.param({"enabled": True, "source": {"type": "none"}}, "/weights/source/type", id="no-volume"),
-        pytest.param({"enabled": True, "mountPath": "weights"}, "/weights/mountPath", id="relative-mount"),
-        pytest.param({"adminKey": {"secretName": "k", "secretKey": ""}}, "/weights/adminKey/secretKey",
-                     id="empty-secret-key"),
-        pytest.param({"root": "/weights"}, "additional properties 'root'", id="typo"),
-        pytest.param({"recordClaim": True}, "/weights/recordClaim", id="record-claim-not-a-name"),
-    ],
-)
-def test_incomplete_weights_values_are_rejected_by_the_schema(weights, where):
-    with pytest.raises(helm.HelmValuesError) as err:
-        render_chart({"weights": weights})
-    assert where in str(err.value)
-
-
-@pytest.mark.parametrize("mount_path", ["/models", "/cache", "/tmp", "/run/secrets/packscore-admin",
-                                        "/var/lib/packscore"])
-def test_weights_mount_path_must_be_its_own(mount_path):
-    values = {"model": {"path": "/models/x", "mountPath": "/models",
-                        "source": {"type": "pvc", "pvc": {"claimName": "models"}}},
-              "weights": {"enabled": True, "mountPath": mount_path,
-                          "source": {"type": "hostPath", "hostPath": {"path": "/mnt/ckpt"}}}}
-    with pytest.raises(helm.HelmError) as err:
-        render_chart(values)
-    assert f"weights.mountPath({mount_path}) is already a mount of the pod" in str(err.value)
-
-
-def test_weight_updates_are_recorded_on_an_empty_dir_so_a_restarted_container_keeps_them(monkeypatch):
-    weights = {"enabled": True, "mountPath": "/ckpt", "source": WEIGHT_SOURCES[0].values[0]}
-    spec = pod_spec({"weights": weights})
-    (c,) = spec["containers"]
-    (env,) = [e for e in c["env"] if e["name"] == "PACKSCORE_WEIGHTS_RECORD"]
-    record = Path(env["value"])
-    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "weights-record"]
-    assert mount == {"name": "weights-record", "mountPath": str(record.parent)}  # writable: the root filesystem is not
-    (volume,) = [v for v in spec["volumes"] if v["name"] == "weights-record"]
-    assert set(volume) == {"name", "emptyDir"}  # outlives a container restart, not the pod
-    monkeypatch.setenv("PACKSCORE_WEIGHTS_RECORD", env["value"])
-    settings = parse_settings(["serve", *c["args"]])[1]
-    assert settings.weights_record == record and settings.weights_root == Path("/ckpt")
-    assert "A restarted container serves the last update again" in render_chart({"weights": weights})[
-        "packscore/templates/NOTES.txt"]
-
-    off = pod_spec({"weights": {**weights, "record": False}})
-    assert "weights-record" not in {v["name"] for v in off["volumes"]}
-    assert "PACKSCORE_WEIGHTS_RECORD" not in {e["name"] for e in off["containers"][0]["env"]}
-    assert "PACKSCORE_WEIGHTS_RECORD" not in {e["name"] for e in container()["env"]}  # no updates, nothing to record
-
-
-def test_weight_updates_recorded_on_a_shared_claim_reach_every_new_pod_of_the_release(monkeypatch):
-    """weights.recordClaim: the record on an existing ReadWriteMany claim, the same file for every
-    pod (no subPath of the pod's own), writable; record false beside a claim is refused."""
-    weights = {"enabled": True, "mountPath": "/ckpt", "source": WEIGHT_SOURCES[0].values[0],
-               "recordClaim": "packscore-record"}
-    spec = pod_spec({"weights": weights})
-    (c,) = spec["containers"]
-    (env,) = [e for e in c["env"] if e["name"] == "PACKSCORE_WEIGHTS_RECORD"]
-    record = Path(env["value"])
-    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "weights-record"]
-    assert mount == {"name": "weights-record", "mountPath": str(record.parent)}
-    (volume,) = [v for v in spec["volumes"] if v["name"] == "weights-record"]
-    assert volume == {"name": "weights-record", "persistentVolumeClaim": {"claimName": "packscore-record"}}
-    monkeypatch.setenv("PACKSCORE_WEIGHTS_RECORD", env["value"])
-    assert parse_settings(["serve", *c["args"]])[1].weights_record == record
-    rendered = render_chart({"weights": weights, "prometheusRule": {"enabled": True}})
-    notes = rendered["packscore/templates/NOTES.txt"]
-    assert "claim packscore-record" in notes and "a new pod serves the last update any pod recorded" in notes, notes
-    # deleting the pod alone restores nothing: its successor reads the same record
-    alerts = rendered["packscore/templates/prometheusrule.yaml"]
-    assert "delete weights-record.json on claim packscore-record (every new pod reads it), then the pod" in alerts
-
-    with pytest.raises(helm.HelmError) as err:
-        render_chart({"weights": {**weights, "record": False}})
-    assert "weights.recordClaim(packscore-record) holds the record, which weights.record false turns off" in str(err.value)
-    off = pod_spec({"weights": {**weights, "enabled": False}})  # no updates: nothing recorded, no claim mounted
-    assert "weights-record" not in {v["name"] for v in off["volumes"]}
