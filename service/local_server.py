@@ -10,7 +10,8 @@ scorer beside itself. Imports httpx only (no torch).
 
 or ``with LocalServer([...]) as server:``, which stops it at the block's end. A server still running
 when this interpreter exits (an exception nobody caught) is stopped then; one never ready within
-``wait_ready``'s timeout is stopped before it raises.
+``wait_ready``'s timeout is stopped before it raises. ``wait_for(check)`` waits the same way for what
+comes short of readiness (a /readyz status, a log line, the workers started).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import httpx
 
@@ -30,6 +32,7 @@ from model_runtime.pool.ports import free_port
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 _EXIT_NOT_LISTENING = 3  # docs/cli.md: uvicorn could not listen (the port is in use)
 _PORT_ATTEMPTS = 5  # free_port's port can be taken before the server binds it: so many ports at most
+T = TypeVar("T")
 
 
 class LocalServer:
@@ -86,6 +89,16 @@ class LocalServer:
         """Returns once /readyz answers 200; raises if the process exits or ``timeout`` passes. A port
         another process took between ``free_port`` and the server's bind (exit 3) is given up for a new
         one, a few times: ``port`` and ``url`` are final once this returns."""
+        self.wait_for(lambda: httpx.get(self.url + "/readyz", timeout=5).status_code == 200, timeout, what="ready")
+        return self
+
+    def wait_for(self, check: Callable[[], T], timeout: float = 120.0, *, interval: float = 0.2,
+                 what: str = "there") -> T:
+        """``check()``'s first true value, called every ``interval`` seconds (an ``httpx.HTTPError`` counts as
+        not yet): what a caller waits for other than readiness (a /readyz status, a log line), with
+        ``wait_ready``'s handling of the process: it raises if the process exits, and a port taken before the
+        server's bind (exit 3) is given up for a new one. Once ``timeout`` passes, the server is stopped and
+        ``TimeoutError`` says it was not ``what``."""
         deadline = time.monotonic() + timeout
         port_attempts = _PORT_ATTEMPTS
         while time.monotonic() < deadline:
@@ -98,14 +111,14 @@ class LocalServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.url + "/readyz", timeout=5).status_code == 200:
-                    return self
+                if found := check():
+                    return found
             except httpx.HTTPError:
                 pass
-            time.sleep(0.2)
+            time.sleep(interval)
         log = self.log()
         self.stop(timeout=10.0)  # the caller gives up on it: no server left running unseen
-        raise TimeoutError(f"server not ready after {timeout}s (stopped):\n{log}")
+        raise TimeoutError(f"server not {what} after {timeout}s (stopped):\n{log}")
 
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM (the server drains), then a kill after ``timeout``; returns the exit status."""

@@ -303,10 +303,8 @@ def test_a_worker_lost_before_the_first_readiness_pass_is_restarted_not_fatal(tm
     server = LocalServer(["--device", "cpu", "--world-size", "2", "--max-batch-tokens", "512"],
                          env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
     try:
-        deadline = time.monotonic() + 120
-        while "worker pool generation 1 up" not in server.log_path.read_text(errors="replace"):
-            assert server.proc.poll() is None and time.monotonic() < deadline, server.log()
-            time.sleep(0.002)
+        server.wait_for(lambda: "worker pool generation 1 up" in server.log_path.read_text(errors="replace"), 120,
+                        interval=0.002, what="up (worker pool generation 1)")
         first = _worker_pids(server.proc.pid)
         os.kill(first[0], signal.SIGKILL)  # the warm-up and the first pass take a fraction of a second here
         server.wait_ready(timeout=120)
@@ -326,15 +324,18 @@ def _state(pid: int) -> str:
         return "gone"
 
 
+def _two_workers(server: LocalServer) -> list[int]:
+    """The server's two workers, as soon as both run (``wait_for``: a port taken before the bind moves the server)."""
+    return server.wait_for(lambda: pids if len(pids := _worker_pids(server.proc.pid)) >= 2 else None, 120,
+                           interval=0.002, what="running two workers")
+
+
 def _held_in_the_rendezvous(server: LocalServer) -> tuple[int, int]:
     """Holds the first world where it forms: one worker is stopped before it joins the process
     group, then the other joins and waits there for it, so the world cannot be up until the
     stopped one goes on. Returns (stopped pid, waiting pid)."""
     deadline = time.monotonic() + 120
-    while len(pids := _worker_pids(server.proc.pid)) < 2:
-        assert server.proc.poll() is None and time.monotonic() < deadline, server.log()
-        time.sleep(0.002)
-    held, waiting = pids
+    held, waiting = _two_workers(server)
     os.kill(held, signal.SIGSTOP)
     while _state(held) != "T":
         assert time.monotonic() < deadline, _state(held)
@@ -376,10 +377,7 @@ def test_a_sigterm_while_the_first_world_forms_exits_at_once_leaving_no_worker(t
     server = LocalServer(["--device", "cpu", "--world-size", "2", "--max-batch-tokens", "512"],
                          env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
     try:
-        deadline = time.monotonic() + 120
-        while len(workers := _worker_pids(server.proc.pid)) < 2:
-            assert server.proc.poll() is None and time.monotonic() < deadline, server.log()
-            time.sleep(0.002)
+        workers = _two_workers(server)
         sent = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         code = server.proc.wait(timeout=60)
@@ -406,9 +404,7 @@ def test_a_server_killed_while_its_workers_import_torch_leaves_no_worker(tmp_pat
     workers = []
     try:
         deadline = time.monotonic() + 120
-        while len(workers := _worker_pids(server.proc.pid)) < 2:
-            assert server.proc.poll() is None and time.monotonic() < deadline, server.log()
-            time.sleep(0.002)
+        workers = _two_workers(server)
         for pid in workers:  # held where they are, so what /proc shows is where the kill finds them
             os.kill(pid, signal.SIGSTOP)
         while any(_state(pid) != "T" for pid in workers):

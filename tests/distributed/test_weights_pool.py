@@ -235,18 +235,15 @@ def test_a_pool_server_whose_recorded_checkpoint_is_refused_waits_then_serves_th
             "--weights-root", str(root), "--weights-record", str(record)]
     body = {"sequences": [{"input_ids": [3, 1, 4, 1, 5, 9, 2, 6], "score_from": 2}]}
     server = LocalServer(args, env={"OMP_NUM_THREADS": "1"}, log_dir=tmp_path)
+    def loaded() -> httpx.Response | None:
+        readyz = httpx.get(server.url + "/readyz", timeout=5)
+        try:
+            return readyz if readyz.json()["status"] not in ("loading",) else None
+        except ValueError:
+            return None
+
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.proc.poll() is None, server.log()[-3000:]
-            try:
-                readyz = httpx.get(server.url + "/readyz", timeout=5)
-                if readyz.json()["status"] not in ("loading",):
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            assert time.monotonic() < deadline, server.log()[-3000:]
-            time.sleep(0.2)
+        readyz = server.wait_for(loaded, 300, what="past loading")
         assert readyz.status_code == 503 and readyz.json()["status"] == "awaiting_weights", readyz.text
         assert "incomplete_checkpoint" in readyz.json()["error"]["message"], readyz.text
         metrics = httpx.get(server.url + "/metrics", timeout=30).text
@@ -288,10 +285,8 @@ def test_a_worker_lost_while_the_recorded_update_loads_delays_the_restore_not_wi
             "--weights-root", str(root), "--weights-record", str(record)]
     server = LocalServer(args, env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, log_dir=tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while "worker pool generation 1 up" not in server.log_path.read_text(errors="replace"):
-            assert server.proc.poll() is None and time.monotonic() < deadline, server.log()
-            time.sleep(0.002)
+        server.wait_for(lambda: "worker pool generation 1 up" in server.log_path.read_text(errors="replace"), 120,
+                        interval=0.002, what="up (worker pool generation 1)")
         os.kill(_worker_pids(server.proc.pid)[0], signal.SIGKILL)  # the restore's load is under way
         server.wait_ready(timeout=120)
         assert "restoring policy from --weights-record" in server.log_path.read_text(), "the kill missed the restore"

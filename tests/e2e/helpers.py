@@ -262,3 +262,15 @@ def served_version(url: str, headers: dict | None = None) -> str:
         (model,) = direct.get(url + "/v1/models", headers=headers).json()["data"]
     return model["weights_version"]
 
+
+def wait_status(server: LocalServer, status: str, timeout: float = 240) -> httpx.Response:
+    """/readyz's answer once its status is ``status`` (``awaiting_weights``, ...); raises if the process exits
+    or ``timeout`` passes. A port taken before the server's bind is given up for another, as in ``wait_ready``."""
+    def said() -> httpx.Response | None:
+        answer = httpx.get(server.url + "/readyz", timeout=5)
+        try:
+            return answer if answer.json().get("status") == status else None
+        except ValueError:
+            return None
+
+    return server.wait_for(said, timeout, what=f"saying {status!r} at /readyz")

@@ -23,7 +23,7 @@ from service.http.metrics import (
     WEIGHTS_REJECTION_REASONS,
 )
 from service.local_server import LocalServer
-from tests.e2e.helpers import fake_server, read_until_closed
+from tests.e2e.helpers import fake_server, read_until_closed, wait_status
 from tests.live_metrics import Scrape
 
 SCORING_SERIES = ("packscore_tokens_scored_total", "packscore_prefix_tokens_saved_total",
@@ -60,16 +60,7 @@ def test_a_model_awaiting_weights_has_its_scoring_and_update_series_at_zero(tmp_
         "model": "tiny", "path": "gone", "version": "v-gone", "files": []}}}))
     server = fake_server(tmp_path, "--weights-root", str(tmp_path / "root"), "--weights-record", str(record))
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert server.proc.poll() is None, server.log()
-            try:
-                if httpx.get(server.url + "/readyz", timeout=5).json().get("status") == "awaiting_weights":
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            assert time.monotonic() < deadline, f"/readyz never said awaiting_weights:\n{server.log()}"
-            time.sleep(0.1)
+        wait_status(server, "awaiting_weights", timeout=60)
         at_start = _scrape(server)
     finally:
         server.stop()

@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import numpy as np
@@ -20,7 +19,7 @@ import pytest
 from model_runtime.pool.ports import free_port
 from service.local_server import _REPO_ROOT
 from tests.checkpoints import save_checkpoint
-from tests.e2e.helpers import AUTH, ServerProcess, assert_matches, decode, post, random_sequences
+from tests.e2e.helpers import AUTH, ServerProcess, assert_matches, decode, post, random_sequences, wait_status
 
 VOCAB = 512  # tests/checkpoints.py's vocabulary
 
@@ -173,21 +172,6 @@ def test_a_record_that_cannot_be_read_refuses_the_start(checkpoints, tmp_path):
     assert f"delete {record} to serve --model" in err and "is no JSON record" in err, err[-3000:]
 
 
-def _wait_status(server: ServerProcess, status: str, timeout: float = 240) -> httpx.Response:
-    """/readyz once its status is ``status``; raises if the process exits or ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        assert server.proc.poll() is None, f"the server exited ({server.proc.returncode}):\n{server.log()[-3000:]}"
-        try:
-            answer = httpx.get(server.url + "/readyz", timeout=5)
-            if answer.json().get("status") == status:
-                return answer
-        except (httpx.HTTPError, ValueError):
-            pass
-        assert time.monotonic() < deadline, f"/readyz never said {status!r}:\n{server.log()[-3000:]}"
-        time.sleep(0.2)
-
-
 @pytest.mark.parametrize("case", ["deleted", "overwritten"])
 def test_a_recorded_checkpoint_that_cannot_be_served_waits_for_the_next_update(checkpoints, tmp_path, case):
     """Deleted, or saved over in place (a trainer's ``latest/``): the server runs, not ready, scores
@@ -215,7 +199,7 @@ def test_a_recorded_checkpoint_that_cannot_be_served_waits_for_the_next_update(c
     seqs = random_sequences(np.random.default_rng(5), 3, VOCAB, lengths=(2, 40))
     server = ServerProcess(tmp_path, *args)
     try:
-        waiting = _wait_status(server, "awaiting_weights")
+        waiting = wait_status(server, "awaiting_weights")
         assert waiting.status_code == 503 and "'policy'" in waiting.json()["error"]["message"], waiting.text
         for model in ("policy", "ref"):  # the process is not ready: no model scores while one waits
             refused = post(server.url, {"model": model, "sequences": seqs})

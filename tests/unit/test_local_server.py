@@ -1,7 +1,8 @@
 """``LocalServer`` leaves no server running behind its caller: one still up when the caller's
 interpreter exits (an exception nobody caught) is stopped then, a ``with`` block stops it at its
 end, and one never ready within ``wait_ready``'s timeout is stopped before it raises. A port taken
-between its choice and the server's bind does not fail the start."""
+between its choice and the server's bind does not fail the start, whether the caller waits with
+``wait_ready`` or ``wait_for``."""
 
 import os
 import subprocess
@@ -24,8 +25,9 @@ if how == "with":
     with LocalServer(["--model", "tiny", "--device", "cpu"]) as server:
         print(server.proc.pid, flush=True)
     print("left", server.proc.returncode is not None, flush=True)
-if how == "taken":
+if how.startswith("taken"):
     import socket
+    import httpx
     import service.local_server as local_server
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
@@ -33,7 +35,10 @@ if how == "taken":
     ports = [taken.getsockname()[1]]  # what another process took after free_port chose it
     local_server.free_port = lambda real=local_server.free_port: ports.pop() if ports else real()
     with LocalServer(["--model", "tiny", "--device", "cpu"]) as server:
-        server.wait_ready()
+        if how == "taken":
+            server.wait_ready()
+        else:  # what a caller waits for short of readiness: /healthz answers while the model loads
+            assert server.wait_for(lambda: httpx.get(server.url + "/healthz", timeout=5).json(), what="listening")
         print(server.proc.pid, flush=True)
         print(server.port != taken.getsockname()[1], server.url.endswith(f":{server.port}"), flush=True)
 if how == "timeout":
@@ -88,4 +93,11 @@ def test_a_port_taken_before_the_server_binds_it_is_given_up_for_another():
     the server then exits 3 (docs/cli.md). wait_ready raised "server exited with 3"; it starts the
     server again on another port."""
     pid, rest, said = _run("taken")
+    assert rest == ["True", "True"] and _gone(pid, 5), said
+
+
+def test_a_port_taken_before_the_bind_is_given_up_by_wait_for_too():
+    """A caller that waits for something short of readiness (a /readyz status, a log line, the workers)
+    with ``wait_for`` gets the same new port: its own loop over the first process saw it exit 3."""
+    pid, rest, said = _run("taken-wait-for")
     assert rest == ["True", "True"] and _gone(pid, 5), said
