@@ -132,7 +132,7 @@ def parse_score_request(body: Any, limits: Limits | Mapping[str, Limits], served
             raise ApiError(
                 422,
                 "invalid_value",
-                f"score_from must be in [1, {ids.size}] (the sequence's length), got {seq.score_from}.",
+                f"sequences[{i}].score_from must be in [1, {ids.size}] (the sequence's length), got {seq.score_from}.",
                 f"sequences[{i}].score_from",
             )
         out.append(

@@ -486,3 +486,15 @@ def test_a_deeply_nested_value_is_a_4xx_naming_its_field(depth):
         _check_error(as_msgpack, 422, "invalid_value", "sequences[0].id")
     else:
         assert as_msgpack.status_code == 400, as_msgpack.text
+
+
+def test_a_score_from_past_the_end_is_named_whole_in_the_message():
+    """A trainer's log often keeps only the message: it names the sequence, not just the field."""
+
+    async def main():
+        app, _ = make_app()
+        async with running_app(app) as client:
+            return await _post(client, {"sequences": [{"input_ids": [1, 2]}, {"input_ids": [1, 2, 3], "score_from": 4}]})
+
+    body = asyncio.run(main()).json()["error"]
+    assert body["param"] == "sequences[1].score_from" and body["message"].startswith("sequences[1].score_from "), body
