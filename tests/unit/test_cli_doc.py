@@ -1,0 +1,37 @@
+"""docs/cli.md against the parser `--help` prints (test_cli.py checks its tables' options and defaults):
+the forms an option's help says it takes are in the option's row, and the model options the offline
+section says `score` takes are score's own."""
+
+import argparse
+import re
+from pathlib import Path
+
+from service import cli
+
+DOC = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+
+
+def _help(command: str, option: str) -> str:
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    return next(action.help for action in sub._actions if option in action.option_strings)
+
+
+def _row(option: str) -> str:
+    return next(line for line in DOC.splitlines() if line.startswith(f"| `{option}`"))
+
+
+def test_the_model_row_names_the_several_models_form_serves_help_gives():
+    """serve's --model help gives NAME=PATH_OR_PRESET, repeated, and PACKSCORE_MODEL's two forms of it;
+    the row gave one model only, so a reader of the option table never learnt the form."""
+    help_text = _help("serve", "--model")
+    forms = re.findall(r"\b[A-Z_]+=[A-Z_]+\b", help_text) + ["PACKSCORE_MODEL", "comma-separated", "JSON object"]
+    assert "NAME=PATH_OR_PRESET" in forms and all(form in help_text for form in forms), help_text
+    row = _row("--model")
+    assert not [form for form in forms if form not in row], row
+
+
+def test_the_model_options_the_offline_section_lists_are_scores():
+    listed = re.search(r"It\s+takes\s+the\s+model\s+options\s+above\s+\((.*?)\)\s+plus\s+these", DOC, re.S)
+    assert listed, "docs/cli.md: the offline section no longer lists the model options score takes"
+    documented = {name.replace("[no-]", "") for name in re.findall(r"`(--[\[\]a-z-]+)`", listed.group(1))}
+    assert documented == {"--" + name.replace("_", "-") for name in cli._MODEL_OPTIONS}
