@@ -210,15 +210,15 @@ class Settings(BaseSettings):
                              "or unset it for 127.0.0.1")
         return value
 
-    @field_validator("model", "revision", "triton_cache_dir", "expert_gemm", "api_key_file", "weights_root",
-                     "weights_record", "admin_key_file", mode="before")
+    @field_validator("model", "revision", "served_model_name", "triton_cache_dir", "expert_gemm", "api_key_file",
+                     "weights_root", "weights_record", "admin_key_file", mode="before")
     @classmethod
-    def _path_given(cls, value, info: ValidationInfo):
+    def _given(cls, value, info: ValidationInfo):
         # Path("") is ".": an empty value (a variable gone wrong) must not become the working directory; an
-        # empty revision is no revision the hub has (the lookup failed as "not in the cache" at main).
+        # empty revision is no revision the hub has, and an empty name was a name to some checks, unset to others.
         if isinstance(value, str) and not value.strip():
-            wanted = {"model": "a preset, a checkpoint directory or a hub id",
-                      "revision": "a branch, tag or commit"}.get(info.field_name, "a path")
+            wanted = {"model": "a preset, a checkpoint directory or a hub id", "revision": "a branch, tag or commit",
+                      "served_model_name": "a name"}.get(info.field_name, "a path")
             raise ValueError(f"is empty; give {wanted}, or unset it")
         return value
 

@@ -228,12 +228,13 @@ def test_an_empty_host_is_an_error_not_every_interface(monkeypatch, capsys, wher
     assert "--host" in err and "every interface" in err and "Value error" not in err, err
 
 
-@pytest.mark.parametrize("name", ["model", "revision", "triton_cache_dir", "expert_gemm", "api_key_file", "weights_root",
-                                  "weights_record", "admin_key_file"])
+@pytest.mark.parametrize("name", ["model", "revision", "served_model_name", "triton_cache_dir", "expert_gemm",
+                                  "api_key_file", "weights_root", "weights_record", "admin_key_file"])
 @pytest.mark.parametrize("where", ["option", "environment"])
 def test_an_empty_path_is_an_error_not_the_working_directory(monkeypatch, capsys, name, where):
     """Path("") is "." (an empty --model read ". has no config.json"; an empty --revision, as no revision of the cache,
-    failed naming main); none of these means off when empty."""
+    failed naming main; an empty --served-model-name was the model's own name, yet refused beside several models as a
+    name); none of these means off when empty."""
     option, env = "--" + name.replace("_", "-"), "PACKSCORE_" + name.upper()
     monkeypatch.delenv(env, raising=False)
     if where == "option":
