@@ -215,7 +215,7 @@ class Settings(BaseSettings):
     @classmethod
     def _given(cls, value, info: ValidationInfo):
         # Path("") is ".": an empty value (a variable gone wrong) must not become the working directory; an
-        # empty revision is no revision the hub has, and an empty name was a name to some checks, unset to others.
+        # empty revision is none the hub has, and an empty name would be a name to some checks and unset to others.
         if isinstance(value, str) and not value.strip():
             wanted = {"model": "a preset, a checkpoint directory or a hub id", "revision": "a branch, tag or commit",
                       "served_model_name": "a name"}.get(info.field_name, "a path")
