@@ -176,8 +176,9 @@ def _jobs(settings: Settings, input_path: Path, limits: Limits, done: dict[str, 
             job = parse_score_request(body, limits, served_name="")
         except ApiError as exc:  # named as the line's own fields: a line is one sequence
             where = (exc.param or "").replace("sequences[0].", "")
-            message = exc.message.replace("sequences[0].", "").replace("Sequence 0 has", "The sequence has")
-            if where and not message.startswith(f"{where}:"):  # pydantic's messages name the field already
+            message = (exc.message.replace("sequences[0].", "").replace("Sequence 0 has", "The sequence has")
+                       .replace("a field of this request", "a field of a line"))
+            if where and not message.startswith(where):  # most messages name the field already
                 message = f"{where}: {message}"
             raise InputError(f"{input_path}:{number}: {message}") from None
         if seq_id in done:
