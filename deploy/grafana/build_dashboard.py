@@ -142,7 +142,8 @@ def build() -> dict:
                 [{"color": "green", "value": None}, {"color": "orange", "value": 0.01},
                  {"color": "red", "value": 0.05}]), 4, 4)
     g.add(_stat("Queued tokens", f"sum(packscore_queued_tokens{{{SEL}}})", "short",
-                "Tokens admitted and waiting for a GPU, summed over pods (what the HPA scales on)."), 4, 4)
+                "Tokens admitted and not yet scored (waiting or in a forward), summed over pods (what the HPA "
+                "scales on)."), 4, 4)
 
     g.row("Traffic")
     g.add(_series("Requests / s by route and status",
@@ -181,12 +182,12 @@ def build() -> dict:
     g.add(_series("Tokens per forward", [
         *_quantiles("packscore_batch_tokens", qs=(0.5, 0.9)),
         _mean("packscore_batch_tokens", "mean", "C"),
-    ], "short", "Tokens packed into one forward (the budget is --max-batch-tokens)."), 12, 8)
+    ], "short", "Tokens one forward ran, a shared prefix once (the budget is --max-batch-tokens)."), 12, 8)
     g.add(_series("Batch fill ratio", [
         _mean("packscore_batch_fill_ratio", "mean", "A"),
         _target(f"histogram_quantile(0.1, sum by (le) (rate(packscore_batch_fill_ratio_bucket{{{SEL}}}[{RATE}])))",
                 "p10", "B"),
-    ], "percentunit", "Packed tokens over the token budget of a forward. Low fill at high load: raise "
+    ], "percentunit", "Tokens a forward ran over its budget, --max-batch-tokens. Low fill at high load: raise "
                       "--max-wait-ms; low fill at low load is expected."), 12, 8)
     g.add(_series("Prefix tokens saved / s", [
         _target(f"sum by (model) (rate(packscore_prefix_tokens_saved_total{{{SEL}}}[{RATE}]))", "{{model}} saved", "A"),

@@ -139,14 +139,22 @@ class Metrics:
             registry=r,
         )
         self.forward_seconds = Histogram(
-            "packscore_forward_seconds", "Duration of one packed forward.", _MODEL, buckets=_LATENCY_BUCKETS, registry=r
+            "packscore_forward_seconds",
+            "Duration of one packed forward (the readiness pass's included).",
+            _MODEL,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.batch_tokens = Histogram(
-            "packscore_batch_tokens", "Tokens in one packed forward.", _MODEL, buckets=_TOKEN_BUCKETS, registry=r
+            "packscore_batch_tokens",
+            "Tokens one packed forward ran (a shared prefix once).",
+            _MODEL,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
         )
         self.batch_fill_ratio = Histogram(
             "packscore_batch_fill_ratio",
-            "Real tokens of a forward divided by --max-batch-tokens.",
+            "Tokens a forward ran (a shared prefix once) divided by --max-batch-tokens.",
             _MODEL,
             buckets=_FILL_BUCKETS,
             registry=r,

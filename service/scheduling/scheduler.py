@@ -386,9 +386,10 @@ class Scheduler:
             return
         elapsed = time.monotonic() - started
         tokens = sum(item.tokens for item in row)
-        if self.prefix_min_tokens:
-            self.metrics.prefix_tokens_saved.inc(tokens_saved([it.seq for it in row], self.prefix_min_tokens, self.prefix_rounding))
-        self._observe_forward(tokens, elapsed)
+        seqs = [it.seq for it in row]
+        saved = tokens_saved(seqs, self.prefix_min_tokens, self.prefix_rounding) if self.prefix_min_tokens else 0
+        self.metrics.prefix_tokens_saved.inc(saved)
+        self._observe_forward(tokens, tokens - saved, elapsed)
         await self._results.put((row, scores))
 
     async def _retry_split(self, row: list[QueuedSequence], exc: Exception, thread: "ForwardThread") -> None:
@@ -401,15 +402,17 @@ class Scheduler:
             return
         self.fail(row[0].ticket, sequence_error(row[0], exc))
 
-    def _observe_forward(self, tokens: int, elapsed: float) -> None:
+    def _observe_forward(self, tokens: int, run: int, elapsed: float) -> None:
+        """A row of ``tokens`` admitted tokens ran ``run`` of them (a shared prefix once) in ``elapsed`` s."""
         now = time.monotonic()
         self.last_success_at = now
         self.last_failure = None
         m = self.metrics
         m.forward_seconds.observe(elapsed)
-        m.batch_tokens.observe(tokens)
-        m.batch_fill_ratio.observe(tokens / self.max_batch_tokens)
-        self.admission.observe(tokens, elapsed)
+        # What the row ran, as the budget counts it: the admitted tokens would put a shared row above 1.
+        m.batch_tokens.observe(run)
+        m.batch_fill_ratio.observe(run / self.max_batch_tokens)
+        self.admission.observe(tokens, elapsed)  # its rate drains the queue, which counts admitted tokens
 
     # ---- dispatcher --------------------------------------------------------------------------
 
