@@ -174,7 +174,7 @@ def build() -> dict:
     g.add(_series("Request latency by route", _quantiles("packscore_request_latency_seconds", "route"), "s",
                   "End-to-end HTTP latency (p50, p90, p99) per route."), 8, 8)
     g.add(_series("Queue wait", _quantiles("packscore_queue_wait_seconds"), "s",
-                  "Time from admission until a sequence enters a forward."), 8, 8)
+                  "Time from a request asking for room (admission) until its sequence enters a forward."), 8, 8)
     g.add(_series("Forward time", _quantiles("packscore_forward_seconds"), "s",
                   "Time of one packed forward on the GPUs."), 8, 8)
 

@@ -133,7 +133,7 @@ class Metrics:
         )
         self.queue_wait = Histogram(
             "packscore_queue_wait_seconds",
-            "Time a sequence waited between admission and the start of its forward.",
+            "Time a sequence waited from its request asking for room (in the admission bound) to the start of its forward.",
             _MODEL,
             buckets=_LATENCY_BUCKETS,
             registry=r,

@@ -211,7 +211,8 @@ class Scheduler:
         maximum wait; raises ApiError 429 when the queue stayed full, 503 when closed."""
         self._check_open()
         tokens = sum(s.length for s in sequences)
-        timeout = None if deadline is None else deadline - time.monotonic()
+        asked_at = time.monotonic()
+        timeout = None if deadline is None else deadline - asked_at
         try:
             await self.admission.admit(tokens, timeout)
         except QueueFullError as exc:
@@ -223,16 +224,18 @@ class Scheduler:
         if self._closed:
             self.admission.release(tokens)
             self._check_open()
-        return self._enqueue(sequences, deadline, False)
+        return self._enqueue(sequences, deadline, False, asked_at)
 
     def _check_open(self) -> None:
         if self._closed:
             raise _closed_error(self._closed_reason)
 
-    def _enqueue(self, sequences: Sequence[SequenceInput], deadline: float | None, probe: bool) -> Ticket:
+    def _enqueue(self, sequences: Sequence[SequenceInput], deadline: float | None, probe: bool,
+                 asked_at: float | None = None) -> Ticket:
         ticket = Ticket(sequences, deadline, self._loop)
         ticket.probe = probe
         now = time.monotonic()
+        ticket.asked_at = now if asked_at is None else asked_at
         if not probe:
             ticket.quiet = now - self._last_arrival >= _QUIET_S
             self._last_arrival = now
@@ -366,7 +369,8 @@ class Scheduler:
                 for item in row:
                     if not item.started:  # a retry after a split is not a second wait
                         item.started = True
-                        self.metrics.queue_wait.observe(started - item.enqueued_at)
+                        # From when its request asked for room: under overload the wait is in the admission line.
+                        self.metrics.queue_wait.observe(started - item.ticket.asked_at)
                 rate = self.admission.rate
                 thread.expected_s = sum(it.tokens for it in row) / rate if rate else None  # for forward_state
                 # With several models, on the group (GPUs) of its lane, not the backend's own first idle one;

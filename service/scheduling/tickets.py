@@ -27,6 +27,7 @@ class Ticket:
         self.items: list[QueuedSequence] = []
         self.quiet = False  # arrived after a quiet spell: its row need not wait to fill
         self.probe = False  # the readiness pass: scored like a request, not counted as traffic
+        self.asked_at = 0.0  # time.monotonic() when it asked for room (waiting for it included in its queue wait)
         self.request_id = request_id.current.get()  # for log lines about it, written outside the request's task
 
     @property

@@ -1,9 +1,13 @@
 """What the scoring series of a real server's GET /metrics count, against requests of known sizes:
 tokens returned, prefix tokens not run, the tokens a forward ran and its fill of --max-batch-tokens,
-one queue wait per sequence, one latency per answer, and the queue gauges back at 0 once idle."""
+one queue wait per sequence (the wait for room included), one latency per answer, and the queue
+gauges back at 0 once idle."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 import pytest
 
 from tests.e2e.helpers import ServerProcess, post
@@ -70,3 +74,29 @@ def test_a_shared_prompt_counts_once_in_the_forwards_tokens_and_fill(server):
     assert moved(before, after, "packscore_batch_fill_ratio_sum", **MODEL) == pytest.approx(384 / BUDGET)
     assert moved(before, after, "packscore_batch_fill_ratio_bucket", le="1.0", **MODEL) == 1
     assert moved(before, after, "packscore_queue_wait_seconds_count", **MODEL) == 4
+
+
+def test_queue_wait_includes_the_wait_for_room_in_the_admission_bound(tmp_path):
+    """8 one-row requests at once against a bound of 3 rows (its floor): 5 wait for room before they
+    are queued. A sequence's queue wait runs from its request asking for room, so the queue waits
+    and the forwards add up to the requests' latencies (less decoding and encoding): an overloaded
+    server's waiting shows in the series PackscoreQueueWaitHigh reads, not only in 429s."""
+    server = ServerProcess(tmp_path, "--model", "tiny", "--max-batch-tokens", "2048", "--queue-seconds", "0.1",
+                           "--max-wait-ms", "2")
+    try:
+        server.wait_ready(timeout=240)
+        rng = np.random.default_rng(5)
+        bodies = [{"sequences": [{"input_ids": rng.integers(0, 500, 2000).tolist()}]} for _ in range(8)]
+        before = scrape(server.url)
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(lambda body: post(server.url, body), bodies))
+        assert [a.status_code for a in answers] == [200] * len(bodies), [a.text[:200] for a in answers]
+        after = scrape(server.url)
+        assert moved(before, after, "packscore_queue_wait_seconds_count", **MODEL) == len(bodies)
+        latency = moved(before, after, "packscore_request_latency_seconds_sum", route="/score")
+        forwards = moved(before, after, "packscore_forward_seconds_sum", **MODEL)
+        waited = moved(before, after, "packscore_queue_wait_seconds_sum", **MODEL)
+        assert waited <= latency - forwards
+        assert waited >= 0.85 * (latency - forwards), (waited, latency, forwards)
+    finally:
+        assert server.stop() == 0, server.log()
