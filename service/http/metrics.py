@@ -154,7 +154,7 @@ class Metrics:
         )
         self.batch_fill_ratio = Histogram(
             "packscore_batch_fill_ratio",
-            "Tokens a forward ran (a shared prefix once) divided by --max-batch-tokens.",
+            "Tokens a forward ran (a shared prefix once) divided by its row budget, --max-batch-tokens (x --sp).",
             _MODEL,
             buckets=_FILL_BUCKETS,
             registry=r,
