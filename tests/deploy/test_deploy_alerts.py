@@ -258,3 +258,12 @@ def test_schema_rejects_bad_values(values, where):
     with pytest.raises(helm.HelmValuesError) as err:
         render_chart(values)
     assert where in str(err.value)
+
+
+def test_the_queue_wait_alert_warns_before_the_admission_bound_refuses():
+    """The queue wait includes the wait for room, which ends in a 429 at --max-admission-wait-s (the
+    chart leaves it at the server's default): a threshold there would fire only once requests fail."""
+    from service.settings import Settings
+
+    threshold = float(alerts()["PackscoreQueueWaitHigh"]["expr"].rstrip().rsplit(">", 1)[1])
+    assert threshold < Settings().max_admission_wait_s, threshold
