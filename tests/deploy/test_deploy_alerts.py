@@ -267,3 +267,10 @@ def test_the_queue_wait_alert_warns_before_the_admission_bound_refuses():
 
     threshold = float(alerts()["PackscoreQueueWaitHigh"]["expr"].rstrip().rsplit(">", 1)[1])
     assert threshold < Settings().max_admission_wait_s, threshold
+
+
+def test_the_stalled_alert_reads_forwards_ended_not_tokens_scored():
+    """Tokens count only where an answer goes out: requests that all time out (504) or whose clients
+    all leave (499) score none while forwards run fine, which is no hung GPU."""
+    expr = alerts()["PackscoreStalled"]["expr"]
+    assert "rate(packscore_forward_seconds_count{" in expr and "tokens_scored" not in expr, expr
