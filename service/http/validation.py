@@ -84,12 +84,12 @@ def pick_model(requested: Any, served: Mapping[str, Any], aliases: Mapping[str, 
         if len(served) > 1:
             raise ApiError(422, "model_required", f"Several models are served ({', '.join(served)}); name one in 'model'.", "model")
         return next(iter(served))
-    if requested not in served and aliases and requested in aliases:
+    if requested in served:
+        return requested
+    if aliases and requested in aliases:
         return aliases[requested]
-    if requested not in served:
-        raise ApiError(404, "model_not_found", f"Model {short_repr(requested)} is not served here; this server serves "
-                       f"{', '.join(repr(n) for n in served)}.", "model")
-    return requested
+    raise ApiError(404, "model_not_found", f"Model {short_repr(requested)} is not served here; this server serves "
+                   f"{', '.join(repr(n) for n in served)}.", "model")
 
 
 def parse_score_request(body: Any, limits: Limits | Mapping[str, Limits], served_name: str = "",
