@@ -29,7 +29,9 @@ Failure: a worker that exits (its reply pipe closes) or a row that runs past its
 what its group's measured rate says, at least 60 s; ``worker_timeout_s`` before any rate) fails
 every in-flight row with ``BackendUnavailableError``; ``is_alive()`` turns False, the whole
 world is killed and started again in the background, and ``is_alive()`` returns to True once a
-scoring pass through the new world has succeeded. A worker lost while the start's world forms has
+scoring pass through the new world has succeeded (a restart whose thread the process's thread limit
+refused is tried again by the next ``is_alive()`` or ``score_row``, after a pause of 1 s doubling
+to 30 s). A worker lost while the start's world forms has
 that world formed again after a short pause, a few times at most; an error a worker reports while
 loading fails the start. Starting, watching and restarting worlds is ``model_runtime.pool.supervisor``.
 """
@@ -142,6 +144,8 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
         self._loaded: LoadedFiles | None = None
         self._restarting = False  # one restart loop at a time
         self._restart_thread: threading.Thread | None = None  # the last restart loop (close() waits for it)
+        # (when a use of the pool may try again, the pause) after the thread limit refused the restart loop's thread
+        self._restart_refused: tuple[float, float] | None = None
         self._readers: list[threading.Thread] = []  # the worlds' reply readers still running (close() waits for them)
         self._hashes: list[threading.Thread] = []  # the updates' hashes for restarts still running (close() stops them)
 
@@ -182,6 +186,7 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
         if group is not None and not 0 <= group < self.dims.dp:  # -1 would count as the last and never be sent
             raise ValueError(f"group {group} is not one of this pool's {self.dims.dp} data-parallel groups")
         if not self._alive:
+            self._retry_refused_restart()
             raise BackendUnavailableError("the worker pool is restarting after a worker failure")
         return self._run(sequences, group)
 
@@ -209,7 +214,10 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
 
     def is_alive(self) -> bool:
         world = self._world
-        return self._alive and world is not None and not world.failed and world.all_running()
+        alive = self._alive and world is not None and not world.failed and world.all_running()
+        if not alive:  # the service asks before each submit and each readiness check
+            self._retry_refused_restart()
+        return alive
 
     def close(self) -> None:
         self._closed.set()

@@ -6,11 +6,13 @@ worker lost meanwhile); a reader thread per world delivers the leaders' replies
 to the rows waiting for them and turns a closed pipe, an exited process or a row past its time
 bound into a failure of the whole world: its rows fail with ``BackendUnavailableError`` and a
 restart loop starts worlds (after checking the loaded checkpoint is unchanged) until one has
-scored a warm-up pass. ``Supervisor`` is a part of ``pool.WorkerPool``: it uses the pool's
-``dims``, ``_start_fields``, ``_generation``, ``_world``, ``_starting``, ``_pending``,
-``_loaded``, ``_alive``, ``_closed``, ``_readers``, ``_restarting``, ``_restart_thread``,
-``_restarts``, ``restart_error``, ``prefix_rounding``, ``_seconds_per_cost``, ``start_timeout_s``,
-``join_timeout_s``, ``_lock`` and ``warm_up``.
+scored a warm-up pass; a restart loop whose thread the process's thread limit refused is started
+again by a later use of the pool (a submit, a readiness check), after a pause. ``Supervisor`` is a
+part of ``pool.WorkerPool``: it uses the pool's ``dims``, ``_start_fields``, ``_generation``,
+``_world``, ``_starting``, ``_pending``, ``_loaded``, ``_alive``, ``_closed``, ``_readers``,
+``_restarting``, ``_restart_thread``, ``_restart_refused``, ``_restarts``, ``restart_error``,
+``prefix_rounding``, ``_seconds_per_cost``, ``start_timeout_s``, ``join_timeout_s``, ``_lock`` and
+``warm_up``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ FIRST_WORLD_ATTEMPTS = 3
 # host's memory) is not loaded back to back while what the lost one held is still being freed.
 FIRST_WORLD_PAUSE_S = 2.0
 CLOSED_WHILE_STARTING = "the worker pool was closed while starting"  # close() ended the start's wait
+# Pause between restart attempts (a failed world, a refused restart thread), doubled each time up to the most.
+RESTART_PAUSE_S = 1.0
+RESTART_PAUSE_MAX_S = 30.0
 
 
 class WorkerLost(BackendUnavailableError):
@@ -251,7 +256,7 @@ class Supervisor:
                 self._restarting = False
 
     def _restart_until_up(self) -> None:
-        delay = 1.0
+        delay = RESTART_PAUSE_S
         while not self._closed.is_set():
             try:
                 self._check_checkpoint_unchanged()
@@ -282,7 +287,7 @@ class Supervisor:
                     world.stop(graceful=False)
                 if self._closed.wait(delay):  # close() during the backoff: no line after it returns
                     break
-                delay = min(30.0, delay * 2)
+                delay = min(RESTART_PAUSE_MAX_S, delay * 2)
         log.info("worker pool restart abandoned: the pool is shutting down")
 
     def _on_world_failure(self, world: WorkerWorld, reason: str) -> None:
@@ -298,16 +303,47 @@ class Supervisor:
         self._fail_pending(world.generation, f"a worker failed ({reason}); the pool is restarting")
         world.stop(graceful=False)
         if restart:
-            thread = threading.Thread(target=self._restart_loop, name="pool-restart", daemon=True)
-            with self._lock:  # close() reads it under the lock: never one it could join before its start
-                try:
-                    thread.start()
-                except RuntimeError as error:  # the process's thread limit: no restart loop to wait for
-                    self._restarting = False
-                    log.error("worker pool generation %d: its restart could not start (%s); the pool stays down "
-                              "until packscore is restarted", world.generation, error)
-                    return
-                self._restart_thread = thread
+            self._start_restart_loop(world.generation)
+
+    def _start_restart_loop(self, generation: int) -> None:
+        """Starts the restart loop the caller marked ``_restarting``. Where the process's thread limit
+        refuses its thread, the pool stays down and its next use tries again (``_retry_refused_restart``)."""
+        thread = threading.Thread(target=self._restart_loop, name="pool-restart", daemon=True)
+        with self._lock:  # close() reads it under the lock: never one it could join before its start
+            refused, why = self._restart_refused, None
+            if self._closed.is_set():  # close() read no thread to join: none may start now
+                self._restarting = False
+                return
+            self.restart_error = None  # before the start: the loop may set its own at once
+            try:
+                thread.start()
+            except RuntimeError as error:  # the process's thread limit: no restart loop to wait for
+                self._restarting, why = False, error
+                pause = min(RESTART_PAUSE_MAX_S, 2 * refused[1]) if refused else RESTART_PAUSE_S
+                self._restart_refused = (time.monotonic() + pause, pause)
+                self.restart_error = (f"no thread could be started for the restart ({error}); the server is at "
+                                      f"its thread limit (next attempt at the pool's next use, in {pause:g}s at the "
+                                      "earliest)")
+            else:
+                self._restart_thread, self._restart_refused = thread, None
+        if why is not None:
+            log.error("worker pool generation %d: its restart could not start (%s); the pool stays down and its "
+                      "next use tries again, in %gs at the earliest", generation, why, pause)
+        elif refused is not None:
+            log.info("worker pool generation %d: its restart started, after its thread was refused", generation)
+
+    def _retry_refused_restart(self) -> None:
+        """Starts the restart loop again where the thread limit refused it, the pool is not closed
+        and the pause after that refusal has passed; a use of the pool (``is_alive``, ``score_row``)
+        calls it while the pool is down."""
+        if self._restart_refused is None:  # read unlocked: the pool's usual state, checked under the lock below
+            return
+        with self._lock:
+            retry = (self._restart_refused is not None and time.monotonic() >= self._restart_refused[0]
+                     and not self._restarting and not self._closed.is_set())
+            self._restarting = self._restarting or retry
+        if retry:
+            self._start_restart_loop(self._generation)
 
     def _fail_pending(self, generation: int, reason: str) -> None:
         with self._lock:

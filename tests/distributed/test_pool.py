@@ -453,3 +453,40 @@ def test_close_during_a_restart_returns_once_the_restart_loop_has_ended(caplog):
     restart = pool._restart_thread
     assert restart is not None and not restart.is_alive(), "the restart loop outlived close()"
     assert "worker pool restart abandoned" in caplog.text, caplog.text[-2000:]
+
+
+def test_a_restart_whose_thread_was_refused_is_started_by_the_pools_next_use(local, monkeypatch, caplog):
+    """The process's thread limit refusing the restart loop's thread left the pool down (503, /readyz
+    not ready) until packscore was restarted: the next use of the pool past a pause starts it."""
+    caplog.set_level(logging.INFO, logger="model_runtime.pool.supervisor")
+    pool = start_pool({**BASE, "world_size": 1, "sp": 1, "fsdp": False})
+    try:
+        (row,) = rows(pool.info.vocab_size, 1, seed=3)
+        refused: list[threading.Thread] = []
+        real_start = threading.Thread.start
+
+        def start(thread: threading.Thread) -> None:
+            if thread.name == "pool-restart" and not refused:  # the first restart loop only
+                refused.append(thread)
+                raise RuntimeError("can't start new thread")
+            real_start(thread)
+
+        monkeypatch.setattr(threading.Thread, "start", start)
+        os.kill(pool.worker_pids()[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not refused or pool._restarting:
+            assert time.monotonic() < deadline, "the killed worker's failure refused no restart loop"
+            time.sleep(0.01)
+        why = pool.restart_error  # /readyz says restart_failed, /score's 503 names it
+        with pytest.raises(BackendUnavailableError):
+            pool.score_row(row)
+        deadline = time.monotonic() + 90
+        while not pool.is_alive():  # the service's submit and readiness check ask this
+            assert time.monotonic() < deadline, f"the pool did not come back within 90s: {pool.restart_error}"
+            time.sleep(0.2)
+        assert pool.restarts == 1 and pool.restart_error is None
+        assert why is not None and "thread limit" in why, why
+        assert "its restart started, after its thread was refused" in caplog.text, caplog.text[-2000:]
+        assert_same(pool.score_row(row), local.score_row(row), "after the refused restart")
+    finally:
+        pool.close()

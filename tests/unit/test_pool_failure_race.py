@@ -65,6 +65,7 @@ def bare_pool(timeout_s: float = 600.0) -> WorkerPool:
     pool._closed = threading.Event()
     pool._closed.set()  # no restart thread
     pool._restart_thread = None
+    pool._restart_refused = None
     pool._readers = []
     pool._hashes = []
     pool._restarting = False

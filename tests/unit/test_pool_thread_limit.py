@@ -7,10 +7,13 @@ import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 
 from model_runtime.pool.pool import WorkerPool
 from model_runtime.pool.procs import WorkerWorld
+from model_runtime.scoring.backend import BackendUnavailableError
+from model_runtime.types import SequenceInput
 
 
 @pytest.fixture
@@ -58,7 +61,10 @@ def test_a_world_without_its_reader_never_serves(refuse, monkeypatch):
     pool.close()
 
 
-def test_a_restart_loop_that_cannot_start_leaves_the_pool_down_and_closable(refuse, caplog):
+def test_a_refused_restart_loop_is_started_again_by_a_use_of_the_pool_after_a_pause(refuse, caplog, monkeypatch):
+    """Refused, the restart loop's thread left the pool down until packscore was restarted: now the
+    pool stays down, saying why, until a use of it past the pause starts the loop (the real restart
+    that follows is tests/distributed/test_pool.py's)."""
     pool = WorkerPool({"world_size": 1, "device": "cpu"})
     world = WorkerWorld(1, pool.dims)
     world.procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
@@ -68,7 +74,21 @@ def test_a_restart_loop_that_cannot_start_leaves_the_pool_down_and_closable(refu
         with caplog.at_level(logging.ERROR, logger="model_runtime.pool.supervisor"):
             pool._on_world_failure(world, "worker rank 0 exited (status -9)")
         assert not pool._alive and pool._restart_thread is None and not pool._restarting
-        assert "its restart could not start" in caplog.text, caplog.text
+        assert "its restart could not start" in caplog.text and "its next use tries again" in caplog.text, caplog.text
+        assert "thread limit" in pool.restart_error, pool.restart_error  # /readyz's restart_failed, /score's 503
+        assert not pool.is_alive() and pool._restart_thread is None, "a use within the pause tried again"
+        pool._restart_refused = (0.0, pool._restart_refused[1])  # the pause has passed
+        pool._vocab_size = 16  # what start() reads from the workers
+        with pytest.raises(BackendUnavailableError):
+            pool.score_row([SequenceInput(np.arange(4))])  # refused again: the pause doubles
+        assert pool._restart_refused[1] == 2.0 and pool._restart_thread is None and not pool._restarting
+        monkeypatch.undo()  # threads start again
+        ran = threading.Event()
+        monkeypatch.setattr(pool, "_restart_until_up", ran.set)
+        pool._restart_refused = (0.0, pool._restart_refused[1])
+        assert not pool.is_alive()
+        assert ran.wait(10.0), "the next use of the pool started no restart loop"
+        assert pool._restart_thread is not None and pool._restart_refused is None and pool.restart_error is None
         pool.close()  # raised "cannot join thread before it is started"
     finally:
         world.stop(graceful=False)
