@@ -323,8 +323,8 @@ class ScoreClient(_Base):
 
     def wait_ready(self, timeout_s: float = 600.0) -> dict:
         """Polls /readyz once a second until the server is ready, and returns its body. No server
-        yet, a 503 or a gateway's 502/504 is not ready yet; ``failed`` or ``restart_failed`` raises
-        ``ScoreError`` 503 at once; after ``timeout_s``, ``ScoreError`` 0 ``not_ready``."""
+        yet, a 503 or a gateway's 502/504 is not ready yet; ``failed`` or ``restart_failed`` (wanting
+        an operator) raises ``ScoreError`` 503 at once; after ``timeout_s``, ``ScoreError`` 0 ``not_ready``."""
         return self._drive(self._p.readiness_wait(timeout_s, _DISCOVERY_TIMEOUT_S))
 
     def update_weights(self, model: str | None, path: str, version: str | None = None, *,

@@ -327,10 +327,10 @@ class Protocol:
     def readiness_wait(self, timeout_s: float, request_timeout_s: float) -> Generator[tuple[str, float] | float, Any, dict]:
         """GET /readyz until ready, as ``exchange`` drives /score: yields ``("/readyz", timeout)``
         for a GET (send back its response, or the exception that replaced it) and a float to sleep,
-        once a second. Not ready yet: no server, a 503, a gateway's 502 or 504. A status the server
-        does not leave by itself (``failed``, ``restart_failed``) raises ScoreError 503 at once;
-        ``timeout_s`` passed, ScoreError 0 ``not_ready`` naming the last status. Returns the
-        ready body, whose limits the protocol learns."""
+        once a second. Not ready yet: no server, a 503, a gateway's 502 or 504. A status that wants an
+        operator (``failed``; ``restart_failed``, which the server retries but seldom heals) raises
+        ScoreError 503 at once; ``timeout_s`` passed, ScoreError 0 ``not_ready`` naming the last
+        status. Returns the ready body, whose limits the protocol learns."""
         end = time.monotonic() + timeout_s
         while True:
             outcome = yield ("/readyz", max(0.1, min(request_timeout_s, end - time.monotonic())))
@@ -343,7 +343,7 @@ class Protocol:
                     return body
                 last = str(body["status"])
                 if last in GIVEN_UP:
-                    raise ScoreError(503, "not_ready", f"{self.base_url} is not ready and will not be by itself: {last}")
+                    raise ScoreError(503, "not_ready", f"{self.base_url} is not ready and wants an operator: {last}")
             left = end - time.monotonic()
             if left <= 0:
                 raise ScoreError(0, "not_ready", f"{self.base_url} was not ready after {timeout_s:g}s (last: {last})")
