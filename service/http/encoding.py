@@ -177,8 +177,9 @@ def _bin(array: np.ndarray, dtype: str) -> bytes:
 def encode_score_response(body: dict, encoding: Encoding) -> bytes:
     """Encodes a /score answer whose results hold numpy arrays.
 
-    JSON: plain (nested) lists. msgpack: ``logprobs`` / ``entropy`` / ``top_k_logprobs`` as
-    float32 bins, ``top_k_ids`` as an int32 bin, top-k flattened row-major ``[n_scored, k]``.
+    JSON: plain (nested) lists, float32 numbers in float32's shortest form. msgpack: ``logprobs`` /
+    ``entropy`` / ``top_k_logprobs`` as float32 bins, ``top_k_ids`` as an int32 bin, top-k flattened
+    row-major ``[n_scored, k]``, the ``mismatch`` figures as doubles.
     """
     if encoding == "json":
         return encode_json(body)
@@ -190,7 +191,7 @@ def encode_score_response(body: dict, encoding: Encoding) -> bytes:
         if "top_k_ids" in result:
             packed["top_k_ids"] = _bin(result["top_k_ids"], "<i4")
             packed["top_k_logprobs"] = _bin(result["top_k_logprobs"], "<f4")
-        if "mismatch" in result:
-            packed["mismatch"] = result["mismatch"]
+        if "mismatch" in result:  # float32 figures as msgpack doubles (msgpack has no numpy scalars)
+            packed["mismatch"] = {name: float(value) for name, value in result["mismatch"].items()}
         results.append(packed)
     return msgpack.packb({**body, "results": results}, use_bin_type=True)

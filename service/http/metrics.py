@@ -8,7 +8,7 @@ only together with those.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping, SupportsFloat
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 from prometheus_client import disable_created_metrics
@@ -249,10 +249,11 @@ class Metrics:
     def for_model(self, name: str) -> ModelMetrics:
         return ModelMetrics(*(getattr(self, f).labels(model=name) for f in ModelMetrics.__dataclass_fields__))
 
-    def observe_mismatch(self, model: str, figures: dict[str, float]) -> None:
+    def observe_mismatch(self, model: str, figures: Mapping[str, SupportsFloat]) -> None:
         for histogram, name in ((self.rollout_mean_abs_diff, "mean_abs_diff"), (self.rollout_max_abs_diff, "max_abs_diff"),
                                 (self.rollout_k3_kl, "k3_kl")):
-            histogram.labels(model=model).observe(min(figures[name], _MISMATCH_OBSERVED_MAX))
+            # a Python float: a float32 figure would turn the histogram's float sum into float32
+            histogram.labels(model=model).observe(min(float(figures[name]), _MISMATCH_OBSERVED_MAX))
 
     def describe_model(self, info: ModelInfo, served_name: str) -> None:
         """The model's info series (again after a weight update: its weights_version changed), and its

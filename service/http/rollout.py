@@ -5,16 +5,16 @@ from __future__ import annotations
 import numpy as np
 
 _LARGEST = float(np.finfo(np.float32).max)
-_ZERO = {"mean_abs_diff": 0.0, "max_abs_diff": 0.0, "k3_kl": 0.0}
+_ZERO = {name: np.float32(0.0) for name in ("mean_abs_diff", "max_abs_diff", "k3_kl")}
 
 
-def mismatch(logprobs: np.ndarray, rollout: np.ndarray) -> dict[str, float]:
+def mismatch(logprobs: np.ndarray, rollout: np.ndarray) -> dict[str, np.float32]:
     """``d = logprobs - rollout`` in float64 (both float32 ``[n_scored]``): mean and max ``|d|`` and
     ``k3_kl = mean(exp(d) - 1 - d)``, the k3 estimate of KL(rollout || served model) from the
-    rollout's own samples, each rounded to float32 as every number of the answer is (API.md). All
-    zero for an empty scored range.
+    rollout's own samples, each a float32 as every number of the answer is (API.md), so that JSON
+    prints it as it prints the log-probs (float32's shortest form). All zero for an empty scored range.
 
-    >>> mismatch(np.array([-1.0], np.float32), np.array([-1.5], np.float32))["max_abs_diff"]
+    >>> float(mismatch(np.array([-1.0], np.float32), np.array([-1.5], np.float32))["max_abs_diff"])
     0.5
     """
     if logprobs.shape != rollout.shape:
@@ -28,4 +28,4 @@ def mismatch(logprobs: np.ndarray, rollout: np.ndarray) -> dict[str, float]:
     # A rollout log-prob far below the model's overflows exp(d): JSON has no infinity, so a figure
     # past float32's range is its largest value, as log 0 is its lowest.
     figures = {"mean_abs_diff": abs_d.mean(), "max_abs_diff": abs_d.max(), "k3_kl": k3}
-    return {name: float(np.float32(min(float(value), _LARGEST))) for name, value in figures.items()}
+    return {name: np.float32(min(float(value), _LARGEST)) for name, value in figures.items()}

@@ -428,6 +428,8 @@ def test_offline_scoring_takes_a_null_id_and_answers_rollout_mismatch(monkeypatc
     assert (first["id"], second["id"]) == ("line-1", "line-2") and "mismatch" not in second
     want = mismatch(expected_scores(SequenceInput(np.array([1, 2, 3, 4]), 2)).logprobs, np.float32(rollout))
     assert first["mismatch"] == pytest.approx(want), (first["mismatch"], want)
+    line = out.read_text().splitlines()[0]  # float32's shortest form, as the server's JSON prints it
+    assert all(f'"{key}":{str(np.float32(value))}' in line for key, value in want.items()), (line, want)
 
 
 def test_offline_scoring_holds_the_servers_sequence_limit(monkeypatch, tmp_path, capsys):

@@ -4,6 +4,7 @@ loop, their Prometheus histograms, and the 422s of bad ``rollout_logprobs``."""
 import asyncio
 import json
 import math
+import re
 
 import msgpack
 import numpy as np
@@ -101,7 +102,9 @@ def test_rollout_logprobs_give_mismatch_figures(encoding):
             continue
         want = _mismatch_reference(expected_logprobs(seq), rollout)
         for key, value in want.items():
-            assert result["mismatch"][key] == float(np.float32(value)), f"{seq['id']} {key}: {result['mismatch'][key]} vs {value}"
+            # float32, as every number of the answer: JSON's shortest form and msgpack's double both cast back to it
+            got = np.float32(result["mismatch"][key])
+            assert got == np.float32(value), f"{seq['id']} {key}: {result['mismatch'][key]} vs {value}"
     assert results[1]["mismatch"] == {"mean_abs_diff": 0.0, "max_abs_diff": 0.0, "k3_kl": 0.0}
     # "b" scores nothing: its zeros are in its answer but not in the histograms
     assert 'packscore_rollout_k3_kl_count{model="fake-model"} 1.0' in metrics.text
@@ -133,3 +136,36 @@ def test_bad_rollout_logprobs_are_422_naming_the_field():
         assert out[name].json()["error"]["param"] == param, (name, out[name].json())
     assert out["bin"].status_code == 422 and out["bin"].json()["error"]["param"] == "sequences[0].rollout_logprobs"
     assert out["bin-inf"].status_code == 422 and out["bin-inf"].json()["error"]["param"] == "sequences[0].rollout_logprobs[1]"
+
+
+def test_json_answers_print_mismatch_figures_in_float32s_shortest_form():
+    """API.md: every number of the answer is float32: a figure's JSON text is float32's shortest form
+    (as the log-probs' is), not the float64 digits of that float32 (0.1 and not 0.10000000149011612)."""
+    seq = {"id": "a", "input_ids": [3, 9, 27, 81, 5], "score_from": 1}
+    rollout = (expected_logprobs(seq) + np.float32([0.1, -0.3, 0.7, 0.2])).astype(np.float32)
+
+    async def main():
+        async with running_app(create_app(Settings(), FakeBackend())) as client:
+            return await client.post("/score", json={"sequences": [{**seq, "rollout_logprobs": rollout.tolist()}]})
+
+    response = asyncio.run(main())
+    assert response.status_code == 200, response.text
+    figures = response.json()["results"][0]["mismatch"]
+    for key, value in figures.items():
+        text = re.search(rf'"{key}":([^,}}]+)', response.text).group(1)
+        assert text == str(np.float32(value)), f"{key}: {text} in the JSON, float32's shortest form is {str(np.float32(value))}"
+        assert len(text) < len(repr(float(np.float32(value)))), f"{key}: {text} is not shorter than float64's digits"
+
+
+def test_float32_figures_leave_the_histograms_sums_in_float64():
+    from service.http.metrics import Metrics
+
+    metrics = Metrics()
+    # a large figure then a small one: a float32 sum would drop most of the small one's digits
+    observed = [mismatch(np.array([-1.0], np.float32), np.array([r], np.float32)) for r in (-301.0, -1.001)]
+    for figures in observed:
+        metrics.observe_mismatch("m", figures)
+    sums = {s.name: s.value for family in text_string_to_metric_families(metrics.render().decode())
+            for s in family.samples if s.name.startswith("packscore_rollout_") and s.name.endswith("_sum")}
+    want = sum(float(figures["max_abs_diff"]) for figures in observed)  # summed as Python floats
+    assert sums["packscore_rollout_max_abs_diff_sum"] == want, (sums, want)
