@@ -36,7 +36,8 @@ def resolve_model_source(spec: str, revision: str | None) -> str:
     """A preset name or an existing directory unchanged; a hub id -> its snapshot directory.
 
     ``revision`` (branch, tag or commit) applies to hub ids only. Raises ``ModelSourceError``
-    naming the cache searched when the hub id is not cached and the hub cannot be used.
+    naming the cache searched when the hub id is not cached and the hub cannot be used, and naming
+    the hub id when its snapshot lacks config.json or every ``*.safetensors`` (a partial download).
     """
     from model_runtime.scoring.presets import PRESETS
 
@@ -88,6 +89,14 @@ def resolve_model_source(spec: str, revision: str | None) -> str:
         ) from None
     if not (Path(path) / "config.json").is_file():
         raise ModelSourceError(f"--model {where}: the snapshot {path} has no config.json (not a transformers checkpoint)")
+    # is_file: a link whose blob is gone holds no weights either
+    if not any(p.is_file() for p in Path(path).glob("*.safetensors")):
+        again = f"hf download {spec}" + (f" --revision {revision}" if revision else "")
+        raise ModelSourceError(
+            f"--model {where}: the cached snapshot {path} has no *.safetensors weights, likely an incomplete download "
+            f"(or the repository has none: packscore loads safetensors only); download it where the hub is reachable "
+            f"(`{again}`, same HF_HOME) or pass a checkpoint directory"
+        )
     log.info("%s is %s", where, path)
     return path
 

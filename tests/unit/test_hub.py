@@ -63,3 +63,21 @@ def test_the_served_name_of_a_hub_id_is_the_hub_id(hub_cache):
     out = _run(code, cache, REPO)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == [str(snapshot), REPO]
+
+
+def test_a_hub_id_cached_without_its_safetensors_is_refused_naming_the_hub_id(hub_cache, tmp_path):
+    """A partial download (or HF_HUB_OFFLINE with only config.json cached) is refused while resolving,
+    naming the hub id and what to do, not later as a snapshot path that 'has no *.safetensors'."""
+    cache, snapshot = hub_cache
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    (config_only / "config.json").write_bytes((snapshot / "config.json").read_bytes())
+    as_hub_cache(config_only, cache, "acme/partial")
+    cli = "import sys; from service.cli import main; sys.exit(main(sys.argv[1:]))"
+    for revision, again in (([], "`hf download acme/partial`"), (["--revision", "main"], "`hf download acme/partial --revision main`")):
+        out = _run(cli, cache, "serve", "--model", "acme/partial", *revision, "--port", "0")
+        assert out.returncode == 2, (out.returncode, out.stderr)
+        errors = [line for line in out.stderr.splitlines() if "error" in line]
+        assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr
+        assert "--model acme/partial (revision main)" in errors[0] and "no *.safetensors weights" in errors[0], errors[0]
+        assert "incomplete download" in errors[0] and again in errors[0] and "checkpoint directory" in errors[0], errors[0]
