@@ -73,8 +73,9 @@ def _add_options(parser: argparse.ArgumentParser, names: Sequence[str], *, one_m
         option = "--" + name.replace("_", "-")
         shown_default = "" if field.default is None else f"; default {field.default}"
         description = field.description
-        if one_model and name == "model":  # offline scoring runs one model
-            description = description.split("; several models:")[0]
+        if one_model and name == "model":  # offline scoring runs one model, named as serve names one
+            description = (description.split("; several models:")[0] + "; NAME=PATH_OR_PRESET writes NAME in each "
+                           "result line's model field, as --served-model-name does")
         if one_model and name == "served_model_name":  # offline, no client: the name goes into OUT
             description = "name written in each result line's model field (default: the model's)"
         # argparse formats help with %: a literal one in a description must reach it doubled

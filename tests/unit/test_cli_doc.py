@@ -35,3 +35,19 @@ def test_the_model_options_the_offline_section_lists_are_scores():
     assert listed, "docs/cli.md: the offline section no longer lists the model options score takes"
     documented = {name.replace("[no-]", "") for name in re.findall(r"`(--[\[\]a-z-]+)`", listed.group(1))}
     assert documented == {"--" + name.replace("_", "-") for name in cli._MODEL_OPTIONS}
+
+
+def test_score_documents_the_named_model_form_it_takes(tmp_path):
+    """score parses --model as serve does: NAME=PATH_OR_PRESET names its one model, so NAME is each result
+    line's model, as --served-model-name makes it; its help and the offline section say so."""
+    import orjson
+
+    help_text = _help("score", "--model")
+    assert "NAME=PATH_OR_PRESET" in help_text and "model field" in help_text, help_text
+    offline = DOC[DOC.index("## Offline scoring"):]
+    assert "`NAME=PATH_OR_PRESET`" in offline and "`--model NAME=...`" in offline, offline[:2000]
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(b'{"id": "a", "input_ids": [1, 2, 3]}\n')
+    assert cli.main(["score", str(source), "-o", str(out), "--model", "policy=tiny"]) == 0
+    (line,) = out.read_bytes().splitlines()
+    assert orjson.loads(line)["model"] == "policy", line
