@@ -166,6 +166,9 @@ def parse_settings(argv: Sequence[str] | None = None) -> tuple[argparse.Namespac
         if field not in given and f"PACKSCORE_{field.upper()}" in os.environ:
             where += f" (from PACKSCORE_{field.upper()})"  # the value came from the environment
         parser.error(f"{where}: {reason}")
+    if args.command == "score" and len(specs := settings.model_specs()) > 1:  # before any hub id downloads
+        reason = f"--model: packscore score scores with one model, not {len(specs)} ({', '.join(specs)}); give one --model"
+        parser.error(reason + _from_environment(reason, given))
     return args, settings
 
 
@@ -221,11 +224,8 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
         return 2
     if args.command == "serve":
         return serve(settings, record)
-    specs = settings.model_specs()
-    if len(specs) > 1:
-        print("packscore: error: packscore score scores with one model; give one --model", file=sys.stderr)
-        return 2
-    settings = settings.for_model(*next(iter(specs.items())))
+    (spec,) = settings.model_specs().items()  # several were refused by parse_settings
+    settings = settings.for_model(*spec)
     from service.offline import score_file
 
     return score_file(settings, args.input, args.output)
