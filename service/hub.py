@@ -70,6 +70,7 @@ def resolve_model_source(spec: str, revision: str | None) -> str:
 
     cache, rev = constants.HF_HUB_CACHE, revision or constants.DEFAULT_REVISION
     where = f"{spec} (revision {rev})"  # not spec@rev: --model takes no such form
+    again = f"hf download {spec}" + (f" --revision {revision}" if revision else "")  # what fetches it
     log.info("resolving %s through the Hugging Face cache %s%s", where, cache,
              " (HF_HUB_OFFLINE: cache only)" if constants.HF_HUB_OFFLINE else "")
     try:
@@ -85,13 +86,12 @@ def resolve_model_source(spec: str, revision: str | None) -> str:
         reason = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else f"the hub cannot be used ({_first_line(exc)})"
         raise ModelSourceError(
             f"--model {where}: no such directory, not in the Hugging Face cache {cache}, and {reason}; download it where "
-            f"the hub is reachable (`hf download {spec}`, same HF_HOME) or pass a checkpoint directory"
+            f"the hub is reachable (`{again}`, same HF_HOME) or pass a checkpoint directory"
         ) from None
     if not (Path(path) / "config.json").is_file():
         raise ModelSourceError(f"--model {where}: the snapshot {path} has no config.json (not a transformers checkpoint)")
     # is_file: a link whose blob is gone holds no weights either
     if not any(p.is_file() for p in Path(path).glob("*.safetensors")):
-        again = f"hf download {spec}" + (f" --revision {revision}" if revision else "")
         raise ModelSourceError(
             f"--model {where}: the cached snapshot {path} has no *.safetensors weights, likely an incomplete download "
             f"(or the repository has none: packscore loads safetensors only); download it where the hub is reachable "

@@ -48,6 +48,7 @@ def test_an_uncached_hub_id_offline_is_one_clear_line_and_exit_2(hub_cache, tmp_
         errors = [line for line in out.stderr.splitlines() if "error" in line]
         assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr
         assert str(cache) in errors[0] and model in errors[0] and "HF_HUB_OFFLINE" in errors[0], errors[0]
+        assert f"`hf download {model}{' --revision v9' if revision else ''}`" in errors[0], errors[0]
     out = _run(cli, cache, "serve", "--model", "not a model")
     assert out.returncode == 2 and "hub id (ORG/NAME)" in out.stderr, out.stderr
     # ORG/NAME in form, but a name the hub never gives (a local path mistyped): not a directory either
