@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Callable
 
 from service.settings import Settings
@@ -24,6 +25,11 @@ class BackendLoader:
         self._lock = threading.Lock()
         self._pool = None
         self._aborted = False
+
+    @property
+    def name(self) -> str:
+        """The name it is served under, as the loaded model will say it (a checkpoint directory's name, a preset's)."""
+        return self.settings.served_model_name or Path(self.settings.model).name
 
     def __call__(self):
         if not self.settings.uses_worker_pool:

@@ -8,7 +8,7 @@ Lifecycle (phases):  loading [-> awaiting_weights] -> warming_up -> probing -> r
 waits, not ready, until a weight update of every such model succeeds (``Service.release``).
 
 Loading and warm-up run in threads so that /healthz answers and /readyz says why it is not
-ready yet. Readiness is a real scoring pass through the scheduler, repeated when no forward has
+ready yet; the log says when each begins and, while it runs on, that it still does. Readiness is a real scoring pass through the scheduler, repeated when no forward has
 succeeded recently or after the backend reported a failure.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import itertools
 import logging
 import threading
 import time
@@ -57,6 +58,26 @@ _FIRST_PASS_ATTEMPTS = 3
 
 
 _LOAD_THREAD = "packscore-load"
+# A load or a warm-up running longer says so this often: the log is not silent for minutes (a 9B on an empty cache)
+_STILL_EVERY_S = 30.0
+
+
+async def _saying_while(doing: str, name: str, awaitable):
+    """Awaits ``awaitable``, logging "still DOING NAME: 30 s" each _STILL_EVERY_S while it runs, on the loop
+    (no thread); no line once it ended."""
+    running = asyncio.ensure_future(awaitable)
+
+    async def say():
+        for n in itertools.count(1):
+            await asyncio.sleep(_STILL_EVERY_S)
+            if not running.done():
+                log.info("still %s %s: %g s", doing, name, n * _STILL_EVERY_S)
+
+    saying = asyncio.create_task(say(), name="packscore-still")
+    try:
+        return await running
+    finally:
+        saying.cancel()
 
 
 def in_load_thread(fn: Callable, *args, ended: Callable[[Any, BaseException | None], None] | None = None) -> asyncio.Future:
@@ -208,7 +229,7 @@ class Service:
     async def _start(self) -> None:
         try:
             for key, source in self._backend_sources.items():
-                backend = source if hasattr(source, "score_row") else await self._load(source)
+                backend = source if hasattr(source, "score_row") else await self._load(source, key)
                 self._configure(key, backend)
             if self.record is not None:
                 await self._restore_recorded(self.record)
@@ -244,10 +265,11 @@ class Service:
             if self.phase != "draining":
                 self.phase = "failed"
 
-    async def _load(self, source: Callable[[], ScoringBackend]) -> ScoringBackend:
+    async def _load(self, source: Callable[[], ScoringBackend], key: str | None) -> ScoringBackend:
         self._loading = source
+        name = key or getattr(source, "name", None) or self.settings.served_model_name or "the model"
         try:
-            return await in_load_thread(source)
+            return await _saying_while("loading", name, in_load_thread(source))
         finally:
             self._loading = None
 
@@ -258,9 +280,10 @@ class Service:
         try:
             for model in self.models.values():
                 started = time.perf_counter()
+                log.info("warming up %s: %s", model.name, self._warm_up_does(model))
                 # On the thread the forwards run on: what the warm-up builds per thread (cuDNN's
                 # attention plans) is then there for every request.
-                await model.scheduler.run_on_forward_thread(model.backend.warm_up)
+                await _saying_while("warming up", model.name, model.scheduler.run_on_forward_thread(model.backend.warm_up))
                 log.info("warm-up of %s took %.1fs", model.name, time.perf_counter() - started)
             self._advance("probing")
             await self._run_probe(_PROBE_TIMEOUT_S + 1)  # the pass bounds itself
@@ -273,6 +296,15 @@ class Service:
                 raise
             log.warning("a worker failed before the first readiness pass (%s); waiting for its pool to restart", exc)
             return False
+
+    def _warm_up_does(self, model: ServedModel) -> str:
+        """What the warm-up line says it does (docs/gpu.md: "The first start warms up")."""
+        if model.backend.info.device != "cuda":
+            return "one short scoring pass (nothing to compile)"
+        cache = self.settings.triton_cache_dir
+        kept = f"those already in {cache} are not compiled again" if cache else \
+            "--triton-cache-dir keeps them for the next start"
+        return f"compiling and running its kernels for the served shapes (about a minute with an empty kernel cache; {kept})"
 
     def _restarting_models(self) -> list[ServedModel]:
         """Served models whose worker pool is down and restarts itself (it has a restart count)."""

@@ -48,7 +48,7 @@ class LoadedModel:
 
     @property
     def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
+        return _dtype_name(self.dtype)
 
     def runs_family(self, family: str) -> bool:
         """Whether this model calls the kernel family: a dense model runs no ``moe_*`` family."""
@@ -63,6 +63,18 @@ class LoadedModel:
     def slow_kernels(self) -> tuple[str, ...]:
         """The families this model runs on a slow reference (``--allow-slow-kernels``)."""
         return tuple(family for family in self.backends.fallbacks if self.runs_family(family))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _on_disk(checked: CheckpointSpec, snapshot: tuple) -> str:
+    """"4 safetensors files, 17.9 GiB": the files checked, sized as ``files_snapshot`` found them (no file is read again)."""
+    sizes = {name: size for name, size, _ in snapshot}
+    total = sum(sizes.get(file.name, 0) for file in checked.files)
+    count = len(checked.files)
+    return f"{count} safetensors file{'' if count == 1 else 's'}, {total / 2**30:.1f} GiB"
 
 
 def default_device() -> torch.device:
@@ -125,6 +137,8 @@ def load_model(
                                expert_gemm=expert_gemm)
     started = time.perf_counter()
     if spec in PRESETS:
+        log.info("loading %s from preset:%s: random weights, as %s on %s", served_name or spec, spec,
+                 _dtype_name(torch_dtype), device)
         hf_kwargs = _hf_kwargs(PRESETS[spec].model_type, moe_implementation)
         hf_model, model_type, version, name = _build_preset(spec, torch_dtype, device, hf_kwargs)
         source, source_files = f"preset:{spec}", None
@@ -136,6 +150,9 @@ def load_model(
             raise FileNotFoundError(f"--model {str(path)!r} is neither a checkpoint directory nor a preset ({known})")
         checked = check_checkpoint(path)  # refuses before a byte of weights is read
         source_files = files_snapshot(path)
+        log.info("loading %s from %s: %s, as %s on %s%s", served_name or path.name, path, _on_disk(checked, source_files),
+                 _dtype_name(torch_dtype), device, " (built empty: each rank reads its own shards once sharded)"
+                 if weights_later else "")
         model_type, max_model_len = checked.model_type, checked.max_model_len
         hf_kwargs = _hf_kwargs(model_type, moe_implementation)
         with ThreadPoolExecutor(1) as hasher:  # xxhash releases the GIL: the hash runs beside the load
@@ -255,7 +272,7 @@ def _load_fp8(checked: CheckpointSpec, dtype: torch.dtype, hf_kwargs: dict):
 
     meta = build_meta_model(checked.config)  # the causal LM class and its (text) config, unquantized
     state_dict = read_dequantized(checked, dtype)
-    log.info("%s: FP8 weights dequantized to %s at load", checked.path, str(dtype).removeprefix("torch."))
+    log.info("%s: FP8 weights dequantized to %s at load", checked.path, _dtype_name(dtype))
     with _loading_bar_on_a_terminal_only():
         return type(meta).from_pretrained(
             None, config=meta.config, state_dict=state_dict, dtype=dtype, output_loading_info=True, **hf_kwargs

@@ -1,0 +1,77 @@
+"""The start's log while a model loads and warms up: a line every ``_STILL_EVERY_S`` while either
+runs on (the log of a 9B's start is otherwise silent for minutes), none once it ended."""
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+
+import pytest
+
+import service.runtime as runtime
+from service.http.app import create_app
+from service.settings import Settings
+from service.testing import FakeBackend, running_app
+
+pytestmark = pytest.mark.usefixtures("no_packscore_env")
+
+_EVERY_S = 0.1
+
+
+class _SlowWarmUp(FakeBackend):
+    def warm_up(self) -> None:
+        time.sleep(2.5 * _EVERY_S)
+
+
+def test_a_slow_load_and_warm_up_say_they_still_run_and_stop_once_ended(monkeypatch, caplog):
+    monkeypatch.setattr(runtime, "_STILL_EVERY_S", _EVERY_S)
+    caplog.set_level(logging.INFO, logger="service.runtime")
+
+    def load():  # a source that takes its time, as a checkpoint read from a network disk does
+        time.sleep(3.5 * _EVERY_S)
+        return _SlowWarmUp()
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "service.runtime"]
+
+    async def main():
+        app = create_app(Settings(served_model_name="slow"), load)
+        async with running_app(app):
+            phase, at_ready = app.state.service.phase, said()
+            await asyncio.sleep(4 * _EVERY_S)  # a line past the end would have come by now
+            return phase, at_ready, said()
+
+    phase, at_ready, at_end = asyncio.run(main())
+    assert phase == "ready", at_end
+    assert at_end == at_ready, at_end  # nothing once both ended
+    loading = [m for m in at_ready if m.startswith("still loading")]
+    warming = [m for m in at_ready if m.startswith("still warming up")]
+    assert loading[:2] == ["still loading slow: 0.1 s", "still loading slow: 0.2 s"], at_ready
+    assert warming[:1] == ["still warming up slow: 0.1 s"], at_ready
+    begins = next(i for i, m in enumerate(at_ready) if m.startswith("warming up slow: "))
+    took = next(i for i, m in enumerate(at_ready) if m.startswith("warm-up of slow took"))
+    # each in its own span: the load's lines before the warm-up began, the warm-up's before it ended
+    assert max(at_ready.index(m) for m in loading) < begins < min(at_ready.index(m) for m in warming), at_ready
+    assert max(at_ready.index(m) for m in warming) < took, at_ready
+    assert at_ready[begins] == "warming up slow: one short scoring pass (nothing to compile)", at_ready
+
+
+
+@pytest.mark.parametrize("cache", [None, "kernels"])
+def test_the_warm_up_line_on_cuda_says_it_compiles_and_what_keeps_the_kernels(tmp_path, caplog, cache):
+    caplog.set_level(logging.INFO, logger="service.runtime")
+    backend = FakeBackend(name="gpu-model")
+    backend.info = replace(backend.info, device="cuda")  # what a GPU's warm-up says, on this machine
+    settings = Settings(triton_cache_dir=tmp_path / cache) if cache else Settings()
+
+    async def main():
+        app = create_app(settings, lambda: backend)
+        async with running_app(app):
+            return app.state.service.phase
+
+    assert asyncio.run(main()) == "ready"
+    kept = f"those already in {tmp_path / cache} are not compiled again" if cache else \
+        "--triton-cache-dir keeps them for the next start"
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warming up ")]
+    assert said == [f"warming up gpu-model: compiling and running its kernels for the served shapes (about a minute "
+                    f"with an empty kernel cache; {kept})"], caplog.text
