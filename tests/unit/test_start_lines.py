@@ -20,7 +20,7 @@ _EVERY_S = 0.1
 
 class _SlowWarmUp(FakeBackend):
     def warm_up(self) -> None:
-        time.sleep(2.5 * _EVERY_S)
+        time.sleep(3.5 * _EVERY_S)
 
 
 def test_a_slow_load_and_warm_up_say_they_still_run_and_stop_once_ended(monkeypatch, caplog):
@@ -28,7 +28,7 @@ def test_a_slow_load_and_warm_up_say_they_still_run_and_stop_once_ended(monkeypa
     caplog.set_level(logging.INFO, logger="service.runtime")
 
     def load():  # a source that takes its time, as a checkpoint read from a network disk does
-        time.sleep(3.5 * _EVERY_S)
+        time.sleep(5.5 * _EVERY_S)  # room for two lines on a loaded machine
         return _SlowWarmUp()
 
     def said() -> list[str]:
