@@ -8,8 +8,9 @@ Lifecycle (phases):  loading [-> awaiting_weights] -> warming_up -> probing -> r
 waits, not ready, until a weight update of every such model succeeds (``Service.release``).
 
 Loading and warm-up run in threads so that /healthz answers and /readyz says why it is not
-ready yet; the log says when each begins and, while it runs on, that it still does. Readiness is a real scoring pass through the scheduler, repeated when no forward has
-succeeded recently or after the backend reported a failure.
+ready yet; the log says when each begins and, while it runs on, that it still does. Readiness is
+a real scoring pass through the scheduler, repeated when no forward has succeeded recently or
+after the backend reported a failure.
 """
 
 from __future__ import annotations
