@@ -26,7 +26,8 @@ uvicorn bounds only the idle time between keep-alive requests. This subclass add
   route reads none, a 401) is closed the same way, not parsed by h11 to its end for a next request.
 
 Each answer the protocol sends itself (400, 408, 503) logs one warning naming its request id, its
-status, the peer and why, without a traceback: these answers pass no access log. Each is counted once
+status, the peer and why (a refused header line by its name alone: its value may be a key), without a
+traceback: these answers pass no access log. Each is counted once
 in ``packscore_requests_total``: by the gate (service/http/app.py) under its route where a request it
 runs has not answered yet (the protocol marks its scope, ``PROTOCOL_ANSWER``), else by ``on_answered``
 (no request's path was read, or its answer was already out). Each connection it closes itself, answered
@@ -36,9 +37,11 @@ service/http/metrics.py).
 
 from __future__ import annotations
 
+import ast
 import fcntl
 import logging
 import os
+import re
 import resource
 import socket
 import struct
@@ -57,6 +60,7 @@ log = logging.getLogger(__name__)
 
 _DESCRIPTOR_RESERVE = 64  # for model files, logs, worker pipes and the event loop itself
 _DONE_STATES = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR)
+_REFUSED_HEADER = re.compile(r"illegal header line: bytearray\((b'.*'|b\".*\")\)", re.DOTALL)  # h11's quote of a line
 # Set in a request's ASGI scope to the status the protocol answered it (408: its body did not arrive in time; 400:
 # its body's framing broke): what the gate counts for it, and a 408's handler counts request_timeout, not a 499.
 PROTOCOL_ANSWER = "packscore.protocol_answer"
@@ -85,6 +89,19 @@ def default_max_connections() -> int:
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 16
     return max(16, soft - in_use - _DESCRIPTOR_RESERVE)
+
+
+def without_header_value(refused: str) -> str:
+    """h11's reason for refusing bytes, a header line it quotes cut to that header's name: its value
+    may be a key (``Authorization: Bearer <key>\\r`` from a key file with a CRLF ending)."""
+    quoted = _REFUSED_HEADER.fullmatch(refused)
+    if quoted is None:
+        return refused
+    line = ast.literal_eval(quoted.group(1))
+    if b":" not in line:
+        return "illegal header line (no ':'; not quoted, it may hold a key)"
+    name = (line.split(b":", 1)[0].split() or [b""])[0][:64].decode("latin-1")
+    return f"illegal header line {name!r} (its value is not logged)"
 
 
 def declared_length(scope: dict) -> int | None:
@@ -300,7 +317,7 @@ class GuardedH11Protocol(H11Protocol):
         self._count_answer(400)
         rid = self._running_id() or new_id()  # a body h11 refused mid-request: that request's id, as its 408's
         # Called from uvicorn's handler of h11's error, which names what is wrong (uvicorn's own line does not).
-        refused = str(sys.exc_info()[1] or msg)
+        refused = without_header_value(str(sys.exc_info()[1] or msg))
         # h11 quotes the offending bytes: a line per client, not a client's 16 KiB of headers
         self._log_answer(400, rid, f"not valid HTTP/1.1: {refused[:200]}{'...' if len(refused) > 200 else ''}")
         self.transport.write(error_bytes(400, "Bad Request", "malformed_request",

@@ -152,3 +152,31 @@ def test_an_upgrade_header_is_served_over_http_1_1_without_a_warning(server, upg
         server.log()
     noisy = [r[3] for r in _records(server) if r[0] == "WARNING" and ("upgrade" in r[3].lower() or "WebSocket" in r[3])]
     assert not noisy, noisy
+
+
+@pytest.mark.parametrize("line, said", [
+    (b"Authorization: Bearer %s\r", "'Authorization' (its value is not logged)"),  # a key file's CRLF, via curl -H
+    (b"Authorization: Bearer %s\x00", "'Authorization' (its value is not logged)"),
+    (b"Authorization : Bearer %s", "'Authorization' (its value is not logged)"),
+    (b"X-Api-Key\x01: %s", "'X-Api-Key\\x01' (its value is not logged)"),
+    (b"Authorization Bearer %s", "(no ':'; not quoted, it may hold a key)"),
+], ids=["carriage-return", "nul", "space-before-colon", "bad-name", "no-colon"])
+def test_a_refused_header_line_is_named_without_its_value(tmp_path, line, said):
+    # h11 quotes the header line it refuses: the 400's line must not write a key into the log
+    key = f"refused-key-{time.monotonic_ns()}"
+    key_file = tmp_path / "key"
+    key_file.write_text(key + "\n")
+    server = SplitStreamsServer(tmp_path, "--api-key-file", str(key_file))
+    try:
+        server.wait_ready()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\n" + line % key.encode() + b"\r\nContent-Length: 0\r\n\r\n")
+            data, _ = read_until_closed(sock, 6)
+        rid = re.search(rb"\r\nx-request-id: (\S+)\r\n", data, re.IGNORECASE).group(1).decode()
+        named = _wait_for(server, lambda records: [r for r in records if r[2] == rid])
+    finally:
+        server.stop()
+    assert data.startswith(b"HTTP/1.1 400 ") and key.encode() not in data, data
+    assert len(named) == 1 and named[0][:2] == ("WARNING", "service.http.protocol"), server.log()
+    assert f"not valid HTTP/1.1: illegal header line {said}" in named[0][3], named
+    assert key not in server.err_path.read_text() + server.log_path.read_text(), server.log()
