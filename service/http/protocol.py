@@ -25,7 +25,8 @@ uvicorn bounds only the idle time between keep-alive requests. This subclass add
   A body past ``max_body_bytes`` still arriving after an answer that kept the connection (a GET
   route reads none, a 401) is closed the same way, not parsed by h11 to its end for a next request.
 
-Each answer the protocol sends itself (400, 408, 503) logs one warning naming its request id, its
+Each answer the protocol sends itself (400, 408, 503) logs one line (a WARNING, up to ``_ANSWER_WARNINGS``
+a window; past them DEBUG, counted in one WARNING at the window's end) naming its request id, its
 status, the peer and why (a refused header line by its name alone: its value may be a key), without a
 traceback: these answers pass no access log. Each is counted once
 in ``packscore_requests_total``: by the gate (service/http/app.py) under its route where a request it
@@ -38,6 +39,7 @@ service/http/metrics.py).
 from __future__ import annotations
 
 import ast
+import asyncio
 import fcntl
 import logging
 import os
@@ -60,6 +62,8 @@ log = logging.getLogger(__name__)
 
 _DESCRIPTOR_RESERVE = 64  # for model files, logs, worker pipes and the event loop itself
 _DONE_STATES = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR)
+# Answers the protocol sends itself logged at WARNING per window; the rest at DEBUG, then counted in one line.
+_ANSWER_WARNINGS, _ANSWER_WINDOW_S = 10, 60.0
 _REFUSED_HEADER = re.compile(r"illegal header line: bytearray\((b'.*'|b\".*\")\)", re.DOTALL)  # h11's quote of a line
 # Set in a request's ASGI scope to the status the protocol answered it (408: its body did not arrive in time; 400:
 # its body's framing broke): what the gate counts for it, and a 408's handler counts request_timeout, not a 499.
@@ -131,6 +135,32 @@ class _Registry:
         self.timed_out = 0
         self.refused = 0
         self.send_timed_out = 0
+        self._window_start = -_ANSWER_WINDOW_S
+        self._warned = self._quieted = 0
+
+    def answer_level(self) -> int:
+        """WARNING for the first answers the protocol sends itself in a window, DEBUG past them: a client
+        sending garbage in a loop writes a few lines a minute, not one per attempt."""
+        now = time.monotonic()
+        if not self._quieted and now - self._window_start >= _ANSWER_WINDOW_S:
+            self._window_start, self._warned = now, 0
+        if self._warned < _ANSWER_WARNINGS:
+            self._warned += 1
+            return logging.WARNING
+        if not self._quieted:
+            outside_request().run(  # a line about many requests names none
+                log.warning, "more than %d answers the protocol sent itself (400, 408, 503) within %g s: the rest of "
+                "this window's are logged at DEBUG (--log-level debug shows each), then counted in one line",
+                _ANSWER_WARNINGS, _ANSWER_WINDOW_S)
+            asyncio.get_running_loop().call_later(self._window_start + _ANSWER_WINDOW_S - now, self._end_quiet,
+                                                  context=outside_request())
+        self._quieted += 1
+        return logging.DEBUG
+
+    def _end_quiet(self) -> None:
+        log.warning("%d more answers the protocol sent itself (400, 408, 503) in the last %g s were logged at DEBUG "
+                    "only; packscore_requests_total counts them by status", self._quieted, _ANSWER_WINDOW_S)
+        self._window_start, self._warned, self._quieted = time.monotonic(), 0, 0
 
 
 def guarded_protocol(read_timeout_s: float, max_connections: int, send_timeout_s: float = 60.0,
@@ -352,9 +382,10 @@ class GuardedH11Protocol(H11Protocol):
         return cycle.scope[SCOPE_KEY]  # type: ignore[literal-required]
 
     def _log_answer(self, status: int, rid: str, why: str) -> None:
-        """One line for an answer the protocol sends itself, passing no access log: no traceback, a
-        flood of bad clients is a flood of lines only."""
-        log.warning("answered %d to %s: %s", status, self._peer(), why, extra=for_request(rid))
+        """One line for an answer the protocol sends itself, passing no access log: no traceback; a
+        flood of bad clients is a few WARNING lines a minute, each at DEBUG and a count (``answer_level``)."""
+        log.log(self.registry.answer_level(), "answered %d to %s: %s", status, self._peer(), why,
+                extra=for_request(rid))
 
     def _peer(self) -> str:
         return "%s:%d" % tuple(self.client) if self.client else "an unknown peer"

@@ -180,3 +180,27 @@ def test_a_refused_header_line_is_named_without_its_value(tmp_path, line, said):
     assert len(named) == 1 and named[0][:2] == ("WARNING", "service.http.protocol"), server.log()
     assert f"not valid HTTP/1.1: illegal header line {said}" in named[0][3], named
     assert key not in server.err_path.read_text() + server.log_path.read_text(), server.log()
+
+
+def test_a_flood_of_bad_requests_writes_a_few_warnings_not_one_each(tmp_path):
+    # A client retrying https:// against this http port: 1,000 refused requests, not 1,000 WARNING lines
+    server = SplitStreamsServer(tmp_path, "--log-level", "info")
+    try:
+        server.wait_ready()
+        ids = []
+        for _ in range(1000):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+                sock.sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n")
+                data, _ = read_until_closed(sock, 6)
+            assert data.startswith(b"HTTP/1.1 400 "), data
+            ids.append(re.search(rb"\r\nx-request-id: (\S+)\r\n", data, re.IGNORECASE).group(1).decode())
+        counted = httpx.get(server.url + "/metrics", timeout=30).text
+        time.sleep(0.3)
+        records = _records(server)
+    finally:
+        server.stop()
+    assert 'packscore_requests_total{route="other",status="400"} 1000.0' in counted
+    warnings = [r for r in records if r[0] in ("WARNING", "ERROR")]
+    assert [r[2] for r in warnings[:10]] == ids[:10] and all("answered 400" in r[3] for r in warnings[:10]), warnings
+    assert len(warnings) == 11 and warnings[10][2] is None, warnings
+    assert "more than 10 answers the protocol sent itself (400, 408, 503) within 60 s" in warnings[10][3], warnings
