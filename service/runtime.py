@@ -554,7 +554,8 @@ class Service:
         if not finished:
             for model in self._scheduled():
                 if model.scheduler.pending_requests:
-                    log.warning("drain timeout: %d requests unfinished for %s get 503", model.scheduler.pending_requests, model.name)
+                    log.warning("drain timeout: %d unfinished request(s) of %s get 503 (requests %s)",
+                                model.scheduler.pending_requests, model.name, model.scheduler.pending_request_ids())
                 await model.scheduler.close("the server is shutting down (drain timeout)")
         self.drained = True
 

@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 from model_runtime.scoring.backend import BackendUnavailableError, ScoringBackend
 from model_runtime.scoring.prefix import tokens_saved
 from model_runtime.types import SequenceInput, SequenceScores
+from service.http import request_id
 from service.http.errors import ApiError, backend_unavailable, deadline_error
 from service.http.metrics import Metrics
 from service.scheduling.admission import Admission, QueueFullError, SharedCapacity
@@ -187,6 +188,10 @@ class Scheduler:
     @property
     def pending_requests(self) -> int:
         return len(self._pending)
+
+    def pending_request_ids(self) -> str:
+        """The ids of the requests still pending, for a log line about them all (``a, b and N more``)."""
+        return request_id.of_many(ticket.request_id for ticket in self._pending)
 
     def retry_after_s(self, tokens: int = 0) -> int:
         """Whole seconds after which ``tokens`` more would likely fit (1..60)."""

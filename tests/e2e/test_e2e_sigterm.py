@@ -75,6 +75,10 @@ def test_a_real_forward_cut_off_by_the_drain_timeout_still_exits_0(tmp_path):
     assert code == 0 and "terminate called" not in server.log(), (code, server.log())
     assert exited_after < 5, exited_after
     assert cut.status_code == 503 and cut.json()["error"]["type"] == "unavailable", cut.text[:300]
+    # the drain timeout's line names the request it cut off, which the trainer quotes from its 503
+    line = next((line for line in server.log_path.read_text().splitlines() if "drain timeout:" in line), "")
+    assert f"drain timeout: 1 unfinished request(s) of tiny get 503 (requests {cut.headers['x-request-id']})" in line, \
+        server.log()
 
 
 def test_a_second_sigterm_answers_what_is_pending_with_the_contracts_503(tmp_path):
