@@ -563,6 +563,9 @@ class Service:
         """Stopping without a drain: every admitted request still pending is answered 503 now."""
         self.begin_drain(abandoning=True)
         for model in self._scheduled():
+            if model.scheduler.pending_requests:
+                log.warning("stopping without a drain: %d unfinished request(s) of %s get 503 (requests %s)",
+                            model.scheduler.pending_requests, model.name, model.scheduler.pending_request_ids())
             await model.scheduler.close("the server is stopping without a drain")
 
     def torch_work_running(self) -> bool:

@@ -88,6 +88,9 @@ def test_a_second_sigterm_answers_what_is_pending_with_the_contracts_503(tmp_pat
     code, _, cut = sigterm_mid_forward(server, long_forward_body(12), [0.5, 1.0])
     assert cut.status_code == 503 and cut.headers["content-type"] == "application/json", (cut.status_code, cut.text[:300])
     assert cut.json()["error"]["type"] == "unavailable" and cut.headers["retry-after"].isdigit()
+    line = next((line for line in server.log_path.read_text().splitlines() if "without a drain:" in line), "")
+    assert ("WARNING service.runtime: stopping without a drain: 1 unfinished request(s) of tiny get 503 "
+            f"(requests {cut.headers['x-request-id']})") in line, server.log()
     assert code != -6 and "terminate called" not in server.log(), (code, server.log()[-2000:])
 
 
