@@ -219,6 +219,7 @@ class GuardedH11Protocol(H11Protocol):
     _shutting_down = False
     _unread = 0  # bytes of the request's body that came after its answer
     _close_counted = False  # on_closed counted this connection (its 400): a lingering close's end is not counted again
+    _tls_hello = False  # its first bytes were a TLS handshake record: a client using https:// on this port
     transport: _LingeringTransport
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -243,6 +244,8 @@ class GuardedH11Protocol(H11Protocol):
         answered = self._answered_body_arriving()
         if self._read_timer is None and not self.transport.is_closing():
             self._start_reading()  # the first bytes of the next request on a kept-alive connection
+        if self.cycle is None and data.startswith(b"\x16\x03"):
+            self._tls_hello = True
         super().data_received(data)
         if self.transport.lingering:
             return  # a 400 for these bytes: the read timer bounds the lingering close
@@ -349,7 +352,8 @@ class GuardedH11Protocol(H11Protocol):
         # Called from uvicorn's handler of h11's error, which names what is wrong (uvicorn's own line does not).
         refused = without_header_value(str(sys.exc_info()[1] or msg))
         # h11 quotes the offending bytes: a line per client, not a client's 16 KiB of headers
-        self._log_answer(400, rid, f"not valid HTTP/1.1: {refused[:200]}{'...' if len(refused) > 200 else ''}")
+        tls = " (a TLS handshake: the client uses https:// on this plain-HTTP port)" if self._tls_hello else ""
+        self._log_answer(400, rid, f"not valid HTTP/1.1: {refused[:200]}{'...' if len(refused) > 200 else ''}{tls}")
         self.transport.write(error_bytes(400, "Bad Request", "malformed_request",
                                          "The request is not valid HTTP/1.1 (request line, headers or Content-Length).",
                                          request_id=rid))

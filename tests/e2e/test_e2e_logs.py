@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import ssl
 import time
 
 import httpx
@@ -154,6 +155,17 @@ def test_an_upgrade_header_is_served_over_http_1_1_without_a_warning(server, upg
     assert not noisy, noisy
 
 
+def test_a_tls_handshake_on_the_plain_port_says_the_client_uses_https(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        peer = "%s:%d" % sock.getsockname()
+        context = ssl.create_default_context()
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        with pytest.raises(ssl.SSLError):
+            context.wrap_socket(sock, server_hostname="127.0.0.1")  # as curl https:// sends it
+    named = _wait_for(server, lambda records: [r for r in records if f"answered 400 to {peer}: " in r[3]])
+    assert len(named) == 1 and named[0][0] == "WARNING", server.log()
+    assert named[0][3].endswith("not valid HTTP/1.1: illegal request line (a TLS handshake: the client uses https:// "
+                                "on this plain-HTTP port)"), named
 @pytest.mark.parametrize("line, said", [
     (b"Authorization: Bearer %s\r", "'Authorization' (its value is not logged)"),  # a key file's CRLF, via curl -H
     (b"Authorization: Bearer %s\x00", "'Authorization' (its value is not logged)"),
