@@ -387,7 +387,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _log_answer(self, status: int, rid: str, why: str) -> None:
         """One line for an answer the protocol sends itself, passing no access log: no traceback; a
-        flood of bad clients is a few WARNING lines a minute, each at DEBUG and a count (``answer_level``)."""
+        flood of bad clients writes a few WARNING lines a minute, the rest at DEBUG and counted (``answer_level``)."""
         log.log(self.registry.answer_level(), "answered %d to %s: %s", status, self._peer(), why,
                 extra=for_request(rid))
 
