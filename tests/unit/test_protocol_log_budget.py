@@ -25,3 +25,16 @@ def test_the_window_ends_with_one_line_counting_the_quieted_answers(monkeypatch,
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(said) == 2 and said[0].startswith("more than 10 answers"), said
     assert said[1].startswith("5 more answers the protocol sent itself (400, 408, 503) in the last 0.2 s"), said
+
+
+def test_a_refused_header_line_is_logged_by_its_name_whatever_form_h11_quotes_it_in():
+    """h11 quotes the refused line as a bytearray or as bytes; any other form is not quoted at all:
+    the line's value may be a key."""
+    key = "sk-secret-1"
+    for quoted in (f"bytearray(b'Authorization: Bearer {key}\\r')", f"b'Authorization: Bearer {key}\\x00'"):
+        said = protocol.without_header_value(f"illegal header line: {quoted}")
+        assert said == "illegal header line 'Authorization' (its value is not logged)", said
+    for refused in (f"illegal header line: Authorization: Bearer {key}", f"illegal header line: bytearray(b'{key}')"):
+        said = protocol.without_header_value(refused)
+        assert key not in said and said.startswith("illegal header line ("), said
+    assert protocol.without_header_value("illegal request line: b'GET /x'") == "illegal request line: b'GET /x'"
