@@ -39,6 +39,10 @@ def test_a_sequence_key_the_contract_does_not_name_is_refused_not_dropped(tiny_s
         (result,) = client.score([{"id": "a", "input_ids": [1, 2, 3, 4], "score_from": 3, "rollout_logprobs": [-1.0]}])
         assert (result.id, result.logprobs.shape, sorted(result.mismatch)) == ("a", (1,), ["k3_kl", "max_abs_diff",
                                                                                     "mean_abs_diff"])
+    # the same figures whichever encoding carried them (JSON prints float32's short form, msgpack doubles)
+    with ScoreClient(tiny_server.url, API_KEY, encoding="json") as client:
+        (in_json,) = client.score([{"id": "a", "input_ids": [1, 2, 3, 4], "score_from": 3, "rollout_logprobs": [-1.0]}])
+    assert in_json.mismatch == result.mismatch and in_json.mismatch["max_abs_diff"] > 0, (in_json.mismatch, result.mismatch)
 
 
 def test_closing_the_client_after_a_failed_call_blames_no_server(tiny_server, caplog):

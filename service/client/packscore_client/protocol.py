@@ -525,7 +525,9 @@ def _result(r: dict, top_k: int, model: str, version: str) -> ScoredSequence:
     if "top_k_ids" in r:
         ids = _array(r["top_k_ids"], "<i4").reshape(-1, top_k) if top_k else None
         top = _array(r["top_k_logprobs"], "<f4").reshape(-1, top_k) if top_k else None
-    return ScoredSequence(r.get("id"), logprobs, entropy, ids, top, model, version, r.get("mismatch"))
+    # float32 figures as Python floats: JSON prints them short, msgpack sends doubles; both read back alike
+    mismatch = {name: float(np.float32(v)) for name, v in r["mismatch"].items()} if "mismatch" in r else None
+    return ScoredSequence(r.get("id"), logprobs, entropy, ids, top, model, version, mismatch)
 
 
 _REQUEST_INDEX = re.compile(r"\b(sequences\[|Sequence )(\d+)")
