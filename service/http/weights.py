@@ -111,6 +111,9 @@ async def update_weights(service: Service, body: Any, root: Path) -> dict:
         raise exc.answer from None
     except ApiError as exc:
         service.metrics.weights_updates.labels(model=name, outcome=exc.type).inc()
+        # the trainer has the answer; the operator a line (a path out of the root, a WARNING: who asks for that?)
+        log.log(logging.WARNING if exc.status == 403 else logging.INFO, "weights update%s refused before any load: %d %s: %s",
+                f" of {name}" if name else "", exc.status, exc.type, exc.message)
         raise
     except Exception:  # a bug: the 500 is the app's, the failed update is counted here too
         service.metrics.weights_updates.labels(model=name, outcome="internal_error").inc()

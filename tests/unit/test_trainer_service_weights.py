@@ -3,6 +3,7 @@ paths kept inside --weights-root, refused checkpoints, one update at a time, the
 
 import asyncio
 import json
+import logging
 import threading
 
 import numpy as np
@@ -65,7 +66,7 @@ def test_an_update_swaps_the_version_and_the_numbers(tmp_path):
 
 
 
-def test_every_path_escape_is_forbidden(tmp_path):
+def test_every_path_escape_is_forbidden(tmp_path, caplog):
     root = make_weights_root(tmp_path)
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -92,10 +93,16 @@ def test_every_path_escape_is_forbidden(tmp_path):
             unknown = await client.post("/v1/weights", json={"model": "nope", "path": "step-1"})
             return refused, missing + too_long, inside, unknown
 
-    refused, missing, inside, unknown = asyncio.run(main())
+    with caplog.at_level(logging.INFO, logger="service.http.weights"):
+        refused, missing, inside, unknown = asyncio.run(main())
     for path, response in refused.items():
         assert response.status_code == 403, (path, response.text)
         assert response.json()["error"]["type"] == "forbidden_path" and response.json()["error"]["param"] == "path"
+    # each refusal is a line for the operator: a path out of the root a WARNING, the others INFO
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "refused before any load" in r.getMessage()]
+    forbidden = [m for level, m in said if level == logging.WARNING]
+    assert len(forbidden) == len(escapes) and all(": 403 forbidden_path: path " in m for m in forbidden), said
+    assert any(level == logging.INFO and "404 model_not_found" in m for level, m in said), said
     for response in missing:
         assert response.status_code == 422 and response.json()["error"]["param"] == "path", response.text
     assert inside.status_code == 200, inside.text  # a symlink that stays inside the root is fine
