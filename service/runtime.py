@@ -355,7 +355,10 @@ class Service:
                 continue
             try:
                 path = record.checked_path(entry)
-                update = await self._restore_through_restarts(model, path, entry.version)
+                log.info("restoring %s from --weights-record %s: version %s from %s", model.name, record.file,
+                         entry.version, path)
+                update = await _saying_while("restoring", model.name,
+                                             self._restore_through_restarts(model, path, entry.version))
             except (UnservableError, CheckpointError, BackendUnavailableError, OSError, RuntimeError) as exc:
                 self._withhold(model, record.withhold(model.name, entry, unservable(exc)))
                 continue

@@ -171,6 +171,8 @@ def test_a_restarted_service_serves_the_recorded_update_and_keeps_the_other_mode
     assert {m["id"]: m["weights_version"] for m in models.json()["data"]} == {"policy": "step-1", "ref": FAKE_VERSION}
     assert again.status_code == 200, again.text  # a retry of the recorded update: its answer, not 409 version_in_use
     assert f"policy serves version step-1 from {settings.weights_root / 'step-1'}" in caplog.text
+    begun = f"restoring policy from --weights-record {settings.weights_record}: version step-1 from"
+    assert caplog.text.index(begun) < caplog.text.index("policy serves version step-1"), caplog.text
     assert str(settings.weights_record) in caplog.text
 
 
