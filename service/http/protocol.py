@@ -64,7 +64,7 @@ _DESCRIPTOR_RESERVE = 64  # for model files, logs, worker pipes and the event lo
 _DONE_STATES = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR)
 # Answers the protocol sends itself logged at WARNING per window; the rest at DEBUG, then counted in one line.
 _ANSWER_WARNINGS, _ANSWER_WINDOW_S = 10, 60.0
-_REFUSED_HEADER = re.compile(r"illegal header line: (?:bytearray\((b'.*'|b\".*\")\)|(b'.*'|b\".*\"))", re.DOTALL)  # h11's quote
+_REFUSED_HEADER = re.compile(r"illegal header line: (?:bytearray\()?(b'.*'|b\".*\")\)?", re.DOTALL)  # h11's quote
 # Set in a request's ASGI scope to the status the protocol answered it (408: its body did not arrive in time; 400:
 # its body's framing broke): what the gate counts for it, and a 408's handler counts request_timeout, not a 499.
 PROTOCOL_ANSWER = "packscore.protocol_answer"
@@ -103,7 +103,7 @@ def without_header_value(refused: str) -> str:
     quoted = _REFUSED_HEADER.fullmatch(refused)
     if quoted is None:  # a quote of another form: nothing of it is logged
         return "illegal header line (not quoted: it may hold a key)"
-    line = ast.literal_eval(quoted.group(1) or quoted.group(2))
+    line = ast.literal_eval(quoted.group(1))
     if b":" not in line:
         return "illegal header line (no ':'; not quoted, it may hold a key)"
     name = (line.split(b":", 1)[0].split() or [b""])[0][:64].decode("latin-1")
