@@ -146,6 +146,7 @@ class WorkerPool(Supervisor, WeightUpdates, Lockstep):
         self._restart_thread: threading.Thread | None = None  # the last restart loop (close() waits for it)
         # (when a use of the pool may try again, the pause) after the thread limit refused the restart loop's thread
         self._restart_refused: tuple[float, float] | None = None
+        self._restart_next: float | None = None  # when the restart loop tries again after its last failed attempt
         self._readers: list[threading.Thread] = []  # the worlds' reply readers still running (close() waits for them)
         self._hashes: list[threading.Thread] = []  # the updates' hashes for restarts still running (close() stops them)
 

@@ -10,7 +10,7 @@ scored a warm-up pass; a restart loop whose thread the process's thread limit re
 again by a later use of the pool (a submit, a readiness check), after a pause. ``Supervisor`` is a
 part of ``pool.WorkerPool``: it uses the pool's ``dims``, ``_start_fields``, ``_generation``,
 ``_world``, ``_starting``, ``_pending``, ``_loaded``, ``_alive``, ``_closed``, ``_readers``,
-``_restarting``, ``_restart_thread``, ``_restart_refused``, ``_restarts``, ``restart_error``,
+``_restarting``, ``_restart_thread``, ``_restart_refused``, ``_restart_next``, ``_restarts``, ``restart_error``,
 ``prefix_rounding``, ``_seconds_per_cost``, ``start_timeout_s``, ``join_timeout_s``, ``_lock`` and
 ``warm_up``.
 """
@@ -18,6 +18,7 @@ part of ``pool.WorkerPool``: it uses the pool's ``dims``, ``_start_fields``, ``_
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import subprocess
 import threading
@@ -271,6 +272,7 @@ class Supervisor:
             except Exception as error:
                 if self._closed.is_set():  # close() killed the world this attempt started: no failure to report
                     break
+                self._restart_next = time.monotonic() + delay
                 self.restart_error = f"{error} (next attempt in {delay:.0f}s)"
                 if isinstance(error, CheckpointError):
                     log.error("worker pool restart refused: %s; retrying in %.0fs", error, delay)
@@ -331,6 +333,17 @@ class Supervisor:
                       "next use tries again, in %gs at the earliest", generation, why, pause)
         elif refused is not None:
             log.info("worker pool generation %d: its restart started, after its thread was refused", generation)
+
+    @property
+    def restart_retry_after_s(self) -> int:
+        """Whole seconds until the pool next tries to restart (a failed attempt's back-off, or the
+        pause before a use may start a refused loop again), rounded up, 1 to ``RESTART_PAUSE_MAX_S``:
+        ``/score``'s Retry-After while ``restart_error`` is set. 1 once that attempt is due or running."""
+        with self._lock:
+            refused, at = self._restart_refused, self._restart_next
+        at = refused[0] if refused is not None else at
+        left = 0.0 if at is None else at - time.monotonic()
+        return max(1, min(math.ceil(RESTART_PAUSE_MAX_S), math.ceil(left)))
 
     def _retry_refused_restart(self) -> None:
         """Starts the restart loop again where the thread limit refused it, the pool is not closed

@@ -142,6 +142,7 @@ def test_backend_unavailable_answers_503_with_retry_after_and_readiness_drops():
             worker_down = await client.get("/readyz")
             refused = await client.post("/score", json={"sequences": [{"input_ids": [1, 2, 3]}]})
             backend.restart_error = "the checkpoint changed (next attempt in 8s)"  # as the worker pool says
+            backend.restart_retry_after_s = 8  # the pool's back-off left: when it tries again
             restart_failed = await client.get("/readyz"), await client.post("/score", json={"sequences": [{"input_ids": [1]}]})
             backend.unavailable, backend.alive, backend.restart_error = False, True, None
             ready_again = await client.get("/readyz")
@@ -152,7 +153,7 @@ def test_backend_unavailable_answers_503_with_retry_after_and_readiness_drops():
     assert ready_failed.status_code == 503 and ready_failed.json()["status"] == "restart_failed", ready_failed.text
     assert "the checkpoint changed" not in ready_failed.text, "/readyz answers without a key: no details"
     assert score_failed.status_code == 503 and "the checkpoint changed" in score_failed.json()["error"]["message"]
-    assert score_failed.headers["retry-after"] == "30"
+    assert score_failed.headers["retry-after"] == "8", "not when the pool next tries to restart"
     assert refused.status_code == 503 and refused.json()["error"]["type"] == "backend_unavailable"
     assert response.status_code == 503 and elapsed < 5
     assert response.json()["error"]["type"] == "backend_unavailable"

@@ -6,14 +6,26 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
 
+from model_runtime.pool import supervisor
 from model_runtime.pool.pool import WorkerPool
 from model_runtime.pool.procs import WorkerWorld
 from model_runtime.scoring.backend import BackendUnavailableError
+from model_runtime.scoring.checkpoint_error import CheckpointError
 from model_runtime.types import SequenceInput
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 @pytest.fixture
@@ -92,3 +104,47 @@ def test_a_refused_restart_loop_is_started_again_by_a_use_of_the_pool_after_a_pa
         pool.close()  # raised "cannot join thread before it is started"
     finally:
         world.stop(graceful=False)
+
+
+def test_a_refused_restarts_retry_after_is_the_pause_left_before_a_use_tries_again(refuse, monkeypatch):
+    """/score's Retry-After while the restart is refused: the pool's pause left (1 s, then 2 s, ...),
+    not its longest pause of 30 s, which kept a trainer waiting long after the pool tried again."""
+    pool = WorkerPool({"world_size": 1, "device": "cpu"})
+    world = WorkerWorld(1, pool.dims)
+    world.procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+    pool._world, pool._alive = world, True
+    refuse("pool-restart")
+    try:
+        pool._on_world_failure(world, "worker rank 0 exited (status -9)")
+        assert pool.restart_error is not None and pool.restart_retry_after_s == 1
+        pool._restart_refused = (0.0, pool._restart_refused[1])  # the pause has passed: due, still 1
+        assert pool.restart_retry_after_s == 1
+        assert not pool.is_alive()  # refused again: the pause doubles
+        assert pool._restart_refused[1] == 2.0 and pool.restart_retry_after_s == 2
+        pool._restart_refused = (time.monotonic() + 11.5, 12.0)
+        assert pool.restart_retry_after_s in (11, 12)  # rounded up
+        pool._restart_refused = (time.monotonic() + 300.0, 300.0)
+        assert pool.restart_retry_after_s == 30, "more than the longest pause: Retry-After is bounded by it"
+        pool.close()
+    finally:
+        world.stop(graceful=False)
+
+
+def test_a_failed_restart_attempts_retry_after_is_its_back_off_left(monkeypatch):
+    """A restart attempt that fails (here a changed checkpoint) is tried again after the loop's
+    back-off: /score's Retry-After is that back-off's seconds left, rounded up."""
+    monkeypatch.setattr(supervisor, "RESTART_PAUSE_S", 8.0)
+    pool = WorkerPool({"world_size": 1, "device": "cpu"})
+
+    def changed() -> None:
+        raise CheckpointError("unreadable", "the checkpoint changed since version 'v1' was loaded from it")
+
+    monkeypatch.setattr(pool, "_check_checkpoint_unchanged", changed)
+    pool._restarting = True
+    pool._start_restart_loop(1)
+    try:
+        assert wait_for(lambda: pool.restart_error is not None), "the restart attempt did not fail"
+        assert "(next attempt in 8s)" in pool.restart_error, pool.restart_error
+        assert pool.restart_retry_after_s in (7, 8), pool.restart_retry_after_s
+    finally:
+        pool.close()  # ends the back-off's wait
