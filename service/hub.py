@@ -37,7 +37,8 @@ def resolve_model_source(spec: str, revision: str | None) -> str:
 
     ``revision`` (branch, tag or commit) applies to hub ids only. Raises ``ModelSourceError``
     naming the cache searched when the hub id is not cached and the hub cannot be used, and naming
-    the hub id when its snapshot lacks config.json or every ``*.safetensors`` (a partial download).
+    the hub id when its snapshot lacks config.json, shards its index lists, or every ``*.safetensors``
+    (a partial download).
     """
     from model_runtime.scoring.presets import PRESETS
 
@@ -59,6 +60,9 @@ def resolve_model_source(spec: str, revision: str | None) -> str:
         RevisionNotFoundError,
     )
     from huggingface_hub.utils import validate_repo_id
+
+    from model_runtime.scoring.checkpoint import INDEX_NAME, indexed_files
+    from model_runtime.scoring.checkpoint_error import CheckpointError, quoted_names
 
     try:  # a mistyped local path such as runs/qwen--sft is no hub id either: say both
         validate_repo_id(spec)
@@ -90,6 +94,17 @@ def resolve_model_source(spec: str, revision: str | None) -> str:
         ) from None
     if not (Path(path) / "config.json").is_file():
         raise ModelSourceError(f"--model {where}: the snapshot {path} has no config.json (not a transformers checkpoint)")
+    try:
+        indexed = indexed_files(Path(path))
+    except CheckpointError:  # an index that is none, or names odd shards: the checkpoint check says so
+        indexed = None
+    if indexed is not None and indexed[1]:
+        files, absent = indexed
+        raise ModelSourceError(
+            f"--model {where}: the cached snapshot {path} lacks {len(absent)} of the {len(files)} shards its {INDEX_NAME} "
+            f"lists ({quoted_names(absent)}), likely an incomplete download; download it where the hub is reachable "
+            f"(`{again}`, same HF_HOME) or pass a checkpoint directory"
+        )
     # is_file: a link whose blob is gone holds no weights either
     if not any(p.is_file() for p in Path(path).glob("*.safetensors")):
         raise ModelSourceError(

@@ -116,20 +116,29 @@ def index_shards(path: Path) -> list | None:
         raise CheckpointError("unsupported", f"{index} is not a safetensors index: {exc}") from None
 
 
+def indexed_files(path: Path) -> tuple[list[Path], list[str]] | None:
+    """The shard files ``model.safetensors.index.json`` lists, and the names of those that are no
+    file (an interrupted download); None where the directory has no index. An index that is none,
+    or that names shards outside the directory, raises."""
+    names = index_shards(path)
+    if names is None:
+        return None
+    # A shard is a file of this directory, as Hugging Face writes them: never a path elsewhere.
+    odd = [n for n in names if not isinstance(n, str) or Path(n).name != n or n in (".", "..")]
+    if odd:
+        raise CheckpointError("unsupported", f"{path / INDEX_NAME} names shards that are not files of {path}: {quoted_names(odd)}")
+    files = [path / name for name in names]
+    return files, [f.name for f in files if not f.is_file()]
+
+
 def safetensors_files(path: Path) -> list[Path]:
     """The weight files Hugging Face would read: those of ``model.safetensors.index.json`` when
     there is one, else every ``*.safetensors`` of the directory."""
-    names = index_shards(path)
-    if names is not None:
-        index = path / INDEX_NAME
-        # A shard is a file of this directory, as Hugging Face writes them: never a path elsewhere.
-        odd = [n for n in names if not isinstance(n, str) or Path(n).name != n or n in (".", "..")]
-        if odd:
-            raise CheckpointError("unsupported", f"{index} names shards that are not files of {path}: {quoted_names(odd)}")
-        files = [path / name for name in names]
-        absent = [f.name for f in files if not f.is_file()]
+    indexed = indexed_files(path)
+    if indexed is not None:
+        files, absent = indexed
         if absent:
-            raise CheckpointError("incomplete", f"{path}: shards listed in {index.name} are missing: {quoted_names(absent)}")
+            raise CheckpointError("incomplete", f"{path}: shards listed in {INDEX_NAME} are missing: {quoted_names(absent)}")
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files:

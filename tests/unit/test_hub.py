@@ -82,3 +82,34 @@ def test_a_hub_id_cached_without_its_safetensors_is_refused_naming_the_hub_id(hu
         assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr
         assert "--model acme/partial (revision main)" in errors[0] and "no *.safetensors weights" in errors[0], errors[0]
         assert "incomplete download" in errors[0] and again in errors[0] and "checkpoint directory" in errors[0], errors[0]
+
+
+def test_a_hub_id_cached_without_some_shards_of_its_index_is_refused_naming_them(hub_cache, tmp_path):
+    """An interrupted download of a sharded checkpoint is refused while resolving, naming the hub id,
+    the missing shards and the command that finishes the download, not later as a snapshot path whose
+    'shards listed in model.safetensors.index.json are missing'. The complete snapshot resolves."""
+    from tests.checkpoints import build_hf_model
+
+    cache, _ = hub_cache
+    sharded = tmp_path / "sharded"
+    build_hf_model("qwen3_5").save_pretrained(sharded, max_shard_size="100KB")
+    shards = sorted(p.name for p in sharded.glob("*.safetensors"))
+    assert len(shards) > 8, shards
+    snapshot = as_hub_cache(sharded, cache, "acme/sharded")
+    out = _run(RESOLVE, cache, "acme/sharded", "")
+    assert out.returncode == 0 and out.stdout.strip() == str(snapshot), out.stderr
+    (snapshot / shards[2]).resolve().unlink()  # its link left dangling: no shard either
+    for name in shards[3:]:
+        (snapshot / name).unlink()
+    absent = len(shards) - 2
+    cli = "import sys; from service.cli import main; sys.exit(main(sys.argv[1:]))"
+    for revision, again in (([], "`hf download acme/sharded`"), (["--revision", "main"], "`hf download acme/sharded --revision main`")):
+        out = _run(cli, cache, "serve", "--model", "acme/sharded", *revision, "--port", "0")
+        assert out.returncode == 2, (out.returncode, out.stderr)
+        errors = [line for line in out.stderr.splitlines() if "error" in line]
+        assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr
+        line = errors[0]
+        assert "--model acme/sharded (revision main)" in line and again in line and "incomplete download" in line, line
+        assert f"lacks {absent} of the {len(shards)} shards its model.safetensors.index.json lists" in line, line
+        assert f"({', '.join(shards[2:7])}, ... and {absent - 5} more)" in line, line
+        assert shards[0] not in line and shards[7] not in line, line
