@@ -25,15 +25,15 @@ uvicorn bounds only the idle time between keep-alive requests. This subclass add
   A body past ``max_body_bytes`` still arriving after an answer that kept the connection (a GET
   route reads none, a 401) is closed the same way, not parsed by h11 to its end for a next request.
 
-Each answer the protocol sends itself (400, 408, 503) logs one line (a WARNING, up to ``_ANSWER_WARNINGS``
-a window; past them DEBUG, counted in one WARNING at the window's end) naming its request id, its
+Each answer the protocol sends itself (400, 408, 503) logs one line naming its request id, its
 status, the peer and why (a refused header line by its name alone: its value may be a key), without a
-traceback: these answers pass no access log. Each is counted once
-in ``packscore_requests_total``: by the gate (service/http/app.py) under its route where a request it
-runs has not answered yet (the protocol marks its scope, ``PROTOCOL_ANSWER``), else by ``on_answered``
-(no request's path was read, or its answer was already out). Each connection it closes itself, answered
-or evicted, is counted by reason (``on_closed``: the reasons of ``packscore_connections_closed_total``,
-service/http/metrics.py).
+traceback: these answers pass no access log. Those lines and the send timeout's share one budget: a
+WARNING up to ``_ANSWER_WARNINGS`` a window, past them DEBUG, counted in one WARNING at the window's
+end. Each answer is counted once in ``packscore_requests_total``: by the gate (service/http/app.py)
+under its route where a request it runs has not answered yet (the protocol marks its scope,
+``PROTOCOL_ANSWER``), else by ``on_answered`` (no request's path was read, or its answer was already
+out). Each connection it closes itself, answered or evicted, is counted by reason (``on_closed``: the
+reasons of ``packscore_connections_closed_total``, service/http/metrics.py).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 
 _DESCRIPTOR_RESERVE = 64  # for model files, logs, worker pipes and the event loop itself
 _DONE_STATES = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR)
-# Answers the protocol sends itself logged at WARNING per window; the rest at DEBUG, then counted in one line.
+# The protocol's own lines (answers, send timeouts) logged at WARNING per window; the rest at DEBUG, then counted.
 _ANSWER_WARNINGS, _ANSWER_WINDOW_S = 10, 60.0
 _REFUSED_HEADER = re.compile(r"illegal header line: (?:bytearray\()?(b'.*'|b\".*\")\)?", re.DOTALL)  # h11's quote
 # Set in a request's ASGI scope to the status the protocol answered it (408: its body did not arrive in time; 400:
@@ -138,11 +138,12 @@ class _Registry:
         self.refused = 0
         self.send_timed_out = 0
         self._window_start = -_ANSWER_WINDOW_S
-        self._warned = self._quieted = 0
+        self._warned = self._quieted = self._quieted_sends = 0
 
-    def answer_level(self) -> int:
-        """WARNING for the first answers the protocol sends itself in a window, DEBUG past them: a client
-        sending garbage in a loop writes a few lines a minute, not one per attempt."""
+    def answer_level(self, send_timeout: bool = False) -> int:
+        """WARNING for the first lines of the protocol's own in a window (an answer it sends itself, or
+        a send timeout's close), DEBUG past them: a client sending garbage in a loop, or many clients
+        that read none of their answers, write a few lines a minute, not one each."""
         now = time.monotonic()
         if not self._quieted and now - self._window_start >= _ANSWER_WINDOW_S:
             self._window_start, self._warned = now, 0
@@ -151,18 +152,22 @@ class _Registry:
             return logging.WARNING
         if not self._quieted:
             outside_request().run(  # a line about many requests names none
-                log.warning, "more than %d answers the protocol sent itself (400, 408, 503) within %g s: the rest of "
-                "this window's are logged at DEBUG (--log-level debug shows each), then counted in one line",
+                log.warning, "more than %d of the protocol's own lines (its answers 400, 408, 503 and its send "
+                "timeouts) within %g s: the rest of this window's are logged at DEBUG (--log-level debug shows each), "
+                "then counted in one line",
                 _ANSWER_WARNINGS, _ANSWER_WINDOW_S)
             asyncio.get_running_loop().call_later(self._window_start + _ANSWER_WINDOW_S - now, self._end_quiet,
                                                   context=outside_request())
         self._quieted += 1
+        self._quieted_sends += int(send_timeout)
         return logging.DEBUG
 
     def _end_quiet(self) -> None:
-        log.warning("%d more answers the protocol sent itself (400, 408, 503) in the last %g s were logged at DEBUG "
-                    "only; packscore_requests_total counts them by status", self._quieted, _ANSWER_WINDOW_S)
-        self._window_start, self._warned, self._quieted = time.monotonic(), 0, 0
+        sends = self._quieted_sends
+        log.warning("%d more of the protocol's own lines in the last %g s were logged at DEBUG only: %d of its answers "
+                    "(400, 408, 503), counted by status in packscore_requests_total, and %d send timeouts, counted in "
+                    "packscore_send_timeouts_total", self._quieted, _ANSWER_WINDOW_S, self._quieted - sends, sends)
+        self._window_start, self._warned, self._quieted, self._quieted_sends = time.monotonic(), 0, 0, 0
 
 
 def guarded_protocol(read_timeout_s: float, max_connections: int, send_timeout_s: float = 60.0,
@@ -485,9 +490,10 @@ class GuardedH11Protocol(H11Protocol):
     def _send_timed_out(self, left: int) -> None:
         self.registry.send_timed_out += 1
         self.registry.on_send_timeout()
-        # Scheduled from the answering request's task: the line names that request.
-        log.warning("send timeout: closed a connection to %s whose answer did not drain for %g s (send_timeout_s), "
-                    "%d bytes left undelivered", self._peer(), self.registry.send_timeout_s, left)
+        # Scheduled from the answering request's task: the line names that request. Budgeted as the answers are.
+        log.log(self.registry.answer_level(send_timeout=True), "send timeout: closed a connection to %s whose answer "
+                "did not drain for %g s (send_timeout_s), %d bytes left undelivered", self._peer(),
+                self.registry.send_timeout_s, left)
         self._stop_reading()
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.disconnected = True

@@ -17,6 +17,7 @@ from typing import Callable
 import httpx
 import msgpack
 import numpy as np
+import orjson
 
 from model_runtime.types import SequenceInput, SequenceScores
 from service.local_server import LocalServer
@@ -274,3 +275,33 @@ def wait_status(server: LocalServer, status: str, timeout: float = 240) -> httpx
             return None
 
     return server.wait_for(said, timeout, what=f"saying {status!r} at /readyz")
+
+
+def score_request(sequences: int, length: int = 4000) -> bytes:
+    """A /score request of ``sequences`` x ``length`` tokens, top_k 20: about 170 bytes of msgpack answer a token."""
+    body = orjson.dumps({"sequences": [{"input_ids": [i % 1000 for i in range(length)]} for _ in range(sequences)],
+                         "top_k": 20})
+    return (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAccept: application/msgpack\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+
+def read_head(sock: socket.socket) -> tuple[bytes, bytes, int]:
+    """An answer's head, the body bytes that came with it, and its Content-Length."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.lower().split(b"\r\n")
+    return head, body, int(next(line.split(b":")[1] for line in lines if line.startswith(b"content-length")))
+
+
+def stalled_answer(server: LocalServer, sequences: int) -> tuple[socket.socket, int]:
+    """A connection that asks for a large answer, reads its head and then nothing: (socket, answer length)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    sock.settimeout(30)
+    sock.connect(("127.0.0.1", server.port))
+    sock.sendall(score_request(sequences))
+    head, _, length = read_head(sock)
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    return sock, length

@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from service.local_server import LocalServer
-from tests.e2e.helpers import FAKE, fake_server, read_until_closed
+from tests.e2e.helpers import FAKE, fake_server, read_head, read_until_closed, score_request, stalled_answer
 
 
 def _connect(server: LocalServer) -> socket.socket:
@@ -142,7 +142,7 @@ def test_a_body_completed_after_its_early_answer_leaves_an_idle_kept_alive_conne
         for then_ask in (True, False):
             with _connect(server) as sock:
                 sock.sendall(head + body[:9])
-                early, rest, length = _read_head(sock)
+                early, rest, length = read_head(sock)
                 while len(rest) < length:
                     rest += sock.recv(65536)
                 sock.sendall(body[9:])
@@ -368,42 +368,12 @@ def test_an_answer_still_being_read_when_draining_begins_arrives_whole(tmp_path)
     assert code == 0, server.log()
 
 
-def _score_request(sequences: int, length: int = 4000) -> bytes:
-    """A /score request of ``sequences`` x ``length`` tokens, top_k 20: about 170 bytes of msgpack answer a token."""
-    body = orjson.dumps({"sequences": [{"input_ids": [i % 1000 for i in range(length)]} for _ in range(sequences)],
-                         "top_k": 20})
-    return (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAccept: application/msgpack\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-
-
-def _read_head(sock: socket.socket) -> tuple[bytes, bytes, int]:
-    """An answer's head, the body bytes that came with it, and its Content-Length."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += sock.recv(65536)
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.lower().split(b"\r\n")
-    return head, body, int(next(line.split(b":")[1] for line in lines if line.startswith(b"content-length")))
-
-
-def _stall(server: LocalServer, sequences: int) -> tuple[socket.socket, int]:
-    """A connection that asks for a large answer, reads its head and then nothing: (socket, answer length)."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
-    sock.settimeout(30)
-    sock.connect(("127.0.0.1", server.port))
-    sock.sendall(_score_request(sequences))
-    head, _, length = _read_head(sock)
-    assert head.startswith(b"HTTP/1.1 200 "), head
-    return sock, length
-
-
 def test_an_answer_the_client_stops_reading_is_dropped_at_the_send_timeout(tmp_path):
     # About 10 MiB of answer that the client never reads: it held the server's memory and a
     # connection (counted against --max-connections) until the client closed.
     server = fake_server(tmp_path, "--send-timeout-s", "1").wait_ready()
     try:
-        sock, length = _stall(server, 16)
+        sock, length = stalled_answer(server, 16)
         with sock:
             t0 = time.monotonic()
             metrics = _metrics_once(server, "packscore_send_timeouts_total 1.0", limit_s=1 + 5)
@@ -438,7 +408,7 @@ def test_a_slow_but_steady_reader_gets_its_whole_answer_while_a_stalled_one_is_d
     results: dict[str, object] = {}
 
     def stalled() -> None:
-        sock, _ = _stall(server, 16)
+        sock, _ = stalled_answer(server, 16)
         results["stalled"] = sock
 
     try:
@@ -448,9 +418,9 @@ def test_a_slow_but_steady_reader_gets_its_whole_answer_while_a_stalled_one_is_d
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
             sock.settimeout(30)
             sock.connect(("127.0.0.1", server.port))
-            request = _score_request(16)
+            request = score_request(16)
             sock.sendall(request)
-            head, answer, length = _read_head(sock)
+            head, answer, length = read_head(sock)
             t0, start = time.monotonic(), len(answer)
             while len(answer) < length:
                 chunk = sock.recv(min(16384, length - len(answer)))
@@ -484,7 +454,7 @@ def _draining_behind_a_stalled_answer(tmp_path, settle_s: float):
     drained, and still up, waiting for that answer."""
     server = fake_server(tmp_path, "--drain-timeout-s", "30").wait_ready()
     try:
-        sock, _ = _stall(server, 16)
+        sock, _ = stalled_answer(server, 16)
         with sock:
             server.proc.send_signal(signal.SIGTERM)
             time.sleep(settle_s)
@@ -522,8 +492,8 @@ def test_a_connection_still_writing_its_answer_is_not_evicted(tmp_path, behind):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
             sock.settimeout(30)
             sock.connect(("127.0.0.1", server.port))
-            sock.sendall(_score_request(16) + behind)
-            head, answer, length = _read_head(sock)
+            sock.sendall(score_request(16) + behind)
+            head, answer, length = read_head(sock)
             time.sleep(0.5)  # the answer is complete, most of it still in the server's buffer
             with _connect(server) as second:
                 second.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")

@@ -1,6 +1,7 @@
 """The server's log as an operator reads it, on a real server (the app, uvicorn and the protocol
 over FakeBackend): every line on standard error in one format naming its request, one traceback for
-an unhandled error, and one line for each answer the protocol sends itself (400, 408, 503)."""
+an unhandled error, and one line for each answer the protocol sends itself (400, 408, 503) and each
+send timeout, WARNINGs up to a budget."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import json
 import re
 import socket
 import ssl
+import threading
 import time
 
 import httpx
 import pytest
 
-from tests.e2e.helpers import SplitStreamsServer, read_until_closed
+from tests.e2e.helpers import SplitStreamsServer, read_until_closed, stalled_answer
 
 _RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) ([\w.]+):"
                      r"(?: request_id=(\S+))? ")
@@ -215,4 +217,43 @@ def test_a_flood_of_bad_requests_writes_a_few_warnings_not_one_each(tmp_path):
     warnings = [r for r in records if r[0] in ("WARNING", "ERROR")]
     assert [r[2] for r in warnings[:10]] == ids[:10] and all("answered 400" in r[3] for r in warnings[:10]), warnings
     assert len(warnings) == 11 and warnings[10][2] is None, warnings
-    assert "more than 10 answers the protocol sent itself (400, 408, 503) within 60 s" in warnings[10][3], warnings
+    assert "more than 10 of the protocol's own lines (its answers 400, 408, 503 and its send timeouts) within 60 s" \
+        in warnings[10][3], warnings
+
+
+def test_clients_that_read_none_of_their_answers_write_a_few_warnings_not_one_each(tmp_path):
+    # Each send timeout was a WARNING of its own: 1,000 stalled readers, 1,000 lines. They spend the budget
+    # of the protocol's answers: two 400s, then 24 answers of about 11 MB (past the kernel's buffers) nobody reads.
+    stalled = 24
+    server = SplitStreamsServer(tmp_path, "--log-level", "debug", "--send-timeout-s", "1")
+    socks: list[socket.socket] = []
+    try:
+        server.wait_ready()
+        for _ in range(2):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+                sock.sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n")
+                assert read_until_closed(sock, 6)[0].startswith(b"HTTP/1.1 400 ")
+        readers = [threading.Thread(target=lambda: socks.append(stalled_answer(server, 16)[0])) for _ in range(stalled)]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(timeout=60)
+        assert len(socks) == stalled, server.log()
+        closed = f"packscore_send_timeouts_total {stalled}.0"
+        deadline = time.monotonic() + 30
+        while closed not in (metrics := httpx.get(server.url + "/metrics", timeout=30).text):
+            assert time.monotonic() < deadline, (metrics, server.log())
+            time.sleep(0.1)
+        time.sleep(0.3)
+        records = _records(server)
+    finally:
+        for sock in socks:
+            sock.close()
+        server.stop()
+    timeouts = [r for r in records if "send timeout: closed a connection to 127.0.0.1:" in r[3]]
+    assert len(timeouts) == stalled and all(r[2] for r in timeouts), timeouts  # each names its request
+    assert [r[0] for r in timeouts] == ["WARNING"] * 8 + ["DEBUG"] * (stalled - 8), [r[0] for r in timeouts]
+    warnings = [r for r in records if r[0] in ("WARNING", "ERROR")]
+    assert len(warnings) == 11 and warnings[10][2] is None, warnings
+    assert sum("answered 400" in r[3] for r in warnings) == 2, warnings
+    assert "more than 10 of the protocol's own lines" in warnings[10][3], warnings
