@@ -22,6 +22,7 @@ from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from service.http import metrics as metrics_module
 from service.http import request_id
@@ -38,6 +39,8 @@ from service.settings import Settings
 from service.weights_record import WeightsRecord, Withheld, describe_withheld
 
 log = logging.getLogger(__name__)
+# uvicorn's access log: a line written to it follows --log-level as uvicorn's own do (on at debug only)
+_ACCESS_LOG = logging.getLogger("uvicorn.access")
 
 SCORE_ROUTES = ("/score", "/v1/score")
 _OPEN_ROUTES = frozenset({"/healthz", "/health", "/readyz"})  # no API key: probes must work without secrets
@@ -137,7 +140,7 @@ class _Gate:
     """Wraps every request: names it (``X-Request-Id``, service.http.request_id), counts it in the
     metrics, checks the API key, refuses while draining, answers an unhandled error's 500 and a
     request cut off by the shutdown with the drain's 503 (one cancelled otherwise, or whose client had
-    left, counts as 499).
+    left, counts as 499, and has the access-log line uvicorn writes only for an answer it sends).
 
     A plain ASGI middleware (not BaseHTTPMiddleware) so that handlers still receive the
     client's disconnect message. It answers the 500 itself, not through an exception handler
@@ -206,6 +209,8 @@ class _Gate:
         finally:
             if scope.get(PROTOCOL_ANSWER):  # the protocol answered (408, 400) and closed: the handler's went nowhere
                 status = scope[PROTOCOL_ANSWER]
+            elif status == CLIENT_CLOSED:  # its client gone, uvicorn wrote nothing, nor its access line
+                _log_access(scope, status)
             metrics.requests.labels(route=route, status=str(status)).inc()
             metrics.request_latency.labels(route=route).observe(time.perf_counter() - started)
             request_id.current.reset(token)
@@ -252,6 +257,13 @@ class _Gate:
             return ApiError(403, "forbidden", "The scoring key may not update weights; send the admin key.")
         return ApiError(401, "unauthorized", "The admin key is required: send 'Authorization: Bearer <admin key>'.",
                         headers={"WWW-Authenticate": "Bearer"})
+
+
+def _log_access(scope: Scope, status: int) -> None:
+    """The access-log line uvicorn writes as an answer starts, for a request whose answer no client
+    received (a 499): its logger, level and format, so that a grep of the log finds every request."""
+    _ACCESS_LOG.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"],
+                     get_path_with_query_string(scope), scope["http_version"], status)
 
 
 async def _client_left(receive: Receive) -> bool:

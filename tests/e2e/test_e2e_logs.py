@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.helpers import SplitStreamsServer, read_until_closed, stalled_answer
+from tests.e2e.helpers import SplitStreamsServer, queued_sequences, read_until_closed, stalled_answer
 
 _RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) ([\w.]+):"
                      r"(?: request_id=(\S+))? ")
@@ -129,6 +129,15 @@ def test_the_connection_caps_503_is_logged_naming_its_id_and_the_access_log_wait
                 sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
                 data, _ = read_until_closed(sock, 5)
             answered = busy.recv(65536)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as gone:  # a 499: no access line either
+            gone.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{")
+            time.sleep(0.3)
+        gone_counted = 'packscore_requests_total{route="/score",status="499"} 1.0'
+        deadline = time.monotonic() + 10
+        while gone_counted not in (metrics := httpx.get(server.url + "/metrics", timeout=10).text):
+            assert time.monotonic() < deadline, metrics
+            time.sleep(0.05)
         records = _records(server)
     finally:
         server.stop()
@@ -140,6 +149,43 @@ def test_the_connection_caps_503_is_logged_naming_its_id_and_the_access_log_wait
     assert f"answered 503 to {peer}: " in named[0][3] and "max_connections 1" in named[0][3], named
     # --log-level info: no access line (docs/cli.md: debug adds them)
     assert not any(r[1] == "uvicorn.access" for r in records) and server.log_path.read_text() == "", server.log()
+
+
+def test_a_client_gone_before_its_answer_gets_one_access_line_with_499(tmp_path):
+    # Counted as 499 in the metrics, it is in the log too: an operator greps a timed-out trainer's request ids
+    server = SplitStreamsServer(tmp_path, "--log-level", "debug", env={"FAKE_SECONDS_PER_TOKEN": "0.01"})
+    stamp = time.monotonic_ns()
+    ids = {"mid-body": f"gone-mid-body-{stamp}", "mid-forward": f"gone-mid-forward-{stamp}"}
+    peers = {}
+    try:
+        server.wait_ready()
+        head = "POST /score HTTP/1.1\r\nHost: x\r\nX-Request-Id: {}\r\nContent-Type: application/json\r\n" \
+               "Content-Length: {}\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:  # half its body, then gone
+            peers["mid-body"] = "%s:%d" % sock.getsockname()
+            sock.sendall(head.format(ids["mid-body"], 200).encode() + b'{"sequences": ')
+            time.sleep(0.3)  # its handler is reading the body
+        body = json.dumps({"sequences": [{"input_ids": [1] * 300}]}).encode()  # a forward of 3 s
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:  # all of it, gone mid-forward
+            peers["mid-forward"] = "%s:%d" % sock.getsockname()
+            sock.sendall(head.format(ids["mid-forward"], len(body)).encode() + body)
+            deadline = time.monotonic() + 10
+            while queued_sequences(server.url) < 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert _wait_for(server, lambda records: [r for r in records if r[2] == ids["mid-forward"]
+                                                  and r[1] == "uvicorn.access"]), server.log()
+        deadline = time.monotonic() + 10
+        while queued_sequences(server.url) > 0 and time.monotonic() < deadline:  # its forward ends: nothing more for it
+            time.sleep(0.05)
+        time.sleep(0.3)
+        records = _records(server)
+    finally:
+        server.stop()
+    for where, rid in ids.items():
+        lines = [r[3] for r in records if r[2] == rid and r[1] == "uvicorn.access"]
+        access = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO uvicorn\.access: request_id=" + re.escape(rid)
+                            + " " + re.escape(peers[where]) + r' - "POST /score HTTP/1\.1" 499')
+        assert len(lines) == 1 and access.fullmatch(lines[0]), (where, server.log())
 
 
 @pytest.mark.parametrize("upgrade", ["h2c", "websocket"])
