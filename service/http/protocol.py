@@ -29,11 +29,13 @@ Each answer the protocol sends itself (400, 408, 503) logs one line naming its r
 status, the peer and why (a refused header line by its name alone: its value may be a key), without a
 traceback: these answers pass no access log. Those lines and the send timeout's share one budget: a
 WARNING up to ``_ANSWER_WARNINGS`` a window, past them DEBUG, counted in one WARNING at the window's
-end. Each answer is counted once in ``packscore_requests_total``: by the gate (service/http/app.py)
-under its route where a request it runs has not answered yet (the protocol marks its scope,
-``PROTOCOL_ANSWER``), else by ``on_answered`` (no request's path was read, or its answer was already
-out). Each connection it closes itself, answered or evicted, is counted by reason (``on_closed``: the
-reasons of ``packscore_connections_closed_total``, service/http/metrics.py).
+end. Each answer is counted once in ``packscore_requests_total`` and timed once in
+``packscore_request_latency_seconds``: by the gate (service/http/app.py) under its route where a
+request it runs has not answered yet (the protocol marks its scope, ``PROTOCOL_ANSWER``), else by
+``on_answered`` (no request's path was read, or its answer was already out), timed from the
+request's first byte as the read timeout is. Each connection it closes itself, answered or evicted,
+is counted by reason (``on_closed``: the reasons of ``packscore_connections_closed_total``,
+service/http/metrics.py).
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ class _Registry:
 
     def __init__(self, read_timeout_s: float, max_connections: int, send_timeout_s: float,
                  on_send_timeout: Callable[[], None] | None, on_closed: Callable[[str], None] | None,
-                 max_body_bytes: int | None = None, on_answered: Callable[[int], None] | None = None):
+                 max_body_bytes: int | None = None, on_answered: Callable[[int, float], None] | None = None):
         self.read_timeout_s = read_timeout_s
         self.max_body_bytes = max_body_bytes
         self.max_connections = max_connections
@@ -131,7 +133,7 @@ class _Registry:
         self.send_poll_s = min(send_timeout_s / 4, 1.0)
         self.on_send_timeout = on_send_timeout or (lambda: None)
         self.on_closed = on_closed or (lambda reason: None)
-        self.on_answered = on_answered or (lambda status: None)
+        self.on_answered = on_answered or (lambda status, seconds: None)
         self.reading: dict["GuardedH11Protocol", float] = {}  # insertion order is arrival order
         self.evicted = 0
         self.timed_out = 0
@@ -174,12 +176,14 @@ def guarded_protocol(read_timeout_s: float, max_connections: int, send_timeout_s
                      on_send_timeout: Callable[[], None] | None = None,
                      on_closed: Callable[[str], None] | None = None,
                      max_body_bytes: int | None = None,
-                     on_answered: Callable[[int], None] | None = None) -> type[H11Protocol]:
+                     on_answered: Callable[[int, float], None] | None = None) -> type[H11Protocol]:
     """The protocol class for one server (uvicorn.Config(http=...)); ``on_send_timeout`` counts a
     connection closed by the send timeout, ``on_closed(reason)`` one closed by the cap, a protocol
     error or the read timeout (reason: too_many_connections, evicted, malformed_request, request_timeout);
-    ``on_answered(status)`` an answer of the protocol's own (PROTOCOL_STATUSES) that no request's gate
-    counts; ``max_body_bytes`` (--max-request-bytes): past it, the rest of an answered body is not parsed."""
+    ``on_answered(status, seconds)`` an answer of the protocol's own (PROTOCOL_STATUSES) that no request's
+    gate counts, and the seconds from its request's first byte (its read clock's start) to it (0 for the
+    cap's 503, refused as it connects); ``max_body_bytes`` (--max-request-bytes): past it, the rest of an
+    answered body is not parsed."""
     registry = _Registry(read_timeout_s, max_connections, send_timeout_s, on_send_timeout, on_closed, max_body_bytes,
                          on_answered)
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {"registry": registry})
@@ -220,6 +224,7 @@ class GuardedH11Protocol(H11Protocol):
     registry: _Registry  # set per server by guarded_protocol()
 
     _read_timer = None
+    _read_started: float | None = None  # when the read timer of the request still arriving started
     _send_timer = None
     _send_left = 0  # bytes of answers not yet acknowledged by the client, at the last look
     _send_progress_at = 0.0
@@ -234,7 +239,7 @@ class GuardedH11Protocol(H11Protocol):
         if len(self.connections) > self.registry.max_connections and not self._evict_one():
             self.registry.refused += 1
             self.registry.on_closed("too_many_connections")
-            self.registry.on_answered(503)  # before any request: no gate counts it
+            self.registry.on_answered(503, 0.0)  # before any request: no gate counts it
             rid = new_id()
             self._log_answer(503, rid, f"{len(self.connections) - 1} connections open (max_connections "
                                        f"{self.registry.max_connections}), each busy answering: refused a new one")
@@ -372,14 +377,15 @@ class GuardedH11Protocol(H11Protocol):
             self.cycle.message_event.set()
 
     def _count_answer(self, status: int) -> None:
-        """Counts an answer the protocol wrote, once: a request whose handler has not answered is counted
-        by its gate as it ends, under its route; any other (no path read yet, or its answer already out)
-        here."""
+        """Counts and times an answer the protocol wrote, once: a request whose handler has not answered is
+        counted by its gate as it ends, under its route; any other (no path read yet, or its answer already
+        out) here."""
         cycle = self.cycle
         if cycle is not None and not cycle.response_started:
             cycle.scope[PROTOCOL_ANSWER] = status  # type: ignore[literal-required]
-        else:
-            self.registry.on_answered(status)
+        else:  # timed as the read timeout is: a 408's sample is that timeout
+            started = self._read_started
+            self.registry.on_answered(status, 0.0 if started is None else time.monotonic() - started)
 
     def _running_id(self) -> str | None:
         """The id of the request this connection is still answering; None between requests (a next
@@ -404,13 +410,14 @@ class GuardedH11Protocol(H11Protocol):
     # ---- the read timeout -------------------------------------------------------------------
 
     def _start_reading(self) -> None:
-        self.registry.reading[self] = time.monotonic()
+        self.registry.reading[self] = self._read_started = time.monotonic()
         self._read_timer = self.loop.call_later(self.registry.read_timeout_s, self._read_timed_out)
 
     def _stop_reading(self) -> None:
         if self._read_timer is not None:
             self._read_timer.cancel()
             self._read_timer = None
+        self._read_started = None
         self.registry.reading.pop(self, None)
 
     def _read_timed_out(self) -> None:

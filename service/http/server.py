@@ -165,6 +165,12 @@ def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
     # The protocol's own answers before any path is read (a 408 for headers, a 400, the cap's 503): route "other",
     # as the gate labels any path it does not serve; at 0 from the start, so increase() sees a fresh pod's first.
     answered = {status: metrics.requests.labels(route="other", status=str(status)) for status in PROTOCOL_STATUSES}
+    latency = metrics.request_latency.labels(route="other")
+
+    def on_answered(status: int, seconds: float) -> None:  # timed as the gate times its answers: one sample per count
+        answered[status].inc()
+        latency.observe(seconds)
+
     return uvicorn.Config(
         app,
         host=settings.host,
@@ -172,7 +178,7 @@ def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
         http=guarded_protocol(settings.request_read_timeout_s, max_connections, settings.send_timeout_s,
                               metrics.send_timeouts.inc,
                               lambda reason: metrics.connections_closed.labels(reason=reason).inc(),
-                              settings.request_bytes, lambda status: answered[status].inc()),
+                              settings.request_bytes, on_answered),
         # A proxy or client reusing a connection the server closes at that moment gets no answer
         # (a proxy's 502): idle connections outlive the proxies' own idle timeouts.
         timeout_keep_alive=settings.keep_alive_timeout_s,

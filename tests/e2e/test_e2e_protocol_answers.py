@@ -1,7 +1,8 @@
 """The answers the protocol layer writes itself (service/http/protocol.py: the read timeout's 408, a
 malformed request's 400, the connection cap's 503) are each counted once in packscore_requests_total,
-as a real server's /metrics shows: under route "other" where no request's path was read, under the
-request's route where its handler had not answered yet (docs/deployment.md, docs/admission.md)."""
+and timed once in packscore_request_latency_seconds, as a real server's /metrics shows: under route
+"other" where no request's path was read (timed from the request's first byte), under the request's
+route where its handler had not answered yet (docs/deployment.md, docs/admission.md)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,21 @@ def _answered_once(server: LocalServer, expected: dict[tuple[str, str], float], 
         time.sleep(0.05)
 
 
+def _timed(server: LocalServer) -> tuple[float, float]:
+    """packscore_request_latency_seconds of route "other" in the real /metrics, parsed: (count, sum)."""
+    metrics = Scrape(httpx.get(server.url + "/metrics", timeout=10).text)
+    return (metrics.value("packscore_request_latency_seconds_count", route="other"),
+            metrics.value("packscore_request_latency_seconds_sum", route="other"))
+
+
+def _moved(before: tuple, after: tuple) -> tuple[float, float]:
+    return (after[0] or 0.0) - (before[0] or 0.0), (after[1] or 0.0) - (before[1] or 0.0)
+
+
+def _answered_under_other(counted: dict[tuple[str, str], float]) -> float:
+    return sum(value for (route, _), value in counted.items() if route == "other")
+
+
 def _status(data: bytes) -> int:
     return int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else 0
 
@@ -47,7 +63,7 @@ def _status(data: bytes) -> int:
 def test_the_read_timeouts_408_is_counted_once_whether_or_not_a_path_was_read(tmp_path):
     server = fake_server(tmp_path, "--request-read-timeout-s", "1").wait_ready()
     try:
-        at_start = _answered(server)
+        at_start, timed_at_start = _answered(server), _timed(server)
         with _connect(server) as headers, _connect(server) as body, _connect(server) as pipelined:
             headers.sendall(_SCORE_HEAD + b"Content-Ty")  # no path read: the headers never end
             body.sendall(_SCORE_HEAD + b"Content-Length: 1000\r\n\r\n{")  # /score's handler waits for the body
@@ -55,9 +71,13 @@ def test_the_read_timeouts_408_is_counted_once_whether_or_not_a_path_was_read(tm
             pipelined.sendall(_SCORE_HEAD + b"Content-Length: %d\r\n\r\n%s" % (len(_BODY), _BODY) + _SCORE_HEAD)
             answers = [read_until_closed(sock, 6)[0] for sock in (headers, body, pipelined)]
         counted = _answered_once(server, {("other", "408"): 2.0, ("/score", "408"): 1.0})
+        timed = _timed(server)
     finally:
         server.stop()
     assert [_status(a) for a in answers[:2]] == [408, 408], answers
+    # one sample each, as counted: the read timeout, from the request's first byte (the pipelined one's: its answer's)
+    assert timed_at_start == (0.0, 0.0), timed_at_start  # there before the first, for a dashboard's rate()
+    assert timed[0] == _answered_under_other(counted) == 2.0 and 2 * 0.99 <= timed[1] < 2 * 3, (timed, counted)
     assert answers[2].startswith(b"HTTP/1.1 200 ") and _status(answers[2][answers[2].index(b"HTTP/1.1 ", 1):]) == 408
     assert at_start.get(("other", "408")) == 0.0, at_start  # there before the first, for increase()
     assert counted.get(("other", "408")) == 2.0 and counted.get(("/score", "408")) == 1.0, counted
@@ -67,7 +87,7 @@ def test_the_read_timeouts_408_is_counted_once_whether_or_not_a_path_was_read(tm
 def test_a_malformed_requests_400_is_counted_once_under_the_route_that_was_read(tmp_path):
     server = fake_server(tmp_path).wait_ready()
     try:
-        at_start = _answered(server)
+        at_start, timed_at_start = _answered(server), _timed(server)
         answers = []
         for raw in (b"GARBAGE\x01 / HTTP/9\r\n\r\n",  # no path read
                     b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n",  # h11 refuses the headers
@@ -77,9 +97,11 @@ def test_a_malformed_requests_400_is_counted_once_under_the_route_that_was_read(
                 sock.sendall(raw)
                 answers.append(read_until_closed(sock, 10)[0])
         counted = _answered_once(server, {("other", "400"): 2.0, ("/score", "400"): 1.0})
+        timed = _moved(timed_at_start, _timed(server))
     finally:
         server.stop()
     assert [_status(a) for a in answers] == [400, 400, 400], answers
+    assert timed[0] == _answered_under_other(counted) == 2.0 and 0.0 < timed[1] < 1.0, (timed, counted)
     assert at_start.get(("other", "400")) == 0.0, at_start
     assert counted.get(("other", "400")) == 2.0 and counted.get(("/score", "400")) == 1.0, counted
     assert counted.get(("/score", "499"), 0.0) == 0.0, counted  # what its handler met was not a client gone
@@ -112,7 +134,7 @@ def test_the_connection_caps_503_is_counted(tmp_path):
     # One connection busy answering a slow forward (never evicted): the next one gets the cap's 503.
     server = fake_server(tmp_path, "--max-connections", "1", env={"FAKE_SECONDS_PER_TOKEN": "0.01"}).wait_ready()
     try:
-        at_start = _answered(server)
+        at_start, timed_at_start = _answered(server), _timed(server)
         body = b'{"sequences": [{"input_ids": [%s]}]}' % b", ".join(b"1" for _ in range(300))  # about 3 s of forward
         with _connect(server) as busy:
             busy.sendall(_SCORE_HEAD + b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
@@ -122,8 +144,10 @@ def test_the_connection_caps_503_is_counted(tmp_path):
                 data, _ = read_until_closed(refused, 10)
             scored, _ = read_until_closed(busy, 30)
         counted = _answered_once(server, {("other", "503"): 1.0})
+        timed = _moved(timed_at_start, _timed(server))
     finally:
         server.stop()
+    assert timed == (1.0, 0.0) and _answered_under_other(counted) == 1.0, (timed, counted)  # refused as it connects
     assert _status(data) == 503 and b"too_many_connections" in data, data
     assert scored.startswith(b"HTTP/1.1 200 "), scored[:300]
     assert at_start.get(("other", "503")) == 0.0, at_start
