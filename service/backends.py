@@ -9,6 +9,11 @@ from typing import Callable
 from service.settings import Settings
 
 
+def model_name(settings: Settings) -> str:
+    """The name a model is served under, as the loaded model will say it (a checkpoint directory's name, a preset's)."""
+    return settings.served_model_name or Path(settings.model).name
+
+
 def backend_loaders(settings: Settings) -> dict:
     """One loader per served model (``--model NAME=PATH`` repeated), keyed by served name; the
     key is None for a plain ``--model X``, named by ``--served-model-name`` or the model itself."""
@@ -28,8 +33,7 @@ class BackendLoader:
 
     @property
     def name(self) -> str:
-        """The name it is served under, as the loaded model will say it (a checkpoint directory's name, a preset's)."""
-        return self.settings.served_model_name or Path(self.settings.model).name
+        return model_name(self.settings)
 
     def __call__(self):
         if not self.settings.uses_worker_pool:

@@ -26,6 +26,7 @@ import numpy as np
 import orjson
 import xxhash
 
+from model_runtime.still_lines import saying_still
 from service.http.encoding import non_finite_score, result_record
 from service.http.errors import ApiError
 from service.http.rollout import mismatch
@@ -406,7 +407,7 @@ def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
 
 
 def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
-    from service.backends import load_backend
+    from service.backends import load_backend, model_name
 
     seen: set[str] = set()
     try:
@@ -438,7 +439,8 @@ def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     from model_runtime.scoring.checkpoint_error import CheckpointError
 
     try:
-        backend = load_backend(settings)
+        with saying_still(log, f"loading {model_name(settings)}"):  # before any event loop: minutes for a large model
+            backend = load_backend(settings)
     except CheckpointError as exc:  # refused once loaded (NaN weights, the loading report): one line, as serve
         print(f"packscore: error: {exc}", file=sys.stderr)
         return 2

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import itertools
 import logging
 import threading
 import time
@@ -29,6 +28,7 @@ import numpy as np
 
 from model_runtime.scoring.backend import BackendUnavailableError, ScoringBackend
 from model_runtime.scoring.checkpoint_error import CheckpointError
+from model_runtime.still_lines import saying_still
 from model_runtime.types import SequenceInput
 from service.http.errors import ApiError, draining_error
 from service.http.metrics import Metrics
@@ -59,26 +59,13 @@ _FIRST_PASS_ATTEMPTS = 3
 
 
 _LOAD_THREAD = "packscore-load"
-# A load or a warm-up running longer says so this often: the log is not silent for minutes (a 9B on an empty cache)
-_STILL_EVERY_S = 30.0
 
 
 async def _saying_while(doing: str, name: str, awaitable):
-    """Awaits ``awaitable``, logging "still DOING NAME: 30 s" each _STILL_EVERY_S while it runs, on the loop
-    (no thread); no line once it ended."""
-    running = asyncio.ensure_future(awaitable)
-
-    async def say():
-        for n in itertools.count(1):
-            await asyncio.sleep(_STILL_EVERY_S)
-            if not running.done():
-                log.info("still %s %s: %g s", doing, name, n * _STILL_EVERY_S)
-
-    saying = asyncio.create_task(say(), name="packscore-still")
-    try:
-        return await running
-    finally:
-        saying.cancel()
+    """Awaits ``awaitable``, logging "still DOING NAME: 30 s" each ``still_lines.EVERY_S`` while it runs (the
+    log of a 9B's start is otherwise silent for minutes); no line once it ended."""
+    with saying_still(log, f"{doing} {name}"):
+        return await awaitable
 
 
 def in_load_thread(fn: Callable, *args, ended: Callable[[Any, BaseException | None], None] | None = None) -> asyncio.Future:

@@ -63,4 +63,5 @@ def test_score_says_when_the_load_begins(tmp_path):
     said = [text for name, text in _info(output) if name == "model_runtime.scoring.loading"]
     assert said.count(load_line) == 1, output
     assert said.index(load_line) < next(i for i, text in enumerate(said) if text.startswith("loaded ck ")), said
+    assert not [text for _, text in _info(output) if text.startswith("still ")], output  # seconds: no line, none after
 

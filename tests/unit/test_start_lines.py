@@ -1,4 +1,4 @@
-"""The start's log while a model loads and warms up: a line every ``_STILL_EVERY_S`` while either
+"""The start's log while a model loads and warms up: a line every ``still_lines.EVERY_S`` while either
 runs on (the log of a 9B's start is otherwise silent for minutes), none once it ended."""
 
 import asyncio
@@ -8,7 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-import service.runtime as runtime
+import model_runtime.still_lines as still_lines
+from service import cli
 from service.http.app import create_app
 from service.settings import Settings
 from service.testing import FakeBackend, running_app
@@ -24,7 +25,7 @@ class _SlowWarmUp(FakeBackend):
 
 
 def test_a_slow_load_and_warm_up_say_they_still_run_and_stop_once_ended(monkeypatch, caplog):
-    monkeypatch.setattr(runtime, "_STILL_EVERY_S", _EVERY_S)
+    monkeypatch.setattr(still_lines, "EVERY_S", _EVERY_S)
     caplog.set_level(logging.INFO, logger="service.runtime")
 
     def load():  # a source that takes its time, as a checkpoint read from a network disk does
@@ -75,3 +76,29 @@ def test_the_warm_up_line_on_cuda_says_it_compiles_and_what_keeps_the_kernels(tm
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warming up ")]
     assert said == [f"warming up gpu-model: compiling and running its kernels for the served shapes (about a minute "
                     f"with an empty kernel cache; {kept})"], caplog.text
+
+
+def test_a_slow_load_of_score_says_it_still_runs_until_it_ended(monkeypatch, tmp_path, caplog):
+    """``packscore score`` loads before any event loop: the same line every interval, from the load's start to its end."""
+    monkeypatch.setattr(still_lines, "EVERY_S", _EVERY_S)
+    caplog.set_level(logging.INFO, logger="service.offline")
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text('{"id": "a", "input_ids": [1, 2, 3]}\n')
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "service.offline"]
+
+    at_loaded = []
+
+    def load(settings):  # a checkpoint read from a network disk: minutes, here a few intervals
+        time.sleep(5.5 * _EVERY_S)
+        at_loaded.extend(said())
+        return FakeBackend()
+
+    monkeypatch.setattr("service.backends.load_backend", load)
+    assert cli.main(["score", str(source), "-o", str(out), "--served-model-name", "slow"]) == 0
+    time.sleep(4 * _EVERY_S)  # a line past the end would have come by now
+    still = [m for m in said() if m.startswith("still ")]
+    assert still[:2] == ["still loading slow: 0.1 s", "still loading slow: 0.2 s"], said()
+    assert still == [m for m in at_loaded if m.startswith("still ")], said()  # none once the load ended
+
