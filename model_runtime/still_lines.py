@@ -1,7 +1,7 @@
-"""The "still ..." lines: while slow work runs (a load, a warm-up), one log line every ``EVERY_S`` says it
-still does, so that a log is not silent for minutes (a 27B read from a network disk). One mechanism for
-``packscore serve`` (around what it awaits) and ``packscore score`` (its load, before any event loop): a
-daemon thread, no torch.
+"""The "still ..." lines: while slow work runs (a load, a warm-up, a rank reading its shards), one log line
+every ``EVERY_S`` says it still does, so that a log is not silent for minutes (a 27B read from a network
+disk). One mechanism for ``packscore serve`` (around what it awaits), ``packscore score`` (its load, before
+any event loop) and a worker pool's ranks: a daemon thread, no torch.
 
 Example:
     >>> with saying_still(log, "loading Qwen3.5-9B"):  # "still loading Qwen3.5-9B: 30 s", then 60 s, ...

@@ -137,9 +137,7 @@ def _setup(start: msg.Start, replies: _Replies):
     runs_in_use(loaded, start.max_batch_tokens, device=device)  # from the weights' shapes, before sharding
     parallelize(loaded.model, dims=dims, mesh=mesh)
     if _reads_shards(start):
-        from model_runtime.scoring.weights import materialize
-
-        materialize(loaded.model, Path(start.model), device)
+        _read_shards(loaded, Path(start.model), device)
     if start.updates and device.type == "cuda":  # made now, not in the first update beside the forwards
         from model_runtime.scoring.tensor_file import staging_for
 
@@ -161,6 +159,21 @@ def _setup(start: msg.Start, replies: _Replies):
         prefix_runs=rounding.runs if rounding is not None else [],
     )
     return dims, runner, hello
+
+
+def _read_shards(loaded, path: Path, device: torch.device) -> None:
+    """FSDP over a checkpoint: this rank reads its own shards into the model built empty (the "loaded" line came
+    before: minutes of a large checkpoint's reading), saying when it begins, still every 30 s, and when it ended."""
+    from model_runtime.scoring.weights import held_parameters, local_tensor, materialize
+    from model_runtime.still_lines import saying_still
+
+    size = sum(local_tensor(p).nbytes for p in held_parameters(loaded.model).values())
+    log.info("reading its shards of %s from %s: %.1f GiB, as %s on %s", loaded.name, path, size / 2**30,
+             loaded.dtype_name, device)
+    started = time.perf_counter()
+    with saying_still(log, f"reading its shards of {loaded.name}"):
+        materialize(loaded.model, path, device)
+    log.info("read its shards of %s in %.1fs", loaded.name, time.perf_counter() - started)
 
 
 def _prefix_rounding(start: msg.Start, dims, loaded, device: torch.device):

@@ -1,7 +1,8 @@
 """What an operator reads in the log while ``packscore serve`` starts a real checkpoint: a line when
 its load begins (its files, their size, the dtype and device) and one when its warm-up begins, each
 before the line that says it ended; a start this short has no "still loading" line. ``packscore
-score`` loads through the same code and says the same load line."""
+score`` loads through the same code and says the same load line; with ``--fsdp`` each rank says when
+its shard read begins and ends, after its "loaded" line (the model built empty) and before the pool is up."""
 
 from __future__ import annotations
 
@@ -64,4 +65,29 @@ def test_score_says_when_the_load_begins(tmp_path):
     assert said.count(load_line) == 1, output
     assert said.index(load_line) < next(i for i, text in enumerate(said) if text.startswith("loaded ck ")), said
     assert not [text for _, text in _info(output) if text.startswith("still ")], output  # seconds: no line, none after
+
+
+def test_score_with_fsdp_says_when_each_rank_reads_its_shards(tmp_path):
+    path, _ = _sharded(tmp_path)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(json.dumps({"id": "a", "input_ids": [1, 2, 3, 4]}) + "\n")
+    command = [sys.executable, "-m", "service.cli", "score", str(source), "-o", str(out), "--model", str(path),
+               "--device", "cpu", "--world-size", "2", "--fsdp"]
+    code, output, _ = run_watching_port(command, None)
+    assert code == 0, output
+    lines = _info(output)
+
+    def where(logger: str, start: str) -> int:
+        found = [i for i, (name, text) in enumerate(lines) if name == logger and text.startswith(start)]
+        assert len(found) == 1, (start, output)
+        return found[0]
+
+    up = where("model_runtime.pool.supervisor", "worker pool generation 1 up: ")
+    for rank in (0, 1):
+        loaded = where("model_runtime.scoring.loading", f"rank={rank} loaded ck ")
+        reading = where("packscore.worker", f"rank={rank} reading its shards of ck from {path}: ")
+        assert lines[reading][1].endswith(" GiB, as float32 on cpu"), output
+        read = where("packscore.worker", f"rank={rank} read its shards of ck in ")
+        assert loaded < reading < read < up, output
+    assert not [text for _, text in lines if "still " in text], output
 

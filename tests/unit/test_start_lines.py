@@ -102,3 +102,35 @@ def test_a_slow_load_of_score_says_it_still_runs_until_it_ended(monkeypatch, tmp
     assert still[:2] == ["still loading slow: 0.1 s", "still loading slow: 0.2 s"], said()
     assert still == [m for m in at_loaded if m.startswith("still ")], said()  # none once the load ended
 
+
+def test_a_rank_reading_its_shards_says_when_it_begins_still_and_when_it_ended(monkeypatch, tmp_path, caplog):
+    """With --fsdp the "loaded" line comes once the model is built empty; each rank's shard read follows it."""
+    import torch
+
+    from model_runtime.pool import worker
+    from model_runtime.scoring import weights
+    from model_runtime.scoring.loading import load_model
+    from tests.checkpoints import save_checkpoint
+
+    monkeypatch.setattr(still_lines, "EVERY_S", _EVERY_S)
+    caplog.set_level(logging.INFO, logger="packscore.worker")
+    path = save_checkpoint("qwen3_5", tmp_path / "ck")
+    loaded = load_model(str(path), device="cpu", weights_later=True)
+    real, at_read = weights.materialize, []
+
+    def materialize(*args):  # a large checkpoint's shards: minutes, here a few intervals
+        time.sleep(3.5 * _EVERY_S)
+        real(*args)
+        at_read.extend(said())
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "packscore.worker"]
+
+    monkeypatch.setattr(weights, "materialize", materialize)
+    worker._read_shards(loaded, path, torch.device("cpu"))
+    time.sleep(4 * _EVERY_S)
+    lines = said()
+    assert lines[0].startswith(f"reading its shards of ck from {path}: ") and lines[0].endswith(" GiB, as float32 on cpu"), lines
+    assert lines[1:3] == ["still reading its shards of ck: 0.1 s", "still reading its shards of ck: 0.2 s"], lines
+    assert lines[:-1] == at_read and lines[-1].startswith("read its shards of ck in "), lines  # none once it ended
+    assert all(not p.is_meta for p in loaded.model.parameters())
