@@ -419,6 +419,13 @@ class Service:
                 return f"{m.name}: {error}"
         return None
 
+    def restart_retry_after_s(self) -> int:
+        """Whole seconds until every pool whose restart failed has tried again (the latest of their next
+        attempts, ``restart_retry_after_s``; 30 where a backend does not say): /readyz's Retry-After for
+        ``restart_failed``, since it is not ready before the last of them is back. 5 where none failed any more."""
+        return max((int(getattr(m.backend, "restart_retry_after_s", 30)) for m in list(self.models.values())
+                    if not m.backend.is_alive() and getattr(m.backend, "restart_error", None)), default=5)
+
     def is_ready(self) -> bool:
         """The last known readiness, without running anything (for the metric)."""
         return (self.phase == "ready" and self._probe_ok and self._all_alive() and not self._copying_in_place()

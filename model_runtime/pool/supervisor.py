@@ -338,7 +338,7 @@ class Supervisor:
     def restart_retry_after_s(self) -> int:
         """Whole seconds until the pool next tries to restart (a failed attempt's back-off, or the
         pause before a use may start a refused loop again), rounded up, 1 to ``RESTART_PAUSE_MAX_S``:
-        ``/score``'s Retry-After while ``restart_error`` is set. 1 once that attempt is due or running."""
+        ``/score``'s and ``/readyz``'s Retry-After while ``restart_error`` is set. 1 once that attempt is due or running."""
         with self._lock:
             refused, at = self._restart_refused, self._restart_next
         at = refused[0] if refused is not None else at

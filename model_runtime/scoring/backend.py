@@ -88,7 +88,7 @@ class BackendUnavailableError(RuntimeError):
 class ScoringBackend(Protocol):
     """What the service drives. Optional attributes it reads where present: ``prefix_rounding``,
     ``restart_error``, ``restart_retry_after_s`` (whole seconds until the next restart attempt:
-    ``/score``'s Retry-After while ``restart_error`` is set; 30 where absent), ``workers_alive``,
+    ``/score``'s and ``/readyz``'s Retry-After while ``restart_error`` is set; 30 where absent), ``workers_alive``,
     ``copying_in_place`` (an update copies into the served weights: nothing scores meanwhile,
     /readyz says ``updating_weights``), ``pins_groups``
     (``score_row(sequences, group=g)`` runs on data-parallel group ``g``: several served models)."""

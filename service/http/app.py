@@ -379,6 +379,8 @@ def _add_routes(app: FastAPI, service: Service) -> None:
             message = f"Not ready: {describe_withheld(service.withheld, full=False)}; /score's 503 and the log say more."
         error = {"type": "not_ready", "message": message, "param": None}
         headers = _NOT_READY_HEADERS.get(status, {"Retry-After": "5"})
+        if status == "restart_failed":  # when the pools next try, as /score's 503 says: not ready before then
+            headers = {"Retry-After": str(service.restart_retry_after_s())}
         return Response(encode_json({"status": status, "error": error}), status_code=503, media_type=JSON,
                         headers=headers)
 

@@ -152,6 +152,7 @@ def test_backend_unavailable_answers_503_with_retry_after_and_readiness_drops():
     ready_failed, score_failed = restart_failed
     assert ready_failed.status_code == 503 and ready_failed.json()["status"] == "restart_failed", ready_failed.text
     assert "the checkpoint changed" not in ready_failed.text, "/readyz answers without a key: no details"
+    assert ready_failed.headers["retry-after"] == "8", "/readyz: not when the pool next tries to restart"
     assert score_failed.status_code == 503 and "the checkpoint changed" in score_failed.json()["error"]["message"]
     assert score_failed.headers["retry-after"] == "8", "not when the pool next tries to restart"
     assert refused.status_code == 503 and refused.json()["error"]["type"] == "backend_unavailable"
@@ -162,6 +163,28 @@ def test_backend_unavailable_answers_503_with_retry_after_and_readiness_drops():
     assert worker_down.status_code == 503 and worker_down.json()["status"] == "worker_down"
     assert "retry-after" in worker_down.headers
     assert ready_again.status_code == 200 and ready_again.json()["status"] == "ready"
+
+
+def test_readyz_while_restarts_fail_retries_after_the_last_failed_pool_tries_again():
+    """Several served models: /readyz is not ready before every failed pool is back, so its Retry-After
+    is the latest of their next attempts; a model whose pool serves, or restarts now, adds none."""
+    async def main():
+        backends = {"policy": FakeBackend(name="policy-ckpt"), "ref": FakeBackend(name="ref-ckpt"),
+                    "critic": FakeBackend(name="critic-ckpt")}
+        async with running_app(create_app(Settings(), backends)) as client:
+            answers = []
+            for failed in ({"policy": 3}, {"policy": 3, "ref": 17}, {"ref": 17}):
+                for name, backend in backends.items():
+                    backend.alive = name not in failed
+                    backend.restart_error = "could not restart (next attempt in 9s)" if name in failed else None
+                    backend.restart_retry_after_s = failed.get(name, 29)
+                backends["critic"].alive = False  # down and restarting now: no failure, no time to wait for
+                answers.append(await client.get("/readyz"))
+            return answers
+
+    answers = asyncio.run(main())
+    assert [a.json()["status"] for a in answers] == ["restart_failed"] * 3, [a.text for a in answers]
+    assert [a.headers["retry-after"] for a in answers] == ["3", "17", "17"], [dict(a.headers) for a in answers]
 
 
 def test_deadline_passes_504_and_the_sequences_are_dropped():
