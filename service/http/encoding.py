@@ -114,7 +114,10 @@ def decode_body(raw: bytes, encoding: Encoding) -> Any:
             # strict_map_key: maps keyed by strings, as every map of the contract is; other keys
             # (integers hash predictably) would let a body flood a dict with colliding keys.
             # A bin key (bytes) gets through; validation refuses it (errors.from_validation_errors).
-            return msgpack.unpackb(raw, raw=False, strict_map_key=True, ext_hook=MsgpackExt)
+            # surrogateescape: a str whose bytes are not UTF-8 is a value validation refuses naming its field (422),
+            # as a JSON string's lone surrogate escape is; a body that is not msgpack at all stays a 400.
+            return msgpack.unpackb(raw, raw=False, strict_map_key=True, ext_hook=MsgpackExt,
+                                   unicode_errors="surrogateescape")
         except Exception as exc:  # msgpack raises several unrelated types for bad input
             detail = str(exc).strip() or type(exc).__name__
             if "map key" in detail:  # valid msgpack, but no request of this API can have it

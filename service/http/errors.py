@@ -6,7 +6,7 @@ from typing import Iterable
 
 import orjson
 
-from service.http.schemas import ErrorResponse
+from service.http.schemas import NOT_UNICODE, ErrorResponse
 
 
 class ApiError(Exception):
@@ -124,6 +124,8 @@ def from_validation_errors(errors: list[dict], *, sourced: bool = True) -> ApiEr
         message = f"{what} is not a field of {param or 'this request'}."
     elif kind == "extra_forbidden":
         message = f"{param} is not a field of this request."
+    elif kind == "string_unicode":  # pydantic's, for a key: the values of Text fields say NOT_UNICODE themselves
+        message = f"{param or 'the body'}: a key {NOT_UNICODE}, got {short_repr(first.get('input'))}."
     elif past_64_bits(first.get("input")) and kind.startswith("int"):
         message = f"{param or 'the body'}: integers must fit in 64 bits, got a larger one."
     elif past_64_bits(first.get("input")):

@@ -37,10 +37,19 @@ def _token_ids(value: Any, handler) -> np.ndarray:
         return np.asarray(ids, dtype=object)
 
 
+# A string holding a lone surrogate: what a JSON \ud800 escape gives, and a msgpack str's bytes that are not
+# UTF-8 (decoded with surrogateescape, so that validation names its field). errors.py says it for keys too.
+NOT_UNICODE = ("must be valid Unicode text, without unpaired surrogates (a lone \\ud800-\\udfff escape in JSON, "
+               "bytes that are not UTF-8 in a msgpack str)")
+
+
 def _encodable(text: str) -> str:
     # Python's JSON parser (the fallback for NaN and huge integers) lets lone surrogates through;
     # such a string could never be echoed back in UTF-8.
-    text.encode("utf-8")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(NOT_UNICODE) from None
     return text
 
 
