@@ -56,7 +56,8 @@ UNNAMED_UPDATE_OUTCOMES = (
     "model_required", "internal_error",
 )  # fmt: skip
 # packscore_connections_closed_total's reasons: the answers and closes of service/http/protocol.py itself.
-CONNECTION_CLOSE_REASONS = ("too_many_connections", "evicted", "malformed_request", "request_timeout")
+CONNECTION_CLOSE_REASONS = ("too_many_connections", "evicted", "malformed_request", "http_version_not_supported",
+                            "request_timeout")
 
 _MODEL = ["model"]  # the served model's name, on every series that belongs to one model
 
@@ -98,7 +99,8 @@ class Metrics:
             "packscore_connections_closed_total",
             "Connections the HTTP protocol layer closed itself, by reason: a new one refused 503 over --max-connections "
             "(too_many_connections), an older one closed to make room (evicted), 400 for bytes that are not HTTP/1.1 "
-            "(malformed_request), headers or body not arrived within --request-read-timeout-s (request_timeout).",
+            "(malformed_request), 505 for a request of another HTTP major version, such as HTTP/2.0 (http_version_not_supported), "
+            "headers or body not arrived within --request-read-timeout-s (request_timeout).",
             ["reason"],
             registry=r,
         )

@@ -14,6 +14,9 @@ uvicorn bounds only the idle time between keep-alive requests. This subclass add
   connection reset, as nginx's ``send_timeout`` does; progress of any size restarts the clock;
 - the contract's JSON error body on the protocol errors uvicorn answers itself (a garbage
   request line, a bad Content-Length, oversized headers), instead of plain text;
+- 505 for a request line of another major version (``HTTP/2.0`` as an h2 client's prior-knowledge
+  preface sends it, ``HTTP/3.0``, ``HTTP/0.9``), which h11 parses and uvicorn would serve as HTTP/1.1
+  (RFC 9110, 15.6.6); a higher 1.x minor is HTTP/1.1's (RFC 9112, 2.3), and an ``Upgrade`` header is ignored;
 - a lingering close (RFC 9112, 9.6): a connection closed after its answer while the client may
   still be sending (the request's body still arriving, as at a 413 or at a 401 to a client that
   sent ``Connection: close``, or at a 400 for bytes h11 refused before the request's end; or bytes
@@ -25,7 +28,7 @@ uvicorn bounds only the idle time between keep-alive requests. This subclass add
   A body past ``max_body_bytes`` still arriving after an answer that kept the connection (a GET
   route reads none, a 401) is closed the same way, not parsed by h11 to its end for a next request.
 
-Each answer the protocol sends itself (400, 408, 503) logs one line naming its request id, its
+Each answer the protocol sends itself (400, 408, 503, 505) logs one line naming its request id, its
 status, the peer and why (a refused header line by its name alone: its value may be a key), without a
 traceback: these answers pass no access log. Those lines and the send timeout's share one budget: a
 WARNING up to ``_ANSWER_WARNINGS`` a window, past them DEBUG, counted in one WARNING at the window's
@@ -71,7 +74,26 @@ _REFUSED_HEADER = re.compile(r"illegal header line: (?:bytearray\()?(b'.*'|b\".*
 # its body's framing broke): what the gate counts for it, and a 408's handler counts request_timeout, not a 499.
 PROTOCOL_ANSWER = "packscore.protocol_answer"
 # What the protocol answers itself: the statuses on_answered is called with.
-PROTOCOL_STATUSES = (400, 408, 503)
+PROTOCOL_STATUSES = (400, 408, 503, 505)
+
+
+class _UnsupportedVersion(h11.RemoteProtocolError):
+    """A request whose HTTP major version is not 1: raised where uvicorn catches h11's refusals, answered 505."""
+
+    def __init__(self, request: h11.Request):
+        self.version = request.http_version.decode("ascii")
+        self.headers = [(name.lower(), value) for name, value in request.headers]
+        super().__init__(f"HTTP/{self.version} is not HTTP/1.x")
+
+
+class _VersionCheckedConnection(h11.Connection):
+    """h11's server side, refusing a request line of another major version once it is parsed."""
+
+    def next_event(self):
+        event = super().next_event()
+        if isinstance(event, h11.Request) and not event.http_version.startswith(b"1."):
+            raise _UnsupportedVersion(event)
+        return event
 
 
 def error_bytes(status: int, reason: str, type: str, message: str, extra_headers: str = "", *,
@@ -154,7 +176,7 @@ class _Registry:
             return logging.WARNING
         if not self._quieted:
             outside_request().run(  # a line about many requests names none
-                log.warning, "more than %d of the protocol's own lines (its answers 400, 408, 503 and its send "
+                log.warning, "more than %d of the protocol's own lines (its answers 400, 408, 503, 505 and its send "
                 "timeouts) within %g s: the rest of this window's are logged at DEBUG (--log-level debug shows each), "
                 "then counted in one line",
                 _ANSWER_WARNINGS, _ANSWER_WINDOW_S)
@@ -167,7 +189,7 @@ class _Registry:
     def _end_quiet(self) -> None:
         sends = self._quieted_sends
         log.warning("%d more of the protocol's own lines in the last %g s were logged at DEBUG only: %d of its answers "
-                    "(400, 408, 503), counted by status in packscore_requests_total, and %d send timeouts, counted in "
+                    "(400, 408, 503, 505), counted by status in packscore_requests_total, and %d send timeouts, counted in "
                     "packscore_send_timeouts_total", self._quieted, _ANSWER_WINDOW_S, self._quieted - sends, sends)
         self._window_start, self._warned, self._quieted, self._quieted_sends = time.monotonic(), 0, 0, 0
 
@@ -179,7 +201,8 @@ def guarded_protocol(read_timeout_s: float, max_connections: int, send_timeout_s
                      on_answered: Callable[[int, float], None] | None = None) -> type[H11Protocol]:
     """The protocol class for one server (uvicorn.Config(http=...)); ``on_send_timeout`` counts a
     connection closed by the send timeout, ``on_closed(reason)`` one closed by the cap, a protocol
-    error or the read timeout (reason: too_many_connections, evicted, malformed_request, request_timeout);
+    error, another HTTP version or the read timeout (reason: too_many_connections, evicted, malformed_request,
+    http_version_not_supported, request_timeout);
     ``on_answered(status, seconds)`` an answer of the protocol's own (PROTOCOL_STATUSES) that no request's
     gate counts, and the seconds from its request's first byte (its read clock's start) to it (0 for the
     cap's 503, refused as it connects); ``max_body_bytes`` (--max-request-bytes): past it, the rest of an
@@ -233,6 +256,11 @@ class GuardedH11Protocol(H11Protocol):
     _close_counted = False  # on_closed counted this connection (its 400): a lingering close's end is not counted again
     _tls_hello = False  # its first bytes were a TLS handshake record: a client using https:// on this port
     transport: _LingeringTransport
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # uvicorn's own connection's limit on a request's head, kept: only the version check is added
+        self.conn = _VersionCheckedConnection(h11.SERVER, self.conn._max_incomplete_event_size)
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(_LingeringTransport(transport, self))
@@ -357,6 +385,9 @@ class GuardedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         # h11 refused the bytes (request line, headers, Content-Length): answer in the contract's shape.
+        if isinstance(unsupported := sys.exc_info()[1], _UnsupportedVersion):
+            self._answer_unsupported_version(unsupported)
+            return
         self.registry.on_closed("malformed_request")
         self._close_counted = True
         self._count_answer(400)
@@ -375,6 +406,22 @@ class GuardedH11Protocol(H11Protocol):
         elif self.cycle is not None and not self.cycle.response_complete:
             self.cycle.disconnected = True  # the handler still reading the body ends now, not at the lingering's end
             self.cycle.message_event.set()
+
+    def _answer_unsupported_version(self, refused: _UnsupportedVersion) -> None:
+        """505 for a request of another major version, its head parsed (no earlier request's answer is pending:
+        h11 reads a next request only then), and close; a body it declared is dropped by the lingering close."""
+        self.registry.on_closed("http_version_not_supported")
+        self._close_counted = True
+        self._count_answer(505)
+        rid = from_headers(refused.headers)
+        self._log_answer(505, rid, f"HTTP/{refused.version} is not supported (this port speaks HTTP/1.1 and 1.0)")
+        self.transport.write(error_bytes(
+            505, "HTTP Version Not Supported", "http_version_not_supported",
+            f"HTTP/{refused.version} is not supported: this server speaks HTTP/1.1 (and HTTP/1.0), with no HTTP/2 "
+            "or HTTP/3 on this port; send the request as HTTP/1.1.", request_id=rid))
+        self.transport.close()
+        if not self.transport.lingering:
+            self._stop_reading()
 
     def _count_answer(self, status: int) -> None:
         """Counts and times an answer the protocol wrote, once: a request whose handler has not answered is

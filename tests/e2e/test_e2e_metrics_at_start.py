@@ -118,7 +118,8 @@ def test_the_protocol_layers_own_answers_are_counted_by_reason(tmp_path):
     assert at_start == dict.fromkeys(CONNECTION_CLOSE_REASONS, 0.0), at_start
     assert answers == [(400, "malformed_request"), (408, "request_timeout"), (408, "request_timeout"),
                        (413, "body_too_large")], answers
-    want = {"too_many_connections": 0.0, "evicted": 0.0, "malformed_request": 1.0, "request_timeout": 3.0}
+    want = {"too_many_connections": 0.0, "evicted": 0.0, "malformed_request": 1.0, "http_version_not_supported": 0.0,
+            "request_timeout": 3.0}
     assert _closed(after) == want, after.text
     # the body's 408 had a route, and is counted there as before; the headers' had none
     assert after.value("packscore_requests_total", route="/score", status="408") == 1.0, after.text
@@ -150,5 +151,6 @@ def test_the_connection_caps_refusals_and_evictions_are_counted(tmp_path):
     assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
     head, _, text = metrics.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 "), metrics[:300]
-    want = {"too_many_connections": 1.0, "evicted": 1.0, "malformed_request": 0.0, "request_timeout": 0.0}
+    want = {"too_many_connections": 1.0, "evicted": 1.0, "malformed_request": 0.0, "http_version_not_supported": 0.0,
+            "request_timeout": 0.0}
     assert _closed(Scrape(text.decode())) == want, text.decode()

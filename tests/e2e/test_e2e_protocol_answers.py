@@ -11,6 +11,7 @@ import socket
 import time
 
 import httpx
+import orjson
 
 from service.local_server import LocalServer
 from tests.e2e.helpers import fake_server, read_until_closed
@@ -152,3 +153,51 @@ def test_the_connection_caps_503_is_counted(tmp_path):
     assert scored.startswith(b"HTTP/1.1 200 "), scored[:300]
     assert at_start.get(("other", "503")) == 0.0, at_start
     assert counted.get(("other", "503")) == 1.0 and counted.get(("/healthz", "503"), 0.0) == 0.0, counted
+
+
+def test_a_request_of_another_http_major_version_is_answered_505_counted_and_logged(tmp_path):
+    # h11 parses any "HTTP/d.d": uvicorn served HTTP/2.0 (an h2 client's prior-knowledge preface), 3.0 and 0.9 as 1.1
+    other = [b"GET /healthz HTTP/2.0\r\nHost: x\r\nX-Request-Id: asked-for-h2\r\n\r\n",
+             b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+             b"GET /readyz HTTP/3.0\r\nHost: x\r\n\r\n",
+             b"GET /healthz HTTP/0.9\r\n\r\n",
+             b"POST /score HTTP/2.0\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+             % (len(_BODY), _BODY)]
+    served = [b"GET /healthz HTTP/1.0\r\n\r\n", b"GET /healthz HTTP/1.2\r\nHost: x\r\nConnection: close\r\n\r\n",
+              b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+              b"HTTP2-Settings: \r\nConnection: close\r\n\r\n"]
+    server = fake_server(tmp_path).wait_ready()
+    try:
+        at_start = Scrape(httpx.get(server.url + "/metrics", timeout=10).text)
+        answers, peers = [], []
+        for raw in other + served:
+            with _connect(server) as sock:
+                peers.append("%s:%d" % sock.getsockname())
+                sock.sendall(raw)
+                answers.append(read_until_closed(sock, 10))
+        counted = _answered_once(server, {("other", "505"): 5.0})
+        after = Scrape(httpx.get(server.url + "/metrics", timeout=10).text)
+        log = server.log()
+    finally:
+        server.stop()
+    refused, kept = answers[:len(other)], answers[len(other):]
+    for (data, closed_s), raw in zip(refused, other):
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 505 HTTP Version Not Supported\r\n") and closed_s < 5, (raw, data)
+        error = orjson.loads(body)["error"]
+        assert error["type"] == "http_version_not_supported" and error["param"] is None, (raw, error)
+        version = raw.split(b"\r\n")[0].rsplit(b" ", 1)[1].decode()
+        assert error["message"].startswith(f"{version} is not supported: this server speaks HTTP/1.1"), error
+    assert b"x-request-id: asked-for-h2\r\n" in refused[0][0], refused[0][0]  # the client's id, as any answer's
+    assert [_status(data) for data, _ in kept] == [200, 200, 200], kept
+    assert all(data.endswith(b'{"status":"ok"}') for data, _ in kept), kept
+    closed = ("packscore_connections_closed_total", {"reason": "http_version_not_supported"})
+    assert at_start.value(closed[0], **closed[1]) == 0.0 and after.value(closed[0], **closed[1]) == 5.0, after.text
+    assert at_start.value("packscore_requests_total", route="other", status="505") == 0.0, at_start.text
+    assert counted.get(("other", "505")) == 5.0 and counted.get(("/healthz", "200")) == 3.0, counted
+    assert counted.get(("other", "400"), 0.0) == 0.0 and counted.get(("/score", "200"), 0.0) == 0.0, counted
+    for peer, raw in zip(peers, other):
+        version = raw.split(b"\r\n")[0].rsplit(b" ", 1)[1].decode()
+        said = (r"WARNING service\.http\.protocol: request_id=\S+ answered 505 to " + re.escape(peer) + ": "
+                + re.escape(f"{version} is not supported"))
+        assert len(re.findall(said, log)) == 1, (said, log)
