@@ -191,13 +191,13 @@ def _prefix_rounding(start: msg.Start, dims, loaded, device: torch.device):
 class _WeightUpdates:
     """This rank's side of weight updates: a background load beside the served weights, the swap."""
 
-    def __init__(self, model, rank: int, replies: _Replies, version: str):
+    def __init__(self, loaded, rank: int, replies: _Replies, version: str):
         from model_runtime.scoring.weights import held_parameters
 
-        self.model, self.rank, self.replies = model, rank, replies
+        self.loaded, self.model, self.rank, self.replies = loaded, loaded.model, rank, replies
         # Taken before any forward: the loading thread runs beside FSDP forwards, during which
         # the modules hold gathered whole parameters instead of this rank's shards.
-        self.params = held_parameters(model)
+        self.params = held_parameters(self.model)
         self.version = version  # what the rows scored here are scored by
         self._thread: threading.Thread | None = None
         self._staged: tuple[int, dict] | None = None  # (request id, new tensors)
@@ -215,21 +215,32 @@ class _WeightUpdates:
         self._thread.start()
 
     def _load(self, message: msg.LoadWeights) -> None:
+        """Reads the update beside the served weights, saying when this rank's read begins, still every 30 s, and
+        when it ended; the server's lines name the update's version (a hash is known only once the read ends)."""
         from model_runtime.scoring.checkpoint_error import CheckpointError
-        from model_runtime.scoring.weights import plan_reads, read_parameters
+        from model_runtime.scoring.weights import local_tensor, plan_reads, read_parameters
+        from model_runtime.still_lines import saying_still
 
+        name = self.loaded.name
+        size = sum(local_tensor(p).nbytes for p in self.params.values())
+        log.info("reading the update of %s from %s: %.1f GiB, as %s on %s", name, message.path, size / 2**30,
+                 self.loaded.dtype_name, self.loaded.device)
         started = time.perf_counter()
         try:
-            plan = plan_reads(self.model, Path(message.path), self.params)
-            tensors = read_parameters(self.model, plan, params=self.params)
-        except CheckpointError as error:
+            with saying_still(log, f"reading the update of {name}"):
+                plan = plan_reads(self.model, Path(message.path), self.params)
+                tensors = read_parameters(self.model, plan, params=self.params)
+        except CheckpointError as error:  # the server's line says why
+            log.info("stopped reading the update of %s after %.1fs: the checkpoint was refused (%s)", name,
+                     time.perf_counter() - started, error.kind)
             self._done(message.request_id, started, False, error.kind, str(error))
             return
         except Exception as error:
-            log.exception("loading %s failed", message.path)
+            log.exception("reading the update of %s from %s failed", name, message.path)
             self._done(message.request_id, started, False, "internal", f"{type(error).__name__}: {error}")
             return
         self._staged = (message.request_id, tensors)
+        log.info("read the update of %s in %.1fs", name, time.perf_counter() - started)
         self._done(message.request_id, started)
 
     def swap(self, message: msg.SwapWeights) -> None:
@@ -305,7 +316,7 @@ def serve(commands: Connection, replies: _Replies) -> int:
         replies.send(msg.Failure(request_id=-1, kind=kind, message=message, fatal=True))
         return 1
     replies.send(hello)
-    updates = _WeightUpdates(runner.loaded.model, start.rank, replies, hello.weights_version)
+    updates = _WeightUpdates(runner.loaded, start.rank, replies, hello.weights_version)
     leader = dims.sp_rank(start.rank) == 0
     # With collectives in a step (Ulysses inside the group, FSDP across the world), a rank that
     # failed mid-forward leaves its peers waiting: the pool restarts the world instead.
