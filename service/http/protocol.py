@@ -87,7 +87,8 @@ class _UnsupportedVersion(h11.RemoteProtocolError):
 
 
 class _VersionCheckedConnection(h11.Connection):
-    """h11's server side, refusing a request line of another major version once it is parsed."""
+    """h11's server side, refusing a request line of another major version once it is parsed: the class
+    given to the connection uvicorn built (no state of its own)."""
 
     def next_event(self):
         event = super().next_event()
@@ -259,8 +260,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # uvicorn's own connection's limit on a request's head, kept: only the version check is added
-        self.conn = _VersionCheckedConnection(h11.SERVER, self.conn._max_incomplete_event_size)
+        # uvicorn's own connection, as it built it (its limit on a request's head): only the version check is added
+        self.conn.__class__ = _VersionCheckedConnection
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(_LingeringTransport(transport, self))
