@@ -322,15 +322,15 @@ async def _score_lines(settings: Settings, backend, input_path: Path, limits: Li
             pass
         finally:
             await scheduler.close("the offline run stopped")
-            # A forward still running on its daemon thread at exit aborts the process in torch's
-            # C++ teardown (SIGABRT, not 130): let it finish, unless a second Ctrl-C said not to.
-            while scheduler.forward_running and not abandon.done():
+            # A forward thread still alive at exit (a forward running, or one queued before the close) aborts the
+            # process in torch's C++ teardown (SIGABRT, not 130 or 1): let it end, unless a second Ctrl-C said not to.
+            while scheduler.threads_alive and not abandon.done():
                 await asyncio.sleep(0.02)
             loop.remove_signal_handler(signal.SIGINT)
             release_sigterm(sigterm if sigterm.ours else sigterm_before)  # held from here until the model is closed
             ticker.cancel()  # its next step is its CancelledError: no refresh once this returns
     if stop.done() and not finished:
-        raise Interrupted(abandoned=abandon.done(), forward_running=scheduler.forward_running, terminated=terminated,
+        raise Interrupted(abandoned=abandon.done(), forward_running=scheduler.threads_alive, terminated=terminated,
                           written=written)
     return written
 

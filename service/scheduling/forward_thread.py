@@ -30,6 +30,11 @@ class ForwardThread:
     def running(self) -> bool:
         return self.since is not None
 
+    @property
+    def alive(self) -> bool:
+        """Whether the thread still runs: after ``stop``, until the forward under way (if any) ended."""
+        return self._thread.is_alive()
+
     async def run(self, fn: Callable, *args):
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -42,6 +47,8 @@ class ForwardThread:
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
             loop, future, fn, args = job
+            if future.cancelled():  # its runner was cancelled (the scheduler closed) before it started: nobody waits
+                continue
             self.since = time.monotonic()
             try:
                 result, error = fn(*args), None

@@ -172,6 +172,11 @@ class Scheduler:
         """Whether a forward is still under way on one of this scheduler's threads."""
         return any(thread.running for thread in self._threads)
 
+    @property
+    def threads_alive(self) -> bool:
+        """Whether one of this scheduler's forward threads still runs (after ``close``: until it has ended)."""
+        return any(thread.alive for thread in self._threads)
+
     def forward_state(self) -> str:
         """``"idle"``, ``"busy"`` or ``"stalled"``: how this scheduler's forwards stand
         (``forward_thread.forward_state``), what /readyz reports while its probe waits."""

@@ -2,6 +2,7 @@
 (``ulimit -f``: Python ignores SIGXFSZ, so the write fails with EFBIG). The last line names which it
 was, how many lines of IN OUT holds, and what to do before the same command resumes after them."""
 
+import random
 import resource
 import subprocess
 import sys
@@ -103,3 +104,20 @@ def test_a_full_disk_ends_with_what_out_holds_then_what_to_do(tmp_path):
     where = [last.find(s) for s in said]
     assert -1 not in where and where == sorted(where), f"the last line does not say {said} in order: {last}"
     _resumes(tmp_path, kept)
+
+
+def test_the_real_model_stopped_by_a_file_size_limit_exits_1_with_that_line_last(tmp_path):
+    """With torch's model (not the fake), the run printed its line, then aborted in the interpreter's
+    teardown ("terminate called without an active exception", exit 134): the forward thread, still
+    ending a row the closed scheduler had queued, outlived the wait for forwards under way."""
+    rng = random.Random(0)
+    rows = [{"id": f"r{i}", "input_ids": [rng.randrange(1, 4096) for _ in range(500)], "score_from": 100}
+            for i in range(50)]
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    for attempt in range(3):  # where the thread stands when the write fails varies: each run could abort
+        out = tmp_path / f"out-{attempt}.jsonl"
+        done = subprocess.run([sys.executable, "-m", "service.cli", "score", str(source), "-o", str(out)],
+                              capture_output=True, text=True, timeout=300, preexec_fn=_limit_file_size)
+        last = done.stderr.splitlines()[-1]
+        assert done.returncode == 1 and "cannot write" in last, f"exit {done.returncode}:\n{done.stderr[-2000:]}"
