@@ -51,3 +51,40 @@ def test_score_documents_the_named_model_form_it_takes(tmp_path):
     assert cli.main(["score", str(source), "-o", str(out), "--model", "policy=tiny"]) == 0
     (line,) = out.read_bytes().splitlines()
     assert orjson.loads(line)["model"] == "policy", line
+
+
+def test_the_hub_errors_the_doc_quotes_are_those_the_cli_prints(tmp_path):
+    """The three `packscore: error: --model Qwen/...` blocks of "What `--model` takes", each made
+    anew in an offline cache (HF_HOME=/data/hf there) and compared line for line."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    quoted = re.findall(r"```\n(packscore: error: --model Qwen/Qwen3\.5-9B .*?)\n```", DOC)
+    assert len(quoted) == 3, quoted
+    repo, commit = tmp_path / "hub" / "models--Qwen--Qwen3.5-9B", "0123456789abcdef0123456789abcdef01234567"
+    snapshot = repo / "snapshots" / commit
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PACKSCORE_", "HF_"))}
+    env |= {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
+
+    def printed() -> str:
+        done = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--model", "Qwen/Qwen3.5-9B"], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr
+        return done.stderr.splitlines()[-1]
+
+    def shown(line: str) -> str:
+        return line.replace("/data/hf/hub", str(tmp_path / "hub")).replace("<commit>", commit)
+
+    assert printed() == shown(quoted[0])  # not cached at all
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    (snapshot / "config.json").write_text("{}")
+    assert printed() == shown(quoted[1])  # config.json alone
+    shards = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {s: s for s in shards}}))
+    for shard in shards[:2]:
+        (snapshot / shard).touch()
+    assert printed() == shown(quoted[2])  # two of the index's four shards
