@@ -14,7 +14,7 @@ from model_runtime.scoring.backend import STALL_UNMEASURED_S
 from model_runtime.types import SequenceInput
 from service.http.app import create_app
 from service.http.errors import ApiError, draining_error
-from service.scheduling.forward_thread import forward_state
+from service.scheduling.forward_thread import ForwardThread, forward_state
 from service.scheduling.scheduler import Scheduler
 from service.settings import Settings
 from service.testing import FakeBackend, running_app
@@ -115,6 +115,32 @@ def test_a_forward_starting_while_readiness_reads_its_thread_is_not_stalled():
     thread = _SwitchingThread(idle_since=time.monotonic() - 10 * STALL_UNMEASURED_S)
     state = forward_state([thread])
     assert state in ("idle", "busy"), f"a forward that had just started read as {state!r}"
+
+
+def test_a_forward_queued_behind_another_does_not_run_once_its_runner_was_cancelled():
+    """A scheduler's close cancels its runners, then stops their threads: a forward one of them had queued
+    behind the forward under way still ran after it, for nobody, and kept the offline run's exit waiting
+    (or, where the exit did not wait, ran torch under the interpreter's teardown: SIGABRT)."""
+    release, ran = threading.Event(), []
+
+    async def main():
+        thread = ForwardThread("test-forward")
+        first = asyncio.create_task(thread.run(release.wait))
+        queued = asyncio.create_task(thread.run(ran.append, "queued"))
+        await asyncio.sleep(0.05)  # the first runs, the second waits in the thread's queue
+        queued.cancel()
+        await asyncio.gather(queued, return_exceptions=True)
+        release.set()
+        await first
+        thread.stop()
+        for _ in range(200):
+            if not thread.alive:
+                break
+            await asyncio.sleep(0.01)
+        return thread.alive
+
+    assert asyncio.run(main()) is False
+    assert ran == [], "a cancelled runner's forward ran"
 
 
 class _StopIterationOnce(FakeBackend):
