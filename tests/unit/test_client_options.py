@@ -57,6 +57,27 @@ def test_an_option_the_server_would_refuse_is_refused_before_sending(kw, named):
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("deadline_ms", [float("inf"), float("nan"), 1e30, 2**64])
+def test_a_deadline_that_is_not_finite_or_past_the_servers_bound_is_refused_naming_it(deadline_ms):
+    # inf meant as "no deadline" raised OverflowError and NaN ValueError from a cast, naming nothing;
+    # 1e30 failed msgpack's packing (OverflowError) or came back as the server's 422
+    named = r"deadline_ms must be finite and below 2\*\*64 \(None: no deadline\)"
+    with ScoreClient(BASE, transport=httpx.MockTransport(_nothing_sent)) as client:
+        with pytest.raises(ValueError, match=named):
+            client.score([[1, 2, 3]], deadline_ms=deadline_ms)
+        with pytest.raises(ValueError, match=named):
+            client.score_padded(IDS, ATTN, RESP, deadline_ms=deadline_ms)
+
+    async def main():
+        async with AsyncScoreClient(BASE, transport=httpx.MockTransport(_nothing_sent)) as client:
+            with pytest.raises(ValueError, match=named):
+                await client.score([[1, 2, 3]], deadline_ms=deadline_ms)
+            with pytest.raises(ValueError, match=named):
+                await client.score_padded(IDS, ATTN, RESP, deadline_ms=deadline_ms)
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("encoding", ["json", "msgpack"])
 def test_numpy_options_are_sent_as_plain_numbers(encoding):
     """A trainer's config often holds numpy scalars; a deadline of 0 or less is sent as given."""

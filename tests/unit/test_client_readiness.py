@@ -78,3 +78,21 @@ def test_wait_ready_counts_an_unreachable_server_as_not_ready():
             client.wait_ready(timeout_s=0.3)
     assert unreachable.value.type == "connection_error" and unreachable.value.status == 0
     assert late.value.status == 0 and late.value.type == "not_ready" and "ConnectError" in str(late.value), late.value
+
+
+@pytest.mark.parametrize("timeout_s,kind", [(float("nan"), ValueError), (-1, ValueError), ("30", TypeError), (None, TypeError)])
+def test_wait_ready_refuses_a_timeout_that_is_not_a_number_of_seconds_before_polling(timeout_s, kind):
+    # a NaN never ended the wait for a server that does not come; "30" failed adding it to a float
+    def nothing_sent(request: httpx.Request) -> httpx.Response:
+        raise AssertionError(f"{request.url.path} was sent")
+
+    with ScoreClient(BASE, transport=httpx.MockTransport(nothing_sent)) as client:
+        with pytest.raises(kind, match="^timeout_s must be"):
+            client.wait_ready(timeout_s=timeout_s)
+
+    async def main():
+        async with AsyncScoreClient(BASE, transport=httpx.MockTransport(nothing_sent)) as client:
+            with pytest.raises(kind, match="^timeout_s must be"):
+                await client.wait_ready(timeout_s=timeout_s)
+
+    asyncio.run(main())

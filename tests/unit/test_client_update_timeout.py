@@ -9,6 +9,7 @@ import math
 import socket
 
 import httpx
+import numpy as np
 import pytest
 
 from packscore_client import AsyncScoreClient, ScoreClient
@@ -100,7 +101,10 @@ OLDER = [("timeout_s", "30", TypeError, "a number of seconds"), ("timeout_s", 0,
          ("retry_timeout_s", math.inf, ValueError, "finite and >= 0"), ("connect_retry_s", None, TypeError,
                                                                         "a number of seconds"),
          ("connect_retry_s", -0.5, ValueError, "finite and >= 0"), ("max_concurrency", 0, ValueError, "an int of at least 1"),
-         ("max_concurrency", 2.5, ValueError, "an int of at least 1")]
+         ("max_concurrency", 2.5, ValueError, "an int of at least 1"),
+         # a split cap of 0 meant no cap, -1 or True one sequence a request, 2.5 three; "3" failed comparing
+         *[(knob, value, ValueError, "an int of at least 1 or None") for knob in
+           ("max_sequences_per_request", "max_request_tokens", "max_request_bytes") for value in (0, -1, 2.5, True, "3")]]
 
 
 @pytest.mark.parametrize("knob,value,kind,why", OLDER, ids=[f"{k}={v!r}" for k, v, _, _ in OLDER])
@@ -111,6 +115,11 @@ def test_the_other_bounds_are_checked_when_the_client_is_built(knob, value, kind
             cls(BASE, **{knob: value})
     for zero in ("retry_timeout_s", "connect_retry_s"):  # 0: no retry at all, as before
         ScoreClient(BASE, **{zero: 0}).close()
+
+
+def test_a_split_cap_read_from_a_config_as_a_numpy_int_is_taken_as_an_int():
+    with ScoreClient(BASE, max_sequences_per_request=np.int64(3), max_request_tokens=None) as client:
+        assert client.limits.max_sequences_per_request == 3 and type(client.limits.max_sequences_per_request) is int
 
 
 def test_both_clients_take_the_same_update_arguments():

@@ -19,7 +19,7 @@ from packscore_client import everywhere
 from packscore_client.answers import models_answer, readiness_answer
 from packscore_client.padded import PaddedBatch, PaddedScores
 from packscore_client.protocol import (Limits, Protocol, ScoredSequence, ScoreError, WeightsUpdate, as_seqs,
-                                       bearer_key, options, renumbered)
+                                       bearer_key, options, renumbered, seconds)
 
 _DISCOVERY_TIMEOUT_S = 5.0
 UPDATE_TIMEOUT_S = 1800.0  # a checkpoint load may take minutes: the weights calls' floor, whatever timeout_s is
@@ -75,15 +75,6 @@ def _by_one_version(results: list[ScoredSequence], sequences: list, end: float |
     return results
 
 
-def _seconds(value: Any, name: str, zero: bool = False) -> float:
-    """``value`` checked as a bound in seconds: a finite number above 0 (or 0 itself, with ``zero``)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy scalars are fine
-        raise TypeError(f"{name} must be a number of seconds, got {value!r}")
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
-        raise ValueError(f"{name} must be finite and {'>=' if zero else '>'} 0, got {value!r}")
-    return float(value)
-
-
 class _Base:
     """Construction and the request plan both clients share.
 
@@ -117,9 +108,9 @@ class _Base:
         _request_id: str | None = None,
     ):
         # checked here: httpx and the retry loops would take a NaN, a string or a negative bound and fail later, or never
-        timeout_s = _seconds(timeout_s, "timeout_s")
-        retry_timeout_s, connect_retry_s = (_seconds(retry_timeout_s, "retry_timeout_s", zero=True),
-                                            _seconds(connect_retry_s, "connect_retry_s", zero=True))
+        timeout_s = seconds(timeout_s, "timeout_s")
+        retry_timeout_s, connect_retry_s = (seconds(retry_timeout_s, "retry_timeout_s", zero=True),
+                                            seconds(connect_retry_s, "connect_retry_s", zero=True))
         if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, numbers.Integral) or max_concurrency < 1:
             raise ValueError(f"max_concurrency must be an int of at least 1, got {max_concurrency!r}")
         max_concurrency = int(max_concurrency)
@@ -128,7 +119,7 @@ class _Base:
                            max_request_tokens=max_request_tokens, max_request_bytes=max_request_bytes,
                            transport=transport, admin_key=admin_key)
         self._update_timeout_s = (max(timeout_s, UPDATE_TIMEOUT_S) if update_timeout_s is None
-                                  else _seconds(update_timeout_s, "update_timeout_s"))
+                                  else seconds(update_timeout_s, "update_timeout_s"))
         self._knobs["update_timeout_s"] = self._update_timeout_s
         self._p = Protocol(base_url, api_key, encoding, retry_timeout_s, max_sequences_per_request,
                            max_request_tokens, max_request_bytes, connect_retry_s)
@@ -170,7 +161,7 @@ class _Base:
     def _update_timeout(self, timeout_s: float | None) -> httpx.Timeout:
         """The timeouts of one POST /v1/weights: the answer waited for ``timeout_s`` (the call's), else
         ``update_timeout_s``; connecting and sending as every request."""
-        read = self._update_timeout_s if timeout_s is None else _seconds(timeout_s, "timeout_s")
+        read = self._update_timeout_s if timeout_s is None else seconds(timeout_s, "timeout_s")
         return httpx.Timeout(self._timeout.write, connect=self._timeout.connect, read=read)
 
     def _check_open(self) -> None:

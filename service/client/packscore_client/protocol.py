@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import numbers
 import random
 import re
 import threading
@@ -146,6 +147,15 @@ def as_seqs(sequences: Any) -> list[Seq]:
     return out
 
 
+def seconds(value: Any, name: str, zero: bool = False) -> float:
+    """``value`` checked as a bound in seconds: a finite number above 0 (or 0 itself, with ``zero``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy scalars are fine
+        raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        raise ValueError(f"{name} must be finite and {'>=' if zero else '>'} 0, got {value!r}")
+    return float(value)
+
+
 def bearer_key(key: str | None, what: str) -> str | None:
     """``key`` as the server reads its own, surrounding whitespace stripped (a key read from a file
     keeps its newline, which no header may hold); a control character or one beyond ASCII inside is
@@ -176,6 +186,8 @@ def options(temperature, return_entropy, top_k, model, deadline_ms, weights_vers
             raise TypeError(f"{name} must be a str or None, got {value!r}")
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    if deadline_ms is not None and not (math.isfinite(deadline_ms) and deadline_ms < 2**64):  # the server's bound
+        raise ValueError(f"deadline_ms must be finite and below 2**64 (None: no deadline), got {deadline_ms}")
     if isinstance(deadline_ms, np.generic):  # a numpy int is sent as is when <= 0: JSON and msgpack take no numpy
         deadline_ms = deadline_ms.item()
     opts = {"model": model, "temperature": float(temperature), "return_entropy": bool(return_entropy),
@@ -215,6 +227,10 @@ class Protocol:
             "max_request_tokens": max_request_tokens,
             "max_request_bytes": max_request_bytes,
         }
+        for name, value in self.knobs.items():  # else 0 meant no cap, -1 or True one sequence a request, 2.5 three
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
+                raise ValueError(f"{name} must be an int of at least 1 or None, got {value!r}")
+            self.knobs[name] = None if value is None else int(value)
         self.limits = self._capped(Limits())
         self.limits_known = False
         self._lock = threading.Lock()
@@ -331,7 +347,7 @@ class Protocol:
         operator (``failed``; ``restart_failed``, which the server retries but seldom heals) raises
         ScoreError 503 at once; ``timeout_s`` passed, ScoreError 0 ``not_ready`` naming the last
         status. Returns the ready body, whose limits the protocol learns."""
-        end = time.monotonic() + timeout_s
+        end = time.monotonic() + seconds(timeout_s, "timeout_s", zero=True)  # a NaN never ended, a str failed obscurely
         while True:
             outcome = yield ("/readyz", max(0.1, min(request_timeout_s, end - time.monotonic())))
             if isinstance(outcome, Exception):
