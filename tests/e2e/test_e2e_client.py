@@ -1,6 +1,6 @@
 """The bundled client against a real server process, where a trainer meets it: keys as they are read
 from files, a failed call's leftovers, a close while a call is on the wire, dict keys and score_from values the server would refuse, an
-async client run by one asyncio.run per call."""
+async client run by one asyncio.run per call, max_concurrency shared by the calls at once on one client."""
 
 from __future__ import annotations
 
@@ -151,3 +151,65 @@ def test_an_async_client_serves_one_asyncio_run_per_call(tiny_server):
     got = [asyncio.run(client.score([[1, 2, 3]]))[0].logprobs for _ in range(3)]
     asyncio.run(client.aclose())
     assert all(np.array_equal(g, got[0]) for g in got), got
+
+
+class _Counting:
+    """Counts the /score requests on the wire at once (the most seen in ``peak``)."""
+
+    def __init__(self):
+        self.now = self.peak = 0
+        self.lock = threading.Lock()
+
+    def enter(self, request):
+        if request.url.path != "/score":  # each call's first GET /readyz is not a part
+            return False
+        with self.lock:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+        return True
+
+    def leave(self, counted):
+        with self.lock:
+            self.now -= counted
+
+
+def test_max_concurrency_bounds_the_clients_requests_across_calls_at_once_in_both_clients(tiny_server):
+    # AsyncScoreClient bounded each call alone: three gathered calls sent three times max_concurrency
+    # requests, overrunning the admission share each part is sized for (429s), unlike ScoreClient's threads
+    count = _Counting()
+
+    class Sync(httpx.HTTPTransport):
+        def handle_request(self, request):
+            counted = count.enter(request)
+            try:
+                return super().handle_request(request)
+            finally:
+                count.leave(counted)
+
+    class Async(httpx.AsyncHTTPTransport):
+        async def handle_async_request(self, request):
+            counted = count.enter(request)
+            try:
+                return await super().handle_async_request(request)
+            finally:
+                count.leave(counted)
+
+    batch = [{"id": f"s{i}", "input_ids": (np.arange(300) * (i + 1)) % TINY_VOCAB} for i in range(4)]
+    knobs = dict(max_concurrency=2, max_sequences_per_request=1)
+    with ScoreClient(tiny_server.url, API_KEY, transport=Sync(), **knobs) as client:
+        alone = client.score(batch)
+        threads = [threading.Thread(target=client.score, args=(batch,)) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert count.peak <= 2, count.peak
+
+    async def main():
+        async with AsyncScoreClient(tiny_server.url, API_KEY, transport=Async(), **knobs) as client:
+            return await asyncio.gather(*[client.score(batch) for _ in range(3)])
+
+    count.peak = 0
+    for results in asyncio.run(main()):
+        assert [(r.id, r.logprobs.tobytes()) for r in results] == [(r.id, r.logprobs.tobytes()) for r in alone]
+    assert count.peak <= 2, count.peak

@@ -449,6 +449,8 @@ class AsyncScoreClient(_Base):
             if self._loop is not None and self._loop.is_closed():
                 self._http = self._http_class(**self._http_kw)
             self._loop = loop
+            # max_concurrency bounds the client's /score requests, every call's together, as ScoreClient's pool does
+            self._gate = asyncio.Semaphore(self._max_concurrency)
         return self._http
 
     async def score(
@@ -468,7 +470,8 @@ class AsyncScoreClient(_Base):
                                                    weights_version=weights_version)
         if not self._p.limits_known:
             self._p.learn_from_readyz(await self._get("/readyz"))
-        gate = asyncio.Semaphore(self._max_concurrency)
+        self._client()
+        gate = self._gate
 
         async def send(part: list[int]) -> list[ScoredSequence]:
             async with gate:
