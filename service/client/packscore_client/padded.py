@@ -10,13 +10,15 @@ aligned with ``response_mask``, 0 wherever it is 0.
 
 from __future__ import annotations
 
+import math
 import re
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generator
 
 import numpy as np
 
-from packscore_client.protocol import ScoredSequence, ScoreError
+from packscore_client.protocol import ScoredSequence, ScoreError, renumbered
 
 
 @dataclass
@@ -120,3 +122,55 @@ def _numpy(x: Any) -> np.ndarray:
     if hasattr(x, "detach"):  # a torch tensor, on any device: no torch import needed
         x = x.detach().cpu().numpy()
     return np.asarray(x)
+
+
+_VERSION_TRIES = 3  # rescorings of a padded batch whose weights changed while it was scored
+
+
+def _one_version(results: list[ScoredSequence]) -> bool:
+    return len({r.weights_version for r in results}) <= 1
+
+
+def _to_rescore(results: list[ScoredSequence], models: list[dict]) -> tuple[str, list[int]]:
+    """The version served now and the results to score again with it (a split batch whose parts
+    met a weight update)."""
+    name = results[0].model
+    served = [m["weights_version"] for m in models if m.get("id") == name]
+    if len(served) != 1:
+        raise ScoreError(404, "model_not_found", f"/v1/models does not list {name!r}, which scored the batch", "model")
+    return served[0], [i for i, r in enumerate(results) if r.weights_version != served[0]]
+
+
+def _left_ms(end: float | None) -> int | None:
+    """What is left of a call's deadline for another request, or ScoreError 504 once it passed."""
+    if end is None:
+        return None
+    left = math.ceil((end - time.monotonic()) * 1000.0)
+    if left <= 0:
+        raise ScoreError(504, "deadline_exceeded", "deadline_ms passed while the batch was scored again by one "
+                         "weights version.", "deadline_ms")
+    return left
+
+
+def by_one_version(results: list[ScoredSequence], sequences: list, end: float | None) -> Generator[tuple, Any, list]:
+    """``results`` of a padded batch, those of a version other than the one served after an update
+    scored again with it (``score_padded``). Yields ``("models",)`` (and receives ``/v1/models``'
+    list) or ``("score", sequences, weights_version, deadline_ms)`` (and receives the results, or
+    the ScoreError raised instead), as ``Protocol.exchange`` drives its I/O through each client.
+    A rescoring's error other than a version mismatch is raised, its sequence numbers those of ``sequences``."""
+    for _ in range(_VERSION_TRIES):
+        if _one_version(results):
+            return results
+        served, rows = _to_rescore(results, (yield ("models",)))
+        again = yield ("score", [sequences[i] for i in rows], served, _left_ms(end))
+        if isinstance(again, ScoreError):
+            if again.type != "weights_version_mismatch":  # changed again meanwhile: the next try
+                raise renumbered(again, rows)  # numbered within the rows re-sent: turned into places in ``sequences``
+            continue
+        for i, r in zip(rows, again):
+            results[i] = r
+    if not _one_version(results):
+        raise ScoreError(409, "weights_version_mismatch", f"the weights of {results[0].model!r} changed "
+                         f"{_VERSION_TRIES} times while one padded batch was scored; pin weights_version= to score "
+                         "it by one version", "weights_version")
+    return results
