@@ -213,3 +213,41 @@ def test_max_concurrency_bounds_the_clients_requests_across_calls_at_once_in_bot
     for results in asyncio.run(main()):
         assert [(r.id, r.logprobs.tobytes()) for r in results] == [(r.id, r.logprobs.tobytes()) for r in alone]
     assert count.peak <= 2, count.peak
+
+
+def test_a_call_queued_behind_another_on_the_same_client_raises_at_its_deadline(tiny_server):
+    # its part waited for the client's one request (max_concurrency=1) until the other call's forward ended,
+    # seconds past deadline_ms, and only then raised the 504
+    long = np.arange(1, 3001) % TINY_VOCAB  # a forward of seconds
+    with ScoreClient(tiny_server.url, API_KEY, max_concurrency=1) as client:
+        client.ready()  # the limits known: each call sends its /score at once
+        other = threading.Thread(target=client.score, args=([long],))
+        other.start()
+        end = time.monotonic() + 60
+        while queued_sequences(tiny_server.url) == 0 and time.monotonic() < end:
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        with pytest.raises(ScoreError) as late:
+            client.score([[1, 2, 3]], deadline_ms=300)
+        waited = time.monotonic() - t0
+        busy = other.is_alive()
+        other.join()
+    assert (late.value.status, late.value.type, late.value.param) == (504, "deadline_exceeded", "deadline_ms")
+    assert waited < 1.0 and busy, (waited, busy)
+
+    async def main():
+        async with AsyncScoreClient(tiny_server.url, API_KEY, max_concurrency=1) as client:
+            await client.ready()
+            other = asyncio.ensure_future(client.score([long]))
+            while queued_sequences(tiny_server.url) == 0:
+                await asyncio.sleep(0.02)
+            t0 = time.monotonic()
+            with pytest.raises(ScoreError) as late:
+                await client.score([[1, 2, 3]], deadline_ms=300)
+            waited, busy = time.monotonic() - t0, not other.done()
+            await other
+            return late.value, waited, busy
+
+    error, waited, busy = asyncio.run(main())
+    assert (error.status, error.type, error.param) == (504, "deadline_exceeded", "deadline_ms")
+    assert waited < 1.0 and busy, (waited, busy)

@@ -24,6 +24,15 @@ _DISCOVERY_TIMEOUT_S = 5.0
 UPDATE_TIMEOUT_S = 1800.0  # a checkpoint load may take minutes: the weights calls' floor, whatever timeout_s is
 
 
+def _left_s(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _queued_past_deadline() -> ScoreError:
+    return ScoreError(504, "deadline_exceeded", "deadline_ms passed while part of the call waited to be sent (the "
+                      "client's max_concurrency requests were busy with its other calls).", "deadline_ms")
+
+
 class _Base:
     """Construction and the request plan both clients share.
 
@@ -207,6 +216,10 @@ class ScoreClient(_Base):
         futures = [self._pool.submit(self._drive, self._p.exchange([seqs[i] for i in part], opts, give_up, part,
                                                                    deadline), stop=stop) for part in parts]
         try:
+            # a part still queued behind other calls' requests at its deadline raises then, not once it is sent
+            done, _ = wait(futures, timeout=_left_s(deadline), return_when=FIRST_EXCEPTION)
+            if len(done) < len(futures) and not any(f.exception() for f in done) and any([f.cancel() for f in futures]):
+                raise _queued_past_deadline()
             done, _ = wait(futures, return_when=FIRST_EXCEPTION)  # the first failure in time, not in order
             failed = next((f for f in futures if f in done and f.exception() is not None), None)
             if failed is not None:
@@ -423,8 +436,14 @@ class AsyncScoreClient(_Base):
         gate = self._gate
 
         async def send(part: list[int]) -> list[ScoredSequence]:
-            async with gate:
+            try:  # queued behind other calls' requests: the deadline bounds that wait too
+                await asyncio.wait_for(gate.acquire(), _left_s(deadline))
+            except asyncio.TimeoutError:
+                raise _queued_past_deadline() from None
+            try:
                 return await self._drive(self._p.exchange([seqs[i] for i in part], opts, give_up, part, deadline))
+            finally:
+                gate.release()
 
         tasks = [asyncio.ensure_future(send(part)) for part in self._p.chunks(seqs, self._max_concurrency)]
         try:
