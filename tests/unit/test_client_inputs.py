@@ -144,3 +144,61 @@ def test_a_closed_client_says_it_is_closed(call):
         await client.aclose()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("batch,named", [
+    ({"input_ids": [1, 2, 3], "score_from": 1}, r"got a dict with the keys \['input_ids', 'score_from'\]: pass a list "
+                                                r"of sequences \(\[sequence\] for one\)"),
+    (None, r"got None$"),
+    (5, r"got int 5$"),
+    ("1 2 3", r"got str '1 2 3'$"),
+], ids=["one-sequence-dict", "None", "int", "str"])
+def test_a_batch_that_is_no_iterable_of_sequences_says_what_sequences_must_be(batch, named):
+    """A dict was iterated as its keys ('sequences[0]' blamed for being a str), None raised a bare
+    "'NoneType' object is not iterable"."""
+    wanted = r"^sequences must be an iterable of sequences \(dicts with input_ids, lists of ids or 1-D arrays\), "
+    with ScoreClient(BASE, transport=httpx.MockTransport(_nothing_sent)) as client:
+        with pytest.raises(TypeError, match=wanted + named):
+            client.score(batch)
+
+    async def main():
+        async with AsyncScoreClient(BASE, transport=httpx.MockTransport(_nothing_sent)) as client:
+            with pytest.raises(TypeError, match=wanted + named):
+                await client.score(batch)
+
+    asyncio.run(main())
+
+
+def test_a_generator_of_sequences_is_still_a_batch():
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/readyz":
+            return httpx.Response(404)
+        return httpx.Response(200, json={"model": "m", "weights_version": "v", "results": [
+            {"id": None, "logprobs": [-1.0] * 2}, {"id": None, "logprobs": [-1.0]}]})
+
+    with ScoreClient(BASE, encoding="json", transport=httpx.MockTransport(answer)) as client:
+        results = client.score(ids for ids in ([1, 2, 3], np.array([4, 5])))
+    assert [r.logprobs.size for r in results] == [2, 1]
+
+
+@pytest.mark.parametrize("where", ["input_ids", "attention_mask", "response_mask"])
+@pytest.mark.parametrize("given,named", [
+    (None, r"got None$"), ({"input_ids": [[1, 2]]}, r"got a dict: pass the batch's arrays \(batch\['{where}'\]\), not "
+                                                    r"the batch$"),
+], ids=["None", "the-batch-dict"])
+def test_score_padded_says_what_each_array_must_be(where, given, named):
+    """None or the batch's dict was read by numpy as a 0-D object array: a shape error or, for a mask, a
+    comparison that said nothing of the argument."""
+    arrays = {"input_ids": [[1, 2, 3]], "attention_mask": [[1, 1, 1]], "response_mask": [[0, 1, 1]], where: given}
+    wanted = rf"^{where} must be a 2-D array \(numpy, torch or nested lists\), " + named.replace("{where}", where)
+    with ScoreClient(BASE, transport=httpx.MockTransport(_nothing_sent)) as client:
+        with pytest.raises(TypeError, match=wanted):
+            client.score_padded(**arrays)
+
+    async def main():
+        async with AsyncScoreClient(BASE, transport=httpx.MockTransport(_nothing_sent)) as client:
+            with pytest.raises(TypeError, match=wanted):
+                await client.score_padded(**arrays)
+
+    asyncio.run(main())
+

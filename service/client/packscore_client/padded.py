@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Generator
 
@@ -43,7 +44,8 @@ class PaddedBatch:
 
     @classmethod
     def from_arrays(cls, input_ids: Any, attention_mask: Any, response_mask: Any) -> "PaddedBatch":
-        ids, attn, resp = _numpy(input_ids), _numpy(attention_mask) != 0, _numpy(response_mask) != 0
+        ids, attn, resp = (_numpy(input_ids, "input_ids"), _numpy(attention_mask, "attention_mask") != 0,
+                           _numpy(response_mask, "response_mask") != 0)
         if ids.ndim != 2 or attn.shape != ids.shape:
             raise ValueError(f"input_ids and attention_mask must both be [B, T], got {ids.shape} and {attn.shape}")
         if resp.ndim != 2 or resp.shape[0] != ids.shape[0] or resp.shape[1] > ids.shape[1]:
@@ -118,10 +120,15 @@ _SENT = re.compile(r"sequences\[(\d+)\](?:\.input_ids(?:\[(\d+)\])?)?")
 _SEQUENCE = re.compile(r"\bSequence (\d+)")
 
 
-def _numpy(x: Any) -> np.ndarray:
+def _numpy(x: Any, name: str) -> np.ndarray:
     if hasattr(x, "detach"):  # a torch tensor, on any device: no torch import needed
         x = x.detach().cpu().numpy()
-    return np.asarray(x)
+    arr = np.asarray(x)
+    if arr.ndim == 0 and arr.dtype == object:  # None, a dict, any object numpy cannot read as an array
+        hint = f": pass the batch's arrays (batch[{name!r}]), not the batch" if isinstance(x, Mapping) else ""
+        given = "None" if x is None else f"a {type(x).__name__}"
+        raise TypeError(f"{name} must be a 2-D array (numpy, torch or nested lists), got {given}{hint}")
+    return arr
 
 
 _VERSION_TRIES = 3  # rescorings of a padded batch whose weights changed while it was scored

@@ -13,8 +13,10 @@ import math
 import numbers
 import random
 import re
+import reprlib
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Generator, Sequence
 
@@ -138,8 +140,19 @@ def as_seqs(sequences: Any) -> list[Seq]:
             "pad tokens. Pass a padded batch to score_padded(input_ids, attention_mask, response_mask), or a "
             "list of unpadded 1-D sequences"
         )
+    wanted = "sequences must be an iterable of sequences (dicts with input_ids, lists of ids or 1-D arrays)"
+    if isinstance(sequences, Mapping):  # iterated, its keys would be taken for the sequences
+        raise TypeError(f"{wanted}, got a dict with the keys {sorted(map(str, sequences))}: pass a list of sequences "
+                        "([sequence] for one)")
+    try:  # a generator or an iterator is taken as it is
+        items = None if isinstance(sequences, (str, bytes, bytearray)) else iter(sequences)
+    except TypeError:
+        items = None
+    if items is None:
+        given = "None" if sequences is None else f"{type(sequences).__name__} {reprlib.repr(sequences)}"
+        raise TypeError(f"{wanted}, got {given}")
     out = []
-    for i, item in enumerate(sequences):
+    for i, item in enumerate(items):
         try:
             out.append(as_seq(item))
         except (TypeError, ValueError) as exc:  # named by its place in the caller's list, as the server's errors are
