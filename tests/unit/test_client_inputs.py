@@ -202,3 +202,20 @@ def test_score_padded_says_what_each_array_must_be(where, given, named):
 
     asyncio.run(main())
 
+
+def test_entering_a_closed_client_says_it_is_closed():
+    """``with client:`` on a closed client went in; only the first call inside raised."""
+    client = ScoreClient(BASE, transport=httpx.MockTransport(_nothing_sent))
+    client.close()
+    with pytest.raises(RuntimeError, match=r"^this ScoreClient is closed: create a new one"):
+        with client:
+            pass
+
+    async def main():
+        client = AsyncScoreClient(BASE, transport=httpx.MockTransport(_nothing_sent))
+        await client.aclose()
+        with pytest.raises(RuntimeError, match=r"^this AsyncScoreClient is closed: create a new one"):
+            async with client:
+                pass
+
+    asyncio.run(main())

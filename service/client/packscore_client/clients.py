@@ -101,6 +101,10 @@ class _Base:
 
     @property
     def limits(self) -> Limits:
+        """What one request of this client may hold (sequences, tokens, bytes), which ``score`` splits a
+        batch by: the server's limits capped by the knobs of the same names. Learned from GET /readyz
+        by the first call (or ``ready()``, ``wait_ready()``) and from every answer's X-Packscore-Max-*
+        headers; until then the ``Limits`` defaults, capped by the knobs."""
         return self._p.limits
 
     def _at(self, address: str, request_id: str):
@@ -160,6 +164,7 @@ class ScoreClient(_Base):
         self._in_use = 0  # requests on the wire: the connection pool closes once none is
 
     def __enter__(self) -> "ScoreClient":
+        self._check_open()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -374,6 +379,7 @@ class AsyncScoreClient(_Base):
         super().__init__(base_url, api_key, **_known(type(self), knobs))
 
     async def __aenter__(self) -> "AsyncScoreClient":
+        self._check_open()
         return self
 
     async def __aexit__(self, *exc) -> None:
