@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from packscore_client import AsyncScoreClient, ScoreClient, ScoreError, UpdateEverywhereError
-from tests.e2e.helpers import API_KEY, TINY_VOCAB, queued_sequences
+from tests.e2e.helpers import API_KEY, AUTH, TINY_VOCAB, queued_sequences
 
 
 def test_a_key_read_from_a_file_with_its_newline_scores_and_a_bad_key_is_never_quoted(tiny_server):
@@ -251,3 +251,35 @@ def test_a_call_queued_behind_another_on_the_same_client_raises_at_its_deadline(
     error, waited, busy = asyncio.run(main())
     assert (error.status, error.type, error.param) == (504, "deadline_exceeded", "deadline_ms")
     assert waited < 1.0 and busy, (waited, busy)
+
+
+def _readyz_answered(url: str) -> float:
+    """GET /readyz answered so far, every status: ``packscore_requests_total{route="/readyz"}``."""
+    lines = httpx.get(url + "/metrics", headers=AUTH, timeout=10).text.splitlines()
+    return sum(float(line.split()[-1]) for line in lines
+               if line.startswith("packscore_requests_total{") and 'route="/readyz"' in line)
+
+
+def test_concurrent_first_calls_on_a_new_client_learn_its_limits_with_one_readyz(tiny_server):
+    # each first call sent its own GET /readyz, eight at once for a trainer's eight threads or tasks
+    before = _readyz_answered(tiny_server.url)
+    with ScoreClient(tiny_server.url, API_KEY, max_concurrency=8) as client:
+        start = threading.Barrier(8)
+
+        def first_call(i: int) -> None:
+            start.wait()
+            client.score([[1, 2, 3 + i]])
+
+        callers = [threading.Thread(target=first_call, args=(i,)) for i in range(8)]
+        for caller in callers:
+            caller.start()
+        for caller in callers:
+            caller.join()
+    blocking = _readyz_answered(tiny_server.url) - before
+
+    async def main():
+        async with AsyncScoreClient(tiny_server.url, API_KEY, max_concurrency=8) as client:
+            await asyncio.gather(*(client.score([[1, 2, 3 + i]]) for i in range(8)))
+
+    asyncio.run(main())
+    assert (blocking, _readyz_answered(tiny_server.url) - before - blocking) == (1, 1)

@@ -3,6 +3,7 @@ against answers a proxy in front of a starting server gives."""
 
 import asyncio
 import threading
+import time
 
 import httpx
 import pytest
@@ -96,3 +97,53 @@ def test_wait_ready_refuses_a_timeout_that_is_not_a_number_of_seconds_before_pol
                 await client.wait_ready(timeout_s=timeout_s)
 
     asyncio.run(main())
+
+
+def test_concurrent_first_calls_share_one_readyz_which_failed_is_not_sent_again_in_turn():
+    """Each first call sent its own GET /readyz; with a lock alone, one that failed would be sent again
+    by each waiting call in turn, each waiting out its own."""
+    sent = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(request.url.path)
+        if request.url.path == "/readyz":
+            time.sleep(0.3)
+            return httpx.Response(404)
+        return httpx.Response(200, json={"model": "m", "weights_version": "v", "results": [{"logprobs": [-1.0]}]})
+
+    with ScoreClient(BASE, encoding="json", max_concurrency=8, transport=httpx.MockTransport(answer)) as client:
+        start = threading.Barrier(8)
+
+        def first_call():
+            start.wait()
+            client.score([[1, 2]])
+
+        began = time.monotonic()
+        callers = [threading.Thread(target=first_call) for _ in range(8)]
+        for caller in callers:
+            caller.start()
+        for caller in callers:
+            caller.join()
+        took = time.monotonic() - began
+        assert sent.count("/readyz") == 1 and sent.count("/score") == 8, sent
+        assert took < 1.5, f"{took:.2f}s: the 404 was sent again in turn"
+        client.score([[1, 2]])  # a later call still asks: the limits are unknown
+        assert sent.count("/readyz") == 2, sent
+
+    async def async_answer(request: httpx.Request) -> httpx.Response:
+        sent.append(request.url.path)
+        if request.url.path == "/readyz":
+            await asyncio.sleep(0.3)
+            return httpx.Response(404)
+        return httpx.Response(200, json={"model": "m", "weights_version": "v", "results": [{"logprobs": [-1.0]}]})
+
+    async def main():
+        async with AsyncScoreClient(BASE, encoding="json", transport=httpx.MockTransport(async_answer)) as client:
+            began = time.monotonic()
+            await asyncio.gather(*(client.score([[1, 2]]) for _ in range(8)))
+            return time.monotonic() - began
+
+    sent.clear()
+    took = asyncio.run(main())
+    assert sent.count("/readyz") == 1 and sent.count("/score") == 8, sent
+    assert took < 1.5, f"{took:.2f}s: the 404 was sent again in turn"

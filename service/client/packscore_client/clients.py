@@ -98,6 +98,7 @@ class _Base:
         self._http = self._http_class(**self._http_kw)
 
     _closed = False
+    _readyz_tries = 0  # GET /readyz sent to learn the limits: concurrent first calls share one
 
     @property
     def limits(self) -> Limits:
@@ -162,6 +163,7 @@ class ScoreClient(_Base):
         self._pool = ThreadPoolExecutor(max_workers=self._max_concurrency, thread_name_prefix="packscore-client")
         self._in_use_lock = threading.Lock()
         self._in_use = 0  # requests on the wire: the connection pool closes once none is
+        self._learning = threading.Lock()
 
     def __enter__(self) -> "ScoreClient":
         self._check_open()
@@ -214,8 +216,7 @@ class ScoreClient(_Base):
         request scored."""
         seqs, opts, give_up, deadline = self._plan(sequences, temperature=temperature, return_entropy=return_entropy, top_k=top_k,
                                          model=model, deadline_ms=deadline_ms, weights_version=weights_version)
-        if not self._p.limits_known:
-            self._p.learn_from_readyz(self._get("/readyz"))
+        self._learn_limits()
         parts = self._p.chunks(seqs, self._max_concurrency)
         stop = threading.Event()  # set once the call has failed: its other parts send nothing more
         futures = [self._pool.submit(self._drive, self._p.exchange([seqs[i] for i in part], opts, give_up, part,
@@ -325,6 +326,16 @@ class ScoreClient(_Base):
             results = dict(zip(found, pool.map(one, found)))
         return everywhere.outcome(self._p.base_url, results, request_id)
 
+    def _learn_limits(self) -> None:
+        """GET /readyz for the limits while they are unknown, one for the calls that wait on it meanwhile:
+        they take its outcome, learned or not, rather than each sending one more in turn after a failure."""
+        tried = self._readyz_tries
+        if not self._p.limits_known:
+            with self._learning:
+                if not self._p.limits_known and self._readyz_tries == tried:
+                    self._p.learn_from_readyz(self._get("/readyz"))
+                    self._readyz_tries += 1
+
     def _get(self, path: str, timeout_s: float = _DISCOVERY_TIMEOUT_S) -> httpx.Response | Exception:
         try:
             with self._http_in_use() as http:
@@ -419,6 +430,7 @@ class AsyncScoreClient(_Base):
             self._loop = loop
             # max_concurrency bounds the client's /score requests, every call's together, as ScoreClient's pool does
             self._gate = asyncio.Semaphore(self._max_concurrency)
+            self._learning = asyncio.Lock()
         return self._http
 
     async def score(
@@ -436,10 +448,14 @@ class AsyncScoreClient(_Base):
         seqs, opts, give_up, deadline = self._plan(sequences, temperature=temperature, return_entropy=return_entropy,
                                                    top_k=top_k, model=model, deadline_ms=deadline_ms,
                                                    weights_version=weights_version)
-        if not self._p.limits_known:
-            self._p.learn_from_readyz(await self._get("/readyz"))
         self._client()
         gate = self._gate
+        tried = self._readyz_tries
+        if not self._p.limits_known:  # as ScoreClient._learn_limits: one GET /readyz for the tasks waiting meanwhile
+            async with self._learning:
+                if not self._p.limits_known and self._readyz_tries == tried:
+                    self._p.learn_from_readyz(await self._get("/readyz"))
+                    self._readyz_tries += 1
 
         async def send(part: list[int]) -> list[ScoredSequence]:
             try:  # queued behind other calls' requests: the deadline bounds that wait too
