@@ -130,7 +130,8 @@ async def _score_with_one_version(request: Request, model: ServedModel, job: Sco
     scored by another than the one now served (or the pinned one) are scored again, so no request
     fails because of a swap. Before its second re-score a request holds the model's updates off
     (``_hold_swaps``) until it has its answer: swaps landing faster than it is scored cannot keep
-    it from ending. A pinned request whose version no longer serves gets 409.
+    it from ending. A request scored by one version answers with it, though a swap landed since.
+    A pinned request whose version no longer serves gets 409.
     """
     scheduler = model.scheduler
     assert scheduler is not None
@@ -166,11 +167,15 @@ async def _score_with_one_version(request: Request, model: ServedModel, job: Sco
 
 
 def _rescore_needed(scores: list[SequenceScores | None], model: ServedModel, job: ScoreJob) -> tuple[list[int], str]:
-    """``(todo, target)``: the version the request must have (the pinned one, else the one now
-    served) and its sequences scored by another; 409 for a pinned version that no longer serves
-    and is still needed."""
+    """``(todo, target)``: the version the request must have (the pinned one; else the one that
+    scored all its sequences, or where they differ the one now served) and its sequences scored by
+    another; 409 for a pinned version that no longer serves and is still needed."""
     served = model.backend.info.weights_version
-    target = job.weights_version or served
+    versions = {s.weights_version or served for s in scores if s is not None}
+    # One version for all that served: its answer, though a swap landed since (scored again, the next
+    # swap could land after that too). Not one a failed swap left on some ranks: it never served.
+    one = versions.pop() if len(versions) == 1 and None not in scores else None
+    target = job.weights_version or (one if one in model.versions_served | {served} else served)
     todo = [i for i, s in enumerate(scores) if s is not None and (s.weights_version or served) != target]
     if todo and target != served:
         raise _version_mismatch(target, model)

@@ -209,6 +209,7 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
             failure.append(_load_failed(service, model, error, gave_up=loading is not None and loading.cancelled()))
 
     model.updating = True
+    model.versions_served.add(before)  # served now: a request scored by it alone may name it after the swap
     log.info("weights update of %s from %s (version %s)", model.name, path, version or "content hash")
     # Not asyncio.to_thread: a handler cancelled at shutdown must not end "updating" while the load
     # runs on, nor leave a non-daemon thread that a stop waits for.

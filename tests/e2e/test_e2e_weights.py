@@ -222,3 +222,34 @@ def test_a_reference_request_past_its_deadline_behind_a_policy_forward_never_run
 def test_no_weights_route_without_a_weights_root(tiny_server):
     response = httpx.post(tiny_server.url + "/v1/weights", json={"path": "x"}, headers=AUTH, timeout=30)
     assert response.status_code == 404
+
+
+def test_a_swap_right_after_a_one_row_request_is_scored_leaves_its_version(tmp_path):
+    # The update arrives mid-forward and swaps as the forward ends, before the answer goes out: the
+    # request was scored by one version, which it names, with no second forward (each would meet the next swap).
+    root = tmp_path / "root"
+    for seed in (0, 1):
+        save_checkpoint("qwen3_5", root / f"step-{seed}", seed=seed)
+    server = ServerProcess(tmp_path, "--model", f"policy={root / 'step-0'}", "--weights-root", str(root),
+                           "--max-wait-ms", "2")
+    rng = np.random.default_rng(0)
+    body = {"sequences": [{"input_ids": rng.integers(0, VOCAB, 4000).tolist()} for _ in range(3)]}
+    try:
+        url = server.wait_ready(timeout=240).url
+        before, forwards = _versions(url)["policy"], _forwards(url, "policy")
+        sender, answers = post_in_background(url, body)
+        deadline = time.monotonic() + 60
+        while queued_sequences(url) < 1:  # admitted; its one row starts at once
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.01)
+        time.sleep(0.2)
+        update = httpx.post(url + "/v1/weights", json={"model": "policy", "path": "step-1", "version": "v1"},
+                            headers=AUTH, timeout=120)
+        sender.join(timeout=120)
+        forwards_after = _forwards(url, "policy")
+    finally:
+        assert server.stop() == 0, server.log()
+    assert update.status_code == 200, update.text
+    assert answers["answer"].status_code == 200, answers["answer"].text
+    assert answers["answer"].json()["weights_version"] == before, server.log()
+    assert forwards_after == forwards + 1, f"{forwards_after - forwards:.0f} forwards for a one-row request"

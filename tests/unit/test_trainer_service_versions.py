@@ -76,6 +76,35 @@ def test_a_swap_between_the_rows_of_a_request(tmp_path, pin):
 
 
 
+def test_a_swap_after_the_last_row_of_a_request_leaves_its_one_version(tmp_path):
+    """One row, the weights changed while it is in its forward: every sequence was scored by the
+    old version, which the answer names; nothing is scored again (each time it were, the next swap
+    could land after it too)."""
+    root = make_weights_root(tmp_path)
+    gate = threading.Event()
+    backend = FakeBackend(gate=gate)
+    seqs = [{"id": "a", "input_ids": [1, 2, 3, 4], "score_from": 1}, {"id": "b", "input_ids": [5, 6, 7], "score_from": 1}]
+
+    async def main():
+        gate.set()
+        async with running_app(create_app(Settings(weights_root=root, max_wait_ms=0), backend)) as client:
+            gate.clear()
+            rows = len(backend.rows)
+            request = asyncio.create_task(client.post("/score", json={"sequences": seqs}))
+            await wait_until(lambda: backend.running == 1)
+            update = await client.post("/v1/weights", json={"path": "step-1", "version": "v2"})
+            gate.set()
+            return update, await request, len(backend.rows) - rows
+
+    update, response, rows = asyncio.run(main())
+    assert update.status_code == 200, update.text
+    assert response.status_code == 200, response.text
+    assert response.json()["weights_version"] == FAKE_VERSION
+    for seq, result in zip(seqs, response.json()["results"]):
+        np.testing.assert_allclose(result["logprobs"], expected_logprobs(seq, 0), rtol=0, atol=1e-6)
+    assert rows == 1, f"{rows} rows for a request that one row scored by one version"
+
+
 def test_swaps_landing_faster_than_a_request_is_scored_never_fail_it(tmp_path):
     """Six one-sequence rows (about 0.25 s a pass) while updates land every 20 ms: each pass
     straddles swaps. The request still ends with one version (its second re-score holds the next
