@@ -200,7 +200,6 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
         nonlocal recording
         model.updating = False
         if model.backend.info.weights_version != before:  # it swapped, or a failed update in place left other weights
-            model.versions_served.add(before)
             service.metrics.describe_model(model.backend.info, model.name)
         if error is None:
             answer.update(_served(service, model, source, update))
