@@ -15,6 +15,18 @@ def tiny_server(tmp_path_factory):
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def weights_root_server(tmp_path_factory):
+    """The tiny preset with an API key and ``--weights-root`` an empty directory; one a module."""
+    tmp = tmp_path_factory.mktemp("weights-root")
+    (tmp / "weights").mkdir()
+    server = ServerProcess(tmp, "--weights-root", str(tmp / "weights"))
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def tiny_scorer():
     """The same model in this process: what every answer is compared with."""

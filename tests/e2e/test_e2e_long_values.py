@@ -8,21 +8,15 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.e2e.helpers import AUTH, ServerProcess
+from tests.e2e.helpers import AUTH
 
 LONGEST_MESSAGE = 400  # the sentence around a path shown at 200 characters
 DEEP_PATH = "grpo-qwen3.5-9b-math-lr1e-6-kl1e-3-group16/global_step_001200/actor/huggingface"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("long-values")
-    (tmp / "weights").mkdir()
-    server = ServerProcess(tmp, "--weights-root", str(tmp / "weights"))
-    try:
-        yield server.wait_ready()
-    finally:
-        server.stop()
+def server(weights_root_server):
+    return weights_root_server
 
 
 def _refusals(url: str) -> dict[str, httpx.Response]:

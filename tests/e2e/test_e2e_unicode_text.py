@@ -9,21 +9,15 @@ import httpx
 import msgpack
 import pytest
 
-from tests.e2e.helpers import AUTH, ServerProcess
+from tests.e2e.helpers import AUTH
 
 _PLAIN = "must be valid Unicode text, without unpaired surrogates"
 _SEQUENCES = [{"input_ids": [1, 2]}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("unicode-text")
-    (tmp / "weights").mkdir()
-    server = ServerProcess(tmp, "--weights-root", str(tmp / "weights"))
-    try:
-        yield server.wait_ready()
-    finally:
-        server.stop()
+def server(weights_root_server):
+    return weights_root_server
 
 
 def _msgpack_with_bytes(body: dict, marker: str, raw: bytes) -> bytes:

@@ -44,6 +44,18 @@ def refuse(monkeypatch):
     return arm
 
 
+@pytest.fixture
+def died(refuse):
+    """A pool whose world (one process that only sleeps) is about to be reported dead, with the restart
+    loop's thread refused: ``(pool, world)``."""
+    pool = WorkerPool({"world_size": 1, "device": "cpu"})
+    world = WorkerWorld(1, pool.dims)
+    world.procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+    pool._world, pool._alive = world, True
+    refuse("pool-restart")
+    return pool, world
+
+
 def test_a_reader_that_cannot_start_is_not_left_for_close_to_join(refuse):
     pool = WorkerPool({"world_size": 1, "device": "cpu"})
     world = WorkerWorld(1, pool.dims)
@@ -73,15 +85,11 @@ def test_a_world_without_its_reader_never_serves(refuse, monkeypatch):
     pool.close()
 
 
-def test_a_refused_restart_loop_is_started_again_by_a_use_of_the_pool_after_a_pause(refuse, caplog, monkeypatch):
+def test_a_refused_restart_loop_is_started_again_by_a_use_of_the_pool_after_a_pause(died, caplog, monkeypatch):
     """Refused, the restart loop's thread left the pool down until packscore was restarted: now the
     pool stays down, saying why, until a use of it past the pause starts the loop (the real restart
     that follows is tests/distributed/test_pool.py's)."""
-    pool = WorkerPool({"world_size": 1, "device": "cpu"})
-    world = WorkerWorld(1, pool.dims)
-    world.procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
-    pool._world, pool._alive = world, True
-    refuse("pool-restart")
+    pool, world = died
     try:
         with caplog.at_level(logging.ERROR, logger="model_runtime.pool.supervisor"):
             pool._on_world_failure(world, "worker rank 0 exited (status -9)")
@@ -106,14 +114,10 @@ def test_a_refused_restart_loop_is_started_again_by_a_use_of_the_pool_after_a_pa
         world.stop(graceful=False)
 
 
-def test_a_refused_restarts_retry_after_is_the_pause_left_before_a_use_tries_again(refuse, monkeypatch):
+def test_a_refused_restarts_retry_after_is_the_pause_left_before_a_use_tries_again(died):
     """/score's Retry-After while the restart is refused: the pool's pause left (1 s, then 2 s, ...),
     not its longest pause of 30 s, which kept a trainer waiting long after the pool tried again."""
-    pool = WorkerPool({"world_size": 1, "device": "cpu"})
-    world = WorkerWorld(1, pool.dims)
-    world.procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
-    pool._world, pool._alive = world, True
-    refuse("pool-restart")
+    pool, world = died
     try:
         pool._on_world_failure(world, "worker rank 0 exited (status -9)")
         assert pool.restart_error is not None and pool.restart_retry_after_s == 1
