@@ -194,6 +194,15 @@ def _forwards(url: str, model: str) -> float:
     raise AssertionError(f"no forward count for {model}")
 
 
+def _in_its_forward(url: str, server: ServerProcess) -> None:
+    """Returns once a request sent in the background is admitted (its one row starts at once) and 0.2 s into its forward."""
+    deadline = time.monotonic() + 60
+    while queued_sequences(url) < 1:
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.01)
+    time.sleep(0.2)
+
+
 def test_a_reference_request_past_its_deadline_behind_a_policy_forward_never_runs(tmp_path):
     # One forward at a time across the two models: the ref's row waits for the policy's long
     # forward; answered 504 meanwhile, it must not run after it (a forward for nobody). The
@@ -204,11 +213,7 @@ def test_a_reference_request_past_its_deadline_behind_a_policy_forward_never_run
         url = server.wait_ready(timeout=240).url
         ref_forwards = _forwards(url, "ref")
         sender, answers = post_in_background(url, {"model": "policy", **long_forward_body(0, sequences=1)})
-        deadline = time.monotonic() + 60
-        while queued_sequences(url) < 1:  # admitted; its row starts at once
-            assert time.monotonic() < deadline, server.log()
-            time.sleep(0.01)
-        time.sleep(0.2)
+        _in_its_forward(url, server)
         late = post(url, {"model": "ref", "sequences": [{"input_ids": [1, 2, 3]}], "deadline_ms": 300})
         sender.join(timeout=120)
         ref_after = _forwards(url, "ref")
@@ -238,11 +243,7 @@ def test_a_swap_right_after_a_one_row_request_is_scored_leaves_its_version(tmp_p
         url = server.wait_ready(timeout=240).url
         before, forwards = _versions(url)["policy"], _forwards(url, "policy")
         sender, answers = post_in_background(url, body)
-        deadline = time.monotonic() + 60
-        while queued_sequences(url) < 1:  # admitted; its one row starts at once
-            assert time.monotonic() < deadline, server.log()
-            time.sleep(0.01)
-        time.sleep(0.2)
+        _in_its_forward(url, server)
         update = httpx.post(url + "/v1/weights", json={"model": "policy", "path": "step-1", "version": "v1"},
                             headers=AUTH, timeout=120)
         sender.join(timeout=120)
