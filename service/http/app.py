@@ -29,11 +29,12 @@ from service.http import request_id
 from service.http.encoding import JSON, MSGPACK, decode_body, encode_json, request_encoding
 from service.http.errors import ERROR_RESPONSES, ApiError, body_too_large, draining_error, from_validation_errors
 from service.http.errors import SHOWN_PATH, shortened
-from service.http.protocol import PROTOCOL_ANSWER, declared_length
+from service.http.protocol import PROTOCOL_ANSWER
 from service.http.schemas import ErrorResponse, Health, ModelList, Readiness, ScoreRequest, ScoreResponse, Usage
 from service.http.schemas import WeightsRequest, WeightsResponse
 from service.http.scoring import ARRIVED, CLIENT_CLOSED, not_ready, read_body, score_request
 from service.http.weights import WEIGHTS_ROUTE, update_weights
+from service.http.wire import declared_length
 from service.runtime import BackendSources, ServedModel, Service
 from service.settings import Settings
 from service.weights_record import WeightsRecord, Withheld, describe_withheld

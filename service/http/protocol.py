@@ -43,12 +43,10 @@ service/http/metrics.py).
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import fcntl
 import logging
 import os
-import re
 import resource
 import socket
 import struct
@@ -58,10 +56,11 @@ import time
 from typing import Callable
 
 import h11
-import orjson
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from service.http.request_id import SCOPE_KEY, for_request, from_headers, new_id, outside_request
+from service.http.wire import (UnsupportedVersion, VersionCheckedConnection, declared_length, error_bytes,
+                               without_header_value)
 
 log = logging.getLogger(__name__)
 
@@ -69,43 +68,11 @@ _DESCRIPTOR_RESERVE = 64  # for model files, logs, worker pipes and the event lo
 _DONE_STATES = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR)
 # The protocol's own lines (answers, send timeouts) logged at WARNING per window; the rest at DEBUG, then counted.
 _ANSWER_WARNINGS, _ANSWER_WINDOW_S = 10, 60.0
-_REFUSED_HEADER = re.compile(r"illegal header line: (?:bytearray\()?(b'.*'|b\".*\")\)?", re.DOTALL)  # h11's quote
 # Set in a request's ASGI scope to the status the protocol answered it (408: its body did not arrive in time; 400:
 # its body's framing broke): what the gate counts for it, and a 408's handler counts request_timeout, not a 499.
 PROTOCOL_ANSWER = "packscore.protocol_answer"
 # What the protocol answers itself: the statuses on_answered is called with.
 PROTOCOL_STATUSES = (400, 408, 503, 505)
-
-
-class _UnsupportedVersion(h11.RemoteProtocolError):
-    """A request whose HTTP major version is not 1: raised where uvicorn catches h11's refusals, answered 505."""
-
-    def __init__(self, request: h11.Request):
-        self.version = request.http_version.decode("ascii")
-        self.headers = [(name.lower(), value) for name, value in request.headers]
-        super().__init__(f"HTTP/{self.version} is not HTTP/1.x")
-
-
-class _VersionCheckedConnection(h11.Connection):
-    """h11's server side, refusing a request line of another major version once it is parsed: the class
-    given to the connection uvicorn built (no state of its own)."""
-
-    def next_event(self):
-        event = super().next_event()
-        if isinstance(event, h11.Request) and not event.http_version.startswith(b"1."):
-            raise _UnsupportedVersion(event)
-        return event
-
-
-def error_bytes(status: int, reason: str, type: str, message: str, extra_headers: str = "", *,
-                request_id: str) -> bytes:
-    """A complete HTTP/1.1 answer with the contract's JSON error body that closes the connection."""
-    body = orjson.dumps({"error": {"type": type, "message": message, "param": None}})
-    head = (
-        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-        f"connection: close\r\nx-request-id: {request_id}\r\n{extra_headers}\r\n"
-    )
-    return head.encode("ascii") + body
 
 
 def default_max_connections() -> int:
@@ -118,28 +85,6 @@ def default_max_connections() -> int:
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 16
     return max(16, soft - in_use - _DESCRIPTOR_RESERVE)
-
-
-def without_header_value(refused: str) -> str:
-    """h11's reason for refusing bytes, a header line it quotes cut to that header's name: its value
-    may be a key (``Authorization: Bearer <key>\\r`` from a key file with a CRLF ending)."""
-    if not refused.startswith("illegal header line"):
-        return refused
-    quoted = _REFUSED_HEADER.fullmatch(refused)
-    if quoted is None:  # a quote of another form: nothing of it is logged
-        return "illegal header line (not quoted: it may hold a key)"
-    line = ast.literal_eval(quoted.group(1))
-    if b":" not in line:
-        return "illegal header line (no ':'; not quoted, it may hold a key)"
-    name = (line.split(b":", 1)[0].split() or [b""])[0][:64].decode("latin-1")
-    return f"illegal header line {name!r} (its value is not logged)"
-
-
-def declared_length(scope: dict) -> int | None:
-    """The body length an ASGI request's Content-Length declares; None without one (chunked) or for
-    one that is not a number (h11 refuses those before the app sees them)."""
-    value = dict(scope["headers"]).get(b"content-length", b"")
-    return int(value) if value.isdigit() else None
 
 
 class _Registry:
@@ -261,7 +206,7 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # uvicorn's own connection, as it built it (its limit on a request's head): only the version check is added
-        self.conn.__class__ = _VersionCheckedConnection
+        self.conn.__class__ = VersionCheckedConnection
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(_LingeringTransport(transport, self))
@@ -386,7 +331,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         # h11 refused the bytes (request line, headers, Content-Length): answer in the contract's shape.
-        if isinstance(unsupported := sys.exc_info()[1], _UnsupportedVersion):
+        if isinstance(unsupported := sys.exc_info()[1], UnsupportedVersion):
             self._answer_unsupported_version(unsupported)
             return
         self.registry.on_closed("malformed_request")
@@ -408,7 +353,7 @@ class GuardedH11Protocol(H11Protocol):
             self.cycle.disconnected = True  # the handler still reading the body ends now, not at the lingering's end
             self.cycle.message_event.set()
 
-    def _answer_unsupported_version(self, refused: _UnsupportedVersion) -> None:
+    def _answer_unsupported_version(self, refused: UnsupportedVersion) -> None:
         """505 for a request of another major version, its head parsed (no earlier request's answer is pending:
         h11 reads a next request only then), and close; a body it declared is dropped by the lingering close."""
         self.registry.on_closed("http_version_not_supported")

@@ -17,9 +17,10 @@ from service.http.encoding import non_finite_score, result_record
 from service.http.errors import ApiError, backend_unavailable, body_too_large, deadline_error, draining_error
 from service.http.errors import non_finite_error
 from service.http.errors import short_repr
-from service.http.protocol import PROTOCOL_ANSWER, declared_length
+from service.http.protocol import PROTOCOL_ANSWER
 from service.http.rollout import mismatch
 from service.http.validation import Limits, ScoreJob, parse_score_request
+from service.http.wire import declared_length
 from service.runtime import ServedModel, Service
 from service.scheduling.scheduler import Scheduler
 from service.scheduling.tickets import Ticket

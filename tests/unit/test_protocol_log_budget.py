@@ -5,7 +5,7 @@ tests/e2e/test_e2e_logs.py, this checks the window's end, which those tests cann
 import asyncio
 import logging
 
-from service.http import protocol
+from service.http import protocol, wire
 
 
 def test_the_window_ends_with_one_line_counting_the_quieted_answers(monkeypatch, caplog):
@@ -58,9 +58,9 @@ def test_a_refused_header_line_is_logged_by_its_name_whatever_form_h11_quotes_it
     the line's value may be a key."""
     key = "sk-secret-1"
     for quoted in (f"bytearray(b'Authorization: Bearer {key}\\r')", f"b'Authorization: Bearer {key}\\x00'"):
-        said = protocol.without_header_value(f"illegal header line: {quoted}")
+        said = wire.without_header_value(f"illegal header line: {quoted}")
         assert said == "illegal header line 'Authorization' (its value is not logged)", said
     for refused in (f"illegal header line: Authorization: Bearer {key}", f"illegal header line: bytearray(b'{key}')"):
-        said = protocol.without_header_value(refused)
+        said = wire.without_header_value(refused)
         assert key not in said and said.startswith("illegal header line ("), said
-    assert protocol.without_header_value("illegal request line: b'GET /x'") == "illegal request line: b'GET /x'"
+    assert wire.without_header_value("illegal request line: b'GET /x'") == "illegal request line: b'GET /x'"
