@@ -198,8 +198,8 @@ class Metrics:
         )
         self.weights_updates = Counter(
             "packscore_weights_updates_total",
-            "POST /v1/weights updates, by model and outcome (ok: it serves, its request answered or cut off; "
-            "or the error type).",
+            "POST /v1/weights updates, by model and outcome (ok: it serves, its request answered or cut off, "
+            "once: a retry answered as before counts nothing; or the error type).",
             ["model", "outcome"],
             registry=r,
         )

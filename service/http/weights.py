@@ -124,10 +124,12 @@ async def update_weights(service: Service, body: Any, root: Path) -> dict:
     return answer
 
 
-def _landed(service: Service, model: ServedModel, answer: dict, requested_at: float) -> asyncio.Future | None:
+def _landed(service: Service, model: ServedModel, answer: dict, requested_at: float, *,
+            replay: bool = False) -> asyncio.Future | None:
     """``answer``'s update serves: the update's own ends, done whether or not its handler still waits
-    (one cancelled meanwhile): its model waits no longer, it counts ``ok`` and its ``--weights-record``
-    write starts. Returns that write (None without a record)."""
+    (one cancelled meanwhile): its model waits no longer, it counts ``ok`` (not a ``replay``, the same
+    request sent again: that update counted as it landed) and its ``--weights-record`` write starts.
+    Returns that write (None without a record)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:  # it landed after the loop closed: the server had stopped, nothing scored with it
@@ -135,7 +137,8 @@ def _landed(service: Service, model: ServedModel, answer: dict, requested_at: fl
                  answer["weights_version"])
         return None
     service.release(model.name)  # at once: a model that serves the update waits no longer
-    service.metrics.weights_updates.labels(model=model.name, outcome="ok").inc()
+    if not replay:
+        service.metrics.weights_updates.labels(model=model.name, outcome="ok").inc()
     if service.record is None or model.last_update is None:
         return None
     (_, path, files), _ = model.last_update  # the files as read before the update loaded them
@@ -181,9 +184,10 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
     source = (version, path, files_snapshot(path))
     if version is not None and model.last_update is not None and model.last_update[0] == source \
             and model.backend.info.weights_version == version:
-        log.info("weights update of %s to %s repeated: it already serves these files", model.name, version)
+        log.info("weights update of %s to %s repeated: it already serves these files; answered as before, "
+                 "not counted as an update again", model.name, version)
         answer = dict(model.last_update[1])
-        return answer, _landed(service, model, answer, requested_at)
+        return answer, _landed(service, model, answer, requested_at, replay=True)
     served = model.versions_served | {model.backend.info.weights_version}
     if version is not None and version in served:
         # A version names one set of weights: a pinned request must never get other numbers under it.

@@ -161,3 +161,24 @@ def test_every_weight_update_outcome_met_was_at_zero_from_the_start(server):
     assert {("policy", "ok"), ("policy", "forbidden_path"), ("", "model_not_found"),
             ("", "unsupported_content_type")} <= met, met  # what the rounds and exercise() sent
     assert not met - there, f"no series at start for {sorted(met - there)}"
+
+
+def test_an_update_sent_again_is_answered_as_before_and_counted_once(server):
+    """A trainer that lost an update's answer sends it again (docs/weights.md): the same `path` and
+    `version` get the first answer, and packscore_weights_updates_total counts one update, not two;
+    packscore_requests_total counts both requests, and the log says it was a repeat."""
+    srv, _, _ = server
+    before = scrape(srv.url)
+    again = httpx.post(srv.url + "/v1/weights", json={"model": "policy", "path": "step-1", "version": "s1"},
+                       headers=AUTH, timeout=300)  # exercise()'s update, served since
+    assert again.status_code == 200 and again.json()["weights_version"] == "s1", again.text
+    after = scrape(srv.url)
+
+    def added(name: str, **labels: str) -> float:
+        return after.value(name, **labels) - before.value(name, **labels)
+
+    assert added("packscore_requests_total", route="/v1/weights", status="200") == 1.0
+    assert added("packscore_weights_load_seconds_count", model="policy") == 0.0, "the update sent again was loaded"
+    ok = added("packscore_weights_updates_total", model="policy", outcome="ok")
+    assert ok == 0.0, f"an update sent again counted as {ok:g} more update(s)"
+    assert "weights update of policy to s1 repeated" in srv.log(), srv.log()
