@@ -59,6 +59,8 @@ _FIRST_PASS_ATTEMPTS = 3
 
 
 _LOAD_THREAD = "packscore-load"
+# a stopped scheduler's idle forward threads end within it; one still alive then is taken as running
+_FORWARD_THREADS_END_S = 1.0
 
 
 async def _saying_while(doing: str, name: str, awaitable):
@@ -566,12 +568,13 @@ class Service:
             await model.scheduler.close("the server is stopping without a drain")
 
     def torch_work_running(self) -> bool:
-        """Whether a forward (one the drain timeout cut off), a load or a weights update is still
-        under way in another thread: the process must then exit without finalising the interpreter
-        under it, which aborts in torch's threads."""
+        """Once stopped: whether a forward (one the drain timeout cut off), a load or a weights update is
+        still under way in another thread: the process must then exit without finalising the interpreter
+        under it, which aborts in torch's threads. A forward thread is asked whether it ended, not whether
+        it runs: one that took a row just before its scheduler closed starts it a moment later."""
         if any(t.name == _LOAD_THREAD and t.is_alive() for t in threading.enumerate()):
             return True
-        return any(model.scheduler.forward_running for model in self._scheduled())
+        return not all(model.scheduler.threads_ended(_FORWARD_THREADS_END_S) for model in self._scheduled())
 
     async def stop(self) -> None:
         loading = self._loading

@@ -177,6 +177,17 @@ class Scheduler:
         """Whether one of this scheduler's forward threads still runs (after ``close``: until it has ended)."""
         return any(thread.alive for thread in self._threads)
 
+    def threads_ended(self, timeout: float) -> bool:
+        """After ``close``: waits up to ``timeout`` for this scheduler's forward threads to end; False at once
+        when one runs a forward, or when one is still alive at the timeout (one that took a row just before
+        the close has not marked its forward started yet)."""
+        deadline = time.monotonic() + timeout
+        while self.threads_alive:
+            if self.forward_running or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
     def forward_state(self) -> str:
         """``"idle"``, ``"busy"`` or ``"stalled"``: how this scheduler's forwards stand
         (``forward_thread.forward_state``), what /readyz reports while its probe waits."""
