@@ -180,12 +180,21 @@ def _prefix_rounding(start: msg.Start, dims, loaded, device: torch.device):
     """With prefix sharing on a GPU and whole sequences on each rank (sp = 1): where the narrow
     products round by row count, as one process measures it (``Scorer.measure_prefix_rounding``).
     Under sequence parallelism they run per local segment, which the table does not describe;
-    groups then share among every member."""
+    groups then share among every member. Seconds on a real model: says when it begins, still every 30 s,
+    and when it ended, as the shard read does."""
     if not start.prefix_min_tokens or device.type != "cuda" or dims.sp > 1:
         return None
-    from model_runtime.scoring.rounding import measure
+    from model_runtime.scoring.rounding import MAX_PROBED_ROWS, measure
+    from model_runtime.still_lines import saying_still
 
-    return measure(loaded.model, start.max_batch_tokens, device=device)
+    log.info("measuring the prefix rounding of %s on %s: which lengths share a prompt bit for bit, up to %d rows",
+             loaded.name, device, min(start.max_batch_tokens, MAX_PROBED_ROWS))
+    started = time.perf_counter()
+    with saying_still(log, f"measuring the prefix rounding of {loaded.name}"):
+        rounding = measure(loaded.model, start.max_batch_tokens, device=device)
+    log.info("measured the prefix rounding of %s in %.1fs: %d kinds of length", loaded.name,
+             time.perf_counter() - started, rounding.kind_count)
+    return rounding
 
 
 class _WeightUpdates:

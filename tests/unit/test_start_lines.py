@@ -134,3 +134,43 @@ def test_a_rank_reading_its_shards_says_when_it_begins_still_and_when_it_ended(m
     assert lines[1:3] == ["still reading its shards of ck: 0.1 s", "still reading its shards of ck: 0.2 s"], lines
     assert lines[:-1] == at_read and lines[-1].startswith("read its shards of ck in "), lines  # none once it ended
     assert all(not p.is_meta for p in loaded.model.parameters())
+
+
+def test_a_rank_measuring_its_prefix_rounding_says_when_it_begins_still_and_when_it_ended(monkeypatch, caplog):
+    """With prefix sharing on a GPU each rank measures where the narrow products round by row count before it says
+    Hello: seconds on the 9B, which the rank's log passed over in silence between its loaded line and the pool's."""
+    import torch
+
+    from model_runtime.parallel.dims import ParallelDims
+    from model_runtime.pool import messages as msg
+    from model_runtime.pool import worker
+    from model_runtime.scoring import rounding
+    from model_runtime.scoring.loading import load_model
+
+    monkeypatch.setattr(still_lines, "EVERY_S", _EVERY_S)
+    caplog.set_level(logging.INFO, logger="packscore.worker")
+    loaded = load_model("tiny", device="cpu", served_name="tiny")
+    start = msg.Start(rank=0, world_size=2, sp=1, fsdp=True, master_port=1, generation=1, model="tiny",
+                      device="cuda", dtype="auto", max_batch_tokens=512, allow_slow_kernels=False, kernels={},
+                      served_model_name="tiny", timeout_s=60.0, prefix_min_tokens=64)
+    measured, at_measured = rounding.RowRounding.exact(512), []
+
+    def measure(model, max_rows, device=None):  # a GPU's probes up to the row budget: seconds, here a few intervals
+        time.sleep(3.5 * _EVERY_S)
+        at_measured.extend(said())
+        return measured
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "packscore.worker"]
+
+    monkeypatch.setattr(rounding, "measure", measure)
+    got = worker._prefix_rounding(start, ParallelDims.from_world(2, 1, True), loaded, torch.device("cuda", 0))
+    time.sleep(4 * _EVERY_S)
+    lines = said()
+    assert got is measured, got
+    assert lines and lines[0] == ("measuring the prefix rounding of tiny on cuda:0: which lengths share a prompt bit for bit, "
+                        "up to 512 rows"), lines
+    assert lines[1:3] == ["still measuring the prefix rounding of tiny: 0.1 s",
+                          "still measuring the prefix rounding of tiny: 0.2 s"], lines
+    assert lines[:-1] == at_measured, lines  # none once it ended
+    assert lines[-1].startswith("measured the prefix rounding of tiny in ") and lines[-1].endswith("s: 1 kinds of length"), lines
