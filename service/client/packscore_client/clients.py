@@ -17,8 +17,8 @@ import httpx
 from packscore_client import everywhere
 from packscore_client.answers import models_answer, readiness_answer
 from packscore_client.padded import PaddedBatch, PaddedScores, by_one_version
-from packscore_client.protocol import (Limits, Protocol, ScoredSequence, ScoreError, WeightsUpdate, as_seqs,
-                                       bearer_key, options, seconds)
+from packscore_client.inputs import as_seqs, bearer_key, options, seconds
+from packscore_client.protocol import Limits, Protocol, ScoredSequence, ScoreError, WeightsUpdate
 
 _DISCOVERY_TIMEOUT_S = 5.0
 UPDATE_TIMEOUT_S = 1800.0  # a checkpoint load may take minutes: the weights calls' floor, whatever timeout_s is
