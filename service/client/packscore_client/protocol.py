@@ -203,6 +203,7 @@ class Protocol:
                 wait = retry_after(outcome, attempt)
                 if time.monotonic() + wait > give_up:
                     raise response_error(outcome)
+                self._waiting_out("POST /v1/weights", response_error(outcome), wait, attempt)
             elif isinstance(outcome, (httpx.ConnectError, httpx.ConnectTimeout)):
                 wait, unreachable_since = self._unreachable(outcome, attempt, unreachable_since, give_up,
                                                             _UPDATE_NOT_SENT)
@@ -336,6 +337,7 @@ class Protocol:
                     raise ScoreError(504, "deadline_exceeded", f"deadline_ms would pass before a retry could "
                                      f"be answered (the server said {outcome.status_code} {error.type}).", "deadline_ms",
                                      error.request_id)
+                self._waiting_out("POST /score", error, wait, attempt)
             elif isinstance(outcome, httpx.ReadTimeout):
                 # The server has the request and is still scoring it: sent again, it would be scored twice
                 # on a server already too slow, and the answer would come no sooner.
@@ -361,6 +363,15 @@ class Protocol:
                                  f"({describe(outcome)})") from outcome
             yield wait
             attempt += 1
+
+    def _waiting_out(self, route: str, error: ScoreError, wait: float, attempt: int) -> None:
+        """An INFO line for each answer waited out (429, 503, an update's 409): the server's own flow
+        control, not a fault to warn of, but without it a throttled trainer sees only slowness."""
+        said = "" if error.type == "http_error" else f": {error.message}"  # a proxy's page says nothing useful
+        request_id = f", request_id {error.request_id}" if error.request_id else ""
+        log.info("packscore: %s to %s answered %d %s, retrying in %.1fs (retry %d%s; gives up %gs after the call "
+                 "started: retry_timeout_s)%s", route, self.base_url, error.status, error.type, wait, attempt + 1,
+                 request_id, self.retry_timeout_s, said)
 
     def not_sent(self, route: str, error: Exception, consequence: str) -> ScoreError:
         """The error of a request that never left this client (``_NOT_SENT``): the server was not asked."""
