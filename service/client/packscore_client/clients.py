@@ -8,6 +8,7 @@ import inspect
 import numbers
 import threading
 import time
+import weakref
 from contextlib import asynccontextmanager, contextmanager
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, Generator, Iterable
@@ -40,7 +41,8 @@ class _Base:
     call; ``connect_retry_s`` bounds how long an unreachable server is retried (a log line each)
     before ``ScoreError(0, "connection_error", ...)``. ``update_timeout_s`` bounds the wait for the answer
     of POST /v1/weights (a checkpoint load) instead of ``timeout_s``. ``transport`` replaces the network (tests); the
-    client closes it on close, ``update_weights_everywhere``'s per-address clients never do.
+    client closes it on close (an async one also as each loop it ran on ends), ``update_weights_everywhere``'s
+    per-address clients never do.
     """
 
     _http_class: type = httpx.Client
@@ -164,6 +166,7 @@ class ScoreClient(_Base):
         self._in_use_lock = threading.Lock()
         self._in_use = 0  # requests on the wire: the connection pool closes once none is
         self._learning = threading.Lock()
+        weakref.finalize(self, self._http.close)  # dropped unclosed: its sockets close, not left to warn at collection
 
     def __enter__(self) -> "ScoreClient":
         self._check_open()
@@ -380,6 +383,16 @@ class ScoreClient(_Base):
             raise
 
 
+async def _closed_with_loop(http: httpx.AsyncClient):
+    """Suspended while ``http``'s loop runs, which closes it as it shuts down (asyncio.run's
+    ``shutdown_asyncgens``) or once the client holding it is dropped: after the loop has closed,
+    nothing can close its sockets, and they warn at collection."""
+    try:
+        yield
+    finally:
+        await http.aclose()
+
+
 class AsyncScoreClient(_Base):
     """The asyncio twin of ScoreClient, with the same arguments and results."""
 
@@ -403,14 +416,14 @@ class AsyncScoreClient(_Base):
         """As ``ScoreClient.close()``: nothing new is sent, a request on the wire (a call in another
         task) ends with its answer, and the connections close after the last one."""
         if not self._closed:
-            http = self._client()
+            http = await self._client()
             self._closed = True
             if self._in_use == 0:
                 await http.aclose()
 
     @asynccontextmanager
     async def _http_in_use(self):
-        http = self._client()
+        http = await self._client()
         self._in_use += 1
         try:
             yield http
@@ -419,14 +432,18 @@ class AsyncScoreClient(_Base):
             if self._closed and self._in_use == 0:
                 await http.aclose()
 
-    def _client(self) -> httpx.AsyncClient:
+    async def _client(self) -> httpx.AsyncClient:
         """The HTTP client, a new one once the loop it was used on has closed (one ``asyncio.run`` per
-        call): its kept-alive connections belong to that loop and fail on this one."""
+        call): its kept-alive connections belong to that loop and fail on this one. Each is closed as
+        its loop shuts down or once this client is dropped (``_closed_with_loop``)."""
         self._check_open()
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
-            if self._loop is not None and self._loop.is_closed():
-                self._http = self._http_class(**self._http_kw)
+            if self._loop is None or self._loop.is_closed():
+                if self._loop is not None:
+                    self._http = self._http_class(**self._http_kw)
+                self._with_loop = _closed_with_loop(self._http)
+                await anext(self._with_loop)
             self._loop = loop
             # max_concurrency bounds the client's /score requests, every call's together, as ScoreClient's pool does
             self._gate = asyncio.Semaphore(self._max_concurrency)
@@ -448,7 +465,7 @@ class AsyncScoreClient(_Base):
         seqs, opts, give_up, deadline = self._plan(sequences, temperature=temperature, return_entropy=return_entropy,
                                                    top_k=top_k, model=model, deadline_ms=deadline_ms,
                                                    weights_version=weights_version)
-        self._client()
+        await self._client()
         gate = self._gate
         tried = self._readyz_tries
         if not self._p.limits_known:  # as ScoreClient._learn_limits: one GET /readyz for the tasks waiting meanwhile
