@@ -297,7 +297,8 @@ def test_a_link_local_address_keeps_its_zone_and_one_httpx_refuses_fails_alone(m
 def _link_local() -> tuple[str, str] | None:
     """A link-local IPv6 address of this machine and its interface, if it has one (Linux)."""
     try:
-        lines = open("/proc/net/if_inet6").read().splitlines()
+        with open("/proc/net/if_inet6") as table:
+            lines = table.read().splitlines()
     except OSError:
         return None
     for line in lines:
