@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from packscore_client import AsyncScoreClient, ScoreClient, ScoreError
-from packscore_client.clients import _Base
+from packscore_client.base import _Base
 from packscore_client.protocol import retry_after
 from service.http.app import create_app
 from service.settings import Settings

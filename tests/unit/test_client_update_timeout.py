@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from packscore_client import AsyncScoreClient, ScoreClient
-from packscore_client.clients import UPDATE_TIMEOUT_S
+from packscore_client.base import UPDATE_TIMEOUT_S
 from tests.resolving import resolving
 
 BASE = "http://packscore.test"
