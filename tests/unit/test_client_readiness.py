@@ -147,3 +147,32 @@ def test_concurrent_first_calls_share_one_readyz_which_failed_is_not_sent_again_
     took = asyncio.run(main())
     assert sent.count("/readyz") == 1 and sent.count("/score") == 8, sent
     assert took < 1.5, f"{took:.2f}s: the 404 was sent again in turn"
+
+
+def test_a_first_call_cancelled_while_its_readyz_is_out_leaves_it_to_the_calls_waiting_on_it():
+    """The first call's GET /readyz was cancelled with it (a caller's timeout, say): the next waiting
+    call sent one of its own and waited it out from the start."""
+    sent = []
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(request.url.path)
+        if request.url.path == "/readyz":
+            await asyncio.sleep(0.3)
+            return httpx.Response(200, json={"status": "ready", "limits": {"max_request_tokens": 77}})
+        return httpx.Response(200, json={"model": "m", "weights_version": "v", "results": [{"logprobs": [-1.0]}]})
+
+    async def main():
+        async with AsyncScoreClient(BASE, encoding="json", transport=httpx.MockTransport(answer)) as client:
+            first = asyncio.ensure_future(client.score([[1, 2]]))
+            await asyncio.sleep(0.05)  # its GET /readyz is out
+            others = [asyncio.ensure_future(client.score([[1, 2]])) for _ in range(7)]
+            await asyncio.sleep(0.05)
+            first.cancel()
+            await asyncio.gather(*others)
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            return client.limits
+
+    limits = asyncio.run(main())
+    assert sent.count("/readyz") == 1 and sent.count("/score") == 7, sent
+    assert limits.max_request_tokens == 77  # learned from the one answer the waiting calls took

@@ -82,7 +82,6 @@ class _Base:
         self._http = self._http_class(**self._http_kw)
 
     _closed = False
-    _readyz_tries = 0  # GET /readyz sent to learn the limits: concurrent first calls share one
 
     @property
     def limits(self) -> Limits:

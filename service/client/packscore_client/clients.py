@@ -43,6 +43,7 @@ class ScoreClient(_Base):
         self._in_use_lock = threading.Lock()
         self._in_use = 0  # requests on the wire: the connection pool closes once none is
         self._learning = threading.Lock()
+        self._readyz_tries = 0  # GET /readyz sent to learn the limits: concurrent first calls share one
         weakref.finalize(self, self._http.close)  # dropped unclosed: its sockets close, not left to warn at collection
 
     def __enter__(self) -> "ScoreClient":
@@ -324,7 +325,7 @@ class AsyncScoreClient(_Base):
             self._loop = loop
             # max_concurrency bounds the client's /score requests, every call's together, as ScoreClient's pool does
             self._gate = asyncio.Semaphore(self._max_concurrency)
-            self._learning = asyncio.Lock()
+            self._readyz: asyncio.Future | None = None  # the GET /readyz for the limits, while one is out
         return self._http
 
     async def score(
@@ -344,12 +345,10 @@ class AsyncScoreClient(_Base):
                                                    weights_version=weights_version)
         await self._client()
         gate = self._gate
-        tried = self._readyz_tries
-        if not self._p.limits_known:  # as ScoreClient._learn_limits: one GET /readyz for the tasks waiting meanwhile
-            async with self._learning:
-                if not self._p.limits_known and self._readyz_tries == tried:
-                    self._p.learn_from_readyz(await self._get("/readyz"))
-                    self._readyz_tries += 1
+        if not self._p.limits_known:  # as ScoreClient._learn_limits: one GET /readyz for the tasks waiting meanwhile,
+            if self._readyz is None or self._readyz.done():  # a task of its own: a caller cancelled leaves it to them
+                self._readyz = asyncio.ensure_future(self._learn_limits())
+            await asyncio.shield(self._readyz)
 
         async def send(part: list[int]) -> list[ScoredSequence]:
             try:  # queued behind other calls' requests: the deadline bounds that wait too
@@ -442,6 +441,9 @@ class AsyncScoreClient(_Base):
 
         results = await asyncio.gather(*(one(a) for a in found))
         return everywhere.outcome(self._p.base_url, dict(zip(found, results)), request_id)
+
+    async def _learn_limits(self) -> None:
+        self._p.learn_from_readyz(await self._get("/readyz"))
 
     async def _get(self, path: str, timeout_s: float = _DISCOVERY_TIMEOUT_S) -> httpx.Response | Exception:
         try:
