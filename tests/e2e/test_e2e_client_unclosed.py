@@ -34,6 +34,12 @@ async def main():
     await asyncio.sleep(0.5)  # the loop goes on
 asyncio.run(main())
 """,
+    "async-dropped-as-its-run-ends": """
+async def main():
+    client = AsyncScoreClient(url, API_KEY)
+    await client.score([[1, 2, 3]])
+asyncio.run(main())
+""",
     "async-kept-across-asyncio-runs": """
 client = AsyncScoreClient(url, API_KEY, max_sequences_per_request=1)
 for _ in range(3):  # one asyncio.run per call, as a synchronous training loop runs it
