@@ -240,7 +240,7 @@ def read_parameters(
         if stream is not None:
             stream.synchronize()
     except (SafetensorError, OSError) as error:
-        raise CheckpointError("unreadable", f"{plan.path.name}: reading the weights failed: {error}") from None
+        raise CheckpointError("unreadable", f"checkpoint {plan.path}: reading the weights failed: {error}") from None
     if not into_model:
         _refuse_non_finite(plan, non_finite(out.items()))
     return {} if into_model else out
@@ -265,9 +265,9 @@ def refuse_non_finite_reads(model: nn.Module, plan: ReadPlan, *, content: bool =
         version, bad = scan_tensors(plan.path, content=content, finite={n for r in plan.reads for n in r.parts},
                                     threads=check_threads() if threads is None else threads)
     except OSError as error:
-        raise CheckpointError("unreadable", f"{plan.path.name}: reading the weights failed: {error}") from None
+        raise CheckpointError("unreadable", f"checkpoint {plan.path}: reading the weights failed: {error}") from None
     if bad:
-        raise non_finite_error(plan.path.name, bad)
+        raise non_finite_error(f"checkpoint {plan.path}", bad)
     return version
 
 
@@ -312,7 +312,7 @@ def _refuse_non_finite(plan: ReadPlan, bad: list[str]) -> None:
     """Refuses the checkpoint when ``bad`` (parameter names) is not empty, naming its tensors as its files do."""
     if bad:
         stored = {r.param: r.parts[0] if r.combine == "copy" else r.param for r in plan.reads}
-        raise non_finite_error(plan.path.name, [stored.get(name, name) for name in bad])
+        raise non_finite_error(f"checkpoint {plan.path}", [stored.get(name, name) for name in bad])
 
 
 class _MappedFile:
@@ -440,7 +440,7 @@ def checkpoint_changed(path: Path, before: tuple) -> CheckpointError | None:
     if now == before:
         return None
     changed = sorted({entry[0] for entry in set(now) ^ set(before)})
-    return CheckpointError("unreadable", f"{Path(path).name}: the checkpoint's files changed while they were read "
+    return CheckpointError("unreadable", f"checkpoint {path}: the checkpoint's files changed while they were read "
                            f"({', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''}; still being written?); "
                            "nothing was swapped: retry once they are complete")
 

@@ -211,6 +211,8 @@ def test_a_failed_update_changes_nothing(served, checkpoint_dir, tmp_path, in_pl
         with pytest.raises(CheckpointError) as caught:
             backend.update_weights(path, "bad")
         assert caught.value.kind == kind, f"{name}: {caught.value.kind} ({caught.value}), want {kind}"
+        # named by its whole path, as the start names it: two roots may both hold a 'step-120'
+        assert str(path) in str(caught.value), f"{name}: {caught.value} does not name {path}"
         assert backend.info.weights_version == version
         changed = [n for n, p in backend.scorer.loaded.model.named_parameters() if not torch.equal(p, snapshot[n])]
         assert not changed, f"{name}: a failed update changed {changed[:5]}"
@@ -299,6 +301,7 @@ def test_files_that_change_while_read_are_refused_and_change_nothing(served, sec
     with pytest.raises(CheckpointError, match="changed while they were read") as caught:
         backend.update_weights(path, version)
     assert caught.value.kind == "unreadable" and ".safetensors" in str(caught.value), caught.value  # names the file
+    assert str(path) in str(caught.value), caught.value  # and the checkpoint, by its whole path
     assert backend.info.weights_version == old_version
     assert_equal(backend.score_row(row), before, "after the refused update")
     monkeypatch.setattr(weights, "read_parameters", real)
