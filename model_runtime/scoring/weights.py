@@ -440,7 +440,7 @@ def checkpoint_changed(path: Path, before: tuple) -> CheckpointError | None:
     if now == before:
         return None
     changed = sorted({entry[0] for entry in set(now) ^ set(before)})
-    return CheckpointError("unreadable", f"checkpoint {path}: the checkpoint's files changed while they were read "
+    return CheckpointError("unreadable", f"checkpoint {path}: its files changed while they were read "
                            f"({', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''}; still being written?); "
                            "nothing was swapped: retry once they are complete")
 
