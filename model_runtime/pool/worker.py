@@ -132,9 +132,7 @@ def _setup(start: msg.Start, replies: _Replies):
     loaded = _load(start, device)
     costs = cost_coefficients(loaded)  # before sharding: it counts whole parameters
     rounding = _prefix_rounding(start, dims, loaded, device)
-    from model_runtime.scoring.rounding import runs_in_use
-
-    runs_in_use(loaded, start.max_batch_tokens, device=device)  # from the weights' shapes, before sharding
+    _narrow_runs(start, loaded, device)  # from the weights' shapes, before sharding
     parallelize(loaded.model, dims=dims, mesh=mesh)
     if _reads_shards(start):
         _read_shards(loaded, Path(start.model), device)
@@ -195,6 +193,25 @@ def _prefix_rounding(start: msg.Start, dims, loaded, device: torch.device):
     log.info("measured the prefix rounding of %s in %.1fs: %d kinds of length", loaded.name,
              time.perf_counter() - started, rounding.kind_count)
     return rounding
+
+
+def _narrow_runs(start: msg.Start, loaded, device: torch.device) -> None:
+    """With the ``runs`` backend on a GPU (the default): how many rows one narrow product may span
+    (``rounding.runs_in_use``), handed to the model's layers. Seconds on a real model where the prefix
+    rounding did not measure the same tables just before (``--sp`` > 1, sharing off, a cold cache): says
+    when it begins, still every 30 s, and when it ended, as the prefix rounding does."""
+    from model_runtime.scoring.rounding import MAX_PROBED_ROWS, measures_runs, runs_in_use
+    from model_runtime.still_lines import saying_still
+
+    if not measures_runs(loaded, device):
+        return
+    log.info("measuring the narrow products' runs of %s on %s: how many rows one product may span, up to %d rows",
+             loaded.name, device, min(start.max_batch_tokens, MAX_PROBED_ROWS))
+    started = time.perf_counter()
+    with saying_still(log, f"measuring the narrow products' runs of {loaded.name}"):
+        runs = runs_in_use(loaded, start.max_batch_tokens, device=device)
+    log.info("measured the narrow products' runs of %s in %.1fs: %d of %d products span several segments",
+             loaded.name, time.perf_counter() - started, sum(rows >= 2 for rows in runs.values()), len(runs))
 
 
 class _WeightUpdates:

@@ -173,12 +173,17 @@ def use_run_limits(model: torch.nn.Module, limits: RunLimits) -> None:
             module.use_run_limits(limits)
 
 
-def runs_in_use(loaded, max_rows: int, device: torch.device | None = None) -> dict[str, int]:
-    """``prepare_runs`` where the loaded model's narrow products run on CUDA with the ``runs``
-    backend (the single-process scorer and every pool worker ask here); ``{}`` elsewhere, where
-    they run per segment and nothing is measured."""
+def measures_runs(loaded, device: torch.device | None = None) -> bool:
+    """Whether the loaded model's narrow products run on CUDA with the ``runs`` backend, whose
+    limits ``runs_in_use`` measures (``device``: where it will run, default where it is loaded)."""
     on = torch.device(device) if device is not None else loaded.device
-    if on.type != "cuda" or loaded.backends.names.get("gate_projection") != "runs":
+    return on.type == "cuda" and loaded.backends.names.get("gate_projection") == "runs"
+
+
+def runs_in_use(loaded, max_rows: int, device: torch.device | None = None) -> dict[str, int]:
+    """``prepare_runs`` where ``measures_runs`` (the single-process scorer and every pool worker
+    ask here); ``{}`` elsewhere, where they run per segment and nothing is measured."""
+    if not measures_runs(loaded, device):
         return {}
     return prepare_runs(loaded.model, max_rows, device=device)
 

@@ -174,3 +174,50 @@ def test_a_rank_measuring_its_prefix_rounding_says_when_it_begins_still_and_when
                           "still measuring the prefix rounding of tiny: 0.2 s"], lines
     assert lines[:-1] == at_measured, lines  # none once it ended
     assert lines[-1].startswith("measured the prefix rounding of tiny in ") and lines[-1].endswith("s: 1 kinds of length"), lines
+
+
+def test_a_rank_measuring_its_narrow_products_runs_says_when_it_begins_still_and_when_it_ended(monkeypatch, caplog):
+    """With the ``runs`` gate-projection backend on a GPU each rank measures how many rows one narrow product may
+    span before it says Hello: seconds on the 9B where the prefix rounding did not measure the same tables just
+    before (``--sp`` > 1, sharing off), which the rank's log said only as a per-shape line and the limits."""
+    import torch
+
+    from model_runtime.kernels.gate_projection import RunLimits
+    from model_runtime.pool import messages as msg
+    from model_runtime.pool import worker
+    from model_runtime.scoring import rounding
+    from model_runtime.scoring.loading import load_model
+
+    monkeypatch.setattr(still_lines, "EVERY_S", _EVERY_S)
+    caplog.set_level(logging.INFO, logger="packscore.worker")
+    loaded = load_model("tiny", device="cpu", served_name="tiny", kernel_overrides={"gate_projection": "runs"})
+    start = msg.Start(rank=0, world_size=2, sp=2, fsdp=False, master_port=1, generation=1, model="tiny",
+                      device="cuda", dtype="auto", max_batch_tokens=512, allow_slow_kernels=False,
+                      kernels={"gate_projection": "runs"}, served_model_name="tiny", timeout_s=60.0, prefix_min_tokens=0)
+    at_measured = []
+
+    def run_limits(model, max_rows, cache_dir=None, device=None):  # a GPU's probes per shape: seconds, here a few intervals
+        time.sleep(3.5 * _EVERY_S)
+        at_measured.extend(said())
+        return RunLimits({RunLimits.shape(w): max_rows for w in rounding.narrow_weights(model)})
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "packscore.worker"]
+
+    monkeypatch.setattr(rounding, "run_limits", run_limits)
+    worker._narrow_runs(start, loaded, torch.device("cuda", 0))
+    time.sleep(4 * _EVERY_S)
+    lines = said()
+    assert lines and lines[0] == ("measuring the narrow products' runs of tiny on cuda:0: how many rows one product may "
+                                  "span, up to 512 rows"), lines
+    assert lines[1:3] == ["still measuring the narrow products' runs of tiny: 0.1 s",
+                          "still measuring the narrow products' runs of tiny: 0.2 s"], lines
+    assert lines[:-1] == at_measured, lines  # none once it ended
+    narrow = len(rounding.narrow_weights(loaded.model))
+    assert lines[-1].startswith("measured the narrow products' runs of tiny in ") and lines[-1].endswith(
+        f"s: {narrow} of {narrow} products span several segments"), lines
+    assert all(m.run_limits.rows for m in loaded.model.modules() if hasattr(m, "narrow_weights")), "limits not handed over"
+
+    caplog.clear()  # per segment (or on the CPU) nothing is measured, and nothing said
+    worker._narrow_runs(start, load_model("tiny", device="cpu", served_name="tiny"), torch.device("cuda", 0))
+    assert said() == [], said()
