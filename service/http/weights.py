@@ -20,6 +20,7 @@ from model_runtime.scoring.backend import BackendUnavailableError, UpdateInProgr
 from model_runtime.scoring.checkpoint import index_shards
 from model_runtime.scoring.checkpoint_error import CheckpointError
 from model_runtime.scoring.weights import RESERVED_VERSION_PREFIXES, files_snapshot
+from model_runtime.still_lines import saying_still
 from service.http.errors import ApiError, backend_unavailable, from_validation_errors, is_out_of_memory, short_repr
 from service.http.errors import SHOWN_PATH
 from service.http.schemas import WeightsRequest
@@ -199,9 +200,14 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
     failure: list[ApiError | BaseException] = []  # the load's failure as answered, once counted
     loading: asyncio.Future | None = None
 
+    # "still updating NAME: 30 s" while the load runs (a large checkpoint's read: a minute, minutes from a network
+    # disk), until its thread is done, before the lines of its outcome, waited for by this handler or not
+    still = contextlib.ExitStack()
+
     def ended(update: WeightsUpdate | None, error: BaseException | None) -> None:
         # The update's thread is done, whether or not this handler still waits for it (cancelled at shutdown).
         nonlocal recording
+        still.close()
         model.updating = False
         if model.backend.info.weights_version != before:  # it swapped, or a failed update in place left other weights
             service.metrics.describe_model(model.backend.info, model.name)
@@ -214,6 +220,7 @@ async def _run(service: Service, model: ServedModel, path: Path, version: str | 
     model.updating = True
     model.versions_served.add(before)  # served now: a request scored by it alone may name it after the swap
     log.info("weights update of %s from %s (version %s)", model.name, path, version or "content hash")
+    still.enter_context(saying_still(log, f"updating {model.name}"))
     # Not asyncio.to_thread: a handler cancelled at shutdown must not end "updating" while the load
     # runs on, nor leave a non-daemon thread that a stop waits for.
     loading = in_load_thread(model.backend.update_weights, path, version, ended=ended)

@@ -326,3 +326,39 @@ def test_an_update_whose_worker_was_lost_as_it_swapped_is_a_503_counted_and_not_
     assert counted == {("backend_unavailable", 1.0)}, sorted(counted)
     assert not record.exists() or "v2" not in record.read_text(), record.read_text()
     assert after.json()["weights_version"] == FAKE_VERSION
+
+
+def test_an_update_says_it_still_runs_while_it_loads_and_nothing_once_it_ended(tmp_path, monkeypatch, caplog):
+    """A large checkpoint's read takes a minute (minutes from a network disk): between "weights update of NAME
+    from DIR" and "NAME now serves V" the log says "still updating NAME" every ``still_lines.EVERY_S``, as a
+    load's and a restore's do, and nothing after the update ended."""
+    import model_runtime.still_lines as still_lines
+
+    every_s = 0.1
+    monkeypatch.setattr(still_lines, "EVERY_S", every_s)
+    caplog.set_level(logging.INFO, logger="service.http.weights")
+    root = make_weights_root(tmp_path)
+    load_gate = threading.Event()
+    backends = two_models(load_gate=load_gate)
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "service.http.weights"]
+
+    async def main():
+        async with running_app(create_app(Settings(weights_root=root), backends)) as client:
+            update = asyncio.create_task(client.post("/v1/weights", json={"model": "policy", "path": "step-1",
+                                                                          "version": "v2"}))
+            await wait_until(lambda: backends["policy"]._updating.locked())
+            await asyncio.sleep(3.5 * every_s)
+            load_gate.set()
+            answer = await update
+            at_end = said()
+            await asyncio.sleep(4 * every_s)  # a line past the end would have come by now
+            return answer, at_end, said()
+
+    answer, at_end, lines = asyncio.run(main())
+    assert answer.status_code == 200, answer.text
+    assert lines == at_end, lines  # none once it ended
+    assert lines[0].startswith("weights update of policy from "), lines
+    assert lines[1:3] == ["still updating policy: 0.1 s", "still updating policy: 0.2 s"], lines
+    assert lines[-1].startswith("policy now serves v2 (was "), lines
