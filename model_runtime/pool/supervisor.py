@@ -30,6 +30,7 @@ from model_runtime.pool.procs import WorkerWorld
 from model_runtime.pool.replies import agreed_rounding, reply_error
 from model_runtime.scoring.backend import STALL_FACTOR, BackendUnavailableError
 from model_runtime.scoring.checkpoint_error import CheckpointError
+from model_runtime.still_lines import saying_still
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +264,10 @@ class Supervisor:
                 self._check_checkpoint_unchanged()
                 self._seconds_per_cost = None  # fresh processes: the warm-up compiles, and measures again
                 self._start_world()
-                self.warm_up()
+                # fresh processes compile their kernels again: seconds with a kept kernel cache, a minute without
+                log.info("warming up the restarted worker pool: one pass of the served shapes per group")
+                with saying_still(log, "warming up the restarted worker pool"):
+                    self.warm_up()
                 self._alive = True
                 self._restarts += 1
                 self.restart_error = None

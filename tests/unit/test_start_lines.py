@@ -221,3 +221,36 @@ def test_a_rank_measuring_its_narrow_products_runs_says_when_it_begins_still_and
     caplog.clear()  # per segment (or on the CPU) nothing is measured, and nothing said
     worker._narrow_runs(start, load_model("tiny", device="cpu", served_name="tiny"), torch.device("cuda", 0))
     assert said() == [], said()
+
+
+def test_a_restarted_worker_pool_says_when_its_warm_up_begins_still_and_when_it_ended(monkeypatch, caplog):
+    """A worker pool that lost a worker starts fresh processes, whose warm-up compiles their kernels again (seconds
+    with a kept kernel cache, a minute without): the log said nothing between "worker pool generation N up" and
+    "worker pool restarted; a scoring pass succeeded"."""
+    from model_runtime.pool.pool import WorkerPool
+
+    monkeypatch.setattr(still_lines, "EVERY_S", _EVERY_S)
+    caplog.set_level(logging.INFO, logger="model_runtime.pool.supervisor")
+    pool = WorkerPool({"world_size": 1, "device": "cpu"})
+    at_warmed = []
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "model_runtime.pool.supervisor"]
+
+    def warm_up() -> None:  # the new world's first passes: here a few intervals
+        time.sleep(3.5 * _EVERY_S)
+        at_warmed.extend(said())
+
+    monkeypatch.setattr(pool, "_check_checkpoint_unchanged", lambda: None)
+    monkeypatch.setattr(pool, "_start_world", lambda: None)  # its ranks say their own load lines
+    monkeypatch.setattr(pool, "warm_up", warm_up)
+    try:
+        pool._restart_until_up()
+        time.sleep(4 * _EVERY_S)
+        lines = said()
+    finally:
+        pool.close()
+    assert lines[0] == "warming up the restarted worker pool: one pass of the served shapes per group", lines
+    assert lines[1:3] == ["still warming up the restarted worker pool: 0.1 s",
+                          "still warming up the restarted worker pool: 0.2 s"], lines
+    assert lines[:-1] == at_warmed and lines[-1] == "worker pool restarted; a scoring pass succeeded", lines
