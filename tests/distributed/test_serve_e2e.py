@@ -460,3 +460,35 @@ def test_a_peer_killed_mid_collective_costs_the_survivor_one_line_not_a_tracebac
     broke = [line for line in log_text.splitlines() if "a collective broke, a peer is lost" in line]
     assert len(broke) == 1 and "rank=" in broke[0] and " WARNING " in broke[0], log_text
     assert "Traceback" not in log_text, log_text
+
+
+def test_an_update_while_the_pool_cannot_restart_says_why(tmp_path, checkpoint_dir):
+    """Files saved over the directory that serves, then a worker lost: the restart is refused until
+    they are back (docs/parallel.md). A trainer's next update is refused too; its 503 must name why,
+    as /score's does, with the pool's Retry-After, not "restarting" and a retry that cannot help."""
+    from tests.checkpoints import rewrite_checkpoint
+
+    root = tmp_path / "root"
+    base = rewrite_checkpoint(checkpoint_dir("qwen3_5"), root / "base")
+
+    def scaled(factor):
+        return lambda tensors: {**tensors, "lm_head.weight": tensors["lm_head.weight"] * factor}
+
+    rewrite_checkpoint(base, root / "next", scaled(2.0))
+    server = LocalServer(["--model", str(base), "--device", "cpu", "--world-size", "2", "--max-batch-tokens", "512",
+                          "--weights-root", str(root)],
+                         env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
+    try:
+        server.wait_ready(timeout=120)
+        assert httpx.post(server.url + "/v1/weights", json={"path": "next"}, timeout=60).status_code == 200
+        rewrite_checkpoint(base, root / "next", scaled(3.0))  # a trainer saves another step over it
+        os.kill(_worker_pids(server.proc.pid)[0], signal.SIGKILL)
+        server.wait_for(lambda: httpx.get(server.url + "/readyz", timeout=10).json()["status"] == "restart_failed" or None,
+                        60, what="restart_failed")
+        answer = httpx.post(server.url + "/v1/weights", json={"path": "base"}, timeout=60)
+    finally:
+        code = server.stop(timeout=30)
+    assert answer.status_code == 503 and answer.json()["error"]["type"] == "backend_unavailable", answer.text
+    assert "could not restart" in answer.text and "holds other weights" in answer.text, answer.text
+    assert 1 <= int(answer.headers["retry-after"]) <= 30, answer.headers
+    assert code == 0, server.log()[-3000:]
