@@ -6,14 +6,13 @@ are per token but whose arithmetic depends on the row's size: the matrix product
 picks its kernel, and with it the summation order, from the problem's shape) and the head's
 chunking. The test reports the difference and also measures that mechanism directly.
 
-Measured on the H200 (2026-11-29, 9B shape, 4 layers): alone and packed are bit-for-bit equal
-(max difference 0, first, middle or last in the row, with either attention kernel). Before the
-GDN's gate projections ran per segment (``gate_projection=row``, still measured here) they
-differed by mean 6.0e-3 / max 4.7e-2: the module hooks (``first_differing_modules`` in the
-report) named ``in_proj_a`` and ``in_proj_b``, [T, 4096] x [4096, 32] products whose kernel
-follows the row count, as the first outputs to differ. The larger products and the head's
-(fixed-shape) vocabulary product gave identical rows at every row count from 777 to 16,000 (the
-matmul test below).
+On the H200 (9B shape, 4 layers) alone and packed are bit-for-bit equal, first, middle or last
+in the row, with either attention kernel. ``gate_projection=row`` (the GDN's gate projections as
+one product for the row, still run here) is not: ``in_proj_a`` and ``in_proj_b`` are
+[T, 4096] x [4096, 32] products whose kernel follows the row count, and the module hooks
+(``first_differing_modules`` in the report) name them. The larger products and the head's
+(fixed-shape) vocabulary product give identical rows at every row count from 777 to 16,000 (the
+matmul test below). The numbers are in docs/benchmarks.md.
 """
 
 import numpy as np
@@ -105,9 +104,9 @@ def _alone_vs_packed(twin, gpu_record, label, victim_length=777):
 def test_matmul_rows_depend_on_row_count(k, n, gpu_record):
     """The mechanism: the same 777 rows through a bf16 product alone and inside larger batches.
 
-    On the H200 (2026-11-29) all four shapes gave identical rows from 777 to 16,000 rows; 16-row
-    products of the N = 4096 shapes differed (by one bf16 step or two), as products with few
-    output tiles may take another kernel (split-K).
+    On the H200 all four shapes give identical rows from 777 to 16,000 rows; 16-row products of
+    the N = 4096 shapes differ (by one bf16 step or two), as products with few output tiles may
+    take another kernel (split-K).
     """
     g = torch.Generator(device="cuda").manual_seed(0)
     w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)

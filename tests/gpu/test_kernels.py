@@ -296,7 +296,7 @@ def test_fused_head_extreme_temperatures_match_torch(gpu_record):
     from model_runtime.kernels.logprob_head import LOGP_FLOOR, logprob_entropy_torch, logprob_entropy_triton
 
     g = torch.Generator(device=DEV).manual_seed(11)
-    # 1e300 and 3.5e38 overflow float32 (measured 2026-11-29: as inf they gave NaN in the kernel).
+    # 1e300 and 3.5e38 overflow float32 to inf, which must not give NaN in the kernel.
     temps = torch.tensor([5e-324, 1e-40, 1e-30, 1e-6, 1e-3, 1e3, 1e30, 1e300, 3.5e38], dtype=torch.float64, device=DEV)
     C, vocab = temps.numel(), 248320
     z = (torch.randn(C, vocab, device=DEV, generator=g) * 3).to(torch.bfloat16)
@@ -307,7 +307,7 @@ def test_fused_head_extreme_temperatures_match_torch(gpu_record):
     assert torch.isfinite(lp).all() and torch.isfinite(ent).all(), f"non-finite: {lp.tolist()} {ent.tolist()}"
     assert (lp >= LOGP_FLOOR).all() and (ent >= 0).all()
     # Relative, both: log 0 is -3.4e38, and near T = inf both entropies are a float32 sum of V
-    # equal terms p log p (the reference's is off log V by ~5e-5 relative; measured on CPU).
+    # equal terms p log p (the reference's is off log V by ~5e-5 relative on CPU).
     rel_lp = float(((lp - lp_ref).abs() / lp_ref.abs().clamp_min(1.0)).max())
     rel_ent = float(((ent - ent_ref).abs() / ent_ref.abs().clamp_min(1.0)).max())
     gpu_record("kernel head extreme temperatures", logp_max_rel=rel_lp, entropy_max_rel=rel_ent, tol=2e-4)

@@ -4,10 +4,9 @@ The same comparisons as tests/distributed (gloo on CPU), on the GPU path: all-to
 all-gather through NCCL, FSDP placing shards on each rank's GPU, float32 with the exact reference
 token mixers so that layouts can be compared tightly (see tests/distributed/parity_cases.py).
 
-Measured on 2 x H200 (2026-11-29), before the mixers were pinned: with fla's TF32 delta rule
-in float32, SP and FSDP layouts differed from one GPU by at most 4.4e-4 in log-probs and 1.6e-5
-in entropy, and two top-k ids of near-tied candidates swapped; the bf16 pool (sp=2, FSDP,
-fla) matched one GPU exactly (0.0).
+Why the exact mixers: fla's TF32 delta rule in float32 moves SP and FSDP layouts off one GPU by
+up to ~4e-4 in log-probs and swaps near-tied top-k ids; the bf16 pool (sp=2, FSDP, fla) matches
+one GPU exactly.
 """
 
 import numpy as np

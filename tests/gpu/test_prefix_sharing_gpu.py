@@ -147,7 +147,7 @@ def test_attention_of_a_continuation_is_the_whole_sequence_tail(case, fn, gpu_re
 
 @pytest.mark.parametrize("prefix", [640, 700])
 @pytest.mark.parametrize("kernel", ["varlen", pytest.param("sdpa_lower_right", marks=pytest.mark.xfail(strict=False, reason=(
-    "measured on the H200 (run 110): SDPA with a bottom-right causal mask takes another kernel than the "
+    "on the H200, SDPA with a bottom-right causal mask takes another kernel than the "
     "whole sequence's, and about half the outputs differ by a bf16 step; so the SDPA backends run a "
     "continuation over its whole sequence")))])
 def test_continuation_queries_alone_equal_the_whole_sequence_rows(kernel, prefix, gpu_record):

@@ -1,7 +1,7 @@
 """In bfloat16, packscore is as close to the float32 truth as Hugging Face's own bf16 forward.
 
 Both bf16 forwards carry rounding error of their own (about 1.6e-2 mean on these random
-checkpoints, measured 2026-11-29), so bf16-vs-bf16 agreement cannot be tighter than that noise;
+checkpoints), so bf16-vs-bf16 agreement cannot be tighter than that noise;
 what a trainer needs is that packscore's bf16 error is no larger than the reference's.
 """
 

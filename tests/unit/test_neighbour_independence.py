@@ -16,9 +16,9 @@ def tiny_scorer():
 
 
 def test_issue_example_alone_and_beside_a_neighbour_is_bitwise_equal(tiny_scorer):
-    """[5,6,7,8] from 3 alone vs beside [9,10,11] from 1: a chunk of one row used to take another
-    matrix-product path in the entropy (8.235064 vs 8.235057). Both rows pad to 16 tokens, so
-    every product has the same shape and the numbers are equal to the bit."""
+    """[5,6,7,8] from 3 alone vs beside [9,10,11] from 1: a row of another length could take another
+    matrix-product path in the entropy. Both rows pad to 16 tokens, so every product has the same
+    shape and the numbers are equal to the bit."""
     mine = SequenceInput(np.array([5, 6, 7, 8]), score_from=3)
     other = SequenceInput(np.array([9, 10, 11]), score_from=1)
     alone = tiny_scorer.score_row([mine])[0]

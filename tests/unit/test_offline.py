@@ -463,8 +463,8 @@ def _interrupt_during_first_forward(tmp_path, forward_s, signals):
 
 
 def test_ctrl_c_during_a_forward_writes_its_results_then_exits_130(tmp_path):
-    """The forward under way finishes and its results are written (they used to be thrown away,
-    after waiting for them), whole lines in input order; the rerun scores only the rest."""
+    """The forward under way finishes and its results are written (not thrown away after waiting for
+    them), whole lines in input order; the rerun scores only the rest."""
     code, err, _, kept, first_row, argv = _interrupt_during_first_forward(tmp_path, 1.0, 1)
     assert code == 130 and "interrupted" in err and "Traceback" not in err, err[-2000:]
     assert kept == [f"r{i}" for i in range(first_row)], f"written {kept}, the first forward held {first_row}"
@@ -484,7 +484,7 @@ def test_a_second_ctrl_c_stops_at_once_without_the_forward_under_way(tmp_path):
                                       (2**31, "Token id 2147483648 is outside any vocabulary; token ids are below 2**31")])
 def test_an_id_refused_before_the_model_loads_is_not_said_to_be_outside_a_made_up_vocabulary(monkeypatch, tmp_path,
                                                                                               capsys, bad, said):
-    """The vocabulary is not known yet: the message used to name [0, 2147483648), a placeholder."""
+    """The vocabulary is not known yet: the message names no range such as [0, 2147483648), a placeholder."""
     _no_model(monkeypatch)
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(source, [{"id": "a", "input_ids": [1, 2]}, {"id": "b", "input_ids": [1, bad]}])

@@ -86,7 +86,7 @@ def test_a_world_without_its_reader_never_serves(refuse, monkeypatch):
 
 
 def test_a_refused_restart_loop_is_started_again_by_a_use_of_the_pool_after_a_pause(died, caplog, monkeypatch):
-    """Refused, the restart loop's thread left the pool down until packscore was restarted: now the
+    """A refused restart loop's thread does not leave the pool down until packscore is restarted: the
     pool stays down, saying why, until a use of it past the pause starts the loop (the real restart
     that follows is tests/distributed/test_pool.py's)."""
     pool, world = died
