@@ -1,6 +1,6 @@
 """``packscore score``'s progress: a bar on a terminal, elsewhere a log line a minute. Both count lines
 but give the time left from tokens, since a forward's time follows its tokens, not its lines: with the
-longest lines first, a rate in lines gave many times the time that was left."""
+longest lines first, a rate in lines gives many times the time that is left."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ so that JSON can carry it; temperatures below float32's smallest normal count as
 Every sum over the vocabulary in the ``torch`` backend runs in one fixed order
 (``fixed_order_row_sum_``), so a position's numbers do not depend on the other positions of its
 chunk: BLAS and PyTorch's reductions choose their summation order from the tensor's shape and
-the thread count (a chunk of one row took another path and moved the entropy by 1e-5).
+the thread count (a chunk of one row can take another path and move the entropy by 1e-5).
 
 The ``triton`` backend reads each logit once: one program per position streams the row in
 blocks of ``LANES`` runs of ``RUN`` adjacent logits. Each lane (one run, held by one thread) keeps

@@ -22,7 +22,7 @@ def _row(option: str) -> str:
 
 def test_the_model_row_names_the_several_models_form_serves_help_gives():
     """serve's --model help gives NAME=PATH_OR_PRESET, repeated, and PACKSCORE_MODEL's two forms of it;
-    the row gave one model only, so a reader of the option table never learnt the form."""
+    a row giving one model only leaves a reader of the option table without the form."""
     help_text = _help("serve", "--model")
     forms = re.findall(r"\b[A-Z_]+=[A-Z_]+\b", help_text) + ["PACKSCORE_MODEL", "comma-separated", "JSON object"]
     assert "NAME=PATH_OR_PRESET" in forms and all(form in help_text for form in forms), help_text

@@ -56,7 +56,7 @@ def test_the_whole_moe_workload_with_hugging_face_gets_the_time_it_needs(monkeyp
         monkeypatch.delenv(name, raising=False)
     assert h200.PARTS["moe"]().budget_s == 300, "24 sequences with Hugging Face fit in 300 s"
     monkeypatch.setenv("MOE_SEQUENCES", "256")
-    assert h200.PARTS["moe"]().budget_s == 500, "the whole workload with Hugging Face one at a time took 430-485 s"
+    assert h200.PARTS["moe"]().budget_s == 500, "the whole workload with Hugging Face one at a time needs up to about 500 s"
     monkeypatch.setenv("MOE_HF", "none")
     assert h200.PARTS["moe"]().budget_s == 300, "packscore's own sides of the whole workload take about 100 s"
     monkeypatch.setenv("MOE_S", "123")
