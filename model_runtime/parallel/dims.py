@@ -78,10 +78,6 @@ class ParallelDims:
             raise ValueError(f"group({group}) is outside [0, dp({self.dp}))")
         return tuple(range(group * self.sp, (group + 1) * self.sp))
 
-    def leader_of(self, group: int) -> int:
-        """The rank that reports a group's results (its sp position 0)."""
-        return self.ranks_of_group(group)[0]
-
     @property
     def lockstep(self) -> bool:
         """Whether every rank of the world must run every forward together.
