@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.interpret import only_when_interpreting, require_triton
+from tests.interpret import bf16_steps, only_when_interpreting, require_triton
 
 pytestmark = only_when_interpreting
 triton = require_triton()
@@ -34,11 +34,6 @@ def ms_model(x_RD: np.ndarray, vec: int, bw: int) -> np.ndarray:
         half = thread.shape[1] // 2
         thread = thread[:, :half] + thread[:, half:]
     return thread[:, 0] * np.float32(1.0 / D)
-
-
-def bf16_steps(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest difference in units of the bf16 spacing at the larger magnitude (2^-7 relative at most)."""
-    return float(((a.float() - b.float()).abs() / b.float().abs().clamp_min(1e-3)).max() / 2**-7)
 
 
 @pytest.mark.parametrize("R,D,plan", [(37, 256, (4, 32)), (20, 128, (1, 32)), (18, 128, (4, 32)), (33, 512, (4, 16))],

@@ -10,15 +10,10 @@ Runs only under the interpreter:
 import pytest
 import torch
 
-from tests.interpret import only_when_interpreting, require_triton
+from tests.interpret import bf16_steps, only_when_interpreting, require_triton
 
 pytestmark = only_when_interpreting
 triton = require_triton()
-
-
-def bf16_steps(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest difference in units of the bf16 spacing at the larger magnitude (2^-7 relative at most)."""
-    return float(((a.float() - b.float()).abs() / b.float().abs().clamp_min(1e-3)).max() / 2**-7)
 
 
 def test_silu_mul_is_eagers_within_a_step_and_tile_free():
