@@ -144,7 +144,7 @@ def test_every_finite_positive_temperature_gives_finite_numbers(top_k):
 
 def test_float32_temperatures_stay_finite_and_normal():
     """What both heads divide by: never 0 (an underflowing T) nor inf (an overflowing one: the
-    fused kernel then computed inf / inf = NaN in its masked columns, found on the H200)."""
+    fused kernel would compute inf / inf = NaN in its masked columns)."""
     from model_runtime.kernels.logprob_head import MAX_TEMPERATURE, MIN_TEMPERATURE, temperature32
 
     t = temperature32(torch.tensor([5e-324, 1e-40, 0.7, 1e300, 3.5e38], dtype=torch.float64))
