@@ -78,7 +78,7 @@ def test_strided_heads_are_read_in_place():
 
 def test_kernel_reproduces_aten_sums_recorded_on_the_h200():
     """Rows of D = 128, 256 and 4096 and ATen's ``x.float().pow(2).mean(-1)`` of them as the H200
-    computed it (torch 2.11, bench/aten_order_probe.py; data/aten_mean_of_squares_h200.npz):
+    computed it (torch 2.11, data/aten_mean_of_squares_h200.npz; how it was found: docs/benchmarks.md):
     the kernel's plan for torch 2.11 gives the same float32 values bit for bit."""
     from pathlib import Path
 
