@@ -57,7 +57,7 @@ def min_row_tokens(device: torch.device | str, shards: int = 1) -> int:
 # How far a sequence's float32 numbers may move on the CPU when it is packed with others instead
 # of scored alone (DESIGN.md: "<= 1e-6 float32 CPU"; on GPUs, bit for bit). Not 0 because MKL and
 # oneDNN pick their GEMM kernel, and so a row's summation order, from the whole product's shape on
-# CPUs with AVX-512 / AMX (measured 4.8e-7 there), however rows are padded.
+# CPUs with AVX-512 / AMX (differences of about 5e-7 there), however rows are padded.
 CPU_PACKED_TOLERANCE = 1e-6
 
 
