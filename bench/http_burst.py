@@ -137,7 +137,7 @@ def _metric(url: str, name: str, **labels: str) -> float:
 
 async def trainer_burst(url: str, sequences) -> dict:
     """8 concurrent requests of 32 sequences; tokens/s from the first send to the last answer."""
-    from service.client import AsyncScoreClient
+    from packscore_client import AsyncScoreClient
 
     payload = _payload(sequences)
     parts = [payload[i : i + PER_REQUEST] for i in range(0, len(payload), PER_REQUEST)]
@@ -156,7 +156,7 @@ async def trainer_burst(url: str, sequences) -> dict:
 async def idle_latency_http(url: str, seq) -> dict:
     """Seconds per request of one sequence to an idle server, and what the server spent of them
     in the forward and waiting in the queue (means, from /metrics)."""
-    from service.client import AsyncScoreClient
+    from packscore_client import AsyncScoreClient
 
     out = []
     async with AsyncScoreClient(url, max_concurrency=1) as client:

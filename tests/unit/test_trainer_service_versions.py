@@ -226,7 +226,7 @@ def test_openapi_documents_the_new_fields(tmp_path):
 def test_client_updates_weights_pins_versions_and_sends_rollouts(tmp_path, encoding):
     import httpx
 
-    from service.client import AsyncScoreClient, ScoreError
+    from packscore_client import AsyncScoreClient, ScoreError
 
     root = make_weights_root(tmp_path)
     settings = Settings(weights_root=root, api_key=KEY, admin_key=ADMIN)
