@@ -241,7 +241,7 @@ class _Gate:
 
     def _body_refusal(self, scope: Scope, path: str) -> ApiError | None:
         """413 for a declared body past --max-request-bytes on a route that reads none: kept alive, its
-        answer left the body to be parsed and dropped until the read timeout. Routes that read a body
+        answer would leave the body to be parsed and dropped until the read timeout. Routes that read a body
         give their own 413 (/score's names the limits to split under)."""
         weights_on = self.service.settings.weights_root is not None
         reads_body = scope.get("method") == "POST" and (path in SCORE_ROUTES or (path == WEIGHTS_ROUTE and weights_on))

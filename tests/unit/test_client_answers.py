@@ -83,7 +83,7 @@ def test_a_body_that_cannot_be_decoded_is_a_score_error():
 
 @pytest.mark.parametrize("readyz", [[], {"status": "ready", "limits": []}], ids=["a-list", "limits-a-list"])
 def test_a_readyz_that_is_not_the_contracts_object_leaves_the_limits_to_the_defaults(readyz):
-    # the first call's discovery raised a raw AttributeError before anything was scored
+    # the first call's discovery must not raise a raw AttributeError before anything is scored
     def server(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/readyz":
             return httpx.Response(200, json=readyz)

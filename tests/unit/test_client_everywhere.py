@@ -267,7 +267,7 @@ def _resolving_scoped(monkeypatch, *sockaddrs: tuple) -> None:
 
 def test_a_link_local_address_keeps_its_zone_and_one_httpx_refuses_fails_alone(monkeypatch):
     index, interface = socket.if_nameindex()[0]
-    # the scope id was dropped: a link-local address without its zone cannot be connected to (EINVAL)
+    # the scope id must stay: a link-local address without its zone cannot be connected to (EINVAL)
     _resolving_scoped(monkeypatch, ("fe80::1", 0, 0, index), ("10.0.0.7", 0))
     zoned = f"fe80::1%{interface}"
     pods = Pods({zoned: ok("step-1"), "10.0.0.7": ok("step-1")})

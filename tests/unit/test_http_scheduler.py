@@ -385,7 +385,7 @@ def test_close_returns_when_the_packer_was_woken_just_before():
 
 def test_a_request_after_close_gets_a_closing_503_with_the_reason():
     """API.md: a 503 while draining carries Connection: close. A request reaching a closed scheduler
-    (after the drain timeout) got a 503 without it, and without the reason close() was given."""
+    (after the drain timeout) gets it too, with the reason close() was given."""
     from service.http.errors import ApiError
 
     async def main():

@@ -152,8 +152,8 @@ sys.exit(entrypoint.main())
 
 
 def test_the_bar_of_a_stopped_run_is_left_at_the_lines_in_out_not_those_scored(tmp_path):
-    """On a terminal, SIGTERM while the first line scores: the bar was left at the 5 lines scored behind it, above
-    the line saying that none of them is in OUT."""
+    """On a terminal, SIGTERM while the first line scores: the bar ends at the lines in OUT (0/6), not at the 5
+    lines scored behind it, above the line saying that none of them is in OUT."""
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     rows = [{"id": "first", "input_ids": [HELD] + [1] * 7}] + [{"id": f"r{i}", "input_ids": [2] * 8} for i in range(5)]
     source.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))

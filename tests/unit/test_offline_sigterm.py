@@ -56,7 +56,8 @@ def _start_and_signal(tmp_path, slow_s, preexec_fn=None):
 
 
 def test_sigterm_writes_the_finished_results_without_the_forward_under_way_then_resumes(tmp_path):
-    """They were lost in the write buffer (killed by the default action), so the rerun scored them again."""
+    """The finished results are flushed, not lost in the write buffer (as the default action would lose
+    them), so the rerun does not score them again."""
     code, err, took = _start_and_signal(tmp_path, 30)
     assert code == 143 and "Traceback" not in err, f"exit {code}:\n{err[-2000:]}"
     assert took < 10, f"SIGTERM took {took:.1f}s to stop, the forward under way is 30s"

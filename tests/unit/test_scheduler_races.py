@@ -198,8 +198,8 @@ def test_a_load_failing_with_stop_iteration_fails_the_start():
 
 def test_an_update_failing_with_stop_iteration_is_answered_and_the_next_one_runs(tmp_path):
     """The update's thread hands its outcome over through asyncio.to_thread, which refuses StopIteration
-    the same way: the update was never answered and the model stayed 'updating', so every later update
-    got 409 update_in_progress and a drain waited its whole timeout for it."""
+    the same way: unanswered, the model would stay 'updating', every later update would get 409
+    update_in_progress and a drain would wait its whole timeout for it."""
     (tmp_path / "step-1").mkdir()
     (tmp_path / "step-2").mkdir()
     failed = []
@@ -286,9 +286,9 @@ def _update_without_a_load_thread(tmp_path, monkeypatch):
 
 
 def test_an_update_whose_load_thread_cannot_start_is_answered_and_the_next_one_runs(tmp_path, monkeypatch):
-    """A load thread refused by the process's thread limit ("can't start new thread") raised before
-    ``ended`` was set to run: the model stayed 'updating' for good, every later update got 409
-    update_in_progress and a drain waited its whole timeout for it."""
+    """A load thread refused by the process's thread limit ("can't start new thread") raises before
+    ``ended`` is set to run: unanswered, the model would stay 'updating' for good, every later update
+    would get 409 update_in_progress and a drain would wait its whole timeout for it."""
     first, updating, second, _ = _update_without_a_load_thread(tmp_path, monkeypatch)
     assert first.status_code not in (200, 409, 500) and not updating, (first.status_code, first.text, updating)
     assert second.status_code == 200, (second.status_code, second.text)

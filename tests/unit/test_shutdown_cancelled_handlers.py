@@ -236,9 +236,9 @@ def test_an_update_whose_in_process_caller_cancelled_it_is_counted_and_recorded_
 
 
 def test_an_update_whose_caller_cancelled_it_and_that_then_fails_is_counted_once_under_its_failure(tmp_path):
-    """Only the handler counted a failed update, so one whose in-process caller gave up before its load
-    failed was counted under no outcome, while one that landed counted ``ok``. Its failure counts once
-    as the update ends, handler or not; an update whose handler still waits is not counted twice."""
+    """An update whose in-process caller gave up before its load failed is still counted, as one that
+    lands counts ``ok``: its failure counts once as the update ends, handler or not; an update whose
+    handler still waits is not counted twice."""
     from model_runtime.scoring.checkpoint_error import CheckpointError
     from service.testing import wait_until
 

@@ -280,8 +280,8 @@ def test_openapi_names_every_status_the_weights_route_and_the_admin_key_bring(tm
 
 
 def test_an_update_that_fails_unexpectedly_is_a_500_counted_as_a_failed_update(tmp_path):
-    """An exception the route does not expect (a bug) was answered 500 but counted under no outcome,
-    so PackscoreWeightsUpdateFailed missed it; the old weights still serve."""
+    """An exception the route does not expect (a bug) is answered 500 and counted under the outcome
+    internal_error, so PackscoreWeightsUpdateFailed sees it; the old weights still serve."""
     root = make_weights_root(tmp_path)
 
     def check(path):

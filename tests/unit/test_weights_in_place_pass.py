@@ -78,7 +78,7 @@ def reference_version(path: Path, piece: int) -> str:
 
 def test_the_content_version_keeps_its_value(tmp_path):
     """Replicas and clients compare versions: the value of a fixed checkpoint may never change
-    (these were given by the code before the hash moved into the pass)."""
+    (the values below are pinned: versions already served carry them)."""
     t = {"a.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b.weight": torch.arange(10).to(torch.bfloat16),
          "c.empty": torch.zeros(0, 4)}
     save_file(t, tmp_path / "model.safetensors")
