@@ -150,8 +150,8 @@ def test_concurrent_first_calls_share_one_readyz_which_failed_is_not_sent_again_
 
 
 def test_a_first_call_cancelled_while_its_readyz_is_out_leaves_it_to_the_calls_waiting_on_it():
-    """The first call's GET /readyz was cancelled with it (a caller's timeout, say): the next waiting
-    call sent one of its own and waited it out from the start."""
+    """The first call's GET /readyz is cancelled with it (a caller's timeout, say): the next waiting
+    call sends one of its own and waits it out from the start."""
     sent = []
 
     async def answer(request: httpx.Request) -> httpx.Response:

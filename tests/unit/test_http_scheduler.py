@@ -364,8 +364,8 @@ def test_readyz_says_updating_weights_while_an_update_copies_in_place():
 
 def test_close_returns_when_the_packer_was_woken_just_before():
     """close() cancels the packer while its timed wait for a row to fill has just been woken (a row
-    finished): Python 3.11's wait_for returned the wake and dropped the cancel, and close() waited on
-    the packer forever (packscore score hung so when writing OUT failed)."""
+    finished): Python 3.11's wait_for can return the wake and drop the cancel, which would leave close()
+    waiting on the packer forever (packscore score hanging where writing OUT fails)."""
     async def main():
         gate = threading.Event()
         scheduler = await started(FakeBackend(gate=gate), max_batch_tokens=50, max_wait_ms=10_000)

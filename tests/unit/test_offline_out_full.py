@@ -74,8 +74,8 @@ def _limit_file_size():
 
 
 def test_a_file_size_limit_is_named_as_one_not_as_a_full_disk(tmp_path):
-    """`ulimit -f` (a batch system's file size limit) failed the write with EFBIG and the run said
-    'make room', sending the operator to clean a disk that had room."""
+    """`ulimit -f` (a batch system's file size limit) fails the write with EFBIG: the run names the limit,
+    since 'make room' would send the operator to clean a disk that has room."""
     done = _score(tmp_path, preexec_fn=_limit_file_size)
     err = done.stderr
     assert done.returncode == 1 and "Traceback" not in err, f"exit {done.returncode}:\n{err[-2000:]}"

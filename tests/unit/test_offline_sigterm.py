@@ -222,8 +222,8 @@ else:
 @pytest.mark.parametrize("during", ["imports", "parsing"])
 @pytest.mark.parametrize("entry", ["python -m service.cli", "packscore"])
 def test_sigterm_before_scoring_is_one_line_and_143_from_either_entry(tmp_path, entry, during):
-    """`python -m service.cli score` took SIGTERM's default action in its imports (-15, no line) and raised it as
-    a KeyboardInterrupt traceback in its parsing, where the console script exits 143 with its line."""
+    """`python -m service.cli score` exits 143 with its line, as the console script does: in its imports not by
+    SIGTERM's default action (-15, no line), in its parsing not by a KeyboardInterrupt traceback."""
     if entry == "packscore":
         command = [str(Path(sys.executable).with_name("packscore"))]
         if not Path(command[0]).exists():

@@ -207,8 +207,8 @@ def test_rows_a_swapped_world_scored_before_it_was_lost_are_never_answered_under
 def test_an_update_whose_hash_for_restarts_cannot_start_is_answered_200_and_recorded(pool, tmp_path, monkeypatch,
                                                                                       caplog):
     """The thread hashing a named version's checkpoint for restarts starts after the new version serves:
-    refused by the process's thread limit, it failed the landed update (422 unreadable_checkpoint, not
-    written to --weights-record) and close() raised joining it. It is logged, and the update is answered."""
+    refused by the process's thread limit, it must not fail the landed update (422 unreadable_checkpoint,
+    not written to --weights-record) nor make close() raise joining it. It is logged, and the update is answered."""
     import logging
 
     from service.http.app import create_app

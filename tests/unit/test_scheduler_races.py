@@ -31,7 +31,7 @@ def _tokens_scored(text: str) -> float:
 def test_tokens_scored_counts_only_tokens_returned_to_clients():
     """A request whose first row was scored but which then failed (a sequence too large alone: 413) or
     passed its deadline (504) returned no log-probability: packscore_tokens_scored_total must not
-    count its delivered sequences (it did, drifting above the 200s' usage.scored_tokens)."""
+    count its delivered sequences (else it drifts above the 200s' usage.scored_tokens)."""
     async def main():
         # 413: a row of 10 + 60 tokens fails, is split; the 10 is scored and delivered, the 60 fails alone.
         backend = FakeBackend(oom_above_tokens=50, seconds_per_token=0.01)
@@ -119,8 +119,8 @@ def test_a_forward_starting_while_readiness_reads_its_thread_is_not_stalled():
 
 def test_a_forward_queued_behind_another_does_not_run_once_its_runner_was_cancelled():
     """A scheduler's close cancels its runners, then stops their threads: a forward one of them had queued
-    behind the forward under way still ran after it, for nobody, and kept the offline run's exit waiting
-    (or, where the exit did not wait, ran torch under the interpreter's teardown: SIGABRT)."""
+    behind the forward under way must not run after it, for nobody: it would keep the offline run's exit
+    waiting (or, where the exit does not wait, run torch under the interpreter's teardown: SIGABRT)."""
     release, ran = threading.Event(), []
 
     async def main():
