@@ -103,7 +103,7 @@ def test_ctrl_c_while_the_model_loads_is_130_with_a_line_not_a_traceback(monkeyp
 
 
 def test_a_rerun_refuses_a_duplicated_id_as_the_first_run_does(monkeypatch, tmp_path, capsys):
-    """The duplicate's first line already scored must not let the second pass unscored (it was)."""
+    """The duplicate's first line already scored must not let the second pass unscored."""
     _fake_model(monkeypatch)
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}])
