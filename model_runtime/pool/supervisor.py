@@ -277,7 +277,7 @@ class Supervisor:
                 if self._closed.is_set():  # close() killed the world this attempt started: no failure to report
                     break
                 self._restart_next = time.monotonic() + delay
-                self.restart_error = f"{error} (next attempt in {delay:.0f}s)"
+                self.restart_error = str(error)  # when it next tries is read live (restart_retry_after_s), never frozen here
                 if isinstance(error, CheckpointError):
                     log.error("worker pool restart refused: %s; retrying in %.0fs", error, delay)
                 elif isinstance(error, BackendUnavailableError):  # a worker exited or timed out: the message says which
@@ -328,8 +328,7 @@ class Supervisor:
                 pause = min(RESTART_PAUSE_MAX_S, 2 * refused[1]) if refused else RESTART_PAUSE_S
                 self._restart_refused = (time.monotonic() + pause, pause)
                 self.restart_error = (f"no thread could be started for the restart ({error}); the server is at "
-                                      f"its thread limit (next attempt at the pool's next use, in {pause:g}s at the "
-                                      "earliest)")
+                                      "its thread limit, and the pool's next use after a pause tries again")
             else:
                 self._restart_thread, self._restart_refused = thread, None
         if why is not None:

@@ -78,7 +78,8 @@ async def score_request(request: Request, service: Service) -> Response:
         failed = getattr(model.backend, "restart_error", None)
         if failed:  # the restart itself fails: say why, and retry when the pool next tries (unsaid: its longest pause)
             retry = getattr(model.backend, "restart_retry_after_s", 30)
-            raise backend_unavailable(f"The scoring workers are down and could not restart: {failed}", retry_after_s=retry)
+            raise backend_unavailable(f"The scoring workers are down and could not restart: {failed}; the next attempt "
+                                      f"is in {retry}s.", retry_after_s=retry)
         raise backend_unavailable("A scoring worker is down; retry shortly.", retry_after_s=5)
     # From the request's arrival, not from the end of its body: a large body on a slow link spends the
     # trainer's time too. Capped at a day: an unbounded integer must not overflow the clock arithmetic.

@@ -268,9 +268,10 @@ def _refusal(model: ServedModel, exc: BaseException) -> ApiError | None:
     if isinstance(exc, BackendUnavailableError):
         failed = getattr(model.backend, "restart_error", None)
         if failed:  # the pool cannot restart: say why and when it next tries, as /score's 503 and /readyz do
+            retry = getattr(model.backend, "restart_retry_after_s", 30)
             return backend_unavailable(f"The weights of {model.name!r} could not be updated: the scoring workers are "
-                                       f"down and could not restart: {failed}",
-                                       retry_after_s=getattr(model.backend, "restart_retry_after_s", 30))
+                                       f"down and could not restart: {failed}; the next attempt is in {retry}s.",
+                                       retry_after_s=retry)
         return backend_unavailable(f"The weights of {model.name!r} could not be updated: {exc}.", retry_after_s=5)
     if isinstance(exc, NoLoadThreadError):  # the server's moment, not the checkpoint's: it was not read
         log.error("weights update of %s not started: %s", model.name, exc)

@@ -491,4 +491,5 @@ def test_an_update_while_the_pool_cannot_restart_says_why(tmp_path, checkpoint_d
     assert answer.status_code == 503 and answer.json()["error"]["type"] == "backend_unavailable", answer.text
     assert "could not restart" in answer.text and "holds other weights" in answer.text, answer.text
     assert 1 <= int(answer.headers["retry-after"]) <= 30, answer.headers
+    assert f"the next attempt is in {answer.headers['retry-after']}s." in answer.text, "the message and Retry-After disagree"
     assert code == 0, server.log()[-3000:]

@@ -141,20 +141,26 @@ def test_backend_unavailable_answers_503_with_retry_after_and_readiness_drops():
             backend.alive = False
             worker_down = await client.get("/readyz")
             refused = await client.post("/score", json={"sequences": [{"input_ids": [1, 2, 3]}]})
-            backend.restart_error = "the checkpoint changed (next attempt in 8s)"  # as the worker pool says
+            backend.restart_error = "the checkpoint changed"  # as the worker pool says
             backend.restart_retry_after_s = 8  # the pool's back-off left: when it tries again
             restart_failed = await client.get("/readyz"), await client.post("/score", json={"sequences": [{"input_ids": [1]}]})
+            backend.restart_retry_after_s = 3  # later in the same back-off: the message counts down with the header
+            later = await client.post("/score", json={"sequences": [{"input_ids": [1]}]})
+            restart_failed = (*restart_failed, later)
             backend.unavailable, backend.alive, backend.restart_error = False, True, None
             ready_again = await client.get("/readyz")
             return response, elapsed, not_ready, worker_down, ready_again, refused, restart_failed
 
     response, elapsed, not_ready, worker_down, ready_again, refused, restart_failed = asyncio.run(main())
-    ready_failed, score_failed = restart_failed
+    ready_failed, score_failed, score_later = restart_failed
     assert ready_failed.status_code == 503 and ready_failed.json()["status"] == "restart_failed", ready_failed.text
     assert "the checkpoint changed" not in ready_failed.text, "/readyz answers without a key: no details"
     assert ready_failed.headers["retry-after"] == "8", "/readyz: not when the pool next tries to restart"
     assert score_failed.status_code == 503 and "the checkpoint changed" in score_failed.json()["error"]["message"]
     assert score_failed.headers["retry-after"] == "8", "not when the pool next tries to restart"
+    assert "the next attempt is in 8s." in score_failed.json()["error"]["message"], score_failed.text
+    assert score_later.headers["retry-after"] == "3", score_later.headers
+    assert "the next attempt is in 3s." in score_later.json()["error"]["message"], "the message and Retry-After disagree"
     assert refused.status_code == 503 and refused.json()["error"]["type"] == "backend_unavailable"
     assert response.status_code == 503 and elapsed < 5
     assert response.json()["error"]["type"] == "backend_unavailable"
