@@ -13,7 +13,8 @@ uvicorn bounds only the idle time between keep-alive requests. This subclass add
   in this process's buffer or the kernel's) for ``send_timeout_s`` is dropped and its
   connection reset, as nginx's ``send_timeout`` does; progress of any size restarts the clock;
 - the contract's JSON error body on the protocol errors uvicorn answers itself (a garbage
-  request line, a bad Content-Length, oversized headers), instead of plain text;
+  request line, a bad Content-Length, oversized headers, a chunked body whose framing breaks),
+  instead of plain text, its message naming the part that broke (the head or the chunked body);
 - 505 for a request line of another major version (``HTTP/2.0`` as an h2 client's prior-knowledge
   preface sends it, ``HTTP/3.0``, ``HTTP/0.9``), which h11 parses and uvicorn would serve as HTTP/1.1
   (RFC 9110, 15.6.6); a higher 1.x minor is HTTP/1.1's (RFC 9112, 2.3), and an ``Upgrade`` header is ignored;
@@ -59,8 +60,8 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from service.http.request_id import SCOPE_KEY, for_request, from_headers, new_id, outside_request
-from service.http.wire import (UnsupportedVersion, VersionCheckedConnection, declared_length, error_bytes,
-                               without_header_value)
+from service.http.wire import (BODY_REFUSED, HEAD_REFUSED, BrokenBody, UnsupportedVersion, VersionCheckedConnection,
+                               declared_length, error_bytes, without_header_value)
 
 log = logging.getLogger(__name__)
 
@@ -330,7 +331,7 @@ class GuardedH11Protocol(H11Protocol):
         self._watch_sending()
 
     def send_400_response(self, msg: str) -> None:
-        # h11 refused the bytes (request line, headers, Content-Length): answer in the contract's shape.
+        # h11 refused the bytes (request line, headers, Content-Length, chunked framing): answer in the contract's shape.
         if isinstance(unsupported := sys.exc_info()[1], UnsupportedVersion):
             self._answer_unsupported_version(unsupported)
             return
@@ -343,9 +344,8 @@ class GuardedH11Protocol(H11Protocol):
         # h11 quotes the offending bytes: a line per client, not a client's 16 KiB of headers
         tls = " (a TLS handshake: the client uses https:// on this plain-HTTP port)" if self._tls_hello else ""
         self._log_answer(400, rid, f"not valid HTTP/1.1: {refused[:200]}{'...' if len(refused) > 200 else ''}{tls}")
-        self.transport.write(error_bytes(400, "Bad Request", "malformed_request",
-                                         "The request is not valid HTTP/1.1 (request line, headers or Content-Length).",
-                                         request_id=rid))
+        what = BODY_REFUSED if isinstance(sys.exc_info()[1], BrokenBody) else HEAD_REFUSED
+        self.transport.write(error_bytes(400, "Bad Request", "malformed_request", what, request_id=rid))
         self.transport.close()
         if not self.transport.lingering:
             self._stop_reading()

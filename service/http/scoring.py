@@ -20,7 +20,7 @@ from service.http.errors import short_repr
 from service.http.protocol import PROTOCOL_ANSWER
 from service.http.rollout import mismatch
 from service.http.validation import Limits, ScoreJob, parse_score_request
-from service.http.wire import declared_length
+from service.http.wire import BODY_REFUSED, declared_length
 from service.runtime import ServedModel, Service
 from service.scheduling.scheduler import Scheduler
 from service.scheduling.tickets import Ticket
@@ -238,7 +238,7 @@ async def _read_all(request: Request, limit: int, named: str, hint: str) -> byte
         if answered == 408:
             raise ApiError(408, "request_timeout", "The body did not arrive within request_read_timeout_s.") from None
         if answered == 400:  # h11 refused the body's framing (a broken chunk): the protocol's malformed_request
-            raise ApiError(400, "malformed_request", "The body is not valid HTTP/1.1 (its chunked framing).") from None
+            raise ApiError(400, "malformed_request", BODY_REFUSED) from None
         # nobody to answer: counted as nginx's 499, not as a server error; one rejection reason wherever the client left
         raise ApiError(499, "client_disconnected", "The client closed the connection before its body arrived.") from None
     return b"".join(chunks)

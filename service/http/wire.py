@@ -1,5 +1,5 @@
 """HTTP/1.1 below the protocol class (service/http/protocol.py): the major-version check h11 lacks,
-the bytes of an answer the protocol writes itself, what of a refused header line may be logged, and
+which part of a request h11 refused (its head or its chunked body), the bytes of an answer the protocol writes itself, what of a refused header line may be logged, and
 the body length a request declares."""
 
 from __future__ import annotations
@@ -22,12 +22,29 @@ class UnsupportedVersion(h11.RemoteProtocolError):
         super().__init__(f"HTTP/{self.version} is not HTTP/1.x")
 
 
+# What a 400 tells the client for each part h11 may refuse, in the terms of a client's own code.
+HEAD_REFUSED = "The request is not valid HTTP/1.1 (request line, headers or Content-Length)."
+BODY_REFUSED = ("The request's chunked body is not valid HTTP/1.1 framing (a chunk-size line that is not hex, "
+                "a chunk's data not followed by CRLF, or a bad trailer).")
+
+
+class BrokenBody(h11.RemoteProtocolError):
+    """h11 refused bytes of a request's body, its head parsed: only chunked framing can break there."""
+
+
 class VersionCheckedConnection(h11.Connection):
-    """h11's server side, refusing a request line of another major version once it is parsed: the class
-    given to the connection uvicorn built (no state of its own)."""
+    """h11's server side, refusing a request line of another major version once it is parsed, and telling a
+    refused body (``BrokenBody``) from a refused head: the class given to the connection uvicorn built (no
+    state of its own)."""
 
     def next_event(self):
-        event = super().next_event()
+        in_body = self.their_state is h11.SEND_BODY
+        try:
+            event = super().next_event()
+        except h11.RemoteProtocolError as refused:
+            if in_body:
+                raise BrokenBody(str(refused), error_status_hint=refused.error_status_hint) from refused
+            raise
         if isinstance(event, h11.Request) and not event.http_version.startswith(b"1."):
             raise UnsupportedVersion(event)
         return event

@@ -201,3 +201,24 @@ def test_a_request_of_another_http_major_version_is_answered_505_counted_and_log
         said = (r"WARNING service\.http\.protocol: request_id=\S+ answered 505 to " + re.escape(peer) + ": "
                 + re.escape(f"{version} is not supported"))
         assert len(re.findall(said, log)) == 1, (said, log)
+
+
+def test_a_malformed_requests_400_names_the_part_that_broke(tmp_path):
+    # A client author reads the message: a broken chunked body is named as that, not as a bad head.
+    server = fake_server(tmp_path).wait_ready()
+    chunked = _SCORE_HEAD + b"Transfer-Encoding: chunked\r\n\r\n"
+    try:
+        messages = []
+        for raw in (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n",  # the head
+                    chunked + b"ZZ\r\nabc\r\n0\r\n\r\n",  # a chunk-size line that is not hex
+                    chunked + b"3\r\nabcXY\r\n0\r\n\r\n"):  # a chunk's data not ended by CRLF
+            with _connect(server) as sock:
+                sock.sendall(raw)
+                data = read_until_closed(sock, 10)[0]
+            assert _status(data) == 400, data
+            messages.append(orjson.loads(data.split(b"\r\n\r\n", 1)[1])["error"]["message"])
+    finally:
+        server.stop()
+    head, size_line, chunk_end = messages
+    assert "Content-Length" in head and "chunk" not in head, head
+    assert size_line == chunk_end and "chunked body" in size_line and "chunk-size line" in size_line, messages
