@@ -197,9 +197,9 @@ class LocalBackend:
 
     def update_weights(self, path: Path, version: str | None = None) -> WeightsUpdate:
         from model_runtime.scoring.content_hash import content_version
-        from model_runtime.scoring.weights import (ReadDigests, checkpoint_changed, files_snapshot, mixed_version,
-                                                   plan_reads, read_parameters, refuse_non_finite_reads,
-                                                   swap_parameters)
+        from model_runtime.scoring.weights import (ReadDigests, changed_in_place, checkpoint_changed, files_snapshot,
+                                                   mixed_version, plan_reads, read_parameters,
+                                                   refuse_non_finite_reads, swap_parameters)
 
         path = Path(path)
         started = begin_update(self._updating, self.info.name)
@@ -233,9 +233,8 @@ class LocalBackend:
                     self.copying_in_place = True
                     try:
                         read_parameters(loaded.model, plan, into_model=True)
-                        if checkpoint_changed(path, files) is not None:
-                            raise CheckpointError("unreadable", f"{path.name}: the checkpoint's files changed while "
-                                                  "they were copied in place")
+                        if (changed := changed_in_place(path, files)) is not None:
+                            raise changed
                     except Exception as failure:  # part copied, or copied from changing files
                         restored, error = self._copy_back(failure)
                         if restored and not isinstance(failure, (CheckpointError, OSError)):

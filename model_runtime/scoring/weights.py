@@ -436,13 +436,26 @@ def files_snapshot(path: Path) -> tuple:
 def checkpoint_changed(path: Path, before: tuple) -> CheckpointError | None:
     """The refusal of a checkpoint whose files changed since ``before`` (``files_snapshot``), naming
     them, or None: the weights read could mix two versions, and a content hash would name neither."""
+    changed = _changed_since(path, before)
+    return None if changed is None else CheckpointError(
+        "unreadable", f"checkpoint {path}: its files changed while they were read ({changed}); "
+        "nothing was swapped: retry once they are complete")
+
+
+def changed_in_place(path: Path, before: tuple) -> CheckpointError | None:
+    """``checkpoint_changed`` for files that changed while they were copied in place: the caller says
+    what became of the served weights (copied back, or a mix)."""
+    changed = _changed_since(path, before)
+    return None if changed is None else CheckpointError(
+        "unreadable", f"checkpoint {path}: its files changed while they were copied in place ({changed})")
+
+
+def _changed_since(path: Path, before: tuple) -> str | None:
     now = files_snapshot(path)
     if now == before:
         return None
     changed = sorted({entry[0] for entry in set(now) ^ set(before)})
-    return CheckpointError("unreadable", f"checkpoint {path}: its files changed while they were read "
-                           f"({', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''}; still being written?); "
-                           "nothing was swapped: retry once they are complete")
+    return f"{', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''}; still being written?"
 
 
 PRESET_VERSION_PREFIX = "preset:"  # a preset's version (scoring/loading.py); reserved likewise
