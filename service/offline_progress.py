@@ -1,6 +1,7 @@
-"""``packscore score``'s progress: a bar on a terminal, elsewhere a log line a minute. Both count lines
-but give the time left from tokens, since a forward's time follows its tokens, not its lines: with the
-longest lines first, a rate in lines gives many times the time that is left."""
+"""``packscore score``'s progress: a bar on a terminal, elsewhere a log line a minute (before the first
+result, one every ``still_lines.EVERY_S``, as ``serve``'s "still ..." lines: a first forward on a GPU compiles
+its kernels). Both count lines but give the time left from tokens, since a forward's time follows its
+tokens, not its lines: with the longest lines first, a rate in lines gives many times the time that is left."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import time
 from typing import Callable
 
 from tqdm import tqdm
+
+from model_runtime import still_lines
 
 log = logging.getLogger("service.offline")  # the logger the run's other lines come from, as before this module
 
@@ -116,9 +119,11 @@ class _LoggedProgress(_Progress):
         self.refresh()
 
     def refresh(self) -> None:
-        """The log line, once ``every_s`` has passed since the last one, whether or not a result came."""
+        """The log line, once ``every_s`` has passed since the last one, whether or not a result came; before
+        the first result, the wait's line as often as a "still ..." line, as a warm-up's is in ``serve``."""
         now = time.monotonic()
-        if now - self._last >= self.every_s:
+        every_s = self.every_s if self.count > self._initial else min(self.every_s, still_lines.EVERY_S)
+        if now - self._last >= every_s:
             self._last = now
             self._report(now)
 

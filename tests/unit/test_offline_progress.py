@@ -221,3 +221,24 @@ def test_the_bar_of_a_run_stopped_by_a_full_disk_is_left_at_the_lines_in_out(mon
     in_out = out.read_bytes().count(b"\n")
     assert code == 1 and f"{in_out} of the 60 lines of {source} are in {out}" in err, err[-2000:]
     assert closed_at == [(in_out, closed_at[0][1])] and "left" not in closed_at[0][1], (closed_at, in_out)
+
+
+def test_the_wait_for_the_first_result_is_logged_as_often_as_a_still_line(monkeypatch, caplog):
+    """A first forward on a GPU compiles its kernels (about a minute with an empty cache): its wait is said every
+    still_lines.EVERY_S, as serve's "still warming up" is, and the lines with a rate come once a minute after it."""
+    import model_runtime.still_lines
+
+    clock = [0.0]
+    monkeypatch.setattr(service.offline_progress, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(model_runtime.still_lines, "EVERY_S", 30.0)
+    progress = service.offline_progress._LoggedProgress(total=4, initial=1, tokens=40, every_s=60.0)
+    said = []
+    with caplog.at_level(logging.INFO, logger="service.offline"):
+        for at, scored in ((29.0, 0), (30.0, 0), (45.0, 0), (60.0, 0), (70.0, 1), (100.0, 0), (120.0, 0)):
+            clock[0] = at
+            progress.update(scored, 10 * scored) if scored else progress.refresh()
+            said.append((at, [r.getMessage() for r in caplog.records]))
+            caplog.clear()
+    lines = [(at, messages) for at, messages in said if messages]
+    assert [at for at, _ in lines] == [30.0, 60.0, 120.0], said
+    assert all("none yet after" in m[0] for _, m in lines[:2]) and "tokens/s" in lines[2][1][0], said
