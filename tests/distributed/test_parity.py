@@ -14,8 +14,8 @@ from tests.distributed.parity_cases import run_parity
 TOL = 1e-5
 # Context for a failure: one process alone already moves MoE results with the row layout (the CPU
 # BLAS rounds products of fewer than 4 rows differently, and expert batch sizes depend on the
-# row). The "alone" lines print that baseline: each sequence scored alone vs in the row. It was
-# 1.4e-6 with these checkpoints, and 1.0e-5 with an earlier draw of their weights.
+# row). The "alone" lines print that baseline: each sequence scored alone vs in the row. It is
+# about 1.4e-6 with these checkpoints and reaches 1.0e-5 with other draws of their weights.
 
 PARITY_KINDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 assert set(PARITY_KINDS) <= set(KINDS)

@@ -233,7 +233,7 @@ def _running(procs) -> list[int]:
 
 
 def test_a_worker_lost_while_the_first_world_forms_is_replaced(local, monkeypatch, caplog):
-    """A rank killed before the start's world is up no longer fails the start: the world is formed
+    """A rank killed before the start's world is up does not fail the start: the world is formed
     again (its peer, waiting for it in the rendezvous, goes too) and scores as one process."""
     monkeypatch.setattr(supervisor, "FIRST_WORLD_PAUSE_S", 0.05)
     launched = _spawn_killing(monkeypatch, lambda i: i == 0)
@@ -456,8 +456,8 @@ def test_close_during_a_restart_returns_once_the_restart_loop_has_ended(caplog):
 
 
 def test_a_restart_whose_thread_was_refused_is_started_by_the_pools_next_use(local, monkeypatch, caplog):
-    """The process's thread limit refusing the restart loop's thread left the pool down (503, /readyz
-    not ready) until packscore was restarted: the next use of the pool past a pause starts it."""
+    """A restart loop whose thread the process's thread limit refuses is started by the next use of
+    the pool past a pause, so the pool is not left down (503, /readyz not ready) until packscore restarts."""
     caplog.set_level(logging.INFO, logger="model_runtime.pool.supervisor")
     pool = start_pool({**BASE, "world_size": 1, "sp": 1, "fsdp": False})
     try:

@@ -350,7 +350,7 @@ def _held_in_the_rendezvous(server: LocalServer) -> tuple[int, int]:
 
 def test_a_worker_lost_while_the_first_world_forms_is_replaced_not_fatal(tmp_path, reference):
     """A worker killed (here in the rendezvous, its peer held back) before the start's world is up
-    no longer fails the start: the world is formed again, and the server serves one process's numbers."""
+    does not fail the start: the world is formed again, and the server serves one process's numbers."""
     server = LocalServer(["--device", "cpu", "--world-size", "2", "--max-batch-tokens", "512"],
                          env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
     held = None

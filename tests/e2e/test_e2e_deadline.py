@@ -34,8 +34,8 @@ def _trickled(port: int, body: bytes) -> tuple[int, dict, float]:
 @pytest.mark.parametrize("deadline_ms, status", [(500, 504), (0, 504), (20_000, 200)],
                          ids=["passed-while-the-body-arrived", "zero", "not-passed"])
 def test_deadline_ms_counts_from_the_requests_arrival_not_from_its_body(tmp_path, deadline_ms, status):
-    """A body that took longer to arrive than deadline_ms gets 504 once read (it counted from the
-    parsed body, and a fast server answered 200 well past the trainer's deadline)."""
+    """A body that takes longer to arrive than deadline_ms gets 504 once read: counted from the parsed
+    body, a fast server would answer 200 well past the trainer's deadline."""
     server = fake_server(tmp_path).wait_ready()
     try:
         body = json.dumps({"sequences": [{"input_ids": list(range(1, 400))}], "deadline_ms": deadline_ms}).encode()

@@ -130,9 +130,9 @@ def test_a_request_answered_before_its_body_arrived_gets_no_second_answer_at_the
 
 
 def test_a_body_completed_after_its_early_answer_leaves_an_idle_kept_alive_connection(tmp_path):
-    # The read timer of a request answered before its body arrived (a 401) ran on once the rest of
-    # the body came: an idle kept-alive connection got an unasked-for 408 at the read timeout, and
-    # uvicorn's keep-alive timer, cancelled by those bytes, was never armed again.
+    # The read timer of a request answered before its body arrived (a 401) stops with that answer:
+    # left running, it would give the idle kept-alive connection an unasked-for 408 at the read timeout,
+    # and uvicorn's keep-alive timer, cancelled by the body's last bytes, must be armed again.
     server = fake_server(tmp_path, "--request-read-timeout-s", "1", "--keep-alive-timeout-s", "3",
                          "--api-key", "sk").wait_ready()
     head = b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 38\r\n\r\n"
@@ -467,7 +467,7 @@ def _draining_behind_a_stalled_answer(tmp_path, settle_s: float):
 @pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
 def test_a_second_signal_ends_the_wait_for_an_answer_still_being_written(tmp_path, second):
     # After the drain the server waits for answers still being written, up to the drain timeout; a
-    # second SIGTERM (or SIGINT) stops without a drain, as before that wait: it used to be ignored.
+    # second SIGTERM (or SIGINT) stops without a drain during that wait too, as it does before it.
     with _draining_behind_a_stalled_answer(tmp_path, 1.0) as server:
         t0 = time.monotonic()
         server.proc.send_signal(second)
@@ -481,10 +481,10 @@ def test_a_second_signal_ends_the_wait_for_an_answer_still_being_written(tmp_pat
 
 @pytest.mark.parametrize("behind", [b"", b"GET /healthz HTTP/1.1\r\nHo"], ids=["idle", "next_request_arriving"])
 def test_a_connection_still_writing_its_answer_is_not_evicted(tmp_path, behind):
-    # An answer written out whole but still in the server's buffer (a slow reader) made its
-    # connection look idle, and with the start of a pipelined request behind it, the oldest reading
-    # one: a new connection over the cap "evicted" it, which closes only once the buffer drains, so
-    # the cap was exceeded meanwhile (by one descriptor per such answer).
+    # An answer written out whole but still in the server's buffer (a slow reader) keeps its
+    # connection from counting as idle, or, with the start of a pipelined request behind it, as the
+    # oldest reading one: "evicted" for a new connection over the cap, it would close only once the
+    # buffer drains, and the cap would be exceeded meanwhile (by one descriptor per such answer).
     server = fake_server(tmp_path, "--max-connections", "1", "--request-read-timeout-s", "60").wait_ready()
     served = None
     try:

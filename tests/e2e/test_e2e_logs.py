@@ -268,7 +268,7 @@ def test_a_flood_of_bad_requests_writes_a_few_warnings_not_one_each(tmp_path):
 
 
 def test_clients_that_read_none_of_their_answers_write_a_few_warnings_not_one_each(tmp_path):
-    # Each send timeout was a WARNING of its own: 1,000 stalled readers, 1,000 lines. They spend the budget
+    # A WARNING for each send timeout would give 1,000 stalled readers 1,000 lines. They spend the budget
     # of the protocol's answers: two 400s, then 24 answers of about 11 MB (past the kernel's buffers) nobody reads.
     stalled = 24
     server = SplitStreamsServer(tmp_path, "--log-level", "debug", "--send-timeout-s", "1")

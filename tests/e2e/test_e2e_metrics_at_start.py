@@ -121,7 +121,7 @@ def test_the_protocol_layers_own_answers_are_counted_by_reason(tmp_path):
     want = {"too_many_connections": 0.0, "evicted": 0.0, "malformed_request": 1.0, "http_version_not_supported": 0.0,
             "request_timeout": 3.0}
     assert _closed(after) == want, after.text
-    # the body's 408 had a route, and is counted there as before; the headers' had none
+    # the body's 408 has a route, and is counted under it too; the headers' has none
     assert after.value("packscore_requests_total", route="/score", status="408") == 1.0, after.text
 
 

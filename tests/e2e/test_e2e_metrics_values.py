@@ -63,7 +63,7 @@ def test_a_shared_prompt_counts_once_in_the_forwards_tokens_and_fill(server):
     """A GRPO group of 4 members, a 200-token prompt and 40 tokens each: the row shares 192 prompt
     tokens (199 rounded down to 64s), so it runs 192 + 4 x 48 = 384 of its 960 admitted tokens and
     saves 3 x 192. The forward's tokens and fill are the 384 the budget counted, not the 960: a row
-    of 512 that shares no longer reads as an oversize sequence (fill above 1)."""
+    of 512 that shares does not read as an oversize sequence (fill above 1)."""
     prompt = [(7 * i) % 500 + 1 for i in range(200)]
     group = [{"input_ids": prompt + [(13 * m + j) % 500 + 1 for j in range(40)], "score_from": 200} for m in range(4)]
     before, after = scored(server, group)

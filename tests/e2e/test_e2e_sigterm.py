@@ -69,7 +69,7 @@ def test_sigterm_drains_admitted_requests_and_exits_0(tmp_path, tiny_scorer):
 
 def test_a_real_forward_cut_off_by_the_drain_timeout_still_exits_0(tmp_path):
     # One row of 12,000 tokens: several seconds of forward on the CPU, past a 0.5 s drain timeout.
-    # Finalising the interpreter under a running torch forward used to abort (status -6).
+    # The exit must not finalise the interpreter under a running torch forward: that aborts (status -6).
     server = ServerProcess(tmp_path, "--max-batch-tokens", "12000", "--drain-timeout-s", "0.5").wait_ready()
     code, exited_after, cut = sigterm_mid_forward(server, long_forward_body(11), [1.0])
     assert code == 0 and "terminate called" not in server.log(), (code, server.log())
@@ -96,7 +96,7 @@ def test_a_second_sigterm_answers_what_is_pending_with_the_contracts_503(tmp_pat
 
 def test_a_body_still_arriving_when_draining_begins_gets_the_drains_503(tmp_path):
     # Headers sent, the body stalled after a few bytes: not admitted, so as new as a request arriving
-    # now. It used to be cut off by the exit, and uvicorn answered a plain-text 500.
+    # now. The exit must not cut it off, or uvicorn answers a plain-text 500.
     server = ServerProcess(tmp_path, "--drain-timeout-s", "5", "--request-read-timeout-s", "30").wait_ready()
     try:
         host, port = server.url.removeprefix("http://").split(":")
