@@ -107,6 +107,11 @@ def rewrite_checkpoint(source: Path, directory: Path, edit_tensors=None, edit_co
     return directory
 
 
+def without(*names):
+    """An ``edit_tensors`` for ``rewrite_checkpoint`` that leaves out the tensors ``names``."""
+    return lambda tensors: {k: v for k, v in tensors.items() if k not in names}
+
+
 FP8_MAX = 448.0  # the largest float8 e4m3 value
 
 

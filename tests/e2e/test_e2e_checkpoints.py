@@ -12,20 +12,16 @@ import pytest
 import torch
 
 from model_runtime.pool.ports import free_port
-from tests.checkpoints import rewrite_checkpoint, save_fp8_checkpoint
+from tests.checkpoints import rewrite_checkpoint, save_fp8_checkpoint, without
 from tests.e2e.helpers import ServerProcess, decode, post, run_watching_port
 
 A_LOG = "model.layers.0.linear_attn.A_log"
 Q_PROJ = "model.layers.3.self_attn.q_proj.weight"
 
 
-def _without(*names):
-    return lambda tensors: {k: v for k, v in tensors.items() if k not in names}
-
-
 BROKEN = {
     # name: (edit of the tensors, edit of config.json, words the error must contain)
-    "missing_tensor": (_without(A_LOG), None, ("incomplete", A_LOG)),
+    "missing_tensor": (without(A_LOG), None, ("incomplete", A_LOG)),
     "renamed_keys": (lambda t: {"transformer." + k: v for k, v in t.items()}, None, ("transformer.lm_head.weight", "model.embed_tokens.weight")),
     "extra_tensor": (lambda t: {**t, "model.layers.1.mlp.extra.weight": torch.zeros(2, 2)}, None, ("model.layers.1.mlp.extra.weight", "not used")),
     "wrong_shape": (lambda t: {**t, Q_PROJ: t[Q_PROJ][:, :-1]}, None, (Q_PROJ, "[256, 63]")),

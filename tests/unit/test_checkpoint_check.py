@@ -17,7 +17,7 @@ from model_runtime.scoring.fp8 import dequantize_fp8
 from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.scorer import Scorer
 from model_runtime.types import SequenceInput
-from tests.checkpoints import build_hf_model, rewrite_checkpoint, save_fp8_checkpoint
+from tests.checkpoints import build_hf_model, rewrite_checkpoint, save_fp8_checkpoint, without
 from tests.unprivileged import unprivileged
 
 A_LOG = "model.layers.0.linear_attn.A_log"
@@ -33,10 +33,6 @@ def refused(path, kind: str, *needles: str) -> CheckpointError:
     return error
 
 
-def drop(*names):
-    return lambda tensors: {k: v for k, v in tensors.items() if k not in names}
-
-
 def test_every_supported_layout_passes(kind, checkpoint_dir):
     spec = check_checkpoint(checkpoint_dir(kind))
     model = build_hf_model(kind)
@@ -50,14 +46,14 @@ def test_every_supported_layout_passes(kind, checkpoint_dir):
 
 
 def test_a_missing_tensor_is_named(tmp_path, checkpoint_dir):
-    broken = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "ck", drop(A_LOG))
+    broken = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "ck", without(A_LOG))
     refused(broken, "incomplete", A_LOG, "missing")
 
 
 def test_a_missing_untied_head_is_refused_and_a_tied_one_is_not(tmp_path, checkpoint_dir):
     source = checkpoint_dir("qwen3_5")
-    refused(rewrite_checkpoint(source, tmp_path / "untied", drop("lm_head.weight")), "incomplete", "lm_head.weight")
-    tied = rewrite_checkpoint(source, tmp_path / "tied", drop("lm_head.weight"), lambda c: {**c, "tie_word_embeddings": True})
+    refused(rewrite_checkpoint(source, tmp_path / "untied", without("lm_head.weight")), "incomplete", "lm_head.weight")
+    tied = rewrite_checkpoint(source, tmp_path / "tied", without("lm_head.weight"), lambda c: {**c, "tie_word_embeddings": True})
     assert "lm_head.weight" not in check_checkpoint(tied).tensors  # the embedding serves as the head
 
 
@@ -104,7 +100,7 @@ def test_a_wrong_shape_is_refused(tmp_path, checkpoint_dir):
 
 def test_a_missing_expert_is_named(tmp_path, checkpoint_dir):
     key = "model.layers.2.mlp.experts.3.up_proj.weight"
-    broken = rewrite_checkpoint(checkpoint_dir("qwen3_5_moe"), tmp_path / "ck", drop(key))
+    broken = rewrite_checkpoint(checkpoint_dir("qwen3_5_moe"), tmp_path / "ck", without(key))
     refused(broken, "incomplete", key)
 
 
@@ -152,7 +148,7 @@ def test_a_stray_per_expert_tensor_beside_fused_experts_is_named_as_unused(tmp_p
 
 def test_a_vision_checkpoints_missing_decoder_tensor_is_named_as_its_files_name_it(tmp_path, checkpoint_dir):
     key = "model.language_model.layers.0.linear_attn.A_log"
-    broken = rewrite_checkpoint(checkpoint_dir("qwen3_5_vl"), tmp_path / "ck", drop(key))
+    broken = rewrite_checkpoint(checkpoint_dir("qwen3_5_vl"), tmp_path / "ck", without(key))
     refused(broken, "incomplete", f"({key})", "missing")
 
 
@@ -393,7 +389,7 @@ def test_the_loader_refuses_gaps_even_past_the_check(tmp_path, checkpoint_dir, m
     """Defence in depth: with the pre-check made blind, Hugging Face's own loading report still
     stops a model with a tensor left at its random initialisation."""
     source = checkpoint_dir("qwen3_5")
-    broken = rewrite_checkpoint(source, tmp_path / "ck", drop(A_LOG))
+    broken = rewrite_checkpoint(source, tmp_path / "ck", without(A_LOG))
     good_spec = check_checkpoint(source)
     monkeypatch.setattr(loading, "check_checkpoint", lambda path: type(good_spec)(**{**good_spec.__dict__, "path": path}))
     with pytest.raises(CheckpointError, match="A_log") as caught:
@@ -464,7 +460,7 @@ def test_fp8_checkpoint_serves_its_dequantized_weights(tmp_path, kind):
 def test_fp8_scales_are_checked(tmp_path):
     fp8 = save_fp8_checkpoint("qwen3_5", tmp_path / "a", block=(32, 16))
     key = "model.layers.0.mlp.up_proj.weight_scale_inv"
-    refused(rewrite_checkpoint(fp8, tmp_path / "noscale", drop(key)), "incomplete", key.removesuffix("_scale_inv"))
+    refused(rewrite_checkpoint(fp8, tmp_path / "noscale", without(key)), "incomplete", key.removesuffix("_scale_inv"))
     bad = rewrite_checkpoint(fp8, tmp_path / "badscale", lambda t: {**t, key: t[key][:1]})
     refused(bad, "incompatible", key)
     unflagged = rewrite_checkpoint(fp8, tmp_path / "noconfig", edit_config=lambda c: {k: v for k, v in c.items() if k != "quantization_config"})
@@ -483,7 +479,7 @@ def test_every_command_refuses_before_it_starts(tmp_path, checkpoint_dir, monkey
 
     for name in [n for n in os.environ if n.startswith("PACKSCORE_")]:
         monkeypatch.delenv(name)
-    broken = str(rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "ck", drop(A_LOG)))
+    broken = str(rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "ck", without(A_LOG)))
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text('{"input_ids": [1, 2, 3]}\n')
     capsys.readouterr()
