@@ -264,6 +264,11 @@ def served_version(url: str, headers: dict | None = None) -> str:
     return model["weights_version"]
 
 
+def served_versions(url: str) -> dict[str, str]:
+    """The weights_version of each model at ``url``, by its id."""
+    return {m["id"]: m["weights_version"] for m in httpx.get(url + "/v1/models", headers=AUTH).json()["data"]}
+
+
 def wait_status(server: LocalServer, status: str, timeout: float = 240) -> httpx.Response:
     """/readyz's answer once its status is ``status`` (``awaiting_weights``, ...); raises if the process exits
     or ``timeout`` passes. A port taken before the server's bind is given up for another, as in ``wait_ready``."""

@@ -17,7 +17,7 @@ from model_runtime.types import SequenceInput
 from service.client import ScoreClient, ScoreError
 from tests.checkpoints import build_hf_model, save_checkpoint
 from tests.e2e.helpers import (API_KEY, AUTH, TOL, ServerProcess, assert_matches, decode, long_forward_body, post,
-                               post_in_background, queued_sequences, random_sequences)
+                               post_in_background, queued_sequences, random_sequences, served_versions)
 
 
 ADMIN_KEY = "e2e-admin"
@@ -57,15 +57,11 @@ def deployment(tmp_path_factory):
         assert server.stop() == 0, server.log()
 
 
-def _versions(url: str) -> dict[str, str]:
-    return {m["id"]: m["weights_version"] for m in httpx.get(url + "/v1/models", headers=AUTH).json()["data"]}
-
-
 def test_a_policy_swapped_under_load_beside_its_reference(deployment):
     server, scorers = deployment["server"], deployment["scorers"]
     url = server.url
-    first = _versions(url)["policy"]
-    ref_version = _versions(url)["ref"]
+    first = served_versions(url)["policy"]
+    ref_version = served_versions(url)["ref"]
     version_scorer = {first: scorers["step-0"], "step-1": scorers["step-1"]}
 
     # Two served: a request must name its model.
@@ -136,7 +132,7 @@ def test_a_policy_swapped_under_load_beside_its_reference(deployment):
 def test_refused_updates_change_nothing(deployment):
     server, scorers = deployment["server"], deployment["scorers"]
     url = server.url
-    before = _versions(url)
+    before = served_versions(url)
     escapes = ["/etc", "../reference", "step-1/../../reference", "escape", ".."]
     for path in escapes:
         response = httpx.post(url + "/v1/weights", json={"model": "policy", "path": path}, headers=ADMIN, timeout=60)
@@ -155,7 +151,7 @@ def test_refused_updates_change_nothing(deployment):
     wider = httpx.post(url + "/v1/weights", json={"model": "policy", "path": "wider"}, headers=ADMIN, timeout=120)
     assert wider.status_code == 422 and wider.json()["error"]["type"] == "incompatible_checkpoint", wider.text
     assert wider.json()["error"]["param"] == "path" and "mlp" in wider.json()["error"]["message"], wider.text
-    assert _versions(url) == before
+    assert served_versions(url) == before
     seqs = random_sequences(np.random.default_rng(6), 3, VOCAB, lengths=(2, 50))
     response = post(url, {"model": "policy", "sequences": seqs})
     assert response.status_code == 200 and response.json()["weights_version"] == before["policy"]
@@ -179,7 +175,7 @@ def test_mismatch_figures_and_the_client(deployment):
                             "k3_kl": float(np.mean(np.exp(d) - 1 - d)) if d.size else 0.0}
                 for key, value in expected.items():
                     assert abs(g.mismatch[key] - value) <= TOL, f"{s['id']} {key}: {g.mismatch[key]} vs {value} (tol {TOL})"
-                assert g.model == "ref" and g.weights_version == _versions(server.url)["ref"]
+                assert g.model == "ref" and g.weights_version == served_versions(server.url)["ref"]
             with pytest.raises(ScoreError) as stale:
                 client.score(seqs[:1], model="ref", weights_version="not-served")
             assert stale.value.status == 409
@@ -241,7 +237,7 @@ def test_a_swap_right_after_a_one_row_request_is_scored_leaves_its_version(tmp_p
     body = {"sequences": [{"input_ids": rng.integers(0, VOCAB, 4000).tolist()} for _ in range(3)]}
     try:
         url = server.wait_ready(timeout=240).url
-        before, forwards = _versions(url)["policy"], _forwards(url, "policy")
+        before, forwards = served_versions(url)["policy"], _forwards(url, "policy")
         sender, answers = post_in_background(url, body)
         _in_its_forward(url, server)
         update = httpx.post(url + "/v1/weights", json={"model": "policy", "path": "step-1", "version": "v1"},

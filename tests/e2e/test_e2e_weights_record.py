@@ -19,7 +19,8 @@ import pytest
 from model_runtime.pool.ports import free_port
 from service.local_server import _REPO_ROOT
 from tests.checkpoints import save_checkpoint
-from tests.e2e.helpers import AUTH, ServerProcess, assert_matches, decode, post, random_sequences, wait_status
+from tests.e2e.helpers import (AUTH, ServerProcess, assert_matches, decode, post, random_sequences, served_versions,
+                               wait_status)
 
 VOCAB = 512  # tests/checkpoints.py's vocabulary
 
@@ -45,10 +46,6 @@ def _args(ck: dict, record, policy: str = "step-0") -> list[str]:
             "--max-wait-ms", "2"]
 
 
-def _versions(url: str) -> dict[str, str]:
-    return {m["id"]: m["weights_version"] for m in httpx.get(url + "/v1/models", headers=AUTH).json()["data"]}
-
-
 def _update(url: str, path: str, version: str | None) -> dict:
     body = {"model": "policy", "path": path, **({"version": version} if version else {})}
     answer = httpx.post(url + "/v1/weights", json=body, headers=AUTH, timeout=300)
@@ -71,7 +68,7 @@ def test_a_killed_then_stopped_server_comes_back_serving_the_last_update(checkpo
     first = ServerProcess(tmp_path, *_args(ck, record))
     try:
         url = first.wait_ready(timeout=240).url
-        base = _versions(url)
+        base = served_versions(url)
         assert _update(url, "step-1", "step-1")["weights_version"] == "step-1"
         before = _policy_scores(url, seqs)
         first.proc.send_signal(signal.SIGKILL)  # no drain, no exit code: the record is on disk before the 200
@@ -82,7 +79,7 @@ def test_a_killed_then_stopped_server_comes_back_serving_the_last_update(checkpo
     second = ServerProcess(tmp_path, *_args(ck, record))
     try:
         url = second.wait_ready(timeout=240).url
-        assert _versions(url) == {"policy": "step-1", "ref": base["ref"]}, second.log()
+        assert served_versions(url) == {"policy": "step-1", "ref": base["ref"]}, second.log()
         after = _policy_scores(url, seqs)
         assert after.json()["weights_version"] == "step-1"
         assert after.json()["results"] == before.json()["results"]  # exactly the numbers before the kill
@@ -96,7 +93,7 @@ def test_a_killed_then_stopped_server_comes_back_serving_the_last_update(checkpo
     third = ServerProcess(tmp_path, *_args(ck, record))
     try:
         url = third.wait_ready(timeout=240).url
-        assert _versions(url) == {"policy": hashed, "ref": base["ref"]}
+        assert served_versions(url) == {"policy": hashed, "ref": base["ref"]}
         assert_matches(decode(_policy_scores(url, seqs), 0), seqs, ck["scorers"]["step-2"])
     finally:
         assert third.stop() == 0, third.log()
@@ -127,7 +124,7 @@ def test_a_new_server_on_a_shared_record_joins_at_the_update_another_server_reco
     c = ServerProcess(tmp_path, *_args(ck, record))
     try:
         url = c.wait_ready(timeout=240).url
-        assert _versions(url) == {"policy": "step-1", "ref": "ref-2"}, c.log()
+        assert served_versions(url) == {"policy": "step-1", "ref": "ref-2"}, c.log()
         after = _policy_scores(url, seqs)
         assert after.json()["weights_version"] == "step-1"
         assert after.json()["results"] == before.json()["results"]  # A's numbers, exactly
@@ -144,7 +141,7 @@ def test_a_record_of_another_base_is_ignored_with_a_warning(checkpoints, tmp_pat
     server = ServerProcess(tmp_path, *_args(ck, record, policy="other-base"))
     try:
         url = server.wait_ready(timeout=240).url
-        assert _versions(url)["policy"] != "step-1"
+        assert served_versions(url)["policy"] != "step-1"
         seqs = random_sequences(np.random.default_rng(4), 3, VOCAB, lengths=(2, 40))
         assert_matches(decode(_policy_scores(url, seqs), 0), seqs, ck["scorers"]["other-base"])
         log = server.log()
@@ -221,7 +218,7 @@ def test_a_recorded_checkpoint_that_cannot_be_served_waits_for_the_next_update(c
         scored = _policy_scores(server.url, seqs)
         assert scored.json()["weights_version"] == "step-2"
         assert_matches(decode(scored, 0), seqs, ck["scorers"]["step-2"])
-        assert _versions(server.url)["policy"] == "step-2"
+        assert served_versions(server.url)["policy"] == "step-2"
         assert json.loads(record.read_text())["models"]["policy"]["path"] == path
     finally:
         assert server.stop() == 0, server.log()
