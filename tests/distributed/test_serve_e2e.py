@@ -8,7 +8,6 @@ comes back, and later answers are right again.
 import os
 import re
 import signal
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +22,8 @@ from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.scorer import Scorer
 from model_runtime.types import SequenceInput
 from service.local_server import LocalServer
-from tests.e2e.helpers import long_forward_body, post_in_background, queued_sequences, sigterm_mid_forward
+from tests.e2e.helpers import (long_forward_body, packscore_command, post_in_background, queued_sequences,
+                               sigterm_mid_forward)
 
 TOL = {"logprobs": 1e-5, "entropy": 1e-4}
 # Against one process scoring the same sequences: the server packs sequences of concurrent
@@ -31,11 +31,6 @@ TOL = {"logprobs": 1e-5, "entropy": 1e-4}
 # fall (docs/parallel.md has the measured bounds); the entropy's sum over the vocabulary feels
 # that more than a log-probability, so it gets the looser bound.
 LAYOUT = {"world_size": 2, "dp": 1, "sp": 2, "fsdp": True}
-
-
-def _command() -> list[str]:
-    script = Path(sys.executable).with_name("packscore")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "service.cli"]
 
 
 def _worker_pids(server_pid: int) -> list[int]:
@@ -64,7 +59,7 @@ def server(tmp_path_factory):
         ["--device", "cpu", "--world-size", "2", "--sp", "2", "--fsdp", "--max-batch-tokens", "512", "--max-wait-ms", "2"],
         env={"PYTHONUNBUFFERED": "1"},
         log_dir=tmp_path_factory.mktemp("serve"),
-        program=_command(),
+        program=packscore_command(),
     )
     try:
         server.wait_ready(timeout=120)
@@ -136,7 +131,7 @@ def test_the_workers_follow_the_servers_log_level(server, tmp_path, reference):
     started = [line for line in server[0].log_path.read_text().splitlines() if WORKER_INFO.search(line) and "loaded tiny" in line]
     assert {line.split("rank=")[1][0] for line in started} == {"0", "1"}, started
     quiet = LocalServer(["--device", "cpu", "--world-size", "2", "--max-batch-tokens", "512", "--log-level", "warning"],
-                        env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
+                        env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=packscore_command())
     try:
         quiet.wait_ready(timeout=120)
         assert len(_worker_pids(quiet.proc.pid)) == 2
@@ -233,7 +228,7 @@ def _logged_after(server: LocalServer, first: str, then: str) -> float | None:
 def _pool_server(tmp_path, drain_s: int) -> LocalServer:
     """Two data-parallel CPU workers, rows large enough for a forward of seconds."""
     return LocalServer(["--device", "cpu", "--world-size", "2", "--max-batch-tokens", "12000", "--drain-timeout-s", str(drain_s)],
-                       env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
+                       env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=packscore_command())
 
 
 def _long_row_admitted(server: LocalServer):
@@ -301,7 +296,7 @@ def test_a_worker_lost_before_the_first_readiness_pass_is_restarted_not_fatal(tm
     """A worker that dies during the start's warm-up or first readiness pass is replaced as one
     lost later would be: the server waits for its pool and becomes ready, instead of exiting 1."""
     server = LocalServer(["--device", "cpu", "--world-size", "2", "--max-batch-tokens", "512"],
-                         env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
+                         env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=packscore_command())
     try:
         server.wait_for(lambda: "worker pool generation 1 up" in server.log_path.read_text(errors="replace"), 120,
                         interval=0.002, what="up (worker pool generation 1)")
@@ -352,7 +347,7 @@ def test_a_worker_lost_while_the_first_world_forms_is_replaced_not_fatal(tmp_pat
     """A worker killed (here in the rendezvous, its peer held back) before the start's world is up
     does not fail the start: the world is formed again, and the server serves one process's numbers."""
     server = LocalServer(["--device", "cpu", "--world-size", "2", "--max-batch-tokens", "512"],
-                         env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
+                         env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=packscore_command())
     held = None
     try:
         held, waiting = _held_in_the_rendezvous(server)
@@ -375,7 +370,7 @@ def test_a_sigterm_while_the_first_world_forms_exits_at_once_leaving_no_worker(t
     """Nothing was admitted: the server exits 0 at once, and the workers still loading go with it
     instead of finishing their imports first and only then noticing that the server is gone."""
     server = LocalServer(["--device", "cpu", "--world-size", "2", "--max-batch-tokens", "512"],
-                         env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
+                         env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=packscore_command())
     try:
         workers = _two_workers(server)
         sent = time.monotonic()
@@ -400,7 +395,7 @@ def test_a_server_killed_while_its_workers_import_torch_leaves_no_worker(tmp_pat
     """SIGKILL (or the OOM killer) gives the server no chance to stop its workers: each must notice
     at once, while it still imports torch, instead of lingering until its imports finish."""
     server = LocalServer(["--device", "cpu", "--world-size", "2", "--max-batch-tokens", "512"],
-                         env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
+                         env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=packscore_command())
     workers = []
     try:
         deadline = time.monotonic() + 120
@@ -434,7 +429,7 @@ def test_a_peer_killed_mid_collective_costs_the_survivor_one_line_not_a_tracebac
     line, without a traceback. The server is held stopped meanwhile, so it cannot kill the survivor
     before the survivor logs (in a soak, a race it won most times)."""
     server = LocalServer(["--device", "cpu", "--world-size", "2", "--fsdp", "--max-batch-tokens", "512", "--max-wait-ms", "2"],
-                         env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
+                         env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=packscore_command())
     try:
         server.wait_ready(timeout=120)
         lost, survivor = _worker_pids(server.proc.pid)
@@ -477,7 +472,7 @@ def test_an_update_while_the_pool_cannot_restart_says_why(tmp_path, checkpoint_d
     rewrite_checkpoint(base, root / "next", scaled(2.0))
     server = LocalServer(["--model", str(base), "--device", "cpu", "--world-size", "2", "--max-batch-tokens", "512",
                           "--weights-root", str(root)],
-                         env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=_command())
+                         env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, log_dir=tmp_path, program=packscore_command())
     try:
         server.wait_ready(timeout=120)
         assert httpx.post(server.url + "/v1/weights", json={"path": "next"}, timeout=60).status_code == 200

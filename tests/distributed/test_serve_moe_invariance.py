@@ -3,22 +3,15 @@ gets the numbers it gets packed with others in one request (API.md: results do n
 packing), for qwen3_5_moe and qwen3_next. Float32 on CPU; measured 0 for both.
 """
 
-import sys
-from pathlib import Path
-
 import httpx
 import numpy as np
 import pytest
 
 from service.local_server import LocalServer
+from tests.e2e.helpers import packscore_command
 
 TOL = 1e-5
 LENGTHS = (3, 41, 120, 7, 1, 300, 64, 5, 200)  # one row of 741 tokens, cut by sp=2 inside sequences
-
-
-def _command() -> list[str]:
-    script = Path(sys.executable).with_name("packscore")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "service.cli"]
 
 
 @pytest.mark.parametrize("moe_kind", ["qwen3_5_moe", "qwen3_next"])
@@ -26,7 +19,7 @@ def test_a_sequence_alone_equals_it_packed(moe_kind, checkpoint_dir, tmp_path):
     server = LocalServer(
         ["--model", str(checkpoint_dir(moe_kind)), "--device", "cpu", "--world-size", "2", "--sp", "2", "--fsdp",
          "--max-batch-tokens", "1024", "--max-wait-ms", "2"],
-        env={"PYTHONUNBUFFERED": "1"}, log_dir=tmp_path, program=_command(),
+        env={"PYTHONUNBUFFERED": "1"}, log_dir=tmp_path, program=packscore_command(),
     )
     try:
         server.wait_ready(timeout=300)

@@ -30,6 +30,12 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 FAKE = [sys.executable, "-m", "tests.e2e.fake_server"]  # the real app and protocol over FakeBackend
 
 
+def packscore_command() -> list[str]:
+    """The installed ``packscore`` console script beside this interpreter, else ``python -m service.cli``."""
+    script = Path(sys.executable).with_name("packscore")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "service.cli"]
+
+
 def fake_server(tmp_path, *args: str, env: dict | None = None, program: list[str] | None = None) -> LocalServer:
     """``packscore serve`` over FakeBackend (tests/e2e/fake_server.py), no API key; not started until ``wait_ready``."""
     return LocalServer(["--log-level", "warning", *args], env={"OMP_NUM_THREADS": "1", **(env or {})},
