@@ -1,6 +1,7 @@
-"""Signals of the child processes tests start."""
+"""Signals of the child processes tests start, and the states they leave them in."""
 
 import signal
+from pathlib import Path
 
 
 def default_sigint() -> None:
@@ -10,3 +11,11 @@ def default_sigint() -> None:
     inherit that, and the offline command keeps an ignored SIGINT ignored (as ``nohup`` asks).
     """
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def process_state(pid: int) -> str:
+    """The state letter of ``pid`` in /proc (``T`` stopped, ``Z`` a zombie), or ``"gone"``."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"

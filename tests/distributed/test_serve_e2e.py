@@ -24,6 +24,7 @@ from model_runtime.types import SequenceInput
 from service.local_server import LocalServer
 from tests.e2e.helpers import (long_forward_body, packscore_command, post_in_background, queued_sequences,
                                sigterm_mid_forward)
+from tests.signals import process_state
 
 TOL = {"logprobs": 1e-5, "entropy": 1e-4}
 # Against one process scoring the same sequences: the server packs sequences of concurrent
@@ -312,13 +313,6 @@ def test_a_worker_lost_before_the_first_readiness_pass_is_restarted_not_fatal(tm
     assert code == 0, server.log()[-3000:]
 
 
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
-
-
 def _two_workers(server: LocalServer) -> list[int]:
     """The server's two workers, as soon as both run (``wait_for``: a port taken before the bind moves the server)."""
     return server.wait_for(lambda: pids if len(pids := _worker_pids(server.proc.pid)) >= 2 else None, 120,
@@ -332,8 +326,8 @@ def _held_in_the_rendezvous(server: LocalServer) -> tuple[int, int]:
     deadline = time.monotonic() + 120
     held, waiting = _two_workers(server)
     os.kill(held, signal.SIGSTOP)
-    while _state(held) != "T":
-        assert time.monotonic() < deadline, _state(held)
+    while process_state(held) != "T":
+        assert time.monotonic() < deadline, process_state(held)
         time.sleep(0.002)
     log = server.log_path.read_text(errors="replace")
     assert f"pid {held} joining" not in log, "the worker to hold joined before it was stopped (imports take seconds)"
@@ -360,7 +354,7 @@ def test_a_worker_lost_while_the_first_world_forms_is_replaced_not_fatal(tmp_pat
         body = _request(reference.loaded.vocab_size, seed=12)
         _check_scores(httpx.post(server.url + "/score", json=body, timeout=60), body, reference)
     finally:
-        if held is not None and _state(held) not in ("gone", "Z"):
+        if held is not None and process_state(held) not in ("gone", "Z"):
             os.kill(held, signal.SIGCONT)
         code = server.stop(timeout=30)
     assert code == 0, server.log()[-3000:]
@@ -377,11 +371,11 @@ def test_a_sigterm_while_the_first_world_forms_exits_at_once_leaving_no_worker(t
         server.proc.send_signal(signal.SIGTERM)
         code = server.proc.wait(timeout=60)
         took = time.monotonic() - sent
-        left = [pid for pid in workers if _state(pid) not in ("gone", "Z")]
+        left = [pid for pid in workers if process_state(pid) not in ("gone", "Z")]
     finally:
         server.stop(timeout=30)
     assert code == 0 and took < 5, (code, took, server.log()[-3000:])
-    assert not left, f"workers {left} outlived the server: {[_state(p) for p in left]}"
+    assert not left, f"workers {left} outlived the server: {[process_state(p) for p in left]}"
     noise = [line for line in server.log_path.read_text().splitlines() if "Traceback" in line or " ERROR " in line]
     assert not noise, noise
 
@@ -402,8 +396,8 @@ def test_a_server_killed_while_its_workers_import_torch_leaves_no_worker(tmp_pat
         workers = _two_workers(server)
         for pid in workers:  # held where they are, so what /proc shows is where the kill finds them
             os.kill(pid, signal.SIGSTOP)
-        while any(_state(pid) != "T" for pid in workers):
-            assert time.monotonic() < deadline, [_state(pid) for pid in workers]
+        while any(process_state(pid) != "T" for pid in workers):
+            assert time.monotonic() < deadline, [process_state(pid) for pid in workers]
             time.sleep(0.002)
         assert not any(_maps_torch(pid) for pid in workers), "a worker loaded torch before it was stopped"
         server.proc.kill()
@@ -412,15 +406,15 @@ def test_a_server_killed_while_its_workers_import_torch_leaves_no_worker(tmp_pat
             os.kill(pid, signal.SIGCONT)
         resumed = time.monotonic()
         # A whole torch import (seconds) is still ahead of them; noticing the server's end is not.
-        while (left := [pid for pid in workers if _state(pid) not in ("gone", "Z")]) and time.monotonic() - resumed < 1.0:
+        while (left := [pid for pid in workers if process_state(pid) not in ("gone", "Z")]) and time.monotonic() - resumed < 1.0:
             time.sleep(0.01)
         took = time.monotonic() - resumed
     finally:
         for pid in workers:  # ours to end if the test failed: the server's workers
-            if _state(pid) not in ("gone", "Z"):
+            if process_state(pid) not in ("gone", "Z"):
                 os.kill(pid, signal.SIGKILL)
         server.stop(timeout=30)
-    assert not left, f"workers {left} outlived the server by {took:.2f} s: {[_state(p) for p in left]}"
+    assert not left, f"workers {left} outlived the server by {took:.2f} s: {[process_state(p) for p in left]}"
 
 
 def test_a_peer_killed_mid_collective_costs_the_survivor_one_line_not_a_traceback(tmp_path):
@@ -440,8 +434,8 @@ def test_a_peer_killed_mid_collective_costs_the_survivor_one_line_not_a_tracebac
         try:
             os.kill(lost, signal.SIGKILL)
             deadline = time.monotonic() + 60
-            while _state(survivor) not in ("gone", "Z"):  # it exits 1 once it has logged and replied
-                assert time.monotonic() < deadline, f"the survivor still runs: {_state(survivor)}"
+            while process_state(survivor) not in ("gone", "Z"):  # it exits 1 once it has logged and replied
+                assert time.monotonic() < deadline, f"the survivor still runs: {process_state(survivor)}"
                 time.sleep(0.05)
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)

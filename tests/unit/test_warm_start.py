@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests import warm_start
+from tests.signals import process_state
 
 PROGRAM = [sys.executable, "-m", "tests.child_report"]
 REPO = Path(__file__).resolve().parents[2]
@@ -165,21 +166,14 @@ def test_a_zygote_whose_session_ended_during_its_imports_exits(tmp_path):
     zygote = int(session.stdout)
     try:
         deadline = time.monotonic() + 180
-        while not os.path.exists(path) and _state(zygote) not in ("gone", "Z"):
+        while not os.path.exists(path) and process_state(zygote) not in ("gone", "Z"):
             assert time.monotonic() < deadline, "the zygote never got past its imports"
             time.sleep(0.05)
         assert os.path.exists(path), "the zygote ended before its imports did"
         deadline = time.monotonic() + 10
-        while _state(zygote) not in ("gone", "Z"):
+        while process_state(zygote) not in ("gone", "Z"):
             assert time.monotonic() < deadline, "the zygote outlived its session"
             time.sleep(0.05)
     finally:
-        if _state(zygote) not in ("gone", "Z"):
+        if process_state(zygote) not in ("gone", "Z"):
             os.kill(zygote, signal.SIGKILL)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
