@@ -55,37 +55,22 @@ def _reads_shards(start: msg.Start) -> bool:
 def _load(start: msg.Start, device: torch.device):
     from model_runtime.scoring.loading import load_model
 
-    name = start.served_model_name or None
-    overrides = start.kernels  # checked where --kernels was parsed; select_backends checks it can run here
+    options = dict(
+        dtype=start.dtype,
+        allow_slow_kernels=start.allow_slow_kernels,
+        kernel_overrides=start.kernels,  # checked where --kernels was parsed; select_backends checks it can run here
+        expert_gemm=start.expert_gemm or None,
+        served_name=start.served_model_name or None,
+        worker_pool=True,
+        weights_version=start.weights_version or None,
+    )
     if _reads_shards(start):
-        return load_model(
-            start.model,
-            dtype=start.dtype,
-            device=device,
-            allow_slow_kernels=start.allow_slow_kernels,
-            kernel_overrides=overrides,
-            expert_gemm=start.expert_gemm or None,
-            served_name=name,
-            worker_pool=True,
-            weights_later=True,
-            weights_version=start.weights_version or None,
-        )
+        return load_model(start.model, device=device, weights_later=True, **options)
     # A preset (random weights drawn whole) that does not fit one GPU must not be built whole onto
     # one: with FSDP it is built on the CPU with the GPU's kernels, and fully_shard moves each
     # rank's shards.
     on_host = device.type == "cuda" and start.fsdp and not _fits_on_gpu(start, device)
-    return load_model(
-        start.model,
-        dtype=start.dtype,
-        device="cpu" if on_host else device,
-        kernel_device=device,
-        allow_slow_kernels=start.allow_slow_kernels,
-        kernel_overrides=overrides,
-        expert_gemm=start.expert_gemm or None,
-        served_name=name,
-        worker_pool=True,
-        weights_version=start.weights_version or None,
-    )
+    return load_model(start.model, device="cpu" if on_host else device, kernel_device=device, **options)
 
 
 # Share of the free GPU memory that whole weights may take before sharding: the rest is left
