@@ -103,6 +103,8 @@ def _finished_ids(output: Path) -> dict[str, Done]:
                 input_hash = None if record.get("input_hash") is None else int(record["input_hash"], 16)
             except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
                 reason = f"no {exc} field" if isinstance(exc, KeyError) else str(exc)
+                if isinstance(exc, orjson.JSONDecodeError):  # its "line 1 column 1" counts within the line, not OUT
+                    reason = "a blank line" if not line.strip() else f"not JSON: {exc.msg}"
                 raise InputError(
                     f"{output}:{number}: not a result line ({reason}); remove or repair it, then run again "
                     "(the lines after it are kept)"
@@ -144,6 +146,10 @@ def _read_lines(path: Path) -> Iterator[tuple[int, dict]]:
             try:
                 obj = orjson.loads(raw)
             except orjson.JSONDecodeError as exc:  # orjson's "line 2 column 1" counts the newline: give the column
+                if (bad := _not_utf8(raw)) is not None:  # orjson says "column 1: ... surrogates not allowed" for any
+                    raise InputError(f"{path}:{number}: not UTF-8 at byte {bad + 1} of the line: JSON lines are UTF-8 "
+                                     "(a compressed or binary file, such as gzip or msgpack, must be turned into "
+                                     "JSON lines first)") from None
                 raise InputError(f"{path}:{number}: not valid JSON at column {min(exc.pos, len(raw.rstrip())) + 1}: "
                                  f"{exc.msg}") from None
             if not isinstance(obj, dict):
@@ -153,6 +159,15 @@ def _read_lines(path: Path) -> Iterator[tuple[int, dict]]:
             if not isinstance(obj["id"], str):
                 raise InputError(f"{path}:{number}: id must be a string, got {obj['id']!r}")
             yield number, obj
+
+
+def _not_utf8(raw: bytes) -> int | None:
+    """Where ``raw`` stops being UTF-8, None where it is."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return exc.start
+    return None
 
 
 def _jobs(settings: Settings, input_path: Path, limits: Limits, done: dict[str, Done], run: dict,

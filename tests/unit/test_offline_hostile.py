@@ -1,0 +1,52 @@
+"""``packscore score``: lines a trainer's script may hand it by mistake (bytes that are not UTF-8, an OUT
+line that is not a result) are named with their line and what is wrong there, before the model loads."""
+
+import gzip
+
+import msgpack
+import orjson
+import pytest
+
+from service import cli
+
+_GOOD = orjson.dumps({"id": "a", "input_ids": [1, 2]}) + b"\n"
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    def refuse(settings):
+        raise AssertionError("the model was loaded, though the run is refused before")
+
+    monkeypatch.setattr("service.backends.load_backend", refuse)
+
+
+@pytest.mark.parametrize("line, byte", [
+    (b'{"id":"a\xff\xfeb","input_ids":[1,2]}\n', 9),
+    (msgpack.packb({"id": "a", "input_ids": [1, 2]}) + b"\n", 1),
+    (gzip.compress(_GOOD), 2),
+], ids=["latin-byte-in-id", "msgpack", "gzip"])
+def test_bytes_that_are_not_utf8_are_named_by_their_byte_not_as_surrogates_at_column_1(no_model, tmp_path, capsys,
+                                                                                      line, byte):
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(_GOOD.replace(b'"a"', b'"z"') + line)
+    assert cli.main(["score", str(source), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"in.jsonl:2: not UTF-8 at byte {byte} of the line: JSON lines are UTF-8" in err, err
+    assert "surrogates" not in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("bad, said", [
+    (b"hello\n", "out.jsonl:3: not a result line (not JSON: unexpected character"),
+    (b"\n", "out.jsonl:3: not a result line (a blank line)"),
+], ids=["text", "blank"])
+def test_an_out_line_that_is_not_json_is_named_by_out_s_line_alone(no_model, tmp_path, capsys, bad, said):
+    """orjson's own "line 1 column 1" counts within the line: beside OUT's line 3 it named a wrong line."""
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(_GOOD)
+    kept = b'{"id":"x","logprobs":[]}\n{"id":"y","logprobs":[]}\n' + bad + b'{"id":"z","logprobs":[]}\n'
+    out.write_bytes(kept)
+    assert cli.main(["score", str(source), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "line 1 column" not in err, err
+    assert out.read_bytes() == kept
