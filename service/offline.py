@@ -171,17 +171,19 @@ def _not_utf8(raw: bytes) -> int | None:
 
 
 def _jobs(settings: Settings, input_path: Path, limits: Limits, done: dict[str, Done], run: dict,
-          seen: set[str] | None = None) -> Iterator[tuple[int, str, ScoreJob]]:
+          seen: dict[str, int] | None = None) -> Iterator[tuple[int, str, ScoreJob]]:
     """Each line not yet in OUT as a validated one-sequence job; a bad line raises InputError naming
     it, as does a line whose result in OUT was scored from another input or with other options.
     ``run`` is what is known of this run's _RUN_FIELDS (the weights only once the model loaded).
-    ``seen`` collects every id of IN."""
-    seen = set() if seen is None else seen
+    ``seen`` collects every id of IN, with its line."""
+    seen = {} if seen is None else seen
     for number, obj in _lines(input_path):
         seq_id = obj["id"]
         if seq_id in seen:  # checked before the skip of done ids: a rerun refuses what a first run does
-            raise InputError(f"{input_path}:{number}: id {seq_id!r} appears twice in the input")
-        seen.add(seq_id)
+            named = "; a line without an id is named line-<number>" if seq_id.startswith("line-") else ""
+            raise InputError(f"{input_path}:{number}: id {seq_id!r} appears twice in the input (first on line "
+                             f"{seen[seq_id]}{named})")
+        seen[seq_id] = number
         body = {
             "sequences": [obj],
             "temperature": settings.temperature,
@@ -424,7 +426,7 @@ def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
 def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     from service.backends import load_backend, model_name
 
-    seen: set[str] = set()
+    seen: dict[str, int] = {}
     try:
         done = finished_ids(output_path)
         # Every line is checked but for the model's own limits (vocabulary, context) before it loads.

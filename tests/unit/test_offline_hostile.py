@@ -50,3 +50,20 @@ def test_an_out_line_that_is_not_json_is_named_by_out_s_line_alone(no_model, tmp
     err = capsys.readouterr().err
     assert said in err and "line 1 column" not in err, err
     assert out.read_bytes() == kept
+
+
+@pytest.mark.parametrize("lines, said", [
+    ([{"id": "a", "input_ids": [1]}, {"id": "b", "input_ids": [2]}, {"id": "a", "input_ids": [3]}],
+     "in.jsonl:3: id 'a' appears twice in the input (first on line 1)"),
+    ([{"id": "line-2", "input_ids": [1]}, {"input_ids": [2]}],
+     "in.jsonl:2: id 'line-2' appears twice in the input (first on line 1; a line without an id is named "
+     "line-<number>)"),
+], ids=["both-given", "one-named-for-its-line"])
+def test_a_repeated_id_names_both_its_lines(no_model, tmp_path, capsys, lines, said):
+    """A trainer searching a million lines for the other copy, or for an id line 2 never wrote, is told where."""
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+    assert cli.main(["score", str(source), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert said in err, err
+    assert not out.exists()
