@@ -101,6 +101,14 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def _output_path(text: str) -> Path:
+    """``-o``'s file; Path drops a trailing slash, which would make ``-o results/`` a file named results."""
+    if text.endswith(("/", os.sep)):
+        raise argparse.ArgumentTypeError(f"{text} ends in a slash, so names a directory: give a file, such as "
+                                         f"{text.rstrip('/' + os.sep) or '.'}/out.jsonl")
+    return Path(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="packscore",
@@ -132,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         "IN must be a regular file (it is read more than once: not stdin or a pipe).",
     )
     score.add_argument("input", type=Path, metavar="IN.jsonl", help="sequences to score, one JSON object per line")
-    score.add_argument("-o", "--output", type=Path, required=True, metavar="OUT.jsonl", help="where results go (appended); a regular file, read back to resume: not - (stdout) or a pipe")
+    score.add_argument("-o", "--output", type=_output_path, required=True, metavar="OUT.jsonl", help="where results go (appended); a regular file, read back to resume: not - (stdout) or a pipe")
     _add_options(score, _SCORE_OPTIONS, one_model=True)
     return parser
 

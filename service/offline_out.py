@@ -21,6 +21,8 @@ def path_problem(input_path: Path, output_path: Path) -> str | None:
     """What keeps these paths from a run, found before the model loads (minutes for a large one)."""
     if str(input_path) != "-" and not input_path.exists():
         return f"{input_path} does not exist"
+    if input_path.is_dir():
+        return f"{input_path} is a directory; give IN as a file of JSON lines"
     if not input_path.is_file():  # read once to check every line and again to score: a pipe cannot be
         return (f"{input_path} is not a regular file (IN is read more than once, to check every line before scoring, "
                 "so stdin or a pipe cannot be IN: write it to a file first)")

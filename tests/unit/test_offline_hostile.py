@@ -67,3 +67,26 @@ def test_a_repeated_id_names_both_its_lines(no_model, tmp_path, capsys, lines, s
     err = capsys.readouterr().err
     assert said in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("exists", [False, True], ids=["new", "existing"])
+def test_an_out_ending_in_a_slash_is_refused_not_made_a_file_of_the_directory_s_name(no_model, tmp_path, capsys,
+                                                                                     exists):
+    """``-o results/`` was read as ``-o results``: a file named results, or an existing file of that name appended to."""
+    source, meant = tmp_path / "in.jsonl", tmp_path / "results"
+    source.write_bytes(_GOOD)
+    if exists:
+        meant.write_bytes(b"")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["score", str(source), "-o", f"{meant}/"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"-o/--output: {meant}/ ends in a slash, so names a directory: give a file, such as {meant}/out.jsonl" in err
+    assert (meant.read_bytes() == b"") if exists else not meant.exists()  # nothing made, nothing appended
+
+
+def test_an_in_that_is_a_directory_is_named_so_not_as_stdin_or_a_pipe(no_model, tmp_path, capsys):
+    assert cli.main(["score", str(tmp_path), "-o", str(tmp_path / "out.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert f"packscore: error: {tmp_path} is a directory; give IN as a file of JSON lines" in err, err
+    assert "stdin" not in err and not (tmp_path / "out.jsonl").exists()
