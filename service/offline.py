@@ -32,7 +32,7 @@ from service.http.errors import ApiError
 from service.http.rollout import mismatch
 from service.http.validation import Limits, ScoreJob, parse_score_request, resolve_model_len
 from service.entrypoint import Terminated, before_scoring, hard_exit, terminate_before_scoring
-from service.offline_out import OutputError, close_output, lock_output, path_problem, whole_lines, why_full
+from service.offline_out import OutputError, close_output, cut_torn, lock_output, path_problem, whole_lines, why_full
 from service.offline_progress import progress, tick
 from service.scheduling.scheduler import Scheduler
 from service.scheduling.tickets import Ticket
@@ -540,6 +540,7 @@ def _score_loaded(settings: Settings, backend, input_path: Path, output_path: Pa
         print(f"packscore: error: {exc}", file=sys.stderr)
         return 2
     except OutputError as exc:
+        cut_torn(output_path, start)
         kept = whole_lines(output_path, start)
         held = ("the results written before are kept" if kept is None else
                 f"{resumed + kept} of the {total} lines of {input_path} are in {output_path}, in input order")

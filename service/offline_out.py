@@ -76,6 +76,26 @@ def lock_output(output_path: Path) -> IO[bytes] | None:
         lock.close()  # a refused first run removed the file between our open and lock: lock the one there now
 
 
+def cut_torn(output_path: Path, start: int) -> None:
+    """OUT cut back to its last whole line from byte ``start`` on, where a write that found no room left part of
+    one: a reader of OUT after the failure meets whole lines only (cutting needs no room, nor a raised limit)."""
+    try:
+        with output_path.open("r+b") as f:
+            end = pos = f.seek(0, os.SEEK_END)
+            while pos > start:
+                step = min(1 << 16, pos - start)
+                f.seek(pos - step)
+                newline = f.read(step).rfind(b"\n")
+                pos -= step
+                if newline >= 0:
+                    pos += newline + 1
+                    break
+            if pos < end:
+                f.truncate(pos)
+    except OSError:  # left for the rerun, which cuts a torn last line too
+        log.warning("%s: could not cut off the torn last line; the next run does", output_path)
+
+
 def whole_lines(output_path: Path, start: int) -> int | None:
     """The whole lines of OUT from byte ``start`` on (a torn last one is cut off by the rerun); None if unreadable."""
     count = 0

@@ -59,9 +59,11 @@ def _score(tmp_path, room=0, preexec_fn=None):
 
 
 def _resumes(tmp_path, kept):
-    """The same command completes OUT to what one uninterrupted run writes."""
+    """OUT holds whole lines only (a script reading it after exit 1 meets no half line), and the same
+    command completes it to what one uninterrupted run writes."""
     out, ref = tmp_path / "out.jsonl", tmp_path / "ref.jsonl"
     assert out.read_bytes().count(b"\n") == kept
+    assert out.read_bytes().endswith(b"\n") or not out.read_bytes(), out.read_bytes()[-200:]
     for target in (out, ref):
         done = subprocess.run([sys.executable, "-c", _RUN, "0", "score", str(tmp_path / "in.jsonl"), "-o", str(target)],
                               capture_output=True, text=True, timeout=120)
