@@ -179,7 +179,7 @@ def test_paths_that_cannot_work_are_refused_before_the_model_loads(monkeypatch, 
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     cases = [
-        ([str(tmp_path), "-o", str(out)], "is not a regular file"),
+        ([str(tmp_path), "-o", str(out)], "is a directory; give IN as a file of JSON lines"),
         (["-", "-o", str(out)], "stdin or a pipe cannot be IN"),
         ([str(fifo), "-o", str(out)], "stdin or a pipe cannot be IN"),
         ([str(source), "-o", str(tmp_path)], "is a directory"),
