@@ -79,7 +79,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def run_watching_port(command: list[str], port: int | None, timeout: float = 120.0, env: dict[str, str] | None = None):
     """Runs the CLI with no ``PACKSCORE_*`` variables but ``env``'s; while it runs, keeps trying to
-    connect to ``port``. Returns (code, output, connected)."""
+    connect to ``port``. Returns (code, output, connected). A ``port`` from ``tests.ports.held_port``
+    stays the test's: a serve that reaches its bind exits 3 there instead of connected turning true."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("PACKSCORE_")}
     full_env.update({"OMP_NUM_THREADS": "1", **(env or {})})
     with tempfile.TemporaryFile() as log:

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from model_runtime.pool.ports import free_port
 from tests.checkpoints import rewrite_checkpoint, save_fp8_checkpoint, without
 from tests.e2e.helpers import ServerProcess, decode, post, run_watching_port
+from tests.ports import held_port
 
 A_LOG = "model.layers.0.linear_attn.A_log"
 Q_PROJ = "model.layers.3.self_attn.q_proj.weight"
@@ -40,9 +40,10 @@ def broken(checkpoint_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(BROKEN))
 def test_serve_refuses_before_binding_the_port(name, broken):
-    port = free_port()
-    command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--model", str(broken[name])]
-    code, output, connected = run_watching_port(command, port)
+    with held_port() as port:
+        command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+                   "--model", str(broken[name])]
+        code, output, connected = run_watching_port(command, port)
     assert code == 2, f"exit status {code}, expected 2:\n{output}"
     assert not connected, f"the port was bound:\n{output}"
     assert "Traceback" not in output and "Uvicorn running" not in output, output
@@ -53,10 +54,10 @@ def test_serve_refuses_before_binding_the_port(name, broken):
 
 
 def test_a_max_model_len_past_the_models_context_is_refused_before_binding(checkpoint_dir):
-    port = free_port()
-    command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--model", str(checkpoint_dir("qwen3_5")), "--max-model-len", "10000"]
-    code, output, connected = run_watching_port(command, port)
+    with held_port() as port:
+        command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+                   "--model", str(checkpoint_dir("qwen3_5")), "--max-model-len", "10000"]
+        code, output, connected = run_watching_port(command, port)
     assert code == 2 and not connected, f"exit status {code} (want 2), port bound: {connected}:\n{output}"
     errors = [line for line in output.splitlines() if line.startswith("packscore: error:")]
     assert "Traceback" not in output and len(errors) == 1 and "--max-model-len 10000" in errors[0], output

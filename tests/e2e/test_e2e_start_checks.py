@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from model_runtime.pool.ports import free_port
 from tests.checkpoints import rewrite_checkpoint
 from tests.e2e.helpers import ServerProcess, post, run_watching_port
+from tests.ports import held_port
 
 # Values each option's own command refuses (exit 2), set for the other command.
 SERVE_ONLY = {"PACKSCORE_PORT": "abc", "PACKSCORE_HOST": "", "PACKSCORE_MAX_QUEUED_TOKENS": "0",
@@ -51,9 +51,9 @@ def test_serve_reads_no_variable_of_an_option_only_score_has(tmp_path):
     finally:
         assert server.stop() == 0, server.log()
     assert "PACKSCORE_" not in server.log(), server.log()
-    port = free_port()
-    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port)]
-    code, output, connected = run_watching_port(command, port, env={"PACKSCORE_MAX_QUEUED_TOKENS": "0"})
+    with held_port() as port:
+        command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port)]
+        code, output, connected = run_watching_port(command, port, env={"PACKSCORE_MAX_QUEUED_TOKENS": "0"})
     assert code == 2 and not connected and "--max-queued-tokens (from PACKSCORE_MAX_QUEUED_TOKENS): " in output, output
 
 
@@ -129,9 +129,9 @@ def test_a_config_whose_context_bounds_nothing_or_with_no_text_config_object_sto
         name, checkpoint_dir, tmp_path):
     kind, edit, named = BAD_CONFIGS[name]
     broken = rewrite_checkpoint(checkpoint_dir(kind), tmp_path / name, edit_config=edit)
-    port = free_port()
-    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--model", str(broken)]
-    code, output, connected = run_watching_port(command, port)
+    with held_port() as port:
+        command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--model", str(broken)]
+        code, output, connected = run_watching_port(command, port)
     assert code == 2 and not connected, f"exit status {code} (want 2), port bound: {connected}:\n{output}"
     errors = _errors(output)
     assert "Traceback" not in output and len(errors) == 1, output
@@ -155,10 +155,10 @@ def test_a_context_of_0_that_yarn_bounds_is_served_with_yarns_bound(checkpoint_d
     edit = _yarn(**YARN)
     yarn = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "ck",
                               edit_config=lambda c: edit({**c, "max_position_embeddings": 0}))
-    port = free_port()
-    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--model", str(yarn),
-               "--max-model-len", "4097"]
-    code, output, connected = run_watching_port(command, port)
+    with held_port() as port:
+        command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--model", str(yarn),
+                   "--max-model-len", "4097"]
+        code, output, connected = run_watching_port(command, port)
     assert code == 2 and not connected, f"exit status {code} (want 2), port bound: {connected}:\n{output}"
     assert "--max-model-len 4097 exceeds the model's 4096 positions" in output, output
 

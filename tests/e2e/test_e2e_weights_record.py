@@ -16,11 +16,11 @@ import httpx
 import numpy as np
 import pytest
 
-from model_runtime.pool.ports import free_port
 from service.local_server import _REPO_ROOT
 from tests.checkpoints import save_checkpoint
 from tests.e2e.helpers import (AUTH, ServerProcess, assert_matches, decode, post, random_sequences, served_versions,
                                wait_status)
+from tests.ports import held_port
 
 VOCAB = 512  # tests/checkpoints.py's vocabulary
 
@@ -154,8 +154,9 @@ def _serve_and_fail(args: list[str]) -> subprocess.CompletedProcess:
     """``packscore serve`` expected to refuse its start: its status and its own stderr."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PACKSCORE_")}
     env["OMP_NUM_THREADS"] = "1"
-    command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(free_port()), *args]
-    return subprocess.run(command, cwd=_REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    with held_port() as port:  # a start that wrongly got as far as its bind exits 3
+        command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+        return subprocess.run(command, cwd=_REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_a_record_that_cannot_be_read_refuses_the_start(checkpoints, tmp_path):

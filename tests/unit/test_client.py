@@ -265,13 +265,14 @@ def test_padded_input_is_refused_with_the_reason():
 
 
 def test_an_unreachable_server_fails_fast_with_a_log_line_per_retry(caplog):
-    from model_runtime.pool.ports import free_port
+    from tests.ports import held_port
 
-    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    started = time.monotonic()
-    with caplog.at_level("WARNING", logger="packscore_client"):
-        with ScoreClient(url, connect_retry_s=1.5) as client, pytest.raises(ScoreError) as failed:
-            client.score([[1, 2, 3]])
+    with held_port() as port:  # nothing listens there
+        url = f"http://127.0.0.1:{port}"
+        started = time.monotonic()
+        with caplog.at_level("WARNING", logger="packscore_client"):
+            with ScoreClient(url, connect_retry_s=1.5) as client, pytest.raises(ScoreError) as failed:
+                client.score([[1, 2, 3]])
     elapsed = time.monotonic() - started
     assert failed.value.status == 0 and failed.value.type == "connection_error" and url in str(failed.value)
     assert elapsed < 1.5 + 5, f"took {elapsed:.1f}s to give up with connect_retry_s=1.5"
@@ -314,11 +315,11 @@ def test_a_weights_update_refused_for_now_is_sent_again_after_retry_after():
 
 
 def test_a_weights_update_to_no_server_is_a_connection_error():
-    from model_runtime.pool.ports import free_port
+    from tests.ports import held_port
 
-    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    with ScoreClient(url, connect_retry_s=0.5) as client, pytest.raises(ScoreError) as failed:
-        client.update_weights(None, "step-1")
+    with held_port() as port:  # nothing listens there
+        with ScoreClient(f"http://127.0.0.1:{port}", connect_retry_s=0.5) as client, pytest.raises(ScoreError) as failed:
+            client.update_weights(None, "step-1")
     assert failed.value.status == 0 and failed.value.type == "connection_error", failed.value
 
 

@@ -46,12 +46,12 @@ def test_a_read_timeout_is_not_sent_again():
 
 
 def test_an_unreachable_server_is_retried_for_the_whole_connect_window():
-    from model_runtime.pool.ports import free_port
+    from tests.ports import held_port
 
-    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    started = time.monotonic()
-    with ScoreClient(url, connect_retry_s=1.5) as client, pytest.raises(ScoreError):
-        client.score([[1, 2, 3]])
+    with held_port() as port:  # nothing listens there
+        started = time.monotonic()
+        with ScoreClient(f"http://127.0.0.1:{port}", connect_retry_s=1.5) as client, pytest.raises(ScoreError):
+            client.score([[1, 2, 3]])
     elapsed = time.monotonic() - started
     assert 1.48 <= elapsed < 1.5 + 2, f"gave up after {elapsed:.2f} s of a 1.5 s connect_retry_s"
 

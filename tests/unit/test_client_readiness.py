@@ -70,9 +70,9 @@ def test_wait_ready_waits_through_no_server_and_a_proxys_pages_and_stops_at_a_la
 
 
 def test_wait_ready_counts_an_unreachable_server_as_not_ready():
-    from model_runtime.pool.ports import free_port
+    from tests.ports import held_port
 
-    with ScoreClient(f"http://127.0.0.1:{free_port()}", connect_retry_s=0.2) as client:
+    with held_port() as port, ScoreClient(f"http://127.0.0.1:{port}", connect_retry_s=0.2) as client:
         with pytest.raises(ScoreError) as unreachable:
             client.ready()
         with pytest.raises(ScoreError) as late:
