@@ -61,9 +61,14 @@ class DrainingServer(uvicorn.Server):
         try:
             yield
         finally:
+            stopped_by_sigint = signal.SIGINT in self._captured_signals
             for sig, handler in found.items():
-                signal.signal(sig, after_serving(handler))
+                # Ctrl-C again once a SIGINT stopped the server is ignored: as a KeyboardInterrupt it landed
+                # anywhere in the exit under way (130), the interpreter's teardown included, as a traceback.
+                signal.signal(sig, signal.SIG_IGN if sig == signal.SIGINT and stopped_by_sigint else after_serving(handler))
         for captured in reversed(self._captured_signals):
+            if captured == signal.SIGINT:
+                raise KeyboardInterrupt  # what the default handler raised; SIGINT is ignored by now
             signal.raise_signal(captured)
 
     async def startup(self, sockets=None) -> None:
