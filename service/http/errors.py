@@ -57,6 +57,18 @@ def backend_unavailable(message: str, retry_after_s: int) -> ApiError:
     return ApiError(503, "backend_unavailable", message, headers={"Retry-After": str(retry_after_s)})
 
 
+def restart_failed(backend, what: str | None = None) -> ApiError | None:
+    """503 ``backend_unavailable`` while ``backend``'s workers are down and could not restart (the worker
+    pool's ``restart_error``), else None: why (after ``what`` failed), and when the pool next tries, one
+    figure for the message and Retry-After."""
+    failed = getattr(backend, "restart_error", None)
+    if not failed:
+        return None
+    retry = getattr(backend, "restart_retry_after_s", 30)
+    why = f"the scoring workers are down and could not restart: {failed}; the next attempt is in {retry}s."
+    return backend_unavailable(f"{what}: {why}" if what else why[0].upper() + why[1:], retry_after_s=retry)
+
+
 def body_too_large(limit: int, named: str, hint: str) -> ApiError:
     """413 ``body_too_large`` with Connection: close, so the rest of the body is dropped, not parsed."""
     return ApiError(413, "body_too_large", f"The body exceeds {limit} bytes ({named}); {hint}.",

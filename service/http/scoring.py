@@ -15,7 +15,7 @@ from model_runtime.types import SequenceInput, SequenceScores
 from service.http.encoding import CONTENT_TYPE, decode_body, encode_score_response, request_encoding, response_encoding
 from service.http.encoding import non_finite_score, result_record
 from service.http.errors import ApiError, backend_unavailable, body_too_large, deadline_error, draining_error
-from service.http.errors import non_finite_error
+from service.http.errors import non_finite_error, restart_failed
 from service.http.errors import short_repr
 from service.http.protocol import PROTOCOL_ANSWER
 from service.http.rollout import mismatch
@@ -75,11 +75,8 @@ async def score_request(request: Request, service: Service) -> Response:
     if job.weights_version is not None and job.weights_version != model.backend.info.weights_version:
         raise _version_mismatch(job.weights_version, model)
     if not model.backend.is_alive():  # a worker died: answer now instead of failing in the queue
-        failed = getattr(model.backend, "restart_error", None)
-        if failed:  # the restart itself fails: say why, and retry when the pool next tries (unsaid: its longest pause)
-            retry = getattr(model.backend, "restart_retry_after_s", 30)
-            raise backend_unavailable(f"The scoring workers are down and could not restart: {failed}; the next attempt "
-                                      f"is in {retry}s.", retry_after_s=retry)
+        if (failed := restart_failed(model.backend)) is not None:  # the restart itself fails
+            raise failed
         raise backend_unavailable("A scoring worker is down; retry shortly.", retry_after_s=5)
     # From the request's arrival, not from the end of its body: a large body on a slow link spends the
     # trainer's time too. Capped at a day: an unbounded integer must not overflow the clock arithmetic.

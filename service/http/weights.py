@@ -22,7 +22,7 @@ from model_runtime.scoring.checkpoint_error import CheckpointError
 from model_runtime.scoring.weights import RESERVED_VERSION_PREFIXES, files_snapshot
 from model_runtime.still_lines import saying_still
 from service.http.errors import ApiError, backend_unavailable, from_validation_errors, is_out_of_memory, short_repr
-from service.http.errors import SHOWN_PATH
+from service.http.errors import SHOWN_PATH, restart_failed
 from service.http.schemas import WeightsRequest
 from service.http.validation import pick_model
 from service.runtime import NoLoadThreadError, ServedModel, Service, in_load_thread
@@ -266,12 +266,8 @@ def _refusal(model: ServedModel, exc: BaseException) -> ApiError | None:
     if isinstance(exc, UpdateInProgressError):
         return ApiError(409, "update_in_progress", f"{exc}; retry once it is done.", "model", headers=_RETRY_SOON)
     if isinstance(exc, BackendUnavailableError):
-        failed = getattr(model.backend, "restart_error", None)
-        if failed:  # the pool cannot restart: say why and when it next tries, as /score's 503 and /readyz do
-            retry = getattr(model.backend, "restart_retry_after_s", 30)
-            return backend_unavailable(f"The weights of {model.name!r} could not be updated: the scoring workers are "
-                                       f"down and could not restart: {failed}; the next attempt is in {retry}s.",
-                                       retry_after_s=retry)
+        if (failed := restart_failed(model.backend, f"The weights of {model.name!r} could not be updated")) is not None:
+            return failed  # the pool cannot restart: why and when it next tries, as /score's 503 and /readyz say
         return backend_unavailable(f"The weights of {model.name!r} could not be updated: {exc}.", retry_after_s=5)
     if isinstance(exc, NoLoadThreadError):  # the server's moment, not the checkpoint's: it was not read
         log.error("weights update of %s not started: %s", model.name, exc)
