@@ -9,7 +9,8 @@ step's batch: 8 concurrent requests of 32 sequences through the bundled AsyncSco
 
 - gpu: the qwen3.5-9b preset on one GPU. In process: ``Scorer.score`` of the whole workload
   (first-fit-decreasing rows of the budget). Over HTTP: ``create_app`` + uvicorn in this process,
-  serving the same warm scorer (its warm-up already done), the client in a child process.
+  serving the same warm scorer (its warm-up already done), the client in a child process
+  (``--model tiny --sequences 8`` runs this path on the CPU, as a dry run).
 - simulated: a backend whose forwards sleep for as long as the 9B takes on an H200 for that
   row (the cost model below), ``concurrency`` = GPUs; the real scheduler, server, client and
   wire. In process: the better of the first-fit-decreasing rows run by GPUs-many threads and
@@ -18,8 +19,12 @@ step's batch: 8 concurrent requests of 32 sequences through the bundled AsyncSco
   server from another source tree (the admission before docs/admission.md), for comparison.
   Each measurement runs ``--repeats`` times and the best counts (this machine may be shared).
 
-Idle latency: one 512-token sequence, the server idle, median of 20: ``Scorer.score`` (or one
-simulated forward) in process against one request over HTTP.
+Idle latency: one 512-token sequence, the server idle, after the burst: 20 calls of
+``Scorer.score`` (or of one simulated forward) in process and 20 requests over HTTP from the
+client process, alternating (in process, HTTP, in process, ...), each after 0.2 s idle, so both
+sides meet the GPU in the same state; medians, their ratio, and the server's own forward time
+(/metrics). A call in process waits for the HTTP answer before it, and in the gpu mode takes the
+lock the server's forwards hold, so it never overlaps one.
 
 Cost model of one forward of the 9B on one H200 (bench/results/h200-2026-11-30.json: 810,801
 tokens in 21.9 s at 64k rows, 36.5k tokens/s at 16k rows, 61 ms for one 512-token sequence):
@@ -41,6 +46,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -153,36 +159,23 @@ async def trainer_burst(url: str, sequences) -> dict:
             "http_429": int(_metric(url, "packscore_rejections_total", reason="queue_full") - refused)}
 
 
-async def idle_latency_http(url: str, seq) -> dict:
-    """Seconds per request of one sequence to an idle server, and what the server spent of them
-    in the forward and waiting in the queue (means, from /metrics)."""
-    from packscore_client import AsyncScoreClient
-
-    out = []
-    async with AsyncScoreClient(url, max_concurrency=1) as client:
+async def idle_requests(client, url: str, seq, count: int) -> dict:
+    """``count`` requests of one sequence to an idle server, each after IDLE_GAP_S: their seconds
+    and wall-clock starts, and what the server spent of them in forwards and queue waits (sums,
+    from /metrics)."""
+    before = {name: _metric(url, name) for name in _SERVER_TIMES}
+    seconds, starts = [], []
+    for _ in range(count):
+        await asyncio.sleep(IDLE_GAP_S)  # the server goes idle between requests
+        starts.append(time.time())
+        t0 = time.perf_counter()
         await client.score(_payload([seq]))
-        before = {name: _metric(url, name) for name in _SERVER_TIMES}
-        for _ in range(IDLE_REPEATS):
-            await asyncio.sleep(IDLE_GAP_S)  # the server goes idle between requests
-            t0 = time.perf_counter()
-            await client.score(_payload([seq]))
-            out.append(time.perf_counter() - t0)
-        after = {name: _metric(url, name) for name in _SERVER_TIMES}
-    server = {key: (after[name] - before[name]) / IDLE_REPEATS for name, key in _SERVER_TIMES.items()}
-    return {"seconds": out, **server}
+        seconds.append(time.perf_counter() - t0)
+    after = {name: _metric(url, name) for name in _SERVER_TIMES}
+    return {"seconds": seconds, "starts": starts, **{key: after[name] - before[name] for name, key in _SERVER_TIMES.items()}}
 
 
 _SERVER_TIMES = {"packscore_forward_seconds_sum": "forward_s", "packscore_queue_wait_seconds_sum": "queue_wait_s"}
-
-
-def idle_latency_in_process(score, seq) -> list[float]:
-    out = []
-    for _ in range(IDLE_REPEATS):
-        time.sleep(IDLE_GAP_S)
-        t0 = time.perf_counter()
-        score([seq])
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def idle_sequence(vocab: int = VOCAB):
@@ -197,12 +190,23 @@ def workload(num_sequences: int = 256, vocab: int = VOCAB):
     return grpo_workload(vocab, WorkloadSpec(num_sequences=num_sequences))
 
 
+async def client_session(url: str, sequences: int, vocab: int) -> None:
+    """The burst (none with ``sequences`` 0), then one JSON line once the server is idle; then
+    for each line N on stdin, N idle requests' figures as one JSON line, until stdin ends."""
+    from packscore_client import AsyncScoreClient
+
+    burst = await trainer_burst(url, workload(sequences, vocab)) if sequences else None
+    seq = idle_sequence(vocab)
+    async with AsyncScoreClient(url, max_concurrency=1) as client:
+        await client.score(_payload([seq]))  # a connection open; answered, so the server is idle
+        print(json.dumps({"burst": burst}), flush=True)
+        while (line := await asyncio.to_thread(sys.stdin.readline)).strip():
+            print(json.dumps(await idle_requests(client, url, seq, int(line))), flush=True)
+
+
 def client_main(args) -> None:
-    """``client --url U``: the burst and the idle latency against a server, as JSON on stdout."""
-    sequences = workload(args.sequences, args.vocab)
-    burst = asyncio.run(trainer_burst(args.url, sequences))
-    idle = asyncio.run(idle_latency_http(args.url, idle_sequence(args.vocab)))
-    print(json.dumps({"burst": burst, "idle": idle}))
+    """``client --url U``: the burst and idle requests against a server (``client_session``)."""
+    asyncio.run(client_session(args.url, args.sequences, args.vocab))
 
 
 # ---- the server side -----------------------------------------------------------------------
@@ -250,13 +254,85 @@ class InProcessServer:
         self.thread.join(timeout=30)
 
 
-def run_client_process(url: str, sequences: int, vocab: int) -> dict:
-    command = [sys.executable, "-m", "bench.http_burst", "client", "--url", url, "--sequences", str(sequences),
-               "--vocab", str(vocab)]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
-    if done.returncode:
-        raise RuntimeError(f"client failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+class ClientProcess:
+    """``client`` in a child process (in the server's process it would compete with the server
+    for the GIL): ``ready`` is the burst's figures, ``idle(n)`` runs n idle requests."""
+
+    def __init__(self, url: str, sequences: int, vocab: int):
+        self.command = [sys.executable, "-m", "bench.http_burst", "client", "--url", url,
+                        "--sequences", str(sequences), "--vocab", str(vocab)]
+
+    def __enter__(self) -> "ClientProcess":
+        self.stderr = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                                     text=True, cwd=Path(__file__).resolve().parents[1])
+        self.ready = self._read()
+        return self
+
+    def idle(self, count: int) -> dict:
+        try:
+            self.proc.stdin.write(f"{count}\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # the client ended: _read says why
+        return self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.stderr.seek(0)
+            raise RuntimeError(f"client failed ({self.proc.wait()}):\n{self.stderr.read()[-3000:]}")
+        return json.loads(line)
+
+    def __exit__(self, *exc) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        finally:
+            self.proc.kill()  # a no-op once it exited
+            self.stderr.close()
+
+
+def idle_side_by_side(score, seq, client: ClientProcess, alone: threading.Lock | None = None,
+                      pairs: int = IDLE_REPEATS) -> dict:
+    """Idle requests of one sequence in pairs: ``score([seq])`` in this process, then one over HTTP
+    from ``client``, each after IDLE_GAP_S, so that both sides meet the GPU in the same state (one
+    side's 20 and then the other's, minutes apart, measured the GPU's drift as much as HTTP).
+    ``alone``: a lock the server's forwards hold, taken around each call in process so that none
+    overlaps a forward (the HTTP answer is in by then; ``server_busy`` counts the waits)."""
+    local, http, busy, server = [], [], 0, dict.fromkeys(_SERVER_TIMES.values(), 0.0)
+    for _ in range(pairs):
+        time.sleep(IDLE_GAP_S)
+        if alone is not None and not alone.acquire(blocking=False):
+            busy += 1
+            alone.acquire()
+        try:
+            start, t0 = time.time(), time.perf_counter()
+            score([seq])
+            local.append((start, time.perf_counter() - t0))
+        finally:
+            if alone is not None:
+                alone.release()
+        answer = client.idle(1)
+        http += zip(answer["starts"], answer["seconds"])
+        server = {key: server[key] + answer[key] for key in server}
+    return {"in_process": local, "http": http, "server_busy": busy, **server}
+
+
+def idle_figures(side: dict) -> dict:
+    """The results' idle keys from ``idle_side_by_side``: medians (ms), their ratio, the median of
+    each pair's ratio, 10th and 90th percentiles, the server's forward and queue wait (means)."""
+    local, http = (np.asarray([s for _, s in side[k]]) for k in ("in_process", "http"))
+    starts = [t for k in ("in_process", "http") for t, _ in side[k]]
+    return {"idle_in_process_ms": _ms(local), "idle_http_ms": _ms(http), "idle_ratio": _ms(http) / _ms(local),
+            "idle_ratio_paired": float(np.median(http / local)),
+            "idle_in_process_p10_p90_ms": [float(v) * 1000 for v in np.percentile(local, (10, 90))],
+            "idle_http_p10_p90_ms": [float(v) * 1000 for v in np.percentile(http, (10, 90))],
+            "idle_server_forward_ms": side["forward_s"] / len(http) * 1000,
+            "idle_server_queue_wait_ms": side["queue_wait_s"] / len(http) * 1000,
+            "idle_pairs": len(http), "idle_window_s": max(starts) - min(starts), "idle_server_busy": side["server_busy"],
+            "idle_samples_ms": {"in_process": [round(float(v) * 1000, 2) for v in local],
+                                "http": [round(float(v) * 1000, 2) for v in http]}}
 
 
 def _ms(values) -> float:
@@ -291,20 +367,17 @@ def gpu_mode(args) -> dict:
         t0 = time.perf_counter()
         scorer.score(sequences)
         local = tokens / (time.perf_counter() - t0)
-        local_idle = idle_latency_in_process(scorer.score, idle_sequence(loaded.vocab_size))
         backend = _Warmed(LocalBackend(scorer))
-        with InProcessServer(create_app(settings, backend), settings) as server:
-            http = run_client_process(server.url, args.sequences, loaded.vocab_size)
+        with InProcessServer(create_app(settings, backend), settings) as server, \
+                ClientProcess(server.url, args.sequences, loaded.vocab_size) as client:
+            burst = client.ready["burst"]
+            idle = idle_side_by_side(scorer.score, idle_sequence(loaded.vocab_size), client, backend.forward_lock)
         out[f"rows_{rows}"] = {
-            "ratio": http["burst"]["tokens_per_s"] / local,
+            "ratio": burst["tokens_per_s"] / local,
             "in_process_tokens_per_s": local,
-            "http_tokens_per_s": http["burst"]["tokens_per_s"],
-            "http_429": http["burst"]["http_429"],
-            "idle_in_process_ms": _ms(local_idle),
-            "idle_http_ms": _ms(http["idle"]["seconds"]),
-            "idle_ratio": _ms(http["idle"]["seconds"]) / _ms(local_idle),
-            "idle_server_forward_ms": http["idle"]["forward_s"] * 1000,
-            "idle_server_queue_wait_ms": http["idle"]["queue_wait_s"] * 1000,
+            "http_tokens_per_s": burst["tokens_per_s"],
+            "http_429": burst["http_429"],
+            **idle_figures(idle),
             "warm_up_s": warm,
         }
         print(f"rows {rows}: {out[f'rows_{rows}']}", flush=True)
@@ -318,9 +391,11 @@ class _Warmed:
     def __init__(self, backend):
         self._backend = backend
         self.info, self.concurrency, self.max_row_tokens = backend.info, backend.concurrency, backend.max_row_tokens
+        self.forward_lock = threading.Lock()  # held by each forward: the idle calls in process wait for it
 
     def score_row(self, sequences):
-        return self._backend.score_row(sequences)
+        with self.forward_lock:
+            return self._backend.score_row(sequences)
 
     def warm_up(self) -> None:
         self._backend.scorer.warm_attention_plans()
@@ -371,85 +446,6 @@ def in_process_scheduler(sequences, gpus: int, rows: int, time_scale: float, pre
     return asyncio.run(run())
 
 
-def latency_breakdown(repeats: int) -> dict:
-    """Where an idle request's time goes on this CPU: the tiny model in process and over HTTP,
-    and the parts of the difference (milliseconds, medians)."""
-    from model_runtime.scoring.loading import load_model
-    from model_runtime.scoring.scorer import Scorer
-    from model_runtime.types import SequenceInput
-    from packscore_client.protocol import Protocol, as_seq
-    from service.http.encoding import decode_body, encode_score_response, result_record
-    from service.http.validation import Limits, parse_score_request
-    from service.local_server import LocalServer
-
-    import torch
-
-    torch.set_num_threads(1)  # as the server's OMP_NUM_THREADS=1: one core each on a small machine
-    rng = np.random.default_rng(2)
-    tiny_seq = SequenceInput(rng.integers(0, 4096, IDLE_LENGTH), score_from=IDLE_LENGTH // 4)
-    scorer = Scorer(load_model("tiny"))
-    scorer.warm_up()
-    out = {"tiny_in_process_ms": _ms(idle_latency_in_process(scorer.score, tiny_seq))}
-    server = LocalServer(["--model", "tiny", "--log-level", "warning"], env={"OMP_NUM_THREADS": "1"}).wait_ready()
-    try:
-        out["tiny_http_ms"] = _ms(asyncio.run(idle_latency_http(server.url, tiny_seq))["seconds"])
-    finally:
-        server.stop(timeout=30)
-    # The same request with a forward that takes no time: HTTP, server and scheduler overhead alone.
-    server = simulated_server(Path(__file__).resolve().parents[1], 1, 16384, 0.0)
-    try:
-        out["zero_forward_http_ms"] = _ms(asyncio.run(idle_latency_http(server.url, idle_sequence()))["seconds"])
-    finally:
-        server.stop(timeout=30)
-    out["zero_forward_scheduler_ms"] = _scheduler_round_trip_ms(idle_sequence())
-    # Encoding and validation of this request and its answer, both sides.
-    protocol = Protocol("http://x", None, "msgpack", 1.0, None, None, None)
-    options = {"temperature": 1.0, "return_entropy": True, "top_k": 0}
-    sent = [as_seq(p) for p in _payload([tiny_seq])]
-    body = protocol.body(sent, options)
-    limits = Limits(4096, 1 << 20, 4096, 1 << 20, 1 << 26)
-    scores = scorer.score([tiny_seq])
-    answer = {"model": "m", "weights_version": "v", "results": [result_record(None, scores[0], return_entropy=True, top_k=0)],
-              "usage": {"input_tokens": IDLE_LENGTH, "scored_tokens": 1}}
-    encoded = encode_score_response(answer, "msgpack")
-    import httpx
-
-    response = httpx.Response(200, content=encoded, headers={"content-type": "application/msgpack"})
-
-    def timed(fn) -> float:
-        times = []
-        for _ in range(repeats * 50):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return _ms(times)
-
-    out["encoding_ms"] = (timed(lambda: protocol.body([as_seq(p) for p in _payload([tiny_seq])], options))
-                          + timed(lambda: parse_score_request(decode_body(body, "msgpack"), limits, "m"))
-                          + timed(lambda: encode_score_response(answer, "msgpack"))
-                          + timed(lambda: protocol.parse(response, 0, sent)))
-    return out
-
-
-def _scheduler_round_trip_ms(seq) -> float:
-    from service.scheduling.scheduler import Scheduler
-    from service.settings import Settings
-
-    async def run() -> list[float]:
-        scheduler = Scheduler.from_settings(SimulatedH200Backend(1, 16384, 0.0), Settings())
-        await scheduler.start()
-        times = []
-        for _ in range(IDLE_REPEATS):
-            await asyncio.sleep(0.2)
-            t0 = time.perf_counter()
-            await (await scheduler.submit_when_room([seq])).future
-            times.append(time.perf_counter() - t0)
-        await scheduler.close()
-        return times
-
-    return _ms(asyncio.run(run()))
-
-
 def simulated_server(tree: Path, gpus: int, rows: int, time_scale: float, flags: tuple[str, ...] = ()):
     from service.local_server import LocalServer
 
@@ -481,18 +477,17 @@ def simulated_mode(args) -> dict:
         local = max(ffd, scheduled)
         entry = {"in_process_tokens_per_s": local, "in_process_ffd_tokens_per_s": ffd,
                  "in_process_scheduler_tokens_per_s": scheduled}
-        if gpus == 1:
-            backend = SimulatedH200Backend(1, rows, args.time_scale, sharing)
-            entry["idle_in_process_ms"] = _ms(idle_latency_in_process(backend.score_row, seq))
         for name, tree in trees.items():
             server = simulated_server(tree, gpus, rows, args.time_scale, flags)
             try:
                 runs = [asyncio.run(trainer_burst(server.url, sequences)) for _ in range(args.repeats)]
                 burst = max(runs, key=lambda r: r["tokens_per_s"])
-                if gpus == 1:
-                    idle = asyncio.run(idle_latency_http(server.url, seq))
-                    entry[f"idle_http_ms_{name}"] = _ms(idle["seconds"])
-                    entry[f"idle_server_queue_wait_ms_{name}"] = idle["queue_wait_s"] * 1000
+                if gpus == 1:  # keys suffixed by the tree; idle_in_process_ms: the one beside "after"
+                    backend = SimulatedH200Backend(1, rows, args.time_scale, sharing)
+                    with ClientProcess(server.url, 0, VOCAB) as client:
+                        idle = idle_figures(idle_side_by_side(backend.score_row, seq, client))
+                    entry.update({f"{key}_{name}": value for key, value in idle.items()})
+                    entry.setdefault("idle_in_process_ms", idle["idle_in_process_ms"])
             finally:
                 server.stop(timeout=30)
             suffix = "" if name == "after" else "_before"
@@ -502,6 +497,8 @@ def simulated_mode(args) -> dict:
         out[f"gpus_{gpus}"] = entry
         print(f"{gpus} GPU(s): {entry}", flush=True)
     if not args.no_breakdown:
+        from bench.http_burst_breakdown import latency_breakdown
+
         out["idle_breakdown_cpu"] = latency_breakdown(args.repeats)
         print(f"idle latency on this CPU: {out['idle_breakdown_cpu']}", flush=True)
     return out
@@ -518,7 +515,7 @@ def main(argv=None) -> None:
     if argv[:1] == ["client"]:
         parser = argparse.ArgumentParser(prog="http_burst client")
         parser.add_argument("--url", required=True)
-        parser.add_argument("--sequences", type=int, default=256)
+        parser.add_argument("--sequences", type=int, default=256, help="the burst's workload; 0: no burst")
         parser.add_argument("--vocab", type=int, default=VOCAB)
         client_main(parser.parse_args(argv[1:]))
         return
