@@ -33,8 +33,8 @@ class DrainingServer(uvicorn.Server):
 
     uvicorn on SIGTERM stops accepting connections at once and re-raises the signal at exit
     (status -15). The contract wants new requests answered 503 with Retry-After while the
-    admitted ones finish, and then a clean exit. A second SIGTERM, or SIGINT, falls back to
-    uvicorn's own handling.
+    admitted ones finish, and then a clean exit. A second SIGTERM, or SIGINT, during the drain falls
+    back to uvicorn's own handling; a SIGINT once the drain is done is ignored (the exit, 0, is under way).
     """
 
     def __init__(self, config: uvicorn.Config, service: Service):
@@ -44,6 +44,7 @@ class DrainingServer(uvicorn.Server):
         self._drain: asyncio.Future | None = None
         self._drain_deadline = 0.0
         self._exits_early = False  # SIGTERM exits at once until the loop is known (the early exit was in force)
+        self._drained_stop = False  # a SIGTERM's drain ended serving: the exit, 0, is under way
         self.listen_failed = False  # the app started, then uvicorn could not bind its address (it exits 3)
 
     @contextlib.contextmanager
@@ -61,11 +62,11 @@ class DrainingServer(uvicorn.Server):
         try:
             yield
         finally:
-            stopped_by_sigint = signal.SIGINT in self._captured_signals
+            stopped_by_signal = signal.SIGINT in self._captured_signals or self._drained_stop
             for sig, handler in found.items():
-                # Ctrl-C again once a SIGINT stopped the server is ignored: as a KeyboardInterrupt it landed
-                # anywhere in the exit under way (130), the interpreter's teardown included, as a traceback.
-                signal.signal(sig, signal.SIG_IGN if sig == signal.SIGINT and stopped_by_sigint else after_serving(handler))
+                # Ctrl-C once a SIGINT or a drain stopped the server is ignored: as a KeyboardInterrupt it landed
+                # anywhere in the exit under way (130 or 0), the interpreter's teardown included, as a traceback.
+                signal.signal(sig, signal.SIG_IGN if sig == signal.SIGINT and stopped_by_signal else after_serving(handler))
         for captured in reversed(self._captured_signals):
             if captured == signal.SIGINT:
                 raise KeyboardInterrupt  # what the default handler raised; SIGINT is ignored by now
@@ -80,6 +81,8 @@ class DrainingServer(uvicorn.Server):
             raise
 
     def handle_exit(self, sig, frame) -> None:
+        if sig == signal.SIGINT and self._drained_stop:
+            return  # the drain is done and the server stopping: Ctrl-C now would only turn its 0 into 130
         if sig == signal.SIGTERM and self._loop is None and self._exits_early:
             # uvicorn's own start (its config, the lifespan's creation) comes before startup() knows the
             # loop: nothing loads or is admitted yet, so this is still a SIGTERM before serving (exit 0)
@@ -123,7 +126,10 @@ class DrainingServer(uvicorn.Server):
             # sending meets the reset, not the 503. A second SIGTERM or a SIGINT (should_exit) stops
             # without a drain, these waits included.
             waiting = self._sending() or self._lingering()
-            return self.should_exit or not (waiting and time.monotonic() < self._drain_deadline)
+            if self.should_exit:
+                return True
+            self._drained_stop = not (waiting and time.monotonic() < self._drain_deadline)
+            return self._drained_stop
         return await super().on_tick(counter)
 
     def _sending(self) -> bool:

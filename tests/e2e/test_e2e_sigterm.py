@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from tests.e2e.helpers import (API_KEY, TINY_VOCAB, ServerProcess, assert_matches, decode, long_forward_body, post,
-                               queued_sequences, random_sequences, signalled_once, sigterm_mid_forward)
+                               post_in_background, queued_sequences, random_sequences, signalled_once,
+                               sigterm_mid_forward)
 
 
 def test_sigterm_drains_admitted_requests_and_exits_0(tmp_path, tiny_scorer):
@@ -237,6 +238,56 @@ def test_a_second_sigint_exits_130_with_the_service_stopped_and_no_traceback(tmp
     assert "Traceback" not in log and "Application shutdown complete" in log, log[-3000:]
     # SIGINT drains nothing: the log says so instead of promising the drain timeout
     assert "stopping without a drain" in log and "draining: finishing" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize("after", ["Shutting down", "Finished server process"], ids=["shutting-down", "finished"])
+def test_a_sigint_once_a_sigterm_drain_stopped_the_server_is_ignored_and_it_exits_0(tmp_path, after):
+    # Ctrl-C while the drained server stops: the default handler's KeyboardInterrupt landed anywhere in
+    # the exit (the interpreter's teardown: a traceback), or turned the drain's 0 into 130.
+    server = ServerProcess(tmp_path).wait_ready()
+    try:
+        server.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while after not in server.log() and server.proc.poll() is None:  # the log line, not a sleep
+            assert time.monotonic() < deadline, f"{after!r} not logged:\n{server.log()[-3000:]}"
+            time.sleep(0.005)
+        if server.proc.poll() is None:
+            server.proc.send_signal(signal.SIGINT)
+        code = server.proc.wait(timeout=60)
+    finally:
+        server.stop()
+    log = server.log()
+    assert code == 0, f"exit status {code}, expected 0:\n{log[-3000:]}"
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-3000:]
+    assert "draining: finishing" in log and "Application shutdown complete" in log, log[-3000:]
+
+
+def test_a_sigint_during_a_sigterm_drain_stops_it_without_waiting_and_exits_130(tmp_path):
+    # Ctrl-C during the drain skips its wait, as a second Ctrl-C skips the shutdown's: the forward
+    # still running is answered the contract's 503 and the exit does not wait for it.
+    server = ServerProcess(tmp_path, "--max-batch-tokens", "12000", "--drain-timeout-s", "60").wait_ready()
+    sender, answers = post_in_background(server.url, long_forward_body(13))
+    try:
+        deadline = time.monotonic() + 60
+        while queued_sequences(server.url) < 2:  # admitted, its forward under way
+            assert time.monotonic() < deadline and server.proc.poll() is None, server.log()[-3000:]
+            time.sleep(0.01)
+        server.proc.send_signal(signal.SIGTERM)
+        while "draining: finishing" not in server.log():  # the log line, not a sleep
+            assert time.monotonic() < deadline and server.proc.poll() is None, server.log()[-3000:]
+            time.sleep(0.005)
+        server.proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        code = server.proc.wait(timeout=60)
+        exited_after = time.monotonic() - sent
+        sender.join(timeout=30)
+    finally:
+        server.stop()
+    log = server.log()
+    assert code == 130 and exited_after < 15, f"exit status {code} {exited_after:.1f} s after SIGINT:\n{log[-3000:]}"
+    assert "Traceback" not in log and "stopping without a drain: 1 unfinished request(s)" in log, log[-3000:]
+    cut = answers["answer"]
+    assert cut.status_code == 503 and cut.json()["error"]["type"] == "unavailable", cut.text[:300]
 
 
 class _SigintIgnored(ServerProcess):
