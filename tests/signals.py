@@ -13,6 +13,16 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def catches(pid: int, signum: int) -> bool:
+    """Whether ``pid`` has a handler of its own for ``signum`` (SigCgt in /proc); False once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(caught & (1 << (signum - 1)))
+
+
 def process_state(pid: int) -> str:
     """The state letter of ``pid`` in /proc (``T`` stopped, ``Z`` a zombie), or ``"gone"``."""
     try:

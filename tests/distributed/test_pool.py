@@ -6,7 +6,6 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +19,7 @@ from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.scorer import Scorer
 from model_runtime.types import InvalidSequenceError, SequenceInput
 from tests import warm_start
+from tests.signals import process_state
 
 TOL = 1e-5
 BASE = dict(model="tiny", device="cpu", dtype="auto", max_batch_tokens=256, allow_slow_kernels=False)
@@ -228,8 +228,7 @@ def _spawn_stopping(monkeypatch, doomed) -> list:
 
 
 def _running(procs) -> list[int]:
-    return [p.pid for p in procs if Path(f"/proc/{p.pid}").exists()
-            and Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    return [p.pid for p in procs if process_state(p.pid) not in ("gone", "Z")]
 
 
 def test_a_worker_lost_while_the_first_world_forms_is_replaced(local, monkeypatch, caplog):

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import orjson
@@ -17,14 +16,11 @@ import pytest
 
 from tests.distributed.test_serve_e2e import _worker_pids
 from tests.e2e.helpers import TINY_VOCAB
-from tests.signals import default_sigint
+from tests.signals import default_sigint, process_state
 
 
 def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return process_state(pid) not in ("gone", "Z")
 
 
 def test_a_second_ctrl_c_closes_the_pool_before_exiting(tmp_path):

@@ -212,8 +212,7 @@ def test_a_drain_timeout_with_a_worker_mid_row_exits_0_on_time_leaving_no_worker
     assert exited_after < 1 + 3 + 5, (exited_after, server.log()[-3000:])
     assert cut.status_code == 503, cut.text[:300]
     time.sleep(0.5)
-    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()
-                and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"], "a worker outlived the server"
+    assert not [pid for pid in workers if process_state(pid) not in ("gone", "Z")], "a worker outlived the server"
 
 
 def _logged_after(server: LocalServer, first: str, then: str) -> float | None:

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -19,6 +18,7 @@ import pytest
 from tests.e2e.helpers import (API_KEY, TINY_VOCAB, ServerProcess, assert_matches, decode, long_forward_body, post,
                                post_in_background, queued_sequences, random_sequences, signalled_once,
                                sigterm_mid_forward)
+from tests.signals import catches
 
 
 def test_sigterm_drains_admitted_requests_and_exits_0(tmp_path, tiny_scorer):
@@ -144,7 +144,7 @@ def test_a_sigterm_before_the_server_runs_exits_0(tmp_path):
         with log.open("wb") as out:
             proc = subprocess.Popen([*command, "serve", "--port", "0"], stdout=out, stderr=subprocess.STDOUT)
             deadline = time.monotonic() + 30
-            while not _catches_sigterm(proc.pid) and time.monotonic() < deadline and proc.poll() is None:
+            while not catches(proc.pid, signal.SIGTERM) and time.monotonic() < deadline and proc.poll() is None:
                 time.sleep(0.005)
             proc.send_signal(signal.SIGTERM)
             code = proc.wait(timeout=60)
@@ -202,16 +202,6 @@ def test_a_sigterm_at_each_step_of_the_start_exits_0(tmp_path, step, said):
         code = proc.wait(timeout=60)
     text = log.read_text()
     assert code == 0 and said in text and "Traceback" not in text, (step, code, text[-2000:])
-
-
-def _catches_sigterm(pid: int) -> bool:
-    """Whether the process has a handler for SIGTERM (SigCgt in /proc/PID/status)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    caught = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:"))
-    return bool(caught & (1 << (signal.SIGTERM - 1)))
 
 
 @pytest.mark.parametrize("after", ["stopping without a drain", "Shutting down", "Finished server process"],

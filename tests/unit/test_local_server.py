@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.signals import process_state
+
 REPO = Path(__file__).resolve().parents[2]
 
 _CALLER = """
@@ -54,11 +56,7 @@ if how == "timeout":
 def _gone(pid: int, within: float) -> bool:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return True
-        if state == "Z":
+        if process_state(pid) in ("gone", "Z"):
             return True
         time.sleep(0.1)
     return False
