@@ -10,7 +10,6 @@ runs to one file; a line without them (an earlier packscore's) is kept unchecked
 from __future__ import annotations
 
 import asyncio
-import codecs
 import contextlib
 import functools
 import logging
@@ -32,6 +31,7 @@ from service.http.errors import ApiError
 from service.http.rollout import mismatch
 from service.http.validation import Limits, ScoreJob, parse_score_request, resolve_model_len
 from service.entrypoint import Terminated, before_scoring, hard_exit, terminate_before_scoring
+from service.offline_in import InputError, in_lines
 from service.offline_out import OutputError, close_output, cut_torn, lock_output, path_problem, whole_lines, why_full
 from service.offline_progress import progress, tick
 from service.scheduling.scheduler import Scheduler
@@ -39,10 +39,6 @@ from service.scheduling.tickets import Ticket
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
-
-
-class InputError(ValueError):
-    """A line of IN that cannot be scored; the message names the line."""
 
 
 class Done(NamedTuple):
@@ -126,50 +122,6 @@ def _finished_ids(output: Path) -> dict[str, Done]:
     return done
 
 
-def _lines(path: Path) -> Iterator[tuple[int, dict]]:
-    try:
-        yield from _read_lines(path)
-    except OSError as exc:  # no permission, an I/O error: the user's to fix, so one line and exit 2
-        raise InputError(f"{path}: cannot read it: {exc.strerror or exc}") from None
-
-
-def _read_lines(path: Path) -> Iterator[tuple[int, dict]]:
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
-            if number == 1 and raw.startswith(codecs.BOM_UTF8):  # as Windows tools write UTF-8; orjson refuses it
-                raw = raw[len(codecs.BOM_UTF8):]
-            if number == 1 and raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # PowerShell 5's >
-                raise InputError(f"{path}: the file is UTF-16, JSON lines are UTF-8: save it as UTF-8 (in PowerShell: "
-                                 "Out-File -Encoding utf8) and run again")
-            if not raw.strip():
-                continue
-            try:
-                obj = orjson.loads(raw)
-            except orjson.JSONDecodeError as exc:  # orjson's "line 2 column 1" counts the newline: give the column
-                if (bad := _not_utf8(raw)) is not None:  # orjson says "column 1: ... surrogates not allowed" for any
-                    raise InputError(f"{path}:{number}: not UTF-8 at byte {bad + 1} of the line: JSON lines are UTF-8 "
-                                     "(a compressed or binary file, such as gzip or msgpack, must be turned into "
-                                     "JSON lines first)") from None
-                raise InputError(f"{path}:{number}: not valid JSON at column {min(exc.pos, len(raw.rstrip())) + 1}: "
-                                 f"{exc.msg}") from None
-            if not isinstance(obj, dict):
-                raise InputError(f"{path}:{number}: expected a JSON object with input_ids, got {type(obj).__name__}")
-            if obj.get("id") is None:  # absent or null, the API's default
-                obj["id"] = f"line-{number}"
-            if not isinstance(obj["id"], str):
-                raise InputError(f"{path}:{number}: id must be a string, got {obj['id']!r}")
-            yield number, obj
-
-
-def _not_utf8(raw: bytes) -> int | None:
-    """Where ``raw`` stops being UTF-8, None where it is."""
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return exc.start
-    return None
-
-
 def _jobs(settings: Settings, input_path: Path, limits: Limits, done: dict[str, Done], run: dict,
           seen: dict[str, int] | None = None) -> Iterator[tuple[int, str, ScoreJob]]:
     """Each line not yet in OUT as a validated one-sequence job; a bad line raises InputError naming
@@ -177,7 +129,7 @@ def _jobs(settings: Settings, input_path: Path, limits: Limits, done: dict[str, 
     ``run`` is what is known of this run's _RUN_FIELDS (the weights only once the model loaded).
     ``seen`` collects every id of IN, with its line."""
     seen = {} if seen is None else seen
-    for number, obj in _lines(input_path):
+    for number, obj in in_lines(input_path):
         seq_id = obj["id"]
         if seq_id in seen:  # checked before the skip of done ids: a rerun refuses what a first run does
             named = "; a line without an id is named line-<number>" if seq_id.startswith("line-") else ""
