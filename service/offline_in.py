@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import shlex
 from pathlib import Path
 from typing import Iterator
 
@@ -50,6 +51,12 @@ def _not_json(path: Path, number: int, raw: bytes, exc: orjson.JSONDecodeError) 
     if (bad := _not_utf8(raw)) is not None:  # orjson says "column 1: ... surrogates not allowed" for any
         return (f"{path}:{number}: not UTF-8 at byte {bad + 1} of the line: JSON lines are UTF-8 (a compressed or "
                 "binary file, such as gzip or msgpack, must be turned into JSON lines first)")
+    if b"\r" in raw[:exc.pos].replace(b"\r\n", b""):  # JSON takes \r as blank space: the next object follows
+        fixed = path.with_name(f"{path.stem}.lf{path.suffix}")
+        return (f"{path}:{number}: the line holds carriage returns (\\r) not followed by newlines: CR-only line "
+                "endings (as classic Mac OS wrote them), so the lines they end read as one; JSON lines end in \\n "
+                f"(\\r\\n is accepted too): convert them, as with tr '\\r' '\\n' < {shlex.quote(str(path))} > "
+                f"{shlex.quote(str(fixed))}, and run again with that file")
     return f"{path}:{number}: not valid JSON at column {min(exc.pos, len(raw.rstrip())) + 1}: {exc.msg}"
 
 

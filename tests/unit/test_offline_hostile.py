@@ -1,7 +1,11 @@
 """``packscore score``: lines a trainer's script may hand it by mistake (bytes that are not UTF-8, an OUT
-line that is not a result) are named with their line and what is wrong there, before the model loads."""
+line that is not a result, CR-only endings) are named with their line and what is
+wrong there, before the model loads."""
 
 import gzip
+import subprocess
+import sys
+from pathlib import Path
 
 import msgpack
 import orjson
@@ -90,3 +94,33 @@ def test_an_in_that_is_a_directory_is_named_so_not_as_stdin_or_a_pipe(no_model, 
     err = capsys.readouterr().err
     assert f"packscore: error: {tmp_path} is a directory; give IN as a file of JSON lines" in err, err
     assert "stdin" not in err and not (tmp_path / "out.jsonl").exists()
+
+
+def _score(tmp_path, data: bytes, *options: str) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """The real command on IN holding ``data``."""
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(data)
+    argv = [sys.executable, "-m", "service.cli", "score", str(source), "-o", str(out), *options]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300), source, out
+
+
+def test_cr_only_line_endings_are_named_with_how_to_convert_them(tmp_path):
+    """Classic Mac OS endings (\\r alone) made the file one line, refused as "unexpected content after document"."""
+    data = b"".join(orjson.dumps({"id": i, "input_ids": [1, 2]}) + b"\r" for i in "abc")
+    done, source, out = _score(tmp_path, data)
+    assert done.returncode == 2, done.stderr[-2000:]
+    for said in (f"{source}:1: the line holds carriage returns (\\r) not followed by newlines: CR-only line endings",
+                 f"convert them, as with tr '\\r' '\\n' < {source} > {tmp_path / 'in.lf.jsonl'}"):
+        assert said in done.stderr, done.stderr
+    assert "unexpected content" not in done.stderr and not out.exists()
+    fixed = tmp_path / "in.lf.jsonl"  # the command it gives, then the run scores every line
+    subprocess.run(f"tr '\\r' '\\n' < {source} > {fixed}", shell=True, check=True)
+    done = subprocess.run([sys.executable, "-m", "service.cli", "score", str(fixed), "-o", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and out.read_bytes().count(b"\n") == 3, done.stderr[-2000:]
+
+
+def test_a_cr_inside_a_string_is_not_named_as_a_line_ending(tmp_path):
+    done, source, _ = _score(tmp_path, b'{"id":"a\rb","input_ids":[1,2]}\n')
+    assert done.returncode == 2 and f"{source}:1: not valid JSON at column 9" in done.stderr, done.stderr
+    assert "carriage" not in done.stderr
