@@ -129,7 +129,7 @@ def _jobs(settings: Settings, input_path: Path, limits: Limits, done: dict[str, 
     ``run`` is what is known of this run's _RUN_FIELDS (the weights only once the model loaded).
     ``seen`` collects every id of IN, with its line."""
     seen = {} if seen is None else seen
-    for number, obj in in_lines(input_path):
+    for number, obj in in_lines(input_path, min(limits.max_model_len, limits.max_request_tokens)):
         seq_id = obj["id"]
         if seq_id in seen:  # checked before the skip of done ids: a rerun refuses what a first run does
             named = "; a line without an id is named line-<number>" if seq_id.startswith("line-") else ""

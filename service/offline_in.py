@@ -9,23 +9,50 @@ from typing import Iterator
 
 import orjson
 
+# Bytes a line may take per token of the longest sequence the run allows: an id below 2**31 (10 digits)
+# and a rollout log-prob (a float's shortest repr, up to 24 characters), each with ", ", and room to spare;
+# plus room for the id and the other fields. A longer line is refused before it is read whole, and one
+# with more commas than such a sequence has before it is parsed.
+LINE_BYTES_PER_TOKEN = 64
+LINE_BYTES_FIXED = 1 << 20
+
 
 class InputError(ValueError):
     """A line of IN that cannot be scored; the message names the line."""
 
 
-def in_lines(path: Path) -> Iterator[tuple[int, dict]]:
+def line_bytes(max_tokens: int) -> int:
+    """The longest line that can hold a sequence of at most ``max_tokens`` tokens, generously."""
+    return LINE_BYTES_PER_TOKEN * max_tokens + LINE_BYTES_FIXED
+
+
+def in_lines(path: Path, max_tokens: int) -> Iterator[tuple[int, dict]]:
     """Each line of ``path`` that is not blank, as its number and its object (``id`` set: ``line-<number>``
-    where absent or null); a line that is no such object raises InputError naming it."""
+    where absent or null); a line that is no such object raises InputError naming it, as does one longer
+    than a sequence of ``max_tokens`` tokens can take, before it is read whole."""
     try:
-        yield from _read_lines(path)
+        yield from _read_lines(path, max_tokens)
     except OSError as exc:  # no permission, an I/O error: the user's to fix, so one line and exit 2
         raise InputError(f"{path}: cannot read it: {exc.strerror or exc}") from None
 
 
-def _read_lines(path: Path) -> Iterator[tuple[int, dict]]:
+def _read_lines(path: Path, max_tokens: int) -> Iterator[tuple[int, dict]]:
+    limit = line_bytes(max_tokens)
     with path.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
+        number = 0
+        # read up to the limit: a line parsed whole holds a Python int per id, many times the line's bytes
+        while raw := f.readline(limit + 1):
+            number += 1
+            if len(raw) > limit:
+                raise InputError(f"{path}:{number}: the line is longer than {limit} bytes, more than any sequence of "
+                                 f"at most {max_tokens} tokens (max_model_len) takes ({LINE_BYTES_PER_TOKEN} bytes a "
+                                 f"token, for its id and rollout log-prob, and {LINE_BYTES_FIXED >> 20} MiB for its "
+                                 "other fields); refused before it was read whole")
+            # few bytes a value ("1,"): the values are bounded too, before orjson makes a Python int of each
+            if (commas := raw.count(b",")) > 2 * max_tokens + LINE_BYTES_FIXED:
+                raise InputError(f"{path}:{number}: the line holds {commas} commas, more than any sequence of at most "
+                                 f"{max_tokens} tokens (max_model_len) needs (one after each id and rollout log-prob, "
+                                 f"and {LINE_BYTES_FIXED} more for its other fields); refused before it was parsed")
             if number == 1 and raw.startswith(codecs.BOM_UTF8):  # as Windows tools write UTF-8; orjson refuses it
                 raw = raw[len(codecs.BOM_UTF8):]
             if number == 1 and raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # PowerShell 5's >

@@ -1,5 +1,5 @@
 """``packscore score``: lines a trainer's script may hand it by mistake (bytes that are not UTF-8, an OUT
-line that is not a result, CR-only endings) are named with their line and what is
+line that is not a result, CR-only endings, a line of hundreds of megabytes) are named with their line and what is
 wrong there, before the model loads."""
 
 import gzip
@@ -96,12 +96,18 @@ def test_an_in_that_is_a_directory_is_named_so_not_as_stdin_or_a_pipe(no_model, 
     assert "stdin" not in err and not (tmp_path / "out.jsonl").exists()
 
 
-def _score(tmp_path, data: bytes, *options: str) -> tuple[subprocess.CompletedProcess, Path, Path]:
-    """The real command on IN holding ``data``."""
+def _score(tmp_path, data: bytes, *options: str, peak: bool = False) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """The real command on IN holding ``data``; with ``peak``, its peak RSS in KiB is stdout's last line."""
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_bytes(data)
     argv = [sys.executable, "-m", "service.cli", "score", str(source), "-o", str(out), *options]
+    if peak:  # the wrapper's children are this run alone
+        argv = [sys.executable, "-c", _PEAK, *argv]
     return subprocess.run(argv, capture_output=True, text=True, timeout=300), source, out
+
+
+_PEAK = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).returncode; "
+         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(code)")
 
 
 def test_cr_only_line_endings_are_named_with_how_to_convert_them(tmp_path):
@@ -124,3 +130,26 @@ def test_a_cr_inside_a_string_is_not_named_as_a_line_ending(tmp_path):
     done, source, _ = _score(tmp_path, b'{"id":"a\rb","input_ids":[1,2]}\n')
     assert done.returncode == 2 and f"{source}:1: not valid JSON at column 9" in done.stderr, done.stderr
     assert "carriage" not in done.stderr
+
+
+def test_a_line_longer_than_any_allowed_sequence_takes_is_refused_before_it_is_read_whole(tmp_path):
+    """With --max-model-len 1000 a line of 200,000 ids is refused by its bytes, not parsed into ints first."""
+    data = orjson.dumps({"id": "a", "input_ids": [1234567] * 200_000}) + b"\n"
+    done, source, out = _score(tmp_path, data, "--max-model-len", "1000")
+    assert done.returncode == 2, done.stderr[-2000:]
+    limit = 64 * 1000 + (1 << 20)
+    assert (f"{source}:1: the line is longer than {limit} bytes, more than any sequence of at most 1000 tokens "
+            "(max_model_len) takes") in done.stderr, done.stderr
+    assert not out.exists()
+
+
+def test_a_line_of_many_short_ids_is_refused_before_it_is_parsed_into_python_ints(tmp_path):
+    """A 40 MB line of one-digit ids fits the bytes of a sequence of 2**20 tokens (2 bytes an id) but holds 20M:
+    parsed whole, its Python ints took hundreds of megabytes before its length was checked."""
+    small, _, _ = _score(tmp_path, b'{"id":"a","input_ids":[1],"labels":[1]}\n', peak=True)
+    data = b'{"id":"a","input_ids":[' + b"1," * 20_000_000 + b'1]}\n'
+    done, source, out = _score(tmp_path, data, peak=True)
+    assert small.returncode == done.returncode == 2, done.stderr[-2000:]
+    assert f"{source}:1: the line holds 20000001 commas, more than any sequence of at most" in done.stderr, done.stderr
+    grown = (int(done.stdout.split()[-1]) - int(small.stdout.split()[-1])) >> 10
+    assert grown < 200, f"the refused line's run peaked {grown} MiB above a small line's"
