@@ -394,6 +394,8 @@ def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     if foreign := len(done.keys() - seen):
         log.warning("%s holds %d results whose ids are not in %s (kept as they are)", output_path, foreign, input_path)
     log.info("%d sequences in %s, %d already scored in %s", total, input_path, resumed, output_path)
+    if total == 0:  # a wrong path, or a shard left empty: exit 0 as with nothing left to score, but said
+        log.warning("%s holds no sequences (it is empty or its lines are blank): nothing to score", input_path)
     if todo == 0:
         log.info("nothing left to score")
         return 0

@@ -1,8 +1,9 @@
 """``packscore score``: lines a trainer's script may hand it by mistake (bytes that are not UTF-8, an OUT
 line that is not a result, CR-only endings, a line of hundreds of megabytes) are named with their line and what is
-wrong there, before the model loads."""
+wrong there, before the model loads; an IN with no sequences is said to have none."""
 
 import gzip
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -108,6 +109,17 @@ def _score(tmp_path, data: bytes, *options: str, peak: bool = False) -> tuple[su
 
 _PEAK = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).returncode; "
          "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(code)")
+
+
+@pytest.mark.parametrize("data", [b"", b"\n  \n\t\r\n"], ids=["empty", "blank-lines"])
+def test_an_in_with_no_sequences_exits_0_with_an_empty_out_but_warns_naming_it(tmp_path, data):
+    """A script looping over shards meets empty ones (exit 0, as for nothing left to score), but a user who
+    pointed it at the wrong file was told nothing at --log-level warning."""
+    done, source, out = _score(tmp_path, data, "--log-level", "warning")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert out.read_bytes() == b""
+    assert re.search(rf"WARNING .*{re.escape(str(source))} holds no sequences \(it is empty or its lines are blank\): "
+                     "nothing to score", done.stderr), done.stderr
 
 
 def test_cr_only_line_endings_are_named_with_how_to_convert_them(tmp_path):
