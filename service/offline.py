@@ -449,9 +449,9 @@ def _close_backend(backend, code: int | None, stopped: BaseException | None, inp
         if isinstance(stopped, Terminated):  # before the scoring loop took SIGTERM over: nothing of this run in OUT
             status, line = 143, before_scoring(output_path)
         elif getattr(stopped, "terminated", False):
-            status, line = 143, (f"terminated (SIGTERM); {scored[1] + stopped.written} of the {scored[0]} lines of "
-                                 f"{input_path} are in {output_path}, in input order (a forward under way was not "
-                                 "waited for): the same command resumes after them")
+            held = _in_out(scored[1] + stopped.written, scored[0], input_path, output_path)
+            status, line = 143, (f"terminated (SIGTERM); {held}, in input order (a forward under way was not waited "
+                                 "for): the same command resumes after them")
         else:
             how = "stopped at once, without the forward under way" if getattr(stopped, "abandoned", False) else "interrupted"
             status, line = 130, (f"{how}; the results written to {output_path} are kept, in input order: "
@@ -497,13 +497,19 @@ def _score_loaded(settings: Settings, backend, input_path: Path, output_path: Pa
         cut_torn(output_path, start)
         kept = whole_lines(output_path, start)
         held = ("the results written before are kept" if kept is None else
-                f"{resumed + kept} of the {total} lines of {input_path} are in {output_path}, in input order")
+                f"{_in_out(resumed + kept, total, input_path, output_path)}, in input order")
         why, what_to_do = why_full(exc)
         print(f"packscore: error: cannot write {output_path}: {exc.strerror}{why}; {held}: {what_to_do}, then run "
               "the same command to resume after them", file=sys.stderr)
         return 1
     log.info("wrote %d results to %s", written, output_path)
     return 0
+
+
+def _in_out(count: int, total: int, input_path: Path, output_path: Path) -> str:
+    """"K of the N lines of IN are in OUT", in the singular where K or N is 1."""
+    return (f"{count} of the {total} line{'' if total == 1 else 's'} of {input_path} {'is' if count == 1 else 'are'} "
+            f"in {output_path}")
 
 
 @contextlib.contextmanager

@@ -123,3 +123,14 @@ def test_the_real_model_stopped_by_a_file_size_limit_exits_1_with_that_line_last
                               capture_output=True, text=True, timeout=300, preexec_fn=_limit_file_size)
         last = done.stderr.splitlines()[-1]
         assert done.returncode == 1 and "cannot write" in last, f"exit {done.returncode}:\n{done.stderr[-2000:]}"
+
+
+def test_one_line_in_out_is_said_in_the_singular(tmp_path):
+    """"1 of the 60 lines ... are in" read as a typo in the line an operator acts on."""
+    assert _score(tmp_path).returncode == 0  # OUT complete, then cut to its first line: the rerun resumes after it
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(out.read_bytes().splitlines(keepends=True)[0])
+    done = _score(tmp_path, room=1)
+    last = done.stderr.splitlines()[-1]
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"1 of the 60 lines of {tmp_path / 'in.jsonl'} is in {out}, in input order" in last, last

@@ -40,10 +40,10 @@ def _argv(slow_s, source, out):
             "--log-level", "warning", "-o", str(out)]
 
 
-def _start_and_signal(tmp_path, slow_s, preexec_fn=None):
+def _start_and_signal(tmp_path, slow_s, preexec_fn=None, rows=_ROWS):
     """Runs score into OUT, sends SIGTERM once the slow line's forward began; exit status, stderr, seconds to exit."""
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    source.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in _ROWS))
+    source.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
     run = subprocess.Popen(_argv(slow_s, source, out), stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
     deadline = time.monotonic() + 60
     while not (tmp_path / "out.jsonl.slow").exists() and run.poll() is None and time.monotonic() < deadline:
@@ -71,6 +71,15 @@ def test_sigterm_writes_the_finished_results_without_the_forward_under_way_then_
         done = subprocess.run(_argv(0, source, target), capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr[-2000:]
     assert out.read_bytes() == ref.read_bytes()
+
+
+def test_one_line_in_out_is_said_in_the_singular(tmp_path):
+    # r0 fills a forward of its own (--max-batch-tokens 12) and finishes, r1 is slow
+    rows = [{"id": f"r{i}", "input_ids": [99 if i == 1 else 1 + i] * (12 if i == 0 else 6)} for i in range(10)]
+    code, err, _ = _start_and_signal(tmp_path, 30, rows=rows)
+    assert code == 143, f"exit {code}:\n{err[-2000:]}"
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    assert f"terminated (SIGTERM); 1 of the 10 lines of {source} is in {out}, in input order" in err, err[-2000:]
 
 
 def test_an_ignored_sigterm_stays_ignored(tmp_path):
