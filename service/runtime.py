@@ -475,6 +475,11 @@ class Service:
             return False, self.phase
         return (True, "ready") if self._probe_ok else (False, "probe_failed")
 
+    def probe_failed_models(self) -> dict[str, bool]:
+        """Served name -> whether its last readiness pass scored non-finite log-probabilities (else it
+        failed or timed out), for /readyz's unauthenticated 503: names and kinds, no exception text."""
+        return {name: reason.startswith("scored non-finite") for name, reason in self._probe_failures.items()}
+
     async def _run_probe(self, wait_s: float) -> bool:
         """Runs (or joins) the scoring pass; whether it finished within ``wait_s`` (it runs on)."""
         # Concurrent /readyz calls share one pass.

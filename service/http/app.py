@@ -301,6 +301,12 @@ def _bearer_is(scope: Scope, key: str) -> bool:
     return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key.encode())
 
 
+def _probe_failures(failed: dict[str, bool]) -> str:
+    """The models whose readiness pass failed, each with how: ``'policy' (non-finite log-probabilities)``."""
+    return ", ".join(f"{name!r} ({'non-finite log-probabilities' if non_finite else 'no result'})"
+                     for name, non_finite in failed.items())
+
+
 def _install_error_handlers(app: FastAPI, service: Service) -> None:
     metrics = service.metrics
 
@@ -376,6 +382,8 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         message = f"Not ready: {status.replace('_', ' ')}."
         if status == "restart_failed":  # why (paths, hashes) is in the log and in /score's answer, behind the key
             message = "Not ready: the scoring workers could not restart; /score's 503 and the log say why."
+        elif status == "probe_failed" and (failed := service.probe_failed_models()):
+            message = f"Not ready: the readiness pass failed for {_probe_failures(failed)}; the log says more."
         elif status == "awaiting_weights":  # the paths, as above, only behind the key
             message = f"Not ready: {describe_withheld(service.withheld, full=False)}; /score's 503 and the log say more."
         error = {"type": "not_ready", "message": message, "param": None}

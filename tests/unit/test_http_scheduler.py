@@ -166,9 +166,43 @@ def test_backend_unavailable_answers_503_with_retry_after_and_readiness_drops():
     assert response.json()["error"]["type"] == "backend_unavailable"
     assert int(response.headers["retry-after"]) >= 1
     assert not_ready.status_code == 503 and not_ready.json()["status"] == "probe_failed"
+    assert "'fake-model' (no result)" in not_ready.json()["error"]["message"], not_ready.text
+    assert "worker 0 exited" not in not_ready.text, "/readyz answers without a key: the model, not the exception"
     assert worker_down.status_code == 503 and worker_down.json()["status"] == "worker_down"
     assert "retry-after" in worker_down.headers
     assert ready_again.status_code == 200 and ready_again.json()["status"] == "ready"
+
+
+class _Overflowing(FakeBackend):
+    """Scores non-finite log-probabilities once ``overflow`` is set, as finite weights whose logits
+    overflow do."""
+
+    overflow = False
+
+    def score_row(self, sequences, group=None):
+        scores = super().score_row(sequences, group)
+        if self.overflow:
+            for s in scores:
+                s.logprobs[:] = np.nan
+        return scores
+
+
+def test_readyz_names_the_model_whose_readiness_pass_scored_non_finite_log_probabilities(monkeypatch):
+    from service import runtime
+
+    monkeypatch.setattr(runtime, "_READY_MAX_AGE_S", 0.0)  # every /readyz wants a fresh pass
+
+    async def main():
+        backend = _Overflowing(name="policy")
+        async with running_app(create_app(Settings(), backend)) as client:
+            assert (await client.get("/readyz")).status_code == 200
+            backend.overflow = True
+            return await client.get("/readyz")
+
+    not_ready = asyncio.run(main())
+    assert not_ready.status_code == 503 and not_ready.json()["status"] == "probe_failed", not_ready.text
+    message = not_ready.json()["error"]["message"]
+    assert "'policy' (non-finite log-probabilities)" in message, message
 
 
 def test_readyz_while_restarts_fail_retries_after_the_last_failed_pool_tries_again():
