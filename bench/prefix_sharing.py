@@ -59,7 +59,7 @@ def workloads(vocab: int, tiny: bool, seeds: tuple[int, ...] = ()) -> dict[str, 
     else:
         mix = WorkloadSpec()
         sixteen = WorkloadSpec(num_sequences=64, group_size=16, prompt_median=1000, response_median=2000, sigma=0.0)
-        # DESIGN.md's prompt-heavy case: 8k-token prompts, 8 responses of about 1k each
+        # docs/prefix-sharing.md's prompt-heavy case: 8k-token prompts, 8 responses of about 1k each
         long_prompts = WorkloadSpec(num_sequences=64, prompt_median=8000, prompt_clip=(64, 16384), response_median=1000,
                                     sigma=0.25)
     loads = {"rl_mix_groups_of_8": grpo_workload(vocab, mix), "groups_of_16_1k_prompt_2k_response": grpo_workload(vocab, sixteen),

@@ -55,7 +55,7 @@ def min_row_tokens(device: torch.device | str, shards: int = 1) -> int:
     return CUDA_MIN_ROW_TOKENS * shards if torch.device(device).type == "cuda" else 0
 
 # How far a sequence's float32 numbers may move on the CPU when it is packed with others instead
-# of scored alone (DESIGN.md: "<= 1e-6 float32 CPU"; on GPUs, bit for bit). Not 0 because MKL and
+# of scored alone (README.md: within 1e-6 in float32 on the CPU; on GPUs, bit for bit). Not 0 because MKL and
 # oneDNN pick their GEMM kernel, and so a row's summation order, from the whole product's shape on
 # CPUs with AVX-512 / AMX (differences of about 5e-7 there), however rows are padded.
 CPU_PACKED_TOLERANCE = 1e-6

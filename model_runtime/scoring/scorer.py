@@ -45,8 +45,8 @@ class Scorer:
         (2,)
     """
 
-    # The head's memory cap on CUDA: one chunk of bf16 logits plus its hidden rows. DESIGN.md
-    # allows the head 1 GiB at 64k tokens; 768 MiB leaves room for allocator rounding.
+    # The head's memory cap on CUDA (docs/kernels.md, Head): one chunk of bf16 logits plus its hidden
+    # rows; the head's budget is 1 GiB at 64k tokens, and 768 MiB leaves room for allocator rounding.
     CUDA_HEAD_CAP_BYTES = 768 << 20
 
     def __init__(

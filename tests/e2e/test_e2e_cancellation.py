@@ -27,8 +27,8 @@ from tests.checkpoints import save_checkpoint
 from tests.e2e.helpers import TINY_VOCAB, fake_server
 
 MAX_QUEUED = 16384  # the admission cap, and so the largest request
-EXACT = 1e-6  # DESIGN.md: packed vs alone, float32 CPU
-SHARED_PROMPT_TOL = 1e-5  # DESIGN.md: a shared prefix may move float32 results by up to 1e-5 (the head's rounding)
+EXACT = 1e-6  # README.md: a dense model packed vs alone, float32 CPU
+SHARED_PROMPT_TOL = 1e-5  # docs/prefix-sharing.md: a shared prefix may move float32 results by up to 1e-5 (the head's rounding)
 GONE = "gone"  # the client closed before any byte of its answer
 HUNG = "hung"
 SERVE = ("--max-batch-tokens", "2048", "--max-wait-ms", "2", "--max-queued-tokens", str(MAX_QUEUED),

@@ -1,7 +1,7 @@
 """The config knobs of tests/unit/test_config_knobs.py on the GPU's default kernels in bf16, against
 Hugging Face's bf16 forward on the GPU (each sequence alone): a kernel that assumes a default
 shape (a conv width, a head dim, a rotary width, a head ratio) shows here, not on the CPU's
-reference kernels. Target: DESIGN.md's bf16 mean |difference| <= 2e-3 (tests/gpu/test_parity_bf16.py)."""
+reference kernels. Target: the bf16 mean |difference| <= 2e-3 of tests/gpu/test_parity_bf16.py (docs/benchmarks.md)."""
 
 import numpy as np
 import pytest

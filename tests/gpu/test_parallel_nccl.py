@@ -42,7 +42,7 @@ def test_nccl_sp_and_fsdp_match_one_gpu(checkpoint_dir, gpu_record):
 
 
 def test_cuda_pool_sp2_fsdp_matches_one_gpu(gpu_record):
-    """The served path in bf16 with the installed kernels: DESIGN.md's bf16 bound (mean 2e-3)."""
+    """The served path in bf16 with the installed kernels: the bf16 bound of tests/gpu/test_parity_bf16.py (mean 2e-3)."""
     from model_runtime.pool.pool import start_pool
     from model_runtime.scoring.loading import load_model
     from model_runtime.scoring.scorer import Scorer

@@ -142,7 +142,7 @@ def test_benchmark_dry_run_on_the_cpu(tmp_path):
         # The head and attention are not saved: the FLOP bound is above 1 and below the token one.
         assert 1 < entry["flop_bound"] < entry["row_token_bound"], (name, entry["flop_bound"], entry["row_token_bound"])
         assert entry["first_pass_unshared_s"] > 0 and entry["first_pass_shared_s"] > 0, name
-        # float32 on the CPU: shared and unshared agree to rounding (DESIGN.md: 1e-5).
+        # float32 on the CPU: shared and unshared agree to rounding (1e-5, docs/prefix-sharing.md).
         assert entry["logprob_max_diff"] <= 1e-5, f"{name}: max |dlogp| {entry['logprob_max_diff']:.3e} > 1e-5"
     assert saved["speedup"] == result["speedup"] > 0
     assert (tmp_path / "prefix-sharing.md").read_text().startswith("prefix sharing, tiny")

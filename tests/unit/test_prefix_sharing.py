@@ -2,7 +2,7 @@
 
 Kernels: a row where continuations link to a prefix segment against the same sequences laid out
 whole, on fresh random inputs. Model: the tiny checkpoints of every architecture, shared against
-unshared scoring in float32 (tolerance 1e-5, DESIGN.md's float32 bound for shared prefixes).
+unshared scoring in float32 (tolerance 1e-5, docs/prefix-sharing.md's float32 bound for shared prefixes).
 """
 
 import dataclasses
