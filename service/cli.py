@@ -18,7 +18,6 @@ if __name__ == "__main__":
 import argparse
 import importlib
 import json
-import logging
 import os
 import re
 import sys
@@ -35,8 +34,6 @@ from service.http.request_id import configure_logging
 from service.settings import Settings
 from service.weights_record import WeightsRecord
 
-
-log = logging.getLogger("packscore")
 
 _MODEL_OPTIONS = (
     "model", "revision", "served_model_name", "dtype", "device", "allow_slow_kernels", "kernels", "triton_cache_dir",
