@@ -11,6 +11,7 @@ import httpx
 
 from packscore_client import everywhere
 from packscore_client.inputs import as_seqs, bearer_key, options, seconds
+from packscore_client.padded import PaddedBatch
 from packscore_client.protocol import Limits, Protocol
 
 UPDATE_TIMEOUT_S = 1800.0  # a checkpoint load may take minutes: the weights calls' floor, whatever timeout_s is
@@ -126,6 +127,16 @@ class _Base:
             return seqs, opts, now, None  # one attempt: no time is left for a retry
         deadline = None if deadline_ms is None else now + deadline_ms / 1000.0
         return seqs, opts, now + self._p.retry_timeout_s, deadline
+
+    @staticmethod
+    def _padded_plan(input_ids, attention_mask, response_mask, *, temperature, return_entropy, model, deadline_ms,
+                     weights_version) -> tuple[PaddedBatch, dict, float | None]:
+        """``score_padded``'s batch, the options of each of its ``score`` calls and when its rescoring must end."""
+        batch = PaddedBatch.from_arrays(input_ids, attention_mask, response_mask)
+        options(temperature, return_entropy, 0, model, deadline_ms, weights_version)  # refused now, sent or not
+        kw = dict(temperature=temperature, return_entropy=return_entropy, model=model)
+        end = time.monotonic() + deadline_ms / 1000.0 if deadline_ms is not None and deadline_ms > 0 else None
+        return batch, kw, end
 
 
 def _known(cls: type, knobs: dict) -> dict:

@@ -16,8 +16,7 @@ import httpx
 from packscore_client import everywhere
 from packscore_client.answers import models_answer, readiness_answer
 from packscore_client.base import UPDATE_TIMEOUT_S, _Base, _known
-from packscore_client.inputs import options
-from packscore_client.padded import PaddedBatch, PaddedScores, by_one_version
+from packscore_client.padded import PaddedScores, by_one_version
 from packscore_client.protocol import ScoredSequence, ScoreError, WeightsUpdate
 
 __all__ = ["AsyncScoreClient", "ScoreClient", "UPDATE_TIMEOUT_S"]  # UPDATE_TIMEOUT_S: base.py's, named here too
@@ -126,10 +125,9 @@ class ScoreClient(_Base):
         never sent. See ``packscore_client.padded``. Every row is scored by one weights version:
         ``weights_version`` pins it (ScoreError 409 when another serves); without it, rows whose
         part met a weight update are scored again by the version served after it."""
-        batch = PaddedBatch.from_arrays(input_ids, attention_mask, response_mask)
-        options(temperature, return_entropy, 0, model, deadline_ms, weights_version)  # refused now, sent or not
-        kw = dict(temperature=temperature, return_entropy=return_entropy, model=model)
-        end = time.monotonic() + deadline_ms / 1000.0 if deadline_ms is not None and deadline_ms > 0 else None
+        batch, kw, end = self._padded_plan(input_ids, attention_mask, response_mask, temperature=temperature,
+                                           return_entropy=return_entropy, model=model, deadline_ms=deadline_ms,
+                                           weights_version=weights_version)
         try:
             results = (self.score(batch.sequences, weights_version=weights_version, deadline_ms=deadline_ms, **kw)
                        if batch.sequences else [])
@@ -373,10 +371,9 @@ class AsyncScoreClient(_Base):
                            return_entropy: bool = True, model: str | None = None,
                            deadline_ms: int | None = None, weights_version: str | None = None) -> PaddedScores:
         """As ``ScoreClient.score_padded``."""
-        batch = PaddedBatch.from_arrays(input_ids, attention_mask, response_mask)
-        options(temperature, return_entropy, 0, model, deadline_ms, weights_version)  # refused now, sent or not
-        kw = dict(temperature=temperature, return_entropy=return_entropy, model=model)
-        end = time.monotonic() + deadline_ms / 1000.0 if deadline_ms is not None and deadline_ms > 0 else None
+        batch, kw, end = self._padded_plan(input_ids, attention_mask, response_mask, temperature=temperature,
+                                           return_entropy=return_entropy, model=model, deadline_ms=deadline_ms,
+                                           weights_version=weights_version)
         try:
             results = (await self.score(batch.sequences, weights_version=weights_version, deadline_ms=deadline_ms, **kw)
                        if batch.sequences else [])
