@@ -176,6 +176,13 @@ def _grouped_mm(x_RD: torch.Tensor, w_EDN: torch.Tensor, offsets_E: torch.Tensor
     return fn(x_RD, w_EDN, offs=offsets_E)
 
 
+def _bf16_on_cuda(x_TD: torch.Tensor, backend: str) -> None:
+    """Refuses, naming ``backend`` and the way out, activations the grouped backends' kernels do not take."""
+    if x_TD.device.type != "cuda" or x_TD.dtype != torch.bfloat16:
+        raise ValueError(f"the {backend} experts need bfloat16 on CUDA, got {x_TD.dtype} on {x_TD.device.type}; "
+                         "use --kernels moe_experts=tiled")
+
+
 def experts_grouped_mm(
     x_TD: torch.Tensor,
     top_i_TK: torch.Tensor,
@@ -192,11 +199,7 @@ def experts_grouped_mm(
     the two products in Triton kernels (model_runtime/kernels/moe_triton.py) that move a fraction
     of the memory; ``scatter`` (with ``fused``): the products' input rows written from the tokens'
     side (``moe_triton.scatter_rows``) instead of gathered."""
-    if x_TD.device.type != "cuda" or x_TD.dtype != torch.bfloat16:
-        raise ValueError(
-            f"the {'grouped_mm_fused' if fused else 'grouped_mm'} experts need bfloat16 on CUDA, got "
-            f"{x_TD.dtype} on {x_TD.device.type}; use --kernels moe_experts=tiled"
-        )
+    _bf16_on_cuda(x_TD, "grouped_mm_fused" if fused else "grouped_mm")
     return grouped_experts(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared, fused=fused, scatter=scatter)
 
 
@@ -210,9 +213,7 @@ def experts_expert_tiles(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, share
     choice bound, ``KernelBackends.expert_gemm``)."""
     from model_runtime.kernels import expert_gemm
 
-    if x_TD.device.type != "cuda" or x_TD.dtype != torch.bfloat16:
-        raise ValueError(f"the expert_tiles experts need bfloat16 on CUDA, got {x_TD.dtype} on {x_TD.device.type}; "
-                         "use --kernels moe_experts=tiled")
+    _bf16_on_cuda(x_TD, "expert_tiles")
     return grouped_experts(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared, fused=True, scatter=True,
                            tiled=expert_gemm.cutlass_product(library=library))
 
@@ -223,9 +224,7 @@ def experts_expert_tiles_silu(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, 
     I must be a multiple of 64 (``expert_tiles`` otherwise)."""
     from model_runtime.kernels import expert_gemm
 
-    if x_TD.device.type != "cuda" or x_TD.dtype != torch.bfloat16:
-        raise ValueError(f"the expert_tiles_silu experts need bfloat16 on CUDA, got {x_TD.dtype} on {x_TD.device.type}; "
-                         "use --kernels moe_experts=tiled")
+    _bf16_on_cuda(x_TD, "expert_tiles_silu")
     silu = down_EDI.shape[2] % expert_gemm.SILU_PAIR_COLUMNS == 0
     return grouped_experts(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared, fused=True, scatter=True,
                            tiled=expert_gemm.cutlass_product(silu=silu, library=library))

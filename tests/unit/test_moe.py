@@ -108,6 +108,23 @@ def test_tiles_do_not_depend_on_the_count():
         report(f"first token among {n}", experts_tiled(x[:n], top_i[:n], top_w[:n], gate_up, down)[:1], first, 0.0)
 
 
+
+# The name each grouped backend's refusal gives (the scattered one names its fused family).
+REFUSED_AS = {"grouped_mm": "grouped_mm", "grouped_mm_fused": "grouped_mm_fused",
+              "grouped_mm_fused_scatter": "grouped_mm_fused", "expert_tiles": "expert_tiles",
+              "expert_tiles_silu": "expert_tiles_silu"}
+
+
+@pytest.mark.parametrize("backend", sorted(REFUSED_AS))
+def test_a_grouped_backend_refuses_float32_on_the_cpu_naming_the_way_out(backend):
+    from model_runtime.kernels.registry import REGISTRY
+
+    x, top_i, top_w = torch.zeros(2, 8), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1)
+    want = f"the {REFUSED_AS[backend]} experts need bfloat16 on CUDA, got torch.float32 on cpu; use --kernels moe_experts=tiled"
+    with pytest.raises(ValueError) as refused:
+        REGISTRY["moe_experts"][backend](x, top_i, top_w, torch.zeros(1, 8, 8), torch.zeros(1, 8, 4))
+    assert str(refused.value) == want
+
 @pytest.mark.parametrize("kind", MOE_KINDS)
 def test_block_follows_hugging_face_bf16_per_token(kind):
     """bf16 on the CPU, 8 of 16 experts per token: packscore's row against Hugging Face per sequence.
