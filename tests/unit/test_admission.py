@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from contextlib import asynccontextmanager
 
 import numpy as np
 import pytest
@@ -136,19 +137,31 @@ def test_close_fails_the_waiting_requests():
     assert asyncio.run(main()) == (0, 300)
 
 
+@asynccontextmanager
+async def _first_request_held():
+    """A server that admits 100 tokens, its forward held on a first request of 60 (the readiness pass
+    ran already); yields the app, its client, the gate that releases the forward and that request,
+    which leaving releases and awaits."""
+    gate = threading.Event()
+    backend = FakeBackend()
+    settings = Settings(max_batch_tokens=100, max_wait_ms=0, max_queued_tokens=100, max_admission_wait_s=20)
+    app = create_app(settings, backend)
+    async with running_app(app) as client:
+        backend.gate = gate
+        first = asyncio.ensure_future(client.post("/score", json={"sequences": [{"input_ids": [1] * 60}]}))
+        await wait_until(lambda: app.state.service.scheduler.queued_tokens == 60)
+        try:
+            yield app, client, gate, first
+        finally:
+            gate.set()
+            await first
+
+
 def test_over_http_a_request_beyond_the_bound_waits_server_side_instead_of_429():
     async def main():
-        gate = threading.Event()
-        backend = FakeBackend()
-        settings = Settings(max_batch_tokens=100, max_wait_ms=0, max_queued_tokens=100, max_admission_wait_s=20)
-        app = create_app(settings, backend)
-        async with running_app(app) as client:
-            backend.gate = gate  # held from here on; the readiness pass ran already
-            scheduler = app.state.service.scheduler
-            first = asyncio.ensure_future(client.post("/score", json={"sequences": [{"input_ids": [1] * 60}]}))
-            await wait_until(lambda: scheduler.queued_tokens == 60)
+        async with _first_request_held() as (app, client, gate, first):
             waits = asyncio.ensure_future(client.post("/score", json={"sequences": [{"input_ids": [2] * 60}]}))
-            await wait_until(lambda: scheduler.admission.waiting == 60)
+            await wait_until(lambda: app.state.service.scheduler.admission.waiting == 60)
             gate.set()
             return await first, await waits
 
@@ -160,20 +173,10 @@ def test_a_deadline_shorter_than_the_wait_ends_the_wait_in_504():
     """The request's own deadline passed before its result was ready (API.md's 504); a 429 would
     tell the client to retry after a deadline that has already gone."""
     async def main():
-        gate = threading.Event()
-        backend = FakeBackend()
-        settings = Settings(max_batch_tokens=100, max_wait_ms=0, max_queued_tokens=100, max_admission_wait_s=20)
-        app = create_app(settings, backend)
-        async with running_app(app) as client:
-            backend.gate = gate
-            first = asyncio.ensure_future(client.post("/score", json={"sequences": [{"input_ids": [1] * 60}]}))
-            await wait_until(lambda: app.state.service.scheduler.queued_tokens == 60)
+        async with _first_request_held() as (_, client, _, _):
             t0 = time.monotonic()
             late = await client.post("/score", json={"sequences": [{"input_ids": [2] * 60}], "deadline_ms": 100})
-            waited = time.monotonic() - t0
-            gate.set()
-            await first
-            return late, waited
+            return late, time.monotonic() - t0
 
     late, waited = asyncio.run(main())
     assert late.status_code == 504 and late.json()["error"]["type"] == "deadline_exceeded", late.text
@@ -184,14 +187,21 @@ def _seqs(*lengths):
     return [SequenceInput(np.arange(1, n + 1) % 900) for n in lengths]
 
 
+async def _first_row_held():
+    """A started scheduler of 100-token rows whose forward holds its first row, one sequence of 100,
+    until the gate returned is set; returns the gate, the backend, the scheduler and that row's ticket."""
+    gate = threading.Event()
+    backend = FakeBackend(gate=gate)
+    scheduler = Scheduler(backend, max_batch_tokens=100, max_wait_ms=0, max_queued_tokens=10_000)
+    await scheduler.start()
+    hold = scheduler.submit(_seqs(100))
+    await wait_until(lambda: len(backend.rows) == 1)
+    return gate, backend, scheduler, hold
+
+
 def test_rows_start_with_the_oldest_and_fill_largest_first_within_the_window():
     async def main():
-        gate = threading.Event()
-        backend = FakeBackend(gate=gate)
-        scheduler = Scheduler(backend, max_batch_tokens=100, max_wait_ms=0, max_queued_tokens=10_000)
-        await scheduler.start()
-        hold = scheduler.submit(_seqs(100))  # the runner holds this row while the rest queue up
-        await wait_until(lambda: len(backend.rows) == 1)
+        gate, backend, scheduler, hold = await _first_row_held()  # the rest queue up meanwhile
         # FIFO would give [30, 30, 30], [60, 20], [70]; largest-first after the head fills 100s.
         tickets = [scheduler.submit(_seqs(n)) for n in (30, 30, 30, 60, 20, 70)]
         gate.set()
@@ -209,12 +219,7 @@ def test_newer_sequences_beyond_the_age_window_do_not_overtake(monkeypatch):
     monkeypatch.setattr(row_queue, "_LOOKAHEAD_AGE_S", 0.05)
 
     async def main():
-        gate = threading.Event()
-        backend = FakeBackend(gate=gate)
-        scheduler = Scheduler(backend, max_batch_tokens=100, max_wait_ms=0, max_queued_tokens=10_000)
-        await scheduler.start()
-        hold = scheduler.submit(_seqs(100))
-        await wait_until(lambda: len(backend.rows) == 1)
+        gate, backend, scheduler, hold = await _first_row_held()
         filler = scheduler.submit(_seqs(100))  # a second row formed at once: no third until one ends
         old = [scheduler.submit(_seqs(n)) for n in (40, 70)]
         await asyncio.sleep(0.2)

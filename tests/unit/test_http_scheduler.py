@@ -4,6 +4,7 @@ admission, disconnects, backend failures, concurrency."""
 import asyncio
 import threading
 import time
+from contextlib import asynccontextmanager
 
 import msgpack
 import numpy as np
@@ -227,20 +228,30 @@ def test_readyz_while_restarts_fail_retries_after_the_last_failed_pool_tries_aga
     assert [a.headers["retry-after"] for a in answers] == ["3", "17", "17"], [dict(a.headers) for a in answers]
 
 
+@asynccontextmanager
+async def _forward_held(client, backend):
+    """The forward held (the readiness pass ran already) on a first row, a request of 10 tokens; yields
+    how many rows ran before it. Leaving releases the forward and awaits that request."""
+    gate = threading.Event()
+    backend.gate = gate
+    rows_before = len(backend.rows)
+    blocker = asyncio.ensure_future(client.post("/score", json={"sequences": [{"input_ids": [1] * 10}]}))
+    await wait_until(lambda: len(backend.rows) > rows_before)
+    try:
+        yield rows_before
+    finally:
+        gate.set()
+        await blocker
+
+
 def test_deadline_passes_504_and_the_sequences_are_dropped():
     async def main():
-        gate = threading.Event()
         backend = FakeBackend()
         app = create_app(Settings(max_batch_tokens=10, max_wait_ms=0), backend)
         async with running_app(app) as client:
-            backend.gate = gate  # held from here on; the readiness pass ran already
-            rows_before = len(backend.rows)
-            blocker = asyncio.ensure_future(client.post("/score", json={"sequences": [{"input_ids": [1] * 10}]}))
-            await wait_until(lambda: len(backend.rows) > rows_before)  # the pipeline is now held
-            late = await client.post("/score", json={"sequences": [{"input_ids": [2] * 7}], "deadline_ms": 50})
-            queued_after = app.state.service.scheduler.queued_tokens
-            gate.set()
-            await blocker
+            async with _forward_held(client, backend) as rows_before:
+                late = await client.post("/score", json={"sequences": [{"input_ids": [2] * 7}], "deadline_ms": 50})
+                queued_after = app.state.service.scheduler.queued_tokens
             return late, queued_after, backend.rows[rows_before:]
 
     late, queued_after, rows = asyncio.run(main())
@@ -276,40 +287,34 @@ def test_admission_bound_answers_429_with_retry_after():
 
 def test_a_client_that_disconnects_has_its_queued_sequences_dropped():
     async def main():
-        gate = threading.Event()
         backend = FakeBackend()
         app = create_app(Settings(max_batch_tokens=10, max_wait_ms=0), backend)
         async with running_app(app) as client:
-            backend.gate = gate  # held from here on; the readiness pass ran already
-            service = app.state.service
-            rows_before = len(backend.rows)
-            blocker = asyncio.ensure_future(client.post("/score", json={"sequences": [{"input_ids": [1] * 10}]}))
-            await wait_until(lambda: len(backend.rows) > rows_before)
-            gone = asyncio.Event()
-            sent = []
-            body = orjson.dumps({"sequences": [{"input_ids": [3] * 9}, {"input_ids": [4] * 8}]})
-            messages = [{"type": "http.request", "body": body, "more_body": False}]
+            async with _forward_held(client, backend) as rows_before:
+                service = app.state.service
+                gone = asyncio.Event()
+                sent = []
+                body = orjson.dumps({"sequences": [{"input_ids": [3] * 9}, {"input_ids": [4] * 8}]})
+                messages = [{"type": "http.request", "body": body, "more_body": False}]
 
-            async def receive():
-                if messages:
-                    return messages.pop()
-                await gone.wait()
-                return {"type": "http.disconnect"}
+                async def receive():
+                    if messages:
+                        return messages.pop()
+                    await gone.wait()
+                    return {"type": "http.disconnect"}
 
-            async def send(message):
-                sent.append(message)
+                async def send(message):
+                    sent.append(message)
 
-            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                     "scheme": "http", "path": "/score", "raw_path": b"/score", "query_string": b"",
-                     "root_path": "", "headers": [(b"content-type", b"application/json")],
-                     "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
-            call = asyncio.ensure_future(app(scope, receive, send))
-            await wait_until(lambda: service.scheduler.queued_tokens == 27)
-            gone.set()  # the client hangs up
-            await call
-            queued_after = service.scheduler.queued_tokens
-            gate.set()
-            await blocker
+                scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                         "scheme": "http", "path": "/score", "raw_path": b"/score", "query_string": b"",
+                         "root_path": "", "headers": [(b"content-type", b"application/json")],
+                         "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+                call = asyncio.ensure_future(app(scope, receive, send))
+                await wait_until(lambda: service.scheduler.queued_tokens == 27)
+                gone.set()  # the client hangs up
+                await call
+                queued_after = service.scheduler.queued_tokens
             return queued_after, backend.rows[rows_before:], sent
 
     queued_after, rows, sent = asyncio.run(main())
