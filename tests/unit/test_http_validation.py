@@ -102,17 +102,22 @@ def _check_error(response, status, kind, param):
     assert body["error"]["message"], body
 
 
+async def _each_refused(client, cases):
+    """Posts each ``(name, body, headers, status, error type, param)`` case and checks its error body,
+    naming the case that fails."""
+    for name, body, headers, status, kind, param in cases:
+        try:
+            _check_error(await _post(client, body, headers), status, kind, param)
+        except AssertionError as exc:
+            raise AssertionError(f"case {name}: {exc}") from None
+
+
 def test_bad_json_requests_get_their_status_and_never_reach_the_model():
     async def main():
         app, backend = make_app()
         async with running_app(app) as client:
             rows_before = len(backend.rows)
-            for name, body, status, kind, param in BAD_JSON:
-                response = await _post(client, body)
-                try:
-                    _check_error(response, status, kind, param)
-                except AssertionError as exc:
-                    raise AssertionError(f"case {name}: {exc}") from None
+            await _each_refused(client, [(name, body, JSON_H, *expected) for name, body, *expected in BAD_JSON])
             assert len(backend.rows) == rows_before, "a bad request reached the backend"
 
     asyncio.run(main())
@@ -179,12 +184,7 @@ def test_malformed_bodies_get_400_413_422_with_the_contract_body():
         app, backend = make_app()
         async with running_app(app) as client:
             rows_before = len(backend.rows)
-            for name, raw, headers, status, kind, param in BAD_RAW:
-                response = await client.post("/score", content=raw, headers=headers)
-                try:
-                    _check_error(response, status, kind, param)
-                except AssertionError as exc:
-                    raise AssertionError(f"case {name}: {exc}") from None
+            await _each_refused(client, BAD_RAW)
             response = await client.post("/score", content=json.dumps(good()).encode())  # no Content-Type
             _check_error(response, 400, "unsupported_content_type", "Content-Type")
             assert len(backend.rows) == rows_before
