@@ -553,27 +553,3 @@ def test_a_padded_row_is_named_by_its_place_before_and_after_sending():
     error = asyncio.run(main())
     assert error.status == 413 and error.param == "input_ids[1]" and "Row 1" in error.message, error
 
-
-def test_the_blocking_client_scores_a_padded_batch_by_one_version_too():
-    """The same re-scoring as the async test above, driven by the blocking client."""
-    bodies = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/readyz":
-            return httpx.Response(404)
-        if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "m", "weights_version": "v2"}]})
-        body = json.loads(request.content)
-        bodies.append(body)
-        version = "v1" if len(bodies) == 1 else "v2"  # an update after the first part
-        return httpx.Response(200, json={"model": "m", "weights_version": version, "results": [
-            {"id": s.get("id"), "logprobs": [float(version[1])] * (len(s["input_ids"]) - s["score_from"])}
-            for s in body["sequences"]]})
-
-    ids, attn, resp = np.full((4, 6), 5), np.ones((4, 6)), np.ones((4, 2))
-    with ScoreClient(BASE, encoding="json", transport=httpx.MockTransport(handler), max_sequences_per_request=2,
-                     max_concurrency=1) as client:
-        scores = client.score_padded(ids, attn, resp, return_entropy=False)
-    assert scores.weights_version == "v2" and (scores.logprobs == 2.0).all(), scores
-    assert [b.get("weights_version") for b in bodies] == [None, None, "v2"], bodies
-

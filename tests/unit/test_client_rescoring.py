@@ -24,8 +24,9 @@ NAMED = {"sequences[1]": "input_ids[4]", "sequences[1].input_ids[2]": "input_ids
          "sequences[1].input_ids": "input_ids[4]"}
 
 
-def _server(status: int, kind: str, param: str, message: str, bodies: list):
-    """Two parts of two rows: the first scored by v2, the second by v1; v2 then refuses its second row."""
+def _server(bodies: list, answer) -> httpx.MockTransport:
+    """A server whose limits are unknown (/readyz 404) and that serves v2 now (/v1/models); each /score
+    body is kept in ``bodies`` and answered by ``answer(body)``."""
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/readyz":
             return httpx.Response(404)
@@ -33,13 +34,24 @@ def _server(status: int, kind: str, param: str, message: str, bodies: list):
             return httpx.Response(200, json={"data": [{"id": "m", "weights_version": "v2"}]})
         body = json.loads(request.content)
         bodies.append(body)
-        if body.get("weights_version") == "v2":
-            return httpx.Response(status, json={"error": {"type": kind, "message": message, "param": param}})
-        version = "v2" if len(bodies) == 1 else "v1"
-        return httpx.Response(200, json={"model": "m", "weights_version": version, "results": [
-            {"id": s["id"], "logprobs": [0.0] * (len(s["input_ids"]) - s["score_from"])} for s in body["sequences"]]})
+        return answer(body)
 
     return httpx.MockTransport(handler)
+
+
+def _scored(body: dict, version: str, logprob: float = 0.0) -> httpx.Response:
+    return httpx.Response(200, json={"model": "m", "weights_version": version, "results": [
+        {"id": s["id"], "logprobs": [logprob] * (len(s["input_ids"]) - s["score_from"])} for s in body["sequences"]]})
+
+
+def _refusing(status: int, kind: str, param: str, message: str, bodies: list) -> httpx.MockTransport:
+    """Two parts of two rows: the first scored by v2, the second by v1; v2 then refuses its second row."""
+    def answer(body: dict) -> httpx.Response:
+        if body.get("weights_version") == "v2":
+            return httpx.Response(status, json={"error": {"type": kind, "message": message, "param": param}})
+        return _scored(body, "v2" if len(bodies) == 1 else "v1")
+
+    return _server(bodies, answer)
 
 
 @pytest.mark.parametrize("blocking", [True, False], ids=["ScoreClient", "AsyncScoreClient"])
@@ -50,7 +62,7 @@ def test_a_rescoring_error_names_the_callers_row(blocking, status, kind, param, 
     attn[4, :3] = 0  # row 4 is left-padded: its sent input_ids[2] is column 5
     bodies: list = []
     knobs = dict(encoding="json", max_sequences_per_request=2, max_concurrency=1,
-                 transport=_server(status, kind, param, message, bodies))
+                 transport=_refusing(status, kind, param, message, bodies))
     if blocking:
         with ScoreClient(BASE, **knobs) as client, pytest.raises(ScoreError) as failed:
             client.score_padded(ids, attn, resp, return_entropy=False)
@@ -68,3 +80,20 @@ def test_a_rescoring_error_names_the_callers_row(blocking, status, kind, param, 
     assert "sequences[" not in error.message and "Sequence 1" not in error.message, error.message
     if kind != "invalid_value":  # its message names no row
         assert ("Row 4" if kind == "sequence_too_long" else "input_ids[4]") in error.message, error.message
+
+
+def test_the_blocking_client_scores_a_padded_batch_by_one_version_too():
+    """test_client.py's re-scoring across a weight update (the async client against the app), driven
+    by the blocking client: the rows of the part v1 scored are sent again pinned to v2."""
+    bodies: list = []
+
+    def answer(body: dict) -> httpx.Response:
+        version = "v1" if len(bodies) == 1 else "v2"  # an update after the first part
+        return _scored(body, version, float(version[1]))
+
+    ids, attn, resp = np.full((4, 6), 5), np.ones((4, 6)), np.ones((4, 2))
+    with ScoreClient(BASE, encoding="json", transport=_server(bodies, answer), max_sequences_per_request=2,
+                     max_concurrency=1) as client:
+        scores = client.score_padded(ids, attn, resp, return_entropy=False)
+    assert scores.weights_version == "v2" and (scores.logprobs == 2.0).all(), scores
+    assert [b.get("weights_version") for b in bodies] == [None, None, "v2"], bodies
