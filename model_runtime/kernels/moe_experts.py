@@ -199,7 +199,7 @@ def experts_grouped_mm(
     the two products in Triton kernels (model_runtime/kernels/moe_triton.py) that move a fraction
     of the memory; ``scatter`` (with ``fused``): the products' input rows written from the tokens'
     side (``moe_triton.scatter_rows``) instead of gathered."""
-    _bf16_on_cuda(x_TD, "grouped_mm_fused" if fused else "grouped_mm")
+    _bf16_on_cuda(x_TD, ("grouped_mm_fused_scatter" if scatter else "grouped_mm_fused") if fused else "grouped_mm")
     return grouped_experts(x_TD, top_i_TK, top_w_TK, gate_up_E2ID, down_EDI, shared, fused=fused, scatter=scatter)
 
 

@@ -111,7 +111,7 @@ def test_tiles_do_not_depend_on_the_count():
 
 # The name each grouped backend's refusal gives (the scattered one names its fused family).
 REFUSED_AS = {"grouped_mm": "grouped_mm", "grouped_mm_fused": "grouped_mm_fused",
-              "grouped_mm_fused_scatter": "grouped_mm_fused", "expert_tiles": "expert_tiles",
+              "grouped_mm_fused_scatter": "grouped_mm_fused_scatter", "expert_tiles": "expert_tiles",
               "expert_tiles_silu": "expert_tiles_silu"}
 
 
