@@ -150,11 +150,12 @@ def test_top_k_elsewhere_in_the_row_changes_nothing(models):
     np.testing.assert_array_equal(a.entropy, b.entropy)
 
 
-def test_dense_sequence_alone_or_packed_is_within_the_cpu_guarantee():
-    """A dense model's numbers for a sequence move by at most CPU_PACKED_TOLERANCE whatever it is
-    packed with (rows padded to a multiple of 16 tokens; on CPUs without AVX-512 that is bit for
-    bit, and the printed difference shows it)."""
-    loaded = load_model("tiny", device="cpu")
+@pytest.mark.parametrize("kind", ["tiny", "qwen3_5_moe", "qwen3_next"])
+def test_sequence_alone_or_packed_is_within_the_cpu_guarantee(kind, checkpoint_dir):
+    """A sequence's numbers move by at most CPU_PACKED_TOLERANCE whatever it is packed with, for
+    every architecture: rows padded to a multiple of 16 tokens, a MoE block's experts, router and
+    shared gate in fixed 32-row tiles (on CPUs without AVX-512 that is bit for bit)."""
+    loaded = load_model("tiny" if kind == "tiny" else str(checkpoint_dir(kind)), device="cpu")
     scorer = Scorer(loaded)
     rng = np.random.default_rng(4)
     mine = SequenceInput(rng.integers(0, loaded.vocab_size, 37), score_from=5, top_k=3)
