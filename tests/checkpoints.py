@@ -112,6 +112,18 @@ def without(*names):
     return lambda tensors: {k: v for k, v in tensors.items() if k not in names}
 
 
+def nan_in(name: str):
+    """An ``edit_tensors`` that fills the tensor ``name`` with NaN: refused once loaded (``serve`` binds its port first)."""
+    return lambda tensors: {**tensors, name: tensors[name] * float("nan")}
+
+
+def overflowing_head(tensors: dict) -> dict:
+    """An ``edit_tensors`` whose finite head overflows the logits: the start's first readiness pass fails."""
+    head = tensors["lm_head.weight"].clone()
+    head[100], head[101] = 3e38, -3e38
+    return {**tensors, "lm_head.weight": head}
+
+
 FP8_MAX = 448.0  # the largest float8 e4m3 value
 
 

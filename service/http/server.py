@@ -34,7 +34,8 @@ class DrainingServer(uvicorn.Server):
     uvicorn on SIGTERM stops accepting connections at once and re-raises the signal at exit
     (status -15). The contract wants new requests answered 503 with Retry-After while the
     admitted ones finish, and then a clean exit. A second SIGTERM, or SIGINT, during the drain falls
-    back to uvicorn's own handling; a SIGINT once the drain is done is ignored (the exit, 0, is under way).
+    back to uvicorn's own handling; a SIGINT once the drain is done, or once a failed start stopped the
+    server, is ignored (the exit, 0 or the start's 1, 2 or 3, is under way).
     """
 
     def __init__(self, config: uvicorn.Config, service: Service):
@@ -44,7 +45,7 @@ class DrainingServer(uvicorn.Server):
         self._drain: asyncio.Future | None = None
         self._drain_deadline = 0.0
         self._exits_early = False  # SIGTERM exits at once until the loop is known (the early exit was in force)
-        self._drained_stop = False  # a SIGTERM's drain ended serving: the exit, 0, is under way
+        self._stopped_itself = False  # a drain or a failed start ended serving: the exit (0, or 1, 2, 3) is under way
         self.listen_failed = False  # the app started, then uvicorn could not bind its address (it exits 3)
 
     @contextlib.contextmanager
@@ -62,11 +63,11 @@ class DrainingServer(uvicorn.Server):
         try:
             yield
         finally:
-            stopped_by_signal = signal.SIGINT in self._captured_signals or self._drained_stop
+            stopped = signal.SIGINT in self._captured_signals or self._stopped_itself
             for sig, handler in found.items():
-                # Ctrl-C once a SIGINT or a drain stopped the server is ignored: as a KeyboardInterrupt it landed
-                # anywhere in the exit under way (130 or 0), the interpreter's teardown included, as a traceback.
-                signal.signal(sig, signal.SIG_IGN if sig == signal.SIGINT and stopped_by_signal else after_serving(handler))
+                # Ctrl-C once a SIGINT, a drain or a failed start stopped the server is ignored: as a KeyboardInterrupt it
+                # landed anywhere in the exit under way (130, 0, 1-3), the interpreter's teardown included, as a traceback.
+                signal.signal(sig, signal.SIG_IGN if sig == signal.SIGINT and stopped else after_serving(handler))
         for captured in reversed(self._captured_signals):
             if captured == signal.SIGINT:
                 raise KeyboardInterrupt  # what the default handler raised; SIGINT is ignored by now
@@ -78,11 +79,14 @@ class DrainingServer(uvicorn.Server):
             await super().startup(sockets=sockets)
         except SystemExit:  # uvicorn's 3: the app's start failed (its lifespan exits), else the bind did
             self.listen_failed = not self.lifespan.should_exit
+            self._stopped_itself = True
             raise
 
     def handle_exit(self, sig, frame) -> None:
-        if sig == signal.SIGINT and self._drained_stop:
-            return  # the drain is done and the server stopping: Ctrl-C now would only turn its 0 into 130
+        if sig == signal.SIGINT and self._stopped_itself:
+            # drained, or the start failed, and the server stopping by its bounded steps (a worker pool's stop by its
+            # own timeouts): Ctrl-C now would only turn its 0, 1 or 2 into 130 and drop the start's error line
+            return
         if sig == signal.SIGTERM and self._loop is None and self._exits_early:
             # uvicorn's own start (its config, the lifespan's creation) comes before startup() knows the
             # loop: nothing loads or is admitted yet, so this is still a SIGTERM before serving (exit 0)
@@ -117,6 +121,7 @@ class DrainingServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         # Checked every 0.1 s by uvicorn's main loop: exit once drained or when startup failed.
         if self.service.fatal_error is not None:
+            self._stopped_itself = True
             return True
         if self.service.drained:
             await super().on_tick(counter)  # the Date header uvicorn refreshes here: answers still go out meanwhile
@@ -128,8 +133,8 @@ class DrainingServer(uvicorn.Server):
             waiting = self._sending() or self._lingering()
             if self.should_exit:
                 return True
-            self._drained_stop = not (waiting and time.monotonic() < self._drain_deadline)
-            return self._drained_stop
+            self._stopped_itself = not (waiting and time.monotonic() < self._drain_deadline)
+            return self._stopped_itself
         return await super().on_tick(counter)
 
     def _sending(self) -> bool:

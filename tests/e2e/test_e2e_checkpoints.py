@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.checkpoints import rewrite_checkpoint, save_fp8_checkpoint, without
+from tests.checkpoints import nan_in, overflowing_head, rewrite_checkpoint, save_fp8_checkpoint, without
 from tests.e2e.helpers import ServerProcess, decode, post, run_watching_port
 from tests.ports import held_port
 
@@ -68,7 +68,7 @@ def test_nan_weights_end_the_server_with_one_line(checkpoint_dir, tmp_path, layo
     """NaN is found once the weights are read, after the port is bound (/healthz answers while a
     model loads): the server never turns ready and ends with status 2 and one line naming it,
     in one process and from the worker pool's shard-by-shard reader alike."""
-    nan = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "nan", lambda t: {**t, Q_PROJ: t[Q_PROJ] * float("nan")})
+    nan = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "nan", nan_in(Q_PROJ))
     # port 0: the server binds before it fails, and a port chosen here could be taken before that (exit 3)
     command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", "0",
                "--model", str(nan), *layout]
@@ -82,12 +82,7 @@ def test_nan_weights_end_the_server_with_one_line(checkpoint_dir, tmp_path, layo
 def test_finite_weights_that_score_non_finite_end_the_server_with_one_line_naming_it(checkpoint_dir, tmp_path):
     """Weights pass the NaN check, yet the head's logits overflow: the first readiness pass fails,
     named with its model and reason in one line, without a traceback."""
-    def overflow(t):
-        head = t["lm_head.weight"].clone()
-        head[100], head[101] = 3e38, -3e38
-        return {**t, "lm_head.weight": head}
-
-    broken = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "overflow", overflow)
+    broken = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "overflow", overflowing_head)
     command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--model", str(broken)]
     code, output, _ = run_watching_port(command, None)
     assert code == 1, f"exit status {code}, expected 1:\n{output}"

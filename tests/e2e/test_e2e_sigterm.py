@@ -4,6 +4,7 @@ request is answered correctly, and the process exits 0."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -15,9 +16,13 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.e2e.helpers import (API_KEY, TINY_VOCAB, ServerProcess, assert_matches, decode, long_forward_body, post,
-                               post_in_background, queued_sequences, random_sequences, signalled_once,
+from tests import warm_start
+from tests.checkpoints import nan_in, overflowing_head, rewrite_checkpoint
+from tests.e2e.held_exit import HELD
+from tests.e2e.helpers import (API_KEY, REPO, TINY_VOCAB, ServerProcess, assert_matches, decode, long_forward_body,
+                               post, post_in_background, queued_sequences, random_sequences, signalled_once,
                                sigterm_mid_forward)
+from tests.ports import held_port
 from tests.signals import catches
 
 
@@ -278,6 +283,47 @@ def test_a_sigint_during_a_sigterm_drain_stops_it_without_waiting_and_exits_130(
     assert "Traceback" not in log and "stopping without a drain: 1 unfinished request(s)" in log, log[-3000:]
     cut = answers["answer"]
     assert cut.status_code == 503 and cut.json()["error"]["type"] == "unavailable", cut.text[:300]
+
+
+@pytest.fixture(scope="module")
+def failing_models(checkpoint_dir, tmp_path_factory):
+    """Checkpoints whose start fails once the port is bound: refused once loaded (2), non-finite at the first pass (1)."""
+    root, source = tmp_path_factory.mktemp("failing"), checkpoint_dir("qwen3_5")
+    return {"refused": rewrite_checkpoint(source, root / "nan", nan_in("model.layers.3.self_attn.q_proj.weight")),
+            "non-finite": rewrite_checkpoint(source, root / "overflow", overflowing_head)}
+
+
+@pytest.mark.parametrize("start, after", [
+    ("refused", "Waiting for application shutdown"), ("refused", HELD),
+    ("non-finite", "Waiting for application shutdown"), ("non-finite", HELD),
+    ("port-in-use", HELD),  # over FakeBackend: a model still loading when the bind fails ends the process at once
+], ids=["refused-shutting-down", "refused-teardown", "non-finite-shutting-down", "non-finite-teardown",
+        "port-in-use-teardown"])
+def test_a_sigint_once_a_failed_start_stopped_the_server_is_ignored_and_keeps_its_status(tmp_path, failing_models,
+                                                                                      start, after):
+    # Ctrl-C while a server that could not start exits: the default handler's KeyboardInterrupt landed in the
+    # interpreter's teardown (a traceback), or during uvicorn's shutdown made it 130 without the start's error line.
+    # tests/e2e/held_exit.py holds the teardown, so that the SIGINT lands there, not after the exit.
+    expected = {"refused": 2, "non-finite": 1, "port-in-use": 3}[start]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PACKSCORE_")}, "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "serve.log"
+    with held_port() as port, log.open("wb") as out:
+        served = (["tests.e2e.fake_server", "serve", "--port", str(port)] if start == "port-in-use" else
+                  ["service.entrypoint", "serve", "--port", "0", "--model", str(failing_models[start])])
+        proc = warm_start.popen([sys.executable, "-m", "tests.e2e.held_exit", *served, "--host", "127.0.0.1"],
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while after not in log.read_text() and proc.poll() is None:  # the log line, not a sleep
+            assert time.monotonic() < deadline, f"{after!r} not logged:\n{log.read_text()[-3000:]}"
+            time.sleep(0.005)
+        assert proc.poll() is None, f"exited before {after!r}:\n{log.read_text()[-3000:]}"  # held: it cannot have
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+    text = log.read_text()
+    assert code == expected, f"exit status {code}, expected {expected}:\n{text[-3000:]}"
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    errors = [line for line in text.splitlines() if line.startswith("packscore: error: could not start:")]
+    assert len(errors) == (0 if start == "port-in-use" else 1) and HELD in text, text[-3000:]
 
 
 class _SigintIgnored(ServerProcess):
