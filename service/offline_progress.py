@@ -113,6 +113,7 @@ class _LoggedProgress(_Progress):
         super().__init__(total, initial, tokens)
         self.every_s = every_s
         self._last = self._start
+        self._sequences = "sequence" if total == 1 else "sequences"  # "scored 0/1 sequence": the noun follows the total
 
     def update(self, n: int = 1, tokens: int = 0) -> None:
         self._add(n, tokens)
@@ -129,12 +130,12 @@ class _LoggedProgress(_Progress):
 
     def _report(self, now: float, closing: bool = False) -> None:
         if self.count == self._initial and not closing:  # no rate yet, so no time left to give
-            log.info("scored %d/%d sequences (none yet after %.0fs: waiting for the first forward's results)",
-                     self.count, self.total, now - self._start)
+            log.info("scored %d/%d %s (none yet after %.0fs: waiting for the first forward's results)",
+                     self.count, self.total, self._sequences, now - self._start)
             return
         rate, left = self._rate_and_left(now)
         shown = f", about {left:.0f}s left" if left is not None and self.count < self.total else ""
-        log.info("scored %d/%d sequences (%.0f tokens/s%s)", self.count, self.total, rate, shown)
+        log.info("scored %d/%d %s (%.0f tokens/s%s)", self.count, self.total, self._sequences, rate, shown)
 
     def close(self, ended: bool = True) -> None:
         """The last count, where the run ended: a run stopped (a full disk, a signal) has lines scored that OUT

@@ -146,7 +146,7 @@ def test_results_in_out_for_ids_not_in_in_are_named_in_a_warning(monkeypatch, tm
     _write_jsonl(source, [{"id": "new", "input_ids": [1, 2, 3]}])
     with caplog.at_level(logging.WARNING, logger="service.offline"):
         assert cli.main(["score", str(source), "-o", str(out)]) == 0
-    assert "holds 1 results whose ids are not in" in caplog.text
+    assert f"holds 1 result whose id is not in {source} (kept as it is)" in caplog.text, caplog.text
     assert [r["id"] for r in _read_jsonl(out)] == ["old", "new"]
     out.write_bytes(out.read_bytes() * 2)  # two OUTs joined with cat
     caplog.clear()
@@ -285,7 +285,7 @@ def test_an_out_written_before_results_recorded_their_run_is_resumed_with_a_warn
     _write_jsonl(source, [{"id": "a", "input_ids": [1, 2, 3]}, {"id": "b", "input_ids": [1, 2]}])
     with caplog.at_level(logging.WARNING, logger="service.offline"):
         assert cli.main(["score", str(source), "-o", str(out), "--temperature", "0.5"]) == 0
-    assert "1 results do not record the temperature, weights_version and dtype" in caplog.text
+    assert "1 result does not record the temperature, weights_version and dtype that made it" in caplog.text
     first, second = _read_jsonl(out)
     assert first == old and second["temperature"] == 0.5
 
