@@ -154,8 +154,9 @@ async def _score_with_one_version(request: Request, model: ServedModel, job: Sco
             todo, target = _rescore_needed(scores, model, job)
             if not todo:
                 return scores, target  # type: ignore[return-value]
-            log.info("%d of %d sequences of a request scored by another version of %s than %s: scoring them again",
-                     len(todo), len(scores), model.name, target)
+            log.info("%d of %d %s of a request scored by another version of %s than %s: scoring %s again", len(todo),
+                     len(scores), "sequence" if len(scores) == 1 else "sequences", model.name, target,
+                     "it" if len(todo) == 1 else "them")
     finally:
         if held:
             model.swap_holds -= 1

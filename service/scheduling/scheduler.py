@@ -401,7 +401,8 @@ class Scheduler:
                 scores = await thread.run(score, [it.seq for it in row])
         except BackendUnavailableError as exc:
             self.last_failure = str(exc) or "backend unavailable"
-            log.error("backend unavailable for a row of %d sequences (requests %s): %s", len(row), row_requests(row), exc)
+            log.error("backend unavailable for a row of %d %s (requests %s): %s", len(row),
+                      "sequence" if len(row) == 1 else "sequences", row_requests(row), exc)
             error = backend_unavailable(f"No scoring worker could take the request: {exc}.", retry_after_s=2)
             for item in row:
                 self.fail(item.ticket, error)

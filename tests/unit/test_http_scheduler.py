@@ -2,6 +2,7 @@
 admission, disconnects, backend failures, concurrency."""
 
 import asyncio
+import logging
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -129,7 +130,7 @@ def test_out_of_memory_detection():
     assert not is_out_of_memory(ValueError("out of memory"))
 
 
-def test_backend_unavailable_answers_503_with_retry_after_and_readiness_drops():
+def test_backend_unavailable_answers_503_with_retry_after_and_readiness_drops(caplog):
     async def main():
         backend = FakeBackend()
         app = create_app(Settings(), backend)
@@ -152,7 +153,9 @@ def test_backend_unavailable_answers_503_with_retry_after_and_readiness_drops():
             ready_again = await client.get("/readyz")
             return response, elapsed, not_ready, worker_down, ready_again, refused, restart_failed
 
-    response, elapsed, not_ready, worker_down, ready_again, refused, restart_failed = asyncio.run(main())
+    with caplog.at_level(logging.ERROR, logger="service.scheduling.scheduler"):
+        response, elapsed, not_ready, worker_down, ready_again, refused, restart_failed = asyncio.run(main())
+    assert "backend unavailable for a row of 1 sequence (requests" in caplog.text, caplog.text  # not "1 sequences"
     ready_failed, score_failed, score_later = restart_failed
     assert ready_failed.status_code == 503 and ready_failed.json()["status"] == "restart_failed", ready_failed.text
     assert "the checkpoint changed" not in ready_failed.text, "/readyz answers without a key: no details"

@@ -4,6 +4,7 @@ carry the trainer's fields (API.md "POST /v1/weights"); rollout mismatch is in
 test_rollout_mismatch.py."""
 
 import asyncio
+import logging
 import math
 import threading
 
@@ -44,7 +45,7 @@ def test_a_pin_is_served_exactly_or_409(tmp_path):
 
 
 @pytest.mark.parametrize("pin", [None, FAKE_VERSION], ids=["unpinned", "pinned"])
-def test_a_swap_between_the_rows_of_a_request(tmp_path, pin):
+def test_a_swap_between_the_rows_of_a_request(tmp_path, pin, caplog):
     """Two sequences in two rows; the weights change while the first is in its forward. Unpinned:
     the first is scored again, and the answer names the new version for both. Pinned: 409."""
     root = make_weights_root(tmp_path)
@@ -63,7 +64,8 @@ def test_a_swap_between_the_rows_of_a_request(tmp_path, pin):
             gate.set()
             return update, await request
 
-    update, response = asyncio.run(main())
+    with caplog.at_level(logging.INFO, logger="service.http.scoring"):
+        update, response = asyncio.run(main())
     assert update.status_code == 200
     if pin is not None:
         assert response.status_code == 409 and response.json()["error"]["type"] == "weights_version_mismatch"
@@ -73,6 +75,8 @@ def test_a_swap_between_the_rows_of_a_request(tmp_path, pin):
     for seq, result in zip(seqs, response.json()["results"]):
         np.testing.assert_allclose(result["logprobs"], expected_logprobs(seq, 1), rtol=0, atol=1e-6)
     assert [len(r) for r in backend.rows[1:]] == [1, 1, 1]  # a, b, then a again
+    assert "1 of 2 sequences of a request scored by another version of fake-model than v2: scoring it again" \
+        in caplog.text, caplog.text
 
 
 
