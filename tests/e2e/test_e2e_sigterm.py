@@ -209,6 +209,15 @@ def test_a_sigterm_at_each_step_of_the_start_exits_0(tmp_path, step, said):
     assert code == 0 and said in text and "Traceback" not in text, (step, code, text[-2000:])
 
 
+def _once_logged(line: str, read_log, proc, timeout_s: float = 60) -> bool:
+    """Waits for ``line`` in the log (the line, not a sleep); whether the process still runs then."""
+    deadline = time.monotonic() + timeout_s
+    while line not in read_log() and proc.poll() is None:
+        assert time.monotonic() < deadline, f"{line!r} not logged:\n{read_log()[-3000:]}"
+        time.sleep(0.005)
+    return proc.poll() is None
+
+
 @pytest.mark.parametrize("after", ["stopping without a drain", "Shutting down", "Finished server process"],
                          ids=["first-handled", "shutting-down", "finished"])
 def test_a_second_sigint_exits_130_with_the_service_stopped_and_no_traceback(tmp_path, after):
@@ -218,12 +227,8 @@ def test_a_second_sigint_exits_130_with_the_service_stopped_and_no_traceback(tmp
     server = ServerProcess(tmp_path).wait_ready()
     try:
         server.proc.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + 60
         # the log line, not a sleep: sent before the first was handled, the two merge into one
-        while after not in server.log() and server.proc.poll() is None:
-            assert time.monotonic() < deadline, f"{after!r} not logged:\n{server.log()[-3000:]}"
-            time.sleep(0.005)
-        if server.proc.poll() is None:
+        if _once_logged(after, server.log, server.proc):
             server.proc.send_signal(signal.SIGINT)
         code = server.proc.wait(timeout=60)
     finally:
@@ -242,11 +247,7 @@ def test_a_sigint_once_a_sigterm_drain_stopped_the_server_is_ignored_and_it_exit
     server = ServerProcess(tmp_path).wait_ready()
     try:
         server.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 60
-        while after not in server.log() and server.proc.poll() is None:  # the log line, not a sleep
-            assert time.monotonic() < deadline, f"{after!r} not logged:\n{server.log()[-3000:]}"
-            time.sleep(0.005)
-        if server.proc.poll() is None:
+        if _once_logged(after, server.log, server.proc):
             server.proc.send_signal(signal.SIGINT)
         code = server.proc.wait(timeout=60)
     finally:
@@ -312,11 +313,8 @@ def test_a_sigint_once_a_failed_start_stopped_the_server_is_ignored_and_keeps_it
                   ["service.entrypoint", "serve", "--port", "0", "--model", str(failing_models[start])])
         proc = warm_start.popen([sys.executable, "-m", "tests.e2e.held_exit", *served, "--host", "127.0.0.1"],
                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while after not in log.read_text() and proc.poll() is None:  # the log line, not a sleep
-            assert time.monotonic() < deadline, f"{after!r} not logged:\n{log.read_text()[-3000:]}"
-            time.sleep(0.005)
-        assert proc.poll() is None, f"exited before {after!r}:\n{log.read_text()[-3000:]}"  # held: it cannot have
+        # held: it cannot have exited before
+        assert _once_logged(after, log.read_text, proc, 120), f"exited before {after!r}:\n{log.read_text()[-3000:]}"
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=60)
     text = log.read_text()
