@@ -35,7 +35,8 @@ class DrainingServer(uvicorn.Server):
     (status -15). The contract wants new requests answered 503 with Retry-After while the
     admitted ones finish, and then a clean exit. A second SIGTERM, or SIGINT, during the drain falls
     back to uvicorn's own handling; a SIGINT once the drain is done, or once a failed start stopped the
-    server, is ignored (the exit, 0 or the start's 1, 2 or 3, is under way).
+    server, is ignored (the exit, 0 or the start's 1, 2 or 3, is under way), and so is a SIGTERM once a
+    failed start stopped it (nothing was admitted to drain; the exit keeps the start's status).
     """
 
     def __init__(self, config: uvicorn.Config, service: Service):
@@ -64,10 +65,13 @@ class DrainingServer(uvicorn.Server):
             yield
         finally:
             stopped = signal.SIGINT in self._captured_signals or self._stopped_itself
+            failed = self._start_failed() and signal.SIGTERM not in self._captured_signals
             for sig, handler in found.items():
                 # Ctrl-C once a SIGINT, a drain or a failed start stopped the server is ignored: as a KeyboardInterrupt it
                 # landed anywhere in the exit under way (130, 0, 1-3), the interpreter's teardown included, as a traceback.
-                signal.signal(sig, signal.SIG_IGN if sig == signal.SIGINT and stopped else after_serving(handler))
+                # A SIGTERM once a failed start stopped it too: the default's -15 would replace the start's 1, 2 or 3.
+                ignored = stopped if sig == signal.SIGINT else failed
+                signal.signal(sig, signal.SIG_IGN if ignored else after_serving(handler))
         for captured in reversed(self._captured_signals):
             if captured == signal.SIGINT:
                 raise KeyboardInterrupt  # what the default handler raised; SIGINT is ignored by now
@@ -87,6 +91,10 @@ class DrainingServer(uvicorn.Server):
             # drained, or the start failed, and the server stopping by its bounded steps (a worker pool's stop by its
             # own timeouts): Ctrl-C now would only turn its 0, 1 or 2 into 130 and drop the start's error line
             return
+        if sig == signal.SIGTERM and self._start_failed():
+            # a supervisor stopping a server whose start failed: it is stopping, and nothing was admitted to drain; a
+            # drain would say "draining" and arm its timer's exit 0 in place of the start's 1, 2 or 3
+            return
         if sig == signal.SIGTERM and self._loop is None and self._exits_early:
             # uvicorn's own start (its config, the lifespan's creation) comes before startup() knows the
             # loop: nothing loads or is admitted yet, so this is still a SIGTERM before serving (exit 0)
@@ -102,6 +110,10 @@ class DrainingServer(uvicorn.Server):
             self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.service.abandon()),
                                             context=outside_request())
         super().handle_exit(sig, frame)
+
+    def _start_failed(self) -> bool:
+        """Whether a failed start (the model's, or uvicorn's bind) stops the server, no drain begun before it."""
+        return self._drain is None and (self._stopped_itself or self.service.fatal_error is not None)
 
     async def shutdown(self, sockets=None) -> None:
         await super().shutdown(sockets=sockets)

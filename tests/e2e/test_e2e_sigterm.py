@@ -300,11 +300,13 @@ def failing_models(checkpoint_dir, tmp_path_factory):
     ("port-in-use", HELD),  # over FakeBackend: a model still loading when the bind fails ends the process at once
 ], ids=["refused-shutting-down", "refused-teardown", "non-finite-shutting-down", "non-finite-teardown",
         "port-in-use-teardown"])
-def test_a_sigint_once_a_failed_start_stopped_the_server_is_ignored_and_keeps_its_status(tmp_path, failing_models,
-                                                                                      start, after):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_a_sigint_or_sigterm_once_a_failed_start_stopped_the_server_is_ignored_and_keeps_its_status(
+        tmp_path, failing_models, start, after, sig):
     # Ctrl-C while a server that could not start exits: the default handler's KeyboardInterrupt landed in the
     # interpreter's teardown (a traceback), or during uvicorn's shutdown made it 130 without the start's error line.
-    # tests/e2e/held_exit.py holds the teardown, so that the SIGINT lands there, not after the exit.
+    # A SIGTERM (a supervisor stopping the failed pod): in the teardown the default's -15, in uvicorn's shutdown a drain
+    # of nothing, its "draining" line and its timer's exit 0 armed. held_exit.py holds the teardown for the signal.
     expected = {"refused": 2, "non-finite": 1, "port-in-use": 3}[start]
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("PACKSCORE_")}, "OMP_NUM_THREADS": "1"}
     log = tmp_path / "serve.log"
@@ -315,11 +317,12 @@ def test_a_sigint_once_a_failed_start_stopped_the_server_is_ignored_and_keeps_it
                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
         # held: it cannot have exited before
         assert _once_logged(after, log.read_text, proc, 120), f"exited before {after!r}:\n{log.read_text()[-3000:]}"
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         code = proc.wait(timeout=60)
     text = log.read_text()
     assert code == expected, f"exit status {code}, expected {expected}:\n{text[-3000:]}"
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert "draining" not in text, text[-3000:]  # nothing was admitted: no drain, and no timer to exit 0 at its end
     errors = [line for line in text.splitlines() if line.startswith("packscore: error: could not start:")]
     assert len(errors) == (0 if start == "port-in-use" else 1) and HELD in text, text[-3000:]
 
