@@ -278,6 +278,8 @@ class Service:
             self._advance("probing")
             await self._run_probe(_PROBE_TIMEOUT_S + 1)  # the pass bounds itself
             if not self._probe_ok:
+                if any(m.scheduler.closed_reason for m in self._scheduled()):  # the server stopping cut the pass off:
+                    raise asyncio.CancelledError  # the start ends as service.stop()'s cancel ends it, not as a failed one
                 why = "; ".join(f"{name} {reason}" for name, reason in self._probe_failures.items())
                 raise _FirstPassFailed(f"the first readiness pass failed: {why or 'it did not finish in time'}")
             return True
@@ -512,6 +514,10 @@ class Service:
         except (ApiError, TimeoutError) as exc:
             if ticket is not None:
                 model.scheduler.cancel(ticket)
+            if (stopping := model.scheduler.closed_reason) is not None:  # the server stopped it, not the model
+                log.info("readiness pass of %s cancelled: %s", model.name, stopping)
+                self._probe_failures[model.name] = f"cancelled: {stopping}"
+                return False
             why = f"no result within {_PROBE_TIMEOUT_S:g}s" if isinstance(exc, TimeoutError) else str(exc) or type(exc).__name__
             log.error("readiness pass of %s failed: %s", model.name, why)
             self._probe_failures[model.name] = f"failed: {why}"

@@ -165,6 +165,11 @@ class Scheduler:
         for thread in self._threads:
             thread.stop()  # a forward already running cannot be interrupted: its thread is a daemon
 
+    @property
+    def closed_reason(self) -> str | None:
+        """Why ``close`` stopped this scheduler (the server stopping), None while it is open."""
+        return self._closed_reason if self._closed else None
+
     # ---- admission ---------------------------------------------------------------------------
 
     @property

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import socket
 import ssl
 import threading
@@ -303,3 +304,32 @@ def test_clients_that_read_none_of_their_answers_write_a_few_warnings_not_one_ea
     assert len(warnings) == 11 and warnings[10][2] is None, warnings
     assert sum("answered 400" in r[3] for r in warnings) == 2, warnings
     assert "more than 10 of the protocol's own lines" in warnings[10][3], warnings
+
+
+@pytest.mark.parametrize("stop, options, expected", [
+    (["SIGINT"], [], 130),
+    (["SIGTERM", "SIGTERM"], [], -15),  # the second without a drain: its pending work answered 503 at once
+    (["SIGTERM"], ["--drain-timeout-s", "0.5"], 0),  # the drain's timeout ends the pass: drained, 0
+], ids=["sigint", "second-sigterm", "drain-timeout"])
+def test_a_first_readiness_pass_the_shutdown_cuts_off_is_logged_as_cancelled_not_as_a_failed_start(tmp_path, stop,
+                                                                                                    options, expected):
+    # A stop during the first readiness pass closes the scheduler under it: that failed its ticket, which the pass
+    # logged as an ERROR "readiness pass of fake-model failed: The server is shutting down; retry.", and the start as
+    # failed ("startup failed", and after a drain's timeout exit 1 with "could not start").
+    # 0.5 s a token: the pass (8 tokens) runs 4 s, over the signals.
+    server = SplitStreamsServer(tmp_path, "--log-level", "info", *options, env={"FAKE_SECONDS_PER_TOKEN": "0.5"})
+    try:
+        assert _wait_for(server, lambda records: any("warm-up of fake-model took" in r[3] for r in records), 60), \
+            server.log()
+        time.sleep(0.3)  # the pass is queued and its forward under way
+        for sig in stop:
+            server.proc.send_signal(getattr(signal, sig))
+            time.sleep(0.3)
+        code = server.proc.wait(timeout=60)
+    finally:
+        server.stop()
+    records = _records(server)
+    passes = [r for r in records if "readiness pass of fake-model" in r[3]]
+    assert code == expected and [r[:2] for r in passes] == [("INFO", "service.runtime")], server.log()
+    assert "cancelled: the server is" in passes[0][3] and "\n" not in passes[0][3], server.log()
+    assert not any(r[0] == "ERROR" for r in records) and "could not start" not in server.log(), server.log()

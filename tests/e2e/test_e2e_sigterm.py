@@ -348,6 +348,34 @@ def test_a_sigint_ignored_at_start_stays_ignored_and_sigterm_still_drains(tmp_pa
     assert code == 0, f"exit status {code}:\n{server.log()[-3000:]}"
 
 
+def test_a_readyz_pass_a_sigint_cuts_off_is_logged_as_cancelled_not_as_a_failure(tmp_path):
+    # A real model: /readyz's pass (the proof older than 10 s) waits behind a long forward when SIGINT stops the
+    # server; its scheduler's close failed the pass's ticket, logged as "readiness pass of ... failed: The server is
+    # stopping without a drain; retry." at ERROR level, as if the model had failed it.
+    server = ServerProcess(tmp_path, "--max-batch-tokens", "12000").wait_ready()
+    time.sleep(10.5)  # the first pass's proof goes stale: the next /readyz runs a pass
+    sender, _ = post_in_background(server.url, long_forward_body(17))
+    try:
+        deadline = time.monotonic() + 60
+        while queued_sequences(server.url) < 2:  # admitted, its forward under way
+            assert time.monotonic() < deadline and server.proc.poll() is None, server.log()[-3000:]
+            time.sleep(0.01)
+        probe = threading.Thread(target=lambda: httpx.get(server.url + "/readyz", timeout=30), daemon=True)
+        probe.start()
+        while queued_sequences(server.url) < 3:  # the pass queued behind the forward
+            assert time.monotonic() < deadline and server.proc.poll() is None, server.log()[-3000:]
+            time.sleep(0.01)
+        server.proc.send_signal(signal.SIGINT)
+        code = server.proc.wait(timeout=60)
+        sender.join(timeout=30)
+    finally:
+        server.stop()
+    log = server.log()
+    passes = [line for line in log.splitlines() if "readiness pass of" in line]
+    assert code == 130 and len(passes) == 1 and " INFO service.runtime: " in passes[0], log[-3000:]
+    assert passes[0].endswith("cancelled: the server is stopping without a drain") and " ERROR " not in log, log[-3000:]
+
+
 def test_a_sigint_during_a_weights_load_exits_130_without_waiting_for_it_and_answers_the_drains_503(tmp_path):
     """uvicorn cancels the update's handler after its grace; its load ran in asyncio's default executor,
     whose thread the loop's close waited for: the SIGINT waited out the load, and the trainer got
