@@ -2,6 +2,7 @@
 
 import copy
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -112,15 +113,18 @@ def test_an_update_in_place_reads_the_checkpoint_once_before_the_copy(served, ch
     want_version = version or content_version(path)
     real_read_at, real_mapped = content_hash._read_at, weights._MappedFile.read
     read = {"positioned": 0, "mapped": 0}
+    counting = threading.Lock()  # the reads run on a thread pool: a bare += there can lose a count
 
     def read_at(fd, view, offset):
         n = real_read_at(fd, view, offset)
-        read["positioned"] += n
+        with counting:
+            read["positioned"] += n
         return n
 
     def mapped(self, name, rows=None):
         out = real_mapped(self, name, rows)
-        read["mapped"] += out.numel() * out.element_size()
+        with counting:
+            read["mapped"] += out.numel() * out.element_size()
         return out
 
     monkeypatch.setattr(content_hash, "_read_at", read_at)
