@@ -209,13 +209,23 @@ def test_a_sigterm_at_each_step_of_the_start_exits_0(tmp_path, step, said):
     assert code == 0 and said in text and "Traceback" not in text, (step, code, text[-2000:])
 
 
-def _once_logged(line: str, read_log, proc, timeout_s: float = 60) -> bool:
-    """Waits for ``line`` in the log (the line, not a sleep); whether the process still runs then."""
+def _once(done, what: str, read_log, proc, timeout_s: float = 60) -> bool:
+    """Waits until ``done()`` (a state, not a sleep) or the process's exit; whether it still runs then."""
     deadline = time.monotonic() + timeout_s
-    while line not in read_log() and proc.poll() is None:
-        assert time.monotonic() < deadline, f"{line!r} not logged:\n{read_log()[-3000:]}"
+    while not done() and proc.poll() is None:
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s:\n{read_log()[-3000:]}"
         time.sleep(0.005)
     return proc.poll() is None
+
+
+def _once_logged(line: str, read_log, proc, timeout_s: float = 60) -> bool:
+    return _once(lambda: line in read_log(), f"{line!r} logged", read_log, proc, timeout_s)
+
+
+def _once_queued(server: ServerProcess, sequences: int) -> None:
+    """Waits until ``sequences`` are admitted (a forward under way, passes queued behind it); the server runs."""
+    assert _once(lambda: queued_sequences(server.url) >= sequences, f"{sequences} sequences queued", server.log,
+                 server.proc), server.log()[-3000:]
 
 
 @pytest.mark.parametrize("after", ["stopping without a drain", "Shutting down", "Finished server process"],
@@ -264,14 +274,9 @@ def test_a_sigint_during_a_sigterm_drain_stops_it_without_waiting_and_exits_130(
     server = ServerProcess(tmp_path, "--max-batch-tokens", "12000", "--drain-timeout-s", "60").wait_ready()
     sender, answers = post_in_background(server.url, long_forward_body(13))
     try:
-        deadline = time.monotonic() + 60
-        while queued_sequences(server.url) < 2:  # admitted, its forward under way
-            assert time.monotonic() < deadline and server.proc.poll() is None, server.log()[-3000:]
-            time.sleep(0.01)
+        _once_queued(server, 2)  # admitted, its forward under way
         server.proc.send_signal(signal.SIGTERM)
-        while "draining: finishing" not in server.log():  # the log line, not a sleep
-            assert time.monotonic() < deadline and server.proc.poll() is None, server.log()[-3000:]
-            time.sleep(0.005)
+        assert _once_logged("draining: finishing", server.log, server.proc), server.log()[-3000:]
         server.proc.send_signal(signal.SIGINT)
         sent = time.monotonic()
         code = server.proc.wait(timeout=60)
@@ -356,15 +361,10 @@ def test_a_readyz_pass_a_sigint_cuts_off_is_logged_as_cancelled_not_as_a_failure
     time.sleep(10.5)  # the first pass's proof goes stale: the next /readyz runs a pass
     sender, _ = post_in_background(server.url, long_forward_body(17))
     try:
-        deadline = time.monotonic() + 60
-        while queued_sequences(server.url) < 2:  # admitted, its forward under way
-            assert time.monotonic() < deadline and server.proc.poll() is None, server.log()[-3000:]
-            time.sleep(0.01)
+        _once_queued(server, 2)  # admitted, its forward under way
         probe = threading.Thread(target=lambda: httpx.get(server.url + "/readyz", timeout=30), daemon=True)
         probe.start()
-        while queued_sequences(server.url) < 3:  # the pass queued behind the forward
-            assert time.monotonic() < deadline and server.proc.poll() is None, server.log()[-3000:]
-            time.sleep(0.01)
+        _once_queued(server, 3)  # the pass queued behind the forward
         server.proc.send_signal(signal.SIGINT)
         code = server.proc.wait(timeout=60)
         sender.join(timeout=30)
