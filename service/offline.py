@@ -26,6 +26,7 @@ import orjson
 import xxhash
 
 from model_runtime.still_lines import saying_still
+from model_runtime.wording import counted
 from service.http.encoding import non_finite_score, result_record
 from service.http.errors import ApiError
 from service.http.rollout import mismatch
@@ -115,7 +116,7 @@ def _finished_ids(output: Path) -> dict[str, Done]:
     if repeated:  # files joined with cat, or written by two runs at once before OUT was locked
         last = "its last result is" if len(repeated) == 1 else "the last result of each is"
         log.warning("%s holds %s more than once: %s the one checked (every line stays in OUT)", output,
-                    _counted(len(repeated), "id"), last)
+                    counted(len(repeated), "id"), last)
     if good_end != output.stat().st_size:
         log.warning("%s: dropping an incomplete last line (the previous run stopped while writing it)", output)
         with output.open("r+b") as f:
@@ -394,9 +395,9 @@ def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     total, resumed = len(seen), len(seen) - todo
     if foreign := len(done.keys() - seen):
         whose, it_is = ("whose id is", "it is") if foreign == 1 else ("whose ids are", "they are")
-        log.warning("%s holds %s %s not in %s (kept as %s)", output_path, _counted(foreign, "result"), whose, input_path,
+        log.warning("%s holds %s %s not in %s (kept as %s)", output_path, counted(foreign, "result"), whose, input_path,
                     it_is)
-    log.info("%s in %s, %d already scored in %s", _counted(total, "sequence"), input_path, resumed, output_path)
+    log.info("%s in %s, %d already scored in %s", counted(total, "sequence"), input_path, resumed, output_path)
     if total == 0:  # a wrong path, or a shard left empty: exit 0 as with nothing left to score, but said
         log.warning("%s holds no sequences (it is empty or its lines are blank): nothing to score", input_path)
     if todo == 0:
@@ -407,7 +408,7 @@ def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
             ("do", "them", "they are", "they were")
         log.warning("%s: %s %s not record the temperature, weights_version and dtype that made %s (an earlier packscore "
                     "wrote %s): %s kept unchecked, so give the --temperature, --model and --dtype %s scored with",
-                    output_path, _counted(unrecorded, "result"), does, it, it, it_is, it_was)
+                    output_path, counted(unrecorded, "result"), does, it, it, it_is, it_was)
     if settings.model == "tiny":  # the default, so that a first try runs anywhere; its scores mean nothing
         log.warning("scoring with the built-in tiny preset (random weights, for trying packscore out): give --model "
                     "for the scores of a real model")
@@ -507,18 +508,13 @@ def _score_loaded(settings: Settings, backend, input_path: Path, output_path: Pa
         print(f"packscore: error: cannot write {output_path}: {exc.strerror}{why}; {held}: {what_to_do}, then run "
               "the same command to resume after them", file=sys.stderr)
         return 1
-    log.info("wrote %s to %s", _counted(written, "result"), output_path)
+    log.info("wrote %s to %s", counted(written, "result"), output_path)
     return 0
 
 
 def _in_out(count: int, total: int, input_path: Path, output_path: Path) -> str:
     """"K of the N lines of IN are in OUT", in the singular where K or N is 1."""
-    return f"{count} of the {_counted(total, 'line')} of {input_path} {'is' if count == 1 else 'are'} in {output_path}"
-
-
-def _counted(count: int, noun: str) -> str:
-    """"1 id", "2 ids", "0 ids": ``count`` ``noun``s, in the singular for 1."""
-    return f"{count} {noun}{'' if count == 1 else 's'}"
+    return f"{count} of the {counted(total, 'line')} of {input_path} {'is' if count == 1 else 'are'} in {output_path}"
 
 
 @contextlib.contextmanager

@@ -35,6 +35,7 @@ from model_runtime.scoring.checkpoint_config import (config_default_positions, c
                                                      refuse_odd_text_config, refuse_other_forward_settings,
                                                      refuse_top_level_rope)
 from model_runtime.scoring.checkpoint_error import CheckpointError, quoted_names
+from model_runtime.wording import counted
 
 IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.")  # never loaded: the vision tower, multi-token prediction
 FP8_SCALE_SUFFIX = "_scale_inv"  # "<name>.weight_scale_inv" scales "<name>.weight" block by block
@@ -371,14 +372,10 @@ def _parts(*groups) -> list[str]:
         if not items:
             continue
         *qualifier, state = words
-        subject = " ".join([_count(items, noun), *qualifier])
+        subject = " ".join([counted(len(items), noun), *qualifier])
         verb = "differ" if state is None else f"{_are(items)} {state}"
         out.append(f"{subject} {verb} ({quoted_names(items)})")
     return out
-
-
-def _count(items, noun: str) -> str:
-    return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"
 
 
 def _are(items) -> str:

@@ -12,6 +12,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from model_runtime.types import SequenceInput, SequenceScores
+from model_runtime.wording import counted
 from service.http.encoding import CONTENT_TYPE, decode_body, encode_score_response, request_encoding, response_encoding
 from service.http.encoding import non_finite_score, result_record
 from service.http.errors import ApiError, backend_unavailable, body_too_large, deadline_error, draining_error
@@ -154,9 +155,8 @@ async def _score_with_one_version(request: Request, model: ServedModel, job: Sco
             todo, target = _rescore_needed(scores, model, job)
             if not todo:
                 return scores, target  # type: ignore[return-value]
-            log.info("%d of %d %s of a request scored by another version of %s than %s: scoring %s again", len(todo),
-                     len(scores), "sequence" if len(scores) == 1 else "sequences", model.name, target,
-                     "it" if len(todo) == 1 else "them")
+            log.info("%d of %s of a request scored by another version of %s than %s: scoring %s again", len(todo),
+                     counted(len(scores), "sequence"), model.name, target, "it" if len(todo) == 1 else "them")
     finally:
         if held:
             model.swap_holds -= 1

@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 from model_runtime.scoring.backend import BackendUnavailableError, ScoringBackend
 from model_runtime.scoring.prefix import tokens_saved
 from model_runtime.types import SequenceInput, SequenceScores
+from model_runtime.wording import counted
 from service.http import request_id
 from service.http.errors import ApiError, backend_unavailable, deadline_error
 from service.http.metrics import Metrics
@@ -406,8 +407,8 @@ class Scheduler:
                 scores = await thread.run(score, [it.seq for it in row])
         except BackendUnavailableError as exc:
             self.last_failure = str(exc) or "backend unavailable"
-            log.error("backend unavailable for a row of %d %s (requests %s): %s", len(row),
-                      "sequence" if len(row) == 1 else "sequences", row_requests(row), exc)
+            log.error("backend unavailable for a row of %s (requests %s): %s", counted(len(row), "sequence"),
+                      row_requests(row), exc)
             error = backend_unavailable(f"No scoring worker could take the request: {exc}.", retry_after_s=2)
             for item in row:
                 self.fail(item.ticket, error)
