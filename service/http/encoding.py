@@ -15,6 +15,7 @@ import msgpack
 import numpy as np
 import orjson
 
+from model_runtime.wording import counted
 from service.http.errors import ApiError, OversizedInt, short_repr
 
 Encoding = Literal["json", "msgpack"]
@@ -105,7 +106,7 @@ class MsgpackExt:
         self.code, self.size = code, len(data)
 
     def __repr__(self) -> str:
-        return f"a msgpack extension value (type {self.code}, {self.size} bytes)"
+        return f"a msgpack extension value (type {self.code}, {counted(self.size, 'byte')})"
 
 
 def decode_body(raw: bytes, encoding: Encoding) -> Any:

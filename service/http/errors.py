@@ -6,6 +6,7 @@ from typing import Iterable
 
 import orjson
 
+from model_runtime.wording import counted
 from service.http.schemas import NOT_UNICODE, ErrorResponse
 
 
@@ -162,7 +163,7 @@ def _unfit_for_a_path(loc) -> bool:
 def short_repr(value, limit: int = 60) -> str:
     """A value as a message shows it: at most ``limit`` characters (a client's 2 MB string is not echoed back)."""
     if isinstance(value, (bytes, bytearray)):
-        return f"{len(value)} bytes"
+        return counted(len(value), 'byte')
     try:
         text = repr(value)
     except RecursionError:  # a value nested deeper than Python's stack: still a 422 naming the field

@@ -208,6 +208,22 @@ def test_a_bin_map_key_is_named_and_an_object_expected_is_called_one():
     assert "an object" in message and "SequenceIn" not in message, message
 
 
+def test_a_one_byte_value_is_called_one_byte():
+    async def main():
+        app, _ = make_app()
+        async with running_app(app) as client:
+            ext = await client.post("/score", headers=MSGPACK_H, content=msgpack.packb(
+                {"sequences": [{"input_ids": [1, msgpack.ExtType(5, b"1")]}]}))
+            bin_id = await client.post("/score", headers=MSGPACK_H, content=msgpack.packb(
+                {"sequences": [{"id": b"x", "input_ids": [1, 2]}]}))
+            return ext, bin_id
+
+    for answer, param in zip(asyncio.run(main()), ["sequences[0].input_ids[1]", "sequences[0].id"]):
+        _check_error(answer, 422, "invalid_value", param)
+        message = answer.json()["error"]["message"]
+        assert "1 byte" in message and "1 bytes" not in message, message
+
+
 def test_an_empty_key_is_named_as_one():
     async def main():
         app, _ = make_app()
