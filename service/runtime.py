@@ -16,13 +16,12 @@ after the backend reported a failure.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -34,8 +33,8 @@ from service.http.errors import ApiError, draining_error
 from service.http.metrics import Metrics
 from service.http.request_id import outside_request
 from service.http.validation import Limits, resolve_model_len
+from service.load_thread import LOAD_THREAD, NoLoadThreadError, in_load_thread
 from service.scheduling.admission import SharedCapacity
-from service.scheduling.forward_thread import settle
 from service.scheduling.scheduler import Scheduler
 from service.settings import Settings
 from service.weights_record import UnservableError, WeightsRecord, Withheld, unservable
@@ -56,9 +55,6 @@ _RESTORE_ATTEMPTS = 3  # a --weights-record restore tried again after a worker p
 _NO_THREAD_BACKOFF_S = (0.5, 1.0, 2.0)
 # warm-up and the first pass, cut short by a lost worker: one that dies at every pass fails the start
 _FIRST_PASS_ATTEMPTS = 3
-
-
-_LOAD_THREAD = "packscore-load"
 # a stopped scheduler's idle forward threads end within it; one still alive then is taken as running
 _FORWARD_THREADS_END_S = 1.0
 
@@ -68,50 +64,6 @@ async def _saying_while(doing: str, name: str, awaitable):
     log of a 9B's start is otherwise silent for minutes); no line once it ended."""
     with saying_still(log, f"{doing} {name}"):
         return await awaitable
-
-
-def in_load_thread(fn: Callable, *args, ended: Callable[[Any, BaseException | None], None] | None = None) -> asyncio.Future:
-    """Starts ``fn(*args)`` (a load or a weights update) in a daemon thread, in the caller's context (its
-    log lines name the caller's request); a future of its outcome. ``ended(result, error)`` runs on the
-    loop, in that context too, once the thread is done (or could not start), before the future settles,
-    whether or not anyone still awaits it (a handler cancelled at shutdown leaves the thread running); in
-    the thread itself if the loop closed first. A daemon thread: a SIGTERM during a slow load must not wait for it
-    (``torch_work_running`` sees it). A thread that cannot start fails it with ``NoLoadThreadError``."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-    context = contextvars.copy_context()
-
-    def done(result, error) -> None:
-        try:
-            if ended is not None:
-                ended(result, error)
-        except Exception as exc:  # a bug in ``ended``: its awaiter fails with it instead of going on without
-            result, error = None, error or exc
-        settle(future, result, error)
-
-    def target():
-        try:
-            result, error = context.run(fn, *args), None
-        except BaseException as exc:  # handed to the awaiting coroutine
-            result, error = None, exc
-        try:
-            loop.call_soon_threadsafe(done, result, error, context=context)
-        except RuntimeError:  # the loop closed meanwhile (the server stopped): nothing else runs on it now
-            if ended is not None:
-                ended(result, error)
-
-    try:
-        threading.Thread(target=target, name=_LOAD_THREAD, daemon=True).start()
-    except RuntimeError as exc:  # no thread (the thread limit): ``ended`` runs all the same, or "updating" never ends
-        refused = NoLoadThreadError(f"no thread could be started for it ({exc}); the server is at its thread limit")
-        refused.__cause__ = exc
-        loop.call_soon(done, None, refused)
-    return future
-
-
-class NoLoadThreadError(RuntimeError):
-    """``in_load_thread`` could not start its thread (the process's thread limit): the server's
-    momentary condition, nothing about what it was to load."""
 
 
 class _FirstPassFailed(RuntimeError):
@@ -583,7 +535,7 @@ class Service:
         still under way in another thread: the process must then exit without finalising the interpreter
         under it, which aborts in torch's threads. A forward thread is asked whether it ended, not whether
         it runs: one that took a row just before its scheduler closed starts it a moment later."""
-        if any(t.name == _LOAD_THREAD and t.is_alive() for t in threading.enumerate()):
+        if any(t.name == LOAD_THREAD and t.is_alive() for t in threading.enumerate()):
             return True
         return not all(model.scheduler.threads_ended(_FORWARD_THREADS_END_S) for model in self._scheduled())
 

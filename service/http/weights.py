@@ -25,7 +25,8 @@ from service.http.errors import ApiError, backend_unavailable, from_validation_e
 from service.http.errors import SHOWN_PATH, restart_failed
 from service.http.schemas import WeightsRequest
 from service.http.validation import pick_model
-from service.runtime import NoLoadThreadError, ServedModel, Service, in_load_thread
+from service.load_thread import NoLoadThreadError, in_load_thread
+from service.runtime import ServedModel, Service
 
 log = logging.getLogger(__name__)
 

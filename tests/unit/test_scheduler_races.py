@@ -262,13 +262,13 @@ def test_a_request_waiting_to_hold_swaps_is_not_overtaken_by_the_next_update(tmp
 def _update_without_a_load_thread(tmp_path, monkeypatch):
     """An update whose load thread the process's thread limit refuses ("can't start new thread"), then
     the same update with threads again: (the first's answer, "updating" after it, the second's, metrics)."""
-    from service.runtime import _LOAD_THREAD
+    from service.load_thread import LOAD_THREAD
 
     (tmp_path / "step-1").mkdir()
     start = threading.Thread.start
 
     def refused(thread):
-        if thread.name == _LOAD_THREAD:
+        if thread.name == LOAD_THREAD:
             raise RuntimeError("can't start new thread")
         return start(thread)
 

@@ -19,7 +19,7 @@ import httpx
 
 from service.http.app import create_app
 from service.http.server import DrainingServer, uvicorn_config
-from service.runtime import _LOAD_THREAD
+from service.load_thread import LOAD_THREAD
 from service.settings import Settings
 from service.testing import FakeBackend
 
@@ -37,7 +37,7 @@ def _requests_total(text: str, route: str) -> dict[str, float]:
 
 
 def _load_threads() -> bool:
-    return any(t.name == _LOAD_THREAD and t.is_alive() for t in threading.enumerate())
+    return any(t.name == LOAD_THREAD and t.is_alive() for t in threading.enumerate())
 
 
 class _LandsAtStop(FakeBackend):

@@ -285,6 +285,7 @@ def _restore_refused_threads(tmp_path, monkeypatch, refusals: int):
     """A start restoring step-1 as v1 whose first ``refusals`` load threads the process's thread limit
     refuses ("can't start new thread"): (the service, /readyz, the version served)."""
     from service import runtime
+    from service.load_thread import LOAD_THREAD
 
     settings = _settings(tmp_path, "/ckpt/base")
     settings.weights_record.parent.mkdir()
@@ -294,7 +295,7 @@ def _restore_refused_threads(tmp_path, monkeypatch, refusals: int):
     start, refused = threading.Thread.start, []
 
     def limited(thread):
-        if thread.name == runtime._LOAD_THREAD and len(refused) < refusals:
+        if thread.name == LOAD_THREAD and len(refused) < refusals:
             refused.append(thread)
             raise RuntimeError("can't start new thread")
         return start(thread)
