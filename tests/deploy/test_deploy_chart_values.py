@@ -17,7 +17,7 @@ from deploy_helpers import (
     render_chart,
 )
 from service.http.server import _EXIT_GRACE_S
-from service.runtime import _READY_WAIT_S
+from service.readiness import _READY_WAIT_S
 from service.settings import Settings
 
 FULLNAME = f"{RELEASE}-packscore"

@@ -189,7 +189,7 @@ def test_a_port_in_use_exits_3_at_once_though_the_load_still_runs(checkpoint_dir
 
 
 # The real CLI with a first readiness pass whose forward (4,000 tokens) outlasts its bound.
-_SLOW_FIRST_PASS = ("import sys; import service.runtime as r; r._PROBE_TIMEOUT_S = 0.3; r._PROBE_LENGTH = 4000; "
+_SLOW_FIRST_PASS = ("import sys; import service.readiness as r; r._PROBE_TIMEOUT_S = 0.3; r._PROBE_LENGTH = 4000; "
                     "from service.cli import main; sys.exit(main(sys.argv[1:]))")
 
 

@@ -192,9 +192,9 @@ class _Overflowing(FakeBackend):
 
 
 def test_readyz_names_the_model_whose_readiness_pass_scored_non_finite_log_probabilities(monkeypatch):
-    from service import runtime
+    from service import readiness
 
-    monkeypatch.setattr(runtime, "_READY_MAX_AGE_S", 0.0)  # every /readyz wants a fresh pass
+    monkeypatch.setattr(readiness, "_READY_MAX_AGE_S", 0.0)  # every /readyz wants a fresh pass
 
     async def main():
         backend = _Overflowing(name="policy")

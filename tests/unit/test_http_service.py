@@ -111,11 +111,11 @@ def test_readiness_follows_loading_then_a_real_scoring_pass():
 def test_readyz_answers_within_its_wait_while_a_long_forward_runs_and_reports_a_stall(monkeypatch):
     """Its scoring pass waits behind a running row: /readyz answers within its wait, ready while
     the forward is within what it should take (proven before), 503 "stalled" past that."""
-    import service.runtime as runtime
+    import service.readiness as readiness
     import service.scheduling.forward_thread as forward_thread
 
-    monkeypatch.setattr(runtime, "_READY_MAX_AGE_S", 0.0)  # every /readyz wants a fresh pass
-    monkeypatch.setattr(runtime, "_READY_WAIT_S", 0.3)
+    monkeypatch.setattr(readiness, "_READY_MAX_AGE_S", 0.0)  # every /readyz wants a fresh pass
+    monkeypatch.setattr(readiness, "_READY_WAIT_S", 0.3)
     gate = threading.Event()
     backend = FakeBackend()
 

@@ -94,7 +94,7 @@ app.kubernetes.io/component: scoring
 {{- end }}
 {{- range $probe := list "startup" "readiness" "liveness" }}
 {{- $p := index $.Values.probes $probe }}
-{{- /* /readyz waits up to 4 s for its scoring pass behind a running forward (service/runtime.py _READY_WAIT_S) */}}
+{{- /* /readyz waits up to 4 s for its scoring pass behind a running forward (service/readiness.py _READY_WAIT_S) */}}
 {{- if and (eq (trimSuffix "/" $p.path) "/readyz") (le (int $p.timeoutSeconds) 4) }}
 {{- fail (printf "probes.%s.timeoutSeconds(%d) <= 4: /readyz may take 4 s to answer (its scoring pass waits behind a running forward), so the probe would fail a busy pod; at least 5" $probe (int $p.timeoutSeconds)) }}
 {{- end }}
