@@ -10,14 +10,14 @@ waits, not ready, until a weight update of every such model succeeds (``Service.
 Loading and warm-up run in threads so that /healthz answers and /readyz says why it is not
 ready yet; the log says when each begins and, while it runs on, that it still does. Readiness is
 a real scoring pass through the scheduler, repeated when no forward has succeeded recently or
-after the backend reported a failure.
+after the backend reported a failure (``readiness.Readiness``); a drain and a stop are
+``draining.Draining``'s; both are parts of ``Service``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,10 +26,10 @@ from typing import Callable, Mapping
 from model_runtime.scoring.backend import BackendUnavailableError, ScoringBackend
 from model_runtime.scoring.checkpoint_error import CheckpointError
 from model_runtime.still_lines import saying_still
-from service.http.errors import draining_error
+from service.draining import Draining
 from service.http.metrics import Metrics
 from service.http.validation import Limits, resolve_model_len
-from service.load_thread import LOAD_THREAD, NoLoadThreadError, in_load_thread
+from service.load_thread import NoLoadThreadError, in_load_thread
 from service.readiness import FirstPassFailed, Readiness
 from service.scheduling.admission import SharedCapacity
 from service.scheduling.scheduler import Scheduler
@@ -47,8 +47,6 @@ _RESTORE_ATTEMPTS = 3  # a --weights-record restore tried again after a worker p
 _NO_THREAD_BACKOFF_S = (0.5, 1.0, 2.0)
 # warm-up and the first pass, cut short by a lost worker: one that dies at every pass fails the start
 _FIRST_PASS_ATTEMPTS = 3
-# a stopped scheduler's idle forward threads end within it; one still alive then is taken as running
-_FORWARD_THREADS_END_S = 1.0
 
 
 async def _saying_while(doing: str, name: str, awaitable):
@@ -85,12 +83,7 @@ class ServedModel:
         return answer
 
 
-def _set_done(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
-
-
-class Service(Readiness):
+class Service(Readiness, Draining):
     def __init__(self, settings: Settings, backend: BackendSources, metrics: Metrics | None = None,
                  record: WeightsRecord | None = None):
         """``record``: the opened ``--weights-record`` (the CLI opens it with ``--model`` as configured,
@@ -335,77 +328,3 @@ class Service(Readiness):
                  "starting up")
         if not self.withheld and self._released is not None:
             self._released.set()
-
-    # ---- draining and shutdown -----------------------------------------------------------------
-
-    def begin_drain(self, *, abandoning: bool = False) -> None:
-        """SIGTERM: readiness turns 503 and new requests get 503; admitted ones finish (``abandoning``:
-        they are answered 503 next, which the log line says instead)."""
-        if self.phase != "draining":
-            if abandoning:
-                log.info("stopping without a drain: admitted requests still pending are answered 503")
-            else:
-                log.info("draining: finishing admitted requests within %.0fs", self.settings.drain_timeout_s)
-            self.phase = "draining"
-            for waiter in list(self._drain_waiters):
-                waiter.get_loop().call_soon_threadsafe(_set_done, waiter)
-            if self.scheduler is not None:  # not admitted yet: as new as a request arriving now
-                self.scheduler.stop_admitting(draining_error())
-
-    def when_draining(self) -> asyncio.Future:
-        """A future of the running event loop, done once draining begins (a request body still
-        arriving then is answered 503 at once: it was never admitted). Cancel it when done with it."""
-        waiter = asyncio.get_running_loop().create_future()
-        if self.phase == "draining":
-            waiter.set_result(None)
-        else:
-            self._drain_waiters.add(waiter)
-            waiter.add_done_callback(self._drain_waiters.discard)
-        return waiter
-
-    async def drain(self) -> None:
-        self.begin_drain()
-        deadline = time.monotonic() + self.settings.drain_timeout_s
-        finished = True
-        for model in self._scheduled():
-            finished &= await model.scheduler.wait_idle(max(0.0, deadline - time.monotonic()))
-        # answers being encoded and sent, and weight updates under way with their record writes (a trainer waits on them)
-        while (self.inflight or self.recording or any(m.updating for m in self.models.values())) \
-                and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        if not finished:
-            for model in self._scheduled():
-                if model.scheduler.pending_requests:
-                    log.warning("drain timeout: %d unfinished request(s) of %s get 503 (requests %s)",
-                                model.scheduler.pending_requests, model.name, model.scheduler.pending_request_ids())
-                await model.scheduler.close("the server is shutting down (drain timeout)")
-        self.drained = True
-
-    async def abandon(self) -> None:
-        """Stopping without a drain: every admitted request still pending is answered 503 now."""
-        self.begin_drain(abandoning=True)
-        for model in self._scheduled():
-            if model.scheduler.pending_requests:
-                log.warning("stopping without a drain: %d unfinished request(s) of %s get 503 (requests %s)",
-                            model.scheduler.pending_requests, model.name, model.scheduler.pending_request_ids())
-            await model.scheduler.close("the server is stopping without a drain")
-
-    def torch_work_running(self) -> bool:
-        """Once stopped: whether a forward (one the drain timeout cut off), a load or a weights update is
-        still under way in another thread: the process must then exit without finalising the interpreter
-        under it, which aborts in torch's threads. A forward thread is asked whether it ended, not whether
-        it runs: one that took a row just before its scheduler closed starts it a moment later."""
-        if any(t.name == LOAD_THREAD and t.is_alive() for t in threading.enumerate()):
-            return True
-        return not all(model.scheduler.threads_ended(_FORWARD_THREADS_END_S) for model in self._scheduled())
-
-    async def stop(self) -> None:
-        loading = self._loading
-        if self._start_task is not None and not self._start_task.done():
-            self._start_task.cancel()
-        if loading is not None and hasattr(loading, "abort"):  # a worker pool starting: its workers go too
-            loading.abort()
-        for model in self._scheduled():
-            await model.scheduler.close()
-        for model in self.models.values():
-            model.backend.close()

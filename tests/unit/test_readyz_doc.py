@@ -1,6 +1,6 @@
 """docs/usage.md lists every status a 503 from /readyz can name, and only those: read from
-service/runtime.py (its start's phases) and service/readiness.py (what ``readiness()`` answers), so
-a new phase or reason cannot go undocumented."""
+service/runtime.py (its start's phases), service/readiness.py (what ``readiness()`` answers) and
+service/draining.py (the drain's phase), so a new phase or reason cannot go undocumented."""
 
 import re
 from pathlib import Path
@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _answered() -> set[str]:
-    code = "".join((ROOT / "service" / name).read_text() for name in ("runtime.py", "readiness.py"))
+    code = "".join((ROOT / "service" / name).read_text() for name in ("runtime.py", "readiness.py", "draining.py"))
     found = set(re.findall(r'_advance\("(\w+)"\)', code)) | set(re.findall(r'self\.phase = "(\w+)"', code))
     for line in re.findall(r"return False, (.+)", code):
         found |= set(re.findall(r'"(\w+)"', line))
