@@ -68,21 +68,22 @@ class Draining:
                 and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         if not finished:
-            for model in self._scheduled():
-                if model.scheduler.pending_requests:
-                    log.warning("drain timeout: %d unfinished request(s) of %s get 503 (requests %s)",
-                                model.scheduler.pending_requests, model.name, model.scheduler.pending_request_ids())
-                await model.scheduler.close("the server is shutting down (drain timeout)")
+            await self._close_pending("drain timeout", "the server is shutting down (drain timeout)")
         self.drained = True
 
     async def abandon(self) -> None:
         """Stopping without a drain: every admitted request still pending is answered 503 now."""
         self.begin_drain(abandoning=True)
+        await self._close_pending("stopping without a drain", "the server is stopping without a drain")
+
+    async def _close_pending(self, why: str, reason: str) -> None:
+        """Closes every scheduler with ``reason``: its requests still pending get 503, counted and named
+        in a warning that begins with ``why``."""
         for model in self._scheduled():
             if model.scheduler.pending_requests:
-                log.warning("stopping without a drain: %d unfinished request(s) of %s get 503 (requests %s)",
+                log.warning("%s: %d unfinished request(s) of %s get 503 (requests %s)", why,
                             model.scheduler.pending_requests, model.name, model.scheduler.pending_request_ids())
-            await model.scheduler.close("the server is stopping without a drain")
+            await model.scheduler.close(reason)
 
     def torch_work_running(self) -> bool:
         """Once stopped: whether a forward (one the drain timeout cut off), a load or a weights update is
