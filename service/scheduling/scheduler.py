@@ -209,11 +209,12 @@ class Scheduler:
 
     @property
     def pending_requests(self) -> int:
-        return len(self._pending)
+        """Clients' requests admitted and not yet answered; a readiness pass's ticket is the server's own, not one."""
+        return sum(not ticket.probe for ticket in self._pending)
 
     def pending_request_ids(self) -> str:
         """The ids of the requests still pending, for a log line about them all (``a, b and N more``)."""
-        return request_id.of_many(ticket.request_id for ticket in self._pending)
+        return request_id.of_many(ticket.request_id for ticket in self._pending if not ticket.probe)
 
     def retry_after_s(self, tokens: int = 0) -> int:
         """Whole seconds after which ``tokens`` more would likely fit (1..60)."""

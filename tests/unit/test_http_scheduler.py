@@ -455,3 +455,27 @@ def test_a_request_after_close_gets_a_closing_503_with_the_reason():
     for error in refused:
         assert error.status == 503 and error.headers.get("Connection") == "close", (error.status, error.headers)
         assert "drain timeout" in error.message, error.message
+
+
+def test_the_readiness_pass_is_not_counted_or_named_among_the_pending_requests():
+    """The drain timeout's and a stop's lines count and name the requests still pending: the readiness
+    pass's ticket (the server's own, no request id) made '1 unfinished request(s) ... (requests )'."""
+    from service.http import request_id
+
+    async def main():
+        gate = threading.Event()
+        scheduler = await started(FakeBackend(gate=gate))
+        try:
+            request_id.outside_request().run(scheduler.submit, seqs_of(8), probe=True)
+            alone = scheduler.pending_requests, scheduler.pending_request_ids()
+            token = request_id.current.set("client-1")
+            try:
+                scheduler.submit(seqs_of(5))
+            finally:
+                request_id.current.reset(token)
+            return alone, (scheduler.pending_requests, scheduler.pending_request_ids())
+        finally:
+            gate.set()
+            await scheduler.close()
+
+    assert asyncio.run(main()) == ((0, ""), (1, "client-1"))
