@@ -12,9 +12,11 @@ import signal
 import sys
 import threading
 import time
+from typing import Callable
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.config import STARTUP_FAILURE
 from uvicorn.server import HANDLED_SIGNALS
 
 from service.entrypoint import after_serving, exit_before_serving, hard_exit
@@ -36,7 +38,8 @@ class DrainingServer(uvicorn.Server):
     admitted ones finish, and then a clean exit. A second SIGTERM, or SIGINT, during the drain falls
     back to uvicorn's own handling; a SIGINT once the drain is done, or once a failed start stopped the
     server, is ignored (the exit, 0 or the start's 1, 2 or 3, is under way), and so is a SIGTERM once a
-    failed start stopped it (nothing was admitted to drain; the exit keeps the start's status).
+    failed start stopped it (nothing was admitted to drain; the exit keeps the start's status), also where
+    a drain began before the start failed: that exit, its drain's timer included, keeps the start's status.
     """
 
     def __init__(self, config: uvicorn.Config, service: Service):
@@ -48,6 +51,10 @@ class DrainingServer(uvicorn.Server):
         self._exits_early = False  # SIGTERM exits at once until the loop is known (the early exit was in force)
         self._stopped_itself = False  # a drain or a failed start ended serving: the exit (0, or 1, 2, 3) is under way
         self.listen_failed = False  # the app started, then uvicorn could not bind its address (it exits 3)
+        self.startup_status: int | None = None  # uvicorn's exit status when its startup failed (3)
+        self._drained_from = ""  # the service's phase when a drain began: the start's, where it had not ended
+        self._error_said = threading.Lock()  # the start's error line, written once: by the exit or the drain's timer
+        self._error_written = False
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -79,12 +86,23 @@ class DrainingServer(uvicorn.Server):
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
+        shutdown = self.lifespan.shutdown
+
+        async def shutdown_after_failed_bind() -> None:
+            # uvicorn's startup stops the app only once its bind failed, then exits 3: known while the app stops
+            # (a drain's timer may end that exit), not only once it raised
+            self.listen_failed, self.startup_status = True, STARTUP_FAILURE
+            await shutdown()
+
+        self.lifespan.shutdown = shutdown_after_failed_bind
         try:
             await super().startup(sockets=sockets)
-        except SystemExit:  # uvicorn's 3: the app's start failed (its lifespan exits), else the bind did
-            self.listen_failed = not self.lifespan.should_exit
+        except SystemExit as stop:  # uvicorn's 3: the app's start failed (its lifespan exits), else the bind did
+            self.startup_status = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
             self._stopped_itself = True
             raise
+        finally:
+            del self.lifespan.shutdown  # the lifespan's own again, for the server's shutdown
 
     def handle_exit(self, sig, frame) -> None:
         if sig == signal.SIGINT and self._stopped_itself:
@@ -112,8 +130,27 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     def _start_failed(self) -> bool:
-        """Whether a failed start (the model's, or uvicorn's bind) stops the server, no drain begun before it."""
-        return self._drain is None and (self._stopped_itself or self.service.fatal_error is not None)
+        """Whether a failed start (the model's, or uvicorn's) stops the server, a drain begun before it or not."""
+        return (self.startup_status is not None or self.service.fatal_error is not None
+                or (self._drain is None and self._stopped_itself))
+
+    def exit_status(self, status: int) -> int:
+        """The process's exit status, ``status`` where the start did not fail: a failed start's (uvicorn's 3, the
+        model's 1 or 2, whose ``could not start`` line this writes once). For the exit and the drain's timer alike."""
+        if self.startup_status is not None:
+            return self.startup_status
+        if status != 0 or self.service.fatal_error is None:
+            return status
+        with self._error_said:
+            if not self._error_written:
+                print(f"packscore: error: could not start: {self.service.fatal_error}", file=sys.stderr, flush=True)
+                self._error_written = True
+        return self.service.fatal_status
+
+    @property
+    def start_phase(self) -> str:
+        """The model's start's phase, as it was when a drain began (the drain's own phase names none)."""
+        return self._drained_from or self.service.phase
 
     async def shutdown(self, sockets=None) -> None:
         await super().shutdown(sockets=sockets)
@@ -125,10 +162,11 @@ class DrainingServer(uvicorn.Server):
     def _begin_drain(self) -> None:
         if self._drain is None:
             self._drain_deadline = time.monotonic() + self.service.settings.drain_timeout_s
+            self._drained_from = self.service.phase
             self._drain = asyncio.ensure_future(self.service.drain())
-            # The drain itself ends at its timeout; this catches whatever could still hold the
-            # exit after it (a handler that ignores cancellation, a non-daemon thread).
-            _exit_timer(self.service.settings.drain_timeout_s + _EXIT_GRACE_S)
+            # The drain itself ends at its timeout; this catches whatever could still hold the exit after it (a
+            # handler that ignores cancellation, a non-daemon thread, a failed start's slow stop: with its status).
+            _exit_timer(self.service.settings.drain_timeout_s + _EXIT_GRACE_S, lambda: self.exit_status(0))
 
     async def on_tick(self, counter: int) -> bool:
         # Checked every 0.1 s by uvicorn's main loop: exit once drained or when startup failed.
@@ -166,11 +204,11 @@ class DrainingServer(uvicorn.Server):
         return any(getattr(getattr(c, "transport", None), "lingering", False) for c in self.server_state.connections)
 
 
-def _exit_timer(seconds: float) -> None:
-    """Exits the process ``seconds`` from now, unless the interpreter got past its wait for other
-    threads by then: from there on the timer's line, written while the interpreter finalises,
+def _exit_timer(seconds: float, status: Callable[[], int] = lambda: 0) -> None:
+    """Exits the process ``seconds`` from now with ``status()``, unless the interpreter got past its wait for
+    other threads by then: from there on the timer's line, written while the interpreter finalises,
     could abort it ("could not acquire lock for <stderr>"), and its status would replace the exit's."""
-    timer = threading.Timer(seconds, _exit_now)
+    timer = threading.Timer(seconds, _exit_now, args=(status,))
     timer.daemon = True
     timer.start()
     atexit.register(_disarm, timer)  # atexit runs after threading's wait for non-daemon threads
@@ -181,9 +219,9 @@ def _disarm(timer: threading.Timer) -> None:
     timer.join(1.0)  # one already firing exits the process within it
 
 
-def _exit_now() -> None:
+def _exit_now(status: Callable[[], int]) -> None:
     log.warning("drain: still running %.0f s past the drain timeout; exiting", _EXIT_GRACE_S)
-    hard_exit(0)
+    hard_exit(status())
 
 
 def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
@@ -232,11 +270,9 @@ def run_server(app: FastAPI, settings: Settings) -> int:
     except SystemExit as stop:  # uvicorn could not listen (3): the load its startup began still runs
         status = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
         if server.listen_failed:  # uvicorn's error line names the address and why: this says what is dropped
-            why = (f"the port could not be bound, so the model's start ({service.phase.replace('_', ' ')}), "
+            why = (f"the port could not be bound, so the model's start ({server.start_phase.replace('_', ' ')}), "
                    "still running in another thread, is abandoned")
-    if status == 0 and service.fatal_error:
-        print(f"packscore: error: could not start: {service.fatal_error}", file=sys.stderr)
-        status = service.fatal_status  # a first pass that timed out: its forward still runs
+    status = server.exit_status(status)  # a first pass that timed out: its forward still runs
     _exit_if_torch_work_running(service, status, why)
     # The interpreter's last collections would walk every object the model and its libraries made, the
     # longest part of the exit; all is answered and flushed by now, so they are left alone.

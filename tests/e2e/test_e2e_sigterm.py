@@ -157,31 +157,35 @@ def test_a_sigterm_before_the_server_runs_exits_0(tmp_path):
         assert code == 0 and "SIGTERM before the server started" in text, (command, code, text[-2000:])
 
 
-# `packscore serve` (main() as the console script runs it) with one step of its start held 2 s,
-# after writing a marker file: argv is the step (module:Class.method), the marker, then serve's.
+# `packscore serve` (main() as the console script runs it) with steps of its start or stop held, 2 s each unless
+# given, each after writing a marker file: argv is the steps (module:Class.method[=SECONDS],...), the marker, then serve's.
 _HELD_STEP_RUN = """
 import importlib, inspect, pathlib, sys, time
 from service import cli
 
-module, _, name = sys.argv[1].partition(":")
-owner, method = name.split(".")
-cls = getattr(importlib.import_module(module), owner)
-real, marker = getattr(cls, method), pathlib.Path(sys.argv[2])
+marker = pathlib.Path(sys.argv[2])
 
-def hold():
-    marker.touch()
-    time.sleep(2)  # a SIGTERM's handler runs meanwhile
+def holding(real, seconds):
+    def hold():
+        marker.touch()
+        time.sleep(seconds)  # a SIGTERM's handler runs meanwhile
 
-if inspect.iscoroutinefunction(real):
-    async def held(self, *args, **kwargs):
-        hold()
-        return await real(self, *args, **kwargs)
-else:
-    def held(self, *args, **kwargs):
-        hold()
-        return real(self, *args, **kwargs)
+    if inspect.iscoroutinefunction(real):
+        async def held(self, *args, **kwargs):
+            hold()
+            return await real(self, *args, **kwargs)
+    else:
+        def held(self, *args, **kwargs):
+            hold()
+            return real(self, *args, **kwargs)
+    return held
 
-setattr(cls, method, held)
+for step in sys.argv[1].split(","):
+    name, _, seconds = step.partition("=")
+    module, _, name = name.partition(":")
+    owner, method = name.split(".")
+    cls = getattr(importlib.import_module(module), owner)
+    setattr(cls, method, holding(getattr(cls, method), float(seconds or 2)))
 sys.argv = ["packscore", *sys.argv[3:]]
 sys.exit(cli.main())
 """
@@ -330,6 +334,46 @@ def test_a_sigint_or_sigterm_once_a_failed_start_stopped_the_server_is_ignored_a
     assert "draining" not in text, text[-3000:]  # nothing was admitted: no drain, and no timer to exit 0 at its end
     errors = [line for line in text.splitlines() if line.startswith("packscore: error: could not start:")]
     assert len(errors) == (0 if start == "port-in-use" else 1) and HELD in text, text[-3000:]
+
+
+@pytest.mark.parametrize("start, held", [
+    # the first readiness pass's ticket, queued as the drain begins: the drain waits for it, and it fails the start
+    ("non-finite", "service.scheduling.scheduler:Scheduler.submit"),
+    # the app starting, the bind ahead (the port is taken), the model's load still under way at the exit
+    ("port-in-use", "uvicorn.lifespan.on:LifespanOn.startup,service.backends:BackendLoader.__call__=30"),
+], ids=["non-finite", "port-in-use"])
+@pytest.mark.parametrize("then", ["drain-timer", "second-sigterm"])
+def test_a_start_that_fails_once_a_sigterm_began_its_drain_keeps_its_status_and_line(tmp_path, failing_models, start,
+                                                                                      held, then):
+    # A SIGTERM while the model starts begins a drain, and then the start fails. The drain's timer (its timeout + 3 s)
+    # ended a stop that took longer (a worker pool's by its own timeouts; here Service.stop held) with 0 and no error
+    # line; a second SIGTERM during that stop was not ignored, as it is once a failed start stopped the server without a
+    # drain (-15 in place of 1); and the port's line named the start's phase "draining".
+    expected = {"non-finite": 1, "port-in-use": 3}[start]
+    stop_s, drain_s = (12, "3") if then == "drain-timer" else (2, "30")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PACKSCORE_")}, "OMP_NUM_THREADS": "1"}
+    model = ["--model", str(failing_models[start])] if start in failing_models else []
+    marker, log = tmp_path / "held", tmp_path / "serve.log"
+    with held_port() as taken, log.open("wb") as out:
+        port = str(taken if start == "port-in-use" else 0)
+        proc = subprocess.Popen([sys.executable, "-c", _HELD_STEP_RUN, f"{held},service.runtime:Service.stop={stop_s}",
+                                 str(marker), "serve", "--port", port, "--drain-timeout-s", drain_s, *model], cwd=REPO,
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+        assert _once(marker.exists, "the held step", log.read_text, proc, 120), log.read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        if then == "second-sigterm":  # during the failed start's stop
+            assert _once_logged("Waiting for application shutdown", log.read_text, proc), log.read_text()[-3000:]
+            proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    text = log.read_text()
+    assert code == expected, f"exit status {code}, expected {expected}:\n{text[-3000:]}"
+    assert "draining: finishing" in text and "Traceback" not in text, text[-3000:]  # the drain began first
+    errors = [line for line in text.splitlines() if line.startswith("packscore: error: could not start:")]
+    assert len(errors) == (1 if start == "non-finite" else 0), text[-3000:]
+    if then == "drain-timer":
+        assert "past the drain timeout; exiting" in text, text[-3000:]  # the timer, not the stop, ended the exit
+    elif start == "port-in-use":
+        assert "the port could not be bound, so the model's start (loading), still running" in text, text[-3000:]
 
 
 class _SigintIgnored(ServerProcess):

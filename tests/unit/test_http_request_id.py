@@ -149,7 +149,7 @@ def test_a_sigterm_handled_while_a_request_runs_drains_under_no_request_id(monke
 
     from service.http.server import DrainingServer, uvicorn_config
 
-    monkeypatch.setattr("service.http.server._exit_now", lambda: None)  # the exit timer must not end pytest
+    monkeypatch.setattr("service.http.server._exit_now", lambda status: None)  # the exit timer must not end pytest
 
     async def main():
         settings = Settings(drain_timeout_s=1)
