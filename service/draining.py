@@ -39,7 +39,7 @@ class Draining:
             if abandoning:
                 log.info("stopping without a drain: admitted requests still pending are answered 503")
             else:
-                log.info("draining: finishing admitted requests within %.0fs", self.settings.drain_timeout_s)
+                log.info("draining: finishing admitted requests within %gs", self.settings.drain_timeout_s)
             self.phase = "draining"
             for waiter in list(self._drain_waiters):
                 waiter.get_loop().call_soon_threadsafe(_set_done, waiter)

@@ -532,3 +532,16 @@ def test_the_weights_route_s_413_names_its_own_limit(tmp_path, max_request_bytes
     assert answer.json()["error"]["message"] == (f"The body exceeds {limit} bytes (the lower of 1 MiB and "
                                                  "max_request_bytes); a weights request holds a model, a path and "
                                                  "a version."), answer.text
+
+
+@pytest.mark.parametrize("timeout_s,said", [(0.5, "within 0.5s"), (30.0, "within 30s")])
+def test_the_drain_line_gives_its_timeout_as_set(caplog, timeout_s, said):
+    async def main():
+        app = create_app(Settings(drain_timeout_s=timeout_s), FakeBackend())
+        async with running_app(app):
+            with caplog.at_level("INFO", logger="service.runtime"):
+                app.state.service.begin_drain()
+
+    asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if "draining: finishing" in r.getMessage()]
+    assert lines == [f"draining: finishing admitted requests {said}"], lines
