@@ -66,7 +66,8 @@ from service.http.wire import (BODY_REFUSED, HEAD_REFUSED, BrokenBody, Unsupport
 log = logging.getLogger(__name__)
 
 _DESCRIPTOR_RESERVE = 64  # for model files, logs, worker pipes and the event loop itself
-_DONE_STATES = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR)
+# a request asking for an Upgrade has all arrived in MIGHT_SWITCH_PROTOCOL (h11 leaves it once the answer is not a 101)
+_DONE_STATES = (h11.DONE, h11.MIGHT_SWITCH_PROTOCOL, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR)
 # The protocol's own lines (answers, send timeouts) logged at WARNING per window; the rest at DEBUG, then counted.
 _ANSWER_WARNINGS, _ANSWER_WINDOW_S = 10, 60.0
 # Set in a request's ASGI scope to the status the protocol answered it (408: its body did not arrive in time; 400:

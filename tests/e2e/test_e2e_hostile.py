@@ -329,6 +329,23 @@ def test_an_idle_kept_alive_connection_closes_at_the_keep_alive_timeout_not_befo
     assert 1.0 <= closed_after < 1.5 + 5, f"the idle connection closed after {closed_after:.1f} s, not about 1.5 s"
 
 
+def test_a_request_asking_for_an_upgrade_leaves_an_idle_kept_alive_connection(tmp_path):
+    # curl --http2 on an http:// URL asks for h2c: h11 holds such a request in MIGHT_SWITCH_PROTOCOL, not DONE,
+    # and its read timer, left running, gave the idle connection an unasked-for 408 at the read timeout.
+    server = fake_server(tmp_path, "--request-read-timeout-s", "1", "--keep-alive-timeout-s", "3").wait_ready()
+    try:
+        with _connect(server) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+                         b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n")
+            data, closed_after = read_until_closed(sock, 3 + 5)
+        closed = httpx.get(server.url + "/metrics", timeout=10).text
+    finally:
+        server.stop()
+    assert data.startswith(b"HTTP/1.1 200 ") and data.count(b"HTTP/1.1 ") == 1, data
+    assert 2.5 <= closed_after < 3 + 5, f"the idle connection closed after {closed_after:.1f} s, not about 3 s"
+    assert 'packscore_connections_closed_total{reason="request_timeout"} 0.0' in closed, closed
+
+
 def test_idle_connections_outlive_a_proxys_idle_timeout_by_default():
     """A proxy (ingress-nginx, AWS ALB: 60 s) reusing a connection the server closes at that moment
     returns 502 to the trainer: the server must keep idle connections longer than the proxy does."""
