@@ -319,6 +319,11 @@ def test_incomplete_model_sources_are_rejected_by_the_schema(source, where):
         pytest.param({"gpuProducts": ["NVIDIA H200"]}, "/gpuProducts/0", id="gpu-product-not-a-label-value"),
         pytest.param({"probes": {"startup": {"path": "readyz", "periodSeconds": 10, "failureThreshold": 1,
                                              "timeoutSeconds": 1}}}, "/probes/startup/path", id="relative-probe-path"),
+        # Kubernetes requires 1 on these two: a value the template does not render must not pass silently.
+        *(pytest.param({"probes": {probe: {"path": path, "periodSeconds": 10, "failureThreshold": 3, "timeoutSeconds": 5,
+                                           "successThreshold": 2}}},
+                       f"at '/probes/{probe}': additional properties 'successThreshold'", id=f"{probe}-success-threshold")
+          for probe, path in [("startup", "/readyz"), ("liveness", "/healthz")]),
     ],
 )
 def test_schema_rejects_bad_values(values, where):
