@@ -287,6 +287,20 @@ def test_pvc_sub_path_is_mounted():
     assert mount == {"name": "model", "mountPath": "/models", "readOnly": True, "subPath": "qwen"}
 
 
+@pytest.mark.parametrize(("mount_path", "weights"), [("/cache", False), ("/tmp/", False), ("/dev/shm", False),
+                                                     ("/var/lib/packscore", True), ("/run/secrets/packscore-admin", True)])
+def test_model_mount_path_must_be_its_own(mount_path, weights):
+    """Two volumes at one path: the API server would refuse the pod template, after the render passed."""
+    values = {"model": {"path": "/x/m", "mountPath": mount_path, "source": {"type": "pvc", "pvc": {"claimName": "m"}}}}
+    if weights:
+        values["weights"] = {"enabled": True, "source": {"type": "pvc", "pvc": {"claimName": "ckpt"}}}
+    with pytest.raises(helm.HelmError) as err:
+        render_chart(values)
+    assert f"model.mountPath({mount_path}) is already a mount of the pod" in str(err.value)
+    values["model"]["source"] = {"type": "none"}  # no model volume: nothing mounted there
+    assert render_chart(values)
+
+
 @pytest.mark.parametrize(
     ("source", "where"),
     [

@@ -82,6 +82,14 @@ app.kubernetes.io/component: scoring
 {{- fail "model.source.type is nfs but model.source.nfs.server or model.source.nfs.path is empty" }}
 {{- end }}
 {{- $wts := .Values.weights }}
+{{- /* Two mounts at one path: the API server refuses the pod template (mountPath must be unique). */}}
+{{- if ne $src.type "none" }}
+{{- $own := list "/dev/shm" "/tmp" "/cache" }}
+{{- if $wts.enabled }}{{ $own = concat $own (list (include "packscore.adminKeyDir" .) (include "packscore.weightsRecordDir" .)) }}{{ end }}
+{{- if has (trimSuffix "/" .Values.model.mountPath) $own }}
+{{- fail (printf "model.mountPath(%s) is already a mount of the pod (%s): give the model volume a path of its own" .Values.model.mountPath (join ", " $own)) }}
+{{- end }}
+{{- end }}
 {{- if $wts.enabled }}
 {{- $taken := list "/dev/shm" "/tmp" "/cache" (include "packscore.adminKeyDir" .) (include "packscore.weightsRecordDir" .) }}
 {{- if ne $src.type "none" }}{{ $taken = append $taken .Values.model.mountPath }}{{ end }}
