@@ -103,6 +103,17 @@ def test_hpa_target_must_stay_below_the_admission_bound():
     assert one(manifests(values), "HorizontalPodAutoscaler")
 
 
+def test_hpa_min_replicas_may_not_exceed_max_replicas():
+    """The API server refuses such an HPA at install, after the render passed."""
+    values = {"autoscaling": {"enabled": True, "minReplicas": 6, "maxReplicas": 4}}
+    with pytest.raises(helm.HelmError) as err:
+        render_chart(values)
+    assert "autoscaling.minReplicas(6) > autoscaling.maxReplicas(4)" in str(err.value)
+    values["autoscaling"]["maxReplicas"] = 6
+    assert one(manifests(values), "HorizontalPodAutoscaler")["spec"]["minReplicas"] == 6
+    assert one(manifests({"autoscaling": {"enabled": False, "minReplicas": 6, "maxReplicas": 4}}), "Deployment")
+
+
 def test_unset_server_options_are_left_to_the_server():
     args = container()["args"]
     for flag in ["--max-batch-tokens", "--max-wait-ms", "--max-queued-tokens", "--max-request-bytes",

@@ -65,6 +65,9 @@ app.kubernetes.io/component: scoring
 {{- fail (printf "parallel.worldSize(%d) %% parallel.sp(%d) = %d, must be 0 (dp * sp = world size)" $ws $sp (mod $ws $sp)) }}
 {{- end }}
 {{- $as := .Values.autoscaling }}
+{{- if and $as.enabled (gt (int64 $as.minReplicas) (int64 $as.maxReplicas)) }}
+{{- fail (printf "autoscaling.minReplicas(%d) > autoscaling.maxReplicas(%d): the API server would refuse the HorizontalPodAutoscaler" (int64 $as.minReplicas) (int64 $as.maxReplicas)) }}
+{{- end }}
 {{- $bound := .Values.server.maxQueuedTokens }}
 {{- if and $as.enabled (not (kindIs "invalid" $bound)) }}
 {{- if ge (int64 $as.targetQueuedTokens) (int64 $bound) }}
