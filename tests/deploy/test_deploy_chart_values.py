@@ -39,6 +39,17 @@ def test_gpus_become_resource_requests_limits_and_world_size(gpus):
     assert arg_value(c["args"], "--world-size") == str(gpus)  # worldSize 0: one worker per GPU
 
 
+@pytest.mark.parametrize("part", ["requests", "limits"])
+def test_gpu_resource_comes_only_from_gpus(part):
+    """A second nvidia.com/gpu key in one mapping: the API server's YAML refuses it ("already set in map")."""
+    values = {"resources": {part: {"nvidia.com/gpu": 4}}}
+    with pytest.raises(helm.HelmError) as err:
+        render_chart(values)
+    assert f"resources.{part}[nvidia.com/gpu] is set by the chart from gpus(8)" in str(err.value)
+    values["resources"][part] = {"cpu": "8"}  # other resources still pass through
+    assert container(values)["resources"][part]["cpu"] == "8"
+
+
 def test_default_layout_is_one_worker_per_gpu_on_eight_gpus():
     c = container()
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 8

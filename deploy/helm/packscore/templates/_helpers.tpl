@@ -64,6 +64,12 @@ app.kubernetes.io/component: scoring
 {{- if ne (mod $ws $sp) 0 }}
 {{- fail (printf "parallel.worldSize(%d) %% parallel.sp(%d) = %d, must be 0 (dp * sp = world size)" $ws $sp (mod $ws $sp)) }}
 {{- end }}
+{{- /* deployment.yaml adds the GPU resource from gpus: a second nvidia.com/gpu key makes YAML the API refuses. */}}
+{{- range $part := list "requests" "limits" }}
+{{- if hasKey (get $.Values.resources $part | default dict) "nvidia.com/gpu" }}
+{{- fail (printf "resources.%s[nvidia.com/gpu] is set by the chart from gpus(%d), request and limit alike: set gpus instead" $part (int $.Values.gpus)) }}
+{{- end }}
+{{- end }}
 {{- $as := .Values.autoscaling }}
 {{- if and $as.enabled (gt (int64 $as.minReplicas) (int64 $as.maxReplicas)) }}
 {{- fail (printf "autoscaling.minReplicas(%d) > autoscaling.maxReplicas(%d): the API server would refuse the HorizontalPodAutoscaler" (int64 $as.minReplicas) (int64 $as.maxReplicas)) }}
