@@ -394,6 +394,24 @@ def test_optional_objects_exist_only_when_enabled(key, kind, default_on):
     assert by_kind(manifests({key: {"enabled": False}}), kind) == []
 
 
+@pytest.mark.parametrize(("section", "value", "key"), [
+    ("podLabels", None, "app.kubernetes.io/component"),
+    ("serviceMonitor", "serviceMonitor.labels", "app.kubernetes.io/name"),
+    ("prometheusRule", "prometheusRule.labels", "helm.sh/chart"),
+])
+def test_own_labels_may_not_repeat_the_charts(section, value, key):
+    """A repeated key is YAML the API server refuses ("already set in map"); a selector label would also move."""
+    def values(labels):
+        return {"podLabels": labels} if section == "podLabels" else {section: {"enabled": True, "labels": labels}}
+    with pytest.raises(helm.HelmError) as err:
+        render_chart(values({key: "x"}))
+    assert f"{value or section}({key}) is a label the chart sets itself" in str(err.value)
+    (obj,) = [d for d in manifests(values({"team": "rl"})) if d["kind"] in ("Deployment", "ServiceMonitor", "PrometheusRule")
+              and (d["kind"] == "Deployment") == (section == "podLabels")]
+    labels = obj["spec"]["template"]["metadata"]["labels"] if section == "podLabels" else obj["metadata"]["labels"]
+    assert labels["team"] == "rl"
+
+
 def test_service_account_is_optional():
     assert one(manifests(), "ServiceAccount")["automountServiceAccountToken"] is False
     docs = manifests({"serviceAccount": {"create": False, "name": "shared"}})

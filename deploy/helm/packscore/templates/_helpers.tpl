@@ -70,6 +70,18 @@ app.kubernetes.io/component: scoring
 {{- fail (printf "resources.%s[nvidia.com/gpu] is set by the chart from gpus(%d), request and limit alike: set gpus instead" $part (int $.Values.gpus)) }}
 {{- end }}
 {{- end }}
+{{- /* Labels of one's own beside the chart's: a repeated key is YAML the API refuses (and a selector label moved). */}}
+{{- $chartLabels := include "packscore.labels" . | fromYaml }}
+{{- $own := dict "podLabels" .Values.podLabels }}
+{{- if .Values.serviceMonitor.enabled }}{{ $_ := set $own "serviceMonitor.labels" .Values.serviceMonitor.labels }}{{ end }}
+{{- if .Values.prometheusRule.enabled }}{{ $_ := set $own "prometheusRule.labels" .Values.prometheusRule.labels }}{{ end }}
+{{- range $value, $labels := $own }}
+{{- range $key, $_ := $labels | default dict }}
+{{- if hasKey $chartLabels $key }}
+{{- fail (printf "%s(%s) is a label the chart sets itself (%s): choose another key" $value $key (keys $chartLabels | sortAlpha | join ", ")) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- $as := .Values.autoscaling }}
 {{- if and $as.enabled (gt (int64 $as.minReplicas) (int64 $as.maxReplicas)) }}
 {{- fail (printf "autoscaling.minReplicas(%d) > autoscaling.maxReplicas(%d): the API server would refuse the HorizontalPodAutoscaler" (int64 $as.minReplicas) (int64 $as.maxReplicas)) }}
