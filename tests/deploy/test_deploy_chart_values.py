@@ -41,7 +41,8 @@ def test_gpus_become_resource_requests_limits_and_world_size(gpus):
 
 @pytest.mark.parametrize("part", ["requests", "limits"])
 def test_gpu_resource_comes_only_from_gpus(part):
-    """A second nvidia.com/gpu key in one mapping: the API server's YAML refuses it ("already set in map")."""
+    """A second nvidia.com/gpu key in one mapping: Helm keeps the chart's, dropping this one without a word, and
+    Flux or kustomize post-renderers refuse the duplicate ("mapping key already defined")."""
     values = {"resources": {part: {"nvidia.com/gpu": 4}}}
     with pytest.raises(helm.HelmError) as err:
         render_chart(values)
@@ -400,7 +401,8 @@ def test_optional_objects_exist_only_when_enabled(key, kind, default_on):
     ("prometheusRule", "prometheusRule.labels", "helm.sh/chart"),
 ])
 def test_own_labels_may_not_repeat_the_charts(section, value, key):
-    """A repeated key is YAML the API server refuses ("already set in map"); a selector label would also move."""
+    """A repeated key: Helm keeps the user's (a selector label moved: the Deployment refused), Flux or kustomize
+    post-renderers refuse the YAML ("mapping key already defined")."""
     def values(labels):
         return {"podLabels": labels} if section == "podLabels" else {section: {"enabled": True, "labels": labels}}
     with pytest.raises(helm.HelmError) as err:

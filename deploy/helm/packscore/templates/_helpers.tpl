@@ -64,13 +64,13 @@ app.kubernetes.io/component: scoring
 {{- if ne (mod $ws $sp) 0 }}
 {{- fail (printf "parallel.worldSize(%d) %% parallel.sp(%d) = %d, must be 0 (dp * sp = world size)" $ws $sp (mod $ws $sp)) }}
 {{- end }}
-{{- /* deployment.yaml adds the GPU resource from gpus: a second nvidia.com/gpu key makes YAML the API refuses. */}}
+{{- /* deployment.yaml adds the GPU resource from gpus after these: Helm keeps the last of two keys (the user's dropped without a word), GitOps post-renderers refuse the YAML. */}}
 {{- range $part := list "requests" "limits" }}
 {{- if hasKey (get $.Values.resources $part | default dict) "nvidia.com/gpu" }}
 {{- fail (printf "resources.%s[nvidia.com/gpu] is set by the chart from gpus(%d), request and limit alike: set gpus instead" $part (int $.Values.gpus)) }}
 {{- end }}
 {{- end }}
-{{- /* Labels of one's own beside the chart's: a repeated key is YAML the API refuses (and a selector label moved). */}}
+{{- /* Labels of one's own after the chart's: Helm keeps the last of two keys (a selector label moved: the Deployment refused), GitOps post-renderers refuse the YAML. */}}
 {{- $chartLabels := include "packscore.labels" . | fromYaml }}
 {{- $own := dict "podLabels" .Values.podLabels }}
 {{- if .Values.serviceMonitor.enabled }}{{ $_ := set $own "serviceMonitor.labels" .Values.serviceMonitor.labels }}{{ end }}
