@@ -1,8 +1,9 @@
 """In-process scorer: sequences plus options in, per-sequence numpy arrays out.
 
-The HTTP service and the offline CLI both call ``Scorer.score``. One call packs its sequences
-into rows of at most ``max_batch_tokens`` tokens (first-fit decreasing) and runs one packed
-forward per row; a sequence's numbers never depend on which others share its row.
+The HTTP service and the offline CLI call ``Scorer.score_row`` (in one process, through
+``LocalBackend``: one row their scheduler packed at a time); ``Scorer.score`` (the benchmarks)
+packs its sequences into rows of at most ``max_batch_tokens`` tokens (first-fit decreasing) and
+runs one packed forward per row. A sequence's numbers never depend on which others share its row.
 
 With ``prefix_min_tokens`` > 0, sequences of a row that share at least that many leading tokens
 (a GRPO group's prompt) run them once (``model_runtime.scoring.prefix``), and ``score`` keeps a
