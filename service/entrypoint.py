@@ -10,6 +10,8 @@ back when uvicorn is done.
 Until ``packscore score`` scores, a SIGTERM (a preempted batch job) raises ``Terminated`` where Ctrl-C
 raises KeyboardInterrupt, so the run stops by Ctrl-C's paths (a worker pool's processes stopped) with
 one line and status 143, as a SIGTERM while it scores exits; its scoring loop then takes SIGTERM over.
+One that lands while torch imports is held until that import ends: raised there, where torch's C++ init
+runs Python, the exception would abort the process.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 
 
 def exit_before_serving(signum, frame) -> None:
@@ -31,7 +35,34 @@ class Terminated(KeyboardInterrupt):
 
 
 def terminate_before_scoring(signum, frame) -> None:
+    if _importing_torch():  # raised there, under torch's C++ init, it aborts the process (SIGABRT, exit 134)
+        if not _held:  # one held SIGTERM is sent again, however many came
+            _held.append(threading.Thread(target=_terminate_once_torch_is_imported, name="packscore-sigterm-held",
+                                          daemon=True))
+            try:
+                _held[0].start()
+            except RuntimeError:  # no thread (the thread limit): raised at once, as before
+                _held.clear()
+                raise Terminated from None
+        return
     raise Terminated
+
+
+_held: list[threading.Thread] = []
+
+
+def _importing_torch() -> bool:
+    """Whether a module of torch is being imported (importlib marks its spec ``_initializing`` until it is)."""
+    return any(getattr(getattr(module, "__spec__", None), "_initializing", False)
+               for name, module in list(sys.modules.items()) if name == "torch" or name.startswith("torch."))
+
+
+def _terminate_once_torch_is_imported() -> None:
+    """Sends the held SIGTERM again once torch's import has ended, for the handler to raise outside it."""
+    while _importing_torch():
+        time.sleep(0.01)
+    _held.clear()
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def before_scoring(output) -> str:

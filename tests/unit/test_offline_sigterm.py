@@ -250,3 +250,37 @@ def test_sigterm_before_scoring_is_one_line_and_143_from_either_entry(tmp_path, 
     assert run.stderr.splitlines()[-1] == ("packscore: terminated (SIGTERM) before scoring began; nothing was scored "
                                            "yet, OUT is as it was: the same command starts again"), run.stderr
     assert not out.exists()
+
+
+# SIGTERM as torch imports one of its own modules, and at the exit whether torch's import finished.
+_SIGTERM_IN_TORCH_SITECUSTOMIZE = """
+import atexit, os, signal, sys
+
+class TerminatedInTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch.functional":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return None
+
+sys.meta_path.insert(0, TerminatedInTorch())
+atexit.register(lambda: sys.stderr.write("torch imported: %s\\n" % hasattr(sys.modules.get("torch"), "functional")))
+"""
+
+
+def test_sigterm_while_torch_imports_is_held_until_its_import_ends(tmp_path):
+    """Raised inside torch's import, where its C++ init runs Python, Terminated aborted the process now and then
+    (``terminate called after throwing an instance of 'pybind11::error_already_set'``, exit 134, no line):
+    the handler now holds it until torch is imported, then stops the run with its line and 143."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(_SIGTERM_IN_TORCH_SITECUSTOMIZE)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in _ROWS))
+    path = os.pathsep.join([str(tmp_path / "site"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    run = subprocess.run([sys.executable, "-m", "service.cli", "score", str(source), "-o", str(out)],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": path})
+    lines = run.stderr.splitlines()
+    assert run.returncode == 143 and "Traceback" not in run.stderr, f"exit {run.returncode}:\n{run.stderr[-2000:]}"
+    assert lines[-2:] == [f"packscore: terminated (SIGTERM) before scoring began; nothing was scored yet, {out} is "
+                          "as it was: the same command starts again", "torch imported: True"], run.stderr[-2000:]
+    assert not out.exists()
