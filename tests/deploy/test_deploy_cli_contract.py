@@ -93,7 +93,7 @@ def test_packscore_serve_takes_an_abbreviated_option():
 @pytest.mark.parametrize("flag", sorted(_chart_set_options()))
 def test_extra_args_cannot_override_an_option_the_chart_sets(flag):
     # The last one given wins: --drain-timeout-s 300 would outlast the grace period, --port the probes.
-    for extra in ([flag, "1"], [f"{flag}=1"], [_shortest_abbreviation(flag), "1"]):
+    for extra in ([flag, "1"], [f"{flag}=1"], [_shortest_abbreviation(flag), "1"], [f"{flag} 1"]):
         with pytest.raises(helm.HelmError) as err:
             render_chart({"server": {"extraArgs": extra}})
         assert f"is (or abbreviates) {flag}, which the chart sets from" in str(err.value), (extra, str(err.value))
@@ -107,11 +107,12 @@ KEY_OPTIONS = {"--api-key": "apiKey.secretName", "--admin-key": "weights.adminKe
 def test_extra_args_never_put_a_key_on_the_command_line(flag):
     assert flag in CLI_OPTIONS
     # --admin-key is also the start of --admin-key-file: the key's own message, not that option's
-    for extra in ([flag, "s3cret"], [f"{flag}=s3cret"], [flag[:-1], "s3cret"]):
+    for extra in ([flag, "s3cret"], [f"{flag}=s3cret"], [flag[:-1], "s3cret"], [f"{flag} s3cret"]):
         with pytest.raises(helm.HelmError) as err:
             render_chart({"server": {"extraArgs": extra}})
         message = str(err.value)
         assert f"is (or abbreviates) {flag}, which would put a key on the command line" in message, (extra, message)
+        assert "s3cret" not in message, message  # the render's error lands in CI logs
         assert f"set {KEY_OPTIONS[flag]} (a Secret" in message, message
 
 
@@ -194,3 +195,16 @@ def test_env_cannot_set_the_inductor_cache_the_server_sets_from_the_chart(tmp_pa
 @pytest.mark.parametrize("option", sorted(CLI_OPTIONS - _chart_set_options() - set(KEY_OPTIONS)))
 def test_extra_args_take_every_option_the_chart_leaves_alone(option):
     assert container({"server": {"extraArgs": [option, "x"]}})["args"][-2:] == [option, "x"]
+
+
+def test_extra_args_refuse_an_option_and_its_value_in_one_element():
+    # One argv word: argparse takes a word with a space for a positional and the server exits 2 at start (CrashLoop).
+    with pytest.raises(SystemExit):
+        parse_settings(["serve", "--queue-seconds 8"])
+    with pytest.raises(helm.HelmError) as err:
+        render_chart({"server": {"extraArgs": ["--device", "cuda", "--queue-seconds 8"]}})
+    assert str(err.value).endswith('server.extraArgs(--queue-seconds 8) holds an option and its value in one element, '
+                                   'which the server refuses at start (unrecognized arguments): give them as two '
+                                   'elements ("--queue-seconds", "8") or as --queue-seconds=8'), str(err.value)
+    for extra in (["--queue-seconds", "8"], ["--queue-seconds=8"]):  # the two forms the message offers
+        assert parse_settings(["serve", *container({"server": {"extraArgs": extra}})["args"]])[1].queue_seconds == 8

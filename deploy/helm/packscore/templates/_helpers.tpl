@@ -165,10 +165,15 @@ caches again from --triton-cache-dir: the user's would move a cache off its volu
   "--api-key" "apiKey.secretName (a Secret, passed as PACKSCORE_API_KEY)"
   "--admin-key" "weights.adminKey.secretName (a Secret, mounted as the file --admin-key-file reads)"
 }}
-{{- range .Values.server.extraArgs }}
-{{- $name := index (splitList "=" .) 0 }}
+{{- range $arg := .Values.server.extraArgs }}
+{{- $name := index (splitList "=" $arg) 0 }}
+{{- /* "--flag value" in one element: one argv word the server refuses at start (argparse takes a word with a space for a positional); its flag is checked too. */}}
+{{- $word := regexFind "^\\S*" $name }}
+{{- $joined := and (hasPrefix "-" $name) (ne $word $name) }}
+{{- $shown := ternary $arg $name $joined }}
+{{- $name = $word }}
 {{- if and (hasPrefix "--" $name) (gt (len $name) 2) }}
-{{- /* Keys first: --admin-key is an option of its own, not an abbreviation of --admin-key-file. */}}
+{{- /* Keys first: --admin-key is an option of its own, not an abbreviation of --admin-key-file; the message names the option alone, never the key. */}}
 {{- range $flag, $from := $keys }}
 {{- if hasPrefix $name $flag }}
 {{- fail (printf "server.extraArgs(%s) is (or abbreviates) %s, which would put a key on the command line, where ps and the pod spec show it: set %s instead" $name $flag $from) }}
@@ -176,9 +181,12 @@ caches again from --triton-cache-dir: the user's would move a cache off its volu
 {{- end }}
 {{- range $flag, $from := $managed }}
 {{- if hasPrefix $name $flag }}
-{{- fail (printf "server.extraArgs(%s) is (or abbreviates) %s, which the chart sets from %s: set that value instead" $name $flag $from) }}
+{{- fail (printf "server.extraArgs(%s) is (or abbreviates) %s, which the chart sets from %s: set that value instead" $shown $flag $from) }}
 {{- end }}
 {{- end }}
+{{- end }}
+{{- if $joined }}
+{{- fail (printf "server.extraArgs(%s) holds an option and its value in one element, which the server refuses at start (unrecognized arguments): give them as two elements (%s, %s) or as %s=%s" $arg (quote $name) (quote (trimPrefix $name $arg | trim)) $name (trimPrefix $name $arg | trim)) }}
 {{- end }}
 {{- end }}
 {{- $variables := dict "PACKSCORE_MODEL" (list "--model" "model.path (more models: --model NAME=PATH in server.extraArgs)") }}
