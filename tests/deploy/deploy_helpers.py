@@ -165,7 +165,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                            "alertLabels": {"team": "rl"}, "alerts": {"queueWaitHigh": {"seconds": 10}},
                            "extraRules": [{"record": "packscore:tokens_scored:rate5m",
                                            "expr": "sum by (model) (rate(packscore_tokens_scored_total[5m]))"}]},
-        "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6, "targetQueuedTokens": 2_000_000},
+        "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6, "targetQueuedTokens": 1_000_000},
         "networkPolicy": {"enabled": True, "from": [
             {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "trainers"}}},
             {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},

@@ -16,8 +16,12 @@ from deploy_helpers import (
     CHART, CLI_OPTIONS, NAMESPACE, RELEASE, REPO, VALUE_SETS, arg_value, by_kind, container, manifests, one, pod_spec,
     render_chart,
 )
+from model_runtime.parallel.dims import ParallelDims
+from service.cli import parse_settings
 from service.http.server import _EXIT_GRACE_S
 from service.readiness import _READY_WAIT_S
+from service.scheduling.admission import Admission
+from service.scheduling.scheduler import _FLOOR_ROWS
 from service.settings import Settings
 
 FULLNAME = f"{RELEASE}-packscore"
@@ -113,6 +117,31 @@ def test_hpa_target_must_stay_below_the_admission_bound():
     assert "autoscaling.targetQueuedTokens(100000) >= server.maxQueuedTokens(100000)" in str(err.value)
     values["autoscaling"]["targetQueuedTokens"] = 50_000
     assert one(manifests(values), "HorizontalPodAutoscaler")
+    values["autoscaling"]["targetQueuedTokens"] = None  # the default: one row per GPU, 131072 on 8 GPUs
+    with pytest.raises(helm.HelmError) as err:
+        render_chart(values)
+    assert "autoscaling.targetQueuedTokens(131072) >= server.maxQueuedTokens(100000)" in str(err.value)
+
+
+@pytest.mark.parametrize(("values", "target"), [
+    ({}, 131072), ({"gpus": 1}, 16384), ({"gpus": 2, "server": {"maxBatchTokens": 65536}}, 131072),
+    ({"gpus": 4, "parallel": {"sp": 4}}, 65536), ({"gpus": 8, "parallel": {"sp": 2, "fsdp": True}}, 131072),
+])
+def test_default_hpa_target_is_reached_under_overload_whatever_the_models_speed(values, target):
+    """packscore_queued_tokens never passes the admission bound (a request beyond it waits, then 429): a target
+    above it is never reached. A slow model's bound is its floor, 3 rows per GPU (49152 on 1 GPU)."""
+    values = {**values, "autoscaling": {"enabled": True}}
+    hpa = one(manifests(values), "HorizontalPodAutoscaler")
+    rendered = int(hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"])
+    _, s = parse_settings(["serve", *container(values)["args"]])
+    dims = ParallelDims.from_world(s.world_size, s.sp, s.fsdp)
+    row = dims.row_token_budget(s.max_batch_tokens)
+    admission = Admission(gpus=dims.dp, row_tokens=row, queue_seconds=s.queue_seconds, floor_rows=_FLOOR_ROWS,
+                          max_tokens=s.queued_tokens, max_wait_s=s.max_admission_wait_s)
+    admission.observe(row, row / 2000.0)  # 2,000 tokens/s per GPU: FSDP of a large model on a small card
+    assert admission.bound == _FLOOR_ROWS * row * dims.dp
+    assert rendered <= admission.bound / _FLOOR_ROWS  # one row per GPU: a third of the floor
+    assert rendered == target
 
 
 def test_hpa_min_replicas_may_not_exceed_max_replicas():

@@ -53,6 +53,18 @@ app.kubernetes.io/component: scoring
 {{- $ws }}
 {{- end }}
 
+{{/* The server's --max-batch-tokens: server.maxBatchTokens, or the server's default (service/settings.py). */}}
+{{- define "packscore.maxBatchTokens" -}}
+{{- if kindIs "invalid" .Values.server.maxBatchTokens }}16384{{ else }}{{ int64 .Values.server.maxBatchTokens }}{{ end }}
+{{- end }}
+
+{{/* The HPA's target: autoscaling.targetQueuedTokens, or one full row per GPU (max-batch-tokens x world size), a
+third of the admission bound's floor of 3 rows per GPU, which packscore_queued_tokens reaches under overload whatever the model's speed. */}}
+{{- define "packscore.targetQueuedTokens" -}}
+{{- $target := .Values.autoscaling.targetQueuedTokens }}
+{{- if kindIs "invalid" $target }}{{ mul (int64 (include "packscore.maxBatchTokens" .)) (int64 (include "packscore.worldSize" .)) }}{{ else }}{{ int64 $target }}{{ end }}
+{{- end }}
+
 {{/* Fails the render when the layout cannot work, showing the arithmetic. */}}
 {{- define "packscore.validateLayout" -}}
 {{- $gpus := int .Values.gpus }}
@@ -88,8 +100,9 @@ app.kubernetes.io/component: scoring
 {{- end }}
 {{- $bound := .Values.server.maxQueuedTokens }}
 {{- if and $as.enabled (not (kindIs "invalid" $bound)) }}
-{{- if ge (int64 $as.targetQueuedTokens) (int64 $bound) }}
-{{- fail (printf "autoscaling.targetQueuedTokens(%d) >= server.maxQueuedTokens(%d): pods would reject work (429) before the HPA scales out" (int64 $as.targetQueuedTokens) (int64 $bound)) }}
+{{- $target := int64 (include "packscore.targetQueuedTokens" .) }}
+{{- if ge $target (int64 $bound) }}
+{{- fail (printf "autoscaling.targetQueuedTokens(%d) >= server.maxQueuedTokens(%d): pods would reject work (429) before the HPA scales out" $target (int64 $bound)) }}
 {{- end }}
 {{- end }}
 {{- $src := .Values.model.source }}
