@@ -111,6 +111,27 @@ def test_weights_mount_path_must_be_its_own(mount_path):
     assert f"weights.mountPath({mount_path}) is already a mount of the pod" in str(err.value)
 
 
+@pytest.mark.parametrize(("model_path", "weights_path"), [("/models", "/models/ckpt"), ("/ckpt/base/", "/ckpt"),
+                                                         ("/data/models", "/data/models/run-42/")])
+def test_weights_and_model_mount_paths_may_not_nest(model_path, weights_path):
+    """Kubernetes takes it, but the inner mount point cannot be made in the outer read-only volume (runc: read-only
+    file system, the container never starts), and where it exists the inner volume hides the outer one's directory."""
+    values = {"model": {"path": "/x/m", "mountPath": model_path, "source": {"type": "pvc", "pvc": {"claimName": "m"}}},
+              "weights": {"enabled": True, "mountPath": weights_path,
+                          "source": {"type": "hostPath", "hostPath": {"path": "/mnt/ckpt"}}}}
+    with pytest.raises(helm.HelmError) as err:
+        render_chart(values)
+    message = str(err.value)
+    assert f"weights.mountPath({weights_path}) and model.mountPath({model_path}) lie one inside the other" in message
+    assert "give each a path outside the other" in message, message
+    values["weights"]["mountPath"] = model_path.rstrip("/") + "2"  # a sibling sharing the prefix only
+    mounts = {m["name"]: m["mountPath"] for m in container(values)["volumeMounts"]}
+    assert (mounts["model"], mounts["weights"]) == (model_path, model_path.rstrip("/") + "2")
+    values["model"]["source"] = {"type": "none"}  # no model volume: nothing mounted there
+    values["weights"]["mountPath"] = weights_path
+    assert render_chart(values)
+
+
 def test_weight_updates_are_recorded_on_an_empty_dir_so_a_restarted_container_keeps_them(monkeypatch):
     weights = {"enabled": True, "mountPath": "/ckpt", "source": WEIGHT_SOURCES[0].values[0]}
     spec = pod_spec({"weights": weights})

@@ -130,6 +130,13 @@ third of the admission bound's floor of 3 rows per GPU, which packscore_queued_t
 {{- if has (trimSuffix "/" $wts.mountPath) $taken }}
 {{- fail (printf "weights.mountPath(%s) is already a mount of the pod (%s): give the checkpoints a path of their own" $wts.mountPath (join ", " $taken)) }}
 {{- end }}
+{{- /* One read-only volume inside the other: the API server takes it, but the kubelet pre-creates nested mount points only in
+Secret/ConfigMap volumes, so runc's mkdir in the read-only outer one fails (the container never starts); where the directory exists, the inner volume hides it. */}}
+{{- $model := trimSuffix "/" .Values.model.mountPath }}
+{{- $ckpt := trimSuffix "/" $wts.mountPath }}
+{{- if and (ne $src.type "none") (or (hasPrefix (printf "%s/" $model) $ckpt) (hasPrefix (printf "%s/" $ckpt) $model)) }}
+{{- fail (printf "weights.mountPath(%s) and model.mountPath(%s) lie one inside the other: both volumes are mounted read-only, so the container cannot start unless the inner path already exists as a directory in the outer volume (runc: read-only file system), and then the inner volume hides what the outer one holds there; give each a path outside the other (e.g. /models and /weights)" $wts.mountPath .Values.model.mountPath) }}
+{{- end }}
 {{- if and $wts.recordClaim (not $wts.record) }}
 {{- fail (printf "weights.recordClaim(%s) holds the record, which weights.record false turns off: set record true, or recordClaim empty" $wts.recordClaim) }}
 {{- end }}
