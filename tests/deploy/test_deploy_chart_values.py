@@ -273,6 +273,28 @@ def test_security_context_is_locked_down():
     assert spec["automountServiceAccountToken"] is False
 
 
+@pytest.mark.parametrize("port", [80, 1023])
+def test_a_port_below_1024_needs_the_pods_unprivileged_port_start_lowered(port):
+    """Non-root with every capability dropped: below net.ipv4.ip_unprivileged_port_start (1024 unless the runtime or
+    the pod lowers it) bind() fails with EACCES at start, on some nodes only (containerd 2 lowers it, CRI-O does not)."""
+    c = container()
+    assert c["securityContext"]["runAsUser"] == 1000 and c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    with pytest.raises(helm.HelmError) as err:
+        render_chart({"server": {"port": port}})
+    message = str(err.value)
+    assert f"server.port({port}) < net.ipv4.ip_unprivileged_port_start(1024): the server runs as a non-root" in message
+    assert f"keep server.port at 1024 or above and give clients port {port} through service.port" in message, message
+    assert container({"server": {"port": 1024}})["ports"][0]["containerPort"] == 1024
+    sysctl = {"name": "net.ipv4.ip_unprivileged_port_start", "value": str(port)}  # a safe sysctl: any node honours it
+    pod = {"sysctls": [sysctl]}  # Helm merges it into the default podSecurityContext
+    spec = pod_spec({"server": {"port": port}, "podSecurityContext": pod})
+    assert spec["securityContext"]["sysctls"] == [sysctl] and spec["securityContext"]["runAsUser"] == 1000
+    assert spec["containers"][0]["ports"][0]["containerPort"] == port
+    sysctl["value"] = str(port + 1)
+    with pytest.raises(helm.HelmError, match=rf"server.port\({port}\) < net.ipv4.ip_unprivileged_port_start\({port + 1}\)"):
+        render_chart({"server": {"port": port}, "podSecurityContext": pod})
+
+
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
 def test_every_path_the_server_writes_is_on_a_writable_volume(name):
     spec = pod_spec(VALUE_SETS[name])

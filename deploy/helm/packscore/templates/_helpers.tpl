@@ -94,6 +94,16 @@ third of the admission bound's floor of 3 rows per GPU, which packscore_queued_t
 {{- end }}
 {{- end }}
 {{- end }}
+{{- /* uid 1000 with every capability dropped (no CAP_NET_BIND_SERVICE): binding below the pod network's
+net.ipv4.ip_unprivileged_port_start fails (EACCES), and runtimes differ on it (containerd 2 lowers it to 0; containerd 1.x and CRI-O keep 1024). */}}
+{{- $port := int64 .Values.server.port }}
+{{- $unprivileged := 1024 }}
+{{- range get (.Values.podSecurityContext | default dict) "sysctls" | default list }}
+{{- if eq (toString .name) "net.ipv4.ip_unprivileged_port_start" }}{{ $unprivileged = int64 .value }}{{ end }}
+{{- end }}
+{{- if lt $port (int64 $unprivileged) }}
+{{- fail (printf "server.port(%d) < net.ipv4.ip_unprivileged_port_start(%d): the server runs as a non-root user with every capability dropped, so it may bind a port below that only where the node's runtime lowers the sysctl (containerd 2 does, containerd 1.x and CRI-O do not: EACCES at start, a crash loop); keep server.port at 1024 or above and give clients port %d through service.port, or set that sysctl in podSecurityContext.sysctls (a safe sysctl since Kubernetes 1.22) to at most %d" $port (int64 $unprivileged) $port $port) }}
+{{- end }}
 {{- $as := .Values.autoscaling }}
 {{- if and $as.enabled (gt (int64 $as.minReplicas) (int64 $as.maxReplicas)) }}
 {{- fail (printf "autoscaling.minReplicas(%d) > autoscaling.maxReplicas(%d): the API server would refuse the HorizontalPodAutoscaler" (int64 $as.minReplicas) (int64 $as.maxReplicas)) }}
