@@ -11,7 +11,8 @@ pool -> worker ``ScoreRow`` / ``Idle`` steps, answered by the group leader's ``R
 any rank's ``Failure``); pool -> worker ``Shutdown`` at the end.
 
 A weight update: pool -> every rank ``LoadWeights`` (read beside the served weights while steps
-go on), every rank answers ``WeightsDone``; then pool -> every rank ``SwapWeights`` between the
+go on), every rank says ``LoadProgress`` every ``LOAD_TICK_S`` while it reads and answers
+``WeightsDone``; then pool -> every rank ``SwapWeights`` between the
 same two steps (commit, or drop after a failure anywhere), answered by ``WeightsDone`` again.
 """
 
@@ -214,6 +215,21 @@ class WeightsDone:
     seconds: float  # time the rank spent loading (LoadWeights) or with steps paused (SwapWeights)
 
 
+# How often a rank reading an update says how far it got (``LoadProgress``): well below the stall floor.
+LOAD_TICK_S = 1.0
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    """every rank -> pool, every ``LOAD_TICK_S`` while it reads an update: the pool counts a rank
+    silent past the stall floor (a stopped process), or whose bytes stop growing past the
+    unmeasured bound (a hung GPU, a hung disk), as stuck (``updates.stuck_load``)."""
+
+    request_id: int  # the LoadWeights being read
+    rank: int  # the sender's global rank
+    bytes_read: int  # of this rank's tensors, read so far
+
+
 @dataclass(frozen=True)
 class Shutdown:
     """pool -> worker: leave the loop, destroy the process group and exit 0."""
@@ -221,7 +237,8 @@ class Shutdown:
 
 MESSAGES = {
     cls.__name__: cls
-    for cls in (Start, Joining, Joined, Hello, ScoreRow, Idle, RowResult, Failure, LoadWeights, SwapWeights, WeightsDone, Shutdown)
+    for cls in (Start, Joining, Joined, Hello, ScoreRow, Idle, RowResult, Failure, LoadWeights, SwapWeights, WeightsDone,
+                LoadProgress, Shutdown)
 }
 
 

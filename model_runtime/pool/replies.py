@@ -8,6 +8,7 @@ classifies a worker's ``Failure``; ``split_reply`` cuts a ``RowResult`` into per
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -33,6 +34,8 @@ class Pending:
     error: BaseException | None = None
     ranks: int = 1
     replies: list = field(default_factory=list)
+    # A weights load's ranks: rank -> (when it last said anything, when its bytes read last grew, those bytes).
+    progress: dict[int, tuple[float, float, int]] | None = None
     _settling: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def settle(self, reply=None, error=None) -> None:
@@ -41,6 +44,12 @@ class Pending:
             if not self.done.is_set():
                 self.reply, self.error = reply, error
                 self.done.set()
+
+    def progressed(self, rank: int, bytes_read: int) -> None:
+        """Rank ``rank``'s ``LoadProgress`` (the reader's thread alone writes and reads ``progress``)."""
+        now = time.monotonic()
+        _, grew, before = self.progress.get(rank, (now, now, 0))
+        self.progress[rank] = (now, now if bytes_read > before else grew, max(before, bytes_read))
 
     def add(self, reply) -> None:
         """One rank's answer; settled once every rank has answered."""

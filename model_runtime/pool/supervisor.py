@@ -3,16 +3,17 @@
 A world (``procs.WorkerWorld``) is one generation of worker processes. ``_start_world`` launches
 one and waits for every rank's ``Hello`` (``_start_first_world``: the start's, formed again after a
 worker lost meanwhile); a reader thread per world delivers the leaders' replies
-to the rows waiting for them and turns a closed pipe, an exited process or a row past its time
-bound into a failure of the whole world: its rows fail with ``BackendUnavailableError`` and a
-restart loop starts worlds (after checking the loaded checkpoint is unchanged) until one has
-scored a warm-up pass; a restart loop whose thread the process's thread limit refused is started
-again by a later use of the pool (a submit, a readiness check), after a pause. ``Supervisor`` is a
+to the rows waiting for them and turns a closed pipe, an exited process, a row past its time
+bound or a weights load a rank stopped answering (``updates.WeightUpdates._stuck_load``) into a
+failure of the whole world: its rows fail with ``BackendUnavailableError`` and a restart loop
+starts worlds (after checking the loaded checkpoint is unchanged) until one has scored a warm-up
+pass; a restart loop whose thread the process's thread limit refused is started again by a later
+use of the pool (a submit, a readiness check), after a pause. ``Supervisor`` is a
 part of ``pool.WorkerPool``: it uses the pool's ``dims``, ``_start_fields``, ``_generation``,
 ``_world``, ``_starting``, ``_pending``, ``_loaded``, ``_alive``, ``_closed``, ``_readers``,
 ``_restarting``, ``_restart_thread``, ``_restart_refused``, ``_restart_next``, ``_restarts``, ``restart_error``,
-``prefix_rounding``, ``_seconds_per_cost``, ``start_timeout_s``, ``join_timeout_s``, ``_lock`` and
-``warm_up``.
+``prefix_rounding``, ``_seconds_per_cost``, ``start_timeout_s``, ``join_timeout_s``, ``_lock``,
+``warm_up`` and ``_stuck_load``.
 """
 
 from __future__ import annotations
@@ -402,6 +403,10 @@ class Supervisor:
                 self._on_world_failure(world, f"rows {late} ran past their time bound ({STALL_FACTOR:.0f}x what "
                                        "the measured rate says, at least the floor): a worker is stuck")
                 return
+            stuck = self._stuck_load(world, now)
+            if stuck is not None:
+                self._on_world_failure(world, stuck)
+                return
 
     def _deliver(self, world: WorkerWorld, rank: int, reply) -> None:
         with self._lock:
@@ -410,6 +415,9 @@ class Supervisor:
             pending.settle(reply=reply)
         elif isinstance(reply, msg.WeightsDone) and pending is not None:
             pending.add(reply)
+        elif isinstance(reply, msg.LoadProgress):
+            if pending is not None and pending.progress is not None:
+                pending.progressed(rank, reply.bytes_read)  # else its update already ended: nothing waits for it
         elif isinstance(reply, msg.Failure) and world.failed:
             # A peer the stop killed broke this rank's collectives: the stop (close(), a logged failure) settles its rows.
             log.debug("worker rank %d: failure of request %d came after generation %d stopped; dropped (%s): %s",

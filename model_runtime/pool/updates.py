@@ -5,8 +5,12 @@ checkpoint meanwhile (unless a version is named), and then has every rank swap (
 read) between the same two rows of its command stream; with FSDP the stepper sends the swap
 between two steps (``replies.Swap``). ``WeightUpdates`` is a part of ``pool.WorkerPool``: it uses
 the pool's ``info``, ``dims``, ``_world``, ``_alive``, ``_steps`` queue, ``_start_fields``,
-``_loaded``, ``_updating``, ``_hashes``, ``_closed``, ``_lock``, ``start_timeout_s``, ``_send_all``,
-``_new_pending``, ``_await`` and ``_on_world_failure``.
+``_loaded``, ``_updating``, ``_hashes``, ``_closed``, ``_lock``, ``start_timeout_s``, ``stall_floor_s``,
+``request_timeout_s``, ``_send_all``, ``_new_pending``, ``_await`` and ``_on_world_failure``.
+
+While the ranks read, each says how far it got every ``LOAD_TICK_S``; the reader counts a rank silent past
+the stall floor, or one whose bytes stop growing past ``worker_timeout_s``, as stuck (``_stuck_load``):
+the world restarts, as for a stalled row, with the weights before the update, which fails with 503.
 
 ``info`` (the version every answer names) and ``_start_fields`` (what a restart launches) change
 together under ``_lock``, where ``world.failed`` is marked: a world lost after its ranks swapped but
@@ -48,11 +52,22 @@ class WeightUpdates:
             if world is None or world.failed or not self._alive:
                 raise BackendUnavailableError("the worker pool is restarting after a worker failure")
             files = files_snapshot(Path(path))
+            halt = threading.Event()  # set when the world fails meanwhile: no one waits for the hash
             with ThreadPoolExecutor(1) as hasher:  # the content hash runs while the ranks read
-                hashed = hasher.submit(content_version, Path(path)) if version is None else None
+                hashed = hasher.submit(content_version, Path(path), halt=halt) if version is None else None
                 load = self._new_pending(world, ranks=self.dims.world_size, timeout_s=self.start_timeout_s)
+                sent = time.monotonic()
+                load.progress = {rank: (sent, sent, 0) for rank in range(self.dims.world_size)}
                 self._send_all(world, load, msg.LoadWeights(load.request_id, str(path)))
-                failed = [r for r in self._await(load) if not r.ok]
+                try:
+                    failed = [r for r in self._await(load) if not r.ok]
+                except BackendUnavailableError as error:  # the world failed as the ranks read: none swapped
+                    halt.set()
+                    if self._closed.is_set() or not world.failed:  # shutting down, or no restart to promise
+                        raise
+                    raise BackendUnavailableError(
+                        f"{error}; the update changed nothing: the pool comes back with the weights of version "
+                        f"{self.info.weights_version!r}, send the update again once it is ready") from None
                 try:
                     new_version, hash_error = version or hashed.result(), None
                 except Exception as error:  # the ranks must still drop what they read
@@ -101,6 +116,27 @@ class WeightUpdates:
             return WeightsUpdate(new_version, previous, load_s, swap_ms)
         finally:
             self._updating.release()
+
+    def _stuck_load(self, world, now: float) -> str | None:
+        """Why a weights load of ``world`` counts as stuck, naming the rank (None while none is): a rank not
+        yet done that said nothing for the stall floor (it says ``LoadProgress`` every ``LOAD_TICK_S``: a
+        stopped or frozen process), or whose bytes read did not grow for ``worker_timeout_s`` (the forward's
+        bound before any rate: a hung GPU or disk). Progress, not the load's length: a slow read goes on."""
+        with self._lock:
+            loads = [p for p in self._pending.values() if p.generation == world.generation and p.progress is not None]
+        for load in loads:
+            done = {reply.rank for reply in load.replies}
+            for rank, (heard, grew, bytes_read) in sorted(load.progress.items()):
+                if rank in done:
+                    continue
+                who = f"worker rank {rank} (pid {world.procs[rank].pid})"
+                if now - heard > self.stall_floor_s:
+                    return (f"{who} said nothing for {now - heard:.0f}s while reading the update (it says how far it got "
+                            f"every {msg.LOAD_TICK_S:g}s; the stall floor is {self.stall_floor_s:g}s): it is stuck")
+                if now - grew > self.request_timeout_s:
+                    return (f"{who} read nothing of the update for {now - grew:.0f}s ({bytes_read / 2**20:.1f} MiB read; "
+                            f"the bound is {self.request_timeout_s:g}s): it is stuck")
+        return None
 
     def _hash_for_restarts(self, loaded: LoadedFiles) -> None:
         """Hashes the checkpoint a restart would reload, in the background; ``close()`` stops it and waits.

@@ -14,6 +14,7 @@ own shards, so a host holds one copy of the weights, not one per rank.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -23,6 +24,7 @@ from dataclasses import asdict, replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -238,9 +240,9 @@ class _WeightUpdates:
                  self.loaded.dtype_name, self.loaded.device)
         started = time.perf_counter()
         try:
-            with saying_still(log, f"reading the update of {name}"):
+            with saying_still(log, f"reading the update of {name}"), self._saying_progress(message.request_id) as count:
                 plan = plan_reads(self.model, Path(message.path), self.params)
-                tensors = read_parameters(self.model, plan, params=self.params)
+                tensors = read_parameters(self.model, plan, params=self.params, progress=count)
         except CheckpointError as error:  # the server's line says why
             log.info("stopped reading the update of %s after %.1fs: the checkpoint was refused (%s)", name,
                      time.perf_counter() - started, error.kind)
@@ -253,6 +255,31 @@ class _WeightUpdates:
         self._staged = (message.request_id, tensors)
         log.info("read the update of %s in %.1fs", name, time.perf_counter() - started)
         self._done(message.request_id, started)
+
+    @contextlib.contextmanager
+    def _saying_progress(self, request_id: int) -> Iterator[Callable[[int], None]]:
+        """Sends ``LoadProgress`` (this rank's bytes read so far) every ``LOAD_TICK_S`` while the block
+        reads, none once it ended: the pool counts a rank that falls silent, or stops reading, as stuck."""
+        read, counting, ended = [0], threading.Lock(), threading.Event()
+
+        def count(nbytes: int) -> None:  # from the reading threads
+            with counting:
+                read[0] += nbytes
+
+        def tick() -> None:
+            while not ended.wait(msg.LOAD_TICK_S):
+                try:
+                    self.replies.send(msg.LoadProgress(request_id, self.rank, read[0]))
+                except OSError:  # the pool is gone: the command loop exits on its closed pipe
+                    return
+
+        ticker = threading.Thread(target=tick, name="weights-progress", daemon=True)
+        ticker.start()  # the thread limit's RuntimeError fails the load, as a read's error does
+        try:
+            yield count
+        finally:
+            ended.set()
+            ticker.join()  # no LoadProgress after this rank's WeightsDone
 
     def swap(self, message: msg.SwapWeights) -> None:
         """Between two steps: serve the loaded weights (commit) or drop them."""

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -179,6 +180,7 @@ def read_parameters(
     threads: int | None = None,
     into_model: bool = False,
     digests: ReadDigests | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """New tensors for every parameter of ``model`` (this rank's rows of a sharded one).
 
@@ -191,6 +193,7 @@ def read_parameters(
     host-to-device copies release the GIL). On CUDA the copies run on a side stream, so a forward
     on the default stream is not held up; they are finished before this returns. ``digests`` (beside the old weights, whole tensors) collects the
     content hash's pieces of every tensor read, from the bytes read (``content_version(read=...)``).
+    ``progress(nbytes)`` is called from the reading threads as each tensor is read (a pool rank's ``LoadProgress``).
     """
     from safetensors import SafetensorError
 
@@ -232,8 +235,12 @@ def read_parameters(
                     if into_model:
                         with torch.no_grad():
                             target.copy_(got)
-                        return r.param, None
-                    return r.param, got.to(dtype=target.dtype).contiguous()
+                        got = None
+                    else:
+                        got = got.to(dtype=target.dtype).contiguous()
+                if progress is not None:
+                    progress(target.nbytes)
+                return r.param, got
 
             with ThreadPoolExecutor(max(1, threads)) as ex:
                 out = dict(ex.map(read, plan.reads))

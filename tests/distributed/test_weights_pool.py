@@ -294,3 +294,56 @@ def test_a_worker_lost_while_the_recorded_update_loads_delays_the_restore_not_wi
     finally:
         assert server.stop() == 0, server.log()
     assert models[0]["weights_version"] == "step-1", models
+
+
+def test_a_rank_stopped_during_an_update_fails_it_at_the_stall_floor_and_the_old_version_comes_back(checkpoints):
+    """A rank that stops answering (SIGSTOP here, a hung GPU in practice) while no row runs: the update's
+    load used to wait for it up to the start timeout (30 min). Silent past the stall floor (60 s by default,
+    3 s here), the rank is stuck: the update fails with 503 naming it, the world restarts with the old
+    weights, and the next update lands."""
+    import os
+    import signal
+
+    from model_runtime.scoring.backend import BackendUnavailableError
+
+    old, new, _ = checkpoints
+    pool = start_pool({**BASE, "model": str(old), "fsdp": False, "worker_stall_floor_s": 3.0})
+    stopped = None
+    try:
+        row = make_rows(pool.info.vocab_size, 1)[0]
+        first, before = pool.info.weights_version, pool.score_row(row)
+        stopped = pool.worker_pids()[1]
+        os.kill(stopped, signal.SIGSTOP)
+        outcome = {}
+
+        def update() -> None:
+            started = time.monotonic()
+            try:
+                pool.update_weights(new, "step-1")
+            except BaseException as error:
+                outcome["error"] = error
+            outcome["seconds"] = time.monotonic() - started
+
+        updating = threading.Thread(target=update)
+        updating.start()
+        updating.join(3.0 + 15)  # the floor, the reader's polling and a loaded machine's scheduling
+        assert not updating.is_alive(), "the update still waits for the stopped rank past the stall floor"
+        error = outcome.get("error")
+        assert isinstance(error, BackendUnavailableError) and f"worker rank 1 (pid {stopped}) said nothing" in str(error), outcome
+        assert f"changed nothing: the pool comes back with the weights of version {first!r}" in str(error), error
+        assert outcome["seconds"] > 3.0 - 0.05, outcome
+        assert pool.info.weights_version == first
+        deadline = time.monotonic() + 90
+        while not pool.is_alive():
+            assert time.monotonic() < deadline, "the pool did not come back within 90s"
+            time.sleep(0.2)
+        assert stopped not in pool.worker_pids()
+        for a, b in zip(pool.score_row(row), before):
+            assert a.weights_version == first and np.array_equal(a.logprobs, b.logprobs), "the old version changed"
+        assert pool.update_weights(new, "step-1").weights_version == "step-1"
+    finally:
+        try:
+            os.kill(stopped, signal.SIGCONT)
+        except (ProcessLookupError, TypeError):
+            pass
+        pool.close()
