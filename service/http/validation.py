@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeVar
 
 import numpy as np
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from model_runtime.types import SequenceInput
 from service.http.errors import ApiError, from_validation_errors, short_repr
 from service.http.schemas import ScoreRequest
 
 log = logging.getLogger(__name__)
+Schema = TypeVar("Schema", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,21 @@ class ScoreJob:
     rollout: tuple[np.ndarray | None, ...] = ()  # float32 rollout log-probs per sequence, where sent
 
 
+def body_object(body: Any) -> dict:
+    """A decoded body, which must be an object (a JSON object or msgpack map): 422 otherwise."""
+    if not isinstance(body, dict):
+        raise ApiError(422, "invalid_value", f"The body must be an object, got {type(body).__name__}.")
+    return body
+
+
+def validated(schema: type[Schema], body: dict) -> Schema:
+    """``body`` as ``schema``; its first error a 422 naming the field (``from_validation_errors``)."""
+    try:
+        return schema.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors(include_url=False), sourced=False) from None
+
+
 def pick_model(requested: Any, served: Mapping[str, Any], aliases: Mapping[str, str] | None = None) -> str:
     """The served model a request's ``model`` names (its served name, or an alias of it: the exact
     ``--model`` directory, ``Service.aliases``): 404 for an unknown name, 422 when omitted while
@@ -100,9 +116,7 @@ def parse_score_request(body: Any, limits: Limits | Mapping[str, Limits], served
     other names of served models (``pick_model``).
     """
     served = {served_name: limits} if isinstance(limits, Limits) else limits
-    if not isinstance(body, dict):
-        raise ApiError(422, "invalid_value", f"The body must be an object, got {type(body).__name__}.")
-    sequences = body.get("sequences")
+    sequences = body_object(body).get("sequences")
     # Counted before the per-item validation, which would otherwise walk an unbounded list.
     any_limits = next(iter(served.values()))  # every model shares the request bounds
     if isinstance(sequences, list) and len(sequences) > any_limits.max_sequences_per_request:
@@ -113,10 +127,7 @@ def parse_score_request(body: Any, limits: Limits | Mapping[str, Limits], served
             "per request; split it.",
             "sequences",
         )
-    try:
-        request = ScoreRequest.model_validate(body)
-    except ValidationError as exc:
-        raise from_validation_errors(exc.errors(include_url=False), sourced=False) from None
+    request = validated(ScoreRequest, body)
     model = pick_model(request.model, served, aliases)
     limits = served[model]
     if limits.vocab_size is not None and request.top_k > limits.vocab_size:

@@ -14,17 +14,15 @@ import time
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
-from pydantic import ValidationError
-
 from model_runtime.scoring.backend import BackendUnavailableError, UpdateInProgressError, WeightsUpdate
 from model_runtime.scoring.checkpoint import index_shards
 from model_runtime.scoring.checkpoint_error import CheckpointError
 from model_runtime.scoring.weights import RESERVED_VERSION_PREFIXES, files_snapshot
 from model_runtime.still_lines import saying_still
-from service.http.errors import ApiError, backend_unavailable, from_validation_errors, is_out_of_memory, short_repr
+from service.http.errors import ApiError, backend_unavailable, is_out_of_memory, short_repr
 from service.http.errors import SHOWN_PATH, restart_failed
 from service.http.schemas import WeightsRequest
-from service.http.validation import pick_model
+from service.http.validation import body_object, pick_model, validated
 from service.load_thread import NoLoadThreadError, in_load_thread
 from service.runtime import ServedModel, Service
 
@@ -98,13 +96,8 @@ async def update_weights(service: Service, body: Any, root: Path) -> dict:
     requested_at = time.time()  # the record keeps the last update requested, whichever server finishes last
     name = ""
     try:
-        if not isinstance(body, dict):
-            raise ApiError(422, "invalid_value", f"The body must be an object, got {type(body).__name__}.")
-        name = _named_model(body.get("model"), service)  # a refused body still counts under its model
-        try:
-            request = WeightsRequest.model_validate(body)
-        except ValidationError as exc:
-            raise from_validation_errors(exc.errors(include_url=False), sourced=False) from None
+        name = _named_model(body_object(body).get("model"), service)  # a refused body still counts under its model
+        request = validated(WeightsRequest, body)
         model = service.models[pick_model(request.model, service.models, service.aliases)]
         name = model.name
         answer, recording = await _run(service, model, resolve_checkpoint(root, request.path), request.version,
