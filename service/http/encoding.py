@@ -136,7 +136,18 @@ def decode_body(raw: bytes, encoding: Encoding) -> Any:
     try:
         return json.loads(raw, parse_int=_parse_int)
     except (ValueError, RecursionError):
-        raise ApiError(400, "malformed_body", f"The body is not valid JSON: {fast_error}.") from None
+        raise ApiError(400, "malformed_body", _not_json(raw, fast_error)) from None
+
+
+def _not_json(raw: bytes, exc: orjson.JSONDecodeError) -> str:
+    """Why a body is not JSON: where it stops being UTF-8 (orjson says "surrogates not allowed" at char 0
+    for any byte that is not), else orjson's own words."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        return (f"The body is not valid JSON: it is not UTF-8 at byte {bad.start + 1} (JSON is UTF-8; a msgpack "
+                f"body is sent with Content-Type: {MSGPACK}).")
+    return f"The body is not valid JSON: {exc}."
 
 
 def _parse_int(literal: str) -> int | OversizedInt:

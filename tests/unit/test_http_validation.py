@@ -224,6 +224,23 @@ def test_a_one_byte_value_is_called_one_byte():
         assert "1 byte" in message and "1 bytes" not in message, message
 
 
+def test_a_json_body_that_is_not_utf8_is_named_as_one():
+    """orjson's words for any byte that is not UTF-8 were "surrogates not allowed: line 1 column 1 (char 0)",
+    wherever the byte was: a msgpack body sent as JSON, or a Latin-1 id."""
+    latin1_id = b'{"sequences": [{"id": "caf\xe9", "input_ids": [1, 2]}]}'
+
+    async def main():
+        app, _ = make_app()
+        async with running_app(app) as client:
+            return [await _post(client, body) for body in (latin1_id, msgpack.packb(good()))]
+
+    for answer, byte in zip(asyncio.run(main()), (latin1_id.index(b"\xe9") + 1, 1)):
+        _check_error(answer, 400, "malformed_body", None)
+        message = answer.json()["error"]["message"]
+        assert f"not UTF-8 at byte {byte} " in message and "surrogates" not in message, message
+        assert "Content-Type: application/msgpack" in message, message
+
+
 def test_an_empty_key_is_named_as_one():
     async def main():
         app, _ = make_app()
