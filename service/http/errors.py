@@ -154,10 +154,12 @@ _LONGEST_KEY_IN_A_PATH = 60
 
 
 def _unfit_for_a_path(loc) -> bool:
-    """Whether an unknown key would make a poor ``param``: empty (named "None" or "x."), or long
-    (a client's 2 MB key is not echoed back)."""
+    """Whether an unknown key would make a poor ``param``: empty (named "None" or "x."), long
+    (a client's 2 MB key is not echoed back), or holding a character that is not printable (a line
+    break would forge a line of the server's log, which names a refused weights update's message)."""
     key = tuple(loc)[-1:]
-    return bool(key) and isinstance(key[0], str) and (key[0] == "" or len(key[0]) > _LONGEST_KEY_IN_A_PATH)
+    return bool(key) and isinstance(key[0], str) and (key[0] == "" or len(key[0]) > _LONGEST_KEY_IN_A_PATH
+                                                      or not key[0].isprintable())
 
 
 def short_repr(value, limit: int = 60) -> str:

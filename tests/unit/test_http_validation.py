@@ -264,6 +264,22 @@ def test_a_long_unknown_key_is_not_echoed_whole():
         assert len(answer.text) < 400 and "characters) is not a field of" in answer.text, answer.text[:400]
 
 
+def test_an_unknown_key_holding_a_line_break_or_control_character_is_shown_escaped():
+    """Such a key was the param and the message as sent: its line break split the message, and the log line
+    of a refused weights update that quotes it, in two (a forged line)."""
+    forged = "x\n2026-01-01 00:00:00,000 ERROR service.runtime: forged"
+
+    async def main():
+        app, _ = make_app()
+        async with running_app(app) as client:
+            return [await _post(client, body) for body in (good(**{forged: 1}), seq(**{"a\x00\u2028b": 1}))]
+
+    for answer, holder, shown in zip(asyncio.run(main()), [None, "sequences[0]"], [repr(forged), "'a\\x00\\u2028b'"]):
+        _check_error(answer, 422, "invalid_value", holder)
+        message = answer.json()["error"]["message"]
+        assert message.isprintable() and shown in message and "characters) is not a field of" in message, message
+
+
 def test_a_long_model_name_or_version_is_not_echoed_whole():
     async def main():
         app, _ = make_app()
