@@ -99,7 +99,7 @@ class Metrics:
             "packscore_connections_closed_total",
             "Connections the HTTP protocol layer closed itself, by reason: a new one refused 503 over --max-connections "
             "(too_many_connections), an older one closed to make room (evicted), 400 for bytes that are not HTTP/1.1 "
-            "(malformed_request), 505 for a request of another HTTP major version, such as HTTP/2.0 (http_version_not_supported), "
+            "(malformed_request), 400 for a request of another HTTP major version, such as HTTP/2.0 (http_version_not_supported), "
             "headers or body not arrived within --request-read-timeout-s (request_timeout).",
             ["reason"],
             registry=r,

@@ -15,9 +15,10 @@ uvicorn bounds only the idle time between keep-alive requests. This subclass add
 - the contract's JSON error body on the protocol errors uvicorn answers itself (a garbage
   request line, a bad Content-Length, oversized headers, a chunked body whose framing breaks),
   instead of plain text, its message naming the part that broke (the head or the chunked body);
-- 505 for a request line of another major version (``HTTP/2.0`` as an h2 client's prior-knowledge
-  preface sends it, ``HTTP/3.0``, ``HTTP/0.9``), which h11 parses and uvicorn would serve as HTTP/1.1
-  (RFC 9110, 15.6.6); a higher 1.x minor is HTTP/1.1's (RFC 9112, 2.3), and an ``Upgrade`` header is ignored;
+- 400 ``http_version_not_supported`` for a request line of another major version (``HTTP/2.0`` as an
+  h2 client's prior-knowledge preface sends it, ``HTTP/3.0``, ``HTTP/0.9``), which h11 parses and uvicorn
+  would serve as HTTP/1.1: a 400, not RFC 9110's 505, as the contract (docs/api.md) allows no 5xx but
+  503 and 504; a higher 1.x minor is HTTP/1.1's (RFC 9112, 2.3), and an ``Upgrade`` header is ignored;
 - a lingering close (RFC 9112, 9.6): a connection closed after its answer while the client may
   still be sending (the request's body still arriving, as at a 413 or at a 401 to a client that
   sent ``Connection: close``, or at a 400 for bytes h11 refused before the request's end; or bytes
@@ -29,7 +30,7 @@ uvicorn bounds only the idle time between keep-alive requests. This subclass add
   A body past ``max_body_bytes`` still arriving after an answer that kept the connection (a GET
   route reads none, a 401) is closed the same way, not parsed by h11 to its end for a next request.
 
-Each answer the protocol sends itself (400, 408, 503, 505) logs one line naming its request id, its
+Each answer the protocol sends itself (400, 408, 503) logs one line naming its request id, its
 status, the peer and why (a refused header line by its name alone: its value may be a key), without a
 traceback: these answers pass no access log. Those lines and the send timeout's share one budget: a
 WARNING up to ``_ANSWER_WARNINGS`` a window, past them DEBUG, counted in one WARNING at the window's
@@ -74,7 +75,7 @@ _ANSWER_WARNINGS, _ANSWER_WINDOW_S = 10, 60.0
 # its body's framing broke): what the gate counts for it, and a 408's handler counts request_timeout, not a 499.
 PROTOCOL_ANSWER = "packscore.protocol_answer"
 # What the protocol answers itself: the statuses on_answered is called with.
-PROTOCOL_STATUSES = (400, 408, 503, 505)
+PROTOCOL_STATUSES = (400, 408, 503)
 
 
 def default_max_connections() -> int:
@@ -124,7 +125,7 @@ class _Registry:
             return logging.WARNING
         if not self._quieted:
             outside_request().run(  # a line about many requests names none
-                log.warning, "more than %d of the protocol's own lines (its answers 400, 408, 503, 505 and its send "
+                log.warning, "more than %d of the protocol's own lines (its answers 400, 408, 503 and its send "
                 "timeouts) within %g s: the rest of this window's are logged at DEBUG (--log-level debug shows each), "
                 "then counted in one line",
                 _ANSWER_WARNINGS, _ANSWER_WINDOW_S)
@@ -137,7 +138,7 @@ class _Registry:
     def _end_quiet(self) -> None:
         sends = self._quieted_sends
         log.warning("%d more of the protocol's own lines in the last %g s were logged at DEBUG only: %d of its answers "
-                    "(400, 408, 503, 505), counted by status in packscore_requests_total, and %d send timeouts, counted in "
+                    "(400, 408, 503), counted by status in packscore_requests_total, and %d send timeouts, counted in "
                     "packscore_send_timeouts_total", self._quieted, _ANSWER_WINDOW_S, self._quieted - sends, sends)
         self._window_start, self._warned, self._quieted, self._quieted_sends = time.monotonic(), 0, 0, 0
 
@@ -355,17 +356,18 @@ class GuardedH11Protocol(H11Protocol):
             self.cycle.message_event.set()
 
     def _answer_unsupported_version(self, refused: UnsupportedVersion) -> None:
-        """505 for a request of another major version, its head parsed (no earlier request's answer is pending:
-        h11 reads a next request only then), and close; a body it declared is dropped by the lingering close."""
+        """400 for a request of another major version, its head parsed (no earlier request's answer is pending:
+        h11 reads a next request only then), and close; a body it declared is dropped by the lingering close.
+        Not RFC 9110's 505: the contract (docs/api.md) calls any 5xx but 503 and 504 a bug."""
         self.registry.on_closed("http_version_not_supported")
         self._close_counted = True
-        self._count_answer(505)
+        self._count_answer(400)
         rid = from_headers(refused.headers)
-        self._log_answer(505, rid, f"HTTP/{refused.version} is not supported (this port speaks HTTP/1.1 and 1.0)")
+        self._log_answer(400, rid, f"HTTP/{refused.version} is not supported (this port speaks HTTP/1.1 and 1.0)")
         self.transport.write(error_bytes(
-            505, "HTTP Version Not Supported", "http_version_not_supported",
-            f"HTTP/{refused.version} is not supported: this server speaks HTTP/1.1 (and HTTP/1.0), with no HTTP/2 "
-            "or HTTP/3 on this port; send the request as HTTP/1.1.", request_id=rid))
+            400, "Bad Request", "http_version_not_supported",
+            f"HTTP/{refused.version} is not supported: this server speaks HTTP/1.1 (and HTTP/1.0) only, with no "
+            "HTTP/2 or HTTP/3 on this port; send the request as HTTP/1.1.", request_id=rid))
         self.transport.close()
         if not self.transport.lingering:
             self._stop_reading()

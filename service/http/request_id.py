@@ -9,7 +9,7 @@ The id lives in a context variable that ``_Gate`` sets at the start of each requ
 its end (uvicorn runs each request in a task of its own, so it is that request's for everything the
 task and the threads it starts with ``asyncio.to_thread`` log). ``RequestIdFilter`` copies it onto
 log records; a record may name a request itself with ``extra=for_request(request_id)`` (a scheduler
-line about one sequence, written outside the request's task, or the protocol's own 400, 408, 503 and 505),
+line about one sequence, written outside the request's task, or the protocol's own 400, 408 and 503),
 and an exception that left a request carries its id (``tag``) for uvicorn's line about it.
 
 Every line, uvicorn's access log included, goes to one stream (standard error) in one format,

@@ -228,7 +228,7 @@ def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
     """uvicorn's configuration for ``settings``: the guarded h11 protocol, the server's limits."""
     max_connections = settings.max_connections or default_max_connections()
     metrics = app.state.service.metrics
-    # The protocol's own answers before any path is read (a 408 for headers, a 400, a 505, the cap's 503): route "other",
+    # The protocol's own answers before any path is read (a 408 for headers, a 400, the cap's 503): route "other",
     # as the gate labels any path it does not serve; at 0 from the start, so increase() sees a fresh pod's first.
     answered = {status: metrics.requests.labels(route="other", status=str(status)) for status in PROTOCOL_STATUSES}
     latency = metrics.request_latency.labels(route="other")

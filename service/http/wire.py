@@ -14,7 +14,7 @@ _REFUSED_HEADER = re.compile(r"illegal header line: (?:bytearray\()?(b'.*'|b\".*
 
 
 class UnsupportedVersion(h11.RemoteProtocolError):
-    """A request whose HTTP major version is not 1: raised where uvicorn catches h11's refusals, answered 505."""
+    """A request whose HTTP major version is not 1: raised where uvicorn catches h11's refusals, answered 400."""
 
     def __init__(self, request: h11.Request):
         self.version = request.http_version.decode("ascii")
