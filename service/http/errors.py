@@ -177,7 +177,10 @@ SHOWN_PATH = 200  # a path is shown whole up to this: a deep checkpoint director
 
 
 def shortened(text: str, limit: int = 60) -> str:
-    """``text`` cut to ``limit`` characters, as a message shows a client's string (a route, a method) unquoted."""
+    """``text`` cut to ``limit`` characters, as a message shows a client's string (a route, a method) unquoted;
+    a character that is not printable (a NUL, a line break, a right-to-left override) shown escaped, as repr would."""
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 

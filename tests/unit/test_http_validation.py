@@ -547,3 +547,15 @@ def test_a_score_from_past_the_end_is_named_whole_in_the_message():
 
     body = asyncio.run(main()).json()["error"]
     assert body["param"] == "sequences[1].score_from" and body["message"].startswith("sequences[1].score_from "), body
+
+
+def test_a_path_holding_unprintable_characters_is_shown_escaped():
+    async def main():
+        app, _ = make_app()
+        async with running_app(app) as client:
+            return await client.get("/v1/mod%00els%E2%80%AEforged")  # a NUL, a right-to-left override
+
+    answer = asyncio.run(main())
+    _check_error(answer, 404, "not_found", None)
+    message = answer.json()["error"]["message"]
+    assert message == "No route /v1/mod\\x00els\\u202eforged.", message
