@@ -28,7 +28,7 @@ from typing import Sequence
 
 from pydantic import SecretStr, ValidationError
 
-from service.entrypoint import Terminated, before_scoring, handle_early_sigterm
+from service.entrypoint import Terminated, before_scoring, handle_early_signals
 from service.http.errors import validation_reason
 from service.http.request_id import configure_logging
 from service.settings import Settings
@@ -187,7 +187,7 @@ def _from_environment(reason: str, given: dict) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:  # this process's command line (a script's own `cli.main()`), not a caller's
-        handle_early_sigterm(sys.argv[1:])
+        handle_early_signals(sys.argv[1:])
     args, settings = parse_settings(argv)
     try:
         return _run(args, settings)

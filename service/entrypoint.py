@@ -10,8 +10,9 @@ back when uvicorn is done.
 Until ``packscore score`` scores, a SIGTERM (a preempted batch job) raises ``Terminated`` where Ctrl-C
 raises KeyboardInterrupt, so the run stops by Ctrl-C's paths (a worker pool's processes stopped) with
 one line and status 143, as a SIGTERM while it scores exits; its scoring loop then takes SIGTERM over.
-One that lands while torch imports is held until that import ends: raised there, where torch's C++ init
-runs Python, the exception would abort the process.
+Ctrl-C (SIGINT) raises KeyboardInterrupt for both commands, as Python's default handler does, except that
+it, like ``score``'s SIGTERM, is held while torch imports until that import ends: raised there, where
+torch's C++ init runs Python, the exception would abort the process (SIGABRT, exit 134, no line).
 """
 
 from __future__ import annotations
@@ -35,20 +36,29 @@ class Terminated(KeyboardInterrupt):
 
 
 def terminate_before_scoring(signum, frame) -> None:
+    _raise_unless_torch_imports(signum, Terminated)
+
+
+def interrupt(signum, frame) -> None:
+    """Python's default SIGINT handler (KeyboardInterrupt), held while torch imports."""
+    _raise_unless_torch_imports(signum, KeyboardInterrupt)
+
+
+def _raise_unless_torch_imports(signum: int, exception: type[BaseException]) -> None:
     if _importing_torch():  # raised there, under torch's C++ init, it aborts the process (SIGABRT, exit 134)
-        if not _held:  # one held SIGTERM is sent again, however many came
-            _held.append(threading.Thread(target=_terminate_once_torch_is_imported, name="packscore-sigterm-held",
-                                          daemon=True))
+        if signum not in _held:  # one held signal of each kind is sent again, however many came
+            _held[signum] = threading.Thread(target=_send_once_torch_is_imported, args=(signum,),
+                                             name=f"packscore-{signal.Signals(signum).name.lower()}-held", daemon=True)
             try:
-                _held[0].start()
+                _held[signum].start()
             except RuntimeError:  # no thread (the thread limit): raised at once, as before
-                _held.clear()
-                raise Terminated from None
+                del _held[signum]
+                raise exception from None
         return
-    raise Terminated
+    raise exception
 
 
-_held: list[threading.Thread] = []
+_held: dict[int, threading.Thread] = {}
 
 
 def _importing_torch() -> bool:
@@ -57,12 +67,12 @@ def _importing_torch() -> bool:
                for name, module in list(sys.modules.items()) if name == "torch" or name.startswith("torch."))
 
 
-def _terminate_once_torch_is_imported() -> None:
-    """Sends the held SIGTERM again once torch's import has ended, for the handler to raise outside it."""
+def _send_once_torch_is_imported(signum: int) -> None:
+    """Sends the held signal again once torch's import has ended, for the handler then in place to act on."""
     while _importing_torch():
         time.sleep(0.01)
-    _held.clear()
-    os.kill(os.getpid(), signal.SIGTERM)
+    del _held[signum]
+    os.kill(os.getpid(), signum)
 
 
 def before_scoring(output) -> str:
@@ -73,11 +83,14 @@ def before_scoring(output) -> str:
             "same command starts again")
 
 
-def handle_early_sigterm(argv: list[str]) -> None:
-    """SIGTERM's handler until the command takes it over, where it is the default (an ignored one stays ignored)."""
+def handle_early_signals(argv: list[str]) -> None:
+    """SIGTERM's and SIGINT's handlers until the command takes them over, where each is the default (one ignored,
+    or set by someone else, is left as it is)."""
     early = {"serve": exit_before_serving, "score": terminate_before_scoring}.get(argv[0] if argv else "")
     if early is not None and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, early)
+    if early is not None and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, interrupt)
 
 
 def after_serving(handler):
@@ -96,7 +109,7 @@ def hard_exit(status: int) -> None:
 
 
 def main() -> int:
-    handle_early_sigterm(sys.argv[1:])
+    handle_early_signals(sys.argv[1:])
     try:
         from service.cli import main as cli_main
 

@@ -1,5 +1,6 @@
 """Signals of the child processes tests start, and the states they leave them in."""
 
+import os
 import signal
 from pathlib import Path
 
@@ -29,3 +30,29 @@ def process_state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+# `sitecustomize` of a child: SIGNUM sent to itself as torch imports one of its own modules, and at the exit whether
+# torch's import finished
+_SIGNAL_IN_TORCH_IMPORT = """
+import atexit, os, signal, sys
+
+class SignalledInTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch.functional":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), %d)
+        return None
+
+sys.meta_path.insert(0, SignalledInTorch())
+atexit.register(lambda: sys.stderr.write("torch imported: %%s\\n" %% hasattr(sys.modules.get("torch"), "functional")))
+"""
+
+
+def signalled_in_torch_import(site: Path, signum: int, environ: dict) -> dict:
+    """``environ`` for a child that sends itself ``signum`` while torch imports (a module of torch's, from
+    Python, before torch's import ends), its ``sitecustomize`` written under ``site``; at its exit it writes
+    ``torch imported: True`` where torch's import finished, ``False`` where the signal cut it off."""
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(_SIGNAL_IN_TORCH_IMPORT % signum)
+    return {**environ, "PYTHONPATH": os.pathsep.join([str(site), *filter(None, [environ.get("PYTHONPATH")])])}

@@ -554,23 +554,23 @@ def test_a_served_model_name_beside_a_named_model_is_refused_not_dropped(capsys)
 def test_serve_exits_early_on_sigterm_and_gives_it_back_to_the_server_score_stops_by_its_paths():
     import signal
 
-    from service.entrypoint import after_serving, exit_before_serving, handle_early_sigterm, terminate_before_scoring
+    from service.entrypoint import after_serving, exit_before_serving, handle_early_signals, terminate_before_scoring
 
     before = signal.getsignal(signal.SIGTERM)
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        handle_early_sigterm(["score", "in.jsonl", "-o", "out.jsonl"])  # a line and 143 (test_offline_sigterm.py)
+        handle_early_signals(["score", "in.jsonl", "-o", "out.jsonl"])  # a line and 143 (test_offline_sigterm.py)
         assert signal.getsignal(signal.SIGTERM) is terminate_before_scoring
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        handle_early_sigterm(["--version"])
+        handle_early_signals(["--version"])
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-        handle_early_sigterm(["serve", "--port", "0"])
+        handle_early_signals(["serve", "--port", "0"])
         assert signal.getsignal(signal.SIGTERM) is exit_before_serving
         assert after_serving(exit_before_serving) is signal.SIG_DFL
         mine = lambda signum, frame: None  # noqa: E731
         signal.signal(signal.SIGTERM, mine)  # a handler of someone else's is never replaced nor taken back
-        handle_early_sigterm(["serve"])
-        handle_early_sigterm(["score"])
+        handle_early_signals(["serve"])
+        handle_early_signals(["score"])
         assert signal.getsignal(signal.SIGTERM) is mine and after_serving(mine) is mine
     finally:
         signal.signal(signal.SIGTERM, before)

@@ -1,10 +1,15 @@
 """`packscore --help`, `serve --help` and `--version` answer without importing torch or the server's
-stack: what makes them fast (the independent check times them; speed is not asserted here)."""
+stack: what makes them fast (the independent check times them; speed is not asserted here). A signal while
+`serve` imports torch."""
 
+import os
+import signal
 import subprocess
 import sys
 
 import pytest
+
+from tests.signals import default_sigint, signalled_in_torch_import
 
 HEAVY = ("torch", "transformers", "fastapi", "uvicorn", "huggingface_hub", "model_runtime.scoring.loading")
 
@@ -32,3 +37,38 @@ def test_help_and_version_import_nothing_heavy(argv):
         assert first_line.startswith("packscore "), first_line
     else:
         assert first_line.startswith("usage: packscore"), first_line
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_serve_signalled_while_torch_imports_exits_as_before_serving_never_aborting(tmp_path, sig):
+    """Ctrl-C's KeyboardInterrupt raised inside torch's import, where its C++ init runs Python, aborted the
+    process now and then (``terminate called after throwing ...``, SIGABRT): it is held until torch is imported,
+    then raised (130 by the shell, as a Ctrl-C before serving). SIGTERM there exits at once with its line and 0."""
+    env = signalled_in_torch_import(tmp_path / "site", sig, {k: v for k, v in os.environ.items()
+                                                            if not k.startswith("PACKSCORE_")})
+    run = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", "0"],
+                         capture_output=True, text=True, timeout=60, preexec_fn=default_sigint, env=env)
+    lines = run.stderr.splitlines()
+    assert "terminate called" not in run.stderr and "Uvicorn running" not in run.stderr, run.stderr[-2000:]
+    if sig == signal.SIGINT:
+        assert run.returncode == -signal.SIGINT, f"exit {run.returncode}:\n{run.stderr[-2000:]}"
+        assert lines[-2:] == ["KeyboardInterrupt", "torch imported: True"], run.stderr[-2000:]
+    else:  # os._exit: no atexit line
+        assert run.returncode == 0, f"exit {run.returncode}:\n{run.stderr[-2000:]}"
+        assert lines[-1] == "packscore: SIGTERM before the server started; nothing was admitted, exiting", lines[-3:]
+
+
+def test_ctrl_c_is_held_while_torch_imports_only_where_it_was_pythons_default():
+    from service.entrypoint import handle_early_signals, interrupt
+
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        for argv, found, then in [(["serve"], signal.default_int_handler, interrupt),
+                                  (["score", "in.jsonl"], signal.default_int_handler, interrupt),
+                                  (["--version"], signal.default_int_handler, signal.default_int_handler),
+                                  (["score", "in.jsonl"], signal.SIG_IGN, signal.SIG_IGN)]:  # `cmd &`, nohup
+            signal.signal(signal.SIGINT, found)
+            handle_early_signals(argv)
+            assert signal.getsignal(signal.SIGINT) is then, (argv, found)
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -12,6 +12,8 @@ from pathlib import Path
 import orjson
 import pytest
 
+from tests.signals import default_sigint, signalled_in_torch_import
+
 # A fake model whose forward holding token 99 takes ``argv[1]`` seconds, writing OUT.slow as it begins;
 # forwards run one at a time, so every line before it is scored by then.
 _SLOW_LINE_RUN = """
@@ -252,35 +254,21 @@ def test_sigterm_before_scoring_is_one_line_and_143_from_either_entry(tmp_path, 
     assert not out.exists()
 
 
-# SIGTERM as torch imports one of its own modules, and at the exit whether torch's import finished.
-_SIGTERM_IN_TORCH_SITECUSTOMIZE = """
-import atexit, os, signal, sys
-
-class TerminatedInTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch.functional":
-            sys.meta_path.remove(self)
-            os.kill(os.getpid(), signal.SIGTERM)
-        return None
-
-sys.meta_path.insert(0, TerminatedInTorch())
-atexit.register(lambda: sys.stderr.write("torch imported: %s\\n" % hasattr(sys.modules.get("torch"), "functional")))
-"""
-
-
-def test_sigterm_while_torch_imports_is_held_until_its_import_ends(tmp_path):
-    """Raised inside torch's import, where its C++ init runs Python, Terminated aborted the process now and then
-    (``terminate called after throwing an instance of 'pybind11::error_already_set'``, exit 134, no line):
-    the handler now holds it until torch is imported, then stops the run with its line and 143."""
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(_SIGTERM_IN_TORCH_SITECUSTOMIZE)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_sigterm_or_ctrl_c_while_torch_imports_is_held_until_its_import_ends(tmp_path, sig):
+    """Raised inside torch's import, where its C++ init runs Python, Terminated (SIGTERM) or KeyboardInterrupt
+    (Ctrl-C) aborted the process now and then (``terminate called after throwing an instance of
+    'pybind11::error_already_set'``, exit 134, no line): the handler now holds it until torch is imported, then
+    stops the run with its line and 143 or 130."""
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in _ROWS))
-    path = os.pathsep.join([str(tmp_path / "site"), *filter(None, [os.environ.get("PYTHONPATH")])])
     run = subprocess.run([sys.executable, "-m", "service.cli", "score", str(source), "-o", str(out)],
-                         capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": path})
-    lines = run.stderr.splitlines()
-    assert run.returncode == 143 and "Traceback" not in run.stderr, f"exit {run.returncode}:\n{run.stderr[-2000:]}"
-    assert lines[-2:] == [f"packscore: terminated (SIGTERM) before scoring began; nothing was scored yet, {out} is "
-                          "as it was: the same command starts again", "torch imported: True"], run.stderr[-2000:]
+                         capture_output=True, text=True, timeout=60, preexec_fn=default_sigint,
+                         env=signalled_in_torch_import(tmp_path / "site", sig, os.environ))
+    line = (f"packscore: terminated (SIGTERM) before scoring began; nothing was scored yet, {out} is as it was: the "
+            "same command starts again" if sig == signal.SIGTERM else
+            f"packscore: interrupted before scoring began; {out} is as it was")
+    status = 143 if sig == signal.SIGTERM else 130
+    assert run.returncode == status and "Traceback" not in run.stderr, f"exit {run.returncode}:\n{run.stderr[-2000:]}"
+    assert run.stderr.splitlines()[-2:] == [line, "torch imported: True"], run.stderr[-2000:]
     assert not out.exists()
