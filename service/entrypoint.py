@@ -11,8 +11,8 @@ Until ``packscore score`` scores, a SIGTERM (a preempted batch job) raises ``Ter
 raises KeyboardInterrupt, so the run stops by Ctrl-C's paths (a worker pool's processes stopped) with
 one line and status 143, as a SIGTERM while it scores exits; its scoring loop then takes SIGTERM over.
 Ctrl-C (SIGINT) raises KeyboardInterrupt for both commands, as Python's default handler does, except that
-it, like ``score``'s SIGTERM, is held while torch imports until that import ends: raised there, where
-torch's C++ init runs Python, the exception would abort the process (SIGABRT, exit 134, no line).
+one, like ``score``'s SIGTERM, that lands while torch imports is held until the imports under way end:
+raised there, where torch's C++ init runs Python, the exception would abort the process (SIGABRT, 134).
 """
 
 from __future__ import annotations
@@ -67,9 +67,16 @@ def _importing_torch() -> bool:
                for name, module in list(sys.modules.items()) if name == "torch" or name.startswith("torch."))
 
 
+def _importing() -> bool:
+    """Whether any module is being imported."""
+    return any(getattr(getattr(module, "__spec__", None), "_initializing", False) for module in list(sys.modules.values()))
+
+
 def _send_once_torch_is_imported(signum: int) -> None:
-    """Sends the held signal again once torch's import has ended, for the handler then in place to act on."""
-    while _importing_torch():
+    """Sends the held signal again once the imports under way, torch's and the one that asked for it, have
+    ended, for the handler then in place to act on: as the next module's classes are made, KeyboardInterrupt
+    in a ``__set_name__`` (a dataclass field's) would turn into a RuntimeError (exit 1, a traceback)."""
+    while _importing():
         time.sleep(0.01)
     del _held[signum]
     os.kill(os.getpid(), signum)
