@@ -33,7 +33,8 @@ from service.http.rollout import mismatch
 from service.http.validation import Limits, ScoreJob, parse_score_request, resolve_model_len
 from service.entrypoint import Terminated, before_scoring, hard_exit, terminate_before_scoring
 from service.offline_in import InputError, in_lines
-from service.offline_out import OutputError, close_output, cut_torn, lock_output, path_problem, whole_lines, why_full
+from service.offline_out import (OutputError, close_output, cut_torn, lock_output, path_problem, remove_if_empty,
+                                 whole_lines, why_full)
 from service.offline_progress import progress, tick
 from service.scheduling.scheduler import Scheduler
 from service.scheduling.tickets import Ticket
@@ -360,10 +361,17 @@ async def _finish_started(scheduler: Scheduler, tickets: list[Ticket], abandon: 
 def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     """Scores every line of ``input_path`` not yet in ``output_path``; returns the exit status."""
     created = not output_path.exists()
-    if (problem := path_problem(input_path, output_path)) is not None:
+    try:
+        problem = path_problem(input_path, output_path)
+        lock = None if problem is not None else lock_output(output_path)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM as OUT was made, before its removal below could
+        if created:
+            remove_if_empty(output_path)
+        raise
+    if problem is not None:
         print(f"packscore: error: {problem}", file=sys.stderr)
         return 2
-    if (lock := lock_output(output_path)) is None:
+    if lock is None:
         print(f"packscore: error: -o {output_path}: another packscore score is writing it; wait for it to end "
               "or give another -o", file=sys.stderr)
         return 2

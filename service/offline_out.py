@@ -41,6 +41,19 @@ def path_problem(input_path: Path, output_path: Path) -> str | None:
     return None
 
 
+def remove_if_empty(output_path: Path) -> None:
+    """Removes ``output_path`` where it is empty and no other run holds its lock (an OUT this run made, stopped
+    before it took the lock); left as it is otherwise, or where it cannot tell."""
+    try:
+        with output_path.open("rb") as probe:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            here = os.fstat(probe.fileno())
+            if here.st_size == 0 and os.path.samestat(here, os.stat(output_path)):
+                output_path.unlink()
+    except OSError:  # gone already, another run's lock (BlockingIOError), a filesystem without locks
+        pass
+
+
 def close_output(out: IO[bytes]) -> None:
     """Flushed to the disk and closed; a failure (the disk filled) as OutputError."""
     try:
