@@ -13,6 +13,7 @@ one line and status 143, as a SIGTERM while it scores exits; its scoring loop th
 Ctrl-C (SIGINT) raises KeyboardInterrupt for both commands, as Python's default handler does, except that
 one, like ``score``'s SIGTERM, that lands while torch imports is held until the imports under way end:
 raised there, where torch's C++ init runs Python, the exception would abort the process (SIGABRT, 134).
+One whose exception code calling Python from C reported as unraisable and went on is sent again.
 """
 
 from __future__ import annotations
@@ -46,16 +47,41 @@ def interrupt(signum, frame) -> None:
 
 def _raise_unless_torch_imports(signum: int, exception: type[BaseException]) -> None:
     if _importing_torch():  # raised there, under torch's C++ init, it aborts the process (SIGABRT, exit 134)
-        if signum not in _held:  # one held signal of each kind is sent again, however many came
-            _held[signum] = threading.Thread(target=_send_once_torch_is_imported, args=(signum,),
-                                             name=f"packscore-{signal.Signals(signum).name.lower()}-held", daemon=True)
-            try:
-                _held[signum].start()
-            except RuntimeError:  # no thread (the thread limit): raised at once, as before
-                del _held[signum]
-                raise exception from None
+        if not _send_later(signum):  # no thread (the thread limit): raised at once, as before
+            raise exception from None
         return
     raise exception
+
+
+def _send_later(signum: int, pause_s: float = 0.0) -> bool:
+    """Sends ``signum`` again from a thread, after ``pause_s`` and once the imports under way end; False where no
+    thread could start. One held signal of each kind is sent again, however many came."""
+    if signum not in _held:
+        _held[signum] = threading.Thread(target=_send_once_torch_is_imported, args=(signum, pause_s),
+                                         name=f"packscore-{signal.Signals(signum).name.lower()}-held", daemon=True)
+        try:
+            _held[signum].start()
+        except RuntimeError:
+            del _held[signum]
+            return False
+    return True
+
+
+def _send_swallowed_again(info) -> None:
+    """``sys.unraisablehook`` while these handlers are in place: code that calls Python from C (pydantic-core) may
+    report a handler's exception as unraisable and go on, as if no Ctrl-C or SIGTERM came; the signal is sent
+    again, a moment later, for the Python code then running to raise. Anything else goes to the hook found."""
+    for signum, handler, kind in ((signal.SIGTERM, terminate_before_scoring, Terminated),
+                                  (signal.SIGINT, interrupt, KeyboardInterrupt)):
+        if isinstance(info.exc_value, kind) and signal.getsignal(signum) is handler:
+            if not _send_later(signum, pause_s=_AGAIN_AFTER_S):
+                os.kill(os.getpid(), signum)
+            return
+    _unraisable_found(info)
+
+
+_AGAIN_AFTER_S = 0.01  # long enough for the call that swallowed it to return
+_unraisable_found = sys.unraisablehook
 
 
 _held: dict[int, threading.Thread] = {}
@@ -72,10 +98,11 @@ def _importing() -> bool:
     return any(getattr(getattr(module, "__spec__", None), "_initializing", False) for module in list(sys.modules.values()))
 
 
-def _send_once_torch_is_imported(signum: int) -> None:
+def _send_once_torch_is_imported(signum: int, pause_s: float = 0.0) -> None:
     """Sends the held signal again once the imports under way, torch's and the one that asked for it, have
     ended, for the handler then in place to act on: as the next module's classes are made, KeyboardInterrupt
     in a ``__set_name__`` (a dataclass field's) would turn into a RuntimeError (exit 1, a traceback)."""
+    time.sleep(pause_s)
     while _importing():
         time.sleep(0.01)
     del _held[signum]
@@ -98,6 +125,9 @@ def handle_early_signals(argv: list[str]) -> None:
         signal.signal(signal.SIGTERM, early)
     if early is not None and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, interrupt)
+    if early is not None and sys.unraisablehook is not _send_swallowed_again:
+        global _unraisable_found
+        _unraisable_found, sys.unraisablehook = sys.unraisablehook, _send_swallowed_again
 
 
 def after_serving(handler):

@@ -272,3 +272,29 @@ def test_sigterm_or_ctrl_c_while_torch_imports_is_held_until_its_import_ends(tmp
     assert run.returncode == status and "Traceback" not in run.stderr, f"exit {run.returncode}:\n{run.stderr[-2000:]}"
     assert run.stderr.splitlines()[-2:] == [line, "torch imported: True"], run.stderr[-2000:]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("made_by", ["checks", "lock"])
+def test_a_stop_as_out_is_made_leaves_no_out_behind(tmp_path, monkeypatch, made_by):
+    """A SIGTERM or Ctrl-C landing as the checks create OUT, or as its lock is taken, before the removal of an
+    empty OUT a stopped first run leaves could run: the line says OUT is as it was, so no empty OUT is left."""
+    from service import offline, offline_out
+    from service.entrypoint import Terminated
+    from service.settings import Settings
+
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in _ROWS))
+    real = offline_out.path_problem if made_by == "checks" else offline_out.lock_output
+
+    def stopped_after(*args):
+        real(*args)  # OUT made (and, by lock_output, locked and closed again)
+        raise Terminated
+
+    monkeypatch.setattr(offline, "path_problem" if made_by == "checks" else "lock_output", stopped_after)
+    with pytest.raises(Terminated):
+        offline.score_file(Settings(), source, out)
+    assert not out.exists()
+    out.write_bytes(b"")  # an empty OUT that was there before the run is kept
+    with pytest.raises(Terminated):
+        offline.score_file(Settings(), source, out)
+    assert out.exists()
