@@ -147,6 +147,7 @@ def hard_exit(status: int) -> None:
 
 def main() -> int:
     handle_early_signals(sys.argv[1:])
+    command = sys.argv[1] if len(sys.argv) > 1 else ""
     try:
         from service.cli import main as cli_main
 
@@ -154,6 +155,15 @@ def main() -> int:
     except Terminated:  # while the imports ran, before OUT was read from the command line
         print(f"packscore: {before_scoring(None)}", file=sys.stderr)
         return 143
+    except KeyboardInterrupt:  # Ctrl-C before the command's own handling (the imports, serve's checks): a line
+        if command not in _INTERRUPTED_BEFORE:
+            raise
+        print(f"packscore: {_INTERRUPTED_BEFORE[command]}", file=sys.stderr)
+        return 130
+
+
+_INTERRUPTED_BEFORE = {"score": "interrupted before scoring began; OUT is as it was",
+                       "serve": "interrupted before the server started; nothing was admitted"}
 
 
 if __name__ == "__main__":
