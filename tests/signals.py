@@ -56,3 +56,27 @@ def signalled_in_torch_import(site: Path, signum: int, environ: dict) -> dict:
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(_SIGNAL_IN_TORCH_IMPORT % signum)
     return {**environ, "PYTHONPATH": os.pathsep.join([str(site), *filter(None, [environ.get("PYTHONPATH")])])}
+
+
+# A `python -c` run of the console script that sends itself SIGNUM as MODULE is first imported.
+_SIGNALLED_ON_IMPORT_RUN = """
+import os, sys
+from service import entrypoint
+
+class SignalledOnImport:
+    def find_spec(self, name, path=None, target=None):
+        if name == %r:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), %d)
+        return None
+
+sys.meta_path.insert(0, SignalledOnImport())
+sys.argv = ["packscore", *sys.argv[1:]]
+sys.exit(entrypoint.main())
+"""
+
+
+def signalled_on_import_run(signum: int, module: str = "pydantic") -> str:
+    """A script for ``python -c SCRIPT ARGS...`` that runs ``packscore ARGS...`` and sends itself ``signum`` as
+    ``module`` is first imported (pydantic: service.cli's first package beyond the standard library)."""
+    return _SIGNALLED_ON_IMPORT_RUN % (module, signum)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.signals import default_sigint, signalled_in_torch_import
+from tests.signals import default_sigint, signalled_in_torch_import, signalled_on_import_run
 
 HEAVY = ("torch", "transformers", "fastapi", "uvicorn", "huggingface_hub", "model_runtime.scoring.loading")
 
@@ -106,24 +106,6 @@ def test_a_signal_whose_exception_was_swallowed_is_sent_again(sig, stopped_by):
     assert run.stdout.splitlines() == [f"stopped by {stopped_by}"], f"exit {run.returncode}: {run.stdout}\n{run.stderr}"
 
 
-# Ctrl-C as service.cli imports its first package beyond the standard library, before the command's own handling.
-_INTERRUPTED_IN_IMPORTS_RUN = """
-import os, signal, sys
-from service import entrypoint
-
-class InterruptedOnImport:
-    def find_spec(self, name, path=None, target=None):
-        if name == "pydantic":
-            sys.meta_path.remove(self)
-            os.kill(os.getpid(), signal.SIGINT)
-        return None
-
-sys.meta_path.insert(0, InterruptedOnImport())
-sys.argv = ["packscore", *sys.argv[1:]]
-sys.exit(entrypoint.main())
-"""
-
-
 @pytest.mark.parametrize("argv,line", [
     (["score", "in.jsonl", "-o", "out.jsonl"], "packscore: interrupted before scoring began; OUT is as it was"),
     (["serve", "--host", "127.0.0.1", "--port", "0"], "packscore: interrupted before the server started; nothing was "
@@ -132,7 +114,8 @@ sys.exit(entrypoint.main())
 def test_ctrl_c_during_the_first_imports_exits_130_with_a_line(tmp_path, argv, line):
     """Before the command's own handling took over, Ctrl-C gave a KeyboardInterrupt traceback (about a fifth of
     score's Ctrl-Cs in its first seconds)."""
-    run = subprocess.run([sys.executable, "-c", _INTERRUPTED_IN_IMPORTS_RUN, *argv], capture_output=True, text=True,
-                         timeout=60, preexec_fn=default_sigint, cwd=tmp_path)
+    argv = [str(tmp_path / a) if a.endswith(".jsonl") else a for a in argv]
+    run = subprocess.run([sys.executable, "-c", signalled_on_import_run(signal.SIGINT), *argv], capture_output=True,
+                         text=True, timeout=60, preexec_fn=default_sigint)
     assert run.returncode == 130 and "Traceback" not in run.stderr, f"exit {run.returncode}:\n{run.stderr[-2000:]}"
     assert run.stderr.splitlines()[-1] == line, run.stderr[-2000:]

@@ -12,7 +12,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tests.signals import default_sigint, signalled_in_torch_import
+from tests.signals import default_sigint, signalled_in_torch_import, signalled_on_import_run
 
 # A fake model whose forward holding token 99 takes ``argv[1]`` seconds, writing OUT.slow as it begins;
 # forwards run one at a time, so every line before it is scored by then.
@@ -128,23 +128,6 @@ sys.argv = ["packscore", *sys.argv[3:]]
 sys.exit(entrypoint.main())
 """
 
-# SIGTERM while service.cli imports its first package beyond the standard library.
-_TERMINATED_IN_IMPORTS_RUN = """
-import os, signal, sys
-from service import entrypoint
-
-class TerminatedOnImport:
-    def find_spec(self, name, path=None, target=None):
-        if name == "pydantic":
-            sys.meta_path.remove(self)
-            os.kill(os.getpid(), signal.SIGTERM)
-        return None
-
-sys.meta_path.insert(0, TerminatedOnImport())
-sys.argv = ["packscore", *sys.argv[1:]]
-sys.exit(entrypoint.main())
-"""
-
 
 def _staged(tmp_path, stage, seconds, preexec_fn=None):
     """Runs score through the entry point, SIGTERM once ``stage`` began; exit status, stderr, seconds to exit."""
@@ -176,8 +159,8 @@ def test_sigterm_while_the_model_loads_says_nothing_was_scored_and_exits_143(tmp
 def test_sigterm_while_the_imports_run_says_nothing_was_scored_and_exits_143(tmp_path):
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in _ROWS))
-    run = subprocess.run([sys.executable, "-c", _TERMINATED_IN_IMPORTS_RUN, "score", str(source), "-o", str(out)],
-                         capture_output=True, text=True, timeout=60)
+    run = subprocess.run([sys.executable, "-c", signalled_on_import_run(signal.SIGTERM), "score", str(source), "-o",
+                          str(out)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 143 and "Traceback" not in run.stderr, f"exit {run.returncode}:\n{run.stderr[-2000:]}"
     assert run.stderr.splitlines()[-1] == ("packscore: terminated (SIGTERM) before scoring began; nothing was scored "
                                            "yet, OUT is as it was: the same command starts again"), run.stderr
