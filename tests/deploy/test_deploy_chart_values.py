@@ -375,6 +375,27 @@ def test_model_mount_path_must_be_its_own(mount_path, weights):
     assert render_chart(values)
 
 
+@pytest.mark.parametrize(("mount_path", "weights", "held"), [("/", False, "/dev/shm"), ("/dev/", False, "/dev/shm"),
+                                                             ("/var", True, "/var/lib/packscore"),
+                                                             ("/run/secrets", True, "/run/secrets/packscore-admin")])
+def test_model_mount_path_may_not_hold_a_mount_of_the_pod(mount_path, weights, held):
+    """Kubernetes takes it, but the inner mount point cannot be made in the read-only model volume (runc: read-only
+    file system, the container never starts), and where it exists the inner mount hides the model's directory."""
+    values = {"model": {"path": "/x/m", "mountPath": mount_path, "source": {"type": "pvc", "pvc": {"claimName": "m"}}}}
+    if weights:
+        values["weights"] = {"enabled": True, "source": {"type": "pvc", "pvc": {"claimName": "ckpt"}}}
+    with pytest.raises(helm.HelmError) as err:
+        render_chart(values)
+    message = str(err.value)
+    assert f"model.mountPath({mount_path}) holds {held}, a mount of the pod" in message, message
+    assert "give the model volume a path outside the pod's mounts" in message, message
+    values["model"]["source"] = {"type": "none"}  # no model volume: nothing mounted there
+    assert render_chart(values)
+    values["model"] = {"path": "/x/m", "mountPath": "/var/lib/packscore-models",  # a sibling sharing the prefix only
+                       "source": {"type": "pvc", "pvc": {"claimName": "m"}}}
+    assert render_chart(values)
+
+
 @pytest.mark.parametrize(
     ("source", "where"),
     [

@@ -111,6 +111,21 @@ def test_weights_mount_path_must_be_its_own(mount_path):
     assert f"weights.mountPath({mount_path}) is already a mount of the pod" in str(err.value)
 
 
+@pytest.mark.parametrize(("mount_path", "held"), [("/", "/dev/shm"), ("/var/", "/var/lib/packscore"),
+                                                  ("/run", "/run/secrets/packscore-admin")])
+def test_weights_mount_path_may_not_hold_a_mount_of_the_pod(mount_path, held):
+    """As with the model volume: the inner mount point cannot be made in the read-only checkpoint volume."""
+    values = {"weights": {"enabled": True, "mountPath": mount_path,
+                          "source": {"type": "hostPath", "hostPath": {"path": "/mnt/ckpt"}}}}
+    with pytest.raises(helm.HelmError) as err:
+        render_chart(values)
+    message = str(err.value)
+    assert f"weights.mountPath({mount_path}) holds {held}, a mount of the pod" in message, message
+    assert "give the checkpoints a path outside the pod's mounts" in message, message
+    values["weights"]["mountPath"] = "/run/secrets/packscore"  # a sibling sharing the prefix only
+    assert render_chart(values)
+
+
 @pytest.mark.parametrize(("model_path", "weights_path"), [("/models", "/models/ckpt"), ("/ckpt/base/", "/ckpt"),
                                                          ("/data/models", "/data/models/run-42/")])
 def test_weights_and_model_mount_paths_may_not_nest(model_path, weights_path):

@@ -133,12 +133,26 @@ net.ipv4.ip_unprivileged_port_start fails (EACCES), and runtimes differ on it (c
 {{- if has (trimSuffix "/" .Values.model.mountPath) $own }}
 {{- fail (printf "model.mountPath(%s) is already a mount of the pod (%s): give the model volume a path of its own" .Values.model.mountPath (join ", " $own)) }}
 {{- end }}
+{{- /* A read-only volume around one of the pod's mounts (/var around /var/lib/packscore, / around all): as with two nested
+read-only volumes below, runc's mkdir of the inner mount point in it fails (the container never starts), or that mount hides the directory. */}}
+{{- range $own }}
+{{- if hasPrefix (printf "%s/" (trimSuffix "/" $.Values.model.mountPath)) . }}
+{{- fail (printf "model.mountPath(%s) holds %s, a mount of the pod (%s): the model volume is mounted read-only, so the container cannot start unless %s already exists as a directory in it (runc: read-only file system), and then that mount hides what the model volume holds there; give the model volume a path outside the pod's mounts (e.g. /models)" $.Values.model.mountPath . (join ", " $own) .) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- if $wts.enabled }}
 {{- $taken := list "/dev/shm" "/tmp" "/cache" (include "packscore.adminKeyDir" .) (include "packscore.weightsRecordDir" .) }}
 {{- if ne $src.type "none" }}{{ $taken = append $taken .Values.model.mountPath }}{{ end }}
 {{- if has (trimSuffix "/" $wts.mountPath) $taken }}
 {{- fail (printf "weights.mountPath(%s) is already a mount of the pod (%s): give the checkpoints a path of their own" $wts.mountPath (join ", " $taken)) }}
+{{- end }}
+{{- /* Around one of the pod's own mounts: as model.mountPath above (the model volume's nesting is the check below). */}}
+{{- $own := list "/dev/shm" "/tmp" "/cache" (include "packscore.adminKeyDir" .) (include "packscore.weightsRecordDir" .) }}
+{{- range $own }}
+{{- if hasPrefix (printf "%s/" (trimSuffix "/" $wts.mountPath)) . }}
+{{- fail (printf "weights.mountPath(%s) holds %s, a mount of the pod (%s): the checkpoint volume is mounted read-only, so the container cannot start unless %s already exists as a directory in it (runc: read-only file system), and then that mount hides what the checkpoint volume holds there; give the checkpoints a path outside the pod's mounts (e.g. /weights)" $wts.mountPath . (join ", " $own) .) }}
+{{- end }}
 {{- end }}
 {{- /* One read-only volume inside the other: the API server takes it, but the kubelet pre-creates nested mount points only in
 Secret/ConfigMap volumes, so runc's mkdir in the read-only outer one fails (the container never starts); where the directory exists, the inner volume hides it. */}}
