@@ -23,6 +23,9 @@ log = logging.getLogger("service.runtime")  # the service's lines, under the one
 # a stopped scheduler's idle forward threads end within it; one still alive then is taken as running
 _FORWARD_THREADS_END_S = 1.0
 
+# the start's phases that admit no request (awaiting_weights admits weight updates, which a drain lets finish)
+_START_PHASES = ("loading", "warming_up", "probing")
+
 
 def _set_done(waiter: asyncio.Future) -> None:
     if not waiter.done():
@@ -34,10 +37,14 @@ class Draining:
 
     def begin_drain(self, *, abandoning: bool = False) -> None:
         """SIGTERM: readiness turns 503 and new requests get 503; admitted ones finish (``abandoning``:
-        they are answered 503 next, which the log line says instead)."""
+        they are answered 503 next, which the log line says instead; during the start, which admitted
+        nothing, the line says that the start stops)."""
         if self.phase != "draining":
             if abandoning:
                 log.info("stopping without a drain: admitted requests still pending are answered 503")
+            elif self.phase in _START_PHASES:
+                log.info("draining: stopping the model's start (%s); no request was admitted yet",
+                         self.phase.replace("_", " "))
             else:
                 log.info("draining: finishing admitted requests within %gs", self.settings.drain_timeout_s)
             self.phase = "draining"

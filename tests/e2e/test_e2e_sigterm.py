@@ -194,8 +194,9 @@ sys.exit(cli.main())
 @pytest.mark.parametrize("step, said", [
     ("service.http.server:DrainingServer.run", "SIGTERM before the server started"),  # the early exit's
     ("uvicorn.config:Config.load", "SIGTERM before the server started"),  # uvicorn's, before its loop is known
-    ("uvicorn.lifespan.on:LifespanOn.startup", "draining: finishing admitted requests"),  # the loop known: a drain
-    ("service.runtime:Service.start", "draining: finishing admitted requests"),
+    # the loop known: a drain, of a start that admitted nothing yet
+    ("uvicorn.lifespan.on:LifespanOn.startup", "draining: stopping the model's start (loading); no request was admitted"),
+    ("service.runtime:Service.start", "draining: stopping the model's start (loading); no request was admitted"),
 ], ids=["before-uvicorn", "uvicorn-config", "lifespan", "service-start"])
 def test_a_sigterm_at_each_step_of_the_start_exits_0(tmp_path, step, said):
     # uvicorn's config and lifespan come before startup() knows the event loop: a SIGTERM there was
@@ -367,7 +368,8 @@ def test_a_start_that_fails_once_a_sigterm_began_its_drain_keeps_its_status_and_
         code = proc.wait(timeout=60)
     text = log.read_text()
     assert code == expected, f"exit status {code}, expected {expected}:\n{text[-3000:]}"
-    assert "draining: finishing" in text and "Traceback" not in text, text[-3000:]  # the drain began first
+    # the drain began first, during the start (probing, loading): nothing admitted, the line says the start stops
+    assert "draining: stopping the model's start (" in text and "Traceback" not in text, text[-3000:]
     errors = [line for line in text.splitlines() if line.startswith("packscore: error: could not start:")]
     assert len(errors) == (1 if start == "non-finite" else 0), text[-3000:]
     if then == "drain-timer":

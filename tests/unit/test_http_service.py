@@ -545,3 +545,13 @@ def test_the_drain_line_gives_its_timeout_as_set(caplog, timeout_s, said):
     asyncio.run(main())
     lines = [r.getMessage() for r in caplog.records if "draining: finishing" in r.getMessage()]
     assert lines == [f"draining: finishing admitted requests {said}"], lines
+
+
+@pytest.mark.parametrize("phase,said", [("loading", "loading"), ("warming_up", "warming up"), ("probing", "probing")])
+def test_a_drain_during_the_start_says_the_start_stops_not_that_admitted_requests_finish(caplog, phase, said):
+    service = create_app(Settings(), FakeBackend()).state.service
+    service.phase = phase  # the start's: nothing admitted yet
+    with caplog.at_level("INFO", logger="service.runtime"):
+        service.begin_drain()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("draining:")]
+    assert lines == [f"draining: stopping the model's start ({said}); no request was admitted yet"], lines
