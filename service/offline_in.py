@@ -9,6 +9,8 @@ from typing import Iterator
 
 import orjson
 
+from service.http.encoding import not_utf8_at
+
 # Bytes a line may take per token of the longest sequence the run allows: an id below 2**31 (10 digits)
 # and a rollout log-prob (a float's shortest repr, up to 24 characters), each with ", ", and room to spare;
 # plus room for the id and the other fields. A longer line is refused before it is read whole, and one
@@ -75,7 +77,7 @@ def _read_lines(path: Path, max_tokens: int) -> Iterator[tuple[int, dict]]:
 
 def _not_json(path: Path, number: int, raw: bytes, exc: orjson.JSONDecodeError) -> str:
     """Why line ``number`` is not JSON, named as its cause where a common one shows."""
-    if (bad := _not_utf8(raw)) is not None:  # orjson says "column 1: ... surrogates not allowed" for any
+    if (bad := not_utf8_at(raw)) is not None:  # orjson says "column 1: ... surrogates not allowed" for any
         return (f"{path}:{number}: not UTF-8 at byte {bad + 1} of the line: JSON lines are UTF-8 (a compressed or "
                 "binary file, such as gzip or msgpack, must be turned into JSON lines first)")
     if b"\r" in raw[:exc.pos].replace(b"\r\n", b""):  # JSON takes \r as blank space: the next object follows
@@ -86,11 +88,3 @@ def _not_json(path: Path, number: int, raw: bytes, exc: orjson.JSONDecodeError) 
                 f"{shlex.quote(str(fixed))}, and run again with that file")
     return f"{path}:{number}: not valid JSON at column {min(exc.pos, len(raw.rstrip())) + 1}: {exc.msg}"
 
-
-def _not_utf8(raw: bytes) -> int | None:
-    """Where ``raw`` stops being UTF-8, None where it is."""
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return exc.start
-    return None

@@ -142,12 +142,19 @@ def decode_body(raw: bytes, encoding: Encoding) -> Any:
 def _not_json(raw: bytes, exc: orjson.JSONDecodeError) -> str:
     """Why a body is not JSON: where it stops being UTF-8 (orjson says "surrogates not allowed" at char 0
     for any byte that is not), else orjson's own words."""
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as bad:
-        return (f"The body is not valid JSON: it is not UTF-8 at byte {bad.start + 1} (JSON is UTF-8; a msgpack "
+    if (bad := not_utf8_at(raw)) is not None:
+        return (f"The body is not valid JSON: it is not UTF-8 at byte {bad + 1} (JSON is UTF-8; a msgpack "
                 f"body is sent with Content-Type: {MSGPACK}).")
     return f"The body is not valid JSON: {exc}."
+
+
+def not_utf8_at(raw: bytes) -> int | None:
+    """Where ``raw`` stops being UTF-8 (a 0-based byte offset), None where it is."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return exc.start
+    return None
 
 
 def _parse_int(literal: str) -> int | OversizedInt:
