@@ -38,13 +38,16 @@ class Draining:
     def begin_drain(self, *, abandoning: bool = False) -> None:
         """SIGTERM: readiness turns 503 and new requests get 503; admitted ones finish (``abandoning``:
         they are answered 503 next, which the log line says instead; during the start, which admitted
-        nothing, the line says that the start stops)."""
+        nothing, the line says that the start stops, at once where ``abandoning``)."""
         if self.phase != "draining":
-            if abandoning:
+            starting = self.phase.replace("_", " ") if self.phase in _START_PHASES else None
+            if abandoning and starting:
+                log.info("stopping the model's start (%s) at once, without a drain; no request was admitted yet",
+                         starting)
+            elif abandoning:
                 log.info("stopping without a drain: admitted requests still pending are answered 503")
-            elif self.phase in _START_PHASES:
-                log.info("draining: stopping the model's start (%s); no request was admitted yet",
-                         self.phase.replace("_", " "))
+            elif starting:
+                log.info("draining: stopping the model's start (%s); no request was admitted yet", starting)
             else:
                 log.info("draining: finishing admitted requests within %gs", self.settings.drain_timeout_s)
             self.phase = "draining"

@@ -214,6 +214,31 @@ def test_a_sigterm_at_each_step_of_the_start_exits_0(tmp_path, step, said):
     assert code == 0 and said in text and "Traceback" not in text, (step, code, text[-2000:])
 
 
+@pytest.mark.parametrize("step, signals, said", [
+    ("service.backends:BackendLoader.__call__=30", ["SIGINT"], "stopping the model's start (loading) at once"),
+    ("model_runtime.scoring.backend:LocalBackend.score_row=30", ["SIGINT"], "stopping the model's start (probing) at once"),
+    # the drain's line first; the Ctrl-C then stops what is left of the start, with no line promising 503s
+    ("model_runtime.scoring.backend:LocalBackend.score_row=30", ["SIGTERM", "SIGINT"],
+     "draining: stopping the model's start (probing)"),
+], ids=["loading-sigint", "probing-sigint", "probing-sigterm-sigint"])
+def test_a_ctrl_c_during_the_start_says_the_start_stops_not_that_admitted_requests_get_503(tmp_path, step, signals,
+                                                                                             said):
+    # Nothing is admitted before the first readiness pass: "admitted requests still pending are answered 503" was untrue.
+    marker, log = tmp_path / "held", tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", _HELD_STEP_RUN, step, str(marker), "serve", "--port", "0",
+                                 "--model", "tiny"], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        assert _once(marker.exists, "the held step", log.read_text, proc, 120), log.read_text()[-3000:]
+        for sig in signals:
+            proc.send_signal(getattr(signal, sig))
+            if sig == "SIGTERM":
+                assert _once_logged("draining:", log.read_text, proc), log.read_text()[-3000:]
+        code = proc.wait(timeout=60)
+    text = log.read_text()
+    assert code == 130 and said in text and "Traceback" not in text, (code, text[-3000:])
+    assert "no request was admitted yet" in text and "admitted requests still pending" not in text, text[-3000:]
+
+
 def _once(done, what: str, read_log, proc, timeout_s: float = 60) -> bool:
     """Waits until ``done()`` (a state, not a sleep) or the process's exit; whether it still runs then."""
     deadline = time.monotonic() + timeout_s

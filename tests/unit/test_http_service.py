@@ -555,3 +555,14 @@ def test_a_drain_during_the_start_says_the_start_stops_not_that_admitted_request
         service.begin_drain()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("draining:")]
     assert lines == [f"draining: stopping the model's start ({said}); no request was admitted yet"], lines
+
+
+@pytest.mark.parametrize("phase,said", [("loading", "loading"), ("warming_up", "warming up"), ("probing", "probing")])
+def test_a_stop_without_a_drain_during_the_start_says_the_start_stops_not_that_admitted_requests_get_503(caplog, phase,
+                                                                                                         said):
+    service = create_app(Settings(), FakeBackend()).state.service
+    service.phase = phase  # the start's: nothing admitted yet
+    with caplog.at_level("INFO", logger="service.runtime"):
+        service.begin_drain(abandoning=True)
+    lines = [r.getMessage() for r in caplog.records if "stopping" in r.getMessage()]
+    assert lines == [f"stopping the model's start ({said}) at once, without a drain; no request was admitted yet"], lines
