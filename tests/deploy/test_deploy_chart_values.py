@@ -25,6 +25,9 @@ from service.scheduling.scheduler import _FLOOR_ROWS
 from service.settings import Settings
 
 FULLNAME = f"{RELEASE}-packscore"
+# Weight updates with every volume they may add: the record's (/var/lib/packscore) and the admin key's.
+WEIGHTS_WITH_ADMIN_KEY = {"enabled": True, "source": {"type": "pvc", "pvc": {"claimName": "ckpt"}},
+                          "adminKey": {"secretName": "ps-admin"}}
 
 
 def test_defaults_render_the_core_objects_only():
@@ -367,7 +370,7 @@ def test_model_mount_path_must_be_its_own(mount_path, weights):
     """Two volumes at one path: the API server would refuse the pod template, after the render passed."""
     values = {"model": {"path": "/x/m", "mountPath": mount_path, "source": {"type": "pvc", "pvc": {"claimName": "m"}}}}
     if weights:
-        values["weights"] = {"enabled": True, "source": {"type": "pvc", "pvc": {"claimName": "ckpt"}}}
+        values["weights"] = WEIGHTS_WITH_ADMIN_KEY
     with pytest.raises(helm.HelmError) as err:
         render_chart(values)
     assert f"model.mountPath({mount_path}) is already a mount of the pod" in str(err.value)
@@ -383,7 +386,7 @@ def test_model_mount_path_may_not_hold_a_mount_of_the_pod(mount_path, weights, h
     file system, the container never starts), and where it exists the inner mount hides the model's directory."""
     values = {"model": {"path": "/x/m", "mountPath": mount_path, "source": {"type": "pvc", "pvc": {"claimName": "m"}}}}
     if weights:
-        values["weights"] = {"enabled": True, "source": {"type": "pvc", "pvc": {"claimName": "ckpt"}}}
+        values["weights"] = WEIGHTS_WITH_ADMIN_KEY
     with pytest.raises(helm.HelmError) as err:
         render_chart(values)
     message = str(err.value)

@@ -104,7 +104,7 @@ def test_incomplete_weights_values_are_rejected_by_the_schema(weights, where):
 def test_weights_mount_path_must_be_its_own(mount_path):
     values = {"model": {"path": "/models/x", "mountPath": "/models",
                         "source": {"type": "pvc", "pvc": {"claimName": "models"}}},
-              "weights": {"enabled": True, "mountPath": mount_path,
+              "weights": {"enabled": True, "mountPath": mount_path, "adminKey": {"secretName": "ps-admin"},
                           "source": {"type": "hostPath", "hostPath": {"path": "/mnt/ckpt"}}}}
     with pytest.raises(helm.HelmError) as err:
         render_chart(values)
@@ -115,7 +115,7 @@ def test_weights_mount_path_must_be_its_own(mount_path):
                                                   ("/run", "/run/secrets/packscore-admin")])
 def test_weights_mount_path_may_not_hold_a_mount_of_the_pod(mount_path, held):
     """As with the model volume: the inner mount point cannot be made in the read-only checkpoint volume."""
-    values = {"weights": {"enabled": True, "mountPath": mount_path,
+    values = {"weights": {"enabled": True, "mountPath": mount_path, "adminKey": {"secretName": "ps-admin"},
                           "source": {"type": "hostPath", "hostPath": {"path": "/mnt/ckpt"}}}}
     with pytest.raises(helm.HelmError) as err:
         render_chart(values)
@@ -124,6 +124,44 @@ def test_weights_mount_path_may_not_hold_a_mount_of_the_pod(mount_path, held):
     assert "give the checkpoints a path outside the pod's mounts" in message, message
     values["weights"]["mountPath"] = "/run/secrets/packscore"  # a sibling sharing the prefix only
     assert render_chart(values)
+
+
+# A path at or around a volume weight updates add only on request: the record's (weights.record) or the admin key's.
+UNMOUNTED = [
+    pytest.param("/var/lib", {"record": False}, {"record": True}, id="around-the-record-off"),
+    pytest.param("/var/lib/packscore", {"record": False}, {"record": True}, id="at-the-record-off"),
+    pytest.param("/run", {}, {"adminKey": {"secretName": "ps-admin"}}, id="around-no-admin-key"),
+    pytest.param("/run/secrets/packscore-admin", {}, {"adminKey": {"secretName": "ps-admin"}}, id="at-no-admin-key"),
+]
+
+
+def own_mounts_at_or_under(values: dict, name: str) -> list[str]:
+    """The pod's mount paths, other than volume `name`'s, at or below the one volume `name` has."""
+    mounts = {m["name"]: m["mountPath"].rstrip("/") for m in container(values)["volumeMounts"]}
+    top = mounts.pop(name)
+    return [p for p in mounts.values() if p == top or p.startswith(top + "/")]
+
+
+@pytest.mark.parametrize(("mount_path", "off", "on"), UNMOUNTED)
+def test_model_mount_path_may_take_a_path_of_a_volume_the_pod_leaves_out(mount_path, off, on):
+    """Only the pod's actual mounts are refused: with that volume left out, nothing is mounted there."""
+    values = {"model": {"path": "/x/m", "mountPath": mount_path, "source": {"type": "pvc", "pvc": {"claimName": "m"}}},
+              "weights": {"enabled": True, "source": {"type": "hostPath", "hostPath": {"path": "/mnt/ckpt"}}, **off}}
+    assert own_mounts_at_or_under(values, "model") == []
+    values["weights"].update(on)  # that volume mounted: the refusal stands
+    with pytest.raises(helm.HelmError, match=r"model\.mountPath\(.*(is already a mount of|holds .*a mount of) the pod"):
+        render_chart(values)
+
+
+@pytest.mark.parametrize(("mount_path", "off", "on"), UNMOUNTED)
+def test_weights_mount_path_may_take_a_path_of_a_volume_the_pod_leaves_out(mount_path, off, on):
+    values = {"weights": {"enabled": True, "mountPath": mount_path,
+                          "source": {"type": "hostPath", "hostPath": {"path": "/mnt/ckpt"}}, **off}}
+    assert own_mounts_at_or_under(values, "weights") == []
+    assert arg_value(container(values)["args"], "--weights-root") == mount_path
+    values["weights"].update(on)
+    with pytest.raises(helm.HelmError, match=r"weights\.mountPath\(.*(is already a mount of|holds .*a mount of) the pod"):
+        render_chart(values)
 
 
 @pytest.mark.parametrize(("model_path", "weights_path"), [("/models", "/models/ckpt"), ("/ckpt/base/", "/ckpt"),

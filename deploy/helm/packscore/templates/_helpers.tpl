@@ -128,8 +128,7 @@ net.ipv4.ip_unprivileged_port_start fails (EACCES), and runtimes differ on it (c
 {{- $wts := .Values.weights }}
 {{- /* Two mounts at one path: the API server refuses the pod template (mountPath must be unique). */}}
 {{- if ne $src.type "none" }}
-{{- $own := list "/dev/shm" "/tmp" "/cache" }}
-{{- if $wts.enabled }}{{ $own = concat $own (list (include "packscore.adminKeyDir" .) (include "packscore.weightsRecordDir" .)) }}{{ end }}
+{{- $own := include "packscore.podMounts" . | fromJsonArray }}
 {{- if has (trimSuffix "/" .Values.model.mountPath) $own }}
 {{- fail (printf "model.mountPath(%s) is already a mount of the pod (%s): give the model volume a path of its own" .Values.model.mountPath (join ", " $own)) }}
 {{- end }}
@@ -142,13 +141,13 @@ read-only volumes below, runc's mkdir of the inner mount point in it fails (the 
 {{- end }}
 {{- end }}
 {{- if $wts.enabled }}
-{{- $taken := list "/dev/shm" "/tmp" "/cache" (include "packscore.adminKeyDir" .) (include "packscore.weightsRecordDir" .) }}
+{{- $own := include "packscore.podMounts" . | fromJsonArray }}
+{{- $taken := $own }}
 {{- if ne $src.type "none" }}{{ $taken = append $taken .Values.model.mountPath }}{{ end }}
 {{- if has (trimSuffix "/" $wts.mountPath) $taken }}
 {{- fail (printf "weights.mountPath(%s) is already a mount of the pod (%s): give the checkpoints a path of their own" $wts.mountPath (join ", " $taken)) }}
 {{- end }}
 {{- /* Around one of the pod's own mounts: as model.mountPath above (the model volume's nesting is the check below). */}}
-{{- $own := list "/dev/shm" "/tmp" "/cache" (include "packscore.adminKeyDir" .) (include "packscore.weightsRecordDir" .) }}
 {{- range $own }}
 {{- if hasPrefix (printf "%s/" (trimSuffix "/" $wts.mountPath)) . }}
 {{- fail (printf "weights.mountPath(%s) holds %s, a mount of the pod (%s): the checkpoint volume is mounted read-only, so the container cannot start unless %s already exists as a directory in it (runc: read-only file system), and then that mount hides what the checkpoint volume holds there; give the checkpoints a path outside the pod's mounts (e.g. /weights)" $wts.mountPath . (join ", " $own) .) }}
@@ -305,6 +304,16 @@ admin-key
 
 {{- define "packscore.adminKeyFile" -}}
 {{- printf "%s/%s" (include "packscore.adminKeyDir" .) (include "packscore.adminKeyFileName" .) }}
+{{- end }}
+
+{{/* The mount paths of the pod's own volumes, as deployment.yaml mounts them (a JSON list): the record's and the
+admin key's only where that volume exists, so a values file that leaves them out may use those paths. */}}
+{{- define "packscore.podMounts" -}}
+{{- $wts := .Values.weights }}
+{{- $own := list "/dev/shm" "/tmp" "/cache" }}
+{{- if and $wts.enabled $wts.adminKey.secretName }}{{ $own = append $own (include "packscore.adminKeyDir" .) }}{{ end }}
+{{- if and $wts.enabled $wts.record }}{{ $own = append $own (include "packscore.weightsRecordDir" .) }}{{ end }}
+{{- toJson $own }}
 {{- end }}
 
 {{/* The volume holding --weights-record (weights.record: an emptyDir, or weights.recordClaim), and the file in it. */}}
