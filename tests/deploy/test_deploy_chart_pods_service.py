@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from deploy_helpers import NAMESPACE, RELEASE, by_kind, manifests, one, render_chart
+from deploy_helpers import NAMESPACE, RELEASE, arg_value, by_kind, container, manifests, one, render_chart
 
 FULLNAME = f"{RELEASE}-packscore"
 WEIGHTS = {"enabled": True, "mountPath": "/ckpt", "source": {"type": "pvc", "pvc": {"claimName": "rl"}}}
@@ -61,4 +61,8 @@ def test_notes_name_the_headless_service_at_the_pods_port(port):
     assert f"http://{FULLNAME}-pods.{NAMESPACE}.svc:{port} resolves" in notes, notes
     (pods,) = [s for s in by_kind(manifests(values), "Service") if s["metadata"]["name"] == f"{FULLNAME}-pods"]
     assert [p["port"] for p in pods["spec"]["ports"]] == [port]
+    # Clients connect to pod IP:port (update_weights_everywhere keeps the URL's port): it must be the port the
+    # server listens on, which targetPort http names too.
+    (http,) = [p for p in container(values)["ports"] if p["name"] == pods["spec"]["ports"][0]["targetPort"]]
+    assert http["containerPort"] == port == int(arg_value(container(values)["args"], "--port"))
     assert "update_weights_everywhere" in notes
