@@ -1,6 +1,6 @@
 """The 35B-A3B MoE on one GPU: packscore's MoE block against Hugging Face's, in numbers and speed.
 
-    python -m bench.moe --out DIR [--sequences 24]     (H200: about 3 minutes; 256 sequences about 6)
+    python -m bench.moe --out DIR [--sequences 24]     (H200: about 3 minutes; 256 sequences about 8, 2 with --hf none)
     python -m bench.moe --out DIR --dry-run-cpu        (tiny MoE preset on the CPU: every code path, under a minute)
 
 Phases (results JSON rewritten after each, a markdown table printed last and written to DIR), the
