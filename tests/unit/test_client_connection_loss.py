@@ -56,6 +56,22 @@ def test_an_unreachable_server_is_retried_for_the_whole_connect_window():
     assert 1.48 <= elapsed < 1.5 + 2, f"gave up after {elapsed:.2f} s of a 1.5 s connect_retry_s"
 
 
+def test_a_connect_window_cut_short_by_the_calls_retry_budget_says_so(caplog):
+    """retry_timeout_s bounds every retry of a call, those of a server not reached too: where it ends
+    before connect_retry_s, the warning names it and when it ends, not the connect window it cuts short."""
+    from tests.ports import held_port
+
+    with held_port() as port, caplog.at_level("WARNING", logger="packscore_client"):  # nothing listens there
+        started = time.monotonic()
+        with ScoreClient(f"http://127.0.0.1:{port}", retry_timeout_s=1.0, connect_retry_s=30) as client:
+            with pytest.raises(ScoreError) as failed:
+                client.score([[1, 2, 3]])
+    elapsed = time.monotonic() - started
+    assert failed.value.type == "connection_error" and elapsed < 1.0 + 2, f"gave up after {elapsed:.2f} s"
+    warnings = [r.getMessage() for r in caplog.records if "cannot reach" in r.getMessage()]
+    assert warnings and all("gives up 1s after the call started: retry_timeout_s" in w for w in warnings), warnings
+
+
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
 @pytest.mark.parametrize("failure", [httpx.RemoteProtocolError, httpx.ReadError])
 def test_a_request_lost_with_its_connection_is_sent_once_more(failure, blocking):

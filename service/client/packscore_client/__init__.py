@@ -11,8 +11,8 @@ no transformers, none of the server's packages (``pip install ./service/client``
 
 - msgpack by default (raw int32 ids out, raw float32 arrays back), JSON with ``encoding="json"``.
 - 429 and 503 are retried after their ``Retry-After`` until ``retry_timeout_s`` has passed since the
-  call started (an INFO line each); an unreachable server is retried for ``connect_retry_s`` (a log line each), then
-  ``ScoreError(0, "connection_error", ...)``.
+  call started (an INFO line each); an unreachable server is retried for ``connect_retry_s`` (a log line each), within
+  that ``retry_timeout_s``, then ``ScoreError(0, "connection_error", ...)``.
 - A batch larger than the server accepts in one request is split under its limits (read from the
   ``X-Packscore-Max-*`` headers of every answer, from /readyz before the first call, or given as
   knobs); the parts are sent concurrently and the results come back in input order. A body the

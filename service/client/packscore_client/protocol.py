@@ -284,7 +284,8 @@ class Protocol:
         Yields a body to POST (and receives the ``httpx.Response``, or the ``httpx.RequestError``
         raised instead) or seconds to sleep (and receives None). 429 and 503 are retried after their
         Retry-After until ``give_up`` (a ``time.monotonic()``); a server that cannot be reached is
-        retried for ``connect_retry_s`` from the first failure in a row, a log line each, then raised;
+        retried for ``connect_retry_s`` from the first failure in a row (until ``give_up`` at most), a log
+        line each, then raised;
         a read timeout (the server has the request) raises ``read_timeout`` at once; a connection
         lost before any answer came is sent once more.
         ``deadline`` (a ``time.monotonic()``, from the call's ``deadline_ms``) bounds the retries too:
@@ -384,18 +385,23 @@ class Protocol:
                      consequence: str = "") -> tuple[float, float]:
         """``(seconds to wait, when the failures in a row began)`` before trying a server that was not
         reached again, with a log line; ScoreError ``connection_error`` (ending in ``consequence``) once
-        ``connect_retry_s`` from the first failure (or ``give_up``) would pass."""
+        ``connect_retry_s`` from the first failure, or ``give_up`` (the call's retry_timeout_s) if sooner,
+        would pass."""
         now = time.monotonic()
         since = since or now
         bound = min(give_up, since + self.connect_retry_s)
+        # the bound that ends the retries, named as it is: the call's budget may cut the connect window short
+        ends = (f"{self.retry_timeout_s:g}s after the call started: retry_timeout_s"
+                if give_up < since + self.connect_retry_s else
+                f"{self.connect_retry_s:g}s after the first failure: connect_retry_s")
         # a write that failed reached the server: the request did not arrive whole
         what = "send the request whole to" if isinstance(error, (httpx.WriteError, httpx.WriteTimeout)) else "reach"
         if now >= bound:
             raise ScoreError(0, "connection_error", f"could not {what} {self.base_url} for "
                              f"{now - since:.1f}s: {describe(error)}{consequence}") from error
         wait = min(retry_after(None, attempt), bound - now)  # the last try at the bound itself
-        log.warning("packscore: cannot %s %s (%s); retrying in %.1fs (gives up %gs after the first "
-                    "failure: connect_retry_s)", what, self.base_url, describe(error), wait, self.connect_retry_s)
+        log.warning("packscore: cannot %s %s (%s); retrying in %.1fs (gives up %s)", what, self.base_url,
+                    describe(error), wait, ends)
         return wait, since
 
 
