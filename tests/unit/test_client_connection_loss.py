@@ -72,6 +72,22 @@ def test_a_connect_window_cut_short_by_the_calls_retry_budget_says_so(caplog):
     assert warnings and all("gives up 1s after the call started: retry_timeout_s" in w for w in warnings), warnings
 
 
+def test_deadline_ms_ends_the_retries_of_an_unreachable_server_in_time(monkeypatch):
+    """deadline_ms bounds the call, its retries included: a back-off that would end past it raises 504
+    at once (as a 429's Retry-After does), not once it has been slept through."""
+    from tests.ports import held_port
+
+    monkeypatch.setattr("packscore_client.protocol.random.random", lambda: 1.0)  # back-offs of 0.25, 0.5, 1, 2 s
+    with held_port() as port:  # nothing listens there
+        with ScoreClient(f"http://127.0.0.1:{port}", connect_retry_s=30) as client, pytest.raises(ScoreError) as failed:
+            started = time.monotonic()
+            client.score([[1, 2, 3]], deadline_ms=1000)
+    elapsed = time.monotonic() - started
+    assert (failed.value.status, failed.value.type) == (504, "deadline_exceeded"), failed.value
+    assert "could not reach" in failed.value.message, failed.value.message
+    assert elapsed < 1.0 + 0.2, f"raised {elapsed:.2f} s into a call of deadline_ms=1000"
+
+
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
 @pytest.mark.parametrize("failure", [httpx.RemoteProtocolError, httpx.ReadError])
 def test_a_request_lost_with_its_connection_is_sent_once_more(failure, blocking):

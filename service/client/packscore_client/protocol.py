@@ -303,7 +303,8 @@ class Protocol:
             if isinstance(outcome, httpx.Response) and (gateway := gateway_error(outcome)) is not None:
                 # a proxy's own 502/504 (a restart, a pod not ready behind it): the server was not
                 # reached, and is waited for as one that refuses connections
-                wait, unreachable_since = self._unreachable(gateway, attempt, unreachable_since, give_up)
+                wait, unreachable_since = self._unreachable(gateway, attempt, unreachable_since, give_up,
+                                                            deadline=deadline)
             elif isinstance(outcome, httpx.Response):
                 unreachable_since, resent = None, False  # a loss after an answer is a first one again
                 if outcome.status_code == 200:
@@ -347,7 +348,8 @@ class Protocol:
             elif isinstance(outcome, _NOT_SENT):  # waited out for timeout_s already: not waited out again
                 raise self.not_sent("POST /score", outcome, "; nothing was scored") from outcome
             elif isinstance(outcome, _NOT_SENT_WHOLE):  # the server cannot have scored it
-                wait, unreachable_since = self._unreachable(outcome, attempt, unreachable_since, give_up)
+                wait, unreachable_since = self._unreachable(outcome, attempt, unreachable_since, give_up,
+                                                            deadline=deadline)
             elif isinstance(outcome, (httpx.RemoteProtocolError, httpx.ReadError)):
                 # The connection lost before any answer: most often a kept-alive one the server closed
                 # (idle, or restarting) as the request left, which it never read. Scoring has no side
@@ -382,11 +384,11 @@ class Protocol:
                           f"{consequence}")
 
     def _unreachable(self, error: Exception, attempt: int, since: float | None, give_up: float,
-                     consequence: str = "") -> tuple[float, float]:
+                     consequence: str = "", deadline: float | None = None) -> tuple[float, float]:
         """``(seconds to wait, when the failures in a row began)`` before trying a server that was not
         reached again, with a log line; ScoreError ``connection_error`` (ending in ``consequence``) once
         ``connect_retry_s`` from the first failure, or ``give_up`` (the call's retry_timeout_s) if sooner,
-        would pass."""
+        would pass; ScoreError 504 ``deadline_exceeded`` where the wait would reach ``deadline``."""
         now = time.monotonic()
         since = since or now
         bound = min(give_up, since + self.connect_retry_s)
@@ -400,6 +402,9 @@ class Protocol:
             raise ScoreError(0, "connection_error", f"could not {what} {self.base_url} for "
                              f"{now - since:.1f}s: {describe(error)}{consequence}") from error
         wait = min(retry_after(None, attempt), bound - now)  # the last try at the bound itself
+        if deadline is not None and now + wait >= deadline:  # raised now, as a 429 whose Retry-After is too long
+            raise ScoreError(504, "deadline_exceeded", f"deadline_ms would pass before a retry could be answered "
+                             f"(could not {what} {self.base_url}: {describe(error)}).", "deadline_ms") from error
         log.warning("packscore: cannot %s %s (%s); retrying in %.1fs (gives up %s)", what, self.base_url,
                     describe(error), wait, ends)
         return wait, since
