@@ -89,6 +89,48 @@ def test_deadline_ms_ends_the_retries_of_an_unreachable_server_in_time(monkeypat
 
 
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_deadline_ms_bounds_a_first_calls_wait_for_the_limits(blocking):
+    """The GET /readyz a new client's first call sends for the server's limits is part of the call:
+    a server that does not answer it is waited for until deadline_ms at most, then 504."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    accepted = []
+
+    def accept_and_never_answer():
+        while True:
+            try:
+                accepted.append(listener.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept_and_never_answer, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    async def awaited():
+        async with AsyncScoreClient(url, timeout_s=30) as client:
+            await client.score([[1, 2, 3]], deadline_ms=1000)
+
+    try:
+        started = time.monotonic()
+        with pytest.raises(ScoreError) as failed:
+            if blocking:
+                with ScoreClient(url, timeout_s=30) as client:
+                    client.score([[1, 2, 3]], deadline_ms=1000)
+            else:
+                asyncio.run(awaited())
+        elapsed = time.monotonic() - started
+    finally:
+        listener.close()
+        for conn in accepted:
+            conn.close()
+    assert (failed.value.status, failed.value.type) == (504, "deadline_exceeded"), failed.value
+    assert elapsed < 1.0 + 0.5, f"raised {elapsed:.2f} s into a call of deadline_ms=1000"
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
 @pytest.mark.parametrize("failure", [httpx.RemoteProtocolError, httpx.ReadError])
 def test_a_request_lost_with_its_connection_is_sent_once_more(failure, blocking):
     """A kept-alive connection the server closed as the request left (idle, or restarting): the

@@ -28,6 +28,11 @@ def _left_s(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
+def _discovery_s(deadline: float | None) -> float:
+    """How long GET /readyz for the limits is waited for: what is left of the call's deadline_ms, if less."""
+    return _DISCOVERY_TIMEOUT_S if deadline is None else min(_DISCOVERY_TIMEOUT_S, _left_s(deadline))
+
+
 def _queued_past_deadline() -> ScoreError:
     return ScoreError(504, "deadline_exceeded", "deadline_ms passed while part of the call waited to be sent (the "
                       "client's max_concurrency requests were busy with its other calls).", "deadline_ms")
@@ -96,7 +101,7 @@ class ScoreClient(_Base):
         request scored."""
         seqs, opts, give_up, deadline = self._plan(sequences, temperature=temperature, return_entropy=return_entropy, top_k=top_k,
                                          model=model, deadline_ms=deadline_ms, weights_version=weights_version)
-        self._learn_limits()
+        self._learn_limits(deadline)
         parts = self._p.chunks(seqs, self._max_concurrency)
         stop = threading.Event()  # set once the call has failed: its other parts send nothing more
         futures = [self._pool.submit(self._drive, self._p.exchange([seqs[i] for i in part], opts, give_up, part,
@@ -205,15 +210,19 @@ class ScoreClient(_Base):
             results = dict(zip(found, pool.map(one, found)))
         return everywhere.outcome(self._p.base_url, results, request_id)
 
-    def _learn_limits(self) -> None:
+    def _learn_limits(self, deadline: float | None = None) -> None:
         """GET /readyz for the limits while they are unknown, one for the calls that wait on it meanwhile:
-        they take its outcome, learned or not, rather than each sending one more in turn after a failure."""
+        they take its outcome, learned or not, rather than each sending one more in turn after a failure.
+        A call's ``deadline`` (from deadline_ms) bounds its wait here too; past it, the exchange raises 504."""
         tried = self._readyz_tries
-        if not self._p.limits_known:
-            with self._learning:
-                if not self._p.limits_known and self._readyz_tries == tried:
-                    self._p.learn_from_readyz(self._get("/readyz"))
-                    self._readyz_tries += 1
+        if self._p.limits_known or not self._learning.acquire(timeout=-1 if deadline is None else _left_s(deadline)):
+            return
+        try:
+            if not self._p.limits_known and self._readyz_tries == tried and (wait_s := _discovery_s(deadline)) > 0:
+                self._p.learn_from_readyz(self._get("/readyz", wait_s))
+                self._readyz_tries += 1
+        finally:
+            self._learning.release()
 
     def _get(self, path: str, timeout_s: float = _DISCOVERY_TIMEOUT_S) -> httpx.Response | Exception:
         try:
@@ -345,8 +354,11 @@ class AsyncScoreClient(_Base):
         gate = self._gate
         if not self._p.limits_known:  # as ScoreClient._learn_limits: one GET /readyz for the tasks waiting meanwhile,
             if self._readyz is None or self._readyz.done():  # a task of its own: a caller cancelled leaves it to them
-                self._readyz = asyncio.ensure_future(self._learn_limits())
-            await asyncio.shield(self._readyz)
+                self._readyz = asyncio.ensure_future(self._learn_limits(deadline))
+            try:  # deadline_ms bounds this wait too: past it, the exchange raises 504
+                await asyncio.wait_for(asyncio.shield(self._readyz), _left_s(deadline))
+            except asyncio.TimeoutError:
+                pass
 
         async def send(part: list[int]) -> list[ScoredSequence]:
             try:  # queued behind other calls' requests: the deadline bounds that wait too
@@ -439,8 +451,9 @@ class AsyncScoreClient(_Base):
         results = await asyncio.gather(*(one(a) for a in found))
         return everywhere.outcome(self._p.base_url, dict(zip(found, results)), request_id)
 
-    async def _learn_limits(self) -> None:
-        self._p.learn_from_readyz(await self._get("/readyz"))
+    async def _learn_limits(self, deadline: float | None = None) -> None:
+        if (wait_s := _discovery_s(deadline)) > 0:
+            self._p.learn_from_readyz(await self._get("/readyz", wait_s))
 
     async def _get(self, path: str, timeout_s: float = _DISCOVERY_TIMEOUT_S) -> httpx.Response | Exception:
         try:
