@@ -22,10 +22,10 @@ class _Base:
 
     ``retry_timeout_s`` bounds the retries of 429 / 503 (after their Retry-After) from the start of a
     call; ``connect_retry_s`` bounds how long an unreachable server is retried (a log line each), within
-    the call's ``retry_timeout_s``, before ``ScoreError(0, "connection_error", ...)``. ``update_timeout_s`` bounds the wait for the answer
-    of POST /v1/weights (a checkpoint load) instead of ``timeout_s``. ``transport`` replaces the network (tests); the
-    client closes it on close (an async one also as each loop it ran on ends), ``update_weights_everywhere``'s
-    per-address clients never do.
+    the call's ``retry_timeout_s``, before ``ScoreError(0, "connection_error", ...)``. ``update_timeout_s``
+    bounds the wait for the answer of POST /v1/weights (a checkpoint load) instead of ``timeout_s``.
+    ``transport`` replaces the network (tests); the client closes it on close (an async one also as each
+    loop it ran on ends), ``update_weights_everywhere``'s per-address clients never do.
     """
 
     _http_class: type = httpx.Client
