@@ -324,6 +324,8 @@ def _install_error_handlers(app: FastAPI, service: Service) -> None:
         path = request.url.path
         # no redirect for a trailing slash (a client that does not follow it would see a bare 307)
         hint = f" (did you mean {path.rstrip('/')}?)" if path.endswith("/") and path.rstrip("/") in _ROUTE_LABELS else ""
+        if exc.status_code == 404 and path.rstrip("/") == WEIGHTS_ROUTE and service.settings.weights_root is None:
+            hint = ": weight updates are off, since the server was started without --weights-root"  # not a typo to hunt
         shown = shortened(path, SHOWN_PATH)  # a client's 60 KB path is not echoed back
         message = {404: f"No route {shown}{hint}.", 405: f"{shortened(request.method)} is not allowed on {shown}."}
         headers = dict(exc.headers or {})

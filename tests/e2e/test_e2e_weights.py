@@ -223,6 +223,9 @@ def test_a_reference_request_past_its_deadline_behind_a_policy_forward_never_run
 def test_no_weights_route_without_a_weights_root(tiny_server):
     response = httpx.post(tiny_server.url + "/v1/weights", json={"path": "x"}, headers=AUTH, timeout=30)
     assert response.status_code == 404
+    error = response.json()["error"]
+    # the trainer learns why, not only that the route is missing
+    assert error["type"] == "not_found" and "--weights-root" in error["message"], error
 
 
 def test_a_swap_right_after_a_one_row_request_is_scored_leaves_its_version(tmp_path):
