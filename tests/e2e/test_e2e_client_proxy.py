@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import logging
 import threading
 
+import httpx
+import numpy as np
 import pytest
 
 from packscore_client import AsyncScoreClient, ScoreClient, ScoreError
@@ -85,3 +88,56 @@ def test_the_per_address_requests_of_an_update_everywhere_bypass_the_environment
 
     assert {a: u.weights_version for a, u in asyncio.run(main()).items()} == {"127.0.0.1": "step-2"}, proxy.seen
     assert served_version(server.url) == "step-2" and len(proxy.seen) == 1, proxy.seen
+
+
+class _BodyLimitProxy(http.server.BaseHTTPRequestHandler):
+    """A reverse proxy with nginx-ingress's kind of body limit: a larger body gets its own HTML 413,
+    a smaller one goes on to the server."""
+
+    protocol_version = "HTTP/1.1"
+
+    def _forward(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if len(body) > self.server.limit:
+            self.server.refused.append(len(body))
+            status, headers, page = 413, {"Content-Type": "text/html"}, b"<html>413 Request Entity Too Large</html>"
+        else:
+            answer = httpx.request(self.command, self.server.upstream + self.path, content=body, timeout=60,
+                                   headers={k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")})
+            status, page = answer.status_code, answer.content
+            headers = {k: v for k, v in answer.headers.items() if k.lower() in ("content-type",) or k.lower().startswith("x-")}
+        self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(page)))
+        self.end_headers()
+        self.wfile.write(page)
+
+    do_GET = do_POST = _forward
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("encoding", ["json", "msgpack"])
+def test_a_proxys_own_413_is_sent_again_in_parts_and_later_calls_stay_under_it(server, encoding, caplog):
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _BodyLimitProxy)
+    proxy.upstream, proxy.limit, proxy.refused = server.url, 20_000, []
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    rng = np.random.default_rng(0)
+    batch = [{"input_ids": rng.integers(1, 200, int(n)).tolist(), "score_from": 1} for n in rng.integers(200, 900, 24)]
+    try:
+        with ScoreClient(server.url, encoding=encoding) as direct:
+            expected = [s.logprobs.tolist() for s in direct.score(batch)]
+        with ScoreClient(f"http://127.0.0.1:{proxy.server_address[1]}", encoding=encoding) as client:
+            with caplog.at_level(logging.WARNING, logger="packscore_client"):
+                got = client.score(batch)
+            assert [s.logprobs.tolist() for s in got] == expected  # every sequence, in order
+            assert proxy.refused, "the batch should have been over the proxy's limit"
+            assert any("413 page of its own" in r.getMessage() for r in caplog.records), caplog.text
+            refused = len(proxy.refused)
+            assert [s.logprobs.tolist() for s in client.score(batch)] == expected
+            assert len(proxy.refused) == refused, proxy.refused  # the next call stays under the limit from the start
+    finally:
+        proxy.shutdown()
+        proxy.server_close()

@@ -16,7 +16,8 @@ no transformers, none of the server's packages (``pip install ./service/client``
 - A batch larger than the server accepts in one request is split under its limits (read from the
   ``X-Packscore-Max-*`` headers of every answer, from /readyz before the first call, or given as
   knobs); the parts are sent concurrently and the results come back in input order. A body the
-  server's read timeout cut off (408, a slow link) is sent again in halves.
+  server's read timeout cut off (408, a slow link) is sent again in halves; one a proxy's own 413
+  page refused, in parts under its size, as are later calls' bodies.
 - Every result names the weights version that scored it (parts of a split batch may differ unless
   ``weights_version=`` pins one); a sequence sent with ``rollout_logprobs`` gets ``mismatch``.
   ``update_weights(model, path)`` asks the server to serve a new checkpoint (docs/weights.md);

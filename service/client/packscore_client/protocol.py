@@ -127,6 +127,20 @@ class Protocol:
                 self.limits = self._capped(replace(Limits(), **found))
                 self.limits_known = True
 
+    def proxy_refused(self, size: int) -> None:
+        """A proxy in front of the server answered its own 413 to a body of ``size`` bytes: every later
+        body of this client stays below that, as with a lower ``max_request_bytes``."""
+        cap = max(1024, size - 1)
+        with self._lock:
+            if cap >= self.limits.max_request_bytes:
+                return
+            self.knobs["max_request_bytes"] = cap
+            self.limits = self._capped(self.limits)
+        log.warning("packscore: %s answered a request body of %d bytes with a 413 page of its own (a proxy's body "
+                    "limit, not the server's): this client now sends bodies under that, in more requests; raise the "
+                    "proxy's limit (nginx-ingress: proxy-body-size) or set max_request_bytes to say so from the start",
+                    self.base_url, size)
+
     def learn_from_readyz(self, response: httpx.Response | Exception) -> None:
         """The discovery answer, if any; without one the defaults and the first answer's headers do."""
         if isinstance(response, httpx.Response) and response.status_code == 200:
@@ -299,7 +313,8 @@ class Protocol:
                     raise ScoreError(504, "deadline_exceeded", "deadline_ms passed before the result was ready "
                                      "(before this part of the call was sent, or while it was retried).", "deadline_ms")
                 options = {**options, "deadline_ms": left_ms}
-            outcome = yield self.body(seqs, options)
+            sent = self.body(seqs, options)
+            outcome = yield sent
             if isinstance(outcome, httpx.Response) and (gateway := gateway_error(outcome)) is not None:
                 # a proxy's own 502/504 (a restart, a pod not ready behind it): the server was not
                 # reached, and is waited for as one that refuses connections
@@ -316,6 +331,12 @@ class Protocol:
                     self.learn(outcome.headers)
                     parts = self.chunks(seqs, 1)  # under the limits just learned
                     parts = parts if len(parts) > 1 else halves  # they did not say how
+                elif outcome.status_code == 413 and error.type == "http_error" and len(seqs) > 1:
+                    # A proxy's own page (nginx-ingress refuses bodies over 1 MiB by default): the server
+                    # never saw it; later requests stay under what was refused.
+                    self.proxy_refused(len(sent))
+                    parts = self.chunks(seqs, 1)
+                    parts = parts if len(parts) > 1 else halves
                 elif outcome.status_code == 408 and error.type == "request_timeout" and len(seqs) > 1:
                     # The body did not reach the server within its read timeout (a slow link): nothing
                     # was scored, and half the body arrives in half the time.
