@@ -126,7 +126,7 @@ _GPU_PREFERENCE = {
     "moe_experts": ("expert_tiles_silu", "expert_tiles", "grouped_mm_fused_scatter", "grouped_mm_fused", "grouped_mm"),
     # select: torch.topk's answer, its radix select replaced by one Triton pass.
     "moe_router": ("select", "topk"),
-    # inline: a second stream (--kernels moe_shared=stream) makes the block slower, not faster (docs/moe.md).
+    # inline: a second stream (--kernels moe_shared=stream) has not paid: no faster within the runs' spread (docs/moe.md).
     "moe_shared": ("inline",),
 }
 _POOL_GPU_PREFERENCE = {**_GPU_PREFERENCE, "attention": ("flash_attn", "varlen", "sdpa")}
