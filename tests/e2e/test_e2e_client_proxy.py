@@ -102,10 +102,10 @@ class _BodyLimitProxy(http.server.BaseHTTPRequestHandler):
             self.server.refused.append(len(body))
             status, headers, page = 413, {"Content-Type": "text/html"}, b"<html>413 Request Entity Too Large</html>"
         else:
-            answer = httpx.request(self.command, self.server.upstream + self.path, content=body, timeout=60,
-                                   headers={k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")})
+            sent = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
+            answer = httpx.request(self.command, self.server.upstream + self.path, content=body, headers=sent, timeout=60)
             status, page = answer.status_code, answer.content
-            headers = {k: v for k, v in answer.headers.items() if k.lower() in ("content-type",) or k.lower().startswith("x-")}
+            headers = {k: v for k, v in answer.headers.items() if k.lower() == "content-type" or k.lower().startswith("x-")}
         self.send_response(status)
         for name, value in headers.items():
             self.send_header(name, value)
