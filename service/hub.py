@@ -92,8 +92,12 @@ def resolve_model_source(spec: str, revision: str | None) -> str:
             f"--model {where}: no such directory, not in the Hugging Face cache {cache}, and {reason}; download it where "
             f"the hub is reachable (`{again}`, same HF_HOME) or pass a checkpoint directory"
         ) from None
-    if not (Path(path) / "config.json").is_file():
-        raise ModelSourceError(f"--model {where}: the snapshot {path} has no config.json (not a transformers checkpoint)")
+    if not (Path(path) / "config.json").is_file():  # absent, or a link whose blob is gone: a partial download too
+        raise ModelSourceError(
+            f"--model {where}: the cached snapshot {path} has no config.json, likely an incomplete download (or the "
+            f"repository is no transformers checkpoint); download it where the hub is reachable (`{again}`, same "
+            "HF_HOME) or pass a checkpoint directory"
+        )
     try:
         indexed = indexed_files(Path(path))
     except CheckpointError:  # an index that is none, or names odd shards: the checkpoint check says so

@@ -113,3 +113,25 @@ def test_a_hub_id_cached_without_some_shards_of_its_index_is_refused_naming_them
         assert f"lacks {absent} of the {len(shards)} shards its model.safetensors.index.json lists" in line, line
         assert f"({', '.join(shards[2:7])}, ... and {absent - 5} more)" in line, line
         assert shards[0] not in line and shards[7] not in line, line
+
+
+def test_a_hub_id_cached_without_its_config_is_refused_as_an_incomplete_download(hub_cache, tmp_path):
+    """A snapshot whose config.json link points at a blob that is gone, or that never got config.json
+    (only the weights downloaded), is a partial download: the line says so and how to finish it,
+    not that the repository is no transformers checkpoint."""
+    cache, snapshot = hub_cache
+    weights_only = tmp_path / "weights-only"
+    weights_only.mkdir()
+    for file in snapshot.glob("*.safetensors"):
+        (weights_only / file.name).write_bytes(file.read_bytes())
+    as_hub_cache(weights_only, cache, "acme/no-config")
+    dangling = as_hub_cache(snapshot, cache / "dangling", "acme/lost-config")
+    (dangling / "config.json").resolve().unlink()
+    cli = "import sys; from service.cli import main; sys.exit(main(sys.argv[1:]))"
+    for where, model in ((cache, "acme/no-config"), (cache / "dangling", "acme/lost-config")):
+        out = _run(cli, where, "serve", "--model", model, "--port", "0")
+        assert out.returncode == 2, (out.returncode, out.stderr)
+        errors = [line for line in out.stderr.splitlines() if "error" in line]
+        assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr
+        assert f"--model {model} (revision main)" in errors[0] and "has no config.json" in errors[0], errors[0]
+        assert "incomplete download" in errors[0] and f"`hf download {model}`" in errors[0], errors[0]
