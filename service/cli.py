@@ -306,6 +306,7 @@ def _check_model_and_key(settings: Settings) -> Settings:
         raise ValueError("the admin key (--admin-key / --admin-key-file) is the API key: the scoring key would also "
                          "update weights; give the admin key a value of its own, or leave it unset to let the API "
                          "key rule /v1/weights")
+    _check_revision(settings)
     if settings.weights_root is not None and not settings.weights_root.is_dir():
         raise ValueError(f"--weights-root {str(settings.weights_root)!r} is not a directory")
     if settings.uses_worker_pool:
@@ -320,6 +321,22 @@ def _check_model_and_key(settings: Settings) -> Settings:
         "api_key": None if api_key is None else SecretStr(api_key), "api_key_file": None,
         "admin_key": None if admin_key is None else SecretStr(admin_key), "admin_key_file": None,
     })
+
+
+def _check_revision(settings: Settings) -> None:
+    """--revision with no hub id to apply it to: refused, not silently ignored (a local directory of a hub
+    id's name wins over the hub, so ``--model Qwen/X --revision R`` would serve that directory)."""
+    from service.hub import is_hub_id, local_kind
+
+    if settings.revision is None:
+        return
+    kinds = {spec: local_kind(spec) for spec in settings.model_specs().values()}
+    if not all(kinds.values()):
+        return
+    what = "; ".join(f"--model {spec} is {kind}" + (" (it wins over the hub id of that name)" if is_hub_id(spec) and
+                     kind != "a preset" else "") for spec, kind in kinds.items())
+    raise ValueError(f"--revision {settings.revision} applies to a Hugging Face hub id --model, and {what}, with no "
+                     "revisions: drop --revision, or give a hub id")
 
 
 def serve(settings: Settings, record: WeightsRecord | None = None) -> int:

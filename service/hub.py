@@ -32,6 +32,15 @@ def is_hub_id(spec: str) -> bool:
     return bool(_HUB_ID.fullmatch(spec)) and ".." not in spec
 
 
+def local_kind(spec: str) -> str | None:
+    """"a preset" or "a checkpoint directory" for what ``--model`` serves without the hub; else None."""
+    from model_runtime.scoring.presets import PRESETS
+
+    if spec in PRESETS:
+        return "a preset"
+    return "a checkpoint directory" if Path(spec).is_dir() else None
+
+
 def resolve_model_source(spec: str, revision: str | None) -> str:
     """A preset name or an existing directory unchanged; a hub id -> its snapshot directory.
 
@@ -42,7 +51,7 @@ def resolve_model_source(spec: str, revision: str | None) -> str:
     """
     from model_runtime.scoring.presets import PRESETS
 
-    if spec in PRESETS or Path(spec).is_dir():
+    if local_kind(spec) is not None:
         return spec
     if not is_hub_id(spec):
         raise ModelSourceError(

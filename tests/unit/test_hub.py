@@ -5,18 +5,23 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.checkpoints import as_hub_cache
 
 REPO = "acme/tiny-qwen"
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(code: str, cache, *args: str) -> subprocess.CompletedProcess:
+def _run(code: str, cache, *args: str, cwd=None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PACKSCORE_", "HF_"))}
     env |= {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
-    return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=120)
+    if cwd is not None:  # this checkout still imported from elsewhere
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=cwd)
 
 
 RESOLVE = "import sys; from service.hub import resolve_model_source as r; print(r(sys.argv[1], sys.argv[2] or None))"
@@ -135,3 +140,27 @@ def test_a_hub_id_cached_without_its_config_is_refused_as_an_incomplete_download
         assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr
         assert f"--model {model} (revision main)" in errors[0] and "has no config.json" in errors[0], errors[0]
         assert "incomplete download" in errors[0] and f"`hf download {model}`" in errors[0], errors[0]
+
+
+def test_a_revision_with_no_hub_id_to_apply_it_to_is_refused_not_ignored(hub_cache, tmp_path, checkpoint_dir):
+    """--revision beside a preset or a checkpoint directory (one named as a hub id wins over the hub)
+    stops the start naming each --model, rather than serve something other than the revision asked for;
+    beside a hub id among several models it applies to that one."""
+    cache, snapshot = hub_cache
+    (tmp_path / "acme").mkdir()
+    (tmp_path / REPO).symlink_to(checkpoint_dir("qwen3_5"))
+    cli = "import sys; from service.cli import main; sys.exit(main(sys.argv[1:]))"
+    for models, said in ((["tiny"], "--model tiny is a preset"),
+                         ([REPO], f"--model {REPO} is a checkpoint directory (it wins over the hub id of that name)"),
+                         (["a=tiny", f"b={checkpoint_dir('qwen3_5')}"], "--model tiny is a preset; --model ")):
+        argv = [arg for m in models for arg in ("--model", m)]
+        out = _run(cli, cache, "serve", *argv, "--revision", "v2", "--port", "0", cwd=tmp_path)
+        assert out.returncode == 2, (out.returncode, out.stderr)
+        errors = [line for line in out.stderr.splitlines() if "error" in line]
+        assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr
+        assert "--revision v2 applies to a Hugging Face hub id --model" in errors[0] and said in errors[0], errors[0]
+    code = ("import sys; from service.cli import parse_settings, _check_revision, _resolve_hub_model; "
+            "s = parse_settings(sys.argv[1:])[1]; _check_revision(s); print(_resolve_hub_model(s).model)")
+    out = _run(code, cache, "serve", "--model", f"a={REPO}", "--model", "b=tiny", "--revision", snapshot.name)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"a": str(snapshot), "b": "tiny"}
