@@ -168,7 +168,12 @@ class Metrics:
             "packscore_queued_sequences", "Sequences admitted but not yet scored.", registry=r
         )
         self.ready = Gauge("packscore_ready", "1 when /readyz would answer 200, else 0.", registry=r)
-        self.workers_alive = Gauge("packscore_workers_alive", "Scoring workers (GPU processes) alive.", registry=r)
+        self.workers_alive = Gauge(
+            "packscore_workers_alive",
+            "Scoring worker processes alive, summed over the models (a one-process backend counts its world size "
+            "while it lives).",
+            registry=r,
+        )
         # Read from the backends at scrape time: a worker lost and replaced between two scrapes leaves its count.
         self._worker_restarts: Callable[[], dict[str, float]] = dict
         r.register(_WorkerRestarts(lambda: self._worker_restarts()))

@@ -19,3 +19,12 @@ def test_every_family_the_registry_defines_is_in_the_table_with_its_type():
     wrong = [f"{name}: documented as {table[name].kind}, defined as {kind}" for name, kind in defined.items()
              if table[name].kind != kind]
     assert not wrong, wrong
+
+
+def test_workers_alive_help_says_what_it_counts_on_any_device():
+    """A CPU pool's workers and a one-process backend (its world size) count too, as the table
+    says: the HELP an operator reads in Prometheus must not say GPU processes only."""
+    (family,) = [f for f in Metrics().registry.collect() if f.name == "packscore_workers_alive"]
+    assert "GPU" not in family.documentation, family.documentation
+    assert "summed over the models" in family.documentation, family.documentation
+    assert "one-process backend counts its world size" in family.documentation, family.documentation
