@@ -181,7 +181,8 @@ class Metrics:
         self.kernel_info = Info("packscore_kernel", "Kernel backend of each family.", [*_MODEL, "family"], registry=r)
         self.slow_kernel_fallback = Gauge(
             "packscore_slow_kernel_fallback",
-            "1 when some kernel family runs a slow per-sequence reference implementation.",
+            "1 when some kernel family on a GPU fell back to a slow per-sequence reference implementation "
+            "(--allow-slow-kernels), else 0 (a CPU's reference kernels are no fallback).",
             _MODEL,
             registry=r,
         )

@@ -28,3 +28,11 @@ def test_workers_alive_help_says_what_it_counts_on_any_device():
     assert "GPU" not in family.documentation, family.documentation
     assert "summed over the models" in family.documentation, family.documentation
     assert "one-process backend counts its world size" in family.documentation, family.documentation
+
+
+def test_slow_kernel_fallback_help_says_a_cpus_reference_kernels_read_0():
+    """A model on the CPU runs reference kernels and reads 0 (they are no fallback): the HELP
+    must not say 1 whenever a reference implementation runs."""
+    (family,) = [f for f in Metrics().registry.collect() if f.name == "packscore_slow_kernel_fallback"]
+    assert "on a GPU fell back" in family.documentation, family.documentation
+    assert "--allow-slow-kernels" in family.documentation, family.documentation
