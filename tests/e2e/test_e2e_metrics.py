@@ -5,6 +5,7 @@ value a request can add."""
 
 from __future__ import annotations
 
+import math
 import uuid
 
 import httpx
@@ -18,7 +19,7 @@ from service.http.metrics import (
     WEIGHTS_REJECTION_REASONS,
 )
 from tests.e2e.helpers import AUTH
-from tests.live_metrics import SERVED, documented, exercise, full_server, scrape
+from tests.live_metrics import SERVED, Scrape, documented, exercise, full_server, scrape
 
 
 @pytest.fixture(scope="module")
@@ -182,3 +183,56 @@ def test_an_update_sent_again_is_answered_as_before_and_counted_once(server):
     ok = added("packscore_weights_updates_total", model="policy", outcome="ok")
     assert ok == 0.0, f"an update sent again counted as {ok:g} more update(s)"
     assert "weights update of policy to s1 repeated" in srv.log(), srv.log()
+
+
+def _histograms(scrape_: Scrape) -> dict[tuple, dict]:
+    """Each histogram series (name and labels but ``le``): its buckets as (le, count), its _sum and _count."""
+    out: dict[tuple, dict] = {}
+    for family in scrape_.families():
+        if family.type != "histogram":
+            continue
+        for sample in family.samples:
+            key = (family.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le")))
+            series = out.setdefault(key, {"buckets": []})
+            if sample.name.endswith("_bucket"):
+                series["buckets"].append((float(sample.labels["le"]), sample.value))
+            else:
+                series[sample.name.removeprefix(family.name)] = sample.value
+    return out
+
+
+def test_histograms_agree_with_themselves_and_counters_never_went_down(server):
+    """What histogram_quantile() and rate() assume of every series, on a server exercised by these
+    tests (answers of every kind, a weight update, hostile requests): cumulative buckets ending at
+    +Inf with _count, a finite _sum of non-negative observations, no counter or count lower than at
+    start, and one latency sample per answer packscore_requests_total counts, route by route."""
+    srv, at_start, _ = server
+    _hostile_round(srv.url, uuid.uuid4().hex[:12])
+    now = scrape(srv.url)
+    histograms = _histograms(now)
+    assert len(histograms) > 20, sorted(histograms)  # per model, per route, the weight updates' too
+    for (name, labels), series in histograms.items():
+        buckets = sorted(series["buckets"])
+        counts = [count for _, count in buckets]
+        assert buckets and buckets[-1][0] == math.inf, (name, labels, buckets)
+        assert counts == sorted(counts), f"{name}{labels}: buckets not cumulative {buckets}"
+        assert counts[-1] == series["_count"], f"{name}{labels}: +Inf {counts[-1]}, _count {series['_count']}"
+        assert math.isfinite(series["_sum"]) and series["_sum"] >= 0, (name, labels, series["_sum"])
+        assert series["_count"] > 0 or series["_sum"] == 0, (name, labels, series)
+    kinds = {s.name: f.type for f in now.families() for s in f.samples}
+    went_down = [(name, labels, at_start.value(name, **dict(labels)), now.value(name, **dict(labels)))
+                 for name, labels in at_start.samples()
+                 if kinds.get(name) == "counter" or (kinds.get(name) == "histogram" and not name.endswith("_sum"))
+                 if (now.value(name, **dict(labels)) or 0.0) < at_start.value(name, **dict(labels))]
+    assert not went_down, went_down
+    answers: dict[str, float] = {}
+    timed: dict[str, float] = {}
+    for family in now.families():
+        for sample in family.samples:
+            if sample.name == "packscore_requests_total":
+                answers[sample.labels["route"]] = answers.get(sample.labels["route"], 0.0) + sample.value
+            elif sample.name == "packscore_request_latency_seconds_count":
+                timed[sample.labels["route"]] = sample.value
+    routes = {route for route, n in answers.items() if n} | set(timed)
+    assert {route: (answers.get(route, 0.0), timed.get(route, 0.0)) for route in routes
+            if answers.get(route, 0.0) != timed.get(route, 0.0)} == {}
