@@ -87,7 +87,10 @@ class Metrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(namespace="packscore", registry=r)
         self.requests = Counter(
-            "packscore_requests_total", "HTTP requests answered, by route and status code.", ["route", "status"], registry=r
+            "packscore_requests_total",
+            "HTTP answers, by route and status code, each request counted once (499: its client left before the answer).",
+            ["route", "status"],
+            registry=r,
         )
         # Not a status of packscore_requests_total: such a request was answered (200) and counted there.
         self.send_timeouts = Counter(
@@ -120,7 +123,8 @@ class Metrics:
         )
         self.rejections = Counter(
             "packscore_rejections_total",
-            "Requests refused or failed, by reason (the error type: queue_full, sequence_too_large, invalid_value, ...)",
+            "Requests refused or failed, by reason (the error type: queue_full, sequence_too_large, invalid_value, ...); "
+            'the protocol layer\'s own answers under route="other" are in packscore_connections_closed_total instead.',
             ["reason"],
             registry=r,
         )
@@ -135,7 +139,8 @@ class Metrics:
         )
         self.queue_wait = Histogram(
             "packscore_queue_wait_seconds",
-            "Time a sequence waited from its request asking for room (in the admission bound) to the start of its forward.",
+            "Time a sequence waited from its request asking for room (in the admission bound) to the start of its forward "
+            "(the readiness pass's sequence included).",
             _MODEL,
             buckets=_LATENCY_BUCKETS,
             registry=r,

@@ -2,6 +2,8 @@
 other: read from the registry itself, whether or not a server has written a sample of it yet
 (tests/e2e/test_e2e_metrics.py checks the labels on a live server's /metrics)."""
 
+import pytest
+
 from service.http.metrics import Metrics
 from tests.live_metrics import documented
 
@@ -36,3 +38,15 @@ def test_slow_kernel_fallback_help_says_a_cpus_reference_kernels_read_0():
     (family,) = [f for f in Metrics().registry.collect() if f.name == "packscore_slow_kernel_fallback"]
     assert "on a GPU fell back" in family.documentation, family.documentation
     assert "--allow-slow-kernels" in family.documentation, family.documentation
+
+
+@pytest.mark.parametrize("name, says", [
+    ("packscore_requests", "499"),  # counted though no answer reached the client
+    ("packscore_rejections", "packscore_connections_closed_total"),  # the protocol layer's own answers are not here
+    ("packscore_queue_wait_seconds", "readiness pass"),  # its sequence is observed too, as in the forward series
+])
+def test_help_says_what_the_table_says_a_series_counts_beyond_its_name(name, says):
+    """The HELP Prometheus shows names what docs/deployment.md's table says the series counts
+    beyond what its name suggests, so an operator reading one does not read it otherwise."""
+    (family,) = [f for f in Metrics().registry.collect() if f.name == name]
+    assert says in family.documentation, family.documentation
