@@ -274,3 +274,9 @@ def test_the_stalled_alert_reads_forwards_ended_not_tokens_scored():
     all leave (499) score none while forwards run fine, which is no hung GPU."""
     expr = alerts()["PackscoreStalled"]["expr"]
     assert "rate(packscore_forward_seconds_count{" in expr and "tokens_scored" not in expr, expr
+
+
+def test_a_refused_update_that_named_no_model_reads_as_a_sentence():
+    # The server counts such refusals under model="": "of {{ $labels.model }}" alone would end "update of ".
+    summary = alerts()["PackscoreWeightsUpdateFailed"]["annotations"]["summary"]
+    assert "{{ if $labels.model }}of {{ $labels.model }}{{ else }}" in summary, summary
