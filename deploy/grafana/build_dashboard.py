@@ -132,7 +132,7 @@ def build() -> dict:
     g.add(_stat("Tokens scored / s", f"sum(rate(packscore_tokens_scored_total{{{SEL}}}[{RATE}]))", "short",
                 "Tokens whose log-probability was returned, per second."), 4, 4)
     g.add(_stat("Requests / s", f"sum(rate(packscore_requests_total{{{SEL}}}[{RATE}]))", "reqps",
-                "HTTP requests answered, all routes and statuses."), 4, 4)
+                "HTTP requests by route and status: every answer, and under 499 those whose client left before it."), 4, 4)
     g.add(_stat("5xx ratio",
                 f'sum(rate(packscore_requests_total{{{SEL}, status=~"5.."}}[{RATE}])) '
                 f"/ sum(rate(packscore_requests_total{{{SEL}}}[{RATE}]))",
