@@ -49,6 +49,7 @@ _SERVED_WHILE_DRAINING = _OPEN_ROUTES | {"/metrics"}
 _ROUTE_LABELS = frozenset({*SCORE_ROUTES, *_OPEN_ROUTES, "/metrics", "/v1/models", WEIGHTS_ROUTE, "/docs", "/redoc",
                            "/openapi.json"})
 _CLOSE = {"Connection": "close"}
+_CLOSE_HEADER = [(b"connection", b"close")]  # the same, as an ASGI message carries it
 # /readyz's 503 by status: a drain closes the connection; an update in place lasts seconds
 _NOT_READY_HEADERS = {"draining": {"Retry-After": "1", **_CLOSE}, "updating_weights": {"Retry-After": "2"}}
 
@@ -170,12 +171,16 @@ class _Gate:
         metrics = self.service.metrics
         started = time.perf_counter()
         status, started_answer = 500, False
+        # Both framings (RFC 9112 6.1: chunked wins) may be a smuggling attempt: answered, then the connection closes.
+        names = {name for name, _ in scope["headers"]}
+        added = [id_header, *_CLOSE_HEADER] if b"content-length" in names and b"transfer-encoding" in names else [id_header]
 
         async def send_observed(message: Message) -> None:
             nonlocal status, started_answer
             if message["type"] == "http.response.start":
                 status, started_answer = message["status"], True
-                message = {**message, "headers": [*message.get("headers", ()), id_header]}
+                kept = [(k, v) for k, v in message.get("headers", ()) if len(added) == 1 or k.lower() != b"connection"]
+                message = {**message, "headers": [*kept, *added]}
             await send(message)
 
         try:

@@ -229,3 +229,20 @@ def test_a_malformed_requests_400_names_the_part_that_broke(tmp_path):
     head, size_line, chunk_end = messages
     assert "Content-Length" in head and "chunk" not in head, head
     assert size_line == chunk_end and "chunked body" in size_line and "chunk-size line" in size_line, messages
+
+
+def test_a_request_with_both_content_length_and_chunked_is_answered_then_its_connection_closed(tmp_path):
+    # RFC 9112 6.1: chunked framing wins, and the server must close after answering (a smuggling guard).
+    server = fake_server(tmp_path).wait_ready()
+    try:
+        chunked = f"{len(_BODY):x}\r\n".encode() + _BODY + b"\r\n0\r\n\r\n"
+        with _connect(server) as sock:
+            sock.sendall(_SCORE_HEAD + b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked)
+            both, closed_after = read_until_closed(sock, 10)
+        with _connect(server) as sock:  # one framing: kept alive as before
+            sock.sendall(_SCORE_HEAD + f"Content-Length: {len(_BODY)}\r\n\r\n".encode() + _BODY)
+            one, kept_for = read_until_closed(sock, 2)
+    finally:
+        server.stop()
+    assert _status(both) == 200 and b"connection: close" in both.lower() and closed_after < 5, (both, closed_after)
+    assert _status(one) == 200 and b"connection: close" not in one.lower() and kept_for >= 1.9, (one, kept_for)
