@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 import time
 from typing import Callable
@@ -74,7 +75,7 @@ class _BarProgress(_Progress):
         super().__init__(total, initial, tokens)
         self._written = written
         self.bar = tqdm(total=total, initial=initial, unit="seq",
-                        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
+                        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]", **_unsized(sys.stderr))
 
     def refresh(self) -> None:
         self._set_left()
@@ -104,6 +105,16 @@ class _BarProgress(_Progress):
             else:
                 self.bar.n = self._initial + kept
         self.bar.close()
+
+
+def _unsized(stream) -> dict:
+    """tqdm's size for a terminal that reports none (0 columns or rows: a pty nobody sized, as `script` run from a
+    job makes): tqdm would take -1 from it and draw nothing at all, so it gets an 80x24 terminal's (less 1, as tqdm's)."""
+    try:
+        columns, rows = os.get_terminal_size(stream.fileno())
+    except (AttributeError, ValueError, OSError):  # no descriptor (a test's stand-in): tqdm's own size
+        return {}
+    return {**({"ncols": 79} if columns <= 0 else {}), **({"nrows": 23} if rows <= 0 else {})}
 
 
 class _LoggedProgress(_Progress):

@@ -242,3 +242,25 @@ def test_the_wait_for_the_first_result_is_logged_as_often_as_a_still_line(monkey
     lines = [(at, messages) for at, messages in said if messages]
     assert [at for at, _ in lines] == [30.0, 60.0, 120.0], said
     assert all("none yet after" in m[0] for _, m in lines[:2]) and "tokens/s" in lines[2][1][0], said
+
+
+def test_the_bar_shows_on_a_terminal_that_reports_no_size(tmp_path):
+    """A pty nobody sized (0x0: `script` run from a job, `os.openpty()`) is a terminal to tqdm, whose bar takes
+    -1 columns and rows from it and drew nothing: no bar and no log line. The real command, on the tiny preset."""
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(b"".join(orjson.dumps({"id": f"r{i}", "input_ids": [1, 2, 3, 4]}) + b"\n" for i in range(3)))
+    terminal, stderr = os.openpty()
+    assert os.get_terminal_size(stderr) == (0, 0)
+    run = subprocess.Popen([sys.executable, "-m", "service.cli", "score", str(source), "-o", str(out), "--log-level",
+                            "warning"], stderr=stderr, stdin=subprocess.DEVNULL,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    os.close(stderr)
+    shown = bytearray()
+    with contextlib.suppress(OSError):  # EIO once the child has exited
+        while chunk := os.read(terminal, 4096):
+            shown.extend(chunk)
+    code = run.wait(timeout=120)
+    os.close(terminal)
+    text = shown.decode(errors="replace")
+    assert code == 0 and len(out.read_bytes().splitlines()) == 3, text[-2000:]
+    assert re.search(r"100%\|[^\r\n]*\| 3/3 \[", text), f"no bar drawn on the terminal:\n{text[-2000:]}"
