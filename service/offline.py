@@ -411,7 +411,8 @@ def _score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     if todo == 0:
         log.info("nothing left to score")
         return 0
-    if unrecorded := sum(1 for result in done.values() if None in result.run):
+    # of IN's lines only: a result whose id IN lacks is kept as it is, never checked against this run
+    if unrecorded := sum(1 for seq_id, result in done.items() if None in result.run and seq_id in seen):
         does, it, it_is, it_was = ("does", "it", "it is", "it was") if unrecorded == 1 else \
             ("do", "them", "they are", "they were")
         log.warning("%s: %s %s not record the temperature, weights_version and dtype that made %s (an earlier packscore "

@@ -39,3 +39,14 @@ def test_each_count_of_one_is_said_in_the_singular(tmp_path):
             "packscore wrote it): it is kept unchecked, so give the --temperature, --model and --dtype it was scored "
             "with") in again, again[-3000:]
     assert "scored 2/2 sequences (" in again and f"wrote 1 result to {out}" in again, again[-3000:]
+
+
+def test_a_result_of_an_id_not_in_in_is_not_counted_as_one_the_rerun_must_repeat_options_for(tmp_path):
+    """An earlier packscore's result whose id IN lacks is kept as it is and never checked: the warning asking the
+    rerun for the temperature, model and dtype it was scored with counts IN's unrecorded results only."""
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    out.write_bytes(orjson.dumps({"id": "gone", "logprobs": [-1.5, -2.5], "entropy": [1.0, 1.0]}) + b"\n")
+    said = _score(tmp_path, ["a"])
+    assert f"{out} holds 1 result whose id is not in {source} (kept as it is)" in said, said[-3000:]
+    assert "does not record the temperature" not in said, said[-3000:]
+    assert [orjson.loads(line)["id"] for line in out.read_bytes().splitlines()] == ["gone", "a"]
