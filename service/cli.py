@@ -212,9 +212,11 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
         os.environ.pop("TRITON_CACHE_DIR", None)
         os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
         configure_kernel_cache(settings.triton_cache_dir)
+    given = vars(args)  # the options given on the command line: a refusal of one from the environment names it
     if settings.expert_gemm is not None:
         if not settings.expert_gemm.is_file():
-            print(f"packscore: error: --expert-gemm {settings.expert_gemm}: no such file", file=sys.stderr)
+            reason = f"--expert-gemm {settings.expert_gemm}: no such file"
+            print(f"packscore: error: {reason}{_from_environment(reason, given)}", file=sys.stderr)
             return 2
     try:
         settings = _check_model_and_key(settings)
@@ -225,7 +227,7 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
         _check_checkpoint(settings)
         _check_kernels(settings)
     except (ValueError, OSError, ImportError) as exc:
-        print(f"packscore: error: {exc}", file=sys.stderr)
+        print(f"packscore: error: {exc}{_from_environment(str(exc), given)}", file=sys.stderr)
         return 2
     if args.command == "serve":
         return serve(settings, record)
