@@ -99,6 +99,12 @@ def _finished_ids(output: Path) -> dict[str, Done]:
                     raise TypeError(f"id must be a string, got {seq_id!r}")
                 scored = len(record["logprobs"])
                 input_hash = None if record.get("input_hash") is None else int(record["input_hash"], 16)
+                top_k = record.get("top_k_ids")
+                k = 0 if top_k is None else (len(top_k[0]) if top_k else None)
+                run = tuple(record.get(name) for name in _RUN_FIELDS)
+                for name, value in zip(_RUN_FIELDS, run):  # a list or object there would stop the run with a traceback
+                    if isinstance(value, (list, dict)):
+                        raise TypeError(f"{name} must be a string or a number, got {value!r}")
             except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
                 reason = f"no {exc} field" if isinstance(exc, KeyError) else str(exc)
                 if isinstance(exc, orjson.JSONDecodeError):  # its "line 1 column 1" counts within the line, not OUT
@@ -107,9 +113,6 @@ def _finished_ids(output: Path) -> dict[str, Done]:
                     f"{output}:{number}: not a result line ({reason}); remove or repair it, then run again "
                     "(the lines after it are kept)"
                 ) from None
-            top_k = record.get("top_k_ids")
-            k = 0 if top_k is None else (len(top_k[0]) if top_k else None)
-            run = tuple(record.get(name) for name in _RUN_FIELDS)
             if seq_id in done:
                 repeated.add(seq_id)
             done[seq_id] = Done(number, scored, "entropy" in record, k, runs.setdefault(run, run), input_hash)

@@ -57,6 +57,28 @@ def test_an_out_line_that_is_not_json_is_named_by_out_s_line_alone(no_model, tmp
     assert out.read_bytes() == kept
 
 
+
+@pytest.mark.parametrize("bad, said", [
+    (b'{"id":"y","logprobs":[],"top_k_ids":[5]}\n', "out.jsonl:2: not a result line (object of type 'int' has no len())"),
+    (b'{"id":"y","logprobs":[],"top_k_ids":5}\n', "out.jsonl:2: not a result line ('int' object is not subscriptable)"),
+    (b'{"id":"y","logprobs":[],"temperature":[1.0]}\n',
+     "out.jsonl:2: not a result line (temperature must be a string or a number, got [1.0])"),
+    (b'{"id":"y","logprobs":[],"weights_version":{"v":1}}\n',
+     "out.jsonl:2: not a result line (weights_version must be a string or a number, got {'v': 1})"),
+], ids=["top-k-row-not-a-list", "top-k-not-a-list", "temperature-a-list", "weights-version-an-object"])
+def test_an_out_line_whose_fields_are_of_the_wrong_kind_is_named_not_a_traceback(no_model, tmp_path, capsys, bad,
+                                                                                  said):
+    """A result line edited by hand or by a script: named as OUT's line that is not a result (exit 2), as one that
+    is not JSON is, not a TypeError's traceback (exit 1, read as a bug)."""
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(_GOOD)
+    kept = b'{"id":"x","logprobs":[]}\n' + bad + b'{"id":"z","logprobs":[]}\n'
+    out.write_bytes(kept)
+    assert cli.main(["score", str(source), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err, err
+    assert out.read_bytes() == kept
+
 @pytest.mark.parametrize("lines, said", [
     ([{"id": "a", "input_ids": [1]}, {"id": "b", "input_ids": [2]}, {"id": "a", "input_ids": [3]}],
      "in.jsonl:3: id 'a' appears twice in the input (first on line 1)"),
