@@ -75,6 +75,8 @@ def _add_options(parser: argparse.ArgumentParser, names: Sequence[str], *, one_m
                            "result line's model field, as --served-model-name does")
         if one_model and name == "served_model_name":  # offline, no client: the name goes into OUT
             description = "name written in each result line's model field (default: the model's)"
+        if one_model and name == "kernels":  # offline, no HTTP: the load's log line names what runs
+            description = description.replace("/v1/models shows what runs", "the log's 'loaded' line shows what runs")
         # argparse formats help with %: a literal one in a description must reach it doubled
         help_text = f"{description} [env PACKSCORE_{name.upper()}{shown_default}]".replace("%", "%%")
         kind = _optional_inner(field.annotation)
