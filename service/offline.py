@@ -97,6 +97,8 @@ def _finished_ids(output: Path) -> dict[str, Done]:
                 seq_id = record["id"]
                 if not isinstance(seq_id, str):
                     raise TypeError(f"id must be a string, got {seq_id!r}")
+                if not isinstance(record["logprobs"], list):  # a string's or object's len would pass for one
+                    raise TypeError(f"logprobs must be a list, got {record['logprobs']!r}")
                 scored = len(record["logprobs"])
                 input_hash = None if record.get("input_hash") is None else int(record["input_hash"], 16)
                 top_k = record.get("top_k_ids")

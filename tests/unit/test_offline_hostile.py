@@ -65,11 +65,12 @@ def test_an_out_line_that_is_not_json_is_named_by_out_s_line_alone(no_model, tmp
      "out.jsonl:2: not a result line (temperature must be a string or a number, got [1.0])"),
     (b'{"id":"y","logprobs":[],"weights_version":{"v":1}}\n',
      "out.jsonl:2: not a result line (weights_version must be a string or a number, got {'v': 1})"),
-], ids=["top-k-row-not-a-list", "top-k-not-a-list", "temperature-a-list", "weights-version-an-object"])
+    (b'{"id":"y","logprobs":"ab"}\n', "out.jsonl:2: not a result line (logprobs must be a list, got 'ab')"),
+], ids=["top-k-row-not-a-list", "top-k-not-a-list", "temperature-a-list", "weights-version-an-object", "logprobs-text"])
 def test_an_out_line_whose_fields_are_of_the_wrong_kind_is_named_not_a_traceback(no_model, tmp_path, capsys, bad,
                                                                                   said):
     """A result line edited by hand or by a script: named as OUT's line that is not a result (exit 2), as one that
-    is not JSON is, not a TypeError's traceback (exit 1, read as a bug)."""
+    is not JSON is, not a TypeError's traceback (exit 1, read as a bug) nor, for a string's length, a result."""
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_bytes(_GOOD)
     kept = b'{"id":"x","logprobs":[]}\n' + bad + b'{"id":"z","logprobs":[]}\n'
