@@ -366,12 +366,13 @@ async def _finish_started(scheduler: Scheduler, tickets: list[Ticket], abandon: 
 def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
     """Scores every line of ``input_path`` not yet in ``output_path``; returns the exit status."""
     created = not output_path.exists()
+    made = Path(os.path.realpath(output_path))  # a dangling symlink's target: the file removed, the user's link kept
     try:
         problem = path_problem(input_path, output_path)
         lock = None if problem is not None else lock_output(output_path)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM as OUT was made, before its removal below could
         if created:
-            remove_if_empty(output_path)
+            remove_if_empty(made)
         raise
     if problem is not None:
         print(f"packscore: error: {problem}", file=sys.stderr)
@@ -385,8 +386,8 @@ def score_file(settings: Settings, input_path: Path, output_path: Path) -> int:
         try:
             code = _score_file(settings, input_path, output_path)
         finally:  # also where Ctrl-C or SIGTERM stopped it before scoring began
-            if code != 0 and created and output_path.stat().st_size == 0:  # a first run that wrote nothing: no OUT
-                output_path.unlink()
+            if code != 0 and created and made.stat().st_size == 0:  # a first run that wrote nothing: no OUT
+                made.unlink()
         return code
 
 

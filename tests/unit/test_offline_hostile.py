@@ -80,6 +80,18 @@ def test_an_out_line_whose_fields_are_of_the_wrong_kind_is_named_not_a_traceback
     assert said in err and "Traceback" not in err, err
     assert out.read_bytes() == kept
 
+def test_a_refused_first_run_into_a_dangling_symlink_keeps_the_link_and_leaves_no_empty_target(no_model, tmp_path,
+                                                                                              capsys):
+    """-o a symlink to a results file not made yet (a link into shared storage): the first run creates the target
+    and, refused, removed the link and left the empty target behind; it removes what it made, the target."""
+    source, link, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "shared" / "results.jsonl"
+    target.parent.mkdir()
+    link.symlink_to(target)
+    source.write_bytes(_GOOD + b"{not json\n")
+    assert cli.main(["score", str(source), "-o", str(link)]) == 2
+    assert "in.jsonl:2: not valid JSON" in capsys.readouterr().err
+    assert link.is_symlink() and not target.exists(), sorted(p.name for p in tmp_path.rglob("*"))
+
 @pytest.mark.parametrize("lines, said", [
     ([{"id": "a", "input_ids": [1]}, {"id": "b", "input_ids": [2]}, {"id": "a", "input_ids": [3]}],
      "in.jsonl:3: id 'a' appears twice in the input (first on line 1)"),
