@@ -1,7 +1,8 @@
 """docs/client.md's trainer recipe, run as written against a real server: a verl-style padded batch
 of numpy arrays -> reference log-probs aligned with the response mask -> the k3 KL. Also README.md's
-client examples, packscore_client's docstring example and the curl request of README.md and
-docs/usage.md with the answer they show."""
+client examples, packscore_client's docstring example, docs/client.md's ``score`` block, the curl
+request of README.md and docs/usage.md with the answer they show, and docs/weights.md's serve and
+update commands with the answer shown."""
 
 from __future__ import annotations
 
@@ -99,6 +100,22 @@ def _numbers(value) -> list[float]:
     return [float(value)] if isinstance(value, (int, float)) and not isinstance(value, bool) else []
 
 
+def _curl(command: str, variables: dict[str, str]) -> tuple[str, dict[str, str], str]:
+    """A documented curl command's URL, headers (``variables`` put in) and ``-d`` body, as the shell passes them."""
+    command = command.split("curl ", 1)[1].replace("\\\n", " ")
+    url = re.search(r"https?://\S+", command).group(0)
+    pairs = re.findall(r"-H (?:'([^']*)'|\"([^\"]*)\")", command)  # -H 'single' or -H "double" quoted
+    headers = {}
+    for single, double in pairs:
+        text = single or double
+        if double:  # the shell expands $VAR inside "..." only
+            for name, value in variables.items():
+                text = text.replace(name, value)
+        key, _, value = text.partition(": ")
+        headers[key] = value
+    return url, headers, re.search(r"-d '([^']*)'", command).group(1)
+
+
 @pytest.mark.parametrize("doc", ["README.md", "docs/usage.md"])
 def test_the_documented_curl_request_gets_the_answer_shown(tiny_server, doc):
     """The first ``curl .../score`` of the page, sent as written (its headers and body, $KEY the API
@@ -106,11 +123,7 @@ def test_the_documented_curl_request_gets_the_answer_shown(tiny_server, doc):
     the CPU's float32 tolerance."""
     path = Path(__file__).resolve().parents[2] / doc
     command = next(b for b in _blocks(path, "bash") if "curl -s http://127.0.0.1:8000/score" in b)
-    command = command.split("curl -s ", 1)[1].replace("\\\n", " ")
-    url = command.split()[0]
-    pairs = re.findall(r"-H (?:'([^']*)'|\"([^\"]*)\")", command)  # -H 'single' or -H "double" quoted
-    headers = dict((single or double).replace("$KEY", API_KEY).split(": ", 1) for single, double in pairs)
-    body = re.search(r"-d '([^']*)'", command).group(1)
+    url, headers, body = _curl(command, {"$KEY": API_KEY})
     answer = next(b for b in _blocks(path, "json") if '"results"' in b)
     shown = json.loads(answer)
 
@@ -161,3 +174,51 @@ def test_the_client_package_docstring_example_runs_as_written(tiny_server):
     runner = doctest.DocTestRunner()
     runner.run(test)
     assert runner.summarize(verbose=False) == doctest.TestResults(failed=0, attempted=5)
+
+
+def test_the_client_score_example_runs_as_written(tiny_server):
+    """docs/client.md's ``score`` block ("Sequences without padding"): the arrays it names, of the
+    dtypes and shapes its comment gives."""
+    page = Path(__file__).resolve().parents[2] / "docs" / "client.md"
+    block = next(b for b in _blocks(page, "python") if "out = ref.score(" in b)
+    prompt, ids = [5, 6, 7], np.array([5, 6, 7, 8, 9, 10, 11])
+    with packscore_client.ScoreClient(tiny_server.url, api_key=API_KEY) as ref:
+        scope = {"ref": ref, "ids": ids, "prompt": prompt}
+        exec(compile(block, str(page), "exec"), scope)
+    logprobs, entropy, top_k_ids = scope["out"][0].logprobs, scope["out"][0].entropy, scope["out"][0].top_k_ids
+    n = len(ids) - len(prompt)
+    assert (logprobs.dtype, logprobs.shape) == (np.float32, (n,))
+    assert (entropy.dtype, entropy.shape) == (np.float32, (n,))
+    assert (top_k_ids.dtype, top_k_ids.shape) == (np.int32, (n, 5))
+
+
+def test_the_weights_pages_serve_and_update_commands_get_the_answer_shown(tmp_path):
+    """docs/weights.md's two shell blocks as written, /ckpt and the admin key's file put in: the
+    serve command of a policy beside its reference, then the curl update, answered as its comment shows."""
+    import shlex
+
+    from tests.checkpoints import save_checkpoint
+    from tests.e2e.helpers import ServerProcess
+
+    page = Path(__file__).resolve().parents[2] / "docs" / "weights.md"
+    serve, update = (next(b for b in _blocks(page, "sh") if mark in b) for mark in ("packscore serve", "/v1/weights"))
+    root, secret = tmp_path / "ckpt", tmp_path / "packscore-admin"
+    args = shlex.split(serve.replace("\\\n", " ").replace("/ckpt", str(root)).replace("/run/secrets/packscore-admin", str(secret)))
+    assert args[:2] == ["packscore", "serve"], args
+    for name in ("step-000000", "reference", "step-000120"):
+        save_checkpoint("qwen3_5", root / name, seed=len(name))
+    secret.write_text("e2e-admin\n")
+    server = ServerProcess(tmp_path, *args[2:])
+    try:
+        server.wait_ready(timeout=240)
+        url, headers, body = _curl(update, {"$ADMIN_KEY": "e2e-admin"})
+        response = httpx.post(url.replace("http://scorer:8000", server.url), content=body, headers=headers, timeout=120)
+        status, shown = re.search(r"# (\d{3}) (\{.*\})", update).groups()
+        assert response.status_code == int(status), response.text
+        got, shown = response.json(), json.loads(shown)
+        assert _shape(got) == _shape(shown), f"the server answers {_shape(got)}"
+        assert (got["model"], got["weights_version"]) == (shown["model"], shown["weights_version"])
+        versions = {m["id"]: m["weights_version"] for m in httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).json()["data"]}
+        assert versions["policy"] == "step-120" and set(versions) == {"policy", "ref"}, versions
+    finally:
+        assert server.stop() == 0, server.log()
