@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from packscore_client import AsyncScoreClient, ScoreClient, ScoreError, UpdateEverywhereError
 from tests.e2e.helpers import fake_server, served_version
@@ -110,3 +112,36 @@ def test_an_update_sent_again_while_the_first_still_loads_waits_for_it(server):
             return await client.update_weights(None, "step-3", version="again-3")
 
     assert asyncio.run(main()).weights_version == "again-3"
+
+
+def _update_counts(url: str) -> dict[str, float]:
+    """The weights route's samples that docs/weights.md names for an update whose client left."""
+    counts = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == "packscore_weights_updates_total" and sample.labels["outcome"] == "ok":
+                counts["ok"] = sample.value
+            elif sample.name == "packscore_requests_total" and sample.labels["route"] == "/v1/weights":
+                counts[sample.labels["status"]] = sample.value
+    return counts
+
+
+def test_an_update_whose_client_left_runs_on_counts_the_answer_it_gave_and_a_retry_gets_it(server):
+    """docs/weights.md: the server does not watch an update's connection, so a client that times out
+    mid-load leaves an update that serves, counted ``ok`` and as the 200 it gave (not a 499); sent
+    again, the same path and version get that answer at once."""
+    before = _update_counts(server.url)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/weights", json={"path": "step-4", "version": "left-4"}, timeout=SHORT_S)
+    _served_soon(server.url, "left-4")
+    end = time.monotonic() + 10
+    while (after := _update_counts(server.url)).get("200", 0) == before.get("200", 0):
+        assert time.monotonic() < end, after
+        time.sleep(0.05)
+    assert after["ok"] - before["ok"] == 1 and after["200"] - before.get("200", 0) == 1, (before, after)
+    assert after.get("499", 0) == before.get("499", 0), (before, after)
+    t0 = time.monotonic()
+    again = httpx.post(server.url + "/v1/weights", json={"path": "step-4", "version": "left-4"}, timeout=30)
+    assert again.status_code == 200 and again.json()["weights_version"] == "left-4", again.text
+    assert time.monotonic() - t0 < LOAD_S  # answered, not loaded again
+    assert _update_counts(server.url)["ok"] == after["ok"]
