@@ -2,6 +2,8 @@
 its connection (sent once more: scoring has no side effects)."""
 
 import asyncio
+import contextlib
+import socket
 import threading
 import time
 
@@ -13,11 +15,9 @@ from packscore_client import AsyncScoreClient, ScoreClient, ScoreError
 BASE = "http://packscore.test"
 
 
-def test_a_read_timeout_is_not_sent_again():
-    """A server that took the request and has not answered within timeout_s is still scoring it:
-    sending it again would score it twice on a server already too slow."""
-    import socket
-
+@contextlib.contextmanager
+def _silent_server():
+    """``(url, accepted)``: a listener that accepts every connection and never reads or answers."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
@@ -26,23 +26,28 @@ def test_a_read_timeout_is_not_sent_again():
     def accept_and_never_answer():
         while True:
             try:
-                conn, _ = listener.accept()
+                accepted.append(listener.accept()[0])
             except OSError:
                 return
-            accepted.append(conn)  # read nothing back, answer nothing
 
     threading.Thread(target=accept_and_never_answer, daemon=True).start()
-    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", accepted
+    finally:
+        listener.close()
+        for conn in accepted:
+            conn.close()
+
+
+def test_a_read_timeout_is_not_sent_again():
+    """A server that took the request and has not answered within timeout_s is still scoring it:
+    sending it again would score it twice on a server already too slow."""
+    with _silent_server() as (url, accepted):
         with ScoreClient(url, timeout_s=0.5, connect_retry_s=10) as client, pytest.raises(ScoreError) as failed:
             client.score([[1, 2, 3]])
         assert failed.value.status == 0 and failed.value.type == "read_timeout", failed.value
         # /readyz (the limits) and /score: one connection each at most, the score never resent
         assert len(accepted) <= 2, f"{len(accepted)} connections"
-    finally:
-        listener.close()
-        for conn in accepted:
-            conn.close()
 
 
 def test_an_unreachable_server_is_retried_for_the_whole_connect_window():
@@ -92,40 +97,20 @@ def test_deadline_ms_ends_the_retries_of_an_unreachable_server_in_time(monkeypat
 def test_deadline_ms_bounds_a_first_calls_wait_for_the_limits(blocking):
     """The GET /readyz a new client's first call sends for the server's limits is part of the call:
     a server that does not answer it is waited for until deadline_ms at most, then 504."""
-    import socket
 
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    accepted = []
-
-    def accept_and_never_answer():
-        while True:
-            try:
-                accepted.append(listener.accept()[0])
-            except OSError:
-                return
-
-    threading.Thread(target=accept_and_never_answer, daemon=True).start()
-    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-
-    async def awaited():
+    async def awaited(url):
         async with AsyncScoreClient(url, timeout_s=30) as client:
             await client.score([[1, 2, 3]], deadline_ms=1000)
 
-    try:
+    with _silent_server() as (url, _):
         started = time.monotonic()
         with pytest.raises(ScoreError) as failed:
             if blocking:
                 with ScoreClient(url, timeout_s=30) as client:
                     client.score([[1, 2, 3]], deadline_ms=1000)
             else:
-                asyncio.run(awaited())
+                asyncio.run(awaited(url))
         elapsed = time.monotonic() - started
-    finally:
-        listener.close()
-        for conn in accepted:
-            conn.close()
     assert (failed.value.status, failed.value.type) == (504, "deadline_exceeded"), failed.value
     assert elapsed < 1.0 + 0.5, f"raised {elapsed:.2f} s into a call of deadline_ms=1000"
 
