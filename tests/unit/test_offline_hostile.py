@@ -57,7 +57,6 @@ def test_an_out_line_that_is_not_json_is_named_by_out_s_line_alone(no_model, tmp
     assert out.read_bytes() == kept
 
 
-
 @pytest.mark.parametrize("bad, said", [
     (b'{"id":"y","logprobs":[],"top_k_ids":[5]}\n', "out.jsonl:2: not a result line (object of type 'int' has no len())"),
     (b'{"id":"y","logprobs":[],"top_k_ids":5}\n', "out.jsonl:2: not a result line ('int' object is not subscriptable)"),
