@@ -57,7 +57,7 @@ def _send_later(signum: int, pause_s: float = 0.0) -> bool:
     """Sends ``signum`` again from a thread, after ``pause_s`` and once the imports under way end; False where no
     thread could start. One held signal of each kind is sent again, however many came."""
     if signum not in _held:
-        _held[signum] = threading.Thread(target=_send_once_torch_is_imported, args=(signum, pause_s),
+        _held[signum] = threading.Thread(target=_send_once_imports_end, args=(signum, pause_s),
                                          name=f"packscore-{signal.Signals(signum).name.lower()}-held", daemon=True)
         try:
             _held[signum].start()
@@ -98,7 +98,7 @@ def _importing() -> bool:
     return any(getattr(getattr(module, "__spec__", None), "_initializing", False) for module in list(sys.modules.values()))
 
 
-def _send_once_torch_is_imported(signum: int, pause_s: float = 0.0) -> None:
+def _send_once_imports_end(signum: int, pause_s: float = 0.0) -> None:
     """Sends the held signal again once the imports under way, torch's and the one that asked for it, have
     ended, for the handler then in place to act on: as the next module's classes are made, KeyboardInterrupt
     in a ``__set_name__`` (a dataclass field's) would turn into a RuntimeError (exit 1, a traceback)."""
