@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import numbers
 import time
+from typing import Any
 
 import httpx
 
@@ -110,6 +111,15 @@ class _Base:
         ``update_timeout_s``; connecting and sending as every request."""
         read = self._update_timeout_s if timeout_s is None else seconds(timeout_s, "timeout_s")
         return httpx.Timeout(self._timeout.write, connect=self._timeout.connect, read=read)
+
+    def _within(self, within_s: float | None) -> httpx.Timeout | Any:
+        """The timeouts of one request whose answer is due within ``within_s`` (what is left of a call's
+        deadline_ms): each of the client's, no longer than that; None, the client's."""
+        if within_s is None:
+            return httpx.USE_CLIENT_DEFAULT
+        t = self._timeout
+        return httpx.Timeout(connect=min(t.connect, within_s), read=min(t.read, within_s),
+                             write=min(t.write, within_s), pool=min(t.pool, within_s))
 
     def _check_open(self) -> None:
         if self._closed:  # else a thread pool's or httpx's RuntimeError, which does not say why

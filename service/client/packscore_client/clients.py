@@ -17,7 +17,7 @@ from packscore_client import everywhere
 from packscore_client.answers import models_answer, readiness_answer
 from packscore_client.base import UPDATE_TIMEOUT_S, _Base, _known
 from packscore_client.padded import PaddedScores, by_one_version
-from packscore_client.protocol import ScoredSequence, ScoreError, WeightsUpdate
+from packscore_client.protocol import Post, ScoredSequence, ScoreError, WeightsUpdate
 
 __all__ = ["AsyncScoreClient", "ScoreClient", "UPDATE_TIMEOUT_S"]  # UPDATE_TIMEOUT_S: base.py's, named here too
 
@@ -250,9 +250,10 @@ class ScoreClient(_Base):
                 if isinstance(step, tuple):  # (path, timeout): a GET
                     step = steps.send(self._get(*step))
                     continue
+                body, wait_s = (step.body, self._within(step.within_s)) if isinstance(step, Post) else (step, timeout)
                 try:
                     with self._http_in_use() as http:
-                        outcome: Any = http.post(route, content=step, headers=headers, timeout=timeout,
+                        outcome: Any = http.post(route, content=body, headers=headers, timeout=wait_s,
                                                  extensions=self._extensions)
                 except httpx.RequestError as exc:  # a body it cannot decode too: the exchange judges it
                     outcome = exc
@@ -475,9 +476,10 @@ class AsyncScoreClient(_Base):
                 if isinstance(step, tuple):  # (path, timeout): a GET
                     step = steps.send(await self._get(*step))
                     continue
+                body, wait_s = (step.body, self._within(step.within_s)) if isinstance(step, Post) else (step, timeout)
                 try:
                     async with self._http_in_use() as http:
-                        outcome: Any = await http.post(route, content=step, headers=headers, timeout=timeout,
+                        outcome: Any = await http.post(route, content=body, headers=headers, timeout=wait_s,
                                                        extensions=self._extensions)
                 except httpx.RequestError as exc:  # a body it cannot decode too: the exchange judges it
                     outcome = exc

@@ -1,8 +1,8 @@
 """What the blocking and the asyncio clients share, with no I/O: request bodies, splitting a batch
 under the server's limits, answers, errors, and the retry and split decisions of one exchange.
 
-``exchange`` is a generator that yields what it needs done (a body to POST, a ``(path, timeout)``
-to GET, seconds to sleep) and receives the outcome; each client drives it with its own kind of I/O, so the retry logic exists once.
+``exchange`` is a generator that yields what it needs done (a body to POST, or a ``Post`` of one
+with the seconds its answer may take, a ``(path, timeout)`` to GET, seconds to sleep) and receives the outcome; each client drives it with its own kind of I/O, so the retry logic exists once.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from packscore_client.errors import (NOT_THE_CONTRACT, ScoreError, describe, gat
 from packscore_client.inputs import Seq, as_seq, as_seqs, bearer_key, options, seconds
 
 # the input checks of inputs.py are importable from here too, as the names this module's callers use
-__all__ = ["Limits", "Protocol", "READY_POLL_S", "ScoreError", "ScoredSequence", "Seq", "WeightsUpdate", "as_seq",
-           "as_seqs", "bearer_key", "options", "renumbered", "retry_after", "seconds"]
+__all__ = ["DEADLINE_GRACE_S", "Limits", "Post", "Protocol", "READY_POLL_S", "ScoreError", "ScoredSequence", "Seq",
+           "WeightsUpdate", "as_seq", "as_seqs", "bearer_key", "options", "renumbered", "retry_after", "seconds"]
 
 log = logging.getLogger("packscore_client")
 
@@ -62,6 +62,15 @@ class WeightsUpdate:
     load_s: float
     swap_ms: float
     request_id: str | None = None  # the answer's X-Request-Id, which the server's log lines for the update name
+
+
+@dataclass(frozen=True)
+class Post:
+    """A body to POST whose answer is waited for ``within_s`` at most (what is left of the call's
+    deadline_ms, and a grace for the server's own 504), else for the client's timeouts."""
+
+    body: bytes
+    within_s: float | None
 
 
 @dataclass(frozen=True)
@@ -306,15 +315,19 @@ class Protocol:
         each attempt asks the server for what is left of it, and none is sent once it has passed.
         """
         attempt, unreachable_since, resent = 0, None, False
+        # deadline_ms of 0 or less, sent once as given: the server answers it at once
+        due = deadline if deadline is not None or options.get("deadline_ms") is None else time.monotonic()
         while True:
+            within_s = None if due is None else DEADLINE_GRACE_S
             if deadline is not None:
                 left_ms = math.ceil((deadline - time.monotonic()) * 1000.0)
                 if left_ms <= 0:
                     raise ScoreError(504, "deadline_exceeded", "deadline_ms passed before the result was ready "
                                      "(before this part of the call was sent, or while it was retried).", "deadline_ms")
                 options = {**options, "deadline_ms": left_ms}
+                within_s += left_ms / 1000.0
             sent = self.body(seqs, options)
-            outcome = yield sent
+            outcome = yield Post(sent, within_s)
             if isinstance(outcome, httpx.Response) and (gateway := gateway_error(outcome)) is not None:
                 # a proxy's own 502/504 (a restart, a pod not ready behind it): the server was not
                 # reached, and is waited for as one that refuses connections
@@ -361,6 +374,11 @@ class Protocol:
                                      f"be answered (the server said {outcome.status_code} {error.type}).", "deadline_ms",
                                      error.request_id)
                 self._waiting_out("POST /score", error, wait, attempt)
+            elif isinstance(outcome, httpx.TimeoutException) and due is not None and time.monotonic() >= due:
+                # The server was told the deadline and answers 504 itself at it: none came, even a grace later
+                raise ScoreError(504, "deadline_exceeded", f"no answer from {self.base_url} by deadline_ms, nor "
+                                 f"{DEADLINE_GRACE_S:g}s past it for the server's own 504 ({describe(outcome)}); the "
+                                 "request was not sent again", "deadline_ms") from outcome
             elif isinstance(outcome, httpx.ReadTimeout):
                 # The server has the request and is still scoring it: sent again, it would be scored twice
                 # on a server already too slow, and the answer would come no sooner.
@@ -430,6 +448,10 @@ class Protocol:
                     describe(error), wait, ends)
         return wait, since
 
+
+# How long past a call's deadline_ms its request's answer is waited for: the server, told the deadline,
+# answers 504 itself at it, which names the request (its request id) where a client's own 504 cannot.
+DEADLINE_GRACE_S = 0.5
 
 # Before the one resend after a lost connection: a server that died closed its other kept-alive
 # connections too, and a resend at once could take one of them before its close is seen.
