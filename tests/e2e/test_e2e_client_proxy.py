@@ -78,16 +78,18 @@ def test_the_per_address_requests_of_an_update_everywhere_bypass_the_environment
         got = client.update_weights_everywhere(None, "step-1", version="step-1")
         assert {a: u.weights_version for a, u in got.items()} == {"127.0.0.1": "step-1"}, proxy.seen
         assert served_version(server.url) == "step-1" and proxy.seen == [], proxy.seen
-        with pytest.raises(ScoreError):  # the client's own request: the proxy's 502 page
+        with pytest.raises(ScoreError):  # the client's own request: the proxy's 502 page, for connect_retry_s
             client.models()
-    assert proxy.seen == [f"GET {url}/v1/models"], proxy.seen  # the environment's proxy was in force
+    # the environment's proxy was in force
+    assert proxy.seen and set(proxy.seen) == {f"GET {url}/v1/models"}, proxy.seen
+    seen = len(proxy.seen)
 
     async def main():
         async with AsyncScoreClient(url, connect_retry_s=0.5) as client:
             return await client.update_weights_everywhere(None, "step-2", version="step-2")
 
     assert {a: u.weights_version for a, u in asyncio.run(main()).items()} == {"127.0.0.1": "step-2"}, proxy.seen
-    assert served_version(server.url) == "step-2" and len(proxy.seen) == 1, proxy.seen
+    assert served_version(server.url) == "step-2" and len(proxy.seen) == seen, proxy.seen
 
 
 class _BodyLimitProxy(http.server.BaseHTTPRequestHandler):

@@ -111,3 +111,30 @@ def test_a_hung_server_is_waited_for_until_the_deadline_not_timeout_s(blocking, 
     assert (e.status, e.type, e.param) == (504, "deadline_exceeded", "deadline_ms"), e
     due = deadline_ms / 1000 + DEADLINE_GRACE_S
     assert due - 0.05 <= elapsed < due + 0.5, f"raised {elapsed:.2f} s into a call of deadline_ms={deadline_ms}"
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_score_padded_s_look_at_v1_models_is_bounded_by_the_deadline_too(blocking):
+    """Two parts scored by two versions (an update landed between them): score_padded asks /v1/models
+    which one serves now, and a server hung there is waited for until the deadline too."""
+    versions = iter(["v1", "v2"])
+
+    def answer(line: str, body: bytes):
+        if line.startswith("GET /readyz"):
+            return 200, {"status": "ready", "limits": {**_LIMITS, "max_sequences_per_request": 1}}
+        if line.startswith("POST /score"):
+            n = len(json.loads(body)["sequences"][0]["input_ids"])
+            return 200, {"model": "m", "weights_version": next(versions), "usage": {},
+                         "results": [{"id": None, "logprobs": [-0.5] * (n - 2), "entropy": [0.1] * (n - 2)}]}
+        return None  # GET /v1/models: hung
+
+    def rows(client):
+        return client.score_padded([[1, 2, 3], [4, 5, 6]], [[1, 1, 1]] * 2, [[1]] * 2, deadline_ms=500)
+
+    with _server(answer) as url:
+        started = time.monotonic()
+        with pytest.raises(ScoreError) as failed:
+            _call(blocking, url, rows)
+        elapsed = time.monotonic() - started
+    assert (failed.value.status, failed.value.type) == (504, "deadline_exceeded"), failed.value
+    assert elapsed < 0.5 + DEADLINE_GRACE_S + 0.5, f"raised {elapsed:.2f} s into a call of deadline_ms=500"

@@ -140,7 +140,7 @@ class ScoreClient(_Base):
             ask = next(steps)
             while True:
                 if ask[0] == "models":
-                    ask = steps.send(self.models())
+                    ask = steps.send(self._models(end))
                     continue
                 try:
                     got = self.score(ask[1], weights_version=ask[2], deadline_ms=ask[3], **kw)
@@ -153,8 +153,13 @@ class ScoreClient(_Base):
             raise batch.named_by_place(error) from error
 
     def models(self) -> list[dict]:
-        """GET /v1/models: the served models, each with its ``weights_version`` (API.md)."""
-        return models_answer(self._get("/v1/models"))
+        """GET /v1/models: the served models, each with its ``weights_version`` (API.md); a 429, a 503 (the
+        server loading or draining) and a server not reached are waited out as ``score`` waits them out."""
+        return self._models()
+
+    def _models(self, deadline: float | None = None) -> list[dict]:
+        return models_answer(self._drive(self._p.get_exchange("/v1/models", time.monotonic() + self._p.retry_timeout_s,
+                                                              _DISCOVERY_TIMEOUT_S, deadline)))
 
     def ready(self) -> dict:
         """GET /readyz's body: ``status`` is ``"ready"`` (with the served models and their limits) or
@@ -394,7 +399,7 @@ class AsyncScoreClient(_Base):
             ask = next(steps)
             while True:
                 if ask[0] == "models":
-                    ask = steps.send(await self.models())
+                    ask = steps.send(await self._models(end))
                     continue
                 try:
                     got = await self.score(ask[1], weights_version=ask[2], deadline_ms=ask[3], **kw)
@@ -408,7 +413,11 @@ class AsyncScoreClient(_Base):
 
     async def models(self) -> list[dict]:
         """As ``ScoreClient.models``."""
-        return models_answer(await self._get("/v1/models"))
+        return await self._models()
+
+    async def _models(self, deadline: float | None = None) -> list[dict]:
+        return models_answer(await self._drive(self._p.get_exchange(
+            "/v1/models", time.monotonic() + self._p.retry_timeout_s, _DISCOVERY_TIMEOUT_S, deadline)))
 
     async def ready(self) -> dict:
         """As ``ScoreClient.ready``."""

@@ -240,6 +240,47 @@ class Protocol:
             yield wait
             attempt += 1
 
+    def get_exchange(self, route: str, give_up: float, timeout_s: float, deadline: float | None = None
+                     ) -> Generator[tuple[str, float] | float, Any, httpx.Response | Exception]:
+        """GET ``route`` (``/v1/models``) with ``exchange``'s retries: 429 and 503 after their Retry-After
+        until ``give_up``, a server not reached (a gateway's 502/504 page too) for ``connect_retry_s``, a
+        connection lost before the answer once more. Returns the last answer, or the exception that
+        replaced it, for the caller to read; ``deadline`` bounds it all as it bounds ``exchange``."""
+        attempt, unreachable_since, resent = 0, None, False
+        while True:
+            wait_s = timeout_s
+            if deadline is not None:
+                if (left := deadline - time.monotonic()) <= 0:
+                    raise ScoreError(504, "deadline_exceeded", f"deadline_ms passed before GET {route} was answered.",
+                                     "deadline_ms")
+                wait_s = min(timeout_s, left + DEADLINE_GRACE_S)
+            outcome = yield (route, wait_s)
+            if isinstance(outcome, httpx.Response) and (gateway := gateway_error(outcome)) is not None:
+                wait, unreachable_since = self._unreachable(gateway, attempt, unreachable_since, give_up,
+                                                            deadline=deadline)
+            elif isinstance(outcome, httpx.Response):
+                wait = retry_after(outcome, attempt)
+                if outcome.status_code not in _RETRY_STATUSES or time.monotonic() + wait > give_up:
+                    return outcome
+                error = response_error(outcome)
+                if deadline is not None and time.monotonic() + wait >= deadline:
+                    raise ScoreError(504, "deadline_exceeded", f"deadline_ms would pass before a retry of GET {route} "
+                                     f"could be answered (the server said {error.status} {error.type}).", "deadline_ms",
+                                     error.request_id)
+                self._waiting_out(f"GET {route}", error, wait, attempt)
+            elif isinstance(outcome, _NOT_SENT_WHOLE):
+                wait, unreachable_since = self._unreachable(outcome, attempt, unreachable_since, give_up,
+                                                            deadline=deadline)
+            elif isinstance(outcome, (httpx.RemoteProtocolError, httpx.ReadError)) and not resent:
+                resent, wait = True, _RESEND_WAIT_S  # a kept-alive connection the server closed: a GET changes nothing
+            elif isinstance(outcome, httpx.TimeoutException) and deadline is not None and time.monotonic() >= deadline:
+                raise ScoreError(504, "deadline_exceeded", f"no answer to GET {route} from {self.base_url} by "
+                                 f"deadline_ms ({describe(outcome)})", "deadline_ms") from outcome
+            else:
+                return outcome
+            yield wait
+            attempt += 1
+
     def readiness_wait(self, timeout_s: float, request_timeout_s: float) -> Generator[tuple[str, float] | float, Any, dict]:
         """GET /readyz until ready, as ``exchange`` drives /score: yields ``("/readyz", timeout)``
         for a GET (send back its response, or the exception that replaced it) and a float to sleep,
