@@ -133,3 +133,39 @@ def test_a_misspelt_option_is_refused_by_the_method_called():
                 await client.score_padded(IDS, ATTN, RESP, temprature=0.7)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("encoding", ["json", "msgpack"])
+@pytest.mark.parametrize("deadline_ms", [2**64 - 1, 10**13], ids=["the-servers-bound", "centuries"])
+def test_a_deadline_up_to_the_servers_bound_is_sent_within_it(deadline_ms, encoding):
+    """A deadline_ms of centuries overflowed the blocking client's lock and wait timeouts, and one at the
+    server's bound came out of a float's rounding at 2**64, past it (msgpack's OverflowError, else the server's 422)."""
+    import msgpack
+
+    sent = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/readyz":
+            return httpx.Response(200, json={"status": "ready", "limits": {}})
+        body = json.loads(request.content) if encoding == "json" else msgpack.unpackb(request.content)
+        sent.append(body["deadline_ms"])
+        seq = body["sequences"][0]
+        ids = seq["input_ids"]
+        n = (len(ids) // 4 if isinstance(ids, bytes) else len(ids)) - (seq["score_from"] or 1)  # msgpack: int32 bytes
+        return httpx.Response(200, json={"model": "m", "weights_version": "v", "usage": {},
+                                         "results": [{"id": None, "logprobs": [-0.5] * n, "entropy": [0.1] * n}]})
+
+    def transport():
+        return httpx.MockTransport(handler)
+
+    with ScoreClient(BASE, transport=transport(), encoding=encoding) as client:
+        assert len(client.score([[1, 2, 3]], deadline_ms=deadline_ms)) == 1
+        assert client.score_padded(IDS, ATTN, RESP, deadline_ms=deadline_ms).logprobs.shape == (1, 3)
+
+    async def main():
+        async with AsyncScoreClient(BASE, transport=transport(), encoding=encoding) as client:
+            assert len(await client.score([[1, 2, 3]], deadline_ms=deadline_ms)) == 1
+            assert (await client.score_padded(IDS, ATTN, RESP, deadline_ms=deadline_ms)).logprobs.shape == (1, 3)
+
+    asyncio.run(main())
+    assert len(sent) == 4 and all(0 < ms <= 2**64 - 1 for ms in sent), sent

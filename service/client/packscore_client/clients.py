@@ -25,7 +25,9 @@ _DISCOVERY_TIMEOUT_S = 5.0
 
 
 def _left_s(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
+    """What is left of a call's deadline, in seconds a lock's or a wait's timeout can hold (a deadline_ms
+    of centuries is legal and overflows them)."""
+    return None if deadline is None else min(threading.TIMEOUT_MAX, max(0.0, deadline - time.monotonic()))
 
 
 def _discovery_s(deadline: float | None) -> float:

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+MAX_DEADLINE_MS = 2**64 - 1  # the server's bound on deadline_ms (a uint64)
+
 _INT32_MAX = 2**31 - 1
 
 
@@ -143,7 +145,7 @@ def options(temperature, return_entropy, top_k, model, deadline_ms, weights_vers
             raise TypeError(f"{name} must be a str or None, got {value!r}")
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
-    if deadline_ms is not None and not (math.isfinite(deadline_ms) and deadline_ms < 2**64):  # the server's bound
+    if deadline_ms is not None and not (math.isfinite(deadline_ms) and deadline_ms <= MAX_DEADLINE_MS):  # the server's
         raise ValueError(f"deadline_ms must be finite and below 2**64 (None: no deadline), got {deadline_ms}")
     if isinstance(deadline_ms, np.generic):  # a numpy int is sent as is when <= 0: JSON and msgpack take no numpy
         deadline_ms = deadline_ms.item()

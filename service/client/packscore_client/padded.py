@@ -19,6 +19,7 @@ from typing import Any, Generator
 
 import numpy as np
 
+from packscore_client.inputs import MAX_DEADLINE_MS
 from packscore_client.protocol import ScoredSequence, ScoreError, renumbered
 
 
@@ -152,7 +153,7 @@ def _left_ms(end: float | None) -> int | None:
     """What is left of a call's deadline for another request, or ScoreError 504 once it passed."""
     if end is None:
         return None
-    left = math.ceil((end - time.monotonic()) * 1000.0)
+    left = min(MAX_DEADLINE_MS, math.ceil((end - time.monotonic()) * 1000.0))  # a float's rounding: not past the bound
     if left <= 0:
         raise ScoreError(504, "deadline_exceeded", "deadline_ms passed while the batch was scored again by one "
                          "weights version.", "deadline_ms")

@@ -25,7 +25,7 @@ import numpy as np
 from packscore_client.answers import GIVEN_UP, readiness_answer
 from packscore_client.errors import (NOT_THE_CONTRACT, ScoreError, describe, gateway_error, not_packscore,
                                     response_error)
-from packscore_client.inputs import Seq, as_seq, as_seqs, bearer_key, options, seconds
+from packscore_client.inputs import MAX_DEADLINE_MS, Seq, as_seq, as_seqs, bearer_key, options, seconds
 
 # the input checks of inputs.py are importable from here too, as the names this module's callers use
 __all__ = ["DEADLINE_GRACE_S", "Limits", "Post", "Protocol", "READY_POLL_S", "ScoreError", "ScoredSequence", "Seq",
@@ -361,7 +361,8 @@ class Protocol:
         while True:
             within_s = None if due is None else DEADLINE_GRACE_S
             if deadline is not None:
-                left_ms = math.ceil((deadline - time.monotonic()) * 1000.0)
+                # a float's rounding may put a deadline_ms near the server's bound past it: never sent past it
+                left_ms = min(MAX_DEADLINE_MS, math.ceil((deadline - time.monotonic()) * 1000.0))
                 if left_ms <= 0:
                     raise ScoreError(504, "deadline_exceeded", "deadline_ms passed before the result was ready "
                                      "(before this part of the call was sent, or while it was retried).", "deadline_ms")
