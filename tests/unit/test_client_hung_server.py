@@ -110,7 +110,7 @@ def test_a_hung_server_is_waited_for_until_the_deadline_not_timeout_s(blocking, 
     e = failed.value
     assert (e.status, e.type, e.param) == (504, "deadline_exceeded", "deadline_ms"), e
     due = deadline_ms / 1000 + DEADLINE_GRACE_S
-    assert due - 0.05 <= elapsed < due + 0.5, f"raised {elapsed:.2f} s into a call of deadline_ms={deadline_ms}"
+    assert due - 0.05 <= elapsed < due + 1.0, f"raised {elapsed:.2f} s into a call of deadline_ms={deadline_ms}"
 
 
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
@@ -137,4 +137,4 @@ def test_score_padded_s_look_at_v1_models_is_bounded_by_the_deadline_too(blockin
             _call(blocking, url, rows)
         elapsed = time.monotonic() - started
     assert (failed.value.status, failed.value.type) == (504, "deadline_exceeded"), failed.value
-    assert elapsed < 0.5 + DEADLINE_GRACE_S + 0.5, f"raised {elapsed:.2f} s into a call of deadline_ms=500"
+    assert elapsed < 0.5 + DEADLINE_GRACE_S + 1.0, f"raised {elapsed:.2f} s into a call of deadline_ms=500"
