@@ -345,7 +345,7 @@ class Protocol:
         ``indices``: where each of ``seqs`` stands in the caller's list, which an error names (the
         server numbers the sequences of the request it got).
 
-        Yields a body to POST (and receives the ``httpx.Response``, or the ``httpx.RequestError``
+        Yields a ``Post`` of a body (and receives the ``httpx.Response``, or the ``httpx.RequestError``
         raised instead) or seconds to sleep (and receives None). 429 and 503 are retried after their
         Retry-After until ``give_up`` (a ``time.monotonic()``); a server that cannot be reached is
         retried for ``connect_retry_s`` from the first failure in a row (until ``give_up`` at most), a log
@@ -353,7 +353,8 @@ class Protocol:
         a read timeout (the server has the request) raises ``read_timeout`` at once; a connection
         lost before any answer came is sent once more.
         ``deadline`` (a ``time.monotonic()``, from the call's ``deadline_ms``) bounds the retries too:
-        each attempt asks the server for what is left of it, and none is sent once it has passed.
+        each attempt asks the server for what is left of it, its answer is waited for until DEADLINE_GRACE_S
+        past it (a ``Post``), then 504 ``deadline_exceeded``, and none is sent once it has passed.
         """
         attempt, unreachable_since, resent = 0, None, False
         # deadline_ms of 0 or less, sent once as given: the server answers it at once
