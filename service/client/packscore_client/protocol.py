@@ -2,7 +2,8 @@
 under the server's limits, answers, errors, and the retry and split decisions of one exchange.
 
 ``exchange`` is a generator that yields what it needs done (a body to POST, or a ``Post`` of one
-with the seconds its answer may take, a ``(path, timeout)`` to GET, seconds to sleep) and receives the outcome; each client drives it with its own kind of I/O, so the retry logic exists once.
+with the seconds its answer may take, a ``(path, timeout)`` to GET, seconds to sleep) and receives
+the outcome; each client drives it with its own kind of I/O, so the retry logic exists once.
 """
 
 from __future__ import annotations
