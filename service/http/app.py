@@ -140,9 +140,10 @@ def create_app(settings: Settings, backend: BackendSources, record: WeightsRecor
 
 class _Gate:
     """Wraps every request: names it (``X-Request-Id``, service.http.request_id), counts it in the
-    metrics, checks the API key, refuses while draining, answers an unhandled error's 500 and a
-    request cut off by the shutdown with the drain's 503 (one cancelled otherwise, or whose client had
-    left, counts as 499, and has the access-log line uvicorn writes only for an answer it sends).
+    metrics, checks the API key, refuses while draining (and closes the connection of every answer
+    then), answers an unhandled error's 500 and a request cut off by the shutdown with the drain's 503
+    (one cancelled otherwise, or whose client had left, counts as 499, and has the access-log line
+    uvicorn writes only for an answer it sends).
 
     A plain ASGI middleware (not BaseHTTPMiddleware) so that handlers still receive the
     client's disconnect message. It answers the 500 itself, not through an exception handler
@@ -173,14 +174,16 @@ class _Gate:
         status, started_answer = 500, False
         # Both framings (RFC 9112 6.1: chunked wins) may be a smuggling attempt: answered, then the connection closes.
         names = {name for name, _ in scope["headers"]}
-        added = [id_header, *_CLOSE_HEADER] if b"content-length" in names and b"transfer-encoding" in names else [id_header]
+        smuggling = b"content-length" in names and b"transfer-encoding" in names
 
         async def send_observed(message: Message) -> None:
             nonlocal status, started_answer
             if message["type"] == "http.response.start":
                 status, started_answer = message["status"], True
-                kept = [(k, v) for k, v in message.get("headers", ()) if len(added) == 1 or k.lower() != b"connection"]
-                message = {**message, "headers": [*kept, *added]}
+                # Draining too: a connection kept after this answer would meet the exit's close with the next request.
+                closing = smuggling or self.service.phase == "draining"
+                kept = [(k, v) for k, v in message.get("headers", ()) if not closing or k.lower() != b"connection"]
+                message = {**message, "headers": [*kept, id_header, *(_CLOSE_HEADER if closing else ())]}
             await send(message)
 
         try:

@@ -19,9 +19,9 @@ import pytest
 from tests import warm_start
 from tests.checkpoints import nan_in, overflowing_head, rewrite_checkpoint
 from tests.e2e.held_exit import HELD
-from tests.e2e.helpers import (API_KEY, REPO, TINY_VOCAB, ServerProcess, assert_matches, decode, long_forward_body,
-                               post, post_in_background, queued_sequences, random_sequences, signalled_once,
-                               sigterm_mid_forward)
+from tests.e2e.helpers import (API_KEY, REPO, TINY_VOCAB, ServerProcess, assert_matches, decode, fake_server,
+                               long_forward_body, post, post_in_background, queued_sequences, random_sequences,
+                               read_until_closed, signalled_once, sigterm_mid_forward)
 from tests.ports import held_port
 from tests.signals import catches
 
@@ -468,3 +468,31 @@ def test_a_sigint_during_a_weights_load_exits_130_without_waiting_for_it_and_ans
     answer = answers.get("update")
     assert answer is not None and answer.status_code == 503, (answer, answer and answer.text, log[-3000:])
     assert answer.json()["error"]["type"] == "draining", answer.text
+
+
+def test_every_answer_while_draining_closes_its_connection(tmp_path):
+    # An admitted request's answer during the drain on a kept-alive connection: the exit follows its last one
+    # at once, so the client's next request on that connection would meet a closed socket, not the drain's 503.
+    server = fake_server(tmp_path, "--drain-timeout-s", "20", "--max-wait-ms", "1",
+                         env={"FAKE_SECONDS_PER_TOKEN": "0.02"}).wait_ready()
+    body = json.dumps({"sequences": [{"input_ids": list(range(1, 51))}]}).encode()  # a forward of 1 s
+    request = (b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=20) as admitted:
+            admitted.sendall(request)
+            deadline = time.monotonic() + 10
+            while queued_sequences(server.url) < 1:
+                assert time.monotonic() < deadline, server.log()
+                time.sleep(0.01)
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            probe = httpx.get(server.url + "/healthz", timeout=10)
+            reply, _ = read_until_closed(admitted, 10)  # returns once the server closed the connection
+        code = server.proc.wait(timeout=30)
+    finally:
+        server.stop()
+    head = reply.split(b"\r\n\r\n", 1)[0].decode().lower().split("\r\n")
+    assert head[0].startswith("http/1.1 200") and "connection: close" in head, reply[:400]
+    assert probe.status_code == 200 and probe.headers.get("connection") == "close", dict(probe.headers)
+    assert code == 0, server.log()
