@@ -20,9 +20,9 @@ from model_runtime.kernels.overrides import FAMILIES, check_kernel_overrides, pa
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 DEFAULT_QUEUED_TOKENS = 1 << 20  # the hard cap on admitted tokens of a one-GPU server
 # Bytes a request may take per token when it must be admissible: a JSON id of up to 6 digits and
-# a JSON rollout log-prob (a float64's shortest repr, up to about 22 characters), with separators;
-# plus per-sequence and fixed room.
-_BODY_BYTES_PER_TOKEN = 32
+# a JSON rollout log-prob (a float64's shortest repr, up to 24 characters), each with json.dumps'
+# ", " separator; plus per-sequence and fixed room.
+_BODY_BYTES_PER_TOKEN = 34
 _BODY_BYTES_PER_SEQUENCE = 256
 _BODY_BYTES_FIXED = 1 << 20
 
@@ -119,7 +119,7 @@ class Settings(BaseSettings):
         None,
         ge=1,
         description="largest request body in bytes; beyond it 413. Default: what the largest admissible request "
-        "needs, 32 bytes per token of --max-queued-tokens (an id and a rollout log-prob in JSON) + 256 per sequence "
+        "needs, 34 bytes per token of --max-queued-tokens (an id and a rollout log-prob in JSON) + 256 per sequence "
         "of --max-sequences-per-request + 1 MiB",
     )
     request_read_timeout_s: float = Field(

@@ -2,6 +2,7 @@
 
 import argparse
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -47,13 +48,28 @@ def test_admission_hard_cap_and_body_limit_defaults_follow_the_pool():
     more (the time bound, --queue-seconds, decides below it); the body limit follows the cap."""
     one = cli.parse_settings(["serve"])[1]
     assert one.queued_tokens == 1 << 20 and one.queue_seconds == 4.0 and one.max_admission_wait_s == 30.0
-    assert one.request_bytes == 32 * (1 << 20) + 256 * one.max_sequences_per_request + (1 << 20)
+    assert one.request_bytes == 34 * (1 << 20) + 256 * one.max_sequences_per_request + (1 << 20)
     eight = cli.parse_settings(["serve", "--world-size", "8", "--max-batch-tokens", "65536"])[1]
     assert eight.queued_tokens == 4 * 8 * 65536
     given = cli.parse_settings(["serve", "--world-size", "4", "--max-queued-tokens", "1000",
                                 "--max-request-bytes", "5000"])[1]
     assert given.queued_tokens == 1000 and given.request_bytes == 5000
 
+
+
+def test_the_default_body_limit_holds_the_largest_admissible_json_request():
+    """Every admissible token at its longest in JSON (json.dumps' separators, a 6-digit id, a rollout
+    log-prob of 24 characters) over the most sequences a request may hold fits the default limit."""
+    settings = cli.parse_settings(["serve"])[1]
+    n_seq = settings.max_sequences_per_request
+    length = settings.queued_tokens // n_seq
+    sequence = json.dumps({"id": "traj-000017", "input_ids": [248319] * length, "score_from": 1,
+                           "rollout_logprobs": [-2.2250738585072014e-308] * (length - 1)})
+    body = json.dumps({"model": "policy", "sequences": [], "temperature": 1.0, "return_entropy": True, "top_k": 20,
+                       "deadline_ms": 60000, "weights_version": "step-000120"}).replace('"sequences": []', '"sequences": ['
+                                                                                        + ", ".join([sequence] * n_seq) + "]")
+    assert n_seq * length == settings.queued_tokens
+    assert len(body.encode()) <= settings.request_bytes, (len(body.encode()), settings.request_bytes)
 
 def test_hostile_client_options_parse():
     s = cli.parse_settings(["serve", "--request-read-timeout-s", "2.5", "--max-connections", "100",

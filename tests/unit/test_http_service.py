@@ -520,7 +520,7 @@ def test_a_request_the_read_timeout_answered_408_is_counted_408_whatever_its_han
 
 @pytest.mark.parametrize("max_request_bytes,limit", [(None, 1 << 20), (4096, 4096)])
 def test_the_weights_route_s_413_names_its_own_limit(tmp_path, max_request_bytes, limit):
-    """The lower of 1 MiB and --max-request-bytes, not max_request_bytes alone (34 MiB by default)."""
+    """The lower of 1 MiB and --max-request-bytes, not max_request_bytes alone (36 MiB by default)."""
 
     async def main():
         app = create_app(Settings(weights_root=tmp_path, max_request_bytes=max_request_bytes), FakeBackend())
