@@ -78,6 +78,7 @@ def check_checkpoint(path: Path, *, expected: dict[str, tuple[int, ...]] | None 
     quantization = quantization_method(path, config)
     files = safetensors_files(path)
     stored, dtypes = _read_headers(path, files)
+    _refuse_non_float(path, dtypes)
     if quantization == "fp8":
         stored = _fp8_weight_shapes(path, config, stored, dtypes)
     else:
@@ -194,6 +195,20 @@ def _read_headers(path: Path, files: list[Path]) -> tuple[dict[str, tuple[int, .
                 raise CheckpointError("unreadable", f"{file} is a safetensors file that fails to read: {exc}") from None
             raise CheckpointError("unsupported", f"{file} is not a readable safetensors file: {exc}") from None
     return shapes, dtypes
+
+
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the float dtypes Hugging Face's loader casts from
+
+
+def _refuse_non_float(path: Path, dtypes: dict[str, str]) -> None:
+    """Integer, boolean or complex tensors: Hugging Face's loader casts them to the model's float dtype
+    (an integer-quantized weight without its quantization_config would serve as garbage)."""
+    odd = sorted(f"{k} {d}" for k, d in dtypes.items()
+                 if d not in FLOAT_DTYPES and not d.startswith("F8") and not k.startswith(IGNORED_PREFIXES))
+    if odd:
+        raise CheckpointError(
+            "unsupported", f"{path}: tensors stored in a dtype that is no float: {quoted_names(odd)}; "
+            "packscore loads float32, float16, bfloat16 and float64 weights (and FP8 ones with their quantization_config)")
 
 
 def _refuse_float8(path: Path, dtypes: dict[str, str]) -> None:

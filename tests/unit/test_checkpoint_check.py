@@ -98,6 +98,21 @@ def test_a_wrong_shape_is_refused(tmp_path, checkpoint_dir):
     refused(wrong, "incompatible", key, "[255, 64]", "[256, 64]")
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.int8, torch.uint8, torch.bool])
+def test_a_weight_stored_as_integers_is_refused(tmp_path, checkpoint_dir, dtype):
+    """Hugging Face's loader casts any dtype to the model's: integer weights (a quantization without its
+    quantization_config) would serve as garbage. Float dtypes other than the model's serve."""
+    key = "model.layers.3.self_attn.q_proj.weight"
+    source = checkpoint_dir("qwen3_5")
+    odd = rewrite_checkpoint(source, tmp_path / "odd", lambda t: {**t, key: (t[key] * 100).to(dtype)})
+    error = refused(odd, "unsupported", key, "no float")
+    assert "\n" not in str(error), error
+    ignored = rewrite_checkpoint(source, tmp_path / "vision", lambda t: {**t, "model.visual.x": torch.zeros(2, dtype=dtype)})
+    check_checkpoint(ignored)  # the vision tower is never read
+    for i, float_dtype in enumerate((torch.float16, torch.bfloat16, torch.float64)):
+        check_checkpoint(rewrite_checkpoint(source, tmp_path / f"float{i}", lambda t: {**t, key: t[key].to(float_dtype)}))
+
+
 def test_a_missing_expert_is_named(tmp_path, checkpoint_dir):
     key = "model.layers.2.mlp.experts.3.up_proj.weight"
     broken = rewrite_checkpoint(checkpoint_dir("qwen3_5_moe"), tmp_path / "ck", without(key))
