@@ -267,11 +267,17 @@ def _match(path: Path, stored: dict, needed: dict, aliases: dict) -> dict[str, t
     unexpected: list[str] = []
     mismatched: list[str] = []
     experts: dict[str, dict[str, dict[int, tuple[str, tuple[int, ...]]]]] = {}
+    seen: dict = {}  # a model name (or expert) -> the first checkpoint name of it
     for key, shape in stored.items():
         if key.startswith(IGNORED_PREFIXES):
             continue
         name = _model_name(key, known)
         match = _EXPERT_KEY.match(name)
+        expert = (match["base"], match["proj"], int(match["expert"])) if match else None
+        if (expert or name) in seen:  # another prefix of the same tensor: Hugging Face loads one of the two
+            unexpected.append(f"{key}, a second copy of {seen[expert or name]}")
+            continue
+        seen[expert or name] = key
         if name not in known and match and f"{match['base']}.gate_up_proj" in needed:
             experts.setdefault(match["base"], {}).setdefault(match["proj"], {})[int(match["expert"])] = (key, shape)
             continue
@@ -326,8 +332,10 @@ def _refuse_a_second_tied_head(path: Path, files: list[Path], stored: dict, need
 def _model_name(key: str, known) -> str:
     if key.startswith("model.language_model."):
         key = "model." + key[len("model.language_model.") :]
-    if key not in known and f"model.{key}" in known:  # a checkpoint of the bare decoder
-        key = f"model.{key}"
+    if key not in known:
+        expert = _EXPERT_KEY.match(key)  # per expert: known by its layer's fused tensor
+        if (f"model.{expert['base']}.gate_up_proj" if expert else f"model.{key}") in known:  # a checkpoint of the bare decoder
+            key = f"model.{key}"
     return key
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from model_runtime.scoring import loading
+from model_runtime.scoring import loading, weights
 from model_runtime.scoring.checkpoint import assert_fully_loaded, check_checkpoint
 from model_runtime.scoring.checkpoint_config import context_length
 from model_runtime.scoring.checkpoint_error import CheckpointError
@@ -96,6 +96,36 @@ def test_a_wrong_shape_is_refused(tmp_path, checkpoint_dir):
     key = "model.layers.3.self_attn.q_proj.weight"
     wrong = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "ck", lambda t: {**t, key: t[key][:-1]})
     refused(wrong, "incompatible", key, "[255, 64]", "[256, 64]")
+
+
+@pytest.mark.parametrize("kind, tensor", [("qwen3_5", "layers.0.input_layernorm.weight"),
+                                          ("qwen3_5_vl", "layers.0.input_layernorm.weight"),
+                                          ("qwen3_5_moe", "layers.2.mlp.experts.1.up_proj.weight")])
+@pytest.mark.parametrize("other", ["bare", "other_prefix"])
+def test_a_tensor_stored_under_two_prefixes_is_refused(tmp_path, checkpoint_dir, kind, tensor, other):
+    """``model.X`` beside ``X`` or ``model.language_model.X``: Hugging Face's loader takes one copy (the
+    bare one, where the weight reader of an update takes the other): the copy left over is named."""
+    prefix = "model.language_model." if kind == "qwen3_5_vl" else "model."
+    second = {"bare": tensor, "other_prefix": "model." + tensor if kind == "qwen3_5_vl" else "model.language_model." + tensor}[other]
+    twice = rewrite_checkpoint(checkpoint_dir(kind), tmp_path / "ck", lambda t: {**t, second: t[prefix + tensor] + 1})
+    error = refused(twice, "incomplete", "1 tensor in the files is not used", prefix + tensor, second)
+    assert "missing" not in str(error), error
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_next"])
+def test_a_bare_decoders_experts_stored_one_by_one_serve(tmp_path, checkpoint_dir, kind):
+    """Names without ``model.``, experts per expert: Hugging Face's loader takes them, and so do the check
+    and an update's reader, with the same values."""
+    source = checkpoint_dir(kind)
+    bare = rewrite_checkpoint(source, tmp_path / "bare", lambda t: {k.removeprefix("model."): v for k, v in t.items()})
+    assert check_checkpoint(bare).tensors == check_checkpoint(source).tensors
+    loaded = load_model(str(bare), device="cpu").model
+    reference = load_model(str(source), device="cpu").model
+    plan = weights.plan_reads(loaded, bare)
+    for name, value in weights.read_parameters(loaded, plan).items():
+        torch.testing.assert_close(value, reference.state_dict()[name], rtol=0, atol=0)
+    for name, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, reference.state_dict()[name], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.int8, torch.uint8, torch.bool])
