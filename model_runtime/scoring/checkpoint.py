@@ -112,10 +112,13 @@ def index_shards(path: Path) -> list | None:
     if not index.is_file():
         return None
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return sorted(set(weight_map.values()), key=str)
-    except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
-        raise CheckpointError("unsupported", f"{index} is not a safetensors index: {exc}") from None
+        content = json.loads(index.read_text())
+    except (OSError, ValueError) as exc:  # no read permission, or cut short (still being written), as config.json
+        raise CheckpointError("unreadable", f"{index} cannot be read: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        return sorted(set(content["weight_map"].values()), key=str)
+    except (KeyError, TypeError, AttributeError):
+        raise CheckpointError("unsupported", f"{index} is not a safetensors index: it has no weight_map object") from None
 
 
 def indexed_files(path: Path) -> tuple[list[Path], list[str]] | None:

@@ -27,11 +27,15 @@ def read_config(path: Path) -> dict:
     if not path.is_dir():
         raise CheckpointError("unsupported", f"{path} is not a directory; expected a Hugging Face checkpoint directory")
     config_file = path / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError("unsupported", f"{path} has no config.json; expected a Hugging Face checkpoint directory")
     try:
-        config = json.loads(config_file.read_text())
-    except (ValueError, OSError) as exc:
+        if not config_file.is_file():
+            raise CheckpointError("unsupported", f"{path} has no config.json; expected a Hugging Face checkpoint directory")
+        raw = config_file.read_bytes()
+    except OSError as exc:  # no permission to read it, or to search the directory
+        raise CheckpointError("unreadable", f"{config_file} cannot be read: {exc.strerror or exc}") from None
+    try:
+        config = json.loads(raw.decode("utf-8"))  # as Hugging Face reads it
+    except ValueError as exc:
         # a config cut short is often one still being written: the retryable kind
         raise CheckpointError("unreadable", f"{config_file} is not readable JSON: {exc}") from None
     if not isinstance(config, dict):

@@ -287,6 +287,52 @@ def test_a_weight_file_without_read_permission_is_named_with_the_reason(checkpoi
         shutil.rmtree(root)
 
 
+def test_a_config_or_index_it_may_not_read_is_unreadable_and_named_with_the_reason(checkpoint_dir):
+    """config.json or the index without read permission, or a directory it may not search: the
+    retryable kind with the reason, never a bare PermissionError. As an unprivileged user: root reads any file."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    root = Path(tempfile.mkdtemp())
+    try:
+        root.chmod(0o755)
+        cases = {"config": "config.json", "index": "model.safetensors.index.json", "directory": None}
+        for name, unreadable in cases.items():
+            ck = Path(shutil.copytree(checkpoint_dir("qwen3_5"), root / name))
+            (ck / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": "model.safetensors"}}))
+            for file in ck.iterdir():
+                file.chmod(0o644)
+            if unreadable:
+                (ck / unreadable).chmod(0o000)
+            ck.chmod(0o755 if unreadable else 0o700)
+        code = ("from model_runtime.scoring.checkpoint import check_checkpoint\n"
+                "from model_runtime.scoring.checkpoint_error import CheckpointError\n"
+                f"for name in {list(cases)!r}:\n"
+                f"    try: check_checkpoint({str(root)!r} + '/' + name)\n"
+                "    except CheckpointError as e: print(name, e.kind, e)\n")
+        out = subprocess.run([*unprivileged(), sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             cwd=Path(__file__).resolve().parents[2])
+        lines = out.stdout.splitlines()
+        assert len(lines) == 3, out
+        for line, (name, unreadable) in zip(lines, cases.items()):
+            assert line.startswith(f"{name} unreadable ") and f"{unreadable or 'config.json'} cannot be read: Permission denied" in line, out
+    finally:
+        for ck in root.iterdir():
+            ck.chmod(0o755)
+        shutil.rmtree(root)
+
+
+def test_an_index_cut_short_is_unreadable(tmp_path, checkpoint_dir):
+    """An index still being written, as config.json: the retryable kind (422 unreadable_checkpoint)."""
+    ck = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "ck")
+    (ck / "model.safetensors.index.json").write_text('{"weight_map": {"model.norm.weight": "model.saf')
+    refused(ck, "unreadable", "model.safetensors.index.json cannot be read")
+    (ck / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    refused(ck, "unsupported", "model.safetensors.index.json is not a safetensors index: it has no weight_map object")
+
+
 def test_a_shard_missing_from_the_index_is_named(tmp_path):
     build_hf_model("qwen3_5_moe").save_pretrained(tmp_path, max_shard_size="100KB")
     shards = sorted(tmp_path.glob("*.safetensors"))
