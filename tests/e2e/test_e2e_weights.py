@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from model_runtime.types import SequenceInput
 from service.client import ScoreClient, ScoreError
-from tests.checkpoints import build_hf_model, save_checkpoint
+from tests.checkpoints import build_hf_model, rewrite_checkpoint, save_checkpoint
 from tests.e2e.helpers import (API_KEY, AUTH, TOL, ServerProcess, assert_matches, decode, long_forward_body, post,
                                post_in_background, queued_sequences, random_sequences, served_versions)
 
@@ -41,6 +41,10 @@ def deployment(tmp_path_factory):
     dropped = sorted(tensors)[-1]
     del tensors[dropped]
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    # a norm stored twice (Hugging Face's loader would take one copy) and a weight stored as integers: refused
+    norm = "model.layers.0.input_layernorm.weight"
+    rewrite_checkpoint(policy1, root / "doubled", lambda t: {**t, norm.removeprefix("model."): t[norm] + 1})
+    rewrite_checkpoint(policy1, root / "integer", lambda t: {**t, norm: (t[norm] * 100).int()})
     # same architecture, other shapes (a wider MLP): refused as incompatible, not as incomplete
     build_hf_model("qwen3_5", seed=4, text={"intermediate_size": 96}).save_pretrained(root / "wider")
     (tmp / "outside").mkdir()
@@ -151,6 +155,12 @@ def test_refused_updates_change_nothing(deployment):
     wider = httpx.post(url + "/v1/weights", json={"model": "policy", "path": "wider"}, headers=ADMIN, timeout=120)
     assert wider.status_code == 422 and wider.json()["error"]["type"] == "incompatible_checkpoint", wider.text
     assert wider.json()["error"]["param"] == "path" and "mlp" in wider.json()["error"]["message"], wider.text
+    doubled = httpx.post(url + "/v1/weights", json={"model": "policy", "path": "doubled"}, headers=ADMIN, timeout=120)
+    assert doubled.status_code == 422 and doubled.json()["error"]["type"] == "incomplete_checkpoint", doubled.text
+    assert "second copy of" in doubled.json()["error"]["message"] and "layers.0.input_layernorm.weight" in doubled.text, doubled.text
+    integer = httpx.post(url + "/v1/weights", json={"model": "policy", "path": "integer"}, headers=ADMIN, timeout=120)
+    assert integer.status_code == 422 and integer.json()["error"]["type"] == "incompatible_checkpoint", integer.text
+    assert "model.layers.0.input_layernorm.weight I32" in integer.json()["error"]["message"], integer.text
     assert served_versions(url) == before
     seqs = random_sequences(np.random.default_rng(6), 3, VOCAB, lengths=(2, 50))
     response = post(url, {"model": "policy", "sequences": seqs})
