@@ -194,10 +194,24 @@ def _read_headers(path: Path, files: list[Path]) -> tuple[dict[str, tuple[int, .
                 open(file, "rb").close()
             except OSError as cause:
                 raise CheckpointError("unreadable", f"{file} cannot be read: {cause.strerror or cause}") from None
+            if _is_lfs_pointer(file):  # a clone without git-lfs: the pointer's first bytes read as a huge header length
+                raise CheckpointError("unsupported", f"{file} is a Git LFS pointer, not the weights it names: fetch them "
+                                      "(git lfs pull, or huggingface-cli download)") from None
             if has_header(file) or cut_in_header(file):  # a safetensors file cut short (being written?) or damaged
                 raise CheckpointError("unreadable", f"{file} is a safetensors file that fails to read: {exc}") from None
             raise CheckpointError("unsupported", f"{file} is not a readable safetensors file: {exc}") from None
     return shapes, dtypes
+
+
+def _is_lfs_pointer(file: Path) -> bool:
+    try:
+        with open(file, "rb") as f:
+            return f.read(len(LFS_POINTER)) == LFS_POINTER
+    except OSError:
+        return False
+
+
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the float dtypes Hugging Face's loader casts from
