@@ -173,6 +173,7 @@ def _read_headers(path: Path, files: list[Path]) -> tuple[dict[str, tuple[int, .
 
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, str] = {}
+    stored_in: dict[str, str] = {}
     for file in files:
         if not file.is_file():  # a pipe would hold the start forever; a directory or a device holds no weights
             raise CheckpointError("unsupported", f"{file} is not a regular file (a directory, a pipe, a device or a "
@@ -181,7 +182,9 @@ def _read_headers(path: Path, files: list[Path]) -> tuple[dict[str, tuple[int, .
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():
                     if key in shapes:
-                        raise CheckpointError("incompatible", f"{path}: tensor {key!r} is stored twice (again in {file.name})")
+                        raise CheckpointError("incompatible", f"{path}: tensor {key!r} is stored twice, in {stored_in[key]} "
+                                              f"and again in {file.name}; Hugging Face's loader would take one copy")
+                    stored_in[key] = file.name
                     piece = f.get_slice(key)
                     shapes[key] = tuple(int(d) for d in piece.get_shape())
                     dtypes[key] = piece.get_dtype()

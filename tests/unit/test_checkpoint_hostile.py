@@ -1,0 +1,130 @@
+"""Checkpoints damaged as a user could damage them: a tensor under two prefixes or in two files, integer
+weights, a config.json or an index that cannot be read. Each is refused at start (and by a weight update)
+naming the problem; the layouts Hugging Face's loader takes serve. More in test_checkpoint_check.py."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from model_runtime.scoring import weights
+from model_runtime.scoring.checkpoint import check_checkpoint
+from model_runtime.scoring.checkpoint_error import CheckpointError
+from model_runtime.scoring.loading import load_model
+from tests.checkpoints import rewrite_checkpoint
+from tests.unprivileged import unprivileged
+
+
+def refused(path, kind: str, *needles: str) -> CheckpointError:
+    with pytest.raises(CheckpointError) as caught:
+        check_checkpoint(path)
+    error = caught.value
+    assert error.kind == kind, f"kind {error.kind!r}, expected {kind!r}: {error}"
+    for needle in needles:
+        assert needle in str(error), f"{needle!r} not named in: {error}"
+    return error
+
+
+@pytest.mark.parametrize("kind, tensor", [("qwen3_5", "layers.0.input_layernorm.weight"),
+                                          ("qwen3_5_vl", "layers.0.input_layernorm.weight"),
+                                          ("qwen3_5_moe", "layers.2.mlp.experts.1.up_proj.weight")])
+@pytest.mark.parametrize("other", ["bare", "other_prefix"])
+def test_a_tensor_stored_under_two_prefixes_is_refused(tmp_path, checkpoint_dir, kind, tensor, other):
+    """``model.X`` beside ``X`` or ``model.language_model.X``: Hugging Face's loader takes one copy (the
+    bare one, where the weight reader of an update takes the other): the copy left over is named."""
+    prefix = "model.language_model." if kind == "qwen3_5_vl" else "model."
+    second = {"bare": tensor, "other_prefix": "model." + tensor if kind == "qwen3_5_vl" else "model.language_model." + tensor}[other]
+    twice = rewrite_checkpoint(checkpoint_dir(kind), tmp_path / "ck", lambda t: {**t, second: t[prefix + tensor] + 1})
+    error = refused(twice, "incomplete", "1 tensor in the files is not used", prefix + tensor, second)
+    assert "missing" not in str(error), error
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_next"])
+def test_a_bare_decoders_experts_stored_one_by_one_serve(tmp_path, checkpoint_dir, kind):
+    """Names without ``model.``, experts per expert: Hugging Face's loader takes them, and so do the check
+    and an update's reader, with the same values."""
+    source = checkpoint_dir(kind)
+    bare = rewrite_checkpoint(source, tmp_path / "bare", lambda t: {k.removeprefix("model."): v for k, v in t.items()})
+    assert check_checkpoint(bare).tensors == check_checkpoint(source).tensors
+    loaded = load_model(str(bare), device="cpu").model
+    reference = load_model(str(source), device="cpu").model
+    plan = weights.plan_reads(loaded, bare)
+    for name, value in weights.read_parameters(loaded, plan).items():
+        torch.testing.assert_close(value, reference.state_dict()[name], rtol=0, atol=0)
+    for name, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, reference.state_dict()[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.int8, torch.uint8, torch.bool])
+def test_a_weight_stored_as_integers_is_refused(tmp_path, checkpoint_dir, dtype):
+    """Hugging Face's loader casts any dtype to the model's: integer weights (a quantization without its
+    quantization_config) would serve as garbage. Float dtypes other than the model's serve."""
+    key = "model.layers.3.self_attn.q_proj.weight"
+    source = checkpoint_dir("qwen3_5")
+    odd = rewrite_checkpoint(source, tmp_path / "odd", lambda t: {**t, key: (t[key] * 100).to(dtype)})
+    error = refused(odd, "unsupported", key, "no float")
+    assert "\n" not in str(error), error
+    ignored = rewrite_checkpoint(source, tmp_path / "vision", lambda t: {**t, "model.visual.x": torch.zeros(2, dtype=dtype)})
+    check_checkpoint(ignored)  # the vision tower is never read
+    for i, float_dtype in enumerate((torch.float16, torch.bfloat16, torch.float64)):
+        check_checkpoint(rewrite_checkpoint(source, tmp_path / f"float{i}", lambda t: {**t, key: t[key].to(float_dtype)}))
+
+
+def test_a_config_or_index_it_may_not_read_is_unreadable_and_named_with_the_reason(checkpoint_dir):
+    """config.json or the index without read permission, or a directory it may not search: the
+    retryable kind with the reason, never a bare PermissionError. As an unprivileged user: root reads any file."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    root = Path(tempfile.mkdtemp())
+    try:
+        root.chmod(0o755)
+        cases = {"config": "config.json", "index": "model.safetensors.index.json", "directory": None}
+        for name, unreadable in cases.items():
+            ck = Path(shutil.copytree(checkpoint_dir("qwen3_5"), root / name))
+            (ck / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": "model.safetensors"}}))
+            for file in ck.iterdir():
+                file.chmod(0o644)
+            if unreadable:
+                (ck / unreadable).chmod(0o000)
+            ck.chmod(0o755 if unreadable else 0o700)
+        code = ("from model_runtime.scoring.checkpoint import check_checkpoint\n"
+                "from model_runtime.scoring.checkpoint_error import CheckpointError\n"
+                f"for name in {list(cases)!r}:\n"
+                f"    try: check_checkpoint({str(root)!r} + '/' + name)\n"
+                "    except CheckpointError as e: print(name, e.kind, e)\n")
+        out = subprocess.run([*unprivileged(), sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             cwd=Path(__file__).resolve().parents[2])
+        lines = out.stdout.splitlines()
+        assert len(lines) == 3, out
+        for line, (name, unreadable) in zip(lines, cases.items()):
+            assert line.startswith(f"{name} unreadable ") and f"{unreadable or 'config.json'} cannot be read: Permission denied" in line, out
+    finally:
+        for ck in root.iterdir():
+            ck.chmod(0o755)
+        shutil.rmtree(root)
+
+
+def test_an_index_cut_short_is_unreadable(tmp_path, checkpoint_dir):
+    """An index still being written, as config.json: the retryable kind (422 unreadable_checkpoint)."""
+    ck = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "ck")
+    (ck / "model.safetensors.index.json").write_text('{"weight_map": {"model.norm.weight": "model.saf')
+    refused(ck, "unreadable", "model.safetensors.index.json cannot be read")
+    (ck / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    refused(ck, "unsupported", "model.safetensors.index.json is not a safetensors index: it has no weight_map object")
+
+
+@pytest.mark.parametrize("indexed", [False, True])
+def test_a_tensor_in_two_files_is_refused_naming_both(tmp_path, checkpoint_dir, indexed):
+    from safetensors.torch import load_file, save_file
+
+    ck = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "ck")
+    tensors = load_file(ck / "model.safetensors")
+    save_file({"model.norm.weight": tensors["model.norm.weight"]}, ck / "extra.safetensors")
+    if indexed:
+        names = {k: "model.safetensors" for k in tensors} | {"model.norm.weight": "extra.safetensors"}
+        (ck / "model.safetensors.index.json").write_text(json.dumps({"weight_map": names}))
+    refused(ck, "incompatible", "'model.norm.weight' is stored twice, in extra.safetensors and again in model.safetensors")
