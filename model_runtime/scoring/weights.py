@@ -75,6 +75,15 @@ def _checkpoint_name(param: str, prefix: str) -> str:
     return param if param.startswith("lm_head.") else prefix + param
 
 
+def _stored_name(param: str, names: set, prefix: str) -> str:
+    """``param``'s name in a checkpoint holding ``names``: under its usual ``prefix``, else under whichever
+    prefix holds it (a checkpoint that mixes them, as Hugging Face's loader takes it)."""
+    for candidate in (prefix, "model.language_model.", "model.", ""):
+        if _checkpoint_name(param, candidate) in names:
+            return _checkpoint_name(param, candidate)
+    return _checkpoint_name(param, prefix)
+
+
 def held_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters by name, as held between forwards (FSDP shards, not whole tensors).
 
@@ -95,12 +104,13 @@ def parameter_reads(params: dict[str, torch.Tensor], names) -> list[ParameterRea
     reads = []
     for param, p in params.items():
         shape = tuple(p.shape)  # a DTensor reports its whole shape
-        name = _checkpoint_name(param, prefix)
+        name = _stored_name(param, names, prefix)
         m = _EXPERTS.match(param)
         if m is None or name in names:
             reads.append(ParameterRead(param, shape, (name,), "copy"))
             continue
-        base = _checkpoint_name(m["layer"], prefix)
+        first = ".0.down_proj.weight"  # per expert: the prefix that holds the layer's first expert
+        base = _stored_name(m["layer"] + first, names, prefix)[: -len(first)]
         if m["which"] == "down_proj":
             parts = tuple(f"{base}.{e}.down_proj.weight" for e in range(shape[0]))
             reads.append(ParameterRead(param, shape, parts, "stack"))

@@ -56,6 +56,20 @@ def test_a_bare_decoders_experts_stored_one_by_one_serve(tmp_path, checkpoint_di
         torch.testing.assert_close(value, reference.state_dict()[name], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_a_checkpoint_mixing_prefixes_serves_and_updates_with_the_same_values(tmp_path, checkpoint_dir, kind):
+    """Layer 0 under ``model.language_model.``, the rest under ``model.``: Hugging Face's loader and the check
+    take it, so the reader of an update (and of the worker pool) must too, tensor by tensor."""
+    source = checkpoint_dir(kind)
+    mixed = rewrite_checkpoint(source, tmp_path / "mixed", lambda t: {
+        (k.replace("model.", "model.language_model.", 1) if k.startswith(("model.layers.0.", "model.layers.2.")) else k): v
+        for k, v in t.items()})
+    reference = load_model(str(source), device="cpu").model.state_dict()
+    loaded = load_model(str(mixed), device="cpu").model
+    for name, value in [*weights.read_parameters(loaded, weights.plan_reads(loaded, mixed)).items(), *loaded.state_dict().items()]:
+        torch.testing.assert_close(value, reference[name], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.int8, torch.uint8, torch.bool])
 def test_a_weight_stored_as_integers_is_refused(tmp_path, checkpoint_dir, dtype):
     """Hugging Face's loader casts any dtype to the model's: integer weights (a quantization without its
