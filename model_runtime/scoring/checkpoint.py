@@ -136,21 +136,36 @@ def indexed_files(path: Path) -> tuple[list[Path], list[str]] | None:
     return files, [f.name for f in files if not f.is_file()]
 
 
+SINGLE_FILE = "model.safetensors"
+
+
 def safetensors_files(path: Path) -> list[Path]:
-    """The weight files Hugging Face would read: those of ``model.safetensors.index.json`` when
-    there is one, else every ``*.safetensors`` of the directory."""
+    """The weight files read: those ``model.safetensors.index.json`` lists when there is one (a
+    ``model.safetensors`` beside them is not read), else ``model.safetensors`` alone; no other
+    ``*.safetensors``. Hugging Face's loader is told to read the same (``weights_file``)."""
     indexed = indexed_files(path)
     if indexed is not None:
         files, absent = indexed
         if absent:
             raise CheckpointError("incomplete", f"{path}: shards listed in {INDEX_NAME} are missing: {quoted_names(absent)}")
         return files
+    single = path / SINGLE_FILE
+    if single.exists() or single.is_symlink():  # one that is no regular file is refused as such by the header read
+        return [single]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
         extra = f" (found {quoted_names(pickles)}: pickled weights are never read)" if pickles else ""
         raise CheckpointError("unsupported", f"{path} has no *.safetensors weights; packscore loads safetensors only{extra}")
-    return files
+    names = quoted_names(f.name for f in files)  # Hugging Face's loader would fail on these once the port is bound
+    raise CheckpointError("unsupported", f"{path} has neither {SINGLE_FILE} nor {INDEX_NAME}, which Hugging Face's loader "
+                          f"reads, but {names}: name a single file {SINGLE_FILE}, or add the {INDEX_NAME} listing the shards")
+
+
+def weights_file(path: Path) -> str:
+    """What Hugging Face's loader must read (its config's ``transformers_weights``) to read ``safetensors_files``:
+    by itself it reads a ``model.safetensors`` before an index, and config.json's own ``transformers_weights`` first."""
+    return INDEX_NAME if (path / INDEX_NAME).is_file() else SINGLE_FILE
 
 
 def assert_fully_loaded(path: Path, info: dict) -> None:

@@ -330,7 +330,7 @@ _FORWARD_NEUTRAL_FIELDS = frozenset({
     "bos_token_id", "eos_token_id", "pad_token_id", "id2label", "label2id", "problem_type", "return_dict",
     "output_attentions", "output_hidden_states", "output_router_logits", "use_cache", "is_encoder_decoder",
     "chunk_size_feed_forward", "initializer_range", "router_aux_loss_coef", "max_position_embeddings",
-    "quantization_config",
+    "quantization_config", "transformers_weights",  # which files hold the weights: packscore names them itself
 })
 
 

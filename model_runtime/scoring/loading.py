@@ -17,7 +17,7 @@ import torch
 from model_runtime.kernels.registry import KernelBackends, select_backends
 from model_runtime.model.architectures import architecture_for
 from model_runtime.model.causal_lm import PackedCausalLM, PatchReport, patch_for_packing
-from model_runtime.scoring.checkpoint import CheckpointSpec, assert_fully_loaded, check_checkpoint
+from model_runtime.scoring.checkpoint import CheckpointSpec, assert_fully_loaded, check_checkpoint, weights_file
 from model_runtime.scoring.checkpoint_config import build_meta_model, hf_config
 from model_runtime.scoring.presets import PRESETS, build_config
 from model_runtime.scoring.content_hash import START_HASH_THREADS, content_version
@@ -252,10 +252,11 @@ def _load_checkpoint(checked: CheckpointSpec, dtype: torch.dtype, device: torch.
     else:
         if device.type != "cpu" and importlib.util.find_spec("accelerate") is not None:
             kwargs["device_map"] = str(device)  # stream shards straight to the GPU
+        config = hf_config(checked.config)  # the config as checked: its head tie included
+        config.transformers_weights = weights_file(checked.path)  # the files checked, as an update reads them
         with _loading_bar_on_a_terminal_only():
-            model, info = AutoModelForCausalLM.from_pretrained(  # the config as checked: its head tie included
-                checked.path, config=hf_config(checked.config), dtype=dtype, use_safetensors=True,
-                output_loading_info=True, **kwargs,
+            model, info = AutoModelForCausalLM.from_pretrained(
+                checked.path, config=config, dtype=dtype, use_safetensors=True, output_loading_info=True, **kwargs,
             )
     assert_fully_loaded(checked.path, info)
     model = model.to(device)

@@ -12,7 +12,7 @@ from model_runtime.scoring import weights
 from model_runtime.scoring.checkpoint import check_checkpoint
 from model_runtime.scoring.checkpoint_error import CheckpointError
 from model_runtime.scoring.loading import load_model
-from tests.checkpoints import rewrite_checkpoint
+from tests.checkpoints import rewrite_checkpoint, save_checkpoint
 from tests.unprivileged import unprivileged
 
 
@@ -99,7 +99,8 @@ def test_a_config_or_index_it_may_not_read_is_unreadable_and_named_with_the_reas
         cases = {"config": "config.json", "index": "model.safetensors.index.json", "directory": None}
         for name, unreadable in cases.items():
             ck = Path(shutil.copytree(checkpoint_dir("qwen3_5"), root / name))
-            (ck / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": "model.safetensors"}}))
+            (ck / "model.safetensors").rename(ck / "model-00001-of-00001.safetensors")  # sharded: the index is read
+            (ck / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": "model-00001-of-00001.safetensors"}}))
             for file in ck.iterdir():
                 file.chmod(0o644)
             if unreadable:
@@ -125,20 +126,43 @@ def test_a_config_or_index_it_may_not_read_is_unreadable_and_named_with_the_reas
 def test_an_index_cut_short_is_unreadable(tmp_path, checkpoint_dir):
     """An index still being written, as config.json: the retryable kind (422 unreadable_checkpoint)."""
     ck = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "ck")
-    (ck / "model.safetensors.index.json").write_text('{"weight_map": {"model.norm.weight": "model.saf')
+    (ck / "model.safetensors").rename(ck / "model-00001-of-00001.safetensors")
+    (ck / "model.safetensors.index.json").write_text('{"weight_map": {"model.norm.weight": "model-000')
     refused(ck, "unreadable", "model.safetensors.index.json cannot be read")
     (ck / "model.safetensors.index.json").write_text('{"metadata": {}}')
     refused(ck, "unsupported", "model.safetensors.index.json is not a safetensors index: it has no weight_map object")
 
 
-@pytest.mark.parametrize("indexed", [False, True])
-def test_a_tensor_in_two_files_is_refused_naming_both(tmp_path, checkpoint_dir, indexed):
+def test_the_files_read_at_start_are_those_an_update_reads(tmp_path, checkpoint_dir):
+    """A sharded save over an older single-file one (save_pretrained leaves model.safetensors there): the
+    index's shards serve at start too (Hugging Face's loader alone reads model.safetensors first), as an
+    update and the pool read them. Without an index, model.safetensors alone; with neither, refused at start
+    (Hugging Face's loader failed on it once the port was bound)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    sharded = save_checkpoint("qwen3_5", tmp_path / "sharded", seed=1, max_shard_size="200KB")
+    want = load_model(str(sharded), device="cpu").model.state_dict()
+    shutil.copy(checkpoint_dir("qwen3_5") / "model.safetensors", sharded / "model.safetensors")  # the older save
+    assert (sharded / "model.safetensors") not in check_checkpoint(sharded).files
+    for name, value in load_model(str(sharded), device="cpu").model.state_dict().items():
+        assert torch.equal(value, want[name]), f"{name} read from the older model.safetensors"
+    single = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "single")
+    save_file({"junk": torch.zeros(2)}, single / "extra.safetensors")
+    assert check_checkpoint(single).files == (single / "model.safetensors",)
+    (single / "model.safetensors").rename(single / "weights.safetensors")
+    refused(single, "unsupported", "has neither model.safetensors nor model.safetensors.index.json",
+            "extra.safetensors, weights.safetensors")
+
+
+def test_a_tensor_in_two_shards_is_refused_naming_both(tmp_path, checkpoint_dir):
     from safetensors.torch import load_file, save_file
 
     ck = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "ck")
     tensors = load_file(ck / "model.safetensors")
+    (ck / "model.safetensors").rename(ck / "model-00001-of-00001.safetensors")
     save_file({"model.norm.weight": tensors["model.norm.weight"]}, ck / "extra.safetensors")
-    if indexed:
-        names = {k: "model.safetensors" for k in tensors} | {"model.norm.weight": "extra.safetensors"}
-        (ck / "model.safetensors.index.json").write_text(json.dumps({"weight_map": names}))
-    refused(ck, "incompatible", "'model.norm.weight' is stored twice, in extra.safetensors and again in model.safetensors")
+    names = {k: "model-00001-of-00001.safetensors" for k in tensors} | {"model.norm.weight": "extra.safetensors"}
+    (ck / "model.safetensors.index.json").write_text(json.dumps({"weight_map": names}))
+    refused(ck, "incompatible", "'model.norm.weight' is stored twice, in extra.safetensors and again in model-00001-of-00001.safetensors")
