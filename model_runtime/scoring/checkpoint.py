@@ -147,7 +147,9 @@ def safetensors_files(path: Path) -> list[Path]:
     if indexed is not None:
         files, absent = indexed
         if absent:
-            raise CheckpointError("incomplete", f"{path}: shards listed in {INDEX_NAME} are missing: {quoted_names(absent)}")
+            # save_pretrained of a single file over a sharded save deletes the shards and leaves the index
+            stale = f"; a {SINGLE_FILE} is beside it: if that is the newer save, remove the index" if (path / SINGLE_FILE).is_file() else ""
+            raise CheckpointError("incomplete", f"{path}: shards listed in {INDEX_NAME} are missing: {quoted_names(absent)}{stale}")
         return files
     single = path / SINGLE_FILE
     if single.exists() or single.is_symlink():  # one that is no regular file is refused as such by the header read

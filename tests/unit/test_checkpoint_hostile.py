@@ -148,6 +148,10 @@ def test_the_files_read_at_start_are_those_an_update_reads(tmp_path, checkpoint_
     assert (sharded / "model.safetensors") not in check_checkpoint(sharded).files
     for name, value in load_model(str(sharded), device="cpu").model.state_dict().items():
         assert torch.equal(value, want[name]), f"{name} read from the older model.safetensors"
+    for shard in sharded.glob("model-*.safetensors"):  # a single-file save over the sharded one: the index stays
+        shard.unlink()
+    refused(sharded, "incomplete", "shards listed in model.safetensors.index.json are missing",
+            "a model.safetensors is beside it: if that is the newer save, remove the index")
     single = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "single")
     save_file({"junk": torch.zeros(2)}, single / "extra.safetensors")
     assert check_checkpoint(single).files == (single / "model.safetensors",)
