@@ -17,7 +17,8 @@ Face's loader does for the layouts the Qwen3.5 / Qwen3-Next families ship in:
 Vision-tower (``model.visual.*``, ``visual.*``) and multi-token-prediction (``mtp.*``) tensors
 are never loaded and are ignored. Anything else is refused with ``CheckpointError``
 (``checkpoint_error``): a tensor the model needs that no file holds, a tensor no part of the model
-takes, or a shape that differs. Nothing is ever left at its random initialisation. The loader re-checks what Hugging Face
+takes (a second copy of one under another prefix too), a shape that differs, or a tensor stored as
+integers (Hugging Face's loader would cast it to float). Nothing is ever left at its random initialisation. The loader re-checks what Hugging Face
 actually loaded (``assert_fully_loaded``), so a layout this module maps wrongly still fails loudly.
 """
 
@@ -223,15 +224,15 @@ def _read_headers(path: Path, files: list[Path]) -> tuple[dict[str, tuple[int, .
     return shapes, dtypes
 
 
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"  # how a Git LFS pointer file begins
+
+
 def _is_lfs_pointer(file: Path) -> bool:
     try:
         with open(file, "rb") as f:
             return f.read(len(LFS_POINTER)) == LFS_POINTER
     except OSError:
         return False
-
-
-LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the float dtypes Hugging Face's loader casts from
