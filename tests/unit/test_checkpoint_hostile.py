@@ -140,7 +140,7 @@ def test_the_files_read_at_start_are_those_an_update_reads(tmp_path, checkpoint_
     (Hugging Face's loader failed on it once the port was bound)."""
     import shutil
 
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
 
     sharded = save_checkpoint("qwen3_5", tmp_path / "sharded", seed=1, max_shard_size="200KB")
     want = load_model(str(sharded), device="cpu").model.state_dict()
@@ -153,8 +153,15 @@ def test_the_files_read_at_start_are_those_an_update_reads(tmp_path, checkpoint_
     refused(sharded, "incomplete", "shards listed in model.safetensors.index.json are missing",
             "a model.safetensors is beside it: if that is the newer save, remove the index")
     single = rewrite_checkpoint(checkpoint_dir("qwen3_5"), tmp_path / "single")
-    save_file({"junk": torch.zeros(2)}, single / "extra.safetensors")
+    want = load_model(str(single), device="cpu").model.state_dict()
+    # config.json naming another file (transformers_weights) Hugging Face's loader would read instead
+    other = {k: v + 1 for k, v in load_file(sharded / "model.safetensors").items()}
+    save_file(other, single / "extra.safetensors")
+    config = json.loads((single / "config.json").read_text())
+    (single / "config.json").write_text(json.dumps({**config, "transformers_weights": "extra.safetensors"}))
     assert check_checkpoint(single).files == (single / "model.safetensors",)
+    for name, value in load_model(str(single), device="cpu").model.state_dict().items():
+        assert torch.equal(value, want[name]), f"{name} read from the file config.json's transformers_weights names"
     (single / "model.safetensors").rename(single / "weights.safetensors")
     refused(single, "unsupported", "has neither model.safetensors nor model.safetensors.index.json",
             "extra.safetensors, weights.safetensors")
