@@ -17,8 +17,10 @@ import torch
 from model_runtime.kernels.registry import KernelBackends, select_backends
 from model_runtime.model.architectures import architecture_for
 from model_runtime.model.causal_lm import PackedCausalLM, PatchReport, patch_for_packing
-from model_runtime.scoring.checkpoint import CheckpointSpec, assert_fully_loaded, check_checkpoint, weights_file
+from model_runtime.scoring.checkpoint import (CheckpointSpec, assert_fully_loaded, check_checkpoint, safetensors_files,
+                                              weights_file)
 from model_runtime.scoring.checkpoint_config import build_meta_model, hf_config
+from model_runtime.scoring.checkpoint_error import CheckpointError
 from model_runtime.scoring.presets import PRESETS, build_config
 from model_runtime.scoring.content_hash import START_HASH_THREADS, content_version
 from model_runtime.scoring.weights import files_snapshot, non_finite, non_finite_error
@@ -190,8 +192,8 @@ def estimated_weight_bytes(spec: str, dtype: torch.dtype) -> int:
     """Bytes the weights of ``spec`` take in ``dtype``, without building them.
 
     A preset is instantiated on the meta device (no memory) and its parameters counted; a
-    checkpoint directory counts the tensors in its safetensors headers (a vision tower that is
-    never loaded is counted too, so the estimate errs high), at ``dtype``'s width.
+    checkpoint directory counts the tensors in the safetensors headers of the files it is read from
+    (a vision tower that is never loaded is counted too, so the estimate errs high), at ``dtype``'s width.
     """
     itemsize = dtype.itemsize
     if spec in PRESETS:
@@ -203,8 +205,12 @@ def estimated_weight_bytes(spec: str, dtype: torch.dtype) -> int:
         return sum(p.numel() for p in model.parameters()) * itemsize
     from safetensors import safe_open
 
+    try:
+        files = safetensors_files(Path(spec))
+    except CheckpointError:  # the check names it; an estimate errs high
+        files = sorted(Path(spec).glob("*.safetensors"))
     elements = 0
-    for file in Path(spec).glob("*.safetensors"):
+    for file in files:
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
                 elements += math.prod(f.get_slice(key).get_shape())

@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from model_runtime.scoring.checkpoint import INDEX_NAME, check_checkpoint, index_shards, safetensors_files
+from model_runtime.scoring.checkpoint import INDEX_NAME, check_checkpoint, safetensors_files
 from model_runtime.scoring.checkpoint_config import refuse_other_forward
 from model_runtime.scoring.checkpoint_error import CheckpointError
 from model_runtime.scoring.content_hash import (CONTENT_VERSION_PREFIX, FLOAT_BITS, ReadDigests, finite_bits,
@@ -437,16 +437,17 @@ def swap_parameters(model: nn.Module, new: dict[str, torch.Tensor]) -> None:
 
 def files_snapshot(path: Path) -> tuple:
     """The name, size and modification time of every file of checkpoint ``path`` its weights are
-    read from (config.json, the index, the ``*.safetensors`` and any shard the index names): what
+    read from (config.json, the index, and the files ``safetensors_files`` reads): what
     must stay unchanged while its tensors are read and hashed, so that the version names what was
     read. Other files (optimizer state a trainer saves beside, a pickle, a tmp file) are never read
     and may change meanwhile."""
     try:
-        shards = set(index_shards(Path(path)) or ())
-    except CheckpointError:  # an index being rewritten: its own entry below still shows the change
-        shards = set()
+        read = {f.name for f in safetensors_files(Path(path))}
+    except CheckpointError:  # an index being rewritten, shards not all there yet: every candidate, so a change shows
+        read = None
     return tuple(sorted((f.name, st.st_size, st.st_mtime_ns) for f in Path(path).iterdir()
-                        if (f.name in ("config.json", INDEX_NAME) or f.name.endswith(".safetensors") or f.name in shards)
+                        if (f.name in ("config.json", INDEX_NAME)
+                            or (f.name in read if read is not None else f.name.endswith(".safetensors")))
                         and f.is_file() for st in [f.stat()]))
 
 

@@ -1,6 +1,7 @@
 """The patch covers every token mixer of every architecture; loading fails loudly on what it cannot serve."""
 
 import json
+import shutil
 from dataclasses import replace
 
 import numpy as np
@@ -213,7 +214,7 @@ def test_tiny_preset_is_deterministic_and_defaults_to_float32_on_cpu():
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
-def test_weight_estimate_matches_the_loaded_model(kind, checkpoint_dir):
+def test_weight_estimate_matches_the_loaded_model(kind, checkpoint_dir, tmp_path):
     """The FSDP workers decide GPU-or-CPU loading from this estimate, before building anything."""
     from model_runtime.scoring.loading import estimated_weight_bytes
 
@@ -222,6 +223,10 @@ def test_weight_estimate_matches_the_loaded_model(kind, checkpoint_dir):
     actual = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     assert estimated_weight_bytes(str(path), torch.float32) == actual
     assert estimated_weight_bytes(str(path), torch.bfloat16) == actual // 2
+    stray = tmp_path / "beside"  # a file beside the weights that is never read is not counted
+    shutil.copytree(path, stray)
+    shutil.copy(stray / "model.safetensors", stray / "optimizer.safetensors")
+    assert estimated_weight_bytes(str(stray), torch.float32) == actual
     tiny = load_model("tiny", device="cpu", dtype="float32")
     assert estimated_weight_bytes("tiny", torch.float32) == sum(p.numel() * 4 for p in tiny.model.parameters())
     # The 27B preset is counted on the meta device, without allocating 54 GB.

@@ -309,8 +309,9 @@ def test_files_that_change_while_read_are_refused_and_change_nothing(served, sec
 
 
 def test_files_the_update_never_reads_may_change_while_it_reads(served, second, tmp_path, monkeypatch):
-    """A trainer saving its optimizer state beside the weights (or a tmp file) while the update reads:
-    nothing the update reads changed, so it serves (before, it was refused, again and again)."""
+    """A trainer saving its optimizer state beside the weights (or a tmp file, a safetensors file no index
+    names) while the update reads: nothing the update reads changed, so it serves (before, it was refused,
+    again and again)."""
     import shutil
 
     import model_runtime.scoring.weights as weights
@@ -321,7 +322,7 @@ def test_files_the_update_never_reads_may_change_while_it_reads(served, second, 
 
     def read_while_the_trainer_saves_more(*args, **kwargs):
         out = real(*args, **kwargs)
-        for name in ("optimizer.pt", "model.safetensors.tmp", "trainer_state.json"):
+        for name in ("optimizer.pt", "optimizer.safetensors", "model.safetensors.tmp", "trainer_state.json"):
             (path / name).write_bytes(b"x" * 64)
         return out
 
