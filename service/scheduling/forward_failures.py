@@ -43,8 +43,13 @@ def sequence_error(item: QueuedSequence, exc: BaseException) -> ApiError:
 
 
 def row_requests(row: Sequence[QueuedSequence]) -> str:
-    """The ids of a row's requests, for a log line about the whole row (each got its own answer)."""
-    return request_id.of_many(item.ticket.request_id for item in row)
+    """What a log line about a whole row names (each of its requests got its own answer): ``requests a, b``,
+    and ``the readiness pass`` where it is in the row, as that pass has no request id."""
+    named = request_id.of_many(item.ticket.request_id for item in row if not item.ticket.probe)
+    probe = any(item.ticket.probe for item in row)
+    if not named:
+        return "the readiness pass" if probe else "no request id"
+    return f"requests {named}" + (" and the readiness pass" if probe else "")
 
 
 def short(exc: BaseException) -> str:

@@ -376,7 +376,7 @@ class Scheduler:
             try:
                 await self._forward(row, thread)
             except Exception:  # never let one row stop a runner; its requests get a 500
-                log.exception("unexpected error while scoring a row (requests %s)", row_requests(row))
+                log.exception("unexpected error while scoring a row (%s)", row_requests(row))
                 for item in row:
                     self.fail(item.ticket, ApiError(500, "internal_error", "Scoring failed unexpectedly."))
             finally:
@@ -408,7 +408,7 @@ class Scheduler:
                 scores = await thread.run(score, [it.seq for it in row])
         except BackendUnavailableError as exc:
             self.last_failure = str(exc) or "backend unavailable"
-            log.error("backend unavailable for a row of %s (requests %s): %s", counted(len(row), "sequence"),
+            log.error("backend unavailable for a row of %s (%s): %s", counted(len(row), "sequence"),
                       row_requests(row), exc)
             error = backend_unavailable(f"No scoring worker could take the request: {exc}.", retry_after_s=2)
             for item in row:
@@ -428,7 +428,7 @@ class Scheduler:
     async def _retry_split(self, row: list[QueuedSequence], exc: Exception, thread: "ForwardThread") -> None:
         if len(row) > 1:
             mid = split_point(row)
-            log.warning("forward of %d sequences (requests %s) failed (%s); retrying in halves of %d and %d",
+            log.warning("forward of %d sequences (%s) failed (%s); retrying in halves of %d and %d",
                         len(row), row_requests(row), short(exc), mid, len(row) - mid)
             await self._forward(row[:mid], thread)
             await self._forward(row[mid:], thread)

@@ -125,6 +125,22 @@ def test_many_ids_are_listed_up_to_a_bound():
     assert request_id.of_many([str(i) for i in range(11)], most=8) == "0, 1, 2, 3, 4, 5, 6, 7 and 3 more"
 
 
+def test_a_row_line_names_the_readiness_pass_not_an_empty_list():
+    """A worker lost under the readiness pass's row logged 'backend unavailable for a row of 1 sequence
+    (requests ): ...': the pass has no request id."""
+    from types import SimpleNamespace
+
+    from service.scheduling.forward_failures import row_requests
+
+    def item(rid, probe=False):
+        return SimpleNamespace(ticket=SimpleNamespace(request_id=rid, probe=probe))
+
+    assert row_requests([item(None, probe=True)]) == "the readiness pass"
+    assert row_requests([item("a"), item(None, probe=True), item("b")]) == "requests a, b and the readiness pass"
+    assert row_requests([item("a"), item("a")]) == "requests a"
+    assert row_requests([item(None)]) == "no request id"  # offline scoring's rows
+
+
 def test_the_readiness_pass_a_readyz_starts_names_no_request():
     # The pass is shared by every /readyz that joins it and runs on after the one that started it.
     backend = FakeBackend()
