@@ -113,6 +113,8 @@ class Readiness:
                 return False, "probe_pending"
         if self.phase != "ready":
             return False, self.phase
+        if not self._probe_ok and not self._all_alive():  # a worker lost under the pass failed it: say so
+            return False, "restart_failed" if self.restart_error() else "worker_down"
         return (True, "ready") if self._probe_ok else (False, "probe_failed")
 
     def probe_failed_models(self) -> dict[str, bool]:

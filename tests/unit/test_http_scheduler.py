@@ -11,6 +11,7 @@ import msgpack
 import numpy as np
 import orjson
 
+from model_runtime.scoring.backend import BackendUnavailableError
 from model_runtime.types import SequenceInput
 from service.http.app import create_app
 from service.http.errors import is_out_of_memory
@@ -479,3 +480,33 @@ def test_the_readiness_pass_is_not_counted_or_named_among_the_pending_requests()
             await scheduler.close()
 
     assert asyncio.run(main()) == ((0, ""), (1, "client-1"))
+
+
+class _DiesUnderThePass(FakeBackend):
+    """A worker pool whose worker dies under the readiness pass: the pool marks itself down and fails
+    the pass's row, as ``model_runtime.pool`` does."""
+
+    dying = False
+
+    def score_row(self, sequences, group=None):
+        if self.dying:
+            self.alive = False
+            raise BackendUnavailableError("a worker failed (worker rank 1 (pid 7) exited (status -9)); the pool is restarting")
+        return super().score_row(sequences, group)
+
+
+def test_a_readiness_pass_failed_by_a_lost_worker_says_worker_down():
+    """A /readyz whose pass a worker's death failed answered 'probe_failed' (the next one 'worker_down'):
+    the status names the pool being down, as a /readyz a moment later does."""
+    backend = _DiesUnderThePass()
+
+    async def main():
+        async with running_app(create_app(Settings(), backend)) as client:
+            backend.unavailable = True  # a row failed: the next /readyz runs a pass
+            assert (await client.post("/score", json={"sequences": [{"input_ids": [1, 2, 3]}]})).status_code == 503
+            backend.unavailable, backend.dying = False, True
+            return await client.get("/readyz")
+
+    answer = asyncio.run(main())
+    assert answer.status_code == 503 and answer.json()["status"] == "worker_down", answer.text
+    assert "retry-after" in answer.headers
