@@ -346,10 +346,10 @@ def serve(commands: Connection, replies: _Replies) -> int:
         from model_runtime.scoring.checkpoint_error import CheckpointError
 
         if isinstance(error, CheckpointError):  # the server refuses it as it would in one process
-            log.error("rank %d refused the checkpoint: %s", start.rank, error)
+            log.error("refused the checkpoint: %s", error)  # the format names the rank
             kind, message = f"checkpoint:{error.kind}", str(error)
         else:
-            log.exception("rank %d failed to start", start.rank)
+            log.exception("failed to start")
             kind, message = _failure_kind(error), f"{type(error).__name__}: {error}"
         replies.send(msg.Failure(request_id=-1, kind=kind, message=message, fatal=True))
         return 1

@@ -65,3 +65,29 @@ def test_a_rank_whose_update_is_refused_says_it_stopped_reading(tmp_path, caplog
     assert len(lines) == 2 and lines[0].startswith(f"reading the update of ck from {incomplete}: "), lines
     assert lines[1].startswith("stopped reading the update of ck after "), lines
     assert lines[1].endswith("s: the checkpoint was refused (incomplete)"), lines
+
+
+def _start_refused(monkeypatch, caplog, error: Exception) -> list[str]:
+    def fails(start, replies):
+        raise error
+
+    monkeypatch.setattr(worker, "_setup", fails)
+    monkeypatch.setattr(worker.logging, "basicConfig", lambda **kw: None)  # the rank's own format would drop caplog's handler
+    commands, send_commands = Pipe(duplex=False)
+    _, replies = Pipe(duplex=False)
+    send_commands.send_bytes(msg.encode(msg.Start(
+        rank=1, world_size=2, sp=1, fsdp=True, master_port=1, generation=1, model="ck", device="cpu", dtype="auto",
+        max_batch_tokens=64, allow_slow_kernels=False, kernels={}, served_model_name="", timeout_s=1.0)))
+    with caplog.at_level(logging.INFO, logger="packscore.worker"):
+        assert worker.serve(commands, worker._Replies(replies)) == 1
+    return _said(caplog)
+
+
+def test_a_rank_that_cannot_start_names_itself_once(monkeypatch, caplog):
+    """Its lines logged 'rank=1 rank 1 refused the checkpoint: ...': the format's prefix already names the rank."""
+    from model_runtime.scoring.checkpoint_error import CheckpointError
+
+    said = _start_refused(monkeypatch, caplog, CheckpointError("non_finite", "ck: 1 weight tensor holds NaN"))
+    assert said == ["refused the checkpoint: ck: 1 weight tensor holds NaN"], said
+    caplog.clear()
+    assert _start_refused(monkeypatch, caplog, RuntimeError("no device")) == ["failed to start"]
