@@ -28,9 +28,9 @@ from tests.signals import process_state
 
 TOL = {"logprobs": 1e-5, "entropy": 1e-4}
 # Against one process scoring the same sequences: the server packs sequences of concurrent
-# requests into shared rows as they arrive and, under sp=2, cuts a row's sums where its shards
-# fall (docs/parallel.md has the measured bounds); the entropy's sum over the vocabulary feels
-# that more than a log-probability, so it gets the looser bound.
+# requests into shared rows as they arrive, other rows than one process's (the layout alone is
+# bitwise, docs/parallel.md); the entropy's sum over the vocabulary feels that more than a
+# log-probability, so it gets the looser bound.
 LAYOUT = {"world_size": 2, "dp": 1, "sp": 2, "fsdp": True}
 
 
