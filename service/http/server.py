@@ -178,8 +178,9 @@ class DrainingServer(uvicorn.Server):
             # An answer still being written to a slow reader is part of finishing what was admitted:
             # the exit (uvicorn then waits 1 s at most) would cut it off mid-body. So is a lingering close
             # (the drain's 503 to a body still arriving): cut off, the kernel resets it and a client still
-            # sending meets the reset, not the 503. A second SIGTERM or a SIGINT (should_exit) stops
-            # without a drain, these waits included.
+            # sending meets the reset, not the 503; and so is that 503 before it starts (the drain ends
+            # with nothing admitted before its handler wakes). A second SIGTERM or a SIGINT (should_exit)
+            # stops without a drain, these waits included.
             waiting = self._sending() or self._lingering()
             if self.should_exit:
                 return True
@@ -188,14 +189,15 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
     def _sending(self) -> bool:
-        """Whether any connection still has an answer started and not yet handed to the kernel."""
+        """Whether any connection still has an answer not yet handed to the kernel: started, or due to a
+        request whose headers were read (while draining every such answer goes out at once)."""
         for connection in self.server_state.connections:
             transport, cycle = getattr(connection, "transport", None), getattr(connection, "cycle", None)
             if transport is None:
                 continue
             if transport.get_write_buffer_size():  # closing or not: a closing transport flushes first
                 return True
-            if not transport.is_closing() and cycle is not None and cycle.response_started and not cycle.response_complete:
+            if not transport.is_closing() and cycle is not None and not cycle.response_complete:
                 return True
         return False
 

@@ -71,3 +71,35 @@ def test_a_row_its_forward_thread_took_just_before_the_close_keeps_the_exit_from
     assert service.scheduler.threads_ended(10), "the forward thread did not end once released"
     assert len(backend.rows) == rows + 1, "the held row never ran: the window was not the one before its forward"
     assert exits == [0], "the exit went on to finalise the interpreter while a forward thread was about to run a row"
+
+
+class _Transport:
+    def is_closing(self) -> bool:
+        return False
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+class _Connection:
+    """A connection as uvicorn's server state holds it: its transport and its request's cycle."""
+
+    def __init__(self, started: bool, complete: bool):
+        self.transport = _Transport()
+        self.cycle = type("Cycle", (), {"response_started": started, "response_complete": complete})()
+
+
+def test_a_drain_that_ended_waits_for_an_answer_not_yet_started():
+    """A drain with nothing admitted may end before the handler of a body still arriving wakes to send
+    its 503: exiting then resets that connection, and its client, still sending, meets the reset."""
+    import uvicorn
+
+    drained = type("Drained", (), {"fatal_error": None, "drained": True})()
+    waiting = server.DrainingServer(uvicorn.Config(lambda *a: None), drained)
+    waiting._drain_deadline = time.monotonic() + 60
+    for started, complete, exits in [(False, False, False), (True, False, False), (True, True, True)]:
+        waiting.server_state.connections = {_Connection(started, complete)}
+        assert asyncio.run(waiting.on_tick(1)) is exits, (started, complete)
+    waiting._drain_deadline = time.monotonic() - 1  # the drain's time is up: exits whatever is unanswered
+    waiting.server_state.connections = {_Connection(False, False)}
+    assert asyncio.run(waiting.on_tick(1)) is True
