@@ -206,3 +206,20 @@ def hf_scores(hf_model, seq, top_k: int):
     top_logp, top_ids = logp.topk(top_k, dim=-1)
     return (logp.gather(1, targets[:, None])[:, 0].numpy(), (-(logp.exp() * logp).sum(-1)).numpy(),
             top_ids.numpy(), top_logp.numpy())
+
+
+def refused(path, kind: str, *needles: str):
+    """The CheckpointError ``check_checkpoint`` raises for ``path``, checked for its ``kind`` and for each
+    of ``needles`` in its message."""
+    import pytest
+
+    from model_runtime.scoring.checkpoint import check_checkpoint
+    from model_runtime.scoring.checkpoint_error import CheckpointError
+
+    with pytest.raises(CheckpointError) as caught:
+        check_checkpoint(path)
+    error = caught.value
+    assert error.kind == kind, f"kind {error.kind!r}, expected {kind!r}: {error}"
+    for needle in needles:
+        assert needle in str(error), f"{needle!r} not named in: {error}"
+    return error

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -253,3 +254,18 @@ def test_a_partial_row_waits_for_more_sequences_no_longer_than_a_deadline_allows
 
     got, took = asyncio.run(main())
     assert len(got) == 1 and took < 2.0, f"scored after {took:.2f} s against a 2 s deadline"
+
+
+def test_the_default_body_limit_holds_the_largest_admissible_json_request():
+    """Every admissible token at its longest in JSON (json.dumps' separators, a 6-digit id, a rollout
+    log-prob of 24 characters) over the most sequences a request may hold fits the default limit."""
+    settings = Settings()
+    n_seq = settings.max_sequences_per_request
+    length = settings.queued_tokens // n_seq
+    sequence = json.dumps({"id": "traj-000017", "input_ids": [248319] * length, "score_from": 1,
+                           "rollout_logprobs": [-2.2250738585072014e-308] * (length - 1)})
+    body = json.dumps({"model": "policy", "sequences": [], "temperature": 1.0, "return_entropy": True, "top_k": 20,
+                       "deadline_ms": 60000, "weights_version": "step-000120"}).replace('"sequences": []', '"sequences": ['
+                                                                                        + ", ".join([sequence] * n_seq) + "]")
+    assert n_seq * length == settings.queued_tokens
+    assert len(body.encode()) <= settings.request_bytes, (len(body.encode()), settings.request_bytes)

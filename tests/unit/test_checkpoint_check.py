@@ -17,20 +17,10 @@ from model_runtime.scoring.fp8 import dequantize_fp8
 from model_runtime.scoring.loading import load_model
 from model_runtime.scoring.scorer import Scorer
 from model_runtime.types import SequenceInput
-from tests.checkpoints import build_hf_model, rewrite_checkpoint, save_fp8_checkpoint, without
+from tests.checkpoints import build_hf_model, refused, rewrite_checkpoint, save_fp8_checkpoint, without
 from tests.unprivileged import unprivileged
 
 A_LOG = "model.layers.0.linear_attn.A_log"
-
-
-def refused(path, kind: str, *needles: str) -> CheckpointError:
-    with pytest.raises(CheckpointError) as caught:
-        check_checkpoint(path)
-    error = caught.value
-    assert error.kind == kind, f"kind {error.kind!r}, expected {kind!r}: {error}"
-    for needle in needles:
-        assert needle in str(error), f"{needle!r} not named in: {error}"
-    return error
 
 
 def test_every_supported_layout_passes(kind, checkpoint_dir):

@@ -10,20 +10,9 @@ import torch
 
 from model_runtime.scoring import weights
 from model_runtime.scoring.checkpoint import check_checkpoint
-from model_runtime.scoring.checkpoint_error import CheckpointError
 from model_runtime.scoring.loading import load_model
-from tests.checkpoints import rewrite_checkpoint, save_checkpoint
+from tests.checkpoints import refused, rewrite_checkpoint, save_checkpoint
 from tests.unprivileged import unprivileged
-
-
-def refused(path, kind: str, *needles: str) -> CheckpointError:
-    with pytest.raises(CheckpointError) as caught:
-        check_checkpoint(path)
-    error = caught.value
-    assert error.kind == kind, f"kind {error.kind!r}, expected {kind!r}: {error}"
-    for needle in needles:
-        assert needle in str(error), f"{needle!r} not named in: {error}"
-    return error
 
 
 @pytest.mark.parametrize("kind, tensor", [("qwen3_5", "layers.0.input_layernorm.weight"),

@@ -2,7 +2,6 @@
 
 import argparse
 import importlib.util
-import json
 import os
 import re
 import sys
@@ -56,20 +55,6 @@ def test_admission_hard_cap_and_body_limit_defaults_follow_the_pool():
     assert given.queued_tokens == 1000 and given.request_bytes == 5000
 
 
-
-def test_the_default_body_limit_holds_the_largest_admissible_json_request():
-    """Every admissible token at its longest in JSON (json.dumps' separators, a 6-digit id, a rollout
-    log-prob of 24 characters) over the most sequences a request may hold fits the default limit."""
-    settings = cli.parse_settings(["serve"])[1]
-    n_seq = settings.max_sequences_per_request
-    length = settings.queued_tokens // n_seq
-    sequence = json.dumps({"id": "traj-000017", "input_ids": [248319] * length, "score_from": 1,
-                           "rollout_logprobs": [-2.2250738585072014e-308] * (length - 1)})
-    body = json.dumps({"model": "policy", "sequences": [], "temperature": 1.0, "return_entropy": True, "top_k": 20,
-                       "deadline_ms": 60000, "weights_version": "step-000120"}).replace('"sequences": []', '"sequences": ['
-                                                                                        + ", ".join([sequence] * n_seq) + "]")
-    assert n_seq * length == settings.queued_tokens
-    assert len(body.encode()) <= settings.request_bytes, (len(body.encode()), settings.request_bytes)
 
 def test_hostile_client_options_parse():
     s = cli.parse_settings(["serve", "--request-read-timeout-s", "2.5", "--max-connections", "100",
