@@ -41,20 +41,26 @@ def test_bytes_that_are_not_utf8_are_named_by_their_byte_not_as_surrogates_at_co
     assert not out.exists()
 
 
+def _refused_with_out(tmp_path, capsys, kept: bytes) -> str:
+    """``score``'s stderr for a good IN and an OUT holding ``kept``, once it refused that OUT (exit 2) and left it
+    byte for byte as it was."""
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(_GOOD)
+    out.write_bytes(kept)
+    assert cli.main(["score", str(source), "-o", str(out)]) == 2
+    assert out.read_bytes() == kept
+    return capsys.readouterr().err
+
+
 @pytest.mark.parametrize("bad, said", [
     (b"hello\n", "out.jsonl:3: not a result line (not JSON: unexpected character"),
     (b"\n", "out.jsonl:3: not a result line (a blank line)"),
 ], ids=["text", "blank"])
 def test_an_out_line_that_is_not_json_is_named_by_out_s_line_alone(no_model, tmp_path, capsys, bad, said):
     """orjson's own "line 1 column 1" counts within the line: beside OUT's line 3 it named a wrong line."""
-    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    source.write_bytes(_GOOD)
-    kept = b'{"id":"x","logprobs":[]}\n{"id":"y","logprobs":[]}\n' + bad + b'{"id":"z","logprobs":[]}\n'
-    out.write_bytes(kept)
-    assert cli.main(["score", str(source), "-o", str(out)]) == 2
-    err = capsys.readouterr().err
+    err = _refused_with_out(tmp_path, capsys, b'{"id":"x","logprobs":[]}\n{"id":"y","logprobs":[]}\n' + bad
+                            + b'{"id":"z","logprobs":[]}\n')
     assert said in err and "line 1 column" not in err, err
-    assert out.read_bytes() == kept
 
 
 @pytest.mark.parametrize("bad, said", [
@@ -70,14 +76,9 @@ def test_an_out_line_whose_fields_are_of_the_wrong_kind_is_named_not_a_traceback
                                                                                   said):
     """A result line edited by hand or by a script: named as OUT's line that is not a result (exit 2), as one that
     is not JSON is, not a TypeError's traceback (exit 1, read as a bug) nor, for a string's length, a result."""
-    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    source.write_bytes(_GOOD)
-    kept = b'{"id":"x","logprobs":[]}\n' + bad + b'{"id":"z","logprobs":[]}\n'
-    out.write_bytes(kept)
-    assert cli.main(["score", str(source), "-o", str(out)]) == 2
-    err = capsys.readouterr().err
+    err = _refused_with_out(tmp_path, capsys, b'{"id":"x","logprobs":[]}\n' + bad + b'{"id":"z","logprobs":[]}\n')
     assert said in err and "Traceback" not in err, err
-    assert out.read_bytes() == kept
+
 
 def test_a_refused_first_run_into_a_dangling_symlink_keeps_the_link_and_leaves_no_empty_target(no_model, tmp_path,
                                                                                               capsys):
